@@ -1,0 +1,1 @@
+"""The `xds-mpi` command line, the mpiexec line it builds, and the per-rank entry point."""

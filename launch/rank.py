@@ -1,0 +1,38 @@
+"""Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set section.key=value ...]`.
+
+Every rank loads the config, derives the topology for the communicator's size, and runs the
+program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception on one
+rank aborts the whole job instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import sys
+
+from mpi4py import MPI
+
+from launch.log import setup_logging
+from ranks import ROLE_PROGRAMS, RankContext
+from xds_mpi.config import load_config
+from xds_mpi.topology import Topology
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="launch.rank", description=__doc__)
+    parser.add_argument("config")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    cfg = load_config(args.config, args.set)
+    topo = Topology.from_config(cfg, comm.size)
+    info = topo.ranks[comm.rank]
+    log = setup_logging(comm.rank, info.role, cfg.run.log_level)
+    # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
+    faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
+    ROLE_PROGRAMS[info.role](RankContext(cfg=cfg, topo=topo, comm=comm, log=log))
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main()

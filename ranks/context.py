@@ -1,0 +1,37 @@
+"""What a role program is given: the config, the topology, its own entry, the communicator."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import yaml
+from mpi4py import MPI
+
+from xds_mpi.config import Config
+from xds_mpi.topology import RankInfo, Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    cfg: Config
+    topo: Topology
+    comm: MPI.Comm
+    log: logging.Logger
+
+    @property
+    def info(self) -> RankInfo:
+        return self.topo.ranks[self.comm.rank]
+
+    @property
+    def name(self) -> str:
+        """How errors and logs name this rank: 'die 3 (rank 4, colocated)' or 'rank 0 (host)'."""
+        info = self.info
+        if info.is_die:
+            return f"die {info.die_idx} (rank {info.rank}, {info.role})"
+        return f"rank {info.rank} (host)"
+
+    def config_digest(self) -> str:
+        """Identifies the config a rank loaded, so ranks that read different files are caught."""
+        text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,362 @@
+"""Deployment configuration: YAML -> keyword-only frozen dataclasses, one per section.
+
+A config file has the sections below (every key optional, defaults shown in the dataclasses).
+Unknown sections or keys are refused by name; every value is type-checked, and every constraint
+names the numbers involved. Derived values (rank map, expert placement) live in
+`xds_mpi.topology.Topology`, never in the config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user's config is wrong; the message names the key and the numbers."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(section: str, **values: int | float) -> None:
+    for key, value in values.items():
+        _require(value > 0, f"{section}.{key} must be > 0, got {value}")
+
+
+def _non_negative(section: str, **values: int | float) -> None:
+    for key, value in values.items():
+        _require(value >= 0, f"{section}.{key} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentConfig:
+    """Which dies play which role. Dies are numbered after the host ranks."""
+
+    kind: Literal["colocated", "afd"] = "colocated"
+    num_host_ranks: int = 1            # TE-shell + frontend; CPU processes, no die
+    num_dp_domains: int = 1            # colocated: exactly 1
+    dp_groups_per_domain: int = 4      # attention dies per DP domain (TP=1: one die per DP group)
+    num_expert_dies: int = 0           # afd: dies running only the MoE (incl. dedicated shared)
+    shared_experts: Literal["every_die", "dedicated"] = "every_die"
+    num_shared_expert_dies: int = 0    # dedicated: how many expert-hosting dies hold a shared expert
+    redundant_slots_per_die: int = 0   # EPLB replica slots on each routed-expert die
+    max_routed_experts_per_die: int = 64
+    num_prefill_dies: int = 0          # PD disaggregation: dies that only prefill
+    num_microbatches: int = 1          # afd: microbatches per DP domain
+
+    def __post_init__(self) -> None:
+        s = "deployment"
+        _non_negative(s, num_host_ranks=self.num_host_ranks, num_expert_dies=self.num_expert_dies,
+                      num_shared_expert_dies=self.num_shared_expert_dies,
+                      redundant_slots_per_die=self.redundant_slots_per_die,
+                      num_prefill_dies=self.num_prefill_dies)
+        _positive(s, num_dp_domains=self.num_dp_domains,
+                  dp_groups_per_domain=self.dp_groups_per_domain,
+                  max_routed_experts_per_die=self.max_routed_experts_per_die,
+                  num_microbatches=self.num_microbatches)
+        if self.kind == "colocated":
+            _require(self.num_dp_domains == 1, "deployment.num_dp_domains must be 1 for a colocated "
+                     f"deployment (every die meets the experts every layer), got {self.num_dp_domains}")
+            _require(self.num_expert_dies == 0, "deployment.num_expert_dies must be 0 for a colocated "
+                     f"deployment (experts live on the attention dies), got {self.num_expert_dies}")
+        else:
+            _require(self.num_expert_dies >= self.dp_groups_per_domain,
+                     f"deployment: an afd deployment needs one trampoline expert die per attention die "
+                     f"of a domain: num_expert_dies({self.num_expert_dies}) < "
+                     f"dp_groups_per_domain({self.dp_groups_per_domain})")
+        if self.shared_experts == "every_die":
+            _require(self.num_shared_expert_dies == 0, "deployment.num_shared_expert_dies must be 0 "
+                     f"when shared_experts is every_die, got {self.num_shared_expert_dies}")
+        else:
+            _require(self.num_shared_expert_dies > 0, "deployment.num_shared_expert_dies must be > 0 "
+                     "when shared_experts is dedicated, got 0")
+
+    @property
+    def num_attention_dies(self) -> int:
+        return self.num_dp_domains * self.dp_groups_per_domain
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Compute shape of the tiny DeepSeek-style model that actually runs."""
+
+    vocab_size: int = 260              # byte-level: 256 bytes + special tokens
+    hidden: int = 128
+    num_layers: int = 4
+    num_dense_layers: int = 1          # the first layers use a dense FFN
+    num_heads: int = 4
+    q_lora_rank: int = 64
+    kv_lora_rank: int = 32
+    qk_nope_dim: int = 16
+    qk_rope_dim: int = 8
+    v_head_dim: int = 16
+    intermediate: int = 256            # dense FFN
+    moe_intermediate: int = 64         # one routed or shared expert
+    num_routed_experts: int = 16
+    num_shared_experts: int = 1
+    top_k: int = 2
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling: float = 2.5
+    num_mtp_modules: int = 1
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    weights: str = "random"            # "random" (from seed) or an HDF5 checkpoint path
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        s = "model"
+        _positive(s, vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
+                  num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
+                  kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim,
+                  qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim,
+                  intermediate=self.intermediate, moe_intermediate=self.moe_intermediate,
+                  num_routed_experts=self.num_routed_experts, top_k=self.top_k,
+                  num_expert_groups=self.num_expert_groups, topk_groups=self.topk_groups,
+                  routed_scaling=self.routed_scaling, max_seq_len=self.max_seq_len,
+                  rope_theta=self.rope_theta)
+        _non_negative(s, num_dense_layers=self.num_dense_layers,
+                      num_shared_experts=self.num_shared_experts,
+                      num_mtp_modules=self.num_mtp_modules)
+        _require(self.num_dense_layers < self.num_layers, f"model.num_dense_layers"
+                 f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})")
+        _require(self.top_k <= self.num_routed_experts, f"model.top_k({self.top_k}) must be <= "
+                 f"model.num_routed_experts({self.num_routed_experts})")
+        _require(self.num_routed_experts % self.num_expert_groups == 0,
+                 f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
+                 f"model.num_expert_groups({self.num_expert_groups})")
+        _require(self.topk_groups <= self.num_expert_groups, f"model.topk_groups({self.topk_groups})"
+                 f" must be <= model.num_expert_groups({self.num_expert_groups})")
+        per_group = self.num_routed_experts // self.num_expert_groups
+        _require(self.top_k <= self.topk_groups * per_group,
+                 f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
+                 f"per group({per_group})")
+        _require(self.num_mtp_modules <= 2, f"model.num_mtp_modules must be 0, 1 or 2, "
+                 f"got {self.num_mtp_modules}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Per-DP-group limits of the decode scheduler."""
+
+    max_batch_per_die: int = 8
+    kv_block_tokens: int = 16
+    num_kv_blocks_per_die: int = 256
+    prefill_chunk_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        _positive("scheduler", max_batch_per_die=self.max_batch_per_die,
+                  kv_block_tokens=self.kv_block_tokens,
+                  num_kv_blocks_per_die=self.num_kv_blocks_per_die,
+                  prefill_chunk_tokens=self.prefill_chunk_tokens)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadConfig:
+    """The request stream the TE-shell's frontend serves."""
+
+    source: Literal["synthetic", "jsonl"] = "synthetic"
+    path: str = ""                     # jsonl: one {"prompt": ..., "max_tokens": ...} per line
+    num_requests: int = 8
+    arrival: Literal["all_at_once", "rate"] = "all_at_once"
+    rate_per_s: float = 0.0
+    length_dist: Literal["fixed", "uniform", "long_tail"] = "fixed"
+    prompt_len: int = 32
+    output_len: int = 16
+    max_prompt_len: int = 64           # uniform / long_tail upper bound
+    max_output_len: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        s = "workload"
+        _positive(s, num_requests=self.num_requests, prompt_len=self.prompt_len,
+                  output_len=self.output_len)
+        _require(self.max_prompt_len >= self.prompt_len, f"workload.max_prompt_len"
+                 f"({self.max_prompt_len}) must be >= workload.prompt_len({self.prompt_len})")
+        _require(self.max_output_len >= self.output_len, f"workload.max_output_len"
+                 f"({self.max_output_len}) must be >= workload.output_len({self.output_len})")
+        _require(self.arrival != "rate" or self.rate_per_s > 0,
+                 f"workload.rate_per_s must be > 0 when arrival is rate, got {self.rate_per_s}")
+        _require(self.source != "jsonl" or bool(self.path),
+                 "workload.path must name a JSONL file when source is jsonl")
+
+
+@dataclass(frozen=True, kw_only=True)
+class XcclConfig:
+    """Static sizes of XCCL's managed areas and its waiting behaviour."""
+
+    ring_slots: int = 8                # S: slots per p2p ring
+    slot_bytes: int = 65536            # B: bytes per ring slot
+    p2p_pairs: Literal["none", "all", "prefill_to_decode"] = "none"
+    max_tokens_per_die: int = 64       # dispatch/combine and A2E/E2A rows per die and step
+    use_int8: bool = True
+    num_cores: int = 2                 # AIV cores a transfer is split over
+    poll_timeout_s: float = 60.0       # every wait raises after this long
+    max_window_bytes: int = 1 << 30    # per-die cap on the RMA window
+
+    def __post_init__(self) -> None:
+        _positive("xccl", ring_slots=self.ring_slots, slot_bytes=self.slot_bytes,
+                  max_tokens_per_die=self.max_tokens_per_die, num_cores=self.num_cores,
+                  poll_timeout_s=self.poll_timeout_s, max_window_bytes=self.max_window_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareConfig:
+    """The pod being emulated: its shape and the cost profile (configs/hardware/<profile>.yaml)."""
+
+    profile: str = "ascend910c"
+    dies_per_chip: int = 2
+    chips_per_server: int = 8
+    servers_per_pod: int = 48
+
+    def __post_init__(self) -> None:
+        _positive("hardware", dies_per_chip=self.dies_per_chip,
+                  chips_per_server=self.chips_per_server, servers_per_pod=self.servers_per_pod)
+
+    @property
+    def dies_per_server(self) -> int:
+        return self.dies_per_chip * self.chips_per_server
+
+    @property
+    def dies_per_pod(self) -> int:
+        return self.dies_per_server * self.servers_per_pod
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """How a launch behaves and where it writes."""
+
+    output_dir: str = "runs"
+    log_level: Literal["debug", "info", "warning"] = "info"
+    timeout_s: float = 600.0           # MPIEXEC_TIMEOUT for the whole job
+    check: bool = False                # compare with the single-process reference
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("run", timeout_s=self.timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    xccl: XcclConfig = field(default_factory=XcclConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_value(where: str, tp, value):
+    """Return `value` as type `tp` (int widens to float) or raise ConfigError naming `where`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return check_value(where, option, value)
+            except ConfigError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _build_section(name: str, values: dict):
+    cls = SECTIONS[name]
+    if not isinstance(values, dict):
+        raise ConfigError(f"section {name!r} must be a mapping of keys to values, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in hints:
+            raise ConfigError(f"unknown key {key!r} in section {name!r} (known: {', '.join(known)})")
+    typed = {key: check_value(f"{name}.{key}", hints[key], v) for key, v in values.items()}
+    return cls(**typed)
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """Parse `section.key=value` (value in YAML syntax) into (section, key, value)."""
+    path, sep, raw = text.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"--set expects section.key=value, got {text!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
+    return section, key, value
+
+
+def config_from_dict(data: dict | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Build a Config from a parsed YAML mapping plus `section.key=value` overrides."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    merged = {name: dict(values or {}) if isinstance(values, dict) else values
+              for name, values in data.items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ConfigError(f"--set {text!r}: unknown section {section!r} "
+                              f"(known: {', '.join(SECTIONS)})")
+        known = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        if key not in known:
+            raise ConfigError(f"--set {text!r}: unknown key {key!r} in section {section!r} "
+                              f"(known: {', '.join(known)})")
+        merged.setdefault(section, {})
+        if isinstance(merged[section], dict):
+            merged[section][key] = value
+    for name in merged:
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section {name!r} (known: {', '.join(SECTIONS)})")
+    return Config(**{name: _build_section(name, values) for name, values in merged.items()})
+
+
+def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read a YAML deployment file and apply `--set` overrides."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    try:
+        return config_from_dict(data, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None

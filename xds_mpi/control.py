@@ -1,0 +1,54 @@
+"""Bounded waits on the control plane (two-sided MPI between the TE-shell and the dies).
+
+Control messages are the VPC plane, not UB, so they use ordinary pickled send/receive; but like
+every wait in the project they poll with a deadline, yield the CPU between polls (ranks are
+oversubscribed), and on timeout name who waited for what from whom.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable
+
+from mpi4py import MPI
+
+
+class WaitTimeout(TimeoutError):
+    """A bounded wait passed its deadline; the message names die/rank, peer and event."""
+
+
+def recv_from_each(comm: MPI.Comm, peers: Iterable[int], *, tag: int, timeout_s: float,
+                   me: str, event: str) -> dict[int, object]:
+    """Receive one pickled message with `tag` from every peer, in any order, within `timeout_s`."""
+    pending = set(peers)
+    received: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        got_one = False
+        for peer in sorted(pending):
+            message = comm.improbe(source=peer, tag=tag)
+            if message is not None:
+                received[peer] = message.recv()
+                pending.discard(peer)
+                got_one = True
+        if pending and not got_one:
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"{me}: no {event} from rank(s) {sorted(pending)} after "
+                                  f"{timeout_s:g} s (got {len(received)} of "
+                                  f"{len(received) + len(pending)})")
+            os.sched_yield()
+    return received
+
+
+def send_to_each(comm: MPI.Comm, messages: dict[int, object], *, tag: int, timeout_s: float,
+                 me: str, event: str) -> None:
+    """Send a pickled message to each peer; complete all sends within `timeout_s`."""
+    requests = {peer: comm.issend(obj, dest=peer, tag=tag) for peer, obj in messages.items()}
+    deadline = time.monotonic() + timeout_s
+    while requests:
+        requests = {peer: req for peer, req in requests.items() if not req.Test()}
+        if requests:
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"{me}: {event} not taken by rank(s) {sorted(requests)} after "
+                                  f"{timeout_s:g} s")
+            os.sched_yield()
