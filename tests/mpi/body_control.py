@@ -1,0 +1,84 @@
+"""Control plane and startup handshake at any rank count (run by tests/test_mpi_bodies.py)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from ranks.handshake import handshake
+from xds_mpi.config import config_from_dict
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.topology import Topology
+
+comm = MPI.COMM_WORLD
+
+
+def context(overrides=()) -> RankContext:
+    """A colocated deployment of 1 TE-shell + (size-1) dies, for whatever size this job has."""
+    num_dies = comm.size - 1
+    cfg = config_from_dict({"deployment": {"dp_groups_per_domain": num_dies},
+                            "model": {"num_routed_experts": 8 * num_dies},
+                            "xccl": {"poll_timeout_s": 20}}, overrides)
+    topo = Topology.from_config(cfg, comm.size)
+    return RankContext(cfg=cfg, topo=topo, comm=comm, log=logging.getLogger("test"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_derives_the_same_topology():
+    topo = context().topo
+    everyone = comm.allgather(topo)
+    assert all(t == everyone[0] for t in everyone)
+    info = topo.ranks[comm.rank]
+    assert info.rank == comm.rank
+    assert info.role == ("host" if comm.rank == 0 else "colocated")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_handshake_passes_when_ranks_agree():
+    handshake(context())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_handshake_refuses_a_rank_with_another_config():
+    # The last rank reads a different file (here: one changed value); every rank must stop.
+    odd = ["scheduler.max_batch_per_die=3"] if comm.rank == comm.size - 1 else []
+    expected = "disagree" if comm.rank == 0 else "refused"
+    with pytest.raises(RuntimeError, match=expected) as err:
+        handshake(context(odd))
+    if comm.rank == 0:
+        assert f"rank {comm.size - 1} loaded config" in str(err.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_control_messages_arrive_from_every_peer():
+    peers = [r for r in range(comm.size) if r != comm.rank]
+    payload = {p: ("from", comm.rank, "to", p, bytes(70_000)) for p in peers}  # > eager size
+    send_requests = [comm.isend(payload[p], dest=p, tag=7) for p in peers]
+    received = recv_from_each(comm, peers, tag=7, timeout_s=20, me=f"rank {comm.rank}",
+                              event="test message")
+    MPI.Request.Waitall(send_requests)
+    assert {p: m[:4] for p, m in received.items()} == {p: ("from", p, "to", comm.rank)
+                                                       for p in peers}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_missing_message_ends_in_a_named_timeout():
+    started = time.monotonic()
+    with pytest.raises(WaitTimeout, match=rf"rank {comm.rank}: no never-sent event from rank\(s\)"):
+        recv_from_each(comm, [(comm.rank + 1) % comm.size], tag=99, timeout_s=0.3,
+                       me=f"rank {comm.rank}", event="never-sent event")
+    assert time.monotonic() - started < 5
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_unreceived_send_ends_in_a_named_timeout():
+    if comm.rank == 0:
+        with pytest.raises(WaitTimeout, match=r"orphan not taken by rank\(s\) \[1\]"):
+            send_to_each(comm, {1: "x"}, tag=98, timeout_s=0.3, me="rank 0", event="orphan")
+    comm.Barrier()
+    if comm.rank == 1:  # drain it so the next test starts clean
+        assert comm.recv(source=0, tag=98) == "x"

@@ -1,0 +1,19 @@
+"""Every MPI test body under tests/mpi/body_*.py, at 2, 4 and 8 ranks."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import MPI_DIR, RANK_COUNTS, explain, run_bodies
+
+BODIES = sorted(MPI_DIR.glob("body_*.py"))
+
+
+@pytest.mark.parametrize("body", BODIES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("num_procs", RANK_COUNTS)
+def test_body(num_procs, body):
+    result = run_bodies(num_procs, body, timeout_s=180)
+    assert result.returncode == 0, explain(result)
+    passed = re.findall(r"(\d+) passed", result.output)
+    assert len(passed) == num_procs and all(int(n) > 0 for n in passed), explain(result)
