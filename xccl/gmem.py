@@ -1,0 +1,138 @@
+"""Die memory: one MPI RMA window per die, the UB-reachable part of its memory.
+
+Every rank allocates its window once (`MPI.Win.Allocate`; host ranks with 0 bytes) inside one
+passive-target epoch (`Lock_all`) for the window's life. Put = a write to a peer (MTE3 / DMA),
+Get = a pull (MTE2), one-word Accumulate / Fetch_and_op = a flag, Flush = completion.
+Bounds are checked here before every RMA call: MPICH does not catch an out-of-window Put, it
+corrupts itself (shared/MPI_NOTES.md).
+
+Polling a word of one's own window that a peer writes: on one node the window is shared memory and
+a local load after `Win.Sync()` sees the peer's writes; a peer on another node must be progressed
+through MPI, so the poll is `Fetch_and_op(NO_OP)` on oneself + `Flush`. The idiom is chosen per
+writer ("auto"), or forced for the whole window ("load" / "rma").
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Literal
+
+import numpy as np
+from mpi4py import MPI
+
+from xccl.errors import OutOfWindow, XcclTimeout
+
+PollIdiom = Literal["auto", "load", "rma"]
+WORD = np.dtype(np.uint64)
+
+
+class DieMemory:
+    """The window façade: put / get / word atomics / flush / poll / free."""
+
+    def __init__(self, comm: MPI.Comm, nbytes: int, *, poll_idiom: PollIdiom = "auto") -> None:
+        if nbytes < 0 or nbytes % WORD.itemsize:
+            raise ValueError(f"window size must be a non-negative multiple of 8, got {nbytes}")
+        self.comm = comm
+        self.rank = comm.rank
+        self.nbytes = nbytes
+        self.sizes = tuple(comm.allgather(nbytes))
+        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
+        self.win.Lock_all()
+        self.local = (np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes
+                      else np.zeros(0, np.uint8))
+        self.local[:] = 0
+        self.words = self.local.view(WORD)
+        self.is_same_node = _same_node_table(comm)
+        self.poll_idiom = poll_idiom
+        self._word_buf = np.zeros(1, WORD)
+        self._fetch_buf = np.zeros(1, WORD)
+        comm.Barrier()  # every window zeroed before anyone writes into it
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self, peer: int, offset: int, nbytes: int, what: str) -> None:
+        if not 0 <= peer < len(self.sizes):
+            raise OutOfWindow(f"die rank {self.rank}: {what} to rank {peer}, but ranks are "
+                              f"0..{len(self.sizes) - 1}")
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.sizes[peer]:
+            raise OutOfWindow(f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
+                              f"rank {peer}'s window of {self.sizes[peer]} B")
+
+    # -- data -----------------------------------------------------------------------------------
+    def put(self, peer: int, offset: int, data: np.ndarray) -> None:
+        """Write `data` (any contiguous array) at `offset` of `peer`'s window; complete on flush."""
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.check(peer, offset, raw.nbytes, "put")
+        if raw.nbytes:
+            self.win.Put(raw, peer, target=(offset, raw.nbytes, MPI.BYTE))
+
+    def get(self, peer: int, offset: int, out: np.ndarray) -> None:
+        """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
+        raw = out.reshape(-1).view(np.uint8)
+        self.check(peer, offset, raw.nbytes, "get")
+        if raw.nbytes:
+            self.win.Get(raw, peer, target=(offset, raw.nbytes, MPI.BYTE))
+
+    def flush(self, peer: int) -> None:
+        self.win.Flush(peer)
+
+    # -- words (flags, doorbells) ---------------------------------------------------------------
+    def store_word(self, peer: int, offset: int, value: int) -> None:
+        """Atomically replace one 64-bit word in `peer`'s window (then flush to complete)."""
+        self.check(peer, offset, WORD.itemsize, "store_word")
+        self._word_buf[0] = value
+        self.win.Accumulate([self._word_buf, 1, MPI.UINT64_T], peer, target=(offset, 1, MPI.UINT64_T),
+                            op=MPI.REPLACE)
+
+    def fetch_word(self, peer: int, offset: int) -> int:
+        """Atomically read one word of `peer`'s window (Fetch_and_op NO_OP + Flush)."""
+        self.check(peer, offset, WORD.itemsize, "fetch_word")
+        self.win.Fetch_and_op([self._word_buf, MPI.UINT64_T], [self._fetch_buf, MPI.UINT64_T], peer,
+                             offset, op=MPI.NO_OP)
+        self.win.Flush(peer)
+        return int(self._fetch_buf[0])
+
+    def load_word(self, offset: int, writer: int) -> int:
+        """Read one word of this die's own window that `writer` writes."""
+        idiom = self.poll_idiom
+        if idiom == "auto":
+            idiom = "load" if self.is_same_node[writer] else "rma"
+        if idiom == "rma":
+            return self.fetch_word(self.rank, offset)
+        self.check(self.rank, offset, WORD.itemsize, "load_word")
+        self.win.Sync()
+        return int(self.words[offset // WORD.itemsize])
+
+    def sync(self) -> None:
+        """Memory barrier between RMA writes by peers and local loads of this window."""
+        self.win.Sync()
+
+    def free(self) -> None:
+        """Release the window; safe to call twice."""
+        if self.win == MPI.WIN_NULL:
+            return
+        self.win.Unlock_all()
+        self.win.Free()
+        self.local = self.words = np.zeros(0, np.uint8)
+
+
+def poll_until(ready: Callable[[], bool], *, deadline: float, describe: Callable[[], str],
+               interrupt: Callable[[], None] | None = None) -> None:
+    """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
+
+    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
+    """
+    while not ready():
+        if interrupt is not None:
+            interrupt()
+        if time.monotonic() > deadline:
+            raise XcclTimeout(describe())
+        os.sched_yield()
+
+
+def _same_node_table(comm: MPI.Comm) -> tuple[bool, ...]:
+    """For each rank of `comm`: does it share this rank's node (and so its memory)?"""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leader = node.allreduce(comm.rank, op=MPI.MIN)
+    node.Free()
+    leaders = comm.allgather(leader)
+    return tuple(other == leader for other in leaders)

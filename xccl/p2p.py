@@ -1,0 +1,276 @@
+"""Point-to-point send / receive over per-pair ring buffers (xDeepServe §3.1, Figure 4).
+
+The sender copies its message into the ring it owns in the receiver's window and publishes a
+record (event id, chunk id, tail pointer, its virtual time, sizes) in the receiver's metadata; the
+receiver copies the slots out and acknowledges in the sender's metadata. A message larger than the
+ring goes in several publications: each fills at most the whole ring and waits for the ack that
+frees it (flow control), chunk ids counting slots from the message's start.
+
+A record is written body first, flushed, then its one-word doorbell (the publication number), so
+a receiver never acts on a half-written record; one publication per pair is in flight at a time,
+so a record is never rewritten while its receiver reads it. The ack is one atomic word: the
+publication number (16 bits) and the receiver's virtual time in ns (48 bits, 78 virtual hours).
+
+Operations queue per (direction, peer) and advance only inside `progress()`, which every handle's
+`test()` / `wait()` calls, so async transfers make progress whenever the caller checks on any of
+them and never busy-wait while it computes.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Generator, Sequence
+
+import numpy as np
+
+from xccl.errors import BufferTooSmall, EventMismatch, UnknownPeer, XcclError
+from xccl.gmem import DieMemory, poll_until
+from xccl.layout import (CHUNK_ID, DOORBELL, EVENT_ID, MSG_BYTES, PUB_BYTES, RECORD_WORDS, TAIL,
+                         VTIME_NS, P2PLayout, record_view)
+from xccl.vclock import LinkModel, Path, VirtualClock
+
+ACK_SEQ_BITS, ACK_TIME_BITS = 16, 48
+CORES = RECORD_WORDS - 1           # record word: num_cores | is_dma << 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class Transfer:
+    """What a completed send or receive did.
+
+    peer: the other die's rank. event_id: the caller's event id. nbytes: message size.
+    num_publications: ring fills it took. vtime_ns: this die's virtual clock at completion.
+    """
+
+    peer: int
+    event_id: int
+    nbytes: int
+    num_publications: int
+    vtime_ns: float
+
+
+class _Op:
+    def __init__(self, kind: str, peer: int, event_id: int, nbytes: int) -> None:
+        self.kind, self.peer, self.event_id, self.nbytes = kind, peer, event_id, nbytes
+        self.steps: Generator[str, None, Transfer] | None = None
+        self.waiting_for = "its turn on the pair"
+        self.result: Transfer | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+class Handle:
+    """An in-flight send or receive. `test()` advances all transfers and says if this one is done;
+    `wait()` blocks (yielding the CPU) until it is, raising its error or XcclTimeout."""
+
+    def __init__(self, p2p: "P2P", op: _Op) -> None:
+        self._p2p, self._op = p2p, op
+
+    def test(self) -> bool:
+        if not self._op.done:
+            self._p2p.progress()
+        return self._op.done
+
+    def wait(self, timeout_s: float | None = None) -> Transfer:
+        p2p, op = self._p2p, self._op
+        timeout_s = p2p.timeout_s if timeout_s is None else timeout_s
+        poll_until(self.test, deadline=time.monotonic() + timeout_s,
+                   describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"))
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+
+class P2P:
+    """send / receive between this die and the peers its layout pairs it with."""
+
+    def __init__(self, mem: DieMemory, layout: P2PLayout, *, clock: VirtualClock | None = None,
+                 link: LinkModel | None = None, num_cores: int = 2, path: Path = "mte",
+                 timeout_s: float = 60.0, server_of: Sequence[int] | None = None,
+                 event_base: int = 0) -> None:
+        if mem.nbytes < layout.window_bytes(mem.rank):
+            raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the "
+                                 f"{layout.window_bytes(mem.rank)} B the p2p layout needs")
+        self.mem, self.layout, self.me = mem, layout, mem.rank
+        self.clock = clock or VirtualClock()
+        self.link, self.num_cores, self.path, self.timeout_s = link, num_cores, path, timeout_s
+        self.server_of = server_of
+        self._published = {}        # dst -> publications sent
+        self._tail = {}             # dst -> slots written (the tail pointer)
+        self._consumed = {}         # src -> publications consumed
+        self._rtail = {}            # src -> slots consumed
+        self._queues: dict[tuple[str, int], deque[_Op]] = {}
+
+    # -- API ------------------------------------------------------------------------------------
+    def isend(self, data: np.ndarray, dst: int, event_id: int, *,
+              num_cores: int | None = None) -> Handle:
+        """Start sending `data` (any contiguous array; its bytes are sent) to `dst`.
+        The caller must not change `data` until the handle completes."""
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        op = _Op("send", dst, event_id, raw.nbytes)
+        self._check_pair(op, self.me, dst)
+        op.steps = self._send_steps(op, raw, num_cores or self.num_cores)
+        return self._enqueue(op)
+
+    def irecv(self, out: np.ndarray, src: int, event_id: int) -> Handle:
+        """Start receiving from `src` into `out` (contiguous; its first nbytes are written)."""
+        raw = out.reshape(-1).view(np.uint8)
+        op = _Op("recv", src, event_id, raw.nbytes)
+        self._check_pair(op, src, self.me)
+        op.steps = self._recv_steps(op, raw)
+        return self._enqueue(op)
+
+    def send(self, data: np.ndarray, dst: int, event_id: int, *,
+             num_cores: int | None = None) -> Transfer:
+        """Synchronous send: returns after the receiver acknowledged the whole message."""
+        return self.isend(data, dst, event_id, num_cores=num_cores).wait()
+
+    def recv(self, out: np.ndarray, src: int, event_id: int) -> Transfer:
+        return self.irecv(out, src, event_id).wait()
+
+    def progress(self) -> None:
+        """Advance every queued transfer as far as it goes without waiting."""
+        for queue in self._queues.values():
+            while queue:
+                op = queue[0]
+                try:
+                    op.waiting_for = next(op.steps)
+                    break  # blocked: the next op on this pair waits its turn
+                except StopIteration as stop:
+                    op.result = stop.value
+                except XcclError as exc:
+                    op.error = exc
+                queue.popleft()
+
+    def describe(self, op: _Op, what: str) -> str:
+        arrow = "to" if op.kind == "send" else "from"
+        waiting = f", waiting for {op.waiting_for}" if op.steps is not None else ""
+        return (f"die rank {self.me}: {op.kind} of {op.nbytes} B {arrow} rank {op.peer}, event "
+                f"{op.event_id}: {what}{waiting}")
+
+    # -- protocol -------------------------------------------------------------------------------
+    def _enqueue(self, op: _Op) -> Handle:
+        self._queues.setdefault((op.kind, op.peer), deque()).append(op)
+        return Handle(self, op)
+
+    def _check_pair(self, op: _Op, src: int, dst: int) -> None:
+        """Refuse an unknown peer at the call, naming both dies, the event and the size."""
+        num_ranks = self.layout.num_ranks
+        if not 0 <= op.peer < num_ranks:
+            raise UnknownPeer(self.describe(op, f"rank {op.peer} is outside ranks "
+                                                f"0..{num_ranks - 1}"))
+        if (src, dst) not in self.layout.pairs:
+            raise UnknownPeer(self.describe(op, f"the deployment declares no ring for rank {src} "
+                                                f"-> rank {dst}"))
+
+    def _same_server(self, peer: int) -> bool:
+        return self.server_of is not None and self.server_of[peer] == self.server_of[self.me]
+
+    def _send_steps(self, op: _Op, data: np.ndarray, num_cores: int):
+        mem, layout, dst, me = self.mem, self.layout, op.peer, self.me
+        ring, record = layout.ring_offset(me, dst), layout.record_offset(me, dst)
+        ack = layout.ack_offset(me, dst)
+        sent = chunk_id = publications = 0
+        while True:
+            # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots,
+            # the bytes split over `num_cores` parallel writes (one per AIV core).
+            nbytes = min(data.nbytes - sent, layout.ring_bytes)
+            for ring_pos, msg_pos, length in layout.slot_runs(self._tail.get(dst, 0), nbytes):
+                for lo, hi in _split(length, num_cores):
+                    mem.put(dst, ring + ring_pos + lo, data[sent + msg_pos + lo:sent + msg_pos + hi])
+            num_slots = -(-nbytes // layout.slot_bytes)
+            self._tail[dst] = self._tail.get(dst, 0) + num_slots
+            seq = self._published[dst] = self._published.get(dst, 0) + 1
+            # Step 3: advance the receiver's tail pointer: record body, flush, then the doorbell.
+            body = np.zeros(RECORD_WORDS, np.uint64)
+            body[EVENT_ID], body[CHUNK_ID], body[TAIL] = op.event_id, chunk_id, self._tail[dst]
+            body[VTIME_NS] = np.float64(self.clock.now_ns).view(np.uint64)
+            body[MSG_BYTES], body[PUB_BYTES] = data.nbytes, nbytes
+            body[CORES] = num_cores | (int(self.path == "dma") << 32)
+            mem.put(dst, record + 8, body[1:])
+            mem.flush(dst)
+            mem.store_word(dst, record + 8 * DOORBELL, seq)
+            mem.flush(dst)
+            # Step 4 / 8: poll our metadata for the receiver's ack; it also frees the ring.
+            while True:
+                word = mem.load_word(ack, dst)
+                if word >> ACK_TIME_BITS == seq % (1 << ACK_SEQ_BITS):
+                    break
+                yield f"the ack of publication {seq} (slots up to tail {self._tail[dst]})"
+            ack_ns = float(word & ((1 << ACK_TIME_BITS) - 1))
+            if self.link is not None:
+                self.clock.arrive(ack_ns + self.link.latency_ns(same_server=self._same_server(dst)))
+            sent += nbytes
+            chunk_id += num_slots
+            publications += 1
+            if sent >= data.nbytes:
+                return Transfer(peer=dst, event_id=op.event_id, nbytes=data.nbytes,
+                                num_publications=publications, vtime_ns=self.clock.now_ns)
+
+    def _recv_steps(self, op: _Op, out: np.ndarray):
+        mem, layout, src, me = self.mem, self.layout, op.peer, self.me
+        ring, record = layout.ring_offset(src, me), layout.record_offset(src, me)
+        ack = layout.ack_offset(src, me)
+        received = expected_chunk = publications = 0
+        total = None
+        while total is None or received < total:
+            # Step 5 (Fig. 4): poll our metadata until the sender's next record is published.
+            seq = self._consumed.get(src, 0) + 1
+            while mem.load_word(record + 8 * DOORBELL, src) != seq:
+                yield f"record {seq} from rank {src}"
+            mem.sync()
+            rec = record_view(mem.words, record).copy()
+            self._check_record(op, rec, expected_chunk, out.nbytes if total is None else None)
+            total, nbytes = int(rec[MSG_BYTES]), int(rec[PUB_BYTES])
+            # Step 6: copy the slots out of the managed area into the caller's buffer.
+            for ring_pos, msg_pos, length in layout.slot_runs(self._rtail.get(src, 0), nbytes):
+                out[received + msg_pos:received + msg_pos + length] = \
+                    mem.local[ring + ring_pos:ring + ring_pos + length]
+            num_slots = -(-nbytes // layout.slot_bytes)
+            self._rtail[src] = self._rtail.get(src, 0) + num_slots
+            if int(rec[TAIL]) != self._rtail[src]:
+                raise XcclError(f"die rank {me}: tail pointer from rank {src} is {int(rec[TAIL])},"
+                                f" expected {self._rtail[src]} (event {op.event_id})")
+            self._consumed[src] = seq
+            if self.link is not None:
+                cores, is_dma = int(rec[CORES]) & 0xFFFFFFFF, int(rec[CORES]) >> 32
+                sent_ns = float(rec[VTIME_NS:VTIME_NS + 1].view(np.float64)[0])
+                self.clock.arrive(sent_ns + self.link.transfer_ns(
+                    nbytes, num_cores=cores, path="dma" if is_dma else "mte",
+                    same_server=self._same_server(src)))
+            # Step 7: acknowledge in the sender's metadata (frees its ring for the next fill).
+            ack_word = (seq % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS | \
+                (int(self.clock.now_ns) & ((1 << ACK_TIME_BITS) - 1))
+            mem.store_word(src, ack, ack_word)
+            mem.flush(src)
+            received += nbytes
+            expected_chunk += num_slots
+            publications += 1
+        return Transfer(peer=src, event_id=op.event_id, nbytes=total,
+                        num_publications=publications, vtime_ns=self.clock.now_ns)
+
+    def _check_record(self, op: _Op, rec: np.ndarray, expected_chunk: int,
+                      capacity: int | None) -> None:
+        me, src = self.me, op.peer
+        if int(rec[EVENT_ID]) != op.event_id:
+            raise EventMismatch(f"die rank {me}: receive from rank {src} expected event "
+                                f"{op.event_id}, the record carries event {int(rec[EVENT_ID])} "
+                                f"({int(rec[MSG_BYTES])} B message)")
+        if int(rec[CHUNK_ID]) != expected_chunk:
+            raise XcclError(f"die rank {me}: chunk id {int(rec[CHUNK_ID])} from rank {src}, "
+                            f"expected {expected_chunk} (event {op.event_id})")
+        if capacity is not None and int(rec[MSG_BYTES]) > capacity:
+            raise BufferTooSmall(f"die rank {me}: receive buffer of {capacity} B < the "
+                                 f"{int(rec[MSG_BYTES])} B message from rank {src} "
+                                 f"(event {op.event_id})")
+
+
+def _split(length: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges splitting `length` bytes into at most `parts` near-equal 8-aligned runs."""
+    if length == 0:
+        return []
+    step = max(8, (-(-length // parts) + 7) // 8 * 8)
+    return [(lo, min(lo + step, length)) for lo in range(0, length, step)]
