@@ -12,6 +12,7 @@ from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
 from xds_mpi.config import ConfigError, load_config
+from xds_mpi.fabric import format_bytes, window_bytes
 from xds_mpi.topology import Topology
 
 # How long the launcher waits beyond run.timeout_s (MPIEXEC_TIMEOUT) before killing the group.
@@ -37,15 +38,18 @@ def _load(args: argparse.Namespace):
 
 def cmd_validate(args: argparse.Namespace) -> int:
     path, cfg, topo = _load(args)
+    windows = window_bytes(cfg, topo)
     print(f"{path}: valid")
-    print(f"{cfg.deployment.kind} deployment, {topo.summary()}")
+    print(f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
+          f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})")
     if not args.brief:
-        print(rank_map(topo))
+        print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     path, cfg, topo = _load(args)
+    window_bytes(cfg, topo)  # refuse a layout over the cap before launching
     command = mpi_command(topo.world_size, rank_program(path, args.set),
                           timeout_s=cfg.run.timeout_s, mpiexec=args.mpiexec)
     if args.dry_run:
@@ -59,6 +63,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 124
     if result.returncode != 0:
         print(f"xds-mpi: error: job failed with exit code {result.returncode}", file=sys.stderr)
+    return result.returncode
+
+
+def cmd_bench_p2p(args: argparse.Namespace) -> int:
+    if args.np < 2 or args.np % 2:
+        raise ConfigError(f"bench p2p pairs ranks up: --np must be even and >= 2, got {args.np}")
+    program = [sys.executable, "-m", "mpi4py", "-m", "launch.bench_p2p", "--mode", args.mode,
+               "--iters", str(args.iters), "--slots", str(args.slots), "--slot-bytes",
+               str(args.slot_bytes), "--profile", args.profile, "--out", args.out,
+               "--sizes", *map(str, args.sizes), "--cores", *map(str, args.cores)]
+    command = mpi_command(args.np, program, timeout_s=args.timeout)
+    print(f"xds-mpi: bench p2p on {args.np} ranks: {command.shell_line()}", flush=True)
+    result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
+    if result.timed_out:
+        print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
+        return 124
     return result.returncode
 
 
@@ -83,6 +103,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)")
     p.add_argument("--dry-run", action="store_true", help="print the command line, do not launch")
     p.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
+    kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
+    p = kinds.add_parser("p2p", help="XCCL send/receive vs raw Put and Send/Recv ping-pong",
+                         description="Latency and bandwidth of XCCL send/receive against a raw "
+                                     "MPI Put+Flush+flag ping-pong and a Send/Recv ping-pong of "
+                                     "the same sizes, measured in the same run, plus the "
+                                     "projected 910C send latency from the virtual clock. Ranks "
+                                     "pair up; all pairs run at once.")
+    p.add_argument("--np", type=int, default=2, help="ranks (even; default 2)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 4096, 65536, 1 << 20, 8 << 20],
+                   help="message sizes in bytes (default: 64 4096 65536 1MiB 8MiB)")
+    p.add_argument("--cores", type=int, nargs="+", default=[2],
+                   help="AIV cores per transfer (default: 2)")
+    p.add_argument("--mode", choices=["sync", "async"], default="sync")
+    p.add_argument("--iters", type=int, default=200, help="iterations for small messages "
+                   "(fewer for large ones; default 200)")
+    p.add_argument("--slots", type=int, default=8, help="ring slots (default 8)")
+    p.add_argument("--slot-bytes", type=int, default=1 << 20, help="bytes per slot (default 1MiB)")
+    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
+    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the job is killed")
+    p.set_defaults(func=cmd_bench_p2p)
     return parser
 
 

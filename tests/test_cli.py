@@ -1,6 +1,7 @@
 """The `xds-mpi` command: validate every shipped config, refuse bad ones in one line, launch."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,41 @@ def test_the_rank_entry_refuses_a_wrong_world_size_on_every_rank():
     result = run_mpi(3, ["-m", "launch.rank", "configs/colocated.yaml"], timeout_s=60)
     assert result.returncode != 0 and not result.timed_out
     assert "world size 3 != num_host_ranks(1) + colocated dies(4) = 5" in result.output
+
+
+def test_validate_prints_window_sizes_and_refuses_a_layout_over_the_cap():
+    ok = xds_mpi("validate", "--set", "xccl.p2p_pairs=all")
+    assert ok.returncode == 0, ok.stderr
+    # 4 dies, all pairs: 64 B x (2 x 4 in + 4 out) records + 4 rings x 8 x 64 KiB = 2,097,920 B
+    assert "largest die window 2.0 MiB" in ok.stdout
+    over = xds_mpi("validate", "--set", "xccl.p2p_pairs=all", "--set",
+                   "xccl.max_window_bytes=100000")
+    assert over.returncode == 2
+    assert ("rank 1's window needs 2097920 B = 64 x (2 x 4 in + 4 out) records + 4 rings x 8 "
+            "slots x 65536 B, over the per-die cap xccl.max_window_bytes(100000)") in over.stderr
+
+
+def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
+    import csv
+    from xccl.vclock import LinkModel
+    from xds_mpi.hardware import load_profile
+    out = tmp_path / "p2p.csv"
+    result = xds_mpi("bench", "p2p", "--sizes", "64", "12000", "--cores", "2", "--iters", "5",
+                     "--slots", "4", "--slot-bytes", "4096", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rtt_vs_put" in result.stdout
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["bytes"]) for r in rows] == [64, 12000]
+    link = LinkModel.from_profile(load_profile("ascend910c"))
+    for row in rows:
+        assert float(row["xccl_rtt_us"]) > 0 and float(row["put_rtt_us"]) > 0
+        nbytes = int(row["bytes"])
+        # Dies on two servers; two publications of at most half a ring (8 KiB) each serialize on
+        # the link (no flow-control wait with two in flight), the
+        # last one's arrival (the ack word carries whole ns) plus the ack's latency completes it.
+        half_ring = 2 * 4096
+        last = nbytes - (max(nbytes - 1, 0) // half_ring) * half_ring
+        arrival_ns = (link.serialization_ns(nbytes - last, num_cores=2)
+                      + link.transfer_ns(last, num_cores=2))
+        expected_ns = math.floor(arrival_ns) + link.latency_ns()
+        assert float(row["proj_910c_send_us"]) == pytest.approx(expected_ns / 1e3, rel=1e-6)

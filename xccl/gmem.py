@@ -42,10 +42,12 @@ class DieMemory:
                       else np.zeros(0, np.uint8))
         self.local[:] = 0
         self.words = self.local.view(WORD)
+        self.floats = self.local.view(np.float64)
         self.is_same_node = _same_node_table(comm)
         self.poll_idiom = poll_idiom
         self._word_buf = np.zeros(1, WORD)
         self._fetch_buf = np.zeros(1, WORD)
+        self._claimed: set[str] = set()
         comm.Barrier()  # every window zeroed before anyone writes into it
 
     # -- checks ---------------------------------------------------------------------------------
@@ -57,20 +59,28 @@ class DieMemory:
             raise OutOfWindow(f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
                               f"rank {peer}'s window of {self.sizes[peer]} B")
 
+    def claim(self, region: str) -> None:
+        """A protocol claims its region once: a second protocol object on the same region would
+        restart its sequence numbers over live records and read stale doorbells."""
+        if region in self._claimed:
+            raise ValueError(f"rank {self.rank}: the window's {region} region is already in use "
+                             "by another protocol object; create one per window")
+        self._claimed.add(region)
+
     # -- data -----------------------------------------------------------------------------------
     def put(self, peer: int, offset: int, data: np.ndarray) -> None:
         """Write `data` (any contiguous array) at `offset` of `peer`'s window; complete on flush."""
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        raw = _as_bytes(data)
         self.check(peer, offset, raw.nbytes, "put")
         if raw.nbytes:
-            self.win.Put(raw, peer, target=(offset, raw.nbytes, MPI.BYTE))
+            self.win.Put(raw, peer, offset)
 
     def get(self, peer: int, offset: int, out: np.ndarray) -> None:
         """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
-        raw = out.reshape(-1).view(np.uint8)
+        raw = _as_bytes(out)
         self.check(peer, offset, raw.nbytes, "get")
         if raw.nbytes:
-            self.win.Get(raw, peer, target=(offset, raw.nbytes, MPI.BYTE))
+            self.win.Get(raw, peer, offset)
 
     def flush(self, peer: int) -> None:
         self.win.Flush(peer)
@@ -112,7 +122,17 @@ class DieMemory:
             return
         self.win.Unlock_all()
         self.win.Free()
-        self.local = self.words = np.zeros(0, np.uint8)
+        self.local = np.zeros(0, np.uint8)
+        self.words, self.floats = self.local.view(WORD), self.local.view(np.float64)
+
+
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """The bytes of a contiguous array, as a flat uint8 view (no copy)."""
+    if array.dtype == np.uint8 and array.ndim == 1:
+        return array
+    if not array.flags.c_contiguous:
+        raise ValueError(f"RMA buffers must be contiguous, got strides {array.strides}")
+    return array.reshape(-1).view(np.uint8)
 
 
 def poll_until(ready: Callable[[], bool], *, deadline: float, describe: Callable[[], str],

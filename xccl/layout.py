@@ -3,13 +3,14 @@
 A die's window = [metadata area | p2p rings]. For the ordered pairs a deployment declares
 (src -> dst, a die may pair with itself):
 
-    metadata area of die d = RECORD_BYTES x (in_d + out_d)
-        one record per sender s -> d   (written by s: doorbell, event id, chunk id, tail, ...)
+    metadata area of die d = RECORD_BYTES x (RECORDS_PER_PAIR x in_d + out_d)
+        RECORDS_PER_PAIR records per sender s -> d, used in turn by its publications (written by
+        s: doorbell, event id, chunk id, tail, ...), so s can publish while d reads the previous
         one ack word per receiver d -> r, padded to a record (written by r)
     rings of die d         = in_d x ring_slots x slot_bytes
         one ring of S slots x B bytes per sender s -> d
 
-    window_bytes(d) = RECORD_BYTES x (in_d + out_d) + in_d x S x B
+    window_bytes(d) = RECORD_BYTES x (2 in_d + out_d) + in_d x S x B
 
 in_d / out_d count the pairs into / out of d. Declaring all N x N pairs costs every die
 2N records + N rings (at 768 dies, S=8, B=64 KiB: 384 MiB of rings per die), so a deployment
@@ -22,16 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import numpy as np
-
 from xccl.errors import OutOfWindow, UnknownPeer
 
 # One metadata record: 8 words of 64 bits (the paper's field is 32 bytes; the emulator adds the
 # doorbell, the sender's virtual time and the message size).
 RECORD_WORDS = 8
 RECORD_BYTES = RECORD_WORDS * 8
-# Word indices inside a record.
-DOORBELL, EVENT_ID, CHUNK_ID, TAIL, VTIME_NS, MSG_BYTES, PUB_BYTES = range(7)
+# Word indices inside a record (the last word: AIV cores used | is_dma << 32).
+DOORBELL, EVENT_ID, CHUNK_ID, TAIL, VTIME_NS, MSG_BYTES, PUB_BYTES, CORES = range(RECORD_WORDS)
+RECORDS_PER_PAIR = 2
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,17 @@ class P2PLayout:
                 raise UnknownPeer(f"pair {src} -> {dst} outside ranks 0..{self.num_ranks - 1}")
         records, acks, rings, sizes = {}, {}, {}, []
         ring_bytes = self.ring_slots * self.slot_bytes
+        senders_of = [[] for _ in range(self.num_ranks)]
+        receivers_of = [[] for _ in range(self.num_ranks)]
+        for src, dst in sorted(self.pairs):
+            senders_of[dst].append(src)
+            receivers_of[src].append(dst)
         for d in range(self.num_ranks):
-            senders = sorted(s for s, t in self.pairs if t == d)
-            receivers = sorted(t for s, t in self.pairs if s == d)
+            senders, receivers = senders_of[d], receivers_of[d]
             offset = 0
             for s in senders:
                 records[(s, d)] = offset
-                offset += RECORD_BYTES
+                offset += RECORDS_PER_PAIR * RECORD_BYTES
             for r in receivers:
                 acks[(d, r)] = offset
                 offset += RECORD_BYTES
@@ -95,11 +99,11 @@ class P2PLayout:
         """Refuse a layout that some die cannot hold, with the numbers."""
         for rank, size in enumerate(self._sizes):
             if size > cap_bytes:
-                ins = sum(1 for s, t in self.pairs if t == rank)
-                outs = sum(1 for s, t in self.pairs if s == rank)
+                ins = sum(1 for s, t in self._rings if t == rank)
+                outs = sum(1 for s, t in self._acks if s == rank)
                 raise OutOfWindow(
-                    f"rank {rank}'s window needs {size} B = {RECORD_BYTES} x ({ins} in + {outs} "
-                    f"out) records + {ins} rings x {self.ring_slots} slots x {self.slot_bytes} B"
+                    f"rank {rank}'s window needs {size} B = {RECORD_BYTES} x ({RECORDS_PER_PAIR} x "
+                    f"{ins} in + {outs} out) records + {ins} rings x {self.ring_slots} slots x {self.slot_bytes} B"
                     f", over the per-die cap xccl.max_window_bytes({cap_bytes})")
 
     def _lookup(self, table: dict, src: int, dst: int, what: str) -> int:
@@ -109,9 +113,10 @@ class P2PLayout:
             raise UnknownPeer(f"no p2p {what} for rank {src} -> rank {dst}: the pair is not "
                               f"declared (declared pairs: {len(self.pairs)})") from None
 
-    def record_offset(self, src: int, dst: int) -> int:
-        """Offset in dst's window of the record src writes."""
-        return self._lookup(self._records, src, dst, "record")
+    def record_offset(self, src: int, dst: int, seq: int = 0) -> int:
+        """Offset in dst's window of the record src writes for its publication number `seq`."""
+        base = self._lookup(self._records, src, dst, "record")
+        return base + (seq % RECORDS_PER_PAIR) * RECORD_BYTES
 
     def ack_offset(self, src: int, dst: int) -> int:
         """Offset in src's window of the ack word dst writes."""
@@ -138,8 +143,3 @@ def all_pairs(ranks: Iterable[int]) -> frozenset[tuple[int, int]]:
     ranks = list(ranks)
     return frozenset((s, d) for s in ranks for d in ranks)
 
-
-def record_view(words: np.ndarray, offset: int) -> np.ndarray:
-    """The RECORD_WORDS words of a record at byte `offset` of a window's word view."""
-    first = offset // 8
-    return words[first:first + RECORD_WORDS]

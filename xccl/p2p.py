@@ -26,12 +26,15 @@ import numpy as np
 
 from xccl.errors import BufferTooSmall, EventMismatch, UnknownPeer, XcclError
 from xccl.gmem import DieMemory, poll_until
-from xccl.layout import (CHUNK_ID, DOORBELL, EVENT_ID, MSG_BYTES, PUB_BYTES, RECORD_WORDS, TAIL,
-                         VTIME_NS, P2PLayout, record_view)
+from xccl.layout import DOORBELL, EVENT_ID, RECORD_WORDS, RECORDS_PER_PAIR, VTIME_NS, P2PLayout
 from xccl.vclock import LinkModel, Path, VirtualClock
 
 ACK_SEQ_BITS, ACK_TIME_BITS = 16, 48
-CORES = RECORD_WORDS - 1           # record word: num_cores | is_dma << 32
+# Publications a sender may have unacknowledged per pair: the receiver copies one out while the
+# sender fills the next (each at most half the ring). A record slot is reused only after its ack.
+MAX_IN_FLIGHT = RECORDS_PER_PAIR
+# Below this many bytes per core a transfer is not split further (AIV cores move whole blocks).
+MIN_CORE_BYTES = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +97,15 @@ class P2P:
         if mem.nbytes < layout.window_bytes(mem.rank):
             raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the "
                                  f"{layout.window_bytes(mem.rank)} B the p2p layout needs")
+        mem.claim("p2p")
         self.mem, self.layout, self.me = mem, layout, mem.rank
         self.clock = clock or VirtualClock()
         self.link, self.num_cores, self.path, self.timeout_s = link, num_cores, path, timeout_s
         self.server_of = server_of
+        self._body = np.zeros(RECORD_WORDS, np.uint64)
         self._published = {}        # dst -> publications sent
         self._tail = {}             # dst -> slots written (the tail pointer)
+        self._link_free = {}        # dst -> virtual ns when the link to dst is free again
         self._consumed = {}         # src -> publications consumed
         self._rtail = {}            # src -> slots consumed
         self._queues: dict[tuple[str, int], deque[_Op]] = {}
@@ -130,6 +136,11 @@ class P2P:
 
     def recv(self, out: np.ndarray, src: int, event_id: int) -> Transfer:
         return self.irecv(out, src, event_id).wait()
+
+    def set_clock(self, clock: VirtualClock) -> None:
+        """Switch to another virtual clock (e.g. a fresh one for a measurement)."""
+        self.clock = clock
+        self._link_free.clear()  # times of the old clock mean nothing on the new one
 
     def progress(self) -> None:
         """Advance every queued transfer as far as it goes without waiting."""
@@ -171,106 +182,139 @@ class P2P:
 
     def _send_steps(self, op: _Op, data: np.ndarray, num_cores: int):
         mem, layout, dst, me = self.mem, self.layout, op.peer, self.me
-        ring, record = layout.ring_offset(me, dst), layout.record_offset(me, dst)
-        ack = layout.ack_offset(me, dst)
+        ring, ack = layout.ring_offset(me, dst), layout.ack_offset(me, dst)
+        slot_bytes, ring_slots = layout.slot_bytes, layout.ring_slots
+        max_pub_slots = max(1, ring_slots // MAX_IN_FLIGHT)
+        cores_word = num_cores | (int(self.path == "dma") << 32)
         sent = chunk_id = publications = 0
+        in_flight: deque[tuple[int, int]] = deque()  # (publication number, tail after it)
+        acked_tail = self._tail.get(dst, 0)
         while True:
+            # Flow control: at most MAX_IN_FLIGHT publications unacknowledged, slots to write into.
+            while len(in_flight) == MAX_IN_FLIGHT or (
+                    sent < data.nbytes and self._tail.get(dst, 0) - acked_tail == ring_slots):
+                acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
+                if in_flight and (len(in_flight) == MAX_IN_FLIGHT or
+                                  self._tail.get(dst, 0) - acked_tail == ring_slots):
+                    yield f"the ack of publication {in_flight[0][0]} (ring full)"
+            tail = self._tail.get(dst, 0)
+            free_slots = min(ring_slots - (tail - acked_tail), max_pub_slots)
+            nbytes = min(data.nbytes - sent, free_slots * slot_bytes)
             # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots,
-            # the bytes split over `num_cores` parallel writes (one per AIV core).
-            nbytes = min(data.nbytes - sent, layout.ring_bytes)
-            for ring_pos, msg_pos, length in layout.slot_runs(self._tail.get(dst, 0), nbytes):
+            # split over `num_cores` parallel writes (one per AIV core).
+            for ring_pos, msg_pos, length in layout.slot_runs(tail, nbytes):
+                base = sent + msg_pos
                 for lo, hi in _split(length, num_cores):
-                    mem.put(dst, ring + ring_pos + lo, data[sent + msg_pos + lo:sent + msg_pos + hi])
-            num_slots = -(-nbytes // layout.slot_bytes)
-            self._tail[dst] = self._tail.get(dst, 0) + num_slots
+                    mem.put(dst, ring + ring_pos + lo, data[base + lo:base + hi])
+            num_slots = -(-nbytes // slot_bytes)
+            tail = self._tail[dst] = tail + num_slots
             seq = self._published[dst] = self._published.get(dst, 0) + 1
             # Step 3: advance the receiver's tail pointer: record body, flush, then the doorbell.
-            body = np.zeros(RECORD_WORDS, np.uint64)
-            body[EVENT_ID], body[CHUNK_ID], body[TAIL] = op.event_id, chunk_id, self._tail[dst]
-            body[VTIME_NS] = np.float64(self.clock.now_ns).view(np.uint64)
-            body[MSG_BYTES], body[PUB_BYTES] = data.nbytes, nbytes
-            body[CORES] = num_cores | (int(self.path == "dma") << 32)
+            record = layout.record_offset(me, dst, seq)
+            body = self._body
+            body[EVENT_ID:] = (op.event_id, chunk_id, tail, 0, data.nbytes, nbytes, cores_word)
+            body.view(np.float64)[VTIME_NS] = self._stamp(dst, nbytes, num_cores)
             mem.put(dst, record + 8, body[1:])
             mem.flush(dst)
             mem.store_word(dst, record + 8 * DOORBELL, seq)
             mem.flush(dst)
-            # Step 4 / 8: poll our metadata for the receiver's ack; it also frees the ring.
-            while True:
-                word = mem.load_word(ack, dst)
-                if word >> ACK_TIME_BITS == seq % (1 << ACK_SEQ_BITS):
-                    break
-                yield f"the ack of publication {seq} (slots up to tail {self._tail[dst]})"
-            ack_ns = float(word & ((1 << ACK_TIME_BITS) - 1))
-            if self.link is not None:
-                self.clock.arrive(ack_ns + self.link.latency_ns(same_server=self._same_server(dst)))
+            in_flight.append((seq, tail))
             sent += nbytes
             chunk_id += num_slots
             publications += 1
             if sent >= data.nbytes:
-                return Transfer(peer=dst, event_id=op.event_id, nbytes=data.nbytes,
-                                num_publications=publications, vtime_ns=self.clock.now_ns)
+                break
+        # Step 4 / 8: poll our metadata for the receiver's acks; the last one completes the send.
+        while in_flight:
+            acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
+            if in_flight:
+                yield f"the ack of publication {in_flight[-1][0]} (tail {in_flight[-1][1]})"
+        return Transfer(peer=dst, event_id=op.event_id, nbytes=data.nbytes,
+                        num_publications=publications, vtime_ns=self.clock.now_ns)
+
+    def _stamp(self, dst: int, nbytes: int, num_cores: int) -> float:
+        """The sender's virtual time for a publication: its clock, or later if the link is still
+        busy with its previous publication to the same die (transfers on one link serialize)."""
+        if self.link is None:
+            return self.clock.now_ns
+        stamp = max(self.clock.now_ns, self._link_free.get(dst, 0.0))
+        self._link_free[dst] = stamp + self.link.serialization_ns(
+            nbytes, num_cores=num_cores, path=self.path, same_server=self._same_server(dst))
+        return stamp
+
+    def _take_acks(self, dst: int, ack: int, in_flight: deque, acked_tail: int) -> int:
+        """Retire acknowledged publications; returns the tail up to which the ring is free."""
+        word = self.mem.load_word(ack, dst)
+        acked = word >> ACK_TIME_BITS
+        # Publication numbers wrap at 16 bits; with so few in flight, "acked >= seq" is exact.
+        while in_flight and (acked - in_flight[0][0]) % (1 << ACK_SEQ_BITS) < 1 << 15:
+            _, acked_tail = in_flight.popleft()
+            if self.link is not None:
+                ack_ns = float(word & ((1 << ACK_TIME_BITS) - 1))
+                self.clock.arrive(ack_ns + self.link.latency_ns(same_server=self._same_server(dst)))
+        return acked_tail
 
     def _recv_steps(self, op: _Op, out: np.ndarray):
         mem, layout, src, me = self.mem, self.layout, op.peer, self.me
-        ring, record = layout.ring_offset(src, me), layout.record_offset(src, me)
-        ack = layout.ack_offset(src, me)
+        ring, ack = layout.ring_offset(src, me), layout.ack_offset(src, me)
         received = expected_chunk = publications = 0
         total = None
         while total is None or received < total:
             # Step 5 (Fig. 4): poll our metadata until the sender's next record is published.
             seq = self._consumed.get(src, 0) + 1
+            record = layout.record_offset(src, me, seq)
             while mem.load_word(record + 8 * DOORBELL, src) != seq:
                 yield f"record {seq} from rank {src}"
             mem.sync()
-            rec = record_view(mem.words, record).copy()
-            self._check_record(op, rec, expected_chunk, out.nbytes if total is None else None)
-            total, nbytes = int(rec[MSG_BYTES]), int(rec[PUB_BYTES])
+            first = record // 8
+            event_id, chunk_id, tail, _, msg_bytes, nbytes, cores_word = \
+                mem.words[first + EVENT_ID:first + RECORD_WORDS].tolist()
+            self._check_record(op, event_id, chunk_id, expected_chunk, msg_bytes,
+                               out.nbytes if total is None else None)
+            total = msg_bytes
             # Step 6: copy the slots out of the managed area into the caller's buffer.
-            for ring_pos, msg_pos, length in layout.slot_runs(self._rtail.get(src, 0), nbytes):
-                out[received + msg_pos:received + msg_pos + length] = \
-                    mem.local[ring + ring_pos:ring + ring_pos + length]
-            num_slots = -(-nbytes // layout.slot_bytes)
-            self._rtail[src] = self._rtail.get(src, 0) + num_slots
-            if int(rec[TAIL]) != self._rtail[src]:
-                raise XcclError(f"die rank {me}: tail pointer from rank {src} is {int(rec[TAIL])},"
-                                f" expected {self._rtail[src]} (event {op.event_id})")
+            rtail = self._rtail.get(src, 0)
+            for ring_pos, msg_pos, length in layout.slot_runs(rtail, nbytes):
+                at = received + msg_pos
+                out[at:at + length] = mem.local[ring + ring_pos:ring + ring_pos + length]
+            rtail = self._rtail[src] = rtail + -(-nbytes // layout.slot_bytes)
+            if tail != rtail:
+                raise XcclError(f"die rank {me}: tail pointer from rank {src} is {tail}, "
+                                f"expected {rtail} (event {op.event_id})")
             self._consumed[src] = seq
             if self.link is not None:
-                cores, is_dma = int(rec[CORES]) & 0xFFFFFFFF, int(rec[CORES]) >> 32
-                sent_ns = float(rec[VTIME_NS:VTIME_NS + 1].view(np.float64)[0])
-                self.clock.arrive(sent_ns + self.link.transfer_ns(
-                    nbytes, num_cores=cores, path="dma" if is_dma else "mte",
-                    same_server=self._same_server(src)))
-            # Step 7: acknowledge in the sender's metadata (frees its ring for the next fill).
+                self.clock.arrive(float(mem.floats[first + VTIME_NS]) + self.link.transfer_ns(
+                    nbytes, num_cores=cores_word & 0xFFFFFFFF,
+                    path="dma" if cores_word >> 32 else "mte", same_server=self._same_server(src)))
+            # Step 7: acknowledge in the sender's metadata (frees those slots for the next fill).
             ack_word = (seq % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS | \
                 (int(self.clock.now_ns) & ((1 << ACK_TIME_BITS) - 1))
             mem.store_word(src, ack, ack_word)
             mem.flush(src)
             received += nbytes
-            expected_chunk += num_slots
+            expected_chunk += -(-nbytes // layout.slot_bytes)
             publications += 1
         return Transfer(peer=src, event_id=op.event_id, nbytes=total,
                         num_publications=publications, vtime_ns=self.clock.now_ns)
 
-    def _check_record(self, op: _Op, rec: np.ndarray, expected_chunk: int,
-                      capacity: int | None) -> None:
+    def _check_record(self, op: _Op, event_id: int, chunk_id: int, expected_chunk: int,
+                      msg_bytes: int, capacity: int | None) -> None:
         me, src = self.me, op.peer
-        if int(rec[EVENT_ID]) != op.event_id:
+        if event_id != op.event_id:
             raise EventMismatch(f"die rank {me}: receive from rank {src} expected event "
-                                f"{op.event_id}, the record carries event {int(rec[EVENT_ID])} "
-                                f"({int(rec[MSG_BYTES])} B message)")
-        if int(rec[CHUNK_ID]) != expected_chunk:
-            raise XcclError(f"die rank {me}: chunk id {int(rec[CHUNK_ID])} from rank {src}, "
-                            f"expected {expected_chunk} (event {op.event_id})")
-        if capacity is not None and int(rec[MSG_BYTES]) > capacity:
+                                f"{op.event_id}, the record carries event {event_id} "
+                                f"({msg_bytes} B message)")
+        if chunk_id != expected_chunk:
+            raise XcclError(f"die rank {me}: chunk id {chunk_id} from rank {src}, expected "
+                            f"{expected_chunk} (event {op.event_id})")
+        if capacity is not None and msg_bytes > capacity:
             raise BufferTooSmall(f"die rank {me}: receive buffer of {capacity} B < the "
-                                 f"{int(rec[MSG_BYTES])} B message from rank {src} "
-                                 f"(event {op.event_id})")
+                                 f"{msg_bytes} B message from rank {src} (event {op.event_id})")
 
 
 def _split(length: int, parts: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges splitting `length` bytes into at most `parts` near-equal 8-aligned runs."""
     if length == 0:
         return []
-    step = max(8, (-(-length // parts) + 7) // 8 * 8)
+    step = max(MIN_CORE_BYTES, (-(-length // parts) + 7) // 8 * 8)
     return [(lo, min(lo + step, length)) for lo in range(0, length, step)]

@@ -37,14 +37,19 @@ class LinkModel:
     def transfer_ns(self, nbytes: int, *, num_cores: int = 1, path: Path = "mte",
                     same_server: bool = False) -> float:
         """Virtual ns from the start of a write of `nbytes` to its arrival at the peer."""
-        link = self.write_gb_per_s_intra if same_server else self.write_gb_per_s_inter
         latency_us = self.write_latency_us_intra if same_server else self.write_latency_us_inter
         if path == "dma":
             latency_us += self.dma_startup_us
-            gb_per_s = link
-        else:  # MTE: each AIV core moves its share through its unified buffer
-            gb_per_s = min(link, self.mte_gb_per_s_per_core * min(num_cores, self.max_cores))
-        return latency_us * 1e3 + nbytes / gb_per_s  # bytes / (GB/s) = ns
+        return latency_us * 1e3 + self.serialization_ns(nbytes, num_cores=num_cores, path=path,
+                                                        same_server=same_server)
+
+    def serialization_ns(self, nbytes: int, *, num_cores: int = 1, path: Path = "mte",
+                         same_server: bool = False) -> float:
+        """Virtual ns the link is busy pushing `nbytes` (no start-up latency)."""
+        gb_per_s = self.write_gb_per_s_intra if same_server else self.write_gb_per_s_inter
+        if path == "mte":  # each AIV core moves its share through its unified buffer
+            gb_per_s = min(gb_per_s, self.mte_gb_per_s_per_core * min(num_cores, self.max_cores))
+        return nbytes / gb_per_s  # bytes / (GB/s) = ns
 
     def latency_ns(self, *, same_server: bool = False) -> float:
         """A one-word flag write (an acknowledgement)."""

@@ -1,0 +1,176 @@
+"""Per-rank program of `xds-mpi bench p2p` (run under mpiexec; rank 0 reports).
+
+Ranks pair up (0,1), (2,3), ...; every pair measures at once, so at 8 ranks the numbers include
+oversubscription. For each size and core count, in the same run:
+  xccl   - round trip: A sends (sync: returns after the ack), B receives and sends back;
+           one way: a sync send of the whole message (until the ack), for bandwidth
+  put    - the raw-MPI baseline: Put data + Flush + one-word flag + Flush, peer polls the flag
+  sendrecv - two-sided MPI Send/Recv ping-pong of the same bytes
+  projected - what one sync send costs a 910C die on the virtual clock (dies on two servers)
+Medians over iterations, then the median over pairs.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from xccl.gmem import DieMemory, poll_until
+from xccl.layout import P2PLayout
+from xccl.p2p import P2P
+from xccl.vclock import LinkModel, VirtualClock
+from xds_mpi.hardware import load_profile
+
+comm = MPI.COMM_WORLD
+COLUMNS = ["bytes", "cores", "xccl_rtt_us", "put_rtt_us", "rtt_vs_put", "sendrecv_rtt_us",
+           "rtt_vs_sendrecv", "xccl_gb_s", "put_gb_s", "bw_vs_put", "proj_910c_send_us"]
+
+
+def iterations(nbytes: int, base: int) -> int:
+    return max(5, min(base, int(base * 65536 / max(nbytes, 65536))))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.peer = comm.rank ^ 1
+        self.is_a = comm.rank % 2 == 0
+        pairs = {(r, r ^ 1) for r in range(comm.size)}
+        self.layout = P2PLayout.build(comm.size, args.slots, args.slot_bytes, pairs)
+        self.mem = DieMemory(comm, self.layout.window_bytes(comm.rank))
+        self.raw = DieMemory(comm, (max(args.sizes) + 64 + 7) // 8 * 8)  # data + a flag word
+        self.flag = self.raw.nbytes - 8
+        link = LinkModel.from_profile(load_profile(args.profile))
+        # Dies on different servers, as the paper measured (xDeepServe §3.1, Figure 5).
+        self.p2p = P2P(self.mem, self.layout, link=link, timeout_s=120,
+                       server_of=list(range(comm.size)))
+        self.args = args
+
+    def close(self) -> None:
+        comm.Barrier()
+        self.mem.free()
+        self.raw.free()
+
+    def timed(self, body, iters: int) -> float:
+        """Median seconds of `body(i)` over `iters` runs after a warm-up, pairs in step."""
+        for i in range(2):
+            body(-1 - i)
+        comm.Barrier()
+        times = []
+        for i in range(iters):
+            start = time.perf_counter()
+            body(i)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    def xccl_rtt(self, buf: np.ndarray, event: int, cores: int) -> None:
+        p2p, peer = self.p2p, self.peer
+        if self.args.mode == "async":
+            handles = ([p2p.isend(buf, peer, event, num_cores=cores),
+                        p2p.irecv(buf, peer, event)] if self.is_a else [p2p.irecv(buf, peer, event)])
+            [h.wait() for h in handles]
+            if not self.is_a:
+                p2p.isend(buf, peer, event, num_cores=cores).wait()
+        elif self.is_a:
+            p2p.send(buf, peer, event, num_cores=cores)
+            p2p.recv(buf, peer, event)
+        else:
+            p2p.recv(buf, peer, event)
+            p2p.send(buf, peer, event, num_cores=cores)
+
+    def put_rtt(self, buf: np.ndarray, i: int, one_way: bool = False) -> None:
+        raw, peer, flag = self.raw, self.peer, self.flag
+        token = i % (1 << 62) + 1 << 1
+
+        def put_and_flag(value: int) -> None:
+            raw.put(peer, 0, buf)
+            raw.flush(peer)
+            raw.store_word(peer, flag, value)
+            raw.flush(peer)
+
+        def wait_flag(value: int) -> None:
+            poll_until(lambda: raw.load_word(flag, peer) == value, deadline=time.monotonic() + 60,
+                       describe=lambda: f"rank {comm.rank}: bench flag {value} from {peer}")
+        if self.is_a:
+            put_and_flag(token)
+            wait_flag(token | 1)
+        else:
+            wait_flag(token)
+            if one_way:  # only the flag goes back: an ack, like xccl's
+                raw.store_word(peer, flag, token | 1)
+                raw.flush(peer)
+            else:
+                put_and_flag(token | 1)
+
+    def sendrecv_rtt(self, buf: np.ndarray) -> None:
+        if self.is_a:
+            comm.Send(buf, self.peer, 5)
+            comm.Recv(buf, self.peer, 5)
+        else:
+            comm.Recv(buf, self.peer, 5)
+            comm.Send(buf, self.peer, 5)
+
+    def row(self, nbytes: int, cores: int) -> dict:
+        buf = np.ones(nbytes, np.uint8)
+        iters = iterations(nbytes, self.args.iters)
+        p2p = self.p2p
+        xccl = self.timed(lambda i: self.xccl_rtt(buf, i % 1000 + 1, cores), iters)
+        put = self.timed(lambda i: self.put_rtt(buf, i), iters)
+        sendrecv = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
+
+        def one_way(i: int) -> None:
+            if self.is_a:
+                p2p.send(buf, self.peer, 0, num_cores=cores)
+            else:
+                p2p.recv(buf, self.peer, 0)
+        xccl_bw = nbytes / self.timed(one_way, iters) / 1e9
+        put_bw = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters) / 1e9
+        clock = VirtualClock()
+        p2p.set_clock(clock)
+        comm.Barrier()
+        if self.is_a:
+            p2p.send(buf, self.peer, 0, num_cores=cores)
+        else:
+            p2p.recv(buf, self.peer, 0)
+        values = comm.gather((xccl, put, sendrecv, xccl_bw, put_bw, clock.now_ns), root=0)
+        if comm.rank != 0:
+            return {}
+        senders = np.array([v for r, v in enumerate(values) if r % 2 == 0])
+        med = np.median(senders, axis=0)
+        return {"bytes": nbytes, "cores": cores, "xccl_rtt_us": med[0] * 1e6,
+                "put_rtt_us": med[1] * 1e6, "rtt_vs_put": med[0] / med[1],
+                "sendrecv_rtt_us": med[2] * 1e6, "rtt_vs_sendrecv": med[0] / med[2],
+                "xccl_gb_s": med[3], "put_gb_s": med[4], "bw_vs_put": med[3] / med[4],
+                "proj_910c_send_us": med[5] / 1e3}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="launch.bench_p2p")
+    parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    parser.add_argument("--cores", type=int, nargs="+", required=True)
+    parser.add_argument("--mode", choices=["sync", "async"], required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--slots", type=int, required=True)
+    parser.add_argument("--slot-bytes", type=int, required=True)
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    if comm.size % 2:
+        raise SystemExit(f"bench p2p pairs ranks up: --np must be even, got {comm.size}")
+    bench = Bench(args)
+    rows = []
+    for nbytes in args.sizes:
+        for cores in args.cores:
+            row = bench.row(nbytes, cores)
+            if comm.rank == 0:
+                rows.append(row)
+                print(f"  measured {nbytes} B x {cores} cores", flush=True)
+    bench.close()
+    if comm.rank == 0:
+        from launch.bench_report import report
+        report(rows, COLUMNS, args, comm.size)
+
+
+if __name__ == "__main__":
+    main()

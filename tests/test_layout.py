@@ -1,0 +1,79 @@
+"""The p2p layout: offsets in one place, disjoint and inside the window; size hints; the cap."""
+from __future__ import annotations
+
+import pytest
+
+from xccl.errors import OutOfWindow, UnknownPeer
+from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs
+from xccl.vclock import LinkModel, VirtualClock
+
+
+def regions(layout: P2PLayout, rank: int) -> list[tuple[int, int, str]]:
+    out = []
+    for src, dst in layout.pairs:
+        if dst == rank:
+            out.append((layout.record_offset(src, dst), 2 * RECORD_BYTES, f"records {src}"))
+            out.append((layout.ring_offset(src, dst), layout.ring_bytes, f"ring {src}"))
+        if src == rank:
+            out.append((layout.ack_offset(src, dst), RECORD_BYTES, f"ack {dst}"))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("pairs", [all_pairs(range(5)), {(0, 1), (2, 1), (1, 1), (3, 0)}])
+def test_regions_are_disjoint_and_fill_the_window(pairs):
+    layout = P2PLayout.build(5, 4, 64, pairs)
+    for rank in range(5):
+        ins = sum(1 for s, d in pairs if d == rank)
+        outs = sum(1 for s, d in pairs if s == rank)
+        assert layout.window_bytes(rank) == RECORD_BYTES * (2 * ins + outs) + ins * 4 * 64
+        end = 0
+        for offset, size, name in regions(layout, rank):
+            assert offset == end, f"rank {rank}: {name} at {offset}, expected {end}"
+            end = offset + size
+        assert end == layout.window_bytes(rank)
+
+
+def test_an_undeclared_pair_has_no_ring():
+    layout = P2PLayout.build(3, 4, 64, {(0, 1)})
+    with pytest.raises(UnknownPeer, match="no p2p ring for rank 1 -> rank 0"):
+        layout.ring_offset(1, 0)
+    with pytest.raises(UnknownPeer, match="outside ranks 0..2"):
+        P2PLayout.build(3, 4, 64, {(0, 3)})
+
+
+def test_the_cap_refuses_with_the_formula():
+    layout = P2PLayout.build(769, 8, 65536, all_pairs(range(1, 769)))
+    assert layout.window_bytes(0) == 0
+    assert layout.window_bytes(1) == RECORD_BYTES * 3 * 768 + 768 * 8 * 65536
+    with pytest.raises(OutOfWindow) as err:
+        layout.check_cap(1 << 28)
+    assert str(err.value) == (
+        "rank 1's window needs 402800640 B = 64 x (2 x 768 in + 768 out) records + 768 rings x 8 "
+        "slots x 65536 B, over the per-die cap xccl.max_window_bytes(268435456)")
+
+
+@pytest.mark.parametrize("first, nbytes, runs", [
+    (0, 0, []), (0, 10, [(0, 0, 10)]), (3, 64, [(192, 0, 64)]),
+    (3, 100, [(192, 0, 64), (0, 64, 36)]), (6, 256, [(128, 0, 128), (0, 128, 128)]),
+])
+def test_slot_runs_wrap_around_the_ring(first, nbytes, runs):
+    assert P2PLayout.build(2, 4, 64, {(0, 1)}).slot_runs(first, nbytes) == runs
+
+
+def test_link_model_costs_follow_the_profile_numbers():
+    link = LinkModel(write_gb_per_s_intra=137, write_gb_per_s_inter=135,
+                     write_latency_us_intra=1.3, write_latency_us_inter=2.1,
+                     mte_gb_per_s_per_core=27, dma_startup_us=10, max_cores=48)
+    assert link.transfer_ns(0) == pytest.approx(2100)
+    assert link.transfer_ns(27_000, num_cores=1) == pytest.approx(2100 + 1000)
+    assert link.transfer_ns(54_000, num_cores=2, same_server=True) == pytest.approx(1300 + 1000)
+    assert link.transfer_ns(135_000, num_cores=48) == pytest.approx(2100 + 1000)  # link-capped
+    assert link.transfer_ns(135_000, path="dma") == pytest.approx(2100 + 10_000 + 1000)
+
+
+def test_a_clock_only_moves_forward():
+    clock = VirtualClock(100.0)
+    assert clock.arrive(50.0) == 100.0 and clock.arrive(150.0) == 150.0
+    assert clock.advance(10) == 160.0
+    with pytest.raises(ValueError):
+        clock.advance(-1)
