@@ -85,6 +85,9 @@ class DieMemory:
     def flush(self, peer: int) -> None:
         self.win.Flush(peer)
 
+    def flush_all(self) -> None:
+        self.win.Flush_all()
+
     # -- words (flags, doorbells) ---------------------------------------------------------------
     def store_word(self, peer: int, offset: int, value: int) -> None:
         """Atomically replace one 64-bit word in `peer`'s window (then flush to complete)."""

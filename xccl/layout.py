@@ -21,6 +21,7 @@ record and ring in the receiver's window without asking.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable
 
 from xccl.errors import OutOfWindow, UnknownPeer
@@ -143,3 +144,86 @@ def all_pairs(ranks: Iterable[int]) -> frozenset[tuple[int, int]]:
     ranks = list(ranks)
     return frozenset((s, d) for s in ranks for d in ranks)
 
+
+
+# Dispatch/combine record words (one record per peer and direction; written by the peer).
+EP_DOORBELL, EP_EVENT_ID, EP_COUNT, EP_OFFSET, EP_VTIME_NS = range(5)
+INDEX_BYTES = 16   # per staged row: int32 token index, int32 top-k column, int64 physical slot
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpLayout:
+    """The dispatch/combine area of every EP member's window (xDeepServe §3.2, Figure 7).
+
+    Per member die, from `base[rank]` on (the same size on every member; 0 bytes elsewhere):
+        dispatch records   num_members x RECORD_BYTES   (peer p writes: count, offset, event id)
+        combine records    num_members x RECORD_BYTES
+        dispatch staging   max_send_rows x send_row_bytes   (own rows, partitioned by dest die)
+        dispatch index     max_send_rows x INDEX_BYTES      (token, column, slot of each row)
+        combine staging    max_recv_rows x out_row_bytes    (expert outputs, by source die)
+    max_send_rows = max_tokens x num_columns (top-k, + 1 with dedicated shared experts);
+    max_recv_rows = num_members x max_send_rows (every row of every die may go to one die);
+    send_row_bytes = hidden x itemsize, or hidden + 4 (INT8 + float32 scale) rounded up to 8;
+    out_row_bytes = hidden x itemsize. Combine has its own records and staging so a fast die's
+    combine never overwrites what a slow die still pulls from dispatch.
+    """
+
+    members: tuple[int, ...]           # ranks taking part in dispatch/combine, in order
+    base: tuple[int, ...]              # per rank of the communicator: where the EP area starts
+    hidden: int
+    max_tokens: int
+    num_columns: int
+    itemsize: int
+    use_int8: bool
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "max_tokens", "num_columns", "itemsize"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EpLayout.{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def num_members(self) -> int:
+        return len(self.members)
+
+    @property
+    def send_row_bytes(self) -> int:
+        raw = self.hidden + 4 if self.use_int8 else self.hidden * self.itemsize
+        return (raw + 7) // 8 * 8
+
+    @property
+    def out_row_bytes(self) -> int:
+        return self.hidden * self.itemsize
+
+    @property
+    def max_send_rows(self) -> int:
+        return self.max_tokens * self.num_columns
+
+    @property
+    def max_recv_rows(self) -> int:
+        return self.num_members * self.max_send_rows
+
+    @cached_property
+    def _area(self) -> dict[str, int]:
+        sizes = {"dispatch_records": self.num_members * RECORD_BYTES,
+                 "combine_records": self.num_members * RECORD_BYTES,
+                 "dispatch_rows": self.max_send_rows * self.send_row_bytes,
+                 "dispatch_index": self.max_send_rows * INDEX_BYTES,
+                 "combine_rows": self.max_recv_rows * self.out_row_bytes}
+        offsets, at = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = at
+            at += (size + 63) // 64 * 64
+        offsets["end"] = at
+        return offsets
+
+    def area_bytes(self) -> int:
+        """Size hint: bytes of the EP area on each member die."""
+        return self._area["end"]
+
+    def offset(self, rank: int, region: str) -> int:
+        """Byte offset of `region` in `rank`'s window."""
+        return self.base[rank] + self._area[region]
+
+    def record_offset(self, rank: int, kind: str, peer_idx: int) -> int:
+        """The record member `peer_idx` writes into `rank`'s window for `kind` (dispatch/combine)."""
+        return self.offset(rank, f"{kind}_records") + peer_idx * RECORD_BYTES

@@ -20,3 +20,58 @@ def tagged_payload(src: int, dst: int, seq: int, nbytes: int) -> np.ndarray:
     """Bytes that say where they came from: a stream seeded by (src, dst, seq), so a misrouted or
     reordered message differs from what its receiver expects."""
     return np.random.default_rng((src, dst, seq)).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def ep_route_reference(topk_idx: np.ndarray, log2phy, shared_slots, src_rank: int
+                       ) -> list[tuple[int, int, int]]:
+    """(token, column, physical slot) of every row a die sends, written out longhand: replica
+    (token mod replicas) of each chosen expert, then the dedicated shared slot
+    (src_rank + token) mod len(shared_slots) as the last column."""
+    rows = []
+    for token in range(topk_idx.shape[0]):
+        for column in range(topk_idx.shape[1]):
+            expert = int(topk_idx[token, column])
+            if expert >= 0:
+                replicas = log2phy[expert]
+                rows.append((token, column, replicas[token % len(replicas)]))
+        if shared_slots:
+            rows.append((token, topk_idx.shape[1],
+                         shared_slots[(src_rank + token) % len(shared_slots)]))
+    return rows
+
+
+def dispatch_reference(xs, topk_idxs, log2phy, shared_slots, slot_owner, members, *,
+                       use_int8: bool = False) -> dict[int, dict[str, np.ndarray]]:
+    """What every member receives, from all-gathered inputs: rows grouped by local slot
+    (ascending), then by source rank, token and column. xs[i] / topk_idxs[i] belong to
+    members[i]. Returns per rank: x [R, hidden], slot, src_rank, src_token, src_column [R]."""
+    from xccl.quant import quant_dequant
+    arrivals: dict[int, list] = {rank: [] for rank in members}
+    for src, x, topk_idx in zip(members, xs, topk_idxs):
+        rows = quant_dequant(x) if use_int8 and len(x) else x
+        for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
+            arrivals[slot_owner[slot]].append((slot, src, token, column, rows[token]))
+    out = {}
+    for rank, rows in arrivals.items():
+        rows.sort(key=lambda r: r[:4])
+        hidden = xs[0].shape[1]
+        out[rank] = {"x": np.array([r[4] for r in rows]).reshape(len(rows), hidden),
+                     **{name: np.array([r[i] for r in rows], np.int64)
+                        for i, name in enumerate(["slot", "src_rank", "src_token", "src_column"])}}
+    return out
+
+
+def combine_reference(xs, topk_idxs, topk_weights, log2phy, shared_slots, members, expert_fn,
+                      *, use_int8: bool = False) -> list[np.ndarray]:
+    """y[t] = sum over the token's columns, in column order, of weight x expert_fn(slot, row);
+    the shared column has weight 1. expert_fn(slot, rows [n, hidden]) -> [n, hidden]."""
+    from xccl.quant import quant_dequant
+    ys = []
+    for src, x, topk_idx, w in zip(members, xs, topk_idxs, topk_weights):
+        rows = quant_dequant(x) if use_int8 and len(x) else x
+        y = np.zeros_like(x)
+        for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
+            weight = 1.0 if column == topk_idx.shape[1] else w[token, column]
+            y[token] = y[token] + weight * expert_fn(slot, rows[token:token + 1])[0]
+        ys.append(y)
+    return ys
