@@ -16,13 +16,11 @@ def _fmt(value) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def report(rows: list[dict], columns: list[str], args: argparse.Namespace, num_ranks: int) -> None:
-    print(f"\nxds-mpi bench p2p: {num_ranks} ranks ({num_ranks // 2} pairs at once), mode "
-          f"{args.mode}, ring {args.slots} x {args.slot_bytes} B, profile {args.profile}")
+def report(rows: list[dict], columns: list[str], args: argparse.Namespace, *, title: str,
+           legend: str) -> None:
+    print(f"\n{title}, profile {args.profile}")
     print(format_table(columns, [[_fmt(row[c]) for c in columns] for row in rows]))
-    print("rtt_vs_*: xccl round trip / baseline round trip (lower is better); bw_vs_put: xccl "
-          "one-way bandwidth / raw Put bandwidth (higher is better); proj_910c_send_us: one sync "
-          "send on the virtual clock.")
+    print(legend)
     if args.out:
         write(rows, columns, Path(args.out), args)
         print(f"wrote {args.out}")

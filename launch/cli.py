@@ -73,8 +73,25 @@ def cmd_bench_p2p(args: argparse.Namespace) -> int:
                "--iters", str(args.iters), "--slots", str(args.slots), "--slot-bytes",
                str(args.slot_bytes), "--profile", args.profile, "--out", args.out,
                "--sizes", *map(str, args.sizes), "--cores", *map(str, args.cores)]
+    return _run_bench(args, program)
+
+
+def cmd_bench_ep(args: argparse.Namespace) -> int:
+    if args.np < 1:
+        raise ConfigError(f"bench ep needs --np >= 1, got {args.np}")
+    if args.experts % args.np or args.topk > args.experts:
+        raise ConfigError(f"bench ep: --experts({args.experts}) must be a multiple of --np"
+                          f"({args.np}) and >= --topk({args.topk})")
+    program = [sys.executable, "-m", "mpi4py", "-m", "launch.bench_ep", "--hidden",
+               str(args.hidden), "--topk", str(args.topk), "--experts", str(args.experts),
+               "--iters", str(args.iters), "--profile", args.profile, "--out", args.out,
+               "--tokens", *map(str, args.tokens)] + (["--int8"] if args.int8 else [])
+    return _run_bench(args, program)
+
+
+def _run_bench(args: argparse.Namespace, program: list[str]) -> int:
     command = mpi_command(args.np, program, timeout_s=args.timeout)
-    print(f"xds-mpi: bench p2p on {args.np} ranks: {command.shell_line()}", flush=True)
+    print(f"xds-mpi: bench {args.kind} on {args.np} ranks: {command.shell_line()}", flush=True)
     result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
     if result.timed_out:
         print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
@@ -126,6 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the job is killed")
     p.set_defaults(func=cmd_bench_p2p)
+
+    p = kinds.add_parser("ep", help="XCCL dispatch+combine vs Alltoall+Alltoallv",
+                         description="Latency of one dispatch + combine round (identity experts, "
+                                     "random top-k routing) against a two-sided baseline moving "
+                                     "the same rows (Alltoall of counts + Alltoallv there and "
+                                     "back) in the same run, plus the projected 910C latency.")
+    p.add_argument("--np", type=int, default=8, help="ranks (default 8)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128],
+                   help="tokens per die (default: 16 64 128)")
+    p.add_argument("--hidden", type=int, default=7168, help="row width (default 7168)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts (default 256)")
+    p.add_argument("--int8", action="store_true", help="INT8 + per-token scale on the wire")
+    p.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
+    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
+    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
+    p.set_defaults(func=cmd_bench_ep)
     return parser
 
 

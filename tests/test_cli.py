@@ -105,12 +105,13 @@ def test_validate_prints_window_sizes_and_refuses_a_layout_over_the_cap():
     ok = xds_mpi("validate", "--set", "xccl.p2p_pairs=all")
     assert ok.returncode == 0, ok.stderr
     # 4 dies, all pairs: 64 B x (2 x 4 in + 4 out) records + 4 rings x 8 x 64 KiB = 2,097,920 B
-    assert "largest die window 2.0 MiB" in ok.stdout
+    # of p2p, + 544,256 B of dispatch/combine (see EpLayout) = 2,642,176 B = 2.5 MiB
+    assert "largest die window 2.5 MiB" in ok.stdout
     over = xds_mpi("validate", "--set", "xccl.p2p_pairs=all", "--set",
                    "xccl.max_window_bytes=100000")
     assert over.returncode == 2
-    assert ("rank 1's window needs 2097920 B = 64 x (2 x 4 in + 4 out) records + 4 rings x 8 "
-            "slots x 65536 B, over the per-die cap xccl.max_window_bytes(100000)") in over.stderr
+    assert ("rank 1's window needs 2642176 B = p2p 2097920 B + dispatch/combine 544256 B, over "
+            "the per-die cap xccl.max_window_bytes(100000)") in over.stderr
 
 
 def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
@@ -137,3 +138,16 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
                       + link.transfer_ns(last, num_cores=2))
         expected_ns = math.floor(arrival_ns) + link.latency_ns()
         assert float(row["proj_910c_send_us"]) == pytest.approx(expected_ns / 1e3, rel=1e-6)
+
+
+def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
+    import csv
+    out = tmp_path / "ep.csv"
+    result = xds_mpi("bench", "ep", "--np", "2", "--tokens", "3", "8", "--hidden", "32",
+                     "--topk", "2", "--experts", "4", "--iters", "3", "--int8", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = list(csv.DictReader(out.open()))
+    assert [int(r["tokens"]) for r in rows] == [3, 8]
+    assert all(float(r["speedup"]) > 0 and float(r["proj_910c_us"]) > 0 for r in rows)
+    bad = xds_mpi("bench", "ep", "--np", "3", "--experts", "256")
+    assert bad.returncode == 2 and "--experts(256) must be a multiple of --np(3)" in bad.stderr

@@ -77,3 +77,15 @@ def test_a_clock_only_moves_forward():
     assert clock.advance(10) == 160.0
     with pytest.raises(ValueError):
         clock.advance(-1)
+
+
+def test_ep_area_follows_its_formula():
+    from xccl.layout import EpLayout
+    ep = EpLayout(members=(1, 2, 3), base=(0, 100 * 64, 0, 64), hidden=10, max_tokens=4,
+                  num_columns=3, itemsize=8, use_int8=True)
+    assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80   # 10 + 4 -> 16; 10 x 8
+    assert ep.max_send_rows == 12 and ep.max_recv_rows == 36
+    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80]        # each rounded up to 64 B
+    assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
+    assert ep.offset(1, "dispatch_records") == 6400
+    assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64

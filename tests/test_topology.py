@@ -112,7 +112,7 @@ def test_a_non_attention_rank_has_no_trampoline():
 
 
 def test_p2p_pairs_follow_the_declaration():
-    from xds_mpi.fabric import p2p_pairs, window_bytes
+    from xds_mpi.fabric import ep_layout, p2p_pairs, window_bytes
     cfg = config_from_dict({"deployment": {"dp_groups_per_domain": 3, "num_prefill_dies": 2},
                             "xccl": {"p2p_pairs": "prefill_to_decode", "ring_slots": 2,
                                      "slot_bytes": 1024}})
@@ -120,5 +120,8 @@ def test_p2p_pairs_follow_the_declaration():
     assert p2p_pairs(cfg, topo) == {(p, d) for p in (4, 5) for d in (1, 2, 3)}
     sizes = window_bytes(cfg, topo)
     assert sizes[0] == 0                       # the TE-shell holds no die memory
-    assert sizes[1] == 64 * 2 * 2 + 2 * 2 * 1024  # 2 senders: 2 records each + a ring each
+    ep = ep_layout(cfg, topo)
+    assert ep.members == (1, 2, 3) and ep.base[1] == 64 * 2 * 2 + 2 * 2 * 1024
+    # 2 senders: 2 records each + a ring each, then the dispatch/combine area
+    assert sizes[1] == 64 * 2 * 2 + 2 * 2 * 1024 + ep.area_bytes()
     assert sizes[4] == 64 * 3                    # 3 receivers: one ack word each

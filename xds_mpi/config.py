@@ -198,6 +198,7 @@ class XcclConfig:
     p2p_pairs: Literal["none", "all", "prefill_to_decode"] = "none"
     max_tokens_per_die: int = 64       # dispatch/combine and A2E/E2A rows per die and step
     use_int8: bool = True
+    row_dtype: Literal["float64", "float32"] = "float64"   # dispatch/combine rows without INT8
     num_cores: int = 2                 # AIV cores a transfer is split over
     poll_timeout_s: float = 60.0       # every wait raises after this long
     max_window_bytes: int = 1 << 30    # per-die cap on the RMA window

@@ -1,8 +1,9 @@
 """The deployment's XCCL memory: which die pairs talk p2p, and how big each die's window is."""
 from __future__ import annotations
 
-from xccl.errors import XcclError
-from xccl.layout import P2PLayout, all_pairs
+import numpy as np
+
+from xccl.layout import EpLayout, P2PLayout, all_pairs
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.topology import Topology
 
@@ -25,14 +26,34 @@ def p2p_layout(cfg: Config, topo: Topology) -> P2PLayout:
     return P2PLayout.build(topo.world_size, x.ring_slots, x.slot_bytes, p2p_pairs(cfg, topo))
 
 
+def ep_layout(cfg: Config, topo: Topology) -> EpLayout | None:
+    """Dispatch/combine area of a colocated deployment, after each die's p2p area."""
+    if cfg.deployment.kind != "colocated":
+        return None
+    p2p = p2p_layout(cfg, topo)
+    shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0
+    return EpLayout(members=topo.ranks_with_role("colocated"),
+                    base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
+                    hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
+                    num_columns=cfg.model.top_k + shared_column,
+                    itemsize=np.dtype(cfg.xccl.row_dtype).itemsize, use_int8=cfg.xccl.use_int8)
+
+
 def window_bytes(cfg: Config, topo: Topology) -> list[int]:
     """Size hint: bytes of every rank's window (host ranks: 0), refused over the per-die cap."""
-    layout = p2p_layout(cfg, topo)
-    try:
-        layout.check_cap(cfg.xccl.max_window_bytes)
-    except XcclError as exc:
-        raise ConfigError(str(exc)) from None
-    return [layout.window_bytes(rank) for rank in range(topo.world_size)]
+    p2p, ep = p2p_layout(cfg, topo), ep_layout(cfg, topo)
+    sizes = [p2p.window_bytes(rank) for rank in range(topo.world_size)]
+    if ep is not None:
+        for rank in ep.members:
+            sizes[rank] += ep.area_bytes()
+    cap = cfg.xccl.max_window_bytes
+    for rank, size in enumerate(sizes):
+        if size > cap:
+            ep_bytes = size - p2p.window_bytes(rank)
+            raise ConfigError(f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
+                              f" B + dispatch/combine {ep_bytes} B, over the per-die cap "
+                              f"xccl.max_window_bytes({cap})")
+    return sizes
 
 
 def format_bytes(nbytes: int) -> str:
