@@ -138,7 +138,7 @@ class EpBuffer:
         dest = self.member_of_rank[self.slot_owner[slot]]
         order = np.lexsort((column, token, slot, dest))
         token, column, slot, dest = token[order], column[order], slot[order], dest[order]
-        self._stage_rows(x[token], token, column, slot)
+        self._stage_rows(x, token, column, slot)
         send_counts = np.bincount(dest, minlength=len(self.members))
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
@@ -186,10 +186,10 @@ class EpBuffer:
                              f"({len(handle.recv_perm)}, {self.layout.hidden}) rows received")
         # Step 1-3 (mirror): stage outputs in our combine area, by source die, in the order
         # each source staged them.
-        pulled_order = np.empty_like(expert_out, dtype=self.dtype)
-        pulled_order[handle.recv_perm] = expert_out
-        start = self.layout.offset(self.me, "combine_rows")
-        self.mem.local[start:start + pulled_order.nbytes] = pulled_order.reshape(-1).view(np.uint8)
+        start, num_rows = self.layout.offset(self.me, "combine_rows"), len(expert_out)
+        staged = self.mem.local[start:start + num_rows * self.layout.out_row_bytes]
+        staged.view(self.dtype).reshape(num_rows, self.layout.hidden)[handle.recv_perm] = expert_out
+        self.mem.sync()
         # Step 4: tell each source where its outputs sit.
         seq = self._publish("combine", handle.event_id, handle.recv_counts)
         # Step 5: wait for every die's record; step 6-7: pull our rows' outputs back.
@@ -203,11 +203,11 @@ class EpBuffer:
                    "combine_rows", counts, offsets, self.layout.out_row_bytes)
         self._arrive(stamps, outs.nbytes)
         num_tokens, num_columns = handle.weights.shape
-        per_column = np.zeros((num_tokens, num_columns, self.layout.hidden), self.dtype)
-        per_column[handle.send_token, handle.send_column] = outs
         y = np.zeros((num_tokens, self.layout.hidden), self.dtype)
         for c in range(num_columns):  # fixed order: the same sum on every run
-            y += handle.weights[:, c, None].astype(self.dtype) * per_column[:, c]
+            rows = np.flatnonzero(handle.send_column == c)
+            token = handle.send_token[rows]                  # each token once per column
+            y[token] += handle.weights[token, c, None].astype(self.dtype) * outs[rows]
         return y
 
     # -- steps ----------------------------------------------------------------------------------
@@ -232,17 +232,19 @@ class EpBuffer:
         weights[:, top_k:] = 1.0
         return phy, weights
 
-    def _stage_rows(self, rows: np.ndarray, token, column, slot) -> None:
-        layout, local, num_rows = self.layout, self.mem.local, len(rows)
-        staged = np.zeros((num_rows, layout.send_row_bytes), np.uint8)   # [S, row bytes]
+    def _stage_rows(self, x: np.ndarray, token, column, slot) -> None:
+        layout, local, num_rows = self.layout, self.mem.local, len(token)
+        start = layout.offset(self.me, "dispatch_rows")
+        staged = local[start:start + num_rows * layout.send_row_bytes].reshape(
+            num_rows, layout.send_row_bytes)                            # [S, row bytes] in window
         if layout.use_int8:
-            q, scale = quantize_int8(rows)
+            q, scale = quantize_int8(x[token])
             staged[:, :layout.hidden] = q.view(np.uint8)
             staged[:, layout.hidden:layout.hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
+        elif layout.send_row_bytes == layout.out_row_bytes:             # copy straight in
+            np.take(x.astype(self.dtype, copy=False), token, axis=0, out=staged.view(self.dtype))
         else:
-            staged[:, :layout.out_row_bytes] = rows.astype(self.dtype).view(np.uint8)
-        start = layout.offset(self.me, "dispatch_rows")
-        local[start:start + staged.nbytes] = staged.reshape(-1)
+            staged[:, :layout.out_row_bytes] = x[token].astype(self.dtype).view(np.uint8)
         index = np.zeros(num_rows, INDEX_DTYPE)
         index["token"], index["column"], index["slot"] = token, column, slot
         start = layout.offset(self.me, "dispatch_index")
@@ -315,6 +317,8 @@ class EpBuffer:
             q = rows[:, :layout.hidden].view(np.int8)
             scale = rows[:, layout.hidden:layout.hidden + 4].copy().view(np.float32)[:, 0]
             return dequantize_int8(q, scale, self.dtype)
+        if layout.send_row_bytes == layout.out_row_bytes:
+            return rows.view(self.dtype)
         return rows[:, :layout.out_row_bytes].copy().view(self.dtype)
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
