@@ -236,6 +236,7 @@ class RunConfig:
     """How a launch behaves and where it writes."""
 
     output_dir: str = "runs"
+    name: str = ""                     # run file name (no .h5); "" = derived from the start time
     log_level: Literal["debug", "info", "warning"] = "info"
     timeout_s: float = 600.0           # MPIEXEC_TIMEOUT for the whole job
     check: bool = False                # compare with the single-process reference
@@ -243,6 +244,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _positive("run", timeout_s=self.timeout_s)
+        _require("/" not in self.name and self.name not in (".", ".."),
+                 f"run.name must be a file name without '/', got {self.name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
