@@ -6,14 +6,13 @@ from xds_mpi.topology import ExpertSlot, RankInfo, Topology
 
 def _ranges(values: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
-    parts: list[str] = []
+    runs: list[list[int]] = []
     for v in values:
-        if parts and v == last + 1:
-            parts[-1] = f"{parts[-1].split('-')[0]}-{v}"
+        if runs and v == runs[-1][-1] + 1:
+            runs[-1][-1] = v
         else:
-            parts.append(str(v))
-        last = v
-    return ",".join(parts)
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def describe_slots(slots: tuple[ExpertSlot, ...]) -> str:
