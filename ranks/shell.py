@@ -30,4 +30,4 @@ def run(ctx: RankContext) -> None:
     finally:
         write_run_file(path, cfg=ctx.cfg, topo=ctx.topo, status=status, started_at=started_at,
                        wall_time_s=time.perf_counter() - started, handshake_s=handshake_s)
-        ctx.log.info("run %s; run file %s", status.split(":")[0], path)
+        ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
