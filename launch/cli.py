@@ -11,6 +11,7 @@ import sys
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
+from launch import submit
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.fabric import format_bytes, window_bytes
 from xds_mpi.topology import Topology
@@ -161,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
     p.set_defaults(func=cmd_bench_ep)
+    submit.add_parser(sub)
     return parser
 
 
