@@ -74,7 +74,7 @@ class MLA(nn.Module):
         return q_nope, self.rotary(q_rope, positions)
 
     def project_latent(self, x: torch.Tensor, positions: torch.Tensor):
-        """x: [n, hidden] -> (c_kv [n, kv_lora_rank], k_rope [n, qk_rope_dim]): what the cache keeps"""
+        """x: [n, hidden] -> what the cache keeps: (c_kv [n, kv_lora_rank], k_rope [n, rope])"""
         c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_dim], dim=-1)
         return self.kv_norm(c_kv), self.rotary(k_rope, positions)
 
@@ -101,7 +101,8 @@ class MLA(nn.Module):
             cached_c_kv, cached_k_rope = cache.read(layer_idx, chunk.slots)  # [t, c], [t, r]
             scores = (torch.einsum("nhc,tc->nht", q_latent[rows], cached_c_kv)
                       + torch.einsum("nhr,tr->nht", q_rope[rows], cached_k_rope)) * self.scale
-            scores = scores.masked_fill(_future_mask(chunk.start_pos, chunk.num_tokens), -torch.inf)
+            is_future = _future_mask(chunk.start_pos, chunk.num_tokens)
+            scores = scores.masked_fill(is_future, -torch.inf)
             o_latent = torch.einsum("nht,tc->nhc", scores.softmax(-1), cached_c_kv)
             outputs.append(o_latent)
             row += chunk.num_tokens

@@ -101,7 +101,7 @@ class MoE(nn.Module):
         return out
 
     def run_routed(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """All routed experts in this process: x [rows, hidden] -> expert_out [rows, top_k, hidden]"""
+        """Every routed expert in this process: x [rows, hidden] -> [rows, top_k, hidden]"""
         expert_out = x.new_zeros(*routing.topk_idx.shape, x.shape[1])
         for expert_idx in routing.topk_idx.unique().tolist():
             row_idx, k_idx = (routing.topk_idx == expert_idx).nonzero(as_tuple=True)

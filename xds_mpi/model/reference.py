@@ -126,7 +126,8 @@ class ReferenceGenerator:
 
     def _run_main(self, seqs: list[_Seq], inputs: list[list[int]], starts: list[int]):
         """Main model over each seq's `inputs` at positions start.. -> per seq (hidden, logits)."""
-        chunks = [self._chunk(s.seq_id, start, len(ids)) for s, ids, start in zip(seqs, inputs, starts)]
+        chunks = [self._chunk(s.seq_id, start, len(ids))
+                  for s, ids, start in zip(seqs, inputs, starts)]
         tokens = torch.tensor([t for ids in inputs for t in ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(start, start + len(ids))
                                for ids, start in zip(inputs, starts)])

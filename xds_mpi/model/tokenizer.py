@@ -18,7 +18,8 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int = 260) -> None:
         if vocab_size < NUM_BYTES + NUM_SPECIAL:
             raise ValueError(f"a byte-level tokenizer needs vocab_size >= {NUM_BYTES} bytes + "
-                             f"{NUM_SPECIAL} specials = {NUM_BYTES + NUM_SPECIAL}, got {vocab_size}")
+                             f"{NUM_SPECIAL} specials = {NUM_BYTES + NUM_SPECIAL}, "
+                             f"got {vocab_size}")
         self.vocab_size = vocab_size
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
