@@ -201,10 +201,11 @@ cmd_status() {
 
 cmd_run_tests() {
     [ $# -gt 0 ] || die "run-tests needs a command, e.g. run-tests python -m pytest tests"
-    local started_here=1
-    all_running && started_here=0
-    # Stop on any exit, but only a cluster this call brought up.
-    trap '[ $started_here = 1 ] && cmd_stop_quiet' EXIT
+    STARTED_HERE=1
+    all_running && STARTED_HERE=0
+    # Stop on any exit (a global: the trap runs after this function returned), but only a
+    # cluster this call brought up.
+    trap '[ "$STARTED_HERE" = 1 ] && cmd_stop_quiet' EXIT
     cmd_start >/dev/null
     set +e
     XDS_MPI_SLURM=1 "$@"
