@@ -13,7 +13,7 @@ import sys
 from mpi4py import MPI
 
 from launch.log import setup_logging
-from ranks import ROLE_PROGRAMS, RankContext
+from ranks import RankContext, role_program
 from xds_mpi.config import load_config
 from xds_mpi.topology import Topology
 
@@ -30,8 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    ROLE_PROGRAMS[info.role](RankContext(cfg=cfg, topo=topo, comm=comm, log=log))
+    exit_code = role_program(info.role)(RankContext(cfg=cfg, topo=topo, comm=comm, log=log))
     faulthandler.cancel_dump_traceback_later()
+    if exit_code:
+        sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code
 
 
 if __name__ == "__main__":

@@ -1,22 +1,30 @@
-"""Role programs: one per role a rank can play. `ROLE_PROGRAMS[role](ctx)` runs a rank.
+"""Role programs: one per role a rank can play. `role_program(role)(ctx)` runs a rank.
 
 Every program starts with the startup handshake (all ranks agree on config and topology). The
-decode step loops of each role land with the decode issues; until then a die's program ends after
-the handshake and the TE-shell reports the deployment it brought up.
+colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py); the other roles'
+decode loops land with later work: until then their program ends after the handshake.
 """
 from __future__ import annotations
 
-from typing import Callable
+import importlib
+from typing import Callable, Optional
 
 from ranks.context import RankContext
-from ranks import die, shell
 
-ROLE_PROGRAMS: dict[str, Callable[[RankContext], None]] = {
-    "host": shell.run,
-    "attention": die.run,
-    "expert": die.run,
-    "colocated": die.run,
-    "prefill": die.run,
+# The module whose run(ctx) plays each role. Imported only by the ranks that play it, so ranks
+# that do not compute the model never import torch.
+ROLE_MODULES = {
+    "host": "ranks.shell",
+    "attention": "ranks.die",
+    "expert": "ranks.die",
+    "colocated": "ranks.colocated",
+    "prefill": "ranks.die",
 }
 
-__all__ = ["ROLE_PROGRAMS", "RankContext"]
+
+def role_program(role: str) -> Callable[[RankContext], Optional[int]]:
+    """run(ctx) -> exit code (None = 0) of the program for `role`."""
+    return importlib.import_module(ROLE_MODULES[role]).run
+
+
+__all__ = ["ROLE_MODULES", "RankContext", "role_program"]

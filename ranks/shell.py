@@ -1,7 +1,9 @@
 """The TE-shell (host rank): owns the request stream and reports on the job.
 
-At the end of a run it writes the run file (xds_mpi/runfile.py) and names it on its last log line;
-a run that fails still writes one, with status "failed: <why>", before the error aborts the job.
+In a colocated deployment it serves the workload (ranks/frontend.py), prints a progress line and
+a summary, and with run.check compares every served request with the single-process reference.
+At the end it writes the run file (xds_mpi/runfile.py) and names it on its last log line; a run
+that fails still writes one, with status "failed: <why>", before the error aborts the job.
 """
 from __future__ import annotations
 
@@ -13,21 +15,61 @@ from ranks.handshake import handshake
 from xds_mpi.runfile import run_file_path, write_run_file
 
 
-def run(ctx: RankContext) -> None:
+def run(ctx: RankContext) -> int:
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
-    handshake_s = 0.0
-    status = "completed"
+    handshake_s, status, serving = 0.0, "completed", None
     ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
     try:
         handshake(ctx)
         handshake_s = time.perf_counter() - started
         ctx.log.info("all %d ranks agree on the deployment (%.2f s): %s", ctx.comm.size,
                      handshake_s, ctx.topo.summary())
+        if ctx.topo.ranks_with_role("colocated"):
+            serving = Serving(ctx)
+            if serving.mismatches:
+                status = f"check failed: {len(serving.mismatches)} mismatches"
     except Exception as exc:
         status = f"failed: {exc}"
         raise
     finally:
         write_run_file(path, cfg=ctx.cfg, topo=ctx.topo, status=status, started_at=started_at,
-                       wall_time_s=time.perf_counter() - started, handshake_s=handshake_s)
+                       wall_time_s=time.perf_counter() - started, handshake_s=handshake_s,
+                       extra=serving.write if serving else None)
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
+        if serving and ctx.cfg.run.check:
+            print(serving.check_line, flush=True)
+    return 1 if serving and serving.mismatches else 0
+
+
+class Serving:
+    """Serve the workload on the colocated dies; summarize; check against the reference."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        from xccl.gmem import DieMemory
+        from ranks.frontend import Frontend
+        from xds_mpi.engine.results import check_against_reference, format_summary, summarize
+        mem = DieMemory(ctx.comm, 0)        # the shell holds no die memory, but joins the window
+        alone = ctx.comm.Split(0, ctx.comm.rank)
+        frontend = Frontend(ctx)
+        frontend.serve()
+        mem.free()
+        alone.Free()
+        self.records, self.started = frontend.records, frontend.started
+        self.summary = summarize(self.records, frontend.started, time.time())
+        self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
+        ctx.log.info(format_summary(self.summary))
+        self.mismatches: list[str] = []
+        self.check_line = ""
+        if ctx.cfg.run.check:
+            num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg,
+                                                                                self.records)
+            for line in self.mismatches:
+                ctx.log.error("check: %s", line)
+            self.check_line = (f"check: {num_requests} requests, {num_tokens} tokens, "
+                               f"{len(self.mismatches)} mismatches")
+
+    def write(self, f) -> None:
+        from xds_mpi.engine.results import write_serving
+        write_serving(f, self.records, self.started, self.summary, self.die_timings)
+        f["summary"].attrs["check_mismatches"] = len(self.mismatches)

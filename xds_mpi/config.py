@@ -173,6 +173,7 @@ class WorkloadConfig:
     output_len: int = 16
     max_prompt_len: int = 64           # uniform / long_tail upper bound
     max_output_len: int = 32
+    ignore_eos: bool = False           # generate max_new_tokens even past EOS (fixed lengths)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 import h5py
 import numpy as np
@@ -58,9 +59,11 @@ class RunRecord:
 
 
 def write_run_file(path: str | Path, *, cfg: Config, topo: Topology, status: str,
-                   started_at: datetime, wall_time_s: float, handshake_s: float) -> Path:
+                   started_at: datetime, wall_time_s: float, handshake_s: float,
+                   extra: Callable[[h5py.File], None] | None = None) -> Path:
     """Write the run file atomically (a temp file renamed into place), so a reader never sees a
-    half-written file and an array of runs never shares one."""
+    half-written file and an array of runs never shares one. `extra` adds more groups (the
+    serving results) before the file is renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -75,6 +78,8 @@ def write_run_file(path: str | Path, *, cfg: Config, topo: Topology, status: str
         for field in RANK_FIELDS:
             ranks[field] = np.array([getattr(info, field) for info in topo.ranks], dtype=np.int32)
         ranks["role"] = np.array([info.role for info in topo.ranks], dtype=h5py.string_dtype())
+        if extra is not None:
+            extra(f)
     os.replace(tmp, path)
     return path
 

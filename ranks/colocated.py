@@ -1,0 +1,87 @@
+"""A colocated die (xDeepServe §4.1-4.3, Figure 10): one DP group (TP=1) that also hosts expert
+slots. Each iteration every die runs attention on its own requests and meets all the others at
+every MoE layer's dispatch and combine, even with nothing to send."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from ranks.die_io import Inbox, Outbox
+from ranks.handshake import handshake
+from xds_mpi.engine.scheduler import DieScheduler
+from xds_mpi.fabric import ep_layout, window_bytes
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    die = ColocatedDie(ctx)
+    try:
+        while die.step():
+            pass
+        die.outbox.report(die.executor.num_iterations)
+    finally:
+        die.close()
+
+
+class ColocatedDie:
+    def __init__(self, ctx: RankContext) -> None:
+        import torch  # only now: the handshake does not wait for every die's torch import
+        from xccl.ep import EpBuffer
+        from xds_mpi.engine.executor import ColocatedExecutor
+        from xccl.gmem import DieMemory
+        from xds_mpi.model.kv_blocks import BlockTable
+        from xds_mpi.model.mla import LatentCache
+        from xds_mpi.model.tokenizer import EOS_ID
+        from xds_mpi.model.weights import build_model
+        cfg, topo = ctx.cfg, ctx.topo
+        torch.set_num_threads(1)  # ranks share the cores
+        self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
+        self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
+        model = build_model(cfg.model)
+        sched = cfg.scheduler
+        table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
+                           block_tokens=sched.kv_block_tokens)
+        cache = LatentCache(num_layers=model.num_cache_layers(0),
+                            num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+                            kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
+                            dtype=model.dtype)
+        slot_owner = [info.rank for info in topo.ranks for slot in info.expert_slots
+                      if slot.kind != "shared"]
+        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slot_owner, dtype=np.float64,
+                      num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
+                                      max_tokens=cfg.xccl.max_tokens_per_die,
+                                      prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
+                                      ignore_eos=cfg.workload.ignore_eos)
+        self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
+                                          log2phy=topo.log2phy(), table=table, cache=cache)
+        self.inbox = Inbox(ctx.comm, self.scheduler)
+        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+
+    def step(self) -> bool:
+        """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
+        self.inbox.poll()                                  # requests / stop from the TE-shell
+        busy, all_stopped = self.agree()                   # all dies run the same iterations
+        if not busy:
+            time.sleep(0.001)
+            return not all_stopped
+        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
+        tokens, timing = self.executor.forward(entries)    # MLA, gate, dispatch, experts, combine
+        emitted = self.scheduler.postprocess(tokens)       # finished requests free their blocks
+        self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
+        return True
+
+    def agree(self) -> tuple[bool, bool]:
+        """(does any die have work, has every die been told to stop) — one allreduce."""
+        mine = np.array([self.scheduler.num_active, 0 if self.inbox.is_stopped else 1])
+        total = np.empty_like(mine)
+        self.dies.Allreduce(mine, total, op=MPI.SUM)
+        return bool(total[0]), total[1] == 0
+
+    def close(self) -> None:
+        self.outbox.drain()
+        self.mem.free()
+        self.dies.Free()

@@ -1,0 +1,65 @@
+"""A die's control-plane mailboxes: requests and stop in from the TE-shell, tokens out."""
+from __future__ import annotations
+
+import time
+
+from mpi4py import MPI
+
+from ranks.messages import (TAG_KV, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport,
+                            TokenBatch)
+from xds_mpi.control import WaitTimeout
+from xds_mpi.engine.timing import IterationTiming
+from xds_mpi.engine.scheduler import DieScheduler, Emitted
+
+SHELL = 0  # the TE-shell is rank 0
+
+
+class Inbox:
+    def __init__(self, comm: MPI.Comm, scheduler: DieScheduler) -> None:
+        self.comm, self.scheduler = comm, scheduler
+        self.is_stopped = False
+
+    def poll(self) -> None:
+        """Take every request that has arrived; note a stop."""
+        while (message := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
+            self.scheduler.add(message.recv())
+        if not self.is_stopped:
+            message = self.comm.improbe(source=SHELL, tag=TAG_STOP)
+            if message is not None:
+                message.recv()
+                self.is_stopped = True
+
+
+class Outbox:
+    def __init__(self, comm: MPI.Comm, rank: int, *, timeout_s: float) -> None:
+        self.comm, self.rank, self.timeout_s = comm, rank, timeout_s
+        self.pending: list[MPI.Request] = []
+        self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
+        self.num_iterations = 0
+
+    def stream(self, emitted: list[Emitted], timing: IterationTiming, kv_used: int) -> None:
+        """Send this iteration's tokens straight to the TE-shell (the output shortcut)."""
+        self.num_iterations += 1
+        for name in self.timings:
+            self.timings[name].append(getattr(timing, name))
+        if emitted:
+            batch = TokenBatch(die_rank=self.rank, iteration=self.num_iterations,
+                               wall_time=time.time(),
+                               tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted))
+            self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
+            self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
+        self.pending = [r for r in self.pending if not r.Test()]
+
+    def report(self, num_iterations: int) -> None:
+        report = DieReport(die_rank=self.rank, num_iterations=num_iterations,
+                           timings=self.timings)
+        self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
+
+    def drain(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.pending:
+            self.pending = [r for r in self.pending if not r.Test()]
+            if self.pending and time.monotonic() > deadline:
+                raise WaitTimeout(f"die rank {self.rank}: {len(self.pending)} messages to the "
+                                  f"TE-shell not taken after {self.timeout_s:g} s")
+            time.sleep(0.0005)

@@ -1,0 +1,110 @@
+"""The TE-shell's frontend: admits the workload, dispatches each request once to a DP group with
+the decode load balancer (xDeepServe §4.3), and takes the tokens the dies stream back."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from ranks.messages import TAG_KV, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.engine.balancer import DecodeBalancer
+from xds_mpi.engine.requests import rejection
+from xds_mpi.engine.results import RequestRecord
+from xds_mpi.engine.workload import load_workload
+
+PROGRESS_EVERY_S = 1.0
+
+
+class Frontend:
+    def __init__(self, ctx: RankContext) -> None:
+        cfg = ctx.cfg
+        self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
+        self.groups = ctx.topo.ranks_with_role("colocated")
+        self.records: dict[int, RequestRecord] = {}
+        self.queue: deque = deque()
+        for req in load_workload(cfg):
+            reason = rejection(req, cfg)
+            self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
+            if reason:
+                self.log.warning("request %d rejected: %s", req.req_id, reason)
+            else:
+                self.queue.append(req)
+        self.queue = deque(sorted(self.queue, key=lambda r: (r.arrival_s, r.req_id)))
+        sched = cfg.scheduler
+        self.balancer = DecodeBalancer(
+            self.groups, max_batch=sched.max_batch_per_die,
+            kv_capacity_tokens=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+            block_tokens=sched.kv_block_tokens)
+        self.num_open = len(self.queue)
+        self.sends: list[MPI.Request] = []
+        self.reports: dict[int, DieReport] = {}
+
+    def serve(self) -> None:
+        """Until every accepted request is finished; then tell the dies to stop."""
+        self.started = time.time()
+        deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
+        while self.num_open:
+            did_work = self._dispatch_arrived() + self._take_tokens()
+            if time.monotonic() > next_progress:
+                self.log.info(self.progress())
+                next_progress += PROGRESS_EVERY_S
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"TE-shell: {self.num_open} requests unfinished after "
+                                  f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})")
+            if not did_work:
+                time.sleep(0.0005)
+        timeout_s = self.ctx.cfg.xccl.poll_timeout_s
+        send_to_each(self.comm, {g: None for g in self.groups}, tag=TAG_STOP,
+                     timeout_s=timeout_s, me="TE-shell", event="stop")
+        self.reports = recv_from_each(self.comm, self.groups, tag=TAG_REPORT,
+                                      timeout_s=timeout_s, me="TE-shell", event="die report")
+        self._take_tokens()
+        MPI.Request.Waitall(self.sends)
+
+    def _dispatch_arrived(self) -> int:
+        now, num = time.time() - self.started, 0
+        while self.queue and self.queue[0].arrival_s <= now:
+            group = self.balancer.pick(self.queue[0])
+            if group is None:
+                break  # every DP group is full; wait for completions
+            req = self.queue.popleft()
+            self.balancer.on_dispatch(group, req)
+            record = self.records[req.req_id]
+            record.die_rank, record.dispatched_at = group, time.time()
+            self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
+            num += 1
+        return num
+
+    def _take_tokens(self) -> int:
+        num = 0
+        while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_TOKENS)) is not None:
+            batch = message.recv()
+            for req_id, token, is_finished in batch.tokens:
+                record = self.records[req_id]
+                record.add_token(token, batch.wall_time)
+                if is_finished:
+                    record.finished_at = batch.wall_time
+                    self.balancer.on_complete(req_id)
+                    self.num_open -= 1
+            num += 1
+        status = MPI.Status()
+        while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_KV,
+                                            status=status)) is not None:
+            self.balancer.on_kv_stats(status.Get_source(), message.recv())
+        return num
+
+    def progress(self) -> str:
+        done = sum(1 for r in self.records.values() if r.finished_at)
+        tokens = sum(len(r.tokens) for r in self.records.values())
+        elapsed = time.time() - self.started
+        pending = sum(self.balancer.num_pending.values())
+        return (f"progress: {done}/{len(self.records)} requests done, {tokens} tokens, "
+                f"{tokens / max(elapsed, 1e-9):.1f} tok/s, {pending} running, "
+                f"{len(self.queue)} queued, {elapsed:.1f} s")
+
+    def arrival_wall(self, req_id: int) -> float:
+        return self.started + self.records[req_id].req.arrival_s

@@ -1,0 +1,29 @@
+"""Control-plane messages between the TE-shell and the dies (the VPC plane: two-sided MPI).
+
+TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle).
+die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_KV (used KV tokens),
+TAG_REPORT (DieReport, once at the end).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_KV, TAG_REPORT = 201, 202, 203, 204, 205
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenBatch:
+    """Tokens one die produced in one iteration: (req_id, token, is_finished) each."""
+
+    die_rank: int
+    iteration: int
+    wall_time: float                   # time.time() on the die when sampled
+    tokens: tuple[tuple[int, int, bool], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DieReport:
+    die_rank: int
+    num_iterations: int
+    timings: dict = field(default_factory=dict)   # name -> list per iteration
+    vtime_ns: float = 0.0

@@ -1,0 +1,45 @@
+"""Requests as the TE-shell receives them, and the checks that reject bad ones with a reason."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xds_mpi.config import Config
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    req_id: int
+    prompt: tuple[int, ...]            # token ids
+    max_new_tokens: int
+    arrival_s: float = 0.0             # seconds after the run starts
+    problem: str = ""                  # set when the request could not even be read
+
+
+def kv_tokens_needed(req: Request) -> int:
+    """KV entries a request may hold at its longest: prompt + every generated token."""
+    return len(req.prompt) + req.max_new_tokens
+
+
+def rejection(req: Request, cfg: Config) -> str:
+    """Why `req` cannot be served by this deployment ("" when it can)."""
+    if req.problem:
+        return req.problem
+    if not req.prompt:
+        return "empty prompt"
+    if req.max_new_tokens < 1:
+        return f"max_new_tokens({req.max_new_tokens}) < 1"
+    vocab = cfg.model.vocab_size
+    bad = [t for t in req.prompt if not 0 <= t < vocab]
+    if bad:
+        return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
+    total = kv_tokens_needed(req)
+    if total > cfg.model.max_seq_len:
+        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}) = {total} > "
+                f"model.max_seq_len({cfg.model.max_seq_len})")
+    sched = cfg.scheduler
+    capacity = sched.num_kv_blocks_per_die * sched.kv_block_tokens
+    if total > capacity:
+        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}) = {total} "
+                f"tokens > a die's KV capacity {sched.num_kv_blocks_per_die} blocks x "
+                f"{sched.kv_block_tokens} = {capacity}")
+    return ""

@@ -1,0 +1,114 @@
+"""What a serving run produced: per-request records, the summary, the reference check, and their
+groups in the run file (/requests, /dies, /summary attributes)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+
+from xds_mpi.config import Config
+from xds_mpi.engine.requests import Request
+
+
+@dataclass(kw_only=True)
+class RequestRecord:
+    req: Request
+    rejected: str = ""                 # the reason, for a rejected request
+    die_rank: int = -1
+    dispatched_at: float = 0.0         # wall clock (time.time())
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finished_at: float = 0.0
+
+    def add_token(self, token: int, wall_time: float) -> None:
+        self.tokens.append(token)
+        self.token_times.append(wall_time)
+
+    def ttft_s(self, arrival_wall: float) -> float:
+        return self.token_times[0] - arrival_wall if self.token_times else float("nan")
+
+    def tpot_s(self) -> float:
+        if len(self.token_times) < 2:
+            return float("nan")
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+def summarize(records: dict[int, RequestRecord], started: float, ended: float) -> dict:
+    served = [r for r in records.values() if not r.rejected]
+    ttft = np.array([r.ttft_s(started + r.req.arrival_s) for r in served]) * 1e3
+    tpot = np.array([r.tpot_s() for r in served]) * 1e3
+    num_tokens = sum(len(r.tokens) for r in served)
+    wall = ended - started
+    summary = {"num_requests": len(records), "num_served": len(served),
+               "num_rejected": len(records) - len(served), "num_tokens": num_tokens,
+               "wall_s": wall, "tokens_per_s": num_tokens / wall if wall > 0 else 0.0}
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot)):
+        values = values[~np.isnan(values)]
+        for q in (50, 90, 99):
+            summary[f"{name}_p{q}"] = float(np.percentile(values, q)) if len(values) else 0.0
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    return (f"summary: {s['num_served']} requests served, {s['num_rejected']} rejected, "
+            f"{s['num_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; "
+            f"TTFT p50/p90/p99 {s['ttft_ms_p50']:.1f}/{s['ttft_ms_p90']:.1f}/"
+            f"{s['ttft_ms_p99']:.1f} ms; TPOT p50/p90/p99 {s['tpot_ms_p50']:.1f}/"
+            f"{s['tpot_ms_p90']:.1f}/{s['tpot_ms_p99']:.1f} ms")
+
+
+def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
+                            ) -> tuple[int, int, list[str]]:
+    """Re-run the single-process reference on the served requests (grouped by max_new_tokens)
+    and compare tokens. Returns (requests, tokens, mismatch descriptions)."""
+    from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
+    from xds_mpi.model.weights import build_model
+    model = build_model(cfg.model)
+    by_length: dict[int, list[RequestRecord]] = defaultdict(list)
+    for record in records.values():
+        if not record.rejected:
+            by_length[record.req.max_new_tokens].append(record)
+    mismatches, num_requests, num_tokens = [], 0, 0
+    for max_new, group in sorted(by_length.items()):
+        options = GenerateOptions(max_new_tokens=max_new, use_int8=cfg.xccl.use_int8,
+                                  ignore_eos=cfg.workload.ignore_eos,
+                                  block_tokens=cfg.scheduler.kv_block_tokens)
+        outputs = ReferenceGenerator(model, options).generate([list(r.req.prompt) for r in group])
+        for record, out in zip(group, outputs):
+            num_requests += 1
+            num_tokens += len(out.tokens)
+            if tuple(record.tokens) != tuple(out.tokens):
+                first = next((i for i, (a, b) in enumerate(zip(record.tokens, out.tokens))
+                              if a != b), min(len(record.tokens), len(out.tokens)))
+                mismatches.append(f"request {record.req.req_id}: token {first} differs "
+                                  f"({len(record.tokens)} tokens served, {len(out.tokens)} in "
+                                  "the reference)")
+    return num_requests, num_tokens, mismatches
+
+
+def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: float,
+                  summary: dict, die_timings: dict[int, dict[str, list]]) -> None:
+    """Add /requests (one row per request), /dies/<rank> (per-iteration timings) and the
+    summary as attributes of /summary."""
+    ordered = [records[i] for i in sorted(records)]
+    group = f.create_group("requests")
+    group["req_id"] = np.array([r.req.req_id for r in ordered], np.int64)
+    group["status"] = np.array(["rejected" if r.rejected else "done" for r in ordered],
+                               dtype=h5py.string_dtype())
+    group["reason"] = np.array([r.rejected for r in ordered], dtype=h5py.string_dtype())
+    group["die_rank"] = np.array([r.die_rank for r in ordered], np.int64)
+    group["prompt_len"] = np.array([len(r.req.prompt) for r in ordered], np.int64)
+    group["num_tokens"] = np.array([len(r.tokens) for r in ordered], np.int64)
+    group["ttft_s"] = np.array([r.ttft_s(started + r.req.arrival_s) for r in ordered])
+    group["tpot_s"] = np.array([r.tpot_s() for r in ordered])
+    tokens = group.create_dataset("tokens", (len(ordered),), dtype=h5py.vlen_dtype(np.int64))
+    for i, r in enumerate(ordered):
+        tokens[i] = np.array(r.tokens, np.int64)
+    dies = f.create_group("dies")
+    for rank, timings in sorted(die_timings.items()):
+        die = dies.create_group(str(rank))
+        for name, values in timings.items():
+            die[name] = np.asarray(values)
+    f.create_group("summary").attrs.update(summary)
