@@ -49,9 +49,25 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _servable(cfg, topo) -> None:
+    """Refuse before launch a colocated run in which no request could be served."""
+    if not topo.ranks_with_role("colocated"):
+        return
+    from xds_mpi.engine.requests import rejection
+    from xds_mpi.engine.workload import load_workload
+    requests = load_workload(cfg)
+    reasons = [rejection(req, cfg) for req in requests]
+    if requests and all(reasons):
+        raise ConfigError(f"none of the {len(requests)} requests can be served; the first: "
+                          f"{reasons[0]}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.check:
+        args.set = [*args.set, "run.check=true"]
     path, cfg, topo = _load(args)
     window_bytes(cfg, topo)  # refuse a layout over the cap before launching
+    _servable(cfg, topo)
     command = mpi_command(topo.world_size, rank_program(path, args.set),
                           timeout_s=cfg.run.timeout_s, mpiexec=args.mpiexec)
     if args.dry_run:
@@ -115,12 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="launch a deployment with mpiexec",
                        description="Launch `mpiexec -n N python -m mpi4py -m launch.rank CONFIG` "
-                                   "with the environment the detected MPI needs. The job is "
-                                   "killed after run.timeout_s.")
+                                   "with the environment the detected MPI needs. A colocated "
+                                   "deployment serves the workload: the TE-shell prints progress"
+                                   " and a summary and writes a run file (HDF5) under "
+                                   "run.output_dir. The job is killed after run.timeout_s.")
     _add_config_args(p)
     p.add_argument("--mpiexec", default=None,
                    help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)")
     p.add_argument("--dry-run", action="store_true", help="print the command line, do not launch")
+    p.add_argument("--check", action="store_true",
+                   help="re-run the single-process reference on the same requests; exit non-zero "
+                        "on any token mismatch (same as --set run.check=true)")
     p.set_defaults(func=cmd_run)
 
     bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
