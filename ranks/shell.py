@@ -61,6 +61,7 @@ class Serving:
         ctx.log.info(format_summary(self.summary))
         self.mismatches: list[str] = []
         self.check_line = ""
+        self.is_checked = ctx.cfg.run.check
         if ctx.cfg.run.check:
             num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg,
                                                                                 self.records)
@@ -72,4 +73,4 @@ class Serving:
     def write(self, f) -> None:
         from xds_mpi.engine.results import write_serving
         write_serving(f, self.records, self.started, self.summary, self.die_timings)
-        f["summary"].attrs["check_mismatches"] = len(self.mismatches)
+        f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
