@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 
 from harness import REPO_ROOT
@@ -190,7 +191,9 @@ def timeout_job(slurm, tmp_path_factory):
 
 def test_a_job_runs_to_completion_and_writes_its_run_file(timeout_job, tmp_path):
     started = time.monotonic()
-    result = xds_mpi("submit", "--wait", "--set", "run.name=single", cwd=tmp_path, timeout=180)
+    # run.check: the TE-shell compares every served token with the single-process reference.
+    result = xds_mpi("submit", "--wait", "--set", "run.name=single", "--set", "run.check=true",
+                     cwd=tmp_path, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = re.search(r"submitted job (\d+): 5 ranks on 1 node\(s\)", result.stdout).group(1)
     run_file = tmp_path / "runs" / "single.h5"
@@ -200,9 +203,15 @@ def test_a_job_runs_to_completion_and_writes_its_run_file(timeout_job, tmp_path)
     assert (record.name, record.status, record.world_size, record.num_dies) == \
         ("single", "completed", 5, 4)
     assert list(record.ranks["role"]) == ["host"] + ["colocated"] * 4
-    assert record.config == load_config(COLOCATED, ["run.name=single"])
+    assert record.config == load_config(COLOCATED, ["run.name=single", "run.check=true"])
+    with h5py.File(run_file) as f:                   # the decode results: all 8 requests served
+        assert list(f["requests/status"].asstr()[()]) == ["done"] * 8
+        assert f["summary"].attrs["check_mismatches"] == 0
     log = (tmp_path / "runs" / "jobs" / "single" / f"slurm-{job_id}.out").read_text()
-    assert log.rstrip().endswith(f"run completed; run file {run_file}")
+    assert "summary: 8 requests served, 0 rejected" in log
+    assert re.search(r"run completed; run file \S+\s+check: 8 requests, \d+ tokens, 0 mismatches$",
+                     log.rstrip()), log[-2000:]
+    assert f"run completed; run file {run_file}" in log
     print(f"single job: {time.monotonic() - started:.1f} s")
 
 
