@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch import generate
+from launch import generate, project
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_ep)
     submit.add_parser(sub)
     generate.add_parser(sub)
+    project.add_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ def run(ctx: RankContext) -> None:
     try:
         while die.step():
             pass
-        die.outbox.report(die.executor.num_iterations)
+        die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent))
     finally:
         die.close()
 
@@ -30,7 +30,12 @@ class ColocatedDie:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
         from xccl.ep import EpBuffer
+        from xccl.vclock import VirtualClock
+        from xds_mpi.cost import CostModel, Hardware
         from xds_mpi.engine.executor import ColocatedExecutor
+        from xds_mpi.engine.pricing import Pricer
+        from xds_mpi.hardware import load_profile
+        from xds_mpi.model.shapes import cost_shape
         from xccl.gmem import DieMemory
         from xds_mpi.model.kv_blocks import BlockTable
         from xds_mpi.model.mla import LatentCache
@@ -50,14 +55,19 @@ class ColocatedDie:
                             dtype=model.dtype)
         slot_owner = [info.rank for info in topo.ranks for slot in info.expert_slots
                       if slot.kind != "shared"]
-        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slot_owner, dtype=np.float64,
+        clock = VirtualClock()
+        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slot_owner, dtype=np.float64, clock=clock,
                       num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
+        self.pricer = Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,
+                             num_routed_dies=len({o for o in slot_owner}))
         self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
                                       max_tokens=cfg.xccl.max_tokens_per_die,
                                       prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
                                       ignore_eos=cfg.workload.ignore_eos)
         self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
-                                          log2phy=topo.log2phy(), table=table, cache=cache)
+                                          log2phy=topo.log2phy(), table=table, cache=cache,
+                                          pricer=self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 

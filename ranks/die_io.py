@@ -50,9 +50,9 @@ class Outbox:
             self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
         self.pending = [r for r in self.pending if not r.Test()]
 
-    def report(self, num_iterations: int) -> None:
+    def report(self, num_iterations: int, virtual_spent: dict[str, float]) -> None:
         report = DieReport(die_rank=self.rank, num_iterations=num_iterations,
-                           timings=self.timings)
+                           timings=self.timings, virtual_spent=virtual_spent)
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 
     def drain(self) -> None:

@@ -25,5 +25,5 @@ class TokenBatch:
 class DieReport:
     die_rank: int
     num_iterations: int
-    timings: dict = field(default_factory=dict)   # name -> list per iteration
-    vtime_ns: float = 0.0
+    timings: dict = field(default_factory=dict)   # IterationTiming field -> list per iteration
+    virtual_spent: dict = field(default_factory=dict)   # operation -> virtual seconds, all iterations

@@ -48,7 +48,9 @@ class Serving:
     def __init__(self, ctx: RankContext) -> None:
         from xccl.gmem import DieMemory
         from ranks.frontend import Frontend
-        from xds_mpi.engine.results import check_against_reference, format_summary, summarize
+        from xds_mpi.engine.results import (check_against_reference, format_projection,
+                                            format_summary, projected_summary, summarize)
+        from xds_mpi.model.shapes import cost_shape
         mem = DieMemory(ctx.comm, 0)        # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = Frontend(ctx)
@@ -59,6 +61,11 @@ class Serving:
         self.summary = summarize(self.records, frontend.started, time.time())
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
+        big = cost_shape()
+        self.summary.update(projected_summary(
+            frontend.reports, ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
+            big.num_layers - big.num_dense_layers))
+        ctx.log.info(format_projection(self.summary))
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check

@@ -322,9 +322,10 @@ class EpBuffer:
         return rows[:, :layout.out_row_bytes].copy().view(self.dtype)
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
-        """Virtual time: the last peer's record lands, then our link pulls the bytes."""
+        """Virtual time: wait for the last peer's record; with a link model, add its latency and
+        the time our link takes to pull the bytes (without one, the caller prices the transfer)."""
         if self.link is None:
+            self.clock.arrive(float(stamps.max(initial=0.0)))
             return
-        latency = self.link.latency_ns()
-        self.clock.arrive(float(stamps.max(initial=0.0)) + latency)
+        self.clock.arrive(float(stamps.max(initial=0.0)) + self.link.latency_ns())
         self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))

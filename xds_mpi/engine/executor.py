@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from xccl.ep import EpBuffer
+from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry
 from xds_mpi.engine.timing import IterationTiming
 from xds_mpi.model.kv_blocks import BlockTable
@@ -24,9 +25,10 @@ from xds_mpi.model.transformer import DeepSeekModel
 
 class ColocatedExecutor:
     def __init__(self, model: DeepSeekModel, ep: EpBuffer, *, phy2log: tuple[int, ...],
-                 log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache) -> None:
+                 log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache,
+                 pricer: Pricer) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
-        self.phy2log, self.log2phy = phy2log, log2phy
+        self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
         self.num_iterations = 0
 
     def _inputs(self, entries: list[Entry]):
@@ -42,7 +44,7 @@ class ColocatedExecutor:
     def forward(self, entries: list[Entry]) -> tuple[dict[int, int], IterationTiming]:
         """Run the batch (possibly empty: the die still joins every dispatch and combine);
         returns the greedy token of every sampled entry and the iteration's timing."""
-        started = time.perf_counter()
+        started, vstart = time.perf_counter(), self.ep.clock.now_ns
         spent = defaultdict(float)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
@@ -52,27 +54,35 @@ class ColocatedExecutor:
                 t0 = time.perf_counter()
                 if entries:
                     x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
+                self.pricer.attention(entries, is_moe=layer.is_moe)
                 spent["attention"] += time.perf_counter() - t0
                 if layer.is_moe:
                     x = x + self._moe(layer, layer.ffn_norm(x), layer_idx, spent)
                 elif entries:
                     x = layer.ffn_part(x)
+                    self.pricer.dense_ffn(len(tokens))
             sampled = self._sample(entries, x)
-        timing = IterationTiming(num_rows=len(tokens), attention_s=spent["attention"],
-                                 xccl_s=spent["xccl"], experts_s=spent["experts"],
-                                 total_s=time.perf_counter() - started)
+        self.pricer.finish(len(sampled))
+        timing = IterationTiming(num_rows=len(tokens), num_sampled=len(sampled),
+                                 attention_s=spent["attention"], xccl_s=spent["xccl"],
+                                 experts_s=spent["experts"], total_s=time.perf_counter() - started,
+                                 vtime_s=(self.ep.clock.now_ns - vstart) / 1e9)
         return sampled, timing
 
     def _moe(self, layer, h: torch.Tensor, layer_idx: int, spent) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
-        moe = layer.ffn
+        moe, pricer, clock = layer.ffn, self.pricer, self.ep.clock
         t0 = time.perf_counter()
         routing = moe.gate(h)
+        pricer.gate(len(h))
         t1 = time.perf_counter()
         event = self.num_iterations * len(self.model.layers) + layer_idx
+        before = clock.now_ns
         recv_x, info, handle = self.ep.dispatch(
             h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(), event,
             log2phy=self.log2phy)
+        pricer.waited("dispatch", before)
+        pricer.dispatch(len(recv_x))
         t2 = time.perf_counter()
         expert_out = np.empty_like(recv_x)
         row = 0
@@ -81,8 +91,12 @@ class ColocatedExecutor:
                 rows = torch.from_numpy(recv_x[row:row + num_rows])
                 expert_out[row:row + num_rows] = moe.expert_forward(self.phy2log[slot], rows).numpy()
                 row += num_rows
+        pricer.experts(len(recv_x), len(h))
         t3 = time.perf_counter()
+        before = clock.now_ns
         routed = torch.from_numpy(self.ep.combine(expert_out, handle))
+        pricer.waited("combine", before)
+        pricer.combine(len(h))
         t4 = time.perf_counter()
         shared = moe.shared_forward(h)
         t5 = time.perf_counter()

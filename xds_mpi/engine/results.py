@@ -112,3 +112,45 @@ def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: floa
         for name, values in timings.items():
             die[name] = np.asarray(values)
     f.create_group("summary").attrs.update(summary)
+
+
+def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: int) -> dict:
+    """The 910C projection of a run from the dies' virtual clocks: decode-only iterations (no
+    prompt rows on any die) give the iteration time, TPOT and tokens/s per chip; the virtual time
+    each die spent per operation gives the breakdown (Figure 20) and the per-call latency of
+    dispatch and combine (one call per cost-shape MoE layer)."""
+    timings = [r.timings for r in die_reports.values()]
+    if not timings or not timings[0]["vtime_s"]:
+        return {}
+    vtime = np.array([t["vtime_s"] for t in timings])              # [dies, iterations]
+    rows = np.array([t["num_rows"] for t in timings])
+    sampled = np.array([t["num_sampled"] for t in timings])
+    decode = (rows == sampled).all(axis=0) & (rows.sum(axis=0) > 0)
+    if not decode.any():
+        decode = rows.sum(axis=0) > 0
+    iteration = vtime.max(axis=0)[decode]
+    out = {"projected_iteration_ms": float(iteration.mean() * 1e3),
+           "projected_tpot_ms": float(iteration.mean() * 1e3),
+           "projected_tokens_per_s_per_chip": float(
+               (sampled.sum(axis=0)[decode] / iteration).mean() / num_chips)}
+    num_iterations = vtime.shape[1]
+    ops = sorted({op for r in die_reports.values() for op in r.virtual_spent})
+    for op in ops:
+        mean = np.mean([r.virtual_spent.get(op, 0.0) for r in die_reports.values()])
+        out[f"projected_ms_{op}"] = float(mean / num_iterations * 1e3)
+    for op in ("dispatch", "combine"):
+        if f"projected_ms_{op}" in out:
+            out[f"projected_us_per_{op}"] = out[f"projected_ms_{op}"] * 1e3 / num_cost_moe_layers
+    return out
+
+
+def format_projection(p: dict) -> str:
+    if not p:
+        return "projection: no iterations"
+    ops = ", ".join(f"{k.removeprefix('projected_ms_')} {v:.2f}" for k, v in p.items()
+                    if k.startswith("projected_ms_"))
+    return (f"projected on 910C: iteration {p['projected_iteration_ms']:.2f} ms, TPOT "
+            f"{p['projected_tpot_ms']:.2f} ms, {p['projected_tokens_per_s_per_chip']:.0f} tokens/s "
+            f"per chip; per iteration (ms): {ops}; dispatch "
+            f"{p.get('projected_us_per_dispatch', 0):.1f} us, combine "
+            f"{p.get('projected_us_per_combine', 0):.1f} us per call")

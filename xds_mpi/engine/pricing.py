@@ -1,0 +1,68 @@
+"""A die's virtual clock during an iteration: each piece of work the tiny model does is priced
+at the cost shape (DeepSeek-V3) by the cost model, and XCCL's records carry the clock across dies.
+
+The tiny model has fewer layers than the cost shape, so each emulated MoE (dense) layer stands for
+cost_moe_layers / tiny_moe_layers (dense likewise) layers of the cost shape; its rows keep their
+count, its top-k rows scale by cost top-k / tiny top-k, and a die's received rows spread over the
+cost shape's experts per die. Waiting for the slowest die at dispatch and combine is counted
+under those primitives, as a profiler on the die would see it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from xccl.vclock import VirtualClock
+from xds_mpi.config import ModelConfig
+from xds_mpi.cost import CostModel
+from xds_mpi.engine.scheduler import Entry
+
+
+class Pricer:
+    def __init__(self, cost: CostModel, tiny: ModelConfig, clock: VirtualClock, *,
+                 num_routed_dies: int, use_int8: bool) -> None:
+        big = cost.m
+        self.cost, self.clock, self.use_int8 = cost, clock, use_int8
+        tiny_moe = tiny.num_layers - tiny.num_dense_layers
+        self.moe_scale = (big.num_layers - big.num_dense_layers) / tiny_moe
+        self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
+        self.topk_scale = big.top_k / tiny.top_k
+        self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
+        self.spent: dict[str, float] = defaultdict(float)   # operation -> virtual seconds
+
+    def _add(self, op: str, seconds: float) -> None:
+        self.clock.advance(seconds * 1e9)
+        self.spent[op] += seconds
+
+    def waited(self, op: str, before_ns: float) -> None:
+        self.spent[op] += (self.clock.now_ns - before_ns) / 1e9
+
+    def attention(self, entries: list[Entry], *, is_moe: bool) -> None:
+        scale = self.moe_scale if is_moe else self.dense_scale
+        rows = sum(len(e.input_ids) for e in entries)
+        seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries]
+        self._add("MLAProlog", scale * self.cost.mla_prolog(rows))
+        self._add("attention", scale * self.cost.attention(seqs))
+
+    def dense_ffn(self, rows: int) -> None:
+        self._add("dense FFN", self.dense_scale * self.cost.dense_ffn(rows))
+
+    def gate(self, rows: int) -> None:
+        self._add("gate", self.moe_scale * self.cost.gate(rows))
+
+    def dispatch(self, rows_in: int) -> None:
+        self._add("dispatch", self.moe_scale * self.cost.dispatch(
+            rows_in * self.topk_scale, int8=self.use_int8))
+
+    def experts(self, rows_in: int, rows: int) -> None:
+        per_expert = rows_in * self.topk_scale / self.experts_per_die
+        routed = self.cost.experts([per_expert] * self.experts_per_die) if rows_in else 0.0
+        shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
+        self._add("experts", self.moe_scale * (routed + shared))
+
+    def combine(self, rows: int) -> None:
+        self._add("combine", self.moe_scale * self.cost.combine(
+            rows * self.cost.m.top_k))
+
+    def finish(self, num_sampled: int) -> None:
+        self._add("head + sampling", self.cost.head(num_sampled) + self.cost.sampling(num_sampled))
+        self._add("scheduling bubble", self.cost.hw.bubble_s)
