@@ -77,3 +77,14 @@ def test_the_emulated_clocks_agree_with_the_analytic_projection(tmp_path):
     cfg = config_from_dict({"deployment": {"dp_groups_per_domain": 2}})
     analytic = project(cfg, BIG, HW, batch_per_die=2, kv_len=20, mtp_depth=0).iteration_s * 1e3
     assert emulated == pytest.approx(analytic, rel=0.05)
+
+
+def test_the_h800_profile_projects_the_same_deployment():
+    h800 = Hardware.from_profile(load_profile("h800"))
+    assert (h800.bf16_flops, h800.mla_eff, h800.mem_eff) == (989e12, 0.667, 0.896)
+    cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
+    p = project(cfg, BIG, h800, batch_per_die=60, kv_len=3072, mtp_depth=1, accept_rate=0.9)
+    # Same bytes over a third of the UB bandwidth: dispatch costs about 164 / 46 times more.
+    ascend = project(cfg, BIG, HW, batch_per_die=60, kv_len=3072, mtp_depth=1, accept_rate=0.9)
+    ratio = (p.primitives_s["dispatch"] - 6e-6) / (ascend.primitives_s["dispatch"] - 4e-6)
+    assert ratio == pytest.approx(164 / 46, rel=1e-6)
