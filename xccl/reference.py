@@ -75,3 +75,54 @@ def combine_reference(xs, topk_idxs, topk_weights, log2phy, shared_slots, member
             y[token] = y[token] + weight * expert_fn(slot, rows[token:token + 1])[0]
         ys.append(y)
     return ys
+
+
+def a2e_reference(xs, topk_idxs, log2phy, shared_slots, slot_owner, attention, experts, *,
+                  use_int8: bool = False) -> dict[int, dict[str, np.ndarray]]:
+    """What every expert die receives from one DP domain's A2E (with or without trampolines):
+    rows sorted by slot, source attention rank, token, column. xs[i] / topk_idxs[i] belong to
+    attention[i]; routed rows go through INT8 when enabled, shared-column rows never do (the
+    reference model quantizes the routed experts' input only). Returns per expert rank: x [R,
+    hidden], slot, src_rank, src_token, src_column [R]."""
+    from xccl.quant import quant_dequant
+    arrivals: dict[int, list] = {rank: [] for rank in experts}
+    for src, x, topk_idx in zip(attention, xs, topk_idxs):
+        routed = quant_dequant(x) if use_int8 and len(x) else x
+        for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
+            row = routed[token] if column < topk_idx.shape[1] else x[token]
+            arrivals[slot_owner[slot]].append((slot, src, token, column, row))
+    hidden, out = xs[0].shape[1], {}
+    for rank, rows in arrivals.items():
+        rows.sort(key=lambda r: r[:4])
+        out[rank] = {"x": np.array([r[4] for r in rows]).reshape(len(rows), hidden),
+                     **{name: np.array([r[i] for r in rows], np.int64)
+                        for i, name in enumerate(["slot", "src_rank", "src_token", "src_column"])}}
+    return out
+
+
+def e2a_reference(xs, topk_idxs, topk_weights, log2phy, shared_slots, attention, expert_fn, *,
+                  use_int8: bool = False) -> list[np.ndarray]:
+    """y[t] of every attention die after E2A: its columns' expert outputs, weighted, summed in
+    column order from zero (the shared column last, weight 1, on the unquantized row)."""
+    from xccl.quant import quant_dequant
+    ys = []
+    for src, x, topk_idx, w in zip(attention, xs, topk_idxs, topk_weights):
+        routed = quant_dequant(x) if use_int8 and len(x) else x
+        y = np.zeros_like(x)
+        for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
+            is_shared = column == topk_idx.shape[1]
+            row = (x if is_shared else routed)[token:token + 1]
+            y[token] = y[token] + (1.0 if is_shared else w[token, column]) * expert_fn(slot, row)[0]
+        ys.append(y)
+    return ys
+
+
+def a2e_metadata_writes(num_attention_dies: int, num_expert_dies: int, group_size: int, *,
+                        use_trampolines: bool) -> dict[str, int]:
+    """Records written per call by one attention die, one trampoline and one expert die (A2E +
+    E2A, both stages). Trampolines: attention 1; trampoline E (A2E') + 1 (E2A) + G (its own E2A');
+    other expert dies G. Direct: attention E; expert dies G."""
+    if use_trampolines:
+        return {"attention": 1, "trampoline": num_expert_dies + 1 + group_size,
+                "expert": group_size}
+    return {"attention": num_expert_dies, "trampoline": group_size, "expert": group_size}

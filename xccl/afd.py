@@ -1,0 +1,456 @@
+"""A2E / E2A for disaggregated MoE-attention, with trampoline forwarding (xDeepServe §3.3, Fig. 8).
+
+Attention dies (G per DP domain, one domain active per call) and expert dies live on separate
+dies. With trampolines, expert die g is the trampoline of attention group g of every domain:
+    A2E   (step 1-2)  the attention die stages each token ONCE (full precision) and its routing in
+                      its own window and writes ONE record into its trampoline;
+    A2E'  (step 3-5)  the trampoline pulls them, expands each token to one row per chosen expert
+                      slot (INT8 if enabled; shared-expert rows full precision), stages the rows in
+                      its own window by destination expert die and writes a record into every
+                      expert die; every expert die waits for all G trampolines and pulls its rows;
+    E2A'  (step 6-7)  each expert die stages its outputs by source trampoline and writes a record
+                      into every trampoline, which pulls its rows' outputs back;
+    E2A   (step 8-9)  the trampoline restages them in its attention die's row order and writes ONE
+                      record into it; the attention die pulls them and sums each token's columns,
+                      weighted, in column order (the shared column, weight 1, last).
+So an attention die writes 1 record per call instead of one per expert die (the direct variant,
+`use_trampolines=False`: attention dies scatter straight to the expert dies, which answer each
+attention die). Any ratio works: E >= G expert dies, E not a multiple of G, dedicated shared dies.
+
+Calls and lanes: every participant numbers the calls alike (`AfdCall.call`, increasing); doorbell
+= call + 1. Every region exists once per lane = (DP domain, microbatch). Why no acks: a lane is
+reused by the same domain's same microbatch one layer later, and its attention dies issue that
+A2E only after their E2A of the lane completed, which needs (a) the trampoline to have pulled the
+tokens and collected every expert die's outputs, so every expert die had pulled the forwarded
+rows, and (b) every trampoline to have pulled its outputs from every expert die before the next
+A2E' of the lane reaches that expert die. In the direct variant (a)-(b) hold with the attention
+dies in the trampolines' place.
+
+The expert side is non-blocking (`try_forward`, `try_receive`, `send_back`, `try_return`) so a
+persistent loop (xccl/afd_loop.py) can drive receive / compute / send as concurrent stages.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from xccl.ep import INDEX_DTYPE, select_slots
+from xccl.errors import BufferTooSmall, EventMismatch, XcclError
+from xccl.gmem import DieMemory, poll_until
+from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_DOORBELL, EP_EVENT_ID,
+                         EP_OFFSET, EP_VTIME_NS, INDEX_BYTES, RECORD_BYTES, AfdLayout)
+from xccl.quant import dequantize_int8, quantize_int8
+from xccl.vclock import LinkModel, VirtualClock
+
+RECORD_PUT_BYTES = 6 * 8 + 8        # body words 1..6, then the doorbell word
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdCall:
+    """One A2E/E2A round: one DP domain's microbatch at one MoE layer.
+
+    call: sequence number, the same on every die, increasing. lane: its buffers (domain x
+    microbatch). domain: the active DP domain. event_id: checked against every record."""
+
+    call: int
+    lane: int
+    domain: int
+    event_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class A2EHandle:
+    """What e2a needs. weights: [T, C] float64 (0 where topk_idx is -1, 1 for the shared column).
+    row_token / row_column: [R] the token and column of every row, in the order outputs return."""
+
+    call: AfdCall
+    weights: np.ndarray
+    row_token: np.ndarray
+    row_column: np.ndarray
+    scatter: "ScatterPlan | None"      # direct variant: what was scattered to the expert dies
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScatterPlan:
+    """Rows a die staged for the expert dies. order: [R] for each staged row (dest-major) its
+    index in the sender's row list; counts: [E] rows per expert die."""
+
+    order: np.ndarray
+    counts: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class Received:
+    """Rows an expert die pulled for one call: x [R, hidden], slot / token / column [R] int64,
+    sender_counts [S] rows from each sender (trampoline, or attention die when direct)."""
+
+    call: AfdCall
+    x: np.ndarray
+    slot: np.ndarray
+    token: np.ndarray
+    column: np.ndarray
+    sender_counts: np.ndarray
+
+
+@dataclass
+class AfdCounters:
+    """Per-die traffic: records written (and their bytes), row bytes pulled."""
+
+    metadata_writes: int = 0
+    metadata_bytes: int = 0
+    pulled_bytes: int = 0
+    calls: int = 0
+    per_call: list = field(default_factory=list)
+
+
+class AfdBuffer:
+    """A2E/E2A on this die's window, for an attention or an expert die (one per window)."""
+
+    def __init__(self, mem: DieMemory, layout: AfdLayout, slot_owner: Sequence[int], *,
+                 num_routed_slots: int, use_trampolines: bool = True, dtype=np.float64,
+                 clock: VirtualClock | None = None, link: LinkModel | None = None,
+                 num_cores: int = 2, timeout_s: float = 60.0) -> None:
+        mem.claim("afd")
+        self.role = layout.role_of(mem.rank)
+        need = layout.base[mem.rank] + layout.area_bytes(self.role)
+        if mem.nbytes < need:
+            raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the {need} B the "
+                                 "A2E/E2A layout needs")
+        if np.dtype(dtype).itemsize != layout.itemsize:
+            raise ValueError(f"dtype {np.dtype(dtype)} != layout itemsize {layout.itemsize}")
+        self.mem, self.layout, self.me = mem, layout, mem.rank
+        self.slot_owner = np.asarray(slot_owner, np.int64)             # [slots] -> expert rank
+        self.expert_of_rank = {r: i for i, r in enumerate(layout.experts)}
+        self.dest_of_slot = np.array([self.expert_of_rank[int(r)] for r in self.slot_owner],
+                                     np.int64)                         # [slots] -> expert idx
+        self.num_routed_slots = num_routed_slots
+        self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
+        self.use_trampolines = use_trampolines
+        self.dtype, self.clock, self.link = np.dtype(dtype), clock or VirtualClock(), link
+        self.num_cores, self.timeout_s = num_cores, timeout_s
+        self.counters = AfdCounters()
+        self.idx = (layout.attention.index(self.me) if self.role == "attention"
+                    else layout.experts.index(self.me))
+        self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
+        self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
+        self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
+        self.waiting_for = ""
+
+    # -- who talks to whom ----------------------------------------------------------------------
+    def domain_attention(self, domain: int) -> tuple[int, ...]:
+        g = self.layout.group_size
+        return self.layout.attention[domain * g:(domain + 1) * g]
+
+    def senders(self, call: AfdCall) -> tuple[int, ...]:
+        """Ranks that scatter rows to the expert dies for this call."""
+        if self.use_trampolines:
+            return self.layout.experts[:self.layout.group_size]
+        return self.domain_attention(call.domain)
+
+    # -- attention side -------------------------------------------------------------------------
+    def a2e(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, call: AfdCall,
+            *, log2phy: Sequence[Sequence[int]], shared_slots: Sequence[int] = ()) -> A2EHandle:
+        """Send this attention die's tokens toward their experts; returns at once (no wait).
+
+        x: [T, hidden] rows. topk_idx: [T, K] int logical experts, -1 = none. topk_weights: [T, K].
+        log2phy: [E] physical slots per logical expert. shared_slots: slots of the shared expert
+        (column K, weight 1), spread by (rank + token). Zero tokens are fine: every attention die
+        of the active domain must call it."""
+        layout, num_tokens = self.layout, len(x)
+        if num_tokens > layout.max_tokens:
+            raise BufferTooSmall(f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
+                                 f"_die({layout.max_tokens}) (event {call.event_id}); nothing sent")
+        if x.shape != (num_tokens, layout.hidden) or topk_idx.shape != (num_tokens, layout.top_k) \
+                or bool(shared_slots) != layout.has_shared:
+            raise ValueError(f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
+                             f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
+                             f" top-k {layout.top_k}, shared column {layout.has_shared}")
+        phy = select_slots(topk_idx, log2phy, shared_slots, self.me)          # [T, C]
+        weights = np.zeros((num_tokens, layout.num_columns))
+        weights[:, :layout.top_k] = np.where(topk_idx >= 0, topk_weights, 0.0)
+        weights[:, layout.top_k:] = 1.0
+        token, column = np.nonzero(phy >= 0)                                  # token-major [R]
+        scatter = None
+        if self.use_trampolines:
+            # Step 1 (Fig. 8 A2E): each token once, full precision, and its slots, in our window.
+            local, lane = self.mem.local, call.lane
+            at = layout.offset(self.me, "tok_rows", lane)
+            local[at:at + num_tokens * layout.out_row_bytes] = \
+                np.ascontiguousarray(x, self.dtype).view(np.uint8).reshape(-1)
+            at = layout.offset(self.me, "tok_route", lane)
+            local[at:at + phy.nbytes] = phy.astype(np.int64).view(np.uint8).reshape(-1)
+            self.mem.sync()
+            # Step 2: one record into our trampoline (expert die number = our group).
+            tramp = layout.experts[self.group]
+            self._publish([tramp], "a2e_records", call, self.idx, [(num_tokens, 0, 0, 0)])
+        else:
+            # Direct: expand to rows and scatter them to every expert die (a record each).
+            scatter = self._scatter(np.asarray(x, self.dtype), token, column, phy[token, column],
+                                    call, "a2e_records", self.idx)
+        self.counters.calls += 1
+        return A2EHandle(call=call, weights=weights, row_token=token, row_column=column,
+                         scatter=scatter)
+
+    def e2a(self, handle: A2EHandle) -> np.ndarray:
+        """Wait for this call's expert outputs and sum them: returns y [T, hidden] self.dtype."""
+        layout, call = self.layout, handle.call
+        num_rows = len(handle.row_token)
+        if self.use_trampolines:
+            # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
+            tramp = layout.experts[self.group]
+            words = self._wait(call, "back_records", [(tramp, self.group)], "E2A")
+            if int(words[0, EP_COUNT]) != num_rows:
+                raise XcclError(f"die rank {self.me}: E2A event {call.event_id} returns "
+                                f"{int(words[0, EP_COUNT])} rows, A2E sent {num_rows}")
+            outs = np.empty((num_rows, layout.hidden), self.dtype)
+            self._get(tramp, layout.offset(tramp, "ret_rows", call.lane), outs)
+            self.mem.flush(tramp)
+            self._arrive(words[:, EP_VTIME_NS], outs.nbytes)
+        else:
+            staged = self._gather_back(call, handle.scatter, blocking=True)
+            outs = np.empty_like(staged)
+            outs[handle.scatter.order] = staged
+        y = np.zeros((len(handle.weights), layout.hidden), self.dtype)
+        for c in range(layout.num_columns):          # fixed order: the reference's sum
+            rows = np.flatnonzero(handle.row_column == c)
+            token = handle.row_token[rows]
+            y[token] += handle.weights[token, c, None].astype(self.dtype) * outs[rows]
+        return y
+
+    # -- expert side (non-blocking steps for the persistent loop) --------------------------------
+    def try_forward(self, call: AfdCall) -> bool:
+        """Trampoline, A2E' steps 3-4: if our attention die's tokens arrived, pull them, expand
+        them to rows and scatter the rows to every expert die. False = not yet."""
+        layout, lane = self.layout, call.lane
+        src = self.domain_attention(call.domain)[self.group]
+        src_idx = layout.attention.index(src)
+        words = self._ready(call, "a2e_records", [(src, src_idx)], "A2E")
+        if words is None:
+            return False
+        num_tokens = int(words[0, EP_COUNT])
+        x = np.empty((num_tokens, layout.hidden), self.dtype)
+        route = np.empty((num_tokens, layout.num_columns), np.int64)            # [T, C] slots
+        self._get(src, layout.offset(src, "tok_rows", lane), x)
+        self._get(src, layout.offset(src, "tok_route", lane), route)
+        self.mem.flush(src)
+        self._arrive(words[:, EP_VTIME_NS], x.nbytes + route.nbytes)
+        token, column = np.nonzero(route >= 0)                                  # token-major
+        plan = self._scatter(x, token, column, route[token, column], call, "fwd_records",
+                             self.group)
+        self._forwarded[call.call] = (token, column, plan)
+        return True
+
+    def try_receive(self, call: AfdCall) -> Received | None:
+        """Every expert die, A2E' step 5: once every sender's record arrived, pull our rows."""
+        layout, lane = self.layout, call.lane
+        senders = self.senders(call)
+        region = "fwd_records" if self.use_trampolines else "a2e_records"
+        writer_idx = (range(len(senders)) if self.use_trampolines
+                      else [layout.attention.index(r) for r in senders])
+        words = self._ready(call, region, list(zip(senders, writer_idx)), "A2E'")
+        if words is None:
+            return None
+        counts, shared = words[:, EP_COUNT].astype(np.int64), words[:, AFD_SHARED_COUNT]
+        shared = shared.astype(np.int64)
+        total = int(counts.sum() + shared.sum())
+        raw = np.empty((int(counts.sum()), layout.send_row_bytes), np.uint8)
+        x = np.empty((total, layout.hidden), self.dtype)
+        index = np.empty(total, INDEX_DTYPE)
+        is_routed = np.zeros(total, bool)
+        at = routed_at = 0
+        for i, rank in enumerate(senders):
+            c, s = int(counts[i]), int(shared[i])
+            o, so = int(words[i, EP_OFFSET]), int(words[i, AFD_SHARED_OFFSET])
+            if c:
+                self._get(rank, layout.offset(rank, "scatter_rows", lane) +
+                          o * layout.send_row_bytes, raw[routed_at:routed_at + c])
+            if s:
+                self._get(rank, layout.offset(rank, "scatter_shared", lane) +
+                          so * layout.out_row_bytes, x[at + c:at + c + s])
+            if c + s:
+                self._get(rank, layout.offset(rank, "scatter_index", lane) + (o + so) *
+                          INDEX_BYTES, index[at:at + c + s].view(np.uint8))
+            is_routed[at:at + c] = True
+            at, routed_at = at + c + s, routed_at + c
+        self.mem.flush_all()
+        x[is_routed] = self._decode(raw)
+        self._arrive(words[:, EP_VTIME_NS], raw.nbytes + x[~is_routed].nbytes + index.nbytes)
+        if len(index) and not np.isin(index["slot"], self.local_slots).all():
+            raise XcclError(f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
+                            f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
+                            " this die does not host")
+        return Received(call=call, x=x, slot=index["slot"].astype(np.int64),
+                        token=index["token"].astype(np.int64),
+                        column=index["column"].astype(np.int64), sender_counts=counts + shared)
+
+    def send_back(self, received: Received, out: np.ndarray) -> None:
+        """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
+        by sender, and write a record into every sender (zero rows included)."""
+        layout, call = self.layout, received.call
+        if out.shape != received.x.shape:
+            raise ValueError(f"die rank {self.me}: outputs {out.shape} != rows received "
+                             f"{received.x.shape} (event {call.event_id})")
+        at = layout.offset(self.me, "out_rows", call.lane)
+        self.mem.local[at:at + out.nbytes] = np.ascontiguousarray(out, self.dtype).view(
+            np.uint8).reshape(-1)
+        self.mem.sync()
+        counts = received.sender_counts
+        offsets = np.cumsum(counts) - counts
+        self._publish(self.senders(call), "back_records", call, self.idx,
+                      [(int(c), int(o), 0, 0) for c, o in zip(counts, offsets)])
+
+    def try_return(self, call: AfdCall) -> bool:
+        """Trampoline, E2A steps 8: once every expert die answered, pull the outputs, restage
+        them in our attention die's row order, and write it one record."""
+        token, column, plan = self._forwarded[call.call]
+        staged = self._gather_back(call, plan, blocking=False)
+        if staged is None:
+            return False
+        del self._forwarded[call.call]
+        at = self.layout.offset(self.me, "ret_rows", call.lane)
+        outs = self.mem.local[at:at + staged.nbytes].view(self.dtype).reshape(staged.shape)
+        outs[plan.order] = staged                            # back to the attention die's order
+        self.mem.sync()
+        dst = self.domain_attention(call.domain)[self.group]
+        self._publish([dst], "back_records", call, self.idx, [(len(token), 0, 0, 0)])
+        return True
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _scatter(self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int
+                 ) -> ScatterPlan:
+        """Stage rows [R] (x[token]) by destination expert die, routed rows (INT8 if enabled)
+        then shared rows, and write (counts, offsets) into every expert die's `region`."""
+        layout, local, lane = self.layout, self.mem.local, call.lane
+        dest = self.dest_of_slot[slot]
+        is_shared = slot >= self.num_routed_slots
+        order = np.lexsort((column, token, is_shared, dest))                   # [R] dest-major
+        token, slot, dest, is_shared = token[order], slot[order], dest[order], is_shared[order]
+        routed, shared = ~is_shared, is_shared
+        num_experts = len(layout.experts)
+        counts = np.bincount(dest[routed], minlength=num_experts)
+        shared_counts = np.bincount(dest[shared], minlength=num_experts)
+        at = layout.offset(self.me, "scatter_rows", lane)
+        num_routed = int(routed.sum())
+        rows = local[at:at + num_routed * layout.send_row_bytes].reshape(num_routed,
+                                                                   layout.send_row_bytes)
+        if layout.use_int8:
+            q, scale = quantize_int8(x[token[routed]])
+            rows[:, :layout.hidden] = q.view(np.uint8)
+            rows[:, layout.hidden:layout.hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
+        else:
+            rows[:] = x[token[routed]].astype(self.dtype).view(np.uint8)
+        at = layout.offset(self.me, "scatter_shared", lane)
+        num_shared = int(shared.sum())
+        local[at:at + num_shared * layout.out_row_bytes] = \
+            x[token[shared]].astype(self.dtype).view(np.uint8).reshape(-1)
+        index = np.zeros(len(order), INDEX_DTYPE)
+        index["token"], index["column"], index["slot"] = token, column[order], slot
+        at = layout.offset(self.me, "scatter_index", lane)
+        local[at:at + index.nbytes] = index.view(np.uint8)
+        self.mem.sync()
+        # Step: a record per expert die (routed count/offset, shared count/offset).
+        self._publish(layout.experts, region, call, writer_idx,
+                      zip(counts, np.cumsum(counts) - counts, shared_counts,
+                          np.cumsum(shared_counts) - shared_counts))
+        return ScatterPlan(order=order, counts=counts + shared_counts)
+
+    def _gather_back(self, call: AfdCall, plan: ScatterPlan, *, blocking: bool):
+        """Outputs of the rows we scattered, in staged (dest-major) order, or None if not all
+        expert dies answered yet (non-blocking)."""
+        layout = self.layout
+        writers = list(zip(layout.experts, range(len(layout.experts))))
+        stage = "E2A'" if self.use_trampolines else "E2A"
+        words = (self._wait(call, "back_records", writers, stage) if blocking
+                 else self._ready(call, "back_records", writers, stage))
+        if words is None:
+            return None
+        counts = words[:, EP_COUNT].astype(np.int64)
+        if not np.array_equal(counts, plan.counts):
+            raise XcclError(f"die rank {self.me}: {stage} event {call.event_id} returns "
+                            f"{counts.tolist()} rows per expert die, A2E sent "
+                            f"{plan.counts.tolist()}")
+        staged = np.empty((int(counts.sum()), layout.hidden), self.dtype)
+        at = 0
+        for i, rank in enumerate(layout.experts):
+            if counts[i]:
+                self._get(rank, layout.offset(rank, "out_rows", call.lane) +
+                          int(words[i, EP_OFFSET]) * layout.out_row_bytes,
+                          staged[at:at + counts[i]])
+                at += counts[i]
+        self.mem.flush_all()
+        self._arrive(words[:, EP_VTIME_NS], staged.nbytes)
+        return staged
+
+    def _publish(self, ranks, region: str, call: AfdCall, writer_idx: int, bodies) -> None:
+        """Write (event, count, offset, time, count2, offset2) into each rank's record, flush,
+        then ring each doorbell with call + 1."""
+        mem, layout = self.mem, self.layout
+        words = np.zeros((len(ranks), 6), np.uint64)                 # one per rank: Puts in flight
+        for i, (c, o, c2, o2) in enumerate(bodies):
+            words[i] = (call.event_id, c, o, 0, c2, o2)
+        words.view(np.float64)[:, EP_VTIME_NS - 1] = self.clock.now_ns
+        for i, rank in enumerate(ranks):
+            mem.put(rank, layout.record_offset(rank, region, call.lane, writer_idx) + 8, words[i])
+        mem.flush_all()
+        for rank in ranks:
+            mem.store_word(rank, layout.record_offset(rank, region, call.lane, writer_idx) +
+                           8 * EP_DOORBELL, call.call + 1)
+            mem.flush(rank)
+        self.counters.metadata_writes += len(ranks)
+        self.counters.metadata_bytes += len(ranks) * RECORD_PUT_BYTES
+
+    def _ready(self, call: AfdCall, region: str, writers, stage: str):
+        """The records [W, 8] words of every (rank, writer_idx) if all rang for `call`, else None
+        (and `waiting_for` names who is missing)."""
+        mem, layout = self.mem, self.layout
+        offsets = [layout.record_offset(self.me, region, call.lane, w) for _, w in writers]
+        missing = [rank for (rank, _), at in zip(writers, offsets)
+                   if mem.load_word(at + 8 * EP_DOORBELL, rank) != call.call + 1]
+        if missing:
+            self.waiting_for = (f"die rank {self.me}: {stage} event {call.event_id} (call "
+                                f"{call.call}, domain {call.domain}, lane {call.lane}): no record"
+                                f" from rank(s) {missing}")
+            return None
+        mem.sync()
+        words = np.stack([mem.words[at // 8:at // 8 + RECORD_BYTES // 8] for at in offsets])
+        bad = np.flatnonzero(words[:, EP_EVENT_ID] != call.event_id)
+        if len(bad):
+            raise EventMismatch(f"die rank {self.me}: {stage} call {call.call} expected event "
+                                f"{call.event_id}, rank {writers[int(bad[0])][0]} wrote event "
+                                f"{int(words[bad[0], EP_EVENT_ID])}")
+        return words.copy()
+
+    def _wait(self, call: AfdCall, region: str, writers, stage: str) -> np.ndarray:
+        found = []
+
+        def ready() -> bool:
+            words = self._ready(call, region, writers, stage)
+            if words is not None:
+                found.append(words)
+            return bool(found)
+        poll_until(ready, deadline=time.monotonic() + self.timeout_s,
+                   describe=lambda: f"{self.waiting_for} after {self.timeout_s:g} s")
+        return found[0]
+
+    def _get(self, rank: int, offset: int, out: np.ndarray) -> None:
+        self.mem.get(rank, offset, out)
+        self.counters.pulled_bytes += out.nbytes
+
+    def _decode(self, raw: np.ndarray) -> np.ndarray:
+        layout = self.layout
+        if layout.use_int8:
+            q = raw[:, :layout.hidden].view(np.int8)
+            scale = raw[:, layout.hidden:layout.hidden + 4].copy().view(np.float32)[:, 0]
+            return dequantize_int8(q, scale, self.dtype)
+        return raw.view(self.dtype).reshape(len(raw), layout.hidden)
+
+    def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
+        """Virtual time: the last record lands, then our link pulls the bytes."""
+        if self.link is None:
+            return
+        stamps = np.ascontiguousarray(stamps).view(np.float64)
+        self.clock.arrive(float(stamps.max(initial=0.0)) + self.link.latency_ns())
+        self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))

@@ -1,0 +1,111 @@
+"""The expert dies' persistent loop (xDeepServe §5.2, Figure 19): receive A2E / compute / send E2A.
+
+The paper runs three persistent kernels on three concurrent streams that busy-poll and never
+return to the CPU between layers. Here one Python thread drives the same three stages as a
+non-blocking state machine, over the whole list of calls of an iteration (every MoE layer, every
+active DP domain, every microbatch): each turn every stage tries one step and none ever blocks, so
+  stage 1 (receive)  a trampoline forwards its attention die's tokens (A2E') as soon as they land,
+                     and any expert die pulls the next call's rows as soon as every sender wrote,
+  stage 2 (compute)  runs the experts on the oldest received call,
+  stage 3 (send)     stages outputs + records (E2A'), and a trampoline returns a call to its
+                     attention die (E2A) as soon as every expert die answered,
+and a die can receive call k+1 while call k still waits for a slow expert die's E2A'.
+Why not threads: RMA calls from several threads need MPI_THREAD_MULTIPLE (mpi4py asks for it; an
+MPI may grant less), and the GIL serializes the numpy/torch work anyway, so threads would add
+locking without adding overlap; a state machine keeps every MPI call on one thread (legal at any
+thread level) and shows the same data flow. Every wait is bounded: no stage progressing for
+timeout_s raises an error naming the die, the call and the peers it waits for.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from xccl.afd import AfdBuffer, AfdCall, Received
+from xccl.errors import XcclTimeout
+
+# compute(call, slot, rows [n, hidden]) -> [n, hidden]: one expert slot's rows of one call.
+ExpertFn = Callable[[AfdCall, int, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopStats:
+    """One run: calls served, rows computed, turns of the loop, turns where a stage overlapped
+    another call (receive ahead of compute/send), wall seconds."""
+
+    num_calls: int
+    num_rows: int
+    num_turns: int
+    num_overlapped: int
+    wall_s: float
+
+
+class ExpertLoop:
+    def __init__(self, buf: AfdBuffer, compute: ExpertFn, *, timeout_s: float = 60.0) -> None:
+        if buf.role != "expert":
+            raise ValueError(f"rank {buf.me} is an {buf.role} die; the expert loop runs on "
+                             "expert dies")
+        self.buf, self.compute, self.timeout_s = buf, compute, timeout_s
+
+    def run(self, calls: Sequence[AfdCall]) -> LoopStats:
+        """Serve every call in order; returns when this die's part of the last one is done."""
+        buf, n = self.buf, len(calls)
+        forwards = buf.is_trampoline and buf.use_trampolines
+        fwd = recv = sent = ret = 0
+        received: deque[Received] = deque()
+        num_rows = turns = overlapped = 0
+        started = last_progress = time.monotonic()
+        waits: dict[str, str] = {}                  # stage -> whom it waits for, for errors
+        while sent < n or (forwards and ret < n):
+            progressed = False
+            # Stage 1: receive A2E (a trampoline first forwards it: A2E').
+            if forwards and fwd < n:
+                if buf.try_forward(calls[fwd]):
+                    fwd, progressed = fwd + 1, True
+                else:
+                    waits["forward"] = buf.waiting_for
+            if recv < n:
+                if (r := buf.try_receive(calls[recv])) is not None:
+                    received.append(r)
+                    recv, progressed = recv + 1, True
+                    overlapped += recv - 1 > (ret if forwards else sent)  # ahead of a pending call
+                else:
+                    waits["receive"] = buf.waiting_for
+            # Stage 2 + 3: compute the oldest received call, send its outputs (E2A').
+            if received:
+                r = received.popleft()
+                buf.send_back(r, self._experts(r))
+                num_rows += len(r.x)
+                sent, progressed = sent + 1, True
+            # Stage 3: a trampoline returns a finished call to its attention die (E2A).
+            if forwards and ret < sent:
+                if buf.try_return(calls[ret]):
+                    ret, progressed = ret + 1, True
+                else:
+                    waits["return"] = buf.waiting_for
+            turns += 1
+            if progressed:
+                last_progress = time.monotonic()
+                waits.clear()
+            elif time.monotonic() - last_progress > self.timeout_s:
+                raise XcclTimeout(f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} "
+                                  f"s (calls forwarded {fwd}, received {recv}, sent {sent}, "
+                                  f"returned {ret} of {n}): " +
+                                  "; ".join(f"{stage}: {why}" for stage, why in waits.items()))
+            else:
+                os.sched_yield()
+        return LoopStats(num_calls=n, num_rows=num_rows, num_turns=turns,
+                         num_overlapped=overlapped, wall_s=time.monotonic() - started)
+
+    def _experts(self, r: Received) -> np.ndarray:
+        """Every local slot's rows of one call, slot by slot; outputs aligned with r.x."""
+        out = np.empty_like(r.x)
+        for slot in np.unique(r.slot):
+            rows = np.flatnonzero(r.slot == slot)
+            out[rows] = self.compute(r.call, int(slot), r.x[rows])
+        return out
