@@ -13,6 +13,7 @@ from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
 from launch import submit
+from launch import train
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.fabric import format_bytes, window_bytes
 from xds_mpi.topology import Topology
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)
+    train.add_parser(sub)
     return parser
 
 

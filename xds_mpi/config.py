@@ -109,7 +109,7 @@ class ModelConfig:
     num_mtp_modules: int = 1
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
-    weights: str = "random"            # "random" (from seed) or an HDF5 checkpoint path
+    weights: str = "random"            # "random" (from seed), "tiny" (packaged) or an HDF5 path
     seed: int = 0
 
     def __post_init__(self) -> None:

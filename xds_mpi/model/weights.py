@@ -3,6 +3,8 @@
 Weights are float32 values whatever the compute dtype, so a float64 run and a float32 run start
 from the same numbers and a file round trip is exact. Each tensor draws from its own generator,
 seeded by (seed, tensor name): changing one module's shape never shifts another's weights.
+`model.weights` is "random", the name of a checkpoint shipped in xds_mpi/data/ ("tiny", written by
+`xds-mpi train-tiny`), or the path of an HDF5 file.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ FORMAT = "xds-mpi-weights/1"
 # Fields that say where weights come from rather than what shape the model has.
 _PROVENANCE_FIELDS = ("weights", "seed")
 GATE_BIAS_STD = 0.02
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}   # model.weights name -> file in DATA_DIR
 
 
 def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -89,10 +93,17 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float64,
     return model
 
 
+def weights_path(weights: str) -> Path:
+    """A packaged checkpoint name ("tiny") or an HDF5 path -> the file's path."""
+    if weights in PACKAGED_WEIGHTS:
+        return DATA_DIR / PACKAGED_WEIGHTS[weights]
+    return Path(weights)
+
+
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float64) -> DeepSeekModel:
-    """cfg.weights "random": weights from cfg.seed; otherwise cfg.weights is an HDF5 file."""
+    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file."""
     if cfg.weights != "random":
-        return load_model(cfg.weights, dtype=dtype, expected=cfg)
+        return load_model(weights_path(cfg.weights), dtype=dtype, expected=cfg)
     model = DeepSeekModel(cfg, dtype=dtype)
     init_weights(model, cfg.seed)
     return model
