@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch import generate, project
+from launch import bench_afd, generate, project
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
     p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
     p.set_defaults(func=cmd_bench_ep)
+    bench_afd.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

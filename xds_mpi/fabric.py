@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xccl.layout import EpLayout, P2PLayout, all_pairs
+from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.topology import Topology
 
@@ -39,19 +39,38 @@ def ep_layout(cfg: Config, topo: Topology) -> EpLayout | None:
                     itemsize=np.dtype(cfg.xccl.row_dtype).itemsize, use_int8=cfg.xccl.use_int8)
 
 
+def afd_layout(cfg: Config, topo: Topology) -> AfdLayout | None:
+    """A2E/E2A area of an afd deployment, after each die's p2p area: one lane per DP domain x
+    microbatch; a shared-expert column whenever the model has shared experts."""
+    if cfg.deployment.kind != "afd":
+        return None
+    p2p, dep = p2p_layout(cfg, topo), cfg.deployment
+    return AfdLayout(attention=topo.ranks_with_role("attention"),
+                     experts=topo.ranks_with_role("expert"),
+                     group_size=dep.dp_groups_per_domain,
+                     base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
+                     num_lanes=dep.num_dp_domains * dep.num_microbatches,
+                     hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
+                     top_k=cfg.model.top_k, has_shared=cfg.model.num_shared_experts > 0,
+                     itemsize=np.dtype(cfg.xccl.row_dtype).itemsize, use_int8=cfg.xccl.use_int8)
+
+
 def window_bytes(cfg: Config, topo: Topology) -> list[int]:
     """Size hint: bytes of every rank's window (host ranks: 0), refused over the per-die cap."""
-    p2p, ep = p2p_layout(cfg, topo), ep_layout(cfg, topo)
+    p2p, ep, afd = p2p_layout(cfg, topo), ep_layout(cfg, topo), afd_layout(cfg, topo)
     sizes = [p2p.window_bytes(rank) for rank in range(topo.world_size)]
     if ep is not None:
         for rank in ep.members:
             sizes[rank] += ep.area_bytes()
+    if afd is not None:
+        for rank in afd.attention + afd.experts:
+            sizes[rank] += afd.area_bytes(afd.role_of(rank))
     cap = cfg.xccl.max_window_bytes
     for rank, size in enumerate(sizes):
         if size > cap:
             ep_bytes = size - p2p.window_bytes(rank)
             raise ConfigError(f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
-                              f" B + dispatch/combine {ep_bytes} B, over the per-die cap "
+                              f" B + dispatch/combine or A2E/E2A {ep_bytes} B, over the per-die cap "
                               f"xccl.max_window_bytes({cap})")
     return sizes
 

@@ -1,0 +1,61 @@
+"""`xds-mpi bench afd`: A2E/E2A with and without trampolines beside colocated dispatch/combine.
+
+This module only parses and launches (no MPI in the CLI process); the per-rank program is
+launch/bench_afd_rank.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from launch.mpiexec import mpi_command, run_job
+from xds_mpi.config import ConfigError
+
+LAUNCH_GRACE_S = 30
+
+
+def add_parser(kinds) -> None:
+    """Register `bench afd` under the `bench` subcommand's parsers."""
+    p = kinds.add_parser("afd", help="A2E/E2A with and without trampolines vs dispatch/combine",
+                         description="Latency of A2E and E2A (one DP domain of --groups attention"
+                                     " dies, the other ranks expert dies, identity experts) with "
+                                     "trampoline forwarding and without it, beside colocated "
+                                     "dispatch/combine over all ranks moving the same tokens, "
+                                     "in the same run; metadata records written per attention "
+                                     "die; the projected 910C round from the virtual clock.")
+    p.add_argument("--np", type=int, default=12, help="ranks (default 12)")
+    p.add_argument("--groups", type=int, default=0,
+                   help="attention dies of the domain (default: a third of --np)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64],
+                   help="tokens per attention die (default: 16 64)")
+    p.add_argument("--hidden", type=int, default=7168, help="row width (default 7168)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts (default 256)")
+    p.add_argument("--int8", action="store_true", help="INT8 + per-token scale on the wire")
+    p.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
+    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
+    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
+    p.set_defaults(func=cmd_bench_afd)
+
+
+def cmd_bench_afd(args: argparse.Namespace) -> int:
+    groups = args.groups or max(1, args.np // 3)
+    if args.np < 2 or not 1 <= groups <= args.np - groups:
+        raise ConfigError(f"bench afd: --groups({groups}) attention dies need as many expert dies"
+                          f" at least: --np({args.np}) - groups = {args.np - groups}")
+    if args.topk > args.experts or args.experts < args.np - groups:
+        raise ConfigError(f"bench afd: --experts({args.experts}) must be >= --topk({args.topk}) "
+                          f"and >= the {args.np - groups} expert dies")
+    program = [sys.executable, "-m", "mpi4py", "-m", "launch.bench_afd_rank", "--groups",
+               str(groups), "--hidden", str(args.hidden), "--topk", str(args.topk),
+               "--experts", str(args.experts), "--iters", str(args.iters), "--profile",
+               args.profile, "--out", args.out, "--tokens", *map(str, args.tokens)]
+    program += ["--int8"] if args.int8 else []
+    command = mpi_command(args.np, program, timeout_s=args.timeout)
+    print(f"xds-mpi: bench afd on {args.np} ranks: {command.shell_line()}", flush=True)
+    result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
+    if result.timed_out:
+        print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
+        return 124
+    return result.returncode
