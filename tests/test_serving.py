@@ -12,8 +12,9 @@ import pytest
 from harness import REPO_ROOT
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
+# ignore_eos: exact token counts whatever the weights (the reference runs with it too)
 SMALL = ["--set", "workload.num_requests=6", "--set", "workload.output_len=6",
-         "--set", "workload.prompt_len=12"]
+         "--set", "workload.prompt_len=12", "--set", "workload.ignore_eos=true"]
 
 
 def serve(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess,
@@ -43,10 +44,11 @@ def test_every_token_equals_the_reference(tmp_path, num_dies):
     assert sorted(run_file["dies"]) == [str(r) for r in range(1, num_dies + 1)]
 
 
-def test_continuous_batching_with_more_requests_than_slots_and_int8_off(tmp_path):
+def test_continuous_batching_with_more_requests_than_slots_int8_off_random_weights(tmp_path):
     # 2 dies x 2 batch slots for 10 requests; prompts in chunks of 5; one die sees 1 request
-    # at the end while the other is idle; dispatch rows in float64 (no INT8).
+    # at the end while the other is idle; dispatch rows in float64 (no INT8); seeded weights.
     result, run_file = serve(tmp_path, "--set", "deployment.dp_groups_per_domain=2",
+                             "--set", "model.weights=random", "--set", "workload.ignore_eos=true",
                              "--set", "scheduler.max_batch_per_die=2", "--set",
                              "scheduler.prefill_chunk_tokens=5", "--set", "xccl.use_int8=false",
                              "--set", "workload.num_requests=10", "--set", "workload.output_len=4",
