@@ -1,8 +1,9 @@
 """Role programs: one per role a rank can play. `role_program(role)(ctx)` runs a rank.
 
 Every program starts with the startup handshake (all ranks agree on config and topology). The
-colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py); the other roles'
-decode loops land with later work: until then their program ends after the handshake.
+colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py), and so does the
+disaggregated MoE-attention one (ranks/attention.py, ranks/expert.py); prefill dies end after the
+handshake until PD disaggregation lands.
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from ranks.context import RankContext
 # that do not compute the model never import torch.
 ROLE_MODULES = {
     "host": "ranks.shell",
-    "attention": "ranks.die",
-    "expert": "ranks.die",
+    "attention": "ranks.attention",
+    "expert": "ranks.expert",
     "colocated": "ranks.colocated",
     "prefill": "ranks.die",
 }

@@ -18,11 +18,16 @@ from xds_mpi.engine.workload import load_workload
 PROGRESS_EVERY_S = 1.0
 
 
+def decode_groups(topo) -> tuple[int, ...]:
+    """The DP groups requests go to: the colocated dies, or the attention dies (afd)."""
+    return topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+
+
 class Frontend:
     def __init__(self, ctx: RankContext) -> None:
         cfg = ctx.cfg
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
-        self.groups = ctx.topo.ranks_with_role("colocated")
+        self.groups = decode_groups(ctx.topo)
         self.records: dict[int, RequestRecord] = {}
         self.queue: deque = deque()
         for req in load_workload(cfg):

@@ -1,7 +1,7 @@
 """The TE-shell (host rank): owns the request stream and reports on the job.
 
-In a colocated deployment it serves the workload (ranks/frontend.py), prints a progress line and
-a summary, and with run.check compares every served request with the single-process reference.
+In a colocated or afd deployment it serves the workload (ranks/frontend.py), prints a progress
+line and a summary, and with run.check compares every served request with the single-process reference.
 At the end it writes the run file (xds_mpi/runfile.py) and names it on its last log line; a run
 that fails still writes one, with status "failed: <why>", before the error aborts the job.
 """
@@ -25,7 +25,8 @@ def run(ctx: RankContext) -> int:
         handshake_s = time.perf_counter() - started
         ctx.log.info("all %d ranks agree on the deployment (%.2f s): %s", ctx.comm.size,
                      handshake_s, ctx.topo.summary())
-        if ctx.topo.ranks_with_role("colocated"):
+        from ranks.frontend import decode_groups
+        if decode_groups(ctx.topo):
             serving = Serving(ctx)
             if serving.mismatches:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
@@ -43,7 +44,8 @@ def run(ctx: RankContext) -> int:
 
 
 class Serving:
-    """Serve the workload on the colocated dies; summarize; check against the reference."""
+    """Serve the workload on the DP groups (colocated or attention dies); summarize; check
+    against the reference."""
 
     def __init__(self, ctx: RankContext) -> None:
         from xccl.gmem import DieMemory

@@ -1,0 +1,59 @@
+"""What attention and expert dies of a disaggregated MoE-attention deployment share: the window
+with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement."""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from xds_mpi.fabric import afd_layout, window_bytes
+
+
+class AfdDieBase:
+    def __init__(self, ctx: RankContext) -> None:
+        import torch  # only now: the handshake does not wait for every die's torch import
+        from xccl.afd import AfdBuffer
+        from xccl.gmem import DieMemory
+        from xccl.vclock import VirtualClock
+        from xds_mpi.cost import CostModel, Hardware
+        from xds_mpi.engine.afd_plan import AfdPlan, AfdSlots
+        from xds_mpi.engine.pricing import Pricer
+        from xds_mpi.hardware import load_profile
+        from xds_mpi.model.shapes import cost_shape
+        from xds_mpi.model.weights import build_model
+        cfg, topo = ctx.cfg, ctx.topo
+        torch.set_num_threads(1)  # ranks share the cores
+        self.ctx, self.cfg, self.topo = ctx, cfg, topo
+        self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
+        self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
+        self.model = build_model(cfg.model)
+        self.slots = AfdSlots.from_topology(topo)
+        self.clock = VirtualClock()
+        self.afd = AfdBuffer(self.mem, afd_layout(cfg, topo), self.slots.slot_owner,
+                             num_routed_slots=self.slots.num_routed_slots,
+                             dtype=np.dtype(cfg.xccl.row_dtype), clock=self.clock,
+                             num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        self.plan = AfdPlan(moe_layers=moe_layers, num_domains=topo.num_dp_domains,
+                            num_microbatches=cfg.deployment.num_microbatches)
+        cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
+        routed = {o for o in self.slots.slot_owner[:self.slots.num_routed_slots]}
+        self.pricer = Pricer(cost, cfg.model, self.clock, use_int8=cfg.xccl.use_int8,
+                             num_routed_dies=len(routed))
+
+    def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
+        """(the DP domains with work this iteration, has every attention die been told to stop)
+        — one allreduce among all dies; expert dies bring zeros."""
+        mine = np.zeros(self.topo.num_dp_domains + 1, np.int64)
+        domain = self.ctx.info.dp_domain
+        if domain >= 0:
+            mine[domain] = num_active
+        mine[-1] = 1 if is_running else 0
+        total = np.empty_like(mine)
+        self.dies.Allreduce(mine, total, op=MPI.SUM)
+        busy = tuple(int(d) for d in np.flatnonzero(total[:-1]))
+        return busy, total[-1] == 0
+
+    def close(self) -> None:
+        self.mem.free()
+        self.dies.Free()

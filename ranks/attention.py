@@ -1,0 +1,80 @@
+"""An attention die of disaggregated MoE-attention (xDeepServe §5.2, Figures 18-19): one DP group
+(TP=1) of a DP domain. Each iteration the dies agree which domains have work; a busy domain's dies
+run attention on their own requests and meet the expert dies through A2E/E2A at every MoE layer,
+microbatch by microbatch, even with nothing to send; an idle domain sits the iteration out."""
+from __future__ import annotations
+
+import time
+
+from ranks.afd_common import AfdDieBase
+from ranks.context import RankContext
+from ranks.die_io import Inbox, Outbox
+from ranks.handshake import handshake
+from xds_mpi.engine.scheduler import DieScheduler
+from xds_mpi.engine.timing import IterationTiming
+
+IDLE = IterationTiming(num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0,
+                       total_s=0.0, vtime_s=0.0)
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    die = AttentionDie(ctx)
+    try:
+        while die.step():
+            pass
+        die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent))
+    finally:
+        die.close()
+
+
+class AttentionDie(AfdDieBase):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        from xds_mpi.engine.attention_executor import AttentionExecutor
+        from xds_mpi.model.kv_blocks import BlockTable
+        from xds_mpi.model.mla import LatentCache
+        from xds_mpi.model.tokenizer import EOS_ID
+        cfg, topo, sched = self.cfg, self.topo, self.cfg.scheduler
+        table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
+                           block_tokens=sched.kv_block_tokens)
+        cache = LatentCache(num_layers=self.model.num_cache_layers(0),
+                            num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+                            kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
+                            dtype=self.model.dtype)
+        self.domain = ctx.info.dp_domain
+        self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
+                                      max_tokens=cfg.xccl.max_tokens_per_die,
+                                      prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
+                                      ignore_eos=cfg.workload.ignore_eos)
+        shared_slots = self.slots.shared_slots_for(
+            topo.trampoline_rank(ctx.comm.rank),
+            is_dedicated=cfg.deployment.shared_experts == "dedicated")
+        self.executor = AttentionExecutor(
+            self.model, self.afd, shared_slots=shared_slots,
+            num_microbatches=cfg.deployment.num_microbatches, phy2log=topo.phy2log,
+            log2phy=topo.log2phy(), table=table, cache=cache, pricer=self.pricer)
+        self.inbox = Inbox(ctx.comm, self.scheduler)
+        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+
+    def step(self) -> bool:
+        """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
+        self.inbox.poll()                                  # requests / stop from the TE-shell
+        busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
+        if not busy:
+            time.sleep(0.001)
+            return not all_stopped
+        calls = self.plan.iteration(busy)                  # every die numbers the calls alike
+        if self.domain not in busy:                        # the other domains take their turn
+            self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())   # one row per iteration
+            return True
+        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
+        mine = [c for c in calls if c.call.domain == self.domain]
+        tokens, timing = self.executor.forward(entries, mine)   # attention, A2E ... E2A
+        emitted = self.scheduler.postprocess(tokens)
+        self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
+        return True
+
+    def close(self) -> None:
+        self.outbox.drain()
+        super().close()

@@ -1,0 +1,61 @@
+"""An expert die of disaggregated MoE-attention (xDeepServe §5.2, Figures 18-19): it hosts expert
+slots (and, for attention group g, is its trampoline when it is expert die g). Each iteration it
+learns from the dies' agreement which DP domains are busy, then runs the persistent loop
+(xccl/afd_loop.py: receive A2E / compute / send E2A) over every MoE layer, domain and microbatch
+of the iteration without coming back here in between. It ends when the attention dies do."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ranks.afd_common import AfdDieBase
+from ranks.context import RankContext
+from ranks.handshake import handshake
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    die = ExpertDie(ctx)
+    try:
+        while die.step():
+            pass
+        ctx.log.debug("expert die: %d iterations, %d calls, %d rows, %d metadata records",
+                      die.num_iterations, die.plan.num_calls, die.num_rows,
+                      die.afd.counters.metadata_writes)
+    finally:
+        die.close()
+
+
+class ExpertDie(AfdDieBase):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        from xccl.afd_loop import ExpertLoop
+        self.loop = ExpertLoop(self.afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
+        self.layer_of: dict[int, int] = {}
+        self.num_iterations = self.num_rows = 0
+
+    def step(self) -> bool:
+        busy, all_stopped = self.agree(0, False)           # which domains take turns now
+        if not busy:
+            time.sleep(0.001)
+            return not all_stopped
+        planned = self.plan.iteration(busy)
+        self.layer_of = {p.call.call: p.layer_idx for p in planned}
+        stats = self.loop.run([p.call for p in planned])   # persistent: every layer, no return
+        self.num_iterations += 1
+        self.num_rows += stats.num_rows
+        return True
+
+    def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
+        """One slot's rows of one call: a routed expert, or the shared experts."""
+        import torch
+        moe = self.model.layers[self.layer_of[call.call]].ffn
+        with torch.inference_mode():
+            x = torch.from_numpy(rows)
+            if slot < self.slots.num_routed_slots:
+                out = moe.expert_forward(self.topo.phy2log[slot], x)
+            else:
+                out = moe.shared_forward(x)
+        self.pricer.experts(len(rows), 0)
+        return out.numpy()

@@ -1,0 +1,88 @@
+"""Disaggregated MoE-attention policy (xDeepServe §5.2, Figures 18-19): which calls an iteration
+makes, how a die's batch splits into microbatches, where each expert slot lives. No compute here.
+
+Order of the calls in an iteration (every die numbers them alike): MoE layer by layer; within a
+layer the active DP domains take turns at the expert dies, domain by domain; within a domain its
+microbatches in order. A domain with no requests anywhere takes no calls: the expert dies serve the
+busy domains back to back. Lane = domain x num_microbatches + microbatch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xccl.afd import AfdCall
+from xds_mpi.engine.scheduler import Entry
+from xds_mpi.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedCall:
+    call: AfdCall
+    layer_idx: int
+    microbatch: int
+
+
+class AfdPlan:
+    def __init__(self, *, moe_layers: tuple[int, ...], num_domains: int,
+                 num_microbatches: int) -> None:
+        self.moe_layers, self.num_domains = moe_layers, num_domains
+        self.num_microbatches = num_microbatches
+        self.num_calls = 0                             # calls numbered so far, on every die
+
+    def iteration(self, busy_domains: tuple[int, ...]) -> list[PlannedCall]:
+        """This iteration's calls; advances the call numbering."""
+        planned = []
+        for layer_idx in self.moe_layers:
+            for domain in busy_domains:
+                for mb in range(self.num_microbatches):
+                    call = AfdCall(call=self.num_calls, lane=domain * self.num_microbatches + mb,
+                                   domain=domain, event_id=self.num_calls)
+                    planned.append(PlannedCall(call=call, layer_idx=layer_idx, microbatch=mb))
+                    self.num_calls += 1
+        return planned
+
+
+def split_microbatches(entries: list[Entry], num_microbatches: int) -> list[list[Entry]]:
+    """Contiguous groups of entries with about the same number of rows (some may be empty)."""
+    total = sum(len(e.input_ids) for e in entries)
+    groups: list[list[Entry]] = [[] for _ in range(num_microbatches)]
+    before = 0
+    for e in entries:
+        groups[min(num_microbatches - 1, before * num_microbatches // max(total, 1))].append(e)
+        before += len(e.input_ids)
+    return groups
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdSlots:
+    """Physical slots of an afd deployment: routed/redundant slots first (phy_idx order, so
+    phy2log applies), then one shared-expert slot per expert die that holds a shared expert.
+    slot_owner: [slots] expert rank. shared_slot_of: expert rank -> its shared slot."""
+
+    slot_owner: tuple[int, ...]
+    num_routed_slots: int
+    shared_slot_of: dict
+
+    @classmethod
+    def from_topology(cls, topo: Topology) -> "AfdSlots":
+        owner = [-1] * len(topo.phy2log)
+        shared_ranks = []
+        for info in topo.ranks:
+            for slot in info.expert_slots:
+                if slot.kind == "shared":
+                    if info.rank not in shared_ranks:
+                        shared_ranks.append(info.rank)
+                else:
+                    owner[slot.phy_idx] = info.rank
+        num_routed = len(owner)
+        return cls(slot_owner=tuple(owner + shared_ranks), num_routed_slots=num_routed,
+                   shared_slot_of={r: num_routed + i for i, r in enumerate(shared_ranks)})
+
+    def shared_slots_for(self, trampoline: int, *, is_dedicated: bool) -> tuple[int, ...]:
+        """Where an attention die's shared column goes: its trampoline's copy of the shared
+        expert (every_die: no extra hop), or the dedicated shared dies, spread by token."""
+        if not self.shared_slot_of:
+            return ()
+        if is_dedicated:
+            return tuple(self.shared_slot_of.values())
+        return (self.shared_slot_of[trampoline],)

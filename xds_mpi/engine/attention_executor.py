@@ -1,0 +1,98 @@
+"""Execution on an attention die of disaggregated MoE-attention (xDeepServe §5.2, Figure 19).
+
+The die's batch is split into microbatches. Per layer and microbatch: finish the microbatch's MoE
+of the previous layer (E2A), run its attention, and for a MoE layer gate it and issue its A2E,
+which returns at once; then the next microbatch's attention runs while the expert dies work on
+this one. In one Python process the overlap is real for the expert dies' time (compute, A2E'/E2A'
+hops, other domains' turns): the attention die computes instead of waiting; it is not concurrent
+on this die itself (no second stream). The shared expert runs on the expert dies (a column of
+weight 1 summed last, as the reference's shared + routed); gate, attention, sampling are the
+model's own pieces, as in the colocated executor.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from xccl.afd import AfdBuffer
+from xds_mpi.engine.afd_plan import PlannedCall, split_microbatches
+from xds_mpi.engine.executor import ColocatedExecutor
+from xds_mpi.engine.scheduler import Entry
+from xds_mpi.engine.timing import IterationTiming
+
+
+class AttentionExecutor(ColocatedExecutor):
+    """Reuses the colocated executor's inputs and sampling; replaces its MoE by A2E/E2A."""
+
+    def __init__(self, model, afd: AfdBuffer, *, shared_slots: tuple[int, ...],
+                 num_microbatches: int, **kwargs) -> None:
+        super().__init__(model, None, **kwargs)
+        self.afd, self.shared_slots, self.num_microbatches = afd, shared_slots, num_microbatches
+
+    def forward(self, entries: list[Entry], calls: list[PlannedCall]
+                ) -> tuple[dict[int, int], IterationTiming]:
+        """Run the batch (possibly empty: the die still takes part in its domain's calls);
+        `calls` are this domain's calls of the iteration, layer by layer, microbatch by
+        microbatch. Returns the greedy token of every sampled entry and the timing."""
+        started, vstart = time.perf_counter(), self.afd.clock.now_ns
+        spent = defaultdict(float)
+        groups = split_microbatches(entries, self.num_microbatches)
+        inputs = [self._inputs(group) for group in groups]            # (tokens, positions, chunks)
+        pending = [None] * self.num_microbatches                       # A2E handles in flight
+        todo = iter(calls)
+        self.num_iterations += 1
+        with torch.inference_mode():
+            xs = [self.model.embed(tokens) for tokens, _, _ in inputs]  # [n_m, hidden] each
+            for layer_idx, layer in enumerate(self.model.layers):
+                for mb, (group, (tokens, positions, chunks)) in enumerate(zip(groups, inputs)):
+                    if pending[mb] is not None:                        # previous layer's MoE
+                        xs[mb] = xs[mb] + self._e2a(pending[mb], spent)
+                        pending[mb] = None
+                    t0 = time.perf_counter()
+                    if group:
+                        xs[mb] = layer.attention_part(xs[mb], positions, chunks, self.cache,
+                                                      layer_idx)
+                    self.pricer.attention(group, is_moe=layer.is_moe)
+                    spent["attention"] += time.perf_counter() - t0
+                    if layer.is_moe:
+                        planned = next(todo)
+                        assert planned.layer_idx == layer_idx and planned.microbatch == mb
+                        pending[mb] = self._a2e(layer, xs[mb], planned, spent)
+                    elif group:
+                        xs[mb] = layer.ffn_part(xs[mb])
+                        self.pricer.dense_ffn(len(tokens))
+            for mb in range(self.num_microbatches):
+                if pending[mb] is not None:
+                    xs[mb] = xs[mb] + self._e2a(pending[mb], spent)
+            sampled = {}
+            for group, x in zip(groups, xs):
+                sampled.update(self._sample(group, x))
+        self.pricer.finish(len(sampled))
+        num_rows = sum(len(tokens) for tokens, _, _ in inputs)
+        timing = IterationTiming(num_rows=num_rows, num_sampled=len(sampled),
+                                 attention_s=spent["attention"], xccl_s=spent["xccl"],
+                                 experts_s=spent["experts"], total_s=time.perf_counter() - started,
+                                 vtime_s=(self.afd.clock.now_ns - vstart) / 1e9)
+        return sampled, timing
+
+    def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, spent):
+        """Gate the microbatch and send it toward its experts (returns without waiting)."""
+        t0 = time.perf_counter()
+        h = layer.ffn_norm(x)
+        routing = layer.ffn.gate(h)
+        self.pricer.gate(len(h))
+        t1 = time.perf_counter()
+        handle = self.afd.a2e(h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
+                              planned.call, log2phy=self.log2phy, shared_slots=self.shared_slots)
+        spent["experts"] += t1 - t0
+        spent["xccl"] += time.perf_counter() - t1
+        return handle
+
+    def _e2a(self, handle, spent) -> torch.Tensor:
+        """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
+        t0 = time.perf_counter()
+        y = torch.from_numpy(self.afd.e2a(handle))
+        spent["xccl"] += time.perf_counter() - t0
+        return y
