@@ -68,9 +68,10 @@ def window_bytes(cfg: Config, topo: Topology) -> list[int]:
     cap = cfg.xccl.max_window_bytes
     for rank, size in enumerate(sizes):
         if size > cap:
-            ep_bytes = size - p2p.window_bytes(rank)
+            moe_bytes = size - p2p.window_bytes(rank)
+            area = "A2E/E2A" if afd is not None else "dispatch/combine"
             raise ConfigError(f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
-                              f" B + dispatch/combine or A2E/E2A {ep_bytes} B, over the per-die cap "
+                              f" B + {area} {moe_bytes} B, over the per-die cap "
                               f"xccl.max_window_bytes({cap})")
     return sizes
 
