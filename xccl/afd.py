@@ -303,7 +303,7 @@ class AfdBuffer:
                       [(int(c), int(o), 0, 0) for c, o in zip(counts, offsets)])
 
     def try_return(self, call: AfdCall) -> bool:
-        """Trampoline, E2A steps 8: once every expert die answered, pull the outputs, restage
+        """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs, restage
         them in our attention die's row order, and write it one record."""
         token, column, plan = self._forwarded[call.call]
         staged = self._gather_back(call, plan, blocking=False)
@@ -351,7 +351,7 @@ class AfdBuffer:
         at = layout.offset(self.me, "scatter_index", lane)
         local[at:at + index.nbytes] = index.view(np.uint8)
         self.mem.sync()
-        # Step: a record per expert die (routed count/offset, shared count/offset).
+        # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
         self._publish(layout.experts, region, call, writer_idx,
                       zip(counts, np.cumsum(counts) - counts, shared_counts,
                           np.cumsum(shared_counts) - shared_counts))
