@@ -70,7 +70,8 @@ def test_tokenizer_refuses_ids_outside_the_vocabulary():
 
 
 def test_presets():
-    assert compute_shape() == ModelConfig()
+    # The tiny preset is the ModelConfig defaults plus the trained checkpoint as its weights.
+    assert compute_shape() == dataclasses.replace(ModelConfig(), weights="tiny")
     published = dict(vocab_size=129280, hidden=7168, num_layers=61, num_dense_layers=3,
                      num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128,
                      qk_rope_dim=64, v_head_dim=128, intermediate=18432, moe_intermediate=2048,
