@@ -16,8 +16,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate", help="generate text with the single-process reference model",
         description="Prefill the prompt, decode greedily (or with --temperature) on one process, "
-                    "print the continuation and tokens per second. Random weights from the tiny "
-                    "preset's seed unless --weights names an HDF5 file.")
+                    "print the continuation and tokens per second. Weights: the preset's "
+                    "model.weights (tiny: the trained checkpoint) unless --weights names an HDF5 "
+                    "file.")
     p.add_argument("--prompt", required=True, help="prompt text (byte-level tokens)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--mtp", type=int, default=0, metavar="K",
