@@ -3,6 +3,7 @@ router and MTP module do on held-out text. Torch is imported inside the commands
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -92,7 +93,10 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
                          lr=args.lr, seed=args.seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    corpus = load_corpus(max_files=args.max_files)
+    try:
+        corpus = load_corpus(max_files=args.max_files)
+    except ValueError as exc:  # a --max-files slice without a held-out file
+        raise ConfigError(str(exc)) from None
     print(f"xds-mpi: training on {corpus.num_train_files} files of {stdlib_root()} "
           f"({len(corpus.train):,} tokens; {corpus.num_heldout_files} files held out, "
           f"{len(corpus.heldout):,} tokens): {tc.steps} steps x {tc.batch_size} x {tc.seq_len} "
@@ -109,7 +113,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     print(f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
           f"{result.num_tokens / result.wall_s:,.0f} tok/s); final training loss "
           f"{result.final_loss:.4f}; held-out loss {result.heldout_loss:.4f} (perplexity "
-          f"{2.718281828459045 ** result.heldout_loss:.3f}), MTP {mtp}; "
+          f"{math.exp(result.heldout_loss):.3f}), MTP {mtp}; "
           f"{time.perf_counter() - start:.1f} s in all; wrote {args.out}")
     return 0
 

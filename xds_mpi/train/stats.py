@@ -13,6 +13,7 @@ MTP acceptance is measured two ways (xDeepServe §4.6 reports 70-90 % for DeepSe
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ class TextStats:
 
     @property
     def perplexity(self) -> float:
-        return float(torch.tensor(self.loss).exp())
+        return math.exp(self.loss)
 
 
 def _moe_gates(model: DeepSeekModel) -> dict[str, Gate]:
