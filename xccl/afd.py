@@ -26,40 +26,25 @@ rows, and (b) every trampoline to have pulled its outputs from every expert die 
 A2E' of the lane reaches that expert die. In the direct variant (a)-(b) hold with the attention
 dies in the trampolines' place.
 
-The expert side is non-blocking (`try_forward`, `try_receive`, `send_back`, `try_return`) so a
+Records (write, poll, pull, counters, virtual time) live in xccl/afd_records.py. The expert side
+is non-blocking (`try_forward`, `try_receive`, `send_back`, `try_return`) so a
 persistent loop (xccl/afd_loop.py) can drive receive / compute / send as concurrent stages.
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from xccl.ep import INDEX_DTYPE, select_slots
-from xccl.errors import BufferTooSmall, EventMismatch, XcclError
-from xccl.gmem import DieMemory, poll_until
-from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_DOORBELL, EP_EVENT_ID,
-                         EP_OFFSET, EP_VTIME_NS, INDEX_BYTES, RECORD_BYTES, AfdLayout)
+from xccl.afd_records import AfdCall, AfdRecords
+from xccl.errors import BufferTooSmall, XcclError
+from xccl.gmem import DieMemory
+from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_OFFSET, INDEX_BYTES,
+                         AfdLayout)
 from xccl.quant import dequantize_int8, quantize_int8
 from xccl.vclock import LinkModel, VirtualClock
-
-RECORD_PUT_BYTES = 6 * 8 + 8        # body words 1..6, then the doorbell word
-
-
-@dataclass(frozen=True, kw_only=True)
-class AfdCall:
-    """One A2E/E2A round: one DP domain's microbatch at one MoE layer.
-
-    call: sequence number, the same on every die, increasing. lane: its buffers (domain x
-    microbatch). domain: the active DP domain. event_id: checked against every record."""
-
-    call: int
-    lane: int
-    domain: int
-    event_id: int
-
 
 @dataclass(frozen=True, kw_only=True)
 class A2EHandle:
@@ -95,17 +80,6 @@ class Received:
     sender_counts: np.ndarray
 
 
-@dataclass
-class AfdCounters:
-    """Per-die traffic: records written (and their bytes), row bytes pulled."""
-
-    metadata_writes: int = 0
-    metadata_bytes: int = 0
-    pulled_bytes: int = 0
-    calls: int = 0
-    per_call: list = field(default_factory=list)
-
-
 class AfdBuffer:
     """A2E/E2A on this die's window, for an attention or an expert die (one per window)."""
 
@@ -131,13 +105,19 @@ class AfdBuffer:
         self.use_trampolines = use_trampolines
         self.dtype, self.clock, self.link = np.dtype(dtype), clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
-        self.counters = AfdCounters()
+        self.records = AfdRecords(mem, layout, clock=self.clock, link=link, num_cores=num_cores,
+                                  timeout_s=timeout_s)
+        self.counters = self.records.counters
         self.idx = (layout.attention.index(self.me) if self.role == "attention"
                     else layout.experts.index(self.me))
         self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
         self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
-        self.waiting_for = ""
+
+    @property
+    def waiting_for(self) -> str:
+        """Whom the last unmet poll waits for (die, stage, event, missing peers)."""
+        return self.records.waiting_for
 
     # -- who talks to whom ----------------------------------------------------------------------
     def domain_attention(self, domain: int) -> tuple[int, ...]:
@@ -185,7 +165,7 @@ class AfdBuffer:
             self.mem.sync()
             # Step 2: one record into our trampoline (expert die number = our group).
             tramp = layout.experts[self.group]
-            self._publish([tramp], "a2e_records", call, self.idx, [(num_tokens, 0, 0, 0)])
+            self.records.publish([tramp], "a2e_records", call, self.idx, [(num_tokens, 0, 0, 0)])
         else:
             # Direct: expand to rows and scatter them to every expert die (a record each).
             scatter = self._scatter(np.asarray(x, self.dtype), token, column, phy[token, column],
@@ -201,14 +181,14 @@ class AfdBuffer:
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
             tramp = layout.experts[self.group]
-            words = self._wait(call, "back_records", [(tramp, self.group)], "E2A")
+            words = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
             if int(words[0, EP_COUNT]) != num_rows:
                 raise XcclError(f"die rank {self.me}: E2A event {call.event_id} returns "
                                 f"{int(words[0, EP_COUNT])} rows, A2E sent {num_rows}")
             outs = np.empty((num_rows, layout.hidden), self.dtype)
-            self._get(tramp, layout.offset(tramp, "ret_rows", call.lane), outs)
+            self.records.get(tramp, layout.offset(tramp, "ret_rows", call.lane), outs)
             self.mem.flush(tramp)
-            self._arrive(words[:, EP_VTIME_NS], outs.nbytes)
+            self.records.arrive(words, outs.nbytes)
         else:
             staged = self._gather_back(call, handle.scatter, blocking=True)
             outs = np.empty_like(staged)
@@ -227,16 +207,16 @@ class AfdBuffer:
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
         src_idx = layout.attention.index(src)
-        words = self._ready(call, "a2e_records", [(src, src_idx)], "A2E")
+        words = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
         if words is None:
             return False
         num_tokens = int(words[0, EP_COUNT])
         x = np.empty((num_tokens, layout.hidden), self.dtype)
         route = np.empty((num_tokens, layout.num_columns), np.int64)            # [T, C] slots
-        self._get(src, layout.offset(src, "tok_rows", lane), x)
-        self._get(src, layout.offset(src, "tok_route", lane), route)
+        self.records.get(src, layout.offset(src, "tok_rows", lane), x)
+        self.records.get(src, layout.offset(src, "tok_route", lane), route)
         self.mem.flush(src)
-        self._arrive(words[:, EP_VTIME_NS], x.nbytes + route.nbytes)
+        self.records.arrive(words, x.nbytes + route.nbytes)
         token, column = np.nonzero(route >= 0)                                  # token-major
         plan = self._scatter(x, token, column, route[token, column], call, "fwd_records",
                              self.group)
@@ -250,7 +230,7 @@ class AfdBuffer:
         region = "fwd_records" if self.use_trampolines else "a2e_records"
         writer_idx = (range(len(senders)) if self.use_trampolines
                       else [layout.attention.index(r) for r in senders])
-        words = self._ready(call, region, list(zip(senders, writer_idx)), "A2E'")
+        words = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
         if words is None:
             return None
         counts, shared = words[:, EP_COUNT].astype(np.int64), words[:, AFD_SHARED_COUNT]
@@ -265,19 +245,19 @@ class AfdBuffer:
             c, s = int(counts[i]), int(shared[i])
             o, so = int(words[i, EP_OFFSET]), int(words[i, AFD_SHARED_OFFSET])
             if c:
-                self._get(rank, layout.offset(rank, "scatter_rows", lane) +
+                self.records.get(rank, layout.offset(rank, "scatter_rows", lane) +
                           o * layout.send_row_bytes, raw[routed_at:routed_at + c])
             if s:
-                self._get(rank, layout.offset(rank, "scatter_shared", lane) +
+                self.records.get(rank, layout.offset(rank, "scatter_shared", lane) +
                           so * layout.out_row_bytes, x[at + c:at + c + s])
             if c + s:
-                self._get(rank, layout.offset(rank, "scatter_index", lane) + (o + so) *
+                self.records.get(rank, layout.offset(rank, "scatter_index", lane) + (o + so) *
                           INDEX_BYTES, index[at:at + c + s].view(np.uint8))
             is_routed[at:at + c] = True
             at, routed_at = at + c + s, routed_at + c
         self.mem.flush_all()
         x[is_routed] = self._decode(raw)
-        self._arrive(words[:, EP_VTIME_NS], raw.nbytes + x[~is_routed].nbytes + index.nbytes)
+        self.records.arrive(words, raw.nbytes + x[~is_routed].nbytes + index.nbytes)
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
             raise XcclError(f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
                             f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
@@ -299,7 +279,7 @@ class AfdBuffer:
         self.mem.sync()
         counts = received.sender_counts
         offsets = np.cumsum(counts) - counts
-        self._publish(self.senders(call), "back_records", call, self.idx,
+        self.records.publish(self.senders(call), "back_records", call, self.idx,
                       [(int(c), int(o), 0, 0) for c, o in zip(counts, offsets)])
 
     def try_return(self, call: AfdCall) -> bool:
@@ -315,7 +295,7 @@ class AfdBuffer:
         outs[plan.order] = staged                            # back to the attention die's order
         self.mem.sync()
         dst = self.domain_attention(call.domain)[self.group]
-        self._publish([dst], "back_records", call, self.idx, [(len(token), 0, 0, 0)])
+        self.records.publish([dst], "back_records", call, self.idx, [(len(token), 0, 0, 0)])
         return True
 
     # -- steps ----------------------------------------------------------------------------------
@@ -352,7 +332,7 @@ class AfdBuffer:
         local[at:at + index.nbytes] = index.view(np.uint8)
         self.mem.sync()
         # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
-        self._publish(layout.experts, region, call, writer_idx,
+        self.records.publish(layout.experts, region, call, writer_idx,
                       zip(counts, np.cumsum(counts) - counts, shared_counts,
                           np.cumsum(shared_counts) - shared_counts))
         return ScatterPlan(order=order, counts=counts + shared_counts)
@@ -363,8 +343,8 @@ class AfdBuffer:
         layout = self.layout
         writers = list(zip(layout.experts, range(len(layout.experts))))
         stage = "E2A'" if self.use_trampolines else "E2A"
-        words = (self._wait(call, "back_records", writers, stage) if blocking
-                 else self._ready(call, "back_records", writers, stage))
+        words = (self.records.wait(call, "back_records", writers, stage) if blocking
+                 else self.records.ready(call, "back_records", writers, stage))
         if words is None:
             return None
         counts = words[:, EP_COUNT].astype(np.int64)
@@ -376,68 +356,13 @@ class AfdBuffer:
         at = 0
         for i, rank in enumerate(layout.experts):
             if counts[i]:
-                self._get(rank, layout.offset(rank, "out_rows", call.lane) +
+                self.records.get(rank, layout.offset(rank, "out_rows", call.lane) +
                           int(words[i, EP_OFFSET]) * layout.out_row_bytes,
                           staged[at:at + counts[i]])
                 at += counts[i]
         self.mem.flush_all()
-        self._arrive(words[:, EP_VTIME_NS], staged.nbytes)
+        self.records.arrive(words, staged.nbytes)
         return staged
-
-    def _publish(self, ranks, region: str, call: AfdCall, writer_idx: int, bodies) -> None:
-        """Write (event, count, offset, time, count2, offset2) into each rank's record, flush,
-        then ring each doorbell with call + 1."""
-        mem, layout = self.mem, self.layout
-        words = np.zeros((len(ranks), 6), np.uint64)                 # one per rank: Puts in flight
-        for i, (c, o, c2, o2) in enumerate(bodies):
-            words[i] = (call.event_id, c, o, 0, c2, o2)
-        words.view(np.float64)[:, EP_VTIME_NS - 1] = self.clock.now_ns
-        for i, rank in enumerate(ranks):
-            mem.put(rank, layout.record_offset(rank, region, call.lane, writer_idx) + 8, words[i])
-        mem.flush_all()
-        for rank in ranks:
-            mem.store_word(rank, layout.record_offset(rank, region, call.lane, writer_idx) +
-                           8 * EP_DOORBELL, call.call + 1)
-            mem.flush(rank)
-        self.counters.metadata_writes += len(ranks)
-        self.counters.metadata_bytes += len(ranks) * RECORD_PUT_BYTES
-
-    def _ready(self, call: AfdCall, region: str, writers, stage: str):
-        """The records [W, 8] words of every (rank, writer_idx) if all rang for `call`, else None
-        (and `waiting_for` names who is missing)."""
-        mem, layout = self.mem, self.layout
-        offsets = [layout.record_offset(self.me, region, call.lane, w) for _, w in writers]
-        missing = [rank for (rank, _), at in zip(writers, offsets)
-                   if mem.load_word(at + 8 * EP_DOORBELL, rank) != call.call + 1]
-        if missing:
-            self.waiting_for = (f"die rank {self.me}: {stage} event {call.event_id} (call "
-                                f"{call.call}, domain {call.domain}, lane {call.lane}): no record"
-                                f" from rank(s) {missing}")
-            return None
-        mem.sync()
-        words = np.stack([mem.words[at // 8:at // 8 + RECORD_BYTES // 8] for at in offsets])
-        bad = np.flatnonzero(words[:, EP_EVENT_ID] != call.event_id)
-        if len(bad):
-            raise EventMismatch(f"die rank {self.me}: {stage} call {call.call} expected event "
-                                f"{call.event_id}, rank {writers[int(bad[0])][0]} wrote event "
-                                f"{int(words[bad[0], EP_EVENT_ID])}")
-        return words.copy()
-
-    def _wait(self, call: AfdCall, region: str, writers, stage: str) -> np.ndarray:
-        found = []
-
-        def ready() -> bool:
-            words = self._ready(call, region, writers, stage)
-            if words is not None:
-                found.append(words)
-            return bool(found)
-        poll_until(ready, deadline=time.monotonic() + self.timeout_s,
-                   describe=lambda: f"{self.waiting_for} after {self.timeout_s:g} s")
-        return found[0]
-
-    def _get(self, rank: int, offset: int, out: np.ndarray) -> None:
-        self.mem.get(rank, offset, out)
-        self.counters.pulled_bytes += out.nbytes
 
     def _decode(self, raw: np.ndarray) -> np.ndarray:
         layout = self.layout
@@ -446,11 +371,3 @@ class AfdBuffer:
             scale = raw[:, layout.hidden:layout.hidden + 4].copy().view(np.float32)[:, 0]
             return dequantize_int8(q, scale, self.dtype)
         return raw.view(self.dtype).reshape(len(raw), layout.hidden)
-
-    def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
-        """Virtual time: the last record lands, then our link pulls the bytes."""
-        if self.link is None:
-            return
-        stamps = np.ascontiguousarray(stamps).view(np.float64)
-        self.clock.arrive(float(stamps.max(initial=0.0)) + self.link.latency_ns())
-        self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))
