@@ -51,8 +51,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _servable(cfg, topo) -> None:
-    """Refuse before launch a colocated run in which no request could be served."""
-    if not topo.ranks_with_role("colocated"):
+    """Refuse before launch a serving run in which no request could be served."""
+    if not topo.ranks_with_role("colocated") + topo.ranks_with_role("attention"):
         return
     from xds_mpi.engine.requests import rejection
     from xds_mpi.engine.workload import load_workload
@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="launch a deployment with mpiexec",
                        description="Launch `mpiexec -n N python -m mpi4py -m launch.rank CONFIG` "
-                                   "with the environment the detected MPI needs. A colocated "
-                                   "deployment serves the workload: the TE-shell prints progress"
-                                   " and a summary and writes a run file (HDF5) under "
+                                   "with the environment the detected MPI needs. A colocated or "
+                                   "afd deployment serves the workload: the TE-shell prints "
+                                   "progress and a summary and writes a run file (HDF5) under "
                                    "run.output_dir. The job is killed after run.timeout_s.")
     _add_config_args(p)
     p.add_argument("--mpiexec", default=None,
