@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -99,15 +100,22 @@ class JobResult:
 
 def run_job(command: MpiCommand, *, timeout_s: float, capture: bool = False,
             cwd: str | Path | None = None) -> JobResult:
-    """Run the job in its own process group; on timeout or Ctrl-C kill the whole group."""
+    """Run the job in its own process group; on timeout or Ctrl-C kill the whole group.
+
+    A job that lasted MPIEXEC_TIMEOUT counts as timed out whatever its exit code: hydra
+    sometimes exits 0 after killing a job at its timeout (seen with the mpich 5.0.2 wheel).
+    """
     env = {**os.environ, **command.env}
     out = subprocess.PIPE if capture else None
+    mpi_timeout_s = float(command.env.get("MPIEXEC_TIMEOUT", "inf"))
+    started = time.monotonic()
     proc = subprocess.Popen(command.argv, env=env, cwd=cwd, stdout=out,
                             stderr=subprocess.STDOUT if capture else None, text=True,
                             start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=timeout_s)
-        return JobResult(returncode=proc.returncode, timed_out=False, output=stdout or "")
+        timed_out = time.monotonic() - started >= mpi_timeout_s
+        return JobResult(returncode=proc.returncode, timed_out=timed_out, output=stdout or "")
     except subprocess.TimeoutExpired:
         kill_group(proc)
         stdout, _ = proc.communicate()

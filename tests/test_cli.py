@@ -152,3 +152,10 @@ def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
     assert all(float(r["speedup"]) > 0 and float(r["proj_910c_us"]) > 0 for r in rows)
     bad = xds_mpi("bench", "ep", "--np", "3", "--experts", "256")
     assert bad.returncode == 2 and "--experts(256) must be a multiple of --np(3)" in bad.stderr
+
+
+def test_a_run_over_its_time_limit_is_reported_as_such():
+    # Rank start-up alone (torch on every die) takes longer than one second.
+    result = xds_mpi("run", "--set", "run.timeout_s=1")
+    assert result.returncode == 124, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "job exceeded run.timeout_s(1) and was killed" in result.stderr
