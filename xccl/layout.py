@@ -146,6 +146,12 @@ def all_pairs(ranks: Iterable[int]) -> frozenset[tuple[int, int]]:
 
 
 
+def send_row_bytes(hidden: int, itemsize: int, use_int8: bool) -> int:
+    """A staged token row: hidden x itemsize, or INT8 values + a float32 scale; 8-byte aligned."""
+    raw = hidden + 4 if use_int8 else hidden * itemsize
+    return (raw + 7) // 8 * 8
+
+
 # Dispatch/combine record words (one record per peer and direction; written by the peer).
 EP_DOORBELL, EP_EVENT_ID, EP_COUNT, EP_OFFSET, EP_VTIME_NS = range(5)
 INDEX_BYTES = 16   # per staged row: int32 token index, int32 top-k column, int64 physical slot
@@ -187,8 +193,7 @@ class EpLayout:
 
     @property
     def send_row_bytes(self) -> int:
-        raw = self.hidden + 4 if self.use_int8 else self.hidden * self.itemsize
-        return (raw + 7) // 8 * 8
+        return send_row_bytes(self.hidden, self.itemsize, self.use_int8)
 
     @property
     def out_row_bytes(self) -> int:
@@ -291,8 +296,7 @@ class AfdLayout:
 
     @property
     def send_row_bytes(self) -> int:
-        raw = self.hidden + 4 if self.use_int8 else self.hidden * self.itemsize
-        return (raw + 7) // 8 * 8
+        return send_row_bytes(self.hidden, self.itemsize, self.use_int8)
 
     @property
     def out_row_bytes(self) -> int:
