@@ -151,12 +151,15 @@ class SchedulerConfig:
     kv_block_tokens: int = 16
     num_kv_blocks_per_die: int = 256
     prefill_chunk_tokens: int = 64
+    mtp_depth: int = 0                 # MTP draft tokens per decode step (0 = plain decoding)
 
     def __post_init__(self) -> None:
         _positive("scheduler", max_batch_per_die=self.max_batch_per_die,
                   kv_block_tokens=self.kv_block_tokens,
                   num_kv_blocks_per_die=self.num_kv_blocks_per_die,
                   prefill_chunk_tokens=self.prefill_chunk_tokens)
+        _require(self.mtp_depth in (0, 1, 2),
+                 f"scheduler.mtp_depth must be 0, 1 or 2, got {self.mtp_depth}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +213,72 @@ class XcclConfig:
                   poll_timeout_s=self.poll_timeout_s, max_window_bytes=self.max_window_bytes)
 
 
+FAULT_OPS = ("p2p_send", "p2p_recv", "dispatch", "combine", "a2e", "e2a")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """One row of the fault table: die `die` fails operation `op` at MoE layer `layer` of
+    iteration `iteration` with error `code`, on `times` consecutive attempts (1 = transient)."""
+
+    die: int
+    op: str
+    layer: int
+    iteration: int
+    code: int = 1
+    times: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultsConfig:
+    """Injected transient XCCL errors and token recomputation (xDeepServe §6.2 stage 3).
+
+    table: list of {die, op, layer, iteration, code?, times?} (op: one of FAULT_OPS; layer is a
+    model layer index, num_layers + k - 1 for MTP depth k). rate: seeded probabilistic mode, the
+    chance each operation call fails. An iteration may be re-executed max_retries times; one more
+    failure ends the run with an error naming die, operation and iteration."""
+
+    table: list = field(default_factory=list)
+    rate: float = 0.0
+    ops: list = field(default_factory=lambda: list(FAULT_OPS))
+    seed: int = 0
+    max_retries: int = 3
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.rate < 1.0, f"faults.rate must be in [0, 1), got {self.rate}")
+        _non_negative("faults", max_retries=self.max_retries)
+        for op in self.ops:
+            _require(op in FAULT_OPS, f"faults.ops: unknown operation {op!r} "
+                     f"(known: {', '.join(FAULT_OPS)})")
+        object.__setattr__(self, "table", [_fault_spec(i, row) for i, row in enumerate(self.table)])
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self.table) or self.rate > 0
+
+
+def _fault_spec(index: int, row) -> FaultSpec:
+    if isinstance(row, FaultSpec):
+        return row
+    where = f"faults.table[{index}]"
+    _require(isinstance(row, dict), f"{where} must be a mapping, got {row!r}")
+    hints = typing.get_type_hints(FaultSpec)
+    known = [f.name for f in dataclasses.fields(FaultSpec)]
+    for key in row:
+        _require(key in hints, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
+    for key in ("die", "op", "layer", "iteration"):
+        _require(key in row, f"{where} needs {key!r} (has: {', '.join(row) or 'nothing'})")
+    spec = FaultSpec(**{key: check_value(f"{where}.{key}", hints[key], v) for key, v in row.items()})
+    _require(spec.op in FAULT_OPS, f"{where}.op: unknown operation {spec.op!r} "
+             f"(known: {', '.join(FAULT_OPS)})")
+    _require(spec.die >= 0 and spec.iteration >= 0 and spec.layer >= 0,
+             f"{where}: die, layer and iteration must be >= 0, got die={spec.die}, "
+             f"layer={spec.layer}, iteration={spec.iteration}")
+    _require(spec.code > 0 and spec.times > 0,
+             f"{where}: code and times must be > 0, got code={spec.code}, times={spec.times}")
+    return spec
+
+
 @dataclass(frozen=True, kw_only=True)
 class HardwareConfig:
     """The pod being emulated: its shape and the cost profile (configs/hardware/<profile>.yaml)."""
@@ -256,6 +325,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     xccl: XcclConfig = field(default_factory=XcclConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
