@@ -23,3 +23,33 @@ class UnknownPeer(XcclError, ValueError):
 
 class OutOfWindow(XcclError, IndexError):
     """An RMA access outside the target's window: refused before MPI sees it."""
+
+
+class InjectedFault(XcclError):
+    """An emulated transient XCCL error (xDeepServe §6.2 stage 3), raised by a buffer's fault hook
+    inside an operation, where peers are left waiting. die: the die's rank; op: the operation
+    (xccl.faults.OPS); event_id: the operation's event; code: the error code."""
+
+    def __init__(self, die: int, op: str, event_id: int, code: int) -> None:
+        super().__init__(f"die rank {die}: injected fault (code {code}) in {op} event {event_id}")
+        self.die, self.op, self.event_id, self.code = die, op, event_id, code
+
+    def __reduce__(self):
+        return type(self), (self.die, self.op, self.event_id, self.code)
+
+
+class RollbackRequested(XcclError):
+    """Raised inside a wait when another die signalled that the current attempt failed: abandon
+    it and vote (xccl/recovery.py). epoch: the attempt's epoch (failed attempts before it)."""
+
+    def __init__(self, die: int, epoch: int) -> None:
+        super().__init__(f"die rank {die}: attempt of epoch {epoch} abandoned: another die "
+                         "signalled a failed XCCL operation")
+        self.die, self.epoch = die, epoch
+
+    def __reduce__(self):
+        return type(self), (self.die, self.epoch)
+
+
+class RetriesExhausted(XcclError):
+    """An attempt failed again after the allowed re-executions (every die raises the same)."""

@@ -1,0 +1,101 @@
+"""FaultPlan: table rows fire exactly where and as often as declared; the random mode replays."""
+from __future__ import annotations
+
+import pytest
+
+from xccl.errors import InjectedFault
+from xccl.faults import OPS
+from xds_mpi.config import FAULT_OPS, FaultsConfig
+from xds_mpi.faults import RANDOM_CODE, FaultPlan
+
+TABLE = [{"die": 1, "op": "dispatch", "layer": 2, "iteration": 5, "code": 7},
+         {"die": 1, "op": "e2a", "layer": 0, "iteration": 5, "times": 3},
+         {"die": 0, "op": "combine", "layer": 2, "iteration": 5}]
+
+
+def fired_at(plan, *, iterations=8, layers=4, attempts=4):
+    """Every (op, iteration, layer, attempt) -> code where the plan fires."""
+    return {(op, it, layer, attempt): code
+            for op in FAULT_OPS for it in range(iterations) for layer in range(layers)
+            for attempt in range(attempts)
+            if (code := plan.decide(op, iteration=it, layer=layer, attempt=attempt)) is not None}
+
+
+def test_xccl_and_the_config_name_the_same_operations():
+    assert OPS == FAULT_OPS
+
+
+def test_table_rows_fire_on_their_die_op_layer_iteration_and_times_attempts():
+    cfg = FaultsConfig(table=TABLE)
+    assert fired_at(FaultPlan(cfg, 1)) == {
+        ("dispatch", 5, 2, 0): 7,
+        ("e2a", 5, 0, 0): 1, ("e2a", 5, 0, 1): 1, ("e2a", 5, 0, 2): 1}
+    assert fired_at(FaultPlan(cfg, 0)) == {("combine", 5, 2, 0): 1}
+    assert fired_at(FaultPlan(cfg, 2)) == {}
+
+
+def test_the_counter_counts_fired_decisions_by_op():
+    plan = FaultPlan(FaultsConfig(table=TABLE), 1)
+    fired_at(plan)
+    assert plan.fired == {"dispatch": 1, "e2a": 3}
+    assert plan.num_fired == 4
+
+
+def test_random_mode_replays_and_roughly_honours_the_rate():
+    cfg = FaultsConfig(rate=0.1, seed=3)
+    first, again = fired_at(FaultPlan(cfg, 2), iterations=40), fired_at(FaultPlan(cfg, 2),
+                                                                       iterations=40)
+    assert first == again and set(first.values()) == {RANDOM_CODE}
+    draws = len(FAULT_OPS) * 40 * 4 * 4
+    assert 0.07 < len(first) / draws < 0.13, f"{len(first)} of {draws} fired"
+    other_seed = fired_at(FaultPlan(FaultsConfig(rate=0.1, seed=4), 2), iterations=40)
+    other_die = fired_at(FaultPlan(cfg, 3), iterations=40)
+    assert first != other_seed and first != other_die
+
+
+def test_random_attempts_and_calls_draw_independently():
+    plan = FaultPlan(FaultsConfig(rate=0.5, seed=1), 0)
+    def draws(**where):
+        return [plan.decide("a2e", iteration=i, layer=1, **where) is not None for i in range(400)]
+    attempt0, attempt1 = draws(attempt=0), draws(attempt=1)
+    call1 = draws(attempt=0, call=1)
+    for other in (attempt1, call1):
+        agree = sum(a == b for a, b in zip(attempt0, other)) / len(attempt0)
+        assert 0.4 < agree < 0.6, f"attempts/calls agree on {agree:.0%} of draws"
+
+
+def test_ops_filter_the_random_mode_only():
+    cfg = FaultsConfig(rate=0.5, ops=["dispatch"], table=[
+        {"die": 0, "op": "p2p_send", "layer": 0, "iteration": 0}])
+    fired = fired_at(FaultPlan(cfg, 0))
+    assert {op for op, *_ in fired} == {"dispatch", "p2p_send"}
+    assert [k for k in fired if k[0] == "p2p_send"] == [("p2p_send", 0, 0, 0)]
+
+
+def test_no_faults_configured_never_fires():
+    assert fired_at(FaultPlan(FaultsConfig(), 0)) == {}
+
+
+def test_an_unknown_operation_is_refused():
+    with pytest.raises(ValueError, match="unknown operation 'alltoall'"):
+        FaultPlan(FaultsConfig(), 0).decide("alltoall", iteration=0, layer=0, attempt=0)
+
+
+def test_the_hook_numbers_calls_per_layer_and_raises_an_injected_fault():
+    plan = FaultPlan(FaultsConfig(table=[{"die": 4, "op": "a2e", "layer": 1, "iteration": 2,
+                                          "code": 9}]), 4)
+    hook = plan.hook(iteration=2, attempt=0, layer_of=lambda event: event // 10)
+    hook("a2e", 3)                                   # layer 0: nothing
+    with pytest.raises(InjectedFault) as err:
+        hook("a2e", 12)
+    assert (err.value.die, err.value.op, err.value.event_id, err.value.code) == (4, "a2e", 12, 9)
+    assert str(err.value) == "die rank 4: injected fault (code 9) in a2e event 12"
+    plan.hook(iteration=2, attempt=1, layer_of=lambda event: event // 10)("a2e", 12)  # cleared
+    seen = []
+    random_plan = FaultPlan(FaultsConfig(rate=0.5), 0)
+    random_plan.decide = lambda op, **where: seen.append(where["call"])    # observe the numbering
+    hook = random_plan.hook(iteration=0, attempt=0, layer_of=lambda event: 0)
+    for event in range(3):
+        hook("e2a", event)
+    hook("a2e", 0)
+    assert seen == [0, 1, 2, 0]
