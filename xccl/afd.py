@@ -29,6 +29,14 @@ dies in the trampolines' place.
 Records (write, poll, pull, counters, virtual time) live in xccl/afd_records.py. The expert side
 is non-blocking (`try_forward`, `try_receive`, `send_back`, `try_return`) so a
 persistent loop (xccl/afd_loop.py) can drive receive / compute / send as concurrent stages.
+
+Recovery (xccl/faults.py): the doorbells are the caller's call numbers, so after an abandoned
+attempt the caller never reuses one; publication_state() is 1 + the highest call this die took
+part in, resync moves it (and a floor below which calls are refused) to the max over all dies.
+Fault hooks fire once per call per die: "a2e" on an attention die after staging, before its
+record; on a trampoline in try_forward, on other expert dies in try_receive, when the call's
+records arrived; "e2a" on a trampoline in try_return, on other expert dies in send_back (after
+staging, before the records), on an attention die in e2a before waiting.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import numpy as np
 from xccl.ep import INDEX_DTYPE, select_slots
 from xccl.afd_records import AfdCall, AfdRecords
 from xccl.errors import BufferTooSmall, XcclError
+from xccl.faults import FaultHook, Interrupt
 from xccl.gmem import DieMemory
 from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_OFFSET, INDEX_BYTES,
                          AfdLayout)
@@ -113,6 +122,17 @@ class AfdBuffer:
         self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
         self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
+        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
+        self._next_call = self._call_floor = 0       # 1 + highest call seen; lowest call allowed
+
+    @property
+    def interrupt(self) -> Interrupt | None:
+        """Called on every turn of every wait (the records' polls, the expert loop)."""
+        return self.records.interrupt
+
+    @interrupt.setter
+    def interrupt(self, interrupt: Interrupt | None) -> None:
+        self.records.interrupt = interrupt
 
     @property
     def waiting_for(self) -> str:
@@ -139,6 +159,7 @@ class AfdBuffer:
         log2phy: [E] physical slots per logical expert. shared_slots: slots of the shared expert
         (column K, weight 1), spread by (rank + token). Zero tokens are fine: every attention die
         of the active domain must call it."""
+        self._take(call)
         layout, num_tokens = self.layout, len(x)
         if num_tokens > layout.max_tokens:
             raise BufferTooSmall(f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
@@ -163,13 +184,14 @@ class AfdBuffer:
             at = layout.offset(self.me, "tok_route", lane)
             local[at:at + phy.nbytes] = phy.astype(np.int64).view(np.uint8).reshape(-1)
             self.mem.sync()
+            self._fault("a2e", call)
             # Step 2: one record into our trampoline (expert die number = our group).
             tramp = layout.experts[self.group]
             self.records.publish([tramp], "a2e_records", call, self.idx, [(num_tokens, 0, 0, 0)])
         else:
             # Direct: expand to rows and scatter them to every expert die (a record each).
             scatter = self._scatter(np.asarray(x, self.dtype), token, column, phy[token, column],
-                                    call, "a2e_records", self.idx)
+                                    call, "a2e_records", self.idx, fault_op="a2e")
         self.counters.calls += 1
         return A2EHandle(call=call, weights=weights, row_token=token, row_column=column,
                          scatter=scatter)
@@ -177,6 +199,8 @@ class AfdBuffer:
     def e2a(self, handle: A2EHandle) -> np.ndarray:
         """Wait for this call's expert outputs and sum them: returns y [T, hidden] self.dtype."""
         layout, call = self.layout, handle.call
+        self._take(call)
+        self._fault("e2a", call)
         num_rows = len(handle.row_token)
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
@@ -204,6 +228,7 @@ class AfdBuffer:
     def try_forward(self, call: AfdCall) -> bool:
         """Trampoline, A2E' steps 3-4: if our attention die's tokens arrived, pull them, expand
         them to rows and scatter the rows to every expert die. False = not yet."""
+        self._take(call)
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
         src_idx = layout.attention.index(src)
@@ -219,12 +244,13 @@ class AfdBuffer:
         self.records.arrive(words, x.nbytes + route.nbytes)
         token, column = np.nonzero(route >= 0)                                  # token-major
         plan = self._scatter(x, token, column, route[token, column], call, "fwd_records",
-                             self.group)
+                             self.group, fault_op="a2e")
         self._forwarded[call.call] = (token, column, plan)
         return True
 
     def try_receive(self, call: AfdCall) -> Received | None:
         """Every expert die, A2E' step 5: once every sender's record arrived, pull our rows."""
+        self._take(call)
         layout, lane = self.layout, call.lane
         senders = self.senders(call)
         region = "fwd_records" if self.use_trampolines else "a2e_records"
@@ -233,6 +259,8 @@ class AfdBuffer:
         words = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
         if words is None:
             return None
+        if not self.is_forwarding:          # a trampoline's A2E fault fires in try_forward
+            self._fault("a2e", call)
         counts, shared = words[:, EP_COUNT].astype(np.int64), words[:, AFD_SHARED_COUNT]
         shared = shared.astype(np.int64)
         total = int(counts.sum() + shared.sum())
@@ -270,6 +298,7 @@ class AfdBuffer:
         """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
         by sender, and write a record into every sender (zero rows included)."""
         layout, call = self.layout, received.call
+        self._take(call)
         if out.shape != received.x.shape:
             raise ValueError(f"die rank {self.me}: outputs {out.shape} != rows received "
                              f"{received.x.shape} (event {call.event_id})")
@@ -277,6 +306,8 @@ class AfdBuffer:
         self.mem.local[at:at + out.nbytes] = np.ascontiguousarray(out, self.dtype).view(
             np.uint8).reshape(-1)
         self.mem.sync()
+        if not self.is_forwarding:          # a trampoline's E2A fault fires in try_return
+            self._fault("e2a", call)
         counts = received.sender_counts
         offsets = np.cumsum(counts) - counts
         self.records.publish(self.senders(call), "back_records", call, self.idx,
@@ -285,10 +316,12 @@ class AfdBuffer:
     def try_return(self, call: AfdCall) -> bool:
         """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs, restage
         them in our attention die's row order, and write it one record."""
+        self._take(call)
         token, column, plan = self._forwarded[call.call]
         staged = self._gather_back(call, plan, blocking=False)
         if staged is None:
             return False
+        self._fault("e2a", call)
         del self._forwarded[call.call]
         at = self.layout.offset(self.me, "ret_rows", call.lane)
         outs = self.mem.local[at:at + staged.nbytes].view(self.dtype).reshape(staged.shape)
@@ -298,9 +331,50 @@ class AfdBuffer:
         self.records.publish([dst], "back_records", call, self.idx, [(len(token), 0, 0, 0)])
         return True
 
+    # -- recovery -------------------------------------------------------------------------------
+    @property
+    def is_forwarding(self) -> bool:
+        """A trampoline of the trampoline variant (forwards A2E', returns E2A)."""
+        return self.is_trampoline and self.use_trampolines
+
+    @property
+    def call_floor(self) -> int:
+        """The lowest call number this die accepts (raised by resync)."""
+        return self._call_floor
+
+    def publication_state(self) -> tuple[int]:
+        """(1 + the highest call number this die took part in,)."""
+        return (self._next_call,)
+
+    def abandon(self) -> None:
+        """Complete outstanding RMA and forget the calls forwarded but not returned."""
+        self.mem.flush_all()
+        self._forwarded.clear()
+
+    def resync(self, state) -> None:
+        """Abandon, then refuse every call number below state[0] (the max over all dies): a
+        record of the abandoned attempt can never ring for a call of the next one."""
+        self.abandon()
+        (next_call,) = (int(v) for v in state)
+        if next_call < self._next_call:
+            raise ValueError(f"die rank {self.me}: resync to call {next_call} would go back from "
+                             f"call {self._next_call}")
+        self._next_call = self._call_floor = next_call
+
+    def _take(self, call: AfdCall) -> None:
+        if call.call < self._call_floor:
+            raise XcclError(f"die rank {self.me}: call {call.call} (event {call.event_id}) was "
+                            f"numbered before the last rollback; calls start at "
+                            f"{self._call_floor}: its records may still ring")
+        self._next_call = max(self._next_call, call.call + 1)
+
+    def _fault(self, op: str, call: AfdCall) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(op, call.event_id)
+
     # -- steps ----------------------------------------------------------------------------------
-    def _scatter(self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int
-                 ) -> ScatterPlan:
+    def _scatter(self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int, *,
+                 fault_op: str) -> ScatterPlan:
         """Stage rows [R] (x[token]) by destination expert die, routed rows (INT8 if enabled)
         then shared rows, and write (counts, offsets) into every expert die's `region`."""
         layout, local, lane = self.layout, self.mem.local, call.lane
@@ -331,6 +405,7 @@ class AfdBuffer:
         at = layout.offset(self.me, "scatter_index", lane)
         local[at:at + index.nbytes] = index.view(np.uint8)
         self.mem.sync()
+        self._fault(fault_op, call)
         # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
         self.records.publish(layout.experts, region, call, writer_idx,
                       zip(counts, np.cumsum(counts) - counts, shared_counts,

@@ -14,7 +14,8 @@ Why not threads: RMA calls from several threads need MPI_THREAD_MULTIPLE (mpi4py
 MPI may grant less), and the GIL serializes the numpy/torch work anyway, so threads would add
 locking without adding overlap; a state machine keeps every MPI call on one thread (legal at any
 thread level) and shows the same data flow. Every wait is bounded: no stage progressing for
-timeout_s raises an error naming the die, the call and the peers it waits for.
+timeout_s raises an error naming the die, the call and the peers it waits for, and every turn
+calls the buffer's `interrupt` (xccl/faults.py), so a rollback reaches a die in the middle of it.
 """
 from __future__ import annotations
 
@@ -55,13 +56,16 @@ class ExpertLoop:
     def run(self, calls: Sequence[AfdCall]) -> LoopStats:
         """Serve every call in order; returns when this die's part of the last one is done."""
         buf, n = self.buf, len(calls)
-        forwards = buf.is_trampoline and buf.use_trampolines
+        forwards = buf.is_forwarding
         fwd = recv = sent = ret = 0
         received: deque[Received] = deque()
         num_rows = turns = overlapped = 0
         started = last_progress = time.monotonic()
         waits: dict[str, str] = {}                  # stage -> whom it waits for, for errors
+        interrupt = buf.interrupt
         while sent < n or (forwards and ret < n):
+            if interrupt is not None:
+                interrupt()
             progressed = False
             # Stage 1: receive A2E (a trampoline first forwards it: A2E').
             if forwards and fwd < n:

@@ -4,6 +4,7 @@ A record is RECORD_BYTES in the receiver's window, one per (region, lane, writer
 words 1..6 (event id, count, offset, its virtual time, shared-row count, shared-row offset),
 flushes, then rings the doorbell word with call + 1, so a reader never acts on a half-written
 record (shared/MPI_NOTES.md). Every record written and every byte pulled is counted per die.
+`interrupt` (xccl/faults.py) is called on every turn of a wait.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xccl.errors import EventMismatch
+from xccl.faults import Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import EP_DOORBELL, EP_EVENT_ID, EP_VTIME_NS, RECORD_BYTES, AfdLayout
 from xccl.vclock import LinkModel, VirtualClock
@@ -50,6 +52,7 @@ class AfdRecords:
         self.clock, self.link, self.num_cores, self.timeout_s = clock, link, num_cores, timeout_s
         self.counters = AfdCounters()
         self.waiting_for = ""               # the last unmet poll: die, stage, event, missing peers
+        self.interrupt: Interrupt | None = None
 
     def publish(self, ranks, region: str, call: AfdCall, writer_idx: int, bodies) -> None:
         """Write (event, count, offset, time, count2, offset2) into each rank's record, flush,
@@ -99,7 +102,7 @@ class AfdRecords:
             if words is not None:
                 found.append(words)
             return bool(found)
-        poll_until(is_ready, deadline=time.monotonic() + self.timeout_s,
+        poll_until(is_ready, deadline=time.monotonic() + self.timeout_s, interrupt=self.interrupt,
                    describe=lambda: f"{self.waiting_for} after {self.timeout_s:g} s")
         return found[0]
 

@@ -10,6 +10,10 @@ Why no acks: a die restages dispatch rows only after its combine completed, whic
 it sent rows to to have pulled them (they computed and staged outputs); a die restages combine
 outputs only after the next dispatch, which needs every die's next dispatch record, written after
 that die's combine pulled everything. So the two phases must alternate, every die taking part.
+
+Recovery (xccl/faults.py): the doorbells are the buffer's publication numbers, one per kind. After
+an abandoned attempt the dies' numbers differ (some published, some did not); resync moves every
+die to the max over all dies, so the next publication, max + 1, matches no doorbell left behind.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from xccl.errors import BufferTooSmall, EventMismatch, XcclError
+from xccl.faults import FaultHook, Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import (EP_COUNT, EP_DOORBELL, EP_EVENT_ID, EP_OFFSET, EP_VTIME_NS, INDEX_BYTES,
                          EpLayout)
@@ -114,6 +119,8 @@ class EpBuffer:
         self.clock, self.link = clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
         self._seq = {"dispatch": 0, "combine": 0}
+        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
+        self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
@@ -140,6 +147,8 @@ class EpBuffer:
         token, column, slot, dest = token[order], column[order], slot[order], dest[order]
         self._stage_rows(x, token, column, slot)
         send_counts = np.bincount(dest, minlength=len(self.members))
+        if self.fault_hook is not None:     # staged, not yet published: every peer waits for us
+            self.fault_hook("dispatch", event_id)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
         # Step 5: poll our metadata until every die has reported (zero rows included).
@@ -190,6 +199,8 @@ class EpBuffer:
         staged = self.mem.local[start:start + num_rows * self.layout.out_row_bytes]
         staged.view(self.dtype).reshape(num_rows, self.layout.hidden)[handle.recv_perm] = expert_out
         self.mem.sync()
+        if self.fault_hook is not None:
+            self.fault_hook("combine", handle.event_id)
         # Step 4: tell each source where its outputs sit.
         seq = self._publish("combine", handle.event_id, handle.recv_counts)
         # Step 5: wait for every die's record; step 6-7: pull our rows' outputs back.
@@ -209,6 +220,24 @@ class EpBuffer:
             token = handle.send_token[rows]                  # each token once per column
             y[token] += handle.weights[token, c, None].astype(self.dtype) * outs[rows]
         return y
+
+    # -- recovery -------------------------------------------------------------------------------
+    def publication_state(self) -> tuple[int, int]:
+        """(dispatches, combines) published: the last doorbell of each kind."""
+        return self._seq["dispatch"], self._seq["combine"]
+
+    def abandon(self) -> None:
+        """Complete outstanding RMA. Handles of the abandoned attempt are refused by combine."""
+        self.mem.flush_all()
+
+    def resync(self, state) -> None:
+        """Abandon, then continue from `state` = (dispatches, combines), the max over all dies."""
+        self.abandon()
+        dispatches, combines = (int(v) for v in state)
+        if dispatches < self._seq["dispatch"] or combines < self._seq["combine"]:
+            raise ValueError(f"die rank {self.me}: resync to {dispatches} dispatches, {combines} "
+                             f"combines would go back from {self.publication_state()}")
+        self._seq = {"dispatch": dispatches, "combine": combines}
 
     # -- steps ----------------------------------------------------------------------------------
     def _check_batch(self, x, topk_idx, topk_weights, event_id, log2phy, shared_slots):
@@ -278,6 +307,7 @@ class EpBuffer:
                     pending.discard(i)
             return not pending
         poll_until(all_reported, deadline=time.monotonic() + self.timeout_s,
+                   interrupt=self.interrupt,
                    describe=lambda: f"die rank {self.me}: {kind} event {event_id} (call {seq}): "
                    f"no record from rank(s) {[members[i] for i in sorted(pending)]} after "
                    f"{self.timeout_s:g} s")

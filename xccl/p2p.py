@@ -14,6 +14,22 @@ publication number (16 bits) and the receiver's virtual time in ns (48 bits, 78 
 Operations queue per (direction, peer) and advance only inside `progress()`, which every handle's
 `test()` / `wait()` calls, so async transfers make progress whenever the caller checks on any of
 them and never busy-wait while it computes.
+
+Restarting after an abandoned attempt (xccl/recovery.py): a pair may stop anywhere in a message:
+the sender n publications in, the receiver m <= n consumed, an ack unwritten. The rule:
+  1. abandon(): complete this die's outstanding RMA and fail every queued transfer (a transfer
+     belongs to the attempt that started it; the caller starts it again, from its first byte);
+  2. every die agrees on P >= every publication number and T >= every ring position any die has
+     used on any pair (publication_state(), max over all dies: the vote);
+  3. resync((P, T)): both ends of every pair continue from publication P and ring position T (the
+     receiver's expected tail equals the sender's), and the sender rewrites its own ack words to
+     "P acknowledged". The next publication, P + 1, matches no doorbell left behind (all <= P),
+     no stale ack (a 16-bit number compared modulo 2^16) can retire it, and the whole ring is
+     free. Nobody writes into the pair between 1 and 3: every die left the attempt, and its acks
+     and records were flushed, before the vote.
+A fault hook that fires inside `progress()` leaves the whole object failed (every later
+`progress()` raises it again) until abandon(), so no later transfer of the pair reuses the slots
+the failed one was writing.
 """
 from __future__ import annotations
 
@@ -24,7 +40,8 @@ from typing import Generator, Sequence
 
 import numpy as np
 
-from xccl.errors import BufferTooSmall, EventMismatch, UnknownPeer, XcclError
+from xccl.errors import BufferTooSmall, EventMismatch, InjectedFault, UnknownPeer, XcclError
+from xccl.faults import FaultHook, Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import DOORBELL, EVENT_ID, RECORD_WORDS, RECORDS_PER_PAIR, VTIME_NS, P2PLayout
 from xccl.vclock import LinkModel, Path, VirtualClock
@@ -80,7 +97,7 @@ class Handle:
     def wait(self, timeout_s: float | None = None) -> Transfer:
         p2p, op = self._p2p, self._op
         timeout_s = p2p.timeout_s if timeout_s is None else timeout_s
-        poll_until(self.test, deadline=time.monotonic() + timeout_s,
+        poll_until(self.test, deadline=time.monotonic() + timeout_s, interrupt=p2p.interrupt,
                    describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"))
         if op.error is not None:
             raise op.error
@@ -109,6 +126,9 @@ class P2P:
         self._consumed = {}         # src -> publications consumed
         self._rtail = {}            # src -> slots consumed
         self._queues: dict[tuple[str, int], deque[_Op]] = {}
+        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
+        self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
+        self._fault: InjectedFault | None = None      # set by a hook, cleared by abandon()
 
     # -- API ------------------------------------------------------------------------------------
     def isend(self, data: np.ndarray, dst: int, event_id: int, *,
@@ -144,6 +164,8 @@ class P2P:
 
     def progress(self) -> None:
         """Advance every queued transfer as far as it goes without waiting."""
+        if self._fault is not None:
+            raise self._fault
         for queue in self._queues.values():
             while queue:
                 op = queue[0]
@@ -152,6 +174,9 @@ class P2P:
                     break  # blocked: the next op on this pair waits its turn
                 except StopIteration as stop:
                     op.result = stop.value
+                except InjectedFault as fault:
+                    op.error = self._fault = fault
+                    raise
                 except XcclError as exc:
                     op.error = exc
                 queue.popleft()
@@ -161,6 +186,40 @@ class P2P:
         waiting = f", waiting for {op.waiting_for}" if op.steps is not None else ""
         return (f"die rank {self.me}: {op.kind} of {op.nbytes} B {arrow} rank {op.peer}, event "
                 f"{op.event_id}: {what}{waiting}")
+
+    # -- recovery (the restart rule in the module docstring) ---------------------------------------
+    def publication_state(self) -> tuple[int, int]:
+        """(highest publication number, highest ring position) over this die's pairs."""
+        return (max([*self._published.values(), *self._consumed.values()], default=0),
+                max([*self._tail.values(), *self._rtail.values()], default=0))
+
+    def abandon(self) -> None:
+        """Complete outstanding RMA and fail every queued transfer (its handle raises)."""
+        self.mem.flush_all()
+        for queue in self._queues.values():
+            for op in queue:
+                if not op.done:
+                    op.error = XcclError(self.describe(op, "abandoned by a rollback"))
+        self._queues.clear()
+        self._fault = None
+
+    def resync(self, state) -> None:
+        """Abandon, then continue every pair from publication P and ring position T = `state`,
+        the max over all dies."""
+        self.abandon()
+        published, tail = (int(v) for v in state)
+        have = self.publication_state()
+        if published < have[0] or tail < have[1]:
+            raise ValueError(f"die rank {self.me}: resync to publication {published}, ring "
+                             f"position {tail} would go back from {have}")
+        for src, dst in self.layout.pairs:
+            if src == self.me:
+                self._published[dst], self._tail[dst] = published, tail
+                self.mem.store_word(self.me, self.layout.ack_offset(src, dst),
+                                    (published % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS)
+                self.mem.flush(self.me)
+            if dst == self.me:
+                self._consumed[src], self._rtail[src] = published, tail
 
     # -- protocol -------------------------------------------------------------------------------
     def _enqueue(self, op: _Op) -> Handle:
@@ -206,6 +265,9 @@ class P2P:
                 base = sent + msg_pos
                 for lo, hi in _split(length, num_cores):
                     mem.put(dst, ring + ring_pos + lo, data[base + lo:base + hi])
+            if self.fault_hook is not None and sent + nbytes >= data.nbytes:
+                # The message's last publication: its bytes are on the way, its record is not.
+                self.fault_hook("p2p_send", op.event_id)
             num_slots = -(-nbytes // slot_bytes)
             tail = self._tail[dst] = tail + num_slots
             seq = self._published[dst] = self._published.get(dst, 0) + 1
@@ -272,6 +334,9 @@ class P2P:
             self._check_record(op, event_id, chunk_id, expected_chunk, msg_bytes,
                                out.nbytes if total is None else None)
             total = msg_bytes
+            if self.fault_hook is not None and received + nbytes >= total:
+                # The last publication arrived; the sender waits for its ack.
+                self.fault_hook("p2p_recv", op.event_id)
             # Step 6: copy the slots out of the managed area into the caller's buffer.
             rtail = self._rtail.get(src, 0)
             for ring_pos, msg_pos, length in layout.slot_runs(rtail, nbytes):
