@@ -123,7 +123,6 @@ class AfdBuffer:
         self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
         self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
-        self._next_call = self._call_floor = 0       # 1 + highest call seen; lowest call allowed
 
     @property
     def interrupt(self) -> Interrupt | None:
@@ -159,7 +158,7 @@ class AfdBuffer:
         log2phy: [E] physical slots per logical expert. shared_slots: slots of the shared expert
         (column K, weight 1), spread by (rank + token). Zero tokens are fine: every attention die
         of the active domain must call it."""
-        self._take(call)
+        self.records.take(call)
         layout, num_tokens = self.layout, len(x)
         if num_tokens > layout.max_tokens:
             raise BufferTooSmall(f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
@@ -199,7 +198,7 @@ class AfdBuffer:
     def e2a(self, handle: A2EHandle) -> np.ndarray:
         """Wait for this call's expert outputs and sum them: returns y [T, hidden] self.dtype."""
         layout, call = self.layout, handle.call
-        self._take(call)
+        self.records.take(call)
         self._fault("e2a", call)
         num_rows = len(handle.row_token)
         if self.use_trampolines:
@@ -228,7 +227,7 @@ class AfdBuffer:
     def try_forward(self, call: AfdCall) -> bool:
         """Trampoline, A2E' steps 3-4: if our attention die's tokens arrived, pull them, expand
         them to rows and scatter the rows to every expert die. False = not yet."""
-        self._take(call)
+        self.records.take(call)
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
         src_idx = layout.attention.index(src)
@@ -250,7 +249,7 @@ class AfdBuffer:
 
     def try_receive(self, call: AfdCall) -> Received | None:
         """Every expert die, A2E' step 5: once every sender's record arrived, pull our rows."""
-        self._take(call)
+        self.records.take(call)
         layout, lane = self.layout, call.lane
         senders = self.senders(call)
         region = "fwd_records" if self.use_trampolines else "a2e_records"
@@ -298,7 +297,7 @@ class AfdBuffer:
         """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
         by sender, and write a record into every sender (zero rows included)."""
         layout, call = self.layout, received.call
-        self._take(call)
+        self.records.take(call)
         if out.shape != received.x.shape:
             raise ValueError(f"die rank {self.me}: outputs {out.shape} != rows received "
                              f"{received.x.shape} (event {call.event_id})")
@@ -316,7 +315,7 @@ class AfdBuffer:
     def try_return(self, call: AfdCall) -> bool:
         """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs, restage
         them in our attention die's row order, and write it one record."""
-        self._take(call)
+        self.records.take(call)
         token, column, plan = self._forwarded[call.call]
         staged = self._gather_back(call, plan, blocking=False)
         if staged is None:
@@ -340,11 +339,11 @@ class AfdBuffer:
     @property
     def call_floor(self) -> int:
         """The lowest call number this die accepts (raised by resync)."""
-        return self._call_floor
+        return self.records.call_floor
 
     def publication_state(self) -> tuple[int]:
         """(1 + the highest call number this die took part in,)."""
-        return (self._next_call,)
+        return (self.records.next_call,)
 
     def abandon(self) -> None:
         """Complete outstanding RMA and forget the calls forwarded but not returned."""
@@ -355,18 +354,8 @@ class AfdBuffer:
         """Abandon, then refuse every call number below state[0] (the max over all dies): a
         record of the abandoned attempt can never ring for a call of the next one."""
         self.abandon()
-        (next_call,) = (int(v) for v in state)
-        if next_call < self._next_call:
-            raise ValueError(f"die rank {self.me}: resync to call {next_call} would go back from "
-                             f"call {self._next_call}")
-        self._next_call = self._call_floor = next_call
-
-    def _take(self, call: AfdCall) -> None:
-        if call.call < self._call_floor:
-            raise XcclError(f"die rank {self.me}: call {call.call} (event {call.event_id}) was "
-                            f"numbered before the last rollback; calls start at "
-                            f"{self._call_floor}: its records may still ring")
-        self._next_call = max(self._next_call, call.call + 1)
+        (next_call,) = state
+        self.records.resync_calls(int(next_call))
 
     def _fault(self, op: str, call: AfdCall) -> None:
         if self.fault_hook is not None:

@@ -5,6 +5,10 @@ words 1..6 (event id, count, offset, its virtual time, shared-row count, shared-
 flushes, then rings the doorbell word with call + 1, so a reader never acts on a half-written
 record (shared/MPI_NOTES.md). Every record written and every byte pulled is counted per die.
 `interrupt` (xccl/faults.py) is called on every turn of a wait.
+
+Call numbers are the doorbells, so after an abandoned attempt none may be used again: every call
+this die takes part in goes through take(), which tracks 1 + the highest (next_call) and refuses
+calls below the floor that resync_calls() sets to the max of next_call over all dies.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xccl.errors import EventMismatch
+from xccl.errors import EventMismatch, XcclError
 from xccl.faults import Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import EP_DOORBELL, EP_EVENT_ID, EP_VTIME_NS, RECORD_BYTES, AfdLayout
@@ -53,6 +57,21 @@ class AfdRecords:
         self.counters = AfdCounters()
         self.waiting_for = ""               # the last unmet poll: die, stage, event, missing peers
         self.interrupt: Interrupt | None = None
+        self.next_call = self.call_floor = 0   # 1 + highest call seen; lowest call allowed
+
+    def take(self, call: AfdCall) -> None:
+        """Refuse a call numbered before the last rollback: its doorbell may still ring."""
+        if call.call < self.call_floor:
+            raise XcclError(f"die rank {self.me}: call {call.call} (event {call.event_id}) was "
+                            f"numbered before the last rollback; calls start at "
+                            f"{self.call_floor}: its records may still ring")
+        self.next_call = max(self.next_call, call.call + 1)
+
+    def resync_calls(self, next_call: int) -> None:
+        if next_call < self.next_call:
+            raise ValueError(f"die rank {self.me}: resync to call {next_call} would go back from "
+                             f"call {self.next_call}")
+        self.next_call = self.call_floor = next_call
 
     def publish(self, ranks, region: str, call: AfdCall, writer_idx: int, bodies) -> None:
         """Write (event, count, offset, time, count2, offset2) into each rank's record, flush,

@@ -14,6 +14,8 @@ that die's combine pulled everything. So the two phases must alternate, every di
 Recovery (xccl/faults.py): the doorbells are the buffer's publication numbers, one per kind. After
 an abandoned attempt the dies' numbers differ (some published, some did not); resync moves every
 die to the max over all dies, so the next publication, max + 1, matches no doorbell left behind.
+Fault hooks fire after staging, before the records: "dispatch" between steps 3 and 4 of dispatch,
+"combine" between steps 3 and 4 of combine, so every peer is left waiting in its step 5.
 """
 from __future__ import annotations
 

@@ -27,7 +27,10 @@ the sender n publications in, the receiver m <= n consumed, an ack unwritten. Th
      no stale ack (a 16-bit number compared modulo 2^16) can retire it, and the whole ring is
      free. Nobody writes into the pair between 1 and 3: every die left the attempt, and its acks
      and records were flushed, before the vote.
-A fault hook that fires inside `progress()` leaves the whole object failed (every later
+Fault hooks: "p2p_send" at a message's last publication, after its bytes were Put (not yet
+flushed) and before its record; "p2p_recv" when a message's last record arrived, before the copy
+and the ack, so for a message of several ring fills the pair stops mid-message. A fault hook
+that fires inside `progress()` leaves the whole object failed (every later
 `progress()` raises it again) until abandon(), so no later transfer of the pair reuses the slots
 the failed one was writing.
 """

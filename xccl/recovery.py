@@ -1,0 +1,184 @@
+"""Token recomputation on transient XCCL errors (xDeepServe §6.2 stage 3): abort, vote, re-align.
+
+An attempt (one iteration of the caller) completes on every die or is re-executed on every die:
+  1. A die whose operation raised InjectedFault calls notify(): it writes epoch + 1 into every
+     die's abort word (one 8-byte word per die, in a window of its own) and flushes.
+  2. Every XCCL wait calls interrupt() on each turn (the buffers' `interrupt` attribute): a local
+     load of the die's own word; word > epoch raises RollbackRequested. A die waiting for a record
+     the faulted die will never publish leaves its wait within a turn instead of at its timeout.
+  3. Every die calls vote() exactly once per attempt, whether its attempt raised or completed:
+     one allgather of (fault, publication states). The attempt failed if any die reported a fault
+     (or notified); then epoch += 1 on every die, and Outcome.states, the element-wise max of the
+     dies' publication states, is what every buffer resyncs to (xccl/faults.py).
+  4. On failure every die resyncs its buffers, restores its own state and runs the attempt again.
+
+Why the word is never cleared: its value only grows, and equals the epoch that follows the failed
+attempt. Every notify of an attempt writes the same value (concurrent faults on several dies
+write epoch + 1 twice: harmless) and is flushed before its die votes, hence before any die leaves
+the vote; so no notify of an old attempt can land during a later one, and once the vote moved
+epoch up to the word, interrupt() is quiet until a later attempt fails and writes epoch + 1 again.
+
+Why a die that finished its attempt before the fault still rolls back: it may have completed
+every operation (e.g. expert dies whose last E2A record was written before an attention die's
+fault) and never sees the interrupt, since it waits for nothing more. The vote, not the
+interrupt, decides: every die learns there whether any die failed, and all of them re-execute,
+so all dies stay in the same iteration with the same publication numbers.
+
+Cost (shared/MPI_NOTES.md idioms): interrupt() is Win.Sync + one load when every die shares this
+node, else Fetch_and_op(NO_OP) + Flush on oneself, which also reaches writers on other nodes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+from mpi4py import MPI
+
+from xccl.errors import InjectedFault, RetriesExhausted, RollbackRequested, XcclTimeout
+from xccl.faults import OPS, Realignable
+from xccl.gmem import DieMemory
+
+T = TypeVar("T")
+# Vote message per die: notified, has fault, fault die, op index, event id, code, then states.
+HEADER = 6
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultReport:
+    """One die's fault in an attempt: the die it names, the operation, its event id, the code."""
+
+    die: int
+    op: str
+    event_id: int
+    code: int
+
+    def __str__(self) -> str:
+        return f"die {self.die} {self.op} event {self.event_id} code {self.code}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What the vote decided, identical on every die.
+
+    failed: some die reported a fault or notified. epoch: failed attempts so far, this one
+    included. faults: every reported fault, by rank. states: the element-wise max over all dies
+    of the `states` voted (as long as this die's), to resync the buffers with.
+    """
+
+    failed: bool
+    epoch: int
+    faults: tuple[FaultReport, ...]
+    states: tuple[int, ...]
+
+
+class Recovery:
+    """The abort signal and the vote over the dies' communicator (collective constructor)."""
+
+    def __init__(self, comm: MPI.Comm, *, timeout_s: float, max_states: int = 16) -> None:
+        self.mem = DieMemory(comm, 8)
+        # A writer on another node needs the RMA idiom; one node: a local load sees every write.
+        self.is_one_node = all(self.mem.is_same_node)
+        self.comm, self.rank, self.num_dies = comm, comm.rank, comm.size
+        self.timeout_s, self.max_states = timeout_s, max_states
+        self.epoch = 0
+        self._notified = False
+        self._send = np.zeros(HEADER + max_states, np.int64)
+        self._recv = np.zeros((comm.size, HEADER + max_states), np.int64)
+
+    def interrupt(self) -> None:
+        """Raise RollbackRequested if another die signalled that this attempt failed."""
+        if self.is_one_node:
+            self.mem.sync()
+            word = int(self.mem.words[0])
+        else:
+            word = self.mem.fetch_word(self.rank, 0)
+        if word > self.epoch:
+            raise RollbackRequested(self.rank, self.epoch)
+
+    def notify(self) -> None:
+        """Tell every die that this attempt failed: epoch + 1 into every die's word, flushed."""
+        for die in range(self.num_dies):
+            self.mem.store_word(die, 0, self.epoch + 1)
+            self.mem.flush(die)                     # the word buffer is reused by the next store
+        self._notified = True
+
+    def vote(self, fault: InjectedFault | None, states: Sequence[int]) -> Outcome:
+        """Every die, once per attempt: did any die fail it? One allgather, bounded by timeout_s.
+
+        fault: this die's InjectedFault, or None. states: this die's publication states (the
+        same layout on every die: the same buffers in the same order; missing trailing ones
+        count as 0), at most max_states non-negative ints."""
+        if len(states) > self.max_states:
+            raise ValueError(f"die rank {self.rank}: {len(states)} publication states to vote, "
+                             f"max_states is {self.max_states}")
+        send = self._send
+        send[:] = 0
+        send[0] = self._notified or fault is not None
+        if fault is not None:
+            op = OPS.index(fault.op) if fault.op in OPS else -1
+            send[1:HEADER] = (1, fault.die, op, fault.event_id, fault.code)
+        send[HEADER:HEADER + len(states)] = states
+        self._allgather()
+        rows = self._recv
+        faults = tuple(FaultReport(die=int(r[2]), op=OPS[r[3]] if r[3] >= 0 else "?",
+                                   event_id=int(r[4]), code=int(r[5])) for r in rows if r[1])
+        failed = bool(rows[:, 0].any())
+        self.epoch += failed
+        self._notified = False
+        merged = rows[:, HEADER:HEADER + len(states)].max(axis=0)
+        return Outcome(failed=failed, epoch=self.epoch, faults=faults,
+                       states=tuple(int(v) for v in merged))
+
+    def run(self, attempt: Callable[[int], T], buffers: Sequence[Realignable], *,
+            max_retries: int, what: str, on_rollback: Callable[[Outcome], None] | None = None
+            ) -> T:
+        """attempt(k) for k = 0, 1, ... until one succeeds on every die (steps 1-4 above).
+
+        buffers: this die's XCCL buffers, in the same order on every die. on_rollback(outcome):
+        after the buffers resynced, restore the caller's state. After max_retries re-executions
+        a further failure raises RetriesExhausted on every die, naming `what` and the faults."""
+        for k in range(max_retries + 1):
+            fault, result = None, None
+            try:
+                result = attempt(k)
+            except InjectedFault as exc:
+                fault = exc
+                self.notify()
+                _abandon(buffers)
+            except RollbackRequested:
+                _abandon(buffers)
+            outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
+            if not outcome.failed:
+                return result
+            at = 0
+            for b in buffers:
+                n = len(b.publication_state())
+                b.resync(outcome.states[at:at + n])
+                at += n
+            if on_rollback is not None:
+                on_rollback(outcome)
+        raise RetriesExhausted(f"die rank {self.rank}: {what} failed {max_retries + 1} attempts "
+                               f"(max_retries {max_retries}); the last: "
+                               + "; ".join(str(f) for f in outcome.faults))
+
+    def free(self) -> None:
+        """Release the window; safe to call twice."""
+        self.mem.free()
+
+    def _allgather(self) -> None:
+        request = self.comm.Iallgather(self._send, self._recv)
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise XcclTimeout(f"die rank {self.rank}: vote of epoch {self.epoch}: not every "
+                                  f"die voted after {self.timeout_s:g} s (a die stuck outside "
+                                  "XCCL's waits, or one whose waits have no interrupt)")
+            os.sched_yield()
+
+
+def _abandon(buffers: Sequence[Realignable]) -> None:
+    for b in buffers:
+        b.abandon()
