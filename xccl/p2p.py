@@ -29,10 +29,9 @@ the sender n publications in, the receiver m <= n consumed, an ack unwritten. Th
      and records were flushed, before the vote.
 Fault hooks: "p2p_send" at a message's last publication, after its bytes were Put (not yet
 flushed) and before its record; "p2p_recv" when a message's last record arrived, before the copy
-and the ack, so for a message of several ring fills the pair stops mid-message. A fault hook
-that fires inside `progress()` leaves the whole object failed (every later
-`progress()` raises it again) until abandon(), so no later transfer of the pair reuses the slots
-the failed one was writing.
+and the ack, so for a message of several ring fills the pair stops mid-message. A fault raised
+inside `progress()` leaves the whole object failed (every later `progress()` raises it again)
+until abandon(), so no later transfer of the pair reuses the slots the failed one was writing.
 """
 from __future__ import annotations
 
@@ -190,7 +189,7 @@ class P2P:
         return (f"die rank {self.me}: {op.kind} of {op.nbytes} B {arrow} rank {op.peer}, event "
                 f"{op.event_id}: {what}{waiting}")
 
-    # -- recovery (the restart rule in the module docstring) ---------------------------------------
+    # -- recovery (the restart rule in the module docstring) -------------------------------
     def publication_state(self) -> tuple[int, int]:
         """(highest publication number, highest ring position) over this die's pairs."""
         return (max([*self._published.values(), *self._consumed.values()], default=0),
