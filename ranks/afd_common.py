@@ -33,7 +33,9 @@ class AfdDieBase:
                              num_routed_slots=self.slots.num_routed_slots,
                              dtype=np.dtype(cfg.xccl.row_dtype), clock=self.clock,
                              num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        depth, num_layers = cfg.scheduler.mtp_depth, len(self.model.layers)
         moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        moe_layers += tuple(range(num_layers, num_layers + depth))   # MTP blocks are MoE too
         self.plan = AfdPlan(moe_layers=moe_layers, num_domains=topo.num_dp_domains,
                             num_microbatches=cfg.deployment.num_microbatches)
         cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))

@@ -38,7 +38,8 @@ class AttentionDie(AfdDieBase):
         cfg, topo, sched = self.cfg, self.topo, self.cfg.scheduler
         table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
                            block_tokens=sched.kv_block_tokens)
-        cache = LatentCache(num_layers=self.model.num_cache_layers(0),
+        depth = sched.mtp_depth
+        cache = LatentCache(num_layers=self.model.num_cache_layers(depth),
                             num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
                             kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
                             dtype=self.model.dtype)
@@ -46,14 +47,15 @@ class AttentionDie(AfdDieBase):
         self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
                                       max_tokens=cfg.xccl.max_tokens_per_die,
                                       prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
-                                      ignore_eos=cfg.workload.ignore_eos)
+                                      ignore_eos=cfg.workload.ignore_eos, mtp_depth=depth)
         shared_slots = self.slots.shared_slots_for(
             topo.trampoline_rank(ctx.comm.rank),
             is_dedicated=cfg.deployment.shared_experts == "dedicated")
         self.executor = AttentionExecutor(
             self.model, self.afd, shared_slots=shared_slots,
             num_microbatches=cfg.deployment.num_microbatches, phy2log=topo.phy2log,
-            log2phy=topo.log2phy(), table=table, cache=cache, pricer=self.pricer)
+            log2phy=topo.log2phy(), table=table, cache=cache, pricer=self.pricer,
+            mtp_depth=depth)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -70,8 +72,9 @@ class AttentionDie(AfdDieBase):
             return True
         entries = self.scheduler.schedule()                # continuous batching, chunked prefill
         mine = [c for c in calls if c.call.domain == self.domain]
-        tokens, timing = self.executor.forward(entries, mine)   # attention, A2E ... E2A
-        emitted = self.scheduler.postprocess(tokens)
+        sampled, timing = self.executor.forward(entries, mine)  # attention, A2E ... E2A
+        emitted = self.scheduler.postprocess(sampled)
+        self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
 

@@ -49,7 +49,8 @@ class ColocatedDie:
         sched = cfg.scheduler
         table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
                            block_tokens=sched.kv_block_tokens)
-        cache = LatentCache(num_layers=model.num_cache_layers(0),
+        depth = sched.mtp_depth
+        cache = LatentCache(num_layers=model.num_cache_layers(depth),
                             num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
                             kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
                             dtype=model.dtype)
@@ -64,10 +65,10 @@ class ColocatedDie:
         self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
                                       max_tokens=cfg.xccl.max_tokens_per_die,
                                       prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
-                                      ignore_eos=cfg.workload.ignore_eos)
+                                      ignore_eos=cfg.workload.ignore_eos, mtp_depth=depth)
         self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
                                           log2phy=topo.log2phy(), table=table, cache=cache,
-                                          pricer=self.pricer)
+                                          pricer=self.pricer, mtp_depth=depth)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -79,8 +80,9 @@ class ColocatedDie:
             time.sleep(0.001)
             return not all_stopped
         entries = self.scheduler.schedule()                # continuous batching, chunked prefill
-        tokens, timing = self.executor.forward(entries)    # MLA, gate, dispatch, experts, combine
-        emitted = self.scheduler.postprocess(tokens)       # finished requests free their blocks
+        sampled, timing = self.executor.forward(entries)   # MLA, gate, dispatch, experts, combine
+        emitted = self.scheduler.postprocess(sampled)      # finished requests free their blocks
+        self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
 

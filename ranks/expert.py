@@ -50,7 +50,7 @@ class ExpertDie(AfdDieBase):
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""
         import torch
-        moe = self.model.layers[self.layer_of[call.call]].ffn
+        moe = self.model.moe_of(self.layer_of[call.call])
         with torch.inference_mode():
             x = torch.from_numpy(rows)
             if slot < self.slots.num_routed_slots:

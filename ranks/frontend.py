@@ -42,7 +42,7 @@ class Frontend:
         self.balancer = DecodeBalancer(
             self.groups, max_batch=sched.max_batch_per_die,
             kv_capacity_tokens=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
-            block_tokens=sched.kv_block_tokens)
+            block_tokens=sched.kv_block_tokens, mtp_depth=sched.mtp_depth)
         self.num_open = len(self.queue)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}

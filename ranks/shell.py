@@ -50,8 +50,9 @@ class Serving:
     def __init__(self, ctx: RankContext) -> None:
         from xccl.gmem import DieMemory
         from ranks.frontend import Frontend
-        from xds_mpi.engine.results import (check_against_reference, format_projection,
-                                            format_summary, projected_summary, summarize)
+        from xds_mpi.engine.results import (check_against_reference, format_mtp,
+                                            format_projection, format_summary, mtp_summary,
+                                            projected_summary, summarize)
         from xds_mpi.model.shapes import cost_shape
         mem = DieMemory(ctx.comm, 0)        # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -63,6 +64,10 @@ class Serving:
         self.summary = summarize(self.records, frontend.started, time.time())
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
+        mtp = mtp_summary(ctx.cfg.scheduler.mtp_depth, self.die_timings)
+        if mtp:
+            ctx.log.info(format_mtp(mtp))
+            self.summary.update(mtp)
         big = cost_shape()
         self.summary.update(projected_summary(
             frontend.reports, ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,

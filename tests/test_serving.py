@@ -118,3 +118,38 @@ def test_the_check_reports_a_token_that_differs():
     num_requests, num_tokens, mismatches = check_against_reference(cfg, records)
     assert (num_requests, num_tokens) == (2, 6)
     assert mismatches == ["request 1: token 1 differs (3 tokens served, 3 in the reference)"]
+
+
+def reference_acceptance(overrides: list[str], depth: int) -> tuple[int, int]:
+    """(drafted, accepted) of the single-process reference's MTP loop on the run's workload."""
+    from xds_mpi.config import load_config
+    from xds_mpi.engine.workload import load_workload
+    from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
+    from xds_mpi.model.weights import build_model
+    cfg = load_config(REPO_ROOT / "configs" / "colocated.yaml", overrides)
+    requests = load_workload(cfg)
+    [max_new] = {r.max_new_tokens for r in requests}
+    options = GenerateOptions(max_new_tokens=max_new, mtp_depth=depth, use_int8=cfg.xccl.use_int8,
+                              block_tokens=cfg.scheduler.kv_block_tokens)
+    outputs = ReferenceGenerator(build_model(cfg.model), options).generate(
+        [list(r.prompt) for r in requests])
+    return sum(o.num_drafted for o in outputs), sum(o.num_accepted for o in outputs)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_serves_the_greedy_tokens_and_drafts_what_the_reference_drafts(tmp_path, depth):
+    # The trained checkpoint, prompts in chunks of 7 (the MTP modules catch up chunk by chunk),
+    # 2 requests per die at a time; --check compares with plain greedy decoding.
+    overrides = [f"scheduler.mtp_depth={depth}", "scheduler.prefill_chunk_tokens=7",
+                 "scheduler.max_batch_per_die=2", "workload.num_requests=10"]
+    result, run_file = serve(tmp_path, *[a for s in overrides for a in ("--set", s)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == "check: 10 requests, 160 tokens, 0 mismatches"
+    summary = run_file["summary"].attrs
+    drafted, accepted = reference_acceptance(overrides, depth)
+    assert (summary["mtp_drafted"], summary["mtp_accepted"]) == (drafted, accepted)
+    assert 0 < summary["mtp_acceptance"] < 1 and summary["tokens_per_step"] > 1
+    assert f"MTP depth {depth}: acceptance" in result.stdout
+    dies = run_file["dies"]
+    assert sum(dies[r]["num_accepted"][()].sum() for r in dies) == accepted
+    assert len(summary["mtp_group_acceptance"]) == 4

@@ -44,6 +44,7 @@ def test_every_token_equals_the_reference(tmp_path, shape, num_microbatches):
                 f"deployment.dp_groups_per_domain={groups}",
                 f"deployment.num_expert_dies={experts}",
                 f"deployment.num_microbatches={num_microbatches}", "model.num_layers=3",
+                "model.weights=random",
                 f"workload.num_requests={num_requests}", "workload.output_len=4",
                 "workload.prompt_len=6", "workload.length_dist=uniform",
                 "workload.max_prompt_len=14", "workload.max_output_len=4",
@@ -62,3 +63,18 @@ def test_every_token_equals_the_reference(tmp_path, shape, num_microbatches):
         assert len(set(served_by)) == num_requests                # some dies had nothing
     if shape == (3, 2, 5):
         assert busy_domains == {0, 1}                             # domain 2 sat out
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_mtp_through_a2e_e2a_serves_the_greedy_tokens(tmp_path, depth):
+    # 2 domains x 2 groups, 3 expert dies, 2 microbatches: each MTP block is one more MoE layer
+    # of A2E/E2A calls; the trained checkpoint, so drafts are accepted.
+    settings = ["deployment.num_dp_domains=2", "deployment.dp_groups_per_domain=2",
+                "deployment.num_expert_dies=3", "deployment.num_microbatches=2",
+                f"scheduler.mtp_depth={depth}", "scheduler.prefill_chunk_tokens=8",
+                "workload.num_requests=6", "workload.output_len=8", "workload.prompt_len=12"]
+    result, run_file = serve(tmp_path, *[a for s in settings for a in ("--set", s)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == "check: 6 requests, 48 tokens, 0 mismatches"
+    summary = run_file["summary"].attrs
+    assert summary["mtp_accepted"] > 0 and summary["tokens_per_step"] > 1

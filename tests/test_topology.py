@@ -125,3 +125,15 @@ def test_p2p_pairs_follow_the_declaration():
     # 2 senders: 2 records each + a ring each, then the dispatch/combine area
     assert sizes[1] == 64 * 2 * 2 + 2 * 2 * 1024 + ep.area_bytes()
     assert sizes[4] == 64 * 3                    # 3 receivers: one ack word each
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["scheduler.mtp_depth=1", "model.num_mtp_modules=0"], "needs a model with MTP modules"),
+    (["scheduler.mtp_depth=2", "xccl.max_tokens_per_die=3"], "needs >= 4"),
+    (["faults.table=[{die: 0, op: dispatch, layer: 1, iteration: 0}]"], "is not a die"),
+    (["faults.table=[{die: 1, op: combine, layer: 0, iteration: 0}]"], "is not a MoE layer"),
+    (["faults.table=[{die: 1, op: combine, layer: 4, iteration: 0}]"], "is not a MoE layer"),
+])
+def test_mtp_and_fault_settings_that_cannot_work_are_refused(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        Topology.from_config(config_from_dict({}, settings))

@@ -105,6 +105,7 @@ class Topology:
             raise ConfigError(f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
                               f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
                               f"{hw.dies_per_chip} dies)")
+        _check_serving(cfg, num_dies, dep.num_host_ranks)
         roles: list[Role] = [role for role, n in counts.items() for _ in range(n)]
         slots_of, phy2log = _place_experts(cfg, roles)
         ranks = [RankInfo(rank=r, role="host") for r in range(dep.num_host_ranks)]
@@ -212,3 +213,26 @@ def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[Expe
         slots_of[die] = (ExpertSlot(kind="shared", expert_idx=i % model.num_shared_experts,
                                     phy_idx=-1),)
     return slots_of, phy2log
+
+
+def _check_serving(cfg: Config, num_dies: int, num_host_ranks: int) -> None:
+    """What MTP and the fault table need of the rest of the config."""
+    depth = cfg.scheduler.mtp_depth
+    if depth and not cfg.model.num_mtp_modules:
+        raise ConfigError(f"scheduler.mtp_depth({depth}) needs a model with MTP modules "
+                          "(model.num_mtp_modules is 0)")
+    if depth and cfg.xccl.max_tokens_per_die < 2 * depth:
+        raise ConfigError(f"xccl.max_tokens_per_die({cfg.xccl.max_tokens_per_die}) cannot hold "
+                          f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
+                          f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)")
+    num_cache_layers = cfg.model.num_layers + depth
+    for i, spec in enumerate(cfg.faults.table):
+        first, last = num_host_ranks, num_host_ranks + num_dies - 1
+        if not first <= spec.die <= last:
+            raise ConfigError(f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks "
+                              f"{first}..{last}")
+        if not cfg.model.num_dense_layers <= spec.layer < num_cache_layers:
+            raise ConfigError(f"faults.table[{i}].layer({spec.layer}) is not a MoE layer: "
+                              f"layers {cfg.model.num_dense_layers}..{num_cache_layers - 1} are "
+                              f"(model.num_dense_layers({cfg.model.num_dense_layers}), "
+                              f"num_layers({cfg.model.num_layers}) + scheduler.mtp_depth({depth}))")

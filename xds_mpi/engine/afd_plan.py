@@ -44,13 +44,24 @@ class AfdPlan:
 
 def split_microbatches(entries: list[Entry], num_microbatches: int) -> list[list[Entry]]:
     """Contiguous groups of entries with about the same number of rows (some may be empty)."""
-    total = sum(len(e.input_ids) for e in entries)
-    groups: list[list[Entry]] = [[] for _ in range(num_microbatches)]
-    before = 0
-    for e in entries:
-        groups[min(num_microbatches - 1, before * num_microbatches // max(total, 1))].append(e)
-        before += len(e.input_ids)
+    sizes = split_counts([len(e.input_ids) for e in entries], num_microbatches)
+    groups, first = [], 0
+    for size in sizes:
+        groups.append(entries[first:first + size])
+        first += size
     return groups
+
+
+def split_counts(counts: list[int], num_groups: int) -> list[int]:
+    """How many consecutive items (of `counts` rows each) go to each of `num_groups` groups so
+    the groups hold about the same number of rows (some may be empty)."""
+    total = sum(counts)
+    sizes = [0] * num_groups
+    before = 0
+    for count in counts:
+        sizes[min(num_groups - 1, before * num_groups // max(total, 1))] += 1
+        before += count
+    return sizes
 
 
 @dataclass(frozen=True, kw_only=True)

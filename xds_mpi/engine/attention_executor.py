@@ -7,7 +7,8 @@ this one. In one Python process the overlap is real for the expert dies' time (c
 hops, other domains' turns): the attention die computes instead of waiting; it is not concurrent
 on this die itself (no second stream). The shared expert runs on the expert dies (a column of
 weight 1 summed last, as the reference's shared + routed); gate, attention, sampling are the
-model's own pieces, as in the colocated executor.
+model's own pieces, as in the colocated executor. With MTP, each MTP module's block is one more
+MoE layer of A2E/E2A calls after the main layers, its rows split into microbatches alike.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from collections import defaultdict
 import torch
 
 from xccl.afd import AfdBuffer
-from xds_mpi.engine.afd_plan import PlannedCall, split_microbatches
+from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
 from xds_mpi.engine.executor import ColocatedExecutor
-from xds_mpi.engine.scheduler import Entry
+from xds_mpi.engine.mtp import MtpWork
+from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.timing import IterationTiming
 
 
@@ -32,16 +34,16 @@ class AttentionExecutor(ColocatedExecutor):
         self.afd, self.shared_slots, self.num_microbatches = afd, shared_slots, num_microbatches
 
     def forward(self, entries: list[Entry], calls: list[PlannedCall]
-                ) -> tuple[dict[int, int], IterationTiming]:
+                ) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still takes part in its domain's calls);
         `calls` are this domain's calls of the iteration, layer by layer, microbatch by
-        microbatch. Returns the greedy token of every sampled entry and the timing."""
+        microbatch. Returns what every sampled entry produced and the timing."""
         started, vstart = time.perf_counter(), self.afd.clock.now_ns
         spent = defaultdict(float)
         groups = split_microbatches(entries, self.num_microbatches)
         inputs = [self._inputs(group) for group in groups]            # (tokens, positions, chunks)
         pending = [None] * self.num_microbatches                       # A2E handles in flight
-        todo = iter(calls)
+        todo = self._todo = iter(calls)
         self.num_iterations += 1
         with torch.inference_mode():
             xs = [self.model.embed(tokens) for tokens, _, _ in inputs]  # [n_m, hidden] each
@@ -66,16 +68,36 @@ class AttentionExecutor(ColocatedExecutor):
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
                     xs[mb] = xs[mb] + self._e2a(pending[mb], spent)
-            sampled = {}
-            for group, x in zip(groups, xs):
-                sampled.update(self._sample(group, x))
-        self.pricer.finish(len(sampled))
-        num_rows = sum(len(tokens) for tokens, _, _ in inputs)
-        timing = IterationTiming(num_rows=num_rows, num_sampled=len(sampled),
-                                 attention_s=spent["attention"], xccl_s=spent["xccl"],
-                                 experts_s=spent["experts"], total_s=time.perf_counter() - started,
-                                 vtime_s=(self.afd.clock.now_ns - vstart) / 1e9)
-        return sampled, timing
+            sampled, works = self._verify(entries, torch.cat(xs))      # groups are contiguous
+            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
+            if self.mtp_depth:
+                self._draft(works, spent)
+        results = {r: Sampled(tokens=tuple(t), drafts=tuple(works[r].drafts) if r in works
+                              else ()) for r, t in sampled.items()}
+        return results, self.timing(entries, sampled, spent, started, vstart,
+                                    self.afd.clock.now_ns)
+
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
+        """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
+        block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
+        x, positions, chunks = self._mtp_rows(depth, active, inputs)
+        counts = [w.stop - w.start for w in active]
+        pending, row, first = [], 0, 0
+        for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):
+            num_rows = sum(counts[first:first + num_works])
+            xm = x[row:row + num_rows]
+            t0 = time.perf_counter()
+            if num_works:
+                xm = block.attention_part(xm, positions[row:row + num_rows],
+                                          chunks[first:first + num_works], self.cache, layer_idx)
+            self.pricer.attention_rows([(w.stop, w.stop - w.start)
+                                        for w in active[first:first + num_works]], is_moe=True)
+            spent["attention"] += time.perf_counter() - t0
+            planned = next(self._todo)
+            assert planned.layer_idx == layer_idx and planned.microbatch == mb
+            pending.append((xm, self._a2e(block, xm, planned, spent)))
+            row, first = row + num_rows, first + num_works
+        return torch.cat([xm + self._e2a(handle, spent) for xm, handle in pending])
 
     def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, spent):
         """Gate the microbatch and send it toward its experts (returns without waiting)."""

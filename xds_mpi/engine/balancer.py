@@ -13,16 +13,17 @@ from xds_mpi.engine.requests import Request, kv_tokens_needed
 
 class DecodeBalancer:
     def __init__(self, groups: Sequence[int], *, max_batch: int, kv_capacity_tokens: int,
-                 block_tokens: int) -> None:
+                 block_tokens: int, mtp_depth: int = 0) -> None:
         self.groups = tuple(groups)
         self.max_batch, self.capacity, self.block_tokens = max_batch, kv_capacity_tokens, block_tokens
+        self.mtp_depth = mtp_depth
         self.num_pending = {g: 0 for g in self.groups}     # requests dispatched, not finished
         self.reserved = {g: 0 for g in self.groups}        # KV tokens reserved (prompt + output)
         self.reported_used = {g: 0 for g in self.groups}   # KV tokens in use, as the die said
         self._where: dict[int, tuple[int, int]] = {}
 
     def _reserve(self, req: Request) -> int:
-        return -(-kv_tokens_needed(req) // self.block_tokens) * self.block_tokens
+        return -(-kv_tokens_needed(req, self.mtp_depth) // self.block_tokens) * self.block_tokens
 
     def pick(self, req: Request) -> int | None:
         """The DP group to serve `req`, or None while every group is full."""

@@ -4,6 +4,15 @@ Per layer: MLA on this die's own requests; for a MoE layer then the gate, XCCL d
 dies hosting the chosen experts, this die's experts over the rows it received, XCCL combine, and
 the shared expert locally. The model pieces are the ones the single-process reference runs, so
 the only difference from the reference is where each expert's rows are computed.
+
+With MTP depth D (§4.6) the main pass verifies each decoding request's drafts, and then the D MTP
+modules (each one MoE block: its own dispatch and combine) draft the next step's tokens over the
+positions just committed (xds_mpi/engine/mtp.py). Every die joins all L + D MoE calls of an
+iteration, with or without rows; event id = iteration x (L + D) + layer, MTP depth k being layer
+L + k - 1 (the cache layer numbering of the model).
+
+Nothing the iteration computes is kept until the die commits it (`commit`); a failed iteration is
+re-run from `checkpoint` (token recomputation, §6.2).
 """
 from __future__ import annotations
 
@@ -14,23 +23,33 @@ import numpy as np
 import torch
 
 from xccl.ep import EpBuffer
+from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
-from xds_mpi.engine.scheduler import Entry
+from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.timing import IterationTiming
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
-from xds_mpi.model.sampling import sample
+from xds_mpi.model.sampling import verify_drafts
 from xds_mpi.model.transformer import DeepSeekModel
 
 
 class ColocatedExecutor:
     def __init__(self, model: DeepSeekModel, ep: EpBuffer, *, phy2log: tuple[int, ...],
                  log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache,
-                 pricer: Pricer) -> None:
+                 pricer: Pricer, mtp_depth: int = 0) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
         self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
+        self.mtp_depth = mtp_depth
+        self.mtp = MtpBook(mtp_depth)
+        self.num_layers = len(model.layers)
+        self.events_per_iteration = self.num_layers + mtp_depth
         self.num_iterations = 0
 
+    def layer_of_event(self, event_id: int) -> tuple[int, int]:
+        """(iteration, layer) of a MoE call's event id."""
+        return divmod(event_id, self.events_per_iteration)
+
+    # -- one iteration --------------------------------------------------------------------------
     def _inputs(self, entries: list[Entry]):
         chunks = [AttnChunk(start_pos=e.start_pos, num_tokens=len(e.input_ids),
                             slots=torch.tensor(self.table.slots(e.req_id, 0, e.start_pos +
@@ -41,9 +60,9 @@ class ColocatedExecutor:
                                   for i in range(len(e.input_ids))], dtype=torch.int64)
         return tokens, positions, chunks
 
-    def forward(self, entries: list[Entry]) -> tuple[dict[int, int], IterationTiming]:
+    def forward(self, entries: list[Entry]) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still joins every dispatch and combine);
-        returns the greedy token of every sampled entry and the iteration's timing."""
+        returns what every sampled entry produced and the iteration's timing."""
         started, vstart = time.perf_counter(), self.ep.clock.now_ns
         spent = defaultdict(float)
         tokens, positions, chunks = self._inputs(entries)
@@ -57,26 +76,38 @@ class ColocatedExecutor:
                 self.pricer.attention(entries, is_moe=layer.is_moe)
                 spent["attention"] += time.perf_counter() - t0
                 if layer.is_moe:
-                    x = x + self._moe(layer, layer.ffn_norm(x), layer_idx, spent)
+                    x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, spent)
                 elif entries:
                     x = layer.ffn_part(x)
                     self.pricer.dense_ffn(len(tokens))
-            sampled = self._sample(entries, x)
-        self.pricer.finish(len(sampled))
-        timing = IterationTiming(num_rows=len(tokens), num_sampled=len(sampled),
-                                 attention_s=spent["attention"], xccl_s=spent["xccl"],
-                                 experts_s=spent["experts"], total_s=time.perf_counter() - started,
-                                 vtime_s=(self.ep.clock.now_ns - vstart) / 1e9)
-        return sampled, timing
+            sampled, works = self._verify(entries, x)
+            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
+            if self.mtp_depth:
+                self._draft(works, spent)
+        results = {w: Sampled(tokens=tuple(toks), drafts=tuple(works[w].drafts) if w in works
+                              else ()) for w, toks in sampled.items()}
+        timing = self.timing(entries, sampled, spent, started, vstart, self.ep.clock.now_ns)
+        return results, timing
 
-    def _moe(self, layer, h: torch.Tensor, layer_idx: int, spent) -> torch.Tensor:
+    def timing(self, entries, sampled: dict[int, list[int]], spent, started: float,
+               vstart: float, vnow: float) -> IterationTiming:
+        steps = [e for e in entries if e.is_sampled]
+        drafted = sum(e.num_drafts for e in steps)
+        return IterationTiming(
+            num_rows=sum(len(e.input_ids) for e in entries), num_sampled=len(steps),
+            attention_s=spent["attention"], xccl_s=spent["xccl"], experts_s=spent["experts"],
+            total_s=time.perf_counter() - started, vtime_s=(vnow - vstart) / 1e9,
+            num_tokens=sum(len(t) for t in sampled.values()), num_drafted=drafted,
+            num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps))
+
+    def _moe(self, moe, h: torch.Tensor, layer_idx: int, spent) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
-        moe, pricer, clock = layer.ffn, self.pricer, self.ep.clock
+        pricer, clock = self.pricer, self.ep.clock
         t0 = time.perf_counter()
         routing = moe.gate(h)
         pricer.gate(len(h))
         t1 = time.perf_counter()
-        event = self.num_iterations * len(self.model.layers) + layer_idx
+        event = self.num_iterations * self.events_per_iteration + layer_idx
         before = clock.now_ns
         recv_x, info, handle = self.ep.dispatch(
             h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(), event,
@@ -104,15 +135,88 @@ class ColocatedExecutor:
         spent["xccl"] += (t2 - t1) + (t4 - t3)
         return shared + routed
 
-    def _sample(self, entries: list[Entry], x: torch.Tensor) -> dict[int, int]:
-        last_rows, req_ids, row = [], [], 0
-        for e in entries:
-            row += len(e.input_ids)
-            if e.is_sampled:
-                last_rows.append(row - 1)
-                req_ids.append(e.req_id)
-        if not last_rows:
-            return {}
-        logits = self.model.logits(x[last_rows])                          # [m, vocab]
-        return {req_id: sample(logits[i], temperature=0.0, generator=None)
-                for i, req_id in enumerate(req_ids)}
+    # -- sampling and MTP -----------------------------------------------------------------------
+    def _verify(self, entries: list[Entry], x: torch.Tensor
+                ) -> tuple[dict[int, list[int]], dict[int, MtpWork]]:
+        """Greedy tokens of every sampled entry (its drafts checked against the main model, as
+        the reference's verify step), and with MTP each entry's drafting work."""
+        rows = x.split([len(e.input_ids) for e in entries]) if entries else ()
+        steps = [(e, r) for e, r in zip(entries, rows) if e.is_sampled]
+        sampled: dict[int, list[int]] = {}
+        if steps:
+            # Verify rows: [last token, drafts] of a decode step, the last prompt row otherwise.
+            picked = [r[-1 - e.num_drafts:] for e, r in steps]
+            logits = self.model.logits(torch.cat(picked)).split([len(p) for p in picked])
+            for (e, _), row_logits in zip(steps, logits):
+                sampled[e.req_id] = verify_drafts(row_logits, list(e.input_ids[1:]),
+                                                  temperature=0.0, generator=None)
+        works: dict[int, MtpWork] = {}
+        if self.mtp_depth:
+            for e, r in zip(entries, rows):
+                new = sampled.get(e.req_id, [])
+                is_decode = e.is_sampled and e.start_pos == len(e.context) - 1
+                # h^0 now committed: t_m and the accepted drafts, or the whole prompt chunk.
+                works[e.req_id] = self.mtp.start(e.req_id, list(e.context) + new,
+                                                 r[:len(new)] if is_decode else r,
+                                                 is_drafting=e.is_sampled)
+        return sampled, works
+
+    def _draft(self, works: dict[int, MtpWork], spent) -> None:
+        """The D MTP passes: depth k runs module k over each request's rows, then drafts one
+        token per decoding request greedily from its last row."""
+        model = self.model
+        for depth in range(1, self.mtp_depth + 1):
+            active = [w for w in works.values() if w.plan(depth) > 0]
+            inputs = [w.inputs(depth) for w in active]
+            with self.pricer.mtp_layer():
+                hidden = self._mtp_block(depth, active, inputs, spent)   # [rows, hidden]
+                out = dict(zip((w.req_id for w in active),
+                               hidden.split([w.stop - w.start for w in active])))
+                drafting = [w for w in active if w.is_drafting]
+                if drafting:
+                    last = torch.stack([out[w.req_id][-1] for w in drafting])
+                    for w, token in zip(drafting, model.mtp_logits(depth, last).argmax(-1).tolist()):
+                        w.drafts.append(token)
+                self.pricer.mtp_head(len(drafting))
+            for w in works.values():
+                w.keep(depth, out.get(w.req_id), self.mtp_depth)
+
+    def _mtp_rows(self, depth: int, active: list[MtpWork], inputs) -> tuple:
+        """MTP depth's block input h' [rows, hidden], positions [rows], attention chunks."""
+        model = self.model
+        prev = [row for rows, _ in inputs for row in rows]
+        next_ids = torch.tensor([t for _, ids in inputs for t in ids], dtype=torch.int64)
+        prev = torch.stack(prev) if prev else torch.empty(0, model.cfg.hidden, dtype=model.dtype)
+        x = model.mtp_module(depth).project(prev, model.embed(next_ids))
+        positions = torch.tensor([p for w in active for p in range(w.start, w.stop)],
+                                 dtype=torch.int64)
+        chunks = [AttnChunk(start_pos=w.start, num_tokens=w.stop - w.start,
+                            slots=torch.tensor(self.table.slots(w.req_id, 0, w.stop)))
+                  for w in active]
+        return x, positions, chunks
+
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
+        """MTP module `depth`'s block over this die's rows: attention, then its MoE through
+        dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
+        block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
+        t0 = time.perf_counter()
+        x, positions, chunks = self._mtp_rows(depth, active, inputs)
+        if active:
+            x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
+        self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
+        spent["attention"] += time.perf_counter() - t0
+        return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, spent)
+
+    # -- commit / rollback ----------------------------------------------------------------------
+    def commit(self, finished: set[int]) -> None:
+        """The iteration stands: keep its MTP state; forget finished requests."""
+        self.mtp.commit(finished)
+
+    def checkpoint(self) -> tuple:
+        return (self.num_iterations, self.ep.clock.now_ns)
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Back to the start of the iteration: its MTP updates dropped, the same event ids next
+        time, the virtual clock where it was."""
+        self.num_iterations, self.ep.clock.now_ns = checkpoint
+        self.mtp.discard()

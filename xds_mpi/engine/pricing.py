@@ -10,6 +10,7 @@ under those primitives, as a profiler on the die would see it.
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 
 from xccl.vclock import VirtualClock
 from xds_mpi.config import ModelConfig
@@ -28,18 +29,34 @@ class Pricer:
         self.topk_scale = big.top_k / tiny.top_k
         self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
         self.spent: dict[str, float] = defaultdict(float)   # operation -> virtual seconds
+        self._prefix = ""
+
+    @contextmanager
+    def mtp_layer(self):
+        """Price an MTP module's block: one MoE layer of the cost shape (not scaled by the layer
+        ratio), its operations reported as "MTP <op>" (Figure 20's MTP forward)."""
+        saved = self.moe_scale
+        self.moe_scale, self._prefix = 1.0, "MTP "
+        try:
+            yield
+        finally:
+            self.moe_scale, self._prefix = saved, ""
 
     def _add(self, op: str, seconds: float) -> None:
         self.clock.advance(seconds * 1e9)
-        self.spent[op] += seconds
+        self.spent[self._prefix + op] += seconds
 
     def waited(self, op: str, before_ns: float) -> None:
-        self.spent[op] += (self.clock.now_ns - before_ns) / 1e9
+        self.spent[self._prefix + op] += (self.clock.now_ns - before_ns) / 1e9
 
     def attention(self, entries: list[Entry], *, is_moe: bool) -> None:
+        self.attention_rows([(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries],
+                            is_moe=is_moe)
+
+    def attention_rows(self, seqs: list[tuple[int, int]], *, is_moe: bool) -> None:
+        """seqs: (KV length, new rows) per sequence."""
         scale = self.moe_scale if is_moe else self.dense_scale
-        rows = sum(len(e.input_ids) for e in entries)
-        seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries]
+        rows = sum(num for _, num in seqs)
         self._add("MLAProlog", scale * self.cost.mla_prolog(rows))
         self._add("attention", scale * self.cost.attention(seqs))
 
@@ -62,6 +79,9 @@ class Pricer:
     def combine(self, rows: int) -> None:
         self._add("combine", self.moe_scale * self.cost.combine(
             rows * self.cost.m.top_k))
+
+    def mtp_head(self, rows: int) -> None:
+        self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))
 
     def finish(self, num_sampled: int) -> None:
         self._add("head + sampling", self.cost.head(num_sampled) + self.cost.sampling(num_sampled))

@@ -15,9 +15,10 @@ class Request:
     problem: str = ""                  # set when the request could not even be read
 
 
-def kv_tokens_needed(req: Request) -> int:
-    """KV entries a request may hold at its longest: prompt + every generated token."""
-    return len(req.prompt) + req.max_new_tokens
+def kv_tokens_needed(req: Request, mtp_depth: int = 0) -> int:
+    """KV entries a request may hold at its longest: prompt + every generated token, plus the
+    drafts an MTP verify step appends past the last one."""
+    return len(req.prompt) + req.max_new_tokens + mtp_depth
 
 
 def rejection(req: Request, cfg: Config) -> str:
@@ -32,14 +33,16 @@ def rejection(req: Request, cfg: Config) -> str:
     bad = [t for t in req.prompt if not 0 <= t < vocab]
     if bad:
         return f"token id {bad[0]} outside the vocabulary [0, {vocab})"
-    total = kv_tokens_needed(req)
+    depth = cfg.scheduler.mtp_depth
+    total = kv_tokens_needed(req, depth)
+    drafts = f" + mtp_depth({depth})" if depth else ""
     if total > cfg.model.max_seq_len:
-        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}) = {total} > "
-                f"model.max_seq_len({cfg.model.max_seq_len})")
+        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
+                f"{total} > model.max_seq_len({cfg.model.max_seq_len})")
     sched = cfg.scheduler
     capacity = sched.num_kv_blocks_per_die * sched.kv_block_tokens
     if total > capacity:
-        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}) = {total} "
-                f"tokens > a die's KV capacity {sched.num_kv_blocks_per_die} blocks x "
+        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
+                f"{total} tokens > a die's KV capacity {sched.num_kv_blocks_per_die} blocks x "
                 f"{sched.kv_block_tokens} = {capacity}")
     return ""

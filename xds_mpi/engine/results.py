@@ -124,13 +124,16 @@ def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: 
         return {}
     vtime = np.array([t["vtime_s"] for t in timings])              # [dies, iterations]
     rows = np.array([t["num_rows"] for t in timings])
-    sampled = np.array([t["num_sampled"] for t in timings])
-    decode = (rows == sampled).all(axis=0) & (rows.sum(axis=0) > 0)
+    steps = np.array([t["num_sampled"] for t in timings])
+    sampled = np.array([t["num_tokens"] for t in timings])
+    drafted = np.array([t["num_drafted"] for t in timings])
+    decode = (rows == steps + drafted).all(axis=0) & (rows.sum(axis=0) > 0)
     if not decode.any():
         decode = rows.sum(axis=0) > 0
     iteration = vtime.max(axis=0)[decode]
     out = {"projected_iteration_ms": float(iteration.mean() * 1e3),
-           "projected_tpot_ms": float(iteration.mean() * 1e3),
+           "projected_tpot_ms": float(iteration.mean() * 1e3 * steps.sum(axis=0)[decode].sum()
+                                      / max(sampled.sum(axis=0)[decode].sum(), 1)),
            "projected_tokens_per_s_per_chip": float(
                (sampled.sum(axis=0)[decode] / iteration).mean() / num_chips)}
     num_iterations = vtime.shape[1]
@@ -142,6 +145,33 @@ def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: 
         if f"projected_ms_{op}" in out:
             out[f"projected_us_per_{op}"] = out[f"projected_ms_{op}"] * 1e3 / num_cost_moe_layers
     return out
+
+
+def mtp_summary(depth: int, die_timings: dict[int, dict[str, list]]) -> dict:
+    """MTP acceptance (accepted / drafted drafts) and tokens per decode step, overall and per DP
+    group (die), from the dies' per-iteration counts."""
+    if not depth or not die_timings:
+        return {}
+    ranks = sorted(die_timings)
+    drafted = np.array([sum(die_timings[r]["num_drafted"]) for r in ranks])
+    accepted = np.array([sum(die_timings[r]["num_accepted"]) for r in ranks])
+    steps = np.array([sum(die_timings[r]["num_sampled"]) for r in ranks])
+    tokens = np.array([sum(die_timings[r]["num_tokens"]) for r in ranks])
+    return {"mtp_depth": depth, "mtp_drafted": int(drafted.sum()),
+            "mtp_accepted": int(accepted.sum()),
+            "mtp_acceptance": float(accepted.sum() / max(drafted.sum(), 1)),
+            "tokens_per_step": float(tokens.sum() / max(steps.sum(), 1)),
+            "mtp_group_ranks": np.array(ranks, np.int64),
+            "mtp_group_acceptance": accepted / np.maximum(drafted, 1),
+            "mtp_group_tokens_per_step": tokens / np.maximum(steps, 1)}
+
+
+def format_mtp(m: dict) -> str:
+    groups = ", ".join(f"r{r} {a:.0%}" for r, a in zip(m["mtp_group_ranks"],
+                                                        m["mtp_group_acceptance"]))
+    return (f"MTP depth {m['mtp_depth']}: acceptance {m['mtp_acceptance']:.1%} "
+            f"({m['mtp_accepted']}/{m['mtp_drafted']} drafts), {m['tokens_per_step']:.2f} tokens "
+            f"per step; per DP group: {groups}")
 
 
 def format_projection(p: dict) -> str:

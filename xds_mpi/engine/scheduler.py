@@ -4,6 +4,14 @@ Continuous batching: requests join between iterations when the batch has room an
 hold their whole reservation (prompt + max_new_tokens), and leave when done. Each iteration holds
 one decode row per running request plus prompt chunks of joining requests, within the dispatch
 buffers' token budget (xccl.max_tokens_per_die) and scheduler.prefill_chunk_tokens.
+
+With MTP (xDeepServe §4.6) a decoding request's row is [last token, its D drafts]: the verify
+step. The MTP passes that draft the next step's tokens run after the main model in the same
+iteration over the positions just committed, plus up to k - 1 older ones at depth k, so every
+entry also holds D - 1 rows of headroom in the budget.
+
+Nothing here is committed before `postprocess`: a failed iteration `restore`s the `checkpoint`
+taken before `schedule` (token recomputation, §6.2) and schedules the same batch again.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ class Sequence:
     tokens: list[int]                  # prompt + generated
     num_prefilled: int = 0
     num_generated: int = 0
+    drafts: tuple[int, ...] = ()       # MTP drafts to verify in the next step
 
     @property
     def is_prefilling(self) -> bool:
@@ -34,6 +43,27 @@ class Entry:
     start_pos: int
     input_ids: tuple[int, ...]
     is_sampled: bool                   # its last row yields the next token
+    num_drafts: int = 0                # input_ids[1:] are MTP drafts to verify
+    context: tuple[int, ...] = ()      # with MTP: every token known (prompt + generated)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampled:
+    """What one iteration produced for a sampled entry: the accepted drafts followed by one
+    main-model token, and the MTP drafts for the next step."""
+
+    tokens: tuple[int, ...]
+    drafts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """The scheduler at the start of an iteration (what `schedule` changes)."""
+
+    waiting: tuple
+    num_prefilled: dict
+    reserved_blocks: int
+    table: object
 
 
 @dataclass(kw_only=True)
@@ -51,6 +81,7 @@ class DieScheduler:
     prefill_chunk: int
     eos_id: int
     ignore_eos: bool = False
+    mtp_depth: int = 0
     waiting: deque = field(default_factory=deque)
     running: dict = field(default_factory=dict)   # req_id -> Sequence
     reserved_blocks: int = 0
@@ -63,7 +94,7 @@ class DieScheduler:
         self.waiting.append(req)
 
     def _blocks(self, req: Request) -> int:
-        return -(-kv_tokens_needed(req) // self.table.block_tokens)
+        return -(-kv_tokens_needed(req, self.mtp_depth) // self.table.block_tokens)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
@@ -79,40 +110,70 @@ class DieScheduler:
         """The next iteration's batch: decode rows first, then prompt chunks."""
         self._admit()
         entries, budget = [], self.max_tokens
+        headroom = max(self.mtp_depth - 1, 0)          # MTP depth k runs up to k - 1 more rows
         for seq in self.running.values():
-            if not seq.is_prefilling and budget > 0:
-                pos = len(seq.tokens) - 1
-                self.table.append(seq.req.req_id, 1)
-                entries.append(Entry(req_id=seq.req.req_id, start_pos=pos,
-                                     input_ids=(seq.tokens[-1],), is_sampled=True))
-                budget -= 1
+            ids = (seq.tokens[-1], *seq.drafts)
+            if not seq.is_prefilling and len(ids) + headroom <= budget:
+                self.table.append(seq.req.req_id, len(ids))
+                entries.append(Entry(req_id=seq.req.req_id, start_pos=len(seq.tokens) - 1,
+                                     input_ids=ids, is_sampled=True, num_drafts=len(seq.drafts),
+                                     context=self._context(seq)))
+                budget -= len(ids) + headroom
         for seq in self.running.values():
-            if seq.is_prefilling and budget > 0:
+            if seq.is_prefilling and budget > headroom:
                 start = seq.num_prefilled
-                num = min(len(seq.req.prompt) - start, self.prefill_chunk, budget)
+                num = min(len(seq.req.prompt) - start, self.prefill_chunk, budget - headroom)
                 self.table.append(seq.req.req_id, num)
                 seq.num_prefilled += num
                 entries.append(Entry(req_id=seq.req.req_id, start_pos=start,
                                      input_ids=tuple(seq.req.prompt[start:start + num]),
-                                     is_sampled=not seq.is_prefilling))
-                budget -= num
+                                     is_sampled=not seq.is_prefilling,
+                                     context=self._context(seq)))
+                budget -= num + headroom
         return entries
 
-    def postprocess(self, tokens: dict[int, int]) -> list[Emitted]:
-        """Record each sampled token; finished requests leave and free their KV blocks."""
+    def _context(self, seq: Sequence) -> tuple[int, ...]:
+        return tuple(seq.tokens) if self.mtp_depth else ()
+
+    def postprocess(self, sampled: dict[int, Sampled]) -> list[Emitted]:
+        """Commit each sampled entry's tokens (as the reference: at most max_new_tokens, up to
+        EOS) and drop the KV entries of rejected drafts; finished requests leave and free their
+        KV blocks."""
         emitted = []
-        for req_id, token in tokens.items():
+        for req_id, out in sampled.items():
             seq = self.running[req_id]
-            seq.tokens.append(token)
-            seq.num_generated += 1
+            self.table.truncate(req_id, len(seq.tokens) - 1 + len(out.tokens))
+            tokens = out.tokens[:seq.req.max_new_tokens - seq.num_generated]
+            if not self.ignore_eos and self.eos_id in tokens:
+                tokens = tokens[:tokens.index(self.eos_id) + 1]
+            seq.tokens.extend(tokens)
+            seq.num_generated += len(tokens)
+            seq.drafts = out.drafts
             is_finished = (seq.num_generated >= seq.req.max_new_tokens or
-                           (token == self.eos_id and not self.ignore_eos))
+                           (tokens[-1] == self.eos_id and not self.ignore_eos))
             if is_finished:
                 del self.running[req_id]
                 self.table.free(req_id)
                 self.reserved_blocks -= self._blocks(seq.req)
-            emitted.append(Emitted(req_id=req_id, token=token, is_finished=is_finished))
+            emitted.extend(Emitted(req_id=req_id, token=token,
+                                   is_finished=is_finished and i == len(tokens) - 1)
+                           for i, token in enumerate(tokens))
         return emitted
+
+    def checkpoint(self) -> Checkpoint:
+        """Everything `schedule` changes, taken before it (see `restore`)."""
+        return Checkpoint(waiting=tuple(self.waiting),
+                          num_prefilled={r: s.num_prefilled for r, s in self.running.items()},
+                          reserved_blocks=self.reserved_blocks, table=self.table.snapshot())
+
+    def restore(self, cp: Checkpoint) -> None:
+        """Back to `cp`: admissions undone, prompt progress and KV lengths as they were."""
+        self.waiting = deque(cp.waiting)
+        self.running = {r: s for r, s in self.running.items() if r in cp.num_prefilled}
+        for req_id, seq in self.running.items():
+            seq.num_prefilled = cp.num_prefilled[req_id]
+        self.reserved_blocks = cp.reserved_blocks
+        self.table.restore(cp.table)
 
     def kv_used_tokens(self) -> int:
         return sum(self.table.seq_len(r) for r in self.running)

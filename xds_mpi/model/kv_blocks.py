@@ -97,6 +97,18 @@ class BlockTable:
         del blocks[num_keep:]
         self._seq2len[seq_id] = num_tokens
 
+    def snapshot(self) -> tuple:
+        """The whole table, for `restore` (a failed iteration's rollback)."""
+        return (tuple(self._free_blocks),
+                {seq_id: tuple(blocks) for seq_id, blocks in self._seq2blocks.items()},
+                dict(self._seq2len))
+
+    def restore(self, snapshot: tuple) -> None:
+        free, seq2blocks, seq2len = snapshot
+        self._free_blocks = list(free)
+        self._seq2blocks = {seq_id: list(blocks) for seq_id, blocks in seq2blocks.items()}
+        self._seq2len = dict(seq2len)
+
     def free(self, seq_id: Hashable) -> None:
         self.truncate(seq_id, 0)
         del self._seq2blocks[seq_id], self._seq2len[seq_id]

@@ -32,5 +32,10 @@ class MTPModule(nn.Module):
                 positions: torch.Tensor, chunks: list[AttnChunk], cache: LatentCache,
                 cache_layer_idx: int, *, use_int8: bool = False) -> torch.Tensor:
         """prev_hidden: [n, hidden] h^{k-1}_i, next_embedding: [n, hidden] Emb(t_{i+k}) -> h^k_i"""
-        x = self.eh_proj(torch.cat([self.hnorm(prev_hidden), self.enorm(next_embedding)], dim=-1))
+        x = self.project(prev_hidden, next_embedding)
         return self.block(x, positions, chunks, cache, cache_layer_idx, use_int8=use_int8)
+
+    def project(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """The block's input h'_i: [n, hidden] (the distributed engine runs the block in pieces)."""
+        return self.eh_proj(torch.cat([self.hnorm(prev_hidden), self.enorm(next_embedding)],
+                                      dim=-1))

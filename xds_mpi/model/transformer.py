@@ -55,6 +55,13 @@ class DeepSeekModel(nn.Module):
             raise ValueError(f"MTP depth {depth} needs model.num_mtp_modules >= 1, got 0")
         return self.mtp[min(depth, len(self.mtp)) - 1]
 
+    def moe_of(self, layer_idx: int):
+        """The MoE of main layer `layer_idx`, or of MTP depth k at layer_idx = num_layers + k - 1
+        (the cache layer numbering)."""
+        if layer_idx < self.cfg.num_layers:
+            return self.layers[layer_idx].ffn
+        return self.mtp_module(layer_idx - self.cfg.num_layers + 1).block.ffn
+
     def mtp_forward(self, depth: int, prev_hidden: torch.Tensor, next_tokens: torch.Tensor,
                     positions: torch.Tensor, chunks: list[AttnChunk], cache: LatentCache, *,
                     use_int8: bool = False) -> torch.Tensor:
