@@ -122,15 +122,14 @@ class Recovery:
             send[1:HEADER] = (1, fault.die, op, fault.event_id, fault.code)
         send[HEADER:HEADER + len(states)] = states
         self._allgather()
-        rows = self._recv
-        faults = tuple(FaultReport(die=int(r[2]), op=OPS[r[3]] if r[3] >= 0 else "?",
-                                   event_id=int(r[4]), code=int(r[5])) for r in rows if r[1])
-        failed = bool(rows[:, 0].any())
+        rows = self._recv[:, :HEADER + len(states)].tolist()          # [dies][words] ints
+        faults = tuple(FaultReport(die=r[2], op=OPS[r[3]] if r[3] >= 0 else "?", event_id=r[4],
+                                   code=r[5]) for r in rows if r[1])
+        failed = any(r[0] for r in rows)
         self.epoch += failed
         self._notified = False
-        merged = rows[:, HEADER:HEADER + len(states)].max(axis=0)
-        return Outcome(failed=failed, epoch=self.epoch, faults=faults,
-                       states=tuple(int(v) for v in merged))
+        merged = tuple(max(column) for column in zip(*(r[HEADER:] for r in rows)))
+        return Outcome(failed=failed, epoch=self.epoch, faults=faults, states=merged)
 
     def run(self, attempt: Callable[[int], T], buffers: Sequence[Realignable], *,
             max_retries: int, what: str, on_rollback: Callable[[Outcome], None] | None = None
