@@ -139,6 +139,8 @@ class Recovery:
         buffers: this die's XCCL buffers, in the same order on every die. on_rollback(outcome):
         after the buffers resynced, restore the caller's state. After max_retries re-executions
         a further failure raises RetriesExhausted on every die, naming `what` and the faults."""
+        if max_retries < 0:
+            raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
             fault, result = None, None
             try:
