@@ -20,12 +20,11 @@ IDLE = IterationTiming(num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, e
 def run(ctx: RankContext) -> None:
     handshake(ctx)
     die = AttentionDie(ctx)
-    try:
-        while die.step():
-            pass
-        die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent))
-    finally:
-        die.close()
+    while die.step():
+        pass
+    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent),
+                      die.recompute.report())
+    die.close()  # collective: only on the way out together (an error aborts the job)
 
 
 class AttentionDie(AfdDieBase):
@@ -66,17 +65,29 @@ class AttentionDie(AfdDieBase):
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        calls = self.plan.iteration(busy)                  # every die numbers the calls alike
-        if self.domain not in busy:                        # the other domains take their turn
+        result = self.run_iteration(busy, lambda calls: self._attempt(busy, calls),
+                                    restore=self._restore)
+        if result is None:                                 # the other domains took their turn
             self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())   # one row per iteration
             return True
-        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
-        mine = [c for c in calls if c.call.domain == self.domain]
-        sampled, timing = self.executor.forward(entries, mine)  # attention, A2E ... E2A
+        sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
+
+    def _attempt(self, busy, calls):
+        """Schedule and run this die's part of the iteration (None when its domain is idle)."""
+        self._saved = self.scheduler.checkpoint(), self.executor.checkpoint()
+        if self.domain not in busy:
+            return None
+        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
+        mine = [c for c in calls if c.call.domain == self.domain]
+        return self.executor.forward(entries, mine)        # attention, A2E ... E2A
+
+    def _restore(self) -> None:
+        self.scheduler.restore(self._saved[0])
+        self.executor.restore(self._saved[1])
 
     def close(self) -> None:
         self.outbox.drain()

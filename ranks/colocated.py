@@ -18,12 +18,11 @@ from xds_mpi.fabric import ep_layout, window_bytes
 def run(ctx: RankContext) -> None:
     handshake(ctx)
     die = ColocatedDie(ctx)
-    try:
-        while die.step():
-            pass
-        die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent))
-    finally:
-        die.close()
+    while die.step():
+        pass
+    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent),
+                      die.recompute.report())
+    die.close()  # collective: only on the way out together (an error aborts the job)
 
 
 class ColocatedDie:
@@ -69,6 +68,8 @@ class ColocatedDie:
         self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
                                           log2phy=topo.log2phy(), table=table, cache=cache,
                                           pricer=self.pricer, mtp_depth=depth)
+        from ranks.recompute import Recomputer
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], clock)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -79,12 +80,28 @@ class ColocatedDie:
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
-        sampled, timing = self.executor.forward(entries)   # MLA, gate, dispatch, experts, combine
+        sampled, timing = self.iteration()                 # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)      # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
+
+    def iteration(self):
+        """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
+        executor, scheduler, pricer = self.executor, self.scheduler, self.pricer
+        saved = scheduler.checkpoint(), executor.checkpoint(), dict(pricer.spent)
+
+        def restore() -> None:
+            scheduler.restore(saved[0])
+            executor.restore(saved[1])
+            pricer.spent.clear()
+            pricer.spent.update(saved[2])
+
+        def attempt(_: int):
+            entries = scheduler.schedule()                 # continuous batching, chunked prefill
+            return executor.forward(entries)               # MLA, gate, dispatch, experts, combine
+        return self.recompute.run(executor.num_iterations, attempt, restore=restore,
+                                  layer_of=lambda event: executor.layer_of_event(event)[1])
 
     def agree(self) -> tuple[bool, bool]:
         """(does any die have work, has every die been told to stop) — one allreduce."""
@@ -95,5 +112,6 @@ class ColocatedDie:
 
     def close(self) -> None:
         self.outbox.drain()
+        self.recompute.free()
         self.mem.free()
         self.dies.Free()

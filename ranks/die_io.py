@@ -50,9 +50,11 @@ class Outbox:
             self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
         self.pending = [r for r in self.pending if not r.Test()]
 
-    def report(self, num_iterations: int, virtual_spent: dict[str, float]) -> None:
+    def report(self, num_iterations: int, virtual_spent: dict[str, float],
+               recovery: dict | None = None) -> None:
         report = DieReport(die_rank=self.rank, num_iterations=num_iterations,
-                           timings=self.timings, virtual_spent=virtual_spent)
+                           timings=self.timings, virtual_spent=virtual_spent,
+                           recovery=recovery or {})
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 
     def drain(self) -> None:

@@ -17,14 +17,13 @@ from ranks.handshake import handshake
 def run(ctx: RankContext) -> None:
     handshake(ctx)
     die = ExpertDie(ctx)
-    try:
-        while die.step():
-            pass
-        ctx.log.debug("expert die: %d iterations, %d calls, %d rows, %d metadata records",
-                      die.num_iterations, die.plan.num_calls, die.num_rows,
-                      die.afd.counters.metadata_writes)
-    finally:
-        die.close()
+    while die.step():
+        pass
+    ctx.log.debug("expert die: %d iterations, %d calls, %d rows, %d metadata records",
+                  die.num_iterations, die.plan.num_calls, die.num_rows,
+                  die.afd.counters.metadata_writes)
+    die.recompute.report()                                  # collective: the dies' fault total
+    die.close()  # collective: only on the way out together (an error aborts the job)
 
 
 class ExpertDie(AfdDieBase):
@@ -40,12 +39,14 @@ class ExpertDie(AfdDieBase):
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        planned = self.plan.iteration(busy)
-        self.layer_of = {p.call.call: p.layer_idx for p in planned}
-        stats = self.loop.run([p.call for p in planned])   # persistent: every layer, no return
+        stats = self.run_iteration(busy, self._attempt)
         self.num_iterations += 1
         self.num_rows += stats.num_rows
         return True
+
+    def _attempt(self, planned):
+        self.layer_of = {p.call.call: p.layer_idx for p in planned}
+        return self.loop.run([p.call for p in planned])   # persistent: every layer, no return
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""

@@ -27,3 +27,4 @@ class DieReport:
     num_iterations: int
     timings: dict = field(default_factory=dict)   # IterationTiming field -> list per iteration
     virtual_spent: dict = field(default_factory=dict)   # operation -> virtual seconds, all iterations
+    recovery: dict = field(default_factory=dict)   # token recomputation (ranks/recompute.py)

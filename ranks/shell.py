@@ -51,8 +51,9 @@ class Serving:
         from xccl.gmem import DieMemory
         from ranks.frontend import Frontend
         from xds_mpi.engine.results import (check_against_reference, format_mtp,
-                                            format_projection, format_summary, mtp_summary,
-                                            projected_summary, summarize)
+                                            format_projection, format_recovery, format_summary,
+                                            mtp_summary, projected_summary, recovery_summary,
+                                            summarize)
         from xds_mpi.model.shapes import cost_shape
         mem = DieMemory(ctx.comm, 0)        # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -68,6 +69,10 @@ class Serving:
         if mtp:
             ctx.log.info(format_mtp(mtp))
             self.summary.update(mtp)
+        recovery = recovery_summary({r: report.recovery for r, report in frontend.reports.items()})
+        if recovery:
+            ctx.log.info(format_recovery(recovery))
+            self.summary.update(recovery)
         big = cost_shape()
         self.summary.update(projected_summary(
             frontend.reports, ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,

@@ -23,23 +23,35 @@ class PlannedCall:
 
 
 class AfdPlan:
+    """Event id = iteration x M + (MoE layer position x domains + domain) x microbatches +
+    microbatch, M = calls of an iteration with every domain busy: a re-executed iteration
+    (token recomputation) has the same event ids, while its call numbers (doorbells) are new."""
+
     def __init__(self, *, moe_layers: tuple[int, ...], num_domains: int,
                  num_microbatches: int) -> None:
         self.moe_layers, self.num_domains = moe_layers, num_domains
         self.num_microbatches = num_microbatches
+        self.events_per_iteration = len(moe_layers) * num_domains * num_microbatches
         self.num_calls = 0                             # calls numbered so far, on every die
 
-    def iteration(self, busy_domains: tuple[int, ...]) -> list[PlannedCall]:
+    def iteration(self, busy_domains: tuple[int, ...], iteration: int = 0) -> list[PlannedCall]:
         """This iteration's calls; advances the call numbering."""
         planned = []
-        for layer_idx in self.moe_layers:
+        for position, layer_idx in enumerate(self.moe_layers):
             for domain in busy_domains:
                 for mb in range(self.num_microbatches):
-                    call = AfdCall(call=self.num_calls, lane=domain * self.num_microbatches + mb,
-                                   domain=domain, event_id=self.num_calls)
+                    lane = domain * self.num_microbatches + mb
+                    event = (iteration * self.events_per_iteration +
+                             (position * self.num_domains + domain) * self.num_microbatches + mb)
+                    call = AfdCall(call=self.num_calls, lane=lane, domain=domain, event_id=event)
                     planned.append(PlannedCall(call=call, layer_idx=layer_idx, microbatch=mb))
                     self.num_calls += 1
         return planned
+
+    def layer_of_event(self, event_id: int) -> int:
+        position = (event_id % self.events_per_iteration) // (self.num_domains *
+                                                              self.num_microbatches)
+        return self.moe_layers[position]
 
 
 def split_microbatches(entries: list[Entry], num_microbatches: int) -> list[list[Entry]]:

@@ -38,7 +38,7 @@ class AttentionExecutor(ColocatedExecutor):
         """Run the batch (possibly empty: the die still takes part in its domain's calls);
         `calls` are this domain's calls of the iteration, layer by layer, microbatch by
         microbatch. Returns what every sampled entry produced and the timing."""
-        started, vstart = time.perf_counter(), self.afd.clock.now_ns
+        started, vstart = time.perf_counter(), self.clock.now_ns
         spent = defaultdict(float)
         groups = split_microbatches(entries, self.num_microbatches)
         inputs = [self._inputs(group) for group in groups]            # (tokens, positions, chunks)
@@ -75,7 +75,7 @@ class AttentionExecutor(ColocatedExecutor):
         results = {r: Sampled(tokens=tuple(t), drafts=tuple(works[r].drafts) if r in works
                               else ()) for r, t in sampled.items()}
         return results, self.timing(entries, sampled, spent, started, vstart,
-                                    self.afd.clock.now_ns)
+                                    self.clock.now_ns)
 
     def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""

@@ -38,6 +38,7 @@ class ColocatedExecutor:
                  log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache,
                  pricer: Pricer, mtp_depth: int = 0) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
+        self.clock = pricer.clock                     # the die's virtual clock
         self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
         self.mtp_depth = mtp_depth
         self.mtp = MtpBook(mtp_depth)
@@ -63,7 +64,7 @@ class ColocatedExecutor:
     def forward(self, entries: list[Entry]) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still joins every dispatch and combine);
         returns what every sampled entry produced and the iteration's timing."""
-        started, vstart = time.perf_counter(), self.ep.clock.now_ns
+        started, vstart = time.perf_counter(), self.clock.now_ns
         spent = defaultdict(float)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
@@ -86,7 +87,7 @@ class ColocatedExecutor:
                 self._draft(works, spent)
         results = {w: Sampled(tokens=tuple(toks), drafts=tuple(works[w].drafts) if w in works
                               else ()) for w, toks in sampled.items()}
-        timing = self.timing(entries, sampled, spent, started, vstart, self.ep.clock.now_ns)
+        timing = self.timing(entries, sampled, spent, started, vstart, self.clock.now_ns)
         return results, timing
 
     def timing(self, entries, sampled: dict[int, list[int]], spent, started: float,
@@ -102,7 +103,7 @@ class ColocatedExecutor:
 
     def _moe(self, moe, h: torch.Tensor, layer_idx: int, spent) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
-        pricer, clock = self.pricer, self.ep.clock
+        pricer, clock = self.pricer, self.clock
         t0 = time.perf_counter()
         routing = moe.gate(h)
         pricer.gate(len(h))
@@ -213,10 +214,10 @@ class ColocatedExecutor:
         self.mtp.commit(finished)
 
     def checkpoint(self) -> tuple:
-        return (self.num_iterations, self.ep.clock.now_ns)
+        return (self.num_iterations, self.clock.now_ns)
 
     def restore(self, checkpoint: tuple) -> None:
         """Back to the start of the iteration: its MTP updates dropped, the same event ids next
         time, the virtual clock where it was."""
-        self.num_iterations, self.ep.clock.now_ns = checkpoint
+        self.num_iterations, self.clock.now_ns = checkpoint
         self.mtp.discard()

@@ -166,6 +166,26 @@ def mtp_summary(depth: int, die_timings: dict[int, dict[str, list]]) -> dict:
             "mtp_group_tokens_per_step": tokens / np.maximum(steps, 1)}
 
 
+def recovery_summary(die_recovery: dict[int, dict]) -> dict:
+    """Token recomputation over the run: faults injected (each die reports the total over all
+    dies), rollbacks and recomputed iterations (every die rolls back together), wall and
+    virtual time lost (the slowest die's)."""
+    counters = [c for c in die_recovery.values() if c]
+    if not counters:
+        return {}
+    return {"faults_injected": max(c["faults_injected"] for c in counters),
+            "rollbacks": max(c["rollbacks"] for c in counters),
+            "recomputed_iterations": max(c["recomputed_iterations"] for c in counters),
+            "wall_lost_s": max(c["wall_lost_s"] for c in counters),
+            "vtime_lost_s": max(c["vtime_lost_s"] for c in counters)}
+
+
+def format_recovery(r: dict) -> str:
+    return (f"recovery: {r['faults_injected']} faults injected, {r['rollbacks']} rollbacks, "
+            f"{r['recomputed_iterations']} iterations recomputed; lost {r['wall_lost_s']:.2f} s "
+            f"wall, {r['vtime_lost_s'] * 1e3:.2f} ms virtual")
+
+
 def format_mtp(m: dict) -> str:
     groups = ", ".join(f"r{r} {a:.0%}" for r, a in zip(m["mtp_group_ranks"],
                                                         m["mtp_group_acceptance"]))

@@ -1,0 +1,109 @@
+"""A die's side of token recomputation (xDeepServe §6.2 stage 3): injected faults in, iterations
+re-executed, counters out.
+
+Each iteration runs as an attempt of xccl/recovery.py's protocol: a die whose XCCL operation
+raises an injected fault tells every die (the abort word every wait checks), every die votes once
+per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
+start of the iteration (the caller's `restore`: scheduler, KV lengths, MTP drafts, event ids,
+virtual clock) and runs it again. Nothing of a failed attempt reaches the TE-shell: dies commit
+and stream only after a vote that passed. With no faults configured nothing of this runs (no
+interrupt in the waits, no vote): an iteration is one attempt.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+from mpi4py import MPI
+
+from xccl.errors import RetriesExhausted, XcclError
+from xccl.recovery import Outcome, Recovery
+from xccl.vclock import VirtualClock
+from xds_mpi.config import Config
+from xds_mpi.faults import FaultPlan
+
+T = TypeVar("T")
+
+
+class RecomputationFailed(XcclError):
+    """A fault outlived faults.max_retries re-executions of one iteration."""
+
+
+@dataclass
+class RecoveryCounters:
+    """Per die. rollbacks: failed attempts (the same on every die); recomputed_iterations:
+    iterations that needed at least one re-execution; faults_injected: faults raised on this
+    die; wall_lost_s / vtime_lost_s: wall and virtual time of the failed attempts."""
+
+    rollbacks: int = 0
+    recomputed_iterations: int = 0
+    faults_injected: int = 0
+    wall_lost_s: float = 0.0
+    vtime_lost_s: float = 0.0
+
+
+class Recomputer:
+    def __init__(self, cfg: Config, comm: MPI.Comm, rank: int, buffers: Sequence,
+                 clock: VirtualClock) -> None:
+        self.faults = cfg.faults
+        self.enabled = cfg.faults.is_enabled
+        self.buffers, self.clock, self.rank, self.comm = list(buffers), clock, rank, comm
+        self.counters = RecoveryCounters()
+        self._last_recomputed = -1
+        self._outcome: Outcome | None = None
+        self.plan = FaultPlan(cfg.faults, rank)
+        self.recovery = Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s) if self.enabled else None
+        if self.recovery is not None:
+            for b in self.buffers:
+                b.interrupt = self.recovery.interrupt
+
+    def run(self, iteration: int, attempt: Callable[[int], T], *,
+            layer_of: Callable[[int], int], restore: Callable[[], None]) -> T:
+        """attempt(k) (k = 0 the first execution) until every die completed one; between
+        attempts restore() puts the die back at the start of the iteration."""
+        if self.recovery is None:
+            return attempt(0)
+        started = [time.perf_counter(), self.clock.now_ns]
+
+        def one(k: int) -> T:
+            for b in self.buffers:
+                b.fault_hook = self.plan.hook(iteration=iteration, attempt=k, layer_of=layer_of)
+            started[:] = [time.perf_counter(), self.clock.now_ns]
+            return attempt(k)
+
+        def rolled_back(outcome: Outcome) -> None:
+            self._outcome = outcome
+            c = self.counters
+            c.rollbacks += 1
+            if self._last_recomputed != iteration:
+                c.recomputed_iterations += 1
+                self._last_recomputed = iteration
+            c.wall_lost_s += time.perf_counter() - started[0]
+            c.vtime_lost_s += (self.clock.now_ns - started[1]) / 1e9
+            restore()
+
+        try:
+            result = self.recovery.run(one, self.buffers, max_retries=self.faults.max_retries,
+                                       what=f"iteration {iteration}", on_rollback=rolled_back)
+        except RetriesExhausted as exc:
+            raise RecomputationFailed(
+                f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
+                f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
+                "attempt's faults: " + "; ".join(
+                    f"die {f.die} {f.op} at layer {layer_of(f.event_id)} (event {f.event_id}, "
+                    f"code {f.code})" for f in self._outcome.faults)) from exc
+        finally:
+            self.counters.faults_injected = self.plan.num_fired
+        return result
+
+    def report(self) -> dict:
+        """The counters, with faults_injected summed over every die (collective over the dies:
+        expert dies inject faults too but report to nobody)."""
+        counters = dict(vars(self.counters))
+        counters["faults_injected"] = self.comm.allreduce(counters["faults_injected"])
+        return counters
+
+    def free(self) -> None:
+        if self.recovery is not None:
+            self.recovery.free()
