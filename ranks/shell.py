@@ -64,12 +64,13 @@ class Serving:
         self.records, self.started = frontend.records, frontend.started
         self.summary = summarize(self.records, frontend.started, time.time())
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
+        self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         mtp = mtp_summary(ctx.cfg.scheduler.mtp_depth, self.die_timings)
         if mtp:
             ctx.log.info(format_mtp(mtp))
             self.summary.update(mtp)
-        recovery = recovery_summary({r: report.recovery for r, report in frontend.reports.items()})
+        recovery = recovery_summary(self.die_recovery)
         if recovery:
             ctx.log.info(format_recovery(recovery))
             self.summary.update(recovery)
@@ -91,5 +92,6 @@ class Serving:
 
     def write(self, f) -> None:
         from xds_mpi.engine.results import write_serving
-        write_serving(f, self.records, self.started, self.summary, self.die_timings)
+        write_serving(f, self.records, self.started, self.summary, self.die_timings,
+                      self.die_recovery)
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1

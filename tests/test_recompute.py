@@ -37,6 +37,8 @@ def assert_recovered(result, run_file, num_requests: int, num_tokens: int, num_f
     assert summary["rollbacks"] == num_faults            # one fault per failed attempt here
     assert summary["wall_lost_s"] > 0 and summary["vtime_lost_s"] > 0
     assert f"recovery: {num_faults} faults injected, {num_faults} rollbacks" in result.stdout
+    for die in run_file["dies"].values():                # every DP group rolled back as often
+        assert die.attrs["rollbacks"] == num_faults
 
 
 def test_colocated_faults_at_first_middle_last_and_mtp_layers(tmp_path):

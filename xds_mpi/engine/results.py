@@ -89,9 +89,10 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
 
 
 def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: float,
-                  summary: dict, die_timings: dict[int, dict[str, list]]) -> None:
-    """Add /requests (one row per request), /dies/<rank> (per-iteration timings) and the
-    summary as attributes of /summary."""
+                  summary: dict, die_timings: dict[int, dict[str, list]],
+                  die_recovery: dict[int, dict] | None = None) -> None:
+    """Add /requests (one row per request), /dies/<rank> (per-iteration timings; recovery
+    counters as attributes) and the summary as attributes of /summary."""
     ordered = [records[i] for i in sorted(records)]
     group = f.create_group("requests")
     group["req_id"] = np.array([r.req.req_id for r in ordered], np.int64)
@@ -111,6 +112,7 @@ def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: floa
         die = dies.create_group(str(rank))
         for name, values in timings.items():
             die[name] = np.asarray(values)
+        die.attrs.update((die_recovery or {}).get(rank, {}))
     f.create_group("summary").attrs.update(summary)
 
 
