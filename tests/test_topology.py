@@ -133,6 +133,7 @@ def test_p2p_pairs_follow_the_declaration():
     (["faults.table=[{die: 0, op: dispatch, layer: 1, iteration: 0}]"], "is not a die"),
     (["faults.table=[{die: 1, op: combine, layer: 0, iteration: 0}]"], "is not a MoE layer"),
     (["faults.table=[{die: 1, op: combine, layer: 4, iteration: 0}]"], "is not a MoE layer"),
+    (["faults.table=[{die: 1, op: p2p_send, layer: 1, iteration: 0}]"], "makes no p2p"),
 ])
 def test_mtp_and_fault_settings_that_cannot_work_are_refused(settings, message):
     with pytest.raises(ConfigError, match=message):

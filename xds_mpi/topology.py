@@ -228,6 +228,10 @@ def _check_serving(cfg: Config, num_dies: int, num_host_ranks: int) -> None:
     num_cache_layers = cfg.model.num_layers + depth
     for i, spec in enumerate(cfg.faults.table):
         first, last = num_host_ranks, num_host_ranks + num_dies - 1
+        if spec.op.startswith("p2p"):
+            raise ConfigError(f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
+                              "run makes no p2p transfers, so this fault could never fire (p2p "
+                              "faults are exercised by tests/mpi/body_faults.py)")
         if not first <= spec.die <= last:
             raise ConfigError(f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks "
                               f"{first}..{last}")
