@@ -135,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with the environment the detected MPI needs. A colocated or "
                                    "afd deployment serves the workload: the TE-shell prints "
                                    "progress and a summary and writes a run file (HDF5) under "
-                                   "run.output_dir. The job is killed after run.timeout_s.")
+                                   "run.output_dir. The job is killed after run.timeout_s. "
+                                   "--set scheduler.mtp_depth=1|2 decodes with MTP drafts; the "
+                                   "faults section (faults.table, faults.rate) injects transient "
+                                   "XCCL errors that every die rolls back and recomputes (see "
+                                   "README: MTP decoding and token recomputation).")
     _add_config_args(p)
     p.add_argument("--mpiexec", default=None,
                    help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)")
