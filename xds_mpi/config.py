@@ -233,8 +233,9 @@ class FaultSpec:
 class FaultsConfig:
     """Injected transient XCCL errors and token recomputation (xDeepServe §6.2 stage 3).
 
-    table: list of {die, op, layer, iteration, code?, times?} (op: one of FAULT_OPS; layer is a
-    model layer index, num_layers + k - 1 for MTP depth k). rate: seeded probabilistic mode, the
+    table: list of {die, op, layer, iteration, code?, times?} (die: the die's rank; op: one of
+    FAULT_OPS; layer: a MoE layer's index, num_layers + k - 1 for MTP depth k; iteration: the
+    run's n-th iteration with work, from 0, the same on every die). rate: seeded probabilistic mode, the
     chance each operation call fails. An iteration may be re-executed max_retries times; one more
     failure ends the run with an error naming die, operation and iteration."""
 
