@@ -11,6 +11,7 @@ interrupt in the waits, no vote): an iteration is one attempt.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -45,11 +46,12 @@ class RecoveryCounters:
 
 class Recomputer:
     def __init__(self, cfg: Config, comm: MPI.Comm, rank: int, buffers: Sequence,
-                 clock: VirtualClock) -> None:
+                 clock: VirtualClock, *, log: logging.Logger | None = None) -> None:
         self.faults = cfg.faults
         self.enabled = cfg.faults.is_enabled
         self.buffers, self.clock, self.rank, self.comm = list(buffers), clock, rank, comm
         self.counters = RecoveryCounters()
+        self.log = log if comm.rank == 0 else None          # one die tells the story
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self.plan = FaultPlan(cfg.faults, rank)
@@ -65,11 +67,13 @@ class Recomputer:
         if self.recovery is None:
             return attempt(0)
         started = [time.perf_counter(), self.clock.now_ns]
+        tried = [0]                                         # the attempt running now
 
         def one(k: int) -> T:
             for b in self.buffers:
                 b.fault_hook = self.plan.hook(iteration=iteration, attempt=k, layer_of=layer_of)
             started[:] = [time.perf_counter(), self.clock.now_ns]
+            tried[0] = k
             return attempt(k)
 
         def rolled_back(outcome: Outcome) -> None:
@@ -81,6 +85,10 @@ class Recomputer:
                 self._last_recomputed = iteration
             c.wall_lost_s += time.perf_counter() - started[0]
             c.vtime_lost_s += (self.clock.now_ns - started[1]) / 1e9
+            if self.log is not None and tried[0] < self.faults.max_retries:
+                self.log.info("iteration %d rolled back (%s); recomputing, attempt %d of %d",
+                              iteration, describe(outcome.faults, layer_of), tried[0] + 2,
+                              self.faults.max_retries + 1)
             restore()
 
         try:
@@ -90,9 +98,7 @@ class Recomputer:
             raise RecomputationFailed(
                 f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
                 f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
-                "attempt's faults: " + "; ".join(
-                    f"die {f.die} {f.op} at layer {layer_of(f.event_id)} (event {f.event_id}, "
-                    f"code {f.code})" for f in self._outcome.faults)) from exc
+                f"attempt's faults: {describe(self._outcome.faults, layer_of)}") from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
         return result
@@ -107,3 +113,9 @@ class Recomputer:
     def free(self) -> None:
         if self.recovery is not None:
             self.recovery.free()
+
+
+def describe(faults, layer_of: Callable[[int], int]) -> str:
+    """The faults of a failed attempt: die, operation, MoE layer, event id and error code."""
+    return "; ".join(f"die {f.die} {f.op} at layer {layer_of(f.event_id)} (event {f.event_id}, "
+                     f"code {f.code})" for f in faults) or "none reported"

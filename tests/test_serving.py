@@ -120,16 +120,18 @@ def test_the_check_reports_a_token_that_differs():
     assert mismatches == ["request 1: token 1 differs (3 tokens served, 3 in the reference)"]
 
 
-def reference_acceptance(overrides: list[str], depth: int) -> tuple[int, int]:
+def reference_acceptance(overrides: list[str], depth: int, config: str = "colocated"
+                         ) -> tuple[int, int]:
     """(drafted, accepted) of the single-process reference's MTP loop on the run's workload."""
     from xds_mpi.config import load_config
     from xds_mpi.engine.workload import load_workload
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
-    cfg = load_config(REPO_ROOT / "configs" / "colocated.yaml", overrides)
+    cfg = load_config(REPO_ROOT / "configs" / f"{config}.yaml", overrides)
     requests = load_workload(cfg)
     [max_new] = {r.max_new_tokens for r in requests}
     options = GenerateOptions(max_new_tokens=max_new, mtp_depth=depth, use_int8=cfg.xccl.use_int8,
+                              ignore_eos=cfg.workload.ignore_eos,
                               block_tokens=cfg.scheduler.kv_block_tokens)
     outputs = ReferenceGenerator(build_model(cfg.model), options).generate(
         [list(r.prompt) for r in requests])

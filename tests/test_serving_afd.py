@@ -14,7 +14,7 @@ import h5py
 import pytest
 
 from harness import REPO_ROOT
-from test_serving import XDS_MPI, check_line
+from test_serving import XDS_MPI, check_line, reference_acceptance
 
 # (D, G, expert dies) -> (requests, extra settings)
 CASES = {
@@ -78,3 +78,5 @@ def test_mtp_through_a2e_e2a_serves_the_greedy_tokens(tmp_path, depth):
     assert check_line(result) == "check: 6 requests, 48 tokens, 0 mismatches"
     summary = run_file["summary"].attrs
     assert summary["mtp_accepted"] > 0 and summary["tokens_per_step"] > 1
+    drafted, accepted = reference_acceptance(settings, depth, "afd")     # the same drafts
+    assert (summary["mtp_drafted"], summary["mtp_accepted"]) == (drafted, accepted)
