@@ -43,7 +43,8 @@ class AfdDieBase:
         self.pricer = Pricer(cost, cfg.model, self.clock, use_int8=cfg.xccl.use_int8,
                              num_routed_dies=len(routed))
         from ranks.recompute import Recomputer
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.clock)
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.clock,
+                                    log=ctx.log)
         self.iteration = 0                                # busy iterations, the same on every die
 
     def run_iteration(self, busy: tuple[int, ...], attempt, *, restore=lambda: None):

@@ -69,7 +69,7 @@ class ColocatedDie:
                                           log2phy=topo.log2phy(), table=table, cache=cache,
                                           pricer=self.pricer, mtp_depth=depth)
         from ranks.recompute import Recomputer
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], clock)
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], clock, log=ctx.log)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 

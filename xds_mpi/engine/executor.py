@@ -149,8 +149,9 @@ class ColocatedExecutor:
             picked = [r[-1 - e.num_drafts:] for e, r in steps]
             logits = self.model.logits(torch.cat(picked)).split([len(p) for p in picked])
             for (e, _), row_logits in zip(steps, logits):
-                sampled[e.req_id] = verify_drafts(row_logits, list(e.input_ids[1:]),
-                                                  temperature=0.0, generator=None)
+                drafts = list(e.input_ids[len(e.input_ids) - e.num_drafts:])
+                sampled[e.req_id] = verify_drafts(row_logits, drafts, temperature=0.0,
+                                                  generator=None)
         works: dict[int, MtpWork] = {}
         if self.mtp_depth:
             for e, r in zip(entries, rows):
