@@ -336,14 +336,8 @@ def test_a2e_e2a_iterations_recover_from_injected_faults(recovery, trampolines):
         for it in range(NUM_AFD_ITERATIONS):
             def attempt(k):
                 calls = dep.calls(it)
-                hook = plan.hook(iteration=it, attempt=k, layer_of=lambda e: (e // 100) % 10)
-
-                def counted(op, event):
-                    try:
-                        hook(op, event)
-                    except InjectedFault:
-                        raised.append((it, k))
-                        raise
+                counted = counting(plan.hook(iteration=it, attempt=k,
+                                             layer_of=lambda e: (e // 100) % 10), raised, it, k)
                 for buf in dep.buffers:
                     buf.fault_hook = counted
                 ys.update(dep.serve(calls))
@@ -389,15 +383,8 @@ def test_send_recv_pairs_restart_cleanly_after_faults_on_either_side(recovery):
             nbytes = int(2.5 * SLOTS * SLOT) if it % 2 else 40 + it
 
             def attempt(k):
-                hook = plan.hook(iteration=it, attempt=k, layer_of=lambda event: 0)
-
-                def counted(op, event):
-                    try:
-                        hook(op, event)
-                    except InjectedFault:
-                        raised.append((it, k))
-                        raise
-                p2p.fault_hook = counted
+                p2p.fault_hook = counting(plan.hook(iteration=it, attempt=k,
+                                                    layer_of=lambda event: 0), raised, it, k)
                 out = np.full(nbytes + 8, 0xA5, np.uint8)
                 send = p2p.isend(tagged_payload(comm.rank, right, it, nbytes), right, it)
                 recv = p2p.irecv(out[:nbytes], left, it)
@@ -413,3 +400,14 @@ def test_send_recv_pairs_restart_cleanly_after_faults_on_either_side(recovery):
     finally:
         comm.Barrier()
         mem.free()
+
+
+def counting(hook, raised: list, iteration: int, attempt: int):
+    """`hook`, noting (iteration, attempt) in `raised` each time it injects a fault."""
+    def counted(op, event):
+        try:
+            hook(op, event)
+        except InjectedFault:
+            raised.append((iteration, attempt))
+            raise
+    return counted
