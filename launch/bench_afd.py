@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.bench_report import add_row_options
 from launch.mpiexec import mpi_command, run_job
 from xds_mpi.config import ConfigError
 
@@ -28,14 +29,7 @@ def add_parser(kinds) -> None:
                    help="attention dies of the domain (default: a third of --np)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64],
                    help="tokens per attention die (default: 16 64)")
-    p.add_argument("--hidden", type=int, default=7168, help="row width (default 7168)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
-    p.add_argument("--experts", type=int, default=256, help="routed experts (default 256)")
-    p.add_argument("--int8", action="store_true", help="INT8 + per-token scale on the wire")
-    p.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
-    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
-    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
-    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
+    add_row_options(p)
     p.set_defaults(func=cmd_bench_afd)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from launch.bench_report import rank_parser
 from xccl.afd import AfdBuffer, AfdCall
 from xccl.ep import EpBuffer
 from xccl.gmem import DieMemory
@@ -168,16 +169,8 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="launch.bench_afd_rank")
+    parser = rank_parser("launch.bench_afd_rank")
     parser.add_argument("--groups", type=int, required=True)
-    parser.add_argument("--tokens", type=int, nargs="+", required=True)
-    parser.add_argument("--hidden", type=int, required=True)
-    parser.add_argument("--topk", type=int, required=True)
-    parser.add_argument("--experts", type=int, required=True)
-    parser.add_argument("--int8", action="store_true")
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--profile", required=True)
-    parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     bench = Bench(args)
     rows = []

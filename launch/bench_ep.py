@@ -14,6 +14,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from launch.bench_report import rank_parser
 from xccl.ep import EpBuffer, select_slots
 from xccl.gmem import DieMemory
 from xccl.layout import EpLayout
@@ -108,15 +109,7 @@ class Bench:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="launch.bench_ep")
-    parser.add_argument("--tokens", type=int, nargs="+", required=True)
-    parser.add_argument("--hidden", type=int, required=True)
-    parser.add_argument("--topk", type=int, required=True)
-    parser.add_argument("--experts", type=int, required=True)
-    parser.add_argument("--int8", action="store_true")
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--profile", required=True)
-    parser.add_argument("--out", default="")
+    parser = rank_parser("launch.bench_ep")
     args = parser.parse_args(argv)
     bench = Bench(args)
     rows = []

@@ -10,6 +10,31 @@ import numpy as np
 from launch.report import format_table
 
 
+def add_row_options(p: argparse.ArgumentParser) -> None:
+    """The CLI options `bench ep` and `bench afd` share: the rows moved, the rounds timed, the
+    projection profile, the output file and the job's timeout."""
+    p.add_argument("--hidden", type=int, default=7168, help="row width (default 7168)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts (default 256)")
+    p.add_argument("--int8", action="store_true", help="INT8 + per-token scale on the wire")
+    p.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
+    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
+    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
+
+
+def rank_parser(prog: str) -> argparse.ArgumentParser:
+    """The per-rank program's parser for those options (the CLI passes every one)."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--tokens", type=int, nargs="+", required=True)
+    for name in ("--hidden", "--topk", "--experts", "--iters"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--profile", required=True)
+    parser.add_argument("--out", default="")
+    return parser
+
+
 def _fmt(value) -> str:
     if isinstance(value, (int, np.integer)):
         return str(value)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from launch import bench_afd, generate, project
+from launch.bench_report import add_row_options
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
@@ -180,14 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--np", type=int, default=8, help="ranks (default 8)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128],
                    help="tokens per die (default: 16 64 128)")
-    p.add_argument("--hidden", type=int, default=7168, help="row width (default 7168)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
-    p.add_argument("--experts", type=int, default=256, help="routed experts (default 256)")
-    p.add_argument("--int8", action="store_true", help="INT8 + per-token scale on the wire")
-    p.add_argument("--iters", type=int, default=20, help="timed rounds (default 20)")
-    p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
-    p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
-    p.add_argument("--timeout", type=float, default=900, help="seconds before the job is killed")
+    add_row_options(p)
     p.set_defaults(func=cmd_bench_ep)
     bench_afd.add_parser(kinds)
     submit.add_parser(sub)

@@ -1,10 +1,12 @@
 """The p2p layout: offsets in one place, disjoint and inside the window; size hints; the cap."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from xccl.errors import OutOfWindow, UnknownPeer
-from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs
+from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs, send_row_bytes
+from xccl.quant import decode_rows, encode_rows, quant_dequant
 from xccl.vclock import LinkModel, VirtualClock
 
 
@@ -89,3 +91,17 @@ def test_ep_area_follows_its_formula():
     assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
     assert ep.offset(1, "dispatch_records") == 6400
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64
+
+
+@pytest.mark.parametrize("hidden, dtype, use_int8", [(5, np.float32, False), (6, np.float64, False),
+                                                     (5, np.float32, True), (7, np.float64, True)])
+def test_wire_rows_round_trip_with_and_without_padding(hidden, dtype, use_int8):
+    # float32 x 5 = 20 B rows padded to 24: the values must come back, not the padding.
+    x = np.random.default_rng(hidden).standard_normal((4, hidden)).astype(dtype)
+    token = np.array([2, 0, 3])
+    staged = np.full((3, send_row_bytes(hidden, np.dtype(dtype).itemsize, use_int8)), 0xA5,
+                     np.uint8)
+    encode_rows(staged, x, token, hidden=hidden, use_int8=use_int8, dtype=dtype)
+    back = decode_rows(staged, hidden=hidden, use_int8=use_int8, dtype=dtype)
+    expected = quant_dequant(x[token]) if use_int8 else x[token]
+    assert back.shape == (3, hidden) and np.array_equal(back, expected)

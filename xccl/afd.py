@@ -52,7 +52,7 @@ from xccl.faults import FaultHook, Interrupt
 from xccl.gmem import DieMemory
 from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_OFFSET, INDEX_BYTES,
                          AfdLayout)
-from xccl.quant import dequantize_int8, quantize_int8
+from xccl.quant import decode_rows, encode_rows
 from xccl.vclock import LinkModel, VirtualClock
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,7 +283,8 @@ class AfdBuffer:
             is_routed[at:at + c] = True
             at, routed_at = at + c + s, routed_at + c
         self.mem.flush_all()
-        x[is_routed] = self._decode(raw)
+        x[is_routed] = decode_rows(raw, hidden=layout.hidden, use_int8=layout.use_int8,
+                                   dtype=self.dtype)
         self.records.arrive(words, raw.nbytes + x[~is_routed].nbytes + index.nbytes)
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
             raise XcclError(f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
@@ -379,12 +380,8 @@ class AfdBuffer:
         num_routed = int(routed.sum())
         rows = local[at:at + num_routed * layout.send_row_bytes].reshape(num_routed,
                                                                    layout.send_row_bytes)
-        if layout.use_int8:
-            q, scale = quantize_int8(x[token[routed]])
-            rows[:, :layout.hidden] = q.view(np.uint8)
-            rows[:, layout.hidden:layout.hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
-        else:
-            rows[:] = x[token[routed]].astype(self.dtype).view(np.uint8)
+        encode_rows(rows, x, token[routed], hidden=layout.hidden, use_int8=layout.use_int8,
+                    dtype=self.dtype)
         at = layout.offset(self.me, "scatter_shared", lane)
         num_shared = int(shared.sum())
         local[at:at + num_shared * layout.out_row_bytes] = \
@@ -428,10 +425,3 @@ class AfdBuffer:
         self.records.arrive(words, staged.nbytes)
         return staged
 
-    def _decode(self, raw: np.ndarray) -> np.ndarray:
-        layout = self.layout
-        if layout.use_int8:
-            q = raw[:, :layout.hidden].view(np.int8)
-            scale = raw[:, layout.hidden:layout.hidden + 4].copy().view(np.float32)[:, 0]
-            return dequantize_int8(q, scale, self.dtype)
-        return raw.view(self.dtype).reshape(len(raw), layout.hidden)

@@ -30,7 +30,7 @@ from xccl.faults import FaultHook, Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import (EP_COUNT, EP_DOORBELL, EP_EVENT_ID, EP_OFFSET, EP_VTIME_NS, INDEX_BYTES,
                          EpLayout)
-from xccl.quant import dequantize_int8, quantize_int8
+from xccl.quant import decode_rows, encode_rows
 from xccl.vclock import LinkModel, VirtualClock
 
 INDEX_DTYPE = np.dtype([("token", "<i4"), ("column", "<i4"), ("slot", "<i8")])
@@ -158,7 +158,8 @@ class EpBuffer:
         # Step 6-7: pull our rows from each die with Get.
         rows, index = self._pull_dispatch(recv_counts, recv_offsets)
         self._arrive(stamps, rows.nbytes + index.nbytes)
-        decoded = self._decode(rows)
+        decoded = decode_rows(rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8,
+                              dtype=self.dtype)
         perm = np.lexsort((index["column"], index["token"], np.repeat(
             np.arange(len(self.members)), recv_counts), index["slot"]))
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
@@ -268,14 +269,8 @@ class EpBuffer:
         start = layout.offset(self.me, "dispatch_rows")
         staged = local[start:start + num_rows * layout.send_row_bytes].reshape(
             num_rows, layout.send_row_bytes)                            # [S, row bytes] in window
-        if layout.use_int8:
-            q, scale = quantize_int8(x[token])
-            staged[:, :layout.hidden] = q.view(np.uint8)
-            staged[:, layout.hidden:layout.hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
-        elif layout.send_row_bytes == layout.out_row_bytes:             # copy straight in
-            np.take(x.astype(self.dtype, copy=False), token, axis=0, out=staged.view(self.dtype))
-        else:
-            staged[:, :layout.out_row_bytes] = x[token].astype(self.dtype).view(np.uint8)
+        encode_rows(staged, x, token, hidden=layout.hidden, use_int8=layout.use_int8,
+                    dtype=self.dtype)
         index = np.zeros(num_rows, INDEX_DTYPE)
         index["token"], index["column"], index["slot"] = token, column, slot
         start = layout.offset(self.me, "dispatch_index")
@@ -342,16 +337,6 @@ class EpBuffer:
         self._pull(index.view(np.uint8).reshape(total, INDEX_BYTES), "dispatch_index", counts,
                    offsets, INDEX_BYTES)
         return rows, index
-
-    def _decode(self, rows: np.ndarray) -> np.ndarray:
-        layout = self.layout
-        if layout.use_int8:
-            q = rows[:, :layout.hidden].view(np.int8)
-            scale = rows[:, layout.hidden:layout.hidden + 4].copy().view(np.float32)[:, 0]
-            return dequantize_int8(q, scale, self.dtype)
-        if layout.send_row_bytes == layout.out_row_bytes:
-            return rows.view(self.dtype)
-        return rows[:, :layout.out_row_bytes].copy().view(self.dtype)
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
         """Virtual time: wait for the last peer's record; with a link model, add its latency and
