@@ -43,25 +43,19 @@ class AfdDieBase:
         self.pricer = Pricer(cost, cfg.model, self.clock, use_int8=cfg.xccl.use_int8,
                              num_routed_dies=len(routed))
         from ranks.recompute import Recomputer
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.clock,
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer,
                                     log=ctx.log)
         self.iteration = 0                                # busy iterations, the same on every die
 
-    def run_iteration(self, busy: tuple[int, ...], attempt, *, restore=lambda: None):
+    def run_iteration(self, busy: tuple[int, ...], attempt, *, checkpoint=None):
         """Run attempt(planned calls) as this iteration (re-executed after a transient fault:
-        restore(), then the calls planned afresh, with new call numbers and the same events)."""
+        back to `checkpoint`, then the calls planned afresh, with new call numbers and the same
+        events)."""
         iteration = self.iteration
         self.iteration += 1
-        saved = self.clock.now_ns, dict(self.pricer.spent)
-
-        def back() -> None:
-            self.clock.now_ns = saved[0]
-            self.pricer.spent.clear()
-            self.pricer.spent.update(saved[1])
-            restore()
         return self.recompute.run(iteration,
                                   lambda _: attempt(self.plan.iteration(busy, iteration)),
-                                  layer_of=self.plan.layer_of_event, restore=back)
+                                  layer_of=self.plan.layer_of_event, checkpoint=checkpoint)
 
     def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
         """(the DP domains with work this iteration, has every attention die been told to stop)

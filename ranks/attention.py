@@ -8,8 +8,9 @@ import time
 
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
-from ranks.die_io import Inbox, Outbox
+from ranks.die_io import Inbox, Outbox, serve
 from ranks.handshake import handshake
+from ranks.recompute import decode_checkpoint
 from xds_mpi.engine.scheduler import DieScheduler
 from xds_mpi.engine.timing import IterationTiming
 
@@ -19,12 +20,7 @@ IDLE = IterationTiming(num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, e
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    die = AttentionDie(ctx)
-    while die.step():
-        pass
-    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent),
-                      die.recompute.report())
-    die.close()  # collective: only on the way out together (an error aborts the job)
+    serve(AttentionDie(ctx))
 
 
 class AttentionDie(AfdDieBase):
@@ -65,8 +61,9 @@ class AttentionDie(AfdDieBase):
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        result = self.run_iteration(busy, lambda calls: self._attempt(busy, calls),
-                                    restore=self._restore)
+        result = self.run_iteration(
+            busy, lambda calls: self._attempt(busy, calls),
+            checkpoint=lambda: decode_checkpoint(self.scheduler, self.executor))
         if result is None:                                 # the other domains took their turn
             self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())   # one row per iteration
             return True
@@ -78,16 +75,11 @@ class AttentionDie(AfdDieBase):
 
     def _attempt(self, busy, calls):
         """Schedule and run this die's part of the iteration (None when its domain is idle)."""
-        self._saved = self.scheduler.checkpoint(), self.executor.checkpoint()
         if self.domain not in busy:
             return None
         entries = self.scheduler.schedule()                # continuous batching, chunked prefill
         mine = [c for c in calls if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)        # attention, A2E ... E2A
-
-    def _restore(self) -> None:
-        self.scheduler.restore(self._saved[0])
-        self.executor.restore(self._saved[1])
 
     def close(self) -> None:
         self.outbox.drain()

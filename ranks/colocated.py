@@ -9,20 +9,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
-from ranks.die_io import Inbox, Outbox
+from ranks.die_io import Inbox, Outbox, serve
 from ranks.handshake import handshake
+from ranks.recompute import Recomputer, decode_checkpoint
 from xds_mpi.engine.scheduler import DieScheduler
 from xds_mpi.fabric import ep_layout, window_bytes
 
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    die = ColocatedDie(ctx)
-    while die.step():
-        pass
-    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent),
-                      die.recompute.report())
-    die.close()  # collective: only on the way out together (an error aborts the job)
+    serve(ColocatedDie(ctx))
 
 
 class ColocatedDie:
@@ -68,8 +64,7 @@ class ColocatedDie:
         self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
                                           log2phy=topo.log2phy(), table=table, cache=cache,
                                           pricer=self.pricer, mtp_depth=depth)
-        from ranks.recompute import Recomputer
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], clock, log=ctx.log)
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer, log=ctx.log)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -88,19 +83,13 @@ class ColocatedDie:
 
     def iteration(self):
         """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
-        executor, scheduler, pricer = self.executor, self.scheduler, self.pricer
-        saved = scheduler.checkpoint(), executor.checkpoint(), dict(pricer.spent)
-
-        def restore() -> None:
-            scheduler.restore(saved[0])
-            executor.restore(saved[1])
-            pricer.spent.clear()
-            pricer.spent.update(saved[2])
+        executor, scheduler = self.executor, self.scheduler
 
         def attempt(_: int):
             entries = scheduler.schedule()                 # continuous batching, chunked prefill
             return executor.forward(entries)               # MLA, gate, dispatch, experts, combine
-        return self.recompute.run(executor.num_iterations, attempt, restore=restore,
+        return self.recompute.run(executor.num_iterations, attempt,
+                                  checkpoint=lambda: decode_checkpoint(scheduler, executor),
                                   layer_of=lambda event: executor.layer_of_event(event)[1])
 
     def agree(self) -> tuple[bool, bool]:

@@ -14,6 +14,16 @@ from xds_mpi.engine.scheduler import DieScheduler, Emitted
 SHELL = 0  # the TE-shell is rank 0
 
 
+def serve(die) -> None:
+    """A decode die (colocated or attention) after the handshake: iterations until every die was
+    told to stop, its report to the TE-shell, then the collective close — only on this way out
+    together (an error aborts the job instead of hanging in a collective)."""
+    while die.step():
+        pass
+    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent), die.recompute.report())
+    die.close()
+
+
 class Inbox:
     def __init__(self, comm: MPI.Comm, scheduler: DieScheduler) -> None:
         self.comm, self.scheduler = comm, scheduler

@@ -20,8 +20,8 @@ from mpi4py import MPI
 
 from xccl.errors import RetriesExhausted, XcclError
 from xccl.recovery import Outcome, Recovery
-from xccl.vclock import VirtualClock
 from xds_mpi.config import Config
+from xds_mpi.engine.pricing import Pricer
 from xds_mpi.faults import FaultPlan
 
 T = TypeVar("T")
@@ -46,10 +46,11 @@ class RecoveryCounters:
 
 class Recomputer:
     def __init__(self, cfg: Config, comm: MPI.Comm, rank: int, buffers: Sequence,
-                 clock: VirtualClock, *, log: logging.Logger | None = None) -> None:
+                 pricer: Pricer, *, log: logging.Logger | None = None) -> None:
         self.faults = cfg.faults
         self.enabled = cfg.faults.is_enabled
-        self.buffers, self.clock, self.rank, self.comm = list(buffers), clock, rank, comm
+        self.buffers, self.rank, self.comm = list(buffers), rank, comm
+        self.pricer, self.clock = pricer, pricer.clock
         self.counters = RecoveryCounters()
         self.log = log if comm.rank == 0 else None          # one die tells the story
         self._last_recomputed = -1
@@ -61,20 +62,30 @@ class Recomputer:
                 b.interrupt = self.recovery.interrupt
 
     def run(self, iteration: int, attempt: Callable[[int], T], *,
-            layer_of: Callable[[int], int], restore: Callable[[], None]) -> T:
-        """attempt(k) (k = 0 the first execution) until every die completed one; between
-        attempts restore() puts the die back at the start of the iteration."""
+            layer_of: Callable[[int], int],
+            checkpoint: Callable[[], Callable[[], None]] | None = None) -> T:
+        """attempt(k) (k = 0 the first execution) until every die completed one. checkpoint()
+        saves the die's own state and returns what puts it back; between attempts that runs,
+        after the virtual clock and the per-operation virtual time went back here."""
         if self.recovery is None:
             return attempt(0)
-        started = [time.perf_counter(), self.clock.now_ns]
+        restore_die = checkpoint() if checkpoint is not None else (lambda: None)
+        vstart, spent = self.clock.now_ns, dict(self.pricer.spent)
+        started = [time.perf_counter()]
         tried = [0]                                         # the attempt running now
 
         def one(k: int) -> T:
             for b in self.buffers:
                 b.fault_hook = self.plan.hook(iteration=iteration, attempt=k, layer_of=layer_of)
-            started[:] = [time.perf_counter(), self.clock.now_ns]
+            started[0] = time.perf_counter()
             tried[0] = k
             return attempt(k)
+
+        def restore() -> None:
+            self.clock.now_ns = vstart
+            self.pricer.spent.clear()
+            self.pricer.spent.update(spent)
+            restore_die()
 
         def rolled_back(outcome: Outcome) -> None:
             self._outcome = outcome
@@ -84,7 +95,7 @@ class Recomputer:
                 c.recomputed_iterations += 1
                 self._last_recomputed = iteration
             c.wall_lost_s += time.perf_counter() - started[0]
-            c.vtime_lost_s += (self.clock.now_ns - started[1]) / 1e9
+            c.vtime_lost_s += (self.clock.now_ns - vstart) / 1e9
             if self.log is not None and tried[0] < self.faults.max_retries:
                 self.log.info("iteration %d rolled back (%s); recomputing, attempt %d of %d",
                               iteration, describe(outcome.faults, layer_of), tried[0] + 2,
@@ -119,3 +130,14 @@ def describe(faults, layer_of: Callable[[int], int]) -> str:
     """The faults of a failed attempt: die, operation, MoE layer, event id and error code."""
     return "; ".join(f"die {f.die} {f.op} at layer {layer_of(f.event_id)} (event {f.event_id}, "
                      f"code {f.code})" for f in faults) or "none reported"
+
+
+def decode_checkpoint(scheduler, executor) -> Callable[[], None]:
+    """A decode die's iteration start (scheduler: admissions, prompt progress, KV table;
+    executor: iteration number, staged MTP state) and what puts it back."""
+    saved = scheduler.checkpoint(), executor.checkpoint()
+
+    def restore() -> None:
+        scheduler.restore(saved[0])
+        executor.restore(saved[1])
+    return restore

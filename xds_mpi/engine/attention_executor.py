@@ -72,10 +72,8 @@ class AttentionExecutor(ColocatedExecutor):
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
                 self._draft(works, spent)
-        results = {r: Sampled(tokens=tuple(t), drafts=tuple(works[r].drafts) if r in works
-                              else ()) for r, t in sampled.items()}
-        return results, self.timing(entries, sampled, spent, started, vstart,
-                                    self.clock.now_ns)
+        return self.results(sampled, works), self.timing(entries, sampled, spent, started,
+                                                          vstart, self.clock.now_ns)
 
     def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""

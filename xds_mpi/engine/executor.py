@@ -85,10 +85,14 @@ class ColocatedExecutor:
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
                 self._draft(works, spent)
-        results = {w: Sampled(tokens=tuple(toks), drafts=tuple(works[w].drafts) if w in works
-                              else ()) for w, toks in sampled.items()}
         timing = self.timing(entries, sampled, spent, started, vstart, self.clock.now_ns)
-        return results, timing
+        return self.results(sampled, works), timing
+
+    @staticmethod
+    def results(sampled: dict[int, list[int]], works: dict[int, MtpWork]) -> dict[int, Sampled]:
+        """Each sampled entry's tokens with its drafts for the next step."""
+        return {r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works
+                           else ()) for r, tokens in sampled.items()}
 
     def timing(self, entries, sampled: dict[int, list[int]], spent, started: float,
                vstart: float, vnow: float) -> IterationTiming:
@@ -214,11 +218,11 @@ class ColocatedExecutor:
         """The iteration stands: keep its MTP state; forget finished requests."""
         self.mtp.commit(finished)
 
-    def checkpoint(self) -> tuple:
-        return (self.num_iterations, self.clock.now_ns)
+    def checkpoint(self) -> int:
+        return self.num_iterations
 
-    def restore(self, checkpoint: tuple) -> None:
+    def restore(self, checkpoint: int) -> None:
         """Back to the start of the iteration: its MTP updates dropped, the same event ids next
-        time, the virtual clock where it was."""
-        self.num_iterations, self.clock.now_ns = checkpoint
+        time (the die's recomputer puts the virtual clock back)."""
+        self.num_iterations = checkpoint
         self.mtp.discard()
