@@ -48,7 +48,6 @@ class Recomputer:
     def __init__(self, cfg: Config, comm: MPI.Comm, rank: int, buffers: Sequence,
                  pricer: Pricer, *, log: logging.Logger | None = None) -> None:
         self.faults = cfg.faults
-        self.enabled = cfg.faults.is_enabled
         self.buffers, self.rank, self.comm = list(buffers), rank, comm
         self.pricer, self.clock = pricer, pricer.clock
         self.counters = RecoveryCounters()
@@ -56,7 +55,8 @@ class Recomputer:
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self.plan = FaultPlan(cfg.faults, rank)
-        self.recovery = Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s) if self.enabled else None
+        self.recovery = (Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s)
+                         if cfg.faults.is_enabled else None)
         if self.recovery is not None:
             for b in self.buffers:
                 b.interrupt = self.recovery.interrupt
