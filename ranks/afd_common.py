@@ -16,7 +16,8 @@ class AfdDieBase:
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
         from xds_mpi.cost import CostModel, Hardware
-        from xds_mpi.engine.afd_plan import AfdPlan, AfdSlots
+        from xds_mpi.engine.afd_plan import AfdPlan
+        from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.engine.pricing import Pricer
         from xds_mpi.hardware import load_profile
         from xds_mpi.model.shapes import cost_shape
@@ -27,7 +28,7 @@ class AfdDieBase:
         self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
-        self.slots = AfdSlots.from_topology(topo)
+        self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
         self.afd = AfdBuffer(self.mem, afd_layout(cfg, topo), self.slots.slot_owner,
                              num_routed_slots=self.slots.num_routed_slots,

@@ -47,7 +47,7 @@ class AttentionDie(AfdDieBase):
             topo.trampoline_rank(ctx.comm.rank),
             is_dedicated=cfg.deployment.shared_experts == "dedicated")
         self.executor = AttentionExecutor(
-            self.model, self.afd, shared_slots=shared_slots,
+            self.model, self.afd, slots=self.slots, shared_slots=shared_slots,
             num_microbatches=cfg.deployment.num_microbatches, phy2log=topo.phy2log,
             log2phy=topo.log2phy(), table=table, cache=cache, pricer=self.pricer,
             mtp_depth=depth)

@@ -29,6 +29,7 @@ class ColocatedDie:
         from xds_mpi.cost import CostModel, Hardware
         from xds_mpi.engine.executor import ColocatedExecutor
         from xds_mpi.engine.pricing import Pricer
+        from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.hardware import load_profile
         from xds_mpi.model.shapes import cost_shape
         from xccl.gmem import DieMemory
@@ -49,21 +50,24 @@ class ColocatedDie:
                             num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
                             kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
                             dtype=model.dtype)
-        slot_owner = [info.rank for info in topo.ranks for slot in info.expert_slots
-                      if slot.kind != "shared"]
+        slots = ExpertSlots.from_topology(topo)
+        is_dedicated = cfg.deployment.shared_experts == "dedicated"
         clock = VirtualClock()
-        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slot_owner, dtype=np.float64, clock=clock,
+        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slots.slot_owner,
+                      dtype=np.dtype(cfg.xccl.row_dtype), clock=clock,
                       num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
         cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
         self.pricer = Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,
-                             num_routed_dies=len({o for o in slot_owner}))
+                             num_routed_dies=len(set(slots.slot_owner[:slots.num_routed_slots])))
         self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
                                       max_tokens=cfg.xccl.max_tokens_per_die,
                                       prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
                                       ignore_eos=cfg.workload.ignore_eos, mtp_depth=depth)
         self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
                                           log2phy=topo.log2phy(), table=table, cache=cache,
-                                          pricer=self.pricer, mtp_depth=depth)
+                                          pricer=self.pricer, slots=slots,
+                                          shared_slots=slots.dedicated_shared_slots
+                                          if is_dedicated else (), mtp_depth=depth)
         self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer, log=ctx.log)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)

@@ -53,7 +53,7 @@ class ExpertDie(AfdDieBase):
         import torch
         moe = self.model.moe_of(self.layer_of[call.call])
         with torch.inference_mode():
-            x = torch.from_numpy(rows)
+            x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype
             if slot < self.slots.num_routed_slots:
                 out = moe.expert_forward(self.topo.phy2log[slot], x)
             else:

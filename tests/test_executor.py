@@ -16,7 +16,7 @@ from xds_mpi.model.weights import build_model
 def executor() -> ColocatedExecutor:
     model = build_model(ModelConfig())
     return ColocatedExecutor(model, None, phy2log=(), log2phy=(), table=None, cache=None,
-                             pricer=SimpleNamespace(clock=VirtualClock()))
+                             pricer=SimpleNamespace(clock=VirtualClock()), slots=None)
 
 
 def rows(ex: ColocatedExecutor, *, seed: int) -> torch.Tensor:

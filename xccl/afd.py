@@ -216,11 +216,11 @@ class AfdBuffer:
             staged = self._gather_back(call, handle.scatter, blocking=True)
             outs = np.empty_like(staged)
             outs[handle.scatter.order] = staged
-        y = np.zeros((len(handle.weights), layout.hidden), self.dtype)
+        y = np.zeros((len(handle.weights), layout.hidden), np.float64)
         for c in range(layout.num_columns):          # fixed order: the reference's sum
             rows = np.flatnonzero(handle.row_column == c)
             token = handle.row_token[rows]
-            y[token] += handle.weights[token, c, None].astype(self.dtype) * outs[rows]
+            y[token] += handle.weights[token, c, None] * outs[rows]
         return y
 
     # -- expert side (non-blocking steps for the persistent loop) --------------------------------

@@ -107,6 +107,9 @@ class EpBuffer:
                  dtype=np.float64, clock: VirtualClock | None = None,
                  link: LinkModel | None = None, num_cores: int = 2, timeout_s: float = 60.0) -> None:
         mem.claim("ep")
+        if np.dtype(dtype).itemsize != layout.itemsize:
+            raise ValueError(f"rank {mem.rank}: row dtype {np.dtype(dtype)} ({np.dtype(dtype).itemsize}"
+                             f" B) != the EP layout's itemsize {layout.itemsize} B")
         if mem.nbytes < layout.offset(mem.rank, "end"):
             raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the "
                                  f"{layout.offset(mem.rank, 'end')} B the EP layout needs")
@@ -184,7 +187,8 @@ class EpBuffer:
         """Send expert outputs home and sum each token's columns, weighted, in column order.
 
         expert_out: [R, hidden] aligned with the recv_x of `handle`'s dispatch.
-        Returns y: [T, hidden] self.dtype for this die's T dispatched tokens.
+        Returns y: [T, hidden] float64 for this die's T dispatched tokens (rows cross in
+        self.dtype; the sum is always float64, as the model's reference makes it).
         """
         if handle.buffer_id != id(self):
             raise XcclError(f"die rank {self.me}: combine with a handle of another buffer "
@@ -217,11 +221,11 @@ class EpBuffer:
                    "combine_rows", counts, offsets, self.layout.out_row_bytes)
         self._arrive(stamps, outs.nbytes)
         num_tokens, num_columns = handle.weights.shape
-        y = np.zeros((num_tokens, self.layout.hidden), self.dtype)
+        y = np.zeros((num_tokens, self.layout.hidden), np.float64)
         for c in range(num_columns):  # fixed order: the same sum on every run
             rows = np.flatnonzero(handle.send_column == c)
             token = handle.send_token[rows]                  # each token once per column
-            y[token] += handle.weights[token, c, None].astype(self.dtype) * outs[rows]
+            y[token] += handle.weights[token, c, None] * outs[rows]
         return y
 
     # -- recovery -------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from xccl.afd import AfdCall
 from xds_mpi.engine.scheduler import Entry
-from xds_mpi.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,38 +73,3 @@ def split_counts(counts: list[int], num_groups: int) -> list[int]:
         sizes[min(num_groups - 1, before * num_groups // max(total, 1))] += 1
         before += count
     return sizes
-
-
-@dataclass(frozen=True, kw_only=True)
-class AfdSlots:
-    """Physical slots of an afd deployment: routed/redundant slots first (phy_idx order, so
-    phy2log applies), then one shared-expert slot per expert die that holds a shared expert.
-    slot_owner: [slots] expert rank. shared_slot_of: expert rank -> its shared slot."""
-
-    slot_owner: tuple[int, ...]
-    num_routed_slots: int
-    shared_slot_of: dict
-
-    @classmethod
-    def from_topology(cls, topo: Topology) -> "AfdSlots":
-        owner = [-1] * len(topo.phy2log)
-        shared_ranks = []
-        for info in topo.ranks:
-            for slot in info.expert_slots:
-                if slot.kind == "shared":
-                    if info.rank not in shared_ranks:
-                        shared_ranks.append(info.rank)
-                else:
-                    owner[slot.phy_idx] = info.rank
-        num_routed = len(owner)
-        return cls(slot_owner=tuple(owner + shared_ranks), num_routed_slots=num_routed,
-                   shared_slot_of={r: num_routed + i for i, r in enumerate(shared_ranks)})
-
-    def shared_slots_for(self, trampoline: int, *, is_dedicated: bool) -> tuple[int, ...]:
-        """Where an attention die's shared column goes: its trampoline's copy of the shared
-        expert (every_die: no extra hop), or the dedicated shared dies, spread by token."""
-        if not self.shared_slot_of:
-            return ()
-        if is_dedicated:
-            return tuple(self.shared_slot_of.values())
-        return (self.shared_slot_of[trampoline],)

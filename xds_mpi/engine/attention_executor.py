@@ -28,10 +28,9 @@ from xds_mpi.engine.timing import IterationTiming
 class AttentionExecutor(ColocatedExecutor):
     """Reuses the colocated executor's inputs and sampling; replaces its MoE by A2E/E2A."""
 
-    def __init__(self, model, afd: AfdBuffer, *, shared_slots: tuple[int, ...],
-                 num_microbatches: int, **kwargs) -> None:
+    def __init__(self, model, afd: AfdBuffer, *, num_microbatches: int, **kwargs) -> None:
         super().__init__(model, None, **kwargs)
-        self.afd, self.shared_slots, self.num_microbatches = afd, shared_slots, num_microbatches
+        self.afd, self.num_microbatches = afd, num_microbatches
 
     def forward(self, entries: list[Entry], calls: list[PlannedCall]
                 ) -> tuple[dict[int, Sampled], IterationTiming]:

@@ -26,6 +26,7 @@ from xccl.ep import EpBuffer
 from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
+from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.engine.timing import IterationTiming
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
@@ -36,10 +37,14 @@ from xds_mpi.model.transformer import DeepSeekModel
 class ColocatedExecutor:
     def __init__(self, model: DeepSeekModel, ep: EpBuffer, *, phy2log: tuple[int, ...],
                  log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache,
-                 pricer: Pricer, mtp_depth: int = 0) -> None:
+                 pricer: Pricer, slots: ExpertSlots, shared_slots: tuple[int, ...] = (),
+                 mtp_depth: int = 0) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
         self.clock = pricer.clock                     # the die's virtual clock
         self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
+        # Dedicated shared-expert dies (EP288: 256 routed + 32 shared): the shared expert is one
+        # more dispatch column to those slots; otherwise every die computes it for its rows.
+        self.slots, self.shared_slots = slots, shared_slots
         self.mtp_depth = mtp_depth
         self.mtp = MtpBook(mtp_depth)
         self.num_layers = len(model.layers)
@@ -116,29 +121,39 @@ class ColocatedExecutor:
         before = clock.now_ns
         recv_x, info, handle = self.ep.dispatch(
             h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(), event,
-            log2phy=self.log2phy)
+            log2phy=self.log2phy, shared_slots=self.shared_slots)
         pricer.waited("dispatch", before)
         pricer.dispatch(len(recv_x))
         t2 = time.perf_counter()
-        expert_out = np.empty_like(recv_x)
-        row = 0
-        for slot, num_rows in zip(info.local_slots, info.num_rows_per_slot):
-            if num_rows:
-                rows = torch.from_numpy(recv_x[row:row + num_rows])
-                expert_out[row:row + num_rows] = moe.expert_forward(self.phy2log[slot], rows).numpy()
-                row += num_rows
-        pricer.experts(len(recv_x), len(h))
+        expert_out = self._experts(moe, recv_x, info)
+        pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
         t3 = time.perf_counter()
         before = clock.now_ns
         routed = torch.from_numpy(self.ep.combine(expert_out, handle))
         pricer.waited("combine", before)
         pricer.combine(len(h))
         t4 = time.perf_counter()
-        shared = moe.shared_forward(h)
+        shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         t5 = time.perf_counter()
         spent["experts"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
         spent["xccl"] += (t2 - t1) + (t4 - t3)
         return shared + routed
+
+    def _experts(self, moe, recv_x: np.ndarray, info) -> np.ndarray:
+        """This die's slots over the rows they received: recv_x [R, hidden] in the wire's row
+        dtype -> [R, hidden] model dtype, computed in the model's dtype."""
+        expert_out = np.empty(recv_x.shape, np.float64)
+        row = 0
+        for slot, num_rows in zip(info.local_slots, info.num_rows_per_slot):
+            if num_rows:
+                rows = torch.from_numpy(recv_x[row:row + num_rows]).to(self.model.dtype)
+                if self.slots.is_routed(slot):
+                    out = moe.expert_forward(self.phy2log[slot], rows)
+                else:
+                    out = moe.shared_forward(rows)
+                expert_out[row:row + num_rows] = out.numpy()
+                row += num_rows
+        return expert_out
 
     # -- sampling and MTP -----------------------------------------------------------------------
     def _verify(self, entries: list[Entry], x: torch.Tensor

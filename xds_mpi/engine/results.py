@@ -63,6 +63,7 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
                             ) -> tuple[int, int, list[str]]:
     """Re-run the single-process reference on the served requests (grouped by max_new_tokens)
     and compare tokens. Returns (requests, tokens, mismatch descriptions)."""
+    from xds_mpi.model.moe import Wire
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
     model = build_model(cfg.model)
@@ -71,10 +72,12 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
         if not record.rejected:
             by_length[record.req.max_new_tokens].append(record)
     mismatches, num_requests, num_tokens = [], 0, 0
+    wire = Wire.for_config(cfg)
     for max_new, group in sorted(by_length.items()):
         options = GenerateOptions(max_new_tokens=max_new, use_int8=cfg.xccl.use_int8,
                                   ignore_eos=cfg.workload.ignore_eos,
-                                  block_tokens=cfg.scheduler.kv_block_tokens)
+                                  block_tokens=cfg.scheduler.kv_block_tokens,
+                                  row_dtype=wire.row_dtype, shared_path=wire.shared)
         outputs = ReferenceGenerator(model, options).generate([list(r.req.prompt) for r in group])
         for record, out in zip(group, outputs):
             num_requests += 1

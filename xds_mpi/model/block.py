@@ -11,7 +11,7 @@ from torch import nn
 from xds_mpi.config import ModelConfig
 from xds_mpi.model.layers import RMSNorm, Rotary, SwiGLU
 from xds_mpi.model.mla import MLA, AttnChunk, LatentCache
-from xds_mpi.model.moe import MoE
+from xds_mpi.model.moe import MoE, Wire
 
 
 class Block(nn.Module):
@@ -28,12 +28,12 @@ class Block(nn.Module):
         """x: [n, hidden] residual stream -> [n, hidden] after the attention residual."""
         return x + self.attn(self.attn_norm(x), positions, chunks, cache, cache_layer_idx)
 
-    def ffn_part(self, x: torch.Tensor, *, use_int8: bool = False) -> torch.Tensor:
+    def ffn_part(self, x: torch.Tensor, *, wire: Wire = Wire()) -> torch.Tensor:
         """x: [n, hidden] residual stream -> [n, hidden] after the FFN / MoE residual."""
         h = self.ffn_norm(x)
-        return x + (self.ffn(h, use_int8=use_int8) if self.is_moe else self.ffn(h))
+        return x + (self.ffn(h, wire=wire) if self.is_moe else self.ffn(h))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[AttnChunk],
-                cache: LatentCache, cache_layer_idx: int, *, use_int8: bool = False):
+                cache: LatentCache, cache_layer_idx: int, *, wire: Wire = Wire()):
         x = self.attention_part(x, positions, chunks, cache, cache_layer_idx)
-        return self.ffn_part(x, use_int8=use_int8)
+        return self.ffn_part(x, wire=wire)

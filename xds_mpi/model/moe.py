@@ -8,12 +8,13 @@ The distributed engine runs exactly these pieces on different dies, so they stay
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from xccl.quant import quant_dequant
-from xds_mpi.config import ModelConfig
+from xds_mpi.config import Config, ModelConfig
 from xds_mpi.model.layers import SwiGLU
 
 
@@ -65,12 +66,66 @@ class Gate(nn.Module):
                               routed_scaling=self.cfg.routed_scaling)
 
 
-def dispatch_input(x: torch.Tensor, *, use_int8: bool) -> torch.Tensor:
-    """The rows as the routed experts receive them: x itself, or after the INT8 per-token trip
-    that xccl's dispatch makes (the very same function, so INT8 runs compare token for token)."""
-    if not use_int8:
+ROW_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def dispatch_input(x: torch.Tensor, *, use_int8: bool, row_dtype: str = "float64") -> torch.Tensor:
+    """The rows as the routed experts receive them: after the INT8 per-token trip that xccl's
+    dispatch makes (the very same function, so INT8 runs compare token for token), or rounded
+    to the wire's row dtype (x itself when that is x's own dtype)."""
+    if use_int8:
+        return torch.from_numpy(quant_dequant(x.detach().numpy())).to(x.dtype)
+    return on_wire(x, row_dtype)
+
+
+def on_wire(x: torch.Tensor, row_dtype: str) -> torch.Tensor:
+    """x after a trip through XCCL rows of `row_dtype` (float64 or float32), back in x's dtype:
+    x itself when the wire is as wide as x."""
+    wire_dtype = ROW_DTYPES[row_dtype]
+    if torch.finfo(wire_dtype).bits >= torch.finfo(x.dtype).bits:
         return x
-    return torch.from_numpy(quant_dequant(x.detach().numpy())).to(x.dtype)
+    return x.to(wire_dtype).to(x.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wire:
+    """What XCCL does to a MoE layer's rows on their way to the experts and back, so the
+    single-process reference makes the same trip as the distributed path.
+
+    use_int8: routed rows cross dispatch / A2E as INT8 + a per-token scale.
+    row_dtype: rows not sent as INT8, and every expert output coming back, cross in this dtype.
+    shared: where the shared expert's rows go: "local" (computed where the token is: colocated
+    every_die), "routed" (one more dispatch column, sent like the routed rows: colocated with
+    dedicated shared-expert dies) or "rows" (A2E's shared rows, in row_dtype: afd).
+    """
+
+    use_int8: bool = False
+    row_dtype: str = "float64"
+    shared: Literal["local", "routed", "rows"] = "local"
+
+    @classmethod
+    def for_config(cls, cfg: Config) -> "Wire":
+        dep = cfg.deployment
+        if dep.kind == "afd":
+            shared = "rows"
+        else:
+            shared = "routed" if dep.shared_experts == "dedicated" else "local"
+        return cls(use_int8=cfg.xccl.use_int8, row_dtype=cfg.xccl.row_dtype, shared=shared)
+
+    def routed_in(self, x: torch.Tensor) -> torch.Tensor:
+        return dispatch_input(x, use_int8=self.use_int8, row_dtype=self.row_dtype)
+
+    def shared_in(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared == "routed":
+            return self.routed_in(x)
+        return on_wire(x, self.row_dtype) if self.shared == "rows" else x
+
+    def back(self, out: torch.Tensor) -> torch.Tensor:
+        """Expert outputs after combine / E2A brought them home."""
+        return on_wire(out, self.row_dtype)
+
+    def shared_back(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.shared == "local" else self.back(out)
 
 
 def combine(expert_out: torch.Tensor, topk_weight: torch.Tensor,
@@ -108,8 +163,10 @@ class MoE(nn.Module):
             expert_out[row_idx, k_idx] = self.expert_forward(expert_idx, x[row_idx])
         return expert_out
 
-    def forward(self, x: torch.Tensor, *, use_int8: bool = False) -> torch.Tensor:
-        """x: [rows, hidden] normalized hidden rows -> [rows, hidden] MoE output"""
+    def forward(self, x: torch.Tensor, *, wire: Wire = Wire()) -> torch.Tensor:
+        """x: [rows, hidden] normalized hidden rows -> [rows, hidden] MoE output, the rows and
+        outputs making the trip `wire` describes."""
         routing = self.gate(x)
-        expert_out = self.run_routed(dispatch_input(x, use_int8=use_int8), routing)
-        return combine(expert_out, routing.topk_weight, self.shared_forward(x))
+        expert_out = wire.back(self.run_routed(wire.routed_in(x), routing))
+        shared_out = wire.shared_back(self.shared_forward(wire.shared_in(x)))
+        return combine(expert_out, routing.topk_weight, shared_out)

@@ -16,6 +16,7 @@ from xds_mpi.config import ModelConfig
 from xds_mpi.model.block import Block
 from xds_mpi.model.layers import RMSNorm, Rotary, linear
 from xds_mpi.model.mla import AttnChunk, LatentCache
+from xds_mpi.model.moe import Wire
 
 
 class MTPModule(nn.Module):
@@ -30,10 +31,10 @@ class MTPModule(nn.Module):
 
     def forward(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor,
                 positions: torch.Tensor, chunks: list[AttnChunk], cache: LatentCache,
-                cache_layer_idx: int, *, use_int8: bool = False) -> torch.Tensor:
+                cache_layer_idx: int, *, wire: Wire = Wire()) -> torch.Tensor:
         """prev_hidden: [n, hidden] h^{k-1}_i, next_embedding: [n, hidden] Emb(t_{i+k}) -> h^k_i"""
         x = self.project(prev_hidden, next_embedding)
-        return self.block(x, positions, chunks, cache, cache_layer_idx, use_int8=use_int8)
+        return self.block(x, positions, chunks, cache, cache_layer_idx, wire=wire)
 
     def project(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
         """The block's input h'_i: [n, hidden] (the distributed engine runs the block in pieces)."""

@@ -17,6 +17,7 @@ import torch
 
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
+from xds_mpi.model.moe import Wire
 from xds_mpi.model.sampling import sample, verify_drafts
 from xds_mpi.model.tokenizer import EOS_ID
 from xds_mpi.model.transformer import DeepSeekModel
@@ -32,6 +33,12 @@ class GenerateOptions:
     ignore_eos: bool = False      # keep generating past EOS (fixed-length benchmarks)
     block_tokens: int = 16        # paged KV block size
     record_logits: bool = False   # keep the main-model logits each token was chosen from
+    row_dtype: str = "float64"    # XCCL's row dtype: rows not in INT8 and expert outputs round
+    shared_path: str = "local"    # the shared expert's rows: local, routed or rows (moe.Wire)
+
+    @property
+    def wire(self) -> Wire:
+        return Wire(use_int8=self.use_int8, row_dtype=self.row_dtype, shared=self.shared_path)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.mtp_depth < 0 or self.temperature < 0:
@@ -131,7 +138,7 @@ class ReferenceGenerator:
         tokens = torch.tensor([t for ids in inputs for t in ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(start, start + len(ids))
                                for ids, start in zip(inputs, starts)])
-        hidden = self.model(tokens, positions, chunks, self.cache, use_int8=self.opts.use_int8)
+        hidden = self.model(tokens, positions, chunks, self.cache, wire=self.opts.wire)
         return list(zip(hidden.split([len(ids) for ids in inputs]),
                         self.model.logits(hidden).split([len(ids) for ids in inputs])))
 
@@ -196,7 +203,7 @@ class ReferenceGenerator:
                 chunks.append(self._chunk(s.seq_id, start, stop - start))
             hidden = self.model.mtp_forward(
                 depth, torch.stack(prev), torch.tensor(next_tokens, dtype=torch.int64),
-                torch.cat(positions), chunks, self.cache, use_int8=self.opts.use_int8)
+                torch.cat(positions), chunks, self.cache, wire=self.opts.wire)
             rows = hidden.split([c.num_tokens for c in chunks])
             last_rows = torch.stack([r[-1] for r in rows])
             for s, token in zip(seqs, self.model.mtp_logits(depth, last_rows).argmax(-1).tolist()):

@@ -8,6 +8,7 @@ from xds_mpi.config import ModelConfig
 from xds_mpi.model.block import Block
 from xds_mpi.model.layers import RMSNorm, Rotary, linear
 from xds_mpi.model.mla import AttnChunk, LatentCache
+from xds_mpi.model.moe import Wire
 from xds_mpi.model.mtp import MTPModule
 
 
@@ -36,12 +37,12 @@ class DeepSeekModel(nn.Module):
         return self.cfg.num_layers + mtp_depth
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, chunks: list[AttnChunk],
-                cache: LatentCache, *, use_int8: bool = False) -> torch.Tensor:
+                cache: LatentCache, *, wire: Wire = Wire()) -> torch.Tensor:
         """tokens, positions: [n] int64 -> [n, hidden] last block's output (before the final norm;
         the MTP module takes this as h^0)."""
         x = self.embed(tokens)
         for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, positions, chunks, cache, layer_idx, use_int8=use_int8)
+            x = layer(x, positions, chunks, cache, layer_idx, wire=wire)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -64,10 +65,10 @@ class DeepSeekModel(nn.Module):
 
     def mtp_forward(self, depth: int, prev_hidden: torch.Tensor, next_tokens: torch.Tensor,
                     positions: torch.Tensor, chunks: list[AttnChunk], cache: LatentCache, *,
-                    use_int8: bool = False) -> torch.Tensor:
+                    wire: Wire = Wire()) -> torch.Tensor:
         """prev_hidden: [n, hidden] h^{depth-1}_i, next_tokens: [n] t_{i+depth} -> [n, hidden]"""
         return self.mtp_module(depth)(prev_hidden, self.embed(next_tokens), positions, chunks,
-                                      cache, self.cfg.num_layers + depth - 1, use_int8=use_int8)
+                                      cache, self.cfg.num_layers + depth - 1, wire=wire)
 
     def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] h^depth_i -> [n, vocab_size] predicting t_{i+depth+1}"""
