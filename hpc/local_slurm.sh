@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real single-node Slurm on this machine, for the Slurm tests (recipe: shared/SLURM_NOTES.md).
+# A real single-node Slurm on this machine, for the Slurm tests (facts: docs/mpi.md §7).
 #
 #   hpc/local_slurm.sh start            install if missing, start munged + slurmctld + slurmd,
 #                                       print `export SLURM_CONF=...` (eval it, or source $R/env)

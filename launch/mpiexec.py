@@ -18,7 +18,7 @@ from typing import Literal, Sequence
 
 MpiFlavor = Literal["mpich", "openmpi", "unknown"]
 
-# MPICH: without it every Win.Flush runs the whole progress engine (shared/MPI_NOTES.md).
+# MPICH: without it every Win.Flush runs the whole progress engine (docs/mpi.md §3).
 MPICH_ENV = {"MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS": "1"}
 # Open MPI: osc/ucx prints a warning on every window; root needs explicit consent.
 OPENMPI_ENV = {"OMPI_MCA_osc": "^ucx"}
