@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
 
 from xds_mpi.config import Config
 from xds_mpi.engine.requests import Request
+
+if TYPE_CHECKING:                      # the reference imports torch; the check loads it lazily
+    from xds_mpi.model.reference import RequestOutput
 
 
 @dataclass(kw_only=True)
@@ -94,7 +98,7 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
     return num_requests, num_tokens, mismatches
 
 
-def token_mismatch(record: RequestRecord, out) -> str:
+def token_mismatch(record: RequestRecord, out: RequestOutput) -> str:
     """The first token the request served differently from the reference's `out`, or ""."""
     if tuple(record.tokens) == tuple(out.tokens):
         return ""
@@ -104,7 +108,7 @@ def token_mismatch(record: RequestRecord, out) -> str:
             f"served, {len(out.tokens)} in the reference)")
 
 
-def draft_mismatch(record: RequestRecord, out) -> str:
+def draft_mismatch(record: RequestRecord, out: RequestOutput) -> str:
     """The first decode step (0: the one after prefill, verifying the prefill's MTP drafts) whose
     drafts or accepted count differ from the reference's `out`, or a differing step count; ""
     when every step agrees. Greedy MTP serves the greedy tokens whatever it drafts, so only this
@@ -141,8 +145,8 @@ def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: floa
     group["ttft_s"] = np.array([r.ttft_s(started + r.req.arrival_s) for r in ordered])
     group["tpot_s"] = np.array([r.tpot_s() for r in ordered])
     write_vlen(group, "tokens", [r.tokens for r in ordered])
-    # One entry per decode step: every step's drafts concatenated, how many each step verified,
-    # how many of them were accepted.
+    # With MTP one entry per decode step (none without): every step's drafts concatenated, how
+    # many each step verified, how many of them were accepted.
     write_vlen(group, "step_drafts", [[t for d in r.step_drafts for t in d] for r in ordered])
     write_vlen(group, "step_num_drafts", [[len(d) for d in r.step_drafts] for r in ordered])
     write_vlen(group, "step_num_accepted", [r.step_accepted for r in ordered])
