@@ -48,14 +48,16 @@ class Outbox:
         self.num_iterations = 0
 
     def stream(self, emitted: list[Emitted], timing: IterationTiming, kv_used: int) -> None:
-        """Send this iteration's tokens straight to the TE-shell (the output shortcut)."""
+        """Send this iteration's tokens, with the MTP drafts each decode step verified, straight
+        to the TE-shell (the output shortcut)."""
         self.num_iterations += 1
         for name in self.timings:
             self.timings[name].append(getattr(timing, name))
         if emitted:
             batch = TokenBatch(die_rank=self.rank, iteration=self.num_iterations,
                                wall_time=time.time(),
-                               tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted))
+                               tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted),
+                               steps=tuple(e.step for e in emitted if e.step))
             self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
             self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
         self.pending = [r for r in self.pending if not r.Test()]

@@ -88,6 +88,8 @@ class Frontend:
         num = 0
         while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_TOKENS)) is not None:
             batch = message.recv()
+            for step in batch.steps:
+                self.records[step.req_id].add_step(step.drafts, step.num_accepted)
             for req_id, token, is_finished in batch.tokens:
                 record = self.records[req_id]
                 record.add_token(token, batch.wall_time)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from xds_mpi.engine.scheduler import VerifiedDrafts
+
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_KV, TAG_REPORT = 201, 202, 203, 204, 205
 
 
@@ -19,6 +21,7 @@ class TokenBatch:
     iteration: int
     wall_time: float                   # time.time() on the die when sampled
     tokens: tuple[tuple[int, int, bool], ...]
+    steps: tuple[VerifiedDrafts, ...] = ()   # the decode steps that sampled them, in order
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import h5py
 import numpy as np
 
 from xds_mpi.config import Config
 from xds_mpi.engine.requests import Request
+
+if TYPE_CHECKING:                      # the reference imports torch; the check loads it lazily
+    from xds_mpi.model.reference import RequestOutput
 
 
 @dataclass(kw_only=True)
@@ -21,10 +25,18 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finished_at: float = 0.0
+    # With MTP, per decode step (the first verifies the prefill's MTP drafts): the drafts it
+    # verified and how many the main model accepted, before the cut at max_new_tokens or EOS.
+    step_drafts: list[tuple[int, ...]] = field(default_factory=list)
+    step_accepted: list[int] = field(default_factory=list)
 
     def add_token(self, token: int, wall_time: float) -> None:
         self.tokens.append(token)
         self.token_times.append(wall_time)
+
+    def add_step(self, drafts: tuple[int, ...], num_accepted: int) -> None:
+        self.step_drafts.append(tuple(drafts))
+        self.step_accepted.append(num_accepted)
 
     def ttft_s(self, arrival_wall: float) -> float:
         return self.token_times[0] - arrival_wall if self.token_times else float("nan")
@@ -61,8 +73,9 @@ def format_summary(s: dict) -> str:
 
 def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
                             ) -> tuple[int, int, list[str]]:
-    """Re-run the single-process reference on the served requests (grouped by max_new_tokens)
-    and compare tokens. Returns (requests, tokens, mismatch descriptions)."""
+    """Re-run the single-process reference, with the run's MTP depth and XCCL's wire format,
+    on the served requests (grouped by max_new_tokens) and compare tokens and, with MTP, every
+    decode step's drafts and accepted count. Returns (requests, tokens, mismatch descriptions)."""
     from xds_mpi.model.moe import Wire
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
@@ -74,21 +87,48 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
     mismatches, num_requests, num_tokens = [], 0, 0
     wire = Wire.for_config(cfg)
     for max_new, group in sorted(by_length.items()):
-        options = GenerateOptions(max_new_tokens=max_new, use_int8=cfg.xccl.use_int8,
-                                  ignore_eos=cfg.workload.ignore_eos,
+        options = GenerateOptions(max_new_tokens=max_new, mtp_depth=cfg.scheduler.mtp_depth,
+                                  use_int8=cfg.xccl.use_int8, ignore_eos=cfg.workload.ignore_eos,
                                   block_tokens=cfg.scheduler.kv_block_tokens,
                                   row_dtype=wire.row_dtype, shared_path=wire.shared)
         outputs = ReferenceGenerator(model, options).generate([list(r.req.prompt) for r in group])
         for record, out in zip(group, outputs):
             num_requests += 1
             num_tokens += len(out.tokens)
-            if tuple(record.tokens) != tuple(out.tokens):
-                first = next((i for i, (a, b) in enumerate(zip(record.tokens, out.tokens))
-                              if a != b), min(len(record.tokens), len(out.tokens)))
-                mismatches.append(f"request {record.req.req_id}: token {first} differs "
-                                  f"({len(record.tokens)} tokens served, {len(out.tokens)} in "
-                                  "the reference)")
+            found = (token_mismatch(record, out),
+                     draft_mismatch(record, out) if options.mtp_depth else "")
+            mismatches += [m for m in found if m]
     return num_requests, num_tokens, mismatches
+
+
+def token_mismatch(record: RequestRecord, out: RequestOutput) -> str:
+    """The first token the request served differently from the reference's `out`, or ""."""
+    if tuple(record.tokens) == tuple(out.tokens):
+        return ""
+    first = next((i for i, (a, b) in enumerate(zip(record.tokens, out.tokens)) if a != b),
+                 min(len(record.tokens), len(out.tokens)))
+    return (f"request {record.req.req_id}: token {first} differs ({len(record.tokens)} tokens "
+            f"served, {len(out.tokens)} in the reference)")
+
+
+def draft_mismatch(record: RequestRecord, out: RequestOutput) -> str:
+    """The first decode step (0: the one after prefill, verifying the prefill's MTP drafts) whose
+    drafts or accepted count differ from the reference's `out`, or a differing step count; ""
+    when every step agrees. Greedy MTP serves the greedy tokens whatever it drafts, so only this
+    shows a drafting error."""
+    served = list(zip(record.step_drafts, record.step_accepted))
+    reference = list(zip(out.step_drafts, out.step_accepted))
+    req_id = record.req.req_id
+    for step_idx, ((drafts, accepted), (ref_drafts, ref_accepted)) in enumerate(
+            zip(served, reference)):
+        if (tuple(drafts), accepted) != (tuple(ref_drafts), ref_accepted):
+            return (f"request {req_id}: step {step_idx} drafted {list(drafts)} and accepted "
+                    f"{accepted}, the reference drafted {list(ref_drafts)} and accepted "
+                    f"{ref_accepted}")
+    if len(served) != len(reference):
+        return (f"request {req_id}: {len(served)} decode steps served, {len(reference)} in the "
+                "reference")
+    return ""
 
 
 def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: float,
@@ -107,9 +147,12 @@ def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: floa
     group["num_tokens"] = np.array([len(r.tokens) for r in ordered], np.int64)
     group["ttft_s"] = np.array([r.ttft_s(started + r.req.arrival_s) for r in ordered])
     group["tpot_s"] = np.array([r.tpot_s() for r in ordered])
-    tokens = group.create_dataset("tokens", (len(ordered),), dtype=h5py.vlen_dtype(np.int64))
-    for i, r in enumerate(ordered):
-        tokens[i] = np.array(r.tokens, np.int64)
+    write_vlen(group, "tokens", [r.tokens for r in ordered])
+    # With MTP one entry per decode step (none without): every step's drafts concatenated, how
+    # many each step verified, how many of them were accepted.
+    write_vlen(group, "step_drafts", [[t for d in r.step_drafts for t in d] for r in ordered])
+    write_vlen(group, "step_num_drafts", [[len(d) for d in r.step_drafts] for r in ordered])
+    write_vlen(group, "step_num_accepted", [r.step_accepted for r in ordered])
     dies = f.create_group("dies")
     for rank, timings in sorted(die_timings.items()):
         die = dies.create_group(str(rank))
@@ -117,6 +160,13 @@ def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: floa
             die[name] = np.asarray(values)
         die.attrs.update((die_recovery or {}).get(rank, {}))
     f.create_group("summary").attrs.update(summary)
+
+
+def write_vlen(group: h5py.Group, name: str, rows: list[list[int]]) -> None:
+    """One variable-length int64 row per request."""
+    data = group.create_dataset(name, (len(rows),), dtype=h5py.vlen_dtype(np.int64))
+    for i, row in enumerate(rows):
+        data[i] = np.array(row, np.int64)
 
 
 def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: int) -> dict:

@@ -66,11 +66,23 @@ class Checkpoint:
     table: object
 
 
+@dataclass(frozen=True, kw_only=True)
+class VerifiedDrafts:
+    """One MTP decode step of one request: the drafts it verified and how many of them the main
+    model accepted, before the cut at max_new_tokens or EOS (as the reference counts them). The
+    prefill's sampled token is no step."""
+
+    req_id: int
+    drafts: tuple[int, ...]
+    num_accepted: int
+
+
 @dataclass(kw_only=True)
 class Emitted:
     req_id: int
     token: int
     is_finished: bool
+    step: VerifiedDrafts | None = None   # on a decode step's first token: what the step verified
 
 
 @dataclass(kw_only=True)
@@ -138,10 +150,13 @@ class DieScheduler:
     def postprocess(self, sampled: dict[int, Sampled]) -> list[Emitted]:
         """Commit each sampled entry's tokens (as the reference: at most max_new_tokens, up to
         EOS) and drop the KV entries of rejected drafts; finished requests leave and free their
-        KV blocks."""
+        KV blocks. With MTP a decode step's first token carries the drafts the step verified."""
         emitted = []
         for req_id, out in sampled.items():
             seq = self.running[req_id]
+            step = (VerifiedDrafts(req_id=req_id, drafts=seq.drafts,
+                                   num_accepted=len(out.tokens) - 1)
+                    if seq.num_generated and self.mtp_depth else None)
             self.table.truncate(req_id, len(seq.tokens) - 1 + len(out.tokens))
             tokens = out.tokens[:seq.req.max_new_tokens - seq.num_generated]
             if not self.ignore_eos and self.eos_id in tokens:
@@ -156,7 +171,8 @@ class DieScheduler:
                 self.table.free(req_id)
                 self.reserved_blocks -= self._blocks(seq.req)
             emitted.extend(Emitted(req_id=req_id, token=token,
-                                   is_finished=is_finished and i == len(tokens) - 1)
+                                   is_finished=is_finished and i == len(tokens) - 1,
+                                   step=None if i else step)
                            for i, token in enumerate(tokens))
         return emitted
 

@@ -57,6 +57,10 @@ class RequestOutput:
     num_drafted: int                      # MTP draft tokens proposed
     num_accepted: int                     # MTP draft tokens accepted
     logits: torch.Tensor | None = None    # [len(tokens), vocab] when record_logits
+    # Per decode step (the first verifies the drafts of the MTP pass after prefill): the drafts
+    # it verified and how many were accepted, before the cut at max_new_tokens or EOS.
+    step_drafts: tuple[tuple[int, ...], ...] = ()
+    step_accepted: tuple[int, ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -73,6 +77,8 @@ class _Seq:
     num_steps: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
+    step_drafts: list[tuple[int, ...]] = field(default_factory=list)
+    step_accepted: list[int] = field(default_factory=list)
     is_done: bool = False
 
     @property
@@ -164,6 +170,8 @@ class ReferenceGenerator:
             s.num_steps += 1
             s.num_drafted += len(seq_drafts)
             s.num_accepted += len(new_tokens) - 1
+            s.step_drafts.append(tuple(seq_drafts))
+            s.step_accepted.append(len(new_tokens) - 1)
             self._commit(s, new_tokens, hidden[:len(new_tokens)], logits[:len(new_tokens)])
 
     def _commit(self, s: _Seq, new_tokens: list[int], hidden: torch.Tensor,
@@ -230,4 +238,6 @@ class ReferenceGenerator:
         return RequestOutput(prompt=tuple(s.tokens[:s.num_prompt]),
                              tokens=tuple(s.tokens[s.num_prompt:]), num_steps=s.num_steps,
                              num_drafted=s.num_drafted, num_accepted=s.num_accepted,
+                             step_drafts=tuple(s.step_drafts),
+                             step_accepted=tuple(s.step_accepted),
                              logits=torch.stack(s.logit_rows) if self.opts.record_logits else None)
