@@ -13,7 +13,6 @@ from ranks.die_io import Inbox, Outbox, serve
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer, decode_checkpoint
 from xds_mpi.engine.scheduler import DieScheduler
-from xds_mpi.fabric import ep_layout, window_bytes
 
 
 def run(ctx: RankContext) -> None:
@@ -38,7 +37,7 @@ class ColocatedDie:
         from xds_mpi.model.weights import build_model
         cfg, topo = ctx.cfg, ctx.topo
         torch.set_num_threads(1)  # ranks share the cores
-        self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
+        self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
         model = build_model(cfg.model)
         sched = cfg.scheduler
@@ -52,7 +51,7 @@ class ColocatedDie:
         slot_owner = [info.rank for info in topo.ranks for slot in info.expert_slots
                       if slot.kind != "shared"]
         clock = VirtualClock()
-        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slot_owner, dtype=np.float64, clock=clock,
+        ep = EpBuffer(self.mem, ctx.plan.ep, slot_owner, dtype=ctx.plan.row_dtype, clock=clock,
                       num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
         cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
         self.pricer = Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,
