@@ -2,7 +2,6 @@
 and every config that cannot run is refused with the reason."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from harness import REPO_ROOT
@@ -45,20 +44,6 @@ def test_shipped_configs_build_and_windows_match_the_layouts(name, world_size):
     assert DeploymentPlan.build(shipped(name)) == plan          # world size None: what it needs
 
 
-@pytest.mark.parametrize("name", ["colocated", "afd"])
-def test_the_row_dtype_sizes_the_layouts(name):
-    wide = DeploymentPlan.build(shipped(name, ["xccl.use_int8=false"]))
-    narrow = DeploymentPlan.build(shipped(name, ["xccl.use_int8=false",
-                                                 "xccl.row_dtype=float32"]))
-    assert (wide.row_dtype, narrow.row_dtype) == (np.dtype(np.float64), np.dtype(np.float32))
-    for plan in (wide, narrow):
-        moe = plan.ep or plan.afd
-        assert moe.itemsize == plan.row_dtype.itemsize
-        assert list(plan.window_bytes) == expected_windows(plan)
-    dies = wide.topo.die_ranks
-    assert all(narrow.window_bytes[r] < wide.window_bytes[r] for r in dies)
-
-
 def test_p2p_pairs_follow_the_declaration():
     cfg = config_from_dict({"deployment": {"dp_groups_per_domain": 3, "num_prefill_dies": 2},
                             "xccl": {"p2p_pairs": "prefill_to_decode", "ring_slots": 2,
@@ -94,6 +79,8 @@ def test_mtp_and_fault_settings_that_cannot_work_are_refused(settings, message):
      r"rank 1's window needs 2642176 B = p2p 2097920 B \+ dispatch/combine 544256 B, over the "
      r"per-die cap xccl.max_window_bytes\(100000\)"),
     (["xccl.slot_bytes=12"], None, r"xccl: .*slot_bytes\(12\) a positive multiple of 8"),
+    (["xccl.row_dtype=float32"], None,
+     r"xccl.row_dtype\(float32\) must be the dies' compute dtype float64"),
     (["model.max_seq_len=40"], None, r"none of the 8 requests can be served; the first: "
      r"prompt\(32\) \+ max_new_tokens\(16\) = 48 > model.max_seq_len\(40\)"),
 ])

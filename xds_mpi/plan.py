@@ -19,6 +19,10 @@ from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.topology import Topology
 
+# The dies build their model with build_model's default dtype, and their executors hand XCCL's
+# rows to it as they come: rows of another dtype cannot reach the experts.
+COMPUTE_DTYPE = np.dtype(np.float64)
+
 
 @dataclass(frozen=True)
 class DeploymentPlan:
@@ -42,6 +46,10 @@ class DeploymentPlan:
         topo = Topology.from_config(cfg, world_size)   # world size, pod, expert placement
         check_serving(cfg, topo)
         row_dtype = np.dtype(cfg.xccl.row_dtype)
+        if row_dtype != COMPUTE_DTYPE:
+            raise ConfigError(f"xccl.row_dtype({row_dtype}) must be the dies' compute dtype "
+                              f"{COMPUTE_DTYPE}: the experts take the rows XCCL delivers as they "
+                              "are")
         try:
             p2p = p2p_layout(cfg, topo)
             ep = ep_layout(cfg, topo, p2p, row_dtype.itemsize)
