@@ -1,9 +1,10 @@
-"""Deployment configuration: YAML -> keyword-only frozen dataclasses, one per section.
+"""Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
-A config file has the sections below (every key optional, defaults shown in the dataclasses).
-Unknown sections or keys are refused by name; every value is type-checked, and every constraint
-names the numbers involved. Derived values (rank map, expert placement) live in
-`xds_mpi.topology.Topology`, never in the config.
+A config file has the sections below (every key optional, defaults shown in the dataclasses);
+each section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
+overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config implies
+across sections (rank map, layouts, window sizes) and whether it can run is
+`xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
 """
 from __future__ import annotations
 
@@ -13,13 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec
-from xds_mpi.config_loader import (ConfigError, build_root, check_value, non_negative,
-                                   parse_override, positive, read_root, require)
-
-# Re-exported, so that callers import the whole config interface from here.
-__all__ = ["FAULT_OPS", "SECTIONS", "Config", "ConfigError", "FaultSpec", "FaultsConfig",
-           "check_value", "config_from_dict", "load_config", "parse_override"]
+# FAULT_OPS, FaultSpec, ConfigError, check_value and parse_override are re-exported: callers
+# import the whole config interface from here.
+from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
+from xds_mpi.config_loader import (ConfigError, build_root, check_value,  # noqa: F401
+                                   non_negative, parse_override, positive, read_root, require)
 
 
 @dataclass(frozen=True, kw_only=True)

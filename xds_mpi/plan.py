@@ -24,7 +24,7 @@ from xds_mpi.topology import Topology
 COMPUTE_DTYPE = np.dtype(np.float64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DeploymentPlan:
     """cfg: the user's config, untouched; topo: ranks -> roles and expert slots;
     p2p: ring layout of every rank's window (first in each window); ep: dispatch/combine area of
