@@ -98,7 +98,8 @@ def test_experts_that_do_not_fit_are_refused_with_the_numbers():
     with pytest.raises(ConfigError, match=r"do not fit into 3 routed-expert dies x "
                                           r"max_routed_experts_per_die\(4\) = 12 slots"):
         Topology.from_config(afd(1, 2, 3, 16, max_routed_experts_per_die=4))
-    with pytest.raises(ConfigError, match=r"20 routed-expert dies > model.num_routed_experts\(16\)"):
+    with pytest.raises(ConfigError,
+                       match=r"20 routed-expert dies > model.num_routed_experts\(16\)"):
         Topology.from_config(afd(1, 2, 20, 16))
     with pytest.raises(ConfigError, match=r"num_shared_expert_dies\(3\) leaves no die"):
         Topology.from_config(afd(1, 2, 3, 16, shared_experts="dedicated",
