@@ -16,8 +16,8 @@ from launch.report import rank_map
 from launch import submit
 from launch import train
 from xds_mpi.config import ConfigError, load_config
-from xds_mpi.fabric import format_bytes, window_bytes
-from xds_mpi.topology import Topology
+from xds_mpi.fabric import format_bytes
+from xds_mpi.plan import DeploymentPlan
 
 # How long the launcher waits beyond run.timeout_s (MPIEXEC_TIMEOUT) before killing the group.
 LAUNCH_GRACE_S = 30
@@ -28,21 +28,21 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
                         help=f"YAML file or name in configs/ (default: {DEFAULT_CONFIG}; "
                              f"known: {', '.join(available_configs())})")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value, e.g. --set deployment.dp_groups_per_domain=8")
+                        help="override one config value, e.g. "
+                             "--set deployment.dp_groups_per_domain=8")
     parser.add_argument("--np", type=int, default=None,
                         help="number of MPI ranks (default: what the config needs)")
 
 
 def _load(args: argparse.Namespace):
+    """The config file's path and the deployment plan: every refusal happens here."""
     path = resolve_config(args.config)
-    cfg = load_config(path, args.set)
-    topo = Topology.from_config(cfg, args.np)
-    return path, cfg, topo
+    return path, DeploymentPlan.build(load_config(path, args.set), args.np)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    path, cfg, topo = _load(args)
-    windows = window_bytes(cfg, topo)
+    path, plan = _load(args)
+    cfg, topo, windows = plan.cfg, plan.topo, plan.window_bytes
     print(f"{path}: valid")
     print(f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
           f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})")
@@ -51,25 +51,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _servable(cfg, topo) -> None:
-    """Refuse before launch a serving run in which no request could be served."""
-    if not topo.ranks_with_role("colocated") + topo.ranks_with_role("attention"):
-        return
-    from xds_mpi.engine.requests import rejection
-    from xds_mpi.engine.workload import load_workload
-    requests = load_workload(cfg)
-    reasons = [rejection(req, cfg) for req in requests]
-    if requests and all(reasons):
-        raise ConfigError(f"none of the {len(requests)} requests can be served; the first: "
-                          f"{reasons[0]}")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     if args.check:
         args.set = [*args.set, "run.check=true"]
-    path, cfg, topo = _load(args)
-    window_bytes(cfg, topo)  # refuse a layout over the cap before launching
-    _servable(cfg, topo)
+    path, plan = _load(args)
+    cfg, topo = plan.cfg, plan.topo
     command = mpi_command(topo.world_size, rank_program(path, args.set),
                           timeout_s=cfg.run.timeout_s, mpiexec=args.mpiexec)
     if args.dry_run:
@@ -119,11 +105,7 @@ def _run_bench(args: argparse.Namespace, program: list[str]) -> int:
     return result.returncode
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xds-mpi", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a config and print its rank map",
                        description="Check a deployment config and print which rank plays which "
                                    "die. Exit 0 when valid, 2 with a one-line error otherwise.")
@@ -131,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--brief", action="store_true", help="print the summary line only")
     p.set_defaults(func=cmd_validate)
 
+
+def _add_run(sub) -> None:
     p = sub.add_parser("run", help="launch a deployment with mpiexec",
                        description="Launch `mpiexec -n N python -m mpi4py -m launch.rank CONFIG` "
                                    "with the environment the detected MPI needs. A colocated or "
@@ -150,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "on any token mismatch (same as --set run.check=true)")
     p.set_defaults(func=cmd_run)
 
-    bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
-    kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
+
+def _add_bench_p2p(kinds) -> None:
     p = kinds.add_parser("p2p", help="XCCL send/receive vs raw Put and Send/Recv ping-pong",
                          description="Latency and bandwidth of XCCL send/receive against a raw "
                                      "MPI Put+Flush+flag ping-pong and a Send/Recv ping-pong of "
@@ -173,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600, help="seconds before the job is killed")
     p.set_defaults(func=cmd_bench_p2p)
 
+
+def _add_bench_ep(kinds) -> None:
     p = kinds.add_parser("ep", help="XCCL dispatch+combine vs Alltoall+Alltoallv",
                          description="Latency of one dispatch + combine round (identity experts, "
                                      "random top-k routing) against a two-sided baseline moving "
@@ -183,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per die (default: 16 64 128)")
     add_row_options(p)
     p.set_defaults(func=cmd_bench_ep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xds-mpi", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_validate(sub)
+    _add_run(sub)
+    bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
+    kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
+    _add_bench_p2p(kinds)
+    _add_bench_ep(kinds)
     bench_afd.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)

@@ -1,8 +1,9 @@
-"""Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set section.key=value ...]`.
+"""Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]`.
 
-Every rank loads the config, derives the topology for the communicator's size, and runs the
-program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception on one
-rank aborts the whole job instead of leaving the others waiting.
+Every rank loads the config, builds the deployment plan for the communicator's size (the same
+checks as `xds-mpi validate`), and runs the program ranks/ registers for its role. Run it under
+`python -m mpi4py` so that an exception on one rank aborts the whole job instead of leaving the
+others waiting.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mpi4py import MPI
 from launch.log import setup_logging
 from ranks import RankContext, role_program
 from xds_mpi.config import load_config
-from xds_mpi.topology import Topology
+from xds_mpi.plan import DeploymentPlan
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,12 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     cfg = load_config(args.config, args.set)
-    topo = Topology.from_config(cfg, comm.size)
-    info = topo.ranks[comm.rank]
+    plan = DeploymentPlan.build(cfg, comm.size)
+    info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    exit_code = role_program(info.role)(RankContext(cfg=cfg, topo=topo, comm=comm, log=log))
+    exit_code = role_program(info.role)(RankContext(plan=plan, comm=comm, log=log))
     faulthandler.cancel_dump_traceback_later()
     if exit_code:
         sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code

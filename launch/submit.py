@@ -19,9 +19,8 @@ from pathlib import Path
 from launch.jobscript import (JobSpec, Sweep, check_time_limit, default_time_limit, node_layout,
                               parse_sweep, render)
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
-from xds_mpi.config import Config, ConfigError, load_config
-from xds_mpi.fabric import window_bytes
-from xds_mpi.topology import Topology
+from xds_mpi.config import ConfigError, load_config
+from xds_mpi.plan import DeploymentPlan
 
 POLL_S = 0.5
 # squeue failing this many polls in a row means the controller is gone, not a hiccup.
@@ -89,15 +88,12 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     path = resolve_config(args.config)
     cfg = load_config(path, args.set)
     sweep = parse_sweep(args.sweep) if args.sweep else None
-    configs = [load_sweep_element(path, args.set, sweep, i) for i in range(len(sweep.values))
-               ] if sweep else [cfg]
-    topos = [Topology.from_config(c) for c in configs]
-    sizes = sorted({t.world_size for t in topos})
+    plans = [plan_sweep_element(path, args.set, sweep, i) for i in range(len(sweep.values))
+             ] if sweep else [DeploymentPlan.build(cfg)]
+    sizes = sorted({plan.topo.world_size for plan in plans})
     if len(sizes) > 1:
         raise ConfigError(f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "
                           "array job has one shape, submit them separately")
-    for c, t in zip(configs, topos):
-        window_bytes(c, t)             # refuse a layout over the window cap before submitting
     started = datetime.now()
     base = cfg.run.name or f"{path.stem}-{started:%Y%m%d-%H%M%S}"
     workdir = Path.cwd()
@@ -107,20 +103,23 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         suffix += 1
         job_dir = jobs_dir / f"{base}-{suffix}"
     base = job_dir.name
-    names = tuple(f"{base}-{i}" for i in range(len(configs))) if sweep else (base,)
-    timeout_s = max(c.run.timeout_s for c in configs)
+    names = tuple(f"{base}-{i}" for i in range(len(plans))) if sweep else (base,)
+    timeout_s = max(plan.cfg.run.timeout_s for plan in plans)
+    topo = plans[0].topo
     return JobSpec(
-        config_path=path, overrides=tuple(args.set), topo=topos[0],
-        layout=node_layout(topos[0], args.nodes), job_name=f"xds-{path.stem}", job_dir=job_dir,
+        config_path=path, overrides=tuple(args.set), topo=topo,
+        layout=node_layout(topo, args.nodes), job_name=f"xds-{path.stem}", job_dir=job_dir,
         workdir=workdir, output_dir=cfg.run.output_dir, run_names=names, sweep=sweep,
         time_limit=check_time_limit(args.time) if args.time else default_time_limit(timeout_s),
         timeout_s=timeout_s, partition=args.partition,
         cpus_per_node=cpus_per_node(args.partition), launcher=args.launcher, mpiexec=args.mpiexec)
 
 
-def load_sweep_element(path: Path, overrides: list[str], sweep: Sweep, idx: int) -> Config:
+def plan_sweep_element(path: Path, overrides: list[str], sweep: Sweep, idx: int
+                       ) -> DeploymentPlan:
+    """Element idx of a sweep, refused (naming the element) like `xds-mpi validate` would."""
     try:
-        return load_config(path, [*overrides, sweep.override(idx)])
+        return DeploymentPlan.build(load_config(path, [*overrides, sweep.override(idx)]))
     except ConfigError as exc:
         raise ConfigError(f"--sweep element {idx} ({sweep.override(idx)}): {exc}") from None
 

@@ -6,7 +6,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
-from xds_mpi.fabric import afd_layout, window_bytes
 
 
 class AfdDieBase:
@@ -25,14 +24,14 @@ class AfdDieBase:
         cfg, topo = ctx.cfg, ctx.topo
         torch.set_num_threads(1)  # ranks share the cores
         self.ctx, self.cfg, self.topo = ctx, cfg, topo
-        self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
+        self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
-        self.afd = AfdBuffer(self.mem, afd_layout(cfg, topo), self.slots.slot_owner,
+        self.afd = AfdBuffer(self.mem, ctx.plan.afd, self.slots.slot_owner,
                              num_routed_slots=self.slots.num_routed_slots,
-                             dtype=np.dtype(cfg.xccl.row_dtype), clock=self.clock,
+                             dtype=ctx.plan.row_dtype, clock=self.clock,
                              num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
         depth, num_layers = cfg.scheduler.mtp_depth, len(self.model.layers)
         moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)

@@ -13,7 +13,6 @@ from ranks.die_io import Inbox, Outbox, serve
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer, decode_checkpoint
 from xds_mpi.engine.scheduler import DieScheduler
-from xds_mpi.fabric import ep_layout, window_bytes
 
 
 def run(ctx: RankContext) -> None:
@@ -39,7 +38,7 @@ class ColocatedDie:
         from xds_mpi.model.weights import build_model
         cfg, topo = ctx.cfg, ctx.topo
         torch.set_num_threads(1)  # ranks share the cores
-        self.mem = DieMemory(ctx.comm, window_bytes(cfg, topo)[ctx.comm.rank])
+        self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
         model = build_model(cfg.model)
         sched = cfg.scheduler
@@ -53,8 +52,8 @@ class ColocatedDie:
         slots = ExpertSlots.from_topology(topo)
         is_dedicated = cfg.deployment.shared_experts == "dedicated"
         clock = VirtualClock()
-        ep = EpBuffer(self.mem, ep_layout(cfg, topo), slots.slot_owner,
-                      dtype=np.dtype(cfg.xccl.row_dtype), clock=clock,
+        ep = EpBuffer(self.mem, ctx.plan.ep, slots.slot_owner, dtype=ctx.plan.row_dtype,
+                      clock=clock,
                       num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
         cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
         self.pricer = Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,

@@ -1,4 +1,5 @@
-"""What a role program is given: the config, the topology, its own entry, the communicator."""
+"""What a role program is given: the deployment plan (config, topology, XCCL layouts and window
+sizes), its own entry, the communicator."""
 from __future__ import annotations
 
 import hashlib
@@ -9,15 +10,23 @@ import yaml
 from mpi4py import MPI
 
 from xds_mpi.config import Config
+from xds_mpi.plan import DeploymentPlan
 from xds_mpi.topology import RankInfo, Topology
 
 
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
-    cfg: Config
-    topo: Topology
+    plan: DeploymentPlan               # built for comm.size: every rank derives the same one
     comm: MPI.Comm
     log: logging.Logger
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def topo(self) -> Topology:
+        return self.plan.topo
 
     @property
     def info(self) -> RankInfo:

@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from xds_mpi.config import Config, ConfigError, config_from_dict, load_config, parse_override
+from xds_mpi.config import (Config, ConfigError, FaultSpec, config_from_dict, load_config,
+                            parse_override)
 
 
 def test_defaults_are_valid_and_frozen():
@@ -50,6 +51,17 @@ def test_yaml_values_land_in_their_sections(tmp_path):
     ({"workload": {"prompt_len": 100}}, "max_prompt_len(64) must be >= workload.prompt_len(100)"),
     ({"workload": {"arrival": "rate"}}, "workload.rate_per_s must be > 0 when arrival is rate"),
     ({"scheduler": 5}, "section 'scheduler' must be a mapping"),
+    # fault-table rows pass the same key and type checks as sections
+    ({"faults": {"table": [{"die": 1, "op": "a2e", "layer": 1, "iteration": 0, "when": 3}]}},
+     "unknown key 'when' in faults.table[0] (known: die, op, layer, iteration, code, times)"),
+    ({"faults": {"table": [{"die": 1, "op": "a2e", "layer": 1}]}},
+     "faults.table[0] needs 'iteration' (has: die, op, layer)"),
+    ({"faults": {"table": [{"die": "x", "op": "a2e", "layer": 1, "iteration": 0}]}},
+     "faults.table[0].die must be int, got 'x'"),
+    ({"faults": {"table": [7]}}, "faults.table[0] must be a mapping of keys to values, got 7"),
+    ({"faults": {"table": [{"die": 1, "op": "alltoall", "layer": 1, "iteration": 0}]}},
+     "faults.table[0].op: unknown operation 'alltoall' (known: p2p_send, p2p_recv"),
+    ({"faults": {"ops": ["bcast"]}}, "faults.ops: unknown operation 'bcast'"),
 ])
 def test_bad_values_are_refused_with_the_numbers(data, message):
     with pytest.raises(ConfigError) as err:
@@ -81,5 +93,8 @@ def test_a_missing_or_broken_file_is_named(tmp_path):
 
 
 def test_a_config_round_trips_through_its_dict():
-    cfg = config_from_dict({"deployment": {"kind": "afd", "num_expert_dies": 5}})
+    cfg = config_from_dict({"deployment": {"kind": "afd", "num_expert_dies": 5},
+                            "faults": {"table": [{"die": 5, "op": "e2a", "layer": 1,
+                                                  "iteration": 2, "times": 2}]}})
+    assert cfg.faults.table == [FaultSpec(die=5, op="e2a", layer=1, iteration=2, times=2)]
     assert config_from_dict(cfg.to_dict()) == cfg

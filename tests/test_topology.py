@@ -98,7 +98,8 @@ def test_experts_that_do_not_fit_are_refused_with_the_numbers():
     with pytest.raises(ConfigError, match=r"do not fit into 3 routed-expert dies x "
                                           r"max_routed_experts_per_die\(4\) = 12 slots"):
         Topology.from_config(afd(1, 2, 3, 16, max_routed_experts_per_die=4))
-    with pytest.raises(ConfigError, match=r"20 routed-expert dies > model.num_routed_experts\(16\)"):
+    with pytest.raises(ConfigError,
+                       match=r"20 routed-expert dies > model.num_routed_experts\(16\)"):
         Topology.from_config(afd(1, 2, 20, 16))
     with pytest.raises(ConfigError, match=r"num_shared_expert_dies\(3\) leaves no die"):
         Topology.from_config(afd(1, 2, 3, 16, shared_experts="dedicated",
@@ -109,32 +110,3 @@ def test_a_non_attention_rank_has_no_trampoline():
     topo = Topology.from_config(afd(1, 2, 2))
     with pytest.raises(ValueError, match="rank 3 is a expert rank"):
         topo.trampoline_rank(3)
-
-
-def test_p2p_pairs_follow_the_declaration():
-    from xds_mpi.fabric import ep_layout, p2p_pairs, window_bytes
-    cfg = config_from_dict({"deployment": {"dp_groups_per_domain": 3, "num_prefill_dies": 2},
-                            "xccl": {"p2p_pairs": "prefill_to_decode", "ring_slots": 2,
-                                     "slot_bytes": 1024}})
-    topo = Topology.from_config(cfg)
-    assert p2p_pairs(cfg, topo) == {(p, d) for p in (4, 5) for d in (1, 2, 3)}
-    sizes = window_bytes(cfg, topo)
-    assert sizes[0] == 0                       # the TE-shell holds no die memory
-    ep = ep_layout(cfg, topo)
-    assert ep.members == (1, 2, 3) and ep.base[1] == 64 * 2 * 2 + 2 * 2 * 1024
-    # 2 senders: 2 records each + a ring each, then the dispatch/combine area
-    assert sizes[1] == 64 * 2 * 2 + 2 * 2 * 1024 + ep.area_bytes()
-    assert sizes[4] == 64 * 3                    # 3 receivers: one ack word each
-
-
-@pytest.mark.parametrize("settings, message", [
-    (["scheduler.mtp_depth=1", "model.num_mtp_modules=0"], "needs a model with MTP modules"),
-    (["scheduler.mtp_depth=2", "xccl.max_tokens_per_die=3"], "needs >= 4"),
-    (["faults.table=[{die: 0, op: dispatch, layer: 1, iteration: 0}]"], "is not a die"),
-    (["faults.table=[{die: 1, op: combine, layer: 0, iteration: 0}]"], "is not a MoE layer"),
-    (["faults.table=[{die: 1, op: combine, layer: 4, iteration: 0}]"], "is not a MoE layer"),
-    (["faults.table=[{die: 1, op: p2p_send, layer: 1, iteration: 0}]"], "makes no p2p"),
-])
-def test_mtp_and_fault_settings_that_cannot_work_are_refused(settings, message):
-    with pytest.raises(ConfigError, match=message):
-        Topology.from_config(config_from_dict({}, settings))

@@ -1,39 +1,24 @@
-"""Deployment configuration: YAML -> keyword-only frozen dataclasses, one per section.
+"""Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
-A config file has the sections below (every key optional, defaults shown in the dataclasses).
-Unknown sections or keys are refused by name; every value is type-checked, and every constraint
-names the numbers involved. Derived values (rank map, expert placement) live in
-`xds_mpi.topology.Topology`, never in the config.
+A config file has the sections below (every key optional, defaults shown in the dataclasses);
+each section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
+overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config implies
+across sections (rank map, layouts, window sizes) and whether it can run is
+`xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
 """
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A user's config is wrong; the message names the key and the numbers."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _positive(section: str, **values: int | float) -> None:
-    for key, value in values.items():
-        _require(value > 0, f"{section}.{key} must be > 0, got {value}")
-
-
-def _non_negative(section: str, **values: int | float) -> None:
-    for key, value in values.items():
-        _require(value >= 0, f"{section}.{key} must be >= 0, got {value}")
+# FAULT_OPS, FaultSpec, ConfigError, check_value and parse_override are re-exported: callers
+# import the whole config interface from here.
+from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
+from xds_mpi.config_loader import (ConfigError, build_root, check_value,  # noqa: F401
+                                   non_negative, parse_override, positive, read_root, require)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +31,7 @@ class DeploymentConfig:
     dp_groups_per_domain: int = 4      # attention dies per DP domain (TP=1: one die per DP group)
     num_expert_dies: int = 0           # afd: dies running only the MoE (incl. dedicated shared)
     shared_experts: Literal["every_die", "dedicated"] = "every_die"
-    num_shared_expert_dies: int = 0    # dedicated: how many expert-hosting dies hold a shared expert
+    num_shared_expert_dies: int = 0    # dedicated: expert-hosting dies holding a shared expert
     redundant_slots_per_die: int = 0   # EPLB replica slots on each routed-expert die
     max_routed_experts_per_die: int = 64
     num_prefill_dies: int = 0          # PD disaggregation: dies that only prefill
@@ -54,30 +39,35 @@ class DeploymentConfig:
 
     def __post_init__(self) -> None:
         s = "deployment"
-        _non_negative(s, num_host_ranks=self.num_host_ranks, num_expert_dies=self.num_expert_dies,
-                      num_shared_expert_dies=self.num_shared_expert_dies,
-                      redundant_slots_per_die=self.redundant_slots_per_die,
-                      num_prefill_dies=self.num_prefill_dies)
-        _positive(s, num_dp_domains=self.num_dp_domains,
-                  dp_groups_per_domain=self.dp_groups_per_domain,
-                  max_routed_experts_per_die=self.max_routed_experts_per_die,
-                  num_microbatches=self.num_microbatches)
+        non_negative(s, num_host_ranks=self.num_host_ranks, num_expert_dies=self.num_expert_dies,
+                     num_shared_expert_dies=self.num_shared_expert_dies,
+                     redundant_slots_per_die=self.redundant_slots_per_die,
+                     num_prefill_dies=self.num_prefill_dies)
+        positive(s, num_dp_domains=self.num_dp_domains,
+                 dp_groups_per_domain=self.dp_groups_per_domain,
+                 max_routed_experts_per_die=self.max_routed_experts_per_die,
+                 num_microbatches=self.num_microbatches)
         if self.kind == "colocated":
-            _require(self.num_dp_domains == 1, "deployment.num_dp_domains must be 1 for a colocated "
-                     f"deployment (every die meets the experts every layer), got {self.num_dp_domains}")
-            _require(self.num_expert_dies == 0, "deployment.num_expert_dies must be 0 for a colocated "
-                     f"deployment (experts live on the attention dies), got {self.num_expert_dies}")
+            require(self.num_dp_domains == 1, "deployment.num_dp_domains must be 1 for a "
+                    "colocated deployment (every die meets the experts every layer), got "
+                    f"{self.num_dp_domains}")
+            require(self.num_expert_dies == 0, "deployment.num_expert_dies must be 0 for a "
+                    "colocated deployment (experts live on the attention dies), got "
+                    f"{self.num_expert_dies}")
+            require(self.num_microbatches == 1, "deployment.num_microbatches must be 1 for a "
+                    "colocated deployment (microbatches overlap attention with the expert dies' "
+                    f"work: afd only), got {self.num_microbatches}")
         else:
-            _require(self.num_expert_dies >= self.dp_groups_per_domain,
-                     f"deployment: an afd deployment needs one trampoline expert die per attention die "
-                     f"of a domain: num_expert_dies({self.num_expert_dies}) < "
-                     f"dp_groups_per_domain({self.dp_groups_per_domain})")
+            require(self.num_expert_dies >= self.dp_groups_per_domain,
+                    "deployment: an afd deployment needs one trampoline expert die per attention "
+                    f"die of a domain: num_expert_dies({self.num_expert_dies}) < "
+                    f"dp_groups_per_domain({self.dp_groups_per_domain})")
         if self.shared_experts == "every_die":
-            _require(self.num_shared_expert_dies == 0, "deployment.num_shared_expert_dies must be 0 "
-                     f"when shared_experts is every_die, got {self.num_shared_expert_dies}")
+            require(self.num_shared_expert_dies == 0, "deployment.num_shared_expert_dies must be "
+                    f"0 when shared_experts is every_die, got {self.num_shared_expert_dies}")
         else:
-            _require(self.num_shared_expert_dies > 0, "deployment.num_shared_expert_dies must be > 0 "
-                     "when shared_experts is dedicated, got 0")
+            require(self.num_shared_expert_dies > 0, "deployment.num_shared_expert_dies must be "
+                    "> 0 when shared_experts is dedicated, got 0")
 
     @property
     def num_attention_dies(self) -> int:
@@ -114,33 +104,33 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         s = "model"
-        _positive(s, vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
-                  num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
-                  kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim,
-                  qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim,
-                  intermediate=self.intermediate, moe_intermediate=self.moe_intermediate,
-                  num_routed_experts=self.num_routed_experts, top_k=self.top_k,
-                  num_expert_groups=self.num_expert_groups, topk_groups=self.topk_groups,
-                  routed_scaling=self.routed_scaling, max_seq_len=self.max_seq_len,
-                  rope_theta=self.rope_theta)
-        _non_negative(s, num_dense_layers=self.num_dense_layers,
-                      num_shared_experts=self.num_shared_experts,
-                      num_mtp_modules=self.num_mtp_modules)
-        _require(self.num_dense_layers < self.num_layers, f"model.num_dense_layers"
-                 f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})")
-        _require(self.top_k <= self.num_routed_experts, f"model.top_k({self.top_k}) must be <= "
-                 f"model.num_routed_experts({self.num_routed_experts})")
-        _require(self.num_routed_experts % self.num_expert_groups == 0,
-                 f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
-                 f"model.num_expert_groups({self.num_expert_groups})")
-        _require(self.topk_groups <= self.num_expert_groups, f"model.topk_groups({self.topk_groups})"
-                 f" must be <= model.num_expert_groups({self.num_expert_groups})")
+        positive(s, vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
+                 num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
+                 kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim,
+                 qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim,
+                 intermediate=self.intermediate, moe_intermediate=self.moe_intermediate,
+                 num_routed_experts=self.num_routed_experts, top_k=self.top_k,
+                 num_expert_groups=self.num_expert_groups, topk_groups=self.topk_groups,
+                 routed_scaling=self.routed_scaling, max_seq_len=self.max_seq_len,
+                 rope_theta=self.rope_theta)
+        non_negative(s, num_dense_layers=self.num_dense_layers,
+                     num_shared_experts=self.num_shared_experts,
+                     num_mtp_modules=self.num_mtp_modules)
+        require(self.num_dense_layers < self.num_layers, f"model.num_dense_layers"
+                f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})")
+        require(self.top_k <= self.num_routed_experts, f"model.top_k({self.top_k}) must be <= "
+                f"model.num_routed_experts({self.num_routed_experts})")
+        require(self.num_routed_experts % self.num_expert_groups == 0,
+                f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
+                f"model.num_expert_groups({self.num_expert_groups})")
+        require(self.topk_groups <= self.num_expert_groups, f"model.topk_groups({self.topk_groups})"
+                f" must be <= model.num_expert_groups({self.num_expert_groups})")
         per_group = self.num_routed_experts // self.num_expert_groups
-        _require(self.top_k <= self.topk_groups * per_group,
-                 f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
-                 f"per group({per_group})")
-        _require(self.num_mtp_modules <= 2, f"model.num_mtp_modules must be 0, 1 or 2, "
-                 f"got {self.num_mtp_modules}")
+        require(self.top_k <= self.topk_groups * per_group,
+                f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
+                f"per group({per_group})")
+        require(self.num_mtp_modules <= 2, f"model.num_mtp_modules must be 0, 1 or 2, "
+                f"got {self.num_mtp_modules}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,12 +144,12 @@ class SchedulerConfig:
     mtp_depth: int = 0                 # MTP draft tokens per decode step (0 = plain decoding)
 
     def __post_init__(self) -> None:
-        _positive("scheduler", max_batch_per_die=self.max_batch_per_die,
-                  kv_block_tokens=self.kv_block_tokens,
-                  num_kv_blocks_per_die=self.num_kv_blocks_per_die,
-                  prefill_chunk_tokens=self.prefill_chunk_tokens)
-        _require(self.mtp_depth in (0, 1, 2),
-                 f"scheduler.mtp_depth must be 0, 1 or 2, got {self.mtp_depth}")
+        positive("scheduler", max_batch_per_die=self.max_batch_per_die,
+                 kv_block_tokens=self.kv_block_tokens,
+                 num_kv_blocks_per_die=self.num_kv_blocks_per_die,
+                 prefill_chunk_tokens=self.prefill_chunk_tokens)
+        require(self.mtp_depth in (0, 1, 2),
+                f"scheduler.mtp_depth must be 0, 1 or 2, got {self.mtp_depth}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,16 +171,16 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         s = "workload"
-        _positive(s, num_requests=self.num_requests, prompt_len=self.prompt_len,
-                  output_len=self.output_len)
-        _require(self.max_prompt_len >= self.prompt_len, f"workload.max_prompt_len"
-                 f"({self.max_prompt_len}) must be >= workload.prompt_len({self.prompt_len})")
-        _require(self.max_output_len >= self.output_len, f"workload.max_output_len"
-                 f"({self.max_output_len}) must be >= workload.output_len({self.output_len})")
-        _require(self.arrival != "rate" or self.rate_per_s > 0,
-                 f"workload.rate_per_s must be > 0 when arrival is rate, got {self.rate_per_s}")
-        _require(self.source != "jsonl" or bool(self.path),
-                 "workload.path must name a JSONL file when source is jsonl")
+        positive(s, num_requests=self.num_requests, prompt_len=self.prompt_len,
+                 output_len=self.output_len)
+        require(self.max_prompt_len >= self.prompt_len, f"workload.max_prompt_len"
+                f"({self.max_prompt_len}) must be >= workload.prompt_len({self.prompt_len})")
+        require(self.max_output_len >= self.output_len, f"workload.max_output_len"
+                f"({self.max_output_len}) must be >= workload.output_len({self.output_len})")
+        require(self.arrival != "rate" or self.rate_per_s > 0,
+                f"workload.rate_per_s must be > 0 when arrival is rate, got {self.rate_per_s}")
+        require(self.source != "jsonl" or bool(self.path),
+                "workload.path must name a JSONL file when source is jsonl")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,76 +198,9 @@ class XcclConfig:
     max_window_bytes: int = 1 << 30    # per-die cap on the RMA window
 
     def __post_init__(self) -> None:
-        _positive("xccl", ring_slots=self.ring_slots, slot_bytes=self.slot_bytes,
-                  max_tokens_per_die=self.max_tokens_per_die, num_cores=self.num_cores,
-                  poll_timeout_s=self.poll_timeout_s, max_window_bytes=self.max_window_bytes)
-
-
-FAULT_OPS = ("p2p_send", "p2p_recv", "dispatch", "combine", "a2e", "e2a")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FaultSpec:
-    """One row of the fault table: die `die` fails operation `op` at MoE layer `layer` of
-    iteration `iteration` with error `code`, on `times` consecutive attempts (1 = transient)."""
-
-    die: int
-    op: str
-    layer: int
-    iteration: int
-    code: int = 1
-    times: int = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class FaultsConfig:
-    """Injected transient XCCL errors and token recomputation (xDeepServe §6.2 stage 3).
-
-    table: list of {die, op, layer, iteration, code?, times?} (die: the die's rank; op: one of
-    FAULT_OPS; layer: a MoE layer's index, num_layers + k - 1 for MTP depth k; iteration: the
-    run's n-th iteration with work, from 0, the same on every die). rate: seeded probabilistic mode, the
-    chance each operation call fails. An iteration may be re-executed max_retries times; one more
-    failure ends the run with an error naming die, operation and iteration."""
-
-    table: list = field(default_factory=list)
-    rate: float = 0.0
-    ops: list = field(default_factory=lambda: list(FAULT_OPS))
-    seed: int = 0
-    max_retries: int = 3
-
-    def __post_init__(self) -> None:
-        _require(0.0 <= self.rate < 1.0, f"faults.rate must be in [0, 1), got {self.rate}")
-        _non_negative("faults", max_retries=self.max_retries)
-        for op in self.ops:
-            _require(op in FAULT_OPS, f"faults.ops: unknown operation {op!r} "
-                     f"(known: {', '.join(FAULT_OPS)})")
-        object.__setattr__(self, "table", [_fault_spec(i, row) for i, row in enumerate(self.table)])
-
-    @property
-    def is_enabled(self) -> bool:
-        return bool(self.table) or self.rate > 0
-
-
-def _fault_spec(index: int, row) -> FaultSpec:
-    if isinstance(row, FaultSpec):
-        return row
-    where = f"faults.table[{index}]"
-    _require(isinstance(row, dict), f"{where} must be a mapping, got {row!r}")
-    hints = typing.get_type_hints(FaultSpec)
-    known = [f.name for f in dataclasses.fields(FaultSpec)]
-    for key in row:
-        _require(key in hints, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
-    for key in ("die", "op", "layer", "iteration"):
-        _require(key in row, f"{where} needs {key!r} (has: {', '.join(row) or 'nothing'})")
-    spec = FaultSpec(**{key: check_value(f"{where}.{key}", hints[key], v) for key, v in row.items()})
-    _require(spec.op in FAULT_OPS, f"{where}.op: unknown operation {spec.op!r} "
-             f"(known: {', '.join(FAULT_OPS)})")
-    _require(spec.die >= 0 and spec.iteration >= 0 and spec.layer >= 0,
-             f"{where}: die, layer and iteration must be >= 0, got die={spec.die}, "
-             f"layer={spec.layer}, iteration={spec.iteration}")
-    _require(spec.code > 0 and spec.times > 0,
-             f"{where}: code and times must be > 0, got code={spec.code}, times={spec.times}")
-    return spec
+        positive("xccl", ring_slots=self.ring_slots, slot_bytes=self.slot_bytes,
+                 max_tokens_per_die=self.max_tokens_per_die, num_cores=self.num_cores,
+                 poll_timeout_s=self.poll_timeout_s, max_window_bytes=self.max_window_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,8 +213,8 @@ class HardwareConfig:
     servers_per_pod: int = 48
 
     def __post_init__(self) -> None:
-        _positive("hardware", dies_per_chip=self.dies_per_chip,
-                  chips_per_server=self.chips_per_server, servers_per_pod=self.servers_per_pod)
+        positive("hardware", dies_per_chip=self.dies_per_chip,
+                 chips_per_server=self.chips_per_server, servers_per_pod=self.servers_per_pod)
 
     @property
     def dies_per_server(self) -> int:
@@ -314,9 +237,9 @@ class RunConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _positive("run", timeout_s=self.timeout_s)
-        _require("/" not in self.name and self.name not in (".", ".."),
-                 f"run.name must be a file name without '/', got {self.name!r}")
+        positive("run", timeout_s=self.timeout_s)
+        require("/" not in self.name and self.name not in (".", ".."),
+                f"run.name must be a file name without '/', got {self.name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -337,102 +260,11 @@ class Config:
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
-def _type_name(tp) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def check_value(where: str, tp, value):
-    """Return `value` as type `tp` (int widens to float) or raise ConfigError naming `where`."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-    elif origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            try:
-                return check_value(where, option, value)
-            except ConfigError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is type(None):
-        if value is None:
-            return value
-    elif isinstance(value, tp):
-        return value
-    raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r} "
-                      f"({type(value).__name__})")
-
-
-def _build_section(name: str, values: dict):
-    cls = SECTIONS[name]
-    if not isinstance(values, dict):
-        raise ConfigError(f"section {name!r} must be a mapping of keys to values, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in values:
-        if key not in hints:
-            raise ConfigError(f"unknown key {key!r} in section {name!r} (known: {', '.join(known)})")
-    typed = {key: check_value(f"{name}.{key}", hints[key], v) for key, v in values.items()}
-    return cls(**typed)
-
-
-def parse_override(text: str) -> tuple[str, str, object]:
-    """Parse `section.key=value` (value in YAML syntax) into (section, key, value)."""
-    path, sep, raw = text.partition("=")
-    section, dot, key = path.strip().partition(".")
-    if not sep or not dot or not section or not key:
-        raise ConfigError(f"--set expects section.key=value, got {text!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
-    return section, key, value
-
-
 def config_from_dict(data: dict | None, overrides: typing.Sequence[str] = ()) -> Config:
     """Build a Config from a parsed YAML mapping plus `section.key=value` overrides."""
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
-    merged = {name: dict(values or {}) if isinstance(values, dict) else values
-              for name, values in data.items()}
-    for text in overrides:
-        section, key, value = parse_override(text)
-        if section not in SECTIONS:
-            raise ConfigError(f"--set {text!r}: unknown section {section!r} "
-                              f"(known: {', '.join(SECTIONS)})")
-        known = [f.name for f in dataclasses.fields(SECTIONS[section])]
-        if key not in known:
-            raise ConfigError(f"--set {text!r}: unknown key {key!r} in section {section!r} "
-                              f"(known: {', '.join(known)})")
-        merged.setdefault(section, {})
-        if isinstance(merged[section], dict):
-            merged[section][key] = value
-    for name in merged:
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown section {name!r} (known: {', '.join(SECTIONS)})")
-    return Config(**{name: _build_section(name, values) for name, values in merged.items()})
+    return build_root(Config, data, overrides)
 
 
 def load_config(path: str | Path, overrides: typing.Sequence[str] = ()) -> Config:
     """Read a YAML deployment file and apply `--set` overrides."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
-    try:
-        return config_from_dict(data, overrides)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    return read_root(Config, path, overrides)

@@ -1,7 +1,9 @@
-"""The deployment's XCCL memory: which die pairs talk p2p, and how big each die's window is."""
-from __future__ import annotations
+"""The deployment's XCCL memory: which die pairs talk p2p, and how big each die's window is.
 
-import numpy as np
+Helpers of `xds_mpi.plan.DeploymentPlan.build`, the one place that calls them: role programs and
+the launcher take the layouts and window sizes from the plan.
+"""
+from __future__ import annotations
 
 from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
 from xds_mpi.config import Config, ConfigError
@@ -26,25 +28,25 @@ def p2p_layout(cfg: Config, topo: Topology) -> P2PLayout:
     return P2PLayout.build(topo.world_size, x.ring_slots, x.slot_bytes, p2p_pairs(cfg, topo))
 
 
-def ep_layout(cfg: Config, topo: Topology) -> EpLayout | None:
-    """Dispatch/combine area of a colocated deployment, after each die's p2p area."""
+def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpLayout | None:
+    """Dispatch/combine area of a colocated deployment, after each die's p2p area; rows of
+    `itemsize` bytes (xccl.row_dtype) when not INT8."""
     if cfg.deployment.kind != "colocated":
         return None
-    p2p = p2p_layout(cfg, topo)
     shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0
     return EpLayout(members=topo.ranks_with_role("colocated"),
                     base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
                     hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
                     num_columns=cfg.model.top_k + shared_column,
-                    itemsize=np.dtype(cfg.xccl.row_dtype).itemsize, use_int8=cfg.xccl.use_int8)
+                    itemsize=itemsize, use_int8=cfg.xccl.use_int8)
 
 
-def afd_layout(cfg: Config, topo: Topology) -> AfdLayout | None:
+def afd_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> AfdLayout | None:
     """A2E/E2A area of an afd deployment, after each die's p2p area: one lane per DP domain x
     microbatch; a shared-expert column whenever the model has shared experts."""
     if cfg.deployment.kind != "afd":
         return None
-    p2p, dep = p2p_layout(cfg, topo), cfg.deployment
+    dep = cfg.deployment
     return AfdLayout(attention=topo.ranks_with_role("attention"),
                      experts=topo.ranks_with_role("expert"),
                      group_size=dep.dp_groups_per_domain,
@@ -52,13 +54,13 @@ def afd_layout(cfg: Config, topo: Topology) -> AfdLayout | None:
                      num_lanes=dep.num_dp_domains * dep.num_microbatches,
                      hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
                      top_k=cfg.model.top_k, has_shared=cfg.model.num_shared_experts > 0,
-                     itemsize=np.dtype(cfg.xccl.row_dtype).itemsize, use_int8=cfg.xccl.use_int8)
+                     itemsize=itemsize, use_int8=cfg.xccl.use_int8)
 
 
-def window_bytes(cfg: Config, topo: Topology) -> list[int]:
+def window_bytes(cfg: Config, p2p: P2PLayout, ep: EpLayout | None,
+                 afd: AfdLayout | None) -> tuple[int, ...]:
     """Size hint: bytes of every rank's window (host ranks: 0), refused over the per-die cap."""
-    p2p, ep, afd = p2p_layout(cfg, topo), ep_layout(cfg, topo), afd_layout(cfg, topo)
-    sizes = [p2p.window_bytes(rank) for rank in range(topo.world_size)]
+    sizes = [p2p.window_bytes(rank) for rank in range(p2p.num_ranks)]
     if ep is not None:
         for rank in ep.members:
             sizes[rank] += ep.area_bytes()
@@ -73,7 +75,7 @@ def window_bytes(cfg: Config, topo: Topology) -> list[int]:
             raise ConfigError(f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
                               f" B + {area} {moe_bytes} B, over the per-die cap "
                               f"xccl.max_window_bytes({cap})")
-    return sizes
+    return tuple(sizes)
 
 
 def format_bytes(nbytes: int) -> str:

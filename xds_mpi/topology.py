@@ -105,7 +105,6 @@ class Topology:
             raise ConfigError(f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
                               f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
                               f"{hw.dies_per_chip} dies)")
-        _check_serving(cfg, num_dies, dep.num_host_ranks)
         roles: list[Role] = [role for role, n in counts.items() for _ in range(n)]
         slots_of, phy2log = _place_experts(cfg, roles)
         ranks = [RankInfo(rank=r, role="host") for r in range(dep.num_host_ranks)]
@@ -168,10 +167,10 @@ class Topology:
         return tuple(tuple(slots) for slots in table)
 
 
-def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[ExpertSlot, ...]],
-                                                            list[int]]:
+def _routed_dies(cfg: Config, hosts: list[int]) -> list[int]:
+    """The expert-hosting dies that take routed experts (the last num_shared_expert_dies hold a
+    shared expert instead), refused when the routed experts cannot fill or fit them."""
     dep, model = cfg.deployment, cfg.model
-    hosts = [d for d, role in enumerate(roles) if role in ("colocated", "expert")]
     num_shared_dies = dep.num_shared_expert_dies
     if num_shared_dies and model.num_shared_experts == 0:
         raise ConfigError(f"deployment.num_shared_expert_dies({num_shared_dies}) > 0 but "
@@ -191,9 +190,17 @@ def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[Expe
                           f"{num_routed_dies} routed-expert dies x max_routed_experts_per_die"
                           f"({dep.max_routed_experts_per_die}) = "
                           f"{num_routed_dies * dep.max_routed_experts_per_die} slots")
+    return routed_dies
+
+
+def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[ExpertSlot, ...]],
+                                                            list[int]]:
+    dep, model = cfg.deployment, cfg.model
+    hosts = [d for d, role in enumerate(roles) if role in ("colocated", "expert")]
+    routed_dies = _routed_dies(cfg, hosts)
     slots_of: dict[int, tuple[ExpertSlot, ...]] = {}
     phy2log: list[int] = []
-    base, extra = divmod(num_experts, num_routed_dies)
+    base, extra = divmod(model.num_routed_experts, len(routed_dies))
     first = 0
     for i, die in enumerate(routed_dies):
         count = base + (1 if i < extra else 0)
@@ -209,34 +216,7 @@ def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[Expe
                       for s in range(model.num_shared_experts)]
         slots_of[die] = tuple(slots)
         first += count
-    for i, die in enumerate(hosts[num_routed_dies:]):
+    for i, die in enumerate(hosts[len(routed_dies):]):
         slots_of[die] = (ExpertSlot(kind="shared", expert_idx=i % model.num_shared_experts,
                                     phy_idx=-1),)
     return slots_of, phy2log
-
-
-def _check_serving(cfg: Config, num_dies: int, num_host_ranks: int) -> None:
-    """What MTP and the fault table need of the rest of the config."""
-    depth = cfg.scheduler.mtp_depth
-    if depth and not cfg.model.num_mtp_modules:
-        raise ConfigError(f"scheduler.mtp_depth({depth}) needs a model with MTP modules "
-                          "(model.num_mtp_modules is 0)")
-    if depth and cfg.xccl.max_tokens_per_die < 2 * depth:
-        raise ConfigError(f"xccl.max_tokens_per_die({cfg.xccl.max_tokens_per_die}) cannot hold "
-                          f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
-                          f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)")
-    num_cache_layers = cfg.model.num_layers + depth
-    for i, spec in enumerate(cfg.faults.table):
-        first, last = num_host_ranks, num_host_ranks + num_dies - 1
-        if spec.op.startswith("p2p"):
-            raise ConfigError(f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
-                              "run makes no p2p transfers, so this fault could never fire (p2p "
-                              "faults are exercised by tests/mpi/body_faults.py)")
-        if not first <= spec.die <= last:
-            raise ConfigError(f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks "
-                              f"{first}..{last}")
-        if not cfg.model.num_dense_layers <= spec.layer < num_cache_layers:
-            raise ConfigError(f"faults.table[{i}].layer({spec.layer}) is not a MoE layer: "
-                              f"layers {cfg.model.num_dense_layers}..{num_cache_layers - 1} are "
-                              f"(model.num_dense_layers({cfg.model.num_dense_layers}), "
-                              f"num_layers({cfg.model.num_layers}) + scheduler.mtp_depth({depth}))")

@@ -11,7 +11,7 @@ from ranks.context import RankContext
 from ranks.handshake import handshake
 from xds_mpi.config import config_from_dict
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
-from xds_mpi.topology import Topology
+from xds_mpi.plan import DeploymentPlan
 
 comm = MPI.COMM_WORLD
 
@@ -22,8 +22,8 @@ def context(overrides=()) -> RankContext:
     cfg = config_from_dict({"deployment": {"dp_groups_per_domain": num_dies},
                             "model": {"num_routed_experts": 8 * num_dies},
                             "xccl": {"poll_timeout_s": 20}}, overrides)
-    topo = Topology.from_config(cfg, comm.size)
-    return RankContext(cfg=cfg, topo=topo, comm=comm, log=logging.getLogger("test"))
+    return RankContext(plan=DeploymentPlan.build(cfg, comm.size), comm=comm,
+                       log=logging.getLogger("test"))
 
 
 @pytest.mark.mpi(min_size=2)
