@@ -3,3 +3,10 @@ from pathlib import Path
 
 # tests/harness.py is imported as `harness` by the test modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--config-matrix", choices=("pairwise", "full"), default="pairwise",
+                     help="which accepted configs tests/test_config_matrix.py serves with --check:"
+                          " a pairwise cover of the axes (default, ~20 runs) or every accepted "
+                          "combination (thousands of runs: a nightly-style job)")
