@@ -31,7 +31,7 @@ class DecodeDie(Protocol):
     """What `serve` drives: a colocated die (ranks/colocated.py) or an attention die
     (ranks/attention.py)."""
 
-    outbox: "Outbox"
+    outbox: Outbox
 
     def step(self) -> bool:
         """One iteration (or an idle turn); False once every die was told to stop."""
