@@ -2,10 +2,16 @@
 with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement."""
 from __future__ import annotations
 
+from functools import partial
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
+
+if TYPE_CHECKING:
+    from ranks.recompute import Recoverable
 
 
 class AfdDieBase:
@@ -44,18 +50,24 @@ class AfdDieBase:
                              num_routed_dies=len(routed))
         from ranks.recompute import Recomputer
         self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer,
-                                    log=ctx.log)
+                                    events=self.plan, log=ctx.log)
         self.iteration = 0                                # busy iterations, the same on every die
 
-    def run_iteration(self, busy: tuple[int, ...], attempt, *, checkpoint=None):
-        """Run attempt(planned calls) as this iteration (re-executed after a transient fault:
-        back to `checkpoint`, then the calls planned afresh, with new call numbers and the same
+    def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
+        """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to
+        the iteration's start, then the calls planned afresh, with new call numbers and the same
         events)."""
         iteration = self.iteration
         self.iteration += 1
-        return self.recompute.run(iteration,
-                                  lambda _: attempt(self.plan.iteration(busy, iteration)),
-                                  layer_of=self.plan.layer_of_event, checkpoint=checkpoint)
+        return self.recompute.run(iteration, partial(self._planned_attempt, busy, iteration),
+                                  state=state)
+
+    def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
+        return self.attempt(busy, self.plan.iteration(busy, iteration))
+
+    def attempt(self, busy: tuple[int, ...], planned: list):
+        """This die's part of the iteration over its `planned` calls (AfdPlan.iteration)."""
+        raise NotImplementedError
 
     def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
         """(the DP domains with work this iteration, has every attention die been told to stop)

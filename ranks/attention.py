@@ -8,9 +8,8 @@ import time
 
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
-from ranks.die_io import Inbox, Outbox, serve
+from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.handshake import handshake
-from ranks.recompute import decode_checkpoint
 from xds_mpi.engine.scheduler import DieScheduler
 from xds_mpi.engine.timing import IterationTiming
 
@@ -61,9 +60,7 @@ class AttentionDie(AfdDieBase):
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        result = self.run_iteration(
-            busy, lambda calls: self._attempt(busy, calls),
-            checkpoint=lambda: decode_checkpoint(self.scheduler, self.executor))
+        result = self.run_iteration(busy, state=(self.scheduler, self.executor))
         if result is None:                                 # the other domains took their turn
             self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())   # one row per iteration
             return True
@@ -73,13 +70,18 @@ class AttentionDie(AfdDieBase):
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
 
-    def _attempt(self, busy, calls):
+    def attempt(self, busy, planned):
         """Schedule and run this die's part of the iteration (None when its domain is idle)."""
         if self.domain not in busy:
             return None
         entries = self.scheduler.schedule()                # continuous batching, chunked prefill
-        mine = [c for c in calls if c.call.domain == self.domain]
+        mine = [c for c in planned if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)        # attention, A2E ... E2A
+
+    def totals(self) -> DieTotals:
+        """The run's totals (collective: the fault count sums over the dies)."""
+        return DieTotals(num_iterations=self.executor.num_iterations,
+                         virtual_spent=self.pricer.snapshot(), recovery=self.recompute.report())
 
     def close(self) -> None:
         self.outbox.drain()

@@ -9,9 +9,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
-from ranks.die_io import Inbox, Outbox, serve
+from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.handshake import handshake
-from ranks.recompute import Recomputer, decode_checkpoint
+from ranks.recompute import Recomputer
 from xds_mpi.engine.scheduler import DieScheduler
 
 
@@ -67,7 +67,8 @@ class ColocatedDie:
                                           pricer=self.pricer, slots=slots,
                                           shared_slots=slots.dedicated_shared_slots
                                           if is_dedicated else (), mtp_depth=depth)
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer, log=ctx.log)
+        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer,
+                                    events=self.executor.events, log=ctx.log)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -86,14 +87,12 @@ class ColocatedDie:
 
     def iteration(self):
         """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
-        executor, scheduler = self.executor, self.scheduler
+        return self.recompute.run(self.executor.num_iterations, self.attempt,
+                                  state=(self.scheduler, self.executor))
 
-        def attempt(_: int):
-            entries = scheduler.schedule()                 # continuous batching, chunked prefill
-            return executor.forward(entries)               # MLA, gate, dispatch, experts, combine
-        return self.recompute.run(executor.num_iterations, attempt,
-                                  checkpoint=lambda: decode_checkpoint(scheduler, executor),
-                                  layer_of=lambda event: executor.layer_of_event(event)[1])
+    def attempt(self):
+        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
+        return self.executor.forward(entries)              # MLA, gate, dispatch, experts, combine
 
     def agree(self) -> tuple[bool, bool]:
         """(does any die have work, has every die been told to stop) — one allreduce."""
@@ -101,6 +100,11 @@ class ColocatedDie:
         total = np.empty_like(mine)
         self.dies.Allreduce(mine, total, op=MPI.SUM)
         return bool(total[0]), total[1] == 0
+
+    def totals(self) -> DieTotals:
+        """The run's totals (collective: the fault count sums over the dies)."""
+        return DieTotals(num_iterations=self.executor.num_iterations,
+                         virtual_spent=self.pricer.snapshot(), recovery=self.recompute.report())
 
     def close(self) -> None:
         self.outbox.drain()

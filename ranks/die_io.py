@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 from mpi4py import MPI
 
@@ -14,13 +16,41 @@ from xds_mpi.engine.scheduler import DieScheduler, Emitted
 SHELL = 0  # the TE-shell is rank 0
 
 
-def serve(die) -> None:
+@dataclass(frozen=True, kw_only=True)
+class DieTotals:
+    """A decode die's run, for its report to the TE-shell. virtual_spent: operation -> virtual
+    seconds (xds_mpi/engine/pricing.py); recovery: the token recomputation counters
+    (ranks/recompute.py, faults_injected summed over every die)."""
+
+    num_iterations: int
+    virtual_spent: dict[str, float]
+    recovery: dict
+
+
+class DecodeDie(Protocol):
+    """What `serve` drives: a colocated die (ranks/colocated.py) or an attention die
+    (ranks/attention.py)."""
+
+    outbox: Outbox
+
+    def step(self) -> bool:
+        """One iteration (or an idle turn); False once every die was told to stop."""
+
+    def totals(self) -> DieTotals:
+        """The run's totals (collective over the dies)."""
+
+    def close(self) -> None:
+        """Drain the outbox and free the die (collective)."""
+
+
+def serve(die: DecodeDie) -> None:
     """A decode die (colocated or attention) after the handshake: iterations until every die was
     told to stop, its report to the TE-shell, then the collective close — only on this way out
     together (an error aborts the job instead of hanging in a collective)."""
     while die.step():
         pass
-    die.outbox.report(die.executor.num_iterations, dict(die.pricer.spent), die.recompute.report())
+    totals = die.totals()
+    die.outbox.report(totals.num_iterations, totals.virtual_spent, totals.recovery)
     die.close()
 
 

@@ -39,12 +39,13 @@ class ExpertDie(AfdDieBase):
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        stats = self.run_iteration(busy, self._attempt)
+        stats = self.run_iteration(busy)
         self.num_iterations += 1
         self.num_rows += stats.num_rows
         return True
 
-    def _attempt(self, planned):
+    def attempt(self, busy, planned):
+        """The expert dies' part of the iteration: every planned call, whatever the domain."""
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
         return self.loop.run([p.call for p in planned])   # persistent: every layer, no return
 

@@ -4,31 +4,41 @@ re-executed, counters out.
 Each iteration runs as an attempt of xccl/recovery.py's protocol: a die whose XCCL operation
 raises an injected fault tells every die (the abort word every wait checks), every die votes once
 per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
-start of the iteration (the caller's `restore`: scheduler, KV lengths, MTP drafts, event ids,
-virtual clock) and runs it again. Nothing of a failed attempt reaches the TE-shell: dies commit
-and stream only after a vote that passed. With no faults configured nothing of this runs (no
-interrupt in the waits, no vote): an iteration is one attempt.
+start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP drafts,
+event ids; its virtual clock and priced time) and runs it again. Nothing of a failed attempt
+reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
+configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from mpi4py import MPI
 
 from xccl.errors import RetriesExhausted, XcclError
-from xccl.recovery import Outcome, Recovery
+from xccl.faults import RecoverableBuffer, RecoveryHooks
+from xccl.recovery import FaultReport, Outcome, Recovery
 from xds_mpi.config import Config
 from xds_mpi.engine.pricing import Pricer
-from xds_mpi.faults import FaultPlan
+from xds_mpi.faults import EventMap, FaultPlan
 
 T = TypeVar("T")
 
 
 class RecomputationFailed(XcclError):
     """A fault outlived faults.max_retries re-executions of one iteration."""
+
+
+class Recoverable(Protocol):
+    """Part of a die's state that an iteration changes before it commits (the scheduler, the
+    executor with its MTP drafts): put back to the iteration's start after a failed attempt."""
+
+    def checkpoint(self) -> Any: ...
+
+    def restore(self, checkpoint: Any) -> None: ...
 
 
 @dataclass
@@ -44,75 +54,95 @@ class RecoveryCounters:
     vtime_lost_s: float = 0.0
 
 
+class IterationAttempts:
+    """One iteration's attempts on one die: where the iteration started (the die's state, the
+    virtual clock, the priced time), and the attempt running now."""
+
+    def __init__(self, iteration: int, body: Callable[[], T], *, plan: FaultPlan,
+                 pricer: Pricer, state: Sequence[Recoverable]) -> None:
+        self.iteration, self.body, self.plan, self.pricer = iteration, body, plan, pricer
+        self.state = tuple(state)
+        self.checkpoints = tuple(part.checkpoint() for part in self.state)
+        self.clock_start, self.priced_start = pricer.clock.snapshot(), pricer.snapshot()
+        self.attempt, self.started_s = 0, time.perf_counter()
+
+    def run(self, attempt: int) -> T:
+        """Attempt `attempt` (0 = the first execution) of the iteration."""
+        self.attempt, self.started_s = attempt, time.perf_counter()
+        self.plan.begin(iteration=self.iteration, attempt=attempt)
+        return self.body()
+
+    def wall_s(self) -> float:
+        """Wall seconds of the attempt so far."""
+        return time.perf_counter() - self.started_s
+
+    def vtime_s(self) -> float:
+        """Virtual seconds since the iteration started (the failed attempt's, before restore)."""
+        return (self.pricer.clock.now_ns - self.clock_start) / 1e9
+
+    def restore(self) -> None:
+        """The die back to the iteration's start."""
+        self.pricer.clock.restore(self.clock_start)
+        self.pricer.restore(self.priced_start)
+        for part, checkpoint in zip(self.state, self.checkpoints):
+            part.restore(checkpoint)
+
+
 class Recomputer:
-    def __init__(self, cfg: Config, comm: MPI.Comm, rank: int, buffers: Sequence,
-                 pricer: Pricer, *, log: logging.Logger | None = None) -> None:
+    def __init__(self, cfg: Config, comm: MPI.Comm, rank: int,
+                 buffers: Sequence[RecoverableBuffer], pricer: Pricer, *, events: EventMap,
+                 log: logging.Logger | None = None) -> None:
+        """events: how the die's XCCL operations number their events (the fault plan's layers)."""
         self.faults = cfg.faults
-        self.buffers, self.rank, self.comm = list(buffers), rank, comm
-        self.pricer, self.clock = pricer, pricer.clock
+        self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
         self.log = log if comm.rank == 0 else None          # one die tells the story
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
-        self.plan = FaultPlan(cfg.faults, rank)
+        self._attempts: IterationAttempts | None = None     # the iteration running now
+        self.plan = FaultPlan(cfg.faults, rank, events)
         self.recovery = (Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s)
                          if cfg.faults.is_enabled else None)
         if self.recovery is not None:
+            hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=self.plan.check)
             for b in self.buffers:
-                b.interrupt = self.recovery.interrupt
+                b.set_recovery(hooks)
 
-    def run(self, iteration: int, attempt: Callable[[int], T], *,
-            layer_of: Callable[[int], int],
-            checkpoint: Callable[[], Callable[[], None]] | None = None) -> T:
-        """attempt(k) (k = 0 the first execution) until every die completed one. checkpoint()
-        saves the die's own state and returns what puts it back; between attempts that runs,
-        after the virtual clock and the per-operation virtual time went back here."""
+    def run(self, iteration: int, attempt: Callable[[], T], *,
+            state: Sequence[Recoverable] = ()) -> T:
+        """attempt() until every die completed one; between attempts the virtual clock, the
+        priced time and each part of `state` go back to where this call found them."""
         if self.recovery is None:
-            return attempt(0)
-        restore_die = checkpoint() if checkpoint is not None else (lambda: None)
-        vstart, spent = self.clock.now_ns, dict(self.pricer.spent)
-        started = [time.perf_counter()]
-        tried = [0]                                         # the attempt running now
-
-        def one(k: int) -> T:
-            for b in self.buffers:
-                b.fault_hook = self.plan.hook(iteration=iteration, attempt=k, layer_of=layer_of)
-            started[0] = time.perf_counter()
-            tried[0] = k
-            return attempt(k)
-
-        def restore() -> None:
-            self.clock.now_ns = vstart
-            self.pricer.spent.clear()
-            self.pricer.spent.update(spent)
-            restore_die()
-
-        def rolled_back(outcome: Outcome) -> None:
-            self._outcome = outcome
-            c = self.counters
-            c.rollbacks += 1
-            if self._last_recomputed != iteration:
-                c.recomputed_iterations += 1
-                self._last_recomputed = iteration
-            c.wall_lost_s += time.perf_counter() - started[0]
-            c.vtime_lost_s += (self.clock.now_ns - vstart) / 1e9
-            if self.log is not None and tried[0] < self.faults.max_retries:
-                self.log.info("iteration %d rolled back (%s); recomputing, attempt %d of %d",
-                              iteration, describe(outcome.faults, layer_of), tried[0] + 2,
-                              self.faults.max_retries + 1)
-            restore()
-
+            return attempt()
+        self._attempts = IterationAttempts(iteration, attempt, plan=self.plan,
+                                           pricer=self.pricer, state=state)
         try:
-            result = self.recovery.run(one, self.buffers, max_retries=self.faults.max_retries,
-                                       what=f"iteration {iteration}", on_rollback=rolled_back)
+            return self.recovery.run(self._attempts.run, self.buffers,
+                                     max_retries=self.faults.max_retries,
+                                     what=f"iteration {iteration}", on_rollback=self._rolled_back)
         except RetriesExhausted as exc:
             raise RecomputationFailed(
                 f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
                 f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
-                f"attempt's faults: {describe(self._outcome.faults, layer_of)}") from exc
+                f"attempt's faults: {describe(self._outcome.faults, self.plan.events)}") from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
-        return result
+
+    def _rolled_back(self, outcome: Outcome) -> None:
+        """Every die's attempt failed: count it, tell it, restore the die."""
+        attempts, c = self._attempts, self.counters
+        self._outcome = outcome
+        c.rollbacks += 1
+        if self._last_recomputed != attempts.iteration:
+            c.recomputed_iterations += 1
+            self._last_recomputed = attempts.iteration
+        c.wall_lost_s += attempts.wall_s()
+        c.vtime_lost_s += attempts.vtime_s()
+        if self.log is not None and attempts.attempt < self.faults.max_retries:
+            self.log.info("iteration %d rolled back (%s); recomputing, attempt %d of %d",
+                          attempts.iteration, describe(outcome.faults, self.plan.events),
+                          attempts.attempt + 2, self.faults.max_retries + 1)
+        attempts.restore()
 
     def report(self) -> dict:
         """The counters, with faults_injected summed over every die (collective over the dies:
@@ -126,18 +156,7 @@ class Recomputer:
             self.recovery.free()
 
 
-def describe(faults, layer_of: Callable[[int], int]) -> str:
+def describe(faults: Sequence[FaultReport], events: EventMap) -> str:
     """The faults of a failed attempt: die, operation, MoE layer, event id and error code."""
-    return "; ".join(f"die {f.die} {f.op} at layer {layer_of(f.event_id)} (event {f.event_id}, "
-                     f"code {f.code})" for f in faults) or "none reported"
-
-
-def decode_checkpoint(scheduler, executor) -> Callable[[], None]:
-    """A decode die's iteration start (scheduler: admissions, prompt progress, KV table;
-    executor: iteration number, staged MTP state) and what puts it back."""
-    saved = scheduler.checkpoint(), executor.checkpoint()
-
-    def restore() -> None:
-        scheduler.restore(saved[0])
-        executor.restore(saved[1])
-    return restore
+    return "; ".join(f"die {f.die} {f.op} at layer {events.layer_of_event(f.event_id)} (event "
+                     f"{f.event_id}, code {f.code})" for f in faults) or "none reported"

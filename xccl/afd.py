@@ -48,7 +48,7 @@ import numpy as np
 from xccl.ep import INDEX_DTYPE, select_slots
 from xccl.afd_records import AfdCall, AfdRecords
 from xccl.errors import BufferTooSmall, XcclError
-from xccl.faults import FaultHook, Interrupt
+from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_OFFSET, INDEX_BYTES,
                          AfdLayout)
@@ -132,6 +132,10 @@ class AfdBuffer:
     @interrupt.setter
     def interrupt(self, interrupt: Interrupt | None) -> None:
         self.records.interrupt = interrupt
+
+    def set_recovery(self, hooks: RecoveryHooks) -> None:
+        """Install the recovery hooks (once, by the die's recomputer; xccl/faults.py)."""
+        self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
 
     @property
     def waiting_for(self) -> str:

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from xccl.errors import BufferTooSmall, EventMismatch, XcclError
-from xccl.faults import FaultHook, Interrupt
+from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import (EP_COUNT, EP_DOORBELL, EP_EVENT_ID, EP_OFFSET, EP_VTIME_NS, INDEX_BYTES,
                          EpLayout)
@@ -126,6 +126,10 @@ class EpBuffer:
         self._seq = {"dispatch": 0, "combine": 0}
         self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
+
+    def set_recovery(self, hooks: RecoveryHooks) -> None:
+        """Install the recovery hooks (once, by the die's recomputer; xccl/faults.py)."""
+        self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,

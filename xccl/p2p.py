@@ -43,7 +43,7 @@ from typing import Generator, Sequence
 import numpy as np
 
 from xccl.errors import BufferTooSmall, EventMismatch, InjectedFault, UnknownPeer, XcclError
-from xccl.faults import FaultHook, Interrupt
+from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import DOORBELL, EVENT_ID, RECORD_WORDS, RECORDS_PER_PAIR, VTIME_NS, P2PLayout
 from xccl.vclock import LinkModel, Path, VirtualClock
@@ -131,6 +131,10 @@ class P2P:
         self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
         self._fault: InjectedFault | None = None      # set by a hook, cleared by abandon()
+
+    def set_recovery(self, hooks: RecoveryHooks) -> None:
+        """Install the recovery hooks (once, by the die's recomputer; xccl/faults.py)."""
+        self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
 
     # -- API ------------------------------------------------------------------------------------
     def isend(self, data: np.ndarray, dst: int, event_id: int, *,

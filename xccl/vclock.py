@@ -72,3 +72,12 @@ class VirtualClock:
         """Something sent at an earlier virtual time lands at `arrival_ns`: wait for it."""
         self.now_ns = max(self.now_ns, float(arrival_ns))
         return self.now_ns
+
+    def snapshot(self) -> float:
+        """The time now, for `restore` (token recomputation re-runs an iteration from it)."""
+        return self.now_ns
+
+    def restore(self, snapshot: float) -> None:
+        """Back to a `snapshot`: the only way the clock goes back (a failed attempt's time is
+        counted by the recomputer, not by the iteration that re-runs)."""
+        self.now_ns = float(snapshot)

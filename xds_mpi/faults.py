@@ -8,26 +8,54 @@ A FaultPlan answers, for one die, "does this call of this operation fail?" (pure
               generator seeded by (seed, die, op, iteration, layer, attempt, call): the same
               config replays the same faults, and a re-execution draws afresh.
 Table rows are explicit and ignore `ops`; `ops` filters the random mode only.
+
+The plan is also the die's fault hook (`check`, installed once in its XCCL buffers): the die's
+recomputer tells it which iteration and attempt run (`begin`), and an `EventMap` given at
+construction turns an operation's event id into its MoE layer.
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from xccl.faults import FaultHook, injector
+from xccl.errors import InjectedFault
 from xds_mpi.config import FAULT_OPS, FaultsConfig
 
 RANDOM_CODE = 1          # the error code of a fault drawn by the random mode
 
 
+class EventMap(Protocol):
+    """How a deployment numbers its XCCL operations' events."""
+
+    def layer_of_event(self, event_id: int) -> int:
+        """The MoE layer of an event id (MTP depth k: layer L + k - 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerEvents:
+    """One event per MoE layer per iteration, as the colocated executor numbers its dispatch
+    and combine: event id = iteration x events_per_iteration + layer (L layers + D MTP depths)."""
+
+    events_per_iteration: int
+
+    def event_id(self, iteration: int, layer: int) -> int:
+        return iteration * self.events_per_iteration + layer
+
+    def layer_of_event(self, event_id: int) -> int:
+        return event_id % self.events_per_iteration
+
+
 class FaultPlan:
-    def __init__(self, cfg: FaultsConfig, die: int) -> None:
-        self.cfg, self.die = cfg, die
+    def __init__(self, cfg: FaultsConfig, die: int, events: EventMap) -> None:
+        self.cfg, self.die, self.events = cfg, die, events
         self.rows = [row for row in cfg.table if row.die == die]
         self.random_ops = frozenset(cfg.ops) if cfg.rate > 0 else frozenset()
         self.fired: Counter[str] = Counter()          # op -> decisions that fired
+        self.iteration = self.attempt = 0             # what runs now (`begin`)
+        self.num_calls: Counter[tuple[str, int]] = Counter()   # (op, layer) -> calls so far
 
     @property
     def num_fired(self) -> int:
@@ -51,17 +79,20 @@ class FaultPlan:
                 return RANDOM_CODE
         return None
 
-    def hook(self, *, iteration: int, attempt: int, layer_of: Callable[[int], int]) -> FaultHook:
-        """A fault hook for this die's XCCL buffers during one attempt (a fresh one per attempt).
+    def begin(self, *, iteration: int, attempt: int) -> None:
+        """An attempt of `iteration` starts (attempt 0 = its first execution): calls are
+        numbered afresh."""
+        self.iteration, self.attempt = iteration, attempt
+        self.num_calls = Counter()
 
-        layer_of(event_id) -> the MoE layer of an operation's event id. The hook numbers the
-        calls of each (op, layer) in the order they come and raises InjectedFault when decide()
-        names a code."""
-        calls: Counter[tuple[str, int]] = Counter()
-
-        def decide(op: str, event_id: int) -> int | None:
-            layer = layer_of(event_id)
-            call = calls[op, layer]
-            calls[op, layer] += 1
-            return self.decide(op, iteration=iteration, layer=layer, attempt=attempt, call=call)
-        return injector(self.die, decide)
+    def check(self, op: str, event_id: int) -> None:
+        """The fault hook of this die's XCCL buffers (xccl/faults.py): numbers the calls of
+        each (op, layer) of the attempt in the order they come and raises InjectedFault when
+        decide() names a code."""
+        layer = self.events.layer_of_event(event_id)
+        call = self.num_calls[op, layer]
+        self.num_calls[op, layer] += 1
+        code = self.decide(op, iteration=self.iteration, layer=layer, attempt=self.attempt,
+                           call=call)
+        if code is not None:
+            raise InjectedFault(self.die, op, event_id, code)

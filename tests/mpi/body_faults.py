@@ -20,13 +20,14 @@ from xccl.afd import AfdBuffer, AfdCall
 from xccl.afd_loop import ExpertLoop
 from xccl.ep import EpBuffer
 from xccl.errors import InjectedFault, RetriesExhausted, RollbackRequested
+from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
 from xccl.p2p import P2P
 from xccl.recovery import Recovery
 from xccl.reference import combine_reference, e2a_reference, tagged_payload
 from xds_mpi.config import FaultsConfig
-from xds_mpi.faults import FaultPlan
+from xds_mpi.faults import FaultPlan, LayerEvents
 
 comm = MPI.COMM_WORLD
 LAST = comm.size - 1
@@ -71,8 +72,11 @@ EP_TABLE = [dict(die=1, op="dispatch", layer=0, iteration=2),            # first
             dict(die=1, op="combine", layer=1, iteration=17)]
 
 
+EP_EVENTS = LayerEvents(events_per_iteration=10)
+
+
 def ep_event(iteration, layer):
-    return 10 * iteration + layer
+    return EP_EVENTS.event_id(iteration, layer)
 
 
 class EpGroup:
@@ -116,15 +120,14 @@ class EpGroup:
 @pytest.mark.mpi(min_size=2)
 def test_dispatch_combine_iterations_recover_from_injected_faults(recovery):
     group = EpGroup()
-    ep, plan = group.ep, FaultPlan(FaultsConfig(table=EP_TABLE), comm.rank)
-    ep.interrupt = recovery.interrupt
+    ep, plan = group.ep, FaultPlan(FaultsConfig(table=EP_TABLE), comm.rank, EP_EVENTS)
+    ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt, fault_hook=plan.check))
     outputs, raised, outcomes = {}, [], []
     try:
         for it in range(NUM_ITERATIONS):
             for attempt in itertools.count():       # the coordinator's steps, spelled out
                 assert attempt <= 2, f"iteration {it} still failing at attempt {attempt}"
-                ep.fault_hook = plan.hook(iteration=it, attempt=attempt,
-                                          layer_of=lambda event: event % 10)
+                plan.begin(iteration=it, attempt=attempt)
                 fault = None
                 try:
                     outputs[it] = group.iteration(it)
@@ -158,14 +161,15 @@ def test_dispatch_combine_iterations_recover_from_injected_faults(recovery):
 @pytest.mark.mpi(min_size=2)
 def test_a_die_stuck_in_a_wait_learns_of_the_fault_promptly(recovery):
     group = EpGroup()
-    group.ep.interrupt = recovery.interrupt
+    group.ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt))
     latency = None
     try:
         def slow_fault(op, event):          # everyone else is deep in the dispatch wait by now
             time.sleep(0.5)
             raise InjectedFault(comm.rank, op, event, 3)
         if comm.rank == LAST:
-            group.ep.fault_hook = slow_fault
+            group.ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt,
+                                                fault_hook=slow_fault))
         fault, notified_at, caught_at = None, None, None
         try:
             group.iteration(0)
@@ -178,7 +182,7 @@ def test_a_die_stuck_in_a_wait_learns_of_the_fault_promptly(recovery):
         outcome = recovery.vote(fault, group.ep.publication_state())
         assert outcome.failed and [f.die for f in outcome.faults] == [LAST]
         group.ep.resync(outcome.states)
-        group.ep.fault_hook = None
+        group.ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt))
         assert all(np.array_equal(a, b) for a, b in zip(group.iteration(0), group.oracle(0)))
         times = comm.allgather((notified_at, caught_at))
         latency = max(c for _, c in times if c is not None) - times[LAST][0]
@@ -193,14 +197,13 @@ def test_a_persistent_fault_ends_every_die_with_a_named_error(recovery):
     cfg = FaultsConfig(table=[dict(die=LAST, op="combine", layer=1, iteration=2, times=100)],
                        max_retries=2)
     group = EpGroup()
-    group.ep.interrupt = recovery.interrupt
-    plan = FaultPlan(cfg, comm.rank)
+    plan = FaultPlan(cfg, comm.rank, EP_EVENTS)
+    group.ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt, fault_hook=plan.check))
     started = time.monotonic()
     try:
         def attempt_of(it):
             def attempt(k):
-                group.ep.fault_hook = plan.hook(iteration=it, attempt=k,
-                                                layer_of=lambda event: event % 10)
+                plan.begin(iteration=it, attempt=k)
                 return group.iteration(it)
             return attempt
         for it in range(2):
@@ -223,15 +226,15 @@ def test_random_faults_replay_with_the_same_seed(recovery):
     cfg = FaultsConfig(rate=0.06 / comm.size, ops=["dispatch", "combine"], seed=11,
                        max_retries=6)
     group = EpGroup()
-    group.ep.interrupt = recovery.interrupt
     try:
         runs = []
         for _ in range(2):
-            plan, outcomes = FaultPlan(cfg, comm.rank), []
+            plan, outcomes = FaultPlan(cfg, comm.rank, EP_EVENTS), []
+            group.ep.set_recovery(RecoveryHooks(interrupt=recovery.interrupt,
+                                                fault_hook=plan.check))
             for it in range(10):
                 def attempt(k):
-                    group.ep.fault_hook = plan.hook(iteration=it, attempt=k,
-                                                    layer_of=lambda event: event % 10)
+                    plan.begin(iteration=it, attempt=k)
                     return group.iteration(it)
                 ys = recovery.run(attempt, [group.ep], max_retries=cfg.max_retries,
                                   what=f"iteration {it}",
@@ -246,6 +249,13 @@ def test_random_faults_replay_with_the_same_seed(recovery):
 
 # -- (b) A2E / E2A with the expert dies' persistent loop -------------------------------------------
 NUM_AFD_ITERATIONS, NUM_AFD_LAYERS, NUM_MICROBATCHES = 7, 2, 2
+
+
+class AfdEvents:
+    """The layer of an event id of `AfdDeployment.calls`."""
+
+    def layer_of_event(self, event_id):
+        return (event_id // 100) % 10
 
 
 class AfdDeployment:
@@ -328,18 +338,16 @@ class AfdDeployment:
 @pytest.mark.parametrize("trampolines", [True, False], ids=["trampoline", "direct"])
 def test_a2e_e2a_iterations_recover_from_injected_faults(recovery, trampolines):
     dep = AfdDeployment(trampolines)
-    plan = FaultPlan(FaultsConfig(table=dep.table()), comm.rank)
-    for buf in dep.buffers:
-        buf.interrupt = recovery.interrupt
+    plan = FaultPlan(FaultsConfig(table=dep.table()), comm.rank, AfdEvents())
     raised, ys = [], {}
+    for buf in dep.buffers:
+        buf.set_recovery(RecoveryHooks(interrupt=recovery.interrupt,
+                                       fault_hook=counting(plan, raised)))
     try:
         for it in range(NUM_AFD_ITERATIONS):
             def attempt(k):
                 calls = dep.calls(it)
-                counted = counting(plan.hook(iteration=it, attempt=k,
-                                             layer_of=lambda e: (e // 100) % 10), raised, it, k)
-                for buf in dep.buffers:
-                    buf.fault_hook = counted
+                plan.begin(iteration=it, attempt=k)
                 ys.update(dep.serve(calls))
                 return len(calls)
 
@@ -374,17 +382,18 @@ def test_send_recv_pairs_restart_cleanly_after_faults_on_either_side(recovery):
     layout = P2PLayout.build(comm.size, SLOTS, SLOT, all_pairs(range(comm.size)))
     mem = DieMemory(comm, layout.window_bytes(comm.rank))
     p2p = P2P(mem, layout, timeout_s=POLL_TIMEOUT_S)
-    p2p.interrupt = recovery.interrupt
-    plan = FaultPlan(FaultsConfig(table=P2P_TABLE), comm.rank)
+    plan = FaultPlan(FaultsConfig(table=P2P_TABLE), comm.rank,
+                     LayerEvents(events_per_iteration=1))      # one layer: 0
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     raised = []
+    p2p.set_recovery(RecoveryHooks(interrupt=recovery.interrupt,
+                                   fault_hook=counting(plan, raised)))
     try:
         for it in range(8):
             nbytes = int(2.5 * SLOTS * SLOT) if it % 2 else 40 + it
 
             def attempt(k):
-                p2p.fault_hook = counting(plan.hook(iteration=it, attempt=k,
-                                                    layer_of=lambda event: 0), raised, it, k)
+                plan.begin(iteration=it, attempt=k)
                 out = np.full(nbytes + 8, 0xA5, np.uint8)
                 send = p2p.isend(tagged_payload(comm.rank, right, it, nbytes), right, it)
                 recv = p2p.irecv(out[:nbytes], left, it)
@@ -402,12 +411,12 @@ def test_send_recv_pairs_restart_cleanly_after_faults_on_either_side(recovery):
         mem.free()
 
 
-def counting(hook, raised: list, iteration: int, attempt: int):
-    """`hook`, noting (iteration, attempt) in `raised` each time it injects a fault."""
+def counting(plan: FaultPlan, raised: list):
+    """`plan`'s fault hook, noting (iteration, attempt) in `raised` each time it injects one."""
     def counted(op, event):
         try:
-            hook(op, event)
+            plan.check(op, event)
         except InjectedFault:
-            raised.append((iteration, attempt))
+            raised.append((plan.iteration, plan.attempt))
             raise
     return counted

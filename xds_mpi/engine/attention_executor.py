@@ -12,9 +12,6 @@ MoE layer of A2E/E2A calls after the main layers, its rows split into microbatch
 """
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-
 import torch
 
 from xccl.afd import AfdBuffer
@@ -22,7 +19,7 @@ from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatche
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork
 from xds_mpi.engine.scheduler import Entry, Sampled
-from xds_mpi.engine.timing import IterationTiming
+from xds_mpi.engine.timing import IterationTiming, Meter
 
 
 class AttentionExecutor(ColocatedExecutor):
@@ -37,8 +34,7 @@ class AttentionExecutor(ColocatedExecutor):
         """Run the batch (possibly empty: the die still takes part in its domain's calls);
         `calls` are this domain's calls of the iteration, layer by layer, microbatch by
         microbatch. Returns what every sampled entry produced and the timing."""
-        started, vstart = time.perf_counter(), self.clock.now_ns
-        spent = defaultdict(float)
+        meter = Meter(self.clock)
         groups = split_microbatches(entries, self.num_microbatches)
         inputs = [self._inputs(group) for group in groups]            # (tokens, positions, chunks)
         pending = [None] * self.num_microbatches                       # A2E handles in flight
@@ -49,32 +45,31 @@ class AttentionExecutor(ColocatedExecutor):
             for layer_idx, layer in enumerate(self.model.layers):
                 for mb, (group, (tokens, positions, chunks)) in enumerate(zip(groups, inputs)):
                     if pending[mb] is not None:                        # previous layer's MoE
-                        xs[mb] = xs[mb] + self._e2a(pending[mb], spent)
+                        xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
                         pending[mb] = None
-                    t0 = time.perf_counter()
-                    if group:
-                        xs[mb] = layer.attention_part(xs[mb], positions, chunks, self.cache,
-                                                      layer_idx)
-                    self.pricer.attention(group, is_moe=layer.is_moe)
-                    spent["attention"] += time.perf_counter() - t0
+                    with meter("attention"):
+                        if group:
+                            xs[mb] = layer.attention_part(xs[mb], positions, chunks, self.cache,
+                                                          layer_idx)
+                        self.pricer.attention(group, is_moe=layer.is_moe)
                     if layer.is_moe:
                         planned = next(todo)
                         assert planned.layer_idx == layer_idx and planned.microbatch == mb
-                        pending[mb] = self._a2e(layer, xs[mb], planned, spent)
+                        pending[mb] = self._a2e(layer, xs[mb], planned, meter)
                     elif group:
                         xs[mb] = layer.ffn_part(xs[mb])
                         self.pricer.dense_ffn(len(tokens))
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
-                    xs[mb] = xs[mb] + self._e2a(pending[mb], spent)
+                    xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
             sampled, works = self._verify(entries, torch.cat(xs))      # groups are contiguous
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
-                self._draft(works, spent)
-        return self.results(sampled, works), self.timing(entries, sampled, spent, started,
-                                                          vstart, self.clock.now_ns)
+                self._draft(works, meter)
+        return self.results(sampled, works), self.timing(entries, sampled, meter)
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter
+                   ) -> torch.Tensor:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
         x, positions, chunks = self._mtp_rows(depth, active, inputs)
@@ -83,35 +78,32 @@ class AttentionExecutor(ColocatedExecutor):
         for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):
             num_rows = sum(counts[first:first + num_works])
             xm = x[row:row + num_rows]
-            t0 = time.perf_counter()
-            if num_works:
-                xm = block.attention_part(xm, positions[row:row + num_rows],
-                                          chunks[first:first + num_works], self.cache, layer_idx)
-            self.pricer.attention_rows([(w.stop, w.stop - w.start)
-                                        for w in active[first:first + num_works]], is_moe=True)
-            spent["attention"] += time.perf_counter() - t0
+            with meter("attention"):
+                if num_works:
+                    xm = block.attention_part(xm, positions[row:row + num_rows],
+                                              chunks[first:first + num_works], self.cache,
+                                              layer_idx)
+                self.pricer.attention_rows([(w.stop, w.stop - w.start)
+                                            for w in active[first:first + num_works]],
+                                           is_moe=True)
             planned = next(self._todo)
             assert planned.layer_idx == layer_idx and planned.microbatch == mb
-            pending.append((xm, self._a2e(block, xm, planned, spent)))
+            pending.append((xm, self._a2e(block, xm, planned, meter)))
             row, first = row + num_rows, first + num_works
-        return torch.cat([xm + self._e2a(handle, spent) for xm, handle in pending])
+        return torch.cat([xm + self._e2a(handle, meter) for xm, handle in pending])
 
-    def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, spent):
+    def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, meter: Meter):
         """Gate the microbatch and send it toward its experts (returns without waiting)."""
-        t0 = time.perf_counter()
-        h = layer.ffn_norm(x)
-        routing = layer.ffn.gate(h)
-        self.pricer.gate(len(h))
-        t1 = time.perf_counter()
-        handle = self.afd.a2e(h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
-                              planned.call, log2phy=self.log2phy, shared_slots=self.shared_slots)
-        spent["experts"] += t1 - t0
-        spent["xccl"] += time.perf_counter() - t1
-        return handle
+        with meter("experts"):
+            h = layer.ffn_norm(x)
+            routing = layer.ffn.gate(h)
+            self.pricer.gate(len(h))
+        with meter("xccl"):
+            return self.afd.a2e(h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
+                                planned.call, log2phy=self.log2phy,
+                                shared_slots=self.shared_slots)
 
-    def _e2a(self, handle, spent) -> torch.Tensor:
+    def _e2a(self, handle, meter: Meter) -> torch.Tensor:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
-        t0 = time.perf_counter()
-        y = torch.from_numpy(self.afd.e2a(handle))
-        spent["xccl"] += time.perf_counter() - t0
-        return y
+        with meter("xccl"):
+            return torch.from_numpy(self.afd.e2a(handle))

@@ -16,9 +16,6 @@ re-run from `checkpoint` (token recomputation, §6.2).
 """
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-
 import numpy as np
 import torch
 
@@ -27,7 +24,8 @@ from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.slots import ExpertSlots
-from xds_mpi.engine.timing import IterationTiming
+from xds_mpi.engine.timing import IterationTiming, Meter
+from xds_mpi.faults import LayerEvents
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.sampling import verify_drafts
@@ -48,12 +46,8 @@ class ColocatedExecutor:
         self.mtp_depth = mtp_depth
         self.mtp = MtpBook(mtp_depth)
         self.num_layers = len(model.layers)
-        self.events_per_iteration = self.num_layers + mtp_depth
+        self.events = LayerEvents(events_per_iteration=self.num_layers + mtp_depth)
         self.num_iterations = 0
-
-    def layer_of_event(self, event_id: int) -> tuple[int, int]:
-        """(iteration, layer) of a MoE call's event id."""
-        return divmod(event_id, self.events_per_iteration)
 
     # -- one iteration --------------------------------------------------------------------------
     def _inputs(self, entries: list[Entry]):
@@ -69,29 +63,26 @@ class ColocatedExecutor:
     def forward(self, entries: list[Entry]) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still joins every dispatch and combine);
         returns what every sampled entry produced and the iteration's timing."""
-        started, vstart = time.perf_counter(), self.clock.now_ns
-        spent = defaultdict(float)
+        meter = Meter(self.clock)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
         with torch.inference_mode():
             x = self.model.embed(tokens)                                  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):
-                t0 = time.perf_counter()
-                if entries:
-                    x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
-                self.pricer.attention(entries, is_moe=layer.is_moe)
-                spent["attention"] += time.perf_counter() - t0
+                with meter("attention"):
+                    if entries:
+                        x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
+                    self.pricer.attention(entries, is_moe=layer.is_moe)
                 if layer.is_moe:
-                    x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, spent)
+                    x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
                 elif entries:
                     x = layer.ffn_part(x)
                     self.pricer.dense_ffn(len(tokens))
             sampled, works = self._verify(entries, x)
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
-                self._draft(works, spent)
-        timing = self.timing(entries, sampled, spent, started, vstart, self.clock.now_ns)
-        return self.results(sampled, works), timing
+                self._draft(works, meter)
+        return self.results(sampled, works), self.timing(entries, sampled, meter)
 
     @staticmethod
     def results(sampled: dict[int, list[int]], works: dict[int, MtpWork]) -> dict[int, Sampled]:
@@ -99,44 +90,40 @@ class ColocatedExecutor:
         return {r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works
                            else ()) for r, tokens in sampled.items()}
 
-    def timing(self, entries, sampled: dict[int, list[int]], spent, started: float,
-               vstart: float, vnow: float) -> IterationTiming:
+    @staticmethod
+    def timing(entries, sampled: dict[int, list[int]], meter: Meter) -> IterationTiming:
         steps = [e for e in entries if e.is_sampled]
         drafted = sum(e.num_drafts for e in steps)
+        spent = meter.seconds
         return IterationTiming(
             num_rows=sum(len(e.input_ids) for e in entries), num_sampled=len(steps),
             attention_s=spent["attention"], xccl_s=spent["xccl"], experts_s=spent["experts"],
-            total_s=time.perf_counter() - started, vtime_s=(vnow - vstart) / 1e9,
+            total_s=meter.total_s(), vtime_s=meter.vtime_s(),
             num_tokens=sum(len(t) for t in sampled.values()), num_drafted=drafted,
             num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps))
 
-    def _moe(self, moe, h: torch.Tensor, layer_idx: int, spent) -> torch.Tensor:
+    def _moe(self, moe, h: torch.Tensor, layer_idx: int, meter: Meter) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
-        pricer, clock = self.pricer, self.clock
-        t0 = time.perf_counter()
-        routing = moe.gate(h)
-        pricer.gate(len(h))
-        t1 = time.perf_counter()
-        event = self.num_iterations * self.events_per_iteration + layer_idx
-        before = clock.now_ns
-        recv_x, info, handle = self.ep.dispatch(
-            h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(), event,
-            log2phy=self.log2phy, shared_slots=self.shared_slots)
-        pricer.waited("dispatch", before)
-        pricer.dispatch(len(recv_x))
-        t2 = time.perf_counter()
-        expert_out = self._experts(moe, recv_x, info)
-        pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
-        t3 = time.perf_counter()
-        before = clock.now_ns
-        routed = torch.from_numpy(self.ep.combine(expert_out, handle))
-        pricer.waited("combine", before)
-        pricer.combine(len(h))
-        t4 = time.perf_counter()
-        shared = 0.0 if self.shared_slots else moe.shared_forward(h)
-        t5 = time.perf_counter()
-        spent["experts"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
-        spent["xccl"] += (t2 - t1) + (t4 - t3)
+        pricer = self.pricer
+        with meter("experts"):
+            routing = moe.gate(h)
+            pricer.gate(len(h))
+        with meter("xccl"):
+            with pricer.waiting("dispatch"):
+                recv_x, info, handle = self.ep.dispatch(
+                    h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
+                    self.events.event_id(self.num_iterations, layer_idx),
+                    log2phy=self.log2phy, shared_slots=self.shared_slots)
+            pricer.dispatch(len(recv_x))
+        with meter("experts"):
+            expert_out = self._experts(moe, recv_x, info)
+            pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
+        with meter("xccl"):
+            with pricer.waiting("combine"):
+                routed = torch.from_numpy(self.ep.combine(expert_out, handle))
+            pricer.combine(len(h))
+        with meter("experts"):
+            shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         return shared + routed
 
     def _experts(self, moe, recv_x: np.ndarray, info) -> np.ndarray:
@@ -182,7 +169,7 @@ class ColocatedExecutor:
                                                  is_drafting=e.is_sampled)
         return sampled, works
 
-    def _draft(self, works: dict[int, MtpWork], spent) -> None:
+    def _draft(self, works: dict[int, MtpWork], meter: Meter) -> None:
         """The D MTP passes: depth k runs module k over each request's rows, then drafts one
         token per decoding request greedily from its last row."""
         model = self.model
@@ -190,7 +177,7 @@ class ColocatedExecutor:
             active = [w for w in works.values() if w.plan(depth) > 0]
             inputs = [w.inputs(depth) for w in active]
             with self.pricer.mtp_layer():
-                hidden = self._mtp_block(depth, active, inputs, spent)   # [rows, hidden]
+                hidden = self._mtp_block(depth, active, inputs, meter)   # [rows, hidden]
                 out = dict(zip((w.req_id for w in active),
                                hidden.split([w.stop - w.start for w in active])))
                 drafting = [w for w in active if w.is_drafting]
@@ -216,17 +203,17 @@ class ColocatedExecutor:
                   for w in active]
         return x, positions, chunks
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, spent) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter
+                   ) -> torch.Tensor:
         """MTP module `depth`'s block over this die's rows: attention, then its MoE through
         dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
-        t0 = time.perf_counter()
-        x, positions, chunks = self._mtp_rows(depth, active, inputs)
-        if active:
-            x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
-        self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
-        spent["attention"] += time.perf_counter() - t0
-        return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, spent)
+        with meter("attention"):
+            x, positions, chunks = self._mtp_rows(depth, active, inputs)
+            if active:
+                x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
+            self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
+        return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
 
     # -- commit / rollback ----------------------------------------------------------------------
     def commit(self, finished: set[int]) -> None:

@@ -46,8 +46,21 @@ class Pricer:
         self.clock.advance(seconds * 1e9)
         self.spent[self._prefix + op] += seconds
 
-    def waited(self, op: str, before_ns: float) -> None:
+    @contextmanager
+    def waiting(self, op: str):
+        """Count the virtual time the block's XCCL operation waited for its peers (the clock's
+        arrivals) under `op`; nothing if it raised (its attempt is rolled back)."""
+        before_ns = self.clock.now_ns
+        yield
         self.spent[self._prefix + op] += (self.clock.now_ns - before_ns) / 1e9
+
+    def snapshot(self) -> dict[str, float]:
+        """Virtual seconds per operation so far (a copy), for `restore` and the die's report."""
+        return dict(self.spent)
+
+    def restore(self, snapshot: dict[str, float]) -> None:
+        """Back to a `snapshot`: a failed attempt's priced operations forgotten."""
+        self.spent = defaultdict(float, snapshot)
 
     def attention(self, entries: list[Entry], *, is_moe: bool) -> None:
         self.attention_rows([(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries],

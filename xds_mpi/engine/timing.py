@@ -1,7 +1,13 @@
-"""Per-iteration timing of a die (torch-free, so control-plane code can carry it)."""
+"""Per-iteration timing of a die (torch-free, so control-plane code can carry it): what the
+executor measures with one `Meter`, and the `IterationTiming` it reports."""
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
+
+from xccl.vclock import VirtualClock
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,3 +24,30 @@ class IterationTiming:
     num_tokens: int = 0                # tokens the step produced (accepted drafts included)
     num_drafted: int = 0               # MTP drafts verified
     num_accepted: int = 0              # MTP drafts accepted
+
+
+class Meter:
+    """One iteration's clocks: wall seconds by kind of work (`with meter("xccl"): ...`), the wall
+    time since the meter started, and the virtual time the die's clock advanced meanwhile.
+
+    Kinds are those of IterationTiming: "attention", "xccl", "experts"; work outside every
+    `with` (embedding, dense FFN, sampling) counts in the total only."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        self.clock = clock
+        self.started_s, self.vstart_ns = time.perf_counter(), clock.now_ns
+        self.seconds: defaultdict[str, float] = defaultdict(float)   # kind -> wall seconds
+
+    @contextmanager
+    def __call__(self, kind: str):
+        started_s = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] += time.perf_counter() - started_s
+
+    def total_s(self) -> float:
+        return time.perf_counter() - self.started_s
+
+    def vtime_s(self) -> float:
+        return (self.clock.now_ns - self.vstart_ns) / 1e9

@@ -1,0 +1,135 @@
+"""What token recomputation puts back, without MPI: the virtual clock and the pricer round-trip
+through snapshot / restore, the executor's checkpoint drops a failed attempt's MTP state and
+event ids, and one iteration's attempts restore every part of the die and tell the fault plan
+which attempt runs. And the executors' one timing construct, the Meter."""
+from __future__ import annotations
+
+import pytest
+
+from ranks.recompute import IterationAttempts
+from xccl.vclock import VirtualClock
+from xds_mpi.config import FaultsConfig, ModelConfig
+from xds_mpi.cost import CostModel, Hardware
+from xds_mpi.engine import timing
+from xds_mpi.engine.executor import ColocatedExecutor
+from xds_mpi.engine.pricing import Pricer
+from xds_mpi.engine.scheduler import Entry
+from xds_mpi.faults import FaultPlan, LayerEvents
+from xds_mpi.hardware import load_profile
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.model.weights import build_model
+
+
+def pricer() -> Pricer:
+    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile("ascend910c")))
+    return Pricer(cost, ModelConfig(), VirtualClock(), num_routed_dies=4, use_int8=True)
+
+
+def price_some_work(p: Pricer) -> None:
+    """Attention, gate, a dispatch that waits for a later arrival, experts, combine."""
+    p.attention([Entry(req_id=1, start_pos=10, input_ids=(3, 4), is_sampled=True)], is_moe=True)
+    p.gate(2)
+    with p.waiting("dispatch"):
+        p.clock.arrive(p.clock.now_ns + 2500.0)          # the slowest peer's record lands
+    p.dispatch(6)
+    p.experts(6, 2)
+    p.combine(2)
+
+
+def test_the_clock_goes_back_only_by_restore():
+    clock = VirtualClock(100.0)
+    start = clock.snapshot()
+    clock.advance(40.0)
+    clock.arrive(1000.0)
+    assert clock.now_ns == 1000.0
+    clock.restore(start)
+    assert clock.now_ns == 100.0
+    with pytest.raises(ValueError, match="advance by -1 ns"):
+        clock.advance(-1)
+
+
+def test_the_pricer_round_trips_and_counts_waits_under_their_operation():
+    p = pricer()
+    price_some_work(p)
+    first = p.snapshot()
+    assert first["dispatch"] >= 2500e-9                  # the wait, then the priced transfer
+    start_ns = p.clock.snapshot()
+    price_some_work(p)                                   # a failed attempt's work ...
+    p.clock.restore(start_ns)
+    p.restore(first)                                     # ... forgotten
+    assert p.snapshot() == first
+    price_some_work(p)                                   # the re-execution prices alike
+    again = p.snapshot()
+    assert again.keys() == first.keys()
+    assert again == pytest.approx({op: 2 * s for op, s in first.items()})
+
+
+def test_a_wait_that_raised_is_not_counted():
+    p = pricer()
+    with pytest.raises(RuntimeError), p.waiting("combine"):
+        p.clock.arrive(5000.0)
+        raise RuntimeError("injected")
+    assert p.snapshot() == {}
+
+
+def test_the_executor_checkpoint_puts_back_event_ids_and_drops_staged_mtp_state():
+    model = build_model(ModelConfig())
+    ex = ColocatedExecutor(model, None, phy2log=(), log2phy=(), table=None, cache=None,
+                           pricer=pricer(), slots=None, mtp_depth=1)
+    assert ex.events == LayerEvents(events_per_iteration=len(model.layers) + 1)
+    ex.num_iterations = 5
+    saved = ex.checkpoint()
+    ex.num_iterations += 1
+    ex.mtp.staged = {7: "a failed attempt's drafts"}
+    ex.restore(saved)
+    assert ex.num_iterations == 5 and ex.mtp.staged == {}
+
+
+class Part:
+    """A Recoverable holding one number."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def checkpoint(self) -> int:
+        return self.value
+
+    def restore(self, checkpoint: int) -> None:
+        self.value = checkpoint
+
+
+def test_iteration_attempts_restore_the_die_and_tell_the_plan_the_attempt():
+    p, parts = pricer(), (Part(1), Part(2))
+    plan = FaultPlan(FaultsConfig(rate=0.5), 0, LayerEvents(events_per_iteration=4))
+    price_some_work(p)
+    before, before_ns = p.snapshot(), p.clock.snapshot()
+
+    def body() -> str:
+        price_some_work(p)
+        for part in parts:
+            part.value += 10
+        return f"iteration {plan.iteration} attempt {plan.attempt}"
+    attempts = IterationAttempts(6, body, plan=plan, pricer=p, state=parts)
+    assert attempts.run(0) == "iteration 6 attempt 0"
+    assert attempts.vtime_s() == pytest.approx((p.clock.now_ns - before_ns) / 1e9)
+    attempts.restore()
+    assert [part.value for part in parts] == [1, 2]
+    assert p.snapshot() == before and p.clock.now_ns == before_ns
+    assert attempts.run(1) == "iteration 6 attempt 1" and attempts.attempt == 1
+
+
+def test_the_meter_sums_wall_time_by_kind_and_keeps_the_total_and_virtual_time(monkeypatch):
+    ticks = iter(range(100))                             # perf_counter: 0, 1, 2, ... seconds
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
+    clock = VirtualClock(500.0)
+    meter = timing.Meter(clock)                          # started at 0
+    with meter("attention"):                             # 1 .. 2
+        clock.advance(2e9)
+    with meter("xccl"):                                  # 3 .. 4
+        pass
+    with pytest.raises(KeyError), meter("xccl"):         # 5 .. 6: counted, then re-raised
+        raise KeyError("x")
+    assert dict(meter.seconds) == {"attention": 1.0, "xccl": 2.0}
+    assert meter.seconds["experts"] == 0.0               # a kind never entered
+    assert meter.total_s() == 7.0
+    assert meter.vtime_s() == 2.0
