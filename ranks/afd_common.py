@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.die_parts import make_pricer
 
 if TYPE_CHECKING:
     from ranks.recompute import Recoverable
@@ -20,12 +21,8 @@ class AfdDieBase:
         from xccl.afd import AfdBuffer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
-        from xds_mpi.cost import CostModel, Hardware
         from xds_mpi.engine.afd_plan import AfdPlan
         from xds_mpi.engine.slots import ExpertSlots
-        from xds_mpi.engine.pricing import Pricer
-        from xds_mpi.hardware import load_profile
-        from xds_mpi.model.shapes import cost_shape
         from xds_mpi.model.weights import build_model
         cfg, topo = ctx.cfg, ctx.topo
         torch.set_num_threads(1)  # ranks share the cores
@@ -44,10 +41,7 @@ class AfdDieBase:
         moe_layers += tuple(range(num_layers, num_layers + depth))   # MTP blocks are MoE too
         self.plan = AfdPlan(moe_layers=moe_layers, num_domains=topo.num_dp_domains,
                             num_microbatches=cfg.deployment.num_microbatches)
-        cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
-        routed = {o for o in self.slots.slot_owner[:self.slots.num_routed_slots]}
-        self.pricer = Pricer(cost, cfg.model, self.clock, use_int8=cfg.xccl.use_int8,
-                             num_routed_dies=len(routed))
+        self.pricer = make_pricer(cfg, self.clock, self.slots)
         from ranks.recompute import Recomputer
         self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer,
                                     events=self.plan, log=ctx.log)

@@ -9,8 +9,8 @@ import time
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
+from ranks.die_parts import decode_state
 from ranks.handshake import handshake
-from xds_mpi.engine.scheduler import DieScheduler
 from xds_mpi.engine.timing import IterationTiming
 
 IDLE = IterationTiming(num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0,
@@ -26,30 +26,18 @@ class AttentionDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
         from xds_mpi.engine.attention_executor import AttentionExecutor
-        from xds_mpi.model.kv_blocks import BlockTable
-        from xds_mpi.model.mla import LatentCache
-        from xds_mpi.model.tokenizer import EOS_ID
-        cfg, topo, sched = self.cfg, self.topo, self.cfg.scheduler
-        table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
-                           block_tokens=sched.kv_block_tokens)
-        depth = sched.mtp_depth
-        cache = LatentCache(num_layers=self.model.num_cache_layers(depth),
-                            num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
-                            kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
-                            dtype=self.model.dtype)
+        cfg, topo = self.cfg, self.topo
+        state = decode_state(cfg, self.model)
         self.domain = ctx.info.dp_domain
-        self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
-                                      max_tokens=cfg.xccl.max_tokens_per_die,
-                                      prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
-                                      ignore_eos=cfg.workload.ignore_eos, mtp_depth=depth)
+        self.scheduler = state.scheduler
         shared_slots = self.slots.shared_slots_for(
             topo.trampoline_rank(ctx.comm.rank),
             is_dedicated=cfg.deployment.shared_experts == "dedicated")
         self.executor = AttentionExecutor(
             self.model, self.afd, slots=self.slots, shared_slots=shared_slots,
             num_microbatches=cfg.deployment.num_microbatches, phy2log=topo.phy2log,
-            log2phy=topo.log2phy(), table=table, cache=cache, pricer=self.pricer,
-            mtp_depth=depth)
+            log2phy=topo.log2phy(), table=state.table, cache=state.cache, pricer=self.pricer,
+            mtp_depth=cfg.scheduler.mtp_depth)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 

@@ -10,9 +10,9 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
+from ranks.die_parts import decode_state, make_pricer
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
-from xds_mpi.engine.scheduler import DieScheduler
 
 
 def run(ctx: RankContext) -> None:
@@ -24,53 +24,35 @@ class ColocatedDie:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
         from xccl.ep import EpBuffer
-        from xccl.vclock import VirtualClock
-        from xds_mpi.cost import CostModel, Hardware
-        from xds_mpi.engine.executor import ColocatedExecutor
-        from xds_mpi.engine.pricing import Pricer
-        from xds_mpi.engine.slots import ExpertSlots
-        from xds_mpi.hardware import load_profile
-        from xds_mpi.model.shapes import cost_shape
         from xccl.gmem import DieMemory
-        from xds_mpi.model.kv_blocks import BlockTable
-        from xds_mpi.model.mla import LatentCache
-        from xds_mpi.model.tokenizer import EOS_ID
+        from xccl.vclock import VirtualClock
+        from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
-        cfg, topo = ctx.cfg, ctx.topo
+        cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
         torch.set_num_threads(1)  # ranks share the cores
-        self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
+        self.mem = DieMemory(ctx.comm, plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
         model = build_model(cfg.model)
-        sched = cfg.scheduler
-        table = BlockTable(num_blocks=sched.num_kv_blocks_per_die,
-                           block_tokens=sched.kv_block_tokens)
-        depth = sched.mtp_depth
-        cache = LatentCache(num_layers=model.num_cache_layers(depth),
-                            num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
-                            kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
-                            dtype=model.dtype)
-        slots = ExpertSlots.from_topology(topo)
-        is_dedicated = cfg.deployment.shared_experts == "dedicated"
-        clock = VirtualClock()
-        ep = EpBuffer(self.mem, ctx.plan.ep, slots.slot_owner, dtype=ctx.plan.row_dtype,
-                      clock=clock,
+        state = decode_state(cfg, model)
+        slots, clock = ExpertSlots.from_topology(topo), VirtualClock()
+        ep = EpBuffer(self.mem, plan.ep, slots.slot_owner, dtype=plan.row_dtype, clock=clock,
                       num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
-        cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
-        self.pricer = Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,
-                             num_routed_dies=len(set(slots.slot_owner[:slots.num_routed_slots])))
-        self.scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
-                                      max_tokens=cfg.xccl.max_tokens_per_die,
-                                      prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
-                                      ignore_eos=cfg.workload.ignore_eos, mtp_depth=depth)
-        self.executor = ColocatedExecutor(model, ep, phy2log=topo.phy2log,
-                                          log2phy=topo.log2phy(), table=table, cache=cache,
-                                          pricer=self.pricer, slots=slots,
-                                          shared_slots=slots.dedicated_shared_slots
-                                          if is_dedicated else (), mtp_depth=depth)
+        self.pricer = make_pricer(cfg, clock, slots)
+        self.scheduler = state.scheduler
+        self.executor = self._executor(ctx, model, ep, state, slots)
         self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer,
                                     events=self.executor.events, log=ctx.log)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+
+    def _executor(self, ctx: RankContext, model, ep, state, slots):
+        from xds_mpi.engine.executor import ColocatedExecutor
+        cfg, topo = ctx.cfg, ctx.topo
+        is_dedicated = cfg.deployment.shared_experts == "dedicated"
+        return ColocatedExecutor(model, ep, phy2log=topo.phy2log, log2phy=topo.log2phy(),
+                                 table=state.table, cache=state.cache, pricer=self.pricer,
+                                 slots=slots, shared_slots=slots.dedicated_shared_slots
+                                 if is_dedicated else (), mtp_depth=cfg.scheduler.mtp_depth)
 
     def step(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
