@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
+from xccl.layout import P2PLayout, all_pairs
+from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.topology import Topology
 
