@@ -40,7 +40,8 @@ class EpBuffer:
 
     def __init__(self, mem: DieMemory, layout: EpLayout, slot_owner: Sequence[int], *,
                  dtype=np.float64, clock: VirtualClock | None = None,
-                 link: LinkModel | None = None, num_cores: int = 2, timeout_s: float = 60.0) -> None:
+                 link: LinkModel | None = None, num_cores: int = 2,
+                 timeout_s: float = 60.0) -> None:
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(f"rank {mem.rank}: dtype {np.dtype(dtype)} of itemsize "
                              f"{np.dtype(dtype).itemsize} != the EP layout's itemsize "

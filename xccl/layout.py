@@ -102,7 +102,8 @@ class P2PLayout:
                 outs = sum(1 for s, t in self._acks if s == rank)
                 raise OutOfWindow(
                     f"rank {rank}'s window needs {size} B = {RECORD_BYTES} x ({RECORDS_PER_PAIR} x "
-                    f"{ins} in + {outs} out) records + {ins} rings x {self.ring_slots} slots x {self.slot_bytes} B"
+                    f"{ins} in + {outs} out) records + {ins} rings x {self.ring_slots} slots x "
+                    f"{self.slot_bytes} B"
                     f", over the per-die cap xccl.max_window_bytes({cap_bytes})")
 
     def _lookup(self, table: dict, src: int, dst: int, what: str) -> int:

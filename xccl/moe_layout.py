@@ -92,7 +92,8 @@ class EpLayout:
         return self.base[rank] + self._area[region]
 
     def record_offset(self, rank: int, kind: str, peer_idx: int) -> int:
-        """The record member `peer_idx` writes into `rank`'s window for `kind` (dispatch/combine)."""
+        """The record member `peer_idx` writes into `rank`'s window for `kind` (dispatch or
+        combine)."""
         return self.offset(rank, f"{kind}_records") + peer_idx * RECORD_BYTES
 
 

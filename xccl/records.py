@@ -76,7 +76,7 @@ class Expected:
 def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray,
             doorbell: int) -> None:
     """Put bodies[i] (every field after the doorbell) into records[i], flush, then ring each
-    doorbell with `doorbell`. `bodies` must stay alive until the flush: it does, it is ours."""
+    doorbell with `doorbell` and flush. The Puts read `bodies` until that first flush."""
     raw = bodies.view(np.uint8).reshape(len(bodies), RECORD_BYTES)
     end = put_bytes(bodies.dtype)
     for record, row in zip(records, raw):
