@@ -26,7 +26,7 @@ from launch.bench_report import rank_parser
 from xccl.afd import AfdBuffer, AfdCall
 from xccl.ep import EpBuffer
 from xccl.gmem import DieMemory
-from xccl.layout import AfdLayout, EpLayout
+from xccl.moe_layout import AfdLayout, EpLayout
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
 

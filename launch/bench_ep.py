@@ -17,7 +17,7 @@ from mpi4py import MPI
 from launch.bench_report import rank_parser
 from xccl.ep import EpBuffer, select_slots
 from xccl.gmem import DieMemory
-from xccl.layout import EpLayout
+from xccl.moe_layout import EpLayout
 from xccl.quant import quant_dequant
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile

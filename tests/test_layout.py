@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from xccl.errors import OutOfWindow, UnknownPeer
-from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs, send_row_bytes
-from xccl.quant import decode_rows, encode_rows, quant_dequant
+from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs
+from xccl.quant import decode_rows, encode_rows, quant_dequant, send_row_bytes
 from xccl.vclock import LinkModel, VirtualClock
 
 
@@ -82,7 +82,7 @@ def test_a_clock_only_moves_forward():
 
 
 def test_ep_area_follows_its_formula():
-    from xccl.layout import EpLayout
+    from xccl.moe_layout import EpLayout
     ep = EpLayout(members=(1, 2, 3), base=(0, 100 * 64, 0, 64), hidden=10, max_tokens=4,
                   num_columns=3, itemsize=8, use_int8=True)
     assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80   # 10 + 4 -> 16; 10 x 8

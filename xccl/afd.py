@@ -26,9 +26,10 @@ rows, and (b) every trampoline to have pulled its outputs from every expert die 
 A2E' of the lane reaches that expert die. In the direct variant (a)-(b) hold with the attention
 dies in the trampolines' place.
 
-Records (write, poll, pull, counters, virtual time) live in xccl/afd_records.py. The expert side
-is non-blocking (`try_forward`, `try_receive`, `send_back`, `try_return`) so a
-persistent loop (xccl/afd_loop.py) can drive receive / compute / send as concurrent stages.
+Records (write, poll, counters) live in xccl/afd_records.py, staging and pulling rows in
+xccl/afd_rows.py. The expert side is non-blocking (`try_forward`, `try_receive`, `send_back`,
+`try_return`) so a persistent loop (xccl/afd_loop.py) can drive receive / compute / send as
+concurrent stages.
 
 Recovery (xccl/faults.py): the doorbells are the caller's call numbers, so after an abandoned
 attempt the caller never reuses one; publication_state() is 1 + the highest call this die took
@@ -40,54 +41,18 @@ staging, before the records), on an attention die in e2a before waiting.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from xccl.ep import INDEX_DTYPE, select_slots
 from xccl.afd_records import AfdCall, AfdRecords
+from xccl.afd_rows import A2EHandle, AfdRows, Received, ScatterPlan
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
-from xccl.layout import (AFD_SHARED_COUNT, AFD_SHARED_OFFSET, EP_COUNT, EP_OFFSET, INDEX_BYTES,
-                         AfdLayout)
-from xccl.quant import decode_rows, encode_rows
+from xccl.moe_layout import AfdLayout
+from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-
-@dataclass(frozen=True, kw_only=True)
-class A2EHandle:
-    """What e2a needs. weights: [T, C] float64 (0 where topk_idx is -1, 1 for the shared column).
-    row_token / row_column: [R] the token and column of every row, in the order outputs return."""
-
-    call: AfdCall
-    weights: np.ndarray
-    row_token: np.ndarray
-    row_column: np.ndarray
-    scatter: "ScatterPlan | None"      # direct variant: what was scattered to the expert dies
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScatterPlan:
-    """Rows a die staged for the expert dies. order: [R] for each staged row (dest-major) its
-    index in the sender's row list; counts: [E] rows per expert die."""
-
-    order: np.ndarray
-    counts: np.ndarray
-
-
-@dataclass(frozen=True, kw_only=True)
-class Received:
-    """Rows an expert die pulled for one call: x [R, hidden], slot / token / column [R] int64,
-    sender_counts [S] rows from each sender (trampoline, or attention die when direct)."""
-
-    call: AfdCall
-    x: np.ndarray
-    slot: np.ndarray
-    token: np.ndarray
-    column: np.ndarray
-    sender_counts: np.ndarray
-
 
 class AfdBuffer:
     """A2E/E2A on this die's window, for an attention or an expert die (one per window)."""
@@ -117,6 +82,7 @@ class AfdBuffer:
         self.records = AfdRecords(mem, layout, clock=self.clock, link=link, num_cores=num_cores,
                                   timeout_s=timeout_s)
         self.counters = self.records.counters
+        self.rows = AfdRows(mem, layout, self.records, dtype)
         self.idx = (layout.attention.index(self.me) if self.role == "attention"
                     else layout.experts.index(self.me))
         self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
@@ -173,24 +139,16 @@ class AfdBuffer:
                              f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
                              f" top-k {layout.top_k}, shared column {layout.has_shared}")
         phy = select_slots(topk_idx, log2phy, shared_slots, self.me)          # [T, C]
-        weights = np.zeros((num_tokens, layout.num_columns))
-        weights[:, :layout.top_k] = np.where(topk_idx >= 0, topk_weights, 0.0)
-        weights[:, layout.top_k:] = 1.0
+        weights = combine_weights(topk_idx, topk_weights, layout.num_columns)
         token, column = np.nonzero(phy >= 0)                                  # token-major [R]
         scatter = None
         if self.use_trampolines:
             # Step 1 (Fig. 8 A2E): each token once, full precision, and its slots, in our window.
-            local, lane = self.mem.local, call.lane
-            at = layout.offset(self.me, "tok_rows", lane)
-            local[at:at + num_tokens * layout.out_row_bytes] = \
-                np.ascontiguousarray(x, self.dtype).view(np.uint8).reshape(-1)
-            at = layout.offset(self.me, "tok_route", lane)
-            local[at:at + phy.nbytes] = phy.astype(np.int64).view(np.uint8).reshape(-1)
-            self.mem.sync()
+            self.rows.stage_tokens(call.lane, x, phy)
             self._fault("a2e", call)
             # Step 2: one record into our trampoline (expert die number = our group).
             tramp = layout.experts[self.group]
-            self.records.publish([tramp], "a2e_records", call, self.idx, [(num_tokens, 0, 0, 0)])
+            self.records.publish([tramp], "a2e_records", call, self.idx, count=num_tokens)
         else:
             # Direct: expand to rows and scatter them to every expert die (a record each).
             scatter = self._scatter(np.asarray(x, self.dtype), token, column, phy[token, column],
@@ -200,7 +158,8 @@ class AfdBuffer:
                          scatter=scatter)
 
     def e2a(self, handle: A2EHandle) -> np.ndarray:
-        """Wait for this call's expert outputs and sum them: returns y [T, hidden] self.dtype."""
+        """Wait for this call's expert outputs and sum them, weighted, in column order: returns
+        y [T, hidden] float64 (summed in float64 whatever the row dtype)."""
         layout, call = self.layout, handle.call
         self.records.take(call)
         self._fault("e2a", call)
@@ -208,24 +167,16 @@ class AfdBuffer:
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
             tramp = layout.experts[self.group]
-            words = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
-            if int(words[0, EP_COUNT]) != num_rows:
+            bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
+            if int(bodies["count"][0]) != num_rows:
                 raise XcclError(f"die rank {self.me}: E2A event {call.event_id} returns "
-                                f"{int(words[0, EP_COUNT])} rows, A2E sent {num_rows}")
-            outs = np.empty((num_rows, layout.hidden), self.dtype)
-            self.records.get(tramp, layout.offset(tramp, "ret_rows", call.lane), outs)
-            self.mem.flush(tramp)
-            self.records.arrive(words, outs.nbytes)
+                                f"{int(bodies['count'][0])} rows, A2E sent {num_rows}")
+            outs = self.rows.pull_outputs("ret_rows", call.lane, [tramp], bodies)
         else:
             staged = self._gather_back(call, handle.scatter, blocking=True)
             outs = np.empty_like(staged)
             outs[handle.scatter.order] = staged
-        y = np.zeros((len(handle.weights), layout.hidden), np.float64)
-        for c in range(layout.num_columns):          # fixed order: the reference's sum
-            rows = np.flatnonzero(handle.row_column == c)
-            token = handle.row_token[rows]
-            y[token] += handle.weights[token, c, None] * outs[rows]
-        return y
+        return weighted_column_sum(outs, handle.row_token, handle.row_column, handle.weights)
 
     # -- expert side (non-blocking steps for the persistent loop) --------------------------------
     def try_forward(self, call: AfdCall) -> bool:
@@ -235,16 +186,10 @@ class AfdBuffer:
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
         src_idx = layout.attention.index(src)
-        words = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
-        if words is None:
+        bodies = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
+        if bodies is None:
             return False
-        num_tokens = int(words[0, EP_COUNT])
-        x = np.empty((num_tokens, layout.hidden), self.dtype)
-        route = np.empty((num_tokens, layout.num_columns), np.int64)            # [T, C] slots
-        self.records.get(src, layout.offset(src, "tok_rows", lane), x)
-        self.records.get(src, layout.offset(src, "tok_route", lane), route)
-        self.mem.flush(src)
-        self.records.arrive(words, x.nbytes + route.nbytes)
+        x, route = self.rows.pull_tokens(src, lane, bodies)
         token, column = np.nonzero(route >= 0)                                  # token-major
         plan = self._scatter(x, token, column, route[token, column], call, "fwd_records",
                              self.group, fault_op="a2e")
@@ -259,67 +204,40 @@ class AfdBuffer:
         region = "fwd_records" if self.use_trampolines else "a2e_records"
         writer_idx = (range(len(senders)) if self.use_trampolines
                       else [layout.attention.index(r) for r in senders])
-        words = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
-        if words is None:
+        bodies = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
+        if bodies is None:
             return None
         if not self.is_forwarding:          # a trampoline's A2E fault fires in try_forward
             self._fault("a2e", call)
-        counts, shared = words[:, EP_COUNT].astype(np.int64), words[:, AFD_SHARED_COUNT]
-        shared = shared.astype(np.int64)
-        total = int(counts.sum() + shared.sum())
-        raw = np.empty((int(counts.sum()), layout.send_row_bytes), np.uint8)
-        x = np.empty((total, layout.hidden), self.dtype)
-        index = np.empty(total, INDEX_DTYPE)
-        is_routed = np.zeros(total, bool)
-        at = routed_at = 0
-        for i, rank in enumerate(senders):
-            c, s = int(counts[i]), int(shared[i])
-            o, so = int(words[i, EP_OFFSET]), int(words[i, AFD_SHARED_OFFSET])
-            if c:
-                self.records.get(rank, layout.offset(rank, "scatter_rows", lane) +
-                          o * layout.send_row_bytes, raw[routed_at:routed_at + c])
-            if s:
-                self.records.get(rank, layout.offset(rank, "scatter_shared", lane) +
-                          so * layout.out_row_bytes, x[at + c:at + c + s])
-            if c + s:
-                self.records.get(rank, layout.offset(rank, "scatter_index", lane) + (o + so) *
-                          INDEX_BYTES, index[at:at + c + s].view(np.uint8))
-            is_routed[at:at + c] = True
-            at, routed_at = at + c + s, routed_at + c
-        self.mem.flush_all()
-        x[is_routed] = decode_rows(raw, hidden=layout.hidden, use_int8=layout.use_int8,
-                                   dtype=self.dtype)
-        self.records.arrive(words, raw.nbytes + x[~is_routed].nbytes + index.nbytes)
+        x, index = self.rows.pull_scattered(senders, lane, bodies)
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
             raise XcclError(f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
                             f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
                             " this die does not host")
         return Received(call=call, x=x, slot=index["slot"].astype(np.int64),
                         token=index["token"].astype(np.int64),
-                        column=index["column"].astype(np.int64), sender_counts=counts + shared)
+                        column=index["column"].astype(np.int64),
+                        sender_counts=(bodies["count"] + bodies["shared_count"]).astype(np.int64))
 
     def send_back(self, received: Received, out: np.ndarray) -> None:
         """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
         by sender, and write a record into every sender (zero rows included)."""
-        layout, call = self.layout, received.call
+        call = received.call
         self.records.take(call)
         if out.shape != received.x.shape:
             raise ValueError(f"die rank {self.me}: outputs {out.shape} != rows received "
                              f"{received.x.shape} (event {call.event_id})")
-        at = layout.offset(self.me, "out_rows", call.lane)
-        self.mem.local[at:at + out.nbytes] = np.ascontiguousarray(out, self.dtype).view(
-            np.uint8).reshape(-1)
-        self.mem.sync()
+        self.rows.stage_outputs("out_rows", call.lane, out)
         if not self.is_forwarding:          # a trampoline's E2A fault fires in try_return
             self._fault("e2a", call)
         counts = received.sender_counts
         offsets = np.cumsum(counts) - counts
-        self.records.publish(self.senders(call), "back_records", call, self.idx,
-                      [(int(c), int(o), 0, 0) for c, o in zip(counts, offsets)])
+        self.records.publish(self.senders(call), "back_records", call, self.idx, count=counts,
+                             offset=offsets)
 
     def try_return(self, call: AfdCall) -> bool:
-        """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs, restage
-        them in our attention die's row order, and write it one record."""
+        """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs,
+        restage them in our attention die's row order, and write it one record."""
         self.records.take(call)
         token, column, plan = self._forwarded[call.call]
         staged = self._gather_back(call, plan, blocking=False)
@@ -327,12 +245,11 @@ class AfdBuffer:
             return False
         self._fault("e2a", call)
         del self._forwarded[call.call]
-        at = self.layout.offset(self.me, "ret_rows", call.lane)
-        outs = self.mem.local[at:at + staged.nbytes].view(self.dtype).reshape(staged.shape)
+        outs = np.empty_like(staged)
         outs[plan.order] = staged                            # back to the attention die's order
-        self.mem.sync()
+        self.rows.stage_outputs("ret_rows", call.lane, outs)
         dst = self.domain_attention(call.domain)[self.group]
-        self.records.publish([dst], "back_records", call, self.idx, [(len(token), 0, 0, 0)])
+        self.records.publish([dst], "back_records", call, self.idx, count=len(token))
         return True
 
     # -- recovery -------------------------------------------------------------------------------
@@ -371,61 +288,16 @@ class AfdBuffer:
                  fault_op: str) -> ScatterPlan:
         """Stage rows [R] (x[token]) by destination expert die, routed rows (INT8 if enabled)
         then shared rows, and write (counts, offsets) into every expert die's `region`."""
-        layout, local, lane = self.layout, self.mem.local, call.lane
-        dest = self.dest_of_slot[slot]
-        is_shared = slot >= self.num_routed_slots
-        order = np.lexsort((column, token, is_shared, dest))                   # [R] dest-major
-        token, slot, dest, is_shared = token[order], slot[order], dest[order], is_shared[order]
-        routed, shared = ~is_shared, is_shared
-        num_experts = len(layout.experts)
-        counts = np.bincount(dest[routed], minlength=num_experts)
-        shared_counts = np.bincount(dest[shared], minlength=num_experts)
-        at = layout.offset(self.me, "scatter_rows", lane)
-        num_routed = int(routed.sum())
-        rows = local[at:at + num_routed * layout.send_row_bytes].reshape(num_routed,
-                                                                   layout.send_row_bytes)
-        encode_rows(rows, x, token[routed], hidden=layout.hidden, use_int8=layout.use_int8,
-                    dtype=self.dtype)
-        at = layout.offset(self.me, "scatter_shared", lane)
-        num_shared = int(shared.sum())
-        local[at:at + num_shared * layout.out_row_bytes] = \
-            x[token[shared]].astype(self.dtype).view(np.uint8).reshape(-1)
-        index = np.zeros(len(order), INDEX_DTYPE)
-        index["token"], index["column"], index["slot"] = token, column[order], slot
-        at = layout.offset(self.me, "scatter_index", lane)
-        local[at:at + index.nbytes] = index.view(np.uint8)
-        self.mem.sync()
+        plan = self.rows.stage_scatter(call.lane, x, token, column, slot, self.dest_of_slot[slot],
+                                       slot >= self.num_routed_slots)
         self._fault(fault_op, call)
         # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
-        self.records.publish(layout.experts, region, call, writer_idx,
-                      zip(counts, np.cumsum(counts) - counts, shared_counts,
-                          np.cumsum(shared_counts) - shared_counts))
-        return ScatterPlan(order=order, counts=counts + shared_counts)
+        self.records.publish(self.layout.experts, region, call, writer_idx, count=plan.counts,
+                             offset=np.cumsum(plan.counts) - plan.counts,
+                             shared_count=plan.shared_counts,
+                             shared_offset=np.cumsum(plan.shared_counts) - plan.shared_counts)
+        return plan
 
     def _gather_back(self, call: AfdCall, plan: ScatterPlan, *, blocking: bool):
-        """Outputs of the rows we scattered, in staged (dest-major) order, or None if not all
-        expert dies answered yet (non-blocking)."""
-        layout = self.layout
-        writers = list(zip(layout.experts, range(len(layout.experts))))
         stage = "E2A'" if self.use_trampolines else "E2A"
-        words = (self.records.wait(call, "back_records", writers, stage) if blocking
-                 else self.records.ready(call, "back_records", writers, stage))
-        if words is None:
-            return None
-        counts = words[:, EP_COUNT].astype(np.int64)
-        if not np.array_equal(counts, plan.counts):
-            raise XcclError(f"die rank {self.me}: {stage} event {call.event_id} returns "
-                            f"{counts.tolist()} rows per expert die, A2E sent "
-                            f"{plan.counts.tolist()}")
-        staged = np.empty((int(counts.sum()), layout.hidden), self.dtype)
-        at = 0
-        for i, rank in enumerate(layout.experts):
-            if counts[i]:
-                self.records.get(rank, layout.offset(rank, "out_rows", call.lane) +
-                          int(words[i, EP_OFFSET]) * layout.out_row_bytes,
-                          staged[at:at + counts[i]])
-                at += counts[i]
-        self.mem.flush_all()
-        self.records.arrive(words, staged.nbytes)
-        return staged
-
+        return self.rows.gather_back(call, plan, stage, blocking=blocking)

@@ -46,6 +46,19 @@ class LoopStats:
     wall_s: float
 
 
+@dataclass
+class _Done:
+    """How far one run got: calls past each stage, rows computed, turns, overlapped turns."""
+
+    forwarded: int = 0
+    received: int = 0
+    sent: int = 0
+    returned: int = 0
+    num_rows: int = 0
+    num_turns: int = 0
+    num_overlapped: int = 0
+
+
 class ExpertLoop:
     def __init__(self, buf: AfdBuffer, compute: ExpertFn, *, timeout_s: float = 60.0) -> None:
         if buf.role != "expert":
@@ -55,56 +68,63 @@ class ExpertLoop:
 
     def run(self, calls: Sequence[AfdCall]) -> LoopStats:
         """Serve every call in order; returns when this die's part of the last one is done."""
-        buf, n = self.buf, len(calls)
-        forwards = buf.is_forwarding
-        fwd = recv = sent = ret = 0
+        buf, n, done = self.buf, len(calls), _Done()
         received: deque[Received] = deque()
-        num_rows = turns = overlapped = 0
         started = last_progress = time.monotonic()
         waits: dict[str, str] = {}                  # stage -> whom it waits for, for errors
         interrupt = buf.interrupt
-        while sent < n or (forwards and ret < n):
+        while done.sent < n or (buf.is_forwarding and done.returned < n):
             if interrupt is not None:
                 interrupt()
-            progressed = False
-            # Stage 1: receive A2E (a trampoline first forwards it: A2E').
-            if forwards and fwd < n:
-                if buf.try_forward(calls[fwd]):
-                    fwd, progressed = fwd + 1, True
-                else:
-                    waits["forward"] = buf.waiting_for
-            if recv < n:
-                if (r := buf.try_receive(calls[recv])) is not None:
-                    received.append(r)
-                    recv, progressed = recv + 1, True
-                    overlapped += recv - 1 > (ret if forwards else sent)  # ahead of a pending call
-                else:
-                    waits["receive"] = buf.waiting_for
-            # Stage 2 + 3: compute the oldest received call, send its outputs (E2A').
-            if received:
-                r = received.popleft()
-                buf.send_back(r, self._experts(r))
-                num_rows += len(r.x)
-                sent, progressed = sent + 1, True
-            # Stage 3: a trampoline returns a finished call to its attention die (E2A).
-            if forwards and ret < sent:
-                if buf.try_return(calls[ret]):
-                    ret, progressed = ret + 1, True
-                else:
-                    waits["return"] = buf.waiting_for
-            turns += 1
+            progressed = self._turn(calls, done, received, waits)
+            done.num_turns += 1
             if progressed:
                 last_progress = time.monotonic()
                 waits.clear()
             elif time.monotonic() - last_progress > self.timeout_s:
                 raise XcclTimeout(f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} "
-                                  f"s (calls forwarded {fwd}, received {recv}, sent {sent}, "
-                                  f"returned {ret} of {n}): " +
+                                  f"s (calls forwarded {done.forwarded}, received "
+                                  f"{done.received}, sent {done.sent}, returned {done.returned} "
+                                  f"of {n}): " +
                                   "; ".join(f"{stage}: {why}" for stage, why in waits.items()))
             else:
                 os.sched_yield()
-        return LoopStats(num_calls=n, num_rows=num_rows, num_turns=turns,
-                         num_overlapped=overlapped, wall_s=time.monotonic() - started)
+        return LoopStats(num_calls=n, num_rows=done.num_rows, num_turns=done.num_turns,
+                         num_overlapped=done.num_overlapped, wall_s=time.monotonic() - started)
+
+    def _turn(self, calls: Sequence[AfdCall], done: "_Done", received: deque,
+              waits: dict[str, str]) -> bool:
+        """One turn: every stage tries one step, none blocks. True if any progressed."""
+        buf, n, forwards = self.buf, len(calls), self.buf.is_forwarding
+        progressed = False
+        # Stage 1: receive A2E (a trampoline first forwards it: A2E').
+        if forwards and done.forwarded < n:
+            if buf.try_forward(calls[done.forwarded]):
+                done.forwarded, progressed = done.forwarded + 1, True
+            else:
+                waits["forward"] = buf.waiting_for
+        if done.received < n:
+            if (r := buf.try_receive(calls[done.received])) is not None:
+                received.append(r)
+                done.received, progressed = done.received + 1, True
+                # ahead of a call still pending
+                done.num_overlapped += done.received - 1 > (done.returned if forwards
+                                                            else done.sent)
+            else:
+                waits["receive"] = buf.waiting_for
+        # Stage 2 + 3: compute the oldest received call, send its outputs (E2A').
+        if received:
+            r = received.popleft()
+            buf.send_back(r, self._experts(r))
+            done.num_rows += len(r.x)
+            done.sent, progressed = done.sent + 1, True
+        # Stage 3: a trampoline returns a finished call to its attention die (E2A).
+        if forwards and done.returned < done.sent:
+            if buf.try_return(calls[done.returned]):
+                done.returned, progressed = done.returned + 1, True
+            else:
+                waits["return"] = buf.waiting_for
+        return progressed
 
     def _experts(self, r: Received) -> np.ndarray:
         """Every local slot's rows of one call, slot by slot; outputs aligned with r.x."""

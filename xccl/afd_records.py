@@ -1,10 +1,9 @@
 """The metadata records of A2E/E2A (xccl/afd.py): writing them, polling for them, pulling rows.
 
-A record is RECORD_BYTES in the receiver's window, one per (region, lane, writer); the writer Puts
-words 1..6 (event id, count, offset, its virtual time, shared-row count, shared-row offset),
-flushes, then rings the doorbell word with call + 1, so a reader never acts on a half-written
-record (shared/MPI_NOTES.md). Every record written and every byte pulled is counted per die.
-`interrupt` (xccl/faults.py) is called on every turn of a wait.
+A record is a ROWS_RECORD (xccl/records.py) in the receiver's window, one per (region, lane,
+writer); it is published and read the one way xccl/records.py does it, with call + 1 as the
+doorbell. Every record written and every byte pulled is counted per die. `interrupt`
+(xccl/faults.py) is called on every turn of a wait.
 
 Call numbers are the doorbells, so after an abandoned attempt none may be used again: every call
 this die takes part in goes through take(), which tracks 1 + the highest (next_call) and refuses
@@ -12,18 +11,20 @@ calls below the floor that resync_calls() sets to the max of next_call over all 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-from xccl.errors import EventMismatch, XcclError
+from xccl import records
+from xccl.errors import XcclError
 from xccl.faults import Interrupt
-from xccl.gmem import DieMemory, poll_until
-from xccl.layout import EP_DOORBELL, EP_EVENT_ID, EP_VTIME_NS, RECORD_BYTES, AfdLayout
+from xccl.gmem import DieMemory
+from xccl.moe_layout import AfdLayout
+from xccl.records import ROWS_RECORD, Expected, RecordAt
 from xccl.vclock import LinkModel, VirtualClock
 
-RECORD_PUT_BYTES = 6 * 8 + 8        # body words 1..6, then the doorbell word
+RECORD_PUT_BYTES = records.put_bytes(ROWS_RECORD)   # the body's fields, then the doorbell word
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,67 +74,52 @@ class AfdRecords:
                              f"call {self.next_call}")
         self.next_call = self.call_floor = next_call
 
-    def publish(self, ranks, region: str, call: AfdCall, writer_idx: int, bodies) -> None:
-        """Write (event, count, offset, time, count2, offset2) into each rank's record, flush,
-        then ring each doorbell with call + 1."""
-        mem, layout = self.mem, self.layout
-        words = np.zeros((len(ranks), 6), np.uint64)                 # one per rank: Puts in flight
-        for i, (c, o, c2, o2) in enumerate(bodies):
-            words[i] = (call.event_id, c, o, 0, c2, o2)
-        words.view(np.float64)[:, EP_VTIME_NS - 1] = self.clock.now_ns
-        for i, rank in enumerate(ranks):
-            mem.put(rank, layout.record_offset(rank, region, call.lane, writer_idx) + 8, words[i])
-        mem.flush_all()
-        for rank in ranks:
-            mem.store_word(rank, layout.record_offset(rank, region, call.lane, writer_idx) +
-                           8 * EP_DOORBELL, call.call + 1)
-            mem.flush(rank)
+    def publish(self, ranks: Sequence[int], region: str, call: AfdCall, writer_idx: int,
+                **fields) -> None:
+        """Write a record into `region` of every rank, ROWS_RECORD fields by name (one value, or
+        one per rank: count, offset, shared_count, shared_offset), ringing call + 1."""
+        bodies = np.zeros(len(ranks), ROWS_RECORD)                 # one per rank: Puts in flight
+        bodies["event_id"], bodies["vtime_ns"] = call.event_id, self.clock.now_ns
+        for name, value in fields.items():
+            bodies[name] = value
+        targets = [RecordAt(rank, self.layout.record_offset(rank, region, call.lane, writer_idx))
+                   for rank in ranks]
+        records.publish(self.mem, targets, bodies, call.call + 1)
         self.counters.metadata_writes += len(ranks)
         self.counters.metadata_bytes += len(ranks) * RECORD_PUT_BYTES
 
     def ready(self, call: AfdCall, region: str, writers, stage: str) -> np.ndarray | None:
-        """The records [W, 8] words of every (rank, writer_idx) if all rang for `call`, else None
-        (and `waiting_for` names who is missing)."""
-        mem, layout = self.mem, self.layout
-        offsets = [layout.record_offset(self.me, region, call.lane, w) for _, w in writers]
-        missing = [rank for (rank, _), at in zip(writers, offsets)
-                   if mem.load_word(at + 8 * EP_DOORBELL, rank) != call.call + 1]
+        """The records [W] ROWS_RECORD of every (rank, writer_idx) if all rang for `call`, else
+        None (and `waiting_for` names who is missing)."""
+        sources, expected = self._sources(call, region, writers, stage)
+        missing = records.missing_peers(self.mem, sources, expected.doorbell)
         if missing:
-            self.waiting_for = (f"die rank {self.me}: {stage} event {call.event_id} (call "
-                                f"{call.call}, domain {call.domain}, lane {call.lane}): no record"
-                                f" from rank(s) {missing}")
+            self.waiting_for = records.no_record(self.mem, expected, missing)
             return None
-        mem.sync()
-        words = np.stack([mem.words[at // 8:at // 8 + RECORD_BYTES // 8] for at in offsets])
-        bad = np.flatnonzero(words[:, EP_EVENT_ID] != call.event_id)
-        if len(bad):
-            raise EventMismatch(f"die rank {self.me}: {stage} call {call.call} expected event "
-                                f"{call.event_id}, rank {writers[int(bad[0])][0]} wrote event "
-                                f"{int(words[bad[0], EP_EVENT_ID])}")
-        return words.copy()
+        return records.read(self.mem, sources, expected, ROWS_RECORD)
 
     def wait(self, call: AfdCall, region: str, writers, stage: str) -> np.ndarray:
         """ready(), polled until it holds; XcclTimeout naming die, stage, event and peers."""
-        found = []
+        sources, expected = self._sources(call, region, writers, stage)
+        return records.wait(self.mem, sources, expected, ROWS_RECORD, timeout_s=self.timeout_s,
+                            interrupt=self.interrupt)
 
-        def is_ready() -> bool:
-            words = self.ready(call, region, writers, stage)
-            if words is not None:
-                found.append(words)
-            return bool(found)
-        poll_until(is_ready, deadline=time.monotonic() + self.timeout_s, interrupt=self.interrupt,
-                   describe=lambda: f"{self.waiting_for} after {self.timeout_s:g} s")
-        return found[0]
+    def _sources(self, call: AfdCall, region: str, writers, stage: str):
+        """The records (rank, writer_idx) write in our `region` of the call's lane."""
+        sources = [RecordAt(rank, self.layout.record_offset(self.me, region, call.lane, w))
+                   for rank, w in writers]
+        return sources, Expected(stage=stage, event_id=call.event_id, doorbell=call.call + 1,
+                                 call=f"call {call.call}, domain {call.domain}, "
+                                      f"lane {call.lane}")
 
     def get(self, rank: int, offset: int, out: np.ndarray) -> None:
         """Pull into `out` from `rank`'s window (valid after a flush)."""
         self.mem.get(rank, offset, out)
         self.counters.pulled_bytes += out.nbytes
 
-    def arrive(self, words: np.ndarray, nbytes: int) -> None:
-        """Virtual time: the last record of `words` lands, then our link pulls the bytes."""
+    def arrive(self, bodies: np.ndarray, nbytes: int) -> None:
+        """Virtual time: the last of `bodies` lands, then our link pulls the bytes."""
         if self.link is None:
             return
-        stamps = np.ascontiguousarray(words[:, EP_VTIME_NS]).view(np.float64)
-        self.clock.arrive(float(stamps.max(initial=0.0)) + self.link.latency_ns())
+        self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + self.link.latency_ns())
         self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))

@@ -19,85 +19,20 @@ Fault hooks fire after staging, before the records: "dispatch" between steps 3 a
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from xccl.errors import BufferTooSmall, EventMismatch, XcclError
+from xccl import records
+from xccl.ep_handles import DispatchHandle, DispatchInfo
+from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
-from xccl.gmem import DieMemory, poll_until
-from xccl.layout import (EP_COUNT, EP_DOORBELL, EP_EVENT_ID, EP_OFFSET, EP_VTIME_NS, INDEX_BYTES,
-                         EpLayout)
+from xccl.gmem import DieMemory
+from xccl.moe_layout import INDEX_BYTES, INDEX_DTYPE, EpLayout
 from xccl.quant import decode_rows, encode_rows
+from xccl.records import ROWS_RECORD, Expected, RecordAt
+from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-
-INDEX_DTYPE = np.dtype([("token", "<i4"), ("column", "<i4"), ("slot", "<i8")])
-assert INDEX_DTYPE.itemsize == INDEX_BYTES
-
-
-@dataclass(frozen=True, kw_only=True)
-class DispatchInfo:
-    """The rows that arrived, contiguous per local expert slot.
-
-    local_slots: [L] physical slots this die hosts, ascending; recv_x holds their rows in order.
-    num_rows_per_slot: [L] int64 rows for each local slot.
-    src_rank: [R] int64 rank each row came from; src_token: [R] its token index there;
-    src_column: [R] its top-k column there (column num_topk = the dedicated shared expert).
-    """
-
-    local_slots: tuple[int, ...]
-    num_rows_per_slot: np.ndarray
-    src_rank: np.ndarray
-    src_token: np.ndarray
-    src_column: np.ndarray
-
-
-@dataclass(frozen=True, kw_only=True)
-class DispatchHandle:
-    """What combine needs to send results home. Valid for one combine after its own dispatch.
-
-    event_id: the dispatch's event id. seq: which dispatch of the buffer `buffer_id` made it.
-    weights: [num_tokens, num_columns] float64 combine weights (0 where topk_idx is -1).
-    send_counts: [num_members] rows sent to each member; send_token / send_column: [rows sent]
-    token and column of each staged row (destination-major, the order peers pull them in).
-    recv_counts: [num_members] rows pulled from each member.
-    recv_perm: [R] for each row of recv_x, its index among the rows as pulled (source-major).
-    """
-
-    event_id: int
-    seq: int
-    buffer_id: int
-    weights: np.ndarray
-    send_counts: np.ndarray
-    send_token: np.ndarray
-    send_column: np.ndarray
-    recv_counts: np.ndarray
-    recv_perm: np.ndarray
-
-
-def select_slots(topk_idx: np.ndarray, log2phy: Sequence[Sequence[int]],
-                 shared_slots: Sequence[int], src_rank: int) -> np.ndarray:
-    """[T, K] logical experts (-1 = none) -> [T, C] physical slots (-1 = none).
-
-    A token whose expert has several replicas takes replica (token index mod replicas): spread by
-    position, no communication (§4.5 step 4). With dedicated shared-expert slots, column K is
-    slot shared_slots[(src_rank + token) mod len(shared_slots)].
-    """
-    num_tokens, top_k = topk_idx.shape
-    num_replicas = np.array([len(r) for r in log2phy], np.int64)      # [E]
-    table = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)
-    for expert, replicas in enumerate(log2phy):
-        table[expert, :len(replicas)] = replicas
-    token = np.arange(num_tokens)[:, None]                            # [T, 1]
-    expert = np.where(topk_idx >= 0, topk_idx, 0)
-    phy = table[expert, token % np.maximum(num_replicas[expert], 1)]  # [T, K]
-    phy = np.where(topk_idx >= 0, phy, -1)
-    if shared_slots:
-        shared = np.asarray(shared_slots)[(src_rank + token[:, 0]) % len(shared_slots)]
-        phy = np.concatenate([phy, shared[:, None]], axis=1)
-    return phy
 
 
 class EpBuffer:
@@ -105,7 +40,12 @@ class EpBuffer:
 
     def __init__(self, mem: DieMemory, layout: EpLayout, slot_owner: Sequence[int], *,
                  dtype=np.float64, clock: VirtualClock | None = None,
-                 link: LinkModel | None = None, num_cores: int = 2, timeout_s: float = 60.0) -> None:
+                 link: LinkModel | None = None, num_cores: int = 2,
+                 timeout_s: float = 60.0) -> None:
+        if np.dtype(dtype).itemsize != layout.itemsize:
+            raise ValueError(f"rank {mem.rank}: dtype {np.dtype(dtype)} of itemsize "
+                             f"{np.dtype(dtype).itemsize} != the EP layout's itemsize "
+                             f"{layout.itemsize}")
         mem.claim("ep")
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(f"rank {mem.rank}: row dtype {np.dtype(dtype)} ({np.dtype(dtype).itemsize}"
@@ -149,61 +89,51 @@ class EpBuffer:
                                          shared_slots)
         # Step 1-3 (Fig. 7): copy the rows (INT8 + per-token scale if enabled) into our own
         # managed area, partitioned by destination die.
-        token, column = np.nonzero(phy >= 0)                          # [S] each
-        slot = phy[token, column]
-        dest = self.member_of_rank[self.slot_owner[slot]]
-        order = np.lexsort((column, token, slot, dest))
-        token, column, slot, dest = token[order], column[order], slot[order], dest[order]
-        self._stage_rows(x, token, column, slot)
-        send_counts = np.bincount(dest, minlength=len(self.members))
+        token, column, send_counts = self._stage_rows(x, phy)
         if self.fault_hook is not None:     # staged, not yet published: every peer waits for us
             self.fault_hook("dispatch", event_id)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
         # Step 5: poll our metadata until every die has reported (zero rows included).
-        recv_counts, recv_offsets, stamps = self._wait_records("dispatch", event_id, seq)
+        bodies = self._wait_records("dispatch", event_id, seq)
+        recv_counts = bodies["count"].astype(np.int64)
         # Step 6-7: pull our rows from each die with Get.
-        rows, index = self._pull_dispatch(recv_counts, recv_offsets)
-        self._arrive(stamps, rows.nbytes + index.nbytes)
+        rows, index = self._pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
+        self._arrive(bodies["vtime_ns"], rows.nbytes + index.nbytes)
         decoded = decode_rows(rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8,
                               dtype=self.dtype)
-        perm = np.lexsort((index["column"], index["token"], np.repeat(
-            np.arange(len(self.members)), recv_counts), index["slot"]))
+        src_member = np.repeat(np.arange(len(self.members)), recv_counts)      # [R] as pulled
+        perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
+        src_rank = np.asarray(self.members, np.int64)[src_member]
+        info = self._dispatch_info(event_id, index, src_rank, perm)
+        handle = DispatchHandle(event_id=event_id, seq=seq, buffer_id=id(self), weights=weights,
+                                send_counts=send_counts, send_token=token, send_column=column,
+                                recv_counts=recv_counts, recv_perm=perm)
+        return decoded[perm], info, handle
+
+    def _dispatch_info(self, event_id: int, index: np.ndarray, src_rank: np.ndarray,
+                       perm: np.ndarray) -> DispatchInfo:
+        """The pulled rows' origins, in slot order; refuses rows for slots we do not host."""
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
             raise XcclError(f"die rank {self.me}: dispatch event {event_id} delivered rows for "
                             f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
                             "die does not host")
-        src_rank = np.asarray(self.members, np.int64)[np.repeat(
-            np.arange(len(self.members)), recv_counts)]
-        info = DispatchInfo(
+        return DispatchInfo(
             local_slots=self.local_slots,
             num_rows_per_slot=np.array([(index["slot"] == s).sum() for s in self.local_slots],
                                        np.int64),
             src_rank=src_rank[perm], src_token=index["token"][perm].astype(np.int64),
             src_column=index["column"][perm].astype(np.int64))
-        handle = DispatchHandle(event_id=event_id, seq=seq, buffer_id=id(self), weights=weights,
-                                send_counts=send_counts, send_token=token, send_column=column,
-                                recv_counts=recv_counts, recv_perm=perm)
-        return decoded[perm], info, handle
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: np.ndarray, handle: DispatchHandle) -> np.ndarray:
         """Send expert outputs home and sum each token's columns, weighted, in column order.
 
         expert_out: [R, hidden] aligned with the recv_x of `handle`'s dispatch.
-        Returns y: [T, hidden] float64 for this die's T dispatched tokens (rows cross in
-        self.dtype; the sum is always float64, as the model's reference makes it).
+        Returns y: [T, hidden] float64 for this die's T dispatched tokens (summed in float64
+        whatever the row dtype: the rows are a wire format).
         """
-        if handle.buffer_id != id(self):
-            raise XcclError(f"die rank {self.me}: combine with a handle of another buffer "
-                            f"(event {handle.event_id})")
-        if handle.seq != self._seq["dispatch"] or self._seq["combine"] >= handle.seq:
-            raise XcclError(f"die rank {self.me}: combine with the handle of dispatch "
-                            f"{handle.seq} (event {handle.event_id}); the last dispatch was "
-                            f"{self._seq['dispatch']} and combines done {self._seq['combine']}")
-        if expert_out.shape != (len(handle.recv_perm), self.layout.hidden):
-            raise ValueError(f"die rank {self.me}: expert_out {expert_out.shape} != "
-                             f"({len(handle.recv_perm)}, {self.layout.hidden}) rows received")
+        self._check_handle(expert_out, handle)
         # Step 1-3 (mirror): stage outputs in our combine area, by source die, in the order
         # each source staged them.
         start, num_rows = self.layout.offset(self.me, "combine_rows"), len(expert_out)
@@ -215,22 +145,18 @@ class EpBuffer:
         # Step 4: tell each source where its outputs sit.
         seq = self._publish("combine", handle.event_id, handle.recv_counts)
         # Step 5: wait for every die's record; step 6-7: pull our rows' outputs back.
-        counts, offsets, stamps = self._wait_records("combine", handle.event_id, seq)
+        bodies = self._wait_records("combine", handle.event_id, seq)
+        counts = bodies["count"].astype(np.int64)
         if not np.array_equal(counts, handle.send_counts):
             raise XcclError(f"die rank {self.me}: combine event {handle.event_id} returns "
                             f"{counts.tolist()} rows per die, dispatch sent "
                             f"{handle.send_counts.tolist()}")
         outs = np.empty((int(counts.sum()), self.layout.hidden), self.dtype)
         self._pull(outs.view(np.uint8).reshape(len(outs), self.layout.out_row_bytes),
-                   "combine_rows", counts, offsets, self.layout.out_row_bytes)
-        self._arrive(stamps, outs.nbytes)
-        num_tokens, num_columns = handle.weights.shape
-        y = np.zeros((num_tokens, self.layout.hidden), np.float64)
-        for c in range(num_columns):  # fixed order: the same sum on every run
-            rows = np.flatnonzero(handle.send_column == c)
-            token = handle.send_token[rows]                  # each token once per column
-            y[token] += handle.weights[token, c, None] * outs[rows]
-        return y
+                   "combine_rows", counts, bodies["offset"].astype(np.int64),
+                   self.layout.out_row_bytes)
+        self._arrive(bodies["vtime_ns"], outs.nbytes)
+        return weighted_column_sum(outs, handle.send_token, handle.send_column, handle.weights)
 
     # -- recovery -------------------------------------------------------------------------------
     def publication_state(self) -> tuple[int, int]:
@@ -251,6 +177,19 @@ class EpBuffer:
         self._seq = {"dispatch": dispatches, "combine": combines}
 
     # -- steps ----------------------------------------------------------------------------------
+    def _check_handle(self, expert_out: np.ndarray, handle: DispatchHandle) -> None:
+        """Refuse a handle of another buffer, of an older dispatch, or outputs of another shape."""
+        if handle.buffer_id != id(self):
+            raise XcclError(f"die rank {self.me}: combine with a handle of another buffer "
+                            f"(event {handle.event_id})")
+        if handle.seq != self._seq["dispatch"] or self._seq["combine"] >= handle.seq:
+            raise XcclError(f"die rank {self.me}: combine with the handle of dispatch "
+                            f"{handle.seq} (event {handle.event_id}); the last dispatch was "
+                            f"{self._seq['dispatch']} and combines done {self._seq['combine']}")
+        if expert_out.shape != (len(handle.recv_perm), self.layout.hidden):
+            raise ValueError(f"die rank {self.me}: expert_out {expert_out.shape} != "
+                             f"({len(handle.recv_perm)}, {self.layout.hidden}) rows received")
+
     def _check_batch(self, x, topk_idx, topk_weights, event_id, log2phy, shared_slots):
         layout, (num_tokens, top_k) = self.layout, topk_idx.shape
         if num_tokens > layout.max_tokens:
@@ -267,12 +206,16 @@ class EpBuffer:
         if topk_idx.size and (topk_idx.max() >= len(log2phy) or topk_idx.min() < -1):
             raise ValueError(f"die rank {self.me}: topk_idx outside -1..{len(log2phy) - 1}")
         phy = select_slots(topk_idx, log2phy, shared_slots, self.me)
-        weights = np.zeros((num_tokens, num_columns))
-        weights[:, :top_k] = np.where(topk_idx >= 0, topk_weights, 0.0)
-        weights[:, top_k:] = 1.0
-        return phy, weights
+        return phy, combine_weights(topk_idx, topk_weights, num_columns)
 
-    def _stage_rows(self, x: np.ndarray, token, column, slot) -> None:
+    def _stage_rows(self, x: np.ndarray, phy: np.ndarray):
+        """Stage x's rows, one per chosen slot, destination-major, with their index rows.
+        Returns token, column [S] of each staged row and send_counts [num_members]."""
+        token, column = np.nonzero(phy >= 0)                          # [S] each
+        slot = phy[token, column]
+        dest = self.member_of_rank[self.slot_owner[slot]]
+        order = np.lexsort((column, token, slot, dest))
+        token, column, slot, dest = token[order], column[order], slot[order], dest[order]
         layout, local, num_rows = self.layout, self.mem.local, len(token)
         start = layout.offset(self.me, "dispatch_rows")
         staged = local[start:start + num_rows * layout.send_row_bytes].reshape(
@@ -284,48 +227,26 @@ class EpBuffer:
         start = layout.offset(self.me, "dispatch_index")
         local[start:start + index.nbytes] = index.view(np.uint8)
         self.mem.sync()  # our stores land before any peer is told to pull them
+        return token, column, np.bincount(dest, minlength=len(self.members))
 
     def _publish(self, kind: str, event_id: int, counts: np.ndarray) -> int:
-        """Write (event, count, offset, time) into each member's record, flush, then doorbells."""
-        mem, seq = self.mem, self._seq[kind] + 1
-        self._seq[kind] = seq
-        bodies = np.zeros((len(self.members), 4), np.uint64)   # one per member: Puts in flight
-        bodies[:, 0], bodies[:, 1], bodies[:, 2] = event_id, counts, np.cumsum(counts) - counts
-        bodies.view(np.float64)[:, 3] = self.clock.now_ns
-        for i, rank in enumerate(self.members):
-            mem.put(rank, self.layout.record_offset(rank, kind, self.me_idx) + 8, bodies[i])
-        mem.flush_all()
-        for rank in self.members:
-            mem.store_word(rank, self.layout.record_offset(rank, kind, self.me_idx) +
-                           8 * EP_DOORBELL, seq)
-            mem.flush(rank)  # the word buffer is reused by the next store
+        """Tell each member how many rows we staged for it and where: one record each."""
+        seq = self._seq[kind] = self._seq[kind] + 1
+        bodies = np.zeros(len(self.members), ROWS_RECORD)       # one per member: Puts in flight
+        bodies["event_id"], bodies["count"] = event_id, counts
+        bodies["offset"], bodies["vtime_ns"] = np.cumsum(counts) - counts, self.clock.now_ns
+        targets = [RecordAt(rank, self.layout.record_offset(rank, kind, self.me_idx))
+                   for rank in self.members]
+        records.publish(self.mem, targets, bodies, seq)
         return seq
 
-    def _wait_records(self, kind: str, event_id: int, seq: int):
-        mem, members = self.mem, self.members
-        records = [self.layout.record_offset(self.me, kind, i) for i in range(len(members))]
-        pending = set(range(len(members)))
-
-        def all_reported() -> bool:
-            for i in list(pending):
-                if mem.load_word(records[i] + 8 * EP_DOORBELL, members[i]) == seq:
-                    pending.discard(i)
-            return not pending
-        poll_until(all_reported, deadline=time.monotonic() + self.timeout_s,
-                   interrupt=self.interrupt,
-                   describe=lambda: f"die rank {self.me}: {kind} event {event_id} (call {seq}): "
-                   f"no record from rank(s) {[members[i] for i in sorted(pending)]} after "
-                   f"{self.timeout_s:g} s")
-        mem.sync()
-        words = np.stack([mem.words[r // 8:r // 8 + 5] for r in records])   # [N, 5]
-        bad = np.flatnonzero(words[:, EP_EVENT_ID] != event_id)
-        if len(bad):
-            i = int(bad[0])
-            raise EventMismatch(f"die rank {self.me}: {kind} expected event {event_id}, rank "
-                                f"{members[i]} reported event {int(words[i, EP_EVENT_ID])} "
-                                f"({int(words[i, EP_COUNT])} rows)")
-        stamps = words[:, EP_VTIME_NS].copy().view(np.float64)
-        return words[:, EP_COUNT].astype(np.int64), words[:, EP_OFFSET].astype(np.int64), stamps
+    def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
+        """Every member's record of call `seq`: [num_members] ROWS_RECORD."""
+        sources = [RecordAt(rank, self.layout.record_offset(self.me, kind, i))
+                   for i, rank in enumerate(self.members)]
+        expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
+        return records.wait(self.mem, sources, expected, ROWS_RECORD, timeout_s=self.timeout_s,
+                            interrupt=self.interrupt)
 
     def _pull(self, out: np.ndarray, region: str, counts, offsets, row_bytes: int) -> None:
         """Get counts[i] rows of `row_bytes` from member i's `region` at row offsets[i]."""
@@ -338,12 +259,11 @@ class EpBuffer:
         self.mem.flush_all()
 
     def _pull_dispatch(self, counts, offsets) -> tuple[np.ndarray, np.ndarray]:
-        total, layout = int(counts.sum()), self.layout
-        rows = np.empty((total, layout.send_row_bytes), np.uint8)
-        index = np.empty(total, INDEX_DTYPE)
-        self._pull(rows, "dispatch_rows", counts, offsets, layout.send_row_bytes)
-        self._pull(index.view(np.uint8).reshape(total, INDEX_BYTES), "dispatch_index", counts,
-                   offsets, INDEX_BYTES)
+        rows = np.empty((int(counts.sum()), self.layout.send_row_bytes), np.uint8)
+        index = np.empty(len(rows), INDEX_DTYPE)
+        self._pull(rows, "dispatch_rows", counts, offsets, self.layout.send_row_bytes)
+        self._pull(index.view(np.uint8).reshape(len(rows), INDEX_BYTES), "dispatch_index",
+                   counts, offsets, INDEX_BYTES)
         return rows, index
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:

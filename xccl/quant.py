@@ -41,8 +41,14 @@ def encode_rows(staged: np.ndarray, x: np.ndarray, token: np.ndarray, *, hidden:
         staged[:, :width] = x[token].astype(dtype).view(np.uint8)
 
 
+def send_row_bytes(hidden: int, itemsize: int, use_int8: bool) -> int:
+    """A staged token row: hidden x itemsize, or INT8 values + a float32 scale; 8-byte aligned."""
+    raw = hidden + 4 if use_int8 else hidden * itemsize
+    return (raw + 7) // 8 * 8
+
+
 def decode_rows(raw: np.ndarray, *, hidden: int, use_int8: bool, dtype) -> np.ndarray:
-    """Staged wire rows [rows, row_bytes] uint8 (xccl.layout.send_row_bytes: INT8 values + a
+    """Staged wire rows [rows, row_bytes] uint8 (send_row_bytes: INT8 values + a
     float32 scale, or the values, padded to 8 bytes) -> [rows, hidden] `dtype`."""
     if use_int8:
         q = raw[:, :hidden].view(np.int8)

@@ -64,15 +64,17 @@ def dispatch_reference(xs, topk_idxs, log2phy, shared_slots, slot_owner, members
 def combine_reference(xs, topk_idxs, topk_weights, log2phy, shared_slots, members, expert_fn,
                       *, use_int8: bool = False) -> list[np.ndarray]:
     """y[t] = sum over the token's columns, in column order, of weight x expert_fn(slot, row);
-    the shared column has weight 1. expert_fn(slot, rows [n, hidden]) -> [n, hidden]."""
+    the shared column has weight 1. expert_fn(slot, rows [n, hidden]) -> [n, hidden]. Sums in
+    float64 whatever x's dtype, as combine does."""
     from xccl.quant import quant_dequant
     ys = []
     for src, x, topk_idx, w in zip(members, xs, topk_idxs, topk_weights):
         rows = quant_dequant(x) if use_int8 and len(x) else x
-        y = np.zeros_like(x)
+        y = np.zeros(x.shape, np.float64)
         for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
-            weight = 1.0 if column == topk_idx.shape[1] else w[token, column]
-            y[token] = y[token] + weight * expert_fn(slot, rows[token:token + 1])[0]
+            weight = 1.0 if column == topk_idx.shape[1] else float(w[token, column])
+            out = expert_fn(slot, rows[token:token + 1])[0].astype(np.float64)
+            y[token] = y[token] + weight * out
         ys.append(y)
     return ys
 
@@ -103,16 +105,18 @@ def a2e_reference(xs, topk_idxs, log2phy, shared_slots, slot_owner, attention, e
 def e2a_reference(xs, topk_idxs, topk_weights, log2phy, shared_slots, attention, expert_fn, *,
                   use_int8: bool = False) -> list[np.ndarray]:
     """y[t] of every attention die after E2A: its columns' expert outputs, weighted, summed in
-    column order from zero (the shared column last, weight 1, on the unquantized row)."""
+    column order from zero in float64 (the shared column last, weight 1, on the unquantized
+    row)."""
     from xccl.quant import quant_dequant
     ys = []
     for src, x, topk_idx, w in zip(attention, xs, topk_idxs, topk_weights):
         routed = quant_dequant(x) if use_int8 and len(x) else x
-        y = np.zeros_like(x)
+        y = np.zeros(x.shape, np.float64)
         for token, column, slot in ep_route_reference(topk_idx, log2phy, shared_slots, src):
             is_shared = column == topk_idx.shape[1]
             row = (x if is_shared else routed)[token:token + 1]
-            y[token] = y[token] + (1.0 if is_shared else w[token, column]) * expert_fn(slot, row)[0]
+            weight = 1.0 if is_shared else float(w[token, column])
+            y[token] = y[token] + weight * expert_fn(slot, row)[0].astype(np.float64)
         ys.append(y)
     return ys
 

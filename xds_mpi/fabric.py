@@ -5,7 +5,8 @@ the launcher take the layouts and window sizes from the plan.
 """
 from __future__ import annotations
 
-from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
+from xccl.layout import P2PLayout, all_pairs
+from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.topology import Topology
 

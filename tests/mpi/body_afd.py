@@ -13,7 +13,7 @@ from xccl.afd import AfdBuffer, AfdCall
 from xccl.afd_loop import ExpertLoop
 from xccl.errors import XcclTimeout
 from xccl.gmem import DieMemory
-from xccl.layout import AfdLayout
+from xccl.moe_layout import AfdLayout
 from xccl.reference import a2e_metadata_writes, a2e_reference, e2a_reference
 
 comm = MPI.COMM_WORLD

@@ -8,7 +8,7 @@ from mpi4py import MPI
 from xccl.ep import EpBuffer
 from xccl.errors import BufferTooSmall, EventMismatch, XcclError
 from xccl.gmem import DieMemory
-from xccl.layout import EpLayout
+from xccl.moe_layout import EpLayout
 from xccl.reference import combine_reference, dispatch_reference
 
 comm = MPI.COMM_WORLD

@@ -22,7 +22,8 @@ from xccl.ep import EpBuffer
 from xccl.errors import InjectedFault, RetriesExhausted, RollbackRequested
 from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
-from xccl.layout import AfdLayout, EpLayout, P2PLayout, all_pairs
+from xccl.layout import P2PLayout, all_pairs
+from xccl.moe_layout import AfdLayout, EpLayout
 from xccl.p2p import P2P
 from xccl.recovery import Recovery
 from xccl.reference import combine_reference, e2a_reference, tagged_payload

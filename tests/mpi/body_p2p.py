@@ -130,8 +130,8 @@ def test_wrong_event_and_short_buffer_are_named_and_leave_the_message(p2p):
     elif comm.rank == 1:
         with pytest.raises(EventMismatch) as err:
             p2p.recv(np.zeros(100, np.uint8), 0, event_id=8)
-        assert str(err.value) == ("die rank 1: receive from rank 0 expected event 8, the record "
-                                  "carries event 7 (100 B message)")
+        assert str(err.value) == ("die rank 1: receive expected event 8, rank 0 reported event 7 "
+                                  "(publication 1)")
         with pytest.raises(BufferTooSmall, match=r"die rank 1: receive buffer of 99 B < the "
                                                  r"100 B message from rank 0 \(event 7\)"):
             p2p.recv(np.zeros(99, np.uint8), 0, event_id=7)

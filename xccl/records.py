@@ -1,0 +1,160 @@
+"""The metadata record and the one way every protocol publishes and reads it (xDeepServe §3).
+
+A record is RECORD_BYTES in the reader's window, written by one peer: word 0 is the doorbell, the
+rest the body, named fields of a numpy structured dtype (the paper's 32-byte field, plus the
+doorbell, the writer's virtual time and sizes):
+    P2P_RECORD   p2p (xccl/p2p.py): chunk id, tail pointer, message and publication sizes, cores
+    ROWS_RECORD  dispatch/combine and A2E/E2A (xccl/ep.py, xccl/afd.py): rows and where they sit
+publish: Put every body, flush, then ring each doorbell with the publication number and flush,
+so a reader that sees the number never acts on a half-written body (shared/MPI_NOTES.md).
+ready: every doorbell rang, then Win.Sync and read the bodies, refusing a stale or misrouted
+event id. wait: ready polled until a deadline; the timeout names die, stage, event, call and the
+peers whose records are missing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from xccl.errors import EventMismatch
+from xccl.faults import Interrupt
+from xccl.gmem import DieMemory, poll_until
+from xccl.layout import RECORD_BYTES
+
+
+def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
+    """doorbell, event_id, then `fields`, packed in order and padded to RECORD_BYTES."""
+    names, formats = zip(("doorbell", "<u8"), ("event_id", "<u8"), *fields)
+    return np.dtype({"names": list(names), "formats": list(formats), "itemsize": RECORD_BYTES})
+
+
+# chunk_id: ring slots before this publication in its message; tail: the sender's tail pointer
+# after it; msg_bytes / pub_bytes: sizes of the message and of this publication; num_cores /
+# is_dma: how the sender wrote the bytes (the receiver prices the same transfer).
+P2P_RECORD = _record_dtype([("chunk_id", "<u8"), ("tail", "<u8"), ("vtime_ns", "<f8"),
+                            ("msg_bytes", "<u8"), ("pub_bytes", "<u8"), ("num_cores", "<u4"),
+                            ("is_dma", "<u4")])
+# count / offset: rows the writer staged for the reader and the row where they start;
+# shared_count / shared_offset: its full-precision shared-expert rows (A2E/E2A only, else 0).
+ROWS_RECORD = _record_dtype([("count", "<u8"), ("offset", "<u8"), ("vtime_ns", "<f8"),
+                             ("shared_count", "<u8"), ("shared_offset", "<u8")])
+DOORBELL_OFFSET = 0
+BODY_OFFSET = 8
+# p2p's ack is one atomic word, not a record: the publication number (16 bits, compared modulo
+# 2^16) and the receiver's virtual time in ns (48 bits, 78 virtual hours).
+ACK_SEQ_BITS, ACK_TIME_BITS = 16, 48
+
+
+def put_bytes(dtype: np.dtype) -> int:
+    """Bytes a publication writes: the doorbell and the body's fields (not the padding)."""
+    return max(offset + field.itemsize for field, offset in dtype.fields.values())
+
+
+@dataclass(frozen=True)
+class RecordAt:
+    """One record: `peer` is the die at the other end (the target when publishing, the writer
+    when reading); `offset` its byte offset in the window that holds it."""
+
+    peer: int
+    offset: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expected:
+    """What a reader waits for: records rung with `doorbell` carrying `event_id`.
+    stage: the step named in errors ("dispatch", "A2E'", "receive"); call: which call, in words."""
+
+    stage: str
+    event_id: int
+    doorbell: int
+    call: str
+
+
+def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray,
+            doorbell: int) -> None:
+    """Put bodies[i] (every field after the doorbell) into records[i], flush, then ring each
+    doorbell with `doorbell` and flush. The Puts read `bodies` until that first flush."""
+    raw = bodies.view(np.uint8).reshape(len(bodies), RECORD_BYTES)
+    end = put_bytes(bodies.dtype)
+    for record, row in zip(records, raw):
+        mem.put(record.peer, record.offset + BODY_OFFSET, row[BODY_OFFSET:end])
+    if len(records) == 1:
+        mem.flush(records[0].peer)
+    else:
+        mem.flush_all()
+    for record in records:
+        mem.store_word(record.peer, record.offset + DOORBELL_OFFSET, doorbell)
+        mem.flush(record.peer)  # the word buffer is reused by the next store
+
+
+def missing_peers(mem: DieMemory, records: Sequence[RecordAt], doorbell: int) -> list[int]:
+    """Writers of `records` (in our window) whose doorbell does not hold `doorbell` yet."""
+    return [r.peer for r in records if not _has_rung(mem, r, doorbell)]
+
+
+def _has_rung(mem: DieMemory, record: RecordAt, doorbell: int) -> bool:
+    return mem.load_word(record.offset + DOORBELL_OFFSET, record.peer) == doorbell
+
+
+def read(mem: DieMemory, records: Sequence[RecordAt], expected: Expected,
+         dtype: np.dtype) -> np.ndarray:
+    """The bodies [W] `dtype` of records whose doorbells rang; EventMismatch on a foreign event."""
+    mem.sync()  # the peers' body Puts, flushed before their doorbells, become visible
+    bodies = np.empty(len(records), dtype)
+    raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
+    for record, row in zip(records, raw):
+        row[:] = mem.local[record.offset:record.offset + RECORD_BYTES]
+    bad = np.flatnonzero(bodies["event_id"] != expected.event_id)
+    if len(bad):
+        i = int(bad[0])
+        raise EventMismatch(f"die rank {mem.rank}: {expected.stage} expected event "
+                            f"{expected.event_id}, rank {records[i].peer} reported event "
+                            f"{int(bodies['event_id'][i])} ({expected.call})")
+    return bodies
+
+
+def ready(mem: DieMemory, records: Sequence[RecordAt], expected: Expected,
+          dtype: np.dtype) -> np.ndarray | None:
+    """read() if every doorbell rang, else None."""
+    if missing_peers(mem, records, expected.doorbell):
+        return None
+    return read(mem, records, expected, dtype)
+
+
+def no_record(mem: DieMemory, expected: Expected, missing: Sequence[int]) -> str:
+    return (f"die rank {mem.rank}: {expected.stage} event {expected.event_id} ({expected.call}):"
+            f" no record from rank(s) {list(missing)}")
+
+
+def wait(mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype, *,
+         timeout_s: float, interrupt: Interrupt | None) -> np.ndarray:
+    """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
+    pending = list(records)
+
+    def all_rang() -> bool:
+        # A rung doorbell stays rung until the reader's next call, so only the rest are polled.
+        pending[:] = [r for r in pending if not _has_rung(mem, r, expected.doorbell)]
+        return not pending
+    poll_until(all_rang, deadline=time.monotonic() + timeout_s, interrupt=interrupt,
+               describe=lambda: f"{no_record(mem, expected, [r.peer for r in pending])} after "
+                                f"{timeout_s:g} s")
+    return read(mem, records, expected, dtype)
+
+
+def ack_word(seq: int, vtime_ns: float = 0.0) -> int:
+    """The ack of publication `seq`, written at virtual time `vtime_ns`."""
+    return (seq % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS | \
+        (int(vtime_ns) & ((1 << ACK_TIME_BITS) - 1))
+
+
+def ack_covers(word: int, seq: int) -> bool:
+    """Does the ack `word` acknowledge publication `seq`? Numbers wrap at 16 bits; with so few
+    publications in flight, "acked >= seq" modulo 2^16 is exact."""
+    return ((word >> ACK_TIME_BITS) - seq) % (1 << ACK_SEQ_BITS) < 1 << (ACK_SEQ_BITS - 1)
+
+
+def ack_time_ns(word: int) -> float:
+    return float(word & ((1 << ACK_TIME_BITS) - 1))

@@ -1,0 +1,57 @@
+"""What dispatch/combine (xccl/ep.py) and A2E/E2A (xccl/afd.py) share: which physical slot each
+column of a token goes to, the combine weights, and the weighted sum of the returned columns."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+
+def select_slots(topk_idx: np.ndarray, log2phy: Sequence[Sequence[int]],
+                 shared_slots: Sequence[int], src_rank: int) -> np.ndarray:
+    """[T, K] logical experts (-1 = none) -> [T, C] physical slots (-1 = none).
+
+    A token whose expert has several replicas takes replica (token index mod replicas): spread by
+    position, no communication (§4.5 step 4). With dedicated shared-expert slots, column K is
+    slot shared_slots[(src_rank + token) mod len(shared_slots)].
+    """
+    num_tokens, top_k = topk_idx.shape
+    num_replicas = np.array([len(r) for r in log2phy], np.int64)      # [E]
+    table = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)
+    for expert, replicas in enumerate(log2phy):
+        table[expert, :len(replicas)] = replicas
+    token = np.arange(num_tokens)[:, None]                            # [T, 1]
+    expert = np.where(topk_idx >= 0, topk_idx, 0)
+    phy = table[expert, token % np.maximum(num_replicas[expert], 1)]  # [T, K]
+    phy = np.where(topk_idx >= 0, phy, -1)
+    if shared_slots:
+        shared = np.asarray(shared_slots)[(src_rank + token[:, 0]) % len(shared_slots)]
+        phy = np.concatenate([phy, shared[:, None]], axis=1)
+    return phy
+
+
+def combine_weights(topk_idx: np.ndarray, topk_weights: np.ndarray,
+                    num_columns: int) -> np.ndarray:
+    """[T, K] weights -> [T, C] float64: 0 where topk_idx is -1, 1 in the shared column (K)."""
+    num_tokens, top_k = topk_idx.shape
+    weights = np.zeros((num_tokens, num_columns))
+    weights[:, :top_k] = np.where(topk_idx >= 0, topk_weights, 0.0)
+    weights[:, top_k:] = 1.0
+    return weights
+
+
+def weighted_column_sum(outs: np.ndarray, token: np.ndarray, column: np.ndarray,
+                        weights: np.ndarray) -> np.ndarray:
+    """y [T, hidden] float64: each token's returned rows, weighted, summed column by column.
+
+    outs: [R, hidden] rows (any float dtype: the wire's). token / column: [R] each row's token and
+    column. weights: [T, C] float64. The sum runs in float64 in fixed column order from zero, so
+    it is the same on every run whatever order rows arrived in, and the reference can repeat it.
+    """
+    num_tokens, num_columns = weights.shape
+    y = np.zeros((num_tokens, outs.shape[1]), np.float64)
+    for c in range(num_columns):
+        rows = np.flatnonzero(column == c)
+        rows_token = token[rows]                           # each token at most once per column
+        y[rows_token] += weights[rows_token, c, None] * outs[rows].astype(np.float64)
+    return y
