@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xccl.layout import AfdLayout, EpLayout, P2PLayout
+from xccl.layout import P2PLayout
+from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
