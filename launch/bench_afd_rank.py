@@ -12,6 +12,7 @@ the phase (dispatch / combine for colocated), median over iterations. meta_attn:
 attention die writes per round; meta_max: the most any die writes. proj_910c_us: one round on
 the virtual clock (slowest die).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,16 @@ from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
 
 comm = MPI.COMM_WORLD
-COLUMNS = ["variant", "tokens", "a2e_us", "e2a_us", "round_us", "meta_attn", "meta_max",
-           "proj_910c_us"]
+COLUMNS = [
+    "variant",
+    "tokens",
+    "a2e_us",
+    "e2a_us",
+    "round_us",
+    "meta_attn",
+    "meta_max",
+    "proj_910c_us",
+]
 TIMEOUT_S = 300.0
 
 
@@ -50,34 +59,63 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args, groups = args, args.groups
         if not 1 <= groups < comm.size or comm.size - groups < groups:
-            raise SystemExit(f"--groups({groups}) needs 1 <= G and G <= N - G expert dies "
-                             f"(N = {comm.size})")
+            raise SystemExit(
+                f"--groups({groups}) needs 1 <= G and G <= N - G expert dies (N = {comm.size})"
+            )
         self.attention = tuple(range(groups))
         self.experts = tuple(range(groups, comm.size))
         num_experts_dies = len(self.experts)
-        self.slot_owner = [self.experts[e * num_experts_dies // args.experts]
-                           for e in range(args.experts)]
+        self.slot_owner = [
+            self.experts[e * num_experts_dies // args.experts] for e in range(args.experts)
+        ]
         self.log2phy = [(e,) for e in range(args.experts)]
         self.link = LinkModel.from_profile(load_profile(args.profile))
         self.is_attention = comm.rank in self.attention
         self.windows, self.afd = [], {}
         for variant in ("trampoline", "direct"):
-            layout = AfdLayout(attention=self.attention, experts=self.experts, group_size=groups,
-                               base=(0,) * comm.size, num_lanes=1, hidden=args.hidden,
-                               max_tokens=max(args.tokens), top_k=args.topk, has_shared=False,
-                               itemsize=4, use_int8=args.int8)
+            layout = AfdLayout(
+                attention=self.attention,
+                experts=self.experts,
+                group_size=groups,
+                base=(0,) * comm.size,
+                num_lanes=1,
+                hidden=args.hidden,
+                max_tokens=max(args.tokens),
+                top_k=args.topk,
+                has_shared=False,
+                itemsize=4,
+                use_int8=args.int8,
+            )
             mem = self._window(layout.area_bytes(layout.role_of(comm.rank)))
-            self.afd[variant] = AfdBuffer(mem, layout, self.slot_owner,
-                                          num_routed_slots=args.experts,
-                                          use_trampolines=variant == "trampoline",
-                                          dtype=np.float32, clock=VirtualClock(), link=self.link,
-                                          timeout_s=TIMEOUT_S)
-        layout = EpLayout(members=tuple(range(comm.size)), base=(0,) * comm.size,
-                          hidden=args.hidden, max_tokens=max(args.tokens), num_columns=args.topk,
-                          itemsize=4, use_int8=args.int8)
-        self.ep = EpBuffer(self._window(layout.area_bytes()), layout, self.slot_owner,
-                           dtype=np.float32, clock=VirtualClock(), link=self.link,
-                           timeout_s=TIMEOUT_S)
+            self.afd[variant] = AfdBuffer(
+                mem,
+                layout,
+                self.slot_owner,
+                num_routed_slots=args.experts,
+                use_trampolines=variant == "trampoline",
+                dtype=np.float32,
+                clock=VirtualClock(),
+                link=self.link,
+                timeout_s=TIMEOUT_S,
+            )
+        layout = EpLayout(
+            members=tuple(range(comm.size)),
+            base=(0,) * comm.size,
+            hidden=args.hidden,
+            max_tokens=max(args.tokens),
+            num_columns=args.topk,
+            itemsize=4,
+            use_int8=args.int8,
+        )
+        self.ep = EpBuffer(
+            self._window(layout.area_bytes()),
+            layout,
+            self.slot_owner,
+            dtype=np.float32,
+            clock=VirtualClock(),
+            link=self.link,
+            timeout_s=TIMEOUT_S,
+        )
         self.num_calls = self.num_ep_rounds = 0
 
     def _window(self, nbytes: int) -> DieMemory:
@@ -93,7 +131,7 @@ class Bench:
         num_tokens = num_tokens if self.is_attention else 0
         rng = np.random.default_rng((11, comm.rank))
         x = rng.normal(size=(num_tokens, self.args.hidden)).astype(np.float32)
-        topk = np.argsort(rng.random((num_tokens, self.args.experts)), axis=1)[:, :self.args.topk]
+        topk = np.argsort(rng.random((num_tokens, self.args.experts)), axis=1)[:, : self.args.topk]
         return x, topk, rng.random((num_tokens, self.args.topk))
 
     # -- one round of each variant: (y, seconds of phase 1, seconds of phase 2) ------------------
@@ -134,8 +172,11 @@ class Bench:
 
     def row(self, variant: str, num_tokens: int) -> dict:
         x, topk, w = self.inputs(num_tokens)
-        run = (lambda: self.ep_round(x, topk, w)) if variant == "colocated" else \
-            (lambda: self.afd_round(variant, x, topk, w))
+        run = (
+            (lambda: self.ep_round(x, topk, w))
+            if variant == "colocated"
+            else (lambda: self.afd_round(variant, x, topk, w))
+        )
         y, _, _ = run()
         if self.is_attention and variant != "trampoline":
             y_ref, _, _ = self.afd_round("trampoline", x, topk, w)
@@ -156,9 +197,16 @@ class Bench:
         projected = comm.allreduce(clock.now_ns - start, op=MPI.MAX)
         a2e, e2a = (float(np.median(p)) for p in zip(*phases))
         meta_attn = comm.bcast(writes, root=0)
-        return {"variant": variant, "tokens": num_tokens, "a2e_us": a2e * 1e6,
-                "e2a_us": e2a * 1e6, "round_us": (a2e + e2a) * 1e6, "meta_attn": meta_attn,
-                "meta_max": comm.allreduce(writes, op=MPI.MAX), "proj_910c_us": projected / 1e3}
+        return {
+            "variant": variant,
+            "tokens": num_tokens,
+            "a2e_us": a2e * 1e6,
+            "e2a_us": e2a * 1e6,
+            "round_us": (a2e + e2a) * 1e6,
+            "meta_attn": meta_attn,
+            "meta_max": comm.allreduce(writes, op=MPI.MAX),
+            "proj_910c_us": projected / 1e3,
+        }
 
     def metadata_writes(self, variant: str) -> int:
         """Records this die wrote so far. Colocated: dispatch and combine each write one record
@@ -183,19 +231,32 @@ def main(argv: list[str] | None = None) -> None:
     if comm.rank == 0:
         from launch.bench_report import _fmt, write
         from launch.report import format_table
-        print(f"\nxds-mpi bench afd: {comm.size} ranks = {args.groups} attention dies (1 DP "
-              f"domain) + {comm.size - args.groups} expert dies, {args.experts} experts, top-"
-              f"{args.topk}, hidden {args.hidden}, identity experts, float32 rows"
-              f"{' (INT8 on the wire)' if args.int8 else ''}, profile {args.profile}")
-        print(format_table(COLUMNS, [[r[c] if isinstance(r[c], str) else _fmt(r[c])
-                                      for c in COLUMNS] for r in rows]))
-        print("a2e_us/e2a_us: A2E (dispatch) and E2A (combine) until the slowest die is done; "
-              "meta_attn: records one attention die writes per round (colocated: per die); "
-              "proj_910c_us: one round on the virtual clock.")
+
+        print(
+            f"\nxds-mpi bench afd: {comm.size} ranks = {args.groups} attention dies (1 DP "
+            f"domain) + {comm.size - args.groups} expert dies, {args.experts} experts, top-"
+            f"{args.topk}, hidden {args.hidden}, identity experts, float32 rows"
+            f"{' (INT8 on the wire)' if args.int8 else ''}, profile {args.profile}"
+        )
+        print(
+            format_table(
+                COLUMNS,
+                [[r[c] if isinstance(r[c], str) else _fmt(r[c]) for c in COLUMNS] for r in rows],
+            )
+        )
+        print(
+            "a2e_us/e2a_us: A2E (dispatch) and E2A (combine) until the slowest die is done; "
+            "meta_attn: records one attention die writes per round (colocated: per die); "
+            "proj_910c_us: one round on the virtual clock."
+        )
         if args.out:
-            is_h5 = Path(args.out).suffix in (".h5", ".hdf5")     # h5py stores bytes, not str
-            write([{**r, "variant": r["variant"].encode()} if is_h5 else r for r in rows],
-                  COLUMNS, Path(args.out), args)
+            is_h5 = Path(args.out).suffix in (".h5", ".hdf5")  # h5py stores bytes, not str
+            write(
+                [{**r, "variant": r["variant"].encode()} if is_h5 else r for r in rows],
+                COLUMNS,
+                Path(args.out),
+                args,
+            )
             print(f"wrote {args.out}")
 
 

@@ -6,6 +6,7 @@ combine brings the rows home. In the same run, a two-sided baseline moves the sa
 Alltoall of the counts + Alltoallv of the rows there, Alltoallv of the outputs back. The
 projected column is one dispatch + combine on the 910C virtual clock.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,7 @@ from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
 
 comm = MPI.COMM_WORLD
-COLUMNS = ["tokens", "hidden", "topk", "int8", "xccl_us", "alltoallv_us", "speedup",
-           "proj_910c_us"]
+COLUMNS = ["tokens", "hidden", "topk", "int8", "xccl_us", "alltoallv_us", "speedup", "proj_910c_us"]
 
 
 class Bench:
@@ -35,14 +35,26 @@ class Bench:
         per_die = args.experts // comm.size
         self.slot_owner = [e // per_die for e in range(args.experts)]
         self.log2phy = [(e,) for e in range(args.experts)]
-        self.layout = EpLayout(members=tuple(range(comm.size)), base=(0,) * comm.size,
-                               hidden=args.hidden, max_tokens=max(args.tokens),
-                               num_columns=args.topk, itemsize=4, use_int8=args.int8)
+        self.layout = EpLayout(
+            members=tuple(range(comm.size)),
+            base=(0,) * comm.size,
+            hidden=args.hidden,
+            max_tokens=max(args.tokens),
+            num_columns=args.topk,
+            itemsize=4,
+            use_int8=args.int8,
+        )
         self.mem = DieMemory(comm, self.layout.area_bytes())
         self.clock = VirtualClock()
-        self.ep = EpBuffer(self.mem, self.layout, self.slot_owner, dtype=np.float32,
-                           clock=self.clock, link=LinkModel.from_profile(load_profile(args.profile)),
-                           timeout_s=300)
+        self.ep = EpBuffer(
+            self.mem,
+            self.layout,
+            self.slot_owner,
+            dtype=np.float32,
+            clock=self.clock,
+            link=LinkModel.from_profile(load_profile(args.profile)),
+            timeout_s=300,
+        )
         self.event = 0
 
     def close(self) -> None:
@@ -52,7 +64,7 @@ class Bench:
     def inputs(self, num_tokens: int):
         rng = np.random.default_rng((7, comm.rank))
         x = rng.normal(size=(num_tokens, self.args.hidden)).astype(np.float32)
-        topk = np.argsort(rng.random((num_tokens, self.args.experts)), axis=1)[:, :self.args.topk]
+        topk = np.argsort(rng.random((num_tokens, self.args.experts)), axis=1)[:, : self.args.topk]
         return x, topk, rng.random((num_tokens, self.args.topk))
 
     def xccl_round(self, x, topk, w) -> np.ndarray:
@@ -61,7 +73,7 @@ class Bench:
         return self.ep.combine(recv_x, handle)
 
     def alltoallv_round(self, x, topk, w) -> np.ndarray:
-        phy = select_slots(topk, self.log2phy, (), comm.rank)            # [T, K]
+        phy = select_slots(topk, self.log2phy, (), comm.rank)  # [T, K]
         token, column = np.nonzero(phy >= 0)
         dest = np.asarray(self.slot_owner)[phy[token, column]]
         order = np.argsort(dest, kind="stable")
@@ -72,11 +84,13 @@ class Bench:
         comm.Alltoall(send_counts, recv_counts)
         hidden = self.args.hidden
         recv = np.empty((int(recv_counts.sum()), hidden), np.float32)
-        comm.Alltoallv([rows, send_counts * hidden, MPI.FLOAT],
-                       [recv, recv_counts * hidden, MPI.FLOAT])
+        comm.Alltoallv(
+            [rows, send_counts * hidden, MPI.FLOAT], [recv, recv_counts * hidden, MPI.FLOAT]
+        )
         back = np.empty_like(rows)
-        comm.Alltoallv([recv, recv_counts * hidden, MPI.FLOAT],
-                       [back, send_counts * hidden, MPI.FLOAT])
+        comm.Alltoallv(
+            [recv, recv_counts * hidden, MPI.FLOAT], [back, send_counts * hidden, MPI.FLOAT]
+        )
         y = np.zeros_like(x)
         np.add.at(y, token, w[token, column, None].astype(np.float32) * back)
         return y
@@ -103,9 +117,16 @@ class Bench:
         start = self.clock.now_ns
         self.xccl_round(x, topk, w)
         projected = comm.allreduce(self.clock.now_ns - start, op=MPI.MAX)
-        return {"tokens": num_tokens, "hidden": self.args.hidden, "topk": self.args.topk,
-                "int8": int(self.args.int8), "xccl_us": xccl * 1e6, "alltoallv_us": base * 1e6,
-                "speedup": base / xccl, "proj_910c_us": projected / 1e3}
+        return {
+            "tokens": num_tokens,
+            "hidden": self.args.hidden,
+            "topk": self.args.topk,
+            "int8": int(self.args.int8),
+            "xccl_us": xccl * 1e6,
+            "alltoallv_us": base * 1e6,
+            "speedup": base / xccl,
+            "proj_910c_us": projected / 1e3,
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,11 +141,19 @@ def main(argv: list[str] | None = None) -> None:
     bench.close()
     if comm.rank == 0:
         from launch.bench_report import report
-        title = (f"xds-mpi bench ep: {comm.size} ranks, {args.experts} experts, identity experts,"
-                 f" float32 rows{' (INT8 on the wire)' if args.int8 else ''}")
-        report(rows, COLUMNS, args, title=title,
-               legend="speedup: Alltoallv round / dispatch+combine round (higher is better); "
-                      "proj_910c_us: one dispatch + combine on the virtual clock (slowest die).")
+
+        title = (
+            f"xds-mpi bench ep: {comm.size} ranks, {args.experts} experts, identity experts,"
+            f" float32 rows{' (INT8 on the wire)' if args.int8 else ''}"
+        )
+        report(
+            rows,
+            COLUMNS,
+            args,
+            title=title,
+            legend="speedup: Alltoallv round / dispatch+combine round (higher is better); "
+            "proj_910c_us: one dispatch + combine on the virtual clock (slowest die).",
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ oversubscription. For each size and core count, in the same run:
   projected - what one sync send costs a 910C die on the virtual clock (dies on two servers)
 Medians over iterations, then the median over pairs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,19 @@ from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
 
 comm = MPI.COMM_WORLD
-COLUMNS = ["bytes", "cores", "xccl_rtt_us", "put_rtt_us", "rtt_vs_put", "sendrecv_rtt_us",
-           "rtt_vs_sendrecv", "xccl_gb_s", "put_gb_s", "bw_vs_put", "proj_910c_send_us"]
+COLUMNS = [
+    "bytes",
+    "cores",
+    "xccl_rtt_us",
+    "put_rtt_us",
+    "rtt_vs_put",
+    "sendrecv_rtt_us",
+    "rtt_vs_sendrecv",
+    "xccl_gb_s",
+    "put_gb_s",
+    "bw_vs_put",
+    "proj_910c_send_us",
+]
 
 
 def iterations(nbytes: int, base: int) -> int:
@@ -43,8 +55,9 @@ class Bench:
         self.flag = self.raw.nbytes - 8
         link = LinkModel.from_profile(load_profile(args.profile))
         # Dies on different servers, as the paper measured (xDeepServe §3.1, Figure 5).
-        self.p2p = P2P(self.mem, self.layout, link=link, timeout_s=120,
-                       server_of=list(range(comm.size)))
+        self.p2p = P2P(
+            self.mem, self.layout, link=link, timeout_s=120, server_of=list(range(comm.size))
+        )
         self.args = args
 
     def close(self) -> None:
@@ -67,8 +80,11 @@ class Bench:
     def xccl_rtt(self, buf: np.ndarray, event: int, cores: int) -> None:
         p2p, peer = self.p2p, self.peer
         if self.args.mode == "async":
-            handles = ([p2p.isend(buf, peer, event, num_cores=cores),
-                        p2p.irecv(buf, peer, event)] if self.is_a else [p2p.irecv(buf, peer, event)])
+            handles = (
+                [p2p.isend(buf, peer, event, num_cores=cores), p2p.irecv(buf, peer, event)]
+                if self.is_a
+                else [p2p.irecv(buf, peer, event)]
+            )
             [h.wait() for h in handles]
             if not self.is_a:
                 p2p.isend(buf, peer, event, num_cores=cores).wait()
@@ -90,8 +106,12 @@ class Bench:
             raw.flush(peer)
 
         def wait_flag(value: int) -> None:
-            poll_until(lambda: raw.load_word(flag, peer) == value, deadline=time.monotonic() + 60,
-                       describe=lambda: f"rank {comm.rank}: bench flag {value} from {peer}")
+            poll_until(
+                lambda: raw.load_word(flag, peer) == value,
+                deadline=time.monotonic() + 60,
+                describe=lambda: f"rank {comm.rank}: bench flag {value} from {peer}",
+            )
+
         if self.is_a:
             put_and_flag(token)
             wait_flag(token | 1)
@@ -124,6 +144,7 @@ class Bench:
                 p2p.send(buf, self.peer, 0, num_cores=cores)
             else:
                 p2p.recv(buf, self.peer, 0)
+
         xccl_bw = nbytes / self.timed(one_way, iters) / 1e9
         put_bw = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters) / 1e9
         clock = VirtualClock()
@@ -138,11 +159,19 @@ class Bench:
             return {}
         senders = np.array([v for r, v in enumerate(values) if r % 2 == 0])
         med = np.median(senders, axis=0)
-        return {"bytes": nbytes, "cores": cores, "xccl_rtt_us": med[0] * 1e6,
-                "put_rtt_us": med[1] * 1e6, "rtt_vs_put": med[0] / med[1],
-                "sendrecv_rtt_us": med[2] * 1e6, "rtt_vs_sendrecv": med[0] / med[2],
-                "xccl_gb_s": med[3], "put_gb_s": med[4], "bw_vs_put": med[3] / med[4],
-                "proj_910c_send_us": med[5] / 1e3}
+        return {
+            "bytes": nbytes,
+            "cores": cores,
+            "xccl_rtt_us": med[0] * 1e6,
+            "put_rtt_us": med[1] * 1e6,
+            "rtt_vs_put": med[0] / med[1],
+            "sendrecv_rtt_us": med[2] * 1e6,
+            "rtt_vs_sendrecv": med[0] / med[2],
+            "xccl_gb_s": med[3],
+            "put_gb_s": med[4],
+            "bw_vs_put": med[3] / med[4],
+            "proj_910c_send_us": med[5] / 1e3,
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,12 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     bench.close()
     if comm.rank == 0:
         from launch.bench_report import report
-        report(rows, COLUMNS, args,
-               title=f"xds-mpi bench p2p: {comm.size} ranks ({comm.size // 2} pairs at once), "
-                     f"mode {args.mode}, ring {args.slots} x {args.slot_bytes} B",
-               legend="rtt_vs_*: xccl round trip / baseline round trip (lower is better); "
-                      "bw_vs_put: xccl one-way bandwidth / raw Put bandwidth (higher is better); "
-                      "proj_910c_send_us: one sync send on the virtual clock.")
+
+        report(
+            rows,
+            COLUMNS,
+            args,
+            title=f"xds-mpi bench p2p: {comm.size} ranks ({comm.size // 2} pairs at once), "
+            f"mode {args.mode}, ring {args.slots} x {args.slot_bytes} B",
+            legend="rtt_vs_*: xccl round trip / baseline round trip (lower is better); "
+            "bw_vs_put: xccl one-way bandwidth / raw Put bandwidth (higher is better); "
+            "proj_910c_send_us: one sync send on the virtual clock.",
+        )
 
 
 if __name__ == "__main__":

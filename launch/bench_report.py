@@ -1,4 +1,5 @@
 """Print a benchmark's table and write it to CSV or HDF5."""
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,9 @@ def _fmt(value) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def report(rows: list[dict], columns: list[str], args: argparse.Namespace, *, title: str,
-           legend: str) -> None:
+def report(
+    rows: list[dict], columns: list[str], args: argparse.Namespace, *, title: str, legend: str
+) -> None:
     print(f"\n{title}, profile {args.profile}")
     print(format_table(columns, [[_fmt(row[c]) for c in columns] for row in rows]))
     print(legend)
@@ -55,6 +57,7 @@ def write(rows: list[dict], columns: list[str], path: Path, args: argparse.Names
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".h5", ".hdf5"):
         import h5py
+
         with h5py.File(path, "w") as f:
             for c in columns:
                 f.create_dataset(c, data=np.array([row[c] for row in rows]))

@@ -3,18 +3,17 @@
 CONFIG is a YAML file or the name of one in configs/ (default: colocated). Every command accepts
 `--set section.key=value` (repeatable) to override a config value, typed and checked like the file.
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
-from launch import bench_afd, generate, project
+from launch import bench_afd, generate, project, submit, train
 from launch.bench_report import add_row_options
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
-from launch import submit
-from launch import train
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.fabric import format_bytes
 from xds_mpi.plan import DeploymentPlan
@@ -24,14 +23,23 @@ LAUNCH_GRACE_S = 30
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
-                        help=f"YAML file or name in configs/ (default: {DEFAULT_CONFIG}; "
-                             f"known: {', '.join(available_configs())})")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config value, e.g. "
-                             "--set deployment.dp_groups_per_domain=8")
-    parser.add_argument("--np", type=int, default=None,
-                        help="number of MPI ranks (default: what the config needs)")
+    parser.add_argument(
+        "config",
+        nargs="?",
+        default=DEFAULT_CONFIG,
+        help=f"YAML file or name in configs/ (default: {DEFAULT_CONFIG}; "
+        f"known: {', '.join(available_configs())})",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value, e.g. --set deployment.dp_groups_per_domain=8",
+    )
+    parser.add_argument(
+        "--np", type=int, default=None, help="number of MPI ranks (default: what the config needs)"
+    )
 
 
 def _load(args: argparse.Namespace):
@@ -44,8 +52,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     path, plan = _load(args)
     cfg, topo, windows = plan.cfg, plan.topo, plan.window_bytes
     print(f"{path}: valid")
-    print(f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
-          f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})")
+    print(
+        f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
+        f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
+    )
     if not args.brief:
         print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0
@@ -56,16 +66,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.set = [*args.set, "run.check=true"]
     path, plan = _load(args)
     cfg, topo = plan.cfg, plan.topo
-    command = mpi_command(topo.world_size, rank_program(path, args.set),
-                          timeout_s=cfg.run.timeout_s, mpiexec=args.mpiexec)
+    command = mpi_command(
+        topo.world_size,
+        rank_program(path, args.set),
+        timeout_s=cfg.run.timeout_s,
+        mpiexec=args.mpiexec,
+    )
     if args.dry_run:
         print(command.shell_line())
         return 0
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
     result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
     if result.timed_out:
-        print(f"xds-mpi: error: job exceeded run.timeout_s({cfg.run.timeout_s:g}) and was killed",
-              file=sys.stderr)
+        print(
+            f"xds-mpi: error: job exceeded run.timeout_s({cfg.run.timeout_s:g}) and was killed",
+            file=sys.stderr,
+        )
         return 124
     if result.returncode != 0:
         print(f"xds-mpi: error: job failed with exit code {result.returncode}", file=sys.stderr)
@@ -75,10 +91,29 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_bench_p2p(args: argparse.Namespace) -> int:
     if args.np < 2 or args.np % 2:
         raise ConfigError(f"bench p2p pairs ranks up: --np must be even and >= 2, got {args.np}")
-    program = [sys.executable, "-m", "mpi4py", "-m", "launch.bench_p2p", "--mode", args.mode,
-               "--iters", str(args.iters), "--slots", str(args.slots), "--slot-bytes",
-               str(args.slot_bytes), "--profile", args.profile, "--out", args.out,
-               "--sizes", *map(str, args.sizes), "--cores", *map(str, args.cores)]
+    program = [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "launch.bench_p2p",
+        "--mode",
+        args.mode,
+        "--iters",
+        str(args.iters),
+        "--slots",
+        str(args.slots),
+        "--slot-bytes",
+        str(args.slot_bytes),
+        "--profile",
+        args.profile,
+        "--out",
+        args.out,
+        "--sizes",
+        *map(str, args.sizes),
+        "--cores",
+        *map(str, args.cores),
+    ]
     return _run_bench(args, program)
 
 
@@ -86,12 +121,31 @@ def cmd_bench_ep(args: argparse.Namespace) -> int:
     if args.np < 1:
         raise ConfigError(f"bench ep needs --np >= 1, got {args.np}")
     if args.experts % args.np or args.topk > args.experts:
-        raise ConfigError(f"bench ep: --experts({args.experts}) must be a multiple of --np"
-                          f"({args.np}) and >= --topk({args.topk})")
-    program = [sys.executable, "-m", "mpi4py", "-m", "launch.bench_ep", "--hidden",
-               str(args.hidden), "--topk", str(args.topk), "--experts", str(args.experts),
-               "--iters", str(args.iters), "--profile", args.profile, "--out", args.out,
-               "--tokens", *map(str, args.tokens)] + (["--int8"] if args.int8 else [])
+        raise ConfigError(
+            f"bench ep: --experts({args.experts}) must be a multiple of --np"
+            f"({args.np}) and >= --topk({args.topk})"
+        )
+    program = [
+        sys.executable,
+        "-m",
+        "mpi4py",
+        "-m",
+        "launch.bench_ep",
+        "--hidden",
+        str(args.hidden),
+        "--topk",
+        str(args.topk),
+        "--experts",
+        str(args.experts),
+        "--iters",
+        str(args.iters),
+        "--profile",
+        args.profile,
+        "--out",
+        args.out,
+        "--tokens",
+        *map(str, args.tokens),
+    ] + (["--int8"] if args.int8 else [])
     return _run_bench(args, program)
 
 
@@ -106,50 +160,75 @@ def _run_bench(args: argparse.Namespace, program: list[str]) -> int:
 
 
 def _add_validate(sub) -> None:
-    p = sub.add_parser("validate", help="check a config and print its rank map",
-                       description="Check a deployment config and print which rank plays which "
-                                   "die. Exit 0 when valid, 2 with a one-line error otherwise.")
+    p = sub.add_parser(
+        "validate",
+        help="check a config and print its rank map",
+        description="Check a deployment config and print which rank plays which "
+        "die. Exit 0 when valid, 2 with a one-line error otherwise.",
+    )
     _add_config_args(p)
     p.add_argument("--brief", action="store_true", help="print the summary line only")
     p.set_defaults(func=cmd_validate)
 
 
 def _add_run(sub) -> None:
-    p = sub.add_parser("run", help="launch a deployment with mpiexec",
-                       description="Launch `mpiexec -n N python -m mpi4py -m launch.rank CONFIG` "
-                                   "with the environment the detected MPI needs. A colocated or "
-                                   "afd deployment serves the workload: the TE-shell prints "
-                                   "progress and a summary and writes a run file (HDF5) under "
-                                   "run.output_dir. The job is killed after run.timeout_s. "
-                                   "--set scheduler.mtp_depth=1|2 decodes with MTP drafts; the "
-                                   "faults section (faults.table, faults.rate) injects transient "
-                                   "XCCL errors that every die rolls back and recomputes (see "
-                                   "README: MTP decoding and token recomputation).")
+    p = sub.add_parser(
+        "run",
+        help="launch a deployment with mpiexec",
+        description="Launch `mpiexec -n N python -m mpi4py -m launch.rank CONFIG` "
+        "with the environment the detected MPI needs. A colocated or "
+        "afd deployment serves the workload: the TE-shell prints "
+        "progress and a summary and writes a run file (HDF5) under "
+        "run.output_dir. The job is killed after run.timeout_s. "
+        "--set scheduler.mtp_depth=1|2 decodes with MTP drafts; the "
+        "faults section (faults.table, faults.rate) injects transient "
+        "XCCL errors that every die rolls back and recomputes (see "
+        "README: MTP decoding and token recomputation).",
+    )
     _add_config_args(p)
-    p.add_argument("--mpiexec", default=None,
-                   help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)")
+    p.add_argument(
+        "--mpiexec",
+        default=None,
+        help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the command line, do not launch")
-    p.add_argument("--check", action="store_true",
-                   help="re-run the single-process reference on the same requests; exit non-zero "
-                        "on any token mismatch (same as --set run.check=true)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="re-run the single-process reference on the same requests; exit non-zero "
+        "on any token mismatch (same as --set run.check=true)",
+    )
     p.set_defaults(func=cmd_run)
 
 
 def _add_bench_p2p(kinds) -> None:
-    p = kinds.add_parser("p2p", help="XCCL send/receive vs raw Put and Send/Recv ping-pong",
-                         description="Latency and bandwidth of XCCL send/receive against a raw "
-                                     "MPI Put+Flush+flag ping-pong and a Send/Recv ping-pong of "
-                                     "the same sizes, measured in the same run, plus the "
-                                     "projected 910C send latency from the virtual clock. Ranks "
-                                     "pair up; all pairs run at once.")
+    p = kinds.add_parser(
+        "p2p",
+        help="XCCL send/receive vs raw Put and Send/Recv ping-pong",
+        description="Latency and bandwidth of XCCL send/receive against a raw "
+        "MPI Put+Flush+flag ping-pong and a Send/Recv ping-pong of "
+        "the same sizes, measured in the same run, plus the "
+        "projected 910C send latency from the virtual clock. Ranks "
+        "pair up; all pairs run at once.",
+    )
     p.add_argument("--np", type=int, default=2, help="ranks (even; default 2)")
-    p.add_argument("--sizes", type=int, nargs="+", default=[64, 4096, 65536, 1 << 20, 8 << 20],
-                   help="message sizes in bytes (default: 64 4096 65536 1MiB 8MiB)")
-    p.add_argument("--cores", type=int, nargs="+", default=[2],
-                   help="AIV cores per transfer (default: 2)")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[64, 4096, 65536, 1 << 20, 8 << 20],
+        help="message sizes in bytes (default: 64 4096 65536 1MiB 8MiB)",
+    )
+    p.add_argument(
+        "--cores", type=int, nargs="+", default=[2], help="AIV cores per transfer (default: 2)"
+    )
     p.add_argument("--mode", choices=["sync", "async"], default="sync")
-    p.add_argument("--iters", type=int, default=200, help="iterations for small messages "
-                   "(fewer for large ones; default 200)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=200,
+        help="iterations for small messages (fewer for large ones; default 200)",
+    )
     p.add_argument("--slots", type=int, default=8, help="ring slots (default 8)")
     p.add_argument("--slot-bytes", type=int, default=1 << 20, help="bytes per slot (default 1MiB)")
     p.add_argument("--profile", default="ascend910c", help="hardware profile for the projection")
@@ -159,21 +238,30 @@ def _add_bench_p2p(kinds) -> None:
 
 
 def _add_bench_ep(kinds) -> None:
-    p = kinds.add_parser("ep", help="XCCL dispatch+combine vs Alltoall+Alltoallv",
-                         description="Latency of one dispatch + combine round (identity experts, "
-                                     "random top-k routing) against a two-sided baseline moving "
-                                     "the same rows (Alltoall of counts + Alltoallv there and "
-                                     "back) in the same run, plus the projected 910C latency.")
+    p = kinds.add_parser(
+        "ep",
+        help="XCCL dispatch+combine vs Alltoall+Alltoallv",
+        description="Latency of one dispatch + combine round (identity experts, "
+        "random top-k routing) against a two-sided baseline moving "
+        "the same rows (Alltoall of counts + Alltoallv there and "
+        "back) in the same run, plus the projected 910C latency.",
+    )
     p.add_argument("--np", type=int, default=8, help="ranks (default 8)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 128],
-                   help="tokens per die (default: 16 64 128)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[16, 64, 128],
+        help="tokens per die (default: 16 64 128)",
+    )
     add_row_options(p)
     p.set_defaults(func=cmd_bench_ep)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xds-mpi", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="xds-mpi", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_validate(sub)
     _add_run(sub)

@@ -3,6 +3,7 @@
 Pure functions (no Slurm needed): `xds-mpi submit` (launch/submit.py) fills the template
 hpc/xds-mpi.sbatch.in with them, and `--dry-run` prints the result.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ class NodeLayout:
     """tasks_per_node[i]: how many consecutive ranks node i of the allocation runs."""
 
     tasks_per_node: tuple[int, ...]
-    why: str                           # one line for the script's header
+    why: str  # one line for the script's header
 
     @property
     def num_nodes(self) -> int:
@@ -42,27 +43,33 @@ def node_layout(topo: Topology, num_nodes: int | None = None) -> NodeLayout:
     with `num_nodes` whole servers are spread over that many nodes, or, with more nodes than
     servers, ranks are split evenly and servers span nodes."""
     dies_on = Counter(info.server for info in topo.ranks if info.is_die)
-    servers = [dies_on[s] for s in sorted(dies_on)] or [0]      # [num_servers] dies on each
+    servers = [dies_on[s] for s in sorted(dies_on)] or [0]  # [num_servers] dies on each
     if num_nodes is None:
         num_nodes = len(servers)
     if num_nodes < 1 or num_nodes > topo.world_size:
-        raise ConfigError(f"--nodes must be between 1 and the {topo.world_size} ranks of the "
-                          f"deployment, got {num_nodes}")
+        raise ConfigError(
+            f"--nodes must be between 1 and the {topo.world_size} ranks of the "
+            f"deployment, got {num_nodes}"
+        )
     if num_nodes > len(servers):
         base, extra = divmod(topo.world_size, num_nodes)
         tasks = [base + (i < extra) for i in range(num_nodes)]
-        why = (f"{num_nodes} nodes > {len(servers)} server(s): ranks split evenly, "
-               "a server's dies span nodes")
+        why = (
+            f"{num_nodes} nodes > {len(servers)} server(s): ranks split evenly, "
+            "a server's dies span nodes"
+        )
         return NodeLayout(tasks_per_node=tuple(tasks), why=why)
     base, extra = divmod(len(servers), num_nodes)
     tasks, first = [], 0
     for i in range(num_nodes):
         count = base + (i < extra)
-        tasks.append(sum(servers[first:first + count]))
+        tasks.append(sum(servers[first : first + count]))
         first += count
     tasks[0] += topo.num_host_ranks
-    why = (f"{len(servers)} server(s) of dies {servers}, whole servers per node, "
-           f"{topo.num_host_ranks} host rank(s) on the first")
+    why = (
+        f"{len(servers)} server(s) of dies {servers}, whole servers per node, "
+        f"{topo.num_host_ranks} host rank(s) on the first"
+    )
     return NodeLayout(tasks_per_node=tuple(tasks), why=why)
 
 
@@ -115,14 +122,14 @@ class JobSpec:
     layout: NodeLayout
     job_name: str
     job_dir: Path
-    workdir: Path                      # --chdir: where relative run.output_dir paths resolve
-    output_dir: str                    # run.output_dir as the ranks see it (relative to workdir)
+    workdir: Path  # --chdir: where relative run.output_dir paths resolve
+    output_dir: str  # run.output_dir as the ranks see it (relative to workdir)
     run_names: tuple[str, ...]
     sweep: Sweep | None
     time_limit: str
-    timeout_s: float                   # MPIEXEC_TIMEOUT: the largest run.timeout_s of the sweep
+    timeout_s: float  # MPIEXEC_TIMEOUT: the largest run.timeout_s of the sweep
     partition: str | None
-    cpus_per_node: int | None          # None: unknown, ask for --overcommit to be safe
+    cpus_per_node: int | None  # None: unknown, ask for --overcommit to be safe
     launcher: Launcher
     mpiexec: str | None
 
@@ -135,31 +142,47 @@ class JobSpec:
 
 
 class _Template(string.Template):
-    delimiter = "@"                    # bash owns `$`
+    delimiter = "@"  # bash owns `$`
 
 
 def render(spec: JobSpec) -> str:
     topo, layout = spec.topo, spec.layout
     program = rank_program(spec.config_path, spec.overrides)
     command = mpi_command(topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec)
-    prefix, loop, extra, env = _launcher_parts(spec, command.argv[:len(command.argv) - len(program)])
-    launch = " \\\n    ".join([shlex.join(prefix) + extra, shlex.join(program),
-                               '"${RUN_ARGS[@]}"'])
+    prefix, loop, extra, env = _launcher_parts(
+        spec, command.argv[: len(command.argv) - len(program)]
+    )
+    launch = " \\\n    ".join([shlex.join(prefix) + extra, shlex.join(program), '"${RUN_ARGS[@]}"'])
     names = [str(spec.run_file(i)) for i in range(len(spec.run_names))]
     fields = dict(
-        script=spec.script_path, config=spec.config_path,
+        script=spec.script_path,
+        config=spec.config_path,
         overrides=" ".join(shlex.quote(o) for o in spec.overrides) or "(none)",
-        world_size=topo.world_size, num_host_ranks=topo.num_host_ranks, num_dies=topo.num_dies,
-        summary=topo.summary(), num_nodes=layout.num_nodes,
-        tasks_per_node=" ".join(map(str, layout.tasks_per_node)), layout_why=layout.why,
-        launcher=spec.launcher, run_files=", ".join(names) if len(names) <= 4 else
-        f"{names[0]} ... {names[-1]} ({len(names)})",
-        sweep=(f"{spec.sweep.key} = {', '.join(spec.sweep.values)}: "
-               f"{len(spec.sweep.values)} array elements") if spec.sweep else "(none)",
-        sbatch_lines="\n".join(_sbatch_lines(spec)), run_args=_run_args(spec),
+        world_size=topo.world_size,
+        num_host_ranks=topo.num_host_ranks,
+        num_dies=topo.num_dies,
+        summary=topo.summary(),
+        num_nodes=layout.num_nodes,
+        tasks_per_node=" ".join(map(str, layout.tasks_per_node)),
+        layout_why=layout.why,
+        launcher=spec.launcher,
+        run_files=", ".join(names)
+        if len(names) <= 4
+        else f"{names[0]} ... {names[-1]} ({len(names)})",
+        sweep=(
+            f"{spec.sweep.key} = {', '.join(spec.sweep.values)}: "
+            f"{len(spec.sweep.values)} array elements"
+        )
+        if spec.sweep
+        else "(none)",
+        sbatch_lines="\n".join(_sbatch_lines(spec)),
+        run_args=_run_args(spec),
         env_lines="\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(command.env.items())),
-        job_dir=shlex.quote(str(spec.job_dir)), hostfile_loop=loop, hostfile_env=env,
-        launch_line=launch)
+        job_dir=shlex.quote(str(spec.job_dir)),
+        hostfile_loop=loop,
+        hostfile_env=env,
+        launch_line=launch,
+    )
     text = _Template(TEMPLATE.read_text()).safe_substitute(fields)
     leftover = re.findall(r"@\{\w+\}", text)
     assert not leftover, f"template fields not filled: {leftover}"
@@ -169,38 +192,60 @@ def render(spec: JobSpec) -> str:
 def _sbatch_lines(spec: JobSpec) -> list[str]:
     topo, layout = spec.topo, spec.layout
     most = max(layout.tasks_per_node)
-    lines = [f"#SBATCH --job-name={spec.job_name}", f"#SBATCH --nodes={layout.num_nodes}",
-             f"#SBATCH --ntasks={topo.world_size}"]
+    lines = [
+        f"#SBATCH --job-name={spec.job_name}",
+        f"#SBATCH --nodes={layout.num_nodes}",
+        f"#SBATCH --ntasks={topo.world_size}",
+    ]
     if layout.num_nodes > 1:
         lines.append(f"#SBATCH --ntasks-per-node={most}")
     if spec.cpus_per_node is None or most > spec.cpus_per_node:
         cpus = "an unknown number of" if spec.cpus_per_node is None else spec.cpus_per_node
-        lines += [f"# {most} tasks on a node with {cpus} CPUs: ranks share cores (without this the "
-                  "job stays pending)", "#SBATCH --overcommit"]
-    why = ("as given by --time" if spec.time_limit != default_time_limit(spec.timeout_s) else
-           f"run.timeout_s({spec.timeout_s:g}) + {TIME_LIMIT_GRACE_S} s to start and report")
+        lines += [
+            f"# {most} tasks on a node with {cpus} CPUs: ranks share cores (without this the "
+            "job stays pending)",
+            "#SBATCH --overcommit",
+        ]
+    why = (
+        "as given by --time"
+        if spec.time_limit != default_time_limit(spec.timeout_s)
+        else f"run.timeout_s({spec.timeout_s:g}) + {TIME_LIMIT_GRACE_S} s to start and report"
+    )
     lines += [f"# Wall-clock limit: {why}", f"#SBATCH --time={spec.time_limit}"]
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
     output = "slurm-%j.out"
     if spec.sweep:
-        lines += [f"# One array element per value of {spec.sweep.key}",
-                  f"#SBATCH --array=0-{len(spec.sweep.values) - 1}"]
+        lines += [
+            f"# One array element per value of {spec.sweep.key}",
+            f"#SBATCH --array=0-{len(spec.sweep.values) - 1}",
+        ]
         output = "slurm-%A_%a.out"
-    lines += ["# Relative paths (run.output_dir) resolve from where `xds-mpi submit` ran",
-              f"#SBATCH --chdir={spec.workdir}", f"#SBATCH --output={spec.job_dir / output}"]
+    lines += [
+        "# Relative paths (run.output_dir) resolve from where `xds-mpi submit` ran",
+        f"#SBATCH --chdir={spec.workdir}",
+        f"#SBATCH --output={spec.job_dir / output}",
+    ]
     return lines
 
 
 def _run_args(spec: JobSpec) -> str:
     if not spec.sweep:
         return f"RUN_ARGS=(--set {shlex.quote('run.name=' + spec.run_names[0])})"
-    cases = [f"    {i}) RUN_ARGS=(--set {shlex.quote(spec.sweep.override(i))} "
-             f"--set {shlex.quote('run.name=' + name)}) ;;"
-             for i, name in enumerate(spec.run_names)]
-    return "\n".join(['case "${SLURM_ARRAY_TASK_ID:-0}" in', *cases,
-                      '    *) echo "xds-mpi job: no sweep value for array element '
-                      '$SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac"])
+    cases = [
+        f"    {i}) RUN_ARGS=(--set {shlex.quote(spec.sweep.override(i))} "
+        f"--set {shlex.quote('run.name=' + name)}) ;;"
+        for i, name in enumerate(spec.run_names)
+    ]
+    return "\n".join(
+        [
+            'case "${SLURM_ARRAY_TASK_ID:-0}" in',
+            *cases,
+            '    *) echo "xds-mpi job: no sweep value for array element '
+            '$SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;',
+            "esac",
+        ]
+    )
 
 
 def _launcher_parts(spec: JobSpec, prefix: tuple[str, ...]) -> tuple[list[str], str, str, str]:
@@ -218,5 +263,12 @@ def _launcher_parts(spec: JobSpec, prefix: tuple[str, ...]) -> tuple[list[str], 
     if flavor == "mpich":
         # Hydra starts its proxies through srun and fills hosts in file order.
         return list(prefix), loop, ' -f "$HOSTFILE"', ""
-    return list(prefix), loop, "", ("# Unknown MPI: the hostfile is written but not passed; the "
-                                    "launcher's own placement applies.")
+    return (
+        list(prefix),
+        loop,
+        "",
+        (
+            "# Unknown MPI: the hostfile is written but not passed; the "
+            "launcher's own placement applies."
+        ),
+    )

@@ -3,6 +3,7 @@
 Which mpiexec: $XDS_MPIEXEC, else the one installed beside this Python (the `mpich` wheel puts
 hydra's mpiexec in the venv's bin/), else the first on PATH (a site MPI loaded with `module load`).
 """
+
 from __future__ import annotations
 
 import os
@@ -11,10 +12,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 MpiFlavor = Literal["mpich", "openmpi", "unknown"]
 
@@ -34,12 +36,14 @@ def find_mpiexec() -> str:
         return str(beside)
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if not found:
-        raise FileNotFoundError("no mpiexec found: install the project (it brings the mpich wheel),"
-                                " load your site MPI, or set XDS_MPIEXEC")
+        raise FileNotFoundError(
+            "no mpiexec found: install the project (it brings the mpich wheel),"
+            " load your site MPI, or set XDS_MPIEXEC"
+        )
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def mpi_flavor(mpiexec: str) -> MpiFlavor:
     try:
         out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
@@ -56,16 +60,22 @@ def mpi_flavor(mpiexec: str) -> MpiFlavor:
 @dataclass(frozen=True, kw_only=True)
 class MpiCommand:
     argv: tuple[str, ...]
-    env: dict[str, str]                # only the variables this launch adds or changes
+    env: dict[str, str]  # only the variables this launch adds or changes
 
     def shell_line(self) -> str:
         import shlex
+
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return f"{env} {shlex.join(self.argv)}".strip()
 
 
-def mpi_command(num_procs: int, program: Sequence[str], *, timeout_s: float | None = None,
-                mpiexec: str | None = None) -> MpiCommand:
+def mpi_command(
+    num_procs: int,
+    program: Sequence[str],
+    *,
+    timeout_s: float | None = None,
+    mpiexec: str | None = None,
+) -> MpiCommand:
     """`mpiexec -n N <program...>` plus the flags and environment the detected MPI needs."""
     mpiexec = mpiexec or find_mpiexec()
     flavor = mpi_flavor(mpiexec)
@@ -95,11 +105,12 @@ def rank_program(config_path: str | Path, overrides: Sequence[str] = ()) -> list
 class JobResult:
     returncode: int
     timed_out: bool
-    output: str                        # stdout + stderr when captured, else ""
+    output: str  # stdout + stderr when captured, else ""
 
 
-def run_job(command: MpiCommand, *, timeout_s: float, capture: bool = False,
-            cwd: str | Path | None = None) -> JobResult:
+def run_job(
+    command: MpiCommand, *, timeout_s: float, capture: bool = False, cwd: str | Path | None = None
+) -> JobResult:
     """Run the job in its own process group; on timeout or Ctrl-C kill the whole group.
 
     A job that lasted MPIEXEC_TIMEOUT counts as timed out whatever its exit code: hydra
@@ -109,9 +120,15 @@ def run_job(command: MpiCommand, *, timeout_s: float, capture: bool = False,
     out = subprocess.PIPE if capture else None
     mpi_timeout_s = float(command.env.get("MPIEXEC_TIMEOUT", "inf"))
     started = time.monotonic()
-    proc = subprocess.Popen(command.argv, env=env, cwd=cwd, stdout=out,
-                            stderr=subprocess.STDOUT if capture else None, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command.argv,
+        env=env,
+        cwd=cwd,
+        stdout=out,
+        stderr=subprocess.STDOUT if capture else None,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, _ = proc.communicate(timeout=timeout_s)
         timed_out = time.monotonic() - started >= mpi_timeout_s

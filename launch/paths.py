@@ -1,4 +1,5 @@
 """Where configs live, and how a config argument (a path or a name in configs/) is resolved."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """`xds-mpi project`: the analytic projection of a deployment's decode iteration on the pod."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,10 +8,13 @@ from launch.report import format_table
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("project", help="project a decode iteration onto the pod (no launch)",
-                       description="Price one decode iteration of CONFIG at the cost shape "
-                                   "(DeepSeek-V3) on the hardware profile, analytically: works "
-                                   "for pod-scale deployments (768 dies) that do not fit here.")
+    p = sub.add_parser(
+        "project",
+        help="project a decode iteration onto the pod (no launch)",
+        description="Price one decode iteration of CONFIG at the cost shape "
+        "(DeepSeek-V3) on the hardware profile, analytically: works "
+        "for pod-scale deployments (768 dies) that do not fit here.",
+    )
     p.add_argument("config", nargs="?", default="colocated")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--batch", type=int, default=60, help="requests per DP group (default 60)")
@@ -28,21 +32,40 @@ def cmd_project(args: argparse.Namespace) -> int:
     from xds_mpi.hardware import load_profile
     from xds_mpi.model.shapes import load_model_preset
     from xds_mpi.projection import project
+
     if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
-        raise ConfigError(f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
-                          f"got {args.batch}, {args.kv_len}, {args.mtp}, {args.accept}")
+        raise ConfigError(
+            f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
+            f"got {args.batch}, {args.kv_len}, {args.mtp}, {args.accept}"
+        )
     cfg = load_config(resolve_config(args.config), args.set)
     hw = Hardware.from_profile(load_profile(cfg.hardware.profile))
-    p = project(cfg, load_model_preset(args.shape), hw, batch_per_die=args.batch,
-                kv_len=args.kv_len, mtp_depth=args.mtp, accept_rate=args.accept)
-    print(f"{args.config}: {cfg.deployment.kind}, batch {args.batch} per DP group, KV length "
-          f"{args.kv_len}, MTP depth {args.mtp} at {args.accept:.0%} acceptance, "
-          f"shape {args.shape}, profile {cfg.hardware.profile}")
-    print(f"iteration {p.iteration_s * 1e3:.1f} ms, TPOT {p.tpot_s * 1e3:.1f} ms, "
-          f"{p.tokens_per_s_per_chip:.0f} tokens/s per chip")
-    rows = [[name, f"{s * 1e3:.2f}", f"{s / p.iteration_s:.0%}"]
-            for name, s in p.breakdown_s.items()]
+    p = project(
+        cfg,
+        load_model_preset(args.shape),
+        hw,
+        batch_per_die=args.batch,
+        kv_len=args.kv_len,
+        mtp_depth=args.mtp,
+        accept_rate=args.accept,
+    )
+    print(
+        f"{args.config}: {cfg.deployment.kind}, batch {args.batch} per DP group, KV length "
+        f"{args.kv_len}, MTP depth {args.mtp} at {args.accept:.0%} acceptance, "
+        f"shape {args.shape}, profile {cfg.hardware.profile}"
+    )
+    print(
+        f"iteration {p.iteration_s * 1e3:.1f} ms, TPOT {p.tpot_s * 1e3:.1f} ms, "
+        f"{p.tokens_per_s_per_chip:.0f} tokens/s per chip"
+    )
+    rows = [
+        [name, f"{s * 1e3:.2f}", f"{s / p.iteration_s:.0%}"] for name, s in p.breakdown_s.items()
+    ]
     print(format_table(["operation (per iteration)", "ms", "share"], rows))
-    print(format_table(["primitive (one call)", "us"],
-                       [[name, f"{s * 1e6:.1f}"] for name, s in p.primitives_s.items()]))
+    print(
+        format_table(
+            ["primitive (one call)", "us"],
+            [[name, f"{s * 1e6:.1f}"] for name, s in p.primitives_s.items()],
+        )
+    )
     return 0

@@ -5,6 +5,7 @@ checks as `xds-mpi validate`), and runs the program ranks/ registers for its rol
 `python -m mpi4py` so that an exception on one rank aborts the whole job instead of leaving the
 others waiting.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """Human-readable views of a topology: the rank map table `xds-mpi validate` prints."""
+
 from __future__ import annotations
 
 from xds_mpi.topology import ExpertSlot, RankInfo, Topology
@@ -36,14 +37,22 @@ def _cell(value: int) -> str:
 
 def rank_row(info: RankInfo) -> list[str]:
     where = "-" if not info.is_die else f"{info.server}/{info.chip}/{info.die_in_chip}"
-    return [str(info.rank), info.role, _cell(info.die_idx), where, _cell(info.dp_domain),
-            _cell(info.dp_group), describe_slots(info.expert_slots),
-            f"for group {info.trampoline_for}" if info.is_trampoline else "-"]
+    return [
+        str(info.rank),
+        info.role,
+        _cell(info.die_idx),
+        where,
+        _cell(info.dp_domain),
+        _cell(info.dp_group),
+        describe_slots(info.expert_slots),
+        f"for group {info.trampoline_for}" if info.is_trampoline else "-",
+    ]
 
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -52,8 +61,16 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def rank_map(topo: Topology, extra: dict[str, list[str]] | None = None) -> str:
     """The rank map; `extra` adds columns (name -> one cell per rank), e.g. window bytes."""
-    headers = ["rank", "role", "die", "server/chip/die", "DP domain", "DP group", "experts",
-               "trampoline"]
+    headers = [
+        "rank",
+        "role",
+        "die",
+        "server/chip/die",
+        "DP domain",
+        "DP group",
+        "experts",
+        "trampoline",
+    ]
     rows = [rank_row(info) for info in topo.ranks]
     for name, cells in (extra or {}).items():
         headers.append(name)

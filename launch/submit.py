@@ -5,6 +5,7 @@ run.output_dir/jobs/<name>/ beside Slurm's output; `sbatch --parsable` submits i
 squeue itself (every 0.5 s; `sbatch --wait` first looks after 2 s, then after 10 s and 42 s) and
 then reads each job's final state from `scontrol show job`: anything but COMPLETED is an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,15 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from launch.jobscript import (JobSpec, Sweep, check_time_limit, default_time_limit, node_layout,
-                              parse_sweep, render)
+from launch.jobscript import (
+    JobSpec,
+    Sweep,
+    check_time_limit,
+    default_time_limit,
+    node_layout,
+    parse_sweep,
+    render,
+)
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.plan import DeploymentPlan
@@ -25,34 +33,63 @@ from xds_mpi.plan import DeploymentPlan
 POLL_S = 0.5
 # squeue failing this many polls in a row means the controller is gone, not a hiccup.
 MAX_POLL_FAILURES = 40
-TIMEOUT_EXIT = 124                     # like `xds-mpi run` when a job outlives its limit
+TIMEOUT_EXIT = 124  # like `xds-mpi run` when a job outlives its limit
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "submit", help="submit a deployment to Slurm (sbatch)",
+        "submit",
+        help="submit a deployment to Slurm (sbatch)",
         description="Write a Slurm job script for the deployment (one task per rank, nodes from "
-                    "the server layout) into run.output_dir/jobs/NAME/ and submit it with sbatch. "
-                    "Exit 2 with a one-line error on bad input or when sbatch is missing.")
-    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
-                   help=f"YAML file or name in configs/ (default: {DEFAULT_CONFIG}; "
-                        f"known: {', '.join(available_configs())})")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
-    p.add_argument("--nodes", type=int, default=None,
-                   help="nodes to use (default: one per server of 16 dies)")
+        "the server layout) into run.output_dir/jobs/NAME/ and submit it with sbatch. "
+        "Exit 2 with a one-line error on bad input or when sbatch is missing.",
+    )
+    p.add_argument(
+        "config",
+        nargs="?",
+        default=DEFAULT_CONFIG,
+        help=f"YAML file or name in configs/ (default: {DEFAULT_CONFIG}; "
+        f"known: {', '.join(available_configs())})",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable)",
+    )
+    p.add_argument(
+        "--nodes", type=int, default=None, help="nodes to use (default: one per server of 16 dies)"
+    )
     p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
-    p.add_argument("--time", default=None,
-                   help="Slurm time limit, e.g. 00:30:00 (default: run.timeout_s + 60 s)")
-    p.add_argument("--sweep", default=None, metavar="SECTION.KEY=V1,V2,...",
-                   help="an array job: element i runs with --set SECTION.KEY=Vi")
-    p.add_argument("--launcher", choices=["mpiexec", "srun"], default="mpiexec",
-                   help="mpiexec (default; hydra starts through srun) or srun --mpi=pmi2")
-    p.add_argument("--mpiexec", default=None,
-                   help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)")
+    p.add_argument(
+        "--time",
+        default=None,
+        help="Slurm time limit, e.g. 00:30:00 (default: run.timeout_s + 60 s)",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="SECTION.KEY=V1,V2,...",
+        help="an array job: element i runs with --set SECTION.KEY=Vi",
+    )
+    p.add_argument(
+        "--launcher",
+        choices=["mpiexec", "srun"],
+        default="mpiexec",
+        help="mpiexec (default; hydra starts through srun) or srun --mpi=pmi2",
+    )
+    p.add_argument(
+        "--mpiexec",
+        default=None,
+        help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the job script, do not submit")
-    p.add_argument("--wait", action="store_true",
-                   help="wait for the job; exit non-zero unless every element COMPLETED")
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the job; exit non-zero unless every element COMPLETED",
+    )
     p.set_defaults(func=cmd_submit)
 
 
@@ -64,12 +101,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise FileNotFoundError("sbatch not found on PATH: load your site's Slurm (e.g. `module "
-                                "load slurm`), or start a local one with hpc/local_slurm.sh start")
+        raise FileNotFoundError(
+            "sbatch not found on PATH: load your site's Slurm (e.g. `module "
+            "load slurm`), or start a local one with hpc/local_slurm.sh start"
+        )
     spec.job_dir.mkdir(parents=True)
     spec.script_path.write_text(script)
-    out = subprocess.run([sbatch, "--parsable", str(spec.script_path)], capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sbatch, "--parsable", str(spec.script_path)], capture_output=True, text=True
+    )
     if out.returncode != 0:
         why = (out.stderr.strip().splitlines() or [f"exit code {out.returncode}"])[-1]
         print(f"xds-mpi: error: sbatch refused {spec.script_path}: {why}", file=sys.stderr)
@@ -77,8 +117,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job_id = out.stdout.strip().split(";")[0]
     (spec.job_dir / "job_id").write_text(job_id + "\n")
     kind = f"array job of {len(spec.run_names)} elements" if spec.sweep else "job"
-    print(f"submitted {kind} {job_id}: {spec.topo.world_size} ranks on "
-          f"{spec.layout.num_nodes} node(s); script {spec.script_path}", flush=True)
+    print(
+        f"submitted {kind} {job_id}: {spec.topo.world_size} ranks on "
+        f"{spec.layout.num_nodes} node(s); script {spec.script_path}",
+        flush=True,
+    )
     if not args.wait:
         return 0
     return report(spec, job_id, wait_for_job(job_id))
@@ -88,18 +131,23 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     path = resolve_config(args.config)
     cfg = load_config(path, args.set)
     sweep = parse_sweep(args.sweep) if args.sweep else None
-    plans = [plan_sweep_element(path, args.set, sweep, i) for i in range(len(sweep.values))
-             ] if sweep else [DeploymentPlan.build(cfg)]
+    plans = (
+        [plan_sweep_element(path, args.set, sweep, i) for i in range(len(sweep.values))]
+        if sweep
+        else [DeploymentPlan.build(cfg)]
+    )
     sizes = sorted({plan.topo.world_size for plan in plans})
     if len(sizes) > 1:
-        raise ConfigError(f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "
-                          "array job has one shape, submit them separately")
+        raise ConfigError(
+            f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "
+            "array job has one shape, submit them separately"
+        )
     started = datetime.now()
     base = cfg.run.name or f"{path.stem}-{started:%Y%m%d-%H%M%S}"
     workdir = Path.cwd()
     jobs_dir = workdir / cfg.run.output_dir / "jobs"
     job_dir, suffix = jobs_dir / base, 1
-    while job_dir.exists():            # a second submit in the same second gets its own directory
+    while job_dir.exists():  # a second submit in the same second gets its own directory
         suffix += 1
         job_dir = jobs_dir / f"{base}-{suffix}"
     base = job_dir.name
@@ -107,16 +155,26 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     timeout_s = max(plan.cfg.run.timeout_s for plan in plans)
     topo = plans[0].topo
     return JobSpec(
-        config_path=path, overrides=tuple(args.set), topo=topo,
-        layout=node_layout(topo, args.nodes), job_name=f"xds-{path.stem}", job_dir=job_dir,
-        workdir=workdir, output_dir=cfg.run.output_dir, run_names=names, sweep=sweep,
+        config_path=path,
+        overrides=tuple(args.set),
+        topo=topo,
+        layout=node_layout(topo, args.nodes),
+        job_name=f"xds-{path.stem}",
+        job_dir=job_dir,
+        workdir=workdir,
+        output_dir=cfg.run.output_dir,
+        run_names=names,
+        sweep=sweep,
         time_limit=check_time_limit(args.time) if args.time else default_time_limit(timeout_s),
-        timeout_s=timeout_s, partition=args.partition,
-        cpus_per_node=cpus_per_node(args.partition), launcher=args.launcher, mpiexec=args.mpiexec)
+        timeout_s=timeout_s,
+        partition=args.partition,
+        cpus_per_node=cpus_per_node(args.partition),
+        launcher=args.launcher,
+        mpiexec=args.mpiexec,
+    )
 
 
-def plan_sweep_element(path: Path, overrides: list[str], sweep: Sweep, idx: int
-                       ) -> DeploymentPlan:
+def plan_sweep_element(path: Path, overrides: list[str], sweep: Sweep, idx: int) -> DeploymentPlan:
     """Element idx of a sweep, refused (naming the element) like `xds-mpi validate` would."""
     try:
         return DeploymentPlan.build(load_config(path, [*overrides, sweep.override(idx)]))
@@ -140,30 +198,36 @@ def wait_for_job(job_id: str) -> list[dict[str, str]]:
     job's `scontrol show job` fields."""
     failures = 0
     while True:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True
+        )
         if out.returncode == 0 and not out.stdout.strip():
             break
         if out.returncode != 0:
-            if "Invalid job id" in out.stderr:   # already purged from the controller's memory
+            if "Invalid job id" in out.stderr:  # already purged from the controller's memory
                 break
             failures += 1
             if failures >= MAX_POLL_FAILURES:
-                raise RuntimeError(f"squeue failed {failures} times in a row while waiting for "
-                                   f"job {job_id}: {out.stderr.strip()}")
+                raise RuntimeError(
+                    f"squeue failed {failures} times in a row while waiting for "
+                    f"job {job_id}: {out.stderr.strip()}"
+                )
         else:
             failures = 0
         time.sleep(POLL_S)
     out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
-    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines()
-            if line.strip()]
+    return [
+        dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.stdout.splitlines() if line.strip()
+    ]
 
 
 def report(spec: JobSpec, job_id: str, jobs: list[dict[str, str]]) -> int:
     """One line per job (array element) with its final state; exit 0 only if all COMPLETED."""
     if not jobs:
-        print(f"xds-mpi: error: job {job_id} finished but Slurm no longer knows its state",
-              file=sys.stderr)
+        print(
+            f"xds-mpi: error: job {job_id} finished but Slurm no longer knows its state",
+            file=sys.stderr,
+        )
         return 1
     bad = []
     for job in sorted(jobs, key=lambda j: int(j.get("ArrayTaskId", "0") or 0)):
@@ -182,6 +246,8 @@ def report(spec: JobSpec, job_id: str, jobs: list[dict[str, str]]) -> int:
     if not bad:
         return 0
     listed = ", ".join(f"{name} {state}" for name, state in bad)
-    print(f"xds-mpi: error: {len(bad)} of {len(jobs)} job(s) did not complete: {listed}",
-          file=sys.stderr)
+    print(
+        f"xds-mpi: error: {len(bad)} of {len(jobs)} job(s) did not complete: {listed}",
+        file=sys.stderr,
+    )
     return TIMEOUT_EXIT if all(state == "TIMEOUT" for _, state in bad) else 1

@@ -1,5 +1,6 @@
 """`xds-mpi train-tiny` and `xds-mpi stats`: a trained checkpoint for the tiny model, and what its
 router and MTP module do on held-out text. Torch is imported inside the commands."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,49 +11,86 @@ import time
 from xds_mpi.config import ConfigError
 
 TRAIN_ATTRS = ("steps", "batch_size", "seq_len", "lr", "mtp_weight", "seed")
-STATS_WINDOW = 256   # tokens per held-out window
-PROMPT_TOKENS = 64   # held-out prompt length for greedy MTP decoding
+STATS_WINDOW = 256  # tokens per held-out window
+PROMPT_TOKENS = 64  # held-out prompt length for greedy MTP decoding
 DECODE_TOKENS = 64
 
 
 def add_parser(subparsers) -> None:
     from xds_mpi.train.options import TrainConfig
+
     defaults = TrainConfig()
     p = subparsers.add_parser(
-        "train-tiny", help="train the tiny model and its MTP module on the stdlib's sources",
+        "train-tiny",
+        help="train the tiny model and its MTP module on the stdlib's sources",
         description="Train the tiny compute shape (configs/model/tiny.yaml) jointly with its MTP "
-                    "module(s) on this Python's standard library sources (byte-level, held-out "
-                    "split by file), on one CPU thread, deterministic from --seed. Writes an "
-                    "HDF5 checkpoint; the one shipped as model.weights: tiny is "
-                    "xds_mpi/data/tiny.h5.")
-    p.add_argument("--steps", type=int, default=defaults.steps,
-                   help=f"optimizer steps (default {defaults.steps})")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                   help=f"windows per step (default {defaults.batch_size})")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len,
-                   help=f"tokens per window (default {defaults.seq_len})")
-    p.add_argument("--lr", type=float, default=defaults.lr, help=f"peak AdamW learning rate "
-                   f"(default {defaults.lr:g})")
+        "module(s) on this Python's standard library sources (byte-level, held-out "
+        "split by file), on one CPU thread, deterministic from --seed. Writes an "
+        "HDF5 checkpoint; the one shipped as model.weights: tiny is "
+        "xds_mpi/data/tiny.h5.",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=defaults.steps,
+        help=f"optimizer steps (default {defaults.steps})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=defaults.batch_size,
+        help=f"windows per step (default {defaults.batch_size})",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=defaults.seq_len,
+        help=f"tokens per window (default {defaults.seq_len})",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help=f"peak AdamW learning rate (default {defaults.lr:g})",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="init and data order seed")
-    p.add_argument("--max-files", type=int, default=None,
-                   help="train on the first N stdlib files only (quick trials)")
-    p.add_argument("--out", default="tiny.h5", metavar="FILE",
-                   help="checkpoint to write (default tiny.h5)")
+    p.add_argument(
+        "--max-files",
+        type=int,
+        default=None,
+        help="train on the first N stdlib files only (quick trials)",
+    )
+    p.add_argument(
+        "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
+    )
     p.set_defaults(func=cmd_train_tiny)
 
     p = subparsers.add_parser(
-        "stats", help="expert load, MTP acceptance and perplexity of a checkpoint",
+        "stats",
+        help="expert load, MTP acceptance and perplexity of a checkpoint",
         description="On held-out stdlib files: per-layer routed-expert load (hottest / mean, "
-                    "share of experts above the mean), MTP acceptance per module (teacher-forced,"
-                    " and greedy decoding with the reference generator) and perplexity.")
-    p.add_argument("--weights", default="tiny",
-                   help="HDF5 file, or a packaged checkpoint name (default: tiny)")
-    p.add_argument("--text", nargs="*", default=None, metavar="FILE",
-                   help="text files to measure on instead of the held-out stdlib files")
-    p.add_argument("--windows", type=int, default=32,
-                   help=f"windows of {STATS_WINDOW} tokens (default 32)")
-    p.add_argument("--prompts", type=int, default=8,
-                   help="held-out prompts for greedy MTP decoding (default 8)")
+        "share of experts above the mean), MTP acceptance per module (teacher-forced,"
+        " and greedy decoding with the reference generator) and perplexity.",
+    )
+    p.add_argument(
+        "--weights", default="tiny", help="HDF5 file, or a packaged checkpoint name (default: tiny)"
+    )
+    p.add_argument(
+        "--text",
+        nargs="*",
+        default=None,
+        metavar="FILE",
+        help="text files to measure on instead of the held-out stdlib files",
+    )
+    p.add_argument(
+        "--windows", type=int, default=32, help=f"windows of {STATS_WINDOW} tokens (default 32)"
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=8,
+        help="held-out prompts for greedy MTP decoding (default 8)",
+    )
     p.set_defaults(func=cmd_stats)
 
 
@@ -71,8 +109,10 @@ def _progress_printer(num_steps: int):
             return
         eta = report.elapsed_s / report.step * (num_steps - report.step)
         mtp = " ".join(f"{m:.3f}" for m in report.mtp_losses)
-        line = (f"step {report.step}/{num_steps} loss {report.loss:.3f} mtp {mtp} "
-                f"{report.tokens_per_s:,.0f} tok/s ETA {_format_duration(eta)}")
+        line = (
+            f"step {report.step}/{num_steps} loss {report.loss:.3f} mtp {mtp} "
+            f"{report.tokens_per_s:,.0f} tok/s ETA {_format_duration(eta)}"
+        )
         end = "\n" if not is_tty or report.step == num_steps else ""
         print(("\r" if is_tty else "") + line, end=end, flush=True)
 
@@ -89,18 +129,26 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     from xds_mpi.train.trainer import train_tiny
 
     try:
-        tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                         lr=args.lr, seed=args.seed)
+        tc = TrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            seed=args.seed,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     try:
         corpus = load_corpus(max_files=args.max_files)
     except ValueError as exc:  # a --max-files slice without a held-out file
         raise ConfigError(str(exc)) from None
-    print(f"xds-mpi: training on {corpus.num_train_files} files of {stdlib_root()} "
-          f"({len(corpus.train):,} tokens; {corpus.num_heldout_files} files held out, "
-          f"{len(corpus.heldout):,} tokens): {tc.steps} steps x {tc.batch_size} x {tc.seq_len} "
-          f"tokens, seed {tc.seed}", flush=True)
+    print(
+        f"xds-mpi: training on {corpus.num_train_files} files of {stdlib_root()} "
+        f"({len(corpus.train):,} tokens; {corpus.num_heldout_files} files held out, "
+        f"{len(corpus.heldout):,} tokens): {tc.steps} steps x {tc.batch_size} x {tc.seq_len} "
+        f"tokens, seed {tc.seed}",
+        flush=True,
+    )
     start = time.perf_counter()
     result = train_tiny(compute_shape(), corpus, tc, progress=_progress_printer(tc.steps))
     save_weights(result.model, args.out)
@@ -110,18 +158,21 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
         f.attrs["train_heldout_loss"] = result.heldout_loss
         f.attrs["train_wall_s"] = result.wall_s
     mtp = ", ".join(f"{m:.4f}" for m in result.heldout_mtp_losses)
-    print(f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
-          f"{result.num_tokens / result.wall_s:,.0f} tok/s); final training loss "
-          f"{result.final_loss:.4f}; held-out loss {result.heldout_loss:.4f} (perplexity "
-          f"{math.exp(result.heldout_loss):.3f}), MTP {mtp}; "
-          f"{time.perf_counter() - start:.1f} s in all; wrote {args.out}")
+    print(
+        f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
+        f"{result.num_tokens / result.wall_s:,.0f} tok/s); final training loss "
+        f"{result.final_loss:.4f}; held-out loss {result.heldout_loss:.4f} (perplexity "
+        f"{math.exp(result.heldout_loss):.3f}), MTP {mtp}; "
+        f"{time.perf_counter() - start:.1f} s in all; wrote {args.out}"
+    )
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.windows < 1 or args.prompts < 0:
-        raise ConfigError(f"need --windows >= 1 and --prompts >= 0, got {args.windows} and "
-                          f"{args.prompts}")
+        raise ConfigError(
+            f"need --windows >= 1 and --prompts >= 0, got {args.windows} and {args.prompts}"
+        )
     import torch
 
     from xds_mpi.model.weights import load_model, weights_path
@@ -132,6 +183,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     model = load_model(weights_path(args.weights))
     if args.text:
         from xds_mpi.model.tokenizer import ByteTokenizer
+
         tokenizer = ByteTokenizer(model.cfg.vocab_size)
         stream = torch.tensor([t for path in args.text for t in tokenizer.encode(_read(path))])
         source = f"{len(args.text)} file(s)"
@@ -145,17 +197,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"held-out loss {stats.loss:.4f} nats/token, perplexity {stats.perplexity:.3f}")
     print("routed-expert load (rows per expert, top_k per token):")
     for load in stats.expert_loads:
-        print(f"  {load.layer}: hottest/mean {load.max_over_mean:.2f}, "
-              f"{load.share_above_mean:.0%} of experts above the mean, counts {list(load.counts)}")
+        print(
+            f"  {load.layer}: hottest/mean {load.max_over_mean:.2f}, "
+            f"{load.share_above_mean:.0%} of experts above the mean, counts {list(load.counts)}"
+        )
     for k, rate in enumerate(stats.mtp_acceptance, start=1):
         print(f"MTP module {k} acceptance, teacher-forced: {rate:.1%}")
-    prompts = windows[:args.prompts, :PROMPT_TOKENS].tolist()
+    prompts = windows[: args.prompts, :PROMPT_TOKENS].tolist()
     for depth in range(1, model.cfg.num_mtp_modules + 2) if prompts else ():
         acc = decode_acceptance(model, prompts, mtp_depth=depth, max_new_tokens=DECODE_TOKENS)
         reuse = " (module 1 reused for depth 2)" if depth > model.cfg.num_mtp_modules else ""
-        print(f"MTP depth {depth}, greedy decoding of {len(prompts)} prompts x {DECODE_TOKENS} "
-              f"tokens: {acc.num_accepted}/{acc.num_drafted} drafts accepted = {acc.rate:.1%}, "
-              f"{acc.num_tokens / acc.num_steps:.2f} tokens per step{reuse}")
+        print(
+            f"MTP depth {depth}, greedy decoding of {len(prompts)} prompts x {DECODE_TOKENS} "
+            f"tokens: {acc.num_accepted}/{acc.num_drafted} drafts accepted = {acc.rate:.1%}, "
+            f"{acc.num_tokens / acc.num_steps:.2f} tokens per step{reuse}"
+        )
     return 0
 
 

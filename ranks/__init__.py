@@ -5,10 +5,11 @@ colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py), an
 disaggregated MoE-attention one (ranks/attention.py, ranks/expert.py); prefill dies end after the
 handshake until PD disaggregation lands.
 """
+
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ranks.context import RankContext
 
@@ -23,7 +24,7 @@ ROLE_MODULES = {
 }
 
 
-def role_program(role: str) -> Callable[[RankContext], Optional[int]]:
+def role_program(role: str) -> Callable[[RankContext], int | None]:
     """run(ctx) -> exit code (None = 0) of the program for `role`."""
     return importlib.import_module(ROLE_MODULES[role]).run
 

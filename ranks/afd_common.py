@@ -1,9 +1,11 @@
 """What attention and expert dies of a disaggregated MoE-attention deployment share: the window
 with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mpi4py import MPI
@@ -18,34 +20,47 @@ if TYPE_CHECKING:
 class AfdDieBase:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
+
         from xccl.afd import AfdBuffer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
         from xds_mpi.engine.afd_plan import AfdPlan
         from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
+
         cfg, topo = ctx.cfg, ctx.topo
         torch.set_num_threads(1)  # ranks share the cores
         self.ctx, self.cfg, self.topo = ctx, cfg, topo
         self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
-        self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
+        self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
-        self.afd = AfdBuffer(self.mem, ctx.plan.afd, self.slots.slot_owner,
-                             num_routed_slots=self.slots.num_routed_slots,
-                             dtype=ctx.plan.row_dtype, clock=self.clock,
-                             num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        self.afd = AfdBuffer(
+            self.mem,
+            ctx.plan.afd,
+            self.slots.slot_owner,
+            num_routed_slots=self.slots.num_routed_slots,
+            dtype=ctx.plan.row_dtype,
+            clock=self.clock,
+            num_cores=cfg.xccl.num_cores,
+            timeout_s=cfg.xccl.poll_timeout_s,
+        )
         depth, num_layers = cfg.scheduler.mtp_depth, len(self.model.layers)
         moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
-        moe_layers += tuple(range(num_layers, num_layers + depth))   # MTP blocks are MoE too
-        self.plan = AfdPlan(moe_layers=moe_layers, num_domains=topo.num_dp_domains,
-                            num_microbatches=cfg.deployment.num_microbatches)
+        moe_layers += tuple(range(num_layers, num_layers + depth))  # MTP blocks are MoE too
+        self.plan = AfdPlan(
+            moe_layers=moe_layers,
+            num_domains=topo.num_dp_domains,
+            num_microbatches=cfg.deployment.num_microbatches,
+        )
         self.pricer = make_pricer(cfg, self.clock, self.slots)
         from ranks.recompute import Recomputer
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer,
-                                    events=self.plan, log=ctx.log)
-        self.iteration = 0                                # busy iterations, the same on every die
+
+        self.recompute = Recomputer(
+            cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer, events=self.plan, log=ctx.log
+        )
+        self.iteration = 0  # busy iterations, the same on every die
 
     def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
         """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to
@@ -53,8 +68,9 @@ class AfdDieBase:
         events)."""
         iteration = self.iteration
         self.iteration += 1
-        return self.recompute.run(iteration, partial(self._planned_attempt, busy, iteration),
-                                  state=state)
+        return self.recompute.run(
+            iteration, partial(self._planned_attempt, busy, iteration), state=state
+        )
 
     def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
         return self.attempt(busy, self.plan.iteration(busy, iteration))

@@ -2,6 +2,7 @@
 (TP=1) of a DP domain. Each iteration the dies agree which domains have work; a busy domain's dies
 run attention on their own requests and meet the expert dies through A2E/E2A at every MoE layer,
 microbatch by microbatch, even with nothing to send; an idle domain sits the iteration out."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,9 @@ from ranks.die_parts import decode_state
 from ranks.handshake import handshake
 from xds_mpi.engine.timing import IterationTiming
 
-IDLE = IterationTiming(num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0,
-                       total_s=0.0, vtime_s=0.0)
+IDLE = IterationTiming(
+    num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0, total_s=0.0, vtime_s=0.0
+)
 
 
 def run(ctx: RankContext) -> None:
@@ -26,31 +28,41 @@ class AttentionDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
         from xds_mpi.engine.attention_executor import AttentionExecutor
+
         cfg, topo = self.cfg, self.topo
         state = decode_state(cfg, self.model)
         self.domain = ctx.info.dp_domain
         self.scheduler = state.scheduler
         shared_slots = self.slots.shared_slots_for(
             topo.trampoline_rank(ctx.comm.rank),
-            is_dedicated=cfg.deployment.shared_experts == "dedicated")
+            is_dedicated=cfg.deployment.shared_experts == "dedicated",
+        )
         self.executor = AttentionExecutor(
-            self.model, self.afd, slots=self.slots, shared_slots=shared_slots,
-            num_microbatches=cfg.deployment.num_microbatches, phy2log=topo.phy2log,
-            log2phy=topo.log2phy(), table=state.table, cache=state.cache, pricer=self.pricer,
-            mtp_depth=cfg.scheduler.mtp_depth)
+            self.model,
+            self.afd,
+            slots=self.slots,
+            shared_slots=shared_slots,
+            num_microbatches=cfg.deployment.num_microbatches,
+            phy2log=topo.phy2log,
+            log2phy=topo.log2phy(),
+            table=state.table,
+            cache=state.cache,
+            pricer=self.pricer,
+            mtp_depth=cfg.scheduler.mtp_depth,
+        )
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
     def step(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
-        self.inbox.poll()                                  # requests / stop from the TE-shell
+        self.inbox.poll()  # requests / stop from the TE-shell
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
         if not busy:
             time.sleep(0.001)
             return not all_stopped
         result = self.run_iteration(busy, state=(self.scheduler, self.executor))
-        if result is None:                                 # the other domains took their turn
-            self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())   # one row per iteration
+        if result is None:  # the other domains took their turn
+            self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())  # one row per iteration
             return True
         sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
@@ -62,14 +74,17 @@ class AttentionDie(AfdDieBase):
         """Schedule and run this die's part of the iteration (None when its domain is idle)."""
         if self.domain not in busy:
             return None
-        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
+        entries = self.scheduler.schedule()  # continuous batching, chunked prefill
         mine = [c for c in planned if c.call.domain == self.domain]
-        return self.executor.forward(entries, mine)        # attention, A2E ... E2A
+        return self.executor.forward(entries, mine)  # attention, A2E ... E2A
 
     def totals(self) -> DieTotals:
         """The run's totals (collective: the fault count sums over the dies)."""
-        return DieTotals(num_iterations=self.executor.num_iterations,
-                         virtual_spent=self.pricer.snapshot(), recovery=self.recompute.report())
+        return DieTotals(
+            num_iterations=self.executor.num_iterations,
+            virtual_spent=self.pricer.snapshot(),
+            recovery=self.recompute.report(),
+        )
 
     def close(self) -> None:
         self.outbox.drain()

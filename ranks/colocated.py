@@ -1,6 +1,7 @@
 """A colocated die (xDeepServe §4.1-4.3, Figure 10): one DP group (TP=1) that also hosts expert
 slots. Each iteration every die runs attention on its own requests and meets all the others at
 every MoE layer's dispatch and combine, even with nothing to send."""
+
 from __future__ import annotations
 
 import time
@@ -23,58 +24,84 @@ def run(ctx: RankContext) -> None:
 class ColocatedDie:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
+
         from xccl.ep import EpBuffer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
         from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
+
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
         torch.set_num_threads(1)  # ranks share the cores
         self.mem = DieMemory(ctx.comm, plan.window_bytes[ctx.comm.rank])
-        self.dies = ctx.comm.Split(1, ctx.comm.rank)      # the dies only (the shell: color 0)
+        self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         model = build_model(cfg.model)
         state = decode_state(cfg, model)
         slots, clock = ExpertSlots.from_topology(topo), VirtualClock()
-        ep = EpBuffer(self.mem, plan.ep, slots.slot_owner, dtype=plan.row_dtype, clock=clock,
-                      num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s)
+        ep = EpBuffer(
+            self.mem,
+            plan.ep,
+            slots.slot_owner,
+            dtype=plan.row_dtype,
+            clock=clock,
+            num_cores=cfg.xccl.num_cores,
+            timeout_s=cfg.xccl.poll_timeout_s,
+        )
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
-        self.recompute = Recomputer(cfg, self.dies, ctx.comm.rank, [ep], self.pricer,
-                                    events=self.executor.events, log=ctx.log)
+        self.recompute = Recomputer(
+            cfg,
+            self.dies,
+            ctx.comm.rank,
+            [ep],
+            self.pricer,
+            events=self.executor.events,
+            log=ctx.log,
+        )
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
     def _executor(self, ctx: RankContext, model, ep, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor
+
         cfg, topo = ctx.cfg, ctx.topo
         is_dedicated = cfg.deployment.shared_experts == "dedicated"
-        return ColocatedExecutor(model, ep, phy2log=topo.phy2log, log2phy=topo.log2phy(),
-                                 table=state.table, cache=state.cache, pricer=self.pricer,
-                                 slots=slots, shared_slots=slots.dedicated_shared_slots
-                                 if is_dedicated else (), mtp_depth=cfg.scheduler.mtp_depth)
+        return ColocatedExecutor(
+            model,
+            ep,
+            phy2log=topo.phy2log,
+            log2phy=topo.log2phy(),
+            table=state.table,
+            cache=state.cache,
+            pricer=self.pricer,
+            slots=slots,
+            shared_slots=slots.dedicated_shared_slots if is_dedicated else (),
+            mtp_depth=cfg.scheduler.mtp_depth,
+        )
 
     def step(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
-        self.inbox.poll()                                  # requests / stop from the TE-shell
-        busy, all_stopped = self.agree()                   # all dies run the same iterations
+        self.inbox.poll()  # requests / stop from the TE-shell
+        busy, all_stopped = self.agree()  # all dies run the same iterations
         if not busy:
             time.sleep(0.001)
             return not all_stopped
-        sampled, timing = self.iteration()                 # re-executed after a transient fault
-        emitted = self.scheduler.postprocess(sampled)      # finished requests free their blocks
+        sampled, timing = self.iteration()  # re-executed after a transient fault
+        emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
         return True
 
     def iteration(self):
         """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
-        return self.recompute.run(self.executor.num_iterations, self.attempt,
-                                  state=(self.scheduler, self.executor))
+        return self.recompute.run(
+            self.executor.num_iterations, self.attempt, state=(self.scheduler, self.executor)
+        )
 
     def attempt(self):
-        entries = self.scheduler.schedule()                # continuous batching, chunked prefill
-        return self.executor.forward(entries)              # MLA, gate, dispatch, experts, combine
+        entries = self.scheduler.schedule()  # continuous batching, chunked prefill
+        return self.executor.forward(entries)  # MLA, gate, dispatch, experts, combine
 
     def agree(self) -> tuple[bool, bool]:
         """(does any die have work, has every die been told to stop) — one allreduce."""
@@ -85,8 +112,11 @@ class ColocatedDie:
 
     def totals(self) -> DieTotals:
         """The run's totals (collective: the fault count sums over the dies)."""
-        return DieTotals(num_iterations=self.executor.num_iterations,
-                         virtual_spent=self.pricer.snapshot(), recovery=self.recompute.report())
+        return DieTotals(
+            num_iterations=self.executor.num_iterations,
+            virtual_spent=self.pricer.snapshot(),
+            recovery=self.recompute.report(),
+        )
 
     def close(self) -> None:
         self.outbox.drain()

@@ -1,5 +1,6 @@
 """What a role program is given: the deployment plan (config, topology, XCCL layouts and window
 sizes), its own entry, the communicator."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +17,7 @@ from xds_mpi.topology import RankInfo, Topology
 
 @dataclass(frozen=True, kw_only=True)
 class RankContext:
-    plan: DeploymentPlan               # built for comm.size: every rank derives the same one
+    plan: DeploymentPlan  # built for comm.size: every rank derives the same one
     comm: MPI.Comm
     log: logging.Logger
 

@@ -1,4 +1,5 @@
 """A die's program until its role's decode loop lands: join the handshake, report, end."""
+
 from __future__ import annotations
 
 from ranks.context import RankContext

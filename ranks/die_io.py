@@ -1,4 +1,5 @@
 """A die's control-plane mailboxes: requests and stop in from the TE-shell, tokens out."""
+
 from __future__ import annotations
 
 import time
@@ -7,11 +8,18 @@ from typing import Protocol
 
 from mpi4py import MPI
 
-from ranks.messages import (TAG_KV, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport,
-                            TokenBatch)
+from ranks.messages import (
+    TAG_KV,
+    TAG_REPORT,
+    TAG_REQUEST,
+    TAG_STOP,
+    TAG_TOKENS,
+    DieReport,
+    TokenBatch,
+)
 from xds_mpi.control import WaitTimeout
-from xds_mpi.engine.timing import IterationTiming
 from xds_mpi.engine.scheduler import DieScheduler, Emitted
+from xds_mpi.engine.timing import IterationTiming
 
 SHELL = 0  # the TE-shell is rank 0
 
@@ -84,19 +92,27 @@ class Outbox:
         for name in self.timings:
             self.timings[name].append(getattr(timing, name))
         if emitted:
-            batch = TokenBatch(die_rank=self.rank, iteration=self.num_iterations,
-                               wall_time=time.time(),
-                               tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted),
-                               steps=tuple(e.step for e in emitted if e.step))
+            batch = TokenBatch(
+                die_rank=self.rank,
+                iteration=self.num_iterations,
+                wall_time=time.time(),
+                tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted),
+                steps=tuple(e.step for e in emitted if e.step),
+            )
             self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
             self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
         self.pending = [r for r in self.pending if not r.Test()]
 
-    def report(self, num_iterations: int, virtual_spent: dict[str, float],
-               recovery: dict | None = None) -> None:
-        report = DieReport(die_rank=self.rank, num_iterations=num_iterations,
-                           timings=self.timings, virtual_spent=virtual_spent,
-                           recovery=recovery or {})
+    def report(
+        self, num_iterations: int, virtual_spent: dict[str, float], recovery: dict | None = None
+    ) -> None:
+        report = DieReport(
+            die_rank=self.rank,
+            num_iterations=num_iterations,
+            timings=self.timings,
+            virtual_spent=virtual_spent,
+            recovery=recovery or {},
+        )
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 
     def drain(self) -> None:
@@ -104,6 +120,8 @@ class Outbox:
         while self.pending:
             self.pending = [r for r in self.pending if not r.Test()]
             if self.pending and time.monotonic() > deadline:
-                raise WaitTimeout(f"die rank {self.rank}: {len(self.pending)} messages to the "
-                                  f"TE-shell not taken after {self.timeout_s:g} s")
+                raise WaitTimeout(
+                    f"die rank {self.rank}: {len(self.pending)} messages to the "
+                    f"TE-shell not taken after {self.timeout_s:g} s"
+                )
             time.sleep(0.0005)

@@ -1,5 +1,6 @@
 """What every decode die builds alike (colocated and attention dies): its KV block table, latent
 cache and scheduler, and its pricer on the virtual clock."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,16 +23,25 @@ def decode_state(cfg: Config, model) -> DecodeState:
     from xds_mpi.model.kv_blocks import BlockTable
     from xds_mpi.model.mla import LatentCache
     from xds_mpi.model.tokenizer import EOS_ID
+
     sched = cfg.scheduler
     table = BlockTable(num_blocks=sched.num_kv_blocks_per_die, block_tokens=sched.kv_block_tokens)
-    cache = LatentCache(num_layers=model.num_cache_layers(sched.mtp_depth),
-                        num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
-                        kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
-                        dtype=model.dtype)
-    scheduler = DieScheduler(table=table, max_batch=sched.max_batch_per_die,
-                             max_tokens=cfg.xccl.max_tokens_per_die,
-                             prefill_chunk=sched.prefill_chunk_tokens, eos_id=EOS_ID,
-                             ignore_eos=cfg.workload.ignore_eos, mtp_depth=sched.mtp_depth)
+    cache = LatentCache(
+        num_layers=model.num_cache_layers(sched.mtp_depth),
+        num_slots=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+        kv_lora_rank=cfg.model.kv_lora_rank,
+        rope_dim=cfg.model.qk_rope_dim,
+        dtype=model.dtype,
+    )
+    scheduler = DieScheduler(
+        table=table,
+        max_batch=sched.max_batch_per_die,
+        max_tokens=cfg.xccl.max_tokens_per_die,
+        prefill_chunk=sched.prefill_chunk_tokens,
+        eos_id=EOS_ID,
+        ignore_eos=cfg.workload.ignore_eos,
+        mtp_depth=sched.mtp_depth,
+    )
     return DecodeState(table=table, cache=cache, scheduler=scheduler)
 
 
@@ -42,7 +52,9 @@ def make_pricer(cfg: Config, clock, slots):
     from xds_mpi.engine.pricing import Pricer
     from xds_mpi.hardware import load_profile
     from xds_mpi.model.shapes import cost_shape
+
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
-    routed_dies = set(slots.slot_owner[:slots.num_routed_slots])
-    return Pricer(cost, cfg.model, clock, use_int8=cfg.xccl.use_int8,
-                  num_routed_dies=len(routed_dies))
+    routed_dies = set(slots.slot_owner[: slots.num_routed_slots])
+    return Pricer(
+        cost, cfg.model, clock, use_int8=cfg.xccl.use_int8, num_routed_dies=len(routed_dies)
+    )

@@ -3,6 +3,7 @@ slots (and, for attention group g, is its trampoline when it is expert die g). E
 learns from the dies' agreement which DP domains are busy, then runs the persistent loop
 (xccl/afd_loop.py: receive A2E / compute / send E2A) over every MoE layer, domain and microbatch
 of the iteration without coming back here in between. It ends when the attention dies do."""
+
 from __future__ import annotations
 
 import time
@@ -19,10 +20,14 @@ def run(ctx: RankContext) -> None:
     die = ExpertDie(ctx)
     while die.step():
         pass
-    ctx.log.debug("expert die: %d iterations, %d calls, %d rows, %d metadata records",
-                  die.num_iterations, die.plan.num_calls, die.num_rows,
-                  die.afd.counters.metadata_writes)
-    die.recompute.report()                                  # collective: the dies' fault total
+    ctx.log.debug(
+        "expert die: %d iterations, %d calls, %d rows, %d metadata records",
+        die.num_iterations,
+        die.plan.num_calls,
+        die.num_rows,
+        die.afd.counters.metadata_writes,
+    )
+    die.recompute.report()  # collective: the dies' fault total
     die.close()  # collective: only on the way out together (an error aborts the job)
 
 
@@ -30,12 +35,13 @@ class ExpertDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
         from xccl.afd_loop import ExpertLoop
+
         self.loop = ExpertLoop(self.afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
         self.layer_of: dict[int, int] = {}
         self.num_iterations = self.num_rows = 0
 
     def step(self) -> bool:
-        busy, all_stopped = self.agree(0, False)           # which domains take turns now
+        busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:
             time.sleep(0.001)
             return not all_stopped
@@ -47,11 +53,12 @@ class ExpertDie(AfdDieBase):
     def attempt(self, busy, planned):
         """The expert dies' part of the iteration: every planned call, whatever the domain."""
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
-        return self.loop.run([p.call for p in planned])   # persistent: every layer, no return
+        return self.loop.run([p.call for p in planned])  # persistent: every layer, no return
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""
         import torch
+
         moe = self.model.moe_of(self.layer_of[call.call])
         with torch.inference_mode():
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype

@@ -1,5 +1,6 @@
 """The TE-shell's frontend: admits the workload, dispatches each request once to a DP group with
 the decode load balancer (xDeepServe §4.3), and takes the tokens the dies stream back."""
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,12 @@ class Frontend:
         self.queue = deque(sorted(self.queue, key=lambda r: (r.arrival_s, r.req_id)))
         sched = cfg.scheduler
         self.balancer = DecodeBalancer(
-            self.groups, max_batch=sched.max_batch_per_die,
+            self.groups,
+            max_batch=sched.max_batch_per_die,
             kv_capacity_tokens=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
-            block_tokens=sched.kv_block_tokens, mtp_depth=sched.mtp_depth)
+            block_tokens=sched.kv_block_tokens,
+            mtp_depth=sched.mtp_depth,
+        )
         self.num_open = len(self.queue)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
@@ -58,15 +62,29 @@ class Frontend:
                 self.log.info(self.progress())
                 next_progress += PROGRESS_EVERY_S
             if time.monotonic() > deadline:
-                raise WaitTimeout(f"TE-shell: {self.num_open} requests unfinished after "
-                                  f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})")
+                raise WaitTimeout(
+                    f"TE-shell: {self.num_open} requests unfinished after "
+                    f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})"
+                )
             if not did_work:
                 time.sleep(0.0005)
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
-        send_to_each(self.comm, {g: None for g in self.groups}, tag=TAG_STOP,
-                     timeout_s=timeout_s, me="TE-shell", event="stop")
-        self.reports = recv_from_each(self.comm, self.groups, tag=TAG_REPORT,
-                                      timeout_s=timeout_s, me="TE-shell", event="die report")
+        send_to_each(
+            self.comm,
+            {g: None for g in self.groups},
+            tag=TAG_STOP,
+            timeout_s=timeout_s,
+            me="TE-shell",
+            event="stop",
+        )
+        self.reports = recv_from_each(
+            self.comm,
+            self.groups,
+            tag=TAG_REPORT,
+            timeout_s=timeout_s,
+            me="TE-shell",
+            event="die report",
+        )
         self._take_tokens()
         MPI.Request.Waitall(self.sends)
 
@@ -99,8 +117,9 @@ class Frontend:
                     self.num_open -= 1
             num += 1
         status = MPI.Status()
-        while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_KV,
-                                            status=status)) is not None:
+        while (
+            message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_KV, status=status)
+        ) is not None:
             self.balancer.on_kv_stats(status.Get_source(), message.recv())
         return num
 
@@ -109,9 +128,11 @@ class Frontend:
         tokens = sum(len(r.tokens) for r in self.records.values())
         elapsed = time.time() - self.started
         pending = sum(self.balancer.num_pending.values())
-        return (f"progress: {done}/{len(self.records)} requests done, {tokens} tokens, "
-                f"{tokens / max(elapsed, 1e-9):.1f} tok/s, {pending} running, "
-                f"{len(self.queue)} queued, {elapsed:.1f} s")
+        return (
+            f"progress: {done}/{len(self.records)} requests done, {tokens} tokens, "
+            f"{tokens / max(elapsed, 1e-9):.1f} tok/s, {pending} running, "
+            f"{len(self.queue)} queued, {elapsed:.1f} s"
+        )
 
     def arrival_wall(self, req_id: int) -> float:
         return self.started + self.records[req_id].req.arrival_s

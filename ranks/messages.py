@@ -4,6 +4,7 @@ TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die 
 die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_KV (used KV tokens),
 TAG_REPORT (DieReport, once at the end).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,15 +20,17 @@ class TokenBatch:
 
     die_rank: int
     iteration: int
-    wall_time: float                   # time.time() on the die when sampled
+    wall_time: float  # time.time() on the die when sampled
     tokens: tuple[tuple[int, int, bool], ...]
-    steps: tuple[VerifiedDrafts, ...] = ()   # the decode steps that sampled them, in order
+    steps: tuple[VerifiedDrafts, ...] = ()  # the decode steps that sampled them, in order
 
 
 @dataclass(frozen=True, kw_only=True)
 class DieReport:
     die_rank: int
     num_iterations: int
-    timings: dict = field(default_factory=dict)   # IterationTiming field -> list per iteration
-    virtual_spent: dict = field(default_factory=dict)   # operation -> virtual seconds, all iterations
-    recovery: dict = field(default_factory=dict)   # token recomputation (ranks/recompute.py)
+    timings: dict = field(default_factory=dict)  # IterationTiming field -> list per iteration
+    virtual_spent: dict = field(
+        default_factory=dict
+    )  # operation -> virtual seconds, all iterations
+    recovery: dict = field(default_factory=dict)  # token recomputation (ranks/recompute.py)

@@ -9,12 +9,14 @@ event ids; its virtual clock and priced time) and runs it again. Nothing of a fa
 reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
 configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
 """
+
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from mpi4py import MPI
 
@@ -58,8 +60,15 @@ class IterationAttempts:
     """One iteration's attempts on one die: where the iteration started (the die's state, the
     virtual clock, the priced time), and the attempt running now."""
 
-    def __init__(self, iteration: int, body: Callable[[], T], *, plan: FaultPlan,
-                 pricer: Pricer, state: Sequence[Recoverable]) -> None:
+    def __init__(
+        self,
+        iteration: int,
+        body: Callable[[], T],
+        *,
+        plan: FaultPlan,
+        pricer: Pricer,
+        state: Sequence[Recoverable],
+    ) -> None:
         self.iteration, self.body, self.plan, self.pricer = iteration, body, plan, pricer
         self.state = tuple(state)
         self.checkpoints = tuple(part.checkpoint() for part in self.state)
@@ -89,42 +98,58 @@ class IterationAttempts:
 
 
 class Recomputer:
-    def __init__(self, cfg: Config, comm: MPI.Comm, rank: int,
-                 buffers: Sequence[RecoverableBuffer], pricer: Pricer, *, events: EventMap,
-                 log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        comm: MPI.Comm,
+        rank: int,
+        buffers: Sequence[RecoverableBuffer],
+        pricer: Pricer,
+        *,
+        events: EventMap,
+        log: logging.Logger | None = None,
+    ) -> None:
         """events: how the die's XCCL operations number their events (the fault plan's layers)."""
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
-        self.log = log if comm.rank == 0 else None          # one die tells the story
+        self.log = log if comm.rank == 0 else None  # one die tells the story
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
-        self._attempts: IterationAttempts | None = None     # the iteration running now
+        self._attempts: IterationAttempts | None = None  # the iteration running now
         self.plan = FaultPlan(cfg.faults, rank, events)
-        self.recovery = (Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s)
-                         if cfg.faults.is_enabled else None)
+        self.recovery = (
+            Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s) if cfg.faults.is_enabled else None
+        )
         if self.recovery is not None:
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=self.plan.check)
             for b in self.buffers:
                 b.set_recovery(hooks)
 
-    def run(self, iteration: int, attempt: Callable[[], T], *,
-            state: Sequence[Recoverable] = ()) -> T:
+    def run(
+        self, iteration: int, attempt: Callable[[], T], *, state: Sequence[Recoverable] = ()
+    ) -> T:
         """attempt() until every die completed one; between attempts the virtual clock, the
         priced time and each part of `state` go back to where this call found them."""
         if self.recovery is None:
             return attempt()
-        self._attempts = IterationAttempts(iteration, attempt, plan=self.plan,
-                                           pricer=self.pricer, state=state)
+        self._attempts = IterationAttempts(
+            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+        )
         try:
-            return self.recovery.run(self._attempts.run, self.buffers,
-                                     max_retries=self.faults.max_retries,
-                                     what=f"iteration {iteration}", on_rollback=self._rolled_back)
+            return self.recovery.run(
+                self._attempts.run,
+                self.buffers,
+                max_retries=self.faults.max_retries,
+                what=f"iteration {iteration}",
+                on_rollback=self._rolled_back,
+            )
         except RetriesExhausted as exc:
             raise RecomputationFailed(
                 f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
                 f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
-                f"attempt's faults: {describe(self._outcome.faults, self.plan.events)}") from exc
+                f"attempt's faults: {describe(self._outcome.faults, self.plan.events)}"
+            ) from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
 
@@ -139,9 +164,13 @@ class Recomputer:
         c.wall_lost_s += attempts.wall_s()
         c.vtime_lost_s += attempts.vtime_s()
         if self.log is not None and attempts.attempt < self.faults.max_retries:
-            self.log.info("iteration %d rolled back (%s); recomputing, attempt %d of %d",
-                          attempts.iteration, describe(outcome.faults, self.plan.events),
-                          attempts.attempt + 2, self.faults.max_retries + 1)
+            self.log.info(
+                "iteration %d rolled back (%s); recomputing, attempt %d of %d",
+                attempts.iteration,
+                describe(outcome.faults, self.plan.events),
+                attempts.attempt + 2,
+                self.faults.max_retries + 1,
+            )
         attempts.restore()
 
     def report(self) -> dict:
@@ -158,5 +187,11 @@ class Recomputer:
 
 def describe(faults: Sequence[FaultReport], events: EventMap) -> str:
     """The faults of a failed attempt: die, operation, MoE layer, event id and error code."""
-    return "; ".join(f"die {f.die} {f.op} at layer {events.layer_of_event(f.event_id)} (event "
-                     f"{f.event_id}, code {f.code})" for f in faults) or "none reported"
+    return (
+        "; ".join(
+            f"die {f.die} {f.op} at layer {events.layer_of_event(f.event_id)} (event "
+            f"{f.event_id}, code {f.code})"
+            for f in faults
+        )
+        or "none reported"
+    )

@@ -1,10 +1,12 @@
 """The TE-shell (host rank): owns the request stream and reports on the job.
 
 In a colocated or afd deployment it serves the workload (ranks/frontend.py), prints a progress
-line and a summary, and with run.check compares every served request with the single-process reference.
+line and a summary, and with run.check compares every served request with the single-process
+reference.
 At the end it writes the run file (xds_mpi/runfile.py) and names it on its last log line; a run
 that fails still writes one, with status "failed: <why>", before the error aborts the job.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,9 +25,14 @@ def run(ctx: RankContext) -> int:
     try:
         handshake(ctx)
         handshake_s = time.perf_counter() - started
-        ctx.log.info("all %d ranks agree on the deployment (%.2f s): %s", ctx.comm.size,
-                     handshake_s, ctx.topo.summary())
+        ctx.log.info(
+            "all %d ranks agree on the deployment (%.2f s): %s",
+            ctx.comm.size,
+            handshake_s,
+            ctx.topo.summary(),
+        )
         from ranks.frontend import decode_groups
+
         if decode_groups(ctx.topo):
             serving = Serving(ctx)
             if serving.mismatches:
@@ -34,9 +41,16 @@ def run(ctx: RankContext) -> int:
         status = f"failed: {exc}"
         raise
     finally:
-        write_run_file(path, cfg=ctx.cfg, topo=ctx.topo, status=status, started_at=started_at,
-                       wall_time_s=time.perf_counter() - started, handshake_s=handshake_s,
-                       extra=serving.write if serving else None)
+        write_run_file(
+            path,
+            cfg=ctx.cfg,
+            topo=ctx.topo,
+            status=status,
+            started_at=started_at,
+            wall_time_s=time.perf_counter() - started,
+            handshake_s=handshake_s,
+            extra=serving.write if serving else None,
+        )
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if serving and ctx.cfg.run.check:
             print(serving.check_line, flush=True)
@@ -48,14 +62,22 @@ class Serving:
     against the reference."""
 
     def __init__(self, ctx: RankContext) -> None:
-        from xccl.gmem import DieMemory
         from ranks.frontend import Frontend
-        from xds_mpi.engine.results import (check_against_reference, format_mtp,
-                                            format_projection, format_recovery, format_summary,
-                                            mtp_summary, projected_summary, recovery_summary,
-                                            summarize)
+        from xccl.gmem import DieMemory
+        from xds_mpi.engine.results import (
+            check_against_reference,
+            format_mtp,
+            format_projection,
+            format_recovery,
+            format_summary,
+            mtp_summary,
+            projected_summary,
+            recovery_summary,
+            summarize,
+        )
         from xds_mpi.model.shapes import cost_shape
-        mem = DieMemory(ctx.comm, 0)        # the shell holds no die memory, but joins the window
+
+        mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = Frontend(ctx)
         frontend.serve()
@@ -75,23 +97,32 @@ class Serving:
             ctx.log.info(format_recovery(recovery))
             self.summary.update(recovery)
         big = cost_shape()
-        self.summary.update(projected_summary(
-            frontend.reports, ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
-            big.num_layers - big.num_dense_layers))
+        self.summary.update(
+            projected_summary(
+                frontend.reports,
+                ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
+                big.num_layers - big.num_dense_layers,
+            )
+        )
         ctx.log.info(format_projection(self.summary))
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
         if ctx.cfg.run.check:
-            num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg,
-                                                                                self.records)
+            num_requests, num_tokens, self.mismatches = check_against_reference(
+                ctx.cfg, self.records
+            )
             for line in self.mismatches:
                 ctx.log.error("check: %s", line)
-            self.check_line = (f"check: {num_requests} requests, {num_tokens} tokens, "
-                               f"{len(self.mismatches)} mismatches")
+            self.check_line = (
+                f"check: {num_requests} requests, {num_tokens} tokens, "
+                f"{len(self.mismatches)} mismatches"
+            )
 
     def write(self, f) -> None:
         from xds_mpi.engine.results import write_serving
-        write_serving(f, self.records, self.started, self.summary, self.die_timings,
-                      self.die_recovery)
+
+        write_serving(
+            f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
+        )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1

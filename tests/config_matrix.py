@@ -5,13 +5,13 @@ A combination is a tuple of value indices, one per axis. `overrides` turns it in
 lines on top of configs/<kind>.yaml; `pairwise` picks a few accepted combinations that together
 contain every pair of values (of two axes) that any accepted combination contains.
 """
+
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 
 import numpy as np
-
 from harness import REPO_ROOT
 
 JSONL = REPO_ROOT / "tests" / "data" / "matrix_requests.jsonl"
@@ -36,8 +36,14 @@ WORKLOAD_AXES: dict[str, tuple] = {
 AXES = {**DEPLOYMENT_AXES, **WORKLOAD_AXES}
 NAMES = tuple(AXES)
 # Small requests: a run stays short; ignore_eos gives exact token counts.
-WORKLOAD = ["workload.num_requests=4", "workload.prompt_len=10", "workload.max_prompt_len=20",
-            "workload.output_len=4", "workload.max_output_len=6", "workload.ignore_eos=true"]
+WORKLOAD = [
+    "workload.num_requests=4",
+    "workload.prompt_len=10",
+    "workload.max_prompt_len=20",
+    "workload.output_len=4",
+    "workload.max_output_len=6",
+    "workload.ignore_eos=true",
+]
 
 
 def values(combo: tuple[int, ...]) -> dict:
@@ -46,9 +52,11 @@ def values(combo: tuple[int, ...]) -> dict:
 
 def label(combo: tuple[int, ...]) -> str:
     v = values(combo)
-    return (f"{v['kind']}-n{v['dies']}-{v['shared']}-r{v['redundant']}-"
-            f"{'int8' if v['int8'] else v['row_dtype']}-mtp{v['mtp']}-m{v['microbatches']}-"
-            f"d{v['domains']}-c{v['chunk']}-{v['lengths']}-{v['source']}")
+    return (
+        f"{v['kind']}-n{v['dies']}-{v['shared']}-r{v['redundant']}-"
+        f"{'int8' if v['int8'] else v['row_dtype']}-mtp{v['mtp']}-m{v['microbatches']}-"
+        f"d{v['domains']}-c{v['chunk']}-{v['lengths']}-{v['source']}"
+    )
 
 
 def dies_of(v: dict) -> list[str]:
@@ -58,8 +66,11 @@ def dies_of(v: dict) -> list[str]:
     if v["kind"] == "colocated":
         return [f"deployment.dp_groups_per_domain={n}", f"deployment.num_dp_domains={d}"]
     groups = max(1, n // (2 * d))
-    return [f"deployment.num_dp_domains={d}", f"deployment.dp_groups_per_domain={groups}",
-            f"deployment.num_expert_dies={n - d * groups}"]
+    return [
+        f"deployment.num_dp_domains={d}",
+        f"deployment.dp_groups_per_domain={groups}",
+        f"deployment.num_expert_dies={n - d * groups}",
+    ]
 
 
 def overrides(combo: tuple[int, ...]) -> tuple[str, list[str]]:
@@ -70,9 +81,14 @@ def overrides(combo: tuple[int, ...]) -> tuple[str, list[str]]:
         f"deployment.num_shared_expert_dies={1 if v['shared'] == 'dedicated' else 0}",
         f"deployment.redundant_slots_per_die={v['redundant']}",
         f"deployment.num_microbatches={v['microbatches']}",
-        f"xccl.use_int8={str(v['int8']).lower()}", f"xccl.row_dtype={v['row_dtype']}",
-        f"scheduler.mtp_depth={v['mtp']}", f"scheduler.prefill_chunk_tokens={v['chunk']}",
-        f"workload.length_dist={v['lengths']}", f"workload.source={v['source']}", *WORKLOAD]
+        f"xccl.use_int8={str(v['int8']).lower()}",
+        f"xccl.row_dtype={v['row_dtype']}",
+        f"scheduler.mtp_depth={v['mtp']}",
+        f"scheduler.prefill_chunk_tokens={v['chunk']}",
+        f"workload.length_dist={v['lengths']}",
+        f"workload.source={v['source']}",
+        *WORKLOAD,
+    ]
     if v["source"] == "jsonl":
         sets.append(f"workload.path={JSONL}")
     return v["kind"], sets
@@ -89,14 +105,16 @@ def pairwise(candidates: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     sizes = [len(v) for v in AXES.values()]
     axis_pairs = list(itertools.combinations(range(len(sizes)), 2))
     base = np.cumsum([0] + [sizes[i] * sizes[j] for i, j in axis_pairs])
-    combos = np.array(candidates)                                    # [C, axes]
-    pair_ids = np.stack([base[k] + combos[:, i] * sizes[j] + combos[:, j]
-                         for k, (i, j) in enumerate(axis_pairs)], axis=1)   # [C, pairs]
+    combos = np.array(candidates)  # [C, axes]
+    pair_ids = np.stack(
+        [base[k] + combos[:, i] * sizes[j] + combos[:, j] for k, (i, j) in enumerate(axis_pairs)],
+        axis=1,
+    )  # [C, pairs]
     is_covered = np.ones(base[-1], bool)
-    is_covered[np.unique(pair_ids)] = False                          # coverable, not yet covered
+    is_covered[np.unique(pair_ids)] = False  # coverable, not yet covered
     chosen = []
     while not is_covered.all():
-        gains = (~is_covered[pair_ids]).sum(axis=1)                  # [C]
+        gains = (~is_covered[pair_ids]).sum(axis=1)  # [C]
         best = int(gains.argmax())
         chosen.append(tuple(int(i) for i in combos[best]))
         is_covered[pair_ids[best]] = True

@@ -6,7 +6,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--config-matrix", choices=("pairwise", "full"), default="pairwise",
-                     help="which accepted configs tests/test_config_matrix.py serves with --check:"
-                          " a pairwise cover of the axes (default, ~20 runs) or every accepted "
-                          "combination (thousands of runs: a nightly-style job)")
+    parser.addoption(
+        "--config-matrix",
+        choices=("pairwise", "full"),
+        default="pairwise",
+        help="which accepted configs tests/test_config_matrix.py serves with --check:"
+        " a pairwise cover of the axes (default, ~20 runs) or every accepted "
+        "combination (thousands of runs: a nightly-style job)",
+    )

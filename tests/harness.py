@@ -5,11 +5,12 @@ job), with MPIEXEC_TIMEOUT set, and the whole group is killed if it outlives the
 bodies (tests/mpi/body_*.py) run under pytest-mpi at several rank counts through `run_bodies`;
 tests/mpi/conftest.py aborts the job as soon as one rank's test fails, after printing why.
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from launch.mpiexec import JobResult, mpi_command, run_job
 
@@ -28,12 +29,23 @@ def run_mpi(num_procs: int, args: Sequence[str], *, timeout_s: float = 60) -> Jo
     return run_job(command, timeout_s=timeout_s + KILL_GRACE_S, capture=True, cwd=REPO_ROOT)
 
 
-def run_bodies(num_procs: int, *paths: str | Path, timeout_s: float = 120,
-               extra: Sequence[str] = ()) -> JobResult:
+def run_bodies(
+    num_procs: int, *paths: str | Path, timeout_s: float = 120, extra: Sequence[str] = ()
+) -> JobResult:
     """Run MPI test bodies with pytest-mpi on every rank of an `mpiexec -n N` job."""
-    args = ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider", "-o",
-            "python_files=body_*.py", f"--timeout={int(timeout_s)}", *extra,
-            *(str(p) for p in paths)]
+    args = [
+        "-m",
+        "pytest",
+        "--with-mpi",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "python_files=body_*.py",
+        f"--timeout={int(timeout_s)}",
+        *extra,
+        *(str(p) for p in paths),
+    ]
     return run_mpi(num_procs, args, timeout_s=timeout_s)
 
 

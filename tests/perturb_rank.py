@@ -6,6 +6,7 @@ drafts for becomes another token; every other rank, and every later draft, is un
 model rejects the wrong draft, so greedy MTP still serves the greedy tokens: only a check of the
 drafts themselves can see it. The die names what it changed on stderr, for the test to match.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,8 +34,12 @@ def perturb_first_draft() -> None:
         old = work.drafts[0]
         work.drafts[0] = (old + 1) % executor.model.cfg.vocab_size
         is_perturbed = True
-        print(f"perturbed: die {PERTURBED_RANK} request {work.req_id} draft {old} -> "
-              f"{work.drafts[0]}", file=sys.stderr, flush=True)
+        print(
+            f"perturbed: die {PERTURBED_RANK} request {work.req_id} draft {old} -> "
+            f"{work.drafts[0]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     ColocatedExecutor._draft = draft
 

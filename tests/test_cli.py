@@ -1,4 +1,5 @@
 """The `xds-mpi` command: validate every shipped config, refuse bad ones in one line, launch."""
+
 from __future__ import annotations
 
 import math
@@ -7,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import REPO_ROOT
 
 CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -15,8 +15,9 @@ XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
 
 def xds_mpi(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(XDS_MPI), *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO_ROOT)
+    return subprocess.run(
+        [str(XDS_MPI), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT
+    )
 
 
 def test_help_explains_the_commands():
@@ -43,14 +44,19 @@ def test_validate_without_config_uses_the_default_and_prints_the_rank_map():
     assert "routed 12-15; shared 0" in lines[-1]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--set", "deployment.num_dies=3"], "unknown key 'num_dies' in section 'deployment'"),
-    (["--np", "7"], "world size 7 != num_host_ranks(1) + colocated dies(4) = 5"),
-    (["--set", "deployment.max_routed_experts_per_die=3"],
-     "model.num_routed_experts(16) do not fit into 4 routed-expert dies x "
-     "max_routed_experts_per_die(3) = 12 slots"),
-    (["no-such-config"], "config 'no-such-config' is neither a file nor a name in configs/"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "deployment.num_dies=3"], "unknown key 'num_dies' in section 'deployment'"),
+        (["--np", "7"], "world size 7 != num_host_ranks(1) + colocated dies(4) = 5"),
+        (
+            ["--set", "deployment.max_routed_experts_per_die=3"],
+            "model.num_routed_experts(16) do not fit into 4 routed-expert dies x "
+            "max_routed_experts_per_die(3) = 12 slots",
+        ),
+        (["no-such-config"], "config 'no-such-config' is neither a file nor a name in configs/"),
+    ],
+)
 def test_bad_input_is_one_line_with_the_numbers(args, message):
     result = xds_mpi("validate", *args)
     assert result.returncode == 2
@@ -90,6 +96,7 @@ def test_run_brings_up_every_rank(config, world_size):
 def test_the_rank_entry_runs_under_plain_mpiexec():
     # What a user types by hand, without the launcher (the launcher adds only env and flags).
     from harness import run_mpi
+
     result = run_mpi(5, ["-m", "launch.rank", "configs/colocated.yaml"], timeout_s=60)
     assert result.returncode == 0, result.output
     assert "all 5 ranks agree" in result.output
@@ -97,6 +104,7 @@ def test_the_rank_entry_runs_under_plain_mpiexec():
 
 def test_the_rank_entry_refuses_a_wrong_world_size_on_every_rank():
     from harness import run_mpi
+
     result = run_mpi(3, ["-m", "launch.rank", "configs/colocated.yaml"], timeout_s=60)
     assert result.returncode != 0 and not result.timed_out
     assert "world size 3 != num_host_ranks(1) + colocated dies(4) = 5" in result.output
@@ -108,20 +116,40 @@ def test_validate_prints_window_sizes_and_refuses_a_layout_over_the_cap():
     # 4 dies, all pairs: 64 B x (2 x 4 in + 4 out) records + 4 rings x 8 x 64 KiB = 2,097,920 B
     # of p2p, + 544,256 B of dispatch/combine (see EpLayout) = 2,642,176 B = 2.5 MiB
     assert "largest die window 2.5 MiB" in ok.stdout
-    over = xds_mpi("validate", "--set", "xccl.p2p_pairs=all", "--set",
-                   "xccl.max_window_bytes=100000")
+    over = xds_mpi(
+        "validate", "--set", "xccl.p2p_pairs=all", "--set", "xccl.max_window_bytes=100000"
+    )
     assert over.returncode == 2
-    assert ("rank 1's window needs 2642176 B = p2p 2097920 B + dispatch/combine 544256 B, over "
-            "the per-die cap xccl.max_window_bytes(100000)") in over.stderr
+    assert (
+        "rank 1's window needs 2642176 B = p2p 2097920 B + dispatch/combine 544256 B, over "
+        "the per-die cap xccl.max_window_bytes(100000)"
+    ) in over.stderr
 
 
 def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
     import csv
+
     from xccl.vclock import LinkModel
     from xds_mpi.hardware import load_profile
+
     out = tmp_path / "p2p.csv"
-    result = xds_mpi("bench", "p2p", "--sizes", "64", "12000", "--cores", "2", "--iters", "5",
-                     "--slots", "4", "--slot-bytes", "4096", "--out", str(out))
+    result = xds_mpi(
+        "bench",
+        "p2p",
+        "--sizes",
+        "64",
+        "12000",
+        "--cores",
+        "2",
+        "--iters",
+        "5",
+        "--slots",
+        "4",
+        "--slot-bytes",
+        "4096",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rtt_vs_put" in result.stdout
     rows = list(csv.DictReader(out.open()))
@@ -135,17 +163,37 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
         # last one's arrival (the ack word carries whole ns) plus the ack's latency completes it.
         half_ring = 2 * 4096
         last = nbytes - (max(nbytes - 1, 0) // half_ring) * half_ring
-        arrival_ns = (link.serialization_ns(nbytes - last, num_cores=2)
-                      + link.transfer_ns(last, num_cores=2))
+        arrival_ns = link.serialization_ns(nbytes - last, num_cores=2) + link.transfer_ns(
+            last, num_cores=2
+        )
         expected_ns = math.floor(arrival_ns) + link.latency_ns()
         assert float(row["proj_910c_send_us"]) == pytest.approx(expected_ns / 1e3, rel=1e-6)
 
 
 def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
     import csv
+
     out = tmp_path / "ep.csv"
-    result = xds_mpi("bench", "ep", "--np", "2", "--tokens", "3", "8", "--hidden", "32",
-                     "--topk", "2", "--experts", "4", "--iters", "3", "--int8", "--out", str(out))
+    result = xds_mpi(
+        "bench",
+        "ep",
+        "--np",
+        "2",
+        "--tokens",
+        "3",
+        "8",
+        "--hidden",
+        "32",
+        "--topk",
+        "2",
+        "--experts",
+        "4",
+        "--iters",
+        "3",
+        "--int8",
+        "--out",
+        str(out),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = list(csv.DictReader(out.open()))
     assert [int(r["tokens"]) for r in rows] == [3, 8]

@@ -5,23 +5,25 @@ The axes are in tests/config_matrix.py. By default the accepted combinations run
 cover (every pair of values of two axes that some accepted combination holds is served at least
 once); `pytest --config-matrix=full` serves every accepted combination.
 """
+
 from __future__ import annotations
 
 import re
 import subprocess
 from functools import cache
 
-import pytest
-
 import config_matrix as m
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
+
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.plan import DeploymentPlan
 
 BASE_WORKLOAD = (0,) * len(m.WORKLOAD_AXES)
-NAMES_A_KEY = re.compile(r"\b(deployment|model|scheduler|workload|xccl|faults|hardware|run)"
-                         r"(\.\w+|:)")
+NAMES_A_KEY = re.compile(
+    r"\b(deployment|model|scheduler|workload|xccl|faults|hardware|run)"
+    r"(\.\w+|:)"
+)
 
 
 def refusal(combo: tuple[int, ...]) -> str:
@@ -67,14 +69,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("accepted_combo", combos, ids=[m.label(c) for c in combos])
     if "refused_combo" in metafunc.fixturenames:
         examples = refused_examples()
-        metafunc.parametrize("refused_combo", list(examples.values()),
-                             ids=[m.label(c) for c in examples.values()])
+        metafunc.parametrize(
+            "refused_combo", list(examples.values()), ids=[m.label(c) for c in examples.values()]
+        )
 
 
 def run(combo: tuple[int, ...], tmp_path) -> subprocess.CompletedProcess:
     kind, sets = m.overrides(combo)
-    args = [str(XDS_MPI), "run", kind, "--check", "--set", f"run.output_dir={tmp_path}",
-            "--set", "run.timeout_s=240"]
+    args = [
+        str(XDS_MPI),
+        "run",
+        kind,
+        "--check",
+        "--set",
+        f"run.output_dir={tmp_path}",
+        "--set",
+        "run.timeout_s=240",
+    ]
     for line in sets:
         args += ["--set", line]
     return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)

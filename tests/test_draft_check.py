@@ -2,6 +2,7 @@
 own MTP loop: a die step and a reference step are the same thing (the first one after prefill
 verifies the prefill's MTP drafts; a last step cut by max_new_tokens counts what it accepted), and
 a die that drafts one wrong token fails the check although it serves the greedy tokens."""
+
 from __future__ import annotations
 
 import re
@@ -9,9 +10,9 @@ import subprocess
 
 import h5py
 import pytest
-
 from harness import REPO_ROOT, TESTS_DIR, explain, run_mpi
 from test_serving import XDS_MPI, check_line
+
 from xds_mpi.config import load_config
 from xds_mpi.engine.requests import Request
 from xds_mpi.engine.results import RequestRecord, check_against_reference
@@ -29,9 +30,15 @@ COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
 
 
 def scheduler(depth: int) -> DieScheduler:
-    return DieScheduler(table=BlockTable(num_blocks=64, block_tokens=4), max_batch=4,
-                        max_tokens=64, prefill_chunk=64, eos_id=EOS_ID, ignore_eos=True,
-                        mtp_depth=depth)
+    return DieScheduler(
+        table=BlockTable(num_blocks=64, block_tokens=4),
+        max_batch=4,
+        max_tokens=64,
+        prefill_chunk=64,
+        eos_id=EOS_ID,
+        ignore_eos=True,
+        mtp_depth=depth,
+    )
 
 
 def test_a_decode_step_carries_its_drafts_and_the_accepted_count_before_the_cut():
@@ -39,13 +46,13 @@ def test_a_decode_step_carries_its_drafts_and_the_accepted_count_before_the_cut(
     s.add(Request(req_id=0, prompt=(10, 11, 12), max_new_tokens=4))
     s.schedule()
     [prefill] = s.postprocess({0: Sampled(tokens=(1,), drafts=(2, 3))})
-    assert prefill.step is None                        # the prefill's token is no step
+    assert prefill.step is None  # the prefill's token is no step
     s.schedule()
     first, second = s.postprocess({0: Sampled(tokens=(2, 9), drafts=(4, 5))})
     assert first.step == VerifiedDrafts(req_id=0, drafts=(2, 3), num_accepted=1)
     assert second.step is None
     s.schedule()
-    [last] = s.postprocess({0: Sampled(tokens=(4, 5, 6))})   # max_new_tokens keeps only 4
+    [last] = s.postprocess({0: Sampled(tokens=(4, 5, 6))})  # max_new_tokens keeps only 4
     assert (last.token, last.is_finished) == (4, True)
     assert last.step == VerifiedDrafts(req_id=0, drafts=(4, 5), num_accepted=2)
 
@@ -60,8 +67,8 @@ def serve_reference_steps(req_id: int, out, depth: int) -> RequestRecord:
     s.add(req)
     verified, start = [out.tokens[:1]], 1
     for accepted in out.step_accepted:
-        padded = (*out.tokens[start:start + accepted + 1], *[0] * (accepted + 1))
-        verified.append(padded[:accepted + 1])
+        padded = (*out.tokens[start : start + accepted + 1], *[0] * (accepted + 1))
+        verified.append(padded[: accepted + 1])
         start += accepted + 1
     for tokens, next_drafts in zip(verified, [*out.step_drafts, ()]):
         s.schedule()
@@ -69,15 +76,20 @@ def serve_reference_steps(req_id: int, out, depth: int) -> RequestRecord:
             record.add_token(e.token, 0.0)
             if e.step:
                 record.add_step(e.step.drafts, e.step.num_accepted)
-    assert not s.running                               # finished on the reference's last step
+    assert not s.running  # finished on the reference's last step
     return record
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_die_steps_line_up_with_reference_steps_and_one_wrong_draft_is_a_mismatch(depth):
     cfg = load_config(COLOCATED, [f"scheduler.mtp_depth={depth}", "workload.ignore_eos=true"])
-    options = GenerateOptions(max_new_tokens=MAX_NEW, mtp_depth=depth, use_int8=True,
-                              ignore_eos=True, block_tokens=cfg.scheduler.kv_block_tokens)
+    options = GenerateOptions(
+        max_new_tokens=MAX_NEW,
+        mtp_depth=depth,
+        use_int8=True,
+        ignore_eos=True,
+        block_tokens=cfg.scheduler.kv_block_tokens,
+    )
     outs = ReferenceGenerator(build_model(cfg.model), options).generate(PROMPTS)
     for out in outs:
         assert len(out.step_drafts) == len(out.step_accepted) == out.num_steps
@@ -95,34 +107,50 @@ def test_die_steps_line_up_with_reference_steps_and_one_wrong_draft_is_a_mismatc
     accepted = records[2].step_accepted[1]
     assert check_against_reference(cfg, records)[2] == [
         f"request 2: step 1 drafted {drafts} and accepted {accepted}, the reference drafted "
-        f"{list(outs[2].step_drafts[1])} and accepted {accepted}"]
+        f"{list(outs[2].step_drafts[1])} and accepted {accepted}"
+    ]
     records[2].step_drafts[1] = outs[2].step_drafts[1]
     records[2].add_step((), 0)
     assert check_against_reference(cfg, records)[2] == [
         f"request 2: {outs[2].num_steps + 1} decode steps served, {outs[2].num_steps} in the "
-        "reference"]
+        "reference"
+    ]
 
 
-PERTURBED = ["deployment.dp_groups_per_domain=2", "scheduler.mtp_depth=1",
-             "workload.num_requests=4", "workload.output_len=6", "workload.prompt_len=12",
-             "workload.ignore_eos=true", "run.check=true", "run.name=perturbed"]
+PERTURBED = [
+    "deployment.dp_groups_per_domain=2",
+    "scheduler.mtp_depth=1",
+    "workload.num_requests=4",
+    "workload.output_len=6",
+    "workload.prompt_len=12",
+    "workload.ignore_eos=true",
+    "run.check=true",
+    "run.name=perturbed",
+]
 
 
 def test_one_wrong_draft_on_one_die_fails_the_check_though_every_token_is_right(tmp_path):
     settings = [*PERTURBED, f"run.output_dir={tmp_path}"]
     cfg = load_config(COLOCATED, settings)
-    args = [str(TESTS_DIR / "perturb_rank.py"), str(COLOCATED),
-            *[a for s in settings for a in ("--set", s)]]
+    args = [
+        str(TESTS_DIR / "perturb_rank.py"),
+        str(COLOCATED),
+        *[a for s in settings for a in ("--set", s)],
+    ]
     result = run_mpi(Topology.from_config(cfg, None).world_size, args, timeout_s=240)
     assert result.returncode != 0 and not result.timed_out, explain(result)
     [changed] = re.findall(r"perturbed: die 1 request (\d+) draft (\d+) -> (\d+)", result.output)
     req_id, old, new = map(int, changed)
     [line] = [ln for ln in result.output.splitlines() if ln.startswith("check: 4 requests")]
-    num_mismatches = int(re.fullmatch(r"check: 4 requests, 24 tokens, (\d+) mismatches",
-                                      line).group(1))
+    num_mismatches = int(
+        re.fullmatch(r"check: 4 requests, 24 tokens, (\d+) mismatches", line).group(1)
+    )
     assert num_mismatches >= 1, explain(result)
-    assert re.search(rf"check: request {req_id}: step 0 drafted \[{new}\] and accepted \d, "
-                     rf"the reference drafted \[{old}\] and accepted \d", result.output)
+    assert re.search(
+        rf"check: request {req_id}: step 0 drafted \[{new}\] and accepted \d, "
+        rf"the reference drafted \[{old}\] and accepted \d",
+        result.output,
+    )
     with h5py.File(tmp_path / "perturbed.h5", "r") as f:
         assert f["summary"].attrs["check_mismatches"] == num_mismatches
         assert f["requests/die_rank"][req_id] == 1
@@ -130,20 +158,32 @@ def test_one_wrong_draft_on_one_die_fails_the_check_though_every_token_is_right(
         step_drafts = list(f["requests/step_drafts"][req_id])
     # A tokens-only check would have passed: the run served plain greedy decoding's tokens.
     prompts = [list(r.prompt) for r in load_workload(cfg)]
-    greedy = ReferenceGenerator(build_model(cfg.model), GenerateOptions(
-        max_new_tokens=6, use_int8=True, ignore_eos=True)).generate(prompts)
+    greedy = ReferenceGenerator(
+        build_model(cfg.model), GenerateOptions(max_new_tokens=6, use_int8=True, ignore_eos=True)
+    ).generate(prompts)
     assert served == [list(o.tokens) for o in greedy]
-    assert step_drafts[0] == new                       # the run file keeps the drafted token
+    assert step_drafts[0] == new  # the run file keeps the drafted token
 
 
 @pytest.mark.parametrize("config,depth", [("colocated", 1), ("colocated", 2), ("afd", 2)])
 def test_unperturbed_runs_draft_what_the_reference_drafts_step_by_step(tmp_path, config, depth):
-    settings = [f"scheduler.mtp_depth={depth}", "scheduler.prefill_chunk_tokens=7",
-                "workload.num_requests=6", "workload.output_len=8", "workload.prompt_len=12",
-                f"run.output_dir={tmp_path}", "run.name=serve", "run.timeout_s=240"]
-    result = subprocess.run([str(XDS_MPI), "run", config, "--check",
-                             *[a for s in settings for a in ("--set", s)]],
-                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    settings = [
+        f"scheduler.mtp_depth={depth}",
+        "scheduler.prefill_chunk_tokens=7",
+        "workload.num_requests=6",
+        "workload.output_len=8",
+        "workload.prompt_len=12",
+        f"run.output_dir={tmp_path}",
+        "run.name=serve",
+        "run.timeout_s=240",
+    ]
+    result = subprocess.run(
+        [str(XDS_MPI), "run", config, "--check", *[a for s in settings for a in ("--set", s)]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == "check: 6 requests, 48 tokens, 0 mismatches"
     with h5py.File(tmp_path / "serve.h5", "r") as f:

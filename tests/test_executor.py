@@ -1,5 +1,6 @@
 """The executor's sampling step without MPI: a prompt's last chunk is sampled from its last row
 only (its other tokens are prompt, not drafts), a verify row's drafts are checked in order."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,14 +16,23 @@ from xds_mpi.model.weights import build_model
 
 def executor() -> ColocatedExecutor:
     model = build_model(ModelConfig())
-    return ColocatedExecutor(model, None, phy2log=(), log2phy=(), table=None, cache=None,
-                             pricer=SimpleNamespace(clock=VirtualClock()), slots=None)
+    return ColocatedExecutor(
+        model,
+        None,
+        phy2log=(),
+        log2phy=(),
+        table=None,
+        cache=None,
+        pricer=SimpleNamespace(clock=VirtualClock()),
+        slots=None,
+    )
 
 
 def rows(ex: ColocatedExecutor, *, seed: int) -> torch.Tensor:
     """3 last-block rows [3, hidden]."""
-    return torch.randn(3, ex.model.cfg.hidden, dtype=ex.model.dtype,
-                       generator=torch.Generator().manual_seed(seed))
+    return torch.randn(
+        3, ex.model.cfg.hidden, dtype=ex.model.dtype, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def test_a_last_prompt_chunk_samples_its_last_row_whatever_its_other_tokens():
@@ -38,11 +48,13 @@ def test_a_last_prompt_chunk_samples_its_last_row_whatever_its_other_tokens():
 def test_verify_rows_accept_the_agreeing_drafts_then_one_main_model_token():
     ex = executor()
     x = rows(ex, seed=1)
-    greedy = ex.model.logits(x).argmax(-1).tolist()          # the main model's choice per row
-    agree = Entry(req_id=1, start_pos=9, input_ids=(5, greedy[0], greedy[1]), is_sampled=True,
-                  num_drafts=2)
-    assert ex._verify([agree], x)[0] == {1: greedy}          # both drafts + the bonus token
+    greedy = ex.model.logits(x).argmax(-1).tolist()  # the main model's choice per row
+    agree = Entry(
+        req_id=1, start_pos=9, input_ids=(5, greedy[0], greedy[1]), is_sampled=True, num_drafts=2
+    )
+    assert ex._verify([agree], x)[0] == {1: greedy}  # both drafts + the bonus token
     other = (greedy[1] + 1) % ex.model.cfg.vocab_size
-    reject = Entry(req_id=2, start_pos=9, input_ids=(5, greedy[0], other), is_sampled=True,
-                   num_drafts=2)
-    assert ex._verify([reject], x)[0] == {2: greedy[:2]}     # draft 2 rejected: correction
+    reject = Entry(
+        req_id=2, start_pos=9, input_ids=(5, greedy[0], other), is_sampled=True, num_drafts=2
+    )
+    assert ex._verify([reject], x)[0] == {2: greedy[:2]}  # draft 2 rejected: correction

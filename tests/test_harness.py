@@ -1,19 +1,20 @@
 """The MPI test harness cannot hang: failures and stuck jobs end in seconds, with the reason."""
+
 from __future__ import annotations
 
 import os
 import time
 
 import pytest
-
 from harness import MPI_DIR, explain, run_bodies, run_mpi
 
 
 @pytest.mark.parametrize("num_procs", [2, 4])
 def test_a_raising_rank_ends_the_job_with_its_message(num_procs):
     started = time.monotonic()
-    result = run_mpi(num_procs, [str(MPI_DIR / "raise_script.py"), str(num_procs - 1)],
-                     timeout_s=60)
+    result = run_mpi(
+        num_procs, [str(MPI_DIR / "raise_script.py"), str(num_procs - 1)], timeout_s=60
+    )
     elapsed = time.monotonic() - started
     assert result.returncode != 0, explain(result)
     assert not result.timed_out, explain(result)
@@ -57,6 +58,7 @@ def _alive(pid: int) -> bool:
 def test_the_process_group_is_killed_when_mpi_timeout_does_not_fire(tmp_path):
     # A launcher that ignores MPIEXEC_TIMEOUT: the outer kill must still end it and its children.
     from launch.mpiexec import MpiCommand, run_job
+
     pid_file = tmp_path / "pid"
     script = f"sleep 3600 & echo $! > {pid_file}; wait"
     started = time.monotonic()

@@ -1,4 +1,5 @@
 """The p2p layout: offsets in one place, disjoint and inside the window; size hints; the cap."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,21 +52,34 @@ def test_the_cap_refuses_with_the_formula():
         layout.check_cap(1 << 28)
     assert str(err.value) == (
         "rank 1's window needs 402800640 B = 64 x (2 x 768 in + 768 out) records + 768 rings x 8 "
-        "slots x 65536 B, over the per-die cap xccl.max_window_bytes(268435456)")
+        "slots x 65536 B, over the per-die cap xccl.max_window_bytes(268435456)"
+    )
 
 
-@pytest.mark.parametrize("first, nbytes, runs", [
-    (0, 0, []), (0, 10, [(0, 0, 10)]), (3, 64, [(192, 0, 64)]),
-    (3, 100, [(192, 0, 64), (0, 64, 36)]), (6, 256, [(128, 0, 128), (0, 128, 128)]),
-])
+@pytest.mark.parametrize(
+    "first, nbytes, runs",
+    [
+        (0, 0, []),
+        (0, 10, [(0, 0, 10)]),
+        (3, 64, [(192, 0, 64)]),
+        (3, 100, [(192, 0, 64), (0, 64, 36)]),
+        (6, 256, [(128, 0, 128), (0, 128, 128)]),
+    ],
+)
 def test_slot_runs_wrap_around_the_ring(first, nbytes, runs):
     assert P2PLayout.build(2, 4, 64, {(0, 1)}).slot_runs(first, nbytes) == runs
 
 
 def test_link_model_costs_follow_the_profile_numbers():
-    link = LinkModel(write_gb_per_s_intra=137, write_gb_per_s_inter=135,
-                     write_latency_us_intra=1.3, write_latency_us_inter=2.1,
-                     mte_gb_per_s_per_core=27, dma_startup_us=10, max_cores=48)
+    link = LinkModel(
+        write_gb_per_s_intra=137,
+        write_gb_per_s_inter=135,
+        write_latency_us_intra=1.3,
+        write_latency_us_inter=2.1,
+        mte_gb_per_s_per_core=27,
+        dma_startup_us=10,
+        max_cores=48,
+    )
     assert link.transfer_ns(0) == pytest.approx(2100)
     assert link.transfer_ns(27_000, num_cores=1) == pytest.approx(2100 + 1000)
     assert link.transfer_ns(54_000, num_cores=2, same_server=True) == pytest.approx(1300 + 1000)
@@ -83,24 +97,35 @@ def test_a_clock_only_moves_forward():
 
 def test_ep_area_follows_its_formula():
     from xccl.moe_layout import EpLayout
-    ep = EpLayout(members=(1, 2, 3), base=(0, 100 * 64, 0, 64), hidden=10, max_tokens=4,
-                  num_columns=3, itemsize=8, use_int8=True)
-    assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80   # 10 + 4 -> 16; 10 x 8
+
+    ep = EpLayout(
+        members=(1, 2, 3),
+        base=(0, 100 * 64, 0, 64),
+        hidden=10,
+        max_tokens=4,
+        num_columns=3,
+        itemsize=8,
+        use_int8=True,
+    )
+    assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80  # 10 + 4 -> 16; 10 x 8
     assert ep.max_send_rows == 12 and ep.max_recv_rows == 36
-    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80]        # each rounded up to 64 B
+    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80]  # each rounded up to 64 B
     assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
     assert ep.offset(1, "dispatch_records") == 6400
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64
 
 
-@pytest.mark.parametrize("hidden, dtype, use_int8", [(5, np.float32, False), (6, np.float64, False),
-                                                     (5, np.float32, True), (7, np.float64, True)])
+@pytest.mark.parametrize(
+    "hidden, dtype, use_int8",
+    [(5, np.float32, False), (6, np.float64, False), (5, np.float32, True), (7, np.float64, True)],
+)
 def test_wire_rows_round_trip_with_and_without_padding(hidden, dtype, use_int8):
     # float32 x 5 = 20 B rows padded to 24: the values must come back, not the padding.
     x = np.random.default_rng(hidden).standard_normal((4, hidden)).astype(dtype)
     token = np.array([2, 0, 3])
-    staged = np.full((3, send_row_bytes(hidden, np.dtype(dtype).itemsize, use_int8)), 0xA5,
-                     np.uint8)
+    staged = np.full(
+        (3, send_row_bytes(hidden, np.dtype(dtype).itemsize, use_int8)), 0xA5, np.uint8
+    )
     encode_rows(staged, x, token, hidden=hidden, use_int8=use_int8, dtype=dtype)
     back = decode_rows(staged, hidden=hidden, use_int8=use_int8, dtype=dtype)
     expected = quant_dequant(x[token]) if use_int8 else x[token]

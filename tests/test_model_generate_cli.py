@@ -1,4 +1,5 @@
 """`xds-mpi generate` end to end (subprocess), against the in-process reference generator."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,33 +12,56 @@ XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
 
 def xds_mpi(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(XDS_MPI), *args], capture_output=True, text=True, timeout=120,
-                          cwd=REPO_ROOT)
+    return subprocess.run(
+        [str(XDS_MPI), *args], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
+    )
 
 
 def test_generate_prints_the_reference_continuation_and_tokens_per_second(tmp_path):
     weights = tmp_path / "tiny.h5"
-    first = xds_mpi("generate", "--prompt", "Hello", "--max-new-tokens", "6", "--mtp", "1",
-                    "--ignore-eos", "--save-weights", str(weights))
+    first = xds_mpi(
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "6",
+        "--mtp",
+        "1",
+        "--ignore-eos",
+        "--save-weights",
+        str(weights),
+    )
     assert first.returncode == 0, first.stderr
     text, stats = first.stdout.rstrip("\n").rsplit("\n", 1)
     assert "6 tokens in" in stats and "tokens/s" in stats and "MTP accepted" in stats
 
     import torch
+
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.shapes import compute_shape
     from xds_mpi.model.tokenizer import ByteTokenizer
     from xds_mpi.model.weights import build_model
+
     torch.set_num_threads(1)
     tok = ByteTokenizer()
-    [ref] = ReferenceGenerator(build_model(compute_shape()), GenerateOptions(
-        max_new_tokens=6, ignore_eos=True)).generate([tok.encode("Hello")])
+    [ref] = ReferenceGenerator(
+        build_model(compute_shape()), GenerateOptions(max_new_tokens=6, ignore_eos=True)
+    ).generate([tok.encode("Hello")])
     expected = tok.decode(list(ref.tokens))
-    assert text == "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1]
-                           for c in expected)
+    assert text == "".join(
+        c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in expected
+    )
 
-    again = xds_mpi("generate", "--prompt", "Hello", "--max-new-tokens", "6", "--ignore-eos",
-                    "--weights", str(weights))
+    again = xds_mpi(
+        "generate",
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--weights",
+        str(weights),
+    )
     assert again.returncode == 0, again.stderr
     assert again.stdout.rsplit("\n", 2)[0] == text
 

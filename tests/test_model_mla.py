@@ -1,5 +1,6 @@
 """MLA decoding from the paged latent cache (absorbed up-projections) against naive MLA
 recomputed from scratch on the full sequence (per-head keys and values expanded, no cache)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,18 +21,28 @@ def mla():
 
 
 def _chunk(table: BlockTable, seq_id: int, start_pos: int, num_tokens: int) -> AttnChunk:
-    return AttnChunk(start_pos=start_pos, num_tokens=num_tokens,
-                     slots=torch.tensor(table.slots(seq_id, 0, start_pos + num_tokens)))
+    return AttnChunk(
+        start_pos=start_pos,
+        num_tokens=num_tokens,
+        slots=torch.tensor(table.slots(seq_id, 0, start_pos + num_tokens)),
+    )
 
 
 def _new_cache(mla, table: BlockTable) -> LatentCache:
-    return LatentCache(num_layers=1, num_slots=table.num_blocks * table.block_tokens,
-                       kv_lora_rank=mla.kv_lora_rank, rope_dim=mla.qk_rope_dim,
-                       dtype=torch.float64)
+    return LatentCache(
+        num_layers=1,
+        num_slots=table.num_blocks * table.block_tokens,
+        kv_lora_rank=mla.kv_lora_rank,
+        rope_dim=mla.qk_rope_dim,
+        dtype=torch.float64,
+    )
 
 
-@pytest.mark.parametrize("schedule", [[29], [1] * 29, [10, 1, 1, 3, 1, 2, 11], [5, 24]],
-                         ids=["prefill", "token_by_token", "prefill_decode_verify", "two_chunks"])
+@pytest.mark.parametrize(
+    "schedule",
+    [[29], [1] * 29, [10, 1, 1, 3, 1, 2, 11], [5, 24]],
+    ids=["prefill", "token_by_token", "prefill_decode_verify", "two_chunks"],
+)
 def test_paged_absorbed_decode_equals_naive_full_sequence(mla, schedule):
     """Two sequences grow side by side (their 4-token blocks interleave in the pool), in chunks
     of `schedule`; every row must equal naive attention over the whole sequence."""
@@ -49,7 +60,7 @@ def test_paged_absorbed_decode_equals_naive_full_sequence(mla, schedule):
             else:
                 table.allocate(seq_id, num_new)
             chunks.append(_chunk(table, seq_id, start, num_new))
-        x = torch.cat([xs[0][start:start + num_new], xs[1][start:start + num_new]])
+        x = torch.cat([xs[0][start : start + num_new], xs[1][start : start + num_new]])
         positions = torch.arange(start, start + num_new).repeat(2)
         out = mla(x, positions, chunks, cache, 0)
         outputs[0].append(out[:num_new])
@@ -58,8 +69,7 @@ def test_paged_absorbed_decode_equals_naive_full_sequence(mla, schedule):
     if len(schedule) > 1:  # the two sequences' blocks really interleave in the pool
         assert table.blocks(0) != list(range(len(table.blocks(0))))
     for seq_id in (0, 1):
-        torch.testing.assert_close(torch.cat(outputs[seq_id]), mla.naive_forward(xs[seq_id]),
-                                   **TOL)
+        torch.testing.assert_close(torch.cat(outputs[seq_id]), mla.naive_forward(xs[seq_id]), **TOL)
 
 
 def test_rolled_back_positions_are_overwritten(mla):

@@ -1,5 +1,6 @@
 """The MoE gate against DeepSeek-V3's routing rules on hand-crafted scores (expected experts and
 weights worked out by hand in each test), and the INT8 dispatch input against xccl.quant."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +16,19 @@ torch.set_num_threads(1)
 
 def _select(scores, bias=None, *, top_k=2, groups=1, topk_groups=1, scaling=2.5):
     scores = torch.tensor([scores], dtype=torch.float64)
-    bias = torch.zeros(scores.shape[1], dtype=torch.float64) if bias is None else \
-        torch.tensor(bias, dtype=torch.float64)
-    r = select_experts(scores, bias, top_k=top_k, num_expert_groups=groups,
-                       topk_groups=topk_groups, routed_scaling=scaling)
+    bias = (
+        torch.zeros(scores.shape[1], dtype=torch.float64)
+        if bias is None
+        else torch.tensor(bias, dtype=torch.float64)
+    )
+    r = select_experts(
+        scores,
+        bias,
+        top_k=top_k,
+        num_expert_groups=groups,
+        topk_groups=topk_groups,
+        routed_scaling=scaling,
+    )
     return r.topk_idx[0].tolist(), r.topk_weight[0].tolist()
 
 
@@ -69,8 +79,10 @@ def test_gate_scores_are_sigmoids_of_the_router_logits():
     routing = gate(torch.tensor(logits))
     sig = 1 / (1 + np.exp(-logits[0]))
     assert routing.topk_idx[0].tolist() == [2, 0]
-    np.testing.assert_allclose(routing.topk_weight[0].detach().numpy(),
-                               [sig[2] / (sig[2] + sig[0]) * 2.5, sig[0] / (sig[2] + sig[0]) * 2.5])
+    np.testing.assert_allclose(
+        routing.topk_weight[0].detach().numpy(),
+        [sig[2] / (sig[2] + sig[0]) * 2.5, sig[0] / (sig[2] + sig[0]) * 2.5],
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -1,5 +1,6 @@
 """The reference generator: MTP against plain greedy decoding, batched against alone, weight
 files against the in-memory model, INT8 and float32 against float64, sampling against softmax."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +16,21 @@ from xds_mpi.model.weights import build_model, load_model, save_weights
 
 torch.set_num_threads(1)
 TOKENIZER = ByteTokenizer()
-PROMPTS = [TOKENIZER.encode(text) for text in
-           ["The quick brown fox jumps over", "abc", "MoE", "hello, world: a longer prompt here"]]
+PROMPTS = [
+    TOKENIZER.encode(text)
+    for text in [
+        "The quick brown fox jumps over",
+        "abc",
+        "MoE",
+        "hello, world: a longer prompt here",
+    ]
+]
 
 
 def _generate(model, prompts=PROMPTS, **options):
-    opts = GenerateOptions(max_new_tokens=options.pop("max_new_tokens", 20), ignore_eos=True,
-                           **options)
+    opts = GenerateOptions(
+        max_new_tokens=options.pop("max_new_tokens", 20), ignore_eos=True, **options
+    )
     return ReferenceGenerator(model, opts).generate(prompts)
 
 
@@ -75,17 +84,20 @@ def test_greedy_mtp_gives_the_tokens_of_plain_greedy(depth, alpha):
 
 def test_mtp_depth_two_reuses_a_single_module(model):
     single = build_model(dataclasses.replace(model.cfg, num_mtp_modules=1))
-    assert [o.tokens for o in _generate(single, mtp_depth=2)] == \
-        [o.tokens for o in _generate(single)]
+    assert [o.tokens for o in _generate(single, mtp_depth=2)] == [
+        o.tokens for o in _generate(single)
+    ]
 
 
 @pytest.mark.parametrize("depth", [0, 2])
 def test_batched_decode_equals_each_request_alone(model, depth):
-    batched = _generate(model, mtp_depth=depth, max_new_tokens=12, block_tokens=4,
-                        record_logits=True)
+    batched = _generate(
+        model, mtp_depth=depth, max_new_tokens=12, block_tokens=4, record_logits=True
+    )
     for prompt, out in zip(PROMPTS, batched):
-        [alone] = _generate(model, [prompt], mtp_depth=depth, max_new_tokens=12, block_tokens=4,
-                            record_logits=True)
+        [alone] = _generate(
+            model, [prompt], mtp_depth=depth, max_new_tokens=12, block_tokens=4, record_logits=True
+        )
         assert out.tokens == alone.tokens
         torch.testing.assert_close(out.logits, alone.logits, rtol=1e-10, atol=1e-10)
 
@@ -106,8 +118,9 @@ def test_save_load_round_trip_gives_identical_logits(model, tmp_path):
 
 def test_float32_and_int8_stay_close_to_float64(model):
     ref = _generate(model, max_new_tokens=1, record_logits=True)
-    f32 = _generate(build_model(model.cfg, dtype=torch.float32), max_new_tokens=1,
-                    record_logits=True)
+    f32 = _generate(
+        build_model(model.cfg, dtype=torch.float32), max_new_tokens=1, record_logits=True
+    )
     int8 = _generate(model, max_new_tokens=1, use_int8=True, record_logits=True)
     for r, a, q in zip(ref, f32, int8):
         torch.testing.assert_close(a.logits.double(), r.logits, rtol=0, atol=1e-4)

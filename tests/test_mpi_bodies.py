@@ -1,10 +1,10 @@
 """Every MPI test body under tests/mpi/body_*.py, at 2, 4 and 8 ranks."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
-
 from harness import MPI_DIR, RANK_COUNTS, explain, run_bodies
 
 BODIES = sorted(MPI_DIR.glob("body_*.py"))

@@ -1,4 +1,5 @@
 """The 910C cost model, the analytic projection, and its agreement with the emulated clocks."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import h5py
 import pytest
-
 from harness import REPO_ROOT
+
 from xds_mpi.config import config_from_dict, load_config
 from xds_mpi.cost import CostModel, Hardware
 from xds_mpi.hardware import load_profile
@@ -40,7 +41,8 @@ def test_attention_and_transfers_follow_their_formulas():
     width = 512 + 64
     flops = 2 * 128 * 3000 * (width + 512)
     assert cost.attention([(3000, 1)]) == pytest.approx(
-        max(flops / (376e12 * 0.654), 3000 * width * 2 / (1.6e12 * 0.841)))
+        max(flops / (376e12 * 0.654), 3000 * width * 2 / (1.6e12 * 0.841))
+    )
     # Pull 1024 INT8 rows of 7168 + 4 bytes: write + read latency and the read bandwidth.
     assert cost.dispatch(1024) == pytest.approx(2.1e-6 + 1.9e-6 + 1024 * 7172 / 164e9)
     assert cost.combine(1024) == pytest.approx(4.0e-6 + 1024 * 7168 * 2 / 164e9)
@@ -54,24 +56,49 @@ def test_the_projection_adds_up(config, batch):
     assert p.tpot_s == pytest.approx(p.iteration_s / 1.9)
     num_attention = 288 if config == "ep288" else 480
     chips = (288 if config == "ep288" else 768) / 2
-    assert p.tokens_per_s_per_chip == pytest.approx(batch * num_attention * 1.9 / p.iteration_s
-                                                    / chips)
+    assert p.tokens_per_s_per_chip == pytest.approx(
+        batch * num_attention * 1.9 / p.iteration_s / chips
+    )
 
 
 def test_project_refuses_bad_numbers():
-    result = subprocess.run([str(XDS_MPI), "project", "ep288", "--accept", "1.5"],
-                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    result = subprocess.run(
+        [str(XDS_MPI), "project", "ep288", "--accept", "1.5"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
     assert result.returncode == 2 and "0 <= --accept <= 1" in result.stderr
 
 
 def test_the_emulated_clocks_agree_with_the_analytic_projection(tmp_path):
     # 2 dies x 2 requests, prompt 16, 8 new tokens: decode iterations see KV lengths 17..23.
-    run = subprocess.run([str(XDS_MPI), "run", "colocated", "--set",
-                          "deployment.dp_groups_per_domain=2", "--set",
-                          "workload.num_requests=4", "--set", "workload.prompt_len=16", "--set",
-                          "workload.output_len=8", "--set", "workload.ignore_eos=true", "--set",
-                          f"run.output_dir={tmp_path}", "--set", "run.name=p"],
-                         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    run = subprocess.run(
+        [
+            str(XDS_MPI),
+            "run",
+            "colocated",
+            "--set",
+            "deployment.dp_groups_per_domain=2",
+            "--set",
+            "workload.num_requests=4",
+            "--set",
+            "workload.prompt_len=16",
+            "--set",
+            "workload.output_len=8",
+            "--set",
+            "workload.ignore_eos=true",
+            "--set",
+            f"run.output_dir={tmp_path}",
+            "--set",
+            "run.name=p",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     emulated = h5py.File(tmp_path / "p.h5")["summary"].attrs["projected_iteration_ms"]
     cfg = config_from_dict({"deployment": {"dp_groups_per_domain": 2}})

@@ -1,6 +1,7 @@
 """Token recomputation end to end (xDeepServe §6.2 stage 3): injected transient XCCL errors in a
 serving run are rolled back and re-executed on every die, and the served tokens are those of the
 fault-free run (`--check`: the single-process reference, which the fault-free run equals)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,46 +9,68 @@ import time
 from pathlib import Path
 
 import h5py
-
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
 
-def serve(tmp_path: Path, config: str, settings: list[str], *, timeout: float = 300
-          ) -> tuple[subprocess.CompletedProcess, h5py.File | None]:
-    args = [a for s in [f"run.output_dir={tmp_path}", "run.name=serve", *settings]
-            for a in ("--set", s)]
-    result = subprocess.run([str(XDS_MPI), "run", config, "--check", *args], capture_output=True,
-                            text=True, timeout=timeout, cwd=REPO_ROOT)
+def serve(
+    tmp_path: Path, config: str, settings: list[str], *, timeout: float = 300
+) -> tuple[subprocess.CompletedProcess, h5py.File | None]:
+    args = [
+        a for s in [f"run.output_dir={tmp_path}", "run.name=serve", *settings] for a in ("--set", s)
+    ]
+    result = subprocess.run(
+        [str(XDS_MPI), "run", config, "--check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
     path = tmp_path / "serve.h5"
     return result, (h5py.File(path, "r") if path.exists() else None)
 
 
 def table(rows: list[tuple[int, str, int, int]]) -> str:
-    return "faults.table=[" + ", ".join(f"{{die: {d}, op: {op}, layer: {layer}, iteration: {it}}}"
-                                        for d, op, layer, it in rows) + "]"
+    return (
+        "faults.table=["
+        + ", ".join(
+            f"{{die: {d}, op: {op}, layer: {layer}, iteration: {it}}}" for d, op, layer, it in rows
+        )
+        + "]"
+    )
 
 
 def assert_recovered(result, run_file, num_requests: int, num_tokens: int, num_faults: int):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert check_line(result) == f"check: {num_requests} requests, {num_tokens} tokens, " \
-                                 "0 mismatches"
+    assert (
+        check_line(result) == f"check: {num_requests} requests, {num_tokens} tokens, 0 mismatches"
+    )
     summary = run_file["summary"].attrs
     assert summary["faults_injected"] == num_faults
-    assert summary["rollbacks"] == num_faults            # one fault per failed attempt here
+    assert summary["rollbacks"] == num_faults  # one fault per failed attempt here
     assert summary["wall_lost_s"] > 0 and summary["vtime_lost_s"] > 0
     assert f"recovery: {num_faults} faults injected, {num_faults} rollbacks" in result.stdout
-    for die in run_file["dies"].values():                # every DP group rolled back as often
+    for die in run_file["dies"].values():  # every DP group rolled back as often
         assert die.attrs["rollbacks"] == num_faults
 
 
 def test_colocated_faults_at_first_middle_last_and_mtp_layers(tmp_path):
     # MoE layers 1..3, MTP depth 1 = layer 4; dies are ranks 1..4; every row its own iteration.
-    rows = [(1, "dispatch", 1, 1), (2, "combine", 1, 2), (3, "dispatch", 2, 3),
-            (4, "combine", 2, 4), (2, "dispatch", 3, 5), (1, "combine", 3, 6),
-            (3, "dispatch", 4, 7), (4, "combine", 4, 8)]
-    result, run_file = serve(tmp_path, "colocated", [
-        table(rows), "scheduler.mtp_depth=1", "scheduler.prefill_chunk_tokens=16"])
+    rows = [
+        (1, "dispatch", 1, 1),
+        (2, "combine", 1, 2),
+        (3, "dispatch", 2, 3),
+        (4, "combine", 2, 4),
+        (2, "dispatch", 3, 5),
+        (1, "combine", 3, 6),
+        (3, "dispatch", 4, 7),
+        (4, "combine", 4, 8),
+    ]
+    result, run_file = serve(
+        tmp_path,
+        "colocated",
+        [table(rows), "scheduler.mtp_depth=1", "scheduler.prefill_chunk_tokens=16"],
+    )
     assert_recovered(result, run_file, 8, 128, len(rows))
     assert run_file["summary"].attrs["recomputed_iterations"] == len(rows)
     assert run_file["summary"].attrs["mtp_accepted"] > 0
@@ -56,20 +79,46 @@ def test_colocated_faults_at_first_middle_last_and_mtp_layers(tmp_path):
 def test_afd_faults_on_attention_trampoline_and_expert_dies(tmp_path):
     # configs/afd.yaml: attention dies 1-4 (domains 0, 1), expert dies 5-7 (5, 6 trampolines);
     # MoE layers 1..3, MTP depth 2 = layers 4, 5.
-    rows = [(1, "a2e", 1, 1), (3, "e2a", 1, 2), (5, "a2e", 2, 3), (6, "e2a", 2, 4),
-            (7, "a2e", 3, 5), (7, "e2a", 3, 6), (2, "a2e", 4, 7), (5, "e2a", 5, 8)]
-    result, run_file = serve(tmp_path, "afd", [
-        table(rows), "scheduler.mtp_depth=2", "workload.num_requests=8",
-        "workload.output_len=12", "workload.ignore_eos=true"])
+    rows = [
+        (1, "a2e", 1, 1),
+        (3, "e2a", 1, 2),
+        (5, "a2e", 2, 3),
+        (6, "e2a", 2, 4),
+        (7, "a2e", 3, 5),
+        (7, "e2a", 3, 6),
+        (2, "a2e", 4, 7),
+        (5, "e2a", 5, 8),
+    ]
+    result, run_file = serve(
+        tmp_path,
+        "afd",
+        [
+            table(rows),
+            "scheduler.mtp_depth=2",
+            "workload.num_requests=8",
+            "workload.output_len=12",
+            "workload.ignore_eos=true",
+        ],
+    )
     assert_recovered(result, run_file, 8, 96, len(rows))
 
 
 def test_a_hundred_seeded_random_faults(tmp_path):
     # ~100 iterations of 4 dies x 3 MoE layers x (dispatch, combine): ~40 % of the attempts fail
-    result, run_file = serve(tmp_path, "colocated", [
-        "faults.rate=0.035", "faults.max_retries=25", "faults.seed=7",
-        "workload.num_requests=8", "workload.output_len=96", "workload.max_output_len=96",
-        "workload.prompt_len=16", "workload.ignore_eos=true"])
+    result, run_file = serve(
+        tmp_path,
+        "colocated",
+        [
+            "faults.rate=0.035",
+            "faults.max_retries=25",
+            "faults.seed=7",
+            "workload.num_requests=8",
+            "workload.output_len=96",
+            "workload.max_output_len=96",
+            "workload.prompt_len=16",
+            "workload.ignore_eos=true",
+        ],
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == "check: 8 requests, 768 tokens, 0 mismatches"
     summary = run_file["summary"].attrs
@@ -81,10 +130,11 @@ def test_a_hundred_seeded_random_faults(tmp_path):
 def test_a_persistent_fault_ends_the_run_with_a_clear_error_in_bounded_time(tmp_path):
     spec = "faults.table=[{die: 3, op: combine, layer: 2, iteration: 4, times: 1000}]"
     started = time.monotonic()
-    result, _ = serve(tmp_path, "colocated", [spec, "faults.max_retries=2",
-                                              "run.timeout_s=120"])
+    result, _ = serve(tmp_path, "colocated", [spec, "faults.max_retries=2", "run.timeout_s=120"])
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    assert ("iteration 4 failed 3 times in a row (faults.max_retries=2); the last attempt's "
-            "faults: die 3 combine at layer 2") in result.stderr
-    assert elapsed < 90                                   # the error, not the job's timeout
+    assert (
+        "iteration 4 failed 3 times in a row (faults.max_retries=2); the last attempt's "
+        "faults: die 3 combine at layer 2"
+    ) in result.stderr
+    assert elapsed < 90  # the error, not the job's timeout

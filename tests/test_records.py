@@ -1,5 +1,6 @@
 """The metadata record, publish / ready / wait on a one-rank window (COMM_SELF), the p2p ack word,
 and the combine sum dispatch/combine and A2E/E2A share."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,10 +24,13 @@ def test_records_are_one_64_byte_layout_with_the_doorbell_first():
         assert dtype.itemsize == RECORD_BYTES
         assert dtype.fields["doorbell"][1] == records.DOORBELL_OFFSET == 0
         assert dtype.fields["event_id"][1] == 8 and dtype.fields["vtime_ns"][1] == 32
-    assert [P2P_RECORD.fields[n][1] for n in ("chunk_id", "tail", "msg_bytes", "pub_bytes",
-                                              "num_cores", "is_dma")] == [16, 24, 40, 48, 56, 60]
-    assert [ROWS_RECORD.fields[n][1] for n in ("count", "offset", "shared_count",
-                                               "shared_offset")] == [16, 24, 40, 48]
+    assert [
+        P2P_RECORD.fields[n][1]
+        for n in ("chunk_id", "tail", "msg_bytes", "pub_bytes", "num_cores", "is_dma")
+    ] == [16, 24, 40, 48, 56, 60]
+    assert [
+        ROWS_RECORD.fields[n][1] for n in ("count", "offset", "shared_count", "shared_offset")
+    ] == [16, 24, 40, 48]
     # What AfdCounters.metadata_bytes counts per record: six body words and the doorbell.
     assert records.put_bytes(ROWS_RECORD) == 56 and records.put_bytes(P2P_RECORD) == 64
 
@@ -37,7 +41,7 @@ def mem():
     window = DieMemory(MPI.COMM_SELF, 3 * RECORD_BYTES)
     window.local[:] = SENTINEL
     for offset in (0, RECORD_BYTES, 2 * RECORD_BYTES):
-        window.local[offset:offset + 8] = 0      # doorbells start un-rung
+        window.local[offset : offset + 8] = 0  # doorbells start un-rung
     yield window
     window.free()
 
@@ -63,17 +67,22 @@ def test_publish_then_ready_returns_the_bodies_field_by_field(mem):
     # The padding after the last field and the third record were never written.
     pad = np.arange(records.put_bytes(ROWS_RECORD), RECORD_BYTES)
     assert (mem.local[pad] == SENTINEL).all() and (mem.local[RECORD_BYTES + pad] == SENTINEL).all()
-    assert (mem.local[2 * RECORD_BYTES + 8:] == SENTINEL).all()
+    assert (mem.local[2 * RECORD_BYTES + 8 :] == SENTINEL).all()
 
 
 def test_an_old_doorbell_is_not_ready_and_a_foreign_event_is_named(mem):
     at = [RecordAt(0, 0)]
     records.publish(mem, at, rows_bodies(7, [1]), 2)
-    assert records.ready(mem, at, Expected(stage="A2E", event_id=7, doorbell=3,
-                                           call="call 2"), ROWS_RECORD) is None
+    assert (
+        records.ready(
+            mem, at, Expected(stage="A2E", event_id=7, doorbell=3, call="call 2"), ROWS_RECORD
+        )
+        is None
+    )
     with pytest.raises(EventMismatch) as err:
-        records.ready(mem, at, Expected(stage="A2E", event_id=8, doorbell=2, call="call 1"),
-                      ROWS_RECORD)
+        records.ready(
+            mem, at, Expected(stage="A2E", event_id=8, doorbell=2, call="call 1"), ROWS_RECORD
+        )
     assert str(err.value) == "die rank 0: A2E expected event 8, rank 0 reported event 7 (call 1)"
 
 
@@ -82,10 +91,17 @@ def test_wait_times_out_naming_die_stage_event_call_and_missing_peers(mem):
     records.publish(mem, at[:1], rows_bodies(5, [1]), 1)
     turns = []
     with pytest.raises(XcclTimeout) as err:
-        records.wait(mem, at, Expected(stage="combine", event_id=5, doorbell=1, call="call 1"),
-                     ROWS_RECORD, timeout_s=0.05, interrupt=lambda: turns.append(1))
-    assert str(err.value) == ("die rank 0: combine event 5 (call 1): no record from rank(s) [0] "
-                              "after 0.05 s")
+        records.wait(
+            mem,
+            at,
+            Expected(stage="combine", event_id=5, doorbell=1, call="call 1"),
+            ROWS_RECORD,
+            timeout_s=0.05,
+            interrupt=lambda: turns.append(1),
+        )
+    assert str(err.value) == (
+        "die rank 0: combine event 5 (call 1): no record from rank(s) [0] after 0.05 s"
+    )
     assert turns, "the interrupt is called on every turn of the wait"
 
 
@@ -94,9 +110,12 @@ def test_p2p_body_round_trips_through_a_record(mem):
     body["event_id"], body["chunk_id"], body["tail"], body["vtime_ns"] = 4, 8, 12, 99.0
     body["msg_bytes"], body["pub_bytes"], body["num_cores"], body["is_dma"] = 1 << 40, 64, 48, 1
     records.publish(mem, [RecordAt(0, 2 * RECORD_BYTES)], body, 6)
-    got = records.ready(mem, [RecordAt(0, 2 * RECORD_BYTES)],
-                        Expected(stage="receive", event_id=4, doorbell=6, call="publication 6"),
-                        P2P_RECORD)[0]
+    got = records.ready(
+        mem,
+        [RecordAt(0, 2 * RECORD_BYTES)],
+        Expected(stage="receive", event_id=4, doorbell=6, call="publication 6"),
+        P2P_RECORD,
+    )[0]
     assert got["doorbell"] == 6 and got.tolist()[1:] == body[0].tolist()[1:]
 
 
@@ -112,11 +131,11 @@ def test_combine_weights_and_the_column_sum_follow_the_longhand_sum():
     rng = np.random.default_rng(3)
     topk_idx = np.array([[0, -1], [2, 1], [-1, -1]])
     topk_weights = rng.random((3, 2)).astype(np.float32)
-    weights = combine_weights(topk_idx, topk_weights, 3)                   # [T, C], shared last
+    weights = combine_weights(topk_idx, topk_weights, 3)  # [T, C], shared last
     assert weights.dtype == np.float64
     assert weights[:, 2].tolist() == [1.0, 1.0, 1.0] and weights[0, 1] == weights[2, 0] == 0.0
     token, column = np.nonzero(np.concatenate([topk_idx >= 0, np.ones((3, 1), bool)], axis=1))
-    order = rng.permutation(len(token))                                     # arrival order
+    order = rng.permutation(len(token))  # arrival order
     token, column = token[order], column[order]
     outs = (rng.standard_normal((len(token), 4)) + 10 * token[:, None]).astype(np.float32)
     y = weighted_column_sum(outs, token, column, weights)
@@ -129,11 +148,15 @@ def test_combine_weights_and_the_column_sum_follow_the_longhand_sum():
 
 
 def test_an_ep_buffer_refuses_rows_of_another_itemsize():
-    layout = EpLayout(members=(0,), base=(0,), hidden=4, max_tokens=2, num_columns=1, itemsize=8,
-                      use_int8=False)
+    layout = EpLayout(
+        members=(0,), base=(0,), hidden=4, max_tokens=2, num_columns=1, itemsize=8, use_int8=False
+    )
     mem = DieMemory(MPI.COMM_SELF, layout.area_bytes())
-    with pytest.raises(ValueError, match=r"rank 0: dtype float32 of itemsize 4 != the EP "
-                                         r"layout's itemsize 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"rank 0: dtype float32 of itemsize 4 != the EP "
+        r"layout's itemsize 8",
+    ):
         EpBuffer(mem, layout, [0], dtype=np.float32)
     assert EpBuffer(mem, layout, [0], dtype=np.float64).dtype == np.float64
     mem.free()

@@ -2,6 +2,7 @@
 through snapshot / restore, the executor's checkpoint drops a failed attempt's MTP state and
 event ids, and one iteration's attempts restore every part of the die and tell the fault plan
 which attempt runs. And the executors' one timing construct, the Meter."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,7 @@ def price_some_work(p: Pricer) -> None:
     p.attention([Entry(req_id=1, start_pos=10, input_ids=(3, 4), is_sampled=True)], is_moe=True)
     p.gate(2)
     with p.waiting("dispatch"):
-        p.clock.arrive(p.clock.now_ns + 2500.0)          # the slowest peer's record lands
+        p.clock.arrive(p.clock.now_ns + 2500.0)  # the slowest peer's record lands
     p.dispatch(6)
     p.experts(6, 2)
     p.combine(2)
@@ -52,13 +53,13 @@ def test_the_pricer_round_trips_and_counts_waits_under_their_operation():
     p = pricer()
     price_some_work(p)
     first = p.snapshot()
-    assert first["dispatch"] >= 2500e-9                  # the wait, then the priced transfer
+    assert first["dispatch"] >= 2500e-9  # the wait, then the priced transfer
     start_ns = p.clock.snapshot()
-    price_some_work(p)                                   # a failed attempt's work ...
+    price_some_work(p)  # a failed attempt's work ...
     p.clock.restore(start_ns)
-    p.restore(first)                                     # ... forgotten
+    p.restore(first)  # ... forgotten
     assert p.snapshot() == first
-    price_some_work(p)                                   # the re-execution prices alike
+    price_some_work(p)  # the re-execution prices alike
     again = p.snapshot()
     assert again.keys() == first.keys()
     assert again == pytest.approx({op: 2 * s for op, s in first.items()})
@@ -74,8 +75,17 @@ def test_a_wait_that_raised_is_not_counted():
 
 def test_the_executor_checkpoint_puts_back_event_ids_and_drops_staged_mtp_state():
     model = build_model(ModelConfig())
-    ex = ColocatedExecutor(model, None, phy2log=(), log2phy=(), table=None, cache=None,
-                           pricer=pricer(), slots=None, mtp_depth=1)
+    ex = ColocatedExecutor(
+        model,
+        None,
+        phy2log=(),
+        log2phy=(),
+        table=None,
+        cache=None,
+        pricer=pricer(),
+        slots=None,
+        mtp_depth=1,
+    )
     assert ex.events == LayerEvents(events_per_iteration=len(model.layers) + 1)
     ex.num_iterations = 5
     saved = ex.checkpoint()
@@ -109,6 +119,7 @@ def test_iteration_attempts_restore_the_die_and_tell_the_plan_the_attempt():
         for part in parts:
             part.value += 10
         return f"iteration {plan.iteration} attempt {plan.attempt}"
+
     attempts = IterationAttempts(6, body, plan=plan, pricer=p, state=parts)
     assert attempts.run(0) == "iteration 6 attempt 0"
     assert attempts.vtime_s() == pytest.approx((p.clock.now_ns - before_ns) / 1e9)
@@ -119,17 +130,17 @@ def test_iteration_attempts_restore_the_die_and_tell_the_plan_the_attempt():
 
 
 def test_the_meter_sums_wall_time_by_kind_and_keeps_the_total_and_virtual_time(monkeypatch):
-    ticks = iter(range(100))                             # perf_counter: 0, 1, 2, ... seconds
+    ticks = iter(range(100))  # perf_counter: 0, 1, 2, ... seconds
     monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
     clock = VirtualClock(500.0)
-    meter = timing.Meter(clock)                          # started at 0
-    with meter("attention"):                             # 1 .. 2
+    meter = timing.Meter(clock)  # started at 0
+    with meter("attention"):  # 1 .. 2
         clock.advance(2e9)
-    with meter("xccl"):                                  # 3 .. 4
+    with meter("xccl"):  # 3 .. 4
         pass
-    with pytest.raises(KeyError), meter("xccl"):         # 5 .. 6: counted, then re-raised
+    with pytest.raises(KeyError), meter("xccl"):  # 5 .. 6: counted, then re-raised
         raise KeyError("x")
     assert dict(meter.seconds) == {"attention": 1.0, "xccl": 2.0}
-    assert meter.seconds["experts"] == 0.0               # a kind never entered
+    assert meter.seconds["experts"] == 0.0  # a kind never entered
     assert meter.total_s() == 7.0
     assert meter.vtime_s() == 2.0

@@ -1,4 +1,5 @@
 """The run file: written by the TE-shell at the end of `xds-mpi run`, read back field by field."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from harness import REPO_ROOT
+
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.runfile import read_run_file, run_file_path, write_run_file
 from xds_mpi.topology import Topology
@@ -21,18 +22,29 @@ def test_round_trip_keeps_config_topology_and_status(tmp_path):
     cfg = load_config(REPO_ROOT / "configs" / "afd.yaml", ["xccl.ring_slots=5"])
     topo = Topology.from_config(cfg)
     started = datetime(2025, 1, 2, 3, 4, 5, 6)
-    path = write_run_file(tmp_path / "a" / "r.h5", cfg=cfg, topo=topo, status="failed: x",
-                          started_at=started, wall_time_s=1.5, handshake_s=0.25)
+    path = write_run_file(
+        tmp_path / "a" / "r.h5",
+        cfg=cfg,
+        topo=topo,
+        status="failed: x",
+        started_at=started,
+        wall_time_s=1.5,
+        handshake_s=0.25,
+    )
     record = read_run_file(path)
     assert record.config == cfg and record.config.xccl.ring_slots == 5
-    assert (record.name, record.status, record.world_size, record.num_dies) == \
-        ("r", "failed: x", 8, 7)
+    assert (record.name, record.status, record.world_size, record.num_dies) == (
+        "r",
+        "failed: x",
+        8,
+        7,
+    )
     assert (record.wall_time_s, record.handshake_s) == (1.5, 0.25)
     assert record.started_at == "2025-01-02T03:04:05.000006"
     assert record.topology == topo.summary()
     assert list(record.ranks["role"]) == ["host"] + ["attention"] * 4 + ["expert"] * 3
     assert np.array_equal(record.ranks["die_idx"], [-1, 0, 1, 2, 3, 4, 5, 6])
-    assert not list(path.parent.glob(".*.tmp"))            # the temp file was renamed away
+    assert not list(path.parent.glob(".*.tmp"))  # the temp file was renamed away
 
 
 def test_run_name_defaults_to_the_start_time_and_may_be_set():
@@ -47,9 +59,13 @@ def test_run_name_defaults_to_the_start_time_and_may_be_set():
 
 
 def test_xds_mpi_run_writes_the_run_file_and_names_it_last(tmp_path):
-    result = subprocess.run([str(XDS_MPI), "run", "--set", "run.name=here", "--set",
-                             f"run.output_dir={tmp_path}"], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [str(XDS_MPI), "run", "--set", "run.name=here", "--set", f"run.output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     path = tmp_path / "here.h5"
     assert result.stdout.rstrip().endswith(f"run completed; run file {path}")

@@ -1,6 +1,7 @@
 """The packaged checkpoint (xds_mpi/data/tiny.h5, `model.weights: tiny`): the default configs load
 it, it has learned the held-out stdlib code, its router is skewed and its MTP module's drafts
 are mostly accepted; `xds-mpi generate` and `xds-mpi stats` run on it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from harness import REPO_ROOT
+
 from launch.paths import resolve_config
 from xds_mpi.config import load_config
 from xds_mpi.model.shapes import compute_shape
@@ -25,9 +26,9 @@ XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 # hottest/mean 5.27, 6.95, 7.51 (layers 1-3) and 5.62 (MTP block), MTP module 1 teacher-forced
 # acceptance 77.3 %. Random weights on as many tokens: loss ~5.6, hottest/mean ~2-2.7,
 # acceptance ~1 %. The bounds leave room for another Python's stdlib.
-MAX_HELDOUT_LOSS = 2.5            # ln(256) = 5.55
+MAX_HELDOUT_LOSS = 2.5  # ln(256) = 5.55
 MIN_HOTTEST_OVER_MEAN = 3.0
-MIN_MTP_ACCEPTANCE = 0.50         # the issue's target for module 1
+MIN_MTP_ACCEPTANCE = 0.50  # the issue's target for module 1
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,9 @@ def test_its_router_is_skewed_and_its_mtp_drafts_are_accepted(stats):
 
 
 def _xds_mpi(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(XDS_MPI), *args], capture_output=True, text=True, timeout=300,
-                          cwd=REPO_ROOT)
+    return subprocess.run(
+        [str(XDS_MPI), *args], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+    )
 
 
 def test_generate_prints_python_like_text():

@@ -39,9 +39,10 @@ record; on a trampoline in try_forward, on other expert dies in try_receive, whe
 records arrived; "e2a" on a trampoline in try_return, on other expert dies in send_back (after
 staging, before the records), on an attention die in e2a before waiting.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -54,41 +55,58 @@ from xccl.moe_layout import AfdLayout
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
 
+
 class AfdBuffer:
     """A2E/E2A on this die's window, for an attention or an expert die (one per window)."""
 
-    def __init__(self, mem: DieMemory, layout: AfdLayout, slot_owner: Sequence[int], *,
-                 num_routed_slots: int, use_trampolines: bool = True, dtype=np.float64,
-                 clock: VirtualClock | None = None, link: LinkModel | None = None,
-                 num_cores: int = 2, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        mem: DieMemory,
+        layout: AfdLayout,
+        slot_owner: Sequence[int],
+        *,
+        num_routed_slots: int,
+        use_trampolines: bool = True,
+        dtype=np.float64,
+        clock: VirtualClock | None = None,
+        link: LinkModel | None = None,
+        num_cores: int = 2,
+        timeout_s: float = 60.0,
+    ) -> None:
         mem.claim("afd")
         self.role = layout.role_of(mem.rank)
         need = layout.base[mem.rank] + layout.area_bytes(self.role)
         if mem.nbytes < need:
-            raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the {need} B the "
-                                 "A2E/E2A layout needs")
+            raise BufferTooSmall(
+                f"rank {mem.rank}: window of {mem.nbytes} B < the {need} B the A2E/E2A layout needs"
+            )
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(f"dtype {np.dtype(dtype)} != layout itemsize {layout.itemsize}")
         self.mem, self.layout, self.me = mem, layout, mem.rank
-        self.slot_owner = np.asarray(slot_owner, np.int64)             # [slots] -> expert rank
+        self.slot_owner = np.asarray(slot_owner, np.int64)  # [slots] -> expert rank
         self.expert_of_rank = {r: i for i, r in enumerate(layout.experts)}
-        self.dest_of_slot = np.array([self.expert_of_rank[int(r)] for r in self.slot_owner],
-                                     np.int64)                         # [slots] -> expert idx
+        self.dest_of_slot = np.array(
+            [self.expert_of_rank[int(r)] for r in self.slot_owner], np.int64
+        )  # [slots] -> expert idx
         self.num_routed_slots = num_routed_slots
         self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
         self.use_trampolines = use_trampolines
         self.dtype, self.clock, self.link = np.dtype(dtype), clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
-        self.records = AfdRecords(mem, layout, clock=self.clock, link=link, num_cores=num_cores,
-                                  timeout_s=timeout_s)
+        self.records = AfdRecords(
+            mem, layout, clock=self.clock, link=link, num_cores=num_cores, timeout_s=timeout_s
+        )
         self.counters = self.records.counters
         self.rows = AfdRows(mem, layout, self.records, dtype)
-        self.idx = (layout.attention.index(self.me) if self.role == "attention"
-                    else layout.experts.index(self.me))
+        self.idx = (
+            layout.attention.index(self.me)
+            if self.role == "attention"
+            else layout.experts.index(self.me)
+        )
         self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
         self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
-        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
+        self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
 
     @property
     def interrupt(self) -> Interrupt | None:
@@ -111,17 +129,25 @@ class AfdBuffer:
     # -- who talks to whom ----------------------------------------------------------------------
     def domain_attention(self, domain: int) -> tuple[int, ...]:
         g = self.layout.group_size
-        return self.layout.attention[domain * g:(domain + 1) * g]
+        return self.layout.attention[domain * g : (domain + 1) * g]
 
     def senders(self, call: AfdCall) -> tuple[int, ...]:
         """Ranks that scatter rows to the expert dies for this call."""
         if self.use_trampolines:
-            return self.layout.experts[:self.layout.group_size]
+            return self.layout.experts[: self.layout.group_size]
         return self.domain_attention(call.domain)
 
     # -- attention side -------------------------------------------------------------------------
-    def a2e(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray, call: AfdCall,
-            *, log2phy: Sequence[Sequence[int]], shared_slots: Sequence[int] = ()) -> A2EHandle:
+    def a2e(
+        self,
+        x: np.ndarray,
+        topk_idx: np.ndarray,
+        topk_weights: np.ndarray,
+        call: AfdCall,
+        *,
+        log2phy: Sequence[Sequence[int]],
+        shared_slots: Sequence[int] = (),
+    ) -> A2EHandle:
         """Send this attention die's tokens toward their experts; returns at once (no wait).
 
         x: [T, hidden] rows. topk_idx: [T, K] int logical experts, -1 = none. topk_weights: [T, K].
@@ -131,16 +157,23 @@ class AfdBuffer:
         self.records.take(call)
         layout, num_tokens = self.layout, len(x)
         if num_tokens > layout.max_tokens:
-            raise BufferTooSmall(f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
-                                 f"_die({layout.max_tokens}) (event {call.event_id}); nothing sent")
-        if x.shape != (num_tokens, layout.hidden) or topk_idx.shape != (num_tokens, layout.top_k) \
-                or bool(shared_slots) != layout.has_shared:
-            raise ValueError(f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
-                             f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
-                             f" top-k {layout.top_k}, shared column {layout.has_shared}")
-        phy = select_slots(topk_idx, log2phy, shared_slots, self.me)          # [T, C]
+            raise BufferTooSmall(
+                f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
+                f"_die({layout.max_tokens}) (event {call.event_id}); nothing sent"
+            )
+        if (
+            x.shape != (num_tokens, layout.hidden)
+            or topk_idx.shape != (num_tokens, layout.top_k)
+            or bool(shared_slots) != layout.has_shared
+        ):
+            raise ValueError(
+                f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
+                f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
+                f" top-k {layout.top_k}, shared column {layout.has_shared}"
+            )
+        phy = select_slots(topk_idx, log2phy, shared_slots, self.me)  # [T, C]
         weights = combine_weights(topk_idx, topk_weights, layout.num_columns)
-        token, column = np.nonzero(phy >= 0)                                  # token-major [R]
+        token, column = np.nonzero(phy >= 0)  # token-major [R]
         scatter = None
         if self.use_trampolines:
             # Step 1 (Fig. 8 A2E): each token once, full precision, and its slots, in our window.
@@ -151,11 +184,20 @@ class AfdBuffer:
             self.records.publish([tramp], "a2e_records", call, self.idx, count=num_tokens)
         else:
             # Direct: expand to rows and scatter them to every expert die (a record each).
-            scatter = self._scatter(np.asarray(x, self.dtype), token, column, phy[token, column],
-                                    call, "a2e_records", self.idx, fault_op="a2e")
+            scatter = self._scatter(
+                np.asarray(x, self.dtype),
+                token,
+                column,
+                phy[token, column],
+                call,
+                "a2e_records",
+                self.idx,
+                fault_op="a2e",
+            )
         self.counters.calls += 1
-        return A2EHandle(call=call, weights=weights, row_token=token, row_column=column,
-                         scatter=scatter)
+        return A2EHandle(
+            call=call, weights=weights, row_token=token, row_column=column, scatter=scatter
+        )
 
     def e2a(self, handle: A2EHandle) -> np.ndarray:
         """Wait for this call's expert outputs and sum them, weighted, in column order: returns
@@ -169,8 +211,10 @@ class AfdBuffer:
             tramp = layout.experts[self.group]
             bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
             if int(bodies["count"][0]) != num_rows:
-                raise XcclError(f"die rank {self.me}: E2A event {call.event_id} returns "
-                                f"{int(bodies['count'][0])} rows, A2E sent {num_rows}")
+                raise XcclError(
+                    f"die rank {self.me}: E2A event {call.event_id} returns "
+                    f"{int(bodies['count'][0])} rows, A2E sent {num_rows}"
+                )
             outs = self.rows.pull_outputs("ret_rows", call.lane, [tramp], bodies)
         else:
             staged = self._gather_back(call, handle.scatter, blocking=True)
@@ -190,9 +234,10 @@ class AfdBuffer:
         if bodies is None:
             return False
         x, route = self.rows.pull_tokens(src, lane, bodies)
-        token, column = np.nonzero(route >= 0)                                  # token-major
-        plan = self._scatter(x, token, column, route[token, column], call, "fwd_records",
-                             self.group, fault_op="a2e")
+        token, column = np.nonzero(route >= 0)  # token-major
+        plan = self._scatter(
+            x, token, column, route[token, column], call, "fwd_records", self.group, fault_op="a2e"
+        )
         self._forwarded[call.call] = (token, column, plan)
         return True
 
@@ -202,22 +247,31 @@ class AfdBuffer:
         layout, lane = self.layout, call.lane
         senders = self.senders(call)
         region = "fwd_records" if self.use_trampolines else "a2e_records"
-        writer_idx = (range(len(senders)) if self.use_trampolines
-                      else [layout.attention.index(r) for r in senders])
+        writer_idx = (
+            range(len(senders))
+            if self.use_trampolines
+            else [layout.attention.index(r) for r in senders]
+        )
         bodies = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
         if bodies is None:
             return None
-        if not self.is_forwarding:          # a trampoline's A2E fault fires in try_forward
+        if not self.is_forwarding:  # a trampoline's A2E fault fires in try_forward
             self._fault("a2e", call)
         x, index = self.rows.pull_scattered(senders, lane, bodies)
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
-            raise XcclError(f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
-                            f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
-                            " this die does not host")
-        return Received(call=call, x=x, slot=index["slot"].astype(np.int64),
-                        token=index["token"].astype(np.int64),
-                        column=index["column"].astype(np.int64),
-                        sender_counts=(bodies["count"] + bodies["shared_count"]).astype(np.int64))
+            raise XcclError(
+                f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
+                f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
+                " this die does not host"
+            )
+        return Received(
+            call=call,
+            x=x,
+            slot=index["slot"].astype(np.int64),
+            token=index["token"].astype(np.int64),
+            column=index["column"].astype(np.int64),
+            sender_counts=(bodies["count"] + bodies["shared_count"]).astype(np.int64),
+        )
 
     def send_back(self, received: Received, out: np.ndarray) -> None:
         """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
@@ -225,15 +279,18 @@ class AfdBuffer:
         call = received.call
         self.records.take(call)
         if out.shape != received.x.shape:
-            raise ValueError(f"die rank {self.me}: outputs {out.shape} != rows received "
-                             f"{received.x.shape} (event {call.event_id})")
+            raise ValueError(
+                f"die rank {self.me}: outputs {out.shape} != rows received "
+                f"{received.x.shape} (event {call.event_id})"
+            )
         self.rows.stage_outputs("out_rows", call.lane, out)
-        if not self.is_forwarding:          # a trampoline's E2A fault fires in try_return
+        if not self.is_forwarding:  # a trampoline's E2A fault fires in try_return
             self._fault("e2a", call)
         counts = received.sender_counts
         offsets = np.cumsum(counts) - counts
-        self.records.publish(self.senders(call), "back_records", call, self.idx, count=counts,
-                             offset=offsets)
+        self.records.publish(
+            self.senders(call), "back_records", call, self.idx, count=counts, offset=offsets
+        )
 
     def try_return(self, call: AfdCall) -> bool:
         """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs,
@@ -246,7 +303,7 @@ class AfdBuffer:
         self._fault("e2a", call)
         del self._forwarded[call.call]
         outs = np.empty_like(staged)
-        outs[plan.order] = staged                            # back to the attention die's order
+        outs[plan.order] = staged  # back to the attention die's order
         self.rows.stage_outputs("ret_rows", call.lane, outs)
         dst = self.domain_attention(call.domain)[self.group]
         self.records.publish([dst], "back_records", call, self.idx, count=len(token))
@@ -284,18 +341,32 @@ class AfdBuffer:
             self.fault_hook(op, call.event_id)
 
     # -- steps ----------------------------------------------------------------------------------
-    def _scatter(self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int, *,
-                 fault_op: str) -> ScatterPlan:
+    def _scatter(
+        self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int, *, fault_op: str
+    ) -> ScatterPlan:
         """Stage rows [R] (x[token]) by destination expert die, routed rows (INT8 if enabled)
         then shared rows, and write (counts, offsets) into every expert die's `region`."""
-        plan = self.rows.stage_scatter(call.lane, x, token, column, slot, self.dest_of_slot[slot],
-                                       slot >= self.num_routed_slots)
+        plan = self.rows.stage_scatter(
+            call.lane,
+            x,
+            token,
+            column,
+            slot,
+            self.dest_of_slot[slot],
+            slot >= self.num_routed_slots,
+        )
         self._fault(fault_op, call)
         # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
-        self.records.publish(self.layout.experts, region, call, writer_idx, count=plan.counts,
-                             offset=np.cumsum(plan.counts) - plan.counts,
-                             shared_count=plan.shared_counts,
-                             shared_offset=np.cumsum(plan.shared_counts) - plan.shared_counts)
+        self.records.publish(
+            self.layout.experts,
+            region,
+            call,
+            writer_idx,
+            count=plan.counts,
+            offset=np.cumsum(plan.counts) - plan.counts,
+            shared_count=plan.shared_counts,
+            shared_offset=np.cumsum(plan.shared_counts) - plan.shared_counts,
+        )
         return plan
 
     def _gather_back(self, call: AfdCall, plan: ScatterPlan, *, blocking: bool):

@@ -17,13 +17,14 @@ thread level) and shows the same data flow. Every wait is bounded: no stage prog
 timeout_s raises an error naming the die, the call and the peers it waits for, and every turn
 calls the buffer's `interrupt` (xccl/faults.py), so a rollback reaches a die in the middle of it.
 """
+
 from __future__ import annotations
 
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -62,8 +63,9 @@ class _Done:
 class ExpertLoop:
     def __init__(self, buf: AfdBuffer, compute: ExpertFn, *, timeout_s: float = 60.0) -> None:
         if buf.role != "expert":
-            raise ValueError(f"rank {buf.me} is an {buf.role} die; the expert loop runs on "
-                             "expert dies")
+            raise ValueError(
+                f"rank {buf.me} is an {buf.role} die; the expert loop runs on expert dies"
+            )
         self.buf, self.compute, self.timeout_s = buf, compute, timeout_s
 
     def run(self, calls: Sequence[AfdCall]) -> LoopStats:
@@ -71,7 +73,7 @@ class ExpertLoop:
         buf, n, done = self.buf, len(calls), _Done()
         received: deque[Received] = deque()
         started = last_progress = time.monotonic()
-        waits: dict[str, str] = {}                  # stage -> whom it waits for, for errors
+        waits: dict[str, str] = {}  # stage -> whom it waits for, for errors
         interrupt = buf.interrupt
         while done.sent < n or (buf.is_forwarding and done.returned < n):
             if interrupt is not None:
@@ -82,18 +84,25 @@ class ExpertLoop:
                 last_progress = time.monotonic()
                 waits.clear()
             elif time.monotonic() - last_progress > self.timeout_s:
-                raise XcclTimeout(f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} "
-                                  f"s (calls forwarded {done.forwarded}, received "
-                                  f"{done.received}, sent {done.sent}, returned {done.returned} "
-                                  f"of {n}): " +
-                                  "; ".join(f"{stage}: {why}" for stage, why in waits.items()))
+                raise XcclTimeout(
+                    f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} "
+                    f"s (calls forwarded {done.forwarded}, received "
+                    f"{done.received}, sent {done.sent}, returned {done.returned} "
+                    f"of {n}): " + "; ".join(f"{stage}: {why}" for stage, why in waits.items())
+                )
             else:
                 os.sched_yield()
-        return LoopStats(num_calls=n, num_rows=done.num_rows, num_turns=done.num_turns,
-                         num_overlapped=done.num_overlapped, wall_s=time.monotonic() - started)
+        return LoopStats(
+            num_calls=n,
+            num_rows=done.num_rows,
+            num_turns=done.num_turns,
+            num_overlapped=done.num_overlapped,
+            wall_s=time.monotonic() - started,
+        )
 
-    def _turn(self, calls: Sequence[AfdCall], done: "_Done", received: deque,
-              waits: dict[str, str]) -> bool:
+    def _turn(
+        self, calls: Sequence[AfdCall], done: _Done, received: deque, waits: dict[str, str]
+    ) -> bool:
         """One turn: every stage tries one step, none blocks. True if any progressed."""
         buf, n, forwards = self.buf, len(calls), self.buf.is_forwarding
         progressed = False
@@ -108,8 +117,9 @@ class ExpertLoop:
                 received.append(r)
                 done.received, progressed = done.received + 1, True
                 # ahead of a call still pending
-                done.num_overlapped += done.received - 1 > (done.returned if forwards
-                                                            else done.sent)
+                done.num_overlapped += done.received - 1 > (
+                    done.returned if forwards else done.sent
+                )
             else:
                 waits["receive"] = buf.waiting_for
         # Stage 2 + 3: compute the oldest received call, send its outputs (E2A').

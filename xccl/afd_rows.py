@@ -6,10 +6,11 @@ the records object, which counts the bytes, flushed before the rows are read; ea
 the virtual clock by the bytes it moved. What staging and pulling hand back: ScatterPlan,
 A2EHandle, Received.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class A2EHandle:
     weights: np.ndarray
     row_token: np.ndarray
     row_column: np.ndarray
-    scatter: "ScatterPlan | None"      # direct variant: what was scattered to the expert dies
+    scatter: ScatterPlan | None  # direct variant: what was scattered to the expert dies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +64,9 @@ class AfdRows:
 
     def _stage(self, region: str, lane: int, data: np.ndarray) -> None:
         at = self.layout.offset(self.me, region, lane)
-        self.mem.local[at:at + data.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        self.mem.local[at : at + data.nbytes] = (
+            np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        )
 
     def stage_tokens(self, lane: int, x: np.ndarray, phy: np.ndarray) -> None:
         """Each token once, full precision [T, hidden], and its physical slots [T, C]."""
@@ -75,7 +78,7 @@ class AfdRows:
         """An attention die's tokens x [T, hidden] and slots route [T, C] (T from its record)."""
         layout, num_tokens = self.layout, int(bodies["count"][0])
         x = np.empty((num_tokens, layout.hidden), self.dtype)
-        route = np.empty((num_tokens, layout.num_columns), np.int64)            # [T, C] slots
+        route = np.empty((num_tokens, layout.num_columns), np.int64)  # [T, C] slots
         self.records.get(src, layout.offset(src, "tok_rows", lane), x)
         self.records.get(src, layout.offset(src, "tok_route", lane), route)
         self.mem.flush(src)
@@ -86,23 +89,28 @@ class AfdRows:
         """Stage rows [R] (x[token]) by destination expert die `dest`, routed rows (INT8 if
         enabled) then shared rows, with their index rows."""
         layout = self.layout
-        order = np.lexsort((column, token, is_shared, dest))                   # [R] dest-major
+        order = np.lexsort((column, token, is_shared, dest))  # [R] dest-major
         token, slot, dest, is_shared = token[order], slot[order], dest[order], is_shared[order]
         routed, shared = ~is_shared, is_shared
         num_routed = int(routed.sum())
         at = layout.offset(self.me, "scatter_rows", lane)
-        rows = self.mem.local[at:at + num_routed * layout.send_row_bytes].reshape(
-            num_routed, layout.send_row_bytes)
-        encode_rows(rows, x, token[routed], hidden=layout.hidden, use_int8=layout.use_int8,
-                    dtype=self.dtype)
+        rows = self.mem.local[at : at + num_routed * layout.send_row_bytes].reshape(
+            num_routed, layout.send_row_bytes
+        )
+        encode_rows(
+            rows, x, token[routed], hidden=layout.hidden, use_int8=layout.use_int8, dtype=self.dtype
+        )
         self._stage("scatter_shared", lane, x[token[shared]].astype(self.dtype))
         index = np.zeros(len(order), INDEX_DTYPE)
         index["token"], index["column"], index["slot"] = token, column[order], slot
         self._stage("scatter_index", lane, index)
         self.mem.sync()
         num_experts = len(layout.experts)
-        return ScatterPlan(order=order, counts=np.bincount(dest[routed], minlength=num_experts),
-                           shared_counts=np.bincount(dest[shared], minlength=num_experts))
+        return ScatterPlan(
+            order=order,
+            counts=np.bincount(dest[routed], minlength=num_experts),
+            shared_counts=np.bincount(dest[shared], minlength=num_experts),
+        )
 
     def pull_scattered(self, senders: Sequence[int], lane: int, bodies: np.ndarray):
         """Every sender's rows for us: x [R, hidden] (routed rows decoded) and index [R]."""
@@ -113,22 +121,37 @@ class AfdRows:
         index = np.empty(len(x), INDEX_DTYPE)
         is_routed = np.zeros(len(x), bool)
         at = routed_at = 0
-        for rank, c, s, o, so in zip(senders, counts, shared, bodies["offset"].astype(np.int64),
-                                     bodies["shared_offset"].astype(np.int64)):
+        for rank, c, s, o, so in zip(
+            senders,
+            counts,
+            shared,
+            bodies["offset"].astype(np.int64),
+            bodies["shared_offset"].astype(np.int64),
+        ):
             if c:
-                self.records.get(rank, layout.offset(rank, "scatter_rows", lane) +
-                                 o * layout.send_row_bytes, raw[routed_at:routed_at + c])
+                self.records.get(
+                    rank,
+                    layout.offset(rank, "scatter_rows", lane) + o * layout.send_row_bytes,
+                    raw[routed_at : routed_at + c],
+                )
             if s:
-                self.records.get(rank, layout.offset(rank, "scatter_shared", lane) +
-                                 so * layout.out_row_bytes, x[at + c:at + c + s])
+                self.records.get(
+                    rank,
+                    layout.offset(rank, "scatter_shared", lane) + so * layout.out_row_bytes,
+                    x[at + c : at + c + s],
+                )
             if c + s:
-                self.records.get(rank, layout.offset(rank, "scatter_index", lane) + (o + so) *
-                                 INDEX_BYTES, index[at:at + c + s].view(np.uint8))
-            is_routed[at:at + c] = True
+                self.records.get(
+                    rank,
+                    layout.offset(rank, "scatter_index", lane) + (o + so) * INDEX_BYTES,
+                    index[at : at + c + s].view(np.uint8),
+                )
+            is_routed[at : at + c] = True
             at, routed_at = at + c + s, routed_at + c
         self.mem.flush_all()
-        x[is_routed] = decode_rows(raw, hidden=layout.hidden, use_int8=layout.use_int8,
-                                   dtype=self.dtype)
+        x[is_routed] = decode_rows(
+            raw, hidden=layout.hidden, use_int8=layout.use_int8, dtype=self.dtype
+        )
         self.records.arrive(bodies, raw.nbytes + x[~is_routed].nbytes + index.nbytes)
         return x, index
 
@@ -137,8 +160,9 @@ class AfdRows:
         self._stage(region, lane, np.asarray(out, self.dtype))
         self.mem.sync()
 
-    def pull_outputs(self, region: str, lane: int, ranks: Sequence[int],
-                     bodies: np.ndarray) -> np.ndarray:
+    def pull_outputs(
+        self, region: str, lane: int, ranks: Sequence[int], bodies: np.ndarray
+    ) -> np.ndarray:
         """The rows ranks[i] staged for us in `region`: bodies[i] says how many, from which row;
         returns [R, hidden] in rank order."""
         layout, counts = self.layout, bodies["count"].astype(np.int64)
@@ -146,8 +170,11 @@ class AfdRows:
         at = 0
         for rank, count, offset in zip(ranks, counts, bodies["offset"].astype(np.int64)):
             if count:
-                self.records.get(rank, layout.offset(rank, region, lane) +
-                                 offset * layout.out_row_bytes, staged[at:at + count])
+                self.records.get(
+                    rank,
+                    layout.offset(rank, region, lane) + offset * layout.out_row_bytes,
+                    staged[at : at + count],
+                )
                 at += count
         if len(ranks) == 1:
             self.mem.flush(ranks[0])
@@ -161,12 +188,17 @@ class AfdRows:
         expert dies answered yet (non-blocking)."""
         experts = self.layout.experts
         writers = list(zip(experts, range(len(experts))))
-        bodies = (self.records.wait(call, "back_records", writers, stage) if blocking
-                  else self.records.ready(call, "back_records", writers, stage))
+        bodies = (
+            self.records.wait(call, "back_records", writers, stage)
+            if blocking
+            else self.records.ready(call, "back_records", writers, stage)
+        )
         if bodies is None:
             return None
         counts, sent = bodies["count"].astype(np.int64), plan.counts + plan.shared_counts
         if not np.array_equal(counts, sent):
-            raise XcclError(f"die rank {self.me}: {stage} event {call.event_id} returns "
-                            f"{counts.tolist()} rows per expert die, A2E sent {sent.tolist()}")
+            raise XcclError(
+                f"die rank {self.me}: {stage} event {call.event_id} returns "
+                f"{counts.tolist()} rows per expert die, A2E sent {sent.tolist()}"
+            )
         return self.pull_outputs("out_rows", call.lane, experts, bodies)

@@ -17,9 +17,10 @@ die to the max over all dies, so the next publication, max + 1, matches no doorb
 Fault hooks fire after staging, before the records: "dispatch" between steps 3 and 4 of dispatch,
 "combine" between steps 3 and 4 of combine, so every peer is left waiting in its step 5.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,44 +39,64 @@ from xccl.vclock import LinkModel, VirtualClock
 class EpBuffer:
     """Dispatch/combine for one EP group on this die's window (one per window)."""
 
-    def __init__(self, mem: DieMemory, layout: EpLayout, slot_owner: Sequence[int], *,
-                 dtype=np.float64, clock: VirtualClock | None = None,
-                 link: LinkModel | None = None, num_cores: int = 2,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        mem: DieMemory,
+        layout: EpLayout,
+        slot_owner: Sequence[int],
+        *,
+        dtype=np.float64,
+        clock: VirtualClock | None = None,
+        link: LinkModel | None = None,
+        num_cores: int = 2,
+        timeout_s: float = 60.0,
+    ) -> None:
         if np.dtype(dtype).itemsize != layout.itemsize:
-            raise ValueError(f"rank {mem.rank}: dtype {np.dtype(dtype)} of itemsize "
-                             f"{np.dtype(dtype).itemsize} != the EP layout's itemsize "
-                             f"{layout.itemsize}")
+            raise ValueError(
+                f"rank {mem.rank}: dtype {np.dtype(dtype)} of itemsize "
+                f"{np.dtype(dtype).itemsize} != the EP layout's itemsize "
+                f"{layout.itemsize}"
+            )
         mem.claim("ep")
         if np.dtype(dtype).itemsize != layout.itemsize:
-            raise ValueError(f"rank {mem.rank}: row dtype {np.dtype(dtype)} ({np.dtype(dtype).itemsize}"
-                             f" B) != the EP layout's itemsize {layout.itemsize} B")
+            raise ValueError(
+                f"rank {mem.rank}: row dtype {np.dtype(dtype)} ({np.dtype(dtype).itemsize}"
+                f" B) != the EP layout's itemsize {layout.itemsize} B"
+            )
         if mem.nbytes < layout.offset(mem.rank, "end"):
-            raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the "
-                                 f"{layout.offset(mem.rank, 'end')} B the EP layout needs")
+            raise BufferTooSmall(
+                f"rank {mem.rank}: window of {mem.nbytes} B < the "
+                f"{layout.offset(mem.rank, 'end')} B the EP layout needs"
+            )
         self.mem, self.layout, self.me = mem, layout, mem.rank
         self.members = layout.members
         self.me_idx = self.members.index(mem.rank)
         self.member_of_rank = np.full(max(self.members) + 1, -1, np.int64)
         self.member_of_rank[list(self.members)] = np.arange(len(self.members))
-        self.slot_owner = np.asarray(slot_owner, np.int64)               # [num slots] -> rank
+        self.slot_owner = np.asarray(slot_owner, np.int64)  # [num slots] -> rank
         self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
         self.dtype = np.dtype(dtype)
         self.clock, self.link = clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
         self._seq = {"dispatch": 0, "combine": 0}
-        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
-        self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
+        self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
+        self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 
     def set_recovery(self, hooks: RecoveryHooks) -> None:
         """Install the recovery hooks (once, by the die's recomputer; xccl/faults.py)."""
         self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
 
     # -- dispatch -------------------------------------------------------------------------------
-    def dispatch(self, x: np.ndarray, topk_idx: np.ndarray, topk_weights: np.ndarray,
-                 event_id: int, *, log2phy: Sequence[Sequence[int]],
-                 shared_slots: Sequence[int] = ()) -> tuple[np.ndarray, DispatchInfo,
-                                                            DispatchHandle]:
+    def dispatch(
+        self,
+        x: np.ndarray,
+        topk_idx: np.ndarray,
+        topk_weights: np.ndarray,
+        event_id: int,
+        *,
+        log2phy: Sequence[Sequence[int]],
+        shared_slots: Sequence[int] = (),
+    ) -> tuple[np.ndarray, DispatchInfo, DispatchHandle]:
         """Send each token's row to the slots of its experts; receive this die's rows.
 
         x: [T, hidden] float rows. topk_idx: [T, K] int logical experts, -1 = no expert.
@@ -85,12 +106,11 @@ class EpBuffer:
         Returns recv_x [R, hidden] (self.dtype, dequantized), DispatchInfo, DispatchHandle.
         Every member must call it, with zero tokens if it has none.
         """
-        phy, weights = self._check_batch(x, topk_idx, topk_weights, event_id, log2phy,
-                                         shared_slots)
+        phy, weights = self._check_batch(x, topk_idx, topk_weights, event_id, log2phy, shared_slots)
         # Step 1-3 (Fig. 7): copy the rows (INT8 + per-token scale if enabled) into our own
         # managed area, partitioned by destination die.
         token, column, send_counts = self._stage_rows(x, phy)
-        if self.fault_hook is not None:     # staged, not yet published: every peer waits for us
+        if self.fault_hook is not None:  # staged, not yet published: every peer waits for us
             self.fault_hook("dispatch", event_id)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
@@ -100,30 +120,45 @@ class EpBuffer:
         # Step 6-7: pull our rows from each die with Get.
         rows, index = self._pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
         self._arrive(bodies["vtime_ns"], rows.nbytes + index.nbytes)
-        decoded = decode_rows(rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8,
-                              dtype=self.dtype)
-        src_member = np.repeat(np.arange(len(self.members)), recv_counts)      # [R] as pulled
+        decoded = decode_rows(
+            rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8, dtype=self.dtype
+        )
+        src_member = np.repeat(np.arange(len(self.members)), recv_counts)  # [R] as pulled
         perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
         src_rank = np.asarray(self.members, np.int64)[src_member]
         info = self._dispatch_info(event_id, index, src_rank, perm)
-        handle = DispatchHandle(event_id=event_id, seq=seq, buffer_id=id(self), weights=weights,
-                                send_counts=send_counts, send_token=token, send_column=column,
-                                recv_counts=recv_counts, recv_perm=perm)
+        handle = DispatchHandle(
+            event_id=event_id,
+            seq=seq,
+            buffer_id=id(self),
+            weights=weights,
+            send_counts=send_counts,
+            send_token=token,
+            send_column=column,
+            recv_counts=recv_counts,
+            recv_perm=perm,
+        )
         return decoded[perm], info, handle
 
-    def _dispatch_info(self, event_id: int, index: np.ndarray, src_rank: np.ndarray,
-                       perm: np.ndarray) -> DispatchInfo:
+    def _dispatch_info(
+        self, event_id: int, index: np.ndarray, src_rank: np.ndarray, perm: np.ndarray
+    ) -> DispatchInfo:
         """The pulled rows' origins, in slot order; refuses rows for slots we do not host."""
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
-            raise XcclError(f"die rank {self.me}: dispatch event {event_id} delivered rows for "
-                            f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
-                            "die does not host")
+            raise XcclError(
+                f"die rank {self.me}: dispatch event {event_id} delivered rows for "
+                f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
+                "die does not host"
+            )
         return DispatchInfo(
             local_slots=self.local_slots,
-            num_rows_per_slot=np.array([(index["slot"] == s).sum() for s in self.local_slots],
-                                       np.int64),
-            src_rank=src_rank[perm], src_token=index["token"][perm].astype(np.int64),
-            src_column=index["column"][perm].astype(np.int64))
+            num_rows_per_slot=np.array(
+                [(index["slot"] == s).sum() for s in self.local_slots], np.int64
+            ),
+            src_rank=src_rank[perm],
+            src_token=index["token"][perm].astype(np.int64),
+            src_column=index["column"][perm].astype(np.int64),
+        )
 
     # -- combine --------------------------------------------------------------------------------
     def combine(self, expert_out: np.ndarray, handle: DispatchHandle) -> np.ndarray:
@@ -137,7 +172,7 @@ class EpBuffer:
         # Step 1-3 (mirror): stage outputs in our combine area, by source die, in the order
         # each source staged them.
         start, num_rows = self.layout.offset(self.me, "combine_rows"), len(expert_out)
-        staged = self.mem.local[start:start + num_rows * self.layout.out_row_bytes]
+        staged = self.mem.local[start : start + num_rows * self.layout.out_row_bytes]
         staged.view(self.dtype).reshape(num_rows, self.layout.hidden)[handle.recv_perm] = expert_out
         self.mem.sync()
         if self.fault_hook is not None:
@@ -148,13 +183,19 @@ class EpBuffer:
         bodies = self._wait_records("combine", handle.event_id, seq)
         counts = bodies["count"].astype(np.int64)
         if not np.array_equal(counts, handle.send_counts):
-            raise XcclError(f"die rank {self.me}: combine event {handle.event_id} returns "
-                            f"{counts.tolist()} rows per die, dispatch sent "
-                            f"{handle.send_counts.tolist()}")
+            raise XcclError(
+                f"die rank {self.me}: combine event {handle.event_id} returns "
+                f"{counts.tolist()} rows per die, dispatch sent "
+                f"{handle.send_counts.tolist()}"
+            )
         outs = np.empty((int(counts.sum()), self.layout.hidden), self.dtype)
-        self._pull(outs.view(np.uint8).reshape(len(outs), self.layout.out_row_bytes),
-                   "combine_rows", counts, bodies["offset"].astype(np.int64),
-                   self.layout.out_row_bytes)
+        self._pull(
+            outs.view(np.uint8).reshape(len(outs), self.layout.out_row_bytes),
+            "combine_rows",
+            counts,
+            bodies["offset"].astype(np.int64),
+            self.layout.out_row_bytes,
+        )
         self._arrive(bodies["vtime_ns"], outs.nbytes)
         return weighted_column_sum(outs, handle.send_token, handle.send_column, handle.weights)
 
@@ -172,37 +213,52 @@ class EpBuffer:
         self.abandon()
         dispatches, combines = (int(v) for v in state)
         if dispatches < self._seq["dispatch"] or combines < self._seq["combine"]:
-            raise ValueError(f"die rank {self.me}: resync to {dispatches} dispatches, {combines} "
-                             f"combines would go back from {self.publication_state()}")
+            raise ValueError(
+                f"die rank {self.me}: resync to {dispatches} dispatches, {combines} "
+                f"combines would go back from {self.publication_state()}"
+            )
         self._seq = {"dispatch": dispatches, "combine": combines}
 
     # -- steps ----------------------------------------------------------------------------------
     def _check_handle(self, expert_out: np.ndarray, handle: DispatchHandle) -> None:
         """Refuse a handle of another buffer, of an older dispatch, or outputs of another shape."""
         if handle.buffer_id != id(self):
-            raise XcclError(f"die rank {self.me}: combine with a handle of another buffer "
-                            f"(event {handle.event_id})")
+            raise XcclError(
+                f"die rank {self.me}: combine with a handle of another buffer "
+                f"(event {handle.event_id})"
+            )
         if handle.seq != self._seq["dispatch"] or self._seq["combine"] >= handle.seq:
-            raise XcclError(f"die rank {self.me}: combine with the handle of dispatch "
-                            f"{handle.seq} (event {handle.event_id}); the last dispatch was "
-                            f"{self._seq['dispatch']} and combines done {self._seq['combine']}")
+            raise XcclError(
+                f"die rank {self.me}: combine with the handle of dispatch "
+                f"{handle.seq} (event {handle.event_id}); the last dispatch was "
+                f"{self._seq['dispatch']} and combines done {self._seq['combine']}"
+            )
         if expert_out.shape != (len(handle.recv_perm), self.layout.hidden):
-            raise ValueError(f"die rank {self.me}: expert_out {expert_out.shape} != "
-                             f"({len(handle.recv_perm)}, {self.layout.hidden}) rows received")
+            raise ValueError(
+                f"die rank {self.me}: expert_out {expert_out.shape} != "
+                f"({len(handle.recv_perm)}, {self.layout.hidden}) rows received"
+            )
 
     def _check_batch(self, x, topk_idx, topk_weights, event_id, log2phy, shared_slots):
         layout, (num_tokens, top_k) = self.layout, topk_idx.shape
         if num_tokens > layout.max_tokens:
-            raise BufferTooSmall(f"die rank {self.me}: dispatch of {num_tokens} tokens > "
-                                 f"max_tokens_per_die({layout.max_tokens}) (event {event_id});"
-                                 " nothing was sent")
+            raise BufferTooSmall(
+                f"die rank {self.me}: dispatch of {num_tokens} tokens > "
+                f"max_tokens_per_die({layout.max_tokens}) (event {event_id});"
+                " nothing was sent"
+            )
         num_columns = top_k + (1 if shared_slots else 0)
-        if x.shape != (num_tokens, layout.hidden) or topk_weights.shape != topk_idx.shape or \
-                num_columns != layout.num_columns:
-            raise ValueError(f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
-                             f"topk_weights {topk_weights.shape}, {len(shared_slots)} shared "
-                             f"slots do not fit hidden {layout.hidden} and "
-                             f"{layout.num_columns} columns")
+        if (
+            x.shape != (num_tokens, layout.hidden)
+            or topk_weights.shape != topk_idx.shape
+            or num_columns != layout.num_columns
+        ):
+            raise ValueError(
+                f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
+                f"topk_weights {topk_weights.shape}, {len(shared_slots)} shared "
+                f"slots do not fit hidden {layout.hidden} and "
+                f"{layout.num_columns} columns"
+            )
         if topk_idx.size and (topk_idx.max() >= len(log2phy) or topk_idx.min() < -1):
             raise ValueError(f"die rank {self.me}: topk_idx outside -1..{len(log2phy) - 1}")
         phy = select_slots(topk_idx, log2phy, shared_slots, self.me)
@@ -211,50 +267,65 @@ class EpBuffer:
     def _stage_rows(self, x: np.ndarray, phy: np.ndarray):
         """Stage x's rows, one per chosen slot, destination-major, with their index rows.
         Returns token, column [S] of each staged row and send_counts [num_members]."""
-        token, column = np.nonzero(phy >= 0)                          # [S] each
+        token, column = np.nonzero(phy >= 0)  # [S] each
         slot = phy[token, column]
         dest = self.member_of_rank[self.slot_owner[slot]]
         order = np.lexsort((column, token, slot, dest))
         token, column, slot, dest = token[order], column[order], slot[order], dest[order]
         layout, local, num_rows = self.layout, self.mem.local, len(token)
         start = layout.offset(self.me, "dispatch_rows")
-        staged = local[start:start + num_rows * layout.send_row_bytes].reshape(
-            num_rows, layout.send_row_bytes)                            # [S, row bytes] in window
-        encode_rows(staged, x, token, hidden=layout.hidden, use_int8=layout.use_int8,
-                    dtype=self.dtype)
+        staged = local[start : start + num_rows * layout.send_row_bytes].reshape(
+            num_rows, layout.send_row_bytes
+        )  # [S, row bytes] in window
+        encode_rows(
+            staged, x, token, hidden=layout.hidden, use_int8=layout.use_int8, dtype=self.dtype
+        )
         index = np.zeros(num_rows, INDEX_DTYPE)
         index["token"], index["column"], index["slot"] = token, column, slot
         start = layout.offset(self.me, "dispatch_index")
-        local[start:start + index.nbytes] = index.view(np.uint8)
+        local[start : start + index.nbytes] = index.view(np.uint8)
         self.mem.sync()  # our stores land before any peer is told to pull them
         return token, column, np.bincount(dest, minlength=len(self.members))
 
     def _publish(self, kind: str, event_id: int, counts: np.ndarray) -> int:
         """Tell each member how many rows we staged for it and where: one record each."""
         seq = self._seq[kind] = self._seq[kind] + 1
-        bodies = np.zeros(len(self.members), ROWS_RECORD)       # one per member: Puts in flight
+        bodies = np.zeros(len(self.members), ROWS_RECORD)  # one per member: Puts in flight
         bodies["event_id"], bodies["count"] = event_id, counts
         bodies["offset"], bodies["vtime_ns"] = np.cumsum(counts) - counts, self.clock.now_ns
-        targets = [RecordAt(rank, self.layout.record_offset(rank, kind, self.me_idx))
-                   for rank in self.members]
+        targets = [
+            RecordAt(rank, self.layout.record_offset(rank, kind, self.me_idx))
+            for rank in self.members
+        ]
         records.publish(self.mem, targets, bodies, seq)
         return seq
 
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""
-        sources = [RecordAt(rank, self.layout.record_offset(self.me, kind, i))
-                   for i, rank in enumerate(self.members)]
+        sources = [
+            RecordAt(rank, self.layout.record_offset(self.me, kind, i))
+            for i, rank in enumerate(self.members)
+        ]
         expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
-        return records.wait(self.mem, sources, expected, ROWS_RECORD, timeout_s=self.timeout_s,
-                            interrupt=self.interrupt)
+        return records.wait(
+            self.mem,
+            sources,
+            expected,
+            ROWS_RECORD,
+            timeout_s=self.timeout_s,
+            interrupt=self.interrupt,
+        )
 
     def _pull(self, out: np.ndarray, region: str, counts, offsets, row_bytes: int) -> None:
         """Get counts[i] rows of `row_bytes` from member i's `region` at row offsets[i]."""
         at = 0
         for i, rank in enumerate(self.members):
             if counts[i]:
-                self.mem.get(rank, self.layout.offset(rank, region) + int(offsets[i]) * row_bytes,
-                             out[at:at + counts[i]].reshape(-1))
+                self.mem.get(
+                    rank,
+                    self.layout.offset(rank, region) + int(offsets[i]) * row_bytes,
+                    out[at : at + counts[i]].reshape(-1),
+                )
                 at += counts[i]
         self.mem.flush_all()
 
@@ -262,8 +333,13 @@ class EpBuffer:
         rows = np.empty((int(counts.sum()), self.layout.send_row_bytes), np.uint8)
         index = np.empty(len(rows), INDEX_DTYPE)
         self._pull(rows, "dispatch_rows", counts, offsets, self.layout.send_row_bytes)
-        self._pull(index.view(np.uint8).reshape(len(rows), INDEX_BYTES), "dispatch_index",
-                   counts, offsets, INDEX_BYTES)
+        self._pull(
+            index.view(np.uint8).reshape(len(rows), INDEX_BYTES),
+            "dispatch_index",
+            counts,
+            offsets,
+            INDEX_BYTES,
+        )
         return rows, index
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:

@@ -1,4 +1,5 @@
 """What dispatch returns (xccl/ep.py): the rows' origins, and the handle combine consumes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -43,8 +43,10 @@ class RollbackRequested(XcclError):
     it and vote (xccl/recovery.py). epoch: the attempt's epoch (failed attempts before it)."""
 
     def __init__(self, die: int, epoch: int) -> None:
-        super().__init__(f"die rank {die}: attempt of epoch {epoch} abandoned: another die "
-                         "signalled a failed XCCL operation")
+        super().__init__(
+            f"die rank {die}: attempt of epoch {epoch} abandoned: another die "
+            "signalled a failed XCCL operation"
+        )
         self.die, self.epoch = die, epoch
 
     def __reduce__(self):

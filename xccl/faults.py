@@ -9,10 +9,12 @@ coordinator drives (the `Realignable` protocol below):
                               element-wise max over every die, so that no doorbell left by the
                               failed attempt can ever equal one of the next attempt.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 # The operations a fault can hit (the same names as the config's faults.ops).
 OPS = ("p2p_send", "p2p_recv", "dispatch", "combine", "a2e", "e2a")

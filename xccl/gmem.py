@@ -11,11 +11,13 @@ a local load after `Win.Sync()` sees the peer's writes; a peer on another node m
 through MPI, so the poll is `Fetch_and_op(NO_OP)` on oneself + `Flush`. The idiom is chosen per
 writer ("auto"), or forced for the whole window ("load" / "rma").
 """
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 from mpi4py import MPI
@@ -38,8 +40,9 @@ class DieMemory:
         self.sizes = tuple(comm.allgather(nbytes))
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
-        self.local = (np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes
-                      else np.zeros(0, np.uint8))
+        self.local = (
+            np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+        )
         self.local[:] = 0
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
@@ -53,18 +56,24 @@ class DieMemory:
     # -- checks ---------------------------------------------------------------------------------
     def check(self, peer: int, offset: int, nbytes: int, what: str) -> None:
         if not 0 <= peer < len(self.sizes):
-            raise OutOfWindow(f"die rank {self.rank}: {what} to rank {peer}, but ranks are "
-                              f"0..{len(self.sizes) - 1}")
+            raise OutOfWindow(
+                f"die rank {self.rank}: {what} to rank {peer}, but ranks are "
+                f"0..{len(self.sizes) - 1}"
+            )
         if offset < 0 or nbytes < 0 or offset + nbytes > self.sizes[peer]:
-            raise OutOfWindow(f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
-                              f"rank {peer}'s window of {self.sizes[peer]} B")
+            raise OutOfWindow(
+                f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
+                f"rank {peer}'s window of {self.sizes[peer]} B"
+            )
 
     def claim(self, region: str) -> None:
         """A protocol claims its region once: a second protocol object on the same region would
         restart its sequence numbers over live records and read stale doorbells."""
         if region in self._claimed:
-            raise ValueError(f"rank {self.rank}: the window's {region} region is already in use "
-                             "by another protocol object; create one per window")
+            raise ValueError(
+                f"rank {self.rank}: the window's {region} region is already in use "
+                "by another protocol object; create one per window"
+            )
         self._claimed.add(region)
 
     # -- data -----------------------------------------------------------------------------------
@@ -93,14 +102,23 @@ class DieMemory:
         """Atomically replace one 64-bit word in `peer`'s window (then flush to complete)."""
         self.check(peer, offset, WORD.itemsize, "store_word")
         self._word_buf[0] = value
-        self.win.Accumulate([self._word_buf, 1, MPI.UINT64_T], peer, target=(offset, 1, MPI.UINT64_T),
-                            op=MPI.REPLACE)
+        self.win.Accumulate(
+            [self._word_buf, 1, MPI.UINT64_T],
+            peer,
+            target=(offset, 1, MPI.UINT64_T),
+            op=MPI.REPLACE,
+        )
 
     def fetch_word(self, peer: int, offset: int) -> int:
         """Atomically read one word of `peer`'s window (Fetch_and_op NO_OP + Flush)."""
         self.check(peer, offset, WORD.itemsize, "fetch_word")
-        self.win.Fetch_and_op([self._word_buf, MPI.UINT64_T], [self._fetch_buf, MPI.UINT64_T], peer,
-                             offset, op=MPI.NO_OP)
+        self.win.Fetch_and_op(
+            [self._word_buf, MPI.UINT64_T],
+            [self._fetch_buf, MPI.UINT64_T],
+            peer,
+            offset,
+            op=MPI.NO_OP,
+        )
         self.win.Flush(peer)
         return int(self._fetch_buf[0])
 
@@ -138,8 +156,13 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def poll_until(ready: Callable[[], bool], *, deadline: float, describe: Callable[[], str],
-               interrupt: Callable[[], None] | None = None) -> None:
+def poll_until(
+    ready: Callable[[], bool],
+    *,
+    deadline: float,
+    describe: Callable[[], str],
+    interrupt: Callable[[], None] | None = None,
+) -> None:
     """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.

@@ -19,10 +19,11 @@ Every rank computes the same layout from the same inputs, so a sender knows the 
 record and ring in the receiver's window without asking. The dispatch/combine and A2E/E2A areas
 follow the p2p part of the window (xccl/moe_layout.py).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from xccl.errors import OutOfWindow, UnknownPeer
 
@@ -48,8 +49,10 @@ class P2PLayout:
 
     def __post_init__(self) -> None:
         if self.ring_slots <= 0 or self.slot_bytes <= 0 or self.slot_bytes % 8:
-            raise ValueError(f"ring_slots({self.ring_slots}) must be > 0 and slot_bytes"
-                             f"({self.slot_bytes}) a positive multiple of 8")
+            raise ValueError(
+                f"ring_slots({self.ring_slots}) must be > 0 and slot_bytes"
+                f"({self.slot_bytes}) a positive multiple of 8"
+            )
         for src, dst in self.pairs:
             if not (0 <= src < self.num_ranks and 0 <= dst < self.num_ranks):
                 raise UnknownPeer(f"pair {src} -> {dst} outside ranks 0..{self.num_ranks - 1}")
@@ -79,8 +82,9 @@ class P2PLayout:
         object.__setattr__(self, "_sizes", tuple(sizes))
 
     @classmethod
-    def build(cls, num_ranks: int, ring_slots: int, slot_bytes: int,
-              pairs: Iterable[tuple[int, int]]) -> "P2PLayout":
+    def build(
+        cls, num_ranks: int, ring_slots: int, slot_bytes: int, pairs: Iterable[tuple[int, int]]
+    ) -> P2PLayout:
         return cls(num_ranks, ring_slots, slot_bytes, frozenset(pairs))
 
     @property
@@ -104,14 +108,17 @@ class P2PLayout:
                     f"rank {rank}'s window needs {size} B = {RECORD_BYTES} x ({RECORDS_PER_PAIR} x "
                     f"{ins} in + {outs} out) records + {ins} rings x {self.ring_slots} slots x "
                     f"{self.slot_bytes} B"
-                    f", over the per-die cap xccl.max_window_bytes({cap_bytes})")
+                    f", over the per-die cap xccl.max_window_bytes({cap_bytes})"
+                )
 
     def _lookup(self, table: dict, src: int, dst: int, what: str) -> int:
         try:
             return table[(src, dst)]
         except KeyError:
-            raise UnknownPeer(f"no p2p {what} for rank {src} -> rank {dst}: the pair is not "
-                              f"declared (declared pairs: {len(self.pairs)})") from None
+            raise UnknownPeer(
+                f"no p2p {what} for rank {src} -> rank {dst}: the pair is not "
+                f"declared (declared pairs: {len(self.pairs)})"
+            ) from None
 
     def record_offset(self, src: int, dst: int, seq: int = 0) -> int:
         """Offset in dst's window of the record src writes for its publication number `seq`."""

@@ -4,6 +4,7 @@ Every rank computes the same layout from the same inputs, so a die knows where a
 rows it pulls and where its own record sits in the peer's window without asking. Records are
 xccl/records.py's ROWS_RECORD; wire rows are xccl/quant.py's (send_row_bytes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ from functools import cached_property
 
 import numpy as np
 
-from xccl.quant import send_row_bytes
 from xccl.layout import RECORD_BYTES
+from xccl.quant import send_row_bytes
 
 # Per staged row, next to the rows: its token index, top-k column and physical slot.
 INDEX_DTYPE = np.dtype([("token", "<i4"), ("column", "<i4"), ("slot", "<i8")])
@@ -36,8 +37,8 @@ class EpLayout:
     combine never overwrites what a slow die still pulls from dispatch.
     """
 
-    members: tuple[int, ...]           # ranks taking part in dispatch/combine, in order
-    base: tuple[int, ...]              # per rank of the communicator: where the EP area starts
+    members: tuple[int, ...]  # ranks taking part in dispatch/combine, in order
+    base: tuple[int, ...]  # per rank of the communicator: where the EP area starts
     hidden: int
     max_tokens: int
     num_columns: int
@@ -71,11 +72,13 @@ class EpLayout:
 
     @cached_property
     def _area(self) -> dict[str, int]:
-        sizes = {"dispatch_records": self.num_members * RECORD_BYTES,
-                 "combine_records": self.num_members * RECORD_BYTES,
-                 "dispatch_rows": self.max_send_rows * self.send_row_bytes,
-                 "dispatch_index": self.max_send_rows * INDEX_BYTES,
-                 "combine_rows": self.max_recv_rows * self.out_row_bytes}
+        sizes = {
+            "dispatch_records": self.num_members * RECORD_BYTES,
+            "combine_records": self.num_members * RECORD_BYTES,
+            "dispatch_rows": self.max_send_rows * self.send_row_bytes,
+            "dispatch_index": self.max_send_rows * INDEX_BYTES,
+            "combine_rows": self.max_recv_rows * self.out_row_bytes,
+        }
         offsets, at = {}, 0
         for name, size in sizes.items():
             offsets[name] = at
@@ -125,15 +128,15 @@ class AfdLayout:
     senders = G trampolines (or the G attention dies of a domain in the direct variant).
     """
 
-    attention: tuple[int, ...]         # attention ranks, domain-major: domain d = [d*G, (d+1)*G)
-    experts: tuple[int, ...]           # expert ranks; experts[g] is the trampoline of group g
-    group_size: int                    # G attention dies per DP domain
-    base: tuple[int, ...]              # per rank of the communicator: where the area starts
-    num_lanes: int                     # DP domains x microbatches
+    attention: tuple[int, ...]  # attention ranks, domain-major: domain d = [d*G, (d+1)*G)
+    experts: tuple[int, ...]  # expert ranks; experts[g] is the trampoline of group g
+    group_size: int  # G attention dies per DP domain
+    base: tuple[int, ...]  # per rank of the communicator: where the area starts
+    num_lanes: int  # DP domains x microbatches
     hidden: int
     max_tokens: int
     top_k: int
-    has_shared: bool                   # a shared-expert column (weight 1) after the top-k
+    has_shared: bool  # a shared-expert column (weight 1) after the top-k
     itemsize: int
     use_int8: bool
 
@@ -142,11 +145,15 @@ class AfdLayout:
             if getattr(self, name) <= 0:
                 raise ValueError(f"AfdLayout.{name} must be > 0, got {getattr(self, name)}")
         if len(self.attention) % self.group_size:
-            raise ValueError(f"{len(self.attention)} attention dies are not whole DP domains of "
-                             f"group_size({self.group_size})")
+            raise ValueError(
+                f"{len(self.attention)} attention dies are not whole DP domains of "
+                f"group_size({self.group_size})"
+            )
         if len(self.experts) < self.group_size:
-            raise ValueError(f"{len(self.experts)} expert dies < group_size({self.group_size}): "
-                             "every attention die of a domain needs its own trampoline")
+            raise ValueError(
+                f"{len(self.experts)} expert dies < group_size({self.group_size}): "
+                "every attention die of a domain needs its own trampoline"
+            )
 
     @property
     def num_columns(self) -> int:
@@ -183,25 +190,34 @@ class AfdLayout:
     @cached_property
     def _areas(self) -> dict[str, dict[str, int]]:
         num_attention, num_experts = len(self.attention), len(self.experts)
-        scatter = {"scatter_rows": self.max_rows * self.send_row_bytes,
-                   "scatter_shared": self.max_tokens * self.out_row_bytes,
-                   "scatter_index": self.max_sent_rows * INDEX_BYTES}
+        scatter = {
+            "scatter_rows": self.max_rows * self.send_row_bytes,
+            "scatter_shared": self.max_tokens * self.out_row_bytes,
+            "scatter_index": self.max_sent_rows * INDEX_BYTES,
+        }
         per_lane = {
-            "attention": {"back_records": num_experts * RECORD_BYTES,
-                          "tok_rows": self.max_tokens * self.out_row_bytes,
-                          "tok_route": self.max_tokens * self.num_columns * 8, **scatter},
-            "expert": {"a2e_records": num_attention * RECORD_BYTES,
-                       "fwd_records": self.group_size * RECORD_BYTES,
-                       "back_records": num_experts * RECORD_BYTES, **scatter,
-                       "out_rows": self.max_recv_rows * self.out_row_bytes,
-                       "ret_rows": self.max_sent_rows * self.out_row_bytes}}
+            "attention": {
+                "back_records": num_experts * RECORD_BYTES,
+                "tok_rows": self.max_tokens * self.out_row_bytes,
+                "tok_route": self.max_tokens * self.num_columns * 8,
+                **scatter,
+            },
+            "expert": {
+                "a2e_records": num_attention * RECORD_BYTES,
+                "fwd_records": self.group_size * RECORD_BYTES,
+                "back_records": num_experts * RECORD_BYTES,
+                **scatter,
+                "out_rows": self.max_recv_rows * self.out_row_bytes,
+                "ret_rows": self.max_sent_rows * self.out_row_bytes,
+            },
+        }
         areas = {}
         for role, sizes in per_lane.items():
             offsets, at = {}, 0
             for name, size in sizes.items():
                 offsets[name] = at
                 at += (size + 63) // 64 * 64
-            offsets["lane"] = at                     # bytes of one lane
+            offsets["lane"] = at  # bytes of one lane
             offsets["end"] = at * self.num_lanes
             areas[role] = offsets
         return areas

@@ -30,10 +30,11 @@ flushed) and before its record; "p2p_recv" when a message's last record arrived,
 and the ack, so for a message of several ring fills the pair stops mid-message. A fault leaves
 the queues failed until abandon(), so no later transfer reuses the slots the failed one wrote.
 """
+
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,32 +56,44 @@ MAX_IN_FLIGHT = RECORDS_PER_PAIR
 class P2P:
     """send / receive between this die and the peers its layout pairs it with."""
 
-    def __init__(self, mem: DieMemory, layout: P2PLayout, *, clock: VirtualClock | None = None,
-                 link: LinkModel | None = None, num_cores: int = 2, path: Path = "mte",
-                 timeout_s: float = 60.0, server_of: Sequence[int] | None = None,
-                 event_base: int = 0) -> None:
+    def __init__(
+        self,
+        mem: DieMemory,
+        layout: P2PLayout,
+        *,
+        clock: VirtualClock | None = None,
+        link: LinkModel | None = None,
+        num_cores: int = 2,
+        path: Path = "mte",
+        timeout_s: float = 60.0,
+        server_of: Sequence[int] | None = None,
+        event_base: int = 0,
+    ) -> None:
         if mem.nbytes < layout.window_bytes(mem.rank):
-            raise BufferTooSmall(f"rank {mem.rank}: window of {mem.nbytes} B < the "
-                                 f"{layout.window_bytes(mem.rank)} B the p2p layout needs")
+            raise BufferTooSmall(
+                f"rank {mem.rank}: window of {mem.nbytes} B < the "
+                f"{layout.window_bytes(mem.rank)} B the p2p layout needs"
+            )
         mem.claim("p2p")
         self.mem, self.layout, self.me = mem, layout, mem.rank
         self.times = P2PTimes(mem.rank, clock or VirtualClock(), link, path, server_of)
         self.num_cores, self.path, self.timeout_s = num_cores, path, timeout_s
-        self._published = {}        # dst -> publications sent
-        self._tail = {}             # dst -> slots written (the tail pointer)
-        self._consumed = {}         # src -> publications consumed
-        self._rtail = {}            # src -> slots consumed
+        self._published = {}  # dst -> publications sent
+        self._tail = {}  # dst -> slots written (the tail pointer)
+        self._consumed = {}  # src -> publications consumed
+        self._rtail = {}  # src -> slots consumed
         self._ops = OpQueues()
-        self.fault_hook: FaultHook | None = None      # (op, event_id), may raise InjectedFault
-        self.interrupt: Interrupt | None = None       # every wait turn; may raise RollbackRequested
+        self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
+        self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 
     def set_recovery(self, hooks: RecoveryHooks) -> None:
         """Install the recovery hooks (once, by the die's recomputer; xccl/faults.py)."""
         self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
 
     # -- API ------------------------------------------------------------------------------------
-    def isend(self, data: np.ndarray, dst: int, event_id: int, *,
-              num_cores: int | None = None) -> Handle:
+    def isend(
+        self, data: np.ndarray, dst: int, event_id: int, *, num_cores: int | None = None
+    ) -> Handle:
         """Start sending `data` (any contiguous array; its bytes are sent) to `dst`.
         The caller must not change `data` until the handle completes."""
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -99,8 +112,9 @@ class P2P:
         self._ops.add(op)
         return Handle(self, op)
 
-    def send(self, data: np.ndarray, dst: int, event_id: int, *,
-             num_cores: int | None = None) -> Transfer:
+    def send(
+        self, data: np.ndarray, dst: int, event_id: int, *, num_cores: int | None = None
+    ) -> Transfer:
         """Synchronous send: returns after the receiver acknowledged the whole message."""
         return self.isend(data, dst, event_id, num_cores=num_cores).wait()
 
@@ -125,8 +139,10 @@ class P2P:
     # -- recovery (the restart rule in the module docstring) -------------------------------
     def publication_state(self) -> tuple[int, int]:
         """(highest publication number, highest ring position) over this die's pairs."""
-        return (max([*self._published.values(), *self._consumed.values()], default=0),
-                max([*self._tail.values(), *self._rtail.values()], default=0))
+        return (
+            max([*self._published.values(), *self._consumed.values()], default=0),
+            max([*self._tail.values(), *self._rtail.values()], default=0),
+        )
 
     def abandon(self) -> None:
         """Complete outstanding RMA and fail every queued transfer (its handle raises)."""
@@ -140,13 +156,16 @@ class P2P:
         published, tail = (int(v) for v in state)
         have = self.publication_state()
         if published < have[0] or tail < have[1]:
-            raise ValueError(f"die rank {self.me}: resync to publication {published}, ring "
-                             f"position {tail} would go back from {have}")
+            raise ValueError(
+                f"die rank {self.me}: resync to publication {published}, ring "
+                f"position {tail} would go back from {have}"
+            )
         for src, dst in self.layout.pairs:
             if src == self.me:
                 self._published[dst], self._tail[dst] = published, tail
-                self.mem.store_word(self.me, self.layout.ack_offset(src, dst),
-                                    records.ack_word(published))
+                self.mem.store_word(
+                    self.me, self.layout.ack_offset(src, dst), records.ack_word(published)
+                )
                 self.mem.flush(self.me)
             if dst == self.me:
                 self._consumed[src], self._rtail[src] = published, tail
@@ -156,11 +175,13 @@ class P2P:
         """Refuse an unknown peer at the call, naming both dies, the event and the size."""
         num_ranks = self.layout.num_ranks
         if not 0 <= op.peer < num_ranks:
-            raise UnknownPeer(self.describe(op, f"rank {op.peer} is outside ranks "
-                                                f"0..{num_ranks - 1}"))
+            raise UnknownPeer(
+                self.describe(op, f"rank {op.peer} is outside ranks 0..{num_ranks - 1}")
+            )
         if (src, dst) not in self.layout.pairs:
-            raise UnknownPeer(self.describe(op, f"the deployment declares no ring for rank {src} "
-                                                f"-> rank {dst}"))
+            raise UnknownPeer(
+                self.describe(op, f"the deployment declares no ring for rank {src} -> rank {dst}")
+            )
 
     def _send_steps(self, op: Op, data: np.ndarray, num_cores: int):
         dst, ack = op.peer, self.layout.ack_offset(self.me, op.peer)
@@ -168,8 +189,9 @@ class P2P:
         in_flight: deque[tuple[int, int]] = deque()  # (publication number, tail after it)
         acked_tail = self._tail.get(dst, 0)
         while True:
-            acked_tail = yield from self._wait_for_room(dst, ack, in_flight, acked_tail,
-                                                        has_bytes_left=sent < data.nbytes)
+            acked_tail = yield from self._wait_for_room(
+                dst, ack, in_flight, acked_tail, has_bytes_left=sent < data.nbytes
+            )
             # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots,
             # split over `num_cores` parallel writes (one per AIV core).
             nbytes = self._put_slots(dst, data, sent, acked_tail, num_cores)
@@ -188,26 +210,35 @@ class P2P:
             acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
             if in_flight:
                 yield f"the ack of publication {in_flight[-1][0]} (tail {in_flight[-1][1]})"
-        return Transfer(peer=dst, event_id=op.event_id, nbytes=data.nbytes,
-                        num_publications=publications, vtime_ns=self.clock.now_ns)
+        return Transfer(
+            peer=dst,
+            event_id=op.event_id,
+            nbytes=data.nbytes,
+            num_publications=publications,
+            vtime_ns=self.clock.now_ns,
+        )
 
-    def _wait_for_room(self, dst: int, ack: int, in_flight: deque, acked_tail: int, *,
-                       has_bytes_left: bool):
+    def _wait_for_room(
+        self, dst: int, ack: int, in_flight: deque, acked_tail: int, *, has_bytes_left: bool
+    ):
         """Flow control: at most MAX_IN_FLIGHT publications unacknowledged, slots to write into.
         Yields while blocked; returns the tail up to which the ring is free."""
         ring_slots = self.layout.ring_slots
 
         def is_blocked() -> bool:
             return len(in_flight) == MAX_IN_FLIGHT or (
-                has_bytes_left and self._tail.get(dst, 0) - acked_tail == ring_slots)
+                has_bytes_left and self._tail.get(dst, 0) - acked_tail == ring_slots
+            )
+
         while is_blocked():
             acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
             if in_flight and is_blocked():
                 yield f"the ack of publication {in_flight[0][0]} (ring full)"
         return acked_tail
 
-    def _put_slots(self, dst: int, data: np.ndarray, sent: int, acked_tail: int,
-                   num_cores: int) -> int:
+    def _put_slots(
+        self, dst: int, data: np.ndarray, sent: int, acked_tail: int, num_cores: int
+    ) -> int:
         """Put the next publication's bytes (at most the free slots, at most 1/MAX_IN_FLIGHT of
         the ring) from data[sent:] into dst's ring; returns how many."""
         layout, ring = self.layout, self.layout.ring_offset(self.me, dst)
@@ -218,11 +249,12 @@ class P2P:
         for ring_pos, msg_pos, length in layout.slot_runs(tail, nbytes):
             base = sent + msg_pos
             for lo, hi in core_runs(length, num_cores):
-                self.mem.put(dst, ring + ring_pos + lo, data[base + lo:base + hi])
+                self.mem.put(dst, ring + ring_pos + lo, data[base + lo : base + hi])
         return nbytes
 
-    def _publish(self, op: Op, msg_bytes: int, nbytes: int, chunk_id: int,
-                 num_cores: int) -> tuple[int, int]:
+    def _publish(
+        self, op: Op, msg_bytes: int, nbytes: int, chunk_id: int, num_cores: int
+    ) -> tuple[int, int]:
         """Write the record of a publication of `nbytes`; returns (its number, tail after it)."""
         dst = op.peer
         tail = self._tail[dst] = self._tail.get(dst, 0) + -(-nbytes // self.layout.slot_bytes)
@@ -254,8 +286,9 @@ class P2P:
             source = [RecordAt(src, self.layout.record_offset(src, self.me, seq))]
             while records.missing_peers(self.mem, source, seq):
                 yield f"record {seq} from rank {src}"
-            expected = Expected(stage="receive", event_id=op.event_id, doorbell=seq,
-                                call=f"publication {seq}")
+            expected = Expected(
+                stage="receive", event_id=op.event_id, doorbell=seq, call=f"publication {seq}"
+            )
             body = records.read(self.mem, source, expected, P2P_RECORD)[0]
             self._check_record(op, body, expected_chunk, out.nbytes if total is None else None)
             total, nbytes = int(body["msg_bytes"]), int(body["pub_bytes"])
@@ -265,37 +298,52 @@ class P2P:
             # Step 6: copy the slots out of the managed area into the caller's buffer.
             self._copy_slots(op, out, received, nbytes, int(body["tail"]))
             self._consumed[src] = seq
-            self.times.publication_lands(src, float(body["vtime_ns"]), nbytes,
-                                         num_cores=int(body["num_cores"]),
-                                         is_dma=bool(body["is_dma"]))
+            self.times.publication_lands(
+                src,
+                float(body["vtime_ns"]),
+                nbytes,
+                num_cores=int(body["num_cores"]),
+                is_dma=bool(body["is_dma"]),
+            )
             # Step 7: acknowledge in the sender's metadata (frees those slots for the next fill).
             self.mem.store_word(src, ack, records.ack_word(seq, self.clock.now_ns))
             self.mem.flush(src)
             received += nbytes
             expected_chunk += -(-nbytes // self.layout.slot_bytes)
             publications += 1
-        return Transfer(peer=src, event_id=op.event_id, nbytes=total,
-                        num_publications=publications, vtime_ns=self.clock.now_ns)
+        return Transfer(
+            peer=src,
+            event_id=op.event_id,
+            nbytes=total,
+            num_publications=publications,
+            vtime_ns=self.clock.now_ns,
+        )
 
-    def _copy_slots(self, op: Op, out: np.ndarray, received: int, nbytes: int,
-                    tail: int) -> None:
+    def _copy_slots(self, op: Op, out: np.ndarray, received: int, nbytes: int, tail: int) -> None:
         """Copy a publication's ring slots into out[received:]; its tail must match ours."""
         src, layout, local = op.peer, self.layout, self.mem.local
         ring, rtail = layout.ring_offset(src, self.me), self._rtail.get(src, 0)
         for ring_pos, msg_pos, length in layout.slot_runs(rtail, nbytes):
             at = received + msg_pos
-            out[at:at + length] = local[ring + ring_pos:ring + ring_pos + length]
+            out[at : at + length] = local[ring + ring_pos : ring + ring_pos + length]
         rtail = self._rtail[src] = rtail + -(-nbytes // layout.slot_bytes)
         if tail != rtail:
-            raise XcclError(f"die rank {self.me}: tail pointer from rank {src} is {tail}, "
-                            f"expected {rtail} (event {op.event_id})")
+            raise XcclError(
+                f"die rank {self.me}: tail pointer from rank {src} is {tail}, "
+                f"expected {rtail} (event {op.event_id})"
+            )
 
-    def _check_record(self, op: Op, body: np.void, expected_chunk: int,
-                      capacity: int | None) -> None:
+    def _check_record(
+        self, op: Op, body: np.void, expected_chunk: int, capacity: int | None
+    ) -> None:
         me, src, msg_bytes = self.me, op.peer, int(body["msg_bytes"])
         if int(body["chunk_id"]) != expected_chunk:
-            raise XcclError(f"die rank {me}: chunk id {int(body['chunk_id'])} from rank {src}, "
-                            f"expected {expected_chunk} (event {op.event_id})")
+            raise XcclError(
+                f"die rank {me}: chunk id {int(body['chunk_id'])} from rank {src}, "
+                f"expected {expected_chunk} (event {op.event_id})"
+            )
         if capacity is not None and msg_bytes > capacity:
-            raise BufferTooSmall(f"die rank {me}: receive buffer of {capacity} B < the "
-                                 f"{msg_bytes} B message from rank {src} (event {op.event_id})")
+            raise BufferTooSmall(
+                f"die rank {me}: receive buffer of {capacity} B < the "
+                f"{msg_bytes} B message from rank {src} (event {op.event_id})"
+            )

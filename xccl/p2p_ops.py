@@ -5,12 +5,14 @@ Operations queue per (direction, peer) and advance only inside `progress()`, whi
 them and never busy-wait while it computes. A fault raised inside `progress()` leaves the queues
 failed (every later `progress()` raises it again) until `abandon()`.
 """
+
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generator
+from typing import TYPE_CHECKING
 
 from xccl.errors import InjectedFault, XcclError
 from xccl.gmem import poll_until
@@ -52,15 +54,17 @@ class Op:
     def describe(self, me: int, what: str) -> str:
         arrow = "to" if self.kind == "send" else "from"
         waiting = f", waiting for {self.waiting_for}" if self.steps is not None else ""
-        return (f"die rank {me}: {self.kind} of {self.nbytes} B {arrow} rank {self.peer}, event "
-                f"{self.event_id}: {what}{waiting}")
+        return (
+            f"die rank {me}: {self.kind} of {self.nbytes} B {arrow} rank {self.peer}, event "
+            f"{self.event_id}: {what}{waiting}"
+        )
 
 
 class Handle:
     """An in-flight send or receive. `test()` advances all transfers and says if this one is done;
     `wait()` blocks (yielding the CPU) until it is, raising its error or XcclTimeout."""
 
-    def __init__(self, p2p: "P2P", op: Op) -> None:
+    def __init__(self, p2p: P2P, op: Op) -> None:
         self._p2p, self._op = p2p, op
 
     def test(self) -> bool:
@@ -71,8 +75,12 @@ class Handle:
     def wait(self, timeout_s: float | None = None) -> Transfer:
         p2p, op = self._p2p, self._op
         timeout_s = p2p.timeout_s if timeout_s is None else timeout_s
-        poll_until(self.test, deadline=time.monotonic() + timeout_s, interrupt=p2p.interrupt,
-                   describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"))
+        poll_until(
+            self.test,
+            deadline=time.monotonic() + timeout_s,
+            interrupt=p2p.interrupt,
+            describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"),
+        )
         if op.error is not None:
             raise op.error
         return op.result
@@ -83,7 +91,7 @@ class OpQueues:
 
     def __init__(self) -> None:
         self._queues: dict[tuple[str, int], deque[Op]] = {}
-        self.fault: InjectedFault | None = None      # set by a fault hook, cleared by abandon()
+        self.fault: InjectedFault | None = None  # set by a fault hook, cleared by abandon()
 
     def add(self, op: Op) -> None:
         self._queues.setdefault((op.kind, op.peer), deque()).append(op)

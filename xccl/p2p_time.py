@@ -6,16 +6,23 @@ moves to the stamp plus the transfer of the bytes the way the sender wrote them 
 or DMA); a sender's, to the receiver's ack time plus a one-word write. Without a link model the
 stamps are the sender's clock and arrivals leave the clocks alone (the caller prices transfers).
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from xccl.vclock import LinkModel, Path, VirtualClock
 
 
 class P2PTimes:
-    def __init__(self, me: int, clock: VirtualClock, link: LinkModel | None, path: Path,
-                 server_of: Sequence[int] | None) -> None:
+    def __init__(
+        self,
+        me: int,
+        clock: VirtualClock,
+        link: LinkModel | None,
+        path: Path,
+        server_of: Sequence[int] | None,
+    ) -> None:
         self.me, self.clock, self.link, self.path, self.server_of = me, clock, link, path, server_of
         self._link_free: dict[int, float] = {}  # dst -> virtual ns when the link is free again
 
@@ -29,15 +36,23 @@ class P2PTimes:
             return self.clock.now_ns
         stamp = max(self.clock.now_ns, self._link_free.get(dst, 0.0))
         self._link_free[dst] = stamp + self.link.serialization_ns(
-            nbytes, num_cores=num_cores, path=self.path, same_server=self._same_server(dst))
+            nbytes, num_cores=num_cores, path=self.path, same_server=self._same_server(dst)
+        )
         return stamp
 
-    def publication_lands(self, src: int, stamp_ns: float, nbytes: int, *, num_cores: int,
-                          is_dma: bool) -> None:
+    def publication_lands(
+        self, src: int, stamp_ns: float, nbytes: int, *, num_cores: int, is_dma: bool
+    ) -> None:
         if self.link is not None:
-            self.clock.arrive(stamp_ns + self.link.transfer_ns(
-                nbytes, num_cores=num_cores, path="dma" if is_dma else "mte",
-                same_server=self._same_server(src)))
+            self.clock.arrive(
+                stamp_ns
+                + self.link.transfer_ns(
+                    nbytes,
+                    num_cores=num_cores,
+                    path="dma" if is_dma else "mte",
+                    same_server=self._same_server(src),
+                )
+            )
 
     def ack_lands(self, dst: int, ack_ns: float) -> None:
         if self.link is not None:

@@ -5,6 +5,7 @@ Each row (token) gets one scale = max|x| / 127, stored as float32; q = round(x /
 rounding of the division). The model's single-process reference calls these same functions at the
 point where the distributed path quantizes, so INT8 runs compare token for token.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,17 +26,18 @@ def dequantize_int8(q: np.ndarray, scale: np.ndarray, dtype=np.float64) -> np.nd
     return q.astype(dtype) * scale.astype(dtype)[:, None]
 
 
-def encode_rows(staged: np.ndarray, x: np.ndarray, token: np.ndarray, *, hidden: int,
-                use_int8: bool, dtype) -> None:
+def encode_rows(
+    staged: np.ndarray, x: np.ndarray, token: np.ndarray, *, hidden: int, use_int8: bool, dtype
+) -> None:
     """Write rows x[token] into staged wire rows [len(token), row_bytes] uint8 (in place, e.g. a
     window): INT8 values + a float32 scale, or the values as `dtype`; padding left as it is."""
     if use_int8:
         q, scale = quantize_int8(x[token])
         staged[:, :hidden] = q.view(np.uint8)
-        staged[:, hidden:hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
+        staged[:, hidden : hidden + 4] = scale.view(np.uint8).reshape(-1, 4)
         return
     width = hidden * np.dtype(dtype).itemsize
-    if staged.shape[1] == width:                                   # copy straight in
+    if staged.shape[1] == width:  # copy straight in
         np.take(x.astype(dtype, copy=False), token, axis=0, out=staged.view(dtype))
     else:
         staged[:, :width] = x[token].astype(dtype).view(np.uint8)
@@ -52,7 +54,7 @@ def decode_rows(raw: np.ndarray, *, hidden: int, use_int8: bool, dtype) -> np.nd
     float32 scale, or the values, padded to 8 bytes) -> [rows, hidden] `dtype`."""
     if use_int8:
         q = raw[:, :hidden].view(np.int8)
-        scale = raw[:, hidden:hidden + 4].copy().view(np.float32)[:, 0]
+        scale = raw[:, hidden : hidden + 4].copy().view(np.float32)[:, 0]
         return dequantize_int8(q, scale, dtype)
     width = hidden * np.dtype(dtype).itemsize
     if raw.shape[1] == width:

@@ -11,11 +11,12 @@ ready: every doorbell rang, then Win.Sync and read the bodies, refusing a stale 
 event id. wait: ready polled until a deadline; the timeout names die, stage, event, call and the
 peers whose records are missing.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -34,13 +35,28 @@ def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
 # chunk_id: ring slots before this publication in its message; tail: the sender's tail pointer
 # after it; msg_bytes / pub_bytes: sizes of the message and of this publication; num_cores /
 # is_dma: how the sender wrote the bytes (the receiver prices the same transfer).
-P2P_RECORD = _record_dtype([("chunk_id", "<u8"), ("tail", "<u8"), ("vtime_ns", "<f8"),
-                            ("msg_bytes", "<u8"), ("pub_bytes", "<u8"), ("num_cores", "<u4"),
-                            ("is_dma", "<u4")])
+P2P_RECORD = _record_dtype(
+    [
+        ("chunk_id", "<u8"),
+        ("tail", "<u8"),
+        ("vtime_ns", "<f8"),
+        ("msg_bytes", "<u8"),
+        ("pub_bytes", "<u8"),
+        ("num_cores", "<u4"),
+        ("is_dma", "<u4"),
+    ]
+)
 # count / offset: rows the writer staged for the reader and the row where they start;
 # shared_count / shared_offset: its full-precision shared-expert rows (A2E/E2A only, else 0).
-ROWS_RECORD = _record_dtype([("count", "<u8"), ("offset", "<u8"), ("vtime_ns", "<f8"),
-                             ("shared_count", "<u8"), ("shared_offset", "<u8")])
+ROWS_RECORD = _record_dtype(
+    [
+        ("count", "<u8"),
+        ("offset", "<u8"),
+        ("vtime_ns", "<f8"),
+        ("shared_count", "<u8"),
+        ("shared_offset", "<u8"),
+    ]
+)
 DOORBELL_OFFSET = 0
 BODY_OFFSET = 8
 # p2p's ack is one atomic word, not a record: the publication number (16 bits, compared modulo
@@ -73,8 +89,7 @@ class Expected:
     call: str
 
 
-def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray,
-            doorbell: int) -> None:
+def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray, doorbell: int) -> None:
     """Put bodies[i] (every field after the doorbell) into records[i], flush, then ring each
     doorbell with `doorbell` and flush. The Puts read `bodies` until that first flush."""
     raw = bodies.view(np.uint8).reshape(len(bodies), RECORD_BYTES)
@@ -99,25 +114,29 @@ def _has_rung(mem: DieMemory, record: RecordAt, doorbell: int) -> bool:
     return mem.load_word(record.offset + DOORBELL_OFFSET, record.peer) == doorbell
 
 
-def read(mem: DieMemory, records: Sequence[RecordAt], expected: Expected,
-         dtype: np.dtype) -> np.ndarray:
+def read(
+    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype
+) -> np.ndarray:
     """The bodies [W] `dtype` of records whose doorbells rang; EventMismatch on a foreign event."""
     mem.sync()  # the peers' body Puts, flushed before their doorbells, become visible
     bodies = np.empty(len(records), dtype)
     raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
     for record, row in zip(records, raw):
-        row[:] = mem.local[record.offset:record.offset + RECORD_BYTES]
+        row[:] = mem.local[record.offset : record.offset + RECORD_BYTES]
     bad = np.flatnonzero(bodies["event_id"] != expected.event_id)
     if len(bad):
         i = int(bad[0])
-        raise EventMismatch(f"die rank {mem.rank}: {expected.stage} expected event "
-                            f"{expected.event_id}, rank {records[i].peer} reported event "
-                            f"{int(bodies['event_id'][i])} ({expected.call})")
+        raise EventMismatch(
+            f"die rank {mem.rank}: {expected.stage} expected event "
+            f"{expected.event_id}, rank {records[i].peer} reported event "
+            f"{int(bodies['event_id'][i])} ({expected.call})"
+        )
     return bodies
 
 
-def ready(mem: DieMemory, records: Sequence[RecordAt], expected: Expected,
-          dtype: np.dtype) -> np.ndarray | None:
+def ready(
+    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype
+) -> np.ndarray | None:
     """read() if every doorbell rang, else None."""
     if missing_peers(mem, records, expected.doorbell):
         return None
@@ -125,12 +144,21 @@ def ready(mem: DieMemory, records: Sequence[RecordAt], expected: Expected,
 
 
 def no_record(mem: DieMemory, expected: Expected, missing: Sequence[int]) -> str:
-    return (f"die rank {mem.rank}: {expected.stage} event {expected.event_id} ({expected.call}):"
-            f" no record from rank(s) {list(missing)}")
+    return (
+        f"die rank {mem.rank}: {expected.stage} event {expected.event_id} ({expected.call}):"
+        f" no record from rank(s) {list(missing)}"
+    )
 
 
-def wait(mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype, *,
-         timeout_s: float, interrupt: Interrupt | None) -> np.ndarray:
+def wait(
+    mem: DieMemory,
+    records: Sequence[RecordAt],
+    expected: Expected,
+    dtype: np.dtype,
+    *,
+    timeout_s: float,
+    interrupt: Interrupt | None,
+) -> np.ndarray:
     """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
     pending = list(records)
 
@@ -138,16 +166,23 @@ def wait(mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype:
         # A rung doorbell stays rung until the reader's next call, so only the rest are polled.
         pending[:] = [r for r in pending if not _has_rung(mem, r, expected.doorbell)]
         return not pending
-    poll_until(all_rang, deadline=time.monotonic() + timeout_s, interrupt=interrupt,
-               describe=lambda: f"{no_record(mem, expected, [r.peer for r in pending])} after "
-                                f"{timeout_s:g} s")
+
+    poll_until(
+        all_rang,
+        deadline=time.monotonic() + timeout_s,
+        interrupt=interrupt,
+        describe=lambda: (
+            f"{no_record(mem, expected, [r.peer for r in pending])} after {timeout_s:g} s"
+        ),
+    )
     return read(mem, records, expected, dtype)
 
 
 def ack_word(seq: int, vtime_ns: float = 0.0) -> int:
     """The ack of publication `seq`, written at virtual time `vtime_ns`."""
-    return (seq % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS | \
-        (int(vtime_ns) & ((1 << ACK_TIME_BITS) - 1))
+    return (seq % (1 << ACK_SEQ_BITS)) << ACK_TIME_BITS | (
+        int(vtime_ns) & ((1 << ACK_TIME_BITS) - 1)
+    )
 
 
 def ack_covers(word: int, seq: int) -> bool:

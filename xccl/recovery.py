@@ -27,12 +27,14 @@ so all dies stay in the same iteration with the same publication numbers.
 Cost (shared/MPI_NOTES.md idioms): interrupt() is Win.Sync + one load when every die shares this
 node, else Fetch_and_op(NO_OP) + Flush on oneself, which also reaches writers on other nodes.
 """
+
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -102,7 +104,7 @@ class Recovery:
         """Tell every die that this attempt failed: epoch + 1 into every die's word, flushed."""
         for die in range(self.num_dies):
             self.mem.store_word(die, 0, self.epoch + 1)
-            self.mem.flush(die)                     # the word buffer is reused by the next store
+            self.mem.flush(die)  # the word buffer is reused by the next store
         self._notified = True
 
     def vote(self, fault: InjectedFault | None, states: Sequence[int]) -> Outcome:
@@ -112,28 +114,39 @@ class Recovery:
         same layout on every die: the same buffers in the same order; missing trailing ones
         count as 0), at most max_states non-negative ints."""
         if len(states) > self.max_states:
-            raise ValueError(f"die rank {self.rank}: {len(states)} publication states to vote, "
-                             f"max_states is {self.max_states}")
+            raise ValueError(
+                f"die rank {self.rank}: {len(states)} publication states to vote, "
+                f"max_states is {self.max_states}"
+            )
         send = self._send
         send[:] = 0
         send[0] = self._notified or fault is not None
         if fault is not None:
             op = OPS.index(fault.op) if fault.op in OPS else -1
             send[1:HEADER] = (1, fault.die, op, fault.event_id, fault.code)
-        send[HEADER:HEADER + len(states)] = states
+        send[HEADER : HEADER + len(states)] = states
         self._allgather()
-        rows = self._recv[:, :HEADER + len(states)].tolist()          # [dies][words] ints
-        faults = tuple(FaultReport(die=r[2], op=OPS[r[3]] if r[3] >= 0 else "?", event_id=r[4],
-                                   code=r[5]) for r in rows if r[1])
+        rows = self._recv[:, : HEADER + len(states)].tolist()  # [dies][words] ints
+        faults = tuple(
+            FaultReport(die=r[2], op=OPS[r[3]] if r[3] >= 0 else "?", event_id=r[4], code=r[5])
+            for r in rows
+            if r[1]
+        )
         failed = any(r[0] for r in rows)
         self.epoch += failed
         self._notified = False
         merged = tuple(max(column) for column in zip(*(r[HEADER:] for r in rows)))
         return Outcome(failed=failed, epoch=self.epoch, faults=faults, states=merged)
 
-    def run(self, attempt: Callable[[int], T], buffers: Sequence[Realignable], *,
-            max_retries: int, what: str, on_rollback: Callable[[Outcome], None] | None = None
-            ) -> T:
+    def run(
+        self,
+        attempt: Callable[[int], T],
+        buffers: Sequence[Realignable],
+        *,
+        max_retries: int,
+        what: str,
+        on_rollback: Callable[[Outcome], None] | None = None,
+    ) -> T:
         """attempt(k) for k = 0, 1, ... until one succeeds on every die (steps 1-4 above).
 
         buffers: this die's XCCL buffers, in the same order on every die. on_rollback(outcome):
@@ -157,13 +170,14 @@ class Recovery:
             at = 0
             for b in buffers:
                 n = len(b.publication_state())
-                b.resync(outcome.states[at:at + n])
+                b.resync(outcome.states[at : at + n])
                 at += n
             if on_rollback is not None:
                 on_rollback(outcome)
-        raise RetriesExhausted(f"die rank {self.rank}: {what} failed {max_retries + 1} attempts "
-                               f"(max_retries {max_retries}); the last: "
-                               + "; ".join(str(f) for f in outcome.faults))
+        raise RetriesExhausted(
+            f"die rank {self.rank}: {what} failed {max_retries + 1} attempts "
+            f"(max_retries {max_retries}); the last: " + "; ".join(str(f) for f in outcome.faults)
+        )
 
     def free(self) -> None:
         """Release the window; safe to call twice."""
@@ -174,9 +188,11 @@ class Recovery:
         deadline = time.monotonic() + self.timeout_s
         while not request.Test():
             if time.monotonic() > deadline:
-                raise XcclTimeout(f"die rank {self.rank}: vote of epoch {self.epoch}: not every "
-                                  f"die voted after {self.timeout_s:g} s (a die stuck outside "
-                                  "XCCL's waits, or one whose waits have no interrupt)")
+                raise XcclTimeout(
+                    f"die rank {self.rank}: vote of epoch {self.epoch}: not every "
+                    f"die voted after {self.timeout_s:g} s (a die stuck outside "
+                    "XCCL's waits, or one whose waits have no interrupt)"
+                )
             os.sched_yield()
 
 

@@ -1,14 +1,19 @@
 """What dispatch/combine (xccl/ep.py) and A2E/E2A (xccl/afd.py) share: which physical slot each
 column of a token goes to, the combine weights, and the weighted sum of the returned columns."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def select_slots(topk_idx: np.ndarray, log2phy: Sequence[Sequence[int]],
-                 shared_slots: Sequence[int], src_rank: int) -> np.ndarray:
+def select_slots(
+    topk_idx: np.ndarray,
+    log2phy: Sequence[Sequence[int]],
+    shared_slots: Sequence[int],
+    src_rank: int,
+) -> np.ndarray:
     """[T, K] logical experts (-1 = none) -> [T, C] physical slots (-1 = none).
 
     A token whose expert has several replicas takes replica (token index mod replicas): spread by
@@ -16,11 +21,11 @@ def select_slots(topk_idx: np.ndarray, log2phy: Sequence[Sequence[int]],
     slot shared_slots[(src_rank + token) mod len(shared_slots)].
     """
     num_tokens, top_k = topk_idx.shape
-    num_replicas = np.array([len(r) for r in log2phy], np.int64)      # [E]
+    num_replicas = np.array([len(r) for r in log2phy], np.int64)  # [E]
     table = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)
     for expert, replicas in enumerate(log2phy):
-        table[expert, :len(replicas)] = replicas
-    token = np.arange(num_tokens)[:, None]                            # [T, 1]
+        table[expert, : len(replicas)] = replicas
+    token = np.arange(num_tokens)[:, None]  # [T, 1]
     expert = np.where(topk_idx >= 0, topk_idx, 0)
     phy = table[expert, token % np.maximum(num_replicas[expert], 1)]  # [T, K]
     phy = np.where(topk_idx >= 0, phy, -1)
@@ -30,8 +35,7 @@ def select_slots(topk_idx: np.ndarray, log2phy: Sequence[Sequence[int]],
     return phy
 
 
-def combine_weights(topk_idx: np.ndarray, topk_weights: np.ndarray,
-                    num_columns: int) -> np.ndarray:
+def combine_weights(topk_idx: np.ndarray, topk_weights: np.ndarray, num_columns: int) -> np.ndarray:
     """[T, K] weights -> [T, C] float64: 0 where topk_idx is -1, 1 in the shared column (K)."""
     num_tokens, top_k = topk_idx.shape
     weights = np.zeros((num_tokens, num_columns))
@@ -40,8 +44,9 @@ def combine_weights(topk_idx: np.ndarray, topk_weights: np.ndarray,
     return weights
 
 
-def weighted_column_sum(outs: np.ndarray, token: np.ndarray, column: np.ndarray,
-                        weights: np.ndarray) -> np.ndarray:
+def weighted_column_sum(
+    outs: np.ndarray, token: np.ndarray, column: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
     """y [T, hidden] float64: each token's returned rows, weighted, summed column by column.
 
     outs: [R, hidden] rows (any float dtype: the wire's). token / column: [R] each row's token and
@@ -52,6 +57,6 @@ def weighted_column_sum(outs: np.ndarray, token: np.ndarray, column: np.ndarray,
     y = np.zeros((num_tokens, outs.shape[1]), np.float64)
     for c in range(num_columns):
         rows = np.flatnonzero(column == c)
-        rows_token = token[rows]                           # each token at most once per column
+        rows_token = token[rows]  # each token at most once per column
         y[rows_token] += weights[rows_token, c, None] * outs[rows].astype(np.float64)
     return y

@@ -4,6 +4,7 @@ Wall time says what MPI on this machine took; virtual time says what a 910C die 
 Senders stamp their clock into XCCL records; a receiver's clock becomes max(own, arrival) where
 arrival = send time + the link's cost of the bytes (DESIGN.md §5).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,26 +26,32 @@ class LinkModel:
     max_cores: int
 
     @classmethod
-    def from_profile(cls, profile: dict) -> "LinkModel":
+    def from_profile(cls, profile: dict) -> LinkModel:
         ub = profile["ub"]
-        return cls(write_gb_per_s_intra=ub["write_gb_per_s_intra"],
-                   write_gb_per_s_inter=ub["write_gb_per_s_inter"],
-                   write_latency_us_intra=ub["write_latency_us_intra"],
-                   write_latency_us_inter=ub["write_latency_us_inter"],
-                   mte_gb_per_s_per_core=ub["mte_gb_per_s_per_core"],
-                   dma_startup_us=ub["dma_startup_us"], max_cores=profile["die"]["aiv_cores"])
+        return cls(
+            write_gb_per_s_intra=ub["write_gb_per_s_intra"],
+            write_gb_per_s_inter=ub["write_gb_per_s_inter"],
+            write_latency_us_intra=ub["write_latency_us_intra"],
+            write_latency_us_inter=ub["write_latency_us_inter"],
+            mte_gb_per_s_per_core=ub["mte_gb_per_s_per_core"],
+            dma_startup_us=ub["dma_startup_us"],
+            max_cores=profile["die"]["aiv_cores"],
+        )
 
-    def transfer_ns(self, nbytes: int, *, num_cores: int = 1, path: Path = "mte",
-                    same_server: bool = False) -> float:
+    def transfer_ns(
+        self, nbytes: int, *, num_cores: int = 1, path: Path = "mte", same_server: bool = False
+    ) -> float:
         """Virtual ns from the start of a write of `nbytes` to its arrival at the peer."""
         latency_us = self.write_latency_us_intra if same_server else self.write_latency_us_inter
         if path == "dma":
             latency_us += self.dma_startup_us
-        return latency_us * 1e3 + self.serialization_ns(nbytes, num_cores=num_cores, path=path,
-                                                        same_server=same_server)
+        return latency_us * 1e3 + self.serialization_ns(
+            nbytes, num_cores=num_cores, path=path, same_server=same_server
+        )
 
-    def serialization_ns(self, nbytes: int, *, num_cores: int = 1, path: Path = "mte",
-                         same_server: bool = False) -> float:
+    def serialization_ns(
+        self, nbytes: int, *, num_cores: int = 1, path: Path = "mte", same_server: bool = False
+    ) -> float:
         """Virtual ns the link is busy pushing `nbytes` (no start-up latency)."""
         gb_per_s = self.write_gb_per_s_intra if same_server else self.write_gb_per_s_inter
         if path == "mte":  # each AIV core moves its share through its unified buffer

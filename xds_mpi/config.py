@@ -6,6 +6,7 @@ overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a co
 across sections (rank map, layouts, window sizes) and whether it can run is
 `xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,16 @@ from typing import Literal
 # FAULT_OPS, FaultSpec, ConfigError, check_value and parse_override are re-exported: callers
 # import the whole config interface from here.
 from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
-from xds_mpi.config_loader import (ConfigError, build_root, check_value,  # noqa: F401
-                                   non_negative, parse_override, positive, read_root, require)
+from xds_mpi.config_loader import (  # noqa: F401
+    ConfigError,
+    build_root,
+    check_value,
+    non_negative,
+    parse_override,
+    positive,
+    read_root,
+    require,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,48 +35,72 @@ class DeploymentConfig:
     """Which dies play which role. Dies are numbered after the host ranks."""
 
     kind: Literal["colocated", "afd"] = "colocated"
-    num_host_ranks: int = 1            # TE-shell + frontend; CPU processes, no die
-    num_dp_domains: int = 1            # colocated: exactly 1
-    dp_groups_per_domain: int = 4      # attention dies per DP domain (TP=1: one die per DP group)
-    num_expert_dies: int = 0           # afd: dies running only the MoE (incl. dedicated shared)
+    num_host_ranks: int = 1  # TE-shell + frontend; CPU processes, no die
+    num_dp_domains: int = 1  # colocated: exactly 1
+    dp_groups_per_domain: int = 4  # attention dies per DP domain (TP=1: one die per DP group)
+    num_expert_dies: int = 0  # afd: dies running only the MoE (incl. dedicated shared)
     shared_experts: Literal["every_die", "dedicated"] = "every_die"
-    num_shared_expert_dies: int = 0    # dedicated: expert-hosting dies holding a shared expert
-    redundant_slots_per_die: int = 0   # EPLB replica slots on each routed-expert die
+    num_shared_expert_dies: int = 0  # dedicated: expert-hosting dies holding a shared expert
+    redundant_slots_per_die: int = 0  # EPLB replica slots on each routed-expert die
     max_routed_experts_per_die: int = 64
-    num_prefill_dies: int = 0          # PD disaggregation: dies that only prefill
-    num_microbatches: int = 1          # afd: microbatches per DP domain
+    num_prefill_dies: int = 0  # PD disaggregation: dies that only prefill
+    num_microbatches: int = 1  # afd: microbatches per DP domain
 
     def __post_init__(self) -> None:
         s = "deployment"
-        non_negative(s, num_host_ranks=self.num_host_ranks, num_expert_dies=self.num_expert_dies,
-                     num_shared_expert_dies=self.num_shared_expert_dies,
-                     redundant_slots_per_die=self.redundant_slots_per_die,
-                     num_prefill_dies=self.num_prefill_dies)
-        positive(s, num_dp_domains=self.num_dp_domains,
-                 dp_groups_per_domain=self.dp_groups_per_domain,
-                 max_routed_experts_per_die=self.max_routed_experts_per_die,
-                 num_microbatches=self.num_microbatches)
+        non_negative(
+            s,
+            num_host_ranks=self.num_host_ranks,
+            num_expert_dies=self.num_expert_dies,
+            num_shared_expert_dies=self.num_shared_expert_dies,
+            redundant_slots_per_die=self.redundant_slots_per_die,
+            num_prefill_dies=self.num_prefill_dies,
+        )
+        positive(
+            s,
+            num_dp_domains=self.num_dp_domains,
+            dp_groups_per_domain=self.dp_groups_per_domain,
+            max_routed_experts_per_die=self.max_routed_experts_per_die,
+            num_microbatches=self.num_microbatches,
+        )
         if self.kind == "colocated":
-            require(self.num_dp_domains == 1, "deployment.num_dp_domains must be 1 for a "
-                    "colocated deployment (every die meets the experts every layer), got "
-                    f"{self.num_dp_domains}")
-            require(self.num_expert_dies == 0, "deployment.num_expert_dies must be 0 for a "
-                    "colocated deployment (experts live on the attention dies), got "
-                    f"{self.num_expert_dies}")
-            require(self.num_microbatches == 1, "deployment.num_microbatches must be 1 for a "
-                    "colocated deployment (microbatches overlap attention with the expert dies' "
-                    f"work: afd only), got {self.num_microbatches}")
+            require(
+                self.num_dp_domains == 1,
+                "deployment.num_dp_domains must be 1 for a "
+                "colocated deployment (every die meets the experts every layer), got "
+                f"{self.num_dp_domains}",
+            )
+            require(
+                self.num_expert_dies == 0,
+                "deployment.num_expert_dies must be 0 for a "
+                "colocated deployment (experts live on the attention dies), got "
+                f"{self.num_expert_dies}",
+            )
+            require(
+                self.num_microbatches == 1,
+                "deployment.num_microbatches must be 1 for a "
+                "colocated deployment (microbatches overlap attention with the expert dies' "
+                f"work: afd only), got {self.num_microbatches}",
+            )
         else:
-            require(self.num_expert_dies >= self.dp_groups_per_domain,
-                    "deployment: an afd deployment needs one trampoline expert die per attention "
-                    f"die of a domain: num_expert_dies({self.num_expert_dies}) < "
-                    f"dp_groups_per_domain({self.dp_groups_per_domain})")
+            require(
+                self.num_expert_dies >= self.dp_groups_per_domain,
+                "deployment: an afd deployment needs one trampoline expert die per attention "
+                f"die of a domain: num_expert_dies({self.num_expert_dies}) < "
+                f"dp_groups_per_domain({self.dp_groups_per_domain})",
+            )
         if self.shared_experts == "every_die":
-            require(self.num_shared_expert_dies == 0, "deployment.num_shared_expert_dies must be "
-                    f"0 when shared_experts is every_die, got {self.num_shared_expert_dies}")
+            require(
+                self.num_shared_expert_dies == 0,
+                "deployment.num_shared_expert_dies must be "
+                f"0 when shared_experts is every_die, got {self.num_shared_expert_dies}",
+            )
         else:
-            require(self.num_shared_expert_dies > 0, "deployment.num_shared_expert_dies must be "
-                    "> 0 when shared_experts is dedicated, got 0")
+            require(
+                self.num_shared_expert_dies > 0,
+                "deployment.num_shared_expert_dies must be "
+                "> 0 when shared_experts is dedicated, got 0",
+            )
 
     @property
     def num_attention_dies(self) -> int:
@@ -78,18 +111,18 @@ class DeploymentConfig:
 class ModelConfig:
     """Compute shape of the tiny DeepSeek-style model that actually runs."""
 
-    vocab_size: int = 260              # byte-level: 256 bytes + special tokens
+    vocab_size: int = 260  # byte-level: 256 bytes + special tokens
     hidden: int = 128
     num_layers: int = 4
-    num_dense_layers: int = 1          # the first layers use a dense FFN
+    num_dense_layers: int = 1  # the first layers use a dense FFN
     num_heads: int = 4
     q_lora_rank: int = 64
     kv_lora_rank: int = 32
     qk_nope_dim: int = 16
     qk_rope_dim: int = 8
     v_head_dim: int = 16
-    intermediate: int = 256            # dense FFN
-    moe_intermediate: int = 64         # one routed or shared expert
+    intermediate: int = 256  # dense FFN
+    moe_intermediate: int = 64  # one routed or shared expert
     num_routed_experts: int = 16
     num_shared_experts: int = 1
     top_k: int = 2
@@ -99,38 +132,68 @@ class ModelConfig:
     num_mtp_modules: int = 1
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
-    weights: str = "random"            # "random" (from seed), "tiny" (packaged) or an HDF5 path
+    weights: str = "random"  # "random" (from seed), "tiny" (packaged) or an HDF5 path
     seed: int = 0
 
     def __post_init__(self) -> None:
         s = "model"
-        positive(s, vocab_size=self.vocab_size, hidden=self.hidden, num_layers=self.num_layers,
-                 num_heads=self.num_heads, q_lora_rank=self.q_lora_rank,
-                 kv_lora_rank=self.kv_lora_rank, qk_nope_dim=self.qk_nope_dim,
-                 qk_rope_dim=self.qk_rope_dim, v_head_dim=self.v_head_dim,
-                 intermediate=self.intermediate, moe_intermediate=self.moe_intermediate,
-                 num_routed_experts=self.num_routed_experts, top_k=self.top_k,
-                 num_expert_groups=self.num_expert_groups, topk_groups=self.topk_groups,
-                 routed_scaling=self.routed_scaling, max_seq_len=self.max_seq_len,
-                 rope_theta=self.rope_theta)
-        non_negative(s, num_dense_layers=self.num_dense_layers,
-                     num_shared_experts=self.num_shared_experts,
-                     num_mtp_modules=self.num_mtp_modules)
-        require(self.num_dense_layers < self.num_layers, f"model.num_dense_layers"
-                f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})")
-        require(self.top_k <= self.num_routed_experts, f"model.top_k({self.top_k}) must be <= "
-                f"model.num_routed_experts({self.num_routed_experts})")
-        require(self.num_routed_experts % self.num_expert_groups == 0,
-                f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
-                f"model.num_expert_groups({self.num_expert_groups})")
-        require(self.topk_groups <= self.num_expert_groups, f"model.topk_groups({self.topk_groups})"
-                f" must be <= model.num_expert_groups({self.num_expert_groups})")
+        positive(
+            s,
+            vocab_size=self.vocab_size,
+            hidden=self.hidden,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_dim=self.qk_nope_dim,
+            qk_rope_dim=self.qk_rope_dim,
+            v_head_dim=self.v_head_dim,
+            intermediate=self.intermediate,
+            moe_intermediate=self.moe_intermediate,
+            num_routed_experts=self.num_routed_experts,
+            top_k=self.top_k,
+            num_expert_groups=self.num_expert_groups,
+            topk_groups=self.topk_groups,
+            routed_scaling=self.routed_scaling,
+            max_seq_len=self.max_seq_len,
+            rope_theta=self.rope_theta,
+        )
+        non_negative(
+            s,
+            num_dense_layers=self.num_dense_layers,
+            num_shared_experts=self.num_shared_experts,
+            num_mtp_modules=self.num_mtp_modules,
+        )
+        require(
+            self.num_dense_layers < self.num_layers,
+            f"model.num_dense_layers"
+            f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})",
+        )
+        require(
+            self.top_k <= self.num_routed_experts,
+            f"model.top_k({self.top_k}) must be <= "
+            f"model.num_routed_experts({self.num_routed_experts})",
+        )
+        require(
+            self.num_routed_experts % self.num_expert_groups == 0,
+            f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
+            f"model.num_expert_groups({self.num_expert_groups})",
+        )
+        require(
+            self.topk_groups <= self.num_expert_groups,
+            f"model.topk_groups({self.topk_groups})"
+            f" must be <= model.num_expert_groups({self.num_expert_groups})",
+        )
         per_group = self.num_routed_experts // self.num_expert_groups
-        require(self.top_k <= self.topk_groups * per_group,
-                f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
-                f"per group({per_group})")
-        require(self.num_mtp_modules <= 2, f"model.num_mtp_modules must be 0, 1 or 2, "
-                f"got {self.num_mtp_modules}")
+        require(
+            self.top_k <= self.topk_groups * per_group,
+            f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
+            f"per group({per_group})",
+        )
+        require(
+            self.num_mtp_modules <= 2,
+            f"model.num_mtp_modules must be 0, 1 or 2, got {self.num_mtp_modules}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,15 +204,20 @@ class SchedulerConfig:
     kv_block_tokens: int = 16
     num_kv_blocks_per_die: int = 256
     prefill_chunk_tokens: int = 64
-    mtp_depth: int = 0                 # MTP draft tokens per decode step (0 = plain decoding)
+    mtp_depth: int = 0  # MTP draft tokens per decode step (0 = plain decoding)
 
     def __post_init__(self) -> None:
-        positive("scheduler", max_batch_per_die=self.max_batch_per_die,
-                 kv_block_tokens=self.kv_block_tokens,
-                 num_kv_blocks_per_die=self.num_kv_blocks_per_die,
-                 prefill_chunk_tokens=self.prefill_chunk_tokens)
-        require(self.mtp_depth in (0, 1, 2),
-                f"scheduler.mtp_depth must be 0, 1 or 2, got {self.mtp_depth}")
+        positive(
+            "scheduler",
+            max_batch_per_die=self.max_batch_per_die,
+            kv_block_tokens=self.kv_block_tokens,
+            num_kv_blocks_per_die=self.num_kv_blocks_per_die,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+        )
+        require(
+            self.mtp_depth in (0, 1, 2),
+            f"scheduler.mtp_depth must be 0, 1 or 2, got {self.mtp_depth}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,50 +225,70 @@ class WorkloadConfig:
     """The request stream the TE-shell's frontend serves."""
 
     source: Literal["synthetic", "jsonl"] = "synthetic"
-    path: str = ""                     # jsonl: one {"prompt": ..., "max_tokens": ...} per line
+    path: str = ""  # jsonl: one {"prompt": ..., "max_tokens": ...} per line
     num_requests: int = 8
     arrival: Literal["all_at_once", "rate"] = "all_at_once"
     rate_per_s: float = 0.0
     length_dist: Literal["fixed", "uniform", "long_tail"] = "fixed"
     prompt_len: int = 32
     output_len: int = 16
-    max_prompt_len: int = 64           # uniform / long_tail upper bound
+    max_prompt_len: int = 64  # uniform / long_tail upper bound
     max_output_len: int = 32
-    ignore_eos: bool = False           # generate max_new_tokens even past EOS (fixed lengths)
+    ignore_eos: bool = False  # generate max_new_tokens even past EOS (fixed lengths)
     seed: int = 0
 
     def __post_init__(self) -> None:
         s = "workload"
-        positive(s, num_requests=self.num_requests, prompt_len=self.prompt_len,
-                 output_len=self.output_len)
-        require(self.max_prompt_len >= self.prompt_len, f"workload.max_prompt_len"
-                f"({self.max_prompt_len}) must be >= workload.prompt_len({self.prompt_len})")
-        require(self.max_output_len >= self.output_len, f"workload.max_output_len"
-                f"({self.max_output_len}) must be >= workload.output_len({self.output_len})")
-        require(self.arrival != "rate" or self.rate_per_s > 0,
-                f"workload.rate_per_s must be > 0 when arrival is rate, got {self.rate_per_s}")
-        require(self.source != "jsonl" or bool(self.path),
-                "workload.path must name a JSONL file when source is jsonl")
+        positive(
+            s,
+            num_requests=self.num_requests,
+            prompt_len=self.prompt_len,
+            output_len=self.output_len,
+        )
+        require(
+            self.max_prompt_len >= self.prompt_len,
+            f"workload.max_prompt_len"
+            f"({self.max_prompt_len}) must be >= workload.prompt_len({self.prompt_len})",
+        )
+        require(
+            self.max_output_len >= self.output_len,
+            f"workload.max_output_len"
+            f"({self.max_output_len}) must be >= workload.output_len({self.output_len})",
+        )
+        require(
+            self.arrival != "rate" or self.rate_per_s > 0,
+            f"workload.rate_per_s must be > 0 when arrival is rate, got {self.rate_per_s}",
+        )
+        require(
+            self.source != "jsonl" or bool(self.path),
+            "workload.path must name a JSONL file when source is jsonl",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class XcclConfig:
     """Static sizes of XCCL's managed areas and its waiting behaviour."""
 
-    ring_slots: int = 8                # S: slots per p2p ring
-    slot_bytes: int = 65536            # B: bytes per ring slot
+    ring_slots: int = 8  # S: slots per p2p ring
+    slot_bytes: int = 65536  # B: bytes per ring slot
     p2p_pairs: Literal["none", "all", "prefill_to_decode"] = "none"
-    max_tokens_per_die: int = 64       # dispatch/combine and A2E/E2A rows per die and step
+    max_tokens_per_die: int = 64  # dispatch/combine and A2E/E2A rows per die and step
     use_int8: bool = True
-    row_dtype: Literal["float64", "float32"] = "float64"   # dispatch/combine rows without INT8
-    num_cores: int = 2                 # AIV cores a transfer is split over
-    poll_timeout_s: float = 60.0       # every wait raises after this long
-    max_window_bytes: int = 1 << 30    # per-die cap on the RMA window
+    row_dtype: Literal["float64", "float32"] = "float64"  # dispatch/combine rows without INT8
+    num_cores: int = 2  # AIV cores a transfer is split over
+    poll_timeout_s: float = 60.0  # every wait raises after this long
+    max_window_bytes: int = 1 << 30  # per-die cap on the RMA window
 
     def __post_init__(self) -> None:
-        positive("xccl", ring_slots=self.ring_slots, slot_bytes=self.slot_bytes,
-                 max_tokens_per_die=self.max_tokens_per_die, num_cores=self.num_cores,
-                 poll_timeout_s=self.poll_timeout_s, max_window_bytes=self.max_window_bytes)
+        positive(
+            "xccl",
+            ring_slots=self.ring_slots,
+            slot_bytes=self.slot_bytes,
+            max_tokens_per_die=self.max_tokens_per_die,
+            num_cores=self.num_cores,
+            poll_timeout_s=self.poll_timeout_s,
+            max_window_bytes=self.max_window_bytes,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,8 +301,12 @@ class HardwareConfig:
     servers_per_pod: int = 48
 
     def __post_init__(self) -> None:
-        positive("hardware", dies_per_chip=self.dies_per_chip,
-                 chips_per_server=self.chips_per_server, servers_per_pod=self.servers_per_pod)
+        positive(
+            "hardware",
+            dies_per_chip=self.dies_per_chip,
+            chips_per_server=self.chips_per_server,
+            servers_per_pod=self.servers_per_pod,
+        )
 
     @property
     def dies_per_server(self) -> int:
@@ -230,16 +322,18 @@ class RunConfig:
     """How a launch behaves and where it writes."""
 
     output_dir: str = "runs"
-    name: str = ""                     # run file name (no .h5); "" = derived from the start time
+    name: str = ""  # run file name (no .h5); "" = derived from the start time
     log_level: Literal["debug", "info", "warning"] = "info"
-    timeout_s: float = 600.0           # MPIEXEC_TIMEOUT for the whole job
-    check: bool = False                # compare with the single-process reference
+    timeout_s: float = 600.0  # MPIEXEC_TIMEOUT for the whole job
+    check: bool = False  # compare with the single-process reference
     seed: int = 0
 
     def __post_init__(self) -> None:
         positive("run", timeout_s=self.timeout_s)
-        require("/" not in self.name and self.name not in (".", ".."),
-                f"run.name must be a file name without '/', got {self.name!r}")
+        require(
+            "/" not in self.name and self.name not in (".", ".."),
+            f"run.name must be a file name without '/', got {self.name!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

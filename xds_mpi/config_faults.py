@@ -3,11 +3,12 @@
 Part of the config schema (`xds_mpi.config` re-exports it); `xds_mpi.faults.FaultPlan` turns it
 into per-die decisions. Rows are read with the loader's key and type checks like any section.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xccl.faults import OPS as FAULT_OPS   # the operations XCCL can fail: one definition
+from xccl.faults import OPS as FAULT_OPS  # the operations XCCL can fail: one definition
 from xds_mpi.config_loader import build_record, non_negative, require
 
 
@@ -60,9 +61,13 @@ def _fault_row(index: int, row) -> FaultSpec:
     where = f"faults.table[{index}]"
     spec = row if isinstance(row, FaultSpec) else build_record(FaultSpec, row, where)
     _check_op(f"{where}.op", spec.op)
-    require(spec.die >= 0 and spec.iteration >= 0 and spec.layer >= 0,
-            f"{where}: die, layer and iteration must be >= 0, got die={spec.die}, "
-            f"layer={spec.layer}, iteration={spec.iteration}")
-    require(spec.code > 0 and spec.times > 0,
-            f"{where}: code and times must be > 0, got code={spec.code}, times={spec.times}")
+    require(
+        spec.die >= 0 and spec.iteration >= 0 and spec.layer >= 0,
+        f"{where}: die, layer and iteration must be >= 0, got die={spec.die}, "
+        f"layer={spec.layer}, iteration={spec.iteration}",
+    )
+    require(
+        spec.code > 0 and spec.times > 0,
+        f"{where}: code and times must be > 0, got code={spec.code}, times={spec.times}",
+    )
     return spec

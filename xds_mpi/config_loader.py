@@ -4,6 +4,7 @@ Schema-agnostic: `xds_mpi.config` declares the sections and binds these function
 `Config`. Every mapping that becomes a dataclass (a section, a `--set` key, a fault-table row)
 passes the same unknown-key check, and every value the same type check.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,8 +64,7 @@ def check_value(where: str, tp, value):
             return value
     elif isinstance(value, tp):
         return value
-    raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r} "
-                      f"({type(value).__name__})")
+    raise ConfigError(f"{where} must be {_type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def check_keys(cls: type, keys: typing.Iterable[str], where: str) -> None:
@@ -84,8 +84,11 @@ def build_record(cls: type, values, path: str, where: str | None = None):
     if not isinstance(values, dict):
         raise ConfigError(f"{where} must be a mapping of keys to values, got {values!r}")
     check_keys(cls, values, where)
-    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING]
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     for key in required:
         if key not in values:
             raise ConfigError(f"{where} needs {key!r} (has: {', '.join(values) or 'nothing'})")
@@ -111,8 +114,9 @@ def _check_section(sections: dict[str, type], name: str, prefix: str = "") -> No
         raise ConfigError(f"{prefix}unknown section {name!r} (known: {', '.join(sections)})")
 
 
-def _apply_overrides(sections: dict[str, type], merged: dict,
-                     overrides: typing.Sequence[str]) -> None:
+def _apply_overrides(
+    sections: dict[str, type], merged: dict, overrides: typing.Sequence[str]
+) -> None:
     for text in overrides:
         section, key, value = parse_override(text)
         _check_section(sections, section, f"--set {text!r}: ")
@@ -132,13 +136,19 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
-    merged = {name: dict(values or {}) if isinstance(values, dict) else values
-              for name, values in data.items()}
+    merged = {
+        name: dict(values or {}) if isinstance(values, dict) else values
+        for name, values in data.items()
+    }
     _apply_overrides(sections, merged, overrides)
     for name in merged:
         _check_section(sections, name)
-    return root(**{name: build_record(sections[name], values, name, f"section {name!r}")
-                   for name, values in merged.items()})
+    return root(
+        **{
+            name: build_record(sections[name], values, name, f"section {name!r}")
+            for name, values in merged.items()
+        }
+    )
 
 
 def read_root(root: type, path: str | Path, overrides: typing.Sequence[str] = ()):

@@ -4,11 +4,12 @@ Control messages are the VPC plane, not UB, so they use ordinary pickled send/re
 every wait in the project they poll with a deadline, yield the CPU between polls (ranks are
 oversubscribed), and on timeout name who waited for what from whom.
 """
+
 from __future__ import annotations
 
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from mpi4py import MPI
 
@@ -17,8 +18,9 @@ class WaitTimeout(TimeoutError):
     """A bounded wait passed its deadline; the message names die/rank, peer and event."""
 
 
-def recv_from_each(comm: MPI.Comm, peers: Iterable[int], *, tag: int, timeout_s: float,
-                   me: str, event: str) -> dict[int, object]:
+def recv_from_each(
+    comm: MPI.Comm, peers: Iterable[int], *, tag: int, timeout_s: float, me: str, event: str
+) -> dict[int, object]:
     """Receive one pickled message with `tag` from every peer, in any order, within `timeout_s`."""
     pending = set(peers)
     received: dict[int, object] = {}
@@ -33,15 +35,18 @@ def recv_from_each(comm: MPI.Comm, peers: Iterable[int], *, tag: int, timeout_s:
                 got_one = True
         if pending and not got_one:
             if time.monotonic() > deadline:
-                raise WaitTimeout(f"{me}: no {event} from rank(s) {sorted(pending)} after "
-                                  f"{timeout_s:g} s (got {len(received)} of "
-                                  f"{len(received) + len(pending)})")
+                raise WaitTimeout(
+                    f"{me}: no {event} from rank(s) {sorted(pending)} after "
+                    f"{timeout_s:g} s (got {len(received)} of "
+                    f"{len(received) + len(pending)})"
+                )
             os.sched_yield()
     return received
 
 
-def send_to_each(comm: MPI.Comm, messages: dict[int, object], *, tag: int, timeout_s: float,
-                 me: str, event: str) -> None:
+def send_to_each(
+    comm: MPI.Comm, messages: dict[int, object], *, tag: int, timeout_s: float, me: str, event: str
+) -> None:
     """Send a pickled message to each peer; complete all sends within `timeout_s`."""
     requests = {peer: comm.issend(obj, dest=peer, tag=tag) for peer, obj in messages.items()}
     deadline = time.monotonic() + timeout_s
@@ -49,6 +54,7 @@ def send_to_each(comm: MPI.Comm, messages: dict[int, object], *, tag: int, timeo
         requests = {peer: req for peer, req in requests.items() if not req.Test()}
         if requests:
             if time.monotonic() > deadline:
-                raise WaitTimeout(f"{me}: {event} not taken by rank(s) {sorted(requests)} after "
-                                  f"{timeout_s:g} s")
+                raise WaitTimeout(
+                    f"{me}: {event} not taken by rank(s) {sorted(requests)} after {timeout_s:g} s"
+                )
             os.sched_yield()

@@ -7,6 +7,7 @@ INT8 peak; MLA's attention core uses the BF16 peak. Transfers: pull-based dispat
 the rows over UB (read latency + bytes / read bandwidth); flags are writes (write latency).
 Nothing here is fitted to a published end-to-end number.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,31 +17,38 @@ from xds_mpi.config import ModelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
-    bf16_flops: float                  # FLOP/s
+    bf16_flops: float  # FLOP/s
     int8_ops: float
     hbm_bytes_per_s: float
-    read_bytes_per_s: float            # UB, one die pulling from others
+    read_bytes_per_s: float  # UB, one die pulling from others
     write_latency_s: float
     read_latency_s: float
     gemm_eff: float
     mla_eff: float
     mem_eff: float
-    bubble_s: float                    # per iteration scheduling bubble
+    bubble_s: float  # per iteration scheduling bubble
     weight_bytes: int
     kv_bytes: int
     act_bytes: int
 
     @classmethod
-    def from_profile(cls, p: dict) -> "Hardware":
+    def from_profile(cls, p: dict) -> Hardware:
         die, ub, eff, srv = p["die"], p["ub"], p["efficiency"], p["serving"]
-        return cls(bf16_flops=die["bf16_tflops"] * 1e12, int8_ops=die["int8_tops"] * 1e12,
-                   hbm_bytes_per_s=die["hbm_tb_per_s"] * 1e12,
-                   read_bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
-                   write_latency_s=ub["write_latency_us_inter"] * 1e-6,
-                   read_latency_s=ub["read_latency_us_inter"] * 1e-6,
-                   gemm_eff=eff["gemm_int8"], mla_eff=eff["mla_compute"], mem_eff=eff["memory"],
-                   bubble_s=srv["scheduler_bubble_ms"] * 1e-3, weight_bytes=srv["weight_bytes"],
-                   kv_bytes=srv["kv_bytes"], act_bytes=srv["activation_bytes"])
+        return cls(
+            bf16_flops=die["bf16_tflops"] * 1e12,
+            int8_ops=die["int8_tops"] * 1e12,
+            hbm_bytes_per_s=die["hbm_tb_per_s"] * 1e12,
+            read_bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
+            write_latency_s=ub["write_latency_us_inter"] * 1e-6,
+            read_latency_s=ub["read_latency_us_inter"] * 1e-6,
+            gemm_eff=eff["gemm_int8"],
+            mla_eff=eff["mla_compute"],
+            mem_eff=eff["memory"],
+            bubble_s=srv["scheduler_bubble_ms"] * 1e-3,
+            weight_bytes=srv["weight_bytes"],
+            kv_bytes=srv["kv_bytes"],
+            act_bytes=srv["activation_bytes"],
+        )
 
 
 class CostModel:
@@ -56,18 +64,25 @@ class CostModel:
         """rows x [in -> out] with `params` = in x out INT8 weights read once."""
         if rows == 0:
             return 0.0
-        return self._roofline(2.0 * rows * params, params * self.hw.weight_bytes,
-                              peak=self.hw.int8_ops, eff=self.hw.gemm_eff)
+        return self._roofline(
+            2.0 * rows * params,
+            params * self.hw.weight_bytes,
+            peak=self.hw.int8_ops,
+            eff=self.hw.gemm_eff,
+        )
 
     # -- attention side -------------------------------------------------------------------------
     def mla_prolog(self, rows: int) -> float:
         """MLAProlog (q/kv down and up projections, the absorbed W_UK) + W_UV and o_proj."""
         m = self.m
         qk = m.qk_nope_dim + m.qk_rope_dim
-        params = (m.hidden * m.q_lora_rank + m.q_lora_rank * m.num_heads * qk
-                  + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-                  + 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
-                  + m.num_heads * m.v_head_dim * m.hidden)
+        params = (
+            m.hidden * m.q_lora_rank
+            + m.q_lora_rank * m.num_heads * qk
+            + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+            + 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
+            + m.num_heads * m.v_head_dim * m.hidden
+        )
         return self.gemm(rows, params)
 
     def attention(self, seqs: list[tuple[int, int]]) -> float:

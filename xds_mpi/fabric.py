@@ -3,6 +3,7 @@
 Helpers of `xds_mpi.plan.DeploymentPlan.build`, the one place that calls them: role programs and
 the launcher take the layouts and window sizes from the plan.
 """
+
 from __future__ import annotations
 
 from xccl.layout import P2PLayout, all_pairs
@@ -35,11 +36,15 @@ def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpL
     if cfg.deployment.kind != "colocated":
         return None
     shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0
-    return EpLayout(members=topo.ranks_with_role("colocated"),
-                    base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
-                    hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
-                    num_columns=cfg.model.top_k + shared_column,
-                    itemsize=itemsize, use_int8=cfg.xccl.use_int8)
+    return EpLayout(
+        members=topo.ranks_with_role("colocated"),
+        base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
+        hidden=cfg.model.hidden,
+        max_tokens=cfg.xccl.max_tokens_per_die,
+        num_columns=cfg.model.top_k + shared_column,
+        itemsize=itemsize,
+        use_int8=cfg.xccl.use_int8,
+    )
 
 
 def afd_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> AfdLayout | None:
@@ -48,18 +53,24 @@ def afd_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> Af
     if cfg.deployment.kind != "afd":
         return None
     dep = cfg.deployment
-    return AfdLayout(attention=topo.ranks_with_role("attention"),
-                     experts=topo.ranks_with_role("expert"),
-                     group_size=dep.dp_groups_per_domain,
-                     base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
-                     num_lanes=dep.num_dp_domains * dep.num_microbatches,
-                     hidden=cfg.model.hidden, max_tokens=cfg.xccl.max_tokens_per_die,
-                     top_k=cfg.model.top_k, has_shared=cfg.model.num_shared_experts > 0,
-                     itemsize=itemsize, use_int8=cfg.xccl.use_int8)
+    return AfdLayout(
+        attention=topo.ranks_with_role("attention"),
+        experts=topo.ranks_with_role("expert"),
+        group_size=dep.dp_groups_per_domain,
+        base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
+        num_lanes=dep.num_dp_domains * dep.num_microbatches,
+        hidden=cfg.model.hidden,
+        max_tokens=cfg.xccl.max_tokens_per_die,
+        top_k=cfg.model.top_k,
+        has_shared=cfg.model.num_shared_experts > 0,
+        itemsize=itemsize,
+        use_int8=cfg.xccl.use_int8,
+    )
 
 
-def window_bytes(cfg: Config, p2p: P2PLayout, ep: EpLayout | None,
-                 afd: AfdLayout | None) -> tuple[int, ...]:
+def window_bytes(
+    cfg: Config, p2p: P2PLayout, ep: EpLayout | None, afd: AfdLayout | None
+) -> tuple[int, ...]:
     """Size hint: bytes of every rank's window (host ranks: 0), refused over the per-die cap."""
     sizes = [p2p.window_bytes(rank) for rank in range(p2p.num_ranks)]
     if ep is not None:
@@ -73,9 +84,11 @@ def window_bytes(cfg: Config, p2p: P2PLayout, ep: EpLayout | None,
         if size > cap:
             moe_bytes = size - p2p.window_bytes(rank)
             area = "A2E/E2A" if afd is not None else "dispatch/combine"
-            raise ConfigError(f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
-                              f" B + {area} {moe_bytes} B, over the per-die cap "
-                              f"xccl.max_window_bytes({cap})")
+            raise ConfigError(
+                f"rank {rank}'s window needs {size} B = p2p {p2p.window_bytes(rank)}"
+                f" B + {area} {moe_bytes} B, over the per-die cap "
+                f"xccl.max_window_bytes({cap})"
+            )
     return tuple(sizes)
 
 

@@ -13,6 +13,7 @@ The plan is also the die's fault hook (`check`, installed once in its XCCL buffe
 recomputer tells it which iteration and attempt run (`begin`), and an `EventMap` given at
 construction turns an operation's event id into its MoE layer.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -24,7 +25,7 @@ import numpy as np
 from xccl.errors import InjectedFault
 from xds_mpi.config import FAULT_OPS, FaultsConfig
 
-RANDOM_CODE = 1          # the error code of a fault drawn by the random mode
+RANDOM_CODE = 1  # the error code of a fault drawn by the random mode
 
 
 class EventMap(Protocol):
@@ -53,21 +54,23 @@ class FaultPlan:
         self.cfg, self.die, self.events = cfg, die, events
         self.rows = [row for row in cfg.table if row.die == die]
         self.random_ops = frozenset(cfg.ops) if cfg.rate > 0 else frozenset()
-        self.fired: Counter[str] = Counter()          # op -> decisions that fired
-        self.iteration = self.attempt = 0             # what runs now (`begin`)
-        self.num_calls: Counter[tuple[str, int]] = Counter()   # (op, layer) -> calls so far
+        self.fired: Counter[str] = Counter()  # op -> decisions that fired
+        self.iteration = self.attempt = 0  # what runs now (`begin`)
+        self.num_calls: Counter[tuple[str, int]] = Counter()  # (op, layer) -> calls so far
 
     @property
     def num_fired(self) -> int:
         return sum(self.fired.values())
 
-    def decide(self, op: str, *, iteration: int, layer: int, attempt: int, call: int = 0
-               ) -> int | None:
+    def decide(
+        self, op: str, *, iteration: int, layer: int, attempt: int, call: int = 0
+    ) -> int | None:
         """The error code if this call fails, else None. call: which call of `op` at this layer
         in this attempt (0 = the first), so calls of one layer draw independently."""
         if op not in FAULT_OPS:
-            raise ValueError(f"die {self.die}: unknown operation {op!r} "
-                             f"(known: {', '.join(FAULT_OPS)})")
+            raise ValueError(
+                f"die {self.die}: unknown operation {op!r} (known: {', '.join(FAULT_OPS)})"
+            )
         for row in self.rows:
             if (row.op, row.layer, row.iteration) == (op, layer, iteration) and attempt < row.times:
                 self.fired[op] += 1
@@ -92,7 +95,8 @@ class FaultPlan:
         layer = self.events.layer_of_event(event_id)
         call = self.num_calls[op, layer]
         self.num_calls[op, layer] += 1
-        code = self.decide(op, iteration=self.iteration, layer=layer, attempt=self.attempt,
-                           call=call)
+        code = self.decide(
+            op, iteration=self.iteration, layer=layer, attempt=self.attempt, call=call
+        )
         if code is not None:
             raise InjectedFault(self.die, op, event_id, code)

@@ -1,4 +1,5 @@
 """Hardware profiles: configs/hardware/<name>.yaml, each value citing its source paper."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,7 +27,13 @@ def load_profile(name: str) -> dict:
 
 REQUIRED = {
     "die": ["bf16_tflops", "int8_tops", "hbm_gb", "hbm_tb_per_s", "aiv_cores"],
-    "ub": ["link_gb_per_s", "write_gb_per_s_inter", "write_gb_per_s_intra",
-           "write_latency_us_inter", "write_latency_us_intra", "mte_gb_per_s_per_core",
-           "dma_startup_us"],
+    "ub": [
+        "link_gb_per_s",
+        "write_gb_per_s_inter",
+        "write_gb_per_s_intra",
+        "write_latency_us_inter",
+        "write_latency_us_intra",
+        "mte_gb_per_s_per_core",
+        "dma_startup_us",
+    ],
 }

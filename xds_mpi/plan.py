@@ -6,6 +6,7 @@ die's window size, the row dtype of dispatch/combine and A2E/E2A. It refuses, wi
 the numbers, a world size or pod that does not fit, MTP or fault settings that cannot work, a
 window over the per-die cap, and a workload in which no request could be served.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.topology import Topology
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeploymentPlan:
@@ -39,7 +41,7 @@ class DeploymentPlan:
     @classmethod
     def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
         """Derive the plan; world_size: the communicator's size (None: what the config needs)."""
-        topo = Topology.from_config(cfg, world_size)   # world size, pod, expert placement
+        topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
         check_serving(cfg, topo)
         # The one source of the row dtype: a wire format (the model computes in its own dtype;
         # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
@@ -50,24 +52,29 @@ class DeploymentPlan:
             afd = afd_layout(cfg, topo, p2p, row_dtype.itemsize)
         except ConfigError:
             raise
-        except ValueError as exc:      # a layout's own refusal, e.g. slot_bytes not a multiple of 8
+        except ValueError as exc:  # a layout's own refusal, e.g. slot_bytes not a multiple of 8
             raise ConfigError(f"xccl: {exc}") from None
-        windows = window_bytes(cfg, p2p, ep, afd)      # refused over xccl.max_window_bytes
+        windows = window_bytes(cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
         check_workload(cfg, topo)
-        return cls(cfg=cfg, topo=topo, p2p=p2p, ep=ep, afd=afd, row_dtype=row_dtype,
-                   window_bytes=windows)
+        return cls(
+            cfg=cfg, topo=topo, p2p=p2p, ep=ep, afd=afd, row_dtype=row_dtype, window_bytes=windows
+        )
 
 
 def check_serving(cfg: Config, topo: Topology) -> None:
     """What MTP and the fault table need of the rest of the config."""
     depth = cfg.scheduler.mtp_depth
     if depth and not cfg.model.num_mtp_modules:
-        raise ConfigError(f"scheduler.mtp_depth({depth}) needs a model with MTP modules "
-                          "(model.num_mtp_modules is 0)")
+        raise ConfigError(
+            f"scheduler.mtp_depth({depth}) needs a model with MTP modules "
+            "(model.num_mtp_modules is 0)"
+        )
     if depth and cfg.xccl.max_tokens_per_die < 2 * depth:
-        raise ConfigError(f"xccl.max_tokens_per_die({cfg.xccl.max_tokens_per_die}) cannot hold "
-                          f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
-                          f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)")
+        raise ConfigError(
+            f"xccl.max_tokens_per_die({cfg.xccl.max_tokens_per_die}) cannot hold "
+            f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
+            f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)"
+        )
     _check_fault_table(cfg, topo)
 
 
@@ -78,17 +85,22 @@ def _check_fault_table(cfg: Config, topo: Topology) -> None:
     first, last = topo.num_host_ranks, topo.num_host_ranks + topo.num_dies - 1
     for i, spec in enumerate(cfg.faults.table):
         if spec.op.startswith("p2p"):
-            raise ConfigError(f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
-                              "run makes no p2p transfers, so this fault could never fire (p2p "
-                              "faults are exercised by tests/mpi/body_faults.py)")
+            raise ConfigError(
+                f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
+                "run makes no p2p transfers, so this fault could never fire (p2p "
+                "faults are exercised by tests/mpi/body_faults.py)"
+            )
         if not first <= spec.die <= last:
-            raise ConfigError(f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks "
-                              f"{first}..{last}")
+            raise ConfigError(
+                f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks {first}..{last}"
+            )
         if not model.num_dense_layers <= spec.layer < num_cache_layers:
-            raise ConfigError(f"faults.table[{i}].layer({spec.layer}) is not a MoE layer: "
-                              f"layers {model.num_dense_layers}..{num_cache_layers - 1} are "
-                              f"(model.num_dense_layers({model.num_dense_layers}), "
-                              f"num_layers({model.num_layers}) + scheduler.mtp_depth({depth}))")
+            raise ConfigError(
+                f"faults.table[{i}].layer({spec.layer}) is not a MoE layer: "
+                f"layers {model.num_dense_layers}..{num_cache_layers - 1} are "
+                f"(model.num_dense_layers({model.num_dense_layers}), "
+                f"num_layers({model.num_layers}) + scheduler.mtp_depth({depth}))"
+            )
 
 
 def check_workload(cfg: Config, topo: Topology) -> None:
@@ -99,5 +111,6 @@ def check_workload(cfg: Config, topo: Topology) -> None:
     requests = load_workload(cfg)
     reasons = [rejection(req, cfg) for req in requests]
     if requests and all(reasons):
-        raise ConfigError(f"none of the {len(requests)} requests can be served; the first: "
-                          f"{reasons[0]}")
+        raise ConfigError(
+            f"none of the {len(requests)} requests can be served; the first: {reasons[0]}"
+        )

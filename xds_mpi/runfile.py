@@ -9,13 +9,14 @@ Layout (a later issue adds per-request results as more groups in the same file):
     /ranks           table, one row per rank: rank, role, die_idx, server, chip, die_in_chip,
                      dp_domain, dp_group (-1 where it does not apply)
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
 import h5py
 import numpy as np
@@ -55,12 +56,20 @@ class RunRecord:
     started_at: str
     topology: str
     config: Config
-    ranks: dict[str, np.ndarray]       # RANK_FIELDS + "role", each [world_size]
+    ranks: dict[str, np.ndarray]  # RANK_FIELDS + "role", each [world_size]
 
 
-def write_run_file(path: str | Path, *, cfg: Config, topo: Topology, status: str,
-                   started_at: datetime, wall_time_s: float, handshake_s: float,
-                   extra: Callable[[h5py.File], None] | None = None) -> Path:
+def write_run_file(
+    path: str | Path,
+    *,
+    cfg: Config,
+    topo: Topology,
+    status: str,
+    started_at: datetime,
+    wall_time_s: float,
+    handshake_s: float,
+    extra: Callable[[h5py.File], None] | None = None,
+) -> Path:
     """Write the run file atomically (a temp file renamed into place), so a reader never sees a
     half-written file and an array of runs never shares one. `extra` adds more groups (the
     serving results) before the file is renamed into place."""
@@ -68,11 +77,18 @@ def write_run_file(path: str | Path, *, cfg: Config, topo: Topology, status: str
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with h5py.File(tmp, "w") as f:
-        f.attrs.update(format_version=FORMAT_VERSION, name=path.stem, status=status,
-                       world_size=topo.world_size, num_dies=topo.num_dies,
-                       num_host_ranks=topo.num_host_ranks, wall_time_s=wall_time_s,
-                       handshake_s=handshake_s, started_at=started_at.isoformat(),
-                       topology=topo.summary())
+        f.attrs.update(
+            format_version=FORMAT_VERSION,
+            name=path.stem,
+            status=status,
+            world_size=topo.world_size,
+            num_dies=topo.num_dies,
+            num_host_ranks=topo.num_host_ranks,
+            wall_time_s=wall_time_s,
+            handshake_s=handshake_s,
+            started_at=started_at.isoformat(),
+            topology=topo.summary(),
+        )
         f["config"] = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         ranks = f.create_group("ranks")
         for field in RANK_FIELDS:
@@ -90,10 +106,16 @@ def read_run_file(path: str | Path) -> RunRecord:
         config_text = f["config"][()].decode()
         ranks = {field: f["ranks"][field][()] for field in RANK_FIELDS}
         ranks["role"] = f["ranks"]["role"].asstr()[()]
-    return RunRecord(name=str(attrs["name"]), status=str(attrs["status"]),
-                     world_size=int(attrs["world_size"]), num_dies=int(attrs["num_dies"]),
-                     num_host_ranks=int(attrs["num_host_ranks"]),
-                     wall_time_s=float(attrs["wall_time_s"]),
-                     handshake_s=float(attrs["handshake_s"]), started_at=str(attrs["started_at"]),
-                     topology=str(attrs["topology"]),
-                     config=config_from_dict(yaml.safe_load(config_text)), ranks=ranks)
+    return RunRecord(
+        name=str(attrs["name"]),
+        status=str(attrs["status"]),
+        world_size=int(attrs["world_size"]),
+        num_dies=int(attrs["num_dies"]),
+        num_host_ranks=int(attrs["num_host_ranks"]),
+        wall_time_s=float(attrs["wall_time_s"]),
+        handshake_s=float(attrs["handshake_s"]),
+        started_at=str(attrs["started_at"]),
+        topology=str(attrs["topology"]),
+        config=config_from_dict(yaml.safe_load(config_text)),
+        ranks=ranks,
+    )

@@ -17,6 +17,7 @@ Physical slot ids number all routed + redundant slots in die order; `phy2log` ma
 Trampolines (afd): the attention die of DP group g (within its domain) sends A2E to expert die g;
 expert dies 0..G-1 are the trampolines, one per attention die of a domain.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,9 +54,9 @@ class RankInfo:
     chip: int = -1
     die_in_chip: int = -1
     dp_domain: int = -1
-    dp_group: int = -1                 # global DP group id = dp_domain * G + group-in-domain
+    dp_group: int = -1  # global DP group id = dp_domain * G + group-in-domain
     expert_slots: tuple[ExpertSlot, ...] = ()
-    trampoline_for: int = -1           # afd: the group-in-domain whose attention dies it serves
+    trampoline_for: int = -1  # afd: the group-in-domain whose attention dies it serves
 
     @property
     def is_die(self) -> bool:
@@ -74,7 +75,7 @@ class Topology:
     dp_groups_per_domain: int
     num_dp_domains: int
     ranks: tuple[RankInfo, ...]
-    phy2log: tuple[int, ...]           # [num_phy_slots] logical routed expert, -1 = empty
+    phy2log: tuple[int, ...]  # [num_phy_slots] logical routed expert, -1 = empty
 
     @staticmethod
     def dies_needed(cfg: Config) -> dict[str, int]:
@@ -92,19 +93,23 @@ class Topology:
         return cfg.deployment.num_host_ranks + sum(Topology.dies_needed(cfg).values())
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int | None = None) -> "Topology":
+    def from_config(cls, cfg: Config, world_size: int | None = None) -> Topology:
         dep, hw = cfg.deployment, cfg.hardware
         counts = cls.dies_needed(cfg)
         num_dies = sum(counts.values())
         needed = dep.num_host_ranks + num_dies
         if world_size is not None and world_size != needed:
             parts = " + ".join(f"{role} dies({n})" for role, n in counts.items() if n)
-            raise ConfigError(f"world size {world_size} != num_host_ranks({dep.num_host_ranks}) + "
-                              f"{parts} = {needed}")
+            raise ConfigError(
+                f"world size {world_size} != num_host_ranks({dep.num_host_ranks}) + "
+                f"{parts} = {needed}"
+            )
         if num_dies > hw.dies_per_pod:
-            raise ConfigError(f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
-                              f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
-                              f"{hw.dies_per_chip} dies)")
+            raise ConfigError(
+                f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
+                f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
+                f"{hw.dies_per_chip} dies)"
+            )
         roles: list[Role] = [role for role, n in counts.items() for _ in range(n)]
         slots_of, phy2log = _place_experts(cfg, roles)
         ranks = [RankInfo(rank=r, role="host") for r in range(dep.num_host_ranks)]
@@ -117,14 +122,29 @@ class Topology:
             if role == "expert":
                 expert_no = die_idx - counts.get("attention", 0)
                 trampoline_for = expert_no if expert_no < num_groups else -1
-            ranks.append(RankInfo(
-                rank=dep.num_host_ranks + die_idx, role=role, die_idx=die_idx, server=server,
-                chip=in_server // hw.dies_per_chip, die_in_chip=in_server % hw.dies_per_chip,
-                dp_domain=domain, dp_group=group, expert_slots=slots_of.get(die_idx, ()),
-                trampoline_for=trampoline_for))
-        return cls(world_size=needed, num_host_ranks=dep.num_host_ranks, num_dies=num_dies,
-                   dp_groups_per_domain=num_groups, num_dp_domains=dep.num_dp_domains,
-                   ranks=tuple(ranks), phy2log=tuple(phy2log))
+            ranks.append(
+                RankInfo(
+                    rank=dep.num_host_ranks + die_idx,
+                    role=role,
+                    die_idx=die_idx,
+                    server=server,
+                    chip=in_server // hw.dies_per_chip,
+                    die_in_chip=in_server % hw.dies_per_chip,
+                    dp_domain=domain,
+                    dp_group=group,
+                    expert_slots=slots_of.get(die_idx, ()),
+                    trampoline_for=trampoline_for,
+                )
+            )
+        return cls(
+            world_size=needed,
+            num_host_ranks=dep.num_host_ranks,
+            num_dies=num_dies,
+            dp_groups_per_domain=num_groups,
+            num_dp_domains=dep.num_dp_domains,
+            ranks=tuple(ranks),
+            phy2log=tuple(phy2log),
+        )
 
     def summary(self) -> str:
         """One line: world size, dies per role, servers spanned."""
@@ -133,9 +153,11 @@ class Topology:
             counts[info.role] = counts.get(info.role, 0) + 1
         roles = ", ".join(f"{n} {role}" for role, n in counts.items())
         num_servers = max((info.server for info in self.ranks), default=-1) + 1
-        return (f"world size {self.world_size}: {roles}; {self.num_dies} dies on "
-                f"{num_servers} server(s); {self.num_dp_domains} DP domain(s) x "
-                f"{self.dp_groups_per_domain} DP group(s)")
+        return (
+            f"world size {self.world_size}: {roles}; {self.num_dies} dies on "
+            f"{num_servers} server(s); {self.num_dp_domains} DP domain(s) x "
+            f"{self.dp_groups_per_domain} DP group(s)"
+        )
 
     def ranks_with_role(self, role: Role) -> tuple[int, ...]:
         return tuple(info.rank for info in self.ranks if info.role == role)
@@ -152,8 +174,9 @@ class Topology:
         """The expert die an attention rank sends its A2E to."""
         info = self.ranks[rank]
         if info.role != "attention":
-            raise ValueError(f"rank {rank} is a {info.role} rank; only attention ranks have a "
-                             "trampoline")
+            raise ValueError(
+                f"rank {rank} is a {info.role} rank; only attention ranks have a trampoline"
+            )
         group_in_domain = info.dp_group % self.dp_groups_per_domain
         return next(r.rank for r in self.ranks if r.trampoline_for == group_in_domain)
 
@@ -173,28 +196,37 @@ def _routed_dies(cfg: Config, hosts: list[int]) -> list[int]:
     dep, model = cfg.deployment, cfg.model
     num_shared_dies = dep.num_shared_expert_dies
     if num_shared_dies and model.num_shared_experts == 0:
-        raise ConfigError(f"deployment.num_shared_expert_dies({num_shared_dies}) > 0 but "
-                          "model.num_shared_experts is 0")
+        raise ConfigError(
+            f"deployment.num_shared_expert_dies({num_shared_dies}) > 0 but "
+            "model.num_shared_experts is 0"
+        )
     if num_shared_dies >= len(hosts):
-        raise ConfigError(f"deployment.num_shared_expert_dies({num_shared_dies}) leaves no die for "
-                          f"routed experts: only {len(hosts)} expert-hosting dies")
-    routed_dies = hosts[:len(hosts) - num_shared_dies]
+        raise ConfigError(
+            f"deployment.num_shared_expert_dies({num_shared_dies}) leaves no die for "
+            f"routed experts: only {len(hosts)} expert-hosting dies"
+        )
+    routed_dies = hosts[: len(hosts) - num_shared_dies]
     num_experts, num_routed_dies = model.num_routed_experts, len(routed_dies)
     if num_routed_dies > num_experts:
-        raise ConfigError(f"{num_routed_dies} routed-expert dies > model.num_routed_experts"
-                          f"({num_experts}): {num_routed_dies - num_experts} dies would host no "
-                          "expert; use fewer dies, more experts, or dedicated shared-expert dies")
+        raise ConfigError(
+            f"{num_routed_dies} routed-expert dies > model.num_routed_experts"
+            f"({num_experts}): {num_routed_dies - num_experts} dies would host no "
+            "expert; use fewer dies, more experts, or dedicated shared-expert dies"
+        )
     per_die = -(-num_experts // num_routed_dies)
     if per_die > dep.max_routed_experts_per_die:
-        raise ConfigError(f"model.num_routed_experts({num_experts}) do not fit into "
-                          f"{num_routed_dies} routed-expert dies x max_routed_experts_per_die"
-                          f"({dep.max_routed_experts_per_die}) = "
-                          f"{num_routed_dies * dep.max_routed_experts_per_die} slots")
+        raise ConfigError(
+            f"model.num_routed_experts({num_experts}) do not fit into "
+            f"{num_routed_dies} routed-expert dies x max_routed_experts_per_die"
+            f"({dep.max_routed_experts_per_die}) = "
+            f"{num_routed_dies * dep.max_routed_experts_per_die} slots"
+        )
     return routed_dies
 
 
-def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[ExpertSlot, ...]],
-                                                            list[int]]:
+def _place_experts(
+    cfg: Config, roles: list[Role]
+) -> tuple[dict[int, tuple[ExpertSlot, ...]], list[int]]:
     dep, model = cfg.deployment, cfg.model
     hosts = [d for d, role in enumerate(roles) if role in ("colocated", "expert")]
     routed_dies = _routed_dies(cfg, hosts)
@@ -212,11 +244,14 @@ def _place_experts(cfg: Config, roles: list[Role]) -> tuple[dict[int, tuple[Expe
             slots.append(ExpertSlot(kind="redundant", expert_idx=-1, phy_idx=len(phy2log)))
             phy2log.append(-1)
         if dep.shared_experts == "every_die":
-            slots += [ExpertSlot(kind="shared", expert_idx=s, phy_idx=-1)
-                      for s in range(model.num_shared_experts)]
+            slots += [
+                ExpertSlot(kind="shared", expert_idx=s, phy_idx=-1)
+                for s in range(model.num_shared_experts)
+            ]
         slots_of[die] = tuple(slots)
         first += count
-    for i, die in enumerate(hosts[len(routed_dies):]):
-        slots_of[die] = (ExpertSlot(kind="shared", expert_idx=i % model.num_shared_experts,
-                                    phy_idx=-1),)
+    for i, die in enumerate(hosts[len(routed_dies) :]):
+        slots_of[die] = (
+            ExpertSlot(kind="shared", expert_idx=i % model.num_shared_experts, phy_idx=-1),
+        )
     return slots_of, phy2log

@@ -1,4 +1,5 @@
 """Control plane and startup handshake at any rank count (run by tests/test_mpi_bodies.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -19,11 +20,17 @@ comm = MPI.COMM_WORLD
 def context(overrides=()) -> RankContext:
     """A colocated deployment of 1 TE-shell + (size-1) dies, for whatever size this job has."""
     num_dies = comm.size - 1
-    cfg = config_from_dict({"deployment": {"dp_groups_per_domain": num_dies},
-                            "model": {"num_routed_experts": 8 * num_dies},
-                            "xccl": {"poll_timeout_s": 20}}, overrides)
-    return RankContext(plan=DeploymentPlan.build(cfg, comm.size), comm=comm,
-                       log=logging.getLogger("test"))
+    cfg = config_from_dict(
+        {
+            "deployment": {"dp_groups_per_domain": num_dies},
+            "model": {"num_routed_experts": 8 * num_dies},
+            "xccl": {"poll_timeout_s": 20},
+        },
+        overrides,
+    )
+    return RankContext(
+        plan=DeploymentPlan.build(cfg, comm.size), comm=comm, log=logging.getLogger("test")
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -57,19 +64,27 @@ def test_control_messages_arrive_from_every_peer():
     peers = [r for r in range(comm.size) if r != comm.rank]
     payload = {p: ("from", comm.rank, "to", p, bytes(70_000)) for p in peers}  # > eager size
     send_requests = [comm.isend(payload[p], dest=p, tag=7) for p in peers]
-    received = recv_from_each(comm, peers, tag=7, timeout_s=20, me=f"rank {comm.rank}",
-                              event="test message")
+    received = recv_from_each(
+        comm, peers, tag=7, timeout_s=20, me=f"rank {comm.rank}", event="test message"
+    )
     MPI.Request.Waitall(send_requests)
-    assert {p: m[:4] for p, m in received.items()} == {p: ("from", p, "to", comm.rank)
-                                                       for p in peers}
+    assert {p: m[:4] for p, m in received.items()} == {
+        p: ("from", p, "to", comm.rank) for p in peers
+    }
 
 
 @pytest.mark.mpi(min_size=2)
 def test_a_missing_message_ends_in_a_named_timeout():
     started = time.monotonic()
     with pytest.raises(WaitTimeout, match=rf"rank {comm.rank}: no never-sent event from rank\(s\)"):
-        recv_from_each(comm, [(comm.rank + 1) % comm.size], tag=99, timeout_s=0.3,
-                       me=f"rank {comm.rank}", event="never-sent event")
+        recv_from_each(
+            comm,
+            [(comm.rank + 1) % comm.size],
+            tag=99,
+            timeout_s=0.3,
+            me=f"rank {comm.rank}",
+            event="never-sent event",
+        )
     assert time.monotonic() - started < 5
     comm.Barrier()
 

@@ -1,11 +1,13 @@
 """XCCL point-to-point send/receive at any rank count (run by tests/test_mpi_bodies.py)."""
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mpi4py import MPI
 
 from xccl.errors import BufferTooSmall, EventMismatch, OutOfWindow, UnknownPeer, XcclTimeout
@@ -19,9 +21,15 @@ comm = MPI.COMM_WORLD
 RANKS = range(comm.size)
 SLOTS, SLOT = 4, 64
 SENTINEL = 0xA5
-LINK = LinkModel(write_gb_per_s_intra=137, write_gb_per_s_inter=135, write_latency_us_intra=1.3,
-                 write_latency_us_inter=2.1, mte_gb_per_s_per_core=27, dma_startup_us=10,
-                 max_cores=48)
+LINK = LinkModel(
+    write_gb_per_s_intra=137,
+    write_gb_per_s_inter=135,
+    write_latency_us_intra=1.3,
+    write_latency_us_inter=2.1,
+    mte_gb_per_s_per_core=27,
+    dma_startup_us=10,
+    max_cores=48,
+)
 
 
 @pytest.fixture(params=["load", "rma"])
@@ -54,10 +62,10 @@ def exchange_all(p2p: P2P, sizes: list[int], **send_args) -> None:
     expected = p2p_deliveries(everything)
     for src in RANKS:
         want = expected[(src, comm.rank)]
-        got = [(seq, out[:sizes[seq]].tobytes()) for seq, out in received[src]]
+        got = [(seq, out[: sizes[seq]].tobytes()) for seq, out in received[src]]
         assert got == want, f"rank {comm.rank}: messages from rank {src} differ from the oracle"
         for seq, out in received[src]:
-            assert (out[sizes[seq]:] == SENTINEL).all(), f"overrun past message {seq} from {src}"
+            assert (out[sizes[seq] :] == SENTINEL).all(), f"overrun past message {seq} from {src}"
 
 
 @pytest.mark.mpi(min_size=2)
@@ -73,8 +81,13 @@ def test_cores_split_a_transfer_without_changing_it(p2p, num_cores):
 
 
 @pytest.mark.mpi(min_size=2)
-@settings(max_examples=8, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 @given(sizes=st.lists(st.integers(0, 5 * SLOTS * SLOT), min_size=1, max_size=4))
 def test_random_sizes_arrive_intact(sizes):
     # derandomize: every rank draws the same examples, so the collective calls stay matched.
@@ -130,10 +143,14 @@ def test_wrong_event_and_short_buffer_are_named_and_leave_the_message(p2p):
     elif comm.rank == 1:
         with pytest.raises(EventMismatch) as err:
             p2p.recv(np.zeros(100, np.uint8), 0, event_id=8)
-        assert str(err.value) == ("die rank 1: receive expected event 8, rank 0 reported event 7 "
-                                  "(publication 1)")
-        with pytest.raises(BufferTooSmall, match=r"die rank 1: receive buffer of 99 B < the "
-                                                 r"100 B message from rank 0 \(event 7\)"):
+        assert str(err.value) == (
+            "die rank 1: receive expected event 8, rank 0 reported event 7 (publication 1)"
+        )
+        with pytest.raises(
+            BufferTooSmall,
+            match=r"die rank 1: receive buffer of 99 B < the "
+            r"100 B message from rank 0 \(event 7\)",
+        ):
             p2p.recv(np.zeros(99, np.uint8), 0, event_id=7)
         out = np.zeros(100, np.uint8)
         assert p2p.recv(out, 0, event_id=7).nbytes == 100
@@ -147,14 +164,20 @@ def test_unknown_peer_and_undeclared_pair_are_refused_at_the_call():
     mem = DieMemory(comm, layout.window_bytes(comm.rank))
     p2p = P2P(mem, layout, timeout_s=5)
     try:
-        with pytest.raises(UnknownPeer, match=rf"die rank {comm.rank}: send of 3 B to rank "
-                                              rf"{comm.size + 2}, event 4: rank {comm.size + 2} "
-                                              r"is outside ranks"):
+        with pytest.raises(
+            UnknownPeer,
+            match=rf"die rank {comm.rank}: send of 3 B to rank "
+            rf"{comm.size + 2}, event 4: rank {comm.size + 2} "
+            r"is outside ranks",
+        ):
             p2p.isend(np.zeros(3, np.uint8), comm.size + 2, event_id=4)
         left = (comm.rank - 1) % comm.size
         if comm.size > 2:
-            with pytest.raises(UnknownPeer, match=rf"declares no ring for rank {comm.rank} -> "
-                                                  rf"rank {left}"):
+            with pytest.raises(
+                UnknownPeer,
+                match=rf"declares no ring for rank {comm.rank} -> "
+                rf"rank {left}",
+            ):
                 p2p.isend(np.zeros(3, np.uint8), left, event_id=4)
     finally:
         comm.Barrier()
@@ -168,16 +191,21 @@ def test_a_receive_without_sender_ends_at_its_deadline(p2p):
         p2p.irecv(np.zeros(8, np.uint8), (comm.rank + 1) % comm.size, event_id=3).wait(0.3)
     assert time.monotonic() - started < 5
     peer = (comm.rank + 1) % comm.size
-    assert str(err.value).startswith(f"die rank {comm.rank}: recv of 8 B from rank {peer}, "
-                                     "event 3: no progress after 0.3 s, waiting for record 1")
+    assert str(err.value).startswith(
+        f"die rank {comm.rank}: recv of 8 B from rank {peer}, "
+        "event 3: no progress after 0.3 s, waiting for record 1"
+    )
 
 
 @pytest.mark.mpi(min_size=2)
 def test_rma_outside_a_window_is_refused_before_mpi(p2p):
     mem = p2p.mem
     peer = (comm.rank + 1) % comm.size
-    with pytest.raises(OutOfWindow, match=rf"put of 16 B at offset {mem.sizes[peer] - 8} in "
-                                          rf"rank {peer}'s window of {mem.sizes[peer]} B"):
+    with pytest.raises(
+        OutOfWindow,
+        match=rf"put of 16 B at offset {mem.sizes[peer] - 8} in "
+        rf"rank {peer}'s window of {mem.sizes[peer]} B",
+    ):
         mem.put(peer, mem.sizes[peer] - 8, np.zeros(16, np.uint8))
     with pytest.raises(OutOfWindow):
         mem.get(peer, -1, np.zeros(1, np.uint8))
@@ -188,8 +216,15 @@ def test_virtual_time_travels_with_the_records():
     layout = P2PLayout.build(comm.size, SLOTS, SLOT, all_pairs(RANKS))
     mem = DieMemory(comm, layout.window_bytes(comm.rank))
     clock = VirtualClock(start_ns=1000.0 * comm.rank)
-    p2p = P2P(mem, layout, clock=clock, link=LINK, num_cores=2, timeout_s=30,
-              server_of=[r // 2 for r in RANKS])
+    p2p = P2P(
+        mem,
+        layout,
+        clock=clock,
+        link=LINK,
+        num_cores=2,
+        timeout_s=30,
+        server_of=[r // 2 for r in RANKS],
+    )
     try:
         nbytes = SLOT * 3  # one publication
         if comm.rank == 1:
@@ -200,7 +235,8 @@ def test_virtual_time_travels_with_the_records():
             p2p.recv(np.zeros(nbytes, np.uint8), 1, event_id=1)
             # Receiver (clock 0) waits for data sent at 1000 ns over an intra-server link.
             assert clock.now_ns == pytest.approx(
-                1000.0 + LINK.transfer_ns(nbytes, num_cores=2, same_server=True))
+                1000.0 + LINK.transfer_ns(nbytes, num_cores=2, same_server=True)
+            )
             comm.send(int(clock.now_ns), dest=1)
     finally:
         comm.Barrier()
@@ -219,8 +255,10 @@ def test_host_ranks_take_part_with_zero_bytes():
             peer = 1 + comm.rank % (comm.size - 1)
             src = 1 + (comm.rank - 2) % (comm.size - 1)
             out = np.zeros(50, np.uint8)
-            handles = [exchange.isend(tagged_payload(comm.rank, peer, 0, 50), peer, 0),
-                       exchange.irecv(out, src, 0)]
+            handles = [
+                exchange.isend(tagged_payload(comm.rank, peer, 0, 50), peer, 0),
+                exchange.irecv(out, src, 0),
+            ]
             [h.wait() for h in handles]
             assert (out == tagged_payload(src, comm.rank, 0, 50)).all()
     finally:

@@ -4,6 +4,7 @@ pytest catches a failing test's exception, so `python -m mpi4py` alone would not
 ranks would wait forever in the collective the failing rank never joins. This hook prints the
 failure (with the rank) and calls MPI_Abort.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -26,10 +27,13 @@ def pytest_runtest_makereport(item, call):
     if not report.failed or not item.config.getoption("with_mpi", False):
         return
     from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     if comm.size == 1:
         return
-    sys.stderr.write(f"\n[rank {comm.rank}] FAILED {item.nodeid} ({report.when}):\n"
-                     f"{report.longreprtext}\n[rank {comm.rank}] aborting the MPI job\n")
+    sys.stderr.write(
+        f"\n[rank {comm.rank}] FAILED {item.nodeid} ({report.when}):\n"
+        f"{report.longreprtext}\n[rank {comm.rank}] aborting the MPI job\n"
+    )
     sys.stderr.flush()
     comm.Abort(1)

@@ -1,4 +1,5 @@
 """Every rank hangs outside MPI: only the harness's timeout and process-group kill can end it."""
+
 import os
 import sys
 import time

@@ -1,4 +1,5 @@
 """One rank raises while every other rank waits for it in MPI (run with `python -m mpi4py`)."""
+
 import sys
 
 from mpi4py import MPI

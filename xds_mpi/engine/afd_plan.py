@@ -6,6 +6,7 @@ layer the active DP domains take turns at the expert dies, domain by domain; wit
 microbatches in order. A domain with no requests anywhere takes no calls: the expert dies serve the
 busy domains back to back. Lane = domain x num_microbatches + microbatch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,12 +27,13 @@ class AfdPlan:
     microbatch, M = calls of an iteration with every domain busy: a re-executed iteration
     (token recomputation) has the same event ids, while its call numbers (doorbells) are new."""
 
-    def __init__(self, *, moe_layers: tuple[int, ...], num_domains: int,
-                 num_microbatches: int) -> None:
+    def __init__(
+        self, *, moe_layers: tuple[int, ...], num_domains: int, num_microbatches: int
+    ) -> None:
         self.moe_layers, self.num_domains = moe_layers, num_domains
         self.num_microbatches = num_microbatches
         self.events_per_iteration = len(moe_layers) * num_domains * num_microbatches
-        self.num_calls = 0                             # calls numbered so far, on every die
+        self.num_calls = 0  # calls numbered so far, on every die
 
     def iteration(self, busy_domains: tuple[int, ...], iteration: int = 0) -> list[PlannedCall]:
         """This iteration's calls; advances the call numbering."""
@@ -40,16 +42,20 @@ class AfdPlan:
             for domain in busy_domains:
                 for mb in range(self.num_microbatches):
                     lane = domain * self.num_microbatches + mb
-                    event = (iteration * self.events_per_iteration +
-                             (position * self.num_domains + domain) * self.num_microbatches + mb)
+                    event = (
+                        iteration * self.events_per_iteration
+                        + (position * self.num_domains + domain) * self.num_microbatches
+                        + mb
+                    )
                     call = AfdCall(call=self.num_calls, lane=lane, domain=domain, event_id=event)
                     planned.append(PlannedCall(call=call, layer_idx=layer_idx, microbatch=mb))
                     self.num_calls += 1
         return planned
 
     def layer_of_event(self, event_id: int) -> int:
-        position = (event_id % self.events_per_iteration) // (self.num_domains *
-                                                              self.num_microbatches)
+        position = (event_id % self.events_per_iteration) // (
+            self.num_domains * self.num_microbatches
+        )
         return self.moe_layers[position]
 
 
@@ -58,7 +64,7 @@ def split_microbatches(entries: list[Entry], num_microbatches: int) -> list[list
     sizes = split_counts([len(e.input_ids) for e in entries], num_microbatches)
     groups, first = [], 0
     for size in sizes:
-        groups.append(entries[first:first + size])
+        groups.append(entries[first : first + size])
         first += size
     return groups
 

@@ -10,6 +10,7 @@ weight 1 summed last, as the reference's shared + routed); gate, attention, samp
 model's own pieces, as in the colocated executor. With MTP, each MTP module's block is one more
 MoE layer of A2E/E2A calls after the main layers, its rows split into microbatches alike.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,28 +30,30 @@ class AttentionExecutor(ColocatedExecutor):
         super().__init__(model, None, **kwargs)
         self.afd, self.num_microbatches = afd, num_microbatches
 
-    def forward(self, entries: list[Entry], calls: list[PlannedCall]
-                ) -> tuple[dict[int, Sampled], IterationTiming]:
+    def forward(
+        self, entries: list[Entry], calls: list[PlannedCall]
+    ) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still takes part in its domain's calls);
         `calls` are this domain's calls of the iteration, layer by layer, microbatch by
         microbatch. Returns what every sampled entry produced and the timing."""
         meter = Meter(self.clock)
         groups = split_microbatches(entries, self.num_microbatches)
-        inputs = [self._inputs(group) for group in groups]            # (tokens, positions, chunks)
-        pending = [None] * self.num_microbatches                       # A2E handles in flight
+        inputs = [self._inputs(group) for group in groups]  # (tokens, positions, chunks)
+        pending = [None] * self.num_microbatches  # A2E handles in flight
         todo = self._todo = iter(calls)
         self.num_iterations += 1
         with torch.inference_mode():
             xs = [self.model.embed(tokens) for tokens, _, _ in inputs]  # [n_m, hidden] each
             for layer_idx, layer in enumerate(self.model.layers):
                 for mb, (group, (tokens, positions, chunks)) in enumerate(zip(groups, inputs)):
-                    if pending[mb] is not None:                        # previous layer's MoE
+                    if pending[mb] is not None:  # previous layer's MoE
                         xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
                         pending[mb] = None
                     with meter("attention"):
                         if group:
-                            xs[mb] = layer.attention_part(xs[mb], positions, chunks, self.cache,
-                                                          layer_idx)
+                            xs[mb] = layer.attention_part(
+                                xs[mb], positions, chunks, self.cache, layer_idx
+                            )
                         self.pricer.attention(group, is_moe=layer.is_moe)
                     if layer.is_moe:
                         planned = next(todo)
@@ -62,30 +65,34 @@ class AttentionExecutor(ColocatedExecutor):
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
                     xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-            sampled, works = self._verify(entries, torch.cat(xs))      # groups are contiguous
+            sampled, works = self._verify(entries, torch.cat(xs))  # groups are contiguous
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
                 self._draft(works, meter)
         return self.results(sampled, works), self.timing(entries, sampled, meter)
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter
-                   ) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
         x, positions, chunks = self._mtp_rows(depth, active, inputs)
         counts = [w.stop - w.start for w in active]
         pending, row, first = [], 0, 0
         for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):
-            num_rows = sum(counts[first:first + num_works])
-            xm = x[row:row + num_rows]
+            num_rows = sum(counts[first : first + num_works])
+            xm = x[row : row + num_rows]
             with meter("attention"):
                 if num_works:
-                    xm = block.attention_part(xm, positions[row:row + num_rows],
-                                              chunks[first:first + num_works], self.cache,
-                                              layer_idx)
-                self.pricer.attention_rows([(w.stop, w.stop - w.start)
-                                            for w in active[first:first + num_works]],
-                                           is_moe=True)
+                    xm = block.attention_part(
+                        xm,
+                        positions[row : row + num_rows],
+                        chunks[first : first + num_works],
+                        self.cache,
+                        layer_idx,
+                    )
+                self.pricer.attention_rows(
+                    [(w.stop, w.stop - w.start) for w in active[first : first + num_works]],
+                    is_moe=True,
+                )
             planned = next(self._todo)
             assert planned.layer_idx == layer_idx and planned.microbatch == mb
             pending.append((xm, self._a2e(block, xm, planned, meter)))
@@ -99,9 +106,14 @@ class AttentionExecutor(ColocatedExecutor):
             routing = layer.ffn.gate(h)
             self.pricer.gate(len(h))
         with meter("xccl"):
-            return self.afd.a2e(h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
-                                planned.call, log2phy=self.log2phy,
-                                shared_slots=self.shared_slots)
+            return self.afd.a2e(
+                h.numpy(),
+                routing.topk_idx.numpy(),
+                routing.topk_weight.numpy(),
+                planned.call,
+                log2phy=self.log2phy,
+                shared_slots=self.shared_slots,
+            )
 
     def _e2a(self, handle, meter: Meter) -> torch.Tensor:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""

@@ -4,22 +4,34 @@ Skip DP groups at their batch limit; among the rest pick the one with the lowest
 counting the space each request reserves for its whole output. Pending counts change on dispatch
 and completion; the dies' periodic KV statistics are kept beside it for the report.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from xds_mpi.engine.requests import Request, kv_tokens_needed
 
 
 class DecodeBalancer:
-    def __init__(self, groups: Sequence[int], *, max_batch: int, kv_capacity_tokens: int,
-                 block_tokens: int, mtp_depth: int = 0) -> None:
+    def __init__(
+        self,
+        groups: Sequence[int],
+        *,
+        max_batch: int,
+        kv_capacity_tokens: int,
+        block_tokens: int,
+        mtp_depth: int = 0,
+    ) -> None:
         self.groups = tuple(groups)
-        self.max_batch, self.capacity, self.block_tokens = max_batch, kv_capacity_tokens, block_tokens
+        self.max_batch, self.capacity, self.block_tokens = (
+            max_batch,
+            kv_capacity_tokens,
+            block_tokens,
+        )
         self.mtp_depth = mtp_depth
-        self.num_pending = {g: 0 for g in self.groups}     # requests dispatched, not finished
-        self.reserved = {g: 0 for g in self.groups}        # KV tokens reserved (prompt + output)
-        self.reported_used = {g: 0 for g in self.groups}   # KV tokens in use, as the die said
+        self.num_pending = {g: 0 for g in self.groups}  # requests dispatched, not finished
+        self.reserved = {g: 0 for g in self.groups}  # KV tokens reserved (prompt + output)
+        self.reported_used = {g: 0 for g in self.groups}  # KV tokens in use, as the die said
         self._where: dict[int, tuple[int, int]] = {}
 
     def _reserve(self, req: Request) -> int:
@@ -28,8 +40,11 @@ class DecodeBalancer:
     def pick(self, req: Request) -> int | None:
         """The DP group to serve `req`, or None while every group is full."""
         need = self._reserve(req)
-        open_groups = [g for g in self.groups if self.num_pending[g] < self.max_batch and
-                       self.reserved[g] + need <= self.capacity]
+        open_groups = [
+            g
+            for g in self.groups
+            if self.num_pending[g] < self.max_batch and self.reserved[g] + need <= self.capacity
+        ]
         if not open_groups:
             return None
         return min(open_groups, key=lambda g: (self.reserved[g], self.num_pending[g], g))

@@ -14,6 +14,7 @@ L + k - 1 (the cache layer numbering of the model).
 Nothing the iteration computes is kept until the die commits it (`commit`); a failed iteration is
 re-run from `checkpoint` (token recomputation, §6.2).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -33,12 +34,22 @@ from xds_mpi.model.transformer import DeepSeekModel
 
 
 class ColocatedExecutor:
-    def __init__(self, model: DeepSeekModel, ep: EpBuffer, *, phy2log: tuple[int, ...],
-                 log2phy: tuple[tuple[int, ...], ...], table: BlockTable, cache: LatentCache,
-                 pricer: Pricer, slots: ExpertSlots, shared_slots: tuple[int, ...] = (),
-                 mtp_depth: int = 0) -> None:
+    def __init__(
+        self,
+        model: DeepSeekModel,
+        ep: EpBuffer,
+        *,
+        phy2log: tuple[int, ...],
+        log2phy: tuple[tuple[int, ...], ...],
+        table: BlockTable,
+        cache: LatentCache,
+        pricer: Pricer,
+        slots: ExpertSlots,
+        shared_slots: tuple[int, ...] = (),
+        mtp_depth: int = 0,
+    ) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
-        self.clock = pricer.clock                     # the die's virtual clock
+        self.clock = pricer.clock  # the die's virtual clock
         self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
         # Dedicated shared-expert dies (EP288: 256 routed + 32 shared): the shared expert is one
         # more dispatch column to those slots; otherwise every die computes it for its rows.
@@ -51,13 +62,18 @@ class ColocatedExecutor:
 
     # -- one iteration --------------------------------------------------------------------------
     def _inputs(self, entries: list[Entry]):
-        chunks = [AttnChunk(start_pos=e.start_pos, num_tokens=len(e.input_ids),
-                            slots=torch.tensor(self.table.slots(e.req_id, 0, e.start_pos +
-                                                                len(e.input_ids))))
-                  for e in entries]
+        chunks = [
+            AttnChunk(
+                start_pos=e.start_pos,
+                num_tokens=len(e.input_ids),
+                slots=torch.tensor(self.table.slots(e.req_id, 0, e.start_pos + len(e.input_ids))),
+            )
+            for e in entries
+        ]
         tokens = torch.tensor([t for e in entries for t in e.input_ids], dtype=torch.int64)
-        positions = torch.tensor([e.start_pos + i for e in entries
-                                  for i in range(len(e.input_ids))], dtype=torch.int64)
+        positions = torch.tensor(
+            [e.start_pos + i for e in entries for i in range(len(e.input_ids))], dtype=torch.int64
+        )
         return tokens, positions, chunks
 
     def forward(self, entries: list[Entry]) -> tuple[dict[int, Sampled], IterationTiming]:
@@ -67,7 +83,7 @@ class ColocatedExecutor:
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
         with torch.inference_mode():
-            x = self.model.embed(tokens)                                  # [n, hidden]
+            x = self.model.embed(tokens)  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):
                 with meter("attention"):
                     if entries:
@@ -87,8 +103,10 @@ class ColocatedExecutor:
     @staticmethod
     def results(sampled: dict[int, list[int]], works: dict[int, MtpWork]) -> dict[int, Sampled]:
         """Each sampled entry's tokens with its drafts for the next step."""
-        return {r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works
-                           else ()) for r, tokens in sampled.items()}
+        return {
+            r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works else ())
+            for r, tokens in sampled.items()
+        }
 
     @staticmethod
     def timing(entries, sampled: dict[int, list[int]], meter: Meter) -> IterationTiming:
@@ -96,11 +114,17 @@ class ColocatedExecutor:
         drafted = sum(e.num_drafts for e in steps)
         spent = meter.seconds
         return IterationTiming(
-            num_rows=sum(len(e.input_ids) for e in entries), num_sampled=len(steps),
-            attention_s=spent["attention"], xccl_s=spent["xccl"], experts_s=spent["experts"],
-            total_s=meter.total_s(), vtime_s=meter.vtime_s(),
-            num_tokens=sum(len(t) for t in sampled.values()), num_drafted=drafted,
-            num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps))
+            num_rows=sum(len(e.input_ids) for e in entries),
+            num_sampled=len(steps),
+            attention_s=spent["attention"],
+            xccl_s=spent["xccl"],
+            experts_s=spent["experts"],
+            total_s=meter.total_s(),
+            vtime_s=meter.vtime_s(),
+            num_tokens=sum(len(t) for t in sampled.values()),
+            num_drafted=drafted,
+            num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps),
+        )
 
     def _moe(self, moe, h: torch.Tensor, layer_idx: int, meter: Meter) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
@@ -111,9 +135,13 @@ class ColocatedExecutor:
         with meter("xccl"):
             with pricer.waiting("dispatch"):
                 recv_x, info, handle = self.ep.dispatch(
-                    h.numpy(), routing.topk_idx.numpy(), routing.topk_weight.numpy(),
+                    h.numpy(),
+                    routing.topk_idx.numpy(),
+                    routing.topk_weight.numpy(),
                     self.events.event_id(self.num_iterations, layer_idx),
-                    log2phy=self.log2phy, shared_slots=self.shared_slots)
+                    log2phy=self.log2phy,
+                    shared_slots=self.shared_slots,
+                )
             pricer.dispatch(len(recv_x))
         with meter("experts"):
             expert_out = self._experts(moe, recv_x, info)
@@ -133,18 +161,19 @@ class ColocatedExecutor:
         row = 0
         for slot, num_rows in zip(info.local_slots, info.num_rows_per_slot):
             if num_rows:
-                rows = torch.from_numpy(recv_x[row:row + num_rows]).to(self.model.dtype)
+                rows = torch.from_numpy(recv_x[row : row + num_rows]).to(self.model.dtype)
                 if self.slots.is_routed(slot):
                     out = moe.expert_forward(self.phy2log[slot], rows)
                 else:
                     out = moe.shared_forward(rows)
-                expert_out[row:row + num_rows] = out.numpy()
+                expert_out[row : row + num_rows] = out.numpy()
                 row += num_rows
         return expert_out
 
     # -- sampling and MTP -----------------------------------------------------------------------
-    def _verify(self, entries: list[Entry], x: torch.Tensor
-                ) -> tuple[dict[int, list[int]], dict[int, MtpWork]]:
+    def _verify(
+        self, entries: list[Entry], x: torch.Tensor
+    ) -> tuple[dict[int, list[int]], dict[int, MtpWork]]:
         """Greedy tokens of every sampled entry (its drafts checked against the main model, as
         the reference's verify step), and with MTP each entry's drafting work."""
         rows = x.split([len(e.input_ids) for e in entries]) if entries else ()
@@ -152,21 +181,25 @@ class ColocatedExecutor:
         sampled: dict[int, list[int]] = {}
         if steps:
             # Verify rows: [last token, drafts] of a decode step, the last prompt row otherwise.
-            picked = [r[-1 - e.num_drafts:] for e, r in steps]
+            picked = [r[-1 - e.num_drafts :] for e, r in steps]
             logits = self.model.logits(torch.cat(picked)).split([len(p) for p in picked])
             for (e, _), row_logits in zip(steps, logits):
-                drafts = list(e.input_ids[len(e.input_ids) - e.num_drafts:])
-                sampled[e.req_id] = verify_drafts(row_logits, drafts, temperature=0.0,
-                                                  generator=None)
+                drafts = list(e.input_ids[len(e.input_ids) - e.num_drafts :])
+                sampled[e.req_id] = verify_drafts(
+                    row_logits, drafts, temperature=0.0, generator=None
+                )
         works: dict[int, MtpWork] = {}
         if self.mtp_depth:
             for e, r in zip(entries, rows):
                 new = sampled.get(e.req_id, [])
                 is_decode = e.is_sampled and e.start_pos == len(e.context) - 1
                 # h^0 now committed: t_m and the accepted drafts, or the whole prompt chunk.
-                works[e.req_id] = self.mtp.start(e.req_id, list(e.context) + new,
-                                                 r[:len(new)] if is_decode else r,
-                                                 is_drafting=e.is_sampled)
+                works[e.req_id] = self.mtp.start(
+                    e.req_id,
+                    list(e.context) + new,
+                    r[: len(new)] if is_decode else r,
+                    is_drafting=e.is_sampled,
+                )
         return sampled, works
 
     def _draft(self, works: dict[int, MtpWork], meter: Meter) -> None:
@@ -177,13 +210,18 @@ class ColocatedExecutor:
             active = [w for w in works.values() if w.plan(depth) > 0]
             inputs = [w.inputs(depth) for w in active]
             with self.pricer.mtp_layer():
-                hidden = self._mtp_block(depth, active, inputs, meter)   # [rows, hidden]
-                out = dict(zip((w.req_id for w in active),
-                               hidden.split([w.stop - w.start for w in active])))
+                hidden = self._mtp_block(depth, active, inputs, meter)  # [rows, hidden]
+                out = dict(
+                    zip(
+                        (w.req_id for w in active), hidden.split([w.stop - w.start for w in active])
+                    )
+                )
                 drafting = [w for w in active if w.is_drafting]
                 if drafting:
                     last = torch.stack([out[w.req_id][-1] for w in drafting])
-                    for w, token in zip(drafting, model.mtp_logits(depth, last).argmax(-1).tolist()):
+                    for w, token in zip(
+                        drafting, model.mtp_logits(depth, last).argmax(-1).tolist()
+                    ):
                         w.drafts.append(token)
                 self.pricer.mtp_head(len(drafting))
             for w in works.values():
@@ -196,15 +234,20 @@ class ColocatedExecutor:
         next_ids = torch.tensor([t for _, ids in inputs for t in ids], dtype=torch.int64)
         prev = torch.stack(prev) if prev else torch.empty(0, model.cfg.hidden, dtype=model.dtype)
         x = model.mtp_module(depth).project(prev, model.embed(next_ids))
-        positions = torch.tensor([p for w in active for p in range(w.start, w.stop)],
-                                 dtype=torch.int64)
-        chunks = [AttnChunk(start_pos=w.start, num_tokens=w.stop - w.start,
-                            slots=torch.tensor(self.table.slots(w.req_id, 0, w.stop)))
-                  for w in active]
+        positions = torch.tensor(
+            [p for w in active for p in range(w.start, w.stop)], dtype=torch.int64
+        )
+        chunks = [
+            AttnChunk(
+                start_pos=w.start,
+                num_tokens=w.stop - w.start,
+                slots=torch.tensor(self.table.slots(w.req_id, 0, w.stop)),
+            )
+            for w in active
+        ]
         return x, positions, chunks
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter
-                   ) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
         """MTP module `depth`'s block over this die's rows: attention, then its MoE through
         dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1

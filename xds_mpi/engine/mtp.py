@@ -14,6 +14,7 @@ reference (xds_mpi/model/reference.py) entry for entry, so a die drafts the same
 
 Updates are staged per iteration and applied by `commit`, so a failed iteration leaves no trace.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,10 +31,10 @@ class MtpState:
     rows: list[list[torch.Tensor]]
 
     @classmethod
-    def new(cls, depth: int) -> "MtpState":
+    def new(cls, depth: int) -> MtpState:
         return cls(next_pos=[0] * depth, rows=[[] for _ in range(depth)])
 
-    def copy(self) -> "MtpState":
+    def copy(self) -> MtpState:
         return MtpState(next_pos=list(self.next_pos), rows=[list(r) for r in self.rows])
 
 
@@ -42,12 +43,12 @@ class MtpWork:
     """One request's part of this iteration's MTP passes."""
 
     req_id: int
-    context: list[int]                  # committed tokens after this step (prompt + generated)
-    state: MtpState                     # staged: becomes the request's state on commit
-    is_drafting: bool                   # decoding: its last row at each depth yields a draft
+    context: list[int]  # committed tokens after this step (prompt + generated)
+    state: MtpState  # staged: becomes the request's state on commit
+    is_drafting: bool  # decoding: its last row at each depth yields a draft
     drafts: list[int] = field(default_factory=list)
-    speculative: list[torch.Tensor] = field(default_factory=list)   # h^{k-1} from drafts
-    start: int = 0                      # this depth's positions [start, stop)
+    speculative: list[torch.Tensor] = field(default_factory=list)  # h^{k-1} from drafts
+    start: int = 0  # this depth's positions [start, stop)
     stop: int = 0
 
     def plan(self, depth: int) -> int:
@@ -58,8 +59,10 @@ class MtpWork:
         extended = len(self.context) + len(self.drafts)
         self.stop = min(self.start + available, extended - depth)
         if self.is_drafting and self.stop != len(self.context) - 1:
-            raise AssertionError(f"request {self.req_id}: MTP depth {depth} reaches position "
-                                 f"{self.stop}, drafting needs {len(self.context) - 1}")
+            raise AssertionError(
+                f"request {self.req_id}: MTP depth {depth} reaches position "
+                f"{self.stop}, drafting needs {len(self.context) - 1}"
+            )
         return max(self.stop - self.start, 0)
 
     def inputs(self, depth: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -67,7 +70,7 @@ class MtpWork:
         num = self.stop - self.start
         prev = (self.state.rows[depth - 1] + self.speculative)[:num]
         extended = self.context + self.drafts
-        return prev, extended[self.start + depth:self.stop + depth]
+        return prev, extended[self.start + depth : self.stop + depth]
 
     def keep(self, depth: int, out: torch.Tensor | None, num_depths: int) -> None:
         """out: [stop - start, hidden] h^depth (None: no rows). Depth's entries are committed up
@@ -75,14 +78,14 @@ class MtpWork:
         goes on to depth + 1 (committed rows kept, the rest speculative)."""
         state, k = self.state, depth - 1
         committed = max(self.start, min(self.stop, len(self.context) - depth))
-        state.rows[k] = state.rows[k][committed - self.start:]
+        state.rows[k] = state.rows[k][committed - self.start :]
         state.next_pos[k] = committed
         self.speculative = []
         if depth == num_depths or out is None:
             return
         rows = list(out.unbind(0))
-        state.rows[depth].extend(rows[:committed - self.start])
-        self.speculative = rows[committed - self.start:]
+        state.rows[depth].extend(rows[: committed - self.start])
+        self.speculative = rows[committed - self.start :]
 
 
 class MtpBook:
@@ -93,8 +96,9 @@ class MtpBook:
         self.states: dict[int, MtpState] = {}
         self.staged: dict[int, MtpState] = {}
 
-    def start(self, req_id: int, context: list[int], h0_rows: torch.Tensor, *,
-              is_drafting: bool) -> MtpWork:
+    def start(
+        self, req_id: int, context: list[int], h0_rows: torch.Tensor, *, is_drafting: bool
+    ) -> MtpWork:
         """A request's work this iteration: h0_rows [n, hidden] are the main model's committed
         rows of this step (the prompt chunk, or t_m and the accepted drafts)."""
         state = self.states.get(req_id)

@@ -7,6 +7,7 @@ count, its top-k rows scale by cost top-k / tiny top-k, and a die's received row
 cost shape's experts per die. Waiting for the slowest die at dispatch and combine is counted
 under those primitives, as a profiler on the die would see it.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -19,8 +20,15 @@ from xds_mpi.engine.scheduler import Entry
 
 
 class Pricer:
-    def __init__(self, cost: CostModel, tiny: ModelConfig, clock: VirtualClock, *,
-                 num_routed_dies: int, use_int8: bool) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        tiny: ModelConfig,
+        clock: VirtualClock,
+        *,
+        num_routed_dies: int,
+        use_int8: bool,
+    ) -> None:
         big = cost.m
         self.cost, self.clock, self.use_int8 = cost, clock, use_int8
         tiny_moe = tiny.num_layers - tiny.num_dense_layers
@@ -28,7 +36,7 @@ class Pricer:
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
         self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
-        self.spent: dict[str, float] = defaultdict(float)   # operation -> virtual seconds
+        self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
 
     @contextmanager
@@ -63,8 +71,9 @@ class Pricer:
         self.spent = defaultdict(float, snapshot)
 
     def attention(self, entries: list[Entry], *, is_moe: bool) -> None:
-        self.attention_rows([(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries],
-                            is_moe=is_moe)
+        self.attention_rows(
+            [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries], is_moe=is_moe
+        )
 
     def attention_rows(self, seqs: list[tuple[int, int]], *, is_moe: bool) -> None:
         """seqs: (KV length, new rows) per sequence."""
@@ -80,8 +89,10 @@ class Pricer:
         self._add("gate", self.moe_scale * self.cost.gate(rows))
 
     def dispatch(self, rows_in: int) -> None:
-        self._add("dispatch", self.moe_scale * self.cost.dispatch(
-            rows_in * self.topk_scale, int8=self.use_int8))
+        self._add(
+            "dispatch",
+            self.moe_scale * self.cost.dispatch(rows_in * self.topk_scale, int8=self.use_int8),
+        )
 
     def experts(self, rows_in: int, rows: int) -> None:
         per_expert = rows_in * self.topk_scale / self.experts_per_die
@@ -90,8 +101,7 @@ class Pricer:
         self._add("experts", self.moe_scale * (routed + shared))
 
     def combine(self, rows: int) -> None:
-        self._add("combine", self.moe_scale * self.cost.combine(
-            rows * self.cost.m.top_k))
+        self._add("combine", self.moe_scale * self.cost.combine(rows * self.cost.m.top_k))
 
     def mtp_head(self, rows: int) -> None:
         self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))

@@ -1,4 +1,5 @@
 """Requests as the TE-shell receives them, and the checks that reject bad ones with a reason."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,10 +10,10 @@ from xds_mpi.config import Config
 @dataclass(frozen=True, kw_only=True)
 class Request:
     req_id: int
-    prompt: tuple[int, ...]            # token ids
+    prompt: tuple[int, ...]  # token ids
     max_new_tokens: int
-    arrival_s: float = 0.0             # seconds after the run starts
-    problem: str = ""                  # set when the request could not even be read
+    arrival_s: float = 0.0  # seconds after the run starts
+    problem: str = ""  # set when the request could not even be read
 
 
 def kv_tokens_needed(req: Request, mtp_depth: int = 0) -> int:
@@ -37,12 +38,16 @@ def rejection(req: Request, cfg: Config) -> str:
     total = kv_tokens_needed(req, depth)
     drafts = f" + mtp_depth({depth})" if depth else ""
     if total > cfg.model.max_seq_len:
-        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
-                f"{total} > model.max_seq_len({cfg.model.max_seq_len})")
+        return (
+            f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
+            f"{total} > model.max_seq_len({cfg.model.max_seq_len})"
+        )
     sched = cfg.scheduler
     capacity = sched.num_kv_blocks_per_die * sched.kv_block_tokens
     if total > capacity:
-        return (f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
-                f"{total} tokens > a die's KV capacity {sched.num_kv_blocks_per_die} blocks x "
-                f"{sched.kv_block_tokens} = {capacity}")
+        return (
+            f"prompt({len(req.prompt)}) + max_new_tokens({req.max_new_tokens}){drafts} = "
+            f"{total} tokens > a die's KV capacity {sched.num_kv_blocks_per_die} blocks x "
+            f"{sched.kv_block_tokens} = {capacity}"
+        )
     return ""

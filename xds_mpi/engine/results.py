@@ -1,5 +1,6 @@
 """What a serving run produced: per-request records, the summary, the reference check, and their
 groups in the run file (/requests, /dies, /summary attributes)."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -12,16 +13,16 @@ import numpy as np
 from xds_mpi.config import Config
 from xds_mpi.engine.requests import Request
 
-if TYPE_CHECKING:                      # the reference imports torch; the check loads it lazily
+if TYPE_CHECKING:  # the reference imports torch; the check loads it lazily
     from xds_mpi.model.reference import RequestOutput
 
 
 @dataclass(kw_only=True)
 class RequestRecord:
     req: Request
-    rejected: str = ""                 # the reason, for a rejected request
+    rejected: str = ""  # the reason, for a rejected request
     die_rank: int = -1
-    dispatched_at: float = 0.0         # wall clock (time.time())
+    dispatched_at: float = 0.0  # wall clock (time.time())
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finished_at: float = 0.0
@@ -53,9 +54,14 @@ def summarize(records: dict[int, RequestRecord], started: float, ended: float) -
     tpot = np.array([r.tpot_s() for r in served]) * 1e3
     num_tokens = sum(len(r.tokens) for r in served)
     wall = ended - started
-    summary = {"num_requests": len(records), "num_served": len(served),
-               "num_rejected": len(records) - len(served), "num_tokens": num_tokens,
-               "wall_s": wall, "tokens_per_s": num_tokens / wall if wall > 0 else 0.0}
+    summary = {
+        "num_requests": len(records),
+        "num_served": len(served),
+        "num_rejected": len(records) - len(served),
+        "num_tokens": num_tokens,
+        "wall_s": wall,
+        "tokens_per_s": num_tokens / wall if wall > 0 else 0.0,
+    }
     for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot)):
         values = values[~np.isnan(values)]
         for q in (50, 90, 99):
@@ -64,21 +70,25 @@ def summarize(records: dict[int, RequestRecord], started: float, ended: float) -
 
 
 def format_summary(s: dict) -> str:
-    return (f"summary: {s['num_served']} requests served, {s['num_rejected']} rejected, "
-            f"{s['num_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; "
-            f"TTFT p50/p90/p99 {s['ttft_ms_p50']:.1f}/{s['ttft_ms_p90']:.1f}/"
-            f"{s['ttft_ms_p99']:.1f} ms; TPOT p50/p90/p99 {s['tpot_ms_p50']:.1f}/"
-            f"{s['tpot_ms_p90']:.1f}/{s['tpot_ms_p99']:.1f} ms")
+    return (
+        f"summary: {s['num_served']} requests served, {s['num_rejected']} rejected, "
+        f"{s['num_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; "
+        f"TTFT p50/p90/p99 {s['ttft_ms_p50']:.1f}/{s['ttft_ms_p90']:.1f}/"
+        f"{s['ttft_ms_p99']:.1f} ms; TPOT p50/p90/p99 {s['tpot_ms_p50']:.1f}/"
+        f"{s['tpot_ms_p90']:.1f}/{s['tpot_ms_p99']:.1f} ms"
+    )
 
 
-def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
-                            ) -> tuple[int, int, list[str]]:
+def check_against_reference(
+    cfg: Config, records: dict[int, RequestRecord]
+) -> tuple[int, int, list[str]]:
     """Re-run the single-process reference, with the run's MTP depth and XCCL's wire format,
     on the served requests (grouped by max_new_tokens) and compare tokens and, with MTP, every
     decode step's drafts and accepted count. Returns (requests, tokens, mismatch descriptions)."""
     from xds_mpi.model.moe import Wire
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
+
     model = build_model(cfg.model)
     by_length: dict[int, list[RequestRecord]] = defaultdict(list)
     for record in records.values():
@@ -87,16 +97,23 @@ def check_against_reference(cfg: Config, records: dict[int, RequestRecord]
     mismatches, num_requests, num_tokens = [], 0, 0
     wire = Wire.for_config(cfg)
     for max_new, group in sorted(by_length.items()):
-        options = GenerateOptions(max_new_tokens=max_new, mtp_depth=cfg.scheduler.mtp_depth,
-                                  use_int8=cfg.xccl.use_int8, ignore_eos=cfg.workload.ignore_eos,
-                                  block_tokens=cfg.scheduler.kv_block_tokens,
-                                  row_dtype=wire.row_dtype, shared_path=wire.shared)
+        options = GenerateOptions(
+            max_new_tokens=max_new,
+            mtp_depth=cfg.scheduler.mtp_depth,
+            use_int8=cfg.xccl.use_int8,
+            ignore_eos=cfg.workload.ignore_eos,
+            block_tokens=cfg.scheduler.kv_block_tokens,
+            row_dtype=wire.row_dtype,
+            shared_path=wire.shared,
+        )
         outputs = ReferenceGenerator(model, options).generate([list(r.req.prompt) for r in group])
         for record, out in zip(group, outputs):
             num_requests += 1
             num_tokens += len(out.tokens)
-            found = (token_mismatch(record, out),
-                     draft_mismatch(record, out) if options.mtp_depth else "")
+            found = (
+                token_mismatch(record, out),
+                draft_mismatch(record, out) if options.mtp_depth else "",
+            )
             mismatches += [m for m in found if m]
     return num_requests, num_tokens, mismatches
 
@@ -105,10 +122,14 @@ def token_mismatch(record: RequestRecord, out: RequestOutput) -> str:
     """The first token the request served differently from the reference's `out`, or ""."""
     if tuple(record.tokens) == tuple(out.tokens):
         return ""
-    first = next((i for i, (a, b) in enumerate(zip(record.tokens, out.tokens)) if a != b),
-                 min(len(record.tokens), len(out.tokens)))
-    return (f"request {record.req.req_id}: token {first} differs ({len(record.tokens)} tokens "
-            f"served, {len(out.tokens)} in the reference)")
+    first = next(
+        (i for i, (a, b) in enumerate(zip(record.tokens, out.tokens)) if a != b),
+        min(len(record.tokens), len(out.tokens)),
+    )
+    return (
+        f"request {record.req.req_id}: token {first} differs ({len(record.tokens)} tokens "
+        f"served, {len(out.tokens)} in the reference)"
+    )
 
 
 def draft_mismatch(record: RequestRecord, out: RequestOutput) -> str:
@@ -120,27 +141,38 @@ def draft_mismatch(record: RequestRecord, out: RequestOutput) -> str:
     reference = list(zip(out.step_drafts, out.step_accepted))
     req_id = record.req.req_id
     for step_idx, ((drafts, accepted), (ref_drafts, ref_accepted)) in enumerate(
-            zip(served, reference)):
+        zip(served, reference)
+    ):
         if (tuple(drafts), accepted) != (tuple(ref_drafts), ref_accepted):
-            return (f"request {req_id}: step {step_idx} drafted {list(drafts)} and accepted "
-                    f"{accepted}, the reference drafted {list(ref_drafts)} and accepted "
-                    f"{ref_accepted}")
+            return (
+                f"request {req_id}: step {step_idx} drafted {list(drafts)} and accepted "
+                f"{accepted}, the reference drafted {list(ref_drafts)} and accepted "
+                f"{ref_accepted}"
+            )
     if len(served) != len(reference):
-        return (f"request {req_id}: {len(served)} decode steps served, {len(reference)} in the "
-                "reference")
+        return (
+            f"request {req_id}: {len(served)} decode steps served, {len(reference)} in the "
+            "reference"
+        )
     return ""
 
 
-def write_serving(f: h5py.File, records: dict[int, RequestRecord], started: float,
-                  summary: dict, die_timings: dict[int, dict[str, list]],
-                  die_recovery: dict[int, dict] | None = None) -> None:
+def write_serving(
+    f: h5py.File,
+    records: dict[int, RequestRecord],
+    started: float,
+    summary: dict,
+    die_timings: dict[int, dict[str, list]],
+    die_recovery: dict[int, dict] | None = None,
+) -> None:
     """Add /requests (one row per request), /dies/<rank> (per-iteration timings; recovery
     counters as attributes) and the summary as attributes of /summary."""
     ordered = [records[i] for i in sorted(records)]
     group = f.create_group("requests")
     group["req_id"] = np.array([r.req.req_id for r in ordered], np.int64)
-    group["status"] = np.array(["rejected" if r.rejected else "done" for r in ordered],
-                               dtype=h5py.string_dtype())
+    group["status"] = np.array(
+        ["rejected" if r.rejected else "done" for r in ordered], dtype=h5py.string_dtype()
+    )
     group["reason"] = np.array([r.rejected for r in ordered], dtype=h5py.string_dtype())
     group["die_rank"] = np.array([r.die_rank for r in ordered], np.int64)
     group["prompt_len"] = np.array([len(r.req.prompt) for r in ordered], np.int64)
@@ -177,7 +209,7 @@ def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: 
     timings = [r.timings for r in die_reports.values()]
     if not timings or not timings[0]["vtime_s"]:
         return {}
-    vtime = np.array([t["vtime_s"] for t in timings])              # [dies, iterations]
+    vtime = np.array([t["vtime_s"] for t in timings])  # [dies, iterations]
     rows = np.array([t["num_rows"] for t in timings])
     steps = np.array([t["num_sampled"] for t in timings])
     sampled = np.array([t["num_tokens"] for t in timings])
@@ -186,11 +218,18 @@ def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: 
     if not decode.any():
         decode = rows.sum(axis=0) > 0
     iteration = vtime.max(axis=0)[decode]
-    out = {"projected_iteration_ms": float(iteration.mean() * 1e3),
-           "projected_tpot_ms": float(iteration.mean() * 1e3 * steps.sum(axis=0)[decode].sum()
-                                      / max(sampled.sum(axis=0)[decode].sum(), 1)),
-           "projected_tokens_per_s_per_chip": float(
-               (sampled.sum(axis=0)[decode] / iteration).mean() / num_chips)}
+    out = {
+        "projected_iteration_ms": float(iteration.mean() * 1e3),
+        "projected_tpot_ms": float(
+            iteration.mean()
+            * 1e3
+            * steps.sum(axis=0)[decode].sum()
+            / max(sampled.sum(axis=0)[decode].sum(), 1)
+        ),
+        "projected_tokens_per_s_per_chip": float(
+            (sampled.sum(axis=0)[decode] / iteration).mean() / num_chips
+        ),
+    }
     num_iterations = vtime.shape[1]
     ops = sorted({op for r in die_reports.values() for op in r.virtual_spent})
     for op in ops:
@@ -212,13 +251,16 @@ def mtp_summary(depth: int, die_timings: dict[int, dict[str, list]]) -> dict:
     accepted = np.array([sum(die_timings[r]["num_accepted"]) for r in ranks])
     steps = np.array([sum(die_timings[r]["num_sampled"]) for r in ranks])
     tokens = np.array([sum(die_timings[r]["num_tokens"]) for r in ranks])
-    return {"mtp_depth": depth, "mtp_drafted": int(drafted.sum()),
-            "mtp_accepted": int(accepted.sum()),
-            "mtp_acceptance": float(accepted.sum() / max(drafted.sum(), 1)),
-            "tokens_per_step": float(tokens.sum() / max(steps.sum(), 1)),
-            "mtp_group_ranks": np.array(ranks, np.int64),
-            "mtp_group_acceptance": accepted / np.maximum(drafted, 1),
-            "mtp_group_tokens_per_step": tokens / np.maximum(steps, 1)}
+    return {
+        "mtp_depth": depth,
+        "mtp_drafted": int(drafted.sum()),
+        "mtp_accepted": int(accepted.sum()),
+        "mtp_acceptance": float(accepted.sum() / max(drafted.sum(), 1)),
+        "tokens_per_step": float(tokens.sum() / max(steps.sum(), 1)),
+        "mtp_group_ranks": np.array(ranks, np.int64),
+        "mtp_group_acceptance": accepted / np.maximum(drafted, 1),
+        "mtp_group_tokens_per_step": tokens / np.maximum(steps, 1),
+    }
 
 
 def recovery_summary(die_recovery: dict[int, dict]) -> dict:
@@ -228,34 +270,46 @@ def recovery_summary(die_recovery: dict[int, dict]) -> dict:
     counters = [c for c in die_recovery.values() if c]
     if not counters:
         return {}
-    return {"faults_injected": max(c["faults_injected"] for c in counters),
-            "rollbacks": max(c["rollbacks"] for c in counters),
-            "recomputed_iterations": max(c["recomputed_iterations"] for c in counters),
-            "wall_lost_s": max(c["wall_lost_s"] for c in counters),
-            "vtime_lost_s": max(c["vtime_lost_s"] for c in counters)}
+    return {
+        "faults_injected": max(c["faults_injected"] for c in counters),
+        "rollbacks": max(c["rollbacks"] for c in counters),
+        "recomputed_iterations": max(c["recomputed_iterations"] for c in counters),
+        "wall_lost_s": max(c["wall_lost_s"] for c in counters),
+        "vtime_lost_s": max(c["vtime_lost_s"] for c in counters),
+    }
 
 
 def format_recovery(r: dict) -> str:
-    return (f"recovery: {r['faults_injected']} faults injected, {r['rollbacks']} rollbacks, "
-            f"{r['recomputed_iterations']} iterations recomputed; lost {r['wall_lost_s']:.2f} s "
-            f"wall, {r['vtime_lost_s'] * 1e3:.2f} ms virtual")
+    return (
+        f"recovery: {r['faults_injected']} faults injected, {r['rollbacks']} rollbacks, "
+        f"{r['recomputed_iterations']} iterations recomputed; lost {r['wall_lost_s']:.2f} s "
+        f"wall, {r['vtime_lost_s'] * 1e3:.2f} ms virtual"
+    )
 
 
 def format_mtp(m: dict) -> str:
-    groups = ", ".join(f"r{r} {a:.0%}" for r, a in zip(m["mtp_group_ranks"],
-                                                        m["mtp_group_acceptance"]))
-    return (f"MTP depth {m['mtp_depth']}: acceptance {m['mtp_acceptance']:.1%} "
-            f"({m['mtp_accepted']}/{m['mtp_drafted']} drafts), {m['tokens_per_step']:.2f} tokens "
-            f"per step; per DP group: {groups}")
+    groups = ", ".join(
+        f"r{r} {a:.0%}" for r, a in zip(m["mtp_group_ranks"], m["mtp_group_acceptance"])
+    )
+    return (
+        f"MTP depth {m['mtp_depth']}: acceptance {m['mtp_acceptance']:.1%} "
+        f"({m['mtp_accepted']}/{m['mtp_drafted']} drafts), {m['tokens_per_step']:.2f} tokens "
+        f"per step; per DP group: {groups}"
+    )
 
 
 def format_projection(p: dict) -> str:
     if not p:
         return "projection: no iterations"
-    ops = ", ".join(f"{k.removeprefix('projected_ms_')} {v:.2f}" for k, v in p.items()
-                    if k.startswith("projected_ms_"))
-    return (f"projected on 910C: iteration {p['projected_iteration_ms']:.2f} ms, TPOT "
-            f"{p['projected_tpot_ms']:.2f} ms, {p['projected_tokens_per_s_per_chip']:.0f} tokens/s "
-            f"per chip; per iteration (ms): {ops}; dispatch "
-            f"{p.get('projected_us_per_dispatch', 0):.1f} us, combine "
-            f"{p.get('projected_us_per_combine', 0):.1f} us per call")
+    ops = ", ".join(
+        f"{k.removeprefix('projected_ms_')} {v:.2f}"
+        for k, v in p.items()
+        if k.startswith("projected_ms_")
+    )
+    return (
+        f"projected on 910C: iteration {p['projected_iteration_ms']:.2f} ms, TPOT "
+        f"{p['projected_tpot_ms']:.2f} ms, {p['projected_tokens_per_s_per_chip']:.0f} tokens/s "
+        f"per chip; per iteration (ms): {ops}; dispatch "
+        f"{p.get('projected_us_per_dispatch', 0):.1f} us, combine "
+        f"{p.get('projected_us_per_combine', 0):.1f} us per call"
+    )

@@ -13,6 +13,7 @@ entry also holds D - 1 rows of headroom in the budget.
 Nothing here is committed before `postprocess`: a failed iteration `restore`s the `checkpoint`
 taken before `schedule` (token recomputation, §6.2) and schedules the same batch again.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -25,10 +26,10 @@ from xds_mpi.model.kv_blocks import BlockTable
 @dataclass(kw_only=True)
 class Sequence:
     req: Request
-    tokens: list[int]                  # prompt + generated
+    tokens: list[int]  # prompt + generated
     num_prefilled: int = 0
     num_generated: int = 0
-    drafts: tuple[int, ...] = ()       # MTP drafts to verify in the next step
+    drafts: tuple[int, ...] = ()  # MTP drafts to verify in the next step
 
     @property
     def is_prefilling(self) -> bool:
@@ -42,9 +43,9 @@ class Entry:
     req_id: int
     start_pos: int
     input_ids: tuple[int, ...]
-    is_sampled: bool                   # its last row yields the next token
-    num_drafts: int = 0                # input_ids[1:] are MTP drafts to verify
-    context: tuple[int, ...] = ()      # with MTP: every token known (prompt + generated)
+    is_sampled: bool  # its last row yields the next token
+    num_drafts: int = 0  # input_ids[1:] are MTP drafts to verify
+    context: tuple[int, ...] = ()  # with MTP: every token known (prompt + generated)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,20 +83,20 @@ class Emitted:
     req_id: int
     token: int
     is_finished: bool
-    step: VerifiedDrafts | None = None   # on a decode step's first token: what the step verified
+    step: VerifiedDrafts | None = None  # on a decode step's first token: what the step verified
 
 
 @dataclass(kw_only=True)
 class DieScheduler:
     table: BlockTable
     max_batch: int
-    max_tokens: int                    # rows per iteration (dispatch buffer limit)
+    max_tokens: int  # rows per iteration (dispatch buffer limit)
     prefill_chunk: int
     eos_id: int
     ignore_eos: bool = False
     mtp_depth: int = 0
     waiting: deque = field(default_factory=deque)
-    running: dict = field(default_factory=dict)   # req_id -> Sequence
+    running: dict = field(default_factory=dict)  # req_id -> Sequence
     reserved_blocks: int = 0
 
     @property
@@ -122,14 +123,21 @@ class DieScheduler:
         """The next iteration's batch: decode rows first, then prompt chunks."""
         self._admit()
         entries, budget = [], self.max_tokens
-        headroom = max(self.mtp_depth - 1, 0)          # MTP depth k runs up to k - 1 more rows
+        headroom = max(self.mtp_depth - 1, 0)  # MTP depth k runs up to k - 1 more rows
         for seq in self.running.values():
             ids = (seq.tokens[-1], *seq.drafts)
             if not seq.is_prefilling and len(ids) + headroom <= budget:
                 self.table.append(seq.req.req_id, len(ids))
-                entries.append(Entry(req_id=seq.req.req_id, start_pos=len(seq.tokens) - 1,
-                                     input_ids=ids, is_sampled=True, num_drafts=len(seq.drafts),
-                                     context=self._context(seq)))
+                entries.append(
+                    Entry(
+                        req_id=seq.req.req_id,
+                        start_pos=len(seq.tokens) - 1,
+                        input_ids=ids,
+                        is_sampled=True,
+                        num_drafts=len(seq.drafts),
+                        context=self._context(seq),
+                    )
+                )
                 budget -= len(ids) + headroom
         for seq in self.running.values():
             if seq.is_prefilling and budget > headroom:
@@ -137,10 +145,15 @@ class DieScheduler:
                 num = min(len(seq.req.prompt) - start, self.prefill_chunk, budget - headroom)
                 self.table.append(seq.req.req_id, num)
                 seq.num_prefilled += num
-                entries.append(Entry(req_id=seq.req.req_id, start_pos=start,
-                                     input_ids=tuple(seq.req.prompt[start:start + num]),
-                                     is_sampled=not seq.is_prefilling,
-                                     context=self._context(seq)))
+                entries.append(
+                    Entry(
+                        req_id=seq.req.req_id,
+                        start_pos=start,
+                        input_ids=tuple(seq.req.prompt[start : start + num]),
+                        is_sampled=not seq.is_prefilling,
+                        context=self._context(seq),
+                    )
+                )
                 budget -= num + headroom
         return entries
 
@@ -154,33 +167,44 @@ class DieScheduler:
         emitted = []
         for req_id, out in sampled.items():
             seq = self.running[req_id]
-            step = (VerifiedDrafts(req_id=req_id, drafts=seq.drafts,
-                                   num_accepted=len(out.tokens) - 1)
-                    if seq.num_generated and self.mtp_depth else None)
+            step = (
+                VerifiedDrafts(req_id=req_id, drafts=seq.drafts, num_accepted=len(out.tokens) - 1)
+                if seq.num_generated and self.mtp_depth
+                else None
+            )
             self.table.truncate(req_id, len(seq.tokens) - 1 + len(out.tokens))
-            tokens = out.tokens[:seq.req.max_new_tokens - seq.num_generated]
+            tokens = out.tokens[: seq.req.max_new_tokens - seq.num_generated]
             if not self.ignore_eos and self.eos_id in tokens:
-                tokens = tokens[:tokens.index(self.eos_id) + 1]
+                tokens = tokens[: tokens.index(self.eos_id) + 1]
             seq.tokens.extend(tokens)
             seq.num_generated += len(tokens)
             seq.drafts = out.drafts
-            is_finished = (seq.num_generated >= seq.req.max_new_tokens or
-                           (tokens[-1] == self.eos_id and not self.ignore_eos))
+            is_finished = seq.num_generated >= seq.req.max_new_tokens or (
+                tokens[-1] == self.eos_id and not self.ignore_eos
+            )
             if is_finished:
                 del self.running[req_id]
                 self.table.free(req_id)
                 self.reserved_blocks -= self._blocks(seq.req)
-            emitted.extend(Emitted(req_id=req_id, token=token,
-                                   is_finished=is_finished and i == len(tokens) - 1,
-                                   step=None if i else step)
-                           for i, token in enumerate(tokens))
+            emitted.extend(
+                Emitted(
+                    req_id=req_id,
+                    token=token,
+                    is_finished=is_finished and i == len(tokens) - 1,
+                    step=None if i else step,
+                )
+                for i, token in enumerate(tokens)
+            )
         return emitted
 
     def checkpoint(self) -> Checkpoint:
         """Everything `schedule` changes, taken before it (see `restore`)."""
-        return Checkpoint(waiting=tuple(self.waiting),
-                          num_prefilled={r: s.num_prefilled for r, s in self.running.items()},
-                          reserved_blocks=self.reserved_blocks, table=self.table.snapshot())
+        return Checkpoint(
+            waiting=tuple(self.waiting),
+            num_prefilled={r: s.num_prefilled for r, s in self.running.items()},
+            reserved_blocks=self.reserved_blocks,
+            table=self.table.snapshot(),
+        )
 
     def restore(self, cp: Checkpoint) -> None:
         """Back to `cp`: admissions undone, prompt progress and KV lengths as they were."""

@@ -1,5 +1,6 @@
 """Where every physical expert slot lives: the slot ids XCCL dispatch/combine and A2E/E2A route
 to, for both deployments (routed and redundant slots in phy_idx order, then the shared ones)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ class ExpertSlots:
     shared_slot_of: dict
 
     @classmethod
-    def from_topology(cls, topo: Topology) -> "ExpertSlots":
+    def from_topology(cls, topo: Topology) -> ExpertSlots:
         owner = [-1] * len(topo.phy2log)
         shared_ranks = []
         for info in topo.ranks:
@@ -29,8 +30,11 @@ class ExpertSlots:
                 else:
                     owner[slot.phy_idx] = info.rank
         num_routed = len(owner)
-        return cls(slot_owner=tuple(owner + shared_ranks), num_routed_slots=num_routed,
-                   shared_slot_of={r: num_routed + i for i, r in enumerate(shared_ranks)})
+        return cls(
+            slot_owner=tuple(owner + shared_ranks),
+            num_routed_slots=num_routed,
+            shared_slot_of={r: num_routed + i for i, r in enumerate(shared_ranks)},
+        )
 
     @property
     def dedicated_shared_slots(self) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """Per-iteration timing of a die (torch-free, so control-plane code can carry it): what the
 executor measures with one `Meter`, and the `IterationTiming` it reports."""
+
 from __future__ import annotations
 
 import time
@@ -15,15 +16,15 @@ class IterationTiming:
     """Wall seconds of one iteration on one die, by kind of work."""
 
     num_rows: int
-    num_sampled: int                   # entries that step (decode-only when rows = sampled + drafted)
+    num_sampled: int  # entries that step (decode-only when rows = sampled + drafted)
     attention_s: float
-    xccl_s: float                      # dispatch + combine, waiting for peers included
-    experts_s: float                   # gate, routed experts, shared expert
+    xccl_s: float  # dispatch + combine, waiting for peers included
+    experts_s: float  # gate, routed experts, shared expert
     total_s: float
-    vtime_s: float                     # the same iteration on the 910C virtual clock
-    num_tokens: int = 0                # tokens the step produced (accepted drafts included)
-    num_drafted: int = 0               # MTP drafts verified
-    num_accepted: int = 0              # MTP drafts accepted
+    vtime_s: float  # the same iteration on the 910C virtual clock
+    num_tokens: int = 0  # tokens the step produced (accepted drafts included)
+    num_drafted: int = 0  # MTP drafts verified
+    num_accepted: int = 0  # MTP drafts accepted
 
 
 class Meter:
@@ -36,7 +37,7 @@ class Meter:
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
         self.started_s, self.vstart_ns = time.perf_counter(), clock.now_ns
-        self.seconds: defaultdict[str, float] = defaultdict(float)   # kind -> wall seconds
+        self.seconds: defaultdict[str, float] = defaultdict(float)  # kind -> wall seconds
 
     @contextmanager
     def __call__(self, kind: str):

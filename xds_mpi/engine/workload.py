@@ -1,4 +1,5 @@
 """The request stream: a seeded synthetic generator or a JSONL file of prompts."""
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,15 @@ def synthetic_requests(w: WorkloadConfig) -> list[Request]:
         arrivals = np.cumsum(rng.exponential(1.0 / w.rate_per_s, w.num_requests))
     else:
         arrivals = np.zeros(w.num_requests)
-    return [Request(req_id=i, prompt=tuple(int(t) for t in rng.integers(0, NUM_BYTES, n)),
-                    max_new_tokens=int(m), arrival_s=float(a))
-            for i, (n, m, a) in enumerate(zip(prompt_lens, output_lens, arrivals))]
+    return [
+        Request(
+            req_id=i,
+            prompt=tuple(int(t) for t in rng.integers(0, NUM_BYTES, n)),
+            max_new_tokens=int(m),
+            arrival_s=float(a),
+        )
+        for i, (n, m, a) in enumerate(zip(prompt_lens, output_lens, arrivals))
+    ]
 
 
 def jsonl_requests(w: WorkloadConfig) -> list[Request]:
@@ -44,6 +51,7 @@ def jsonl_requests(w: WorkloadConfig) -> list[Request]:
     "max_tokens" (default workload.output_len) and "arrival_s". A line that cannot be read
     becomes a request with a problem, rejected with that reason; the others are served."""
     from xds_mpi.model.tokenizer import ByteTokenizer
+
     path = Path(w.path)
     try:
         lines = path.read_text().splitlines()
@@ -54,13 +62,27 @@ def jsonl_requests(w: WorkloadConfig) -> list[Request]:
         req_id = len(requests)
         try:
             item = json.loads(line)
-            prompt = (tokenizer.encode(item["prompt"]) if "prompt" in item
-                      else [int(t) for t in item["prompt_ids"]])
-            requests.append(Request(req_id=req_id, prompt=tuple(prompt),
-                                    max_new_tokens=int(item.get("max_tokens", w.output_len)),
-                                    arrival_s=float(item.get("arrival_s", 0.0))))
+            prompt = (
+                tokenizer.encode(item["prompt"])
+                if "prompt" in item
+                else [int(t) for t in item["prompt_ids"]]
+            )
+            requests.append(
+                Request(
+                    req_id=req_id,
+                    prompt=tuple(prompt),
+                    max_new_tokens=int(item.get("max_tokens", w.output_len)),
+                    arrival_s=float(item.get("arrival_s", 0.0)),
+                )
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            requests.append(Request(req_id=req_id, prompt=(), max_new_tokens=0,
-                                    problem=f"{path.name} line {line_no}: cannot read request "
-                                            f"({type(exc).__name__}: {exc})"))
+            requests.append(
+                Request(
+                    req_id=req_id,
+                    prompt=(),
+                    max_new_tokens=0,
+                    problem=f"{path.name} line {line_no}: cannot read request "
+                    f"({type(exc).__name__}: {exc})",
+                )
+            )
     return requests

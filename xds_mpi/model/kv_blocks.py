@@ -5,6 +5,7 @@ holds one position. A sequence owns a block list; position p lives in block list
 at offset p % block_tokens. The engine asks `can_append` before it admits work and the tensors
 (`mla.LatentCache`) are indexed by the slots returned here.
 """
+
 from __future__ import annotations
 
 from collections.abc import Hashable
@@ -19,8 +20,10 @@ class BlockTable:
 
     def __init__(self, *, num_blocks: int, block_tokens: int) -> None:
         if num_blocks <= 0 or block_tokens <= 0:
-            raise ValueError(f"BlockTable needs num_blocks > 0 and block_tokens > 0, got "
-                             f"num_blocks={num_blocks}, block_tokens={block_tokens}")
+            raise ValueError(
+                f"BlockTable needs num_blocks > 0 and block_tokens > 0, got "
+                f"num_blocks={num_blocks}, block_tokens={block_tokens}"
+            )
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         # Pop from the end: the lowest block index is handed out first.
@@ -56,8 +59,10 @@ class BlockTable:
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Register a new sequence holding `num_tokens` positions; returns their slots."""
         if seq_id in self._seq2len:
-            raise ValueError(f"sequence {seq_id!r} is already allocated "
-                             f"({self._seq2len[seq_id]} tokens); free it first")
+            raise ValueError(
+                f"sequence {seq_id!r} is already allocated "
+                f"({self._seq2len[seq_id]} tokens); free it first"
+            )
         self._seq2blocks[seq_id] = []
         self._seq2len[seq_id] = 0
         try:
@@ -78,7 +83,8 @@ class BlockTable:
             raise KVCacheFull(
                 f"KV cache full: sequence {seq_id!r} at {seq_len} tokens needs {num_needed} more "
                 f"block(s) of {self.block_tokens} tokens for {num_new} new tokens, but only "
-                f"{self.num_free_blocks} of {self.num_blocks} blocks are free")
+                f"{self.num_free_blocks} of {self.num_blocks} blocks are free"
+            )
         blocks = self._seq2blocks[seq_id]
         blocks.extend(self._free_blocks.pop() for _ in range(num_needed))
         start = self._seq2len[seq_id]
@@ -89,8 +95,9 @@ class BlockTable:
         """Keep the first `num_tokens` positions (speculative rollback); frees emptied blocks."""
         seq_len = self.seq_len(seq_id)
         if not 0 <= num_tokens <= seq_len:
-            raise ValueError(f"cannot truncate sequence {seq_id!r} of {seq_len} tokens to "
-                             f"{num_tokens} tokens")
+            raise ValueError(
+                f"cannot truncate sequence {seq_id!r} of {seq_len} tokens to {num_tokens} tokens"
+            )
         blocks = self._seq2blocks[seq_id]
         num_keep = -(-num_tokens // self.block_tokens)
         self._free_blocks.extend(reversed(blocks[num_keep:]))
@@ -99,9 +106,11 @@ class BlockTable:
 
     def snapshot(self) -> tuple:
         """The whole table, for `restore` (a failed iteration's rollback)."""
-        return (tuple(self._free_blocks),
-                {seq_id: tuple(blocks) for seq_id, blocks in self._seq2blocks.items()},
-                dict(self._seq2len))
+        return (
+            tuple(self._free_blocks),
+            {seq_id: tuple(blocks) for seq_id, blocks in self._seq2blocks.items()},
+            dict(self._seq2len),
+        )
 
     def restore(self, snapshot: tuple) -> None:
         free, seq2blocks, seq2len = snapshot
@@ -118,11 +127,14 @@ class BlockTable:
         seq_len = self.seq_len(seq_id)
         stop = seq_len if stop is None else stop
         if not 0 <= start <= stop <= seq_len:
-            raise ValueError(f"positions [{start}, {stop}) are outside sequence {seq_id!r} "
-                             f"of {seq_len} tokens")
+            raise ValueError(
+                f"positions [{start}, {stop}) are outside sequence {seq_id!r} of {seq_len} tokens"
+            )
         blocks = self._seq2blocks[seq_id]
-        return [blocks[p // self.block_tokens] * self.block_tokens + p % self.block_tokens
-                for p in range(start, stop)]
+        return [
+            blocks[p // self.block_tokens] * self.block_tokens + p % self.block_tokens
+            for p in range(start, stop)
+        ]
 
     def _check_known(self, seq_id: Hashable) -> None:
         if seq_id not in self._seq2len:

@@ -1,4 +1,5 @@
 """Building blocks shared by attention, MoE and MTP: RMSNorm, rotary embedding, SwiGLU FFN."""
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,9 @@ class Rotary:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [rows, ..., dim], positions: [rows] int64 -> x rotated by each row's position."""
         if positions.numel() and int(positions.max()) >= self.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is beyond model.max_seq_len"
-                             f"({self.max_seq_len})")
+            raise ValueError(
+                f"position {int(positions.max())} is beyond model.max_seq_len({self.max_seq_len})"
+            )
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
         cos = self.cos[positions].view(shape)
         sin = self.sin[positions].view(shape)

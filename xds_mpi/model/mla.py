@@ -6,6 +6,7 @@ values: the key up-projection W_UK is absorbed into the query (q_nope W_UK score
 c_kv) and the value up-projection W_UV is applied once to the attention-weighted latent.
 `naive_forward` is the un-absorbed textbook form, recomputed from scratch; tests compare the two.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,26 +22,34 @@ from xds_mpi.model.layers import RMSNorm, Rotary, linear
 class AttnChunk:
     """One sequence's consecutive new rows inside a batched forward."""
 
-    start_pos: int        # position of the chunk's first row
-    num_tokens: int       # rows of this chunk, positions start_pos .. start_pos + num_tokens - 1
-    slots: torch.Tensor   # [start_pos + num_tokens] int64: cache slot of every position so far
+    start_pos: int  # position of the chunk's first row
+    num_tokens: int  # rows of this chunk, positions start_pos .. start_pos + num_tokens - 1
+    slots: torch.Tensor  # [start_pos + num_tokens] int64: cache slot of every position so far
 
     @property
     def write_slots(self) -> torch.Tensor:
-        return self.slots[self.start_pos:]
+        return self.slots[self.start_pos :]
 
 
 class LatentCache:
     """Latent KV tensors for every attention layer (main layers, then MTP modules), indexed by the
     slots a `kv_blocks.BlockTable` hands out."""
 
-    def __init__(self, *, num_layers: int, num_slots: int, kv_lora_rank: int, rope_dim: int,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
         self.latent = torch.zeros(num_layers, num_slots, kv_lora_rank, dtype=dtype)
         self.rope_key = torch.zeros(num_layers, num_slots, rope_dim, dtype=dtype)
 
-    def write(self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor,
-              rope_key: torch.Tensor) -> None:
+    def write(
+        self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor
+    ) -> None:
         """slots: [n] int64, latent: [n, kv_lora_rank], rope_key: [n, qk_rope_dim]"""
         self.latent[layer_idx, slots] = latent
         self.rope_key[layer_idx, slots] = rope_key
@@ -81,10 +90,16 @@ class MLA(nn.Module):
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [heads, qk_nope_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank])"""
         w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_dim + self.v_head_dim, -1)
-        return w[:, :self.qk_nope_dim], w[:, self.qk_nope_dim:]
+        return w[:, : self.qk_nope_dim], w[:, self.qk_nope_dim :]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, chunks: list[AttnChunk],
-                cache: LatentCache, layer_idx: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        layer_idx: int,
+    ) -> torch.Tensor:
         """x: [n, hidden] rows of all chunks in order, positions: [n] -> [n, hidden].
 
         Writes the rows' latents into `cache` layer `layer_idx`, then each row attends causally
@@ -99,8 +114,10 @@ class MLA(nn.Module):
         for chunk in chunks:
             rows = slice(row, row + chunk.num_tokens)
             cached_c_kv, cached_k_rope = cache.read(layer_idx, chunk.slots)  # [t, c], [t, r]
-            scores = (torch.einsum("nhc,tc->nht", q_latent[rows], cached_c_kv)
-                      + torch.einsum("nhr,tr->nht", q_rope[rows], cached_k_rope)) * self.scale
+            scores = (
+                torch.einsum("nhc,tc->nht", q_latent[rows], cached_c_kv)
+                + torch.einsum("nhr,tr->nht", q_rope[rows], cached_k_rope)
+            ) * self.scale
             is_future = _future_mask(chunk.start_pos, chunk.num_tokens)
             scores = scores.masked_fill(is_future, -torch.inf)
             o_latent = torch.einsum("nht,tc->nhc", scores.softmax(-1), cached_c_kv)
@@ -110,8 +127,8 @@ class MLA(nn.Module):
         return self.wo(o.reshape(x.shape[0], -1))
 
     def naive_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 -> [t, hidden];
-        keys and values expanded per head, no cache."""
+        """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->
+        [t, hidden]; keys and values expanded per head, no cache."""
         num_tokens = x.shape[0]
         positions = torch.arange(num_tokens)
         q_nope, q_rope = self.project_q(x, positions)

@@ -5,6 +5,7 @@ The distributed engine runs exactly these pieces on different dies, so they stay
 `MoE.expert_forward` (one expert over the rows it received), `MoE.shared_forward` and `combine`.
 `MoE.forward` chains them in one process for the reference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,12 +23,19 @@ from xds_mpi.model.layers import SwiGLU
 class Routing:
     """The gate's decision for a batch of rows."""
 
-    topk_idx: torch.Tensor     # [rows, top_k] int64: routed expert ids, highest biased score first
+    topk_idx: torch.Tensor  # [rows, top_k] int64: routed expert ids, highest biased score first
     topk_weight: torch.Tensor  # [rows, top_k] float: unbiased scores normalized, x routed_scaling
 
 
-def select_experts(scores: torch.Tensor, bias: torch.Tensor, *, top_k: int,
-                   num_expert_groups: int, topk_groups: int, routed_scaling: float) -> Routing:
+def select_experts(
+    scores: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    top_k: int,
+    num_expert_groups: int,
+    topk_groups: int,
+    routed_scaling: float,
+) -> Routing:
     """DeepSeek-V3 routing from sigmoid scores: [rows, num_experts] (bias: [num_experts]).
 
     The bias only steers which experts are chosen; the weights use the unbiased scores.
@@ -60,10 +68,14 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """x: [rows, hidden] normalized hidden rows -> Routing"""
         scores = torch.sigmoid(x @ self.weight.T)  # [rows, num_routed_experts]
-        return select_experts(scores, self.bias, top_k=self.cfg.top_k,
-                              num_expert_groups=self.cfg.num_expert_groups,
-                              topk_groups=self.cfg.topk_groups,
-                              routed_scaling=self.cfg.routed_scaling)
+        return select_experts(
+            scores,
+            self.bias,
+            top_k=self.cfg.top_k,
+            num_expert_groups=self.cfg.num_expert_groups,
+            topk_groups=self.cfg.topk_groups,
+            routed_scaling=self.cfg.routed_scaling,
+        )
 
 
 ROW_DTYPES = {"float64": torch.float64, "float32": torch.float32}
@@ -104,7 +116,7 @@ class Wire:
     shared: Literal["local", "routed", "rows"] = "local"
 
     @classmethod
-    def for_config(cls, cfg: Config) -> "Wire":
+    def for_config(cls, cfg: Config) -> Wire:
         dep = cfg.deployment
         if dep.kind == "afd":
             shared = "rows"
@@ -128,21 +140,27 @@ class Wire:
         return out if self.shared == "local" else self.back(out)
 
 
-def combine(expert_out: torch.Tensor, topk_weight: torch.Tensor,
-            shared_out: torch.Tensor) -> torch.Tensor:
+def combine(
+    expert_out: torch.Tensor, topk_weight: torch.Tensor, shared_out: torch.Tensor
+) -> torch.Tensor:
     """expert_out: [rows, top_k, hidden] (row r's k-th routed expert's output), topk_weight:
     [rows, top_k], shared_out: [rows, hidden] -> [rows, hidden]. Summed in top-k order."""
     return shared_out + (topk_weight[..., None] * expert_out).sum(1)
+
+
+NO_WIRE = Wire()  # one process, no XCCL: the rows stay as they are
 
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden, cfg.moe_intermediate)
-                                     for _ in range(cfg.num_routed_experts))
-        self.shared_experts = nn.ModuleList(SwiGLU(cfg.hidden, cfg.moe_intermediate)
-                                            for _ in range(cfg.num_shared_experts))
+        self.experts = nn.ModuleList(
+            SwiGLU(cfg.hidden, cfg.moe_intermediate) for _ in range(cfg.num_routed_experts)
+        )
+        self.shared_experts = nn.ModuleList(
+            SwiGLU(cfg.hidden, cfg.moe_intermediate) for _ in range(cfg.num_shared_experts)
+        )
 
     def expert_forward(self, expert_idx: int, x: torch.Tensor) -> torch.Tensor:
         """One routed expert over the rows routed to it: x [n, hidden] -> [n, hidden]"""
@@ -163,7 +181,7 @@ class MoE(nn.Module):
             expert_out[row_idx, k_idx] = self.expert_forward(expert_idx, x[row_idx])
         return expert_out
 
-    def forward(self, x: torch.Tensor, *, wire: Wire = Wire()) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, wire: Wire = NO_WIRE) -> torch.Tensor:
         """x: [rows, hidden] normalized hidden rows -> [rows, hidden] MoE output, the rows and
         outputs making the trip `wire` describes."""
         routing = self.gate(x)

@@ -7,6 +7,7 @@ last-layer output for k = 1) with the embedding of token t_{i+k}:
     logits = Head(RMSNorm_k(h^k_i))   -> predicts t_{i+k+1}
 The embedding and output head are shared with the main model; each module has its own norms.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,7 @@ from xds_mpi.config import ModelConfig
 from xds_mpi.model.block import Block
 from xds_mpi.model.layers import RMSNorm, Rotary, linear
 from xds_mpi.model.mla import AttnChunk, LatentCache
-from xds_mpi.model.moe import Wire
+from xds_mpi.model.moe import NO_WIRE, Wire
 
 
 class MTPModule(nn.Module):
@@ -29,14 +30,23 @@ class MTPModule(nn.Module):
         self.block = Block(cfg, rotary, is_moe=True)
         self.norm = RMSNorm(cfg.hidden)
 
-    def forward(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor,
-                positions: torch.Tensor, chunks: list[AttnChunk], cache: LatentCache,
-                cache_layer_idx: int, *, wire: Wire = Wire()) -> torch.Tensor:
+    def forward(
+        self,
+        prev_hidden: torch.Tensor,
+        next_embedding: torch.Tensor,
+        positions: torch.Tensor,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        cache_layer_idx: int,
+        *,
+        wire: Wire = NO_WIRE,
+    ) -> torch.Tensor:
         """prev_hidden: [n, hidden] h^{k-1}_i, next_embedding: [n, hidden] Emb(t_{i+k}) -> h^k_i"""
         x = self.project(prev_hidden, next_embedding)
         return self.block(x, positions, chunks, cache, cache_layer_idx, wire=wire)
 
     def project(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
         """The block's input h'_i: [n, hidden] (the distributed engine runs the block in pieces)."""
-        return self.eh_proj(torch.cat([self.hnorm(prev_hidden), self.enorm(next_embedding)],
-                                      dim=-1))
+        return self.eh_proj(
+            torch.cat([self.hnorm(prev_hidden), self.enorm(next_embedding)], dim=-1)
+        )

@@ -5,6 +5,7 @@ accept draft d with probability p(d), otherwise sample from p with d removed. Th
 are then distributed exactly as plain sampling from the main model; greedy accepts d iff it is the
 main model's argmax, so greedy MTP yields exactly the tokens of greedy decoding.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ def sample(logits: torch.Tensor, *, temperature: float, generator: torch.Generat
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def verify_drafts(logits: torch.Tensor, drafts: list[int], *, temperature: float,
-                  generator: torch.Generator) -> list[int]:
+def verify_drafts(
+    logits: torch.Tensor, drafts: list[int], *, temperature: float, generator: torch.Generator
+) -> list[int]:
     """logits: [len(drafts) + 1, vocab], row j from the main model at the position before draft j.
 
     Returns the accepted drafts followed by one token from the main model (the correction at the

@@ -3,6 +3,7 @@
 Presets are YAML files in configs/model/ holding `model:` keys; both load into the same frozen
 `ModelConfig`, so a cost model reads the published dimensions with the names the tiny model uses.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,12 +32,16 @@ def load_model_preset(name_or_path: str | Path) -> ModelConfig:
     if not path.is_file():
         path = presets_dir() / f"{str(name_or_path).removesuffix('.yaml')}.yaml"
     if not path.is_file():
-        raise ConfigError(f"model preset {str(name_or_path)!r} is neither a file nor a name in "
-                          f"{presets_dir()} (known: {', '.join(available_presets())})")
+        raise ConfigError(
+            f"model preset {str(name_or_path)!r} is neither a file nor a name in "
+            f"{presets_dir()} (known: {', '.join(available_presets())})"
+        )
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict) or set(data) != {"model"}:
-        raise ConfigError(f"{path}: a model preset holds exactly one section 'model', "
-                          f"got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a model preset holds exactly one section 'model', "
+            f"got {sorted(data) if isinstance(data, dict) else type(data).__name__}"
+        )
     try:
         return config_from_dict(data).model
     except ConfigError as exc:

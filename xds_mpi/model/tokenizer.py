@@ -1,4 +1,5 @@
 """Byte-level tokenizer: ids 0..255 are bytes, then the special tokens, all within vocab 260."""
+
 from __future__ import annotations
 
 NUM_BYTES = 256
@@ -17,9 +18,11 @@ class ByteTokenizer:
 
     def __init__(self, vocab_size: int = 260) -> None:
         if vocab_size < NUM_BYTES + NUM_SPECIAL:
-            raise ValueError(f"a byte-level tokenizer needs vocab_size >= {NUM_BYTES} bytes + "
-                             f"{NUM_SPECIAL} specials = {NUM_BYTES + NUM_SPECIAL}, "
-                             f"got {vocab_size}")
+            raise ValueError(
+                f"a byte-level tokenizer needs vocab_size >= {NUM_BYTES} bytes + "
+                f"{NUM_SPECIAL} specials = {NUM_BYTES + NUM_SPECIAL}, "
+                f"got {vocab_size}"
+            )
         self.vocab_size = vocab_size
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
@@ -29,7 +32,8 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         for token_id in ids:
             if not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"token id {token_id} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+                raise ValueError(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
         # A random-weight model emits arbitrary bytes; invalid UTF-8 becomes U+FFFD.
         return bytes(t for t in ids if t < NUM_BYTES).decode("utf-8", errors="replace")

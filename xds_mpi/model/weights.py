@@ -6,6 +6,7 @@ seeded by (seed, tensor name): changing one module's shape never shifts another'
 `model.weights` is "random", the name of a checkpoint shipped in xds_mpi/data/ ("tiny", written by
 `xds-mpi train-tiny`), or the path of an HDF5 file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +26,7 @@ FORMAT = "xds-mpi-weights/1"
 _PROVENANCE_FIELDS = ("weights", "seed")
 GATE_BIAS_STD = 0.02
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}   # model.weights name -> file in DATA_DIR
+PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}  # model.weights name -> file in DATA_DIR
 
 
 def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -37,7 +38,7 @@ def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     if name == "embed.weight":
         return torch.randn(shape, generator=gen)
     fan_in = shape[-1]
-    return torch.randn(shape, generator=gen) / fan_in ** 0.5
+    return torch.randn(shape, generator=gen) / fan_in**0.5
 
 
 def init_weights(model: DeepSeekModel, seed: int) -> None:
@@ -60,8 +61,10 @@ def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
-            raise ConfigError(f"{path}: not an xds-mpi weights file (format "
-                              f"{f.attrs.get('format')!r}, expected {FORMAT!r})")
+            raise ConfigError(
+                f"{path}: not an xds-mpi weights file (format "
+                f"{f.attrs.get('format')!r}, expected {FORMAT!r})"
+            )
         values = json.loads(f.attrs["model_config"])
         tensors = {name: f[name][()] for name in f.keys()}
     cfg = ModelConfig(**{**values, "weights": str(path)})
@@ -69,17 +72,20 @@ def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
 
 def _check_same_shape(expected: ModelConfig, found: ModelConfig) -> None:
-    diffs = [f"{f.name}: config {getattr(expected, f.name)} vs file {getattr(found, f.name)}"
-             for f in dataclasses.fields(ModelConfig)
-             if f.name not in _PROVENANCE_FIELDS
-             and getattr(expected, f.name) != getattr(found, f.name)]
+    diffs = [
+        f"{f.name}: config {getattr(expected, f.name)} vs file {getattr(found, f.name)}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _PROVENANCE_FIELDS and getattr(expected, f.name) != getattr(found, f.name)
+    ]
     if diffs:
-        raise ConfigError(f"{found.weights}: weights were saved for a different model shape "
-                          f"({'; '.join(diffs)})")
+        raise ConfigError(
+            f"{found.weights}: weights were saved for a different model shape ({'; '.join(diffs)})"
+        )
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float64,
-               expected: ModelConfig | None = None) -> DeepSeekModel:
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float64, expected: ModelConfig | None = None
+) -> DeepSeekModel:
     """A model built from the file's own config; `expected` (if given) must match its shape."""
     cfg, tensors = read_weights(path)
     if expected is not None:

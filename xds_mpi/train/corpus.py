@@ -5,6 +5,7 @@ and the stdlib's test suites left out). A file is held out when crc32 of its rel
 divisible by HELDOUT_MODULUS, so the split does not move when another Python adds or drops files.
 Each file becomes [BOS] + its UTF-8 bytes + [EOS], as `ByteTokenizer.encode` starts a prompt.
 """
+
 from __future__ import annotations
 
 import sysconfig
@@ -39,8 +40,8 @@ def is_heldout(rel_path: str) -> bool:
 class Corpus:
     """Two token streams: every training file, then every held-out file, each file in order."""
 
-    train: torch.Tensor         # [num_train_tokens] int16 token ids
-    heldout: torch.Tensor       # [num_heldout_tokens] int16
+    train: torch.Tensor  # [num_train_tokens] int16 token ids
+    heldout: torch.Tensor  # [num_heldout_tokens] int16
     num_train_files: int
     num_heldout_files: int
 
@@ -57,30 +58,37 @@ def load_corpus(root: Path | None = None, *, max_files: int | None = None) -> Co
     for rel in files:
         (heldout if is_heldout(rel) else train).extend(_encode_file(root / rel))
     if not train or not heldout:
-        raise ValueError(f"{root}: {len(files)} files gave {len(train)} training and "
-                         f"{len(heldout)} held-out tokens; both splits need text")
-    return Corpus(train=torch.tensor(train, dtype=torch.int16),
-                  heldout=torch.tensor(heldout, dtype=torch.int16),
-                  num_train_files=sum(not is_heldout(r) for r in files),
-                  num_heldout_files=sum(is_heldout(r) for r in files))
+        raise ValueError(
+            f"{root}: {len(files)} files gave {len(train)} training and "
+            f"{len(heldout)} held-out tokens; both splits need text"
+        )
+    return Corpus(
+        train=torch.tensor(train, dtype=torch.int16),
+        heldout=torch.tensor(heldout, dtype=torch.int16),
+        num_train_files=sum(not is_heldout(r) for r in files),
+        num_heldout_files=sum(is_heldout(r) for r in files),
+    )
 
 
-def random_windows(stream: torch.Tensor, *, num_windows: int, window_len: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def random_windows(
+    stream: torch.Tensor, *, num_windows: int, window_len: int, generator: torch.Generator
+) -> torch.Tensor:
     """num_windows windows at seeded random offsets -> [num_windows, window_len] int64."""
     if len(stream) < window_len:
-        raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window "
-                         f"({window_len} tokens)")
+        raise ValueError(
+            f"a stream of {len(stream)} tokens is shorter than one window ({window_len} tokens)"
+        )
     starts = torch.randint(0, len(stream) - window_len + 1, (num_windows,), generator=generator)
-    return torch.stack([stream[s:s + window_len] for s in starts.tolist()]).long()
+    return torch.stack([stream[s : s + window_len] for s in starts.tolist()]).long()
 
 
 def spread_windows(stream: torch.Tensor, *, num_windows: int, window_len: int) -> torch.Tensor:
     """num_windows windows evenly spread over the stream (a fixed evaluation set)
     -> [num_windows, window_len] int64."""
     if len(stream) < window_len:
-        raise ValueError(f"a stream of {len(stream)} tokens is shorter than one window "
-                         f"({window_len} tokens)")
+        raise ValueError(
+            f"a stream of {len(stream)} tokens is shorter than one window ({window_len} tokens)"
+        )
     last = len(stream) - window_len
     starts = [last * i // max(1, num_windows - 1) for i in range(num_windows)]
-    return torch.stack([stream[s:s + window_len] for s in starts]).long()
+    return torch.stack([stream[s : s + window_len] for s in starts]).long()

@@ -11,6 +11,7 @@ MTP acceptance is measured two ways (xDeepServe §4.6 reports 70-90 % for DeepSe
 - greedy decoding with the reference generator (num_accepted / num_drafted) from held-out
   prompts, where the committed tokens are the model's own.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,8 @@ from xds_mpi.train.forward import sequence_logits
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertLoad:
-    layer: str                 # "layer 1" (main model block index) or "mtp 1"
-    counts: tuple[int, ...]    # [num_routed_experts] rows routed to each expert
+    layer: str  # "layer 1" (main model block index) or "mtp 1"
+    counts: tuple[int, ...]  # [num_routed_experts] rows routed to each expert
 
     @property
     def mean(self) -> float:
@@ -47,9 +48,9 @@ class ExpertLoad:
 class TextStats:
     """Teacher-forced measures over windows [n, seq] of held-out text."""
 
-    loss: float                          # mean main cross-entropy (nats per token)
+    loss: float  # mean main cross-entropy (nats per token)
     expert_loads: tuple[ExpertLoad, ...]
-    mtp_acceptance: tuple[float, ...]    # per MTP module, teacher-forced
+    mtp_acceptance: tuple[float, ...]  # per MTP module, teacher-forced
 
     @property
     def perplexity(self) -> float:
@@ -57,8 +58,9 @@ class TextStats:
 
 
 def _moe_gates(model: DeepSeekModel) -> dict[str, Gate]:
-    gates = {f"layer {idx}": layer.ffn.gate for idx, layer in enumerate(model.layers)
-             if layer.is_moe}
+    gates = {
+        f"layer {idx}": layer.ffn.gate for idx, layer in enumerate(model.layers) if layer.is_moe
+    }
     gates.update({f"mtp {k}": module.block.ffn.gate for k, module in enumerate(model.mtp, 1)})
     return gates
 
@@ -72,6 +74,7 @@ def text_stats(model: DeepSeekModel, windows: torch.Tensor, *, batch_size: int =
     def count_hook(name: str):
         def hook(module, inputs, routing) -> None:
             counts[name] += torch.bincount(routing.topk_idx.flatten(), minlength=num_experts)
+
         return hook
 
     handles = [gate.register_forward_hook(count_hook(name)) for name, gate in gates.items()]
@@ -80,8 +83,9 @@ def text_stats(model: DeepSeekModel, windows: torch.Tensor, *, batch_size: int =
         with torch.no_grad():
             for batch in windows.split(batch_size):
                 out = sequence_logits(model, batch[:, :-1])
-                loss_sum += float(F.cross_entropy(out.main.flatten(0, 1),
-                                                  batch[:, 1:].flatten())) * len(batch)
+                loss_sum += float(
+                    F.cross_entropy(out.main.flatten(0, 1), batch[:, 1:].flatten())
+                ) * len(batch)
                 main_choice = out.main.argmax(-1)  # [b, seq]: greedy choice of t_{i+1}
                 for k, logits in enumerate(out.mtp, start=1):
                     # Module k's row i drafts t_{i+k+1}; the main model's row i+k chooses it.
@@ -91,10 +95,13 @@ def text_stats(model: DeepSeekModel, windows: torch.Tensor, *, batch_size: int =
     finally:
         for handle in handles:
             handle.remove()
-    return TextStats(loss=loss_sum / len(windows),
-                     expert_loads=tuple(ExpertLoad(layer=name, counts=tuple(c.tolist()))
-                                        for name, c in counts.items()),
-                     mtp_acceptance=tuple(a / n for a, n in zip(num_agree, num_drafts)))
+    return TextStats(
+        loss=loss_sum / len(windows),
+        expert_loads=tuple(
+            ExpertLoad(layer=name, counts=tuple(c.tolist())) for name, c in counts.items()
+        ),
+        mtp_acceptance=tuple(a / n for a, n in zip(num_agree, num_drafts)),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,13 +117,16 @@ class DecodeAcceptance:
         return self.num_accepted / max(1, self.num_drafted)
 
 
-def decode_acceptance(model: DeepSeekModel, prompts: list[list[int]], *, mtp_depth: int,
-                      max_new_tokens: int) -> DecodeAcceptance:
+def decode_acceptance(
+    model: DeepSeekModel, prompts: list[list[int]], *, mtp_depth: int, max_new_tokens: int
+) -> DecodeAcceptance:
     """Greedy decoding of every prompt with MTP depth `mtp_depth` in the reference generator."""
-    options = GenerateOptions(max_new_tokens=max_new_tokens, mtp_depth=mtp_depth,
-                              ignore_eos=True)
+    options = GenerateOptions(max_new_tokens=max_new_tokens, mtp_depth=mtp_depth, ignore_eos=True)
     outs = ReferenceGenerator(model, options).generate(prompts)
-    return DecodeAcceptance(mtp_depth=mtp_depth, num_drafted=sum(o.num_drafted for o in outs),
-                            num_accepted=sum(o.num_accepted for o in outs),
-                            num_tokens=sum(len(o.tokens) for o in outs),
-                            num_steps=sum(o.num_steps for o in outs))
+    return DecodeAcceptance(
+        mtp_depth=mtp_depth,
+        num_drafted=sum(o.num_drafted for o in outs),
+        num_accepted=sum(o.num_accepted for o in outs),
+        num_tokens=sum(len(o.tokens) for o in outs),
+        num_steps=sum(o.num_steps for o in outs),
+    )

@@ -6,6 +6,7 @@ how many cores the machine has. The gate's selection bias stays frozen at zero: 
 nudge it towards balance (auxiliary-loss-free balancing), but the point of this checkpoint is the
 skew a router learns on its own (xDeepServe §4.5), which EPLB then has to fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,9 @@ from xds_mpi.train.options import TrainConfig
 
 @dataclass(frozen=True, kw_only=True)
 class StepReport:
-    step: int                      # 1-based, after the update
+    step: int  # 1-based, after the update
     num_steps: int
-    loss: float                    # main cross-entropy of this step's batch
+    loss: float  # main cross-entropy of this step's batch
     mtp_losses: tuple[float, ...]  # per MTP depth
     tokens_per_s: float
     elapsed_s: float
@@ -36,8 +37,8 @@ class StepReport:
 @dataclass(frozen=True, kw_only=True)
 class TrainResult:
     model: DeepSeekModel
-    final_loss: float              # main CE, mean of the last 5% of steps (at least one)
-    heldout_loss: float            # main CE on the fixed held-out windows
+    final_loss: float  # main CE, mean of the last 5% of steps (at least one)
+    heldout_loss: float  # main CE on the fixed held-out windows
     heldout_mtp_losses: tuple[float, ...]
     wall_s: float
     num_tokens: int
@@ -45,8 +46,9 @@ class TrainResult:
 
 def trainable_model(cfg: ModelConfig, seed: int) -> DeepSeekModel:
     """float32 model with init_weights(seed); every parameter trains except the gate bias."""
-    model = DeepSeekModel(dataclasses.replace(cfg, weights="random", seed=seed),
-                          dtype=torch.float32)
+    model = DeepSeekModel(
+        dataclasses.replace(cfg, weights="random", seed=seed), dtype=torch.float32
+    )
     init_weights(model, seed)
     for name, param in model.named_parameters():
         if name.endswith("gate.bias"):
@@ -62,12 +64,15 @@ def _param_groups(model: DeepSeekModel, weight_decay: float) -> list[dict]:
     for name, param in model.named_parameters():
         if param.requires_grad:
             (decay if param.dim() == 2 and name != "embed.weight" else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
-def heldout_losses(model: DeepSeekModel, windows: torch.Tensor, *, mtp_weight: float,
-                   batch_size: int = 16) -> tuple[float, tuple[float, ...]]:
+def heldout_losses(
+    model: DeepSeekModel, windows: torch.Tensor, *, mtp_weight: float, batch_size: int = 16
+) -> tuple[float, tuple[float, ...]]:
     """Mean main and per-depth MTP cross-entropy over windows [n, seq + 1] (equal-size batches
     weigh equally)."""
     main, mtp = [], []
@@ -80,8 +85,12 @@ def heldout_losses(model: DeepSeekModel, windows: torch.Tensor, *, mtp_weight: f
     return sum(main) / num, tuple(sum(col) / num for col in zip(*mtp))
 
 
-def train_tiny(cfg: ModelConfig, corpus: Corpus, tc: TrainConfig,
-               progress: Callable[[StepReport], None] | None = None) -> TrainResult:
+def train_tiny(
+    cfg: ModelConfig,
+    corpus: Corpus,
+    tc: TrainConfig,
+    progress: Callable[[StepReport], None] | None = None,
+) -> TrainResult:
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -94,15 +103,17 @@ def _train(cfg, corpus, tc, progress) -> TrainResult:
     torch.manual_seed(tc.seed)
     model = trainable_model(cfg, tc.seed)
     model.train()
-    optimizer = torch.optim.AdamW(_param_groups(model, tc.weight_decay), lr=tc.lr,
-                                  betas=(0.9, 0.95), foreach=False)
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, tc.weight_decay), lr=tc.lr, betas=(0.9, 0.95), foreach=False
+    )
     data_gen = torch.Generator().manual_seed(tc.seed)
     tail = max(1, tc.steps // 20)
     tail_losses: list[float] = []
     start = time.perf_counter()
     for step in range(tc.steps):
-        batch = random_windows(corpus.train, num_windows=tc.batch_size,
-                               window_len=tc.seq_len + 1, generator=data_gen)
+        batch = random_windows(
+            corpus.train, num_windows=tc.batch_size, window_len=tc.seq_len + 1, generator=data_gen
+        )
         for group in optimizer.param_groups:
             group["lr"] = tc.lr_at(step)
         losses = sequence_losses(model, batch, mtp_weight=tc.mtp_weight)
@@ -115,16 +126,28 @@ def _train(cfg, corpus, tc, progress) -> TrainResult:
             tail_losses.append(loss)
         if progress is not None:
             elapsed = time.perf_counter() - start
-            progress(StepReport(step=step + 1, num_steps=tc.steps, loss=loss,
-                                mtp_losses=tuple(float(m.detach()) for m in losses.mtp),
-                                tokens_per_s=(step + 1) * tc.batch_size * tc.seq_len / elapsed,
-                                elapsed_s=elapsed))
+            progress(
+                StepReport(
+                    step=step + 1,
+                    num_steps=tc.steps,
+                    loss=loss,
+                    mtp_losses=tuple(float(m.detach()) for m in losses.mtp),
+                    tokens_per_s=(step + 1) * tc.batch_size * tc.seq_len / elapsed,
+                    elapsed_s=elapsed,
+                )
+            )
     wall_s = time.perf_counter() - start
     model.eval()
     model.requires_grad_(False)
-    windows = spread_windows(corpus.heldout, num_windows=tc.num_eval_windows,
-                             window_len=tc.seq_len + 1)
+    windows = spread_windows(
+        corpus.heldout, num_windows=tc.num_eval_windows, window_len=tc.seq_len + 1
+    )
     heldout, heldout_mtp = heldout_losses(model, windows, mtp_weight=tc.mtp_weight)
-    return TrainResult(model=model, final_loss=sum(tail_losses) / len(tail_losses),
-                       heldout_loss=heldout, heldout_mtp_losses=heldout_mtp, wall_s=wall_s,
-                       num_tokens=tc.steps * tc.batch_size * tc.seq_len)
+    return TrainResult(
+        model=model,
+        final_loss=sum(tail_losses) / len(tail_losses),
+        heldout_loss=heldout,
+        heldout_mtp_losses=heldout_mtp,
+        wall_s=wall_s,
+        num_tokens=tc.steps * tc.batch_size * tc.seq_len,
+    )
