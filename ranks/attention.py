@@ -62,12 +62,12 @@ class AttentionDie(AfdDieBase):
             return not all_stopped
         result = self.run_iteration(busy, state=(self.scheduler, self.executor))
         if result is None:  # the other domains took their turn
-            self.outbox.stream([], IDLE, self.scheduler.kv_used_tokens())  # one row per iteration
+            self.outbox.stream([], IDLE)  # one row per iteration
             return True
         sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
-        self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
+        self.outbox.stream(emitted, timing)  # the output shortcut
         return True
 
     def attempt(self, busy, planned):

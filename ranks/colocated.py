@@ -90,7 +90,7 @@ class ColocatedDie:
         sampled, timing = self.iteration()  # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
-        self.outbox.stream(emitted, timing, self.scheduler.kv_used_tokens())  # output shortcut
+        self.outbox.stream(emitted, timing)  # the output shortcut
         return True
 
     def iteration(self):

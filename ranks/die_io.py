@@ -9,7 +9,6 @@ from typing import Protocol
 from mpi4py import MPI
 
 from ranks.messages import (
-    TAG_KV,
     TAG_REPORT,
     TAG_REQUEST,
     TAG_STOP,
@@ -85,7 +84,7 @@ class Outbox:
         self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
         self.num_iterations = 0
 
-    def stream(self, emitted: list[Emitted], timing: IterationTiming, kv_used: int) -> None:
+    def stream(self, emitted: list[Emitted], timing: IterationTiming) -> None:
         """Send this iteration's tokens, with the MTP drafts each decode step verified, straight
         to the TE-shell (the output shortcut)."""
         self.num_iterations += 1
@@ -100,7 +99,6 @@ class Outbox:
                 steps=tuple(e.step for e in emitted if e.step),
             )
             self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
-            self.pending.append(self.comm.isend(kv_used, dest=SHELL, tag=TAG_KV))
         self.pending = [r for r in self.pending if not r.Test()]
 
     def report(

@@ -9,7 +9,7 @@ from collections import deque
 from mpi4py import MPI
 
 from ranks.context import RankContext
-from ranks.messages import TAG_KV, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import rejection
@@ -116,11 +116,6 @@ class Frontend:
                     self.balancer.on_complete(req_id)
                     self.num_open -= 1
             num += 1
-        status = MPI.Status()
-        while (
-            message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_KV, status=status)
-        ) is not None:
-            self.balancer.on_kv_stats(status.Get_source(), message.recv())
         return num
 
     def progress(self) -> str:

@@ -1,8 +1,8 @@
 """Control-plane messages between the TE-shell and the dies (the VPC plane: two-sided MPI).
 
 TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle).
-die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_KV (used KV tokens),
-TAG_REPORT (DieReport, once at the end).
+die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_REPORT (DieReport, once at
+the end).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from xds_mpi.engine.scheduler import VerifiedDrafts
 
-TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_KV, TAG_REPORT = 201, 202, 203, 204, 205
+TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
 
 
 @dataclass(frozen=True, kw_only=True)

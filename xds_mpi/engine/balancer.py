@@ -1,8 +1,9 @@
 """The TE-shell's decode DP load balancer (xDeepServe §4.3).
 
 Skip DP groups at their batch limit; among the rest pick the one with the lowest KV-cache use,
-counting the space each request reserves for its whole output. Pending counts change on dispatch
-and completion; the dies' periodic KV statistics are kept beside it for the report.
+counting the space each request reserves for its whole output. Pending counts and reservations
+change on dispatch and completion; the shell's own accounting is exact, so the dies send no KV
+statistics (one message per die and iteration saved).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ class DecodeBalancer:
         self.mtp_depth = mtp_depth
         self.num_pending = {g: 0 for g in self.groups}  # requests dispatched, not finished
         self.reserved = {g: 0 for g in self.groups}  # KV tokens reserved (prompt + output)
-        self.reported_used = {g: 0 for g in self.groups}  # KV tokens in use, as the die said
         self._where: dict[int, tuple[int, int]] = {}
 
     def _reserve(self, req: Request) -> int:
@@ -60,6 +60,3 @@ class DecodeBalancer:
         self.num_pending[group] -= 1
         self.reserved[group] -= need
         return group
-
-    def on_kv_stats(self, group: int, used_tokens: int) -> None:
-        self.reported_used[group] = used_tokens

@@ -214,6 +214,3 @@ class DieScheduler:
             seq.num_prefilled = cp.num_prefilled[req_id]
         self.reserved_blocks = cp.reserved_blocks
         self.table.restore(cp.table)
-
-    def kv_used_tokens(self) -> int:
-        return sum(self.table.seq_len(r) for r in self.running)
