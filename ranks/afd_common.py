@@ -15,16 +15,17 @@ from ranks.die_parts import make_pricer
 
 if TYPE_CHECKING:
     from ranks.recompute import Recoverable
+    from xccl.afd import AfdBuffer
+    from xds_mpi.engine.afd_plan import AfdPlan
 
 
 class AfdDieBase:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
 
-        from xccl.afd import AfdBuffer
+        from ranks.recompute import Recomputer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
-        from xds_mpi.engine.afd_plan import AfdPlan
         from xds_mpi.engine.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
 
@@ -36,31 +37,43 @@ class AfdDieBase:
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
-        self.afd = AfdBuffer(
-            self.mem,
-            ctx.plan.afd,
-            self.slots.slot_owner,
-            num_routed_slots=self.slots.num_routed_slots,
-            dtype=ctx.plan.row_dtype,
-            clock=self.clock,
-            num_cores=cfg.xccl.num_cores,
-            timeout_s=cfg.xccl.poll_timeout_s,
-        )
-        depth, num_layers = cfg.scheduler.mtp_depth, len(self.model.layers)
-        moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
-        moe_layers += tuple(range(num_layers, num_layers + depth))  # MTP blocks are MoE too
-        self.plan = AfdPlan(
-            moe_layers=moe_layers,
-            num_domains=topo.num_dp_domains,
-            num_microbatches=cfg.deployment.num_microbatches,
-        )
+        self.afd = self._afd_buffer()
+        self.plan = self._call_plan()
         self.pricer = make_pricer(cfg, self.clock, self.slots)
-        from ranks.recompute import Recomputer
-
         self.recompute = Recomputer(
             cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer, events=self.plan, log=ctx.log
         )
         self.iteration = 0  # busy iterations, the same on every die
+
+    def _afd_buffer(self) -> AfdBuffer:
+        """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
+        from xccl.afd import AfdBuffer
+
+        plan, xccl = self.ctx.plan, self.cfg.xccl
+        return AfdBuffer(
+            self.mem,
+            plan.afd,
+            self.slots.slot_owner,
+            num_routed_slots=self.slots.num_routed_slots,
+            dtype=plan.row_dtype,
+            clock=self.clock,
+            num_cores=xccl.num_cores,
+            timeout_s=xccl.poll_timeout_s,
+        )
+
+    def _call_plan(self) -> AfdPlan:
+        """Which A2E/E2A calls an iteration makes: one per MoE layer (the MTP blocks' included),
+        DP domain and microbatch."""
+        from xds_mpi.engine.afd_plan import AfdPlan
+
+        depth, num_layers = self.cfg.scheduler.mtp_depth, len(self.model.layers)
+        moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        moe_layers += tuple(range(num_layers, num_layers + depth))  # MTP blocks are MoE too
+        return AfdPlan(
+            moe_layers=moe_layers,
+            num_domains=self.topo.num_dp_domains,
+            num_microbatches=self.cfg.deployment.num_microbatches,
+        )
 
     def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
         """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from ranks.context import RankContext
 from ranks.handshake import handshake
 from xds_mpi.runfile import run_file_path, write_run_file
+
+if TYPE_CHECKING:  # imported when serving starts, after the handshake
+    from ranks.frontend import Frontend
 
 
 def run(ctx: RankContext) -> int:
@@ -62,20 +66,26 @@ class Serving:
     against the reference."""
 
     def __init__(self, ctx: RankContext) -> None:
+        from xds_mpi.engine.results import format_summary, summarize
+
+        frontend = self._serve(ctx)
+        self.records, self.started = frontend.records, frontend.started
+        self.summary = summarize(self.records, frontend.started, time.time())
+        self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
+        self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
+        ctx.log.info(format_summary(self.summary))
+        self._add_die_summaries(ctx, frontend.reports)
+        self.mismatches: list[str] = []
+        self.check_line = ""
+        self.is_checked = ctx.cfg.run.check
+        if ctx.cfg.run.check:
+            self._check(ctx)
+
+    @staticmethod
+    def _serve(ctx: RankContext) -> Frontend:
+        """Serve the whole workload; the Frontend (its records and die reports) once done."""
         from ranks.frontend import Frontend
         from xccl.gmem import DieMemory
-        from xds_mpi.engine.results import (
-            check_against_reference,
-            format_mtp,
-            format_projection,
-            format_recovery,
-            format_summary,
-            mtp_summary,
-            projected_summary,
-            recovery_summary,
-            summarize,
-        )
-        from xds_mpi.model.shapes import cost_shape
 
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -83,11 +93,21 @@ class Serving:
         frontend.serve()
         mem.free()
         alone.Free()
-        self.records, self.started = frontend.records, frontend.started
-        self.summary = summarize(self.records, frontend.started, time.time())
-        self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
-        self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
-        ctx.log.info(format_summary(self.summary))
+        return frontend
+
+    def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
+        """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
+        there was any) and the 910C projection."""
+        from xds_mpi.engine.die_summaries import (
+            format_mtp,
+            format_projection,
+            format_recovery,
+            mtp_summary,
+            projected_summary,
+            recovery_summary,
+        )
+        from xds_mpi.model.shapes import cost_shape
+
         mtp = mtp_summary(ctx.cfg.scheduler.mtp_depth, self.die_timings)
         if mtp:
             ctx.log.info(format_mtp(mtp))
@@ -99,25 +119,24 @@ class Serving:
         big = cost_shape()
         self.summary.update(
             projected_summary(
-                frontend.reports,
+                die_reports,
                 ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
                 big.num_layers - big.num_dense_layers,
             )
         )
         ctx.log.info(format_projection(self.summary))
-        self.mismatches: list[str] = []
-        self.check_line = ""
-        self.is_checked = ctx.cfg.run.check
-        if ctx.cfg.run.check:
-            num_requests, num_tokens, self.mismatches = check_against_reference(
-                ctx.cfg, self.records
-            )
-            for line in self.mismatches:
-                ctx.log.error("check: %s", line)
-            self.check_line = (
-                f"check: {num_requests} requests, {num_tokens} tokens, "
-                f"{len(self.mismatches)} mismatches"
-            )
+
+    def _check(self, ctx: RankContext) -> None:
+        """Compare every served request with the single-process reference; log each mismatch."""
+        from xds_mpi.engine.results import check_against_reference
+
+        num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg, self.records)
+        for line in self.mismatches:
+            ctx.log.error("check: %s", line)
+        self.check_line = (
+            f"check: {num_requests} requests, {num_tokens} tokens, "
+            f"{len(self.mismatches)} mismatches"
+        )
 
     def write(self, f) -> None:
         from xds_mpi.engine.results import write_serving

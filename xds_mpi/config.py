@@ -1,7 +1,8 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
-A config file has the sections below (every key optional, defaults shown in the dataclasses);
-each section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
+A config file has the sections below (every key optional, defaults shown in the dataclasses;
+`model` and `faults` are declared in `xds_mpi.config_model` and `xds_mpi.config_faults`); each
+section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
 overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config implies
 across sections (rank map, layouts, window sizes) and whether it can run is
 `xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-# FAULT_OPS, FaultSpec, ConfigError, check_value and parse_override are re-exported: callers
-# import the whole config interface from here.
+# FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
+# re-exported: callers import the whole config interface from here.
 from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
 from xds_mpi.config_loader import (  # noqa: F401
     ConfigError,
@@ -28,6 +29,7 @@ from xds_mpi.config_loader import (  # noqa: F401
     read_root,
     require,
 )
+from xds_mpi.config_model import ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,11 @@ class DeploymentConfig:
     num_microbatches: int = 1  # afd: microbatches per DP domain
 
     def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_kind()
+        self._check_shared_experts()
+
+    def _check_counts(self) -> None:
         s = "deployment"
         non_negative(
             s,
@@ -63,6 +70,9 @@ class DeploymentConfig:
             max_routed_experts_per_die=self.max_routed_experts_per_die,
             num_microbatches=self.num_microbatches,
         )
+
+    def _check_kind(self) -> None:
+        """What a colocated deployment cannot have, and what an afd one needs."""
         if self.kind == "colocated":
             require(
                 self.num_dp_domains == 1,
@@ -89,6 +99,8 @@ class DeploymentConfig:
                 f"die of a domain: num_expert_dies({self.num_expert_dies}) < "
                 f"dp_groups_per_domain({self.dp_groups_per_domain})",
             )
+
+    def _check_shared_experts(self) -> None:
         if self.shared_experts == "every_die":
             require(
                 self.num_shared_expert_dies == 0,
@@ -105,95 +117,6 @@ class DeploymentConfig:
     @property
     def num_attention_dies(self) -> int:
         return self.num_dp_domains * self.dp_groups_per_domain
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Compute shape of the tiny DeepSeek-style model that actually runs."""
-
-    vocab_size: int = 260  # byte-level: 256 bytes + special tokens
-    hidden: int = 128
-    num_layers: int = 4
-    num_dense_layers: int = 1  # the first layers use a dense FFN
-    num_heads: int = 4
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32
-    qk_nope_dim: int = 16
-    qk_rope_dim: int = 8
-    v_head_dim: int = 16
-    intermediate: int = 256  # dense FFN
-    moe_intermediate: int = 64  # one routed or shared expert
-    num_routed_experts: int = 16
-    num_shared_experts: int = 1
-    top_k: int = 2
-    num_expert_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling: float = 2.5
-    num_mtp_modules: int = 1
-    max_seq_len: int = 4096
-    rope_theta: float = 10000.0
-    weights: str = "random"  # "random" (from seed), "tiny" (packaged) or an HDF5 path
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        s = "model"
-        positive(
-            s,
-            vocab_size=self.vocab_size,
-            hidden=self.hidden,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            q_lora_rank=self.q_lora_rank,
-            kv_lora_rank=self.kv_lora_rank,
-            qk_nope_dim=self.qk_nope_dim,
-            qk_rope_dim=self.qk_rope_dim,
-            v_head_dim=self.v_head_dim,
-            intermediate=self.intermediate,
-            moe_intermediate=self.moe_intermediate,
-            num_routed_experts=self.num_routed_experts,
-            top_k=self.top_k,
-            num_expert_groups=self.num_expert_groups,
-            topk_groups=self.topk_groups,
-            routed_scaling=self.routed_scaling,
-            max_seq_len=self.max_seq_len,
-            rope_theta=self.rope_theta,
-        )
-        non_negative(
-            s,
-            num_dense_layers=self.num_dense_layers,
-            num_shared_experts=self.num_shared_experts,
-            num_mtp_modules=self.num_mtp_modules,
-        )
-        require(
-            self.num_dense_layers < self.num_layers,
-            f"model.num_dense_layers"
-            f"({self.num_dense_layers}) must be < model.num_layers({self.num_layers})",
-        )
-        require(
-            self.top_k <= self.num_routed_experts,
-            f"model.top_k({self.top_k}) must be <= "
-            f"model.num_routed_experts({self.num_routed_experts})",
-        )
-        require(
-            self.num_routed_experts % self.num_expert_groups == 0,
-            f"model.num_routed_experts({self.num_routed_experts}) must be a multiple of "
-            f"model.num_expert_groups({self.num_expert_groups})",
-        )
-        require(
-            self.topk_groups <= self.num_expert_groups,
-            f"model.topk_groups({self.topk_groups})"
-            f" must be <= model.num_expert_groups({self.num_expert_groups})",
-        )
-        per_group = self.num_routed_experts // self.num_expert_groups
-        require(
-            self.top_k <= self.topk_groups * per_group,
-            f"model.top_k({self.top_k}) must be <= topk_groups({self.topk_groups}) x experts "
-            f"per group({per_group})",
-        )
-        require(
-            self.num_mtp_modules <= 2,
-            f"model.num_mtp_modules must be 0, 1 or 2, got {self.num_mtp_modules}",
-        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,23 +54,9 @@ def project(
     topo = Topology.from_config(cfg)
     cost, n = CostModel(m, hw), _counts(cfg, topo)
     layer = _afd_layer if cfg.deployment.kind == "afd" else _colocated_layer
-    spent: dict[str, float] = {}
-    for kind, rows_per_seq, num_moe, num_dense in (
-        ("mtp", 1, m.num_mtp_modules and mtp_depth, 0),
-        ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
-    ):
-        rows = batch_per_die * rows_per_seq
-        parts, _ = layer(cfg, cost, n, rows, batch_per_die, kv_len, rows_per_seq)
-        for name, seconds in parts.items():
-            spent[name] = spent.get(name, 0.0) + seconds * num_moe
-        dense = (
-            cost.mla_prolog(rows)
-            + cost.attention([(kv_len, rows_per_seq)] * batch_per_die)
-            + cost.dense_ffn(rows)
-        )
-        spent["dense layers"] = spent.get("dense layers", 0.0) + dense * num_dense
-        if kind == "mtp" and num_moe:
-            spent["MTP head"] = (cost.head(rows) + cost.sampling(rows)) * mtp_depth
+    spent = _passes_spent(
+        cfg, cost, n, layer, batch_per_die=batch_per_die, kv_len=kv_len, mtp_depth=mtp_depth
+    )
     spent["head + sampling"] = cost.head(batch_per_die * (1 + mtp_depth)) + cost.sampling(
         batch_per_die * (1 + mtp_depth)
     )
@@ -89,6 +75,33 @@ def project(
         breakdown_s=spent,
         primitives_s=primitives,
     )
+
+
+def _passes_spent(
+    cfg: Config, cost: CostModel, n: dict, layer, *, batch_per_die: int, kv_len: int, mtp_depth: int
+) -> dict[str, float]:
+    """Seconds per iteration of each operation in the layers of the MTP passes (one row per
+    sequence each) and of the main pass (1 + mtp_depth rows per sequence): MoE layers as the
+    deployment's `layer` prices them, dense layers alike in every deployment."""
+    m = cost.m
+    spent: dict[str, float] = {}
+    for kind, rows_per_seq, num_moe, num_dense in (
+        ("mtp", 1, m.num_mtp_modules and mtp_depth, 0),
+        ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
+    ):
+        rows = batch_per_die * rows_per_seq
+        parts, _ = layer(cfg, cost, n, rows, batch_per_die, kv_len, rows_per_seq)
+        for name, seconds in parts.items():
+            spent[name] = spent.get(name, 0.0) + seconds * num_moe
+        dense = (
+            cost.mla_prolog(rows)
+            + cost.attention([(kv_len, rows_per_seq)] * batch_per_die)
+            + cost.dense_ffn(rows)
+        )
+        spent["dense layers"] = spent.get("dense layers", 0.0) + dense * num_dense
+        if kind == "mtp" and num_moe:
+            spent["MTP head"] = (cost.head(rows) + cost.sampling(rows)) * mtp_depth
+    return spent
 
 
 def _colocated_layer(cfg, cost: CostModel, n, rows, batch, kv_len, rows_per_seq) -> dict:

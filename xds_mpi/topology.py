@@ -94,53 +94,21 @@ class Topology:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int | None = None) -> Topology:
-        dep, hw = cfg.deployment, cfg.hardware
+        dep = cfg.deployment
         counts = cls.dies_needed(cfg)
-        num_dies = sum(counts.values())
-        needed = dep.num_host_ranks + num_dies
-        if world_size is not None and world_size != needed:
-            parts = " + ".join(f"{role} dies({n})" for role, n in counts.items() if n)
-            raise ConfigError(
-                f"world size {world_size} != num_host_ranks({dep.num_host_ranks}) + "
-                f"{parts} = {needed}"
-            )
-        if num_dies > hw.dies_per_pod:
-            raise ConfigError(
-                f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
-                f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
-                f"{hw.dies_per_chip} dies)"
-            )
+        _refuse_misfit(cfg, counts, world_size)
         roles: list[Role] = [role for role, n in counts.items() for _ in range(n)]
         slots_of, phy2log = _place_experts(cfg, roles)
         ranks = [RankInfo(rank=r, role="host") for r in range(dep.num_host_ranks)]
-        num_groups = dep.dp_groups_per_domain
-        for die_idx, role in enumerate(roles):
-            server, in_server = divmod(die_idx, hw.dies_per_server)
-            domain = group = trampoline_for = -1
-            if role in ("attention", "colocated"):
-                domain, group = die_idx // num_groups, die_idx
-            if role == "expert":
-                expert_no = die_idx - counts.get("attention", 0)
-                trampoline_for = expert_no if expert_no < num_groups else -1
-            ranks.append(
-                RankInfo(
-                    rank=dep.num_host_ranks + die_idx,
-                    role=role,
-                    die_idx=die_idx,
-                    server=server,
-                    chip=in_server // hw.dies_per_chip,
-                    die_in_chip=in_server % hw.dies_per_chip,
-                    dp_domain=domain,
-                    dp_group=group,
-                    expert_slots=slots_of.get(die_idx, ()),
-                    trampoline_for=trampoline_for,
-                )
-            )
+        ranks += [
+            _die_info(cfg, counts, die_idx, role, slots_of.get(die_idx, ()))
+            for die_idx, role in enumerate(roles)
+        ]
         return cls(
-            world_size=needed,
+            world_size=dep.num_host_ranks + len(roles),
             num_host_ranks=dep.num_host_ranks,
-            num_dies=num_dies,
-            dp_groups_per_domain=num_groups,
+            num_dies=len(roles),
+            dp_groups_per_domain=dep.dp_groups_per_domain,
             num_dp_domains=dep.num_dp_domains,
             ranks=tuple(ranks),
             phy2log=tuple(phy2log),
@@ -188,6 +156,56 @@ class Topology:
             if expert_idx >= 0:
                 table[expert_idx].append(phy_idx)
         return tuple(tuple(slots) for slots in table)
+
+
+def _refuse_misfit(cfg: Config, counts: dict[str, int], world_size: int | None) -> None:
+    """Refuse a launch whose world size is not the config's ranks, or dies that overflow a pod."""
+    dep, hw = cfg.deployment, cfg.hardware
+    num_dies = sum(counts.values())
+    needed = dep.num_host_ranks + num_dies
+    if world_size is not None and world_size != needed:
+        parts = " + ".join(f"{role} dies({n})" for role, n in counts.items() if n)
+        raise ConfigError(
+            f"world size {world_size} != num_host_ranks({dep.num_host_ranks}) + {parts} = {needed}"
+        )
+    if num_dies > hw.dies_per_pod:
+        raise ConfigError(
+            f"{num_dies} dies do not fit in one pod of {hw.dies_per_pod} dies "
+            f"({hw.servers_per_pod} servers x {hw.chips_per_server} chips x "
+            f"{hw.dies_per_chip} dies)"
+        )
+
+
+def _die_info(
+    cfg: Config,
+    counts: dict[str, int],
+    die_idx: int,
+    role: Role,
+    expert_slots: tuple[ExpertSlot, ...],
+) -> RankInfo:
+    """Die `die_idx`: where it sits in the pod, its DP domain and group (attention, colocated)
+    or the group-in-domain it is the trampoline for (the first G expert dies)."""
+    dep, hw = cfg.deployment, cfg.hardware
+    num_groups = dep.dp_groups_per_domain
+    server, in_server = divmod(die_idx, hw.dies_per_server)
+    domain = group = trampoline_for = -1
+    if role in ("attention", "colocated"):
+        domain, group = die_idx // num_groups, die_idx
+    if role == "expert":
+        expert_no = die_idx - counts.get("attention", 0)
+        trampoline_for = expert_no if expert_no < num_groups else -1
+    return RankInfo(
+        rank=dep.num_host_ranks + die_idx,
+        role=role,
+        die_idx=die_idx,
+        server=server,
+        chip=in_server // hw.dies_per_chip,
+        die_in_chip=in_server % hw.dies_per_chip,
+        dp_domain=domain,
+        dp_group=group,
+        expert_slots=expert_slots,
+        trampoline_for=trampoline_for,
+    )
 
 
 def _routed_dies(cfg: Config, hosts: list[int]) -> list[int]:

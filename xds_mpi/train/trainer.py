@@ -20,7 +20,7 @@ from xds_mpi.config import ModelConfig
 from xds_mpi.model.transformer import DeepSeekModel
 from xds_mpi.model.weights import init_weights
 from xds_mpi.train.corpus import Corpus, random_windows, spread_windows
-from xds_mpi.train.forward import sequence_losses
+from xds_mpi.train.forward import Losses, sequence_losses
 from xds_mpi.train.options import TrainConfig
 
 
@@ -114,35 +114,14 @@ def _train(cfg, corpus, tc, progress) -> TrainResult:
         batch = random_windows(
             corpus.train, num_windows=tc.batch_size, window_len=tc.seq_len + 1, generator=data_gen
         )
-        for group in optimizer.param_groups:
-            group["lr"] = tc.lr_at(step)
-        losses = sequence_losses(model, batch, mtp_weight=tc.mtp_weight)
-        optimizer.zero_grad(set_to_none=True)
-        losses.total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        optimizer.step()
+        losses = _update(model, optimizer, batch, tc, step)
         loss = float(losses.main.detach())
         if step >= tc.steps - tail:
             tail_losses.append(loss)
         if progress is not None:
-            elapsed = time.perf_counter() - start
-            progress(
-                StepReport(
-                    step=step + 1,
-                    num_steps=tc.steps,
-                    loss=loss,
-                    mtp_losses=tuple(float(m.detach()) for m in losses.mtp),
-                    tokens_per_s=(step + 1) * tc.batch_size * tc.seq_len / elapsed,
-                    elapsed_s=elapsed,
-                )
-            )
+            progress(_step_report(tc, step, loss, losses, time.perf_counter() - start))
     wall_s = time.perf_counter() - start
-    model.eval()
-    model.requires_grad_(False)
-    windows = spread_windows(
-        corpus.heldout, num_windows=tc.num_eval_windows, window_len=tc.seq_len + 1
-    )
-    heldout, heldout_mtp = heldout_losses(model, windows, mtp_weight=tc.mtp_weight)
+    heldout, heldout_mtp = _evaluate(model, corpus, tc)
     return TrainResult(
         model=model,
         final_loss=sum(tail_losses) / len(tail_losses),
@@ -151,3 +130,47 @@ def _train(cfg, corpus, tc, progress) -> TrainResult:
         wall_s=wall_s,
         num_tokens=tc.steps * tc.batch_size * tc.seq_len,
     )
+
+
+def _update(
+    model: DeepSeekModel,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    tc: TrainConfig,
+    step: int,
+) -> Losses:
+    """One AdamW step on `batch` [batch_size, seq_len + 1] at the schedule's learning rate, the
+    gradient clipped; returns the step's losses."""
+    for group in optimizer.param_groups:
+        group["lr"] = tc.lr_at(step)
+    losses = sequence_losses(model, batch, mtp_weight=tc.mtp_weight)
+    optimizer.zero_grad(set_to_none=True)
+    losses.total.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    optimizer.step()
+    return losses
+
+
+def _step_report(
+    tc: TrainConfig, step: int, loss: float, losses: Losses, elapsed: float
+) -> StepReport:
+    return StepReport(
+        step=step + 1,
+        num_steps=tc.steps,
+        loss=loss,
+        mtp_losses=tuple(float(m.detach()) for m in losses.mtp),
+        tokens_per_s=(step + 1) * tc.batch_size * tc.seq_len / elapsed,
+        elapsed_s=elapsed,
+    )
+
+
+def _evaluate(
+    model: DeepSeekModel, corpus: Corpus, tc: TrainConfig
+) -> tuple[float, tuple[float, ...]]:
+    """Freeze the trained model and measure it on the fixed held-out windows."""
+    model.eval()
+    model.requires_grad_(False)
+    windows = spread_windows(
+        corpus.heldout, num_windows=tc.num_eval_windows, window_len=tc.seq_len + 1
+    )
+    return heldout_losses(model, windows, mtp_weight=tc.mtp_weight)
