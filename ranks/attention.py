@@ -10,7 +10,7 @@ import time
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
-from ranks.die_parts import decode_state
+from ranks.die_parts import decode_state, decode_totals
 from ranks.handshake import handshake
 from xds_mpi.engine.timing import IterationTiming
 
@@ -79,12 +79,7 @@ class AttentionDie(AfdDieBase):
         return self.executor.forward(entries, mine)  # attention, A2E ... E2A
 
     def totals(self) -> DieTotals:
-        """The run's totals (collective: the fault count sums over the dies)."""
-        return DieTotals(
-            num_iterations=self.executor.num_iterations,
-            virtual_spent=self.pricer.snapshot(),
-            recovery=self.recompute.report(),
-        )
+        return decode_totals(self.executor, self.pricer, self.recompute)
 
     def close(self) -> None:
         self.outbox.drain()

@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
-from ranks.die_parts import decode_state, make_pricer
+from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
 
@@ -111,12 +111,7 @@ class ColocatedDie:
         return bool(total[0]), total[1] == 0
 
     def totals(self) -> DieTotals:
-        """The run's totals (collective: the fault count sums over the dies)."""
-        return DieTotals(
-            num_iterations=self.executor.num_iterations,
-            virtual_spent=self.pricer.snapshot(),
-            recovery=self.recompute.report(),
-        )
+        return decode_totals(self.executor, self.pricer, self.recompute)
 
     def close(self) -> None:
         self.outbox.drain()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ranks.die_io import DieTotals
 from xds_mpi.config import Config
 
 
@@ -57,4 +58,13 @@ def make_pricer(cfg: Config, clock, slots):
     routed_dies = set(slots.slot_owner[: slots.num_routed_slots])
     return Pricer(
         cost, cfg.model, clock, use_int8=cfg.xccl.use_int8, num_routed_dies=len(routed_dies)
+    )
+
+
+def decode_totals(executor, pricer, recompute) -> DieTotals:
+    """A decode die's totals for its report (collective: the fault count sums over the dies)."""
+    return DieTotals(
+        num_iterations=executor.num_iterations,
+        virtual_spent=pricer.snapshot(),
+        recovery=recompute.report(),
     )
