@@ -48,6 +48,18 @@ def add_parser(kinds) -> None:
 
 def cmd_bench_afd(args: argparse.Namespace) -> int:
     groups = args.groups or max(1, args.np // 3)
+    _check_shape(args, groups)
+    command = mpi_command(args.np, _rank_program(args, groups), timeout_s=args.timeout)
+    print(f"xds-mpi: bench afd on {args.np} ranks: {command.shell_line()}", flush=True)
+    result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
+    if result.timed_out:
+        print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
+        return 124
+    return result.returncode
+
+
+def _check_shape(args: argparse.Namespace, groups: int) -> None:
+    """Refuse a domain without enough expert dies, or experts fewer than top-k or expert dies."""
     if args.np < 2 or not 1 <= groups <= args.np - groups:
         raise ConfigError(
             f"bench afd: --groups({groups}) attention dies need as many expert dies"
@@ -58,6 +70,10 @@ def cmd_bench_afd(args: argparse.Namespace) -> int:
             f"bench afd: --experts({args.experts}) must be >= --topk({args.topk}) "
             f"and >= the {args.np - groups} expert dies"
         )
+
+
+def _rank_program(args: argparse.Namespace, groups: int) -> list[str]:
+    """The per-rank command line: launch.bench_afd_rank under `python -m mpi4py`."""
     program = [
         sys.executable,
         "-m",
@@ -82,10 +98,4 @@ def cmd_bench_afd(args: argparse.Namespace) -> int:
         *map(str, args.tokens),
     ]
     program += ["--int8"] if args.int8 else []
-    command = mpi_command(args.np, program, timeout_s=args.timeout)
-    print(f"xds-mpi: bench afd on {args.np} ranks: {command.shell_line()}", flush=True)
-    result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
-    if result.timed_out:
-        print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
-        return 124
-    return result.returncode
+    return program

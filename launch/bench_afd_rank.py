@@ -71,33 +71,43 @@ class Bench:
         self.log2phy = [(e,) for e in range(args.experts)]
         self.link = LinkModel.from_profile(load_profile(args.profile))
         self.is_attention = comm.rank in self.attention
-        self.windows, self.afd = [], {}
-        for variant in ("trampoline", "direct"):
-            layout = AfdLayout(
-                attention=self.attention,
-                experts=self.experts,
-                group_size=groups,
-                base=(0,) * comm.size,
-                num_lanes=1,
-                hidden=args.hidden,
-                max_tokens=max(args.tokens),
-                top_k=args.topk,
-                has_shared=False,
-                itemsize=4,
-                use_int8=args.int8,
-            )
-            mem = self._window(layout.area_bytes(layout.role_of(comm.rank)))
-            self.afd[variant] = AfdBuffer(
-                mem,
-                layout,
-                self.slot_owner,
-                num_routed_slots=args.experts,
-                use_trampolines=variant == "trampoline",
-                dtype=np.float32,
-                clock=VirtualClock(),
-                link=self.link,
-                timeout_s=TIMEOUT_S,
-            )
+        self.windows = []
+        self.afd = {variant: self._afd_buffer(variant) for variant in ("trampoline", "direct")}
+        self.ep = self._ep_buffer()
+        self.num_calls = self.num_ep_rounds = 0
+
+    def _afd_buffer(self, variant: str) -> AfdBuffer:
+        """A2E/E2A over one DP domain in its own window, with or without trampolines."""
+        args = self.args
+        layout = AfdLayout(
+            attention=self.attention,
+            experts=self.experts,
+            group_size=args.groups,
+            base=(0,) * comm.size,
+            num_lanes=1,
+            hidden=args.hidden,
+            max_tokens=max(args.tokens),
+            top_k=args.topk,
+            has_shared=False,
+            itemsize=4,
+            use_int8=args.int8,
+        )
+        mem = self._window(layout.area_bytes(layout.role_of(comm.rank)))
+        return AfdBuffer(
+            mem,
+            layout,
+            self.slot_owner,
+            num_routed_slots=args.experts,
+            use_trampolines=variant == "trampoline",
+            dtype=np.float32,
+            clock=VirtualClock(),
+            link=self.link,
+            timeout_s=TIMEOUT_S,
+        )
+
+    def _ep_buffer(self) -> EpBuffer:
+        """Colocated dispatch/combine over all ranks in its own window."""
+        args = self.args
         layout = EpLayout(
             members=tuple(range(comm.size)),
             base=(0,) * comm.size,
@@ -107,7 +117,7 @@ class Bench:
             itemsize=4,
             use_int8=args.int8,
         )
-        self.ep = EpBuffer(
+        return EpBuffer(
             self._window(layout.area_bytes()),
             layout,
             self.slot_owner,
@@ -116,7 +126,6 @@ class Bench:
             link=self.link,
             timeout_s=TIMEOUT_S,
         )
-        self.num_calls = self.num_ep_rounds = 0
 
     def _window(self, nbytes: int) -> DieMemory:
         self.windows.append(DieMemory(comm, nbytes))
@@ -229,35 +238,40 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  measured {num_tokens} tokens per attention die", flush=True)
     bench.close()
     if comm.rank == 0:
-        from launch.bench_report import _fmt, write
-        from launch.report import format_table
+        _report(args, rows)
 
-        print(
-            f"\nxds-mpi bench afd: {comm.size} ranks = {args.groups} attention dies (1 DP "
-            f"domain) + {comm.size - args.groups} expert dies, {args.experts} experts, top-"
-            f"{args.topk}, hidden {args.hidden}, identity experts, float32 rows"
-            f"{' (INT8 on the wire)' if args.int8 else ''}, profile {args.profile}"
+
+def _report(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Rank 0: print the table with its legend and write --out."""
+    from launch.bench_report import _fmt, write
+    from launch.report import format_table
+
+    print(
+        f"\nxds-mpi bench afd: {comm.size} ranks = {args.groups} attention dies (1 DP "
+        f"domain) + {comm.size - args.groups} expert dies, {args.experts} experts, top-"
+        f"{args.topk}, hidden {args.hidden}, identity experts, float32 rows"
+        f"{' (INT8 on the wire)' if args.int8 else ''}, profile {args.profile}"
+    )
+    print(
+        format_table(
+            COLUMNS,
+            [[r[c] if isinstance(r[c], str) else _fmt(r[c]) for c in COLUMNS] for r in rows],
         )
-        print(
-            format_table(
-                COLUMNS,
-                [[r[c] if isinstance(r[c], str) else _fmt(r[c]) for c in COLUMNS] for r in rows],
-            )
+    )
+    print(
+        "a2e_us/e2a_us: A2E (dispatch) and E2A (combine) until the slowest die is done; "
+        "meta_attn: records one attention die writes per round (colocated: per die); "
+        "proj_910c_us: one round on the virtual clock."
+    )
+    if args.out:
+        is_h5 = Path(args.out).suffix in (".h5", ".hdf5")  # h5py stores bytes, not str
+        write(
+            [{**r, "variant": r["variant"].encode()} if is_h5 else r for r in rows],
+            COLUMNS,
+            Path(args.out),
+            args,
         )
-        print(
-            "a2e_us/e2a_us: A2E (dispatch) and E2A (combine) until the slowest die is done; "
-            "meta_attn: records one attention die writes per round (colocated: per die); "
-            "proj_910c_us: one round on the virtual clock."
-        )
-        if args.out:
-            is_h5 = Path(args.out).suffix in (".h5", ".hdf5")  # h5py stores bytes, not str
-            write(
-                [{**r, "variant": r["variant"].encode()} if is_h5 else r for r in rows],
-                COLUMNS,
-                Path(args.out),
-                args,
-            )
-            print(f"wrote {args.out}")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -131,30 +131,30 @@ class Bench:
             comm.Recv(buf, self.peer, 5)
             comm.Send(buf, self.peer, 5)
 
+    def xccl_one_way(self, buf: np.ndarray, cores: int) -> None:
+        if self.is_a:
+            self.p2p.send(buf, self.peer, 0, num_cores=cores)
+        else:
+            self.p2p.recv(buf, self.peer, 0)
+
+    def projected_send_ns(self, buf: np.ndarray, cores: int) -> float:
+        """Nanoseconds one sync send of `buf` takes on a fresh virtual clock."""
+        clock = VirtualClock()
+        self.p2p.set_clock(clock)
+        comm.Barrier()
+        self.xccl_one_way(buf, cores)
+        return clock.now_ns
+
     def row(self, nbytes: int, cores: int) -> dict:
         buf = np.ones(nbytes, np.uint8)
         iters = iterations(nbytes, self.args.iters)
-        p2p = self.p2p
         xccl = self.timed(lambda i: self.xccl_rtt(buf, i % 1000 + 1, cores), iters)
         put = self.timed(lambda i: self.put_rtt(buf, i), iters)
         sendrecv = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
-
-        def one_way(i: int) -> None:
-            if self.is_a:
-                p2p.send(buf, self.peer, 0, num_cores=cores)
-            else:
-                p2p.recv(buf, self.peer, 0)
-
-        xccl_bw = nbytes / self.timed(one_way, iters) / 1e9
+        xccl_bw = nbytes / self.timed(lambda i: self.xccl_one_way(buf, cores), iters) / 1e9
         put_bw = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters) / 1e9
-        clock = VirtualClock()
-        p2p.set_clock(clock)
-        comm.Barrier()
-        if self.is_a:
-            p2p.send(buf, self.peer, 0, num_cores=cores)
-        else:
-            p2p.recv(buf, self.peer, 0)
-        values = comm.gather((xccl, put, sendrecv, xccl_bw, put_bw, clock.now_ns), root=0)
+        projected_ns = self.projected_send_ns(buf, cores)
+        values = comm.gather((xccl, put, sendrecv, xccl_bw, put_bw, projected_ns), root=0)
         if comm.rank != 0:
             return {}
         senders = np.array([v for r, v in enumerate(values) if r % 2 == 0])

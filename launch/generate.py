@@ -57,43 +57,20 @@ def _printable(text: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    if not 0 <= args.mtp <= 2:
-        raise ConfigError(f"--mtp must be 0, 1 or 2, got {args.mtp}")
-    if args.max_new_tokens < 1 or args.temperature < 0:
-        raise ConfigError(
-            f"need --max-new-tokens >= 1 and --temperature >= 0, got "
-            f"{args.max_new_tokens} and {args.temperature}"
-        )
-
+    _check_options(args)
     import torch
 
-    from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
-    from xds_mpi.model.shapes import load_model_preset
+    from xds_mpi.model.reference import ReferenceGenerator
     from xds_mpi.model.tokenizer import ByteTokenizer
-    from xds_mpi.model.weights import build_model, load_model, save_weights
 
     # The tiny model's matrices are too small to gain from intra-op threads; on a busy machine
     # the extra threads only wait for cores.
     torch.set_num_threads(1)
-    dtype = getattr(torch, args.dtype)
-    model = (
-        load_model(args.weights, dtype=dtype)
-        if args.weights
-        else build_model(load_model_preset(args.model), dtype=dtype)
-    )
-    if args.save_weights:
-        save_weights(model, args.save_weights)
+    model = _load_model(args, getattr(torch, args.dtype))
     tokenizer = ByteTokenizer(model.cfg.vocab_size)
-    options = GenerateOptions(
-        max_new_tokens=args.max_new_tokens,
-        mtp_depth=args.mtp,
-        temperature=args.temperature,
-        seed=args.seed,
-        use_int8=args.int8,
-        ignore_eos=args.ignore_eos,
-    )
     start = time.perf_counter()
-    [out] = ReferenceGenerator(model, options).generate([tokenizer.encode(args.prompt)])
+    generator = ReferenceGenerator(model, _generate_options(args))
+    [out] = generator.generate([tokenizer.encode(args.prompt)])
     elapsed_s = time.perf_counter() - start
     print(_printable(tokenizer.decode(list(out.tokens))))
     accepted = f", MTP accepted {out.num_accepted}/{out.num_drafted} drafts" if args.mtp else ""
@@ -103,3 +80,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{out.num_steps} decode steps{accepted})"
     )
     return 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if not 0 <= args.mtp <= 2:
+        raise ConfigError(f"--mtp must be 0, 1 or 2, got {args.mtp}")
+    if args.max_new_tokens < 1 or args.temperature < 0:
+        raise ConfigError(
+            f"need --max-new-tokens >= 1 and --temperature >= 0, got "
+            f"{args.max_new_tokens} and {args.temperature}"
+        )
+
+
+def _load_model(args: argparse.Namespace, dtype):
+    """--weights if given, else the preset's own weights; --save-weights writes them out."""
+    from xds_mpi.model.shapes import load_model_preset
+    from xds_mpi.model.weights import build_model, load_model, save_weights
+
+    model = (
+        load_model(args.weights, dtype=dtype)
+        if args.weights
+        else build_model(load_model_preset(args.model), dtype=dtype)
+    )
+    if args.save_weights:
+        save_weights(model, args.save_weights)
+    return model
+
+
+def _generate_options(args: argparse.Namespace):
+    from xds_mpi.model.reference import GenerateOptions
+
+    return GenerateOptions(
+        max_new_tokens=args.max_new_tokens,
+        mtp_depth=args.mtp,
+        temperature=args.temperature,
+        seed=args.seed,
+        use_int8=args.int8,
+        ignore_eos=args.ignore_eos,
+    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from launch.mpiexec import mpi_command, mpi_flavor, rank_program
+from launch.mpiexec import MpiCommand, mpi_command, mpi_flavor, rank_program
 from launch.paths import REPO_ROOT
 from xds_mpi.config import ConfigError
 from xds_mpi.topology import Topology
@@ -146,15 +146,22 @@ class _Template(string.Template):
 
 
 def render(spec: JobSpec) -> str:
-    topo, layout = spec.topo, spec.layout
     program = rank_program(spec.config_path, spec.overrides)
-    command = mpi_command(topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec)
-    prefix, loop, extra, env = _launcher_parts(
-        spec, command.argv[: len(command.argv) - len(program)]
+    command = mpi_command(
+        spec.topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec
     )
-    launch = " \\\n    ".join([shlex.join(prefix) + extra, shlex.join(program), '"${RUN_ARGS[@]}"'])
+    fields = {**_header_fields(spec), **_launch_fields(spec, command, program)}
+    text = _Template(TEMPLATE.read_text()).safe_substitute(fields)
+    leftover = re.findall(r"@\{\w+\}", text)
+    assert not leftover, f"template fields not filled: {leftover}"
+    return text
+
+
+def _header_fields(spec: JobSpec) -> dict:
+    """The script's comment header: config, deployment, node layout, run files, sweep."""
+    topo, layout = spec.topo, spec.layout
     names = [str(spec.run_file(i)) for i in range(len(spec.run_names))]
-    fields = dict(
+    return dict(
         script=spec.script_path,
         config=spec.config_path,
         overrides=" ".join(shlex.quote(o) for o in spec.overrides) or "(none)",
@@ -175,6 +182,16 @@ def render(spec: JobSpec) -> str:
         )
         if spec.sweep
         else "(none)",
+    )
+
+
+def _launch_fields(spec: JobSpec, command: MpiCommand, program: list[str]) -> dict:
+    """The #SBATCH lines, the sweep's case, the environment, the hostfile and the launch line."""
+    prefix, loop, extra, env = _launcher_parts(
+        spec, command.argv[: len(command.argv) - len(program)]
+    )
+    launch = " \\\n    ".join([shlex.join(prefix) + extra, shlex.join(program), '"${RUN_ARGS[@]}"'])
+    return dict(
         sbatch_lines="\n".join(_sbatch_lines(spec)),
         run_args=_run_args(spec),
         env_lines="\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(command.env.items())),
@@ -183,10 +200,6 @@ def render(spec: JobSpec) -> str:
         hostfile_env=env,
         launch_line=launch,
     )
-    text = _Template(TEMPLATE.read_text()).safe_substitute(fields)
-    leftover = re.findall(r"@\{\w+\}", text)
-    assert not leftover, f"template fields not filled: {leftover}"
-    return text
 
 
 def _sbatch_lines(spec: JobSpec) -> list[str]:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from launch.report import format_table
+
+if TYPE_CHECKING:
+    from xds_mpi.config import Config
+    from xds_mpi.projection import Projection
 
 
 def add_parser(sub) -> None:
@@ -49,6 +54,12 @@ def cmd_project(args: argparse.Namespace) -> int:
         mtp_depth=args.mtp,
         accept_rate=args.accept,
     )
+    _print_projection(args, cfg, p)
+    return 0
+
+
+def _print_projection(args: argparse.Namespace, cfg: Config, p: Projection) -> None:
+    """The deployment and workload, the iteration's totals, then the two breakdown tables."""
     print(
         f"{args.config}: {cfg.deployment.kind}, batch {args.batch} per DP group, KV length "
         f"{args.kv_len}, MTP depth {args.mtp} at {args.accept:.0%} acceptance, "
@@ -68,4 +79,3 @@ def cmd_project(args: argparse.Namespace) -> int:
             [[name, f"{s * 1e6:.1f}"] for name, s in p.primitives_s.items()],
         )
     )
-    return 0

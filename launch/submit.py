@@ -27,7 +27,7 @@ from launch.jobscript import (
     render,
 )
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
-from xds_mpi.config import ConfigError, load_config
+from xds_mpi.config import Config, ConfigError, load_config
 from xds_mpi.plan import DeploymentPlan
 
 POLL_S = 0.5
@@ -44,6 +44,14 @@ def add_parser(subparsers) -> None:
         "the server layout) into run.output_dir/jobs/NAME/ and submit it with sbatch. "
         "Exit 2 with a one-line error on bad input or when sbatch is missing.",
     )
+    _add_deployment_options(p)
+    _add_slurm_options(p)
+    _add_launch_options(p)
+    p.set_defaults(func=cmd_submit)
+
+
+def _add_deployment_options(p: argparse.ArgumentParser) -> None:
+    """What runs: the config and its overrides."""
     p.add_argument(
         "config",
         nargs="?",
@@ -58,6 +66,10 @@ def add_parser(subparsers) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable)",
     )
+
+
+def _add_slurm_options(p: argparse.ArgumentParser) -> None:
+    """What Slurm is asked for: nodes, partition, time limit, an array for a sweep."""
     p.add_argument(
         "--nodes", type=int, default=None, help="nodes to use (default: one per server of 16 dies)"
     )
@@ -73,6 +85,10 @@ def add_parser(subparsers) -> None:
         metavar="SECTION.KEY=V1,V2,...",
         help="an array job: element i runs with --set SECTION.KEY=Vi",
     )
+
+
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    """How the ranks start, and whether to submit or wait."""
     p.add_argument(
         "--launcher",
         choices=["mpiexec", "srun"],
@@ -90,7 +106,6 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="wait for the job; exit non-zero unless every element COMPLETED",
     )
-    p.set_defaults(func=cmd_submit)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -131,25 +146,12 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     path = resolve_config(args.config)
     cfg = load_config(path, args.set)
     sweep = parse_sweep(args.sweep) if args.sweep else None
-    plans = (
-        [plan_sweep_element(path, args.set, sweep, i) for i in range(len(sweep.values))]
-        if sweep
-        else [DeploymentPlan.build(cfg)]
-    )
-    sizes = sorted({plan.topo.world_size for plan in plans})
-    if len(sizes) > 1:
-        raise ConfigError(
-            f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "
-            "array job has one shape, submit them separately"
-        )
-    started = datetime.now()
-    base = cfg.run.name or f"{path.stem}-{started:%Y%m%d-%H%M%S}"
+    plans = plan_elements(path, cfg, args.set, sweep)
     workdir = Path.cwd()
-    jobs_dir = workdir / cfg.run.output_dir / "jobs"
-    job_dir, suffix = jobs_dir / base, 1
-    while job_dir.exists():  # a second submit in the same second gets its own directory
-        suffix += 1
-        job_dir = jobs_dir / f"{base}-{suffix}"
+    job_dir = new_job_dir(
+        workdir / cfg.run.output_dir / "jobs",
+        cfg.run.name or f"{path.stem}-{datetime.now():%Y%m%d-%H%M%S}",
+    )
     base = job_dir.name
     names = tuple(f"{base}-{i}" for i in range(len(plans))) if sweep else (base,)
     timeout_s = max(plan.cfg.run.timeout_s for plan in plans)
@@ -172,6 +174,33 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         launcher=args.launcher,
         mpiexec=args.mpiexec,
     )
+
+
+def plan_elements(
+    path: Path, cfg: Config, overrides: list[str], sweep: Sweep | None
+) -> list[DeploymentPlan]:
+    """One plan per array element (one without a sweep), all of the same world size."""
+    plans = (
+        [plan_sweep_element(path, overrides, sweep, i) for i in range(len(sweep.values))]
+        if sweep
+        else [DeploymentPlan.build(cfg)]
+    )
+    sizes = sorted({plan.topo.world_size for plan in plans})
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "
+            "array job has one shape, submit them separately"
+        )
+    return plans
+
+
+def new_job_dir(jobs_dir: Path, base: str) -> Path:
+    """jobs_dir/base, or base-2, base-3, ...: a second submit in the same second gets its own."""
+    job_dir, suffix = jobs_dir / base, 1
+    while job_dir.exists():
+        suffix += 1
+        job_dir = jobs_dir / f"{base}-{suffix}"
+    return job_dir
 
 
 def plan_sweep_element(path: Path, overrides: list[str], sweep: Sweep, idx: int) -> DeploymentPlan:

@@ -7,8 +7,14 @@ import argparse
 import math
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from xds_mpi.config import ConfigError
+
+if TYPE_CHECKING:
+    from xds_mpi.train.corpus import Corpus
+    from xds_mpi.train.options import TrainConfig
+    from xds_mpi.train.trainer import TrainResult
 
 TRAIN_ATTRS = ("steps", "batch_size", "seq_len", "lr", "mtp_weight", "seed")
 STATS_WINDOW = 256  # tokens per held-out window
@@ -17,9 +23,11 @@ DECODE_TOKENS = 64
 
 
 def add_parser(subparsers) -> None:
-    from xds_mpi.train.options import TrainConfig
+    _add_train_parser(subparsers)
+    _add_stats_parser(subparsers)
 
-    defaults = TrainConfig()
+
+def _add_train_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train-tiny",
         help="train the tiny model and its MTP module on the stdlib's sources",
@@ -29,6 +37,26 @@ def add_parser(subparsers) -> None:
         "HDF5 checkpoint; the one shipped as model.weights: tiny is "
         "xds_mpi/data/tiny.h5.",
     )
+    defaults = _add_schedule_options(p)
+    p.add_argument("--seed", type=int, default=defaults.seed, help="init and data order seed")
+    p.add_argument(
+        "--max-files",
+        type=int,
+        default=None,
+        help="train on the first N stdlib files only (quick trials)",
+    )
+    p.add_argument(
+        "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
+    )
+    p.set_defaults(func=cmd_train_tiny)
+
+
+def _add_schedule_options(p: argparse.ArgumentParser) -> TrainConfig:
+    """Steps, batch, window length and learning rate, defaulting to TrainConfig's; returns those
+    defaults."""
+    from xds_mpi.train.options import TrainConfig
+
+    defaults = TrainConfig()
     p.add_argument(
         "--steps",
         type=int,
@@ -53,18 +81,10 @@ def add_parser(subparsers) -> None:
         default=defaults.lr,
         help=f"peak AdamW learning rate (default {defaults.lr:g})",
     )
-    p.add_argument("--seed", type=int, default=defaults.seed, help="init and data order seed")
-    p.add_argument(
-        "--max-files",
-        type=int,
-        default=None,
-        help="train on the first N stdlib files only (quick trials)",
-    )
-    p.add_argument(
-        "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
-    )
-    p.set_defaults(func=cmd_train_tiny)
+    return defaults
 
+
+def _add_stats_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "stats",
         help="expert load, MTP acceptance and perplexity of a checkpoint",
@@ -120,28 +140,12 @@ def _progress_printer(num_steps: int):
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    import h5py
-
     from xds_mpi.model.shapes import compute_shape
-    from xds_mpi.model.weights import save_weights
-    from xds_mpi.train.corpus import load_corpus, stdlib_root
-    from xds_mpi.train.options import TrainConfig
+    from xds_mpi.train.corpus import stdlib_root
     from xds_mpi.train.trainer import train_tiny
 
-    try:
-        tc = TrainConfig(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            lr=args.lr,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    try:
-        corpus = load_corpus(max_files=args.max_files)
-    except ValueError as exc:  # a --max-files slice without a held-out file
-        raise ConfigError(str(exc)) from None
+    tc = _train_config(args)
+    corpus = _training_corpus(args)
     print(
         f"xds-mpi: training on {corpus.num_train_files} files of {stdlib_root()} "
         f"({len(corpus.train):,} tokens; {corpus.num_heldout_files} files held out, "
@@ -151,12 +155,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     result = train_tiny(compute_shape(), corpus, tc, progress=_progress_printer(tc.steps))
-    save_weights(result.model, args.out)
-    with h5py.File(args.out, "a") as f:
-        for name in TRAIN_ATTRS:
-            f.attrs[f"train_{name}"] = getattr(tc, name)
-        f.attrs["train_heldout_loss"] = result.heldout_loss
-        f.attrs["train_wall_s"] = result.wall_s
+    _write_checkpoint(args.out, tc, result)
     mtp = ", ".join(f"{m:.4f}" for m in result.heldout_mtp_losses)
     print(
         f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
@@ -168,6 +167,44 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    from xds_mpi.train.options import TrainConfig
+
+    try:
+        return TrainConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _training_corpus(args: argparse.Namespace) -> Corpus:
+    from xds_mpi.train.corpus import load_corpus
+
+    try:
+        return load_corpus(max_files=args.max_files)
+    except ValueError as exc:  # a --max-files slice without a held-out file
+        raise ConfigError(str(exc)) from None
+
+
+def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
+    """The model's weights plus, as file attributes, how it was trained and how well."""
+    import h5py
+
+    from xds_mpi.model.weights import save_weights
+
+    save_weights(result.model, path)
+    with h5py.File(path, "a") as f:
+        for name in TRAIN_ATTRS:
+            f.attrs[f"train_{name}"] = getattr(tc, name)
+        f.attrs["train_heldout_loss"] = result.heldout_loss
+        f.attrs["train_wall_s"] = result.wall_s
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.windows < 1 or args.prompts < 0:
         raise ConfigError(
@@ -176,21 +213,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     import torch
 
     from xds_mpi.model.weights import load_model, weights_path
-    from xds_mpi.train.corpus import load_corpus, spread_windows
-    from xds_mpi.train.stats import decode_acceptance, text_stats
+    from xds_mpi.train.corpus import spread_windows
+    from xds_mpi.train.stats import text_stats
 
     torch.set_num_threads(1)
     model = load_model(weights_path(args.weights))
-    if args.text:
-        from xds_mpi.model.tokenizer import ByteTokenizer
-
-        tokenizer = ByteTokenizer(model.cfg.vocab_size)
-        stream = torch.tensor([t for path in args.text for t in tokenizer.encode(_read(path))])
-        source = f"{len(args.text)} file(s)"
-    else:
-        corpus = load_corpus()
-        stream = corpus.heldout
-        source = f"{corpus.num_heldout_files} held-out stdlib files"
+    stream, source = _stats_stream(args, model)
     windows = spread_windows(stream, num_windows=args.windows, window_len=STATS_WINDOW + 1)
     stats = text_stats(model, windows)
     print(f"{args.weights}: {args.windows} windows of {STATS_WINDOW} tokens from {source}")
@@ -203,7 +231,30 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
     for k, rate in enumerate(stats.mtp_acceptance, start=1):
         print(f"MTP module {k} acceptance, teacher-forced: {rate:.1%}")
-    prompts = windows[: args.prompts, :PROMPT_TOKENS].tolist()
+    _print_decode_acceptance(model, windows[: args.prompts, :PROMPT_TOKENS].tolist())
+    return 0
+
+
+def _stats_stream(args: argparse.Namespace, model):
+    """(token stream, where it came from): the --text files, else the held-out stdlib files."""
+    import torch
+
+    from xds_mpi.train.corpus import load_corpus
+
+    if args.text:
+        from xds_mpi.model.tokenizer import ByteTokenizer
+
+        tokenizer = ByteTokenizer(model.cfg.vocab_size)
+        stream = torch.tensor([t for path in args.text for t in tokenizer.encode(_read(path))])
+        return stream, f"{len(args.text)} file(s)"
+    corpus = load_corpus()
+    return corpus.heldout, f"{corpus.num_heldout_files} held-out stdlib files"
+
+
+def _print_decode_acceptance(model, prompts: list[list[int]]) -> None:
+    """MTP acceptance of greedy decoding at each depth, one past the modules trained."""
+    from xds_mpi.train.stats import decode_acceptance
+
     for depth in range(1, model.cfg.num_mtp_modules + 2) if prompts else ():
         acc = decode_acceptance(model, prompts, mtp_depth=depth, max_new_tokens=DECODE_TOKENS)
         reuse = " (module 1 reused for depth 2)" if depth > model.cfg.num_mtp_modules else ""
@@ -212,7 +263,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f"tokens: {acc.num_accepted}/{acc.num_drafted} drafts accepted = {acc.rate:.1%}, "
             f"{acc.num_tokens / acc.num_steps:.2f} tokens per step{reuse}"
         )
-    return 0
 
 
 def _read(path: str) -> str:

@@ -129,9 +129,6 @@ def test_validate_prints_window_sizes_and_refuses_a_layout_over_the_cap():
 def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
     import csv
 
-    from xccl.vclock import LinkModel
-    from xds_mpi.hardware import load_profile
-
     out = tmp_path / "p2p.csv"
     result = xds_mpi(
         "bench",
@@ -154,20 +151,27 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
     assert "rtt_vs_put" in result.stdout
     rows = list(csv.DictReader(out.open()))
     assert [int(r["bytes"]) for r in rows] == [64, 12000]
-    link = LinkModel.from_profile(load_profile("ascend910c"))
     for row in rows:
         assert float(row["xccl_rtt_us"]) > 0 and float(row["put_rtt_us"]) > 0
-        nbytes = int(row["bytes"])
-        # Dies on two servers; two publications of at most half a ring (8 KiB) each serialize on
-        # the link (no flow-control wait with two in flight), the
-        # last one's arrival (the ack word carries whole ns) plus the ack's latency completes it.
-        half_ring = 2 * 4096
-        last = nbytes - (max(nbytes - 1, 0) // half_ring) * half_ring
-        arrival_ns = link.serialization_ns(nbytes - last, num_cores=2) + link.transfer_ns(
-            last, num_cores=2
-        )
-        expected_ns = math.floor(arrival_ns) + link.latency_ns()
+        expected_ns = projected_send_ns(int(row["bytes"]), ring_bytes=4 * 4096, num_cores=2)
         assert float(row["proj_910c_send_us"]) == pytest.approx(expected_ns / 1e3, rel=1e-6)
+
+
+def projected_send_ns(nbytes: int, *, ring_bytes: int, num_cores: int) -> float:
+    """One sync send on the 910C profile's virtual clock, dies on two servers."""
+    from xccl.vclock import LinkModel
+    from xds_mpi.hardware import load_profile
+
+    link = LinkModel.from_profile(load_profile("ascend910c"))
+    # Two publications of at most half a ring each serialize on the link (no flow-control wait
+    # with two in flight), the last one's arrival (the ack word carries whole ns) plus the ack's
+    # latency completes it.
+    half_ring = ring_bytes // 2
+    last = nbytes - (max(nbytes - 1, 0) // half_ring) * half_ring
+    arrival_ns = link.serialization_ns(nbytes - last, num_cores=num_cores) + link.transfer_ns(
+        last, num_cores=num_cores
+    )
+    return math.floor(arrival_ns) + link.latency_ns()
 
 
 def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):

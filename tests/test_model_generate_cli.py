@@ -17,6 +17,26 @@ def xds_mpi(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def reference_continuation(prompt: str, *, max_new_tokens: int) -> str:
+    """The in-process reference generator's continuation (greedy, no EOS stop, the tiny
+    compute shape's weights), escaped as the CLI prints it."""
+    import torch
+
+    from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
+    from xds_mpi.model.shapes import compute_shape
+    from xds_mpi.model.tokenizer import ByteTokenizer
+    from xds_mpi.model.weights import build_model
+
+    torch.set_num_threads(1)
+    tok = ByteTokenizer()
+    [ref] = ReferenceGenerator(
+        build_model(compute_shape()),
+        GenerateOptions(max_new_tokens=max_new_tokens, ignore_eos=True),
+    ).generate([tok.encode(prompt)])
+    expected = tok.decode(list(ref.tokens))
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in expected)
+
+
 def test_generate_prints_the_reference_continuation_and_tokens_per_second(tmp_path):
     weights = tmp_path / "tiny.h5"
     first = xds_mpi(
@@ -35,22 +55,7 @@ def test_generate_prints_the_reference_continuation_and_tokens_per_second(tmp_pa
     text, stats = first.stdout.rstrip("\n").rsplit("\n", 1)
     assert "6 tokens in" in stats and "tokens/s" in stats and "MTP accepted" in stats
 
-    import torch
-
-    from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
-    from xds_mpi.model.shapes import compute_shape
-    from xds_mpi.model.tokenizer import ByteTokenizer
-    from xds_mpi.model.weights import build_model
-
-    torch.set_num_threads(1)
-    tok = ByteTokenizer()
-    [ref] = ReferenceGenerator(
-        build_model(compute_shape()), GenerateOptions(max_new_tokens=6, ignore_eos=True)
-    ).generate([tok.encode("Hello")])
-    expected = tok.decode(list(ref.tokens))
-    assert text == "".join(
-        c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in expected
-    )
+    assert text == reference_continuation("Hello", max_new_tokens=6)
 
     again = xds_mpi(
         "generate",

@@ -1,6 +1,7 @@
-"""`xds-mpi submit` and its job script: layout and parsing without Slurm, real jobs with it.
+"""`xds-mpi submit` against a real Slurm: a job, an array job of a sweep, a job over its time
+limit. The job script itself, without Slurm: tests/test_slurm_script.py.
 
-The Slurm tests need a running Slurm (SLURM_CONF set, sbatch on PATH): `hpc/local_slurm.sh
+These tests need a running Slurm (SLURM_CONF set, sbatch on PATH): `hpc/local_slurm.sh
 run-tests python -m pytest tests` brings one up on this machine. Without one they skip, unless
 XDS_MPI_SLURM=1 (set by run-tests and so in CI), where a missing Slurm fails them.
 """
@@ -19,10 +20,8 @@ import h5py
 import pytest
 from harness import REPO_ROOT
 
-from launch.jobscript import default_time_limit, node_layout, parse_sweep
-from xds_mpi.config import ConfigError, config_from_dict, load_config
+from xds_mpi.config import load_config
 from xds_mpi.runfile import read_run_file
-from xds_mpi.topology import Topology
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
@@ -35,157 +34,6 @@ def xds_mpi(*args: str, cwd: Path, timeout: float = 120, env: dict | None = None
     return subprocess.run(
         [str(XDS_MPI), *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env
     )
-
-
-def topology(**deployment) -> Topology:
-    # 64 routed experts so that up to 64 colocated dies each host one.
-    return Topology.from_config(
-        config_from_dict({"deployment": deployment, "model": {"num_routed_experts": 64}})
-    )
-
-
-# ---- without Slurm: layout, parsing, the script -------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "deployment, nodes, expected",
-    [
-        ({}, None, (5,)),  # colocated: 1 host + 4 dies, 1 server
-        ({"dp_groups_per_domain": 16}, None, (17,)),  # exactly one server
-        ({"dp_groups_per_domain": 20}, None, (17, 4)),  # server 0 + host, server 1's 4 dies
-        ({"dp_groups_per_domain": 40}, 2, (33, 8)),  # servers [16,16,8]: 2 on node 0
-        ({"dp_groups_per_domain": 20}, 1, (21,)),  # everything on one node
-        ({}, 2, (3, 2)),  # more nodes than servers: split
-    ],
-)
-def test_tasks_per_node_follow_the_server_layout(deployment, nodes, expected):
-    assert node_layout(topology(**deployment), nodes).tasks_per_node == expected
-
-
-def test_the_full_pod_takes_one_node_per_server():
-    topo = Topology.from_config(load_config(REPO_ROOT / "configs" / "afd_pod.yaml"))
-    layout = node_layout(topo)
-    assert layout.num_nodes == 48
-    assert layout.tasks_per_node == (16 + topo.num_host_ranks,) + (16,) * 47
-    assert sum(layout.tasks_per_node) == topo.world_size
-
-
-@pytest.mark.parametrize("nodes", [0, 6])
-def test_nodes_outside_one_to_world_size_are_refused(nodes):
-    with pytest.raises(ConfigError, match=f"between 1 and the 5 ranks .* got {nodes}"):
-        node_layout(topology(), nodes)
-
-
-def test_sweep_parses_key_and_values():
-    sweep = parse_sweep("xccl.ring_slots=4, 8,16")
-    assert (sweep.key, sweep.values) == ("xccl.ring_slots", ("4", "8", "16"))
-    assert sweep.override(2) == "xccl.ring_slots=16"
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("xccl.ring_slots", "--sweep expects section.key=v1,v2,..., got 'xccl.ring_slots'"),
-        ("ring_slots=4,8", "--sweep expects section.key=v1,v2,..., got 'ring_slots=4,8'"),
-        ("xccl.ring_slots=4,,8", "value 1 of 3 is empty"),
-        ("run.name=a,b", "each element already gets its own run.name"),
-    ],
-)
-def test_malformed_sweeps_are_refused(text, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        parse_sweep(text)
-
-
-def test_default_time_limit_is_run_timeout_plus_a_minute_rounded_up():
-    assert default_time_limit(600) == "00:11:00"
-    assert default_time_limit(61) == "00:03:00"
-    assert default_time_limit(86400) == "1-00:01:00"
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["no-such-config"], "config 'no-such-config' is neither a file nor a name in configs/"),
-        (["--sweep", "xccl.ring_slots"], "--sweep expects section.key=v1,v2,..."),
-        (["--sweep", "xccl.ring_slot=4,8"], "--sweep element 0 (xccl.ring_slot=4): "),
-        (["--sweep", "xccl.ring_slots=4,x"], "xccl.ring_slots must be int, got 'x'"),
-        (
-            ["--sweep", "deployment.dp_groups_per_domain=2,4"],
-            "elements need different world sizes [3, 5]",
-        ),
-        (["--time", "ten"], "--time expects Slurm's MM, HH:MM:SS or D-HH:MM:SS, got 'ten'"),
-        (["--nodes", "9"], "--nodes must be between 1 and the 5 ranks of the deployment, got 9"),
-    ],
-)
-def test_bad_submit_input_is_one_line_and_exit_2(tmp_path, args, message):
-    result = xds_mpi("submit", *args, "--dry-run", cwd=tmp_path)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
-
-
-def test_submit_without_sbatch_is_one_line_and_exit_2(tmp_path):
-    env = {**os.environ, "PATH": str(tmp_path / "empty")}
-    result = xds_mpi("submit", cwd=tmp_path, env=env)
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and "sbatch not found on PATH" in result.stderr
-    assert not (tmp_path / "runs").exists()
-
-
-def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
-    result = xds_mpi(
-        "submit", "--dry-run", "--time", "00:05:00", "--partition", "debug", cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    script = result.stdout
-    assert f"#   config     {COLOCATED}\n" in script
-    assert "#   ranks      5 = 1 host rank(s) + 4 dies" in script
-    assert "#   nodes      1, tasks per node: 5 " in script
-    for line in [
-        "#SBATCH --nodes=1",
-        "#SBATCH --ntasks=5",
-        "#SBATCH --time=00:05:00",
-        "#SBATCH --partition=debug",
-        f"#SBATCH --chdir={tmp_path}",
-        "export MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS=1",
-        "export MPIEXEC_TIMEOUT=600",
-        "TASKS_PER_NODE=(5)",
-    ]:
-        assert line + "\n" in script, line
-    launch = script[script.index("# Launch every rank") :]
-    assert re.search(
-        r"/mpiexec -n 5 -f \"\$HOSTFILE\" \\\n +\S+python\S* -m mpi4py -m "
-        rf"launch.rank {re.escape(str(COLOCATED))} \\\n +\"\$\{{RUN_ARGS\[@\]\}}\"",
-        launch,
-    ), launch
-    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
-    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-
-
-def test_dry_run_of_a_sweep_with_srun(tmp_path):
-    result = xds_mpi(
-        "submit",
-        "--dry-run",
-        "--launcher",
-        "srun",
-        "--set",
-        "run.name=s",
-        "--sweep",
-        "xccl.ring_slots=4,8,16",
-        cwd=tmp_path,
-    )
-    assert result.returncode == 0, result.stderr
-    script = result.stdout
-    assert "#SBATCH --array=0-2\n" in script
-    for i, slots in enumerate([4, 8, 16]):
-        assert (
-            f"    {i}) RUN_ARGS=(--set xccl.ring_slots={slots} --set run.name=s-{i}) ;;" in script
-        )
-    assert "srun --mpi=pmi2 --distribution=arbitrary -n 5 \\\n" in script
-    assert "export SLURM_HOSTFILE=$HOSTFILE\n" in script
-    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-
-
-# ---- against a real Slurm -----------------------------------------------------------------------
 
 
 def _slurm_missing() -> str | None:

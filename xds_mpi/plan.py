@@ -88,7 +88,7 @@ def _check_fault_table(cfg: Config, topo: Topology) -> None:
             raise ConfigError(
                 f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
                 "run makes no p2p transfers, so this fault could never fire (p2p "
-                "faults are exercised by tests/mpi/body_faults.py)"
+                "faults are exercised by tests/mpi/body_faults_p2p.py)"
             )
         if not first <= spec.die <= last:
             raise ConfigError(

@@ -30,31 +30,10 @@ class Deployment:
         self.domains, self.groups = domains, groups
         self.attention = tuple(range(domains * groups))
         self.experts = tuple(range(len(self.attention), len(self.attention) + experts))
-        routed_dies = self.experts[: experts - num_shared_dies]
-        self.num_experts = EXPERTS_PER_DIE * len(routed_dies)
-        slot_owner = [r for r in routed_dies for _ in range(EXPERTS_PER_DIE)]
-        self.log2phy = [(e,) for e in range(self.num_experts)]
-        self.log2phy[0] = (0, len(slot_owner))  # a replica on the last routed die
-        slot_owner.append(routed_dies[-1])
-        self.num_routed_slots = len(slot_owner)
-        shared_dies = self.experts[experts - num_shared_dies :] if num_shared_dies else self.experts
-        self.shared_slot_of = {r: len(slot_owner) + i for i, r in enumerate(shared_dies)}
-        self.slot_owner = slot_owner + list(shared_dies)
+        self._place_slots(num_shared_dies)
         self.dedicated = bool(num_shared_dies)
         self.trampolines, self.use_int8 = trampolines, use_int8
-        self.layout = AfdLayout(
-            attention=self.attention,
-            experts=self.experts,
-            group_size=groups,
-            base=(0,) * comm.size,
-            num_lanes=domains * NUM_MICROBATCHES,
-            hidden=HIDDEN,
-            max_tokens=MAX_TOKENS,
-            top_k=TOP_K,
-            has_shared=True,
-            itemsize=8,
-            use_int8=use_int8,
-        )
+        self.layout = self._layout()
         self.role = (
             "attention"
             if comm.rank in self.attention
@@ -75,6 +54,38 @@ class Deployment:
             )
             if self.role != "idle"
             else None
+        )
+
+    def _place_slots(self, num_shared_dies):
+        """Routed experts EXPERTS_PER_DIE per routed die, expert 0's replica on the last of them,
+        then one shared slot per shared die."""
+        num_dies = len(self.experts)
+        routed_dies = self.experts[: num_dies - num_shared_dies]
+        self.num_experts = EXPERTS_PER_DIE * len(routed_dies)
+        slot_owner = [r for r in routed_dies for _ in range(EXPERTS_PER_DIE)]
+        self.log2phy = [(e,) for e in range(self.num_experts)]
+        self.log2phy[0] = (0, len(slot_owner))  # a replica on the last routed die
+        slot_owner.append(routed_dies[-1])
+        self.num_routed_slots = len(slot_owner)
+        shared_dies = (
+            self.experts[num_dies - num_shared_dies :] if num_shared_dies else self.experts
+        )
+        self.shared_slot_of = {r: len(slot_owner) + i for i, r in enumerate(shared_dies)}
+        self.slot_owner = slot_owner + list(shared_dies)
+
+    def _layout(self):
+        return AfdLayout(
+            attention=self.attention,
+            experts=self.experts,
+            group_size=self.groups,
+            base=(0,) * comm.size,
+            num_lanes=self.domains * NUM_MICROBATCHES,
+            hidden=HIDDEN,
+            max_tokens=MAX_TOKENS,
+            top_k=TOP_K,
+            has_shared=True,
+            itemsize=8,
+            use_int8=self.use_int8,
         )
 
     def shared_slots(self, rank):
