@@ -27,9 +27,9 @@ A2E' of the lane reaches that expert die. In the direct variant (a)-(b) hold wit
 dies in the trampolines' place.
 
 Records (write, poll, counters) live in xccl/afd_records.py, staging and pulling rows in
-xccl/afd_rows.py. The expert side is non-blocking (`try_forward`, `try_receive`, `send_back`,
-`try_return`) so a persistent loop (xccl/afd_loop.py) can drive receive / compute / send as
-concurrent stages.
+xccl/afd_rows.py. The expert side (xccl/afd_expert.py) is non-blocking (`try_forward`,
+`try_receive`, `send_back`, `try_return`) so a persistent loop (xccl/afd_loop.py) can drive
+receive / compute / send as concurrent stages.
 
 Recovery (xccl/faults.py): the doorbells are the caller's call numbers, so after an abandoned
 attempt the caller never reuses one; publication_state() is 1 + the highest call this die took
@@ -46,8 +46,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xccl.afd_expert import AfdExpertSide
 from xccl.afd_records import AfdCall, AfdRecords
-from xccl.afd_rows import A2EHandle, AfdRows, Received, ScatterPlan
+from xccl.afd_rows import A2EHandle, AfdRows, ScatterPlan
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
@@ -56,7 +57,18 @@ from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
 
 
-class AfdBuffer:
+def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:
+    """Refuse a window too small for the role's area, or rows of another itemsize."""
+    need = layout.base[mem.rank] + layout.area_bytes(role)
+    if mem.nbytes < need:
+        raise BufferTooSmall(
+            f"rank {mem.rank}: window of {mem.nbytes} B < the {need} B the A2E/E2A layout needs"
+        )
+    if np.dtype(dtype).itemsize != layout.itemsize:
+        raise ValueError(f"dtype {np.dtype(dtype)} != layout itemsize {layout.itemsize}")
+
+
+class AfdBuffer(AfdExpertSide):
     """A2E/E2A on this die's window, for an attention or an expert die (one per window)."""
 
     def __init__(
@@ -75,21 +87,9 @@ class AfdBuffer:
     ) -> None:
         mem.claim("afd")
         self.role = layout.role_of(mem.rank)
-        need = layout.base[mem.rank] + layout.area_bytes(self.role)
-        if mem.nbytes < need:
-            raise BufferTooSmall(
-                f"rank {mem.rank}: window of {mem.nbytes} B < the {need} B the A2E/E2A layout needs"
-            )
-        if np.dtype(dtype).itemsize != layout.itemsize:
-            raise ValueError(f"dtype {np.dtype(dtype)} != layout itemsize {layout.itemsize}")
+        _check_window(mem, layout, self.role, dtype)
         self.mem, self.layout, self.me = mem, layout, mem.rank
-        self.slot_owner = np.asarray(slot_owner, np.int64)  # [slots] -> expert rank
-        self.expert_of_rank = {r: i for i, r in enumerate(layout.experts)}
-        self.dest_of_slot = np.array(
-            [self.expert_of_rank[int(r)] for r in self.slot_owner], np.int64
-        )  # [slots] -> expert idx
-        self.num_routed_slots = num_routed_slots
-        self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
+        self._map_slots(slot_owner, num_routed_slots)
         self.use_trampolines = use_trampolines
         self.dtype, self.clock, self.link = np.dtype(dtype), clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
@@ -98,6 +98,23 @@ class AfdBuffer:
         )
         self.counters = self.records.counters
         self.rows = AfdRows(mem, layout, self.records, dtype)
+        self._place_in_group()
+        self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
+        self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
+
+    def _map_slots(self, slot_owner: Sequence[int], num_routed_slots: int) -> None:
+        """Which expert die hosts each slot, and which slots are ours."""
+        self.slot_owner = np.asarray(slot_owner, np.int64)  # [slots] -> expert rank
+        self.expert_of_rank = {r: i for i, r in enumerate(self.layout.experts)}
+        self.dest_of_slot = np.array(
+            [self.expert_of_rank[int(r)] for r in self.slot_owner], np.int64
+        )  # [slots] -> expert idx
+        self.num_routed_slots = num_routed_slots
+        self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == self.me))
+
+    def _place_in_group(self) -> None:
+        """Our number among our role's dies, our attention group, whether we are a trampoline."""
+        layout = self.layout
         self.idx = (
             layout.attention.index(self.me)
             if self.role == "attention"
@@ -105,8 +122,6 @@ class AfdBuffer:
         )
         self.group = self.idx % layout.group_size if self.role == "attention" else self.idx
         self.is_trampoline = self.role == "expert" and self.idx < layout.group_size
-        self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
-        self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
 
     @property
     def interrupt(self) -> Interrupt | None:
@@ -126,17 +141,6 @@ class AfdBuffer:
         """Whom the last unmet poll waits for (die, stage, event, missing peers)."""
         return self.records.waiting_for
 
-    # -- who talks to whom ----------------------------------------------------------------------
-    def domain_attention(self, domain: int) -> tuple[int, ...]:
-        g = self.layout.group_size
-        return self.layout.attention[domain * g : (domain + 1) * g]
-
-    def senders(self, call: AfdCall) -> tuple[int, ...]:
-        """Ranks that scatter rows to the expert dies for this call."""
-        if self.use_trampolines:
-            return self.layout.experts[: self.layout.group_size]
-        return self.domain_attention(call.domain)
-
     # -- attention side -------------------------------------------------------------------------
     def a2e(
         self,
@@ -155,33 +159,13 @@ class AfdBuffer:
         (column K, weight 1), spread by (rank + token). Zero tokens are fine: every attention die
         of the active domain must call it."""
         self.records.take(call)
-        layout, num_tokens = self.layout, len(x)
-        if num_tokens > layout.max_tokens:
-            raise BufferTooSmall(
-                f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
-                f"_die({layout.max_tokens}) (event {call.event_id}); nothing sent"
-            )
-        if (
-            x.shape != (num_tokens, layout.hidden)
-            or topk_idx.shape != (num_tokens, layout.top_k)
-            or bool(shared_slots) != layout.has_shared
-        ):
-            raise ValueError(
-                f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
-                f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
-                f" top-k {layout.top_k}, shared column {layout.has_shared}"
-            )
+        self._check_a2e(x, topk_idx, shared_slots, call)
         phy = select_slots(topk_idx, log2phy, shared_slots, self.me)  # [T, C]
-        weights = combine_weights(topk_idx, topk_weights, layout.num_columns)
+        weights = combine_weights(topk_idx, topk_weights, self.layout.num_columns)
         token, column = np.nonzero(phy >= 0)  # token-major [R]
         scatter = None
         if self.use_trampolines:
-            # Step 1 (Fig. 8 A2E): each token once, full precision, and its slots, in our window.
-            self.rows.stage_tokens(call.lane, x, phy)
-            self._fault("a2e", call)
-            # Step 2: one record into our trampoline (expert die number = our group).
-            tramp = layout.experts[self.group]
-            self.records.publish([tramp], "a2e_records", call, self.idx, count=num_tokens)
+            self._send_to_trampoline(x, phy, call)
         else:
             # Direct: expand to rows and scatter them to every expert die (a record each).
             scatter = self._scatter(
@@ -198,6 +182,36 @@ class AfdBuffer:
         return A2EHandle(
             call=call, weights=weights, row_token=token, row_column=column, scatter=scatter
         )
+
+    def _check_a2e(
+        self, x: np.ndarray, topk_idx: np.ndarray, shared_slots: Sequence[int], call: AfdCall
+    ) -> None:
+        """Refuse more tokens than the layout holds, or shapes that do not fit it."""
+        layout, num_tokens = self.layout, len(x)
+        if num_tokens > layout.max_tokens:
+            raise BufferTooSmall(
+                f"die rank {self.me}: A2E of {num_tokens} tokens > max_tokens_per"
+                f"_die({layout.max_tokens}) (event {call.event_id}); nothing sent"
+            )
+        if (
+            x.shape != (num_tokens, layout.hidden)
+            or topk_idx.shape != (num_tokens, layout.top_k)
+            or bool(shared_slots) != layout.has_shared
+        ):
+            raise ValueError(
+                f"die rank {self.me}: x {x.shape}, topk_idx {topk_idx.shape}, "
+                f"{len(shared_slots)} shared slots do not fit hidden {layout.hidden},"
+                f" top-k {layout.top_k}, shared column {layout.has_shared}"
+            )
+
+    def _send_to_trampoline(self, x: np.ndarray, phy: np.ndarray, call: AfdCall) -> None:
+        """Trampoline variant: tokens [T, hidden] and their slots phy [T, C] to our trampoline."""
+        # Step 1 (Fig. 8 A2E): each token once, full precision, and its slots, in our window.
+        self.rows.stage_tokens(call.lane, x, phy)
+        self._fault("a2e", call)
+        # Step 2: one record into our trampoline (expert die number = our group).
+        tramp = self.layout.experts[self.group]
+        self.records.publish([tramp], "a2e_records", call, self.idx, count=len(x))
 
     def e2a(self, handle: A2EHandle) -> np.ndarray:
         """Wait for this call's expert outputs and sum them, weighted, in column order: returns
@@ -222,99 +236,7 @@ class AfdBuffer:
             outs[handle.scatter.order] = staged
         return weighted_column_sum(outs, handle.row_token, handle.row_column, handle.weights)
 
-    # -- expert side (non-blocking steps for the persistent loop) --------------------------------
-    def try_forward(self, call: AfdCall) -> bool:
-        """Trampoline, A2E' steps 3-4: if our attention die's tokens arrived, pull them, expand
-        them to rows and scatter the rows to every expert die. False = not yet."""
-        self.records.take(call)
-        layout, lane = self.layout, call.lane
-        src = self.domain_attention(call.domain)[self.group]
-        src_idx = layout.attention.index(src)
-        bodies = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
-        if bodies is None:
-            return False
-        x, route = self.rows.pull_tokens(src, lane, bodies)
-        token, column = np.nonzero(route >= 0)  # token-major
-        plan = self._scatter(
-            x, token, column, route[token, column], call, "fwd_records", self.group, fault_op="a2e"
-        )
-        self._forwarded[call.call] = (token, column, plan)
-        return True
-
-    def try_receive(self, call: AfdCall) -> Received | None:
-        """Every expert die, A2E' step 5: once every sender's record arrived, pull our rows."""
-        self.records.take(call)
-        layout, lane = self.layout, call.lane
-        senders = self.senders(call)
-        region = "fwd_records" if self.use_trampolines else "a2e_records"
-        writer_idx = (
-            range(len(senders))
-            if self.use_trampolines
-            else [layout.attention.index(r) for r in senders]
-        )
-        bodies = self.records.ready(call, region, list(zip(senders, writer_idx)), "A2E'")
-        if bodies is None:
-            return None
-        if not self.is_forwarding:  # a trampoline's A2E fault fires in try_forward
-            self._fault("a2e", call)
-        x, index = self.rows.pull_scattered(senders, lane, bodies)
-        if len(index) and not np.isin(index["slot"], self.local_slots).all():
-            raise XcclError(
-                f"die rank {self.me}: A2E' event {call.event_id} delivered rows for "
-                f"slots {sorted(set(index['slot'].tolist()) - set(self.local_slots))}"
-                " this die does not host"
-            )
-        return Received(
-            call=call,
-            x=x,
-            slot=index["slot"].astype(np.int64),
-            token=index["token"].astype(np.int64),
-            column=index["column"].astype(np.int64),
-            sender_counts=(bodies["count"] + bodies["shared_count"]).astype(np.int64),
-        )
-
-    def send_back(self, received: Received, out: np.ndarray) -> None:
-        """E2A' steps 6-7 (E2A when direct): stage outputs [R, hidden] aligned with received.x,
-        by sender, and write a record into every sender (zero rows included)."""
-        call = received.call
-        self.records.take(call)
-        if out.shape != received.x.shape:
-            raise ValueError(
-                f"die rank {self.me}: outputs {out.shape} != rows received "
-                f"{received.x.shape} (event {call.event_id})"
-            )
-        self.rows.stage_outputs("out_rows", call.lane, out)
-        if not self.is_forwarding:  # a trampoline's E2A fault fires in try_return
-            self._fault("e2a", call)
-        counts = received.sender_counts
-        offsets = np.cumsum(counts) - counts
-        self.records.publish(
-            self.senders(call), "back_records", call, self.idx, count=counts, offset=offsets
-        )
-
-    def try_return(self, call: AfdCall) -> bool:
-        """Trampoline, E2A step 8: once every expert die answered (E2A' step 7), pull the outputs,
-        restage them in our attention die's row order, and write it one record."""
-        self.records.take(call)
-        token, column, plan = self._forwarded[call.call]
-        staged = self._gather_back(call, plan, blocking=False)
-        if staged is None:
-            return False
-        self._fault("e2a", call)
-        del self._forwarded[call.call]
-        outs = np.empty_like(staged)
-        outs[plan.order] = staged  # back to the attention die's order
-        self.rows.stage_outputs("ret_rows", call.lane, outs)
-        dst = self.domain_attention(call.domain)[self.group]
-        self.records.publish([dst], "back_records", call, self.idx, count=len(token))
-        return True
-
     # -- recovery -------------------------------------------------------------------------------
-    @property
-    def is_forwarding(self) -> bool:
-        """A trampoline of the trampoline variant (forwards A2E', returns E2A)."""
-        return self.is_trampoline and self.use_trampolines
-
     @property
     def call_floor(self) -> int:
         """The lowest call number this die accepts (raised by resync)."""
@@ -335,40 +257,3 @@ class AfdBuffer:
         self.abandon()
         (next_call,) = state
         self.records.resync_calls(int(next_call))
-
-    def _fault(self, op: str, call: AfdCall) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(op, call.event_id)
-
-    # -- steps ----------------------------------------------------------------------------------
-    def _scatter(
-        self, x, token, column, slot, call: AfdCall, region: str, writer_idx: int, *, fault_op: str
-    ) -> ScatterPlan:
-        """Stage rows [R] (x[token]) by destination expert die, routed rows (INT8 if enabled)
-        then shared rows, and write (counts, offsets) into every expert die's `region`."""
-        plan = self.rows.stage_scatter(
-            call.lane,
-            x,
-            token,
-            column,
-            slot,
-            self.dest_of_slot[slot],
-            slot >= self.num_routed_slots,
-        )
-        self._fault(fault_op, call)
-        # Step 4 (A2E'; direct: step 2): a record per expert die, zero rows included.
-        self.records.publish(
-            self.layout.experts,
-            region,
-            call,
-            writer_idx,
-            count=plan.counts,
-            offset=np.cumsum(plan.counts) - plan.counts,
-            shared_count=plan.shared_counts,
-            shared_offset=np.cumsum(plan.shared_counts) - plan.shared_counts,
-        )
-        return plan
-
-    def _gather_back(self, call: AfdCall, plan: ScatterPlan, *, blocking: bool):
-        stage = "E2A'" if self.use_trampolines else "E2A"
-        return self.rows.gather_back(call, plan, stage, blocking=blocking)

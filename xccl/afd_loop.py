@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xccl.afd import AfdBuffer, AfdCall, Received
+from xccl.afd import AfdBuffer, AfdCall
+from xccl.afd_rows import Received
 from xccl.errors import XcclTimeout
 
 # compute(call, slot, rows [n, hidden]) -> [n, hidden]: one expert slot's rows of one call.

@@ -128,24 +128,14 @@ class AfdRows:
             bodies["offset"].astype(np.int64),
             bodies["shared_offset"].astype(np.int64),
         ):
-            if c:
-                self.records.get(
-                    rank,
-                    layout.offset(rank, "scatter_rows", lane) + o * layout.send_row_bytes,
-                    raw[routed_at : routed_at + c],
-                )
-            if s:
-                self.records.get(
-                    rank,
-                    layout.offset(rank, "scatter_shared", lane) + so * layout.out_row_bytes,
-                    x[at + c : at + c + s],
-                )
-            if c + s:
-                self.records.get(
-                    rank,
-                    layout.offset(rank, "scatter_index", lane) + (o + so) * INDEX_BYTES,
-                    index[at : at + c + s].view(np.uint8),
-                )
+            self._get_sender_rows(
+                rank,
+                lane,
+                (o, so),
+                raw[routed_at : routed_at + c],
+                x[at + c : at + c + s],
+                index[at : at + c + s],
+            )
             is_routed[at : at + c] = True
             at, routed_at = at + c + s, routed_at + c
         self.mem.flush_all()
@@ -154,6 +144,39 @@ class AfdRows:
         )
         self.records.arrive(bodies, raw.nbytes + x[~is_routed].nbytes + index.nbytes)
         return x, index
+
+    def _get_sender_rows(
+        self,
+        rank: int,
+        lane: int,
+        offsets: tuple[int, int],
+        raw: np.ndarray,
+        shared_x: np.ndarray,
+        index: np.ndarray,
+    ) -> None:
+        """Get one sender's rows for us: routed rows raw [c, send_row_bytes] (encoded), shared
+        rows shared_x [s, hidden], their index rows index [c + s]; offsets = (routed row, shared
+        row) where they start in the sender's regions. Nothing is fetched for an empty part."""
+        layout, (routed_offset, shared_offset) = self.layout, offsets
+        if len(raw):
+            self.records.get(
+                rank,
+                layout.offset(rank, "scatter_rows", lane) + routed_offset * layout.send_row_bytes,
+                raw,
+            )
+        if len(shared_x):
+            self.records.get(
+                rank,
+                layout.offset(rank, "scatter_shared", lane) + shared_offset * layout.out_row_bytes,
+                shared_x,
+            )
+        if len(index):
+            self.records.get(
+                rank,
+                layout.offset(rank, "scatter_index", lane)
+                + (routed_offset + shared_offset) * INDEX_BYTES,
+                index.view(np.uint8),
+            )
 
     def stage_outputs(self, region: str, lane: int, out: np.ndarray) -> None:
         """Expert outputs (out_rows) or a trampoline's restaged returns (ret_rows) [R, hidden]."""

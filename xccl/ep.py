@@ -11,6 +11,8 @@ it sent rows to to have pulled them (they computed and staged outputs); a die re
 outputs only after the next dispatch, which needs every die's next dispatch record, written after
 that die's combine pulled everything. So the two phases must alternate, every die taking part.
 
+Staging and pulling rows live in xccl/ep_rows.py.
+
 Recovery (xccl/faults.py): the doorbells are the buffer's publication numbers, one per kind. After
 an abandoned attempt the dies' numbers differ (some published, some did not); resync moves every
 die to the max over all dies, so the next publication, max + 1, matches no doorbell left behind.
@@ -26,11 +28,12 @@ import numpy as np
 
 from xccl import records
 from xccl.ep_handles import DispatchHandle, DispatchInfo
+from xccl.ep_rows import EpRows
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
-from xccl.moe_layout import INDEX_BYTES, INDEX_DTYPE, EpLayout
-from xccl.quant import decode_rows, encode_rows
+from xccl.moe_layout import EpLayout
+from xccl.quant import decode_rows
 from xccl.records import ROWS_RECORD, Expected, RecordAt
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
@@ -58,11 +61,6 @@ class EpBuffer:
                 f"{layout.itemsize}"
             )
         mem.claim("ep")
-        if np.dtype(dtype).itemsize != layout.itemsize:
-            raise ValueError(
-                f"rank {mem.rank}: row dtype {np.dtype(dtype)} ({np.dtype(dtype).itemsize}"
-                f" B) != the EP layout's itemsize {layout.itemsize} B"
-            )
         if mem.nbytes < layout.offset(mem.rank, "end"):
             raise BufferTooSmall(
                 f"rank {mem.rank}: window of {mem.nbytes} B < the "
@@ -76,6 +74,7 @@ class EpBuffer:
         self.slot_owner = np.asarray(slot_owner, np.int64)  # [num slots] -> rank
         self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
         self.dtype = np.dtype(dtype)
+        self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
         self.num_cores, self.timeout_s = num_cores, timeout_s
         self._seq = {"dispatch": 0, "combine": 0}
@@ -109,24 +108,11 @@ class EpBuffer:
         phy, weights = self._check_batch(x, topk_idx, topk_weights, event_id, log2phy, shared_slots)
         # Step 1-3 (Fig. 7): copy the rows (INT8 + per-token scale if enabled) into our own
         # managed area, partitioned by destination die.
-        token, column, send_counts = self._stage_rows(x, phy)
-        if self.fault_hook is not None:  # staged, not yet published: every peer waits for us
-            self.fault_hook("dispatch", event_id)
+        token, column, send_counts = self.rows.stage_dispatch(x, phy)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
-        # Step 5: poll our metadata until every die has reported (zero rows included).
-        bodies = self._wait_records("dispatch", event_id, seq)
-        recv_counts = bodies["count"].astype(np.int64)
-        # Step 6-7: pull our rows from each die with Get.
-        rows, index = self._pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
-        self._arrive(bodies["vtime_ns"], rows.nbytes + index.nbytes)
-        decoded = decode_rows(
-            rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8, dtype=self.dtype
-        )
-        src_member = np.repeat(np.arange(len(self.members)), recv_counts)  # [R] as pulled
-        perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
-        src_rank = np.asarray(self.members, np.int64)[src_member]
-        info = self._dispatch_info(event_id, index, src_rank, perm)
+        recv_x, index, recv_counts = self._receive_dispatch(event_id, seq)  # steps 5-7
+        perm, info = self._dispatch_info(event_id, index, recv_counts)
         handle = DispatchHandle(
             event_id=event_id,
             seq=seq,
@@ -138,19 +124,39 @@ class EpBuffer:
             recv_counts=recv_counts,
             recv_perm=perm,
         )
-        return decoded[perm], info, handle
+        return recv_x[perm], info, handle
+
+    def _receive_dispatch(
+        self, event_id: int, seq: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Steps 5-7 of dispatch: our rows recv_x [R, hidden] (self.dtype, decoded), their index
+        rows [R] and recv_counts [num_members], in the order pulled (member-major)."""
+        # Step 5: poll our metadata until every die has reported (zero rows included).
+        bodies = self._wait_records("dispatch", event_id, seq)
+        recv_counts = bodies["count"].astype(np.int64)
+        # Step 6-7: pull our rows from each die with Get.
+        rows, index = self.rows.pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
+        self._arrive(bodies["vtime_ns"], rows.nbytes + index.nbytes)
+        decoded = decode_rows(
+            rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8, dtype=self.dtype
+        )
+        return decoded, index, recv_counts
 
     def _dispatch_info(
-        self, event_id: int, index: np.ndarray, src_rank: np.ndarray, perm: np.ndarray
-    ) -> DispatchInfo:
-        """The pulled rows' origins, in slot order; refuses rows for slots we do not host."""
+        self, event_id: int, index: np.ndarray, recv_counts: np.ndarray
+    ) -> tuple[np.ndarray, DispatchInfo]:
+        """The pulled rows' order by slot, perm [R], and their origins in that order; refuses rows
+        for slots we do not host."""
+        src_member = np.repeat(np.arange(len(self.members)), recv_counts)  # [R] as pulled
+        perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
+        src_rank = np.asarray(self.members, np.int64)[src_member]
         if len(index) and not np.isin(index["slot"], self.local_slots).all():
             raise XcclError(
                 f"die rank {self.me}: dispatch event {event_id} delivered rows for "
                 f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
                 "die does not host"
             )
-        return DispatchInfo(
+        return perm, DispatchInfo(
             local_slots=self.local_slots,
             num_rows_per_slot=np.array(
                 [(index["slot"] == s).sum() for s in self.local_slots], np.int64
@@ -171,12 +177,7 @@ class EpBuffer:
         self._check_handle(expert_out, handle)
         # Step 1-3 (mirror): stage outputs in our combine area, by source die, in the order
         # each source staged them.
-        start, num_rows = self.layout.offset(self.me, "combine_rows"), len(expert_out)
-        staged = self.mem.local[start : start + num_rows * self.layout.out_row_bytes]
-        staged.view(self.dtype).reshape(num_rows, self.layout.hidden)[handle.recv_perm] = expert_out
-        self.mem.sync()
-        if self.fault_hook is not None:
-            self.fault_hook("combine", handle.event_id)
+        self.rows.stage_combine(expert_out, handle.recv_perm)
         # Step 4: tell each source where its outputs sit.
         seq = self._publish("combine", handle.event_id, handle.recv_counts)
         # Step 5: wait for every die's record; step 6-7: pull our rows' outputs back.
@@ -188,14 +189,7 @@ class EpBuffer:
                 f"{counts.tolist()} rows per die, dispatch sent "
                 f"{handle.send_counts.tolist()}"
             )
-        outs = np.empty((int(counts.sum()), self.layout.hidden), self.dtype)
-        self._pull(
-            outs.view(np.uint8).reshape(len(outs), self.layout.out_row_bytes),
-            "combine_rows",
-            counts,
-            bodies["offset"].astype(np.int64),
-            self.layout.out_row_bytes,
-        )
+        outs = self.rows.pull_combine(counts, bodies["offset"].astype(np.int64))
         self._arrive(bodies["vtime_ns"], outs.nbytes)
         return weighted_column_sum(outs, handle.send_token, handle.send_column, handle.weights)
 
@@ -264,31 +258,11 @@ class EpBuffer:
         phy = select_slots(topk_idx, log2phy, shared_slots, self.me)
         return phy, combine_weights(topk_idx, topk_weights, num_columns)
 
-    def _stage_rows(self, x: np.ndarray, phy: np.ndarray):
-        """Stage x's rows, one per chosen slot, destination-major, with their index rows.
-        Returns token, column [S] of each staged row and send_counts [num_members]."""
-        token, column = np.nonzero(phy >= 0)  # [S] each
-        slot = phy[token, column]
-        dest = self.member_of_rank[self.slot_owner[slot]]
-        order = np.lexsort((column, token, slot, dest))
-        token, column, slot, dest = token[order], column[order], slot[order], dest[order]
-        layout, local, num_rows = self.layout, self.mem.local, len(token)
-        start = layout.offset(self.me, "dispatch_rows")
-        staged = local[start : start + num_rows * layout.send_row_bytes].reshape(
-            num_rows, layout.send_row_bytes
-        )  # [S, row bytes] in window
-        encode_rows(
-            staged, x, token, hidden=layout.hidden, use_int8=layout.use_int8, dtype=self.dtype
-        )
-        index = np.zeros(num_rows, INDEX_DTYPE)
-        index["token"], index["column"], index["slot"] = token, column, slot
-        start = layout.offset(self.me, "dispatch_index")
-        local[start : start + index.nbytes] = index.view(np.uint8)
-        self.mem.sync()  # our stores land before any peer is told to pull them
-        return token, column, np.bincount(dest, minlength=len(self.members))
-
     def _publish(self, kind: str, event_id: int, counts: np.ndarray) -> int:
-        """Tell each member how many rows we staged for it and where: one record each."""
+        """Tell each member how many rows we staged for it and where: one record each. The fault
+        hook fires first: staged, not yet published, so every peer waits for us."""
+        if self.fault_hook is not None:
+            self.fault_hook(kind, event_id)
         seq = self._seq[kind] = self._seq[kind] + 1
         bodies = np.zeros(len(self.members), ROWS_RECORD)  # one per member: Puts in flight
         bodies["event_id"], bodies["count"] = event_id, counts
@@ -315,32 +289,6 @@ class EpBuffer:
             timeout_s=self.timeout_s,
             interrupt=self.interrupt,
         )
-
-    def _pull(self, out: np.ndarray, region: str, counts, offsets, row_bytes: int) -> None:
-        """Get counts[i] rows of `row_bytes` from member i's `region` at row offsets[i]."""
-        at = 0
-        for i, rank in enumerate(self.members):
-            if counts[i]:
-                self.mem.get(
-                    rank,
-                    self.layout.offset(rank, region) + int(offsets[i]) * row_bytes,
-                    out[at : at + counts[i]].reshape(-1),
-                )
-                at += counts[i]
-        self.mem.flush_all()
-
-    def _pull_dispatch(self, counts, offsets) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.empty((int(counts.sum()), self.layout.send_row_bytes), np.uint8)
-        index = np.empty(len(rows), INDEX_DTYPE)
-        self._pull(rows, "dispatch_rows", counts, offsets, self.layout.send_row_bytes)
-        self._pull(
-            index.view(np.uint8).reshape(len(rows), INDEX_BYTES),
-            "dispatch_index",
-            counts,
-            offsets,
-            INDEX_BYTES,
-        )
-        return rows, index
 
     def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
         """Virtual time: wait for the last peer's record; with a link model, add its latency and

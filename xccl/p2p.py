@@ -12,6 +12,7 @@ so a record is never rewritten while its receiver reads it. The ack is one atomi
 publication number and the receiver's virtual time (xccl/records.py ack_word).
 
 Operations queue per (direction, peer) and advance only inside `progress()` (xccl/p2p_ops.py).
+The receiving end (steps 5-7) lives in xccl/p2p_recv.py.
 
 Restarting after an abandoned attempt (xccl/recovery.py): a pair may stop anywhere in a message:
 the sender n publications in, the receiver m <= n consumed, an ack unwritten. The rule:
@@ -39,13 +40,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from xccl import records
-from xccl.errors import BufferTooSmall, UnknownPeer, XcclError
+from xccl.errors import BufferTooSmall, UnknownPeer
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout, core_runs
 from xccl.p2p_ops import Handle, Op, OpQueues, Transfer
+from xccl.p2p_recv import RingReceiver
 from xccl.p2p_time import P2PTimes
-from xccl.records import P2P_RECORD, Expected, RecordAt
+from xccl.records import P2P_RECORD, RecordAt
 from xccl.vclock import LinkModel, Path, VirtualClock
 
 # Publications a sender may have unacknowledged per pair: the receiver copies one out while the
@@ -53,7 +55,7 @@ from xccl.vclock import LinkModel, Path, VirtualClock
 MAX_IN_FLIGHT = RECORDS_PER_PAIR
 
 
-class P2P:
+class P2P(RingReceiver):
     """send / receive between this die and the peers its layout pairs it with."""
 
     def __init__(
@@ -275,75 +277,3 @@ class P2P:
             _, acked_tail = in_flight.popleft()
             self.times.ack_lands(dst, records.ack_time_ns(word))
         return acked_tail
-
-    def _recv_steps(self, op: Op, out: np.ndarray):
-        src, ack = op.peer, self.layout.ack_offset(op.peer, self.me)
-        received = expected_chunk = publications = 0
-        total = None
-        while total is None or received < total:
-            # Step 5 (Fig. 4): poll our metadata until the sender's next record is published.
-            seq = self._consumed.get(src, 0) + 1
-            source = [RecordAt(src, self.layout.record_offset(src, self.me, seq))]
-            while records.missing_peers(self.mem, source, seq):
-                yield f"record {seq} from rank {src}"
-            expected = Expected(
-                stage="receive", event_id=op.event_id, doorbell=seq, call=f"publication {seq}"
-            )
-            body = records.read(self.mem, source, expected, P2P_RECORD)[0]
-            self._check_record(op, body, expected_chunk, out.nbytes if total is None else None)
-            total, nbytes = int(body["msg_bytes"]), int(body["pub_bytes"])
-            if self.fault_hook is not None and received + nbytes >= total:
-                # The last publication arrived; the sender waits for its ack.
-                self.fault_hook("p2p_recv", op.event_id)
-            # Step 6: copy the slots out of the managed area into the caller's buffer.
-            self._copy_slots(op, out, received, nbytes, int(body["tail"]))
-            self._consumed[src] = seq
-            self.times.publication_lands(
-                src,
-                float(body["vtime_ns"]),
-                nbytes,
-                num_cores=int(body["num_cores"]),
-                is_dma=bool(body["is_dma"]),
-            )
-            # Step 7: acknowledge in the sender's metadata (frees those slots for the next fill).
-            self.mem.store_word(src, ack, records.ack_word(seq, self.clock.now_ns))
-            self.mem.flush(src)
-            received += nbytes
-            expected_chunk += -(-nbytes // self.layout.slot_bytes)
-            publications += 1
-        return Transfer(
-            peer=src,
-            event_id=op.event_id,
-            nbytes=total,
-            num_publications=publications,
-            vtime_ns=self.clock.now_ns,
-        )
-
-    def _copy_slots(self, op: Op, out: np.ndarray, received: int, nbytes: int, tail: int) -> None:
-        """Copy a publication's ring slots into out[received:]; its tail must match ours."""
-        src, layout, local = op.peer, self.layout, self.mem.local
-        ring, rtail = layout.ring_offset(src, self.me), self._rtail.get(src, 0)
-        for ring_pos, msg_pos, length in layout.slot_runs(rtail, nbytes):
-            at = received + msg_pos
-            out[at : at + length] = local[ring + ring_pos : ring + ring_pos + length]
-        rtail = self._rtail[src] = rtail + -(-nbytes // layout.slot_bytes)
-        if tail != rtail:
-            raise XcclError(
-                f"die rank {self.me}: tail pointer from rank {src} is {tail}, "
-                f"expected {rtail} (event {op.event_id})"
-            )
-
-    def _check_record(
-        self, op: Op, body: np.void, expected_chunk: int, capacity: int | None
-    ) -> None:
-        me, src, msg_bytes = self.me, op.peer, int(body["msg_bytes"])
-        if int(body["chunk_id"]) != expected_chunk:
-            raise XcclError(
-                f"die rank {me}: chunk id {int(body['chunk_id'])} from rank {src}, "
-                f"expected {expected_chunk} (event {op.event_id})"
-            )
-        if capacity is not None and msg_bytes > capacity:
-            raise BufferTooSmall(
-                f"die rank {me}: receive buffer of {capacity} B < the "
-                f"{msg_bytes} B message from rank {src} (event {op.event_id})"
-            )

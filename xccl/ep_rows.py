@@ -1,0 +1,102 @@
+"""Where dispatch / combine rows are staged in this die's window and pulled from a peer's
+(xccl/ep.py, xDeepServe §3.2, Figure 7).
+
+Staging writes our own window's dispatch or combine area (xccl/moe_layout.py EpLayout) and ends
+with a Win.Sync so the stores land before a record tells a peer to pull them. Pulls Get each
+member's rows in member order and flush them all before the rows are read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xccl.gmem import DieMemory
+from xccl.moe_layout import INDEX_BYTES, INDEX_DTYPE, EpLayout
+from xccl.quant import encode_rows
+
+
+class EpRows:
+    """Staging and pulling of one EP group's rows on this die's window."""
+
+    def __init__(
+        self,
+        mem: DieMemory,
+        layout: EpLayout,
+        dtype,
+        slot_owner: np.ndarray,
+        member_of_rank: np.ndarray,
+    ) -> None:
+        self.mem, self.layout, self.me, self.members = mem, layout, mem.rank, layout.members
+        self.dtype = np.dtype(dtype)
+        self.slot_owner = slot_owner  # [num slots] -> rank
+        self.member_of_rank = member_of_rank  # [max rank + 1] -> member idx, -1 = not a member
+
+    def stage_dispatch(self, x: np.ndarray, phy: np.ndarray):
+        """Stage x's rows, one per chosen slot, destination-major, with their index rows.
+        Returns token, column [S] of each staged row and send_counts [num_members]."""
+        token, column = np.nonzero(phy >= 0)  # [S] each
+        slot = phy[token, column]
+        dest = self.member_of_rank[self.slot_owner[slot]]
+        order = np.lexsort((column, token, slot, dest))
+        token, column, slot, dest = token[order], column[order], slot[order], dest[order]
+        layout, local, num_rows = self.layout, self.mem.local, len(token)
+        start = layout.offset(self.me, "dispatch_rows")
+        staged = local[start : start + num_rows * layout.send_row_bytes].reshape(
+            num_rows, layout.send_row_bytes
+        )  # [S, row bytes] in window
+        encode_rows(
+            staged, x, token, hidden=layout.hidden, use_int8=layout.use_int8, dtype=self.dtype
+        )
+        index = np.zeros(num_rows, INDEX_DTYPE)
+        index["token"], index["column"], index["slot"] = token, column, slot
+        start = layout.offset(self.me, "dispatch_index")
+        local[start : start + index.nbytes] = index.view(np.uint8)
+        self.mem.sync()  # our stores land before any peer is told to pull them
+        return token, column, np.bincount(dest, minlength=len(self.members))
+
+    def pull_dispatch(self, counts, offsets) -> tuple[np.ndarray, np.ndarray]:
+        """Our dispatch rows [R, send_row_bytes] (encoded) and index rows [R], member-major."""
+        rows = np.empty((int(counts.sum()), self.layout.send_row_bytes), np.uint8)
+        index = np.empty(len(rows), INDEX_DTYPE)
+        self._pull(rows, "dispatch_rows", counts, offsets, self.layout.send_row_bytes)
+        self._pull(
+            index.view(np.uint8).reshape(len(rows), INDEX_BYTES),
+            "dispatch_index",
+            counts,
+            offsets,
+            INDEX_BYTES,
+        )
+        return rows, index
+
+    def stage_combine(self, expert_out: np.ndarray, recv_perm: np.ndarray) -> None:
+        """Stage outputs [R, hidden] in our combine area, by source die, in the order each source
+        staged them (recv_perm: where each received row sits in that order)."""
+        start, num_rows = self.layout.offset(self.me, "combine_rows"), len(expert_out)
+        staged = self.mem.local[start : start + num_rows * self.layout.out_row_bytes]
+        staged.view(self.dtype).reshape(num_rows, self.layout.hidden)[recv_perm] = expert_out
+        self.mem.sync()
+
+    def pull_combine(self, counts, offsets) -> np.ndarray:
+        """Our dispatched rows' outputs [R, hidden] (self.dtype), member-major."""
+        outs = np.empty((int(counts.sum()), self.layout.hidden), self.dtype)
+        self._pull(
+            outs.view(np.uint8).reshape(len(outs), self.layout.out_row_bytes),
+            "combine_rows",
+            counts,
+            offsets,
+            self.layout.out_row_bytes,
+        )
+        return outs
+
+    def _pull(self, out: np.ndarray, region: str, counts, offsets, row_bytes: int) -> None:
+        """Get counts[i] rows of `row_bytes` from member i's `region` at row offsets[i]."""
+        at = 0
+        for i, rank in enumerate(self.members):
+            if counts[i]:
+                self.mem.get(
+                    rank,
+                    self.layout.offset(rank, region) + int(offsets[i]) * row_bytes,
+                    out[at : at + counts[i]].reshape(-1),
+                )
+                at += counts[i]
+        self.mem.flush_all()
