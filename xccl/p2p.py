@@ -3,12 +3,13 @@
 The sender copies its message into the ring it owns in the receiver's window and publishes a
 record (event id, chunk id, tail pointer, its virtual time, sizes) in the receiver's metadata; the
 receiver copies the slots out and acknowledges in the sender's metadata. A message larger than the
-ring goes in several publications: each fills at most the whole ring and waits for the ack that
-frees it (flow control), chunk ids counting slots from the message's start.
+ring goes in several publications: each fills at most half the ring, and at most MAX_IN_FLIGHT
+(two) are unacknowledged at once, so the receiver reads one while the sender writes the next;
+an ack frees its slots (flow control), chunk ids counting slots from the message's start.
 
 A record is written body first, flushed, then its one-word doorbell (the publication number), so
-a receiver never acts on a half-written record; one publication per pair is in flight at a time,
-so a record is never rewritten while its receiver reads it. The ack is one atomic word: the
+a receiver never acts on a half-written record; each publication in flight has a record of its
+own (RECORDS_PER_PAIR per pair), so a record is never rewritten while its receiver reads it. The ack is one atomic word: the
 publication number and the receiver's virtual time (xccl/records.py ack_word).
 
 Operations queue per (direction, peer) and advance only inside `progress()` (xccl/p2p_ops.py).
