@@ -9,8 +9,9 @@ an ack frees its slots (flow control), chunk ids counting slots from the message
 
 A record is written body first, flushed, then its one-word doorbell (the publication number), so
 a receiver never acts on a half-written record; each publication in flight has a record of its
-own (RECORDS_PER_PAIR per pair), so a record is never rewritten while its receiver reads it. The ack is one atomic word: the
-publication number and the receiver's virtual time (xccl/records.py ack_word).
+own (RECORDS_PER_PAIR per pair), so a record is never rewritten while its receiver reads it.
+The ack is one atomic word: the publication number and the receiver's virtual time
+(xccl/records.py ack_word).
 
 Operations queue per (direction, peer) and advance only inside `progress()` (xccl/p2p_ops.py).
 The receiving end (steps 5-7) lives in xccl/p2p_recv.py.
