@@ -12,6 +12,7 @@ from mpi4py import MPI
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
+from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
 
@@ -59,6 +60,7 @@ class ColocatedDie:
             events=self.executor.events,
             log=ctx.log,
         )
+        self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
@@ -87,10 +89,12 @@ class ColocatedDie:
         if not busy:
             time.sleep(0.001)
             return not all_stopped
+        self.eplb.at_boundary()  # §4.5 Step 3: replica swap phases, at a boundary all agree on
         sampled, timing = self.iteration()  # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(emitted, timing)  # the output shortcut
+        self.eplb.after_iteration()  # §4.5 Step 1: expert counts to the TE-shell every interval
         return True
 
     def iteration(self):
@@ -111,9 +115,11 @@ class ColocatedDie:
         return bool(total[0]), total[1] == 0
 
     def totals(self) -> DieTotals:
+        self.eplb.flush()  # the last count slice goes before the die's report
         return decode_totals(self.executor, self.pricer, self.recompute)
 
     def close(self) -> None:
+        self.eplb.close()
         self.outbox.drain()
         self.recompute.free()
         self.mem.free()

@@ -9,6 +9,7 @@ from collections import deque
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.eplb_shell import make_eplb_shell
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
@@ -50,6 +51,7 @@ class Frontend:
         self.num_open = len(self.queue)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
+        self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -57,7 +59,7 @@ class Frontend:
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         next_progress = time.monotonic() + PROGRESS_EVERY_S
         while self.num_open:
-            did_work = self._dispatch_arrived() + self._take_tokens()
+            did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
             if time.monotonic() > next_progress:
                 self.log.info(self.progress())
                 next_progress += PROGRESS_EVERY_S
@@ -86,6 +88,7 @@ class Frontend:
             event="die report",
         )
         self._take_tokens()
+        self.eplb.finish()
         MPI.Request.Waitall(self.sends)
 
     def _dispatch_arrived(self) -> int:

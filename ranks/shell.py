@@ -75,6 +75,11 @@ class Serving:
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
+        if self.eplb:
+            for line in self.eplb.lines():
+                ctx.log.info(line)
+            self.summary.update(self.eplb.summary())
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
@@ -145,3 +150,5 @@ class Serving:
             f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
         )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
+        if self.eplb:
+            self.eplb.write(f)

@@ -28,7 +28,7 @@ def ep_route_reference(
     topk_idx: np.ndarray, log2phy, shared_slots, src_rank: int
 ) -> list[tuple[int, int, int]]:
     """(token, column, physical slot) of every row a die sends, written out longhand: replica
-    (token mod replicas) of each chosen expert, then the dedicated shared slot
+    (src_rank + token) mod replicas of each chosen expert, then the dedicated shared slot
     (src_rank + token) mod len(shared_slots) as the last column."""
     rows = []
     for token in range(topk_idx.shape[0]):
@@ -36,7 +36,7 @@ def ep_route_reference(
             expert = int(topk_idx[token, column])
             if expert >= 0:
                 replicas = log2phy[expert]
-                rows.append((token, column, replicas[token % len(replicas)]))
+                rows.append((token, column, replicas[(src_rank + token) % len(replicas)]))
         if shared_slots:
             rows.append(
                 (token, topk_idx.shape[1], shared_slots[(src_rank + token) % len(shared_slots)])

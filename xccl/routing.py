@@ -8,6 +8,24 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def rotation_table(
+    log2phy: Sequence[Sequence[int]], num_tokens: int, src_rank: int = 0
+) -> np.ndarray:
+    """[T, E] physical slot each token position uses for each logical expert (-1 = none).
+
+    Column e rotates over expert e's replicas by position: row t takes replica
+    (src_rank + t) mod replicas (§4.5 step 4). The die's rank shifts the start so that dies with
+    one token each do not all pick the first replica. Built once per batch, applied by a gather.
+    """
+    num_replicas = np.array([len(r) for r in log2phy], np.int64)  # [E]
+    replicas = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)  # [E, max R]
+    for expert, slots in enumerate(log2phy):
+        replicas[expert, : len(slots)] = slots
+    position = src_rank + np.arange(num_tokens)[:, None]  # [T, 1]
+    pick = position % np.maximum(num_replicas, 1)[None, :]  # [T, E]
+    return replicas[np.arange(len(log2phy))[None, :], pick]  # [T, E]
+
+
 def select_slots(
     topk_idx: np.ndarray,
     log2phy: Sequence[Sequence[int]],
@@ -16,21 +34,17 @@ def select_slots(
 ) -> np.ndarray:
     """[T, K] logical experts (-1 = none) -> [T, C] physical slots (-1 = none).
 
-    A token whose expert has several replicas takes replica (token index mod replicas): spread by
-    position, no communication (§4.5 step 4). With dedicated shared-expert slots, column K is
-    slot shared_slots[(src_rank + token) mod len(shared_slots)].
+    The rotation table [T, E] gathered at topk_idx: spread over replicas by position, no
+    communication (§4.5 step 4). With dedicated shared-expert slots, column K is slot
+    shared_slots[(src_rank + token) mod len(shared_slots)].
     """
     num_tokens, top_k = topk_idx.shape
-    num_replicas = np.array([len(r) for r in log2phy], np.int64)  # [E]
-    table = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)
-    for expert, replicas in enumerate(log2phy):
-        table[expert, : len(replicas)] = replicas
-    token = np.arange(num_tokens)[:, None]  # [T, 1]
-    expert = np.where(topk_idx >= 0, topk_idx, 0)
-    phy = table[expert, token % np.maximum(num_replicas[expert], 1)]  # [T, K]
+    table = rotation_table(log2phy, num_tokens, src_rank)  # [T, E]
+    phy = np.take_along_axis(table, np.where(topk_idx >= 0, topk_idx, 0), axis=1)  # [T, K]
     phy = np.where(topk_idx >= 0, phy, -1)
     if shared_slots:
-        shared = np.asarray(shared_slots)[(src_rank + token[:, 0]) % len(shared_slots)]
+        token = np.arange(num_tokens)
+        shared = np.asarray(shared_slots)[(src_rank + token) % len(shared_slots)]
         phy = np.concatenate([phy, shared[:, None]], axis=1)
     return phy
 

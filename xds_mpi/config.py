@@ -1,7 +1,8 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model` and `faults` are declared in `xds_mpi.config_model` and `xds_mpi.config_faults`); each
+`model`, `faults` and `eplb` are declared in `xds_mpi.config_model`, `xds_mpi.config_faults`
+and `xds_mpi.config_eplb`); each
 section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
 overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config implies
 across sections (rank map, layouts, window sizes) and whether it can run is
@@ -18,6 +19,7 @@ from typing import Literal
 
 # FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
 # re-exported: callers import the whole config interface from here.
+from xds_mpi.config_eplb import EplbConfig
 from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
 from xds_mpi.config_loader import (  # noqa: F401
     ConfigError,
@@ -267,6 +269,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     xccl: XcclConfig = field(default_factory=XcclConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -122,5 +122,10 @@ class CostModel:
         """Flags, then pull this die's rows' expert outputs back (BF16)."""
         return self._pull(rows_back * self.m.hidden * self.hw.act_bytes)
 
+    def expert_pull(self) -> float:
+        """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a
+        die that hosts it: an EPLB replica load (xds_mpi/eplb)."""
+        return self._pull(3.0 * self.m.hidden * self.m.moe_intermediate * self.hw.weight_bytes)
+
     def _pull(self, nbytes: float) -> float:
         return self.hw.write_latency_s + self.hw.read_latency_s + nbytes / self.hw.read_bytes_per_s

@@ -16,6 +16,7 @@ import numpy as np
 from xccl.layout import P2PLayout
 from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config import Config, ConfigError
+from xds_mpi.config_eplb import check_eplb
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
@@ -76,6 +77,11 @@ def check_serving(cfg: Config, topo: Topology) -> None:
             f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)"
         )
     _check_fault_table(cfg, topo)
+    check_eplb(cfg, len({info.rank for info in topo.ranks if _hosts_routed(info)}))
+
+
+def _hosts_routed(info) -> bool:
+    return any(slot.kind == "routed" for slot in info.expert_slots)
 
 
 def _check_fault_table(cfg: Config, topo: Topology) -> None:

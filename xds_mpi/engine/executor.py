@@ -26,6 +26,7 @@ from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.engine.timing import IterationTiming, Meter
+from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.faults import LayerEvents
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
@@ -47,6 +48,7 @@ class ColocatedExecutor:
         slots: ExpertSlots,
         shared_slots: tuple[int, ...] = (),
         mtp_depth: int = 0,
+        expert_map: ExpertMap | None = None,
     ) -> None:
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
         self.clock = pricer.clock  # the die's virtual clock
@@ -59,6 +61,13 @@ class ColocatedExecutor:
         self.num_layers = len(model.layers)
         self.events = LayerEvents(events_per_iteration=self.num_layers + mtp_depth)
         self.num_iterations = 0
+        # Per-layer log2phy, redundant slots' weights, the gate's counts (§4.5; xds_mpi/eplb).
+        self.expert_map = expert_map or ExpertMap.static(phy2log, self.moe_layers())
+
+    def moe_layers(self) -> tuple[int, ...]:
+        """Layer index of every MoE call of an iteration: main MoE layers, then MTP depths."""
+        main = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        return main + tuple(self.num_layers + k for k in range(self.mtp_depth))
 
     # -- one iteration --------------------------------------------------------------------------
     def _inputs(self, entries: list[Entry]):
@@ -82,6 +91,7 @@ class ColocatedExecutor:
         meter = Meter(self.clock)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
+        self.expert_map.start_iteration()
         with torch.inference_mode():
             x = self.model.embed(tokens)  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):
@@ -132,19 +142,21 @@ class ColocatedExecutor:
         with meter("experts"):
             routing = moe.gate(h)
             pricer.gate(len(h))
+        topk_idx = routing.topk_idx.numpy()
         with meter("xccl"):
             with pricer.waiting("dispatch"):
                 recv_x, info, handle = self.ep.dispatch(
                     h.numpy(),
-                    routing.topk_idx.numpy(),
+                    topk_idx,
                     routing.topk_weight.numpy(),
                     self.events.event_id(self.num_iterations, layer_idx),
-                    log2phy=self.log2phy,
+                    log2phy=self.expert_map.log2phy(layer_idx),
                     shared_slots=self.shared_slots,
                 )
             pricer.dispatch(len(recv_x))
+        self.expert_map.collect(layer_idx, topk_idx, len(recv_x))
         with meter("experts"):
-            expert_out = self._experts(moe, recv_x, info)
+            expert_out = self._experts(moe, recv_x, info, layer_idx)
             pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
         with meter("xccl"):
             with pricer.waiting("combine"):
@@ -154,7 +166,7 @@ class ColocatedExecutor:
             shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         return shared + routed
 
-    def _experts(self, moe, recv_x: np.ndarray, info) -> np.ndarray:
+    def _experts(self, moe, recv_x: np.ndarray, info, layer_idx: int) -> np.ndarray:
         """This die's slots over the rows they received: recv_x [R, hidden] in the wire's row
         dtype -> [R, hidden] model dtype, computed in the model's dtype."""
         expert_out = np.empty(recv_x.shape, np.float64)
@@ -163,7 +175,7 @@ class ColocatedExecutor:
             if num_rows:
                 rows = torch.from_numpy(recv_x[row : row + num_rows]).to(self.model.dtype)
                 if self.slots.is_routed(slot):
-                    out = moe.expert_forward(self.phy2log[slot], rows)
+                    out = self.expert_map.expert_forward(moe, layer_idx, slot, rows)
                 else:
                     out = moe.shared_forward(rows)
                 expert_out[row : row + num_rows] = out.numpy()

@@ -1,0 +1,139 @@
+"""The TE-shell's side of expert load balancing (xDeepServe §4.5; the TE-shell triggers it, §4.2).
+
+Step 1: every DP group's count slices arrive (ranks/eplb_die.py); a slice that every group sent
+is summed into one time slice, and the last `eplb.slices` of them are kept.
+Step 2: after every `eplb.slices` new time slices, with no swap in flight, the policy computes a
+new placement from the kept slices; if it differs from the one in use it goes to every die with
+the next version number (the dies swap it in, Step 3).
+It also keeps, per slice, what each die measured (routed rows received, MoE virtual time), so the
+summary and the run file show the per-layer and per-die load before and after each swap.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from xds_mpi.config_eplb import budget
+from xds_mpi.eplb.placement import changed_slots, from_topology
+from xds_mpi.eplb.policy import predicted_max_over_mean, rebalance
+from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, PlacementUpdate
+from xds_mpi.eplb.report import EplbReport, SliceTotals
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reconfig:
+    """One placement sent to the dies. predicted_*: per layer max/mean die load of the kept
+    slices' counts under the placement in use and the new one."""
+
+    version: int
+    after_slice: int
+    num_changed_slots: int
+    predicted_before: tuple[float, ...]
+    predicted_after: tuple[float, ...]
+
+
+class EplbShell:
+    def __init__(self, ctx, groups: tuple[int, ...], num_moe_layers: int) -> None:
+        cfg, topo = ctx.cfg, ctx.topo
+        self.cfg, self.comm, self.log, self.groups = cfg.eplb, ctx.comm, ctx.log, groups
+        self.placement = from_topology(topo, num_moe_layers)
+        num_routed_dies = len({d for d, e in zip(self.placement.slot_die, topo.phy2log) if e >= 0})
+        self.budget = budget(cfg, num_routed_dies)
+        self.dies_per_node = cfg.hardware.dies_per_server
+        self.version, self.new_slices, self.is_closing = 0, 0, False
+        self.arrived: dict[int, dict] = {}  # slice_idx -> die rank -> CountSlice
+        self.window: deque = deque(maxlen=cfg.eplb.slices)  # [num_moe_layers, num_experts] each
+        self.slices: list[SliceTotals] = []
+        self.reconfigs: list[Reconfig] = []
+        self.sends: list[MPI.Request] = []
+
+    def poll(self) -> int:
+        """Take every count slice that arrived; complete slices, rebalance when due."""
+        num = 0
+        while (
+            message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_EPLB_COUNTS)
+        ) is not None:
+            part = message.recv()
+            self.arrived.setdefault(part.slice_idx, {})[part.die_rank] = part
+            num += 1
+        while len(self.arrived.get(len(self.slices), {})) == len(self.groups):
+            self._complete(self.arrived.pop(len(self.slices)))
+        return num
+
+    def _complete(self, parts: dict) -> None:
+        """Step 1: one time slice from every DP group's counts."""
+        ordered = [parts[rank] for rank in self.groups]
+        totals = SliceTotals.from_parts(ordered)
+        self.slices.append(totals)
+        self.window.append(totals.counts)
+        self.new_slices += 1
+        is_idle = totals.version_end == self.version
+        if self.new_slices >= self.cfg.slices and is_idle and not self.is_closing:
+            self.new_slices = 0
+            self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Step 2 on the kept slices; a changed placement goes to every die."""
+        counts = np.stack(list(self.window), axis=1)  # [num_moe_layers, num_slices, num_experts]
+        new = rebalance(
+            self.cfg.policy, self.placement, counts, self.budget, dies_per_node=self.dies_per_node
+        )
+        changed = changed_slots(self.placement, new)
+        if not changed:
+            return
+        self.version += 1
+        reconfig = Reconfig(
+            version=self.version,
+            after_slice=len(self.slices) - 1,
+            num_changed_slots=len(changed),
+            predicted_before=tuple(predicted_max_over_mean(self.placement, counts)),
+            predicted_after=tuple(predicted_max_over_mean(new, counts)),
+        )
+        self.reconfigs.append(reconfig)
+        self.placement = new
+        update = PlacementUpdate(version=self.version, placement=new)
+        self.sends += [self.comm.isend(update, dest=g, tag=TAG_EPLB_PLACEMENT) for g in self.groups]
+        self.log.info(
+            "EPLB v%d after slice %d: %d redundant slots change; predicted max/mean per MoE "
+            "layer %s -> %s",
+            reconfig.version,
+            reconfig.after_slice,
+            reconfig.num_changed_slots,
+            _ratios(reconfig.predicted_before),
+            _ratios(reconfig.predicted_after),
+        )
+
+    def finish(self) -> None:
+        """After the dies' reports: the last slices (no more rebalancing)."""
+        self.is_closing = True
+        self.poll()
+        self.sends = [r for r in self.sends if not r.Test()]
+
+    def report(self) -> EplbReport:
+        return EplbReport.from_slices(self.slices, [r.version for r in self.reconfigs])
+
+
+def _ratios(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+class NoEplbShell:
+    """EPLB disabled: nothing to collect."""
+
+    def poll(self) -> int:
+        return 0
+
+    def finish(self) -> None:
+        pass
+
+
+def make_eplb_shell(ctx, groups: tuple[int, ...]) -> EplbShell | NoEplbShell:
+    if not ctx.cfg.eplb.enabled:
+        return NoEplbShell()
+    model = ctx.cfg.model
+    num_moe_layers = model.num_layers - model.num_dense_layers + ctx.cfg.scheduler.mtp_depth
+    return EplbShell(ctx, groups, num_moe_layers)

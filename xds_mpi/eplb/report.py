@@ -1,0 +1,145 @@
+"""What a run measured about expert load: per time slice, and per placement version (the
+static placement is version 0), for the TE-shell's summary and the run file's `eplb` group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xds_mpi.eplb.policy import max_over_mean
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceTotals:
+    """One time slice over every DP group.
+
+    counts: [num_moe_layers, num_experts] tokens per logical expert (all groups summed).
+    die_rows: [num_moe_layers, num_dies] routed rows each die received (its measured load).
+    moe_s: virtual seconds of MoE operations over the slice (the slowest die's).
+    version_start / version_end: placement in use at its start / end; num_loading: iterations
+    that ran while replica weights loaded; load_s: the slowest die's load time so far."""
+
+    counts: np.ndarray
+    die_rows: np.ndarray
+    moe_s: float
+    num_iterations: int
+    version_start: int
+    version_end: int
+    num_loading: int
+    load_s: float
+
+    @classmethod
+    def from_parts(cls, parts: list) -> SliceTotals:
+        """parts: the slice's CountSlice of every DP group, in die order."""
+        first = parts[0]
+        return cls(
+            counts=np.sum([p.counts for p in parts], axis=0),
+            die_rows=np.stack([p.rows_in for p in parts], axis=1),
+            moe_s=max(p.moe_vtime_s for p in parts),
+            num_iterations=first.num_iterations,
+            version_start=first.version_start,
+            version_end=first.version_end,
+            num_loading=max(p.num_loading for p in parts),
+            load_s=max(p.load_s for p in parts),
+        )
+
+    @property
+    def is_steady(self) -> bool:
+        """One placement throughout and no weights loading: a clean measurement of it."""
+        return self.version_start == self.version_end and self.num_loading == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionLoad:
+    """The steady slices of one placement version: die_rows [num_moe_layers, num_dies] summed;
+    max_over_mean per layer; moe_ms_per_iteration: virtual MoE time per iteration."""
+
+    version: int
+    num_iterations: int
+    die_rows: np.ndarray
+    max_over_mean: tuple[float, ...]
+    moe_ms_per_iteration: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EplbReport:
+    versions: tuple[VersionLoad, ...]
+    num_reconfigs: int
+    num_loading_iterations: int
+    load_ms: float
+    slices: tuple[SliceTotals, ...]
+
+    @classmethod
+    def from_slices(cls, slices: list[SliceTotals], versions: list[int]) -> EplbReport:
+        loads = []
+        for version in [0, *versions]:
+            steady = [s for s in slices if s.is_steady and s.version_start == version]
+            if not steady:
+                continue
+            rows = np.sum([s.die_rows for s in steady], axis=0)  # [layers, dies]
+            num_iterations = sum(s.num_iterations for s in steady)
+            loads.append(
+                VersionLoad(
+                    version=version,
+                    num_iterations=num_iterations,
+                    die_rows=rows,
+                    max_over_mean=tuple(max_over_mean(r) for r in rows),
+                    moe_ms_per_iteration=1e3 * sum(s.moe_s for s in steady) / num_iterations,
+                )
+            )
+        return cls(
+            versions=tuple(loads),
+            num_reconfigs=len(versions),
+            num_loading_iterations=sum(s.num_loading for s in slices),
+            load_ms=1e3 * max((s.load_s for s in slices), default=0.0),
+            slices=tuple(slices),
+        )
+
+    def lines(self) -> list[str]:
+        """The summary: the swaps, then per placement version its measured load."""
+        out = [
+            f"EPLB: {self.num_reconfigs} reconfigurations; {self.num_loading_iterations} "
+            f"iterations decoded while replica weights loaded ({self.load_ms:.2f} ms virtual "
+            "load on the busiest die, overlapped)"
+        ]
+        for v in self.versions:
+            ratios = " ".join(f"{r:.2f}" for r in v.max_over_mean)
+            out.append(
+                f"EPLB v{v.version} ({v.num_iterations} steady iterations): max/mean die load per "
+                f"MoE layer {ratios}; MoE {v.moe_ms_per_iteration:.2f} ms per iteration (virtual)"
+            )
+        return out
+
+    def summary(self) -> dict:
+        """Scalars for the run summary: static (v0) and last placement's figures."""
+        if not self.versions:
+            return {"eplb_reconfigs": self.num_reconfigs}
+        first, last = self.versions[0], self.versions[-1]
+        return {
+            "eplb_reconfigs": self.num_reconfigs,
+            "eplb_loading_iterations": self.num_loading_iterations,
+            "eplb_max_over_mean_first": float(np.nanmax(first.max_over_mean)),
+            "eplb_max_over_mean_last": float(np.nanmax(last.max_over_mean)),
+            "eplb_moe_ms_first": first.moe_ms_per_iteration,
+            "eplb_moe_ms_last": last.moe_ms_per_iteration,
+        }
+
+    def write(self, f) -> None:
+        """Group `eplb`: per slice and per version datasets (h5py file `f`)."""
+        g = f.create_group("eplb")
+        g.attrs["num_reconfigs"] = self.num_reconfigs
+        g.attrs["num_loading_iterations"] = self.num_loading_iterations
+        g.attrs["load_ms"] = self.load_ms
+        if self.slices:
+            g["slice_counts"] = np.stack([s.counts for s in self.slices])  # [S, layers, E]
+            g["slice_die_rows"] = np.stack([s.die_rows for s in self.slices])  # [S, layers, dies]
+            for name in ("version_start", "version_end", "num_loading", "num_iterations"):
+                g[f"slice_{name}"] = np.array([getattr(s, name) for s in self.slices])
+            g["slice_moe_s"] = np.array([s.moe_s for s in self.slices])
+        for v in self.versions:
+            vg = g.create_group(f"v{v.version}")
+            vg["die_rows"] = v.die_rows  # [layers, dies]
+            vg["max_over_mean"] = np.array(v.max_over_mean)
+            vg.attrs["num_iterations"] = v.num_iterations
+            vg.attrs["moe_ms_per_iteration"] = v.moe_ms_per_iteration
