@@ -42,6 +42,7 @@ class SliceBook:
     moe_vtime_s: float = 0.0
     num_iterations: int = 0
     num_loading: int = 0
+    num_prefill: int = 0
     version_start: int = 0
 
 
@@ -137,6 +138,7 @@ class EplbDie:
         book.rows_in += self.expert_map.rows_in
         book.moe_vtime_s += self.moe_vtime_s() - self.moe_vtime_before_s
         book.num_iterations += 1
+        book.num_prefill += int(self.expert_map.has_prefill)
         if book.num_iterations == self.cfg.interval:
             self._send_slice()
 
@@ -157,6 +159,7 @@ class EplbDie:
             version_start=book.version_start,
             version_end=self.version,
             num_loading=book.num_loading,
+            num_prefill=book.num_prefill,
             load_s=self.load_s,
         )
         self.pending.append(self.comm.isend(record, dest=SHELL, tag=TAG_EPLB_COUNTS))

@@ -91,7 +91,9 @@ class ColocatedExecutor:
         meter = Meter(self.clock)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1
-        self.expert_map.start_iteration()
+        self.expert_map.start_iteration(
+            has_prefill=any(len(e.input_ids) > 1 + e.num_drafts for e in entries)
+        )
         with torch.inference_mode():
             x = self.model.embed(tokens)  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):

@@ -29,6 +29,7 @@ class ExpertMap:
         num_experts = placement.num_experts
         self.counts = np.zeros((len(moe_layers), num_experts), np.int64)  # [rows, E] this iteration
         self.rows_in = np.zeros(len(moe_layers), np.int64)  # [rows] rows this die received
+        self.has_prefill = False
 
     @classmethod
     def static(cls, phy2log: tuple[int, ...], moe_layers: tuple[int, ...]) -> ExpertMap:
@@ -45,8 +46,10 @@ class ExpertMap:
     def log2phy(self, layer_idx: int) -> tuple[tuple[int, ...], ...]:
         return self._log2phy[self.row_of[layer_idx]]
 
-    def start_iteration(self) -> None:
-        """Zero the counts: an iteration re-run after a fault counts once."""
+    def start_iteration(self, *, has_prefill: bool) -> None:
+        """Zero the counts: an iteration re-run after a fault counts once. has_prefill: the
+        batch holds prompt rows (its load is not a decode step's)."""
+        self.has_prefill = has_prefill
         self.counts[:] = 0
         self.rows_in[:] = 0
 

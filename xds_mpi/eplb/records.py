@@ -22,7 +22,8 @@ class CountSlice:
     moe_vtime_s: virtual seconds of gate + dispatch + experts + combine over the slice.
     num_iterations: iterations in the slice. version_start / version_end: placement version in
     use at the slice's first / after its last iteration. num_loading: iterations of the slice
-    that ran while weights were loading (Step 3 phase 3). load_s: virtual seconds of every
+    that ran while weights were loading (Step 3 phase 3); num_prefill: iterations whose batch on
+    this die held prompt rows. load_s: virtual seconds of every
     weight load of the die so far (overlapped with decoding, not on the iteration's path)."""
 
     die_rank: int
@@ -34,6 +35,7 @@ class CountSlice:
     version_start: int
     version_end: int
     num_loading: int
+    num_prefill: int
     load_s: float
 
 

@@ -18,7 +18,8 @@ class SliceTotals:
     die_rows: [num_moe_layers, num_dies] routed rows each die received (its measured load).
     moe_s: virtual seconds of MoE operations over the slice (the slowest die's).
     version_start / version_end: placement in use at its start / end; num_loading: iterations
-    that ran while replica weights loaded; load_s: the slowest die's load time so far."""
+    that ran while replica weights loaded; num_prefill: the most iterations any die prefilled in;
+    load_s: the slowest die's load time so far."""
 
     counts: np.ndarray
     die_rows: np.ndarray
@@ -27,6 +28,7 @@ class SliceTotals:
     version_start: int
     version_end: int
     num_loading: int
+    num_prefill: int
     load_s: float
 
     @classmethod
@@ -41,13 +43,16 @@ class SliceTotals:
             version_start=first.version_start,
             version_end=first.version_end,
             num_loading=max(p.num_loading for p in parts),
+            num_prefill=max(p.num_prefill for p in parts),
             load_s=max(p.load_s for p in parts),
         )
 
     @property
     def is_steady(self) -> bool:
-        """One placement throughout and no weights loading: a clean measurement of it."""
-        return self.version_start == self.version_end and self.num_loading == 0
+        """One placement throughout, no weights loading, decode steps only: a measurement of
+        the placement that one of another placement can be compared with."""
+        is_one_version = self.version_start == self.version_end
+        return is_one_version and self.num_loading == 0 and self.num_prefill == 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +139,13 @@ class EplbReport:
         if self.slices:
             g["slice_counts"] = np.stack([s.counts for s in self.slices])  # [S, layers, E]
             g["slice_die_rows"] = np.stack([s.die_rows for s in self.slices])  # [S, layers, dies]
-            for name in ("version_start", "version_end", "num_loading", "num_iterations"):
+            for name in (
+                "version_start",
+                "version_end",
+                "num_loading",
+                "num_prefill",
+                "num_iterations",
+            ):
                 g[f"slice_{name}"] = np.array([getattr(s, name) for s in self.slices])
             g["slice_moe_s"] = np.array([s.moe_s for s in self.slices])
         for v in self.versions:
