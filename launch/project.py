@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from launch.project_skew import add_arguments as add_skew_arguments
+from launch.project_skew import print_skew
 from launch.report import format_table
 
 if TYPE_CHECKING:
@@ -27,6 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp", type=int, default=1, help="MTP depth (default 1)")
     p.add_argument("--accept", type=float, default=0.9, help="MTP acceptance (default 0.9)")
     p.add_argument("--shape", default="deepseek_v3", help="cost shape preset (configs/model/)")
+    add_skew_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -55,6 +58,14 @@ def cmd_project(args: argparse.Namespace) -> int:
         accept_rate=args.accept,
     )
     _print_projection(args, cfg, p)
+    if args.skew:
+        workload = dict(
+            batch_per_die=args.batch,
+            kv_len=args.kv_len,
+            mtp_depth=args.mtp,
+            accept_rate=args.accept,
+        )
+        print_skew(args, cfg, load_model_preset(args.shape), hw, workload)
     return 0
 
 
