@@ -18,10 +18,11 @@ import numpy as np
 from mpi4py import MPI
 
 from xds_mpi.config_eplb import budget
+from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import changed_slots, from_topology
 from xds_mpi.eplb.policy import predicted_max_over_mean, rebalance
 from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, PlacementUpdate
-from xds_mpi.eplb.report import EplbReport, SliceTotals
+from xds_mpi.eplb.report import SCALED_BATCH, EplbReport, SliceTotals
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,9 @@ class EplbShell:
         self.placement = from_topology(topo, num_moe_layers)
         num_routed_dies = len({d for d, e in zip(self.placement.slot_die, topo.phy2log) if e >= 0})
         self.budget = budget(cfg, num_routed_dies)
+        self.pricing = MoePricing.from_config(cfg, num_routed_dies)
+        # Mean routed rows a die receives per MoE layer at SCALED_BATCH requests per die.
+        self.target_rows = SCALED_BATCH * (1 + cfg.scheduler.mtp_depth) * cfg.model.top_k
         self.dies_per_node = cfg.hardware.dies_per_server
         self.version, self.new_slices, self.is_closing = 0, 0, False
         self.arrived: dict[int, dict] = {}  # slice_idx -> die rank -> CountSlice
@@ -114,7 +118,8 @@ class EplbShell:
         self.sends = [r for r in self.sends if not r.Test()]
 
     def report(self) -> EplbReport:
-        return EplbReport.from_slices(self.slices, [r.version for r in self.reconfigs])
+        versions = [r.version for r in self.reconfigs]
+        return EplbReport.from_slices(self.slices, versions, self.pricing, self.target_rows)
 
 
 def _ratios(values) -> str:

@@ -9,6 +9,8 @@ import numpy as np
 
 from xds_mpi.eplb.policy import max_over_mean
 
+SCALED_BATCH = 60  # requests per die of the projected scaled load (xDeepServe's decode batch)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SliceTotals:
@@ -65,36 +67,63 @@ class VersionLoad:
     die_rows: np.ndarray
     max_over_mean: tuple[float, ...]
     moe_ms_per_iteration: float
+    projected_moe_ms: float = float("nan")
+    projected_moe_ms_scaled: float = float("nan")
+
+
+def _version_load(version: int, steady: list, pricing, target_rows: float) -> VersionLoad:
+    rows = np.sum([s.die_rows for s in steady], axis=0)  # [layers, dies]
+    num_iterations = sum(s.num_iterations for s in steady)
+    return VersionLoad(
+        version=version,
+        num_iterations=num_iterations,
+        die_rows=rows,
+        max_over_mean=tuple(max_over_mean(r) for r in rows),
+        moe_ms_per_iteration=1e3 * sum(s.moe_s for s in steady) / num_iterations,
+        **_projected(pricing, rows / num_iterations, target_rows),
+    )
+
+
+def _projected(pricing, rows_per_iteration: np.ndarray, target_rows: float) -> dict:
+    """rows_per_iteration: [layers, dies]; the projected MoE ms at this load and scaled."""
+    if pricing is None:
+        return {}
+    mean = float(rows_per_iteration[0].mean())
+    scale = target_rows / mean if target_rows and mean > 0 else float("nan")
+    return {
+        "projected_moe_ms": pricing.ms(rows_per_iteration),
+        "projected_moe_ms_scaled": pricing.ms(rows_per_iteration, scale),
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
 class EplbReport:
+    """versions: each placement's steady slices (v0: the static placement, before any swap);
+    after: every rebalanced placement's steady slices pooled (version -1), None if none."""
+
     versions: tuple[VersionLoad, ...]
+    after: VersionLoad | None
     num_reconfigs: int
     num_loading_iterations: int
     load_ms: float
     slices: tuple[SliceTotals, ...]
 
     @classmethod
-    def from_slices(cls, slices: list[SliceTotals], versions: list[int]) -> EplbReport:
+    def from_slices(
+        cls, slices: list[SliceTotals], versions: list[int], pricing=None, target_rows: float = 0
+    ) -> EplbReport:
+        """pricing: a MoePricing for the projected MoE time; target_rows: mean routed rows per
+        die and MoE layer for the scaled projection (0: none)."""
         loads = []
         for version in [0, *versions]:
             steady = [s for s in slices if s.is_steady and s.version_start == version]
-            if not steady:
-                continue
-            rows = np.sum([s.die_rows for s in steady], axis=0)  # [layers, dies]
-            num_iterations = sum(s.num_iterations for s in steady)
-            loads.append(
-                VersionLoad(
-                    version=version,
-                    num_iterations=num_iterations,
-                    die_rows=rows,
-                    max_over_mean=tuple(max_over_mean(r) for r in rows),
-                    moe_ms_per_iteration=1e3 * sum(s.moe_s for s in steady) / num_iterations,
-                )
-            )
+            if steady:
+                loads.append(_version_load(version, steady, pricing, target_rows))
+        after = [s for s in slices if s.is_steady and s.version_start > 0]
+        pooled = _version_load(-1, after, pricing, target_rows) if after else None
         return cls(
             versions=tuple(loads),
+            after=pooled,
             num_reconfigs=len(versions),
             num_loading_iterations=sum(s.num_loading for s in slices),
             load_ms=1e3 * max((s.load_s for s in slices), default=0.0),
@@ -108,11 +137,14 @@ class EplbReport:
             f"iterations decoded while replica weights loaded ({self.load_ms:.2f} ms virtual "
             "load on the busiest die, overlapped)"
         ]
-        for v in self.versions:
+        for v in self.versions + ((self.after,) if self.after else ()):
             ratios = " ".join(f"{r:.2f}" for r in v.max_over_mean)
+            name = f"v{v.version}" if v.version >= 0 else "after (v1+ pooled)"
             out.append(
-                f"EPLB v{v.version} ({v.num_iterations} steady iterations): max/mean die load per "
-                f"MoE layer {ratios}; MoE {v.moe_ms_per_iteration:.2f} ms per iteration (virtual)"
+                f"EPLB {name} ({v.num_iterations} steady iterations): max/mean die load per "
+                f"MoE layer {ratios}; MoE {v.moe_ms_per_iteration:.2f} ms per iteration (virtual "
+                f"clock), projected from these loads {v.projected_moe_ms:.2f} ms "
+                f"({v.projected_moe_ms_scaled:.2f} ms at {SCALED_BATCH} requests per die)"
             )
         return out
 
@@ -120,14 +152,16 @@ class EplbReport:
         """Scalars for the run summary: static (v0) and last placement's figures."""
         if not self.versions:
             return {"eplb_reconfigs": self.num_reconfigs}
-        first, last = self.versions[0], self.versions[-1]
+        first, last = self.versions[0], self.after or self.versions[-1]
         return {
             "eplb_reconfigs": self.num_reconfigs,
             "eplb_loading_iterations": self.num_loading_iterations,
             "eplb_max_over_mean_first": float(np.nanmax(first.max_over_mean)),
-            "eplb_max_over_mean_last": float(np.nanmax(last.max_over_mean)),
+            "eplb_max_over_mean_after": float(np.nanmax(last.max_over_mean)),
             "eplb_moe_ms_first": first.moe_ms_per_iteration,
-            "eplb_moe_ms_last": last.moe_ms_per_iteration,
+            "eplb_moe_ms_after": last.moe_ms_per_iteration,
+            "eplb_projected_moe_ms_first": first.projected_moe_ms,
+            "eplb_projected_moe_ms_after": last.projected_moe_ms,
         }
 
     def write(self, f) -> None:
@@ -148,9 +182,11 @@ class EplbReport:
             ):
                 g[f"slice_{name}"] = np.array([getattr(s, name) for s in self.slices])
             g["slice_moe_s"] = np.array([s.moe_s for s in self.slices])
-        for v in self.versions:
-            vg = g.create_group(f"v{v.version}")
+        for v in self.versions + ((self.after,) if self.after else ()):
+            vg = g.create_group(f"v{v.version}" if v.version >= 0 else "after")
             vg["die_rows"] = v.die_rows  # [layers, dies]
             vg["max_over_mean"] = np.array(v.max_over_mean)
             vg.attrs["num_iterations"] = v.num_iterations
             vg.attrs["moe_ms_per_iteration"] = v.moe_ms_per_iteration
+            vg.attrs["projected_moe_ms"] = v.projected_moe_ms
+            vg.attrs["projected_moe_ms_scaled"] = v.projected_moe_ms_scaled
