@@ -4,9 +4,10 @@ the config (`check_eplb`, called by xds_mpi/plan.py).
 enabled: collect, rebalance and swap replicas while decoding. interval: decode iterations per
 time slice (every die sends its slice's counts to the TE-shell). slices: time slices the
 algorithm looks at; a rebalance runs after every `slices` new slices. redundancy_budget: replicas
-per MoE layer (0 = every redundant slot of the deployment). policy: flowserve (§4.5 Step 2) or
-deepseek (DeepSeek's EPLB, hierarchical over servers). load_slots_per_iteration: redundant slots a
-die loads weights into per decode iteration (Step 3 phase 3).
+per MoE layer (0 = every redundant slot of the deployment). policy: flowserve (§4.5 Step 2),
+deepseek (DeepSeek's EPLB, hierarchical over servers) or none (collect and report only: the
+baseline). load_slots_per_iteration: redundant slots a die loads weights into per decode
+iteration (Step 3 phase 3).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class EplbConfig:
     interval: int = 8
     slices: int = 4
     redundancy_budget: int = 0
-    policy: Literal["flowserve", "deepseek"] = "flowserve"
+    policy: Literal["flowserve", "deepseek", "none"] = "flowserve"
     load_slots_per_iteration: int = 1
 
     def __post_init__(self) -> None:

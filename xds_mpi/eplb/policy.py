@@ -7,17 +7,21 @@ import numpy as np
 from xds_mpi.eplb import deepseek, flowserve
 from xds_mpi.eplb.placement import Placement, die_loads
 
-POLICIES = ("flowserve", "deepseek")
+POLICIES = ("flowserve", "deepseek", "none")
 
 
 def rebalance(
     policy: str, placement: Placement, counts: np.ndarray, budget: int, *, dies_per_node: int
 ) -> Placement:
-    """New placement of every layer. counts: [num_layers, num_slices, num_experts]."""
+    """New placement of every layer. counts: [num_layers, num_slices, num_experts]. Policy
+    "none" keeps the placement: counts are collected and reported, nothing is swapped (a
+    baseline measured over the same slices)."""
     if policy == "flowserve":
         return flowserve.rebalance(placement, counts, budget)
     if policy == "deepseek":
         return deepseek.rebalance(placement, counts, budget, dies_per_node=dies_per_node)
+    if policy == "none":
+        return placement
     raise ValueError(f"unknown EPLB policy {policy!r} (known: {', '.join(POLICIES)})")
 
 

@@ -144,7 +144,9 @@ class EplbReport:
                 f"EPLB {name} ({v.num_iterations} steady iterations): max/mean die load per "
                 f"MoE layer {ratios}; MoE {v.moe_ms_per_iteration:.2f} ms per iteration (virtual "
                 f"clock), projected from these loads {v.projected_moe_ms:.2f} ms "
-                f"({v.projected_moe_ms_scaled:.2f} ms at {SCALED_BATCH} requests per die)"
+                f"({v.projected_moe_ms_scaled:.2f} ms at {SCALED_BATCH} requests per die); "
+                f"routed rows per die per iteration, all MoE layers: "
+                + " ".join(f"{r:.1f}" for r in v.die_rows.sum(axis=0) / v.num_iterations)
             )
         return out
 

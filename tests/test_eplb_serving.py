@@ -1,0 +1,102 @@
+"""EPLB in a run: the `eplb` section's refusals before launch, and a colocated run with MTP that
+swaps replicas several times while decoding and still equals the single-process reference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+from harness import REPO_ROOT
+
+from xds_mpi.config import ConfigError, config_from_dict
+from xds_mpi.plan import DeploymentPlan
+
+XDS_MPI = Path(sys.executable).parent / "xds-mpi"
+
+
+def build(**sections):
+    return DeploymentPlan.build(config_from_dict(sections))
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        (
+            {"eplb": {"enabled": True}},
+            "deployment.redundant_slots_per_die is 0 on 4 routed-expert dies",
+        ),
+        (
+            {
+                "deployment": {"redundant_slots_per_die": 1},
+                "eplb": {"enabled": True, "redundancy_budget": 5},
+            },
+            "eplb.redundancy_budget(5) > free redundant slots per MoE layer: 4 routed-expert "
+            "dies x deployment.redundant_slots_per_die(1) = 4",
+        ),
+        ({"eplb": {"interval": 0}}, "eplb.interval must be > 0, got 0"),
+        ({"eplb": {"slices": -1}}, "eplb.slices must be > 0, got -1"),
+        (
+            {"eplb": {"policy": "random"}},
+            "eplb.policy must be one of 'flowserve', 'deepseek', 'none'",
+        ),
+        (
+            {
+                "deployment": {
+                    "kind": "afd",
+                    "num_expert_dies": 4,
+                    "redundant_slots_per_die": 1,
+                },
+                "eplb": {"enabled": True},
+            },
+            "eplb.enabled needs a colocated deployment, got deployment.kind='afd'",
+        ),
+    ],
+)
+def test_eplb_config_that_cannot_run_is_refused_with_the_numbers(sections, message):
+    with pytest.raises(ConfigError) as info:
+        build(**sections)
+    assert message in str(info.value)
+
+
+def test_budget_within_the_free_slots_builds():
+    plan = build(
+        deployment={"redundant_slots_per_die": 2}, eplb={"enabled": True, "redundancy_budget": 8}
+    )
+    assert plan.cfg.eplb.redundancy_budget == 8
+
+
+def test_replicas_swap_while_decoding_and_tokens_equal_the_reference(tmp_path):
+    """4 dies, one redundant slot each, MTP depth 1; a rebalance after every 2-iteration slice:
+    several swaps, iterations decoded while weights loaded, 0 mismatches."""
+    overrides = {
+        "deployment.redundant_slots_per_die": 1,
+        "scheduler.mtp_depth": 1,
+        "workload.num_requests": 8,
+        "workload.output_len": 24,
+        "workload.prompt_len": 12,
+        "workload.ignore_eos": "true",
+        "eplb.enabled": "true",
+        "eplb.interval": 2,
+        "eplb.slices": 1,
+        "run.output_dir": str(tmp_path),
+        "run.name": "eplb",
+    }
+    args = [a for key, value in overrides.items() for a in ("--set", f"{key}={value}")]
+    result = subprocess.run(
+        [str(XDS_MPI), "run", "colocated", "--check", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 mismatches" in result.stdout
+    with h5py.File(tmp_path / "eplb.h5", "r") as f:
+        eplb = f["eplb"]
+        assert eplb.attrs["num_reconfigs"] >= 2
+        assert eplb.attrs["num_loading_iterations"] > 0
+        assert eplb["slice_counts"].shape[1:] == (3 + 1, 16)  # 3 MoE layers + MTP, 16 experts
+        assert f["summary"].attrs["check_mismatches"] == 0
