@@ -3,8 +3,8 @@
 Step 1: every DP group's count slices arrive (ranks/eplb_die.py); a slice that every group sent
 is summed into one time slice, and the last `eplb.slices` of them are kept.
 Step 2: after every `eplb.slices` new time slices, with no swap in flight, the policy computes a
-new placement from the kept slices; if it differs from the one in use it goes to every die with
-the next version number (the dies swap it in, Step 3).
+new placement from the kept slices; the layers where it lowers the predicted max/mean die load
+change, and if any does, it goes to every die with the next version number (Step 3 swaps it in).
 It also keeps, per slice, what each die measured (routed rows received, MoE virtual time), so the
 summary and the run file show the per-layer and per-die load before and after each swap.
 """
@@ -20,7 +20,7 @@ from mpi4py import MPI
 from xds_mpi.config_eplb import budget
 from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import changed_slots, from_topology
-from xds_mpi.eplb.policy import predicted_max_over_mean, rebalance
+from xds_mpi.eplb.policy import keep_improvements, predicted_max_over_mean, rebalance
 from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, PlacementUpdate
 from xds_mpi.eplb.report import SCALED_BATCH, EplbReport, SliceTotals
 
@@ -83,9 +83,10 @@ class EplbShell:
     def _rebalance(self) -> None:
         """Step 2 on the kept slices; a changed placement goes to every die."""
         counts = np.stack(list(self.window), axis=1)  # [num_moe_layers, num_slices, num_experts]
-        new = rebalance(
+        proposed = rebalance(
             self.cfg.policy, self.placement, counts, self.budget, dies_per_node=self.dies_per_node
         )
+        new = keep_improvements(self.placement, proposed, counts)
         changed = changed_slots(self.placement, new)
         if not changed:
             return

@@ -9,7 +9,12 @@ import pytest
 from xccl.routing import rotation_table, select_slots
 from xds_mpi.eplb import deepseek, flowserve
 from xds_mpi.eplb.placement import Placement, changed_slots, die_loads, disable, remove_die
-from xds_mpi.eplb.policy import max_over_mean, predicted_max_over_mean, rebalance
+from xds_mpi.eplb.policy import (
+    keep_improvements,
+    max_over_mean,
+    predicted_max_over_mean,
+    rebalance,
+)
 
 
 def placement(num_dies: int = 4, experts_per_die: int = 2, redundant: int = 1) -> Placement:
@@ -155,3 +160,11 @@ def test_select_slots_is_the_table_gathered_at_the_gate_choice():
 def test_rotation_spreads_a_hot_expert_evenly():
     table = rotation_table([(7, 8, 9)], 300, src_rank=5)
     assert np.bincount(table[:, 0])[7:].tolist() == [100, 100, 100]
+
+
+def test_a_layer_changes_only_when_the_new_placement_predicts_less_straggling():
+    p = placement(num_dies=2, experts_per_die=1, redundant=1)  # slots: 0 | -1 | 1 | -1
+    good = p.with_layer(0, (0, -1, 1, 0))  # hot expert 0 also on die 1
+    counts = np.array([[[30, 10]]])  # [1 layer, 1 slice, 2 experts]
+    assert keep_improvements(p, good, counts) == good
+    assert keep_improvements(good, p, counts) == good  # p would straggle more: kept

@@ -39,3 +39,15 @@ def predicted_max_over_mean(placement: Placement, counts: np.ndarray) -> list[fl
         max_over_mean(die_loads(placement, layer, np.asarray(counts[layer]).sum(axis=0)))
         for layer in range(len(placement.phy2log))
     ]
+
+
+def keep_improvements(old: Placement, new: Placement, counts: np.ndarray) -> Placement:
+    """`new` in the layers where it lowers the predicted max/mean die load of `counts`, `old`
+    elsewhere: a swap costs weight loads and a while with fewer replicas, so it must pay.
+    counts: [num_layers, num_slices, num_experts]."""
+    before, after = predicted_max_over_mean(old, counts), predicted_max_over_mean(new, counts)
+    result = old
+    for layer, (b, a) in enumerate(zip(before, after)):
+        if a < b - 1e-9:
+            result = result.with_layer(layer, new.phy2log[layer])
+    return result
