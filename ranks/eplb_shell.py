@@ -12,7 +12,6 @@ summary and the run file show the per-layer and per-die load before and after ea
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -22,19 +21,7 @@ from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import changed_slots, from_topology
 from xds_mpi.eplb.policy import keep_improvements, predicted_max_over_mean, rebalance
 from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, PlacementUpdate
-from xds_mpi.eplb.report import SCALED_BATCH, EplbReport, SliceTotals
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reconfig:
-    """One placement sent to the dies. predicted_*: per layer max/mean die load of the kept
-    slices' counts under the placement in use and the new one."""
-
-    version: int
-    after_slice: int
-    num_changed_slots: int
-    predicted_before: tuple[float, ...]
-    predicted_after: tuple[float, ...]
+from xds_mpi.eplb.report import SCALED_BATCH, EplbReport, Reconfig, SliceTotals
 
 
 class EplbShell:
@@ -97,6 +84,7 @@ class EplbShell:
             num_changed_slots=len(changed),
             predicted_before=tuple(predicted_max_over_mean(self.placement, counts)),
             predicted_after=tuple(predicted_max_over_mean(new, counts)),
+            phy2log=new.phy2log,
         )
         self.reconfigs.append(reconfig)
         self.placement = new
@@ -119,8 +107,7 @@ class EplbShell:
         self.sends = [r for r in self.sends if not r.Test()]
 
     def report(self) -> EplbReport:
-        versions = [r.version for r in self.reconfigs]
-        return EplbReport.from_slices(self.slices, versions, self.pricing, self.target_rows)
+        return EplbReport.from_slices(self.slices, self.reconfigs, self.pricing, self.target_rows)
 
 
 def _ratios(values) -> str:

@@ -58,6 +58,20 @@ class SliceTotals:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Reconfig:
+    """One placement the TE-shell sent to the dies. after_slice: the last time slice it was
+    computed from; predicted_*: per layer max/mean die load of the kept slices' counts under the
+    placement in use and the new one; phy2log: the new placement [layers][slots]."""
+
+    version: int
+    after_slice: int
+    num_changed_slots: int
+    predicted_before: tuple[float, ...]
+    predicted_after: tuple[float, ...]
+    phy2log: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class VersionLoad:
     """The steady slices of one placement version: die_rows [num_moe_layers, num_dies] summed;
     max_over_mean per layer; moe_ms_per_iteration: virtual MoE time per iteration."""
@@ -103,19 +117,19 @@ class EplbReport:
 
     versions: tuple[VersionLoad, ...]
     after: VersionLoad | None
-    num_reconfigs: int
+    reconfigs: tuple[Reconfig, ...]
     num_loading_iterations: int
     load_ms: float
     slices: tuple[SliceTotals, ...]
 
     @classmethod
     def from_slices(
-        cls, slices: list[SliceTotals], versions: list[int], pricing=None, target_rows: float = 0
+        cls, slices: list[SliceTotals], reconfigs: list[Reconfig], pricing=None, target_rows=0.0
     ) -> EplbReport:
         """pricing: a MoePricing for the projected MoE time; target_rows: mean routed rows per
         die and MoE layer for the scaled projection (0: none)."""
         loads = []
-        for version in [0, *versions]:
+        for version in [0, *(r.version for r in reconfigs)]:
             steady = [s for s in slices if s.is_steady and s.version_start == version]
             if steady:
                 loads.append(_version_load(version, steady, pricing, target_rows))
@@ -124,11 +138,15 @@ class EplbReport:
         return cls(
             versions=tuple(loads),
             after=pooled,
-            num_reconfigs=len(versions),
+            reconfigs=tuple(reconfigs),
             num_loading_iterations=sum(s.num_loading for s in slices),
             load_ms=1e3 * max((s.load_s for s in slices), default=0.0),
             slices=tuple(slices),
         )
+
+    @property
+    def num_reconfigs(self) -> int:
+        return len(self.reconfigs)
 
     def lines(self) -> list[str]:
         """The summary: the swaps, then per placement version its measured load."""
@@ -184,6 +202,13 @@ class EplbReport:
             ):
                 g[f"slice_{name}"] = np.array([getattr(s, name) for s in self.slices])
             g["slice_moe_s"] = np.array([s.moe_s for s in self.slices])
+        if self.reconfigs:
+            g["reconfig_version"] = np.array([r.version for r in self.reconfigs])
+            g["reconfig_after_slice"] = np.array([r.after_slice for r in self.reconfigs])
+            g["reconfig_changed_slots"] = np.array([r.num_changed_slots for r in self.reconfigs])
+            g["reconfig_predicted_before"] = np.array([r.predicted_before for r in self.reconfigs])
+            g["reconfig_predicted_after"] = np.array([r.predicted_after for r in self.reconfigs])
+            g["reconfig_phy2log"] = np.array([r.phy2log for r in self.reconfigs])  # [n, L, slots]
         for v in self.versions + ((self.after,) if self.after else ()):
             vg = g.create_group(f"v{v.version}" if v.version >= 0 else "after")
             vg["die_rows"] = v.die_rows  # [layers, dies]
