@@ -46,12 +46,23 @@ class SliceBook:
     version_start: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class StagedLoad:
+    """A replica's weights staged by phase 1, to load into redundant slot `slot` of placement
+    row `row` in phase 3."""
+
+    row: int
+    slot: int
+    expert_idx: int
+    weights: object  # the expert's module, copied from the checkpoint in host memory
+
+
 @dataclass
 class Swap:
     """A reconfiguration in progress: the target placement and the slots still to load."""
 
     update: PlacementUpdate
-    to_load: list = field(default_factory=list)  # [(row, slot, expert, staged weights)]
+    to_load: list = field(default_factory=list)  # [StagedLoad]
 
 
 class EplbDie:
@@ -93,6 +104,8 @@ class EplbDie:
         if self.swap and agreed[1]:
             self._enable()
         elif not self.swap and agreed[0] > self.version:
+            # The TE-shell sends a placement only once the previous one is in use everywhere.
+            assert self.received.version == agreed[0], (self.received.version, agreed[0])
             self._prefetch_and_disable(self.received)
         if self.swap:
             self._load()
@@ -113,15 +126,16 @@ class EplbDie:
             expert = new.phy2log[row][slot]
             if expert >= 0:
                 moe = model.moe_of(self.expert_map.moe_layers[row])
-                staged.append((row, slot, expert, copy.deepcopy(moe.experts[expert])))
+                weights = copy.deepcopy(moe.experts[expert])
+                staged.append(StagedLoad(row=row, slot=slot, expert_idx=expert, weights=weights))
         self.expert_map.install(disable(old, changed))
         self.swap = Swap(update=update, to_load=staged)
 
     def _load(self) -> None:
         """Phase 3: up to load_slots_per_iteration slots get their weights this iteration."""
         for _ in range(min(self.cfg.load_slots_per_iteration, len(self.swap.to_load))):
-            row, slot, expert, weights = self.swap.to_load.pop(0)
-            self.expert_map.load(row, slot, expert, weights)
+            staged = self.swap.to_load.pop(0)
+            self.expert_map.load(staged.row, staged.slot, staged.expert_idx, staged.weights)
             self.load_s += self.pricer.cost.expert_pull()
 
     def _enable(self) -> None:
