@@ -68,6 +68,13 @@ class DieMemory:
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
         self.is_same_node = _same_node_table(comm)
+        if poll_idiom == "load" and not all(self.is_same_node):
+            # A local load never sees a write from another node (docs/mpi.md): it would hang.
+            far = [r for r, same in enumerate(self.is_same_node) if not same]
+            raise ValueError(
+                f"rank {self.rank}: poll_idiom 'load' cannot see writes from ranks {far} on "
+                "other nodes; use 'auto' or 'rma'"
+            )
         self.poll_idiom = poll_idiom
         self._word_buf = np.zeros(1, WORD)
         self._fetch_buf = np.zeros(1, WORD)
