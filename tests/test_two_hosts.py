@@ -65,7 +65,7 @@ def test_a_served_run_checks_equal_with_dies_on_both_hosts(hosts, tmp_path, conf
     ]
     argv = [str(XDS_MPI), "run", config, "--check", "--hosts", ",".join(hosts.names), *sets]
     out = subprocess.run(
-        hosts.on_host0(argv),
+        hosts.on(0, argv),
         env={**os.environ, **hosts.env},
         capture_output=True,
         text=True,

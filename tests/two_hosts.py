@@ -22,15 +22,29 @@ from pathlib import Path
 from launch.mpiexec import MpiCommand
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
+# `on NS HOST CMD...`: run CMD as host HOST. `ip netns exec` is not enough: it mounts a fresh
+# /sys, which has no cgroups (slurmd needs them); without a fresh /sys, UCX lists the machine's
+# network devices instead of the namespace's. So: a private mount namespace, the namespace's
+# network, a fresh sysfs with the machine's cgroups bound back in, the host's own /etc/hosts and
+# host name.
+ON = """#!/bin/sh
+ns=$1 host=$2; shift 2
+exec unshare --mount --uts nsenter --net=/var/run/netns/$ns sh -c '
+  mount --make-rprivate / &&
+  mkdir -p /run/xds-cgroup && mount --rbind /sys/fs/cgroup /run/xds-cgroup &&
+  mount -t sysfs sysfs /sys && mount --rbind /run/xds-cgroup /sys/fs/cgroup &&
+  mount --bind /etc/netns/$0/hosts /etc/hosts && hostname "$1" && shift && exec "$@"
+' "$ns" "$host" "$@"
+"""
+# hydra's launcher in place of ssh: `shim [ssh options] HOST COMMAND-LINE`.
 SHIM = """#!/bin/sh
-# ssh stand-in for hydra: run the command on a host = inside its network namespace, with its name.
 while [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done
 host=$1; shift
 case "$host" in
 {cases}
   *) echo "two-hosts shim: unknown host $host" >&2; exit 255;;
 esac
-exec ip netns exec "$ns" unshare --uts sh -c 'hostname "$0" && eval "$1"' "$host" "$*"
+exec {on} "$ns" "$host" sh -c "$*"
 """
 
 
@@ -38,7 +52,7 @@ def can_make_hosts() -> str:
     """Why two hosts cannot be made here ("" when they can)."""
     if os.geteuid() != 0:
         return "network namespaces need root (the CI runs as root)"
-    for tool in ("ip", "unshare"):
+    for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (Debian: iproute2, util-linux)"
     return ""
@@ -48,29 +62,26 @@ def can_make_hosts() -> str:
 class TwoHosts:
     names: tuple[str, str]  # host names, resolvable inside both namespaces
     namespaces: tuple[str, str]
+    addresses: tuple[str, str]
+    on_script: Path
     shim: Path
 
     @property
     def env(self) -> dict[str, str]:
+        """What an MPICH job needs to reach host 1 and to cross over TCP."""
         return {
             "HYDRA_LAUNCHER": "ssh",
             "HYDRA_LAUNCHER_EXEC": str(self.shim),
             "UCX_TLS": "tcp,self",
         }
 
-    def on_host0(self, argv: list[str] | tuple[str, ...]) -> list[str]:
-        """`argv` run on host 0: inside its namespace, under its host name."""
-        script = f'hostname {self.names[0]} && exec "$@"'
-        return ["ip", "netns", "exec", self.namespaces[0], "unshare", "--uts"] + [
-            "sh",
-            "-c",
-            script,
-            "sh",
-            *argv,
-        ]
+    def on(self, idx: int, argv: list[str] | tuple[str, ...]) -> list[str]:
+        """`argv` run on host `idx`."""
+        return [str(self.on_script), self.namespaces[idx], self.names[idx], *argv]
 
     def wrap(self, command: MpiCommand) -> MpiCommand:
-        return MpiCommand(argv=tuple(self.on_host0(command.argv)), env={**command.env, **self.env})
+        """An mpiexec line run on host 0 with the launcher environment."""
+        return MpiCommand(argv=tuple(self.on(0, command.argv)), env={**command.env, **self.env})
 
 
 @contextlib.contextmanager
@@ -80,13 +91,20 @@ def two_hosts(workdir: Path) -> Iterator[TwoHosts]:
     names = ("xds-h0", "xds-h1")
     try:
         _create(namespaces, names, tag)
-        shim = workdir / "two-hosts-shim"
+        on_script = _script(workdir / "on-host", ON)
         cases = "\n".join(f"  {n}) ns={ns};;" for n, ns in zip(names, namespaces, strict=True))
-        shim.write_text(SHIM.format(cases=cases))
-        shim.chmod(0o755)
-        yield TwoHosts(names=names, namespaces=namespaces, shim=shim)
+        shim = _script(workdir / "two-hosts-shim", SHIM.format(cases=cases, on=on_script))
+        yield TwoHosts(
+            names=names, namespaces=namespaces, addresses=ADDRESSES, on_script=on_script, shim=shim
+        )
     finally:
         _remove(namespaces)
+
+
+def _script(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
 
 
 def _create(namespaces: tuple[str, str], names: tuple[str, str], tag: str) -> None:
