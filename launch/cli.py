@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch import bench_afd, generate, project, submit, train
+from launch import bench_afd, generate, hosts, project, submit, train
 from launch.bench_report import add_row_options
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
@@ -71,6 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         rank_program(path, args.set),
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
+        placement=hosts.placement_flags(args.hosts, plan, args.mpiexec, dry_run=args.dry_run),
     )
     if args.dry_run:
         print(command.shell_line())
@@ -192,6 +193,14 @@ def _add_run(sub) -> None:
         help="mpiexec to use (default: $XDS_MPIEXEC, the venv's, then PATH)",
     )
     p.add_argument("--dry-run", action="store_true", help="print the command line, do not launch")
+    p.add_argument(
+        "--hosts",
+        default=None,
+        metavar="H1,H2,...",
+        help="run on these hosts: one per server by default (host ranks on the first), "
+        "whole servers spread when fewer; writes a hostfile under run.output_dir/hosts. The "
+        "MPI reaches the hosts its own way (ssh; hydra: $HYDRA_LAUNCHER_EXEC)",
+    )
     p.add_argument(
         "--check",
         action="store_true",

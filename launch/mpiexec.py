@@ -75,11 +75,13 @@ def mpi_command(
     *,
     timeout_s: float | None = None,
     mpiexec: str | None = None,
+    placement: Sequence[str] = (),
 ) -> MpiCommand:
-    """`mpiexec -n N <program...>` plus the flags and environment the detected MPI needs."""
+    """`mpiexec -n N <program...>` plus the flags and environment the detected MPI needs;
+    `placement`: flags that put the ranks on hosts (launch/hosts.py)."""
     mpiexec = mpiexec or find_mpiexec()
     flavor = mpi_flavor(mpiexec)
-    argv = [mpiexec, "-n", str(num_procs)]
+    argv = [mpiexec, "-n", str(num_procs), *placement]
     env = {"PYTHONUNBUFFERED": "1"}
     if flavor == "openmpi":
         argv.append("--oversubscribe")

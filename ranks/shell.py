@@ -24,10 +24,10 @@ if TYPE_CHECKING:  # imported when serving starts, after the handshake
 def run(ctx: RankContext) -> int:
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
-    handshake_s, status, serving = 0.0, "completed", None
+    handshake_s, status, serving, placements = 0.0, "completed", None, ()
     ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
     try:
-        handshake(ctx)
+        placements = handshake(ctx)
         handshake_s = time.perf_counter() - started
         ctx.log.info(
             "all %d ranks agree on the deployment (%.2f s): %s",
@@ -54,6 +54,8 @@ def run(ctx: RankContext) -> int:
             wall_time_s=time.perf_counter() - started,
             handshake_s=handshake_s,
             extra=serving.write if serving else None,
+            hosts=[p.host for p in placements],
+            nodes=[p.node for p in placements],
         )
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if serving and ctx.cfg.run.check:
@@ -71,6 +73,7 @@ class Serving:
         frontend = self._serve(ctx)
         self.records, self.started = frontend.records, frontend.started
         self.summary = summarize(self.records, frontend.started, time.time())
+        self.summary.update(self.cross_node)
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
@@ -86,11 +89,11 @@ class Serving:
         if ctx.cfg.run.check:
             self._check(ctx)
 
-    @staticmethod
-    def _serve(ctx: RankContext) -> Frontend:
-        """Serve the whole workload; the Frontend (its records and die reports) once done."""
+    def _serve(self, ctx: RankContext) -> Frontend:
+        """Serve the whole workload; the Frontend (its records and die reports) once done.
+        Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
         from ranks.frontend import Frontend
-        from xccl.gmem import DieMemory
+        from xccl.gmem import DieMemory, Traffic
 
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -98,6 +101,21 @@ class Serving:
         frontend.serve()
         mem.free()
         alone.Free()
+        total = Traffic()
+        for traffic in mem.world_traffic:
+            total.add(traffic)
+        self.cross_node = {
+            "cross_node_polls": total.remote_polls,
+            "cross_node_rma_ops": total.remote_rma,
+            "cross_node_bytes": total.remote_bytes,
+        }
+        if not all(mem.is_same_node):
+            ctx.log.info(
+                "cross-node traffic: %d polls through Fetch_and_op, %d RMA operations, %d bytes",
+                total.remote_polls,
+                total.remote_rma,
+                total.remote_bytes,
+            )
         return frontend
 
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:

@@ -33,7 +33,12 @@ def run_bodies(
     num_procs: int, *paths: str | Path, timeout_s: float = 120, extra: Sequence[str] = ()
 ) -> JobResult:
     """Run MPI test bodies with pytest-mpi on every rank of an `mpiexec -n N` job."""
-    args = [
+    return run_mpi(num_procs, body_args(paths, timeout_s, extra), timeout_s=timeout_s)
+
+
+def body_args(paths: Sequence[str | Path], timeout_s: float, extra: Sequence[str] = ()) -> list:
+    """The per-rank arguments after `python -m mpi4py` that run test bodies under pytest-mpi."""
+    return [
         "-m",
         "pytest",
         "--with-mpi",
@@ -46,7 +51,6 @@ def run_bodies(
         *extra,
         *(str(p) for p in paths),
     ]
-    return run_mpi(num_procs, args, timeout_s=timeout_s)
 
 
 def explain(result: JobResult) -> str:

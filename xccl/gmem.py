@@ -10,6 +10,9 @@ Polling a word of one's own window that a peer writes: on one node the window is
 a local load after `Win.Sync()` sees the peer's writes; a peer on another node must be progressed
 through MPI, so the poll is `Fetch_and_op(NO_OP)` on oneself + `Flush`. The idiom is chosen per
 writer ("auto"), or forced for the whole window ("load" / "rma").
+
+Every window counts what crossed nodes (`Traffic`): the cross-node path is the one a real
+multi-node pod takes, so the tests that run on two hosts check it was really taken.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 import numpy as np
@@ -26,6 +30,23 @@ from xccl.errors import OutOfWindow, XcclTimeout
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
+
+
+@dataclass
+class Traffic:
+    """What one rank's window did across nodes."""
+
+    remote_polls: int = 0  # polls of a word a writer on another node writes (Fetch_and_op + Flush)
+    remote_rma: int = 0  # put / get / word atomics whose target rank is on another node
+    remote_bytes: int = 0  # bytes those moved
+
+    def add(self, other: Traffic) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+# Every window this process freed, summed: what a test body reports after its windows are gone.
+PROCESS_TRAFFIC = Traffic()
 
 
 class DieMemory:
@@ -47,10 +68,19 @@ class DieMemory:
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
         self.is_same_node = _same_node_table(comm)
+        if poll_idiom == "load" and not all(self.is_same_node):
+            # A local load never sees a write from another node (docs/mpi.md): it would hang.
+            far = [r for r, same in enumerate(self.is_same_node) if not same]
+            raise ValueError(
+                f"rank {self.rank}: poll_idiom 'load' cannot see writes from ranks {far} on "
+                "other nodes; use 'auto' or 'rma'"
+            )
         self.poll_idiom = poll_idiom
         self._word_buf = np.zeros(1, WORD)
         self._fetch_buf = np.zeros(1, WORD)
         self._claimed: set[str] = set()
+        self.traffic = Traffic()
+        self.world_traffic: list[Traffic] | None = None  # on rank 0 after free(): every rank's
         comm.Barrier()  # every window zeroed before anyone writes into it
 
     # -- checks ---------------------------------------------------------------------------------
@@ -81,6 +111,7 @@ class DieMemory:
         """Write `data` (any contiguous array) at `offset` of `peer`'s window; complete on flush."""
         raw = _as_bytes(data)
         self.check(peer, offset, raw.nbytes, "put")
+        self._count(peer, raw.nbytes)
         if raw.nbytes:
             self.win.Put(raw, peer, offset)
 
@@ -88,6 +119,7 @@ class DieMemory:
         """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
         raw = _as_bytes(out)
         self.check(peer, offset, raw.nbytes, "get")
+        self._count(peer, raw.nbytes)
         if raw.nbytes:
             self.win.Get(raw, peer, offset)
 
@@ -101,6 +133,7 @@ class DieMemory:
     def store_word(self, peer: int, offset: int, value: int) -> None:
         """Atomically replace one 64-bit word in `peer`'s window (then flush to complete)."""
         self.check(peer, offset, WORD.itemsize, "store_word")
+        self._count(peer, WORD.itemsize)
         self._word_buf[0] = value
         self.win.Accumulate(
             [self._word_buf, 1, MPI.UINT64_T],
@@ -112,6 +145,7 @@ class DieMemory:
     def fetch_word(self, peer: int, offset: int) -> int:
         """Atomically read one word of `peer`'s window (Fetch_and_op NO_OP + Flush)."""
         self.check(peer, offset, WORD.itemsize, "fetch_word")
+        self._count(peer, WORD.itemsize)
         self.win.Fetch_and_op(
             [self._word_buf, MPI.UINT64_T],
             [self._fetch_buf, MPI.UINT64_T],
@@ -128,6 +162,7 @@ class DieMemory:
         if idiom == "auto":
             idiom = "load" if self.is_same_node[writer] else "rma"
         if idiom == "rma":
+            self.traffic.remote_polls += not self.is_same_node[writer]
             return self.fetch_word(self.rank, offset)
         self.check(self.rank, offset, WORD.itemsize, "load_word")
         self.win.Sync()
@@ -137,10 +172,18 @@ class DieMemory:
         """Memory barrier between RMA writes by peers and local loads of this window."""
         self.win.Sync()
 
+    def _count(self, peer: int, nbytes: int) -> None:
+        if not self.is_same_node[peer]:
+            self.traffic.remote_rma += 1
+            self.traffic.remote_bytes += nbytes
+
     def free(self) -> None:
-        """Release the window; safe to call twice."""
+        """Release the window (collective); safe to call twice. Rank 0 of the window's
+        communicator gets every rank's traffic in `world_traffic` first."""
         if self.win == MPI.WIN_NULL:
             return
+        self.world_traffic = self.comm.gather(self.traffic, root=0)
+        PROCESS_TRAFFIC.add(self.traffic)
         self.win.Unlock_all()
         self.win.Free()
         self.local = np.zeros(0, np.uint8)

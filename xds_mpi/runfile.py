@@ -7,13 +7,15 @@ Layout (a later issue adds per-request results as more groups in the same file):
                             started_at (ISO 8601, local time), topology (Topology.summary())
     /config          0-d string dataset: the effective config (file + --set) as YAML
     /ranks           table, one row per rank: rank, role, die_idx, server, chip, die_in_chip,
-                     dp_domain, dp_group (-1 where it does not apply)
+                     dp_domain, dp_group (-1 where it does not apply); host (Slurm node
+                     name or host name) and node (lowest world rank on the rank's MPI memory
+                     node) once the handshake has seen every rank
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -56,7 +58,7 @@ class RunRecord:
     started_at: str
     topology: str
     config: Config
-    ranks: dict[str, np.ndarray]  # RANK_FIELDS + "role", each [world_size]
+    ranks: dict[str, np.ndarray]  # RANK_FIELDS + "role" (+ "host", "node"), each [world_size]
 
 
 def write_run_file(
@@ -69,6 +71,8 @@ def write_run_file(
     wall_time_s: float,
     handshake_s: float,
     extra: Callable[[h5py.File], None] | None = None,
+    hosts: Sequence[str] = (),
+    nodes: Sequence[int] = (),
 ) -> Path:
     """Write the run file atomically (a temp file renamed into place), so a reader never sees a
     half-written file and an array of runs never shares one. `extra` adds more groups (the
@@ -94,6 +98,9 @@ def write_run_file(
         for field in RANK_FIELDS:
             ranks[field] = np.array([getattr(info, field) for info in topo.ranks], dtype=np.int32)
         ranks["role"] = np.array([info.role for info in topo.ranks], dtype=h5py.string_dtype())
+        if hosts:
+            ranks["host"] = np.array(list(hosts), dtype=h5py.string_dtype())
+            ranks["node"] = np.array(list(nodes), dtype=np.int32)
         if extra is not None:
             extra(f)
     os.replace(tmp, path)
@@ -106,6 +113,9 @@ def read_run_file(path: str | Path) -> RunRecord:
         config_text = f["config"][()].decode()
         ranks = {field: f["ranks"][field][()] for field in RANK_FIELDS}
         ranks["role"] = f["ranks"]["role"].asstr()[()]
+        if "host" in f["ranks"]:
+            ranks["host"] = f["ranks"]["host"].asstr()[()]
+            ranks["node"] = f["ranks"]["node"][()]
     return RunRecord(
         name=str(attrs["name"]),
         status=str(attrs["status"]),

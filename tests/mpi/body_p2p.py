@@ -32,9 +32,11 @@ LINK = LinkModel(
 )
 
 
-@pytest.fixture(params=["load", "rma"])
+@pytest.fixture(params=["auto", "rma"])
 def p2p(request):
-    """Every ordered pair (self included) has a ring; both polling idioms of gmem are tested."""
+    """Every ordered pair (self included) has a ring; both polling idioms of gmem are tested:
+    "auto" is the local load on one node (and RMA for writers on other nodes), "rma" forces
+    Fetch_and_op everywhere."""
     layout = P2PLayout.build(comm.size, SLOTS, SLOT, all_pairs(RANKS))
     mem = DieMemory(comm, layout.window_bytes(comm.rank), poll_idiom=request.param)
     yield P2P(mem, layout, timeout_s=30)

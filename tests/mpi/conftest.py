@@ -37,3 +37,20 @@ def pytest_runtest_makereport(item, call):
     )
     sys.stderr.flush()
     comm.Abort(1)
+
+
+def pytest_sessionfinish(session):
+    """With XDS_PRINT_TRAFFIC=1 each rank prints what its windows did across nodes (the two-host
+    tests read these lines to check that the cross-node path was taken)."""
+    import os
+
+    if os.environ.get("XDS_PRINT_TRAFFIC") != "1":
+        return
+    from dataclasses import asdict
+
+    from mpi4py import MPI
+
+    from xccl.gmem import PROCESS_TRAFFIC
+
+    fields = " ".join(f"{k}={v}" for k, v in asdict(PROCESS_TRAFFIC).items())
+    print(f"\nxccl traffic rank {MPI.COMM_WORLD.rank}: {fields}", flush=True)

@@ -1,0 +1,90 @@
+"""Two hosts (network namespaces, tests/two_hosts.py): the XCCL protocol bodies and served runs
+with ranks on both hosts. The cross-node path must really be taken: every run's windows count
+the polls that went through Fetch_and_op and the RMA operations between hosts, and both must be
+non-zero; the run file's rank table shows which host each rank ran on."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import KILL_GRACE_S, MPI_DIR, REPO_ROOT, body_args, explain
+from two_hosts import can_make_hosts, two_hosts
+
+from launch.mpiexec import mpi_command, run_job
+from xds_mpi.runfile import read_run_file
+
+pytestmark = pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "n/a")
+XDS_MPI = Path(sys.executable).parent / "xds-mpi"
+TRAFFIC = re.compile(r"xccl traffic rank (\d+): remote_polls=(\d+) remote_rma=(\d+)")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with two_hosts(tmp_path_factory.mktemp("two-hosts")) as made:
+        yield made
+
+
+@pytest.mark.parametrize("body", ["body_p2p.py", "body_ep.py", "body_afd.py"])
+def test_a_protocol_body_passes_across_two_hosts(hosts, tmp_path, body):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{hosts.names[0]}:2\n{hosts.names[1]}:2\n")
+    program = [sys.executable, "-m", "mpi4py", *body_args([MPI_DIR / body], 240)]
+    command = mpi_command(4, program, timeout_s=240, placement=("-f", str(hostfile)))
+    command = hosts.wrap(command)
+    env = {**command.env, "XDS_PRINT_TRAFFIC": "1"}
+    result = run_job(
+        command.__class__(argv=command.argv, env=env),
+        timeout_s=240 + KILL_GRACE_S,
+        capture=True,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, explain(result)
+    passed = re.findall(r"(\d+) passed", result.output)
+    assert len(passed) == 4 and all(int(n) > 0 for n in passed), explain(result)
+    traffic = {int(r): (int(p), int(m)) for r, p, m in TRAFFIC.findall(result.output)}
+    assert sorted(traffic) == [0, 1, 2, 3], explain(result)
+    assert sum(p for p, _ in traffic.values()) > 0, f"no poll crossed hosts: {traffic}"
+    assert sum(m for _, m in traffic.values()) > 0, f"no RMA crossed hosts: {traffic}"
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        ("colocated", ["hardware.chips_per_server=1"]),
+        ("afd", ["hardware.chips_per_server=2"]),
+    ],
+)
+def test_a_served_run_checks_equal_with_dies_on_both_hosts(hosts, tmp_path, config, overrides):
+    sets = [
+        a for o in [*overrides, f"run.output_dir={tmp_path}", "run.name=two"] for a in ("--set", o)
+    ]
+    argv = [str(XDS_MPI), "run", config, "--check", "--hosts", ",".join(hosts.names), *sets]
+    out = subprocess.run(
+        hosts.on(0, argv),
+        env={**os.environ, **hosts.env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-6000:]
+    assert re.search(r"check: \d+ requests, \d+ tokens, 0 mismatches", text), text[-3000:]
+    run = read_run_file(tmp_path / "two.h5")
+    # Every die of a server ran on the host the hostfile gave that server; host ranks on host 0.
+    servers = sorted({int(s) for s in run.ranks["server"] if s >= 0})
+    for rank, server in enumerate(run.ranks["server"]):
+        expected = (
+            hosts.names[0] if server < 0 else hosts.names[servers.index(server) * 2 // len(servers)]
+        )
+        assert run.ranks["host"][rank] == expected, (rank, server, list(run.ranks["host"]))
+    import h5py
+
+    with h5py.File(tmp_path / "two.h5") as f:
+        summary = dict(f["summary"].attrs)
+    assert summary["cross_node_polls"] > 0 and summary["cross_node_rma_ops"] > 0, summary
