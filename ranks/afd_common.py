@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_parts import make_pricer
+from xds_mpi import trace
 
 if TYPE_CHECKING:
     from ranks.recompute import Recoverable
@@ -37,6 +38,7 @@ class AfdDieBase:
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
+        trace.set_clock(self.clock)
         self.afd = self._afd_buffer()
         self.plan = self._call_plan()
         self.pricer = make_pricer(cfg, self.clock, self.slots)
@@ -59,6 +61,7 @@ class AfdDieBase:
             clock=self.clock,
             num_cores=xccl.num_cores,
             timeout_s=xccl.poll_timeout_s,
+            wait_span=trace.span,
         )
 
     def _call_plan(self) -> AfdPlan:

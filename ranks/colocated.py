@@ -14,6 +14,7 @@ from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
+from xds_mpi import trace
 
 
 def run(ctx: RankContext) -> None:
@@ -46,7 +47,9 @@ class ColocatedDie:
             clock=clock,
             num_cores=cfg.xccl.num_cores,
             timeout_s=cfg.xccl.poll_timeout_s,
+            wait_span=trace.span,
         )
+        trace.set_clock(clock)
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)

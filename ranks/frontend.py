@@ -10,6 +10,8 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from ranks.trace_io import gather_traces
+from xds_mpi import trace
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import rejection
@@ -50,6 +52,7 @@ class Frontend:
         self.num_open = len(self.queue)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
+        self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/trace_io.py)
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -85,6 +88,7 @@ class Frontend:
             me="TE-shell",
             event="die report",
         )
+        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s)
         self._take_tokens()
         MPI.Request.Waitall(self.sends)
 
@@ -98,7 +102,9 @@ class Frontend:
             self.balancer.on_dispatch(group, req)
             record = self.records[req.req_id]
             record.die_rank, record.dispatched_at = group, time.time()
-            self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
+            with trace.span("request", req_id=req.req_id, die=group):
+                trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
+                self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
             num += 1
         return num
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from ranks.context import RankContext
 from ranks.handshake import handshake
+from xds_mpi import trace
 from xds_mpi.runfile import run_file_path, write_run_file
+from xds_mpi.trace_writer import trace_path, write_trace
 
 if TYPE_CHECKING:  # imported when serving starts, after the handshake
     from ranks.frontend import Frontend
@@ -55,6 +57,9 @@ def run(ctx: RankContext) -> int:
             handshake_s=handshake_s,
             extra=serving.write if serving else None,
         )
+        if ctx.cfg.run.trace:
+            traces = {ctx.comm.rank: trace.take_events(), **(serving.traces if serving else {})}
+            ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if serving and ctx.cfg.run.check:
             print(serving.check_line, flush=True)
@@ -68,8 +73,10 @@ class Serving:
     def __init__(self, ctx: RankContext) -> None:
         from xds_mpi.engine.results import format_summary, summarize
 
-        frontend = self._serve(ctx)
+        with trace.span("serve"):
+            frontend = self._serve(ctx)
         self.records, self.started = frontend.records, frontend.started
+        self.traces = frontend.traces
         self.summary = summarize(self.records, frontend.started, time.time())
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
@@ -79,7 +86,8 @@ class Serving:
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
         if ctx.cfg.run.check:
-            self._check(ctx)
+            with trace.span("check"):
+                self._check(ctx)
 
     @staticmethod
     def _serve(ctx: RankContext) -> Frontend:

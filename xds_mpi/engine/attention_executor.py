@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from xccl.afd import AfdBuffer
+from xds_mpi import trace
 from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork
@@ -49,7 +50,7 @@ class AttentionExecutor(ColocatedExecutor):
                     if pending[mb] is not None:  # previous layer's MoE
                         xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
                         pending[mb] = None
-                    with meter("attention"):
+                    with meter("attention", layer=layer_idx, microbatch=mb):
                         if group:
                             xs[mb] = layer.attention_part(
                                 xs[mb], positions, chunks, self.cache, layer_idx
@@ -65,10 +66,12 @@ class AttentionExecutor(ColocatedExecutor):
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
                     xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-            sampled, works = self._verify(entries, torch.cat(xs))  # groups are contiguous
-            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
+            with trace.span("sampling"):
+                sampled, works = self._verify(entries, torch.cat(xs))  # groups are contiguous
+                self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
-                self._draft(works, meter)
+                with trace.span("MTP", depth=self.mtp_depth):
+                    self._draft(works, meter)
         return self.results(sampled, works), self.timing(entries, sampled, meter)
 
     def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
@@ -80,7 +83,7 @@ class AttentionExecutor(ColocatedExecutor):
         for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):
             num_rows = sum(counts[first : first + num_works])
             xm = x[row : row + num_rows]
-            with meter("attention"):
+            with meter("attention", layer=layer_idx, microbatch=mb):
                 if num_works:
                     xm = block.attention_part(
                         xm,
@@ -101,11 +104,12 @@ class AttentionExecutor(ColocatedExecutor):
 
     def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, meter: Meter):
         """Gate the microbatch and send it toward its experts (returns without waiting)."""
-        with meter("experts"):
+        where = {"layer": planned.layer_idx, "microbatch": planned.microbatch}
+        with meter("experts", "gate", **where):
             h = layer.ffn_norm(x)
             routing = layer.ffn.gate(h)
             self.pricer.gate(len(h))
-        with meter("xccl"):
+        with meter("xccl", "dispatch", **where):
             return self.afd.a2e(
                 h.numpy(),
                 routing.topk_idx.numpy(),
@@ -117,5 +121,5 @@ class AttentionExecutor(ColocatedExecutor):
 
     def _e2a(self, handle, meter: Meter) -> torch.Tensor:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
-        with meter("xccl"):
+        with meter("xccl", "combine", event=handle.call.event_id):
             return torch.from_numpy(self.afd.e2a(handle))

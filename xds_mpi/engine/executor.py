@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from xccl.ep import EpBuffer
+from xds_mpi import trace
 from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
@@ -85,7 +86,7 @@ class ColocatedExecutor:
         with torch.inference_mode():
             x = self.model.embed(tokens)  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):
-                with meter("attention"):
+                with meter("attention", layer=layer_idx):
                     if entries:
                         x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
                     self.pricer.attention(entries, is_moe=layer.is_moe)
@@ -94,10 +95,12 @@ class ColocatedExecutor:
                 elif entries:
                     x = layer.ffn_part(x)
                     self.pricer.dense_ffn(len(tokens))
-            sampled, works = self._verify(entries, x)
-            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
+            with trace.span("sampling"):
+                sampled, works = self._verify(entries, x)
+                self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
             if self.mtp_depth:
-                self._draft(works, meter)
+                with trace.span("MTP", depth=self.mtp_depth):
+                    self._draft(works, meter)
         return self.results(sampled, works), self.timing(entries, sampled, meter)
 
     @staticmethod
@@ -129,10 +132,10 @@ class ColocatedExecutor:
     def _moe(self, moe, h: torch.Tensor, layer_idx: int, meter: Meter) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
         pricer = self.pricer
-        with meter("experts"):
+        with meter("experts", "gate", layer=layer_idx):
             routing = moe.gate(h)
             pricer.gate(len(h))
-        with meter("xccl"):
+        with meter("xccl", "dispatch", layer=layer_idx):
             with pricer.waiting("dispatch"):
                 recv_x, info, handle = self.ep.dispatch(
                     h.numpy(),
@@ -143,14 +146,14 @@ class ColocatedExecutor:
                     shared_slots=self.shared_slots,
                 )
             pricer.dispatch(len(recv_x))
-        with meter("experts"):
+        with meter("experts", layer=layer_idx, rows=len(recv_x)):
             expert_out = self._experts(moe, recv_x, info)
             pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
-        with meter("xccl"):
+        with meter("xccl", "combine", layer=layer_idx):
             with pricer.waiting("combine"):
                 routed = torch.from_numpy(self.ep.combine(expert_out, handle))
             pricer.combine(len(h))
-        with meter("experts"):
+        with meter("experts", layer=layer_idx, shared=True):
             shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         return shared + routed
 
@@ -251,7 +254,7 @@ class ColocatedExecutor:
         """MTP module `depth`'s block over this die's rows: attention, then its MoE through
         dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
-        with meter("attention"):
+        with meter("attention", layer=layer_idx):
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
             if active:
                 x = block.attention_part(x, positions, chunks, self.cache, layer_idx)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xccl.vclock import VirtualClock
+from xds_mpi import trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,8 @@ class Meter:
     time since the meter started, and the virtual time the die's clock advanced meanwhile.
 
     Kinds are those of IterationTiming: "attention", "xccl", "experts"; work outside every
-    `with` (embedding, dense FFN, sampling) counts in the total only."""
+    `with` (embedding, dense FFN, sampling) counts in the total only. With tracing on, each
+    `with` is also a span (`name`, default the kind; xds_mpi/trace.py) from the same readings."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
@@ -40,12 +42,14 @@ class Meter:
         self.seconds: defaultdict[str, float] = defaultdict(float)  # kind -> wall seconds
 
     @contextmanager
-    def __call__(self, kind: str):
-        started_s = time.perf_counter()
+    def __call__(self, kind: str, name: str = "", **args):
+        started_s, vstart_ns = time.perf_counter(), self.clock.now_ns
         try:
             yield
         finally:
-            self.seconds[kind] += time.perf_counter() - started_s
+            ended_s = time.perf_counter()
+            self.seconds[kind] += ended_s - started_s
+            trace.record(name or kind, (started_s, ended_s), (vstart_ns, self.clock.now_ns), **args)
 
     def total_s(self) -> float:
         return time.perf_counter() - self.started_s
