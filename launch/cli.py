@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch import bench_afd, generate, project, submit, train
+from launch import bench_afd, generate, project, run_report, submit, train
 from launch.bench_report import add_row_options
 from launch.mpiexec import mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     project.add_parser(sub)
     train.add_parser(sub)
+    run_report.add_parser(sub)
     return parser
 
 

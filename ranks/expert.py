@@ -63,11 +63,14 @@ class ExpertDie(AfdDieBase):
         """One slot's rows of one call: a routed expert, or the shared experts."""
         import torch
 
-        moe = self.model.moe_of(self.layer_of[call.call])
-        with torch.inference_mode(), trace.span("experts", slot=slot, rows=len(rows)):
+        layer_idx = self.layer_of[call.call]
+        moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
+        expert = self.topo.phy2log[slot] if is_routed else -1
+        where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
+        with torch.inference_mode(), trace.span("experts", **where):
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype
-            if slot < self.slots.num_routed_slots:
-                out = moe.expert_forward(self.topo.phy2log[slot], x)
+            if is_routed:
+                out = moe.expert_forward(expert, x)
             else:
                 out = moe.shared_forward(x)
             self.pricer.experts(len(rows), 0)

@@ -66,8 +66,8 @@ def _event(e: SpanRecord, pid: int, tid: int, ts: float, end_or_dur: float) -> d
         event.update(id=e.flow_id, cat="flow")
         if e.phase == "f":
             event["bp"] = "e"
-    if e.args:
-        event["args"] = e.args
+    if e.args or e.rolled_back:
+        event["args"] = {**e.args, "rolled_back": True} if e.rolled_back else e.args
     return event
 
 

@@ -146,7 +146,7 @@ class ColocatedExecutor:
                     shared_slots=self.shared_slots,
                 )
             pricer.dispatch(len(recv_x))
-        with meter("experts", layer=layer_idx, rows=len(recv_x)):
+        with meter("experts", layer=layer_idx, **self._load(info)):
             expert_out = self._experts(moe, recv_x, info)
             pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
         with meter("xccl", "combine", layer=layer_idx):
@@ -156,6 +156,13 @@ class ColocatedExecutor:
         with meter("experts", layer=layer_idx, shared=True):
             shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         return shared + routed
+
+    def _load(self, info) -> dict:
+        """The trace's expert load: rows per local slot, by logical expert (-1: shared)."""
+        if not trace.is_enabled():
+            return {}
+        experts = [self.phy2log[s] if self.slots.is_routed(s) else -1 for s in info.local_slots]
+        return {"experts": experts, "rows": info.num_rows_per_slot.tolist()}
 
     def _experts(self, moe, recv_x: np.ndarray, info) -> np.ndarray:
         """This die's slots over the rows they received: recv_x [R, hidden] in the wire's row
