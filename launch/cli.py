@@ -7,6 +7,7 @@ CONFIG is a YAML file or the name of one in configs/ (default: colocated). Every
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from launch import bench_afd, generate, project, run_report, submit, train
@@ -17,6 +18,7 @@ from launch.report import rank_map
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.fabric import format_bytes
 from xds_mpi.plan import DeploymentPlan
+from xds_mpi.progress import PROGRESS_ENV, progress_mode
 
 # How long the launcher waits beyond run.timeout_s (MPIEXEC_TIMEOUT) before killing the group.
 LAUNCH_GRACE_S = 30
@@ -76,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(command.shell_line())
         return 0
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
+    os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
     if result.timed_out:
         print(
