@@ -63,9 +63,7 @@ def _eta(s: Snapshot) -> str:
 def format_bar(s: Snapshot) -> str:
     filled = round(BAR_WIDTH * s.tokens / max(s.max_tokens, 1))
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    return (
-        f"[{bar}] {s.done}/{s.total} requests, {s.tokens_per_s():.1f} tok/s, ETA {s.eta_s():.1f} s"
-    )
+    return f"[{bar}] {s.done}/{s.total} requests, {s.tokens_per_s():.1f} tok/s, ETA {_eta(s)}"
 
 
 class Progress:
