@@ -38,7 +38,6 @@ class AfdDieBase:
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
         self.clock = VirtualClock()
-        trace.set_clock(self.clock)
         self.afd = self._afd_buffer()
         self.plan = self._call_plan()
         self.pricer = make_pricer(cfg, self.clock, self.slots)

@@ -49,7 +49,6 @@ class ColocatedDie:
             timeout_s=cfg.xccl.poll_timeout_s,
             wait_span=trace.span,
         )
-        trace.set_clock(clock)
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)

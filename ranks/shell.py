@@ -58,12 +58,17 @@ def run(ctx: RankContext) -> int:
             extra=serving.write if serving else None,
         )
         if ctx.cfg.run.trace:
-            traces = {ctx.comm.rank: trace.take_events(), **(serving.traces if serving else {})}
-            ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
+            _write_trace(ctx, path, serving.traces if serving else {})
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if serving and ctx.cfg.run.check:
             print(serving.check_line, flush=True)
     return 1 if serving and serving.mismatches else 0
+
+
+def _write_trace(ctx: RankContext, path, traces: dict) -> None:
+    """The shell's own events and the ranks' gathered `traces` beside the run file."""
+    traces = {ctx.comm.rank: trace.take_events(), **traces}
+    ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
 
 
 class Serving:

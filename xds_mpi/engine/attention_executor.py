@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from xccl.afd import AfdBuffer
-from xds_mpi import trace
 from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork
@@ -66,12 +65,8 @@ class AttentionExecutor(ColocatedExecutor):
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
                     xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-            with trace.span("sampling"):
-                sampled, works = self._verify(entries, torch.cat(xs))  # groups are contiguous
-                self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
-            if self.mtp_depth:
-                with trace.span("MTP", depth=self.mtp_depth):
-                    self._draft(works, meter)
+            # The microbatches are contiguous groups of the batch.
+            sampled, works = self._sample_and_draft(entries, torch.cat(xs), meter)
         return self.results(sampled, works), self.timing(entries, sampled, meter)
 
     def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:

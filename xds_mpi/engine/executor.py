@@ -95,13 +95,19 @@ class ColocatedExecutor:
                 elif entries:
                     x = layer.ffn_part(x)
                     self.pricer.dense_ffn(len(tokens))
-            with trace.span("sampling"):
-                sampled, works = self._verify(entries, x)
-                self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
-            if self.mtp_depth:
-                with trace.span("MTP", depth=self.mtp_depth):
-                    self._draft(works, meter)
+            sampled, works = self._sample_and_draft(entries, x, meter)
         return self.results(sampled, works), self.timing(entries, sampled, meter)
+
+    def _sample_and_draft(self, entries: list[Entry], x: torch.Tensor, meter: Meter):
+        """The main model's tokens (verifying drafts), then with MTP the next drafts; x: the last
+        layer's rows [n, hidden]. Returns (sampled, works) of `_verify`."""
+        with trace.span("sampling"):
+            sampled, works = self._verify(entries, x)
+            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
+        if self.mtp_depth:
+            with trace.span("MTP", depth=self.mtp_depth):
+                self._draft(works, meter)
+        return sampled, works
 
     @staticmethod
     def results(sampled: dict[int, list[int]], works: dict[int, MtpWork]) -> dict[int, Sampled]:
