@@ -119,6 +119,7 @@ def recovery(run: RunData, path: Path) -> Path:
     if not run.recovery:
         ax.text(0.5, 0.5, "no faults, rollbacks or recomputation", transform=ax.transAxes)
     ax.set_yticks(list(rows.values()), list(rows))
+    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [s + d for _, s, d in run.recovery]))
     ax.set_xlabel("wall s since the run's first event")
     count = sum(1 for name, _, _ in run.recovery if name == "fault")
     where = "" if run.has_trace else " (no trace)"
