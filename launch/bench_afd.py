@@ -10,10 +10,9 @@ import argparse
 import sys
 
 from launch.bench_report import add_row_options
-from launch.mpiexec import mpi_command, run_job
+from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, run_job
 from xds_mpi.config import ConfigError
 
-LAUNCH_GRACE_S = 30
 
 
 def add_parser(kinds) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Literal
 
 MpiFlavor = Literal["mpich", "openmpi", "unknown"]
+# How long the launcher waits beyond MPIEXEC_TIMEOUT before killing the group.
+LAUNCH_GRACE_S = 30
 
 # MPICH: without it every Win.Flush runs the whole progress engine (docs/mpi.md §3).
 MPICH_ENV = {"MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS": "1"}

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_parts import make_pricer
+from xds_mpi import trace
 
 if TYPE_CHECKING:
     from ranks.recompute import Recoverable
@@ -59,6 +60,7 @@ class AfdDieBase:
             clock=self.clock,
             num_cores=xccl.num_cores,
             timeout_s=xccl.poll_timeout_s,
+            wait_span=trace.span,
         )
 
     def _call_plan(self) -> AfdPlan:

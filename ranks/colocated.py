@@ -15,6 +15,7 @@ from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
+from xds_mpi import trace
 
 
 def run(ctx: RankContext) -> None:
@@ -47,6 +48,7 @@ class ColocatedDie:
             clock=clock,
             num_cores=cfg.xccl.num_cores,
             timeout_s=cfg.xccl.poll_timeout_s,
+            wait_span=trace.span,
         )
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler

@@ -16,6 +16,8 @@ from ranks.messages import (
     DieReport,
     TokenBatch,
 )
+from ranks.trace_io import send_trace
+from xds_mpi import trace
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.scheduler import DieScheduler, Emitted
 from xds_mpi.engine.timing import IterationTiming
@@ -58,6 +60,7 @@ def serve(die: DecodeDie) -> None:
         pass
     totals = die.totals()
     die.outbox.report(totals.num_iterations, totals.virtual_spent, totals.recovery)
+    send_trace(die.outbox.comm, timeout_s=die.outbox.timeout_s)
     die.close()
 
 
@@ -69,7 +72,10 @@ class Inbox:
     def poll(self) -> None:
         """Take every request that has arrived; note a stop."""
         while (message := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
-            self.scheduler.add(message.recv())
+            req = message.recv()
+            with trace.span("request", req_id=req.req_id):
+                trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell's dispatch
+                self.scheduler.add(req)
         if not self.is_stopped:
             message = self.comm.improbe(source=SHELL, tag=TAG_STOP)
             if message is not None:

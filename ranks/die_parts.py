@@ -48,7 +48,9 @@ def decode_state(cfg: Config, model) -> DecodeState:
 
 def make_pricer(cfg: Config, clock, slots):
     """The die's pricer: the cost model at the target shape on the configured hardware profile,
-    advancing `clock`; routed experts spread over the dies that host routed slots."""
+    advancing `clock` (which the die's trace reads too); routed experts spread over the dies
+    that host routed slots."""
+    from xds_mpi import trace
     from xds_mpi.cost import CostModel, Hardware
     from xds_mpi.engine.pricing import Pricer
     from xds_mpi.hardware import load_profile
@@ -56,6 +58,7 @@ def make_pricer(cfg: Config, clock, slots):
 
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
     routed_dies = set(slots.slot_owner[: slots.num_routed_slots])
+    trace.set_clock(clock)
     return Pricer(
         cost, cfg.model, clock, use_int8=cfg.xccl.use_int8, num_routed_dies=len(routed_dies)
     )

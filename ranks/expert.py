@@ -13,6 +13,8 @@ import numpy as np
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
 from ranks.handshake import handshake
+from ranks.trace_io import send_trace
+from xds_mpi import trace
 
 
 def run(ctx: RankContext) -> None:
@@ -28,6 +30,7 @@ def run(ctx: RankContext) -> None:
         die.afd.counters.metadata_writes,
     )
     die.recompute.report()  # collective: the dies' fault total
+    send_trace(ctx.comm, timeout_s=ctx.cfg.xccl.poll_timeout_s)
     die.close()  # collective: only on the way out together (an error aborts the job)
 
 
@@ -53,18 +56,22 @@ class ExpertDie(AfdDieBase):
     def attempt(self, busy, planned):
         """The expert dies' part of the iteration: every planned call, whatever the domain."""
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
-        return self.loop.run([p.call for p in planned])  # persistent: every layer, no return
+        with trace.span("expert loop", calls=len(planned)):
+            return self.loop.run([p.call for p in planned])  # persistent: every layer
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""
         import torch
 
-        moe = self.model.moe_of(self.layer_of[call.call])
-        with torch.inference_mode():
+        layer_idx = self.layer_of[call.call]
+        moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
+        expert = self.topo.phy2log[slot] if is_routed else -1
+        where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
+        with torch.inference_mode(), trace.span("experts", **where):
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype
-            if slot < self.slots.num_routed_slots:
-                out = moe.expert_forward(self.topo.phy2log[slot], x)
+            if is_routed:
+                out = moe.expert_forward(expert, x)
             else:
                 out = moe.shared_forward(x)
-        self.pricer.experts(len(rows), 0)
+            self.pricer.experts(len(rows), 0)
         return out.numpy()

@@ -11,13 +11,14 @@ from mpi4py import MPI
 from ranks.context import RankContext
 from ranks.eplb_shell import make_eplb_shell
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from ranks.trace_io import gather_traces
+from xds_mpi import trace
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.engine.workload import load_workload
-
-PROGRESS_EVERY_S = 1.0
+from xds_mpi.progress import Progress, Snapshot
 
 
 def decode_groups(topo) -> tuple[int, ...]:
@@ -52,17 +53,17 @@ class Frontend:
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
+        self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/trace_io.py)
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
         self.started = time.time()
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
-        next_progress = time.monotonic() + PROGRESS_EVERY_S
+        progress = Progress(self.log)
         while self.num_open:
             did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
-            if time.monotonic() > next_progress:
-                self.log.info(self.progress())
-                next_progress += PROGRESS_EVERY_S
+            if progress.is_due():
+                progress.show(self.progress())
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"TE-shell: {self.num_open} requests unfinished after "
@@ -70,6 +71,7 @@ class Frontend:
                 )
             if not did_work:
                 time.sleep(0.0005)
+        progress.close()
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         send_to_each(
             self.comm,
@@ -87,6 +89,7 @@ class Frontend:
             me="TE-shell",
             event="die report",
         )
+        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s)
         self._take_tokens()
         self.eplb.finish()
         MPI.Request.Waitall(self.sends)
@@ -101,7 +104,9 @@ class Frontend:
             self.balancer.on_dispatch(group, req)
             record = self.records[req.req_id]
             record.die_rank, record.dispatched_at = group, time.time()
-            self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
+            with trace.span("request", req_id=req.req_id, die=group):
+                trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
+                self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
             num += 1
         return num
 
@@ -121,15 +126,16 @@ class Frontend:
             num += 1
         return num
 
-    def progress(self) -> str:
-        done = sum(1 for r in self.records.values() if r.finished_at)
-        tokens = sum(len(r.tokens) for r in self.records.values())
-        elapsed = time.time() - self.started
-        pending = sum(self.balancer.num_pending.values())
-        return (
-            f"progress: {done}/{len(self.records)} requests done, {tokens} tokens, "
-            f"{tokens / max(elapsed, 1e-9):.1f} tok/s, {pending} running, "
-            f"{len(self.queue)} queued, {elapsed:.1f} s"
+    def progress(self) -> Snapshot:
+        served = [r for r in self.records.values() if not r.rejected]
+        return Snapshot(
+            done=sum(1 for r in served if r.finished_at),
+            total=len(served),
+            tokens=sum(len(r.tokens) for r in served),
+            max_tokens=sum(r.req.max_new_tokens for r in served),
+            running=sum(self.balancer.num_pending.values()),
+            queued=len(self.queue),
+            elapsed_s=time.time() - self.started,
         )
 
     def arrival_wall(self, req_id: int) -> float:

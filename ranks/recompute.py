@@ -23,6 +23,7 @@ from mpi4py import MPI
 from xccl.errors import RetriesExhausted, XcclError
 from xccl.faults import RecoverableBuffer, RecoveryHooks
 from xccl.recovery import FaultReport, Outcome, Recovery
+from xds_mpi import trace
 from xds_mpi.config import Config
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.faults import EventMap, FaultPlan
@@ -79,7 +80,11 @@ class IterationAttempts:
         """Attempt `attempt` (0 = the first execution) of the iteration."""
         self.attempt, self.started_s = attempt, time.perf_counter()
         self.plan.begin(iteration=self.iteration, attempt=attempt)
-        return self.body()
+        trace.begin_attempt()
+        if attempt == 0:
+            return self.body()
+        with trace.span("recompute", iteration=self.iteration, attempt=attempt):
+            return self.body()
 
     def wall_s(self) -> float:
         """Wall seconds of the attempt so far."""
@@ -131,6 +136,10 @@ class Recomputer:
     ) -> T:
         """attempt() until every die completed one; between attempts the virtual clock, the
         priced time and each part of `state` go back to where this call found them."""
+        with trace.span("iteration", iteration=iteration):
+            return self._run(iteration, attempt, state)
+
+    def _run(self, iteration: int, attempt: Callable[[], T], state: Sequence[Recoverable]) -> T:
         if self.recovery is None:
             return attempt()
         self._attempts = IterationAttempts(
@@ -171,7 +180,21 @@ class Recomputer:
                 attempts.attempt + 2,
                 self.faults.max_retries + 1,
             )
+        for f in outcome.faults:
+            if f.die == self.rank:
+                trace.instant("fault", op=f.op, event=f.event_id, code=f.code)
+        started_s, failed_ns = time.perf_counter(), self.pricer.clock.now_ns
         attempts.restore()
+        # The restore takes no virtual time; on the virtual clock it belongs to the failed
+        # attempt, whose spans are flagged (the re-run repeats their virtual times).
+        trace.record(
+            "rollback",
+            (started_s, time.perf_counter()),
+            (failed_ns, failed_ns),
+            iteration=attempts.iteration,
+            attempt=attempts.attempt,
+        )
+        trace.mark_rolled_back()
 
     def report(self) -> dict:
         """The counters, with faults_injected summed over every die (collective over the dies:

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from ranks.context import RankContext
 from ranks.handshake import handshake
+from xds_mpi import trace
 from xds_mpi.runfile import run_file_path, write_run_file
+from xds_mpi.trace_writer import trace_path, write_trace
 
 if TYPE_CHECKING:  # imported when serving starts, after the handshake
     from ranks.frontend import Frontend
@@ -57,10 +59,18 @@ def run(ctx: RankContext) -> int:
             hosts=[p.host for p in placements],
             nodes=[p.node for p in placements],
         )
+        if ctx.cfg.run.trace:
+            _write_trace(ctx, path, serving.traces if serving else {})
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if serving and ctx.cfg.run.check:
             print(serving.check_line, flush=True)
     return 1 if serving and serving.mismatches else 0
+
+
+def _write_trace(ctx: RankContext, path, traces: dict) -> None:
+    """The shell's own events and the ranks' gathered `traces` beside the run file."""
+    traces = {ctx.comm.rank: trace.take_events(), **traces}
+    ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
 
 
 class Serving:
@@ -70,8 +80,10 @@ class Serving:
     def __init__(self, ctx: RankContext) -> None:
         from xds_mpi.engine.results import format_summary, summarize
 
-        frontend = self._serve(ctx)
+        with trace.span("serve"):
+            frontend = self._serve(ctx)
         self.records, self.started = frontend.records, frontend.started
+        self.traces = frontend.traces
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
@@ -87,7 +99,8 @@ class Serving:
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
         if ctx.cfg.run.check:
-            self._check(ctx)
+            with trace.span("check"):
+                self._check(ctx)
 
     def _serve(self, ctx: RankContext) -> Frontend:
         """Serve the whole workload; the Frontend (its records and die reports) once done.

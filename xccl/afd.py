@@ -55,6 +55,7 @@ from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
+from xccl.wait_span import WaitSpan, no_span
 
 
 def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:
@@ -84,7 +85,10 @@ class AfdBuffer(AfdExpertSide):
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
+        wait_span: WaitSpan = no_span,
     ) -> None:
+        """wait_span(name, **args): a context manager around the attention side's E2A wait (the
+        caller's tracer; no-op by default)."""
         mem.claim("afd")
         self.role = layout.role_of(mem.rank)
         _check_window(mem, layout, self.role, dtype)
@@ -101,6 +105,7 @@ class AfdBuffer(AfdExpertSide):
         self._place_in_group()
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
+        self.wait_span = wait_span
 
     def _map_slots(self, slot_owner: Sequence[int], num_routed_slots: int) -> None:
         """Which expert die hosts each slot, and which slots are ours."""
@@ -223,7 +228,8 @@ class AfdBuffer(AfdExpertSide):
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
             tramp = layout.experts[self.group]
-            bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
+            with self.wait_span("e2a wait", event=call.event_id):
+                bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
             if int(bodies["count"][0]) != num_rows:
                 raise XcclError(
                     f"die rank {self.me}: E2A event {call.event_id} returns "
@@ -231,7 +237,8 @@ class AfdBuffer(AfdExpertSide):
                 )
             outs = self.rows.pull_outputs("ret_rows", call.lane, [tramp], bodies)
         else:
-            staged = self._gather_back(call, handle.scatter, blocking=True)
+            with self.wait_span("e2a wait", event=call.event_id):
+                staged = self._gather_back(call, handle.scatter, blocking=True)
             outs = np.empty_like(staged)
             outs[handle.scatter.order] = staged
         return weighted_column_sum(outs, handle.row_token, handle.row_column, handle.weights)

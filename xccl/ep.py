@@ -37,6 +37,7 @@ from xccl.quant import decode_rows
 from xccl.records import ROWS_RECORD, Expected, RecordAt
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
+from xccl.wait_span import WaitSpan, no_span
 
 
 class EpBuffer:
@@ -53,6 +54,7 @@ class EpBuffer:
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
+        wait_span: WaitSpan = no_span,
     ) -> None:
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(
@@ -76,7 +78,8 @@ class EpBuffer:
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
-        self.num_cores, self.timeout_s = num_cores, timeout_s
+        # wait_span: around each wait for peers' records (xccl/wait_span.py)
+        self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
         self._seq = {"dispatch": 0, "combine": 0}
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
@@ -136,7 +139,7 @@ class EpBuffer:
         recv_counts = bodies["count"].astype(np.int64)
         # Step 6-7: pull our rows from each die with Get.
         rows, index = self.rows.pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
-        self._arrive(bodies["vtime_ns"], rows.nbytes + index.nbytes)
+        self._pull_time(rows.nbytes + index.nbytes)
         decoded = decode_rows(
             rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8, dtype=self.dtype
         )
@@ -190,7 +193,7 @@ class EpBuffer:
                 f"{handle.send_counts.tolist()}"
             )
         outs = self.rows.pull_combine(counts, bodies["offset"].astype(np.int64))
-        self._arrive(bodies["vtime_ns"], outs.nbytes)
+        self._pull_time(outs.nbytes)
         return weighted_column_sum(outs, handle.send_token, handle.send_column, handle.weights)
 
     # -- recovery -------------------------------------------------------------------------------
@@ -281,20 +284,15 @@ class EpBuffer:
             for i, rank in enumerate(self.members)
         ]
         expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
-        return records.wait(
-            self.mem,
-            sources,
-            expected,
-            ROWS_RECORD,
-            timeout_s=self.timeout_s,
-            interrupt=self.interrupt,
-        )
+        opts = {"timeout_s": self.timeout_s, "interrupt": self.interrupt}
+        with self.wait_span(f"{kind} wait", event=event_id):
+            bodies = records.wait(self.mem, sources, expected, ROWS_RECORD, **opts)
+            # Virtual time: the last peer's record lands (with a link model, after its latency).
+            latency_ns = 0.0 if self.link is None else self.link.latency_ns()
+            self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)
+        return bodies
 
-    def _arrive(self, stamps: np.ndarray, nbytes: int) -> None:
-        """Virtual time: wait for the last peer's record; with a link model, add its latency and
-        the time our link takes to pull the bytes (without one, the caller prices the transfer)."""
-        if self.link is None:
-            self.clock.arrive(float(stamps.max(initial=0.0)))
-            return
-        self.clock.arrive(float(stamps.max(initial=0.0)) + self.link.latency_ns())
-        self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))
+    def _pull_time(self, nbytes: int) -> None:
+        """Virtual time our link takes to pull the bytes (none: the caller prices them)."""
+        if self.link is not None:
+            self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))

@@ -251,6 +251,7 @@ class RunConfig:
     log_level: Literal["debug", "info", "warning"] = "info"
     timeout_s: float = 600.0  # MPIEXEC_TIMEOUT for the whole job
     check: bool = False  # compare with the single-process reference
+    trace: bool = True  # write <run name>.trace.json beside the run file (xds_mpi/trace.py)
     seed: int = 0
 
     def __post_init__(self) -> None:

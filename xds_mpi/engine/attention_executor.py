@@ -20,7 +20,7 @@ from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatche
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork
 from xds_mpi.engine.scheduler import Entry, Sampled
-from xds_mpi.engine.timing import IterationTiming, Meter
+from xds_mpi.engine.timing import IterationTiming, Meter, iteration_timing
 
 
 class AttentionExecutor(ColocatedExecutor):
@@ -49,7 +49,7 @@ class AttentionExecutor(ColocatedExecutor):
                     if pending[mb] is not None:  # previous layer's MoE
                         xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
                         pending[mb] = None
-                    with meter("attention"):
+                    with meter("attention", layer=layer_idx, microbatch=mb):
                         if group:
                             xs[mb] = layer.attention_part(
                                 xs[mb], positions, chunks, self.cache, layer_idx
@@ -65,11 +65,9 @@ class AttentionExecutor(ColocatedExecutor):
             for mb in range(self.num_microbatches):
                 if pending[mb] is not None:
                     xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-            sampled, works = self._verify(entries, torch.cat(xs))  # groups are contiguous
-            self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
-            if self.mtp_depth:
-                self._draft(works, meter)
-        return self.results(sampled, works), self.timing(entries, sampled, meter)
+            # The microbatches are contiguous groups of the batch.
+            sampled, works = self._sample_and_draft(entries, torch.cat(xs), meter)
+        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
 
     def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
@@ -80,7 +78,7 @@ class AttentionExecutor(ColocatedExecutor):
         for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):
             num_rows = sum(counts[first : first + num_works])
             xm = x[row : row + num_rows]
-            with meter("attention"):
+            with meter("attention", layer=layer_idx, microbatch=mb):
                 if num_works:
                     xm = block.attention_part(
                         xm,
@@ -101,11 +99,12 @@ class AttentionExecutor(ColocatedExecutor):
 
     def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, meter: Meter):
         """Gate the microbatch and send it toward its experts (returns without waiting)."""
-        with meter("experts"):
+        where = {"layer": planned.layer_idx, "microbatch": planned.microbatch}
+        with meter("experts", "gate", **where):
             h = layer.ffn_norm(x)
             routing = layer.ffn.gate(h)
             self.pricer.gate(len(h))
-        with meter("xccl"):
+        with meter("xccl", "dispatch", **where):
             return self.afd.a2e(
                 h.numpy(),
                 routing.topk_idx.numpy(),
@@ -117,5 +116,5 @@ class AttentionExecutor(ColocatedExecutor):
 
     def _e2a(self, handle, meter: Meter) -> torch.Tensor:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
-        with meter("xccl"):
+        with meter("xccl", "combine", event=handle.call.event_id):
             return torch.from_numpy(self.afd.e2a(handle))

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 from xccl.ep import EpBuffer
+from xds_mpi import trace
 from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.slots import ExpertSlots
-from xds_mpi.engine.timing import IterationTiming, Meter
+from xds_mpi.engine.timing import IterationTiming, Meter, iteration_timing
 from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.faults import LayerEvents
 from xds_mpi.model.kv_blocks import BlockTable
@@ -97,7 +98,7 @@ class ColocatedExecutor:
         with torch.inference_mode():
             x = self.model.embed(tokens)  # [n, hidden]
             for layer_idx, layer in enumerate(self.model.layers):
-                with meter("attention"):
+                with meter("attention", layer=layer_idx):
                     if entries:
                         x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
                     self.pricer.attention(entries, is_moe=layer.is_moe)
@@ -106,11 +107,19 @@ class ColocatedExecutor:
                 elif entries:
                     x = layer.ffn_part(x)
                     self.pricer.dense_ffn(len(tokens))
+            sampled, works = self._sample_and_draft(entries, x, meter)
+        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+
+    def _sample_and_draft(self, entries: list[Entry], x: torch.Tensor, meter: Meter):
+        """The main model's tokens (verifying drafts), then with MTP the next drafts; x: the last
+        layer's rows [n, hidden]. Returns (sampled, works) of `_verify`."""
+        with trace.span("sampling"):
             sampled, works = self._verify(entries, x)
             self.pricer.finish(sum(len(e.input_ids) for e in entries if e.is_sampled))
-            if self.mtp_depth:
+        if self.mtp_depth:
+            with trace.span("MTP", depth=self.mtp_depth):
                 self._draft(works, meter)
-        return self.results(sampled, works), self.timing(entries, sampled, meter)
+        return sampled, works
 
     @staticmethod
     def results(sampled: dict[int, list[int]], works: dict[int, MtpWork]) -> dict[int, Sampled]:
@@ -120,32 +129,14 @@ class ColocatedExecutor:
             for r, tokens in sampled.items()
         }
 
-    @staticmethod
-    def timing(entries, sampled: dict[int, list[int]], meter: Meter) -> IterationTiming:
-        steps = [e for e in entries if e.is_sampled]
-        drafted = sum(e.num_drafts for e in steps)
-        spent = meter.seconds
-        return IterationTiming(
-            num_rows=sum(len(e.input_ids) for e in entries),
-            num_sampled=len(steps),
-            attention_s=spent["attention"],
-            xccl_s=spent["xccl"],
-            experts_s=spent["experts"],
-            total_s=meter.total_s(),
-            vtime_s=meter.vtime_s(),
-            num_tokens=sum(len(t) for t in sampled.values()),
-            num_drafted=drafted,
-            num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps),
-        )
-
     def _moe(self, moe, h: torch.Tensor, layer_idx: int, meter: Meter) -> torch.Tensor:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
         pricer = self.pricer
-        with meter("experts"):
+        with meter("experts", "gate", layer=layer_idx):
             routing = moe.gate(h)
             pricer.gate(len(h))
         topk_idx = routing.topk_idx.numpy()
-        with meter("xccl"):
+        with meter("xccl", "dispatch", layer=layer_idx):
             with pricer.waiting("dispatch"):
                 recv_x, info, handle = self.ep.dispatch(
                     h.numpy(),
@@ -157,16 +148,24 @@ class ColocatedExecutor:
                 )
             pricer.dispatch(len(recv_x))
         self.expert_map.collect(layer_idx, topk_idx, len(recv_x))
-        with meter("experts"):
+        with meter("experts", layer=layer_idx, **self._load(info, layer_idx)):
             expert_out = self._experts(moe, recv_x, info, layer_idx)
             pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
-        with meter("xccl"):
+        with meter("xccl", "combine", layer=layer_idx):
             with pricer.waiting("combine"):
                 routed = torch.from_numpy(self.ep.combine(expert_out, handle))
             pricer.combine(len(h))
-        with meter("experts"):
+        with meter("experts", layer=layer_idx, shared=True):
             shared = 0.0 if self.shared_slots else moe.shared_forward(h)
         return shared + routed
+
+    def _load(self, info, layer_idx: int) -> dict:
+        """The trace's expert load: rows per local slot, by logical expert (-1: shared)."""
+        if not trace.is_enabled():
+            return {}
+        phy2log = self.expert_map.phy2log(layer_idx)
+        experts = [phy2log[s] if self.slots.is_routed(s) else -1 for s in info.local_slots]
+        return {"experts": experts, "rows": info.num_rows_per_slot.tolist()}
 
     def _experts(self, moe, recv_x: np.ndarray, info, layer_idx: int) -> np.ndarray:
         """This die's slots over the rows they received: recv_x [R, hidden] in the wire's row
@@ -265,7 +264,7 @@ class ColocatedExecutor:
         """MTP module `depth`'s block over this die's rows: attention, then its MoE through
         dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
-        with meter("attention"):
+        with meter("attention", layer=layer_idx):
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
             if active:
                 x = block.attention_part(x, positions, chunks, self.cache, layer_idx)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xccl.vclock import VirtualClock
+from xds_mpi import trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,8 @@ class Meter:
     time since the meter started, and the virtual time the die's clock advanced meanwhile.
 
     Kinds are those of IterationTiming: "attention", "xccl", "experts"; work outside every
-    `with` (embedding, dense FFN, sampling) counts in the total only."""
+    `with` (embedding, dense FFN, sampling) counts in the total only. With tracing on, each
+    `with` is also a span (`name`, default the kind; xds_mpi/trace.py) from the same readings."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
@@ -40,15 +42,36 @@ class Meter:
         self.seconds: defaultdict[str, float] = defaultdict(float)  # kind -> wall seconds
 
     @contextmanager
-    def __call__(self, kind: str):
-        started_s = time.perf_counter()
+    def __call__(self, kind: str, name: str = "", **args):
+        started_s, vstart_ns = time.perf_counter(), self.clock.now_ns
         try:
             yield
         finally:
-            self.seconds[kind] += time.perf_counter() - started_s
+            ended_s = time.perf_counter()
+            self.seconds[kind] += ended_s - started_s
+            trace.record(name or kind, (started_s, ended_s), (vstart_ns, self.clock.now_ns), **args)
 
     def total_s(self) -> float:
         return time.perf_counter() - self.started_s
 
     def vtime_s(self) -> float:
         return (self.clock.now_ns - self.vstart_ns) / 1e9
+
+
+def iteration_timing(entries, sampled: dict[int, list[int]], meter: Meter) -> IterationTiming:
+    """An executor's iteration as the die reports it: rows, samples, the meter's seconds per
+    part, MTP drafts verified and accepted."""
+    steps = [e for e in entries if e.is_sampled]
+    spent = meter.seconds
+    return IterationTiming(
+        num_rows=sum(len(e.input_ids) for e in entries),
+        num_sampled=len(steps),
+        attention_s=spent["attention"],
+        xccl_s=spent["xccl"],
+        experts_s=spent["experts"],
+        total_s=meter.total_s(),
+        vtime_s=meter.vtime_s(),
+        num_tokens=sum(len(t) for t in sampled.values()),
+        num_drafted=sum(e.num_drafts for e in steps),
+        num_accepted=sum(len(sampled[e.req_id]) - 1 for e in steps),
+    )

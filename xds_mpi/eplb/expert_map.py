@@ -46,6 +46,10 @@ class ExpertMap:
     def log2phy(self, layer_idx: int) -> tuple[tuple[int, ...], ...]:
         return self._log2phy[self.row_of[layer_idx]]
 
+    def phy2log(self, layer_idx: int) -> tuple[int, ...]:
+        """The logical expert in each physical slot at MoE layer `layer_idx` (-1 = empty)."""
+        return self.placement.phy2log[self.row_of[layer_idx]]
+
     def start_iteration(self, *, has_prefill: bool) -> None:
         """Zero the counts: an iteration re-run after a fault counts once. has_prefill: the
         batch holds prompt rows (its load is not a decode step's)."""
