@@ -14,7 +14,6 @@ from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, run_job
 from xds_mpi.config import ConfigError
 
 
-
 def add_parser(kinds) -> None:
     """Register `bench afd` under the `bench` subcommand's parsers."""
     p = kinds.add_parser(
