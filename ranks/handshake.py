@@ -12,8 +12,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from xds_mpi.control import recv_from_each, send_to_each
-
-TAG_HELLO, TAG_VERDICT = 101, 102
+from xds_mpi.tags import TAG_HELLO, TAG_VERDICT
 
 
 @dataclass(frozen=True, kw_only=True)

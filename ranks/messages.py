@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xds_mpi.engine.scheduler import VerifiedDrafts
-
-TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
+from xds_mpi.tags import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
 
 
 @dataclass(frozen=True, kw_only=True)

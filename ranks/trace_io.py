@@ -10,9 +10,9 @@ from mpi4py import MPI
 
 from xds_mpi import trace
 from xds_mpi.control import recv_from_each, send_to_each
+from xds_mpi.tags import TAG_TRACE
 from xds_mpi.trace import SpanRecord
 
-TAG_TRACE = 231  # apart from ranks/messages.py's tags
 SHELL = 0
 # The roles whose ranks send a trace. A role added later (prefill dies under PD) adds its name
 # here and calls send_trace at the end of its program.

@@ -1,0 +1,17 @@
+"""Every two-sided MPI message tag of the control plane, in one place so no two features share
+one (a shared tag hands one feature's message to another's receive)."""
+
+from __future__ import annotations
+
+# Startup handshake (ranks/handshake.py).
+TAG_HELLO, TAG_VERDICT = 101, 102
+# TE-shell <-> dies (ranks/messages.py).
+TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
+# Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
+TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
+# Trace events, once per rank at the end (ranks/trace_io.py).
+TAG_TRACE = 241
+
+
+def all_tags() -> dict[str, int]:
+    return {k: v for k, v in globals().items() if k.startswith("TAG_")}
