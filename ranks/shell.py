@@ -75,6 +75,12 @@ class Serving:
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        self.pd_book = getattr(frontend, "pd_book", None)  # PD: the TTFT split, KV transfers
+        if self.pd_book is not None:
+            from xds_mpi.engine.pd_results import format_pd
+
+            self.summary.update(self.pd_book.summary(self.records, self.started))
+            ctx.log.info(format_pd(self.summary))
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
@@ -85,11 +91,12 @@ class Serving:
     def _serve(ctx: RankContext) -> Frontend:
         """Serve the whole workload; the Frontend (its records and die reports) once done."""
         from ranks.frontend import Frontend
+        from ranks.je import JobExecutor
         from xccl.gmem import DieMemory
 
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
-        frontend = Frontend(ctx)
+        frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
         frontend.serve()
         mem.free()
         alone.Free()
@@ -145,3 +152,5 @@ class Serving:
             f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
         )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
+        if self.pd_book is not None:
+            self.pd_book.write(f, self.records, self.started)

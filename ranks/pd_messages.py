@@ -1,0 +1,59 @@
+"""Control-plane messages of disaggregated prefill-decode (xDeepServe §5.1), beside
+ranks/messages.py's: the data (the KV cache) moves over XCCL p2p, never here.
+
+JE -> prefill leader: TAG_REQUEST (a Request, into the shared pending pool; step 1).
+prefill die -> JE: TAG_PD_PREFILLED (a PdTask: metadata and block addresses only; step 3), or
+  TAG_TOKENS for a request its first token already ends.
+JE -> decode die: TAG_PD_TASK (the PdTask, for the DP group the decode balancer chose; 4-5).
+decode die -> prefill die: TAG_PD_PULL (KvPull: the irecv is posted, send now; step 6).
+decode die -> JE: TAG_PD_TRANSFER (KvTransferDone: the transfer's numbers, for the TTFT split).
+prefill die -> JE: TAG_REPORT (PrefillReport, once at the end, after TAG_STOP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvPull:
+    """The decode die posted its irecv for request req_id: the prefill die may isend."""
+
+    req_id: int
+    decode_rank: int
+    attempt: int = 0  # 0, then one more per retry after a failed transfer
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvTransferDone:
+    """A completed KV transfer as the decode die saw it. deferred_s: wall seconds the task
+    waited for free KV blocks (backpressure); transfer_s: irecv posted -> completed (wall);
+    transfer_v: its virtual seconds at the cost shape; nbytes: tiny-model bytes moved;
+    first_step_v: virtual seconds of the decode iteration that streamed the first token."""
+
+    req_id: int
+    decode_rank: int
+    received_at: float
+    posted_at: float
+    completed_at: float
+    nbytes: int
+    transfer_v: float
+    num_deferred: int
+    num_retries: int
+    first_step_v: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillReport:
+    """A prefill die's run: iterations, virtual seconds per operation, KV transfers sent,
+    bytes and wall seconds spent in them, failed attempts retried."""
+
+    die_rank: int
+    num_iterations: int
+    virtual_spent: dict = field(default_factory=dict)
+    num_sent: int = 0
+    bytes_sent: int = 0
+    send_wall_s: float = 0.0
+    num_send_retries: int = 0

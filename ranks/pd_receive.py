@@ -1,0 +1,172 @@
+"""The decode DP group's side of the KV transfer (xDeepServe §5.1 steps 5-8).
+
+A PD-transfer task arrives from the JE. Step 6: the group checks its free KV blocks (the whole
+reservation: prompt + output + MTP drafts, as the decode scheduler admits) and a batch slot; when
+either is short the receive is deferred (the prefill die keeps the blocks: backpressure, counted)
+and tried again next step. Otherwise it allocates the blocks, posts an XCCL irecv and tells the
+prefill die to send. Step 8: it polls the receives; a completed one is unpacked into its own KV
+slots and the request joins the running batch with its first token and MTP state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from ranks.die_io import SHELL
+from ranks.pd_messages import TAG_PD_PULL, TAG_PD_TASK, TAG_PD_TRANSFER, KvPull, KvTransferDone
+from ranks.pd_send import kv_event_id
+from xds_mpi.engine.pd_kv import PdTask, kv_nbytes, projected_kv_bytes, unpack_kv
+from xds_mpi.engine.scheduler import Emitted, Sequence
+
+
+@dataclass(kw_only=True)
+class Incoming:
+    """A task on this decode die: received (wall), deferrals so far, and once posted its irecv
+    handle, buffer, KV slots and post time."""
+
+    task: PdTask
+    received_at: float
+    num_deferred: int = 0
+    handle: object = None
+    buf: np.ndarray | None = None
+    slots: tuple[int, ...] = ()
+    posted_at: float = 0.0
+    completed_at: float = 0.0
+    attempt: int = 0
+
+
+class KvReceiver:
+    def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
+        from xccl.p2p import P2P
+        from xccl.vclock import LinkModel
+        from xds_mpi.hardware import load_profile
+        from xds_mpi.model.shapes import cost_shape
+
+        cfg = ctx.cfg
+        self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
+        self.scheduler, self.executor = scheduler, executor
+        self.p2p = P2P(
+            mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s
+        )
+        self.link, self.big = (
+            LinkModel.from_profile(load_profile(cfg.hardware.profile)),
+            cost_shape(),
+        )
+        self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
+        self.deferred: deque[Incoming] = deque()
+        self.posted: dict[int, Incoming] = {}
+        self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
+        self.done: list[Incoming] = []  # adopted, first token not yet streamed
+        self.num_deferrals = 0  # steps a task waited for KV blocks or a batch slot
+        self.sends: list[MPI.Request] = []
+
+    @property
+    def num_outstanding(self) -> int:
+        return len(self.deferred) + len(self.posted)
+
+    def step(self) -> None:
+        """Take tasks, post what fits (the rest deferred), poll the completion queue."""
+        while (msg := self.comm.improbe(source=SHELL, tag=TAG_PD_TASK)) is not None:
+            self.deferred.append(Incoming(task=msg.recv(), received_at=time.time()))
+        self._post()
+        self._complete()
+        self.sends = [r for r in self.sends if not r.Test()]
+
+    def _has_room(self, task: PdTask) -> bool:
+        sched = self.scheduler
+        busy = len(sched.running) + len(self.posted)
+        need = sched._blocks(task.req)
+        return busy < sched.max_batch and sched.reserved_blocks + need <= sched.table.num_blocks
+
+    def _post(self) -> None:
+        """Step 6, in arrival order: post what fits; defer the rest (backpressure)."""
+        while self.deferred and self._has_room(self.deferred[0].task):
+            incoming = self.deferred.popleft()
+            task, sched = incoming.task, self.scheduler
+            sched.reserved_blocks += sched._blocks(task.req)
+            incoming.slots = tuple(sched.table.allocate(task.req.req_id, task.kv_len))
+            self._start(incoming)
+        for incoming in self.deferred:
+            incoming.num_deferred += 1
+            self.num_deferrals += 1
+
+    def _start(self, incoming: Incoming) -> None:
+        """Post the irecv, then ask the prefill die to send (it isends only after this)."""
+        task = incoming.task
+        nbytes = kv_nbytes(task, self.executor.cache, self.cfg.model.hidden)
+        incoming.buf = np.empty(nbytes, np.uint8)
+        event = kv_event_id(task.req.req_id, incoming.attempt)
+        incoming.handle = self.p2p.irecv(incoming.buf, task.prefill_rank, event)
+        incoming.posted_at = time.time()
+        self.posted[task.req.req_id] = incoming
+        pull = KvPull(req_id=task.req.req_id, decode_rank=self.rank, attempt=incoming.attempt)
+        self.sends.append(self.comm.isend(pull, dest=task.prefill_rank, tag=TAG_PD_PULL))
+
+    def _complete(self) -> None:
+        """Step 8: a completed receive joins the batch with its KV, first token and MTP state."""
+        for req_id, incoming in list(self.posted.items()):
+            if not incoming.handle.test():
+                continue
+            del self.posted[req_id]
+            incoming.completed_at = time.time()
+            self._adopt(incoming)
+            self.done.append(incoming)
+
+    def _adopt(self, incoming: Incoming) -> None:
+        task, sched = incoming.task, self.scheduler
+        state = unpack_kv(
+            task, incoming.buf, self.executor.cache, list(incoming.slots), self.cfg.model.hidden
+        )
+        if state is not None:
+            self.executor.mtp.states[task.req.req_id] = state
+        sched.running[task.req.req_id] = Sequence(
+            req=task.req,
+            tokens=[*task.req.prompt, task.first_token],
+            num_prefilled=len(task.req.prompt),
+            num_generated=1,
+            drafts=task.drafts,
+        )
+        self.first_tokens.append(
+            Emitted(req_id=task.req.req_id, token=task.first_token, is_finished=False)
+        )
+
+    def _tell_je(self, incoming: Incoming, first_step_v: float) -> None:
+        """The transfer's numbers for the TTFT split; its virtual time is the UB link's for the
+        prompt's latent cache at the cost shape (61 layers + MTP, BF16)."""
+        task = incoming.task
+        same = self.server_of[task.prefill_rank] == self.server_of[self.rank]
+        big_bytes = projected_kv_bytes(len(task.req.prompt), self.big)
+        transfer_v = (
+            self.link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same)
+            / 1e9
+        )
+        done = KvTransferDone(
+            req_id=task.req.req_id,
+            decode_rank=self.rank,
+            received_at=incoming.received_at,
+            posted_at=incoming.posted_at,
+            completed_at=incoming.completed_at,
+            nbytes=incoming.buf.nbytes,
+            transfer_v=transfer_v,
+            num_deferred=incoming.num_deferred,
+            num_retries=incoming.attempt,
+            first_step_v=first_step_v,
+        )
+        self.sends.append(self.comm.isend(done, dest=SHELL, tag=TAG_PD_TRANSFER))
+
+    def take_first_tokens(self, first_step_v: float) -> list[Emitted]:
+        """The first tokens to stream with this iteration's (which took first_step_v virtual
+        seconds); the JE learns each transfer's numbers."""
+        for incoming in self.done:
+            self._tell_je(incoming, first_step_v)
+        tokens, self.first_tokens, self.done = self.first_tokens, [], []
+        return tokens
+
+    def drain(self) -> None:
+        MPI.Request.Waitall(self.sends)
