@@ -31,7 +31,8 @@ class KvTransferDone:
     """A completed KV transfer as the decode die saw it. deferred_s: wall seconds the task
     waited for free KV blocks (backpressure); transfer_s: irecv posted -> completed (wall);
     transfer_v: its virtual seconds at the cost shape; nbytes: tiny-model bytes moved;
-    first_step_v: virtual seconds of the decode iteration that streamed the first token."""
+    first_step_v: virtual seconds of the decode iteration that streamed the first token;
+    num_retries: attempts after the first; num_recv_faults: of them, failed at this die."""
 
     req_id: int
     decode_rank: int
@@ -42,13 +43,14 @@ class KvTransferDone:
     transfer_v: float
     num_deferred: int
     num_retries: int
+    num_recv_faults: int = 0
     first_step_v: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrefillReport:
     """A prefill die's run: iterations, virtual seconds per operation, KV transfers sent,
-    bytes and wall seconds spent in them, failed attempts retried."""
+    bytes and wall seconds spent in them, pulls that were retries, faults injected here."""
 
     die_rank: int
     num_iterations: int
@@ -57,3 +59,4 @@ class PrefillReport:
     bytes_sent: int = 0
     send_wall_s: float = 0.0
     num_send_retries: int = 0
+    num_faults: int = 0

@@ -4,8 +4,9 @@ A PD-transfer task arrives from the JE. Step 6: the group checks its free KV blo
 reservation: prompt + output + MTP drafts, as the decode scheduler admits) and a batch slot; when
 either is short the receive is deferred (the prefill die keeps the blocks: backpressure, counted)
 and tried again next step. Otherwise it allocates the blocks, posts an XCCL irecv and tells the
-prefill die to send. Step 8: it polls the receives; a completed one is unpacked into its own KV
-slots and the request joins the running batch with its first token and MTP state.
+prefill die to send. One receive is in flight per die (a failed one is retried between two dies
+alone, ranks/pd_faults.py). Step 8: it polls the receive; a completed one is unpacked into its
+own KV slots and the request joins the running batch with its first token and MTP state.
 """
 
 from __future__ import annotations
@@ -19,8 +20,18 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_io import SHELL
+from ranks.pd_faults import (
+    TAG_PD_ABORT,
+    TAG_PD_ABORT_ACK,
+    KvAbort,
+    check_deadline,
+    install,
+    kv_event_id,
+    poll_transfer,
+)
 from ranks.pd_messages import TAG_PD_PULL, TAG_PD_TASK, TAG_PD_TRANSFER, KvPull, KvTransferDone
-from ranks.pd_send import kv_event_id
+from xccl.errors import XcclError
+from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import PdTask, kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.scheduler import Emitted, Sequence
 
@@ -38,7 +49,10 @@ class Incoming:
     slots: tuple[int, ...] = ()
     posted_at: float = 0.0
     completed_at: float = 0.0
+    started: float = 0.0  # time.monotonic() of the attempt's post (its deadline)
     attempt: int = 0
+    is_resyncing: bool = False  # failed here: waiting for the prefill die's KvAbortAck
+    num_faults: int = 0  # attempts that failed on this (the receiving) die
 
 
 class KvReceiver:
@@ -51,16 +65,16 @@ class KvReceiver:
         cfg = ctx.cfg
         self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
         self.scheduler, self.executor = scheduler, executor
-        self.p2p = P2P(
-            mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s
-        )
+        self.timeout_s = cfg.xccl.poll_timeout_s
+        self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
+        self.faults = install(self.p2p, cfg, self.rank)
         self.link, self.big = (
             LinkModel.from_profile(load_profile(cfg.hardware.profile)),
             cost_shape(),
         )
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.deferred: deque[Incoming] = deque()
-        self.posted: dict[int, Incoming] = {}
+        self.posted: Incoming | None = None  # the receive in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
         self.done: list[Incoming] = []  # adopted, first token not yet streamed
         self.num_deferrals = 0  # steps a task waited for KV blocks or a batch slot
@@ -68,33 +82,35 @@ class KvReceiver:
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.deferred) + len(self.posted)
+        return len(self.deferred) + (self.posted is not None)
 
     def step(self) -> None:
         """Take tasks, post what fits (the rest deferred), poll the completion queue."""
         while (msg := self.comm.improbe(source=SHELL, tag=TAG_PD_TASK)) is not None:
             self.deferred.append(Incoming(task=msg.recv(), received_at=time.time()))
+        self._take_aborts()
         self._post()
         self._complete()
         self.sends = [r for r in self.sends if not r.Test()]
 
     def _has_room(self, task: PdTask) -> bool:
         sched = self.scheduler
-        busy = len(sched.running) + len(self.posted)
+        busy = len(sched.running) + (self.posted is not None)
         need = sched._blocks(task.req)
         return busy < sched.max_batch and sched.reserved_blocks + need <= sched.table.num_blocks
 
     def _post(self) -> None:
         """Step 6, in arrival order: post what fits; defer the rest (backpressure)."""
-        while self.deferred and self._has_room(self.deferred[0].task):
+        if self.deferred and self.posted is None and self._has_room(self.deferred[0].task):
             incoming = self.deferred.popleft()
             task, sched = incoming.task, self.scheduler
             sched.reserved_blocks += sched._blocks(task.req)
             incoming.slots = tuple(sched.table.allocate(task.req.req_id, task.kv_len))
             self._start(incoming)
-        for incoming in self.deferred:
-            incoming.num_deferred += 1
-            self.num_deferrals += 1
+        if self.deferred and not self._has_room(self.deferred[0].task):
+            for incoming in self.deferred:  # backpressure, not waiting for our turn
+                incoming.num_deferred += 1
+                self.num_deferrals += 1
 
     def _start(self, incoming: Incoming) -> None:
         """Post the irecv, then ask the prefill die to send (it isends only after this)."""
@@ -103,20 +119,77 @@ class KvReceiver:
         incoming.buf = np.empty(nbytes, np.uint8)
         event = kv_event_id(task.req.req_id, incoming.attempt)
         incoming.handle = self.p2p.irecv(incoming.buf, task.prefill_rank, event)
-        incoming.posted_at = time.time()
-        self.posted[task.req.req_id] = incoming
+        incoming.posted_at, incoming.started = time.time(), time.monotonic()
+        self.posted = incoming
         pull = KvPull(req_id=task.req.req_id, decode_rank=self.rank, attempt=incoming.attempt)
         self.sends.append(self.comm.isend(pull, dest=task.prefill_rank, tag=TAG_PD_PULL))
 
     def _complete(self) -> None:
         """Step 8: a completed receive joins the batch with its KV, first token and MTP state."""
-        for req_id, incoming in list(self.posted.items()):
-            if not incoming.handle.test():
-                continue
-            del self.posted[req_id]
-            incoming.completed_at = time.time()
-            self._adopt(incoming)
-            self.done.append(incoming)
+        incoming = self.posted
+        if incoming is None or incoming.is_resyncing:
+            return
+        done = poll_transfer(incoming.handle)
+        if isinstance(done, Exception):
+            return self._failed(incoming)
+        task = incoming.task
+        if not done:
+            check_deadline(
+                incoming.started, self.timeout_s, self.rank, task.prefill_rank, task.req.req_id
+            )
+            return
+        self.posted, incoming.completed_at = None, time.time()
+        self._adopt(incoming)
+        self.done.append(incoming)
+
+    def _failed(self, incoming: Incoming) -> None:
+        """This die's receive failed: abandon it, tell the prefill die our end of the pair."""
+        self.p2p.abandon()
+        incoming.num_faults += 1
+        src = incoming.task.prefill_rank
+        abort = KvAbort(
+            req_id=incoming.task.req.req_id,
+            attempt=incoming.attempt,
+            src=src,
+            dst=self.rank,
+            state=pair_state(self.p2p, src, self.rank),
+        )
+        incoming.is_resyncing = True
+        self.sends.append(self.comm.isend(abort, dest=src, tag=TAG_PD_ABORT))
+
+    def _take_aborts(self) -> None:
+        """The prefill die's send failed (KvAbort) or answered ours (KvAbortAck): resync the
+        pair, then retry the transfer with the next attempt."""
+        for tag in (TAG_PD_ABORT, TAG_PD_ABORT_ACK):
+            while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=tag)) is not None:
+                abort: KvAbort = msg.recv()
+                state, incoming = abort.state, self.posted
+                if incoming is None or incoming.task.req.req_id != abort.req_id:
+                    raise XcclError(
+                        f"die rank {self.rank}: KvAbort for request {abort.req_id} from rank "
+                        f"{abort.src}, but no receive of it is in flight"
+                    )
+                if tag == TAG_PD_ABORT:
+                    self.p2p.abandon()
+                    mine = pair_state(self.p2p, abort.src, abort.dst)
+                    state = (max(mine[0], state[0]), max(mine[1], state[1]))
+                    reply = KvAbort(
+                        req_id=abort.req_id,
+                        attempt=abort.attempt,
+                        src=abort.src,
+                        dst=abort.dst,
+                        state=state,
+                    )
+                    self.sends.append(self.comm.isend(reply, dest=abort.src, tag=TAG_PD_ABORT_ACK))
+                resync_pair(self.p2p, abort.src, abort.dst, state)
+                self._retry(incoming)
+
+    def _retry(self, incoming: Incoming) -> None:
+        incoming.attempt += 1
+        incoming.is_resyncing = False
+        task = incoming.task
+        self.faults.check_retry(task.req.req_id, incoming.attempt, task.prefill_rank, self.rank)
+        self._start(incoming)
 
     def _adopt(self, incoming: Incoming) -> None:
         task, sched = incoming.task, self.scheduler
@@ -156,6 +229,7 @@ class KvReceiver:
             transfer_v=transfer_v,
             num_deferred=incoming.num_deferred,
             num_retries=incoming.attempt,
+            num_recv_faults=incoming.num_faults,
             first_step_v=first_step_v,
         )
         self.sends.append(self.comm.isend(done, dest=SHELL, tag=TAG_PD_TRANSFER))

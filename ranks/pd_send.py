@@ -1,13 +1,15 @@
 """The prefill die's side of the KV transfer (xDeepServe §5.1 steps 3 and 6-8).
 
-`register` keeps a finished prompt's blocks and MTP state under a PD-transfer task; `take_pulls`
-answers each decode die's KvPull (its irecv is posted) with an XCCL isend of the packed latent
-KV; `progress` polls the sends (the completion queue): a completed one frees the blocks.
+`register` keeps a finished prompt's blocks and MTP state under a PD-transfer task; each decode
+die's KvPull (its irecv is posted) queues an XCCL isend of the packed latent KV, one transfer in
+flight per die (so a failed one is retried between two dies alone, ranks/pd_faults.py);
+`progress` polls the send (the completion queue): a completed one frees the blocks.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,20 +18,25 @@ from mpi4py import MPI
 from ranks.context import RankContext
 from ranks.die_io import SHELL
 from ranks.messages import TAG_REPORT
+from ranks.pd_faults import (
+    TAG_PD_ABORT,
+    TAG_PD_ABORT_ACK,
+    KvAbort,
+    check_deadline,
+    install,
+    kv_event_id,
+    poll_transfer,
+)
 from ranks.pd_messages import TAG_PD_PULL, KvPull, PrefillReport
+from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import PdTask, pack_kv
-
-
-def kv_event_id(req_id: int, attempt: int) -> int:
-    """The p2p event id of a request's KV transfer (one per attempt: a retried transfer can
-    never be taken for the failed one)."""
-    return req_id * 64 + attempt
 
 
 @dataclass(frozen=True, kw_only=True)
 class Outgoing:
-    """An isend in flight: its task, handle, packed bytes (kept alive) and start time."""
+    """An isend in flight: its pull, task, handle, packed bytes (kept alive) and start time."""
 
+    pull: KvPull
     task: PdTask
     handle: object
     data: np.ndarray
@@ -41,19 +48,21 @@ class KvSender:
         from xccl.p2p import P2P
 
         cfg = ctx.cfg
-        self.comm, self.rank = ctx.comm, ctx.comm.rank
+        self.comm, self.rank, self.timeout_s = ctx.comm, ctx.comm.rank, cfg.xccl.poll_timeout_s
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer
-        self.p2p = P2P(
-            mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=cfg.xccl.poll_timeout_s
-        )
+        self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
+        self.faults = install(self.p2p, cfg, self.rank)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
-        self.outgoing: dict[int, Outgoing] = {}
+        self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
+        self.outgoing: Outgoing | None = None
+        self.resyncing = -1  # the decode rank whose KvAbortAck this die waits for
         self.num_sent = self.bytes_sent = self.num_retries = 0
         self.send_wall_s = 0.0
+        self.sends: list[MPI.Request] = []
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.held) + len(self.outgoing)
+        return len(self.held)
 
     def register(self, prefilled, mtp_state, *, assigned, started, now) -> PdTask:
         """Step 3: the task (metadata and the addresses of the KV blocks only)."""
@@ -77,29 +86,80 @@ class KvSender:
         return task
 
     def take_pulls(self) -> None:
-        """Step 7: a decode die posted its irecv; isend the packed KV (a copy of the blocks)."""
+        """Step 7: decode dies posted their irecvs; queue them (and take retry messages)."""
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_PULL)) is not None:
             pull: KvPull = msg.recv()
-            task, mtp_state = self.held[pull.req_id]
-            data = pack_kv(task, self.cache, mtp_state)
-            handle = self.p2p.isend(data, pull.decode_rank, kv_event_id(pull.req_id, pull.attempt))
-            self.outgoing[pull.req_id] = Outgoing(
-                task=task, handle=handle, data=data, started=time.perf_counter()
-            )
+            self.pulls.append(pull)
+            self.num_retries += pull.attempt > 0
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_ABORT)) is not None:
+            self._peer_failed(msg.recv())
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_ABORT_ACK)) is not None:
+            abort: KvAbort = msg.recv()
+            resync_pair(self.p2p, abort.src, abort.dst, abort.state)
+            self.resyncing = -1
+        self.sends = [r for r in self.sends if not r.Test()]
+
+    def _start_next(self) -> None:
+        if self.outgoing is not None or self.resyncing >= 0 or not self.pulls:
+            return
+        pull = self.pulls.popleft()
+        task, mtp_state = self.held[pull.req_id]
+        data = pack_kv(task, self.cache, mtp_state)
+        handle = self.p2p.isend(data, pull.decode_rank, kv_event_id(pull.req_id, pull.attempt))
+        self.outgoing = Outgoing(
+            pull=pull, task=task, handle=handle, data=data, started=time.monotonic()
+        )
 
     def progress(self) -> None:
-        """Step 8: poll the sends; a completed one frees the prompt's KV blocks."""
-        for req_id, out in list(self.outgoing.items()):
-            if not out.handle.test():
-                continue
-            del self.outgoing[req_id]
-            del self.held[req_id]
-            self.scheduler.release(out.task.req)
-            self.num_sent += 1
-            self.bytes_sent += out.data.nbytes
-            self.send_wall_s += time.perf_counter() - out.started
+        """Step 8: poll the send; a completed one frees the prompt's KV blocks."""
+        self._start_next()
+        out = self.outgoing
+        if out is None:
+            return
+        done = poll_transfer(out.handle)
+        if isinstance(done, Exception):
+            return self._failed(out)
+        if not done:
+            check_deadline(
+                out.started, self.timeout_s, self.rank, out.pull.decode_rank, out.pull.req_id
+            )
+            return
+        self.outgoing = None
+        del self.held[out.task.req.req_id]
+        self.scheduler.release(out.task.req)
+        self.num_sent += 1
+        self.bytes_sent += out.data.nbytes
+        self.send_wall_s += time.monotonic() - out.started
+        self._start_next()
+
+    def _failed(self, out: Outgoing) -> None:
+        """This die's send failed: abandon it, tell the decode die our end of the pair."""
+        self.p2p.abandon()
+        self.outgoing, decode = None, out.pull.decode_rank
+        abort = KvAbort(
+            req_id=out.pull.req_id,
+            attempt=out.pull.attempt,
+            src=self.rank,
+            dst=decode,
+            state=pair_state(self.p2p, self.rank, decode),
+        )
+        self.resyncing = decode
+        self.sends.append(self.comm.isend(abort, dest=decode, tag=TAG_PD_ABORT))
+
+    def _peer_failed(self, abort: KvAbort) -> None:
+        """The decode die's receive failed: abandon our send, resync the pair, answer."""
+        self.p2p.abandon()
+        self.outgoing = None
+        mine = pair_state(self.p2p, abort.src, abort.dst)
+        state = (max(mine[0], abort.state[0]), max(mine[1], abort.state[1]))
+        resync_pair(self.p2p, abort.src, abort.dst, state)
+        reply = KvAbort(
+            req_id=abort.req_id, attempt=abort.attempt, src=abort.src, dst=abort.dst, state=state
+        )
+        self.sends.append(self.comm.isend(reply, dest=abort.dst, tag=TAG_PD_ABORT_ACK))
 
     def report(self, num_iterations: int) -> MPI.Request:
+        MPI.Request.Waitall(self.sends)
         report = PrefillReport(
             die_rank=self.rank,
             num_iterations=num_iterations,
@@ -108,5 +168,6 @@ class KvSender:
             bytes_sent=self.bytes_sent,
             send_wall_s=self.send_wall_s,
             num_send_retries=self.num_retries,
+            num_faults=self.faults.num_faults,
         )
         return self.comm.isend(report, dest=SHELL, tag=TAG_REPORT)

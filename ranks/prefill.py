@@ -150,6 +150,7 @@ class PrefillDie:
                 statuses,
                 block_tokens=cfg.scheduler.kv_block_tokens,
                 long_prompt_tokens=cfg.pd.long_prompt_tokens,
+                step_tokens=cfg.xccl.max_tokens_per_die,
             )
             self.pool = deque(left)
             batches = [(batch, sum(map(len, batches))) for batch in batches]

@@ -100,6 +100,34 @@ def _refuse_unpaired(cfg: Config, p2p: P2PLayout, prefill, decode) -> None:
         )
 
 
+def check_pd_fault(cfg: Config, topo: Topology, i: int, spec) -> bool:
+    """A fault-table row of a PD run: p2p rows are KV transfers (ranks/pd_faults.py): p2p_send
+    on a prefill die, p2p_recv on a decode die, layer 0, iteration = the die's n-th transfer;
+    rows on a prefill die's dispatch/combine would never fire. True when the row is checked."""
+    if not cfg.pd.enabled:
+        return False
+    prefill = topo.ranks_with_role("prefill")
+    decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+    where = f"faults.table[{i}]"
+    if not spec.op.startswith("p2p"):
+        if spec.die in prefill:
+            raise ConfigError(
+                f"{where}.die({spec.die}) is a prefill die: its {spec.op} is not fault-injected "
+                f"(KV transfers are: op p2p_send on prefill dies {list(prefill)})"
+            )
+        return False
+    dies = prefill if spec.op == "p2p_send" else decode
+    if spec.die not in dies:
+        side = "prefill" if spec.op == "p2p_send" else "decode"
+        raise ConfigError(
+            f"{where}: op {spec.op} fails a KV transfer on a {side} die (ranks {list(dies)}), "
+            f"not rank {spec.die}"
+        )
+    if spec.layer != 0:
+        raise ConfigError(f"{where}.layer({spec.layer}) must be 0 for a KV transfer (no layers)")
+    return True
+
+
 def pd_window_bytes(cfg: Config, pd: PdPlan | None, windows: tuple[int, ...]) -> tuple[int, ...]:
     """Each rank's window with the prefill dies' dispatch/combine area added, refused over
     xccl.max_window_bytes."""
@@ -121,7 +149,7 @@ def describe_pd(plan) -> str:
     """`xds-mpi validate`'s P/D lines: roles, pairs and p2p window bytes per die."""
     pd, p2p = plan.pd, plan.p2p
     lines = [
-        f"P/D: JE + TE-shells rank(s) 0..{plan.topo.num_host_ranks - 1}; prefill DP groups "
+        f"P/D: JE (frontend, prefill and decode balancing) rank 0; prefill DP groups "
         f"{len(pd.prefill)} (ranks {list(pd.prefill)}, leader {pd.leader}); decode "
         f"{plan.cfg.deployment.kind} DP groups ranks {list(pd.decode)}",
         f"p2p: {len(p2p.pairs)} prefill->decode pairs, ring {p2p.ring_slots} x "

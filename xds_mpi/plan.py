@@ -19,7 +19,7 @@ from xds_mpi.config import Config, ConfigError
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
-from xds_mpi.pd_plan import PdPlan, build_pd, pd_window_bytes
+from xds_mpi.pd_plan import PdPlan, build_pd, check_pd_fault, pd_window_bytes
 from xds_mpi.topology import Topology
 
 
@@ -96,6 +96,8 @@ def _check_fault_table(cfg: Config, topo: Topology) -> None:
     num_cache_layers = model.num_layers + depth
     first, last = topo.num_host_ranks, topo.num_host_ranks + topo.num_dies - 1
     for i, spec in enumerate(cfg.faults.table):
+        if check_pd_fault(cfg, topo, i, spec):
+            continue  # a KV-transfer fault of a PD run (xds_mpi/pd_plan.py)
         if spec.op.startswith("p2p"):
             raise ConfigError(
                 f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "

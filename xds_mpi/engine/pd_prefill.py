@@ -56,10 +56,13 @@ def assign(
     *,
     block_tokens: int,
     long_prompt_tokens: int,
+    step_tokens: int,
 ) -> tuple[list[list[Request]], list[Request]]:
     """Hand pending requests (in arrival order) to prefill DP groups: each to the group with the
-    fewest tokens left to compute that has room and free blocks for its prompt and holds no
-    request of the other length class. Returns (requests per group, still pending)."""
+    fewest tokens left to compute that has room and free blocks for its prompt, holds no
+    request of the other length class, and has less than `step_tokens` (one step's rows) queued
+    (an idle group always takes one): the rest stays shared for the next step, so a group that
+    frees up takes it. Returns (requests per group, still pending)."""
     free = [s.free_blocks for s in statuses]
     room = [s.room for s in statuses]
     cost = [s.queued_tokens for s in statuses]
@@ -71,7 +74,10 @@ def assign(
         fits = [
             g
             for g in range(len(statuses))
-            if room[g] > 0 and free[g] >= need and kind[g] in (-1, cls)
+            if room[g] > 0
+            and free[g] >= need
+            and kind[g] in (-1, cls)
+            and (cost[g] == 0 or cost[g] + len(req.prompt) <= step_tokens)
         ]
         if not fits:
             left.append(req)

@@ -60,8 +60,10 @@ class PdBook:
             "pd_send_mb_per_s": nbytes / send_s / 1e6 if send_s else 0.0,
             "pd_deferred_receives": sum(d.num_deferred > 0 for d in self.transfers.values()),
             "pd_deferral_steps": sum(d.num_deferred for d in self.transfers.values()),
-            "pd_retries": sum(rep.num_send_retries for rep in reports),
-            "pd_recv_retries": sum(d.num_retries for d in self.transfers.values()),
+            "pd_retries": sum(d.num_retries for d in self.transfers.values()),
+            "pd_retried_transfers": sum(d.num_retries > 0 for d in self.transfers.values()),
+            "pd_send_faults": sum(rep.num_faults for rep in reports),
+            "pd_recv_faults": sum(d.num_recv_faults for d in self.transfers.values()),
         }
         for part in PARTS:
             out[f"pd_ttft_{part}_ms"] = 1e3 * float(np.mean([w[part] for w in wall] or [0]))
@@ -91,5 +93,7 @@ def format_pd(s: dict) -> str:
         f"pd: {s['pd_transfers']} KV transfers over XCCL p2p, {s['pd_bytes']} B "
         f"(mean {s['pd_mean_transfer_bytes']:.0f} B), {s['pd_send_mb_per_s']:.1f} MB/s per send; "
         f"{s['pd_deferred_receives']} receives deferred ({s['pd_deferral_steps']} steps); "
-        f"{s['pd_retries']} transfers retried; TTFT wall/projected ms: {parts}"
+        f"{s['pd_retries']} retries of {s['pd_retried_transfers']} transfers "
+        f"({s['pd_send_faults']} send, {s['pd_recv_faults']} receive faults); "
+        f"TTFT wall/projected ms: {parts}"
     )
