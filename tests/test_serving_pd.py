@@ -128,6 +128,21 @@ def test_one_prefill_die_feeds_six_and_failed_kv_transfers_are_retried(tmp_path)
     assert set(run_file["pd/decode_rank"][()]) == set(range(1, 7))  # every decode die served
 
 
+def test_pd_with_afd_decode_and_mtp_equals_reference(tmp_path):
+    # configs/pd_afd.yaml: 1 prefill die -> 2 DP domains x 1 attention die, 2 expert dies
+    result = subprocess.run(
+        [str(XDS_MPI), "run", "pd_afd", "--check", "--set", f"run.output_dir={tmp_path}"]
+        + ["--set", "scheduler.mtp_depth=1", "--set", "workload.ignore_eos=true"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, explain(result)
+    assert check_line(result) == "check: 6 requests, 48 tokens, 0 mismatches"
+    assert "pd: 6 KV transfers over XCCL p2p" in result.stdout + result.stderr
+
+
 # -- refused before launch ------------------------------------------------------------------
 def pd_config(*sets: str):
     return load_config(REPO_ROOT / "configs" / "pd.yaml", list(sets))

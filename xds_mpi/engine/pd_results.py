@@ -58,6 +58,7 @@ class PdBook:
             "pd_bytes": nbytes,
             "pd_mean_transfer_bytes": nbytes / max(len(self.transfers), 1),
             "pd_send_mb_per_s": nbytes / send_s / 1e6 if send_s else 0.0,
+            "pd_recv_mb_per_s": _recv_rate(self.transfers.values()),
             "pd_deferred_receives": sum(d.num_deferred > 0 for d in self.transfers.values()),
             "pd_deferral_steps": sum(d.num_deferred for d in self.transfers.values()),
             "pd_retries": sum(d.num_retries for d in self.transfers.values()),
@@ -87,11 +88,20 @@ class PdBook:
             group[f"ttft_{part}_v_s"] = np.array([self.split_virtual(r)[part] for r in ids])
 
 
+def _recv_rate(transfers) -> float:
+    """MB/s of the KV bytes over the receivers' posted -> completed wall time (the last
+    attempt's post: a retried transfer's failed attempts are not in it)."""
+    transfers = list(transfers)
+    seconds = sum(d.completed_at - d.posted_at for d in transfers)
+    return sum(d.nbytes for d in transfers) / seconds / 1e6 if seconds > 0 else 0.0
+
+
 def format_pd(s: dict) -> str:
     parts = ", ".join(f"{p} {s[f'pd_ttft_{p}_ms']:.1f}/{s[f'pd_ttft_{p}_v_ms']:.3f}" for p in PARTS)
     return (
         f"pd: {s['pd_transfers']} KV transfers over XCCL p2p, {s['pd_bytes']} B "
-        f"(mean {s['pd_mean_transfer_bytes']:.0f} B), {s['pd_send_mb_per_s']:.1f} MB/s per send; "
+        f"(mean {s['pd_mean_transfer_bytes']:.0f} B), {s['pd_send_mb_per_s']:.1f} MB/s per send, "
+        f"{s['pd_recv_mb_per_s']:.1f} MB/s irecv posted -> done; "
         f"{s['pd_deferred_receives']} receives deferred ({s['pd_deferral_steps']} steps); "
         f"{s['pd_retries']} retries of {s['pd_retried_transfers']} transfers "
         f"({s['pd_send_faults']} send, {s['pd_recv_faults']} receive faults); "
