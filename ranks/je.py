@@ -15,7 +15,7 @@ import time
 
 from ranks.frontend import Frontend
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
-from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_TRANSFER
+from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.pd_results import PdBook
@@ -75,7 +75,16 @@ class JobExecutor(Frontend):
         return num
 
     def serve(self) -> None:
-        """The decode groups' run (Frontend.serve), then the prefill dies' stop and reports."""
+        """Once every prefill and decode die is built, the decode groups' run (Frontend.serve,
+        whose clock starts then), then the prefill dies' stop and reports."""
+        recv_from_each(
+            self.comm,
+            self.pd_plan.prefill + self.pd_plan.decode,
+            tag=TAG_PD_READY,
+            timeout_s=self.ctx.cfg.run.timeout_s,
+            me="JE",
+            event="die ready",
+        )
         super().serve()
         self._take_transfers()
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s

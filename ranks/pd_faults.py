@@ -6,7 +6,9 @@ many consecutive attempts of it fail; the random mode draws per transfer and att
 fires inside XCCL's p2p (xccl/p2p.py: the sender before its last record, the receiver before
 its last copy and ack), where the peer is left waiting.
 
-Retry (the transfer, not a decode rollback): the failing die abandons its one transfer in flight
+Retry (the transfer, not a decode rollback): with p2p faults configured a die runs one KV
+transfer at a time (abandoning fails every transfer of the die, and the retry involves two dies
+only); the failing die abandons its one transfer in flight
 and sends KvAbort with its end's pair state; the peer abandons its end, both resync the pair to
 the max (xccl/p2p_pair.py), the peer answers KvAbortAck; then the decode die posts a fresh irecv
 with the next attempt's event id and pulls again. More than pd.max_transfer_retries failed
@@ -51,6 +53,7 @@ class KvFaults:
         self.plan = FaultPlan(cfg.faults, rank, LayerEvents(events_per_iteration=1))
         self.rank, self.transfer_no, self.num_faults = rank, {}, 0
         self.max_retries = cfg.pd.max_transfer_retries
+        self.max_in_flight = 1 << 30  # KV transfers a die runs at once (1 when faults can fire)
 
     def check(self, op: str, event_id: int) -> None:
         req_id, attempt = divmod(event_id, MAX_ATTEMPTS)
@@ -74,8 +77,10 @@ def install(p2p, cfg, rank: int) -> KvFaults:
     """A KvFaults for this die, hooked into its P2P when the config can fail p2p at all."""
     faults = KvFaults(cfg, rank)
     has_rows = any(row.op.startswith("p2p") for row in cfg.faults.table)
-    if has_rows or cfg.faults.rate > 0:
+    is_drawn = cfg.faults.rate > 0 and any(op.startswith("p2p") for op in cfg.faults.ops)
+    if has_rows or is_drawn:
         p2p.fault_hook = faults.check
+        faults.max_in_flight = 1  # abandon() fails every transfer of the die: keep it to one
     return faults
 
 

@@ -7,6 +7,7 @@ prefill die -> JE: TAG_PD_PREFILLED (a PdTask: metadata and block addresses only
 JE -> decode die: TAG_PD_TASK (the PdTask, for the DP group the decode balancer chose; 4-5).
 decode die -> prefill die: TAG_PD_PULL (KvPull: the irecv is posted, send now; step 6).
 decode die -> JE: TAG_PD_TRANSFER (KvTransferDone: the transfer's numbers, for the TTFT split).
+prefill and decode die -> JE: TAG_PD_READY (None: built, the JE's clock may start).
 prefill die -> JE: TAG_REPORT (PrefillReport, once at the end, after TAG_STOP).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
+TAG_PD_READY = 217
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ reservation: prompt + output + MTP drafts, as the decode scheduler admits) and a
 either is short the receive is deferred (the prefill die keeps the blocks: backpressure, counted)
 and tried again next step. Otherwise it allocates the blocks, posts an XCCL irecv and tells the
 prefill die to send. One receive is in flight per die (a failed one is retried between two dies
-alone, ranks/pd_faults.py). Step 8: it polls the receive; a completed one is unpacked into its
+alone, ranks/pd_faults.py). Step 8: it polls the receives; a completed one is unpacked into its
 own KV slots and the request joins the running batch with its first token and MTP state.
 """
 
@@ -29,10 +29,18 @@ from ranks.pd_faults import (
     kv_event_id,
     poll_transfer,
 )
-from ranks.pd_messages import TAG_PD_PULL, TAG_PD_TASK, TAG_PD_TRANSFER, KvPull, KvTransferDone
+from ranks.pd_messages import (
+    TAG_PD_PULL,
+    TAG_PD_READY,
+    TAG_PD_TASK,
+    TAG_PD_TRANSFER,
+    KvPull,
+    KvTransferDone,
+)
 from xccl.errors import XcclError
 from xccl.p2p_pair import pair_state, resync_pair
-from xds_mpi.engine.pd_kv import PdTask, kv_nbytes, projected_kv_bytes, unpack_kv
+from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
+from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
 
 
@@ -74,15 +82,17 @@ class KvReceiver:
         )
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.deferred: deque[Incoming] = deque()
-        self.posted: Incoming | None = None  # the receive in flight (or being retried)
+        self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
         self.done: list[Incoming] = []  # adopted, first token not yet streamed
         self.num_deferrals = 0  # steps a task waited for KV blocks or a batch slot
-        self.sends: list[MPI.Request] = []
+        # The die is built: the JE starts its clock once every die said so, so TTFT holds no
+        # start-up (model build) time.
+        self.sends: list[MPI.Request] = [self.comm.isend(None, dest=SHELL, tag=TAG_PD_READY)]
 
     @property
     def num_outstanding(self) -> int:
-        return len(self.deferred) + (self.posted is not None)
+        return len(self.deferred) + len(self.posted)
 
     def step(self) -> None:
         """Take tasks, post what fits (the rest deferred), poll the completion queue."""
@@ -95,13 +105,17 @@ class KvReceiver:
 
     def _has_room(self, task: PdTask) -> bool:
         sched = self.scheduler
-        busy = len(sched.running) + (self.posted is not None)
+        busy = len(sched.running) + len(self.posted)
         need = sched._blocks(task.req)
         return busy < sched.max_batch and sched.reserved_blocks + need <= sched.table.num_blocks
 
     def _post(self) -> None:
         """Step 6, in arrival order: post what fits; defer the rest (backpressure)."""
-        if self.deferred and self.posted is None and self._has_room(self.deferred[0].task):
+        while (
+            self.deferred
+            and len(self.posted) < self.faults.max_in_flight
+            and self._has_room(self.deferred[0].task)
+        ):
             incoming = self.deferred.popleft()
             task, sched = incoming.task, self.scheduler
             sched.reserved_blocks += sched._blocks(task.req)
@@ -120,27 +134,28 @@ class KvReceiver:
         event = kv_event_id(task.req.req_id, incoming.attempt)
         incoming.handle = self.p2p.irecv(incoming.buf, task.prefill_rank, event)
         incoming.posted_at, incoming.started = time.time(), time.monotonic()
-        self.posted = incoming
+        self.posted[task.req.req_id] = incoming
         pull = KvPull(req_id=task.req.req_id, decode_rank=self.rank, attempt=incoming.attempt)
         self.sends.append(self.comm.isend(pull, dest=task.prefill_rank, tag=TAG_PD_PULL))
 
     def _complete(self) -> None:
         """Step 8: a completed receive joins the batch with its KV, first token and MTP state."""
-        incoming = self.posted
-        if incoming is None or incoming.is_resyncing:
-            return
-        done = poll_transfer(incoming.handle)
-        if isinstance(done, Exception):
-            return self._failed(incoming)
-        task = incoming.task
-        if not done:
-            check_deadline(
-                incoming.started, self.timeout_s, self.rank, task.prefill_rank, task.req.req_id
-            )
-            return
-        self.posted, incoming.completed_at = None, time.time()
-        self._adopt(incoming)
-        self.done.append(incoming)
+        for incoming in list(self.posted.values()):
+            if incoming.is_resyncing:
+                continue
+            done = poll_transfer(incoming.handle)
+            if isinstance(done, Exception):
+                return self._failed(incoming)
+            task = incoming.task
+            if not done:
+                check_deadline(
+                    incoming.started, self.timeout_s, self.rank, task.prefill_rank, task.req.req_id
+                )
+                continue
+            del self.posted[task.req.req_id]
+            incoming.completed_at = time.time()
+            self._adopt(incoming)
+            self.done.append(incoming)
 
     def _failed(self, incoming: Incoming) -> None:
         """This die's receive failed: abandon it, tell the prefill die our end of the pair."""
@@ -163,8 +178,8 @@ class KvReceiver:
         for tag in (TAG_PD_ABORT, TAG_PD_ABORT_ACK):
             while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=tag)) is not None:
                 abort: KvAbort = msg.recv()
-                state, incoming = abort.state, self.posted
-                if incoming is None or incoming.task.req.req_id != abort.req_id:
+                state, incoming = abort.state, self.posted.get(abort.req_id)
+                if incoming is None:
                     raise XcclError(
                         f"die rank {self.rank}: KvAbort for request {abort.req_id} from rank "
                         f"{abort.src}, but no receive of it is in flight"

@@ -1,8 +1,8 @@
 """The prefill die's side of the KV transfer (xDeepServe §5.1 steps 3 and 6-8).
 
 `register` keeps a finished prompt's blocks and MTP state under a PD-transfer task; each decode
-die's KvPull (its irecv is posted) queues an XCCL isend of the packed latent KV, one transfer in
-flight per die (so a failed one is retried between two dies alone, ranks/pd_faults.py);
+die's KvPull (its irecv is posted) queues an XCCL isend of the packed latent KV (one transfer in
+flight per die when p2p faults can fire, ranks/pd_faults.py);
 `progress` polls the send (the completion queue): a completed one frees the blocks.
 """
 
@@ -27,9 +27,10 @@ from ranks.pd_faults import (
     kv_event_id,
     poll_transfer,
 )
-from ranks.pd_messages import TAG_PD_PULL, KvPull, PrefillReport
+from ranks.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from xccl.p2p_pair import pair_state, resync_pair
-from xds_mpi.engine.pd_kv import PdTask, pack_kv
+from xds_mpi.engine.pd_kv import pack_kv
+from xds_mpi.engine.pd_task import PdTask
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +55,11 @@ class KvSender:
         self.faults = install(self.p2p, cfg, self.rank)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
         self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
-        self.outgoing: Outgoing | None = None
+        self.outgoing: dict[int, Outgoing] = {}  # req -> its send in flight
         self.resyncing = -1  # the decode rank whose KvAbortAck this die waits for
         self.num_sent = self.bytes_sent = self.num_retries = 0
         self.send_wall_s = 0.0
-        self.sends: list[MPI.Request] = []
+        self.sends: list[MPI.Request] = [self.comm.isend(None, dest=SHELL, tag=TAG_PD_READY)]
 
     @property
     def num_outstanding(self) -> int:
@@ -100,42 +101,43 @@ class KvSender:
         self.sends = [r for r in self.sends if not r.Test()]
 
     def _start_next(self) -> None:
-        if self.outgoing is not None or self.resyncing >= 0 or not self.pulls:
-            return
-        pull = self.pulls.popleft()
-        task, mtp_state = self.held[pull.req_id]
-        data = pack_kv(task, self.cache, mtp_state)
-        handle = self.p2p.isend(data, pull.decode_rank, kv_event_id(pull.req_id, pull.attempt))
-        self.outgoing = Outgoing(
-            pull=pull, task=task, handle=handle, data=data, started=time.monotonic()
-        )
+        while self.pulls and self.resyncing < 0 and len(self.outgoing) < self.faults.max_in_flight:
+            pull = self.pulls.popleft()
+            task, mtp_state = self.held[pull.req_id]
+            data = pack_kv(task, self.cache, mtp_state)
+            event = kv_event_id(pull.req_id, pull.attempt)
+            handle = self.p2p.isend(data, pull.decode_rank, event)
+            self.outgoing[pull.req_id] = Outgoing(
+                pull=pull, task=task, handle=handle, data=data, started=time.monotonic()
+            )
 
     def progress(self) -> None:
-        """Step 8: poll the send; a completed one frees the prompt's KV blocks."""
+        """Step 8: poll the sends; a completed one frees the prompt's KV blocks."""
         self._start_next()
-        out = self.outgoing
-        if out is None:
-            return
-        done = poll_transfer(out.handle)
-        if isinstance(done, Exception):
-            return self._failed(out)
-        if not done:
-            check_deadline(
-                out.started, self.timeout_s, self.rank, out.pull.decode_rank, out.pull.req_id
-            )
-            return
-        self.outgoing = None
+        for out in list(self.outgoing.values()):
+            done = poll_transfer(out.handle)
+            if isinstance(done, Exception):
+                return self._failed(out)
+            if done:
+                self._sent(out)
+            else:
+                check_deadline(
+                    out.started, self.timeout_s, self.rank, out.pull.decode_rank, out.pull.req_id
+                )
+        self._start_next()
+
+    def _sent(self, out: Outgoing) -> None:
+        del self.outgoing[out.pull.req_id]
         del self.held[out.task.req.req_id]
         self.scheduler.release(out.task.req)
         self.num_sent += 1
         self.bytes_sent += out.data.nbytes
         self.send_wall_s += time.monotonic() - out.started
-        self._start_next()
 
     def _failed(self, out: Outgoing) -> None:
         """This die's send failed: abandon it, tell the decode die our end of the pair."""
         self.p2p.abandon()
-        self.outgoing, decode = None, out.pull.decode_rank
+        self.outgoing, decode = {}, out.pull.decode_rank
         abort = KvAbort(
             req_id=out.pull.req_id,
             attempt=out.pull.attempt,
@@ -149,7 +151,7 @@ class KvSender:
     def _peer_failed(self, abort: KvAbort) -> None:
         """The decode die's receive failed: abandon our send, resync the pair, answer."""
         self.p2p.abandon()
-        self.outgoing = None
+        self.outgoing = {}
         mine = pair_state(self.p2p, abort.src, abort.dst)
         state = (max(mine[0], abort.state[0]), max(mine[1], abort.state[1]))
         resync_pair(self.p2p, abort.src, abort.dst, state)

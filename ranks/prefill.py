@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -24,6 +25,17 @@ from ranks.handshake import handshake
 from ranks.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
 from ranks.pd_messages import TAG_PD_PREFILLED
 from ranks.pd_send import KvSender
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """The leader's decision for one prefill DP group: its requests, the leader's virtual time
+    when each entered the pool (projected queueing starts there: the prefill dies' clocks move
+    together, every MoE layer meeting at dispatch/combine), and how many were assigned in all."""
+
+    requests: tuple
+    pooled_v: tuple[float, ...]
+    num_assigned: int
 
 
 def run(ctx: RankContext) -> None:
@@ -51,7 +63,8 @@ class PrefillDie:
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
         self.pool: deque = deque()  # leader: requests shared by every prefill DP group
-        self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, virtual s)
+        self.pooled_v: dict[int, float] = {}  # leader: req -> its virtual time entering the pool
+        self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, pooled virtual s)
         self.started: dict[int, tuple[float, float]] = {}  # req -> first prefill step
         self.is_stopped = False
         self.sends: list[MPI.Request] = []
@@ -113,7 +126,9 @@ class PrefillDie:
     def _take_messages(self) -> None:
         if self.is_leader:
             while (msg := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
-                self.pool.append(msg.recv())
+                req = msg.recv()
+                self.pool.append(req)
+                self.pooled_v[req.req_id] = self.pricer.clock.now_ns / 1e9
         if not self.is_stopped:
             msg = self.comm.improbe(source=SHELL, tag=TAG_STOP)
             if msg is not None:
@@ -153,13 +168,20 @@ class PrefillDie:
                 step_tokens=cfg.xccl.max_tokens_per_die,
             )
             self.pool = deque(left)
-            batches = [(batch, sum(map(len, batches))) for batch in batches]
-        batch, num_assigned = self.group.scatter(batches, root=0)
-        stamp = (time.time(), self.pricer.clock.now_ns / 1e9)
-        for req in batch:
+            num = sum(map(len, batches))
+            batches = [
+                Assignment(
+                    requests=tuple(b),
+                    pooled_v=tuple(self.pooled_v.pop(r.req_id) for r in b),
+                    num_assigned=num,
+                )
+                for b in batches
+            ]
+        mine: Assignment = self.group.scatter(batches, root=0)
+        for req, pooled_v in zip(mine.requests, mine.pooled_v):
             self.scheduler.add(req)
-            self.assigned[req.req_id] = stamp
-        return num_assigned
+            self.assigned[req.req_id] = (time.time(), pooled_v)
+        return mine.num_assigned
 
     def _iteration(self) -> None:
         start = (time.time(), self.pricer.clock.now_ns / 1e9)

@@ -1,9 +1,6 @@
-"""The PD-transfer task and the KV bytes it moves (xDeepServe §5.1 steps 3 and 6-8).
-
-A task holds only metadata: the request, the first token and MTP drafts the prefill produced,
-where the prompt's latent KV sits on the prefill die (its cache slots, "the addresses of the KV
-blocks") and the shape of the MTP state decode continues from. The bytes are packed only when
-the decode die asks for them (it posted its irecv), and unpacked into the decode die's own slots.
+"""The KV bytes a PD-transfer task (xds_mpi/engine/pd_task.py) moves (xDeepServe §5.1 steps
+6-8): packed only when the decode die asks for them (it posted its irecv), and unpacked into the
+decode die's own slots.
 
 Exactness: the message is the prefill die's latent cache rows copied bit for bit (float64 in,
 float64 out: `pack_kv` views the tensors' bytes, `unpack_kv` writes the same values into the
@@ -13,40 +10,12 @@ MTP rows (h^k of positions not yet consumed) travel the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from xds_mpi.engine.mtp import MtpState
-from xds_mpi.engine.requests import Request
+from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.model.mla import LatentCache
-
-
-@dataclass(frozen=True, kw_only=True)
-class PdTask:
-    """One prefilled request waiting for its KV transfer. prefill_rank: the die holding the
-    blocks; slots: its cache slots of positions 0..kv_len-1; first_token / drafts: what the
-    prefill sampled and the MTP drafts of its last position; mtp_next_pos / mtp_rows: the MTP
-    state (per depth: next position, committed rows not yet consumed); timings in wall seconds
-    (time.time()) and the prefill die's virtual seconds."""
-
-    req: Request
-    prefill_rank: int
-    slots: tuple[int, ...]
-    first_token: int
-    drafts: tuple[int, ...] = ()
-    mtp_next_pos: tuple[int, ...] = ()
-    mtp_rows: tuple[int, ...] = ()
-    assigned_at: float = 0.0
-    prefill_start: float = 0.0
-    prefill_end: float = 0.0
-    queue_v: float = 0.0  # virtual seconds between assignment and the first prefill step
-    prefill_v: float = 0.0  # virtual seconds of the iterations that prefilled it
-
-    @property
-    def kv_len(self) -> int:
-        return len(self.slots)
 
 
 def kv_nbytes(task: PdTask, cache: LatentCache, hidden: int) -> int:

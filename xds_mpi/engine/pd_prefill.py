@@ -84,12 +84,8 @@ def assign(
             continue
         g = min(fits, key=lambda g: (cost[g], g))
         batches[g].append(req)
-        free[g], room[g], cost[g], kind[g] = (
-            free[g] - need,
-            room[g] - 1,
-            cost[g] + len(req.prompt),
-            cls,
-        )
+        free[g], room[g], kind[g] = free[g] - need, room[g] - 1, cls
+        cost[g] += len(req.prompt)
     return batches, left
 
 

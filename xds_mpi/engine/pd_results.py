@@ -81,6 +81,10 @@ class PdBook:
         group["kv_bytes"] = np.array([self.transfers[r].nbytes for r in ids], np.int64)
         group["num_deferred"] = np.array([self.transfers[r].num_deferred for r in ids], np.int64)
         group["num_retries"] = np.array([self.transfers[r].num_retries for r in ids], np.int64)
+        # kv_wait in two: the task's way to the decode die (JE), then its wait there (step 6)
+        group["task_at_decode_s"] = np.array(
+            [self.transfers[r].received_at - self.tasks[r].prefill_end for r in ids]
+        )
         for part in PARTS:
             group[f"ttft_{part}_s"] = np.array(
                 [self.split_wall(records[r], started + records[r].req.arrival_s)[part] for r in ids]
