@@ -4,9 +4,10 @@ A PD-transfer task arrives from the JE. Step 6: the group checks its free KV blo
 reservation: prompt + output + MTP drafts, as the decode scheduler admits) and a batch slot; when
 either is short the receive is deferred (the prefill die keeps the blocks: backpressure, counted)
 and tried again next step. Otherwise it allocates the blocks, posts an XCCL irecv and tells the
-prefill die to send. One receive is in flight per die (a failed one is retried between two dies
-alone, ranks/pd_faults.py). Step 8: it polls the receives; a completed one is unpacked into its
-own KV slots and the request joins the running batch with its first token and MTP state.
+prefill die to send (one receive in flight per die when p2p faults can fire, so a failed one is
+retried between two dies alone, ranks/pd_faults.py). Step 8: it polls the receives; a completed
+one is unpacked into its own KV slots and the request joins the running batch with its first
+token and MTP state.
 """
 
 from __future__ import annotations
