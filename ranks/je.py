@@ -58,11 +58,12 @@ class JobExecutor(Frontend):
         num = 0
         while (msg := self.comm.improbe(tag=TAG_PD_PREFILLED)) is not None:
             task = msg.recv()
-            group = self.balancer.pick(task.req)
-            self.balancer.on_dispatch(group, task.req)
-            self.records[task.req.req_id].die_rank = group
             self.pd_book.tasks[task.req.req_id] = task
-            self.sends.append(self.comm.isend(task, dest=group, tag=TAG_PD_TASK))
+            to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
+            if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
+                to = self.balancer.pick(task.req)
+                self.balancer.on_dispatch(to, task.req)
+            self.sends.append(self.comm.isend(task, dest=to, tag=TAG_PD_TASK))
             num += 1
         return num
 
@@ -71,6 +72,7 @@ class JobExecutor(Frontend):
         while (msg := self.comm.improbe(tag=TAG_PD_TRANSFER)) is not None:
             done = msg.recv()
             self.pd_book.transfers[done.req_id] = done
+            self.records[done.req_id].die_rank = done.decode_rank
             num += 1
         return num
 
@@ -88,10 +90,10 @@ class JobExecutor(Frontend):
         super().serve()
         self._take_transfers()
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
-        prefill = self.pd_plan.prefill
+        prefill, shell = self.pd_plan.prefill, self.pd_plan.decode_shell
         send_to_each(
             self.comm,
-            {p: None for p in prefill},
+            {p: None for p in prefill + ((shell,) if shell else ())},
             tag=TAG_STOP,
             timeout_s=timeout_s,
             me="JE",

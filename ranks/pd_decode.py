@@ -33,6 +33,7 @@ class PdColocatedDie(ColocatedDie):
         emitted = self.scheduler.postprocess(sampled)
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(self.kv.take_first_tokens(timing.vtime_s) + emitted, timing)
+        self.kv.completed(emitted)
         return True
 
     def close(self) -> None:
@@ -61,6 +62,7 @@ class PdAttentionDie(AttentionDie):
         emitted = self.scheduler.postprocess(sampled)
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
         self.outbox.stream(self.kv.take_first_tokens(timing.vtime_s) + emitted, timing)
+        self.kv.completed(emitted)
         return True
 
     def close(self) -> None:

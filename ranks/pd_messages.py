@@ -4,7 +4,9 @@ ranks/messages.py's: the data (the KV cache) moves over XCCL p2p, never here.
 JE -> prefill leader: TAG_REQUEST (a Request, into the shared pending pool; step 1).
 prefill die -> JE: TAG_PD_PREFILLED (a PdTask: metadata and block addresses only; step 3), or
   TAG_TOKENS for a request its first token already ends.
-JE -> decode die: TAG_PD_TASK (the PdTask, for the DP group the decode balancer chose; 4-5).
+JE -> decode TE-shell -> decode die: TAG_PD_TASK (the PdTask; the TE-shell's balancer picks the
+  DP group; steps 4-5). Without a decode TE-shell rank the JE runs that balancer itself.
+decode die -> decode TE-shell: TAG_PD_DONE (request ids finished: completions for balancing).
 decode die -> prefill die: TAG_PD_PULL (KvPull: the irecv is posted, send now; step 6).
 decode die -> JE: TAG_PD_TRANSFER (KvTransferDone: the transfer's numbers, for the TTFT split).
 prefill and decode die -> JE: TAG_PD_READY (None: built, the JE's clock may start).
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
-TAG_PD_READY = 217
+TAG_PD_READY, TAG_PD_DONE = 217, 218
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,6 +31,7 @@ from ranks.pd_faults import (
     poll_transfer,
 )
 from ranks.pd_messages import (
+    TAG_PD_DONE,
     TAG_PD_PULL,
     TAG_PD_READY,
     TAG_PD_TASK,
@@ -82,6 +83,7 @@ class KvReceiver:
             cost_shape(),
         )
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
+        self.decode_shell = ctx.plan.pd.decode_shell
         self.deferred: deque[Incoming] = deque()
         self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
@@ -97,7 +99,7 @@ class KvReceiver:
 
     def step(self) -> None:
         """Take tasks, post what fits (the rest deferred), poll the completion queue."""
-        while (msg := self.comm.improbe(source=SHELL, tag=TAG_PD_TASK)) is not None:
+        while (msg := self.comm.improbe(source=self.decode_shell, tag=TAG_PD_TASK)) is not None:
             self.deferred.append(Incoming(task=msg.recv(), received_at=time.time()))
         self._take_aborts()
         self._post()
@@ -249,6 +251,12 @@ class KvReceiver:
             first_step_v=first_step_v,
         )
         self.sends.append(self.comm.isend(done, dest=SHELL, tag=TAG_PD_TRANSFER))
+
+    def completed(self, emitted: list[Emitted]) -> None:
+        """Tell the decode TE-shell (a rank of its own) which requests finished."""
+        finished = [e.req_id for e in emitted if e.is_finished]
+        if finished and self.decode_shell:
+            self.sends.append(self.comm.isend(finished, dest=self.decode_shell, tag=TAG_PD_DONE))
 
     def take_first_tokens(self, first_step_v: float) -> list[Emitted]:
         """The first tokens to stream with this iteration's (which took first_step_v virtual

@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # imported when serving starts, after the handshake
 
 
 def run(ctx: RankContext) -> int:
+    if ctx.comm.rank != 0:  # PD: host rank 1 is the decode TE-shell
+        from ranks.decode_shell import run as run_decode_shell
+
+        return run_decode_shell(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
     handshake_s, status, serving = 0.0, "completed", None

@@ -43,7 +43,8 @@ def explain(result: subprocess.CompletedProcess) -> str:
 
 
 def test_pd_default_equals_reference_and_splits_ttft(tmp_path):
-    # configs/pd.yaml: 2 prefill dies (EP2) -> 4 colocated decode dies; uneven prompt lengths.
+    # configs/pd.yaml: JE, decode TE-shell, 2 prefill dies (EP2) -> 4 colocated decode dies;
+    # uneven prompt lengths.
     result, run_file = serve(
         tmp_path, "workload.num_requests=6", "workload.output_len=5", "workload.max_output_len=5"
     )
@@ -51,7 +52,10 @@ def test_pd_default_equals_reference_and_splits_ttft(tmp_path):
     assert check_line(result) == "check: 6 requests, 30 tokens, 0 mismatches"
     pd, requests = run_file["pd"], run_file["requests"]
     assert sorted(pd["req_id"][()]) == list(range(6))  # every request's KV moved over p2p
-    assert set(pd["prefill_rank"][()]) <= {5, 6} and set(pd["decode_rank"][()]) <= {1, 2, 3, 4}
+    assert set(pd["prefill_rank"][()]) <= {6, 7} and set(pd["decode_rank"][()]) <= {2, 3, 4, 5}
+    assert list(requests["die_rank"][()]) == [  # the decode TE-shell's choice, as the JE saw it
+        int(pd["decode_rank"][()][list(pd["req_id"][()]).index(r)]) for r in range(6)
+    ]
     assert (pd["kv_bytes"][()] > 0).all()
     # The wall parts add up to each request's TTFT; the projected ones are all priced.
     ttft = requests["ttft_s"][()][pd["req_id"][()]]
@@ -102,16 +106,17 @@ def test_mtp_depth_1_three_prefill_dies_feed_two_decode_dies(tmp_path):
 
 
 def test_one_prefill_die_feeds_six_and_failed_kv_transfers_are_retried(tmp_path):
-    # 1 prefill die (rank 7, all 16 experts) -> 6 decode dies; its 5th transfer fails twice at
-    # the sender; decode die 2's first transfer fails once at the receiver (unless that is the
-    # same transfer: then the sender's failures come first and the receiver's row, for attempt
-    # 0 only, does not fire).
+    # JE only (it balances decode itself), 1 prefill die (rank 7, all 16 experts) -> 6 decode
+    # dies; the prefill die's 5th transfer fails twice at the sender; decode die 2's first
+    # transfer fails once at the receiver (unless that is the same transfer: then the sender's
+    # failures come first and the receiver's row, for attempt 0 only, does not fire).
     faults = (
         "faults.table=[{die: 7, op: p2p_send, layer: 0, iteration: 4, times: 2},"
         " {die: 2, op: p2p_recv, layer: 0, iteration: 0}]"
     )
     result, run_file = serve(
         tmp_path,
+        "deployment.num_host_ranks=1",
         "deployment.num_prefill_dies=1",
         "deployment.dp_groups_per_domain=6",
         "workload.num_requests=8",
@@ -157,7 +162,7 @@ def pd_config(*sets: str):
         ),
         (
             ["xccl.p2p_pairs=none"],
-            ["decode die rank 1 has no p2p pair with prefill die rank 5", "8 of 8", "(none)"],
+            ["decode die rank 2 has no p2p pair with prefill die rank 6", "8 of 8", "(none)"],
         ),
         (
             ["deployment.num_prefill_dies=1", "deployment.max_routed_experts_per_die=8"],
@@ -175,8 +180,9 @@ def pd_config(*sets: str):
                 "xccl.ring_slots=2",
                 "xccl.max_window_bytes=300000",
             ],
-            ["prefill die rank 2's window needs 544320 B", "(300000)"],
+            ["prefill die rank 3's window needs 544320 B", "(300000)"],
         ),
+        (["deployment.num_host_ranks=3"], ["num_host_ranks(3) must be 1", "or 2"]),
     ],
 )
 def test_pd_configs_that_cannot_run_are_refused_with_numbers(sets, words):
@@ -191,8 +197,10 @@ def test_validate_prints_the_pd_layout_and_p2p_windows():
         [str(XDS_MPI), "validate", "pd", "--brief"], capture_output=True, text=True, cwd=REPO_ROOT
     )
     assert result.returncode == 0, result.stderr
-    assert "prefill DP groups 2 (ranks [5, 6], leader 5)" in result.stdout
-    assert "8 prefill->decode pairs" in result.stdout and "rank 1: 262400" in result.stdout
+    assert "JE rank 0; decode TE-shell rank 1; prefill DP groups 2 (ranks [6, 7], leader 6)" in (
+        result.stdout
+    )
+    assert "8 prefill->decode pairs" in result.stdout and "rank 2: 262400" in result.stdout
 
 
 # -- the prefill leader's decision (no MPI) ---------------------------------------------------

@@ -29,6 +29,7 @@ class PdPlan:
     decode: tuple[int, ...]
     ep: EpLayout
     slot_owner: tuple[int, ...]
+    decode_shell: int = 0  # the decode TE-shell's rank: 1 with two host ranks, else the JE (0)
 
     @property
     def leader(self) -> int:
@@ -56,11 +57,22 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     num_experts = cfg.model.num_routed_experts
     base, extra = divmod(num_experts, len(prefill))
     owner = [p for i, p in enumerate(prefill) for _ in range(base + (1 if i < extra else 0))]
-    return PdPlan(prefill=prefill, decode=decode, ep=ep, slot_owner=tuple(owner))
+    return PdPlan(
+        prefill=prefill,
+        decode=decode,
+        ep=ep,
+        slot_owner=tuple(owner),
+        decode_shell=1 if cfg.deployment.num_host_ranks == 2 else 0,
+    )
 
 
 def _refuse(cfg: Config, prefill: tuple[int, ...]) -> None:
     dep, model = cfg.deployment, cfg.model
+    if dep.num_host_ranks not in (1, 2):
+        raise ConfigError(
+            f"pd: deployment.num_host_ranks({dep.num_host_ranks}) must be 1 (the JE, which then "
+            "balances decode too) or 2 (the JE and the decode TE-shell)"
+        )
     if not prefill:
         raise ConfigError(
             "pd.enabled needs prefill dies: deployment.num_prefill_dies(0); "
@@ -149,7 +161,9 @@ def describe_pd(plan) -> str:
     """`xds-mpi validate`'s P/D lines: roles, pairs and p2p window bytes per die."""
     pd, p2p = plan.pd, plan.p2p
     lines = [
-        f"P/D: JE (frontend, prefill and decode balancing) rank 0; prefill DP groups "
+        f"P/D: JE rank 0; decode TE-shell rank {pd.decode_shell}"
+        + (" (the JE)" if pd.decode_shell == 0 else "")
+        + f"; prefill DP groups "
         f"{len(pd.prefill)} (ranks {list(pd.prefill)}, leader {pd.leader}); decode "
         f"{plan.cfg.deployment.kind} DP groups ranks {list(pd.decode)}",
         f"p2p: {len(p2p.pairs)} prefill->decode pairs, ring {p2p.ring_slots} x "
