@@ -13,6 +13,7 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from ranks import decode_shell
 from ranks.context import RankContext
 from ranks.handshake import handshake
 from xds_mpi.runfile import run_file_path, write_run_file
@@ -23,9 +24,7 @@ if TYPE_CHECKING:  # imported when serving starts, after the handshake
 
 def run(ctx: RankContext) -> int:
     if ctx.comm.rank != 0:  # PD: host rank 1 is the decode TE-shell
-        from ranks.decode_shell import run as run_decode_shell
-
-        return run_decode_shell(ctx)
+        return decode_shell.run(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
     handshake_s, status, serving = 0.0, "completed", None
