@@ -16,6 +16,7 @@ from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
 from xds_mpi.config import ConfigError, load_config
 from xds_mpi.fabric import format_bytes
+from xds_mpi.pd_plan import describe_pd
 from xds_mpi.plan import DeploymentPlan
 from xds_mpi.progress import PROGRESS_ENV, progress_mode
 
@@ -54,6 +55,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
         f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
+    if plan.pd is not None:
+        print(describe_pd(plan))
     if not args.brief:
         print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0

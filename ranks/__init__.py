@@ -2,8 +2,9 @@
 
 Every program starts with the startup handshake (all ranks agree on config and topology). The
 colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py), and so does the
-disaggregated MoE-attention one (ranks/attention.py, ranks/expert.py); prefill dies end after the
-handshake until PD disaggregation lands.
+disaggregated MoE-attention one (ranks/attention.py, ranks/expert.py); with `pd.enabled` the
+host rank is the JE (ranks/je.py) and prefill dies prefill (ranks/prefill.py) for decode dies that
+receive the KV cache (ranks/pd_decode.py); without it prefill dies end after the handshake.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ ROLE_MODULES = {
     "attention": "ranks.attention",
     "expert": "ranks.expert",
     "colocated": "ranks.colocated",
-    "prefill": "ranks.die",
+    "prefill": "ranks.prefill",
 }
 
 

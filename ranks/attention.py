@@ -21,7 +21,12 @@ IDLE = IterationTiming(
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    serve(AttentionDie(ctx))
+    if ctx.plan.pd is not None:  # PD: requests arrive prefilled, KV over p2p
+        from ranks.pd_decode import PdAttentionDie
+
+        serve(PdAttentionDie(ctx))
+    else:
+        serve(AttentionDie(ctx))
 
 
 class AttentionDie(AfdDieBase):

@@ -20,7 +20,12 @@ from xds_mpi import trace
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    serve(ColocatedDie(ctx))
+    if ctx.plan.pd is not None:  # PD: requests arrive prefilled, KV over p2p
+        from ranks.pd_decode import PdColocatedDie
+
+        serve(PdColocatedDie(ctx))
+    else:
+        serve(ColocatedDie(ctx))
 
 
 class ColocatedDie:

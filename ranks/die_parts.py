@@ -19,7 +19,8 @@ class DecodeState:
     scheduler: object
 
 
-def decode_state(cfg: Config, model) -> DecodeState:
+def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
+    """scheduler_class: DieScheduler or a subclass (the prefill dies' PrefillScheduler)."""
     from xds_mpi.engine.scheduler import DieScheduler
     from xds_mpi.model.kv_blocks import BlockTable
     from xds_mpi.model.mla import LatentCache
@@ -34,7 +35,7 @@ def decode_state(cfg: Config, model) -> DecodeState:
         rope_dim=cfg.model.qk_rope_dim,
         dtype=model.dtype,
     )
-    scheduler = DieScheduler(
+    scheduler = (scheduler_class or DieScheduler)(
         table=table,
         max_batch=sched.max_batch_per_die,
         max_tokens=cfg.xccl.max_tokens_per_die,

@@ -13,6 +13,7 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from ranks import decode_shell
 from ranks.context import RankContext
 from ranks.handshake import handshake
 from xds_mpi import trace
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # imported when serving starts, after the handshake
 
 
 def run(ctx: RankContext) -> int:
+    if ctx.comm.rank != 0:  # PD: host rank 1 is the decode TE-shell
+        return decode_shell.run(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
     handshake_s, status, serving, placements = 0.0, "completed", None, ()
@@ -95,6 +98,12 @@ class Serving:
             for line in self.eplb.lines():
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
+        self.pd_book = getattr(frontend, "pd_book", None)  # PD: the TTFT split, KV transfers
+        if self.pd_book is not None:
+            from xds_mpi.engine.pd_results import format_pd
+
+            self.summary.update(self.pd_book.summary(self.records, self.started))
+            ctx.log.info(format_pd(self.summary))
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
@@ -106,11 +115,12 @@ class Serving:
         """Serve the whole workload; the Frontend (its records and die reports) once done.
         Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
         from ranks.frontend import Frontend
+        from ranks.je import JobExecutor
         from xccl.gmem import DieMemory, Traffic
 
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
-        frontend = Frontend(ctx)
+        frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
         frontend.serve()
         mem.free()
         alone.Free()
@@ -183,3 +193,5 @@ class Serving:
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
         if self.eplb:
             self.eplb.write(f)
+        if self.pd_book is not None:
+            self.pd_book.write(f, self.records, self.started)

@@ -32,6 +32,7 @@ from xds_mpi.config_loader import (  # noqa: F401
     require,
 )
 from xds_mpi.config_model import ModelConfig
+from xds_mpi.config_pd import PdConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,6 +272,7 @@ class Config:
     xccl: XcclConfig = field(default_factory=XcclConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
+    pd: PdConfig = field(default_factory=PdConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -60,6 +60,11 @@ def check_eplb(cfg: Config, num_routed_dies: int) -> None:
             f"eplb.enabled needs a colocated deployment, got deployment.kind={dep.kind!r}: the "
             "attention/expert dies of afd do not swap replicas yet (see README, EPLB)"
         )
+    if cfg.pd.enabled:
+        raise ConfigError(
+            "eplb.enabled with pd.enabled: the PD decode dies and the prefill dies do not swap "
+            "replicas yet; turn one of them off"
+        )
     free = free_slots(cfg, num_routed_dies)
     if free == 0:
         raise ConfigError(

@@ -20,6 +20,7 @@ from xds_mpi.config_eplb import check_eplb
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
+from xds_mpi.pd_plan import PdPlan, build_pd, check_pd_fault, pd_window_bytes
 from xds_mpi.topology import Topology
 
 
@@ -29,7 +30,8 @@ class DeploymentPlan:
     p2p: ring layout of every rank's window (first in each window); ep: dispatch/combine area of
     a colocated deployment, else None; afd: A2E/E2A area of an afd one, else None;
     row_dtype: dtype of the rows XCCL moves without INT8 (the layouts size rows with its itemsize);
-    window_bytes: [world_size] bytes of each rank's window (host ranks: 0)."""
+    window_bytes: [world_size] bytes of each rank's window (host ranks: 0);
+    pd: disaggregated prefill-decode (xds_mpi/pd_plan.py), None unless pd.enabled."""
 
     cfg: Config
     topo: Topology
@@ -38,6 +40,7 @@ class DeploymentPlan:
     afd: AfdLayout | None
     row_dtype: np.dtype
     window_bytes: tuple[int, ...]
+    pd: PdPlan | None = None
 
     @classmethod
     def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
@@ -51,14 +54,23 @@ class DeploymentPlan:
             p2p = p2p_layout(cfg, topo)
             ep = ep_layout(cfg, topo, p2p, row_dtype.itemsize)
             afd = afd_layout(cfg, topo, p2p, row_dtype.itemsize)
+            pd = build_pd(cfg, topo, p2p, row_dtype.itemsize)
         except ConfigError:
             raise
         except ValueError as exc:  # a layout's own refusal, e.g. slot_bytes not a multiple of 8
             raise ConfigError(f"xccl: {exc}") from None
         windows = window_bytes(cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
+        windows = pd_window_bytes(cfg, pd, windows)
         check_workload(cfg, topo)
         return cls(
-            cfg=cfg, topo=topo, p2p=p2p, ep=ep, afd=afd, row_dtype=row_dtype, window_bytes=windows
+            cfg=cfg,
+            topo=topo,
+            p2p=p2p,
+            ep=ep,
+            afd=afd,
+            row_dtype=row_dtype,
+            window_bytes=windows,
+            pd=pd,
         )
 
 
@@ -90,6 +102,8 @@ def _check_fault_table(cfg: Config, topo: Topology) -> None:
     num_cache_layers = model.num_layers + depth
     first, last = topo.num_host_ranks, topo.num_host_ranks + topo.num_dies - 1
     for i, spec in enumerate(cfg.faults.table):
+        if check_pd_fault(cfg, topo, i, spec):
+            continue  # a KV-transfer fault of a PD run (xds_mpi/pd_plan.py)
         if spec.op.startswith("p2p"):
             raise ConfigError(
                 f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "

@@ -7,6 +7,10 @@ from __future__ import annotations
 TAG_HELLO, TAG_VERDICT = 101, 102
 # TE-shell <-> dies (ranks/messages.py).
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
+# Prefill-decode disaggregation (ranks/pd_messages.py, ranks/pd_faults.py).
+TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
+TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
+TAG_PD_READY, TAG_PD_DONE = 217, 218
 # Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
 # Trace events, once per rank at the end (ranks/trace_io.py).

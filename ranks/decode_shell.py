@@ -1,0 +1,83 @@
+"""The decode TE-shell of a PD deployment (xDeepServe §5.1 step 5, §4.3), host rank 1.
+
+The JE hands it every PD-transfer task (with one decode TE, the JE's choice of decode TE by load
+is that one); it picks the decode DP group with §4.3's balancer by load (lowest reserved KV,
+then fewest requests; the group itself defers while its KV is full, step 6) and forwards the
+task there. It sees only what balancing needs: the tasks and each group's completions (request
+ids, TAG_PD_DONE); tokens go from the groups straight to the JE (the output shortcut).
+"""
+
+from __future__ import annotations
+
+import time
+
+from mpi4py import MPI
+
+from ranks.context import RankContext
+from ranks.handshake import handshake
+from ranks.messages import TAG_STOP
+from ranks.pd_messages import TAG_PD_DONE, TAG_PD_TASK
+from xds_mpi.control import WaitTimeout
+
+JE = 0
+
+
+def run(ctx: RankContext) -> None:
+    from xccl.gmem import DieMemory
+
+    handshake(ctx)
+    mem = DieMemory(ctx.comm, 0)  # joins the window collective, holds no die memory
+    alone = ctx.comm.Split(0, ctx.comm.rank)
+    DecodeShell(ctx).serve()
+    mem.free()
+    alone.Free()
+
+
+class DecodeShell:
+    def __init__(self, ctx: RankContext) -> None:
+        from ranks.je import LoadBalancer
+
+        sched = ctx.cfg.scheduler
+        self.ctx, self.comm = ctx, ctx.comm
+        self.balancer = LoadBalancer(
+            ctx.plan.pd.decode,
+            max_batch=1 << 40,
+            kv_capacity_tokens=1 << 40,
+            block_tokens=sched.kv_block_tokens,
+            mtp_depth=sched.mtp_depth,
+        )
+        self.sends: list[MPI.Request] = []
+        self.num_tasks = 0
+
+    def serve(self) -> None:
+        """Route tasks and take completions until the JE says stop."""
+        deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
+        while (stop := self.comm.improbe(source=JE, tag=TAG_STOP)) is None:
+            if not self._route() + self._take_completions():
+                time.sleep(0.0005)
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"decode TE-shell: no stop from the JE after run.timeout_s"
+                    f"({self.ctx.cfg.run.timeout_s:g}); {self.num_tasks} tasks routed"
+                )
+        stop.recv()
+        MPI.Request.Waitall(self.sends)
+
+    def _route(self) -> int:
+        num = 0
+        while (msg := self.comm.improbe(source=JE, tag=TAG_PD_TASK)) is not None:
+            task = msg.recv()
+            group = self.balancer.pick(task.req)
+            self.balancer.on_dispatch(group, task.req)
+            self.sends.append(self.comm.isend(task, dest=group, tag=TAG_PD_TASK))
+            num += 1
+        self.num_tasks += num
+        return num
+
+    def _take_completions(self) -> int:
+        num = 0
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE)) is not None:
+            for req_id in msg.recv():
+                self.balancer.on_complete(req_id)
+            num += 1
+        return num

@@ -1,0 +1,104 @@
+"""The Job Executor of a PD deployment (xDeepServe §5.1 steps 1 and 4), on the host rank.
+
+Step 1: each arrived request goes to the prefill side's shared pending pool at the prefill
+leader (prefill DP-0); its length-aware, load-aware placement onto a prefill DP group is the
+leader's single-level scheduler (engine/pd_prefill.py), which sees every group's status.
+Step 4: when a prefill die registers a PD-transfer task, the decode balancer (§4.3, the decode
+TE-shell's) picks a decode DP group by load, and the task goes there. It does not wait for that
+group's KV space: the decode group defers its receive until it has room (backpressure, step 6).
+Tokens come straight from the decode groups (the output shortcut), as in ranks/frontend.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ranks.frontend import Frontend
+from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
+from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
+from xds_mpi.control import recv_from_each, send_to_each
+from xds_mpi.engine.balancer import DecodeBalancer
+from xds_mpi.engine.pd_results import PdBook
+
+
+class LoadBalancer(DecodeBalancer):
+    """§4.3's decode balancer without the capacity cut (the decode group applies it): lowest
+    reserved KV, then fewest requests. Requests that ended at prefill never reached it."""
+
+    def on_complete(self, req_id: int) -> int:
+        return super().on_complete(req_id) if req_id in self._where else -1
+
+
+class JobExecutor(Frontend):
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        pd, sched = ctx.plan.pd, ctx.cfg.scheduler
+        self.pd_plan, self.pd_book = pd, PdBook()
+        unbounded = 1 << 40
+        self.balancer = LoadBalancer(
+            self.groups,
+            max_batch=unbounded,
+            kv_capacity_tokens=unbounded,
+            block_tokens=sched.kv_block_tokens,
+            mtp_depth=sched.mtp_depth,
+        )
+
+    def _dispatch_arrived(self) -> int:
+        """Step 1 for arrived requests, step 4 for prefilled ones, and the transfers' numbers."""
+        now, num = time.time() - self.started, 0
+        while self.queue and self.queue[0].arrival_s <= now:
+            req = self.queue.popleft()
+            record = self.records[req.req_id]
+            record.dispatched_at = time.time()
+            self.sends.append(self.comm.isend(req, dest=self.pd_plan.leader, tag=TAG_REQUEST))
+            num += 1
+        return num + self._take_prefilled() + self._take_transfers()
+
+    def _take_prefilled(self) -> int:
+        num = 0
+        while (msg := self.comm.improbe(tag=TAG_PD_PREFILLED)) is not None:
+            task = msg.recv()
+            self.pd_book.tasks[task.req.req_id] = task
+            to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
+            if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
+                to = self.balancer.pick(task.req)
+                self.balancer.on_dispatch(to, task.req)
+            self.sends.append(self.comm.isend(task, dest=to, tag=TAG_PD_TASK))
+            num += 1
+        return num
+
+    def _take_transfers(self) -> int:
+        num = 0
+        while (msg := self.comm.improbe(tag=TAG_PD_TRANSFER)) is not None:
+            done = msg.recv()
+            self.pd_book.transfers[done.req_id] = done
+            self.records[done.req_id].die_rank = done.decode_rank
+            num += 1
+        return num
+
+    def serve(self) -> None:
+        """Once every prefill and decode die is built, the decode groups' run (Frontend.serve,
+        whose clock starts then), then the prefill dies' stop and reports."""
+        recv_from_each(
+            self.comm,
+            self.pd_plan.prefill + self.pd_plan.decode,
+            tag=TAG_PD_READY,
+            timeout_s=self.ctx.cfg.run.timeout_s,
+            me="JE",
+            event="die ready",
+        )
+        super().serve()
+        self._take_transfers()
+        timeout_s = self.ctx.cfg.xccl.poll_timeout_s
+        prefill, shell = self.pd_plan.prefill, self.pd_plan.decode_shell
+        send_to_each(
+            self.comm,
+            {p: None for p in prefill + ((shell,) if shell else ())},
+            tag=TAG_STOP,
+            timeout_s=timeout_s,
+            me="JE",
+            event="stop",
+        )
+        self.pd_book.reports = recv_from_each(
+            self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
+        )
