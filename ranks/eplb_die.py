@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from xds_mpi import trace
 from xds_mpi.control import WaitTimeout
 from xds_mpi.eplb.placement import changed_slots, disable
 from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, CountSlice, PlacementUpdate
@@ -102,13 +103,16 @@ class EplbDie:
         agreed = np.empty_like(mine)
         self.dies.Allreduce(mine, agreed, op=MPI.MIN)
         if self.swap and agreed[1]:
+            trace.instant("eplb", phase="enable", version=self.swap.update.version)
             self._enable()
         elif not self.swap and agreed[0] > self.version:
             # The TE-shell sends a placement only once the previous one is in use everywhere.
             assert self.received.version == agreed[0], (self.received.version, agreed[0])
-            self._prefetch_and_disable(self.received)
+            with trace.span("eplb", phase="prefetch + disable", version=self.received.version):
+                self._prefetch_and_disable(self.received)
         if self.swap:
-            self._load()
+            with trace.span("eplb", phase="load", version=self.swap.update.version):
+                self._load()
             self.book.num_loading += 1
             self.num_loading_iterations += 1
         self.moe_vtime_before_s = self.moe_vtime_s()

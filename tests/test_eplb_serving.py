@@ -3,8 +3,10 @@ swaps replicas several times while decoding and still equals the single-process 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import h5py
@@ -100,3 +102,10 @@ def test_replicas_swap_while_decoding_and_tokens_equal_the_reference(tmp_path):
         assert eplb.attrs["num_loading_iterations"] > 0
         assert eplb["slice_counts"].shape[1:] == (3 + 1, 16)  # 3 MoE layers + MTP, 16 experts
         assert f["summary"].attrs["check_mismatches"] == 0
+        num_reconfigs = int(eplb.attrs["num_reconfigs"])
+    # The trace shows each die's swap phases: one enable per reconfiguration on each of 4 dies,
+    # and the loads on the 910C clock like on the wall clock.
+    events = json.loads((tmp_path / "eplb.trace.json").read_text())["traceEvents"]
+    phases = Counter(e["args"]["phase"] for e in events if e.get("name") == "eplb")
+    assert phases["enable"] == 2 * 4 * num_reconfigs, phases  # two clocks x 4 dies
+    assert phases["load"] > 0 and phases["prefetch + disable"] == phases["enable"], phases

@@ -42,7 +42,8 @@ SPAN_NAMES: dict[str, str] = {
     "check": "the TE-shell re-running the reference",
     "request": "a request dispatched by the TE-shell (instant; flow to its die)",
     "fault": "an injected XCCL fault (instant)",
-    "eplb": "EPLB reconfiguration (not emitted yet)",
+    "eplb": "EPLB reconfiguration on a die: phases 1-2 (prefetch + disable), each phase-3 load, "
+    "phase 4 (enable, instant)",
     "heartbeat": "a heartbeat (not emitted yet)",
     "kv transfer": "a KV cache transfer, prefill to decode (not emitted yet)",
 }

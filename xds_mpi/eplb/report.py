@@ -146,12 +146,19 @@ class EplbReport:
 
     @property
     def num_reconfigs(self) -> int:
+        """Reconfigurations the dies installed (phase 4 ran): the newest version in use."""
+        return max((s.version_end for s in self.slices), default=0)
+
+    @property
+    def num_decided(self) -> int:
+        """Placements the TE-shell computed; the last may arrive after decoding ended."""
         return len(self.reconfigs)
 
     def lines(self) -> list[str]:
         """The summary: the swaps, then per placement version its measured load."""
         out = [
-            f"EPLB: {self.num_reconfigs} reconfigurations; {self.num_loading_iterations} "
+            f"EPLB: {self.num_reconfigs} reconfigurations installed ({self.num_decided} "
+            f"decided); {self.num_loading_iterations} "
             f"iterations decoded while replica weights loaded ({self.load_ms:.2f} ms virtual "
             "load on the busiest die, overlapped)"
         ]
@@ -188,6 +195,7 @@ class EplbReport:
         """Group `eplb`: per slice and per version datasets (h5py file `f`)."""
         g = f.create_group("eplb")
         g.attrs["num_reconfigs"] = self.num_reconfigs
+        g.attrs["num_decided"] = self.num_decided
         g.attrs["num_loading_iterations"] = self.num_loading_iterations
         g.attrs["load_ms"] = self.load_ms
         if self.slices:
