@@ -13,8 +13,10 @@ import h5py
 import pytest
 from harness import REPO_ROOT
 
+from xds_mpi import report_plots
 from xds_mpi.config import ConfigError, config_from_dict
 from xds_mpi.plan import DeploymentPlan
+from xds_mpi.report_data import load_run
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
@@ -109,3 +111,8 @@ def test_replicas_swap_while_decoding_and_tokens_equal_the_reference(tmp_path):
     phases = Counter(e["args"]["phase"] for e in events if e.get("name") == "eplb")
     assert phases["enable"] == 2 * 4 * num_reconfigs, phases  # two clocks x 4 dies
     assert phases["load"] > 0 and phases["prefetch + disable"] == phases["enable"], phases
+    # The report draws the measured die load before and after ([MoE layers, dies] each).
+    run = load_run(tmp_path / "eplb.h5")
+    assert "after" in run.eplb_loads, run.eplb_loads.keys()
+    assert all(rows.shape == (4, 4) and rows.sum() > 0 for rows in run.eplb_loads.values())
+    assert report_plots.eplb(run, tmp_path / "eplb.png").stat().st_size > 0

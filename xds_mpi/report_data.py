@@ -46,6 +46,20 @@ class RunData:
     expert_load: np.ndarray | None = None
     load_layers: tuple[int, ...] = ()
     recovery: list[tuple[str, float, float]] = field(default_factory=list)
+    eplb_loads: dict[str, np.ndarray] = field(default_factory=dict)  # EPLB before/after below
+
+
+def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
+    """EPLB's measured die load per placement version with steady iterations ("v0" = the static
+    placement before any swap, "after" = every later version pooled): [MoE layers, dies] routed
+    rows per iteration each; {} without EPLB."""
+    if "eplb" not in f:
+        return {}
+    return {
+        name: group["die_rows"][()] / max(1, int(group.attrs["num_iterations"]))
+        for name, group in f["eplb"].items()
+        if isinstance(group, h5py.Group)
+    }
 
 
 def load_run(path: str | Path) -> RunData:
@@ -58,9 +72,17 @@ def load_run(path: str | Path) -> RunData:
             for rank, group in f.get("dies", {}).items()
         }
         requests = {name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")}
+        eplb = eplb_loads(f)
     traced = trace_path(path)
     if not traced.exists():
-        return RunData(name=path.stem, attrs=attrs, summary=summary, dies=dies, requests=requests)
+        return RunData(
+            name=path.stem,
+            attrs=attrs,
+            summary=summary,
+            dies=dies,
+            requests=requests,
+            eplb_loads=eplb,
+        )
     events = json.loads(traced.read_text())["traceEvents"]
     layers, load = expert_load(events)
     return RunData(
@@ -70,6 +92,7 @@ def load_run(path: str | Path) -> RunData:
         dies=dies,
         requests=requests,
         has_trace=True,
+        eplb_loads=eplb,
         breakdown=breakdown(events),
         expert_load=load,
         load_layers=layers,

@@ -76,6 +76,24 @@ def expert_load(run: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
+def eplb(run: RunData, path: Path) -> Path:
+    """EPLB: routed rows per die and MoE layer per iteration, before and after the swaps."""
+    loads = run.eplb_loads
+    fig, axes = plt.subplots(1, max(1, len(loads)), figsize=(10, 3.2), squeeze=False)
+    if not loads:
+        _empty(axes[0, 0], "no EPLB in this run")
+    top = max((float(rows.max()) for rows in loads.values()), default=1.0)
+    for ax, (label, rows) in zip(axes[0], loads.items()):
+        image = ax.imshow(rows, aspect="auto", cmap="magma", vmin=0, vmax=top)
+        ratios = rows.max(axis=1) / np.maximum(rows.mean(axis=1), 1e-9)
+        ax.set_yticks(range(len(rows)), [f"MoE {i} ({r:.2f})" for i, r in enumerate(ratios)])
+        ax.set_xlabel("die")
+        ax.set_title(f"{label}: rows per iteration (max/mean)", fontsize=9)
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"{run.name}: EPLB die load", fontsize=9)
+    return _save(fig, path)
+
+
 def latencies(run: RunData, path: Path) -> Path:
     """TTFT and TPOT histograms over the served requests."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -131,6 +149,7 @@ FIGURES = {
     "breakdown": breakdown,
     "die_times": die_times,
     "expert_load": expert_load,
+    "eplb": eplb,
     "latency": latencies,
     "mtp": mtp_acceptance,
     "recovery": recovery,
