@@ -36,7 +36,7 @@ class Placement:
             phy2log=(tuple(phy2log),) * num_layers,
             slot_die=tuple(slot_die),
             is_redundant=tuple(e < 0 for e in phy2log),
-            num_experts=max(phy2log) + 1,
+            num_experts=max(phy2log, default=-1) + 1,
         )
 
     @property
