@@ -36,6 +36,7 @@ class Pricer:
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
         self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
+        self.num_peers = num_routed_dies
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
 
@@ -91,7 +92,9 @@ class Pricer:
     def dispatch(self, rows_in: int) -> None:
         self._add(
             "dispatch",
-            self.moe_scale * self.cost.dispatch(rows_in * self.topk_scale, int8=self.use_int8),
+            self.moe_scale * self.cost.dispatch(
+                rows_in * self.topk_scale, peers=self.num_peers, int8=self.use_int8
+            ),
         )
 
     def experts(self, rows_in: int, rows: int) -> None:
@@ -101,7 +104,13 @@ class Pricer:
         self._add("experts", self.moe_scale * (routed + shared))
 
     def combine(self, rows: int) -> None:
-        self._add("combine", self.moe_scale * self.cost.combine(rows * self.cost.m.top_k))
+        self._add(
+            "combine",
+            self.moe_scale
+            * self.cost.combine(
+                rows * self.cost.m.top_k, peers=self.num_peers
+            ),
+        )
 
     def mtp_head(self, rows: int) -> None:
         self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))
