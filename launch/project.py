@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from launch.project_paper import add_arguments as add_paper_arguments
+from launch.project_paper import print_paper, print_primitive
 from launch.project_skew import add_arguments as add_skew_arguments
 from launch.project_skew import print_skew
 from launch.report import format_table
@@ -30,6 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--accept", type=float, default=0.9, help="MTP acceptance (default 0.9)")
     p.add_argument("--shape", default="deepseek_v3", help="cost shape preset (configs/model/)")
     add_skew_arguments(p)
+    add_paper_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -41,6 +44,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     from xds_mpi.model.shapes import load_model_preset
     from xds_mpi.projection import project
 
+    if args.paper:
+        return print_paper(args)
+    if args.primitive:
+        return print_primitive(args)
     if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
         raise ConfigError(
             f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
