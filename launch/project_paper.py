@@ -41,7 +41,9 @@ def print_paper(args: argparse.Namespace) -> int:
         f"dispatch start {fit.dispatch_start_us:.1f} us, combine start "
         f"{fit.combine_start_us:.1f} us, die jitter {fit.jitter_us:.1f} us"
     )
-    fits = [[op, str(ep), f"{us:g}", f"{f:.1f}", f"{f / us - 1:+.0%}"] for op, ep, us, f in fit.rows]
+    fits = [
+        [op, str(ep), f"{us:g}", f"{f:.1f}", f"{f / us - 1:+.0%}"] for op, ep, us, f in fit.rows
+    ]
     print(format_table(["primitive", "EP", "published us", "fit us", "residual"], fits))
     return 0
 
@@ -60,7 +62,9 @@ def print_primitive(args: argparse.Namespace) -> int:
     if args.tokens < 1 or min(sizes) < 1:
         raise ConfigError(f"need --tokens >= 1 and every --ep >= 1; got {args.tokens}, {sizes}")
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(args.profile)))
-    rows = [[str(ep), f"{primitive_s(cost, args.primitive, ep, args.tokens) * 1e6:.1f}"] for ep in sizes]
+    rows = [
+        [str(ep), f"{primitive_s(cost, args.primitive, ep, args.tokens) * 1e6:.1f}"] for ep in sizes
+    ]
     print(f"{args.primitive}, {args.tokens} tokens per rank, profile {args.profile}")
     print(format_table(["EP", "us"], rows))
     return 0

@@ -69,9 +69,9 @@ class Table7Fit:
 def fit_table7(
     link: LinkCosts, table: list[tuple[str, int, float]], *, tokens: int, row_bytes: dict
 ) -> Table7Fit:
-    """Least squares (no negative constant) of published = start(op) + jitter x z(EP) + per-peer terms over the rows
-    (op, EP, latency us) of a primitive table measured at `tokens` x top-8 rows per rank;
-    row_bytes: op -> bytes of one row."""
+    """Least squares (no negative constant) of published = start(op) + jitter x z(EP) +
+    per-peer terms over the rows (op, EP, latency us) of a primitive table measured at `tokens`
+    x top-8 rows per rank; row_bytes: op -> bytes of one row."""
     z = np.array([expected_max_z(ep) for _, ep, _ in table])
     known = np.array(
         [per_peer_s(link, peers=ep, bytes_in=tokens * 8 * row_bytes[op]) for op, ep, _ in table]
@@ -91,9 +91,7 @@ def fit_table7(
         dispatch_start_us=d0 * 1e6,
         combine_start_us=c0 * 1e6,
         jitter_us=jitter * 1e6,
-        rows=tuple(
-            (op, ep, us, f * 1e6) for (op, ep, us), f in zip(table, fitted, strict=True)
-        ),
+        rows=tuple((op, ep, us, f * 1e6) for (op, ep, us), f in zip(table, fitted, strict=True)),
     )
 
 

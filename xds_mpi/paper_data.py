@@ -151,4 +151,3 @@ VALIDATION = [
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream", value=600.0,
               unit="us"),
 ]  # fmt: skip
-

@@ -38,6 +38,10 @@ class Execution:
     pipelined_graphs: bool = False
 
 
+UNIFORM = Imbalance()
+SEQUENTIAL = Execution()
+
+
 def project(
     cfg: Config,
     m: ModelConfig,
@@ -47,8 +51,8 @@ def project(
     kv_len: int,
     mtp_depth: int = 0,
     accept_rate: float = 0.0,
-    imbalance: Imbalance = Imbalance(),
-    execution: Execution = Execution(),
+    imbalance: Imbalance = UNIFORM,
+    execution: Execution = SEQUENTIAL,
 ) -> Projection:
     """batch_per_die: requests per DP group; kv_len: mean KV length; accept_rate: MTP."""
     topo = Topology.from_config(cfg)

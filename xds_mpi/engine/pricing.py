@@ -92,7 +92,8 @@ class Pricer:
     def dispatch(self, rows_in: int) -> None:
         self._add(
             "dispatch",
-            self.moe_scale * self.cost.dispatch(
+            self.moe_scale
+            * self.cost.dispatch(
                 rows_in * self.topk_scale, peers=self.num_peers, int8=self.use_int8
             ),
         )
@@ -106,10 +107,7 @@ class Pricer:
     def combine(self, rows: int) -> None:
         self._add(
             "combine",
-            self.moe_scale
-            * self.cost.combine(
-                rows * self.cost.m.top_k, peers=self.num_peers
-            ),
+            self.moe_scale * self.cost.combine(rows * self.cost.m.top_k, peers=self.num_peers),
         )
 
     def mtp_head(self, rows: int) -> None:
