@@ -153,9 +153,10 @@ def test_a_moe_layer_is_priced_at_the_hottest_die():
 
 def test_loads_measured_in_a_run_file(tmp_path):
     path = tmp_path / "r.h5"
-    with h5py.File(path, "w") as f:  # [slices, layers, dies]
-        f["eplb/slice_die_rows"] = np.array([[[3, 1], [2, 2]], [[3, 1], [2, 2]]], np.float64)
-    assert from_run_file(path) == pytest.approx((6 / 4 + 1.0) / 2)
+    with h5py.File(path, "w") as f:  # [slices, layers, dies]; slice 0 held a prefill
+        f["eplb/slice_die_rows"] = np.array([[[9, 1], [2, 2]], [[3, 1], [1, 3]]], np.float64)
+        f["eplb/slice_num_prefill"] = np.array([1, 0])
+    assert from_run_file(path) == pytest.approx(1.5)
 
 
 def test_project_paper_and_primitive_print_from_the_model():

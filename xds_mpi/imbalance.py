@@ -62,12 +62,16 @@ def from_skew(cfg, m, *, hottest: float, share: float, seed: int = 0) -> float:
 
 
 def from_run_file(path) -> float:
-    """Max / mean die load per MoE layer measured in a run (its `eplb/slice_die_rows`), averaged
-    over the MoE layers."""
+    """Max / mean die load of a MoE layer measured in a run (its `eplb/slice_die_rows`, the rows
+    each die received per time slice), averaged over the layers and the decode-only slices (all
+    slices if none is): with one iteration per slice, the straggler of an average iteration."""
     import h5py
 
     from xds_mpi.eplb.policy import max_over_mean
 
     with h5py.File(path, "r") as f:
-        rows = f["eplb"]["slice_die_rows"][:].sum(axis=0)  # [layers, dies]
-    return float(np.mean([max_over_mean(r) for r in rows if r.sum() > 0]))
+        g = f["eplb"]
+        rows = g["slice_die_rows"][:]  # [slices, layers, dies]
+        if "slice_num_prefill" in g and (g["slice_num_prefill"][:] == 0).any():
+            rows = rows[g["slice_num_prefill"][:] == 0]
+    return float(np.mean([max_over_mean(r) for layers in rows for r in layers if r.sum() > 0]))

@@ -111,8 +111,11 @@ class Pricer:
         )
 
     def mtp_head(self, rows: int) -> None:
+        """An MTP pass's head and sampling; the pass is its own graph (CloudMatrix-Infer §4.2.4)."""
         self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))
+        self._add("graph launch", self.cost.hw.graph_launch_s)
 
     def finish(self, num_sampled: int) -> None:
         self._add("head + sampling", self.cost.head(num_sampled) + self.cost.sampling(num_sampled))
+        self._add("graph launch", self.cost.hw.graph_launch_s)  # the main pass's graph
         self._add("scheduling bubble", self.cost.hw.bubble_s)
