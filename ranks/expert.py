@@ -7,6 +7,7 @@ of the iteration without coming back here in between. It ends when the attention
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -66,5 +67,7 @@ class ExpertDie(AfdDieBase):
                 out = moe.expert_forward(self.topo.phy2log[slot], x)
             else:
                 out = moe.shared_forward(x)
-        self.pricer.experts(len(rows), 0)
+        layer = self.layer_of[call.call]
+        with self.pricer.mtp_layer() if layer >= len(self.model.layers) else nullcontext():
+            self.pricer.expert_slot(len(rows), is_shared=slot >= self.slots.num_routed_slots)
         return out.numpy()

@@ -117,6 +117,16 @@ class CostModel:
         params = 3.0 * self.m.hidden * self.m.moe_intermediate
         return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
 
+    def routed(self, rows: float, num_experts: float) -> float:
+        """A die's `rows` routed rows over its `num_experts` experts, each row to one of them at
+        random: only the experts some row reaches run, n x (1 - (1 - 1/n)^rows) of them on
+        average (at a few rows most experts' weights are never read)."""
+        if rows <= 0 or num_experts <= 0:
+            return 0.0
+        touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
+        params = 3.0 * self.m.hidden * self.m.moe_intermediate
+        return touched * self.gemm(rows / touched, params)
+
     def dense_ffn(self, rows: int) -> float:
         return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
 

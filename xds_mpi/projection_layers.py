@@ -66,7 +66,7 @@ def _routed(cost: CostModel, n: dict, tokens: float, load: float) -> tuple[float
     m = cost.m
     per_die = tokens * m.top_k / n["routed_dies"] * load
     experts_per_die = max(1, round(m.num_routed_experts / n["routed_dies"]))
-    return per_die, cost.experts([per_die / experts_per_die] * experts_per_die)
+    return per_die, cost.routed(per_die, experts_per_die)
 
 
 def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
@@ -105,27 +105,54 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
     return {k: v * scale for k, v in parts.items()}, primitives
 
 
+@dataclass(frozen=True, kw_only=True)
+class AfdHops:
+    """A2E and E2A of one microbatch of one attention die (xDeepServe §3.3, Figure 8): to its
+    trampoline, then from the trampolines to the experts; back through the trampolines."""
+
+    trampolines: int
+    expert_dies: int
+    routed_dies: int
+    groups_per_domain: int
+
+    @classmethod
+    def of(cls, cfg: Config, n: dict) -> AfdHops:
+        groups = cfg.deployment.dp_groups_per_domain
+        return cls(
+            trampolines=math.ceil(groups / n["expert_dies"]),
+            expert_dies=n["expert_dies"],
+            routed_dies=n["routed_dies"],
+            groups_per_domain=groups,
+        )
+
+    def a2e(self, cost: CostModel, mb_rows: float, *, load: float, int8: bool) -> float:
+        """mb_rows: the die's rows; load: the hottest expert die's rows over the mean."""
+        expert_rows = mb_rows * self.groups_per_domain * cost.m.top_k / self.routed_dies * load
+        return cost.dispatch(mb_rows, peers=self.trampolines, int8=int8) + cost.dispatch(
+            expert_rows, peers=self.expert_dies, int8=int8
+        )
+
+    def e2a(self, cost: CostModel, mb_rows: float) -> float:
+        """Each trampoline takes its tokens' top-k and shared outputs, then the die its rows."""
+        per_trampoline = mb_rows * self.groups_per_domain / self.expert_dies * (cost.m.top_k + 1)
+        return cost.combine(per_trampoline, peers=self.expert_dies) + cost.combine(
+            mb_rows, peers=self.trampolines
+        )
+
+
 def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     cfg, n, cost = x.cfg, x.n, x.cost
-    m, dep = cost.m, cfg.deployment
+    dep = cfg.deployment
     micro = dep.num_microbatches
     batch = x.batch / micro
     mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
     tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
-    rows_max, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
+    _, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
     shared = cost.experts([tokens / n["shared_dies"]]) if n["shared_dies"] else 0.0
     moe = max(experts_max, shared)
-    trampolines = math.ceil(dep.dp_groups_per_domain / n["expert_dies"])
-    int8 = cfg.xccl.use_int8
-    # A2E: attention die -> its trampoline, then trampolines -> the experts (the hottest die's rows)
-    a2e = cost.dispatch(mb_rows, peers=trampolines, int8=int8) + cost.dispatch(
-        rows_max, peers=n["expert_dies"], int8=int8
-    )
-    # E2A: experts -> trampolines (each trampoline's tokens' top-k outputs), then -> attention die
-    per_trampoline = tokens / n["expert_dies"] * (m.top_k + 1)
-    e2a = cost.combine(per_trampoline, peers=n["expert_dies"]) + cost.combine(
-        mb_rows, peers=trampolines
-    )
+    hops = AfdHops.of(cfg, n)
+    a2e = hops.a2e(cost, mb_rows, load=x.imbalance.moe, int8=cfg.xccl.use_int8)
+    e2a = hops.e2a(cost, mb_rows)
     attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
     expert_side = dep.num_dp_domains * micro * moe
     layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)

@@ -99,8 +99,7 @@ class Pricer:
         )
 
     def experts(self, rows_in: int, rows: int) -> None:
-        per_expert = rows_in * self.topk_scale / self.experts_per_die
-        routed = self.cost.experts([per_expert] * self.experts_per_die) if rows_in else 0.0
+        routed = self.cost.routed(rows_in * self.topk_scale, self.experts_per_die)
         shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
         self._add("experts", self.moe_scale * (routed + shared))
 

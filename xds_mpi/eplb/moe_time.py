@@ -51,8 +51,7 @@ class MoePricing:
         total = 0.0
         for rows, scale in zip(die_rows, self.layer_scales):
             big = np.asarray(rows, np.float64) * self.topk_scale * rows_scale  # [dies]
-            per_expert = big / self.experts_per_die
-            experts = max(self.cost.experts([r] * self.experts_per_die) for r in per_expert)
+            experts = max(self.cost.routed(r, self.experts_per_die) for r in big)
             dispatch = self.cost.dispatch(float(big.max()), peers=self.num_dies, int8=self.use_int8)
             total += scale * (experts + dispatch)
         return total * 1e3
