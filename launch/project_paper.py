@@ -19,6 +19,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default="ascend910c", help="hardware profile (configs/hardware/)")
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("imbalance and overlap (xds_mpi/imbalance.py, xds_mpi/projection.py)")
+    g.add_argument(
+        "--loads",
+        default="uniform",
+        help="expert loads: uniform, fig11a (Figure 11a's skew after FlowServe's EPLB), or a "
+        "run file whose eplb/slice_die_rows were measured (default uniform)",
+    )
+    g.add_argument("--kv-spread", type=float, default=0.0, help="KV lengths mean x (1 +- S)")
+    g.add_argument("--microbatches", type=int, default=1, help="2: two-stream overlap")
+    g.add_argument("--pipelined-graphs", action="store_true", help="graph launches hidden")
+
+
+def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
+    """project()'s imbalance and execution from the command line."""
+    from xds_mpi.config import ConfigError
+    from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+    from xds_mpi.projection import Execution
+    from xds_mpi.topology import Topology
+
+    if args.microbatches not in (1, 2) or not 0 <= args.kv_spread < 1:
+        raise ConfigError(
+            f"need --microbatches 1 or 2 and 0 <= --kv-spread < 1; got {args.microbatches}, "
+            f"{args.kv_spread}"
+        )
+    if args.loads == "uniform":
+        moe = 1.0
+    elif args.loads == "fig11a":
+        moe = from_skew(cfg, m, hottest=30.0, share=0.2)
+    else:
+        moe = from_run_file(args.loads)
+    topo = Topology.from_config(cfg)
+    groups = topo.num_dp_domains * topo.dp_groups_per_domain
+    kv = kv_straggler(batch=args.batch, spread=args.kv_spread, groups=groups)
+    return dict(
+        imbalance=Imbalance(moe=moe, kv=kv, source=args.loads),
+        execution=Execution(microbatches=args.microbatches, pipelined_graphs=args.pipelined_graphs),
+    )
+
+
 def print_paper(args: argparse.Namespace) -> int:
     from xds_mpi.paper_table import calibration_table, validation_table
 

@@ -95,11 +95,9 @@ PROBE_SETTINGS = [
 ]
 
 
-def test_the_emulated_clock_on_skewed_routing_agrees_with_the_projection_of_its_loads(tmp_path):
-    """The trained checkpoint routes unevenly (the hottest die ~2x the mean). The emulated
-    clocks price every die's own rows and wait at the barriers; the analytic projection is given
-    only the measured max/mean die load. On the probe profile attention, dispatch/combine and
-    the imbalance each take >= 10 % of the iteration (about 16 %, 13 % and 28 %)."""
+def _probe_run(tmp_path):
+    """(batch per die per iteration, decode-only iterations, the slowest die's virtual seconds of
+    each decode iteration) of a colocated run on the probe profile."""
     settings = [x for kv in PROBE_SETTINGS + [f"run.output_dir={tmp_path}", "run.name=p"]
                 for x in ("--set", kv)]  # fmt: skip
     run = subprocess.run(
@@ -114,6 +112,15 @@ def test_the_emulated_clock_on_skewed_routing_agrees_with_the_projection_of_its_
         emulated = np.max([d["vtime_s"][:] for d in dies], axis=0)[decode]
         summary_ms = f["summary"].attrs["projected_iteration_ms"]
     assert emulated.mean() * 1e3 == pytest.approx(summary_ms)
+    return batch, decode, emulated
+
+
+def test_the_emulated_clock_on_skewed_routing_agrees_with_the_projection_of_its_loads(tmp_path):
+    """The trained checkpoint routes unevenly (the hottest die ~2x the mean). The emulated
+    clocks price every die's own rows and wait at the barriers; the analytic projection is given
+    only the measured max/mean die load. On the probe profile attention, dispatch/combine and
+    the imbalance each take >= 10 % of the iteration (about 16 %, 13 % and 28 %)."""
+    batch, decode, emulated = _probe_run(tmp_path)
     moe = from_run_file(tmp_path / "p.h5")
     assert 1.5 < moe < 3.0  # the checkpoint's skew, measured
     cfg = load_config(REPO_ROOT / "configs" / "colocated.yaml", PROBE_SETTINGS[1:2])
