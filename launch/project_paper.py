@@ -73,7 +73,10 @@ def print_paper(args: argparse.Namespace) -> int:
         ]
         for r in validation_table(args.profile)
     ]
-    print(f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}")
+    print(
+        f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}; why rows "
+        "miss: docs/design.md §5b"
+    )
     print(format_table(["source", "conditions", "metric", "published", "projected", "error"], rows))
     fit = calibration_table(args.profile)
     print(

@@ -32,6 +32,12 @@ GRAPH_LAUNCH_MS = (0.6, 0.8)
 
 
 # -- VALIDATION ---------------------------------------------------------------------------------
+# [001] §5.1: one decode instance, DP320 / EP320: 32 shared-expert dies, 256 routed + 32 redundant
+# experts one per die (the projection counts the redundant dies with the shared ones: each hosts
+# one expert's mean load; the replicas' effect enters through the EPLB'd load).
+_EP320 = ("deployment.dp_groups_per_domain=320", "deployment.num_shared_expert_dies=64")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
     """A published deployment and workload. kv_spread: half-width of a DP group's requests' KV
@@ -41,6 +47,7 @@ class Scenario:
     FlowServe's EPLB rebalances."""
 
     name: str
+    setup: str
     config: str
     overrides: tuple[str, ...] = ()
     batch: int
@@ -52,11 +59,11 @@ class Scenario:
     pipelined_graphs: bool = False
     skew: tuple[float, float] = (30.0, 0.2)
 
-
-# [001] §5.1: one decode instance, DP320 / EP320: 32 shared-expert dies, 256 routed + 32 redundant
-# experts one per die (the projection counts the redundant dies with the shared ones: each hosts
-# one expert's mean load; the replicas' effect enters through the EPLB'd load).
-_EP320 = ("deployment.dp_groups_per_domain=320", "deployment.num_shared_expert_dies=64")
+    @property
+    def conditions(self) -> str:
+        """The scenario in a few words, for the table."""
+        overlap = ", 2 streams" if self.microbatches > 1 else ""
+        return f"{self.setup}, b{self.batch}, KV {self.kv_len}, MTP {self.accept:.0%}{overlap}"
 
 
 def _cmi(batch: int, prompt: int, output: int) -> Scenario:
@@ -64,6 +71,7 @@ def _cmi(batch: int, prompt: int, output: int) -> Scenario:
     graphs ([001] §4.2.3-4.2.4); KV lengths run from the prompt to prompt + output."""
     return Scenario(
         name=f"001 b{batch} {prompt}+{output}",
+        setup="DP320/EP320",
         config="ep288",
         overrides=_EP320,
         batch=batch,
@@ -78,11 +86,18 @@ def _cmi(batch: int, prompt: int, output: int) -> Scenario:
 SCENARIOS = {
     # [000] §7.1 / Figure 20: DP288 EP288, batch 60 per die, ~3K sequence length, MTP 90 %.
     "000 colocated": Scenario(
-        name="000 colocated", config="ep288", batch=60, kv_len=3072, kv_spread=1 / 3, accept=0.9
+        name="000 colocated",
+        setup="DP288/EP288",
+        config="ep288",
+        batch=60,
+        kv_len=3072,
+        kv_spread=1 / 3,
+        accept=0.9,
     ),
     # [000] §5.2 / §3.3: 3 DP domains x 160 attention dies + EP288, batch 96, 2K+2K workload.
     "000 afd": Scenario(
         name="000 afd",
+        setup="3x160 attention + EP288",
         config="afd_pod",
         overrides=("deployment.redundant_slots_per_die=1",),  # [000] §4.5: "Each MoE layer
         # reserves redundant slots per NPU" for EP288 (the afd_pod config has none)

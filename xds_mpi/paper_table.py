@@ -91,7 +91,7 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
         rows.append(
             Row(
                 source=pub.source,
-                conditions=pub.scenario,
+                conditions=SCENARIOS[pub.scenario].conditions,
                 metric=pub.metric,
                 unit=pub.unit,
                 published=pub.value,
