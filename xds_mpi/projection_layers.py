@@ -148,8 +148,10 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
     tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
     _, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
-    shared = cost.experts([tokens / n["shared_dies"]]) if n["shared_dies"] else 0.0
-    moe = max(experts_max, shared)
+    if n["shared_dies"]:  # dedicated shared-expert dies
+        moe = max(experts_max, cost.experts([tokens / n["shared_dies"]]))
+    else:  # every expert die runs the shared expert on its share of the tokens
+        moe = experts_max + cost.experts([tokens / n["expert_dies"]])
     hops = AfdHops.of(cfg, n)
     a2e = hops.a2e(cost, mb_rows, load=x.imbalance.moe, int8=cfg.xccl.use_int8)
     e2a = hops.e2a(cost, mb_rows)
