@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from launch.project_paper import add_arguments as add_paper_arguments
+from launch.project_paper import add_model_arguments, model_inputs, print_paper, print_primitive
 from launch.project_skew import add_arguments as add_skew_arguments
 from launch.project_skew import print_skew
 from launch.report import format_table
@@ -29,7 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--mtp", type=int, default=1, help="MTP depth (default 1)")
     p.add_argument("--accept", type=float, default=0.9, help="MTP acceptance (default 0.9)")
     p.add_argument("--shape", default="deepseek_v3", help="cost shape preset (configs/model/)")
+    add_model_arguments(p)
     add_skew_arguments(p)
+    add_paper_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -41,6 +45,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     from xds_mpi.model.shapes import load_model_preset
     from xds_mpi.projection import project
 
+    if args.paper:
+        return print_paper(args)
+    if args.primitive:
+        return print_primitive(args)
     if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
         raise ConfigError(
             f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
@@ -48,15 +56,19 @@ def cmd_project(args: argparse.Namespace) -> int:
         )
     cfg = load_config(resolve_config(args.config), args.set)
     hw = Hardware.from_profile(load_profile(cfg.hardware.profile))
+    m = load_model_preset(args.shape)
+    inputs = model_inputs(args, cfg, m)
     p = project(
         cfg,
-        load_model_preset(args.shape),
+        m,
         hw,
         batch_per_die=args.batch,
         kv_len=args.kv_len,
         mtp_depth=args.mtp,
         accept_rate=args.accept,
+        **inputs,
     )
+    _print_imbalance(inputs["imbalance"])
     _print_projection(args, cfg, p)
     if args.skew:
         workload = dict(
@@ -67,6 +79,10 @@ def cmd_project(args: argparse.Namespace) -> int:
         )
         print_skew(args, cfg, load_model_preset(args.shape), hw, workload)
     return 0
+
+
+def _print_imbalance(imb) -> None:
+    print(f"slowest die: expert load {imb.moe:.2f}x, KV {imb.kv:.3f}x the mean ({imb.source})")
 
 
 def _print_projection(args: argparse.Namespace, cfg: Config, p: Projection) -> None:

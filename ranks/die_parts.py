@@ -47,10 +47,11 @@ def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
     return DecodeState(table=table, cache=cache, scheduler=scheduler)
 
 
-def make_pricer(cfg: Config, clock, slots):
+def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, topo=None):
     """The die's pricer: the cost model at the target shape on the configured hardware profile,
     advancing `clock` (which the die's trace reads too); routed experts spread over the dies
-    that host routed slots."""
+    that host routed slots. Dies of an afd deployment (`rank`: this die, `topo`: the plan's
+    topology) also price A2E/E2A (xds_mpi/engine/afd_pricing.py)."""
     from xds_mpi import trace
     from xds_mpi.cost import CostModel, Hardware
     from xds_mpi.engine.pricing import Pricer
@@ -58,11 +59,17 @@ def make_pricer(cfg: Config, clock, slots):
     from xds_mpi.model.shapes import cost_shape
 
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
-    routed_dies = set(slots.slot_owner[: slots.num_routed_slots])
     trace.set_clock(clock)
-    return Pricer(
-        cost, cfg.model, clock, use_int8=cfg.xccl.use_int8, num_routed_dies=len(routed_dies)
-    )
+    owners = slots.slot_owner[: slots.num_routed_slots]
+    args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(set(owners)))
+    if cfg.deployment.kind != "afd":
+        return Pricer(cost, cfg.model, clock, **args)
+    from xds_mpi.engine.afd_pricing import AfdPricer
+    from xds_mpi.projection_layers import AfdHops, counts
+
+    hops = AfdHops.of(cfg, counts(cfg, topo))
+    here = sum(1 for owner in owners if owner == rank)
+    return AfdPricer(cost, cfg.model, clock, hops=hops, num_routed_slots_here=here, **args)
 
 
 def decode_totals(executor, pricer, recompute) -> DieTotals:

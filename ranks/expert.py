@@ -7,6 +7,7 @@ of the iteration without coming back here in between. It ends when the attention
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -73,5 +74,7 @@ class ExpertDie(AfdDieBase):
                 out = moe.expert_forward(expert, x)
             else:
                 out = moe.shared_forward(x)
-            self.pricer.experts(len(rows), 0)
+            is_mtp = layer_idx >= len(self.model.layers)
+            with self.pricer.mtp_layer() if is_mtp else nullcontext():
+                self.pricer.expert_slot(len(rows), is_shared=not is_routed)
         return out.numpy()

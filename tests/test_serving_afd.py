@@ -86,6 +86,8 @@ def test_every_token_equals_the_reference(tmp_path, shape, num_microbatches):
     )
     attention = list(range(1, 1 + domains * groups))
     assert sorted(map(int, run_file["dies"])) == attention  # every DP group reported
+    summary = run_file["summary"].attrs  # A2E / E2A priced, the expert dies' time carried back
+    assert summary["projected_ms_A2E (overlapped)"] > 0 and summary["projected_ms_E2A"] > 0
     served_by = list(run_file["requests/die_rank"][()])
     busy_domains = {(rank - 1) // groups for rank in served_by}
     if num_requests < domains * groups:

@@ -145,8 +145,10 @@ class AfdRecords:
         self.counters.pulled_bytes += out.nbytes
 
     def arrive(self, bodies: np.ndarray, nbytes: int) -> None:
-        """Virtual time: the last of `bodies` lands, then our link pulls the bytes."""
+        """Virtual time: the last of `bodies` lands, then our link pulls the bytes (without a link
+        model: wait for the last sender's stamp; the die's pricer prices the transfer)."""
         if self.link is None:
+            self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)))
             return
         self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + self.link.latency_ns())
         self.clock.advance(self.link.serialization_ns(nbytes, num_cores=self.num_cores))

@@ -3,15 +3,18 @@
 Every compute operation is a roofline: max(FLOPs / (peak x compute efficiency), bytes /
 (HBM bandwidth x memory efficiency)); the efficiencies are the achieved/peak ratios of the papers'
 operator tables (configs/hardware/ascend910c.yaml cites each). GEMMs use INT8 weights and the
-INT8 peak; MLA's attention core uses the BF16 peak. Transfers: pull-based dispatch/combine read
-the rows over UB (read latency + bytes / read bandwidth); flags are writes (write latency).
-Nothing here is fitted to a published end-to-end number.
+INT8 peak; MLA's attention core uses the BF16 peak. Transfers: dispatch/combine and the A2E/E2A
+stages are priced by their mechanism (xds_mpi/comm_cost.py): kernel start, per-peer flags and
+pulls, the bytes taken in, the wait for the slowest peer. The only fitted constants (kernel
+starts, die jitter) are fitted to a primitive latency table; nothing is fitted to a published
+end-to-end number.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xds_mpi.comm_cost import LinkCosts, exchange_s
 from xds_mpi.config import ModelConfig
 
 
@@ -23,6 +26,12 @@ class Hardware:
     read_bytes_per_s: float  # UB, one die pulling from others
     write_latency_s: float
     read_latency_s: float
+    aiv_cores: int
+    aic_cores: int
+    dispatch_start_s: float  # fitted to a primitive latency table (the profile names it)
+    combine_start_s: float
+    jitter_s: float
+    graph_launch_s: float
     gemm_eff: float
     mla_eff: float
     mem_eff: float
@@ -41,6 +50,12 @@ class Hardware:
             read_bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
             write_latency_s=ub["write_latency_us_inter"] * 1e-6,
             read_latency_s=ub["read_latency_us_inter"] * 1e-6,
+            aiv_cores=die["aiv_cores"],
+            aic_cores=die["aic_cores"],
+            dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
+            combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
+            jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,
+            graph_launch_s=srv["graph_launch_ms"] * 1e-3,
             gemm_eff=eff["gemm_int8"],
             mla_eff=eff["mla_compute"],
             mem_eff=eff["memory"],
@@ -102,6 +117,16 @@ class CostModel:
         params = 3.0 * self.m.hidden * self.m.moe_intermediate
         return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
 
+    def routed(self, rows: float, num_experts: float) -> float:
+        """A die's `rows` routed rows over its `num_experts` experts, each row to one of them at
+        random: only the experts some row reaches run, n x (1 - (1 - 1/n)^rows) of them on
+        average (at a few rows most experts' weights are never read)."""
+        if rows <= 0 or num_experts <= 0:
+            return 0.0
+        touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
+        params = 3.0 * self.m.hidden * self.m.moe_intermediate
+        return touched * self.gemm(rows / touched, params)
+
     def dense_ffn(self, rows: int) -> float:
         return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
 
@@ -113,19 +138,36 @@ class CostModel:
         return rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
 
     # -- transfers ------------------------------------------------------------------------------
-    def dispatch(self, rows_in: float, *, int8: bool = True) -> float:
-        """Count/offset flags to every peer, then pull `rows_in` rows (INT8 + scale or BF16)."""
-        row_bytes = self.m.hidden + 4 if int8 else self.m.hidden * self.hw.act_bytes
-        return self._pull(rows_in * row_bytes)
+    def link(self, kind: str) -> LinkCosts:
+        """The mechanism's constants for a dispatch-like (A2E) or combine-like (E2A) exchange."""
+        hw = self.hw
+        return LinkCosts(
+            read_bytes_per_s=hw.read_bytes_per_s,
+            write_latency_s=hw.write_latency_s,
+            read_latency_s=hw.read_latency_s,
+            aiv_cores=hw.aiv_cores,
+            start_s=hw.dispatch_start_s if kind == "dispatch" else hw.combine_start_s,
+            jitter_s=hw.jitter_s,
+        )
 
-    def combine(self, rows_back: float) -> float:
-        """Flags, then pull this die's rows' expert outputs back (BF16)."""
-        return self._pull(rows_back * self.m.hidden * self.hw.act_bytes)
+    def row_bytes(self, kind: str, *, int8: bool = True) -> int:
+        """Dispatch rows are INT8 + a 4-byte scale (or activations); combine rows activations."""
+        if kind == "dispatch" and int8:
+            return self.m.hidden + 4
+        return self.m.hidden * self.hw.act_bytes
+
+    def dispatch(self, rows_in: float, *, peers: int, int8: bool = True) -> float:
+        """Flags to every peer, then pull `rows_in` rows from the peers."""
+        nbytes = rows_in * self.row_bytes("dispatch", int8=int8)
+        return exchange_s(self.link("dispatch"), peers=peers, bytes_in=nbytes)
+
+    def combine(self, rows_back: float, *, peers: int) -> float:
+        """Flags, then pull this die's rows' expert outputs back."""
+        nbytes = rows_back * self.row_bytes("combine")
+        return exchange_s(self.link("combine"), peers=peers, bytes_in=nbytes)
 
     def expert_pull(self) -> float:
         """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a
         die that hosts it: an EPLB replica load (xds_mpi/eplb)."""
-        return self._pull(3.0 * self.m.hidden * self.m.moe_intermediate * self.hw.weight_bytes)
-
-    def _pull(self, nbytes: float) -> float:
+        nbytes = 3.0 * self.m.hidden * self.m.moe_intermediate * self.hw.weight_bytes
         return self.hw.write_latency_s + self.hw.read_latency_s + nbytes / self.hw.read_bytes_per_s

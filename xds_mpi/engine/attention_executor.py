@@ -104,7 +104,7 @@ class AttentionExecutor(ColocatedExecutor):
             h = layer.ffn_norm(x)
             routing = layer.ffn.gate(h)
             self.pricer.gate(len(h))
-        with meter("xccl", "dispatch", **where):
+        with meter("xccl", "dispatch", **where), self.pricer.a2e_in_flight(len(h)):
             return self.afd.a2e(
                 h.numpy(),
                 routing.topk_idx.numpy(),
@@ -117,4 +117,7 @@ class AttentionExecutor(ColocatedExecutor):
     def _e2a(self, handle, meter: Meter) -> torch.Tensor:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
         with meter("xccl", "combine", event=handle.call.event_id):
-            return torch.from_numpy(self.afd.e2a(handle))
+            with self.pricer.waiting("E2A"):
+                out = self.afd.e2a(handle)
+            self.pricer.e2a(len(out))
+            return torch.from_numpy(out)

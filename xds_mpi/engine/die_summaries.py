@@ -41,7 +41,7 @@ def projected_summary(die_reports: dict, num_chips: float, num_cost_moe_layers: 
     for op in ops:
         mean = np.mean([r.virtual_spent.get(op, 0.0) for r in die_reports.values()])
         out[f"projected_ms_{op}"] = float(mean / num_iterations * 1e3)
-    for op in ("dispatch", "combine"):
+    for op in ("dispatch", "combine", "A2E (overlapped)", "E2A"):
         if f"projected_ms_{op}" in out:
             out[f"projected_us_per_{op}"] = out[f"projected_ms_{op}"] * 1e3 / num_cost_moe_layers
     return out
@@ -112,10 +112,10 @@ def format_projection(p: dict) -> str:
         for k, v in p.items()
         if k.startswith("projected_ms_")
     )
+    primitives = ("A2E (overlapped)", "E2A") if "projected_ms_E2A" in p else ("dispatch", "combine")
+    calls = ", ".join(f"{op} {p.get(f'projected_us_per_{op}', 0):.1f} us" for op in primitives)
     return (
         f"projected on 910C: iteration {p['projected_iteration_ms']:.2f} ms, TPOT "
         f"{p['projected_tpot_ms']:.2f} ms, {p['projected_tokens_per_s_per_chip']:.0f} tokens/s "
-        f"per chip; per iteration (ms): {ops}; dispatch "
-        f"{p.get('projected_us_per_dispatch', 0):.1f} us, combine "
-        f"{p.get('projected_us_per_combine', 0):.1f} us per call"
+        f"per chip; per iteration (ms): {ops}; {calls} per call"
     )

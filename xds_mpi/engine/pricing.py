@@ -36,6 +36,7 @@ class Pricer:
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
         self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
+        self.num_peers = num_routed_dies
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
 
@@ -91,21 +92,29 @@ class Pricer:
     def dispatch(self, rows_in: int) -> None:
         self._add(
             "dispatch",
-            self.moe_scale * self.cost.dispatch(rows_in * self.topk_scale, int8=self.use_int8),
+            self.moe_scale
+            * self.cost.dispatch(
+                rows_in * self.topk_scale, peers=self.num_peers, int8=self.use_int8
+            ),
         )
 
     def experts(self, rows_in: int, rows: int) -> None:
-        per_expert = rows_in * self.topk_scale / self.experts_per_die
-        routed = self.cost.experts([per_expert] * self.experts_per_die) if rows_in else 0.0
+        routed = self.cost.routed(rows_in * self.topk_scale, self.experts_per_die)
         shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
         self._add("experts", self.moe_scale * (routed + shared))
 
     def combine(self, rows: int) -> None:
-        self._add("combine", self.moe_scale * self.cost.combine(rows * self.cost.m.top_k))
+        self._add(
+            "combine",
+            self.moe_scale * self.cost.combine(rows * self.cost.m.top_k, peers=self.num_peers),
+        )
 
     def mtp_head(self, rows: int) -> None:
+        """An MTP pass's head and sampling; the pass is its own graph (CloudMatrix-Infer §4.2.4)."""
         self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))
+        self._add("graph launch", self.cost.hw.graph_launch_s)
 
     def finish(self, num_sampled: int) -> None:
         self._add("head + sampling", self.cost.head(num_sampled) + self.cost.sampling(num_sampled))
+        self._add("graph launch", self.cost.hw.graph_launch_s)  # the main pass's graph
         self._add("scheduling bubble", self.cost.hw.bubble_s)

@@ -23,6 +23,7 @@ class MoePricing:
     layer_scales: tuple[float, ...]
     topk_scale: float
     experts_per_die: int
+    num_dies: int
     use_int8: bool
 
     @classmethod
@@ -39,6 +40,7 @@ class MoePricing:
             layer_scales=(scale,) * num_main + (1.0,) * cfg.scheduler.mtp_depth,
             topk_scale=big.top_k / tiny.top_k,
             experts_per_die=max(1, round(big.num_routed_experts / num_routed_dies)),
+            num_dies=num_routed_dies,
             use_int8=cfg.xccl.use_int8,
         )
 
@@ -49,8 +51,7 @@ class MoePricing:
         total = 0.0
         for rows, scale in zip(die_rows, self.layer_scales):
             big = np.asarray(rows, np.float64) * self.topk_scale * rows_scale  # [dies]
-            per_expert = big / self.experts_per_die
-            experts = max(self.cost.experts([r] * self.experts_per_die) for r in per_expert)
-            dispatch = self.cost.dispatch(float(big.max()), int8=self.use_int8)
+            experts = max(self.cost.routed(r, self.experts_per_die) for r in big)
+            dispatch = self.cost.dispatch(float(big.max()), peers=self.num_dies, int8=self.use_int8)
             total += scale * (experts + dispatch)
         return total * 1e3

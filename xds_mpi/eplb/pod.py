@@ -140,25 +140,36 @@ def _price(cfg, cost, uniform, topo, name, placement: Placement, loads, workload
     )
 
 
+def die_experts(placement: Placement, loads, num_experts: int, *, is_static=False) -> list:
+    """Each routed die's expert loads under `placement`: a replicated expert's load splits
+    evenly over its replicas; `is_static` ignores the redundant slots (the topology's own
+    placement, what the uniform projection assumes)."""
+    row = placement.phy2log[0]
+    if is_static:
+        row = tuple(-1 if placement.is_redundant[s] else e for s, e in enumerate(row))
+    log2phy = [[s for s, e in enumerate(row) if e == x] for x in range(num_experts)]
+    per_slot: dict[int, list[float]] = {}
+    for expert, slots in enumerate(log2phy):
+        for slot in slots:
+            per_slot.setdefault(placement.slot_die[slot], []).append(loads[expert] / len(slots))
+    return list(per_slot.values())
+
+
+def die_loads(placement: Placement, loads, num_experts: int) -> list[float]:
+    """Each routed die's total load under `placement` (xds_mpi/imbalance.py prices the max)."""
+    return [sum(v) for v in die_experts(placement, loads, num_experts)]
+
+
 def _layer(cfg, cost, topo, placement, loads, rows, *, is_static=False) -> dict:
     """One MoE layer: the slowest routed die's received rows and expert time; `is_static`
     prices the topology's own placement (what the uniform projection assumes)."""
     m = cost.m
     num_attention = topo.num_dp_domains * topo.dp_groups_per_domain
     tokens = loads / loads.sum() * rows * num_attention * m.top_k  # [E] routed rows
-    row = placement.phy2log[0]
-    if is_static:
-        row = tuple(-1 if placement.is_redundant[s] else e for s, e in enumerate(row))
-    log2phy = [[s for s, e in enumerate(row) if e == x] for x in range(m.num_routed_experts)]
-    per_slot: dict[int, list[float]] = {}
-    for expert, slots in enumerate(log2phy):
-        for slot in slots:
-            per_slot.setdefault(placement.slot_die[slot], []).append(tokens[expert] / len(slots))
-    rows_in = np.array([sum(v) for v in per_slot.values()])
-    experts = max(
-        max(cost.experts(v) for v in per_slot.values()), _shared_die(cfg, cost, topo, rows)
-    )
-    dispatch = cost.dispatch(rows_in.max(), int8=cfg.xccl.use_int8)
+    per_die = die_experts(placement, tokens, m.num_routed_experts, is_static=is_static)
+    rows_in = np.array([sum(v) for v in per_die])
+    experts = max(max(cost.experts(v) for v in per_die), _shared_die(cfg, cost, topo, rows))
+    dispatch = cost.dispatch(rows_in.max(), peers=topo.num_dies, int8=cfg.xccl.use_int8)
     return {
         "experts": experts,
         "total": experts + dispatch,

@@ -1,0 +1,122 @@
+"""`xds-mpi project --paper` (the projection against the papers: validation table, then the
+calibration fits apart) and `xds-mpi project --primitive` (one XCCL primitive across EP sizes)."""
+
+from __future__ import annotations
+
+import argparse
+
+from launch.report import format_table
+
+PRIMITIVES = ("dispatch", "combine", "a2e", "e2a")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("against the papers (xds_mpi/paper_data.py)")
+    g.add_argument("--paper", action="store_true", help="print the validation table and the fits")
+    g.add_argument("--primitive", choices=PRIMITIVES, help="one primitive's latency across EP")
+    g.add_argument("--ep", default="8,16,32,64,128,256", help="EP sizes for --primitive")
+    g.add_argument("--tokens", type=int, default=128, help="tokens per rank for --primitive")
+    g.add_argument("--profile", default="ascend910c", help="hardware profile (configs/hardware/)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("imbalance and overlap (xds_mpi/imbalance.py, xds_mpi/projection.py)")
+    g.add_argument(
+        "--loads",
+        default="uniform",
+        help="expert loads: uniform, fig11a (Figure 11a's skew after FlowServe's EPLB), or a "
+        "run file whose eplb/slice_die_rows were measured (default uniform)",
+    )
+    g.add_argument("--kv-spread", type=float, default=0.0, help="KV lengths mean x (1 +- S)")
+    g.add_argument("--microbatches", type=int, default=1, help="2: two-stream overlap")
+    g.add_argument("--pipelined-graphs", action="store_true", help="graph launches hidden")
+
+
+def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
+    """project()'s imbalance and execution from the command line."""
+    from xds_mpi.config import ConfigError
+    from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+    from xds_mpi.projection import Execution
+    from xds_mpi.topology import Topology
+
+    if args.microbatches not in (1, 2) or not 0 <= args.kv_spread < 1:
+        raise ConfigError(
+            f"need --microbatches 1 or 2 and 0 <= --kv-spread < 1; got {args.microbatches}, "
+            f"{args.kv_spread}"
+        )
+    if args.loads == "uniform":
+        moe = 1.0
+    elif args.loads == "fig11a":
+        moe = from_skew(cfg, m, hottest=30.0, share=0.2)
+    else:
+        moe = from_run_file(args.loads)
+    topo = Topology.from_config(cfg)
+    groups = topo.num_dp_domains * topo.dp_groups_per_domain
+    kv = kv_straggler(batch=args.batch, spread=args.kv_spread, groups=groups)
+    return dict(
+        imbalance=Imbalance(moe=moe, kv=kv, source=args.loads),
+        execution=Execution(microbatches=args.microbatches, pipelined_graphs=args.pipelined_graphs),
+    )
+
+
+def print_paper(args: argparse.Namespace) -> int:
+    from xds_mpi.paper_table import calibration_table, validation_table
+
+    rows = [
+        [
+            r.source,
+            r.conditions,
+            f"{r.metric} ({r.unit})",
+            f"{r.published:g}",
+            f"{r.projected:.1f}",
+            f"{r.error:+.0%}",
+        ]
+        for r in validation_table(args.profile)
+    ]
+    print(
+        f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}; why rows "
+        "miss: docs/design.md §5b"
+    )
+    print(format_table(["source", "conditions", "metric", "published", "projected", "error"], rows))
+    fit = calibration_table(args.profile)
+    print(
+        f"\nCALIBRATION: [001] Table 7 fit, dispatch/combine at 128 tokens per rank: "
+        f"dispatch start {fit.dispatch_start_us:.1f} us, combine start "
+        f"{fit.combine_start_us:.1f} us, die jitter {fit.jitter_us:.1f} us"
+    )
+    fits = [
+        [op, str(ep), f"{us:g}", f"{f:.1f}", f"{f / us - 1:+.0%}"] for op, ep, us, f in fit.rows
+    ]
+    print(format_table(["primitive", "EP", "published us", "fit us", "residual"], fits))
+    return 0
+
+
+def print_primitive(args: argparse.Namespace) -> int:
+    """Latency of one call at each EP size: `tokens` per rank x top-k rows, uniform routing."""
+    from xds_mpi.config import ConfigError
+    from xds_mpi.cost import CostModel, Hardware
+    from xds_mpi.hardware import load_profile
+    from xds_mpi.model.shapes import cost_shape
+
+    try:
+        sizes = [int(v) for v in args.ep.split(",")]
+    except ValueError:
+        raise ConfigError(f"--ep takes comma-separated integers, got {args.ep!r}") from None
+    if args.tokens < 1 or min(sizes) < 1:
+        raise ConfigError(f"need --tokens >= 1 and every --ep >= 1; got {args.tokens}, {sizes}")
+    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(args.profile)))
+    rows = [
+        [str(ep), f"{primitive_s(cost, args.primitive, ep, args.tokens) * 1e6:.1f}"] for ep in sizes
+    ]
+    print(f"{args.primitive}, {args.tokens} tokens per rank, profile {args.profile}")
+    print(format_table(["EP", "us"], rows))
+    return 0
+
+
+def primitive_s(cost, name: str, ep: int, tokens: int) -> float:
+    """dispatch / a2e take in tokens x top-k rows (A2E as dispatch's mechanism at the expert
+    side); combine / e2a pull the same rows' outputs back."""
+    rows = tokens * cost.m.top_k
+    if name in ("dispatch", "a2e"):
+        return cost.dispatch(rows, peers=ep)
+    return cost.combine(rows, peers=ep)

@@ -1,0 +1,177 @@
+"""The projection against the papers: the validation table is the cost model's output (each
+projected value recomputed here from `project`), the calibration constants are Table 7's fit,
+and the dispatch/combine mechanism grows with EP by its per-peer terms and the slowest peer."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+from harness import REPO_ROOT
+
+from xds_mpi.comm_cost import expected_max_z
+from xds_mpi.config import load_config
+from xds_mpi.cost import CostModel, Hardware
+from xds_mpi.hardware import load_profile
+from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.paper_data import SCENARIOS, VALIDATION
+from xds_mpi.paper_table import calibration_table, validation_table
+from xds_mpi.projection import Execution, project
+
+BIG = cost_shape()
+XDS_MPI = Path(sys.executable).parent / "xds-mpi"
+
+
+def _recompute(pub, hw: Hardware) -> float:
+    """A validation row's projected value, from the scenario's published conditions."""
+    s = SCENARIOS[pub.scenario]
+    cfg = load_config(REPO_ROOT / "configs" / f"{s.config}.yaml", list(s.overrides))
+    groups = cfg.deployment.num_dp_domains * cfg.deployment.dp_groups_per_domain
+    imbalance = Imbalance(
+        moe=from_skew(cfg, BIG, hottest=s.skew[0], share=s.skew[1]),
+        kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
+    )
+    p = project(
+        cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
+        accept_rate=s.accept, imbalance=imbalance,
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+    )  # fmt: skip
+    forward_ms = (p.iteration_s - hw.bubble_s) * 1e3
+    b = {k: v * 1e3 for k, v in p.breakdown_s.items()}
+    tokens_per_step = 1 + s.mtp_depth * s.accept
+    per_die = s.batch * groups * tokens_per_step / p.iteration_s / groups_dies(cfg)
+    return {
+        "iteration": p.iteration_s * 1e3,
+        "tpot": p.iteration_s * 1e3 / tokens_per_step,
+        "tokens/s/chip": 2 * per_die,
+        "tokens/s/die": per_die,
+        "share attention": 100 * b.get("attention", math.nan) / forward_ms,
+        "share dispatch+combine": 100 * (b.get("dispatch", 0) + b.get("combine", 0)) / forward_ms,
+    }.get(pub.metric, p.primitives_s.get(pub.metric, math.nan) * 1e6)
+
+
+def groups_dies(cfg) -> int:
+    dep = cfg.deployment
+    experts = dep.num_expert_dies if dep.kind == "afd" else 0
+    return dep.num_dp_domains * dep.dp_groups_per_domain + experts
+
+
+def test_every_projected_value_is_the_cost_models():
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    table = validation_table()
+    assert [(r.source, r.metric, r.published) for r in table] == [
+        (p.source, p.metric, p.value) for p in VALIDATION
+    ]
+    for row, pub in zip(table, VALIDATION, strict=True):
+        assert row.projected == pytest.approx(_recompute(pub, hw), rel=1e-9), row
+
+
+def test_the_table_moves_with_the_hardware_not_with_the_published_numbers():
+    """Halving the HBM bandwidth changes every end-to-end projected number (they come from the
+    model); no published value appears among the profile's constants."""
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    slower = replace(hw, hbm_bytes_per_s=hw.hbm_bytes_per_s / 2)
+    for pub in VALIDATION:
+        if pub.metric in ("tpot", "iteration"):
+            assert _recompute(pub, slower) > _recompute(pub, hw)
+    profile = yaml.safe_load((REPO_ROOT / "configs/hardware/ascend910c.yaml").read_text())
+    constants = {v for section in profile.values() if isinstance(section, dict)
+                 for v in section.values()}  # fmt: skip
+    assert not constants & {p.value for p in VALIDATION}
+
+
+@pytest.mark.parametrize("profile", ["ascend910c", "h800"])
+def test_every_profile_constant_names_its_source(profile):
+    """Each value line carries a comment; the fitted ones name the calibration table."""
+    lines = (REPO_ROOT / "configs" / "hardware" / f"{profile}.yaml").read_text().splitlines()
+    code = [ln.split("#")[0] for ln in lines]
+    values = [ln for ln, c in zip(lines, code) if ":" in c and c.split(":")[1].strip()]
+    assert values and all("#" in ln for ln in values if not ln.startswith("name:"))
+    xccl = lines[lines.index("xccl:") : lines.index("efficiency:")]
+    assert "Table 7" in " ".join(xccl)
+    assert all("fitted" in ln for ln in xccl if ln.startswith("  ") and not ln.startswith("  #"))
+
+
+@pytest.mark.parametrize("profile", ["ascend910c", "h800"])
+def test_the_profiles_xccl_constants_are_table7s_fit(profile):
+    fit = calibration_table(profile)
+    xccl = load_profile(profile)["xccl"]
+    assert xccl["dispatch_start_us"] == pytest.approx(fit.dispatch_start_us, abs=0.05)
+    assert xccl["combine_start_us"] == pytest.approx(fit.combine_start_us, abs=0.05)
+    assert xccl["die_jitter_us"] == pytest.approx(fit.jitter_us, abs=0.05)
+    assert len(fit.rows) == 12
+
+
+def test_dispatch_grows_with_ep_from_flags_pulls_and_the_slowest_peer():
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    cost = CostModel(BIG, hw)
+    rows = 128 * 8
+    for ep in (8, 16, 64, 256):
+        rounds = math.ceil(ep / 48)
+        expected = (
+            hw.dispatch_start_s
+            + rounds * (2.1e-6 + 1.9e-6)
+            + rows * (7168 + 4) / 164e9
+            + hw.jitter_s * expected_max_z(ep)
+        )
+        assert cost.dispatch(rows, peers=ep) == pytest.approx(expected)
+    assert cost.dispatch(rows, peers=256) > cost.dispatch(rows, peers=8)
+
+
+def test_expected_max_and_kv_straggler_follow_their_formulas():
+    assert expected_max_z(1) == 0.0
+    assert expected_max_z(2) == pytest.approx(0.564, abs=0.03)  # exact: 1/sqrt(pi); Blom's
+    assert expected_max_z(288) == pytest.approx(2.90, abs=0.05)
+    z = expected_max_z(288)
+    assert kv_straggler(batch=60, spread=1 / 3, groups=288) == pytest.approx(
+        1 + z * (1 / 3) / math.sqrt(180)
+    )
+    assert kv_straggler(batch=60, spread=0.0, groups=288) == 1.0
+
+
+def test_a_moe_layer_is_priced_at_the_hottest_die():
+    cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    cost = CostModel(BIG, hw)
+    work = dict(batch_per_die=60, kv_len=3072, mtp_depth=0)
+    even = project(cfg, BIG, hw, **work)
+    hot = project(cfg, BIG, hw, **work, imbalance=Imbalance(moe=2.0))
+    mean_rows = 60 * 288 * 8 / 256  # one routed expert per routed die
+    extra = (cost.experts([2 * mean_rows]) - cost.experts([mean_rows])) + (
+        cost.dispatch(2 * mean_rows, peers=288) - cost.dispatch(mean_rows, peers=288)
+    )
+    assert hot.primitives_s["layer"] - even.primitives_s["layer"] == pytest.approx(extra)
+
+
+def test_loads_measured_in_a_run_file(tmp_path):
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:  # [slices, layers, dies]; slice 0 held a prefill
+        f["eplb/slice_die_rows"] = np.array([[[9, 1], [2, 2]], [[3, 1], [1, 3]]], np.float64)
+        f["eplb/slice_num_prefill"] = np.array([1, 0])
+    assert from_run_file(path) == pytest.approx(1.5)
+
+
+def test_project_paper_and_primitive_print_from_the_model():
+    out = subprocess.run(
+        [str(XDS_MPI), "project", "--paper"], capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT, check=True,
+    ).stdout  # fmt: skip
+    assert "VALIDATION" in out and "CALIBRATION" in out
+    for row in validation_table():
+        assert f"{row.projected:.1f}" in out
+    out = subprocess.run(
+        [str(XDS_MPI), "project", "--primitive", "combine", "--ep", "8,256", "--tokens", "64",
+         "--profile", "h800"], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        check=True,
+    ).stdout  # fmt: skip
+    h800 = CostModel(BIG, Hardware.from_profile(load_profile("h800")))
+    for ep in (8, 256):
+        assert f"{h800.combine(64 * 8, peers=ep) * 1e6:.1f}" in out

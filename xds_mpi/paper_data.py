@@ -1,0 +1,168 @@
+"""Published numbers the projection is held to, in two sets kept apart (docs/design.md,
+"Calibration and validation"). [000] = xDeepServe (arXiv 2508.02520), [001] = CloudMatrix-Infer
+(arXiv 2506.12708).
+
+CALIBRATION: micro-level data only (one primitive, one operator, one launch). Constants in
+configs/hardware/ come from these or from the hardware specs and operator tables cited there.
+VALIDATION: end-to-end numbers. None of them sets a constant; `xds-mpi project --paper` prints
+how far the projection lands from each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- CALIBRATION --------------------------------------------------------------------------------
+# [001] Table 7: dispatch / combine latency (us) per rank, 128 tokens per rank, top-8.
+TABLE7_TOKENS = 128
+TABLE7_CM384 = [  # "CANN EP on CM384"
+    ("dispatch", 8, 116.0), ("dispatch", 16, 131.0), ("dispatch", 32, 133.0),
+    ("dispatch", 64, 141.0), ("dispatch", 128, 152.0), ("dispatch", 256, 152.0),
+    ("combine", 8, 118.0), ("combine", 16, 132.0), ("combine", 32, 146.0),
+    ("combine", 64, 150.0), ("combine", 128, 150.0), ("combine", 256, 149.0),
+]  # fmt: skip
+TABLE7_H800 = [  # "DeepSeek DeepEP on H800"
+    ("dispatch", 8, 163.0), ("dispatch", 16, 173.0), ("dispatch", 32, 182.0),
+    ("dispatch", 64, 186.0), ("dispatch", 128, 192.0), ("dispatch", 256, 194.0),
+    ("combine", 8, 318.0), ("combine", 16, 329.0), ("combine", 32, 350.0),
+    ("combine", 64, 353.0), ("combine", 128, 369.0), ("combine", 256, 360.0),
+]  # fmt: skip
+# [001] §4.2.4: "Each graph dispatch introduces a startup latency of 0.6 - 0.8 ms".
+GRAPH_LAUNCH_MS = (0.6, 0.8)
+
+
+# -- VALIDATION ---------------------------------------------------------------------------------
+# [001] §5.1: one decode instance, DP320 / EP320: 32 shared-expert dies, 256 routed + 32 redundant
+# experts one per die (the projection counts the redundant dies with the shared ones: each hosts
+# one expert's mean load; the replicas' effect enters through the EPLB'd load).
+_EP320 = ("deployment.dp_groups_per_domain=320", "deployment.num_shared_expert_dies=64")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """A published deployment and workload. kv_spread: half-width of a DP group's requests' KV
+    lengths over their mean (requests spread uniformly through their decode); microbatches: 2 =
+    the two-stream overlap ([001] §4.2.3); pipelined_graphs: graph launches hidden ([001] §4.2.4);
+    skew: the expert-load skew (hottest / mean, share above the mean; [000] Figure 11a) that
+    FlowServe's EPLB rebalances."""
+
+    name: str
+    setup: str
+    config: str
+    overrides: tuple[str, ...] = ()
+    batch: int
+    kv_len: int
+    kv_spread: float
+    mtp_depth: int = 1
+    accept: float
+    microbatches: int = 1
+    pipelined_graphs: bool = False
+    skew: tuple[float, float] = (30.0, 0.2)
+
+    @property
+    def conditions(self) -> str:
+        """The scenario in a few words, for the table."""
+        overlap = ", 2 streams" if self.microbatches > 1 else ""
+        return f"{self.setup}, b{self.batch}, KV {self.kv_len}, MTP {self.accept:.0%}{overlap}"
+
+
+def _cmi(batch: int, prompt: int, output: int) -> Scenario:
+    """[001] Table 5's rows: MTP 1 at 70 % ([001] §5.2), microbatch pipeline and pipelined MTP
+    graphs ([001] §4.2.3-4.2.4); KV lengths run from the prompt to prompt + output."""
+    return Scenario(
+        name=f"001 b{batch} {prompt}+{output}",
+        setup="DP320/EP320",
+        config="ep288",
+        overrides=_EP320,
+        batch=batch,
+        kv_len=prompt + output // 2,
+        kv_spread=(output / 2) / (prompt + output / 2),
+        accept=0.7,
+        microbatches=2,
+        pipelined_graphs=True,
+    )
+
+
+SCENARIOS = {
+    # [000] §7.1 / Figure 20: DP288 EP288, batch 60 per die, ~3K sequence length, MTP 90 %.
+    "000 colocated": Scenario(
+        name="000 colocated",
+        setup="DP288/EP288",
+        config="ep288",
+        batch=60,
+        kv_len=3072,
+        kv_spread=1 / 3,
+        accept=0.9,
+    ),
+    # [000] §5.2 / §3.3: 3 DP domains x 160 attention dies + EP288, batch 96, 2K+2K workload.
+    "000 afd": Scenario(
+        name="000 afd",
+        setup="3x160 attention + EP288",
+        config="afd_pod",
+        overrides=("deployment.redundant_slots_per_die=1",),  # [000] §4.5: "Each MoE layer
+        # reserves redundant slots per NPU" for EP288 (the afd_pod config has none)
+        batch=96,
+        kv_len=3072,
+        kv_spread=1 / 3,
+        accept=0.9,
+    ),
+    "001 b128 1024+1024": _cmi(128, 1024, 1024),
+    "001 b112 2048+256": _cmi(112, 2048, 256),
+    "001 b96 4096+256": _cmi(96, 4096, 256),
+    "001 b24 4096+256": _cmi(24, 4096, 256),
+    "001 b8 4096+256": _cmi(8, 4096, 256),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Published:
+    """One validation row: `metric` of the projection of `scenario` against `value`."""
+
+    source: str
+    scenario: str
+    metric: str
+    value: float
+    unit: str
+
+
+VALIDATION = [
+    # [000] §7.1: "takes approximately 93 ms" (+ ~2 ms bubble), "TPOT of 50 ms", "2400 tokens/s".
+    Published(source="000 §7.1", scenario="000 colocated", metric="iteration", value=95.0,
+              unit="ms"),
+    Published(source="000 §7.1", scenario="000 colocated", metric="tpot", value=50.0, unit="ms"),
+    Published(source="000 §7.1", scenario="000 colocated", metric="tokens/s/chip", value=2400.0,
+              unit="tok/s"),
+    # [000] §7.1 / Figure 20: attention 21.8 %, dispatch + combine "about 36 %" of the iteration.
+    Published(source="000 Fig. 20", scenario="000 colocated", metric="share attention",
+              value=21.8, unit="%"),
+    Published(source="000 Fig. 20", scenario="000 colocated", metric="share dispatch+combine",
+              value=36.0, unit="%"),
+    # [000] §3.3: "A2E achieves a latency of 172 us, while E2A completes in 193 us".
+    Published(source="000 §3.3", scenario="000 afd", metric="A2E", value=172.0, unit="us"),
+    Published(source="000 §3.3", scenario="000 afd", metric="E2A", value=193.0, unit="us"),
+    # [000] §5.2: MoE 0.12 ms per layer; forward ~93 ms; TPOT 93 / 1.9 ~ 49 ms; 2400 tokens/s.
+    Published(source="000 §5.2", scenario="000 afd", metric="MoE", value=120.0, unit="us"),
+    Published(source="000 §5.2", scenario="000 afd", metric="tpot", value=49.0, unit="ms"),
+    Published(source="000 §5.2", scenario="000 afd", metric="tokens/s/chip", value=2400.0,
+              unit="tok/s"),
+    # [001] Table 5 (Table 4's CloudMatrix-Infer row is its 4096+256 row): achieved TPOT and
+    # throughput per NPU die.
+    *[
+        Published(source="001 Table 5", scenario=f"001 {cond}", metric=metric, value=value,
+                  unit=unit)
+        for cond, tpot, tput in (
+            ("b128 1024+1024", 46.8, 2733.0),
+            ("b112 2048+256", 47.4, 2360.0),
+            ("b96 4096+256", 49.4, 1943.0),
+            ("b24 4096+256", 24.6, 974.0),
+            ("b8 4096+256", 14.9, 538.0),
+        )
+        for metric, value, unit in (("tpot", tpot, "ms"), ("tokens/s/die", tput, "tok/s"))
+    ],
+    # [001] Figure 22b: per-layer latency with MTP, batch 96, 4K: 1,260 us.
+    Published(source="001 Fig. 22b", scenario="001 b96 4096+256", metric="layer", value=1260.0,
+              unit="us"),
+    # [001] §4.2.3: each stream ~600 us per microbatch (4K, batch 96, MTP).
+    Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream", value=600.0,
+              unit="us"),
+]  # fmt: skip

@@ -1,0 +1,115 @@
+"""The projection against the papers: each validation row of xds_mpi/paper_data.py projected by
+the cost model (`validation_table`), and the calibration fits apart (`calibration_table`).
+What `xds-mpi project --paper` prints; tests recompute each projected value from the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from xds_mpi.paper_data import SCENARIOS, TABLE7_CM384, TABLE7_H800, TABLE7_TOKENS, VALIDATION
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    source: str
+    conditions: str
+    metric: str
+    unit: str
+    published: float
+    projected: float
+
+    @property
+    def error(self) -> float:
+        return self.projected / self.published - 1.0
+
+
+@cache
+def scenario_inputs(name: str, profile: str = "ascend910c"):
+    """(config, cost shape, hardware, project() keyword arguments) of a published scenario."""
+    from launch.paths import resolve_config
+    from xds_mpi.config import load_config
+    from xds_mpi.cost import Hardware
+    from xds_mpi.hardware import load_profile
+    from xds_mpi.imbalance import Imbalance, from_skew, kv_straggler
+    from xds_mpi.model.shapes import cost_shape
+    from xds_mpi.projection import Execution
+    from xds_mpi.topology import Topology
+
+    s = SCENARIOS[name]
+    cfg = load_config(resolve_config(s.config), list(s.overrides))
+    m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
+    topo = Topology.from_config(cfg)
+    groups = topo.num_dp_domains * topo.dp_groups_per_domain
+    hottest, share = s.skew
+    imbalance = Imbalance(
+        moe=from_skew(cfg, m, hottest=hottest, share=share),
+        kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
+        source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB; KV spread {s.kv_spread:.2f}",
+    )
+    kwargs = dict(
+        batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
+        imbalance=imbalance,
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+    )  # fmt: skip
+    return cfg, m, hw, kwargs
+
+
+@cache
+def scenario_projection(name: str, profile: str = "ascend910c"):
+    from xds_mpi.projection import project
+
+    cfg, m, hw, kwargs = scenario_inputs(name, profile)
+    return project(cfg, m, hw, **kwargs)
+
+
+def metric_value(p, metric: str, *, dies_per_chip: int, bubble_s: float) -> float:
+    """One metric of a projection in the unit the papers use."""
+    forward = p.iteration_s - bubble_s
+    b = p.breakdown_s
+    values = {
+        "iteration": lambda: p.iteration_s * 1e3,
+        "tpot": lambda: p.tpot_s * 1e3,
+        "tokens/s/chip": lambda: p.tokens_per_s_per_chip,
+        "tokens/s/die": lambda: p.tokens_per_s_per_chip / dies_per_chip,
+        "share attention": lambda: 100 * b["attention"] / forward,
+        "share dispatch+combine": lambda: 100 * (b["dispatch"] + b["combine"]) / forward,
+    }
+    if metric in values:
+        return values[metric]()
+    return p.primitives_s[metric] * 1e6  # one call (us): A2E, E2A, MoE, layer, stream
+
+
+def validation_table(profile: str = "ascend910c") -> list[Row]:
+    rows = []
+    for pub in VALIDATION:
+        cfg, _, hw, kwargs = scenario_inputs(pub.scenario, profile)
+        p = scenario_projection(pub.scenario, profile)
+        value = metric_value(
+            p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip, bubble_s=hw.bubble_s
+        )
+        rows.append(
+            Row(
+                source=pub.source,
+                conditions=SCENARIOS[pub.scenario].conditions,
+                metric=pub.metric,
+                unit=pub.unit,
+                published=pub.value,
+                projected=value,
+            )
+        )
+    return rows
+
+
+def calibration_table(profile: str = "ascend910c"):
+    """The Table 7 fit of `profile`'s XCCL constants (the profile's values, rounded, are what
+    the fit returns)."""
+    from xds_mpi.comm_cost import fit_table7
+    from xds_mpi.cost import CostModel, Hardware
+    from xds_mpi.hardware import load_profile
+    from xds_mpi.model.shapes import cost_shape
+
+    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
+    table = TABLE7_H800 if profile == "h800" else TABLE7_CM384
+    row_bytes = {k: cost.row_bytes(k) for k in ("dispatch", "combine")}
+    return fit_table7(cost.link("dispatch"), table, tokens=TABLE7_TOKENS, row_bytes=row_bytes)

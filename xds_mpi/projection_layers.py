@@ -1,0 +1,164 @@
+"""One MoE layer of the projection (xds_mpi/projection.py), colocated or disaggregated, priced
+at the slowest dies.
+
+Colocated (DP x EP, xDeepServe §7.1): attention side, gate, dispatch, routed experts, combine.
+Dispatch waits for the slowest DP group's attention (it absorbs MLA variance, xDeepServe §7.1)
+and takes in the hottest die's rows; combine waits for the hottest expert die. With two
+microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 of the die's 24 AIC)
+and stream 1 (gate, dispatch, experts, combine; 8 AIC) overlap, so a layer takes 2 x the longer
+stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns at the
+expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
+(attention, A2E, MoE, E2A) and D x M x the expert side's compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from xds_mpi.config import Config
+from xds_mpi.cost import CostModel
+from xds_mpi.imbalance import Imbalance
+
+ATTENTION_STREAM_AIC = 16  # CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC, stream 1 gets 8
+MOE_STREAM_AIC = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerInputs:
+    cfg: Config
+    cost: CostModel
+    n: dict
+    batch: int
+    kv_len: float
+    rows_per_seq: int
+    imbalance: Imbalance
+    microbatches: int
+
+
+def counts(cfg: Config, topo) -> dict:
+    hosts = [r for r in topo.ranks if r.expert_slots]
+    routed = [r for r in hosts if any(s.kind == "routed" for s in r.expert_slots)]
+    return {
+        "dies": topo.num_dies,
+        "expert_dies": len(hosts),
+        "routed_dies": len(routed),
+        "shared_dies": len(hosts) - len(routed),
+        "attention": topo.num_dp_domains * topo.dp_groups_per_domain,
+    }
+
+
+def _share(cost: CostModel, aic: int, total: int) -> CostModel:
+    """The cost model of a stream given `aic` of the die's `total` cube cores."""
+    f = aic / total
+    hw = replace(cost.hw, int8_ops=cost.hw.int8_ops * f, bf16_flops=cost.hw.bf16_flops * f)
+    return CostModel(cost.m, hw)
+
+
+def _attention(cost: CostModel, x: LayerInputs, batch: float, *, slowest: bool) -> float:
+    imb = x.imbalance if slowest else Imbalance()
+    seqs = [(x.kv_len * imb.kv, x.rows_per_seq)] * max(1, round(batch * imb.batch))
+    return cost.mla_prolog(round(batch * imb.batch) * x.rows_per_seq) + cost.attention(seqs)
+
+
+def _routed(cost: CostModel, n: dict, tokens: float, load: float) -> tuple[float, float]:
+    """(rows in, expert seconds) of a routed die carrying `load` x the mean of `tokens`."""
+    m = cost.m
+    per_die = tokens * m.top_k / n["routed_dies"] * load
+    experts_per_die = max(1, round(m.num_routed_experts / n["routed_dies"]))
+    return per_die, cost.routed(per_die, experts_per_die)
+
+
+def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
+    cfg, n, mb = x.cfg, x.n, x.microbatches
+    m, dedicated = x.cost.m, cfg.deployment.shared_experts == "dedicated"
+    total_aic = x.cost.hw.aic_cores
+    s0 = _share(x.cost, ATTENTION_STREAM_AIC, total_aic) if mb > 1 else x.cost
+    s1 = _share(x.cost, MOE_STREAM_AIC, total_aic) if mb > 1 else x.cost
+    batch = x.batch / mb
+    rows = batch * x.rows_per_seq
+    attn_mean = _attention(s0, x, batch, slowest=False)
+    attn_max = _attention(s0, x, batch, slowest=True)
+    tokens = rows * n["dies"]
+    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance.moe)
+    _, experts_mean = _routed(s1, n, tokens, 1.0)
+    shared = s1.experts([tokens / n["shared_dies"]]) if dedicated else 0.0
+    every_die_shared = 0.0 if dedicated else s1.experts([rows] * m.num_shared_experts)
+    dispatch = s1.dispatch(rows_max, peers=n["dies"], int8=cfg.xccl.use_int8)
+    combine = s1.combine(rows * (m.top_k + (1 if dedicated else 0)), peers=n["dies"])
+    slowest_experts = max(experts_max, shared) + every_die_shared
+    typical_experts = max(experts_mean, shared) + every_die_shared
+    parts = {
+        "MLAProlog": s0.mla_prolog(rows),
+        "attention": attn_mean - s0.mla_prolog(rows),
+        "gate": s1.gate(rows),
+        "dispatch": dispatch + attn_max - attn_mean,  # waits for the slowest DP group
+        "experts": typical_experts,
+        "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
+    }
+    stream0, stream1 = attn_max, sum(parts.values()) - attn_mean
+    layer = 2 * max(stream0, stream1) if mb > 1 else stream0 + stream1
+    scale = layer / sum(parts.values())
+    primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
+    if mb > 1:
+        primitives["stream"] = max(stream0, stream1)
+    return {k: v * scale for k, v in parts.items()}, primitives
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdHops:
+    """A2E and E2A of one microbatch of one attention die (xDeepServe §3.3, Figure 8): to its
+    trampoline, then from the trampolines to the experts; back through the trampolines."""
+
+    trampolines: int
+    expert_dies: int
+    routed_dies: int
+    groups_per_domain: int
+
+    @classmethod
+    def of(cls, cfg: Config, n: dict) -> AfdHops:
+        groups = cfg.deployment.dp_groups_per_domain
+        return cls(
+            trampolines=math.ceil(groups / n["expert_dies"]),
+            expert_dies=n["expert_dies"],
+            routed_dies=n["routed_dies"],
+            groups_per_domain=groups,
+        )
+
+    def a2e(self, cost: CostModel, mb_rows: float, *, load: float, int8: bool) -> float:
+        """mb_rows: the die's rows; load: the hottest expert die's rows over the mean."""
+        expert_rows = mb_rows * self.groups_per_domain * cost.m.top_k / self.routed_dies * load
+        return cost.dispatch(mb_rows, peers=self.trampolines, int8=int8) + cost.dispatch(
+            expert_rows, peers=self.expert_dies, int8=int8
+        )
+
+    def e2a(self, cost: CostModel, mb_rows: float) -> float:
+        """Each trampoline takes its tokens' top-k and shared outputs, then the die its rows."""
+        per_trampoline = mb_rows * self.groups_per_domain / self.expert_dies * (cost.m.top_k + 1)
+        return cost.combine(per_trampoline, peers=self.expert_dies) + cost.combine(
+            mb_rows, peers=self.trampolines
+        )
+
+
+def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
+    cfg, n, cost = x.cfg, x.n, x.cost
+    dep = cfg.deployment
+    micro = dep.num_microbatches
+    batch = x.batch / micro
+    mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
+    tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
+    _, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
+    if n["shared_dies"]:  # dedicated shared-expert dies
+        moe = max(experts_max, cost.experts([tokens / n["shared_dies"]]))
+    else:  # every expert die runs the shared expert on its share of the tokens
+        moe = experts_max + cost.experts([tokens / n["expert_dies"]])
+    hops = AfdHops.of(cfg, n)
+    a2e = hops.a2e(cost, mb_rows, load=x.imbalance.moe, int8=cfg.xccl.use_int8)
+    e2a = hops.e2a(cost, mb_rows)
+    attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
+    expert_side = dep.num_dp_domains * micro * moe
+    layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
+    parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
+    scale = layer / sum(parts.values())
+    primitives = {"A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
+    return {k: v * scale for k, v in parts.items()}, primitives
