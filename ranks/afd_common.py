@@ -40,7 +40,9 @@ class AfdDieBase:
         self.clock = VirtualClock()
         self.afd = self._afd_buffer()
         self.plan = self._call_plan()
-        self.pricer = make_pricer(cfg, self.clock, self.slots, rank=ctx.comm.rank, topo=ctx.topo)
+        self.pricer = make_pricer(
+            cfg, self.clock, self.slots, rank=ctx.comm.rank, afd_topo=ctx.topo
+        )
         self.recompute = Recomputer(
             cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer, events=self.plan, log=ctx.log
         )

@@ -47,11 +47,12 @@ def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
     return DecodeState(table=table, cache=cache, scheduler=scheduler)
 
 
-def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, topo=None):
+def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None):
     """The die's pricer: the cost model at the target shape on the configured hardware profile,
     advancing `clock` (which the die's trace reads too); routed experts spread over the dies
-    that host routed slots. Dies of an afd deployment (`rank`: this die, `topo`: the plan's
-    topology) also price A2E/E2A (xds_mpi/engine/afd_pricing.py)."""
+    that host routed slots. The attention and expert dies of an afd deployment (`rank`: this
+    die, `afd_topo`: the plan's topology) also price A2E/E2A (xds_mpi/engine/afd_pricing.py);
+    colocated and prefill dies (no afd_topo) price dispatch/combine."""
     from xds_mpi import trace
     from xds_mpi.cost import CostModel, Hardware
     from xds_mpi.engine.pricing import Pricer
@@ -62,12 +63,12 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, topo=None):
     trace.set_clock(clock)
     owners = slots.slot_owner[: slots.num_routed_slots]
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(set(owners)))
-    if cfg.deployment.kind != "afd":
+    if afd_topo is None:
         return Pricer(cost, cfg.model, clock, **args)
     from xds_mpi.engine.afd_pricing import AfdPricer
     from xds_mpi.projection_layers import AfdHops, counts
 
-    hops = AfdHops.of(cfg, counts(cfg, topo))
+    hops = AfdHops.of(cfg, counts(cfg, afd_topo))
     here = sum(1 for owner in owners if owner == rank)
     return AfdPricer(cost, cfg.model, clock, hops=hops, num_routed_slots_here=here, **args)
 
