@@ -22,8 +22,6 @@ from mpi4py import MPI
 from ranks.context import RankContext
 from ranks.die_io import SHELL
 from ranks.pd_faults import (
-    TAG_PD_ABORT,
-    TAG_PD_ABORT_ACK,
     KvAbort,
     check_deadline,
     install,
@@ -44,6 +42,7 @@ from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
+from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(kw_only=True)

@@ -19,8 +19,6 @@ from ranks.context import RankContext
 from ranks.die_io import SHELL
 from ranks.messages import TAG_REPORT
 from ranks.pd_faults import (
-    TAG_PD_ABORT,
-    TAG_PD_ABORT_ACK,
     KvAbort,
     check_deadline,
     install,
@@ -31,6 +29,7 @@ from ranks.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
+from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(frozen=True, kw_only=True)
