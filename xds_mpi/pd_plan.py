@@ -85,11 +85,8 @@ def split(ranks: tuple[int, ...], num: int) -> tuple[tuple[int, ...], ...]:
 
 def split_experts(num_experts: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
     """The rank of `ranks` computing each routed expert: contiguous chunks, sizes within one."""
-    return tuple(
-        r
-        for r, n in zip(ranks, map(len, split(tuple(range(num_experts)), len(ranks))))
-        for _ in range(n)
-    )
+    chunks = split(tuple(range(num_experts)), len(ranks))
+    return tuple(r for r, chunk in zip(ranks, chunks) for _ in chunk)
 
 
 def _refuse(cfg: Config, prefill: tuple[int, ...]) -> None:
