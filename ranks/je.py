@@ -1,8 +1,9 @@
 """The Job Executor of a PD deployment (xDeepServe §5.1 steps 1 and 4), on the host rank.
 
-Step 1: each arrived request goes to the prefill side's shared pending pool at the prefill
-leader (prefill DP-0); its length-aware, load-aware placement onto a prefill DP group is the
-leader's single-level scheduler (engine/pd_prefill.py), which sees every group's status.
+Step 1: each arrived request goes to a prefill TE chosen by length and load
+(engine/pd_route.py), into that TE's shared pending pool at its leader (its prefill DP-0, which
+plays the TE-shell); its placement onto one of the TE's DP groups is that leader's single-level
+scheduler (engine/pd_prefill.py), which sees every group's status.
 Step 4: when a prefill die registers a PD-transfer task, the decode balancer (§4.3, the decode
 TE-shell's) picks a decode DP group by load, and the task goes there. It does not wait for that
 group's KV space: the decode group defers its receive until it has room (backpressure, step 6).
@@ -19,6 +20,7 @@ from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_P
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.pd_results import PdBook
+from xds_mpi.engine.pd_route import PrefillRouter
 
 
 class LoadBalancer(DecodeBalancer):
@@ -34,6 +36,7 @@ class JobExecutor(Frontend):
         super().__init__(ctx)
         pd, sched = ctx.plan.pd, ctx.cfg.scheduler
         self.pd_plan, self.pd_book = pd, PdBook()
+        self.router = PrefillRouter(len(pd.tes), ctx.cfg.pd.long_prompt_tokens)
         unbounded = 1 << 40
         self.balancer = LoadBalancer(
             self.groups,
@@ -50,7 +53,8 @@ class JobExecutor(Frontend):
             req = self.queue.popleft()
             record = self.records[req.req_id]
             record.dispatched_at = time.time()
-            self.sends.append(self.comm.isend(req, dest=self.pd_plan.leader, tag=TAG_REQUEST))
+            leader = self.pd_plan.leaders[self.router.dispatch(req.req_id, len(req.prompt))]
+            self.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
             num += 1
         return num + self._take_prefilled() + self._take_transfers()
 
@@ -58,6 +62,7 @@ class JobExecutor(Frontend):
         num = 0
         while (msg := self.comm.improbe(tag=TAG_PD_PREFILLED)) is not None:
             task = msg.recv()
+            self.router.prefilled(task.req.req_id)
             self.pd_book.tasks[task.req.req_id] = task
             to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
             if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
@@ -65,6 +70,13 @@ class JobExecutor(Frontend):
                 self.balancer.on_dispatch(to, task.req)
             self.sends.append(self.comm.isend(task, dest=to, tag=TAG_PD_TASK))
             num += 1
+        return num
+
+    def _take_tokens(self) -> int:
+        """A request whose first token ended it at prefill leaves its TE's load here."""
+        num = super()._take_tokens()
+        for req_id in [r for r in self.router.in_flight() if self.records[r].tokens]:
+            self.router.prefilled(req_id)
         return num
 
     def _take_transfers(self) -> int:

@@ -1,8 +1,10 @@
 """A prefill die (xDeepServe §5.1 steps 2-3 and 6-8, its side): one prefill DP group.
 
-The prefill dies run in lockstep like colocated dies (every MoE layer is a dispatch/combine
-among them, engine/executor.py on the prefill plan's EP group). Each step: the leader (prefill
-DP-0) takes new requests from the JE into the shared pending pool; while requests are pending
+The dies of one prefill TE run in lockstep like colocated dies (every MoE layer is a
+dispatch/combine among them, engine/executor.py on their TE's EP group); TEs never wait on each
+other. Each step: the TE's leader (its DP-0, which plays the TE-shell: the JE sends the TE's
+requests straight to it) takes new requests into the TE's shared pending pool; while requests
+are pending
 every group sends it its status and it assigns them (engine/pd_prefill.py `assign`, §4.3's
 single-level collaborative scheduler); the dies prefill (main model + MTP modules over the
 prompt), and each finished prompt becomes a PD-transfer task (metadata and block addresses) sent
@@ -58,8 +60,10 @@ class PrefillDie:
         torch.set_num_threads(1)
         self.ctx, self.comm, self.rank = ctx, ctx.comm, rank
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank])
-        self.group = ctx.comm.Split(2, rank)  # the prefill dies (decode dies 1, hosts 0)
-        self.is_leader = rank == plan.pd.leader
+        self.te = plan.pd.te_of(rank)
+        # this TE's dies (decode dies use color 1, hosts 0)
+        self.group = ctx.comm.Split(2 + self.te, rank)
+        self.is_leader = rank == plan.pd.leaders[self.te]
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
         self.pool: deque = deque()  # leader: requests shared by every prefill DP group
@@ -81,14 +85,13 @@ class PrefillDie:
         cfg, pd = ctx.cfg, ctx.plan.pd
         model = build_model(cfg.model)
         state = decode_state(cfg, model, PrefillScheduler)
-        num_experts = len(pd.slot_owner)
-        slots = ExpertSlots(
-            slot_owner=pd.slot_owner, num_routed_slots=num_experts, shared_slot_of={}
-        )
+        slot_owner = pd.slot_owners[self.te]
+        num_experts = len(slot_owner)
+        slots = ExpertSlots(slot_owner=slot_owner, num_routed_slots=num_experts, shared_slot_of={})
         clock = VirtualClock()
         ep = EpBuffer(
             self.mem,
-            pd.ep,
+            pd.eps[self.te],
             slots.slot_owner,
             dtype=ctx.plan.row_dtype,
             clock=clock,

@@ -89,12 +89,16 @@ def test_backpressure_defers_receives_and_loses_nothing(tmp_path):
     assert list(run_file["requests/status"].asstr()[()]) == ["done"] * 10
 
 
-def test_mtp_depth_1_three_prefill_dies_feed_two_decode_dies(tmp_path):
+def test_mtp_depth_1_two_prefill_tes_of_three_dies_feed_two_decode_dies(tmp_path):
+    # prefill TE 0 = ranks 4, 5 (EP2, short prompts), TE 1 = rank 6 (EP1, prompts >= 40 tokens);
+    # the prompts are 57, 47, 41 (long) and 29, 31, 18 (short) tokens
     result, run_file = serve(
         tmp_path,
         "scheduler.mtp_depth=1",
         "deployment.num_prefill_dies=3",
         "deployment.dp_groups_per_domain=2",
+        "pd.num_prefill_tes=2",
+        "pd.long_prompt_tokens=40",
         "workload.num_requests=6",
         "workload.output_len=6",
         "workload.max_output_len=6",
@@ -102,7 +106,11 @@ def test_mtp_depth_1_three_prefill_dies_feed_two_decode_dies(tmp_path):
     assert result.returncode == 0, explain(result)
     assert check_line(result) == "check: 6 requests, 36 tokens, 0 mismatches"
     assert "MTP depth 1: acceptance" in result.stdout + result.stderr
-    assert len(set(run_file["pd/prefill_rank"][()])) > 1  # the leader spread the prompts
+    prompt_len = run_file["requests/prompt_len"][()][run_file["pd/req_id"][()]]
+    prefill_rank = run_file["pd/prefill_rank"][()]
+    assert sorted(prompt_len) == [18, 29, 31, 41, 47, 57]  # every request moved its KV
+    assert set(prefill_rank[prompt_len >= 40]) == {6}  # long: TE 1
+    assert set(prefill_rank[prompt_len < 40]) <= {4, 5}  # short: TE 0
 
 
 def test_one_prefill_die_feeds_six_and_failed_kv_transfers_are_retried(tmp_path):
@@ -183,6 +191,13 @@ def pd_config(*sets: str):
             ["prefill die rank 3's window needs 544320 B", "(300000)"],
         ),
         (["deployment.num_host_ranks=3"], ["num_host_ranks(3) must be 1", "or 2"]),
+        (["pd.num_prefill_tes=3"], ["pd.num_prefill_tes(3) must be between 1", "dies(2)"]),
+        (["pd.num_prefill_tes=0"], ["pd.num_prefill_tes(0) must be between 1", "dies(2)"]),
+        (
+            ["deployment.num_prefill_dies=3", "pd.num_prefill_tes=2"]
+            + ["deployment.max_routed_experts_per_die=8"],
+            ["num_prefill_dies(3) / pd.num_prefill_tes(2) = 1 dies", "per_die(8)"],
+        ),
     ],
 )
 def test_pd_configs_that_cannot_run_are_refused_with_numbers(sets, words):

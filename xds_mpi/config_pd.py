@@ -18,10 +18,14 @@ class PdConfig:
     """enabled: serve with prefill dies and KV transfer (off: prefill dies stay idle).
     long_prompt_tokens: the length-aware split of the prefill leader: prompts of at least this
     many tokens are "long" and never batched with short ones on one prefill DP group
-    (0: one class). max_transfer_retries: attempts of one KV transfer after a failed one."""
+    (0: one class); with 2+ prefill TEs it also splits the TEs into short and long ones.
+    num_prefill_tes: how many prefill TEs the prefill dies form (consecutive dies, each TE its own
+    scheduler, leader and dispatch/combine group; the JE picks one per request).
+    max_transfer_retries: attempts of one KV transfer after a failed one."""
 
     enabled: bool = False
     long_prompt_tokens: int = 48
+    num_prefill_tes: int = 1
     max_transfer_retries: int = 3
 
     def __post_init__(self) -> None:
