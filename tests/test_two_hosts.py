@@ -48,6 +48,7 @@ def test_a_protocol_body_passes_across_two_hosts(hosts, tmp_path, body):
     assert len(passed) == 4 and all(int(n) > 0 for n in passed), explain(result)
     traffic = {int(r): (int(p), int(m)) for r, p, m in TRAFFIC.findall(result.output)}
     assert sorted(traffic) == [0, 1, 2, 3], explain(result)
+    print(f"\n{body} across hosts, per rank (polls, RMA operations): {traffic}")
     assert sum(p for p, _ in traffic.values()) > 0, f"no poll crossed hosts: {traffic}"
     assert sum(m for _, m in traffic.values()) > 0, f"no RMA crossed hosts: {traffic}"
 
@@ -87,4 +88,6 @@ def test_a_served_run_checks_equal_with_dies_on_both_hosts(hosts, tmp_path, conf
 
     with h5py.File(tmp_path / "two.h5") as f:
         summary = dict(f["summary"].attrs)
+    crossed = {k: int(v) for k, v in summary.items() if k.startswith("cross_node")}
+    print(f"\n{config} across hosts: {crossed}")
     assert summary["cross_node_polls"] > 0 and summary["cross_node_rma_ops"] > 0, summary
