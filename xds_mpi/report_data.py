@@ -65,34 +65,28 @@ def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
 def load_run(path: str | Path) -> RunData:
     path = Path(path)
     with h5py.File(path, "r") as f:
-        attrs = {k: _plain(v) for k, v in f.attrs.items()}
-        summary = {k: _plain(v) for k, v in f["summary"].attrs.items()} if "summary" in f else {}
-        dies = {
-            int(rank): {name: group[name][()] for name in group}
-            for rank, group in f.get("dies", {}).items()
-        }
-        requests = {name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")}
-        eplb = eplb_loads(f)
-    traced = trace_path(path)
-    if not traced.exists():
-        return RunData(
+        parts = dict(
             name=path.stem,
-            attrs=attrs,
-            summary=summary,
-            dies=dies,
-            requests=requests,
-            eplb_loads=eplb,
+            attrs={k: _plain(v) for k, v in f.attrs.items()},
+            summary={k: _plain(v) for k, v in f["summary"].attrs.items()} if "summary" in f else {},
+            dies={
+                int(rank): {name: group[name][()] for name in group}
+                for rank, group in f.get("dies", {}).items()
+            },
+            requests={name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")},
+            eplb_loads=eplb_loads(f),
         )
-    events = json.loads(traced.read_text())["traceEvents"]
+    traced = trace_path(path)
+    if traced.exists():
+        parts.update(_from_trace(json.loads(traced.read_text())["traceEvents"]))
+    return RunData(**parts)
+
+
+def _from_trace(events: list[dict]) -> dict:
+    """RunData's fields that come from the trace."""
     layers, load = expert_load(events)
-    return RunData(
-        name=path.stem,
-        attrs=attrs,
-        summary=summary,
-        dies=dies,
-        requests=requests,
+    return dict(
         has_trace=True,
-        eplb_loads=eplb,
         breakdown=breakdown(events),
         expert_load=load,
         load_layers=layers,
