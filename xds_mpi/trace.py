@@ -21,8 +21,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
-# Every span name, and what it covers. Those marked "not emitted yet" belong to parts that other
-# branches build (EPLB, heartbeats, PD's KV transfers): they emit them with one line each.
+# Every span name, and what it covers. Those marked "not emitted yet" wait for their code
+# (heartbeats; KV transfers once prefill dies send a trace): one line each emits them.
 SPAN_NAMES: dict[str, str] = {
     "iteration": "one decode iteration of a die (all its attempts)",
     "attention": "MLA (prolog + attention) of one layer",
