@@ -78,7 +78,9 @@ def expert_load(run: RunData, path: Path) -> Path:
 
 def eplb(run: RunData, path: Path) -> Path:
     """EPLB: routed rows per die and MoE layer per iteration, before and after the swaps."""
-    loads = run.eplb_loads
+    versions = sorted((k for k in run.eplb_loads if k != "after"), key=lambda k: int(k[1:]))
+    shown = [k for k in (versions[:1] + ["after"]) if k in run.eplb_loads]  # before, after
+    loads = {k: run.eplb_loads[k] for k in shown}
     fig, axes = plt.subplots(1, max(1, len(loads)), figsize=(10, 3.2), squeeze=False)
     if not loads:
         _empty(axes[0, 0], "no EPLB in this run")
@@ -88,7 +90,8 @@ def eplb(run: RunData, path: Path) -> Path:
         ratios = rows.max(axis=1) / np.maximum(rows.mean(axis=1), 1e-9)
         ax.set_yticks(range(len(rows)), [f"MoE {i} ({r:.2f})" for i, r in enumerate(ratios)])
         ax.set_xlabel("die")
-        ax.set_title(f"{label}: rows per iteration (max/mean)", fontsize=9)
+        name = "after (all later versions)" if label == "after" else f"before ({label})"
+        ax.set_title(f"{name}: rows per iteration (max/mean)", fontsize=9)
         fig.colorbar(image, ax=ax)
     fig.suptitle(f"{run.name}: EPLB die load", fontsize=9)
     return _save(fig, path)
