@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.bench_cli import run_bench
 from launch.bench_report import add_row_options
-from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, run_job
 from xds_mpi.config import ConfigError
 
 
@@ -47,13 +47,7 @@ def add_parser(kinds) -> None:
 def cmd_bench_afd(args: argparse.Namespace) -> int:
     groups = args.groups or max(1, args.np // 3)
     _check_shape(args, groups)
-    command = mpi_command(args.np, _rank_program(args, groups), timeout_s=args.timeout)
-    print(f"xds-mpi: bench afd on {args.np} ranks: {command.shell_line()}", flush=True)
-    result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
-    if result.timed_out:
-        print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
-        return 124
-    return result.returncode
+    return run_bench(args, _rank_program(args, groups))
 
 
 def _check_shape(args: argparse.Namespace, groups: int) -> None:

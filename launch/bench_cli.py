@@ -41,7 +41,7 @@ def cmd_bench_p2p(args: argparse.Namespace) -> int:
         "--cores",
         *map(str, args.cores),
     ]
-    return _run_bench(args, program)
+    return run_bench(args, program)
 
 
 def cmd_bench_ep(args: argparse.Namespace) -> int:
@@ -73,10 +73,10 @@ def cmd_bench_ep(args: argparse.Namespace) -> int:
         "--tokens",
         *map(str, args.tokens),
     ] + (["--int8"] if args.int8 else [])
-    return _run_bench(args, program)
+    return run_bench(args, program)
 
 
-def _run_bench(args: argparse.Namespace, program: list[str]) -> int:
+def run_bench(args: argparse.Namespace, program: list[str]) -> int:
     command = mpi_command(args.np, program, timeout_s=args.timeout)
     print(f"xds-mpi: bench {args.kind} on {args.np} ranks: {command.shell_line()}", flush=True)
     result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)

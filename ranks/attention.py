@@ -61,6 +61,7 @@ class AttentionDie(AfdDieBase):
     def step(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
+        self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
         if not busy:
             time.sleep(0.001)
@@ -72,8 +73,15 @@ class AttentionDie(AfdDieBase):
         sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
-        self.outbox.stream(emitted, timing)  # the output shortcut
+        self.emit(emitted, timing)  # the output shortcut
         return True
+
+    def before_agree(self) -> None:
+        """Work between iterations before the dies agree (PD: KV transfers, ranks/pd_decode.py)."""
+
+    def emit(self, emitted, timing) -> None:
+        """Stream the iteration's tokens to the TE-shell (PD adds the prefill's first tokens)."""
+        self.outbox.stream(emitted, timing)
 
     def attempt(self, busy, planned):
         """Schedule and run this die's part of the iteration (None when its domain is idle)."""

@@ -92,6 +92,7 @@ class ColocatedDie:
     def step(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
+        self.before_agree()
         busy, all_stopped = self.agree()  # all dies run the same iterations
         if not busy:
             time.sleep(0.001)
@@ -100,9 +101,16 @@ class ColocatedDie:
         sampled, timing = self.iteration()  # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
-        self.outbox.stream(emitted, timing)  # the output shortcut
+        self.emit(emitted, timing)  # the output shortcut
         self.eplb.after_iteration()  # §4.5 Step 1: expert counts to the TE-shell every interval
         return True
+
+    def before_agree(self) -> None:
+        """Work between iterations before the dies agree (PD: KV transfers, ranks/pd_decode.py)."""
+
+    def emit(self, emitted, timing) -> None:
+        """Stream the iteration's tokens to the TE-shell (PD adds the prefill's first tokens)."""
+        self.outbox.stream(emitted, timing)
 
     def iteration(self):
         """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
