@@ -20,6 +20,7 @@ from typing import Literal
 # FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
 # re-exported: callers import the whole config interface from here.
 from xds_mpi.config_eplb import EplbConfig
+from xds_mpi.config_failures import FAILURE_KINDS, FailureSpec, HealthConfig  # noqa: F401
 from xds_mpi.config_faults import FAULT_OPS, FaultsConfig, FaultSpec  # noqa: F401
 from xds_mpi.config_loader import (  # noqa: F401
     ConfigError,
@@ -271,6 +272,7 @@ class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     xccl: XcclConfig = field(default_factory=XcclConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
     pd: PdConfig = field(default_factory=PdConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)

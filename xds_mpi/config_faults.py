@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xccl.faults import OPS as FAULT_OPS  # the operations XCCL can fail: one definition
+from xds_mpi.config_failures import failure_rows
 from xds_mpi.config_loader import build_record, non_negative, require
 
 
@@ -33,13 +34,16 @@ class FaultsConfig:
     FAULT_OPS; layer: a MoE layer's index, num_layers + k - 1 for MTP depth k; iteration: the
     run's n-th iteration with work, from 0, the same on every die). rate: seeded probabilistic
     mode, the chance each operation call fails. An iteration may be re-executed max_retries times;
-    one more failure ends the run with an error naming die, operation and iteration."""
+    one more failure ends the run with an error naming die, operation and iteration.
+    events: failures beyond transient errors, rows of xds_mpi/config_failures.py FailureSpec
+    (stuck, dead, link, saturated, memory); detected and recovered per the `health` section."""
 
     table: list = field(default_factory=list)
     rate: float = 0.0
     ops: list = field(default_factory=lambda: list(FAULT_OPS))
     seed: int = 0
     max_retries: int = 3
+    events: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(0.0 <= self.rate < 1.0, f"faults.rate must be in [0, 1), got {self.rate}")
@@ -47,6 +51,7 @@ class FaultsConfig:
         for op in self.ops:
             _check_op("faults.ops", op)
         object.__setattr__(self, "table", [_fault_row(i, row) for i, row in enumerate(self.table)])
+        object.__setattr__(self, "events", failure_rows(self.events))
 
     @property
     def is_enabled(self) -> bool:

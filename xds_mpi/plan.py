@@ -20,6 +20,7 @@ from xds_mpi.config_eplb import check_eplb
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
+from xds_mpi.failure_plan import check_failures
 from xds_mpi.pd_plan import PdPlan, build_pd, check_pd_fault, pd_window_bytes
 from xds_mpi.topology import Topology
 
@@ -89,6 +90,7 @@ def check_serving(cfg: Config, topo: Topology) -> None:
             f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)"
         )
     _check_fault_table(cfg, topo)
+    check_failures(cfg, topo)  # faults.events (xds_mpi/failure_plan.py)
     check_eplb(cfg, len({info.rank for info in topo.ranks if _hosts_routed(info)}))
 
 

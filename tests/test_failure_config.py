@@ -1,0 +1,107 @@
+"""`faults.events` and `health`: rows read, refused with a reason, and the failure records'
+run-file round trip."""
+
+from __future__ import annotations
+
+import h5py
+import pytest
+
+from xds_mpi.config import ConfigError, config_from_dict
+from xds_mpi.failure_plan import EMULATED, check_failures
+from xds_mpi.failures import FailureRecord, read_failures, write_failures
+from xds_mpi.topology import Topology
+
+
+def _check(events, **sections):
+    cfg = config_from_dict({"faults": {"events": events}, **sections})
+    check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "events, reason",
+    [
+        ([{"kind": "bogus", "die": 1}], "unknown kind 'bogus'"),
+        ([{"kind": "stuck", "die": 1, "delay_s": 1.0}], "takes no delay_s"),
+        ([{"kind": "link", "die": 1}], "needs peer"),
+        ([{"kind": "memory", "die": 1}], "either a KV block range"),
+        ([{"kind": "dead", "die": 9}], r"die\(9\) is not a die: dies are ranks 1..4"),
+        ([{"kind": "dead", "die": 0}], "is not a die"),
+        ([{"kind": "link", "die": 1, "peer": 2}], "rank 1 is a colocated die"),
+        ([{"kind": "saturated", "die": 1, "delay_s": 0.1}], "pd.enabled is false"),
+        (
+            [{"kind": "memory", "die": 1, "first_block": 250, "num_blocks": 10}],
+            "past the die's scheduler.num_kv_blocks_per_die",
+        ),
+        ([{"kind": "memory", "die": 1, "slot": 99}], r"rank 1 \(colocated\) has \d+ expert slots"),
+        ([{"kind": "dead", "die": 2}, {"kind": "stuck", "die": 2}], "overlap on die 2"),
+        (
+            [
+                {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 8},
+                {"kind": "memory", "die": 2, "first_block": 7, "num_blocks": 2},
+            ],
+            "overlap on die 2",
+        ),
+    ],
+)
+def test_bad_rows_are_refused_with_a_reason(events, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _check(events)
+
+
+def test_a_row_no_die_emulates_is_refused(monkeypatch):
+    monkeypatch.setattr("xds_mpi.failure_plan.EMULATED", set())
+    with pytest.raises(ConfigError, match="is not emulated"):
+        _check([{"kind": "dead", "die": 2, "iteration": 3}])
+
+
+def test_disjoint_memory_ranges_on_one_die_are_accepted_when_emulated(monkeypatch):
+    row = ("memory", "colocated", "colocated")
+    monkeypatch.setattr("xds_mpi.failure_plan.EMULATED", EMULATED | {row})
+    _check(
+        [
+            {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 8},
+            {"kind": "memory", "die": 2, "first_block": 8, "num_blocks": 2},
+        ]
+    )
+
+
+def test_health_timeout_must_exceed_two_intervals():
+    with pytest.raises(ConfigError, match="timeout_s"):
+        config_from_dict({"health": {"timeout_s": 0.5, "control_interval_s": 0.5}})
+
+
+def test_failure_records_round_trip_through_the_run_file(tmp_path):
+    records = [
+        FailureRecord(
+            kind="dead",
+            die=3,
+            role="colocated",
+            injected_iteration=4,
+            injected_wall_s=0.5,
+            injected_virtual_s=0.01,
+            detected_wall_s=1.75,
+            detected_virtual_s=0.02,
+            detected_by="heartbeat",
+            verdict="dead",
+            recovery="vertical scaling: 4 -> 3 decode dies",
+            requests_affected=(1, 5),
+            tokens_per_s_before=100.0,
+            tokens_per_s_after=80.0,
+        ),
+        FailureRecord(
+            kind="memory",
+            die=2,
+            role="colocated",
+            injected_iteration=1,
+            injected_wall_s=0.2,
+            injected_virtual_s=0.0,
+            requests_lost=(7,),
+        ),
+    ]
+    with h5py.File(tmp_path / "run.h5", "w") as f:
+        write_failures(f, records)
+    with h5py.File(tmp_path / "run.h5") as f:
+        assert read_failures(f) == records
+    assert records[0].detection_s == pytest.approx(1.25)
+    assert "detected after 1.25 s by heartbeat" in records[0].describe()
+    assert "never detected" in records[1].describe() and "lost [7]" in records[1].describe()
