@@ -13,6 +13,8 @@ TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
 # Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
+# Heartbeats, both tiers (ranks/heartbeat.py); 253-259 decode failover, 261-269 PD failover.
+TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

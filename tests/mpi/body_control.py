@@ -97,3 +97,34 @@ def test_an_unreceived_send_ends_in_a_named_timeout():
     comm.Barrier()
     if comm.rank == 1:  # drain it so the next test starts clean
         assert comm.recv(source=0, tag=98) == "x"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_heartbeats_name_the_rank_whose_loop_stopped():
+    from ranks.heartbeat import HeartbeatResponder, HeartbeatSender
+
+    quiet = comm.size - 1  # this rank's loop "stalls" after three answers
+    done = bytearray(1)
+    if comm.rank == 0:
+        sender = HeartbeatSender(comm, range(1, comm.size), interval_s=0.02, timeout_s=2.0)
+        deadline = time.monotonic() + 20
+        while not sender.silent() and time.monotonic() < deadline:
+            sender.tick()
+            time.sleep(0.005)
+        suspects = sender.silent()
+        comm.Ibcast(done, root=0).Wait()  # everyone may stop answering now
+        comm.Barrier()  # every responder closed: its answers are all sent
+        sender.close()
+        assert suspects == [quiet]
+        assert all(sender.status[t] == ("alive", t) for t in range(1, comm.size))
+    else:
+        responder = HeartbeatResponder(comm, 0)
+        released = comm.Ibcast(done, root=0)
+        deadline = time.monotonic() + 25
+        while not released.Test():
+            assert time.monotonic() < deadline, f"rank {comm.rank}: never released by rank 0"
+            if comm.rank != quiet or responder.answered < 3:
+                responder.answer(("alive", comm.rank))
+            time.sleep(0.005)
+        responder.close()
+        comm.Barrier()
