@@ -27,6 +27,7 @@ DEPLOYMENT_AXES: dict[str, tuple] = {
     "mtp": (0, 1, 2),
     "microbatches": (1, 2),
     "domains": (1, 2),
+    "prefill": (0, 2),  # prefill dies: 0 = no PD, else disaggregated prefill-decode
 }
 WORKLOAD_AXES: dict[str, tuple] = {
     "chunk": (5, 64),
@@ -55,7 +56,7 @@ def label(combo: tuple[int, ...]) -> str:
     return (
         f"{v['kind']}-n{v['dies']}-{v['shared']}-r{v['redundant']}-"
         f"{'int8' if v['int8'] else v['row_dtype']}-mtp{v['mtp']}-m{v['microbatches']}-"
-        f"d{v['domains']}-c{v['chunk']}-{v['lengths']}-{v['source']}"
+        f"d{v['domains']}-p{v['prefill']}-c{v['chunk']}-{v['lengths']}-{v['source']}"
     )
 
 
@@ -89,6 +90,14 @@ def overrides(combo: tuple[int, ...]) -> tuple[str, list[str]]:
         f"workload.source={v['source']}",
         *WORKLOAD,
     ]
+    if v["prefill"]:  # the JE and the decode TE-shell; KV rings prefill -> decode
+        sets += [
+            "deployment.num_host_ranks=2",
+            f"deployment.num_prefill_dies={v['prefill']}",
+            "pd.enabled=true",
+            "xccl.p2p_pairs=prefill_to_decode",
+            "xccl.slot_bytes=16384",
+        ]
     if v["source"] == "jsonl":
         sets.append(f"workload.path={JSONL}")
     return v["kind"], sets
