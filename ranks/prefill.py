@@ -116,6 +116,7 @@ class PrefillDie:
     def step(self) -> bool:
         """Take messages, move KV, agree, assign while requests are pending, prefill."""
         self._take_messages()
+        self.sender.tick(self.executor.num_iterations)
         self.sender.progress()  # step 8: completed sends free their blocks
         pending, active, outstanding, running = self._agree()
         if pending:

@@ -12,7 +12,10 @@ from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
 # so an accepted row is one that runs. Deployment kind: "colocated", "afd", or "pd" (pd.enabled).
-EMULATED: set[tuple[str, str, str]] = set()
+EMULATED: set[tuple[str, str, str]] = {
+    ("link", "prefill", "pd"),  # ranks/pd_channel.py, detected by ranks/link_probe.py
+    ("saturated", "colocated", "pd"),
+}
 
 
 def check_failures(cfg: Config, topo: Topology) -> None:
@@ -47,6 +50,8 @@ def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> No
         )
     if spec.kind == "memory":
         _check_memory(cfg, topo, where, spec, role)
+    if spec.kind in ("link", "saturated"):
+        _check_channel(cfg, topo, where, spec)
 
 
 def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -56,6 +61,31 @@ def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) 
         raise ConfigError(
             f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment is not "
             "emulated (README.md, Failures, lists what is)"
+        )
+
+
+def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    """A KV-path fault the link prober can name (ranks/link_probe.py), and recover from."""
+    health = cfg.health
+    if spec.kind == "saturated" and not (
+        health.probe_slow_s < spec.delay_s < health.probe_timeout_s
+    ):
+        raise ConfigError(
+            f"{where}: a saturated die's delay_s({spec.delay_s}) must lie between "
+            f"health.probe_slow_s({health.probe_slow_s}) and health.probe_timeout_s"
+            f"({health.probe_timeout_s}): shorter is no fault the probe sees, longer looks "
+            "like a link fault"
+        )
+    if spec.kind == "link" and spec.duration_s == 0 and not health.enabled:
+        raise ConfigError(
+            f"{where}: a link fault for good (duration_s 0) with health.enabled false: no "
+            "probe would find it and its transfers would wait forever"
+        )
+    decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+    if spec.kind == "link" and spec.duration_s == 0 and len(decode) < 2:
+        raise ConfigError(
+            f"{where}: a link fault for good from prefill die {spec.die} to the only decode "
+            f"die {spec.peer} leaves its KV no other pair"
         )
 
 

@@ -1,0 +1,68 @@
+"""The decode die's KV-receive path under channel faults (xDeepServe §6.1), beside
+ranks/pd_receive.py.
+
+- Saturation (ranks/pd_channel.py): while it lasts the die takes each transfer delay_s late: it
+  asks the prefill die to send at once but posts its receive delay_s later (the send waits
+  unacknowledged meanwhile), and echoes each dummy delay_s late (ranks/link_probe.py).
+- Re-routing after a link verdict: the JE names the requests whose KV will come over another
+  pair (TAG_PD_CANCEL); their sends were withdrawn before any byte was published, so the die
+  cancels the receives, gives back their blocks and forgets them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ranks.die_io import SHELL
+from ranks.link_probe import ProbeEchoer
+from ranks.pd_channel import ChannelFaults
+from xccl.errors import XcclError
+from xds_mpi.tags import TAG_PD_CANCEL
+
+
+class ReceiveFailover:
+    def __init__(self, ctx, receiver, clock) -> None:
+        self.comm, self.rank, self.receiver, self.clock = ctx.comm, ctx.comm.rank, receiver, clock
+        self.channel = ChannelFaults(ctx.cfg, self.rank, "saturated")
+        self.echoer = ProbeEchoer(self.comm, self.channel)
+        self.sends: list = []
+        self.num_cancelled = 0
+
+    def step(self, iteration: int) -> None:
+        self.channel.tick(self.comm, iteration, self.clock(), self.sends)
+        self.echoer.step()
+        self._take_cancels()
+
+    def post_delay_s(self) -> float:
+        """Seconds the receive of a transfer asked for now is posted late (0: at once)."""
+        return self.channel.delay_s()
+
+    def post_due(self) -> None:
+        """Post the receives a saturated channel held back, once due."""
+        now = time.monotonic()
+        for incoming in self.receiver.posted.values():
+            if incoming.handle is None and not incoming.is_resyncing and incoming.post_at <= now:
+                self.receiver.post_irecv(incoming)
+
+    def _take_cancels(self) -> None:
+        rx = self.receiver
+        while (msg := self.comm.improbe(source=SHELL, tag=TAG_PD_CANCEL)) is not None:
+            for req_id in msg.recv():
+                incoming = rx.posted.pop(req_id, None)
+                if incoming is None:
+                    raise XcclError(
+                        f"decode die rank {self.rank}: the JE re-routes request {req_id}, "
+                        "but no receive of it is in flight here"
+                    )
+                if incoming.handle is not None:
+                    rx.p2p.cancel(incoming.handle)
+                sched = rx.scheduler
+                sched.table.free(req_id)
+                sched.reserved_blocks -= sched._blocks(incoming.task.req)
+                self.num_cancelled += 1
+
+    def close(self) -> None:
+        import mpi4py.MPI as MPI
+
+        self.echoer.close()
+        MPI.Request.Waitall(self.sends)
