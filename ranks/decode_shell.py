@@ -69,8 +69,9 @@ class DecodeShell:
         while (msg := self.comm.improbe(source=JE, tag=TAG_PD_TASK)) is not None:
             routed: Routed = msg.recv()
             task = routed.task
-            if routed.is_reroute:  # its pair went down (§6.1): the old die's load goes back
-                self.balancer.on_complete(task.req.req_id)
+            # routed before (its pair went down, or its prefill TE was lost and it was
+            # prefilled again, §6.1-6.2): the old die's load goes back first
+            self.balancer.on_complete(task.req.req_id)
             group = pick_decode(self.balancer, task.req, routed.hard, routed.soft)
             self.balancer.on_dispatch(group, task.req)
             self.sends.append(self.comm.isend(task, dest=group, tag=TAG_PD_TASK))

@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 
 from ranks.frontend import Frontend
+from ranks.je_prefill_loss import PrefillWatch
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
 from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
-from xds_mpi.engine.pd_failover import PdFailover, Routed, pick_decode
+from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.engine.pd_results import PdBook
 from xds_mpi.engine.pd_route import PrefillRouter
 from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
@@ -38,6 +39,7 @@ class JobExecutor(Frontend):
         super().__init__(ctx)
         pd, sched = ctx.plan.pd, ctx.cfg.scheduler
         self.pd_plan, self.pd_book, self.failover = pd, PdBook(), PdFailover()
+        self.watch = PrefillWatch(self)  # heartbeats to the prefill TEs' leaders (§6.1)
         self.router = PrefillRouter(len(pd.tes), ctx.cfg.pd.long_prompt_tokens)
         unbounded = 1 << 40
         self.balancer = LoadBalancer(
@@ -58,7 +60,8 @@ class JobExecutor(Frontend):
             leader = self.pd_plan.leaders[self.router.dispatch(req.req_id, len(req.prompt))]
             self.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
             num += 1
-        return num + self._take_prefilled() + self._take_transfers() + self._take_failover()
+        num += self._take_prefilled() + self._take_transfers() + self._take_failover()
+        return num + self.watch.poll()
 
     def _take_prefilled(self) -> int:
         num = 0
@@ -76,8 +79,7 @@ class JobExecutor(Frontend):
         to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
         message = Routed(task=task, hard=hard, soft=soft, is_reroute=is_reroute)
         if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
-            if is_reroute:
-                self.balancer.on_complete(task.req.req_id)
+            self.balancer.on_complete(task.req.req_id)  # a no-op unless routed before
             to = pick_decode(self.balancer, task.req, hard, soft)
             self.balancer.on_dispatch(to, task.req)
             message = task
@@ -153,6 +155,7 @@ class JobExecutor(Frontend):
         self.pd_book.reports = recv_from_each(
             self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
         )
+        self.watch.close()
         self._take_failover()
         self._record_failures()
 
@@ -160,6 +163,11 @@ class JobExecutor(Frontend):
         """One FailureRecord per injected KV-path fault and per unexplained verdict."""
         times = [t for r in self.records.values() for t in r.token_times]
         roles = {info.rank: info.role for info in self.ctx.topo.ranks}
-        self.pd_book.failures = self.failover.records(
-            self.ctx.cfg.faults.events, roles, times, self.started, time.time()
-        )
+        rows, now = self.ctx.cfg.faults.events, time.time()
+        self.pd_book.failures = self.failover.records(rows, roles, times, self.started, now)
+        for i, spec in enumerate(rows):
+            if roles[spec.die] == "prefill" and spec.kind in ("dead", "stuck"):
+                began, loss = self.failover.began.get(i), self.watch.loss_of(spec.die)
+                self.pd_book.failures.append(
+                    loss_record(spec, began, loss, times, self.started, now)
+                )

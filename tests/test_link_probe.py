@@ -22,8 +22,10 @@ PROBES = (
     "health.probe_timeout_s=4",
     "health.probe_slow_s=1.5",
     "workload.num_requests=12",
+    # JE, decode TE-shell, decode dies 2 and 3, prefill die 4: every pair carries KV.
+    "deployment.dp_groups_per_domain=2",
+    "deployment.num_prefill_dies=1",
 )
-PD = {"pd": {"enabled": True}, "deployment": {"num_prefill_dies": 2, "num_host_ranks": 2}}
 
 
 def _failures(tmp_path, *sets):
@@ -39,8 +41,8 @@ def test_a_fault_free_run_has_no_verdict(tmp_path):
 
 
 def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
-    # prefill die 6 -> decode die 2 drops everything from its first batch on, for good.
-    result, records = _failures(tmp_path, "faults.events=[{kind: link, die: 6, peer: 2}]")
+    # prefill die 4 -> decode die 2 drops everything from its first batch on, for good.
+    result, records = _failures(tmp_path, "faults.events=[{kind: link, die: 4, peer: 2}]")
     assert [(r.kind, r.verdict, r.detected_by) for r in records] == [
         ("link", "link", "link probe")
     ], explain(result)
@@ -61,15 +63,20 @@ def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "row, health, reason",
+    "row, health, decode_dies, reason",
     [
-        ({"kind": "saturated", "die": 2, "delay_s": 0.5}, {}, r"delay_s\(0.5\) must lie between"),
-        ({"kind": "saturated", "die": 2, "delay_s": 9.0}, {}, "looks like a link fault"),
-        ({"kind": "link", "die": 6, "peer": 2}, {"enabled": False}, "no probe would find it"),
+        ({"kind": "saturated", "die": 2, "delay_s": 0.5}, {}, 4, r"delay_s\(0.5\) must lie"),
+        ({"kind": "saturated", "die": 2, "delay_s": 9.0}, {}, 4, "looks like a link fault"),
+        ({"kind": "link", "die": 6, "peer": 2}, {"enabled": False}, 4, "no probe would find"),
+        ({"kind": "link", "die": 3, "peer": 2}, {}, 1, "only decode die 2 leaves its KV no"),
     ],
 )
-def test_channel_rows_the_prober_cannot_name_are_refused(row, health, reason):
-    cfg = config_from_dict({**PD, "faults": {"events": [row]}, "health": health})
+def test_channel_rows_the_prober_cannot_name_are_refused(row, health, decode_dies, reason):
+    deployment = {"num_prefill_dies": 2, "num_host_ranks": 2, "dp_groups_per_domain": decode_dies}
+    cfg = config_from_dict(
+        {"pd": {"enabled": True}, "deployment": deployment, "faults": {"events": [row]}}
+        | {"health": health}
+    )
     with pytest.raises(ConfigError, match=reason):
         check_failures(cfg, Topology.from_config(cfg))
 

@@ -15,6 +15,8 @@ from xds_mpi.topology import Topology
 EMULATED: set[tuple[str, str, str]] = {
     ("link", "prefill", "pd"),  # ranks/pd_channel.py, detected by ranks/link_probe.py
     ("saturated", "colocated", "pd"),
+    ("dead", "prefill", "pd"),  # ranks/prefill_loss.py, detected by ranks/je_prefill_loss.py
+    ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
 }
 
 
@@ -52,6 +54,8 @@ def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> No
         _check_memory(cfg, topo, where, spec, role)
     if spec.kind in ("link", "saturated"):
         _check_channel(cfg, topo, where, spec)
+    if role == "prefill" and spec.kind in ("dead", "stuck") and cfg.pd.enabled:
+        _check_prefill_loss(cfg, where, spec)
 
 
 def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -86,6 +90,29 @@ def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -
         raise ConfigError(
             f"{where}: a link fault for good from prefill die {spec.die} to the only decode "
             f"die {spec.peer} leaves its KV no other pair"
+        )
+
+
+def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A lost prefill die takes its TE out (ranks/je_prefill_loss.py): the TE must be that die
+    alone (others would hang in the TE's collectives), another TE must be left, and someone
+    must be listening."""
+    dies, tes = cfg.deployment.num_prefill_dies, cfg.pd.num_prefill_tes
+    if spec.kind == "stuck" and spec.duration_s:
+        raise ConfigError(
+            f"{where}: a prefill die stuck for duration_s({spec.duration_s}) is not emulated; "
+            "only stuck for good (duration_s 0)"
+        )
+    if dies != tes:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} is emulated only with one die per prefill "
+            f"TE (deployment.num_prefill_dies({dies}) = pd.num_prefill_tes({tes})): the other "
+            "dies of its TE would hang in the TE's collectives"
+        )
+    if tes < 2 or not cfg.health.enabled:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
+            f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
         )
 
 

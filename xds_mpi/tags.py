@@ -18,6 +18,8 @@ TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
 # PD link probing and re-routing (ranks/link_probe.py, ranks/pd_channel.py, ranks/je.py).
 TAG_PD_PROBE, TAG_PD_ECHO, TAG_PD_VERDICT = 261, 262, 263
 TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
+# A prefill TE lost (ranks/je_prefill_loss.py): JE -> decode dies, their withdrawn requests back.
+TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

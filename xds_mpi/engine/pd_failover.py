@@ -87,6 +87,37 @@ class PdFailover:
         return out
 
 
+def loss_record(spec, began, loss, token_times, started: float, ended: float) -> FailureRecord:
+    """A prefill die lost (dead / stuck for good), found by the JE's heartbeat
+    (ranks/je_prefill_loss.py). Detection's projected time is its wall time added to the
+    die's virtual clock at injection: heartbeat intervals and timeouts are real seconds on the
+    pod as well."""
+    injected = began.wall - started if began else -1.0
+    detected = loss.wall - started if loss else -1.0
+    recovery = (
+        f"prefill instance lost: TE {loss.te} (dies {list(loss.ranks)}) taken out, "
+        f"{len(loss.moved)} requests prefilled again on the live TEs"
+        if loss
+        else ""
+    )
+    return FailureRecord(
+        kind=spec.kind,
+        die=spec.die,
+        role="prefill",
+        injected_iteration=began.iteration if began else -1,
+        injected_wall_s=injected,
+        injected_virtual_s=began.virtual_s if began else -1.0,
+        detected_wall_s=detected,
+        detected_virtual_s=began.virtual_s + detected - injected if began and loss else -1.0,
+        detected_by="heartbeat" if loss else "",
+        verdict="silent" if loss else "",
+        recovery=recovery,
+        requests_affected=tuple(sorted(set(loss.moved))) if loss else (),
+        tokens_per_s_before=_rate(token_times, started, started + max(injected, 0.0)),
+        tokens_per_s_after=_rate(token_times, started + max(detected, injected, 0.0), ended),
+    )
+
+
 def _concerns(spec, report) -> bool:
     if spec.kind == "link":
         return (report.prefill, report.decode) == (spec.die, spec.peer)
