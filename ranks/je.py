@@ -75,7 +75,7 @@ class JobExecutor(Frontend):
 
     def _route(self, task, *, is_reroute: bool) -> None:
         """Step 4, around the pairs and dies the link probers found at fault (§6.1)."""
-        hard, soft = self.failover.avoid(task.prefill_rank)
+        hard, soft = self.failover.avoid(task.prefill_rank, task.req.req_id)
         to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
         message = Routed(task=task, hard=hard, soft=soft, is_reroute=is_reroute)
         if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself

@@ -58,7 +58,7 @@ def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
     row = "faults.events=[{kind: saturated, die: 3, delay_s: 2.5, duration_s: 8}]"
     result, records = _failures(tmp_path, row)
     assert [(r.kind, r.verdict) for r in records] == [("saturated", "saturated")], explain(result)
-    assert records[0].detection_s > 0
+    assert records[0].detection_s > 0 and records[0].requests_affected
     assert "steered away from decode die 3" in records[0].recovery
 
 
@@ -91,7 +91,7 @@ def test_failover_book_rules_pairs_and_dies_out_and_back_in():
 
     assert book.on_report(report("link", 6, 2, (4, 5))) == (4, 5)
     assert book.on_report(report("saturated", 7, 3, (1,))) == ()
-    assert book.avoid(6) == ((2,), (3,)) and book.avoid(7) == ((), (3,))
+    assert book.avoid(6, 8) == ((2,), (3,)) and book.avoid(7, 9) == ((), (3,))
     book.on_report(report("restored", 6, 2))
     book.on_report(report("cleared", 7, 3))
-    assert book.avoid(6) == ((), ())
+    assert book.avoid(6, 10) == ((), ()) and book.steered == {3: [8, 9]}

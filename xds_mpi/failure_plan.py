@@ -17,6 +17,7 @@ EMULATED: set[tuple[str, str, str]] = {
     ("saturated", "colocated", "pd"),
     ("dead", "prefill", "pd"),  # ranks/prefill_loss.py, detected by ranks/je_prefill_loss.py
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
+    ("memory", "colocated", "colocated"),  # KV block ranges only (ranks/memory_check.py)
 }
 
 
@@ -123,7 +124,10 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        return
+        raise ConfigError(
+            f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} is not "
+            "emulated; only KV block ranges are (README.md, Failures)"
+        )
     if role == "expert":
         raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
     blocks = cfg.scheduler.num_kv_blocks_per_die
@@ -131,6 +135,19 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
         raise ConfigError(
             f"{where}: KV blocks {spec.first_block}..{spec.first_block + spec.num_blocks - 1} "
             f"are past the die's scheduler.num_kv_blocks_per_die({blocks})"
+        )
+    masked = sum(
+        e.num_blocks for e in cfg.faults.events if e.kind == "memory" and e.die == spec.die
+    )
+    w = cfg.workload
+    tokens = max(w.prompt_len, w.max_prompt_len) + max(w.output_len, w.max_output_len)
+    tokens = min(tokens + cfg.scheduler.mtp_depth, cfg.model.max_seq_len)
+    longest = -(-tokens // cfg.scheduler.kv_block_tokens)
+    if blocks - masked < longest:
+        raise ConfigError(
+            f"{where}: die {spec.die} keeps {blocks} - {masked} masked = {blocks - masked} KV "
+            f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
+            "may need: it would wait forever"
         )
 
 

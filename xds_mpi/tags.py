@@ -20,6 +20,8 @@ TAG_PD_PROBE, TAG_PD_ECHO, TAG_PD_VERDICT = 261, 262, 263
 TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
 # A prefill TE lost (ranks/je_prefill_loss.py): JE -> decode dies, their withdrawn requests back.
 TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
+# A die's KV memory fault and the requests it ended (ranks/memory_check.py).
+TAG_MEMORY_FAULT = 268
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

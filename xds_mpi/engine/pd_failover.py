@@ -12,7 +12,7 @@ used only when every other decode die is ruled out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from xds_mpi.failures import FailureRecord
 
@@ -49,6 +49,7 @@ class PdFailover:
     reports: list = field(default_factory=list)  # LinkReport, in arrival order
     down: set = field(default_factory=set)  # (prefill, decode) pairs out of use
     saturated: set = field(default_factory=set)  # decode dies steered around
+    steered: dict = field(default_factory=dict)  # decode die -> requests routed around it
 
     def on_report(self, report) -> tuple[int, ...]:
         """Take a prober's report; the requests to re-route (withdrawn from a pair down)."""
@@ -64,8 +65,11 @@ class PdFailover:
             self.saturated.discard(report.decode)
         return report.req_ids if report.kind in ("link", "reroute") else ()
 
-    def avoid(self, prefill: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def avoid(self, prefill: int, req_id: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The dies request req_id (from prefill die `prefill`) must / should not go to."""
         hard = tuple(sorted(d for p, d in self.down if p == prefill))
+        for decode in self.saturated:
+            self.steered.setdefault(decode, []).append(req_id)
         return hard, tuple(sorted(self.saturated))
 
     def records(self, rows, roles: dict, token_times: list[float], started: float, ended: float):
@@ -78,9 +82,11 @@ class PdFailover:
             mine = [k for k, r in enumerate(self.reports) if _concerns(spec, r)]
             used.update(mine)
             reports = [self.reports[k] for k in mine]
-            out.append(
-                _record(spec, roles, self.began.get(i), reports, token_times, started, ended)
-            )
+            record = _record(spec, roles, self.began.get(i), reports, token_times, started, ended)
+            if spec.kind == "saturated":  # affected: the slow transfers and those steered away
+                moved = set(record.requests_affected) | set(self.steered.get(spec.die, ()))
+                record = replace(record, requests_affected=tuple(sorted(moved)))
+            out.append(record)
         for k, r in enumerate(self.reports):
             if k not in used and r.kind in VERDICTS:
                 out.append(_false_verdict(r, roles, started))
