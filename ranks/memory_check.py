@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from ranks.die_io import SHELL
 from xds_mpi.failures import FailureRecord
-from xds_mpi.tags import TAG_MEMORY_FAULT
+from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,12 +60,15 @@ class MemoryCheck:
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
             self.rows.remove((row, spec))
             sched = die.scheduler
-            victims = sched.table.mask(range(spec.first_block, spec.first_block + spec.num_blocks))
+            held = sched.table.mask(range(spec.first_block, spec.first_block + spec.num_blocks))
+            victims = [r for r in held if r in sched.running]
+            _move_receives(die, [r for r in held if r not in sched.running])
             for req_id in victims:
                 seq = sched.running.pop(req_id)
                 sched.table.free(req_id)
                 sched.reserved_blocks -= sched._blocks(seq.req)
             die.executor.commit(set(victims))  # their MTP state goes too
+            _tell_decode_shell(self.comm, die, victims, self.sends)
             loss = MemoryLoss(
                 row=row,
                 die=self.rank,
@@ -78,6 +81,22 @@ class MemoryCheck:
             )
             self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         self.sends = [r for r in self.sends if not r.Test()]
+
+
+def _move_receives(die, req_ids) -> None:
+    """PD: a KV receive in flight lands in its own buffer and reaches the cache only when
+    adopted, so its blocks are simply taken again from the healthy ones."""
+    for req_id in req_ids:
+        incoming, table = die.kv.posted[req_id], die.scheduler.table
+        table.free(req_id)
+        incoming.slots = tuple(table.allocate(req_id, incoming.task.kv_len))
+
+
+def _tell_decode_shell(comm, die, victims, sends) -> None:
+    """PD: the decode TE-shell's balancer hears the victims ended, as it hears completions."""
+    shell = getattr(getattr(die, "kv", None), "decode_shell", 0)
+    if victims and shell:
+        sends.append(comm.isend(list(victims), dest=shell, tag=TAG_PD_DONE))
 
 
 class MemoryLosses:

@@ -21,6 +21,7 @@ class PdDecode:
     kv: KvReceiver
 
     def before_agree(self) -> None:
+        self.memory.check(self)  # §6.2 stage 3 (ranks/memory_check.py)
         self.kv.step()
 
     def emit(self, emitted, timing) -> None:

@@ -200,9 +200,10 @@ class Serving:
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
         if self.eplb:
             self.eplb.write(f)
-        if self.failures:
+        failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])
+        if failures:
             from xds_mpi.failures import write_failures
 
-            write_failures(f, self.failures)
+            write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)

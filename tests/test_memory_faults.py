@@ -43,10 +43,12 @@ def test_the_check_skips_victims_by_name_and_still_fails_on_the_rest():
     assert not any(m.startswith("request 1") for m in mismatches), mismatches
 
 
-def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path):
-    # colocated die 2 loses KV blocks 0..7 at its 3rd iteration: the requests holding them end.
+@pytest.mark.parametrize("deployment", ["colocated", "pd"])
+def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deployment):
+    # colocated die 2 (a PD decode die in pd) loses KV blocks 0..7 at its 3rd iteration: the
+    # requests holding them end (in PD, a receive in flight just takes other blocks).
     result = subprocess.run(
-        [str(XDS_MPI), "run", "colocated", "--check", "--set", f"run.output_dir={tmp_path}"]
+        [str(XDS_MPI), "run", deployment, "--check", "--set", f"run.output_dir={tmp_path}"]
         + ["--set", "run.name=mem", "--set", "workload.ignore_eos=true", "--set"]
         + ["faults.events=[{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}]"],
         capture_output=True,
@@ -82,12 +84,11 @@ def test_memory_faults_the_dies_cannot_survive_are_refused(row, reason):
         check_failures(cfg, Topology.from_config(cfg))
 
 
-def test_a_memory_fault_in_a_pd_run_is_refused():
+def test_a_memory_fault_on_an_afd_die_is_refused():
     cfg = config_from_dict(
         {
-            "pd": {"enabled": True},
-            "deployment": {"num_prefill_dies": 2, "num_host_ranks": 2},
-            "faults": {"events": [{"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 4}]},
+            "deployment": {"kind": "afd", "num_expert_dies": 4},
+            "faults": {"events": [{"kind": "memory", "die": 1, "first_block": 0, "num_blocks": 4}]},
         }
     )
     with pytest.raises(ConfigError, match="is not emulated"):

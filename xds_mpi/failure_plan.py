@@ -18,6 +18,7 @@ EMULATED: set[tuple[str, str, str]] = {
     ("dead", "prefill", "pd"),  # ranks/prefill_loss.py, detected by ranks/je_prefill_loss.py
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
     ("memory", "colocated", "colocated"),  # KV block ranges only (ranks/memory_check.py)
+    ("memory", "colocated", "pd"),
 }
 
 

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from xds_mpi.failures import write_failures
-
 PARTS = ("queue", "prefill", "kv_wait", "kv_transfer", "first_step")
 
 
@@ -80,8 +78,6 @@ class PdBook:
     def write(self, f, records: dict, started: float) -> None:
         """/pd: per transferred request (req_id order) each TTFT part, wall and virtual."""
         ids = sorted(r for r in self.transfers if records[r].token_times)
-        if "failures" not in f:
-            write_failures(f, self.failures)
         group = f.create_group("pd")
         group["req_id"] = np.array(ids, np.int64)
         group["prefill_rank"] = np.array([self.tasks[r].prefill_rank for r in ids], np.int64)
