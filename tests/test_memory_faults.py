@@ -74,7 +74,7 @@ def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deploymen
 @pytest.mark.parametrize(
     "row, reason",
     [
-        ({"slot": 0}, "expert slot 0 of die 2 is not emulated"),
+        ({"slot": 0}, "slot 0 of die 2 holds the only copy of routed expert"),
         ({"first_block": 0, "num_blocks": 252}, r"keeps 256 - 252 masked = 4 KV blocks"),
     ],
 )

@@ -125,10 +125,7 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        raise ConfigError(
-            f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} is not "
-            "emulated; only KV block ranges are (README.md, Failures)"
-        )
+        raise ConfigError(_slot_refusal(topo, where, spec))
     if role == "expert":
         raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
     blocks = cfg.scheduler.num_kv_blocks_per_die
@@ -150,6 +147,27 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
             "may need: it would wait forever"
         )
+
+
+def _slot_refusal(topo: Topology, where: str, spec: FailureSpec) -> str:
+    """Why an expert-slot memory fault cannot run: no replica left, or masking not emulated."""
+    slot = topo.ranks[spec.die].expert_slots[spec.slot]
+    copies = [
+        (info.rank, i)
+        for info in topo.ranks
+        for i, s in enumerate(info.expert_slots)
+        if s.kind != "shared" and slot.kind != "shared" and s.expert_idx == slot.expert_idx
+    ]
+    if slot.kind != "shared" and len(copies) < 2:
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
+            f"{slot.expert_idx}: masking it would leave the expert nowhere"
+        )
+    return (
+        f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} ({slot.kind} "
+        f"expert {slot.expert_idx}, copies at (die, slot) {copies}) is not emulated; only KV "
+        "block ranges are (README.md, Failures)"
+    )
 
 
 def _check_overlaps(events: list[FailureSpec]) -> None:
