@@ -54,9 +54,11 @@ def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
 
 
 def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
-    # decode die 3 takes each KV transfer 2.5 s late (the echo too) for 8 s.
+    # decode die 3 takes each KV transfer 2.5 s late (the echo too) for 8 s; requests keep
+    # arriving for 8 s, so there are transfers left to steer once it is found.
     row = "faults.events=[{kind: saturated, die: 3, delay_s: 2.5, duration_s: 8}]"
-    result, records = _failures(tmp_path, row)
+    arrivals = ("workload.arrival=rate", "workload.rate_per_s=1.5")
+    result, records = _failures(tmp_path, row, *arrivals)
     assert [(r.kind, r.verdict) for r in records] == [("saturated", "saturated")], explain(result)
     assert records[0].detection_s > 0 and records[0].requests_affected
     assert "steered away from decode die 3" in records[0].recovery
