@@ -44,9 +44,9 @@ class PrefillWatch:
                 interval_s=health.control_interval_s,
                 timeout_s=health.timeout_s,
             )
-            if health.enabled
+            if health.enabled and len(je.pd_plan.leaders) > 1
             else None
-        )
+        )  # one TE: nothing to fail over to (such rows are refused), so nobody is declared lost
         self.losses: list[TeLoss] = []
 
     def poll(self) -> int:

@@ -21,7 +21,6 @@ class PdDecode:
     kv: KvReceiver
 
     def before_agree(self) -> None:
-        self.memory.check(self)  # §6.2 stage 3 (ranks/memory_check.py)
         self.kv.step()
 
     def emit(self, emitted, timing) -> None:
@@ -37,6 +36,10 @@ class PdColocatedDie(PdDecode, ColocatedDie):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
         self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
+
+    def before_agree(self) -> None:
+        self.memory.check(self)  # §6.2 stage 3 (ranks/memory_check.py), before KV moves
+        super().before_agree()
 
 
 class PdAttentionDie(PdDecode, AttentionDie):
