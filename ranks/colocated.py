@@ -14,6 +14,7 @@ from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
+from ranks.memory_check import MemoryCheck
 from ranks.recompute import Recomputer
 from xds_mpi import trace
 
@@ -70,6 +71,7 @@ class ColocatedDie:
         self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+        self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults (ranks/memory_check.py)
 
     def _executor(self, ctx: RankContext, model, ep, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor
@@ -107,6 +109,7 @@ class ColocatedDie:
 
     def before_agree(self) -> None:
         """Work between iterations before the dies agree (PD: KV transfers, ranks/pd_decode.py)."""
+        self.memory.check(self)
 
     def emit(self, emitted, timing) -> None:
         """Stream the iteration's tokens to the TE-shell (PD adds the prefill's first tokens)."""

@@ -18,6 +18,7 @@ from ranks.handshake import handshake
 from ranks.messages import TAG_STOP
 from ranks.pd_messages import TAG_PD_DONE, TAG_PD_TASK
 from xds_mpi.control import WaitTimeout
+from xds_mpi.engine.pd_failover import Routed, pick_decode
 
 JE = 0
 
@@ -66,8 +67,12 @@ class DecodeShell:
     def _route(self) -> int:
         num = 0
         while (msg := self.comm.improbe(source=JE, tag=TAG_PD_TASK)) is not None:
-            task = msg.recv()
-            group = self.balancer.pick(task.req)
+            routed: Routed = msg.recv()
+            task = routed.task
+            # routed before (its pair went down, or its prefill TE was lost and it was
+            # prefilled again, §6.1-6.2): the old die's load goes back first
+            self.balancer.on_complete(task.req.req_id)
+            group = pick_decode(self.balancer, task.req, routed.hard, routed.soft)
             self.balancer.on_dispatch(group, task.req)
             self.sends.append(self.comm.isend(task, dest=group, tag=TAG_PD_TASK))
             num += 1

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.eplb_shell import make_eplb_shell
+from ranks.memory_check import MemoryLosses
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from ranks.trace_io import gather_traces
 from xds_mpi import trace
@@ -54,6 +55,7 @@ class Frontend:
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
         self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/trace_io.py)
+        self.memory = MemoryLosses(self)  # requests ended by KV memory faults (§6.2 stage 3)
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -62,6 +64,7 @@ class Frontend:
         progress = Progress(self.log)
         while self.num_open:
             did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
+            did_work += self.memory.poll()
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import time
 
 from ranks.frontend import Frontend
+from ranks.je_prefill_loss import PrefillWatch
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
 from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
+from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.engine.pd_results import PdBook
 from xds_mpi.engine.pd_route import PrefillRouter
+from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 
 
 class LoadBalancer(DecodeBalancer):
@@ -35,7 +38,8 @@ class JobExecutor(Frontend):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         pd, sched = ctx.plan.pd, ctx.cfg.scheduler
-        self.pd_plan, self.pd_book = pd, PdBook()
+        self.pd_plan, self.pd_book, self.failover = pd, PdBook(), PdFailover()
+        self.watch = PrefillWatch(self)  # heartbeats to the prefill TEs' leaders (§6.1)
         self.router = PrefillRouter(len(pd.tes), ctx.cfg.pd.long_prompt_tokens)
         unbounded = 1 << 40
         self.balancer = LoadBalancer(
@@ -56,7 +60,8 @@ class JobExecutor(Frontend):
             leader = self.pd_plan.leaders[self.router.dispatch(req.req_id, len(req.prompt))]
             self.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
             num += 1
-        return num + self._take_prefilled() + self._take_transfers()
+        num += self._take_prefilled() + self._take_transfers() + self._take_failover()
+        return num + self.watch.poll()
 
     def _take_prefilled(self) -> int:
         num = 0
@@ -64,11 +69,47 @@ class JobExecutor(Frontend):
             task = msg.recv()
             self.router.prefilled(task.req.req_id)
             self.pd_book.tasks[task.req.req_id] = task
-            to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
-            if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
-                to = self.balancer.pick(task.req)
-                self.balancer.on_dispatch(to, task.req)
-            self.sends.append(self.comm.isend(task, dest=to, tag=TAG_PD_TASK))
+            self._route(task, is_reroute=False)
+            num += 1
+        return num
+
+    def _route(self, task, *, is_reroute: bool) -> None:
+        """Step 4, around the pairs and dies the link probers found at fault (§6.1)."""
+        hard, soft = self.failover.avoid(task.prefill_rank, task.req.req_id)
+        to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
+        message = Routed(task=task, hard=hard, soft=soft, is_reroute=is_reroute)
+        if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
+            self.balancer.on_complete(task.req.req_id)  # a no-op unless routed before
+            to = pick_decode(self.balancer, task.req, hard, soft)
+            self.balancer.on_dispatch(to, task.req)
+            message = task
+        self.sends.append(self.comm.isend(message, dest=to, tag=TAG_PD_TASK))
+
+    def _take_failover(self) -> int:
+        """Faults the dies injected (for the records) and the link probers' reports: requests
+        withdrawn from a pair found down are cancelled at its decode die and routed again."""
+        num = 0
+        while (msg := self.comm.improbe(tag=TAG_PD_FAULT_BEGAN)) is not None:
+            began = msg.recv()
+            self.failover.began[began.row] = began
+            num += 1
+        while (msg := self.comm.improbe(tag=TAG_PD_VERDICT)) is not None:
+            report = msg.recv()
+            self.log.warning(
+                "link probe: %s on pair %d -> %d (echo %.2f s), requests %s",
+                report.kind,
+                report.prefill,
+                report.decode,
+                report.rtt_s,
+                list(report.req_ids),
+            )
+            moved = self.failover.on_report(report)
+            if moved:
+                self.sends.append(
+                    self.comm.isend(list(moved), dest=report.decode, tag=TAG_PD_CANCEL)
+                )
+            for req_id in moved:
+                self._route(self.pd_book.tasks[req_id], is_reroute=True)
             num += 1
         return num
 
@@ -114,3 +155,19 @@ class JobExecutor(Frontend):
         self.pd_book.reports = recv_from_each(
             self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
         )
+        self.watch.close()
+        self._take_failover()
+        self._record_failures()
+
+    def _record_failures(self) -> None:
+        """One FailureRecord per injected KV-path fault and per unexplained verdict."""
+        times = [t for r in self.records.values() for t in r.token_times]
+        roles = {info.rank: info.role for info in self.ctx.topo.ranks}
+        rows, now = self.ctx.cfg.faults.events, time.time()
+        self.pd_book.failures = self.failover.records(rows, roles, times, self.started, now)
+        for i, spec in enumerate(rows):
+            if roles[spec.die] == "prefill" and spec.kind in ("dead", "stuck"):
+                began, loss = self.failover.began.get(i), self.watch.loss_of(spec.die)
+                self.pd_book.failures.append(
+                    loss_record(spec, began, loss, times, self.started, now)
+                )

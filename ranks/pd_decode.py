@@ -37,6 +37,10 @@ class PdColocatedDie(PdDecode, ColocatedDie):
         super().__init__(ctx)
         self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
 
+    def before_agree(self) -> None:
+        self.memory.check(self)  # §6.2 stage 3 (ranks/memory_check.py), before KV moves
+        super().before_agree()
+
 
 class PdAttentionDie(PdDecode, AttentionDie):
     def __init__(self, ctx: RankContext) -> None:

@@ -37,6 +37,7 @@ from ranks.pd_messages import (
     KvPull,
     KvTransferDone,
 )
+from ranks.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
 from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
@@ -57,6 +58,7 @@ class Incoming:
     buf: np.ndarray | None = None
     slots: tuple[int, ...] = ()
     posted_at: float = 0.0
+    post_at: float = 0.0  # time.monotonic() the irecv is due (a saturated die posts it late)
     completed_at: float = 0.0
     started: float = 0.0  # time.monotonic() of the attempt's post (its deadline)
     attempt: int = 0
@@ -83,6 +85,7 @@ class KvReceiver:
         )
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.decode_shell = ctx.plan.pd.decode_shell
+        self.failover = ReceiveFailover(ctx, self, clock=lambda: executor.pricer.clock.now_ns / 1e9)
         self.deferred: deque[Incoming] = deque()
         self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
@@ -100,8 +103,10 @@ class KvReceiver:
         """Take tasks, post what fits (the rest deferred), poll the completion queue."""
         while (msg := self.comm.improbe(source=self.decode_shell, tag=TAG_PD_TASK)) is not None:
             self.deferred.append(Incoming(task=msg.recv(), received_at=time.time()))
+        self.failover.step(self.executor.num_iterations)  # dummies, re-routed requests
         self._take_aborts()
         self._post()
+        self.failover.post_due()
         self._complete()
         self.sends = [r for r in self.sends if not r.Test()]
 
@@ -129,21 +134,30 @@ class KvReceiver:
                 self.num_deferrals += 1
 
     def _start(self, incoming: Incoming) -> None:
-        """Post the irecv, then ask the prefill die to send (it isends only after this)."""
+        """Post the irecv, then ask the prefill die to send (it isends only after this); a
+        saturated die asks at once and posts delay_s later (ranks/pd_receive_failover.py)."""
+        task, delay_s = incoming.task, self.failover.post_delay_s()
+        incoming.handle = None
+        if delay_s:
+            incoming.post_at = time.monotonic() + delay_s
+        else:
+            self.post_irecv(incoming)
+        self.posted[task.req.req_id] = incoming
+        pull = KvPull(req_id=task.req.req_id, decode_rank=self.rank, attempt=incoming.attempt)
+        self.sends.append(self.comm.isend(pull, dest=task.prefill_rank, tag=TAG_PD_PULL))
+
+    def post_irecv(self, incoming: Incoming) -> None:
         task = incoming.task
         nbytes = kv_nbytes(task, self.executor.cache, self.cfg.model.hidden)
         incoming.buf = np.empty(nbytes, np.uint8)
         event = kv_event_id(task.req.req_id, incoming.attempt)
         incoming.handle = self.p2p.irecv(incoming.buf, task.prefill_rank, event)
         incoming.posted_at, incoming.started = time.time(), time.monotonic()
-        self.posted[task.req.req_id] = incoming
-        pull = KvPull(req_id=task.req.req_id, decode_rank=self.rank, attempt=incoming.attempt)
-        self.sends.append(self.comm.isend(pull, dest=task.prefill_rank, tag=TAG_PD_PULL))
 
     def _complete(self) -> None:
         """Step 8: a completed receive joins the batch with its KV, first token and MTP state."""
         for incoming in list(self.posted.values()):
-            if incoming.is_resyncing:
+            if incoming.is_resyncing or incoming.handle is None:
                 continue
             done = poll_transfer(incoming.handle)
             if isinstance(done, Exception):
@@ -266,4 +280,5 @@ class KvReceiver:
         return tokens
 
     def drain(self) -> None:
+        self.failover.close()
         MPI.Request.Waitall(self.sends)

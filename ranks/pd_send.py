@@ -26,6 +26,7 @@ from ranks.pd_faults import (
     poll_transfer,
 )
 from ranks.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
+from ranks.pd_send_failover import SendFailover
 from xccl.p2p_pair import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
@@ -52,6 +53,7 @@ class KvSender:
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
         self.faults = install(self.p2p, cfg, self.rank)
+        self.failover = SendFailover(ctx, clock=lambda: pricer.clock.now_ns / 1e9)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
         self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
         self.outgoing: dict[int, Outgoing] = {}  # req -> its send in flight
@@ -63,6 +65,10 @@ class KvSender:
     @property
     def num_outstanding(self) -> int:
         return len(self.held)
+
+    def tick(self, iteration: int) -> None:
+        """The die reached `iteration`: injected channel faults may begin (ranks/pd_channel.py)."""
+        self.failover.tick(iteration)
 
     def register(self, prefilled, mtp_state, *, assigned, started, now) -> PdTask:
         """Step 3: the task (metadata and the addresses of the KV blocks only)."""
@@ -100,8 +106,11 @@ class KvSender:
         self.sends = [r for r in self.sends if not r.Test()]
 
     def _start_next(self) -> None:
+        self.failover.release(self.pulls)
         while self.pulls and self.resyncing < 0 and len(self.outgoing) < self.faults.max_in_flight:
             pull = self.pulls.popleft()
+            if self.failover.holds(pull):
+                continue  # the link drops it (ranks/pd_send_failover.py)
             task, mtp_state = self.held[pull.req_id]
             data = pack_kv(task, self.cache, mtp_state)
             event = kv_event_id(pull.req_id, pull.attempt)
@@ -124,6 +133,7 @@ class KvSender:
                     out.started, self.timeout_s, self.rank, out.pull.decode_rank, out.pull.req_id
                 )
         self._start_next()
+        self.failover.watch(self.outgoing)
 
     def _sent(self, out: Outgoing) -> None:
         del self.outgoing[out.pull.req_id]
@@ -161,6 +171,7 @@ class KvSender:
 
     def report(self, num_iterations: int) -> MPI.Request:
         MPI.Request.Waitall(self.sends)
+        self.failover.close()
         report = PrefillReport(
             die_rank=self.rank,
             num_iterations=num_iterations,

@@ -24,9 +24,11 @@ from mpi4py import MPI
 from ranks.context import RankContext
 from ranks.die_io import SHELL
 from ranks.handshake import handshake
+from ranks.heartbeat import HeartbeatResponder
 from ranks.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
 from ranks.pd_messages import TAG_PD_PREFILLED
 from ranks.pd_send import KvSender
+from ranks.prefill_loss import PrefillLoss
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +74,9 @@ class PrefillDie:
         self.started: dict[int, tuple[float, float]] = {}  # req -> first prefill step
         self.is_stopped = False
         self.sends: list[MPI.Request] = []
+        # §6.1: the JE (control plane) pings each TE's leader, which plays its TE-shell
+        self.heartbeat = HeartbeatResponder(ctx.comm, SHELL) if self.is_leader else None
+        self.loss = PrefillLoss(ctx.cfg, rank)  # an injected dead / stuck die (emulated)
 
     def _build(self, ctx: RankContext) -> None:
         from ranks.die_parts import decode_state, make_pricer
@@ -115,7 +120,14 @@ class PrefillDie:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> bool:
         """Take messages, move KV, agree, assign while requests are pending, prefill."""
+        if self.loss.is_due(self.executor.num_iterations):
+            self.loss.play(self.comm, self.executor.num_iterations, self.pricer.clock.now_ns / 1e9)
+            self.is_stopped = True
+            return False
+        if self.heartbeat is not None:
+            self.heartbeat.answer()  # from the event loop only: a stuck loop answers nothing
         self._take_messages()
+        self.sender.tick(self.executor.num_iterations)
         self.sender.progress()  # step 8: completed sends free their blocks
         pending, active, outstanding, running = self._agree()
         if pending:
@@ -221,6 +233,8 @@ class PrefillDie:
 
     def close(self) -> None:
         """The report to the JE, then the collective frees."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         self.sends.append(self.sender.report(self.executor.num_iterations))
         MPI.Request.Waitall(self.sends)
         self.mem.free()

@@ -104,6 +104,10 @@ class Serving:
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
+        roles = {info.rank: info.role for info in ctx.topo.ranks}
+        self.failures = frontend.memory.records(roles, self.started, time.time())  # §6.2
+        for record in self.failures:
+            ctx.log.warning(record.describe())
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
@@ -183,6 +187,9 @@ class Serving:
             f"check: {num_requests} requests, {num_tokens} tokens, "
             f"{len(self.mismatches)} mismatches"
         )
+        lost = sorted(r for r, record in self.records.items() if record.lost)
+        if lost:  # not checked: their KV went with a memory fault (ranks/memory_check.py)
+            self.check_line += f"; {len(lost)} lost, not checked: {lost}"
 
     def write(self, f) -> None:
         from xds_mpi.engine.results import write_serving
@@ -193,5 +200,10 @@ class Serving:
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
         if self.eplb:
             self.eplb.write(f)
+        failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])
+        if failures:
+            from xds_mpi.failures import write_failures
+
+            write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)

@@ -125,6 +125,10 @@ class P2P(RingReceiver):
     def recv(self, out: np.ndarray, src: int, event_id: int) -> Transfer:
         return self.irecv(out, src, event_id).wait()
 
+    def cancel(self, handle: Handle) -> None:
+        """Withdraw a receive whose sender never started the message (xccl/p2p_ops.py)."""
+        self._ops.cancel(handle._op, self.me)
+
     def set_clock(self, clock: VirtualClock) -> None:
         """Switch to another virtual clock (e.g. a fresh one for a measurement)."""
         self.times.set_clock(clock)

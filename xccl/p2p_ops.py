@@ -115,6 +115,15 @@ class OpQueues:
                     op.error = exc
                 queue.popleft()
 
+    def cancel(self, op: Op, me: int) -> None:
+        """Withdraw one receive whose sender never published any of its message (a KV transfer
+        re-routed over another pair): the operations behind it on the pair move up."""
+        queue = self._queues.get((op.kind, op.peer))
+        if op.done or queue is None or op not in queue:
+            return
+        queue.remove(op)
+        op.error = XcclError(op.describe(me, "cancelled"))
+
     def abandon(self, me: int) -> None:
         """Fail every queued transfer (its handle raises) and forget the fault."""
         for queue in self._queues.values():

@@ -60,7 +60,10 @@ class HealthConfig:
     control_interval_s: the control plane's heartbeat to each TE-shell; dp_interval_s: the
     TE-shell's heartbeat to each DP group's master (decoupled, as in §6.1). A die answers only
     from its event loop, between iterations; one silent for timeout_s is suspected.
-    probe_interval_s / probe_timeout_s: link probing of the KV-transfer path with dummy payloads.
+    probe_interval_s / probe_timeout_s: link probing of the KV-transfer path with dummy payloads
+    (ranks/link_probe.py): a pair whose KV send has made no progress for probe_interval_s gets a
+    dummy; no echo within probe_timeout_s is a link fault, an echo later than probe_slow_s a
+    saturated decode die (probe_slow_s must exceed a decode iteration, the echo waits for one).
     on_expert_lost: when a lost die held the last replica of an expert, "restart" the decode side
     from the config on the remaining dies (stage 1) or "stop" with an error naming expert and die.
     """
@@ -71,6 +74,7 @@ class HealthConfig:
     timeout_s: float = 10.0
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 5.0
+    probe_slow_s: float = 1.0
     on_expert_lost: Literal["restart", "stop"] = "stop"
 
     def __post_init__(self) -> None:
@@ -81,6 +85,12 @@ class HealthConfig:
             timeout_s=self.timeout_s,
             probe_interval_s=self.probe_interval_s,
             probe_timeout_s=self.probe_timeout_s,
+            probe_slow_s=self.probe_slow_s,
+        )
+        require(
+            self.probe_slow_s < self.probe_timeout_s,
+            f"health.probe_slow_s({self.probe_slow_s}) must be below health.probe_timeout_s"
+            f"({self.probe_timeout_s}): a delayed echo would be taken for a lost one",
         )
         slowest = max(self.control_interval_s, self.dp_interval_s)
         require(

@@ -12,7 +12,14 @@ from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
 # so an accepted row is one that runs. Deployment kind: "colocated", "afd", or "pd" (pd.enabled).
-EMULATED: set[tuple[str, str, str]] = set()
+EMULATED: set[tuple[str, str, str]] = {
+    ("link", "prefill", "pd"),  # ranks/pd_channel.py, detected by ranks/link_probe.py
+    ("saturated", "colocated", "pd"),
+    ("dead", "prefill", "pd"),  # ranks/prefill_loss.py, detected by ranks/je_prefill_loss.py
+    ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
+    ("memory", "colocated", "colocated"),  # KV block ranges only (ranks/memory_check.py)
+    ("memory", "colocated", "pd"),
+}
 
 
 def check_failures(cfg: Config, topo: Topology) -> None:
@@ -47,6 +54,10 @@ def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> No
         )
     if spec.kind == "memory":
         _check_memory(cfg, topo, where, spec, role)
+    if spec.kind in ("link", "saturated"):
+        _check_channel(cfg, topo, where, spec)
+    if role == "prefill" and spec.kind in ("dead", "stuck") and cfg.pd.enabled:
+        _check_prefill_loss(cfg, where, spec)
 
 
 def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -59,6 +70,54 @@ def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) 
         )
 
 
+def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    """A KV-path fault the link prober can name (ranks/link_probe.py), and recover from."""
+    health = cfg.health
+    if spec.kind == "saturated" and not (
+        health.probe_slow_s < spec.delay_s < health.probe_timeout_s
+    ):
+        raise ConfigError(
+            f"{where}: a saturated die's delay_s({spec.delay_s}) must lie between "
+            f"health.probe_slow_s({health.probe_slow_s}) and health.probe_timeout_s"
+            f"({health.probe_timeout_s}): shorter is no fault the probe sees, longer looks "
+            "like a link fault"
+        )
+    if spec.kind == "link" and spec.duration_s == 0 and not health.enabled:
+        raise ConfigError(
+            f"{where}: a link fault for good (duration_s 0) with health.enabled false: no "
+            "probe would find it and its transfers would wait forever"
+        )
+    decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+    if spec.kind == "link" and spec.duration_s == 0 and len(decode) < 2:
+        raise ConfigError(
+            f"{where}: a link fault for good from prefill die {spec.die} to the only decode "
+            f"die {spec.peer} leaves its KV no other pair"
+        )
+
+
+def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A lost prefill die takes its TE out (ranks/je_prefill_loss.py): the TE must be that die
+    alone (others would hang in the TE's collectives), another TE must be left, and someone
+    must be listening."""
+    dies, tes = cfg.deployment.num_prefill_dies, cfg.pd.num_prefill_tes
+    if spec.kind == "stuck" and spec.duration_s:
+        raise ConfigError(
+            f"{where}: a prefill die stuck for duration_s({spec.duration_s}) is not emulated; "
+            "only stuck for good (duration_s 0)"
+        )
+    if dies != tes:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} is emulated only with one die per prefill "
+            f"TE (deployment.num_prefill_dies({dies}) = pd.num_prefill_tes({tes})): the other "
+            "dies of its TE would hang in the TE's collectives"
+        )
+    if tes < 2 or not cfg.health.enabled:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
+            f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
+        )
+
+
 def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, role: str) -> None:
     if spec.slot >= 0:
         slots = topo.ranks[spec.die].expert_slots
@@ -66,7 +125,7 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        return
+        raise ConfigError(_slot_refusal(topo, where, spec))
     if role == "expert":
         raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
     blocks = cfg.scheduler.num_kv_blocks_per_die
@@ -75,6 +134,40 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             f"{where}: KV blocks {spec.first_block}..{spec.first_block + spec.num_blocks - 1} "
             f"are past the die's scheduler.num_kv_blocks_per_die({blocks})"
         )
+    masked = sum(
+        e.num_blocks for e in cfg.faults.events if e.kind == "memory" and e.die == spec.die
+    )
+    w = cfg.workload
+    tokens = max(w.prompt_len, w.max_prompt_len) + max(w.output_len, w.max_output_len)
+    tokens = min(tokens + cfg.scheduler.mtp_depth, cfg.model.max_seq_len)
+    longest = -(-tokens // cfg.scheduler.kv_block_tokens)
+    if blocks - masked < longest:
+        raise ConfigError(
+            f"{where}: die {spec.die} keeps {blocks} - {masked} masked = {blocks - masked} KV "
+            f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
+            "may need: it would wait forever"
+        )
+
+
+def _slot_refusal(topo: Topology, where: str, spec: FailureSpec) -> str:
+    """Why an expert-slot memory fault cannot run: no replica left, or masking not emulated."""
+    slot = topo.ranks[spec.die].expert_slots[spec.slot]
+    copies = [
+        (info.rank, i)
+        for info in topo.ranks
+        for i, s in enumerate(info.expert_slots)
+        if s.kind != "shared" and slot.kind != "shared" and s.expert_idx == slot.expert_idx
+    ]
+    if slot.kind != "shared" and len(copies) < 2:
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
+            f"{slot.expert_idx}: masking it would leave the expert nowhere"
+        )
+    return (
+        f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} ({slot.kind} "
+        f"expert {slot.expert_idx}, copies at (die, slot) {copies}) is not emulated; only KV "
+        "block ranges are (README.md, Failures)"
+    )
 
 
 def _check_overlaps(events: list[FailureSpec]) -> None:

@@ -15,6 +15,13 @@ TAG_PD_READY, TAG_PD_DONE = 217, 218
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
 # Heartbeats, both tiers (ranks/heartbeat.py); 253-259 decode failover, 261-269 PD failover.
 TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
+# PD link probing and re-routing (ranks/link_probe.py, ranks/pd_channel.py, ranks/je.py).
+TAG_PD_PROBE, TAG_PD_ECHO, TAG_PD_VERDICT = 261, 262, 263
+TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
+# A prefill TE lost (ranks/je_prefill_loss.py): JE -> decode dies, their withdrawn requests back.
+TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
+# A die's KV memory fault and the requests it ended (ranks/memory_check.py).
+TAG_MEMORY_FAULT = 268
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

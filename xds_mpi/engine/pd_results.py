@@ -19,6 +19,7 @@ class PdBook:
     tasks: dict = field(default_factory=dict)
     transfers: dict = field(default_factory=dict)
     reports: dict = field(default_factory=dict)
+    failures: list = field(default_factory=list)  # FailureRecord (xds_mpi/engine/pd_failover.py)
 
     def split_wall(self, record, arrival_wall: float) -> dict[str, float]:
         """Wall seconds of each TTFT part of a transferred request: queueing (arrival -> its
@@ -65,6 +66,9 @@ class PdBook:
             "pd_retried_transfers": sum(d.num_retries > 0 for d in self.transfers.values()),
             "pd_send_faults": sum(rep.num_faults for rep in reports),
             "pd_recv_faults": sum(d.num_recv_faults for d in self.transfers.values()),
+            "pd_failures": len(self.failures),
+            "pd_false_verdicts": sum(r.kind == "none" for r in self.failures),
+            "pd_failure_lines": "\n".join(r.describe() for r in self.failures),
         }
         for part in PARTS:
             out[f"pd_ttft_{part}_ms"] = 1e3 * float(np.mean([w[part] for w in wall] or [0]))
@@ -110,4 +114,4 @@ def format_pd(s: dict) -> str:
         f"{s['pd_retries']} retries of {s['pd_retried_transfers']} transfers "
         f"({s['pd_send_faults']} send, {s['pd_recv_faults']} receive faults); "
         f"TTFT wall/projected ms: {parts}"
-    )
+    ) + "".join(f"\n{line}" for line in s["pd_failure_lines"].splitlines())

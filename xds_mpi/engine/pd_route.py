@@ -7,6 +7,8 @@ The rule, by length first and load second:
   engine/pd_prefill.py). With one TE, or the threshold 0, every TE serves every prompt. The
   split is static: a stream of only long (or only short) prompts leaves the other TEs idle,
   which is the price of never putting a short request behind a long one.
+- Lost TEs (a prefill die found silent, ranks/je_prefill_loss.py) take nothing more; when no
+  live TE serves a prompt's length, any live TE takes it (losing a TE must lose no request).
 - Load: among the TEs serving its length, the one with the fewest prompt tokens the JE sent it
   whose prefill has not finished (pending in its pool or being computed); ties go to the lowest
   TE index.
@@ -29,9 +31,15 @@ def tes_for(prompt_tokens: int, num_tes: int, long_prompt_tokens: int) -> range:
     return range(first_long, num_tes) if prompt_tokens >= long_prompt_tokens else range(first_long)
 
 
-def pick_prefill_te(prompt_tokens: int, loads: Sequence[int], long_prompt_tokens: int) -> int:
+def pick_prefill_te(
+    prompt_tokens: int, loads: Sequence[int], long_prompt_tokens: int, lost: frozenset = frozenset()
+) -> int:
     """The TE for a prompt of `prompt_tokens`, given each TE's tokens in flight."""
-    return min(tes_for(prompt_tokens, len(loads), long_prompt_tokens), key=lambda t: (loads[t], t))
+    live = [t for t in tes_for(prompt_tokens, len(loads), long_prompt_tokens) if t not in lost]
+    live = live or [t for t in range(len(loads)) if t not in lost]
+    if not live:
+        raise RuntimeError(f"every prefill TE ({len(loads)}) is lost: no prefill left")
+    return min(live, key=lambda t: (loads[t], t))
 
 
 class PrefillRouter:
@@ -42,9 +50,10 @@ class PrefillRouter:
         self.loads = [0] * num_tes
         self.long_prompt_tokens = long_prompt_tokens
         self._where: dict[int, tuple[int, int]] = {}  # req_id -> (TE, prompt tokens)
+        self.lost: frozenset[int] = frozenset()
 
     def dispatch(self, req_id: int, prompt_tokens: int) -> int:
-        te = pick_prefill_te(prompt_tokens, self.loads, self.long_prompt_tokens)
+        te = pick_prefill_te(prompt_tokens, self.loads, self.long_prompt_tokens, self.lost)
         self.loads[te] += prompt_tokens
         self._where[req_id] = (te, prompt_tokens)
         return te
@@ -56,3 +65,11 @@ class PrefillRouter:
 
     def in_flight(self) -> tuple[int, ...]:
         return tuple(self._where)
+
+    def lose(self, te: int) -> tuple[int, ...]:
+        """TE `te` is gone: it takes nothing more; the requests it had not prefilled."""
+        self.lost |= {te}
+        ids = tuple(r for r, (t, _) in self._where.items() if t == te)
+        for req_id in ids:
+            self.prefilled(req_id)
+        return ids

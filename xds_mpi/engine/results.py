@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the reference imports torch; the check loads it lazily
 class RequestRecord:
     req: Request
     rejected: str = ""  # the reason, for a rejected request
+    lost: str = ""  # the reason, for a request a failure ended (its KV lost to a memory fault)
     die_rank: int = -1
     dispatched_at: float = 0.0  # wall clock (time.time())
     tokens: list[int] = field(default_factory=list)
@@ -93,7 +94,7 @@ def check_against_reference(
     model = build_model(cfg.model)
     by_length: dict[int, list[RequestRecord]] = defaultdict(list)
     for record in records.values():
-        if not record.rejected:
+        if not record.rejected and not record.lost:  # the lost are counted apart, by name
             by_length[record.req.max_new_tokens].append(record)
     mismatches, num_requests, num_tokens = [], 0, 0
     wire = Wire.for_config(cfg)
@@ -172,9 +173,10 @@ def write_serving(
     group = f.create_group("requests")
     group["req_id"] = np.array([r.req.req_id for r in ordered], np.int64)
     group["status"] = np.array(
-        ["rejected" if r.rejected else "done" for r in ordered], dtype=h5py.string_dtype()
+        ["rejected" if r.rejected else "lost" if r.lost else "done" for r in ordered],
+        dtype=h5py.string_dtype(),
     )
-    group["reason"] = np.array([r.rejected for r in ordered], dtype=h5py.string_dtype())
+    group["reason"] = np.array([r.rejected or r.lost for r in ordered], dtype=h5py.string_dtype())
     group["die_rank"] = np.array([r.die_rank for r in ordered], np.int64)
     group["prompt_len"] = np.array([len(r.req.prompt) for r in ordered], np.int64)
     group["num_tokens"] = np.array([len(r.tokens) for r in ordered], np.int64)

@@ -30,6 +30,7 @@ class BlockTable:
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._seq2blocks: dict[Hashable, list[int]] = {}
         self._seq2len: dict[Hashable, int] = {}
+        self._masked: set[int] = set()  # faulty blocks, never handed out again
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,7 +101,7 @@ class BlockTable:
             )
         blocks = self._seq2blocks[seq_id]
         num_keep = -(-num_tokens // self.block_tokens)
-        self._free_blocks.extend(reversed(blocks[num_keep:]))
+        self._free_blocks.extend(b for b in reversed(blocks[num_keep:]) if b not in self._masked)
         del blocks[num_keep:]
         self._seq2len[seq_id] = num_tokens
 
@@ -117,6 +118,15 @@ class BlockTable:
         self._free_blocks = list(free)
         self._seq2blocks = {seq_id: list(blocks) for seq_id, blocks in seq2blocks.items()}
         self._seq2len = dict(seq2len)
+
+    def mask(self, blocks) -> list[Hashable]:
+        """Take faulty blocks out of use for good (xDeepServe §6.2 stage 3: the runtime masks
+        the region): the pool shrinks by them; returns the sequences holding any of them."""
+        faulty = set(blocks) - self._masked
+        self._masked |= faulty
+        self._free_blocks = [b for b in self._free_blocks if b not in faulty]
+        self.num_blocks -= len(faulty)
+        return [s for s, owned in self._seq2blocks.items() if faulty.intersection(owned)]
 
     def free(self, seq_id: Hashable) -> None:
         self.truncate(seq_id, 0)
