@@ -47,6 +47,16 @@ def _load(args: argparse.Namespace):
     return path, DeploymentPlan.build(load_config(path, args.set), args.np)
 
 
+def describe_memory_path(path: str) -> str:
+    """validate's line on how dies reach each other's windows (xccl/gmem_paths.py)."""
+    if path == "rma":
+        return "memory path: rma (forced): every die reaches every peer with Put/Get/atomics"
+    return (
+        "memory path: auto: load/store into the windows of dies on the same node "
+        "(where MPI's Shared_query exposes them), Put/Get/atomics across nodes"
+    )
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     path, plan = _load(args)
     cfg, topo, windows = plan.cfg, plan.topo, plan.window_bytes
@@ -55,6 +65,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
         f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
+    print(describe_memory_path(cfg.xccl.memory_path))
     if plan.pd is not None:
         print(describe_pd(plan))
     if not args.brief:

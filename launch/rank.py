@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from launch.log import setup_logging
 from ranks import RankContext, role_program
+from xccl.gmem_paths import set_memory_path
 from xds_mpi import trace
 from xds_mpi.config import load_config
 from xds_mpi.plan import DeploymentPlan
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = DeploymentPlan.build(cfg, comm.size)
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
+    set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)

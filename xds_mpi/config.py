@@ -204,6 +204,9 @@ class XcclConfig:
     num_cores: int = 2  # AIV cores a transfer is split over
     poll_timeout_s: float = 60.0  # every wait raises after this long
     max_window_bytes: int = 1 << 30  # per-die cap on the RMA window
+    # How a die reaches a same-node peer's window: "auto" = load/store where MPI exposes the
+    # peer's memory, RMA elsewhere; "rma" = RMA always (xccl/gmem_paths.py).
+    memory_path: Literal["auto", "rma"] = "auto"
 
     def __post_init__(self) -> None:
         positive(
