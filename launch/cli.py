@@ -10,7 +10,17 @@ import argparse
 import os
 import sys
 
-from launch import bench_afd, bench_cli, generate, hosts, project, run_report, submit, train
+from launch import (
+    bench_afd,
+    bench_cli,
+    bench_serve,
+    generate,
+    hosts,
+    project,
+    run_report,
+    submit,
+    train,
+)
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
@@ -163,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     bench_cli.add_parsers(kinds)
     bench_afd.add_parser(kinds)
+    bench_serve.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

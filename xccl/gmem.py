@@ -42,6 +42,7 @@ from xccl.gmem_paths import (
     peer_views,
     same_node_table,
 )
+from xccl.mpi_time import timed, waiting
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -83,6 +84,7 @@ class DieMemory:
         self.sizes = tuple(comm.allgather(nbytes))
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
+        self._win = timed(self.win)  # every data, flag and sync call goes through it
         self.local = (
             np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
         )
@@ -148,7 +150,7 @@ class DieMemory:
         if view is not None:
             view[offset : offset + raw.nbytes] = raw
         elif raw.nbytes:
-            self.win.Put(raw, peer, offset)
+            self._win.Put(raw, peer, offset)
 
     def get(self, peer: int, offset: int, out: np.ndarray) -> None:
         """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
@@ -159,20 +161,20 @@ class DieMemory:
         if view is not None:
             raw[:] = view[offset : offset + raw.nbytes]
         elif raw.nbytes:
-            self.win.Get(raw, peer, offset)
+            self._win.Get(raw, peer, offset)
 
     def flush(self, peer: int) -> None:
         """Complete this die's writes to `peer`: on the load/store path the memory barrier
         that orders them before the next store (the doorbell), on RMA `Win.Flush`."""
         if self.views[peer] is not None:
-            self.win.Sync()
+            self._win.Sync()
         else:
-            self.win.Flush(peer)
+            self._win.Flush(peer)
 
     def flush_all(self) -> None:
         if self._has_rma_peer:
-            self.win.Flush_all()
-        self.win.Sync()
+            self._win.Flush_all()
+        self._win.Sync()
 
     # -- words (flags, doorbells) ---------------------------------------------------------------
     def store_word(self, peer: int, offset: int, value: int) -> None:
@@ -184,7 +186,7 @@ class DieMemory:
             words[offset // WORD.itemsize] = value  # one aligned 8-byte store: atomic
             return
         self._word_buf[0] = value
-        self.win.Accumulate(
+        self._win.Accumulate(
             [self._word_buf, 1, MPI.UINT64_T],
             peer,
             target=(offset, 1, MPI.UINT64_T),
@@ -198,19 +200,19 @@ class DieMemory:
         self._count(peer, WORD.itemsize)
         words = self._view_words[peer]
         if words is not None:
-            self.win.Sync()
+            self._win.Sync()
             return int(words[offset // WORD.itemsize])
         return self._rma_fetch(peer, offset)
 
     def _rma_fetch(self, peer: int, offset: int) -> int:
-        self.win.Fetch_and_op(
+        self._win.Fetch_and_op(
             [self._word_buf, MPI.UINT64_T],
             [self._fetch_buf, MPI.UINT64_T],
             peer,
             offset,
             op=MPI.NO_OP,
         )
-        self.win.Flush(peer)
+        self._win.Flush(peer)
         return int(self._fetch_buf[0])
 
     def load_word(self, offset: int, writer: int) -> int:
@@ -221,7 +223,7 @@ class DieMemory:
             self.check(self.rank, offset, WORD.itemsize, "load_word")
             return self._rma_fetch(self.rank, offset)
         self.check(self.rank, offset, WORD.itemsize, "load_word")
-        self.win.Sync()
+        self._win.Sync()
         return int(self.words[offset // WORD.itemsize])
 
     def describe_paths(self) -> str:
@@ -230,7 +232,7 @@ class DieMemory:
 
     def sync(self) -> None:
         """Memory barrier between RMA writes by peers and local loads of this window."""
-        self.win.Sync()
+        self._win.Sync()
 
     def _count(self, peer: int, nbytes: int) -> None:
         if not self.is_same_node[peer]:
@@ -272,9 +274,10 @@ def poll_until(
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
     """
-    while not ready():
-        if interrupt is not None:
-            interrupt()
-        if time.monotonic() > deadline:
-            raise XcclTimeout(describe())
-        os.sched_yield()
+    with waiting():
+        while not ready():
+            if interrupt is not None:
+                interrupt()
+            if time.monotonic() > deadline:
+                raise XcclTimeout(describe())
+            os.sched_yield()

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from xds_mpi.config_emulator import EmulatorConfig
+
 # FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
 # re-exported: callers import the whole config interface from here.
 from xds_mpi.config_eplb import EplbConfig
@@ -278,6 +280,7 @@ class Config:
     pd: PdConfig = field(default_factory=PdConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
