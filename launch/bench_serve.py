@@ -29,9 +29,8 @@ from xds_mpi.config import ConfigError
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]
 COLUMNS += ["mpi_ms", "wait_ms"]
 JITTER_COLUMNS = ["dies", "gc", "pin_cores", "samples", "wait_p50_ms", "wait_p99_ms", "tokens_s"]
-# (emulator.gc, emulator.pin_cores): without either, GC control only, pinning only, both.
-VARIANTS = (("default", "never"), ("controlled", "never"), ("default", "auto"))
-VARIANTS += (("controlled", "auto"),)
+# (emulator.gc, pinned?): without either, GC control only, pinning only, both.
+VARIANTS = (("default", False), ("controlled", False), ("default", True), ("controlled", True))
 
 
 def serve(args, dies: int, source: Path | None, extra: list[str]) -> ServeStats:
@@ -104,7 +103,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _jitter(args: argparse.Namespace) -> int:
     rows = []
     for dies in args.dies:
-        for gc_mode, pin in VARIANTS:
+        for gc_mode, pinned in VARIANTS:
+            pin = args.pin_mode if pinned else "never"
             extra = [f"emulator.gc={gc_mode}", f"emulator.pin_cores={pin}"]
             runs = [serve(args, dies, None, extra) for _ in range(args.repeat)]
             waits = np.concatenate([r.first_dispatch_wait_ms for r in runs])
@@ -156,6 +156,12 @@ def add_parser(kinds) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per point (median)")
     p.add_argument("--against", type=Path, default=None, help="another checkout to compare")
     p.add_argument("--jitter", action="store_true", help="GC control and pinning on and off")
+    p.add_argument(
+        "--pin-mode",
+        choices=["auto", "always"],
+        default="auto",
+        help="emulator.pin_cores of --jitter's pinned runs (always: even with fewer cores)",
+    )
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
     p.add_argument("--profile", default="ascend910c", help=argparse.SUPPRESS)
