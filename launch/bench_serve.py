@@ -103,23 +103,26 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _jitter(args: argparse.Namespace) -> int:
     rows = []
     for dies in args.dies:
-        for gc_mode, pinned in VARIANTS:
-            pin = args.pin_mode if pinned else "never"
-            extra = [f"emulator.gc={gc_mode}", f"emulator.pin_cores={pin}"]
-            runs = [serve(args, dies, None, extra) for _ in range(args.repeat)]
-            waits = np.concatenate([r.first_dispatch_wait_ms for r in runs])
+        runs = {variant: [] for variant in VARIANTS}
+        for _ in range(args.repeat):  # variants alternate, so each sees the same load
+            for gc_mode, pinned in VARIANTS:
+                pin = args.pin_mode if pinned else "never"
+                extra = [f"emulator.gc={gc_mode}", f"emulator.pin_cores={pin}"]
+                runs[(gc_mode, pinned)].append(serve(args, dies, None, extra))
+            print(f"  served {dies} dies under {len(VARIANTS)} settings", flush=True)
+        for (gc_mode, pinned), done in runs.items():
+            waits = np.concatenate([r.first_dispatch_wait_ms for r in done])
             rows.append(
                 {
                     "dies": dies,
                     "gc": gc_mode,
-                    "pin_cores": pin,
+                    "pin_cores": args.pin_mode if pinned else "never",
                     "samples": len(waits),
                     "wait_p50_ms": float(np.percentile(waits, 50)),
                     "wait_p99_ms": float(np.percentile(waits, 99)),
-                    "tokens_s": float(np.median([r.tokens_per_s for r in runs])),
+                    "tokens_s": float(np.median([r.tokens_per_s for r in done])),
                 }
             )
-            print(f"  served {dies} dies, gc {gc_mode}, pin_cores {pin}", flush=True)
     legend = (
         "wait_p50/p99_ms: each die's wait in the first dispatch of every iteration. "
         f"pin_cores auto pins only when a node has >= as many cores ({os.cpu_count()} here) "
