@@ -22,7 +22,9 @@ class EmulatorConfig:
     """
 
     pin_cores: Literal["auto", "always", "never"] = "auto"
-    gc: Literal["controlled", "default"] = "controlled"
+    # Off by default: on this 2-core machine, with more ranks than cores, controlled runs served
+    # fewer tokens/s than Python's own GC (4 dies, alternated: README, "The emulator's own §4.4").
+    gc: Literal["controlled", "default"] = "default"
     gc_every: int = 256  # §4.4: "after every few hundred forward passes"
 
     def __post_init__(self) -> None:

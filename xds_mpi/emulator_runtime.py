@@ -6,7 +6,8 @@ the garbage collector stops delays every die waiting in the next dispatch. `star
 launch/rank.py before the role program) pins the rank and turns automatic collection off;
 `between_iterations` (called by the executor before each forward pass, a point outside every
 dispatch and combine) freezes what start-up built on its first call and then collects every
-`gc_every` iterations (only what was made since: frozen objects are never walked again).
+`gc_every` iterations (only what was made since: frozen objects are never walked again), and
+the youngest generation at every other iteration boundary.
 The `emulator` config section (xds_mpi/config_emulator.py) chooses.
 """
 
@@ -67,6 +68,10 @@ def between_iterations() -> None:
     elif _state.iterations % _state.every == 0:
         gc.collect()
         _state.collections += 1
+    else:
+        # The iteration's young objects only (automatic collection is off, so they all wait
+        # here): cycles holding numpy rows are freed before the next iteration allocates more.
+        gc.collect(0)
 
 
 def collections() -> int:
