@@ -3,8 +3,12 @@
 Ranks pair up (0,1), (2,3), ...; every pair measures at once, so at 8 ranks the numbers include
 oversubscription. For each size and core count, in the same run:
   xccl   - round trip: A sends (sync: returns after the ack), B receives and sends back;
-           one way: a sync send of the whole message (until the ack), for bandwidth
+           one way: a sync send of the whole message (until the ack), for bandwidth.
+           On both memory paths (xccl/gmem_paths.py): "ls" (load/store into the peer's window,
+           what the default config uses on one node) and "rma" (Put/Get/atomics, as across nodes)
   put    - the raw-MPI baseline: Put data + Flush + one-word flag + Flush, peer polls the flag
+  ls     - the raw load/store baseline: numpy stores into the peer's window (Shared_query),
+           Win.Sync, a one-word flag store; the peer polls Win.Sync + a load of the flag
   sendrecv - two-sided MPI Send/Recv ping-pong of the same bytes
   projected - what one sync send costs a 910C die on the virtual clock (dies on two servers)
 Medians over iterations, then the median over pairs.
@@ -13,6 +17,7 @@ Medians over iterations, then the median over pairs.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -29,15 +34,22 @@ COLUMNS = [
     "bytes",
     "cores",
     "xccl_rtt_us",
+    "xccl_rma_rtt_us",
     "put_rtt_us",
-    "rtt_vs_put",
+    "ls_rtt_us",
     "sendrecv_rtt_us",
-    "rtt_vs_sendrecv",
+    "rtt_vs_best",
+    "rtt_vs_put",
+    "rma_rtt_vs_put",
     "xccl_gb_s",
+    "xccl_rma_gb_s",
     "put_gb_s",
+    "ls_gb_s",
     "bw_vs_put",
+    "rma_bw_vs_put",
     "proj_910c_send_us",
 ]
+PATHS = ("auto", "rma")  # xccl over load/store (one node), xccl over RMA
 
 
 def iterations(nbytes: int, base: int) -> int:
@@ -50,20 +62,28 @@ class Bench:
         self.is_a = comm.rank % 2 == 0
         pairs = {(r, r ^ 1) for r in range(comm.size)}
         self.layout = P2PLayout.build(comm.size, args.slots, args.slot_bytes, pairs)
-        self.mem = DieMemory(comm, self.layout.window_bytes(comm.rank))
-        self.raw = DieMemory(comm, (max(args.sizes) + 64 + 7) // 8 * 8)  # data + a flag word
-        self.flag = self.raw.nbytes - 8
         link = LinkModel.from_profile(load_profile(args.profile))
-        # Dies on different servers, as the paper measured (xDeepServe §3.1, Figure 5).
-        self.p2p = P2P(
-            self.mem, self.layout, link=link, timeout_s=120, server_of=list(range(comm.size))
-        )
+        self.mems, self.p2ps = {}, {}
+        for path in PATHS:
+            self.mems[path] = DieMemory(comm, self.layout.window_bytes(comm.rank), memory_path=path)
+            # Dies on different servers, as the paper measured (xDeepServe §3.1, Figure 5).
+            self.p2ps[path] = P2P(
+                self.mems[path],
+                self.layout,
+                link=link,
+                timeout_s=120,
+                server_of=list(range(comm.size)),
+            )
+        raw_bytes = (max(args.sizes) + 64 + 7) // 8 * 8  # data + a flag word
+        self.raw = DieMemory(comm, raw_bytes, memory_path="rma")
+        self.shared = DieMemory(comm, raw_bytes, memory_path="auto")
+        self.flag = self.raw.nbytes - 8
         self.args = args
 
     def close(self) -> None:
         comm.Barrier()
-        self.mem.free()
-        self.raw.free()
+        for mem in (*self.mems.values(), self.raw, self.shared):
+            mem.free()
 
     def timed(self, body, iters: int) -> float:
         """Median seconds of `body(i)` over `iters` runs after a warm-up, pairs in step."""
@@ -77,8 +97,8 @@ class Bench:
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
-    def xccl_rtt(self, buf: np.ndarray, event: int, cores: int) -> None:
-        p2p, peer = self.p2p, self.peer
+    def xccl_rtt(self, p2p: P2P, buf: np.ndarray, event: int, cores: int) -> None:
+        peer = self.peer
         if self.args.mode == "async":
             handles = (
                 [p2p.isend(buf, peer, event, num_cores=cores), p2p.irecv(buf, peer, event)]
@@ -123,6 +143,37 @@ class Bench:
             else:
                 put_and_flag(token | 1)
 
+    def ls_rtt(self, buf: np.ndarray, i: int, one_way: bool = False) -> None:
+        """The raw load/store ping-pong: no DieMemory call, only numpy and Win.Sync."""
+        win, peer = self.shared.win, self.peer
+        theirs, mine = self.shared.views[peer], self.shared.words
+        flag = self.flag // 8
+        their_words = theirs.view(np.uint64)
+        token = i % (1 << 62) + 1 << 1
+
+        def store_and_flag(value: int, data: bool = True) -> None:
+            if data:
+                theirs[: buf.nbytes] = buf
+                win.Sync()  # the data before the flag (docs/mpi.md §2)
+            their_words[flag] = value
+
+        def wait_flag(value: int) -> None:
+            deadline = time.monotonic() + 60
+            while True:
+                win.Sync()
+                if mine[flag] == value:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {comm.rank}: bench flag {value} from {peer}")
+                os.sched_yield()
+
+        if self.is_a:
+            store_and_flag(token)
+            wait_flag(token | 1)
+        else:
+            wait_flag(token)
+            store_and_flag(token | 1, data=not one_way)
+
     def sendrecv_rtt(self, buf: np.ndarray) -> None:
         if self.is_a:
             comm.Send(buf, self.peer, 5)
@@ -131,46 +182,65 @@ class Bench:
             comm.Recv(buf, self.peer, 5)
             comm.Send(buf, self.peer, 5)
 
-    def xccl_one_way(self, buf: np.ndarray, cores: int) -> None:
+    def xccl_one_way(self, p2p: P2P, buf: np.ndarray, cores: int) -> None:
         if self.is_a:
-            self.p2p.send(buf, self.peer, 0, num_cores=cores)
+            p2p.send(buf, self.peer, 0, num_cores=cores)
         else:
-            self.p2p.recv(buf, self.peer, 0)
+            p2p.recv(buf, self.peer, 0)
 
     def projected_send_ns(self, buf: np.ndarray, cores: int) -> float:
         """Nanoseconds one sync send of `buf` takes on a fresh virtual clock."""
-        clock = VirtualClock()
-        self.p2p.set_clock(clock)
+        clock, p2p = VirtualClock(), self.p2ps["auto"]
+        p2p.set_clock(clock)
         comm.Barrier()
-        self.xccl_one_way(buf, cores)
+        self.xccl_one_way(p2p, buf, cores)
         return clock.now_ns
 
-    def row(self, nbytes: int, cores: int) -> dict:
+    def measure(self, nbytes: int, cores: int) -> dict:
+        """Every quantity of one row, in seconds or GB/s, on this rank."""
         buf = np.ones(nbytes, np.uint8)
         iters = iterations(nbytes, self.args.iters)
-        xccl = self.timed(lambda i: self.xccl_rtt(buf, i % 1000 + 1, cores), iters)
-        put = self.timed(lambda i: self.put_rtt(buf, i), iters)
-        sendrecv = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
-        xccl_bw = nbytes / self.timed(lambda i: self.xccl_one_way(buf, cores), iters) / 1e9
-        put_bw = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters) / 1e9
-        projected_ns = self.projected_send_ns(buf, cores)
-        values = comm.gather((xccl, put, sendrecv, xccl_bw, put_bw, projected_ns), root=0)
+        got = {}
+        for path, p2p in self.p2ps.items():
+            got[f"rtt_{path}"] = self.timed(
+                lambda i, p2p=p2p: self.xccl_rtt(p2p, buf, i % 1000 + 1, cores), iters
+            )
+            got[f"bw_{path}"] = nbytes / self.timed(
+                lambda i, p2p=p2p: self.xccl_one_way(p2p, buf, cores), iters
+            )
+        got["rtt_put"] = self.timed(lambda i: self.put_rtt(buf, i), iters)
+        got["rtt_ls"] = self.timed(lambda i: self.ls_rtt(buf, i), iters)
+        got["rtt_sendrecv"] = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
+        got["bw_put"] = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters)
+        got["bw_ls"] = nbytes / self.timed(lambda i: self.ls_rtt(buf, i + 1000, True), iters)
+        got["proj_ns"] = self.projected_send_ns(buf, cores)
+        return got
+
+    def row(self, nbytes: int, cores: int) -> dict:
+        values = comm.gather(self.measure(nbytes, cores), root=0)
         if comm.rank != 0:
             return {}
-        senders = np.array([v for r, v in enumerate(values) if r % 2 == 0])
-        med = np.median(senders, axis=0)
+        senders = [v for r, v in enumerate(values) if r % 2 == 0]
+        med = {key: float(np.median([v[key] for v in senders])) for key in senders[0]}
+        best = min(med["rtt_put"], med["rtt_ls"], med["rtt_sendrecv"])
         return {
             "bytes": nbytes,
             "cores": cores,
-            "xccl_rtt_us": med[0] * 1e6,
-            "put_rtt_us": med[1] * 1e6,
-            "rtt_vs_put": med[0] / med[1],
-            "sendrecv_rtt_us": med[2] * 1e6,
-            "rtt_vs_sendrecv": med[0] / med[2],
-            "xccl_gb_s": med[3],
-            "put_gb_s": med[4],
-            "bw_vs_put": med[3] / med[4],
-            "proj_910c_send_us": med[5] / 1e3,
+            "xccl_rtt_us": med["rtt_auto"] * 1e6,
+            "xccl_rma_rtt_us": med["rtt_rma"] * 1e6,
+            "put_rtt_us": med["rtt_put"] * 1e6,
+            "ls_rtt_us": med["rtt_ls"] * 1e6,
+            "sendrecv_rtt_us": med["rtt_sendrecv"] * 1e6,
+            "rtt_vs_best": med["rtt_auto"] / best,
+            "rtt_vs_put": med["rtt_auto"] / med["rtt_put"],
+            "rma_rtt_vs_put": med["rtt_rma"] / med["rtt_put"],
+            "xccl_gb_s": med["bw_auto"] / 1e9,
+            "xccl_rma_gb_s": med["bw_rma"] / 1e9,
+            "put_gb_s": med["bw_put"] / 1e9,
+            "ls_gb_s": med["bw_ls"] / 1e9,
+            "bw_vs_put": med["bw_auto"] / med["bw_put"],
+            "rma_bw_vs_put": med["bw_rma"] / med["bw_put"],
+            "proj_910c_send_us": med["proj_ns"] / 1e3,
         }
 
 
@@ -205,8 +275,12 @@ def main(argv: list[str] | None = None) -> None:
             args,
             title=f"xds-mpi bench p2p: {comm.size} ranks ({comm.size // 2} pairs at once), "
             f"mode {args.mode}, ring {args.slots} x {args.slot_bytes} B",
-            legend="rtt_vs_*: xccl round trip / baseline round trip (lower is better); "
-            "bw_vs_put: xccl one-way bandwidth / raw Put bandwidth (higher is better); "
+            legend="xccl_*: XCCL on the load/store path (default on one node); xccl_rma_*: "
+            "XCCL forced onto RMA (xccl.memory_path=rma). Raw baselines: put (Put+Flush+flag), "
+            "ls (numpy stores into the peer's window + Win.Sync + flag), sendrecv. "
+            "rtt_vs_best: xccl round trip / the fastest raw round trip; rtt_vs_put, "
+            "rma_rtt_vs_put: / raw Put's (lower is better); bw_vs_put, rma_bw_vs_put: one-way "
+            "bandwidth / raw Put's (higher is better); "
             "proj_910c_send_us: one sync send on the virtual clock.",
         )
 

@@ -37,6 +37,8 @@ def rank_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def _fmt(value) -> str:
+    if isinstance(value, str):
+        return value
     if isinstance(value, (int, np.integer)):
         return str(value)
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"

@@ -10,7 +10,17 @@ import argparse
 import os
 import sys
 
-from launch import bench_afd, bench_cli, generate, hosts, project, run_report, submit, train
+from launch import (
+    bench_afd,
+    bench_cli,
+    bench_serve,
+    generate,
+    hosts,
+    project,
+    run_report,
+    submit,
+    train,
+)
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
@@ -47,6 +57,16 @@ def _load(args: argparse.Namespace):
     return path, DeploymentPlan.build(load_config(path, args.set), args.np)
 
 
+def describe_memory_path(path: str) -> str:
+    """validate's line on how dies reach each other's windows (xccl/gmem_paths.py)."""
+    if path == "rma":
+        return "memory path: rma (forced): every die reaches every peer with Put/Get/atomics"
+    return (
+        "memory path: auto: load/store into the windows of dies on the same node "
+        "(where MPI's Shared_query exposes them), Put/Get/atomics across nodes"
+    )
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     path, plan = _load(args)
     cfg, topo, windows = plan.cfg, plan.topo, plan.window_bytes
@@ -55,6 +75,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
         f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
+    print(describe_memory_path(cfg.xccl.memory_path))
     if plan.pd is not None:
         print(describe_pd(plan))
     if not args.brief:
@@ -152,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     bench_cli.add_parsers(kinds)
     bench_afd.add_parser(kinds)
+    bench_serve.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

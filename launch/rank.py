@@ -10,15 +10,39 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
+import os
 import sys
+from pathlib import Path
 
 from mpi4py import MPI
 
 from launch.log import setup_logging
+from launch.serve_stats import RANK_STATS_ENV
 from ranks import RankContext, role_program
-from xds_mpi import trace
+from xccl.gmem_paths import set_memory_path
+from xccl.mpi_time import MPI_TIME
+from xds_mpi import emulator_runtime, trace
 from xds_mpi.config import load_config
 from xds_mpi.plan import DeploymentPlan
+
+
+def write_rank_stats(rank: int, role: str, core: int | None) -> None:
+    """With $XDS_RANK_STATS=DIR (set by `xds-mpi bench serve`): this rank's MPI time and GC
+    collections as DIR/rank<N>.json."""
+    out = os.environ.get(RANK_STATS_ENV)
+    if not out:
+        return
+    stats = {
+        "rank": rank,
+        "role": role,
+        "core": core,
+        "mpi_work_s": MPI_TIME.work_s,
+        "mpi_wait_s": MPI_TIME.wait_s,
+        "mpi_calls": MPI_TIME.calls,
+        "gc_collections": emulator_runtime.collections(),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(stats))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,11 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     plan = DeploymentPlan.build(cfg, comm.size)
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
+    set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
+    node.Free()
+    if core is not None:
+        log.debug("pinned to core %d", core)
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
     exit_code = role_program(info.role)(RankContext(plan=plan, comm=comm, log=log))
     faulthandler.cancel_dump_traceback_later()
+    write_rank_stats(comm.rank, info.role, core)
     if exit_code:
         sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code
 

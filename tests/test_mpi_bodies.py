@@ -1,4 +1,4 @@
-"""Every MPI test body under tests/mpi/body_*.py, at 2, 4 and 8 ranks."""
+"""Every MPI test body under tests/mpi/body_*.py, at 2, 4 and 8 ranks, and on the RMA path."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import re
 
 import pytest
 from harness import MPI_DIR, RANK_COUNTS, explain, run_bodies
+
+from xccl.gmem_paths import MEMORY_PATH_ENV
 
 BODIES = sorted(MPI_DIR.glob("body_*.py"))
 
@@ -17,3 +19,13 @@ def test_body(num_procs, body):
     assert result.returncode == 0, explain(result)
     passed = re.findall(r"(\d+) passed", result.output)
     assert len(passed) == num_procs and all(int(n) > 0 for n in passed), explain(result)
+
+
+def test_bodies_on_the_rma_path(monkeypatch):
+    """The bodies above run on the default memory path (load/store between dies of one node);
+    once more, all in one 4-rank job, with every window forced onto RMA (xccl/gmem_paths.py)."""
+    monkeypatch.setenv(MEMORY_PATH_ENV, "rma")
+    result = run_bodies(4, *BODIES, timeout_s=300)
+    assert result.returncode == 0, explain(result)
+    passed = re.findall(r"(\d+) passed", result.output)
+    assert len(passed) == 4 and all(int(n) > 0 for n in passed), explain(result)

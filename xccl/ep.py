@@ -114,8 +114,7 @@ class EpBuffer:
         token, column, send_counts = self.rows.stage_dispatch(x, phy)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
-        recv_x, index, recv_counts = self._receive_dispatch(event_id, seq)  # steps 5-7
-        perm, info = self._dispatch_info(event_id, index, recv_counts)
+        recv_x, perm, info, recv_counts = self._receive_dispatch(event_id, seq)  # steps 5-7
         handle = DispatchHandle(
             event_id=event_id,
             seq=seq,
@@ -127,23 +126,25 @@ class EpBuffer:
             recv_counts=recv_counts,
             recv_perm=perm,
         )
-        return recv_x[perm], info, handle
+        return recv_x, info, handle
 
-    def _receive_dispatch(
-        self, event_id: int, seq: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Steps 5-7 of dispatch: our rows recv_x [R, hidden] (self.dtype, decoded), their index
-        rows [R] and recv_counts [num_members], in the order pulled (member-major)."""
+    def _receive_dispatch(self, event_id: int, seq: int):
+        """Steps 5-7 of dispatch: our rows recv_x [R, hidden] (self.dtype, decoded) in slot order,
+        perm [R] (the member-major position of each), DispatchInfo, recv_counts [num_members]."""
         # Step 5: poll our metadata until every die has reported (zero rows included).
         bodies = self._wait_records("dispatch", event_id, seq)
         recv_counts = bodies["count"].astype(np.int64)
-        # Step 6-7: pull our rows from each die with Get.
-        rows, index = self.rows.pull_dispatch(recv_counts, bodies["offset"].astype(np.int64))
+        offsets = bodies["offset"].astype(np.int64)
+        # Step 6-7: pull the index rows, order them by slot, then pull our rows straight
+        # into that order.
+        index = self.rows.pull_dispatch_index(recv_counts, offsets)
+        perm, info = self._dispatch_info(event_id, index, recv_counts)
+        rows = self.rows.pull_dispatch_rows(recv_counts, offsets, perm)
         self._pull_time(rows.nbytes + index.nbytes)
         decoded = decode_rows(
             rows, hidden=self.layout.hidden, use_int8=self.layout.use_int8, dtype=self.dtype
         )
-        return decoded, index, recv_counts
+        return decoded, perm, info, recv_counts
 
     def _dispatch_info(
         self, event_id: int, index: np.ndarray, recv_counts: np.ndarray
@@ -159,11 +160,10 @@ class EpBuffer:
                 f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
                 "die does not host"
             )
+        slots = index["slot"]
         return perm, DispatchInfo(
             local_slots=self.local_slots,
-            num_rows_per_slot=np.array(
-                [(index["slot"] == s).sum() for s in self.local_slots], np.int64
-            ),
+            num_rows_per_slot=np.array([(slots == s).sum() for s in self.local_slots], np.int64),
             src_rank=src_rank[perm],
             src_token=index["token"][perm].astype(np.int64),
             src_column=index["column"][perm].astype(np.int64),

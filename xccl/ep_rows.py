@@ -3,7 +3,8 @@
 
 Staging writes our own window's dispatch or combine area (xccl/moe_layout.py EpLayout) and ends
 with a Win.Sync so the stores land before a record tells a peer to pull them. Pulls Get each
-member's rows in member order and flush them all before the rows are read.
+member's rows (dispatch rows: in runs, straight into slot order) and flush them all before the
+rows are read.
 """
 
 from __future__ import annotations
@@ -54,19 +55,40 @@ class EpRows:
         self.mem.sync()  # our stores land before any peer is told to pull them
         return token, column, np.bincount(dest, minlength=len(self.members))
 
-    def pull_dispatch(self, counts, offsets) -> tuple[np.ndarray, np.ndarray]:
-        """Our dispatch rows [R, send_row_bytes] (encoded) and index rows [R], member-major."""
-        rows = np.empty((int(counts.sum()), self.layout.send_row_bytes), np.uint8)
-        index = np.empty(len(rows), INDEX_DTYPE)
-        self._pull(rows, "dispatch_rows", counts, offsets, self.layout.send_row_bytes)
-        self._pull(
-            index.view(np.uint8).reshape(len(rows), INDEX_BYTES),
-            "dispatch_index",
-            counts,
-            offsets,
-            INDEX_BYTES,
-        )
-        return rows, index
+    def pull_dispatch_index(self, counts, offsets) -> np.ndarray:
+        """Our dispatch rows' index rows [R], member-major (the order pulled)."""
+        index = np.empty(int(counts.sum()), INDEX_DTYPE)
+        raw = index.view(np.uint8).reshape(len(index), INDEX_BYTES)
+        self._pull(raw, "dispatch_index", counts, offsets, INDEX_BYTES)
+        return index
+
+    def pull_dispatch_rows(self, counts, offsets, perm: np.ndarray) -> np.ndarray:
+        """Our dispatch rows [R, send_row_bytes] (encoded), already in `perm` order (perm:
+        member-major position of each output row). Each run of rows that is contiguous on both
+        sides is one Get (a member's rows for one slot), so no reordering copy follows."""
+        row_bytes, num_rows = self.layout.send_row_bytes, int(counts.sum())
+        rows = np.empty((num_rows, row_bytes), np.uint8)
+        if not num_rows:
+            return rows
+        dest = np.empty(num_rows, np.int64)
+        dest[perm] = np.arange(num_rows)  # where each pulled row goes
+        member = np.repeat(np.arange(len(self.members)), counts)
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        source_row = np.repeat(np.asarray(offsets, np.int64), counts) + np.arange(num_rows) - first
+        cut = np.flatnonzero((np.diff(dest) != 1) | (np.diff(member) != 0)) + 1
+        starts, ends = np.r_[0, cut], np.r_[cut, num_rows]
+        for a, b, m, src, dst in zip(
+            starts.tolist(),
+            ends.tolist(),
+            member[starts].tolist(),
+            source_row[starts].tolist(),
+            dest[starts].tolist(),
+        ):
+            rank = self.members[m]
+            at = self.layout.offset(rank, "dispatch_rows") + src * row_bytes
+            self.mem.get(rank, at, rows[dst : dst + b - a].reshape(-1))
+        self.mem.flush_all()
+        return rows
 
     def stage_combine(self, expert_out: np.ndarray, recv_perm: np.ndarray) -> None:
         """Stage outputs [R, hidden] in our combine area, by source die, in the order each source

@@ -6,6 +6,13 @@ Get = a pull (MTE2), one-word Accumulate / Fetch_and_op = a flag, Flush = comple
 Bounds are checked here before every RMA call: MPICH does not catch an out-of-window Put, it
 corrupts itself (shared/MPI_NOTES.md).
 
+Each peer is reached by plain loads and stores into its memory when `Shared_query` exposes it
+(same node), else by RMA; xccl/gmem_paths.py chooses per peer at creation. The ordering rules
+(docs/mpi.md §2, "Load/store path") hold on both paths: a writer's data stores/Puts, then
+`flush` (a `Win.Sync` memory barrier on the load/store path, `Win.Flush` on RMA), then the
+one-word doorbell (one aligned 8-byte store, or an Accumulate), then `flush` again; a reader
+loads the doorbell, `Win.Sync`, then reads the data.
+
 Polling a word of one's own window that a peer writes: on one node the window is shared memory and
 a local load after `Win.Sync()` sees the peer's writes; a peer on another node must be progressed
 through MPI, so the poll is `Fetch_and_op(NO_OP)` on oneself + `Flush`. The idiom is chosen per
@@ -27,6 +34,15 @@ import numpy as np
 from mpi4py import MPI
 
 from xccl.errors import OutOfWindow, XcclTimeout
+from xccl.gmem_paths import (
+    MemoryPath,
+    check_memory_path,
+    default_memory_path,
+    describe_paths,
+    peer_views,
+    same_node_table,
+)
+from xccl.mpi_time import timed, waiting
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -52,7 +68,14 @@ PROCESS_TRAFFIC = Traffic()
 class DieMemory:
     """The window façade: put / get / word atomics / flush / poll / free."""
 
-    def __init__(self, comm: MPI.Comm, nbytes: int, *, poll_idiom: PollIdiom = "auto") -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        nbytes: int,
+        *,
+        poll_idiom: PollIdiom = "auto",
+        memory_path: MemoryPath | None = None,
+    ) -> None:
         if nbytes < 0 or nbytes % WORD.itemsize:
             raise ValueError(f"window size must be a non-negative multiple of 8, got {nbytes}")
         self.comm = comm
@@ -61,13 +84,19 @@ class DieMemory:
         self.sizes = tuple(comm.allgather(nbytes))
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
+        self._win = timed(self.win)  # every data, flag and sync call goes through it
         self.local = (
             np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
         )
         self.local[:] = 0
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
-        self.is_same_node = _same_node_table(comm)
+        self.is_same_node = same_node_table(comm)
+        self.memory_path = check_memory_path(memory_path or default_memory_path())
+        # Per peer: its window as a load/store array, or None (RMA); and its words.
+        self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
+        self._view_words = tuple(None if v is None else v.view(WORD) for v in self.views)
+        self._has_rma_peer = any(v is None for v in self.views)
         if poll_idiom == "load" and not all(self.is_same_node):
             # A local load never sees a write from another node (docs/mpi.md): it would hang.
             far = [r for r, same in enumerate(self.is_same_node) if not same]
@@ -76,6 +105,10 @@ class DieMemory:
                 "other nodes; use 'auto' or 'rma'"
             )
         self.poll_idiom = poll_idiom
+        # Per writer: poll through MPI (a far writer, or forced) or by a local load.
+        self._poll_by_rma = tuple(
+            poll_idiom == "rma" or (poll_idiom == "auto" and not same) for same in self.is_same_node
+        )
         self._word_buf = np.zeros(1, WORD)
         self._fetch_buf = np.zeros(1, WORD)
         self._claimed: set[str] = set()
@@ -85,16 +118,17 @@ class DieMemory:
 
     # -- checks ---------------------------------------------------------------------------------
     def check(self, peer: int, offset: int, nbytes: int, what: str) -> None:
-        if not 0 <= peer < len(self.sizes):
+        sizes = self.sizes
+        if 0 <= peer < len(sizes) and 0 <= offset and 0 <= nbytes <= sizes[peer] - offset:
+            return
+        if not 0 <= peer < len(sizes):
             raise OutOfWindow(
-                f"die rank {self.rank}: {what} to rank {peer}, but ranks are "
-                f"0..{len(self.sizes) - 1}"
+                f"die rank {self.rank}: {what} to rank {peer}, but ranks are 0..{len(sizes) - 1}"
             )
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.sizes[peer]:
-            raise OutOfWindow(
-                f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
-                f"rank {peer}'s window of {self.sizes[peer]} B"
-            )
+        raise OutOfWindow(
+            f"die rank {self.rank}: {what} of {nbytes} B at offset {offset} in "
+            f"rank {peer}'s window of {sizes[peer]} B"
+        )
 
     def claim(self, region: str) -> None:
         """A protocol claims its region once: a second protocol object on the same region would
@@ -112,30 +146,47 @@ class DieMemory:
         raw = _as_bytes(data)
         self.check(peer, offset, raw.nbytes, "put")
         self._count(peer, raw.nbytes)
-        if raw.nbytes:
-            self.win.Put(raw, peer, offset)
+        view = self.views[peer]
+        if view is not None:
+            view[offset : offset + raw.nbytes] = raw
+        elif raw.nbytes:
+            self._win.Put(raw, peer, offset)
 
     def get(self, peer: int, offset: int, out: np.ndarray) -> None:
         """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
         raw = _as_bytes(out)
         self.check(peer, offset, raw.nbytes, "get")
         self._count(peer, raw.nbytes)
-        if raw.nbytes:
-            self.win.Get(raw, peer, offset)
+        view = self.views[peer]
+        if view is not None:
+            raw[:] = view[offset : offset + raw.nbytes]
+        elif raw.nbytes:
+            self._win.Get(raw, peer, offset)
 
     def flush(self, peer: int) -> None:
-        self.win.Flush(peer)
+        """Complete this die's writes to `peer`: on the load/store path the memory barrier
+        that orders them before the next store (the doorbell), on RMA `Win.Flush`."""
+        if self.views[peer] is not None:
+            self._win.Sync()
+        else:
+            self._win.Flush(peer)
 
     def flush_all(self) -> None:
-        self.win.Flush_all()
+        if self._has_rma_peer:
+            self._win.Flush_all()
+        self._win.Sync()
 
     # -- words (flags, doorbells) ---------------------------------------------------------------
     def store_word(self, peer: int, offset: int, value: int) -> None:
         """Atomically replace one 64-bit word in `peer`'s window (then flush to complete)."""
         self.check(peer, offset, WORD.itemsize, "store_word")
         self._count(peer, WORD.itemsize)
+        words = self._view_words[peer]
+        if words is not None:
+            words[offset // WORD.itemsize] = value  # one aligned 8-byte store: atomic
+            return
         self._word_buf[0] = value
-        self.win.Accumulate(
+        self._win.Accumulate(
             [self._word_buf, 1, MPI.UINT64_T],
             peer,
             target=(offset, 1, MPI.UINT64_T),
@@ -143,34 +194,45 @@ class DieMemory:
         )
 
     def fetch_word(self, peer: int, offset: int) -> int:
-        """Atomically read one word of `peer`'s window (Fetch_and_op NO_OP + Flush)."""
+        """Atomically read one word of `peer`'s window: Win.Sync + one aligned load on the
+        load/store path, Fetch_and_op NO_OP + Flush on RMA."""
         self.check(peer, offset, WORD.itemsize, "fetch_word")
         self._count(peer, WORD.itemsize)
-        self.win.Fetch_and_op(
+        words = self._view_words[peer]
+        if words is not None:
+            self._win.Sync()
+            return int(words[offset // WORD.itemsize])
+        return self._rma_fetch(peer, offset)
+
+    def _rma_fetch(self, peer: int, offset: int) -> int:
+        self._win.Fetch_and_op(
             [self._word_buf, MPI.UINT64_T],
             [self._fetch_buf, MPI.UINT64_T],
             peer,
             offset,
             op=MPI.NO_OP,
         )
-        self.win.Flush(peer)
+        self._win.Flush(peer)
         return int(self._fetch_buf[0])
 
     def load_word(self, offset: int, writer: int) -> int:
         """Read one word of this die's own window that `writer` writes."""
-        idiom = self.poll_idiom
-        if idiom == "auto":
-            idiom = "load" if self.is_same_node[writer] else "rma"
-        if idiom == "rma":
+        if self._poll_by_rma[writer]:
+            # Through MPI even on the load/store path: only that progresses a far writer.
             self.traffic.remote_polls += not self.is_same_node[writer]
-            return self.fetch_word(self.rank, offset)
+            self.check(self.rank, offset, WORD.itemsize, "load_word")
+            return self._rma_fetch(self.rank, offset)
         self.check(self.rank, offset, WORD.itemsize, "load_word")
-        self.win.Sync()
+        self._win.Sync()
         return int(self.words[offset // WORD.itemsize])
+
+    def describe_paths(self) -> str:
+        """Which path reaches which peer, e.g. 'load/store to ranks [0, 1], rma to ranks [2]'."""
+        return describe_paths(self.views)
 
     def sync(self) -> None:
         """Memory barrier between RMA writes by peers and local loads of this window."""
-        self.win.Sync()
+        self._win.Sync()
 
     def _count(self, peer: int, nbytes: int) -> None:
         if not self.is_same_node[peer]:
@@ -186,6 +248,8 @@ class DieMemory:
         PROCESS_TRAFFIC.add(self.traffic)
         self.win.Unlock_all()
         self.win.Free()
+        self.views = (None,) * len(self.sizes)  # the peers' memory is gone with the window
+        self._view_words = self.views
         self.local = np.zeros(0, np.uint8)
         self.words, self.floats = self.local.view(WORD), self.local.view(np.float64)
 
@@ -210,18 +274,10 @@ def poll_until(
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
     """
-    while not ready():
-        if interrupt is not None:
-            interrupt()
-        if time.monotonic() > deadline:
-            raise XcclTimeout(describe())
-        os.sched_yield()
-
-
-def _same_node_table(comm: MPI.Comm) -> tuple[bool, ...]:
-    """For each rank of `comm`: does it share this rank's node (and so its memory)?"""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = node.allreduce(comm.rank, op=MPI.MIN)
-    node.Free()
-    leaders = comm.allgather(leader)
-    return tuple(other == leader for other in leaders)
+    with waiting():
+        while not ready():
+            if interrupt is not None:
+                interrupt()
+            if time.monotonic() > deadline:
+                raise XcclTimeout(describe())
+            os.sched_yield()

@@ -87,6 +87,7 @@ class P2P(RingReceiver):
         self._consumed = {}  # src -> publications consumed
         self._rtail = {}  # src -> slots consumed
         self._ops = OpQueues()
+        self._body = np.zeros(1, P2P_RECORD)
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 
@@ -267,11 +268,20 @@ class P2P(RingReceiver):
         dst = op.peer
         tail = self._tail[dst] = self._tail.get(dst, 0) + -(-nbytes // self.layout.slot_bytes)
         seq = self._published[dst] = self._published.get(dst, 0) + 1
-        body = np.zeros(1, P2P_RECORD)
-        body["event_id"], body["chunk_id"], body["tail"] = op.event_id, chunk_id, tail
-        body["msg_bytes"], body["pub_bytes"] = msg_bytes, nbytes
-        body["num_cores"], body["is_dma"] = num_cores, self.path == "dma"
-        body["vtime_ns"] = self.times.stamp(dst, nbytes, num_cores)
+        body = self._body  # publish reads it before returning, so one serves every record
+        # One assignment in P2P_RECORD's field order: doorbell (written last, by publish),
+        # event_id, chunk_id, tail, vtime_ns, msg_bytes, pub_bytes, num_cores, is_dma.
+        body[0] = (
+            0,
+            op.event_id,
+            chunk_id,
+            tail,
+            self.times.stamp(dst, nbytes, num_cores),
+            msg_bytes,
+            nbytes,
+            num_cores,
+            self.path == "dma",
+        )
         target = RecordAt(dst, self.layout.record_offset(self.me, dst, seq))
         records.publish(self.mem, [target], body, seq)
         return seq, tail

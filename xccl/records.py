@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -64,6 +65,7 @@ BODY_OFFSET = 8
 ACK_SEQ_BITS, ACK_TIME_BITS = 16, 48
 
 
+@cache
 def put_bytes(dtype: np.dtype) -> int:
     """Bytes a publication writes: the doorbell and the body's fields (not the padding)."""
     return max(offset + field.itemsize for field, offset in dtype.fields.values())
@@ -119,13 +121,17 @@ def read(
 ) -> np.ndarray:
     """The bodies [W] `dtype` of records whose doorbells rang; EventMismatch on a foreign event."""
     mem.sync()  # the peers' body Puts, flushed before their doorbells, become visible
-    bodies = np.empty(len(records), dtype)
-    raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
-    for record, row in zip(records, raw):
-        row[:] = mem.local[record.offset : record.offset + RECORD_BYTES]
-    bad = np.flatnonzero(bodies["event_id"] != expected.event_id)
-    if len(bad):
-        i = int(bad[0])
+    if len(records) == 1:
+        at = records[0].offset
+        bodies = mem.local[at : at + RECORD_BYTES].copy().view(dtype)
+    else:
+        bodies = np.empty(len(records), dtype)
+        raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
+        for record, row in zip(records, raw):
+            row[:] = mem.local[record.offset : record.offset + RECORD_BYTES]
+    mismatch = bodies["event_id"] != expected.event_id
+    if mismatch.any():
+        i = int(np.flatnonzero(mismatch)[0])
         raise EventMismatch(
             f"die rank {mem.rank}: {expected.stage} expected event "
             f"{expected.event_id}, rank {records[i].peer} reported event "

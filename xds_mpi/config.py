@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from xds_mpi.config_emulator import EmulatorConfig
+
 # FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
 # re-exported: callers import the whole config interface from here.
 from xds_mpi.config_eplb import EplbConfig
@@ -205,6 +207,9 @@ class XcclConfig:
     num_cores: int = 2  # AIV cores a transfer is split over
     poll_timeout_s: float = 60.0  # every wait raises after this long
     max_window_bytes: int = 1 << 30  # per-die cap on the RMA window
+    # How a die reaches a same-node peer's window: "auto" = load/store where MPI exposes the
+    # peer's memory, RMA elsewhere; "rma" = RMA always (xccl/gmem_paths.py).
+    memory_path: Literal["auto", "rma"] = "auto"
 
     def __post_init__(self) -> None:
         positive(
@@ -277,6 +282,7 @@ class Config:
     pd: PdConfig = field(default_factory=PdConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

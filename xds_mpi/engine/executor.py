@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from xccl.ep import EpBuffer
-from xds_mpi import trace
+from xds_mpi import emulator_runtime, trace
 from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
@@ -89,6 +89,7 @@ class ColocatedExecutor:
     def forward(self, entries: list[Entry]) -> tuple[dict[int, Sampled], IterationTiming]:
         """Run the batch (possibly empty: the die still joins every dispatch and combine);
         returns what every sampled entry produced and the iteration's timing."""
+        emulator_runtime.between_iterations()  # the GC's point: no dispatch/combine running
         meter = Meter(self.clock)
         tokens, positions, chunks = self._inputs(entries)
         self.num_iterations += 1

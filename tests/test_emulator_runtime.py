@@ -1,0 +1,95 @@
+"""The emulator's pinning and GC control (xds_mpi/emulator_runtime.py) and what `bench serve`
+reads from a run's trace (launch/serve_stats.py), on crafted inputs."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+
+from launch.serve_stats import first_dispatch_waits, parse_output, summarize
+from xds_mpi import emulator_runtime
+from xds_mpi.config_emulator import EmulatorConfig
+
+
+@pytest.fixture
+def restore_gc():
+    affinity = os.sched_getaffinity(0)
+    yield
+    gc.enable()
+    gc.unfreeze()
+    os.sched_setaffinity(0, affinity)
+
+
+def test_pinning_follows_the_mode(restore_gc):
+    cores = sorted(os.sched_getaffinity(0))
+    assert emulator_runtime.pin("never", 0, 1) is None
+    assert emulator_runtime.pin("auto", 0, len(cores) + 1) is None  # fewer cores than ranks
+    assert os.sched_getaffinity(0) == set(cores)
+    assert emulator_runtime.pin("always", len(cores) + 1, len(cores) + 2) == cores[1 % len(cores)]
+    assert os.sched_getaffinity(0) == {cores[1 % len(cores)]}
+
+
+def test_controlled_gc_freezes_once_then_collects_every_n(restore_gc):
+    cfg = EmulatorConfig(pin_cores="never", gc="controlled", gc_every=3)
+    emulator_runtime.start(cfg, local_rank=0, local_size=1)
+    assert not gc.isenabled()
+    emulator_runtime.between_iterations()  # start-up over: frozen, nothing collected
+    assert gc.get_freeze_count() > 0 and emulator_runtime.collections() == 0
+    for _ in range(5):  # iterations 2..6: collections at 3 and 6
+        emulator_runtime.between_iterations()
+    assert emulator_runtime.collections() == 2
+
+
+def test_default_gc_is_left_alone(restore_gc):
+    emulator_runtime.start(
+        EmulatorConfig(pin_cores="never", gc="default"), local_rank=0, local_size=1
+    )
+    assert gc.isenabled()
+    emulator_runtime.between_iterations()
+    assert gc.get_freeze_count() == 0 and emulator_runtime.collections() == 0
+
+
+def span(name, ts, dur, tid=1, **args):
+    return {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def test_serve_stats_split_a_crafted_trace(tmp_path):
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "wall clock"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 0, "args": {"name": "rank 0 host"}},
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": 1,
+            "tid": 1,
+            "args": {"name": "rank 1 colocated die 0"},
+        },
+    ]
+    # Two iterations of one MoE layer: gate 1 ms, dispatch 4 ms (3 ms waiting), experts 2 ms,
+    # combine 3 ms (1 ms waiting); the second iteration's first dispatch waits 5 ms.
+    events = []
+    for start, wait in ((0, 3000), (20000, 5000)):
+        events += [
+            span("iteration", start, 15000, iteration=start),
+            span("gate", start + 100, 1000, layer=1),
+            span("dispatch", start + 1100, wait + 1000, layer=1),
+            span("dispatch wait", start + 1200, wait, event=1),
+            span("experts", start + 7000, 2000, layer=1),
+            span("combine", start + 9000, 3000, layer=1),
+            span("combine wait", start + 9100, 1000, event=1),
+        ]
+    trace = tmp_path / "run.trace.json"
+    trace.write_text(json.dumps({"traceEvents": meta + events}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"mpi_work_s": 0.0004}))
+    output = f"summary: 8 requests served, 128 tokens in 2.00 s = 64.0 tok/s\nINFO trace {trace}"
+    assert parse_output(output) == (64.0, trace)
+    assert first_dispatch_waits(events) == [3.0, 5.0]
+    stats = summarize(output, tmp_path)
+    assert stats.moe_layer_ms == pytest.approx((1 + 4 + 2 + 3 + 1 + 6 + 2 + 3) / 2)
+    assert stats.wait_ms == pytest.approx((3 + 1 + 5 + 1) / 2)
+    assert stats.mpi_ms == pytest.approx(0.2)
+    assert stats.python_ms == pytest.approx(stats.moe_layer_ms - stats.wait_ms - 0.2)
+    assert stats.iteration_ms == pytest.approx(15.0)
