@@ -1,11 +1,10 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model`, `faults` and `eplb` are declared in `xds_mpi.config_model`, `xds_mpi.config_faults`
-and `xds_mpi.config_eplb`); each
-section checks its own constraints, naming the numbers involved. Reading YAML, `--set`
-overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config implies
-across sections (rank map, layouts, window sizes) and whether it can run is
+`model`, `faults`, `health`, `eplb`, `pd` and `emulator` are declared in `xds_mpi.config_*`
+modules); each section checks its own constraints, naming the numbers involved. Reading YAML,
+`--set` overrides, unknown keys and value types are `xds_mpi.config_loader`'s. What a config
+implies across sections (rank map, layouts, window sizes) and whether it can run is
 `xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
 """
 
