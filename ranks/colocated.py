@@ -4,18 +4,22 @@ every MoE layer's dispatch and combine, even with nothing to send."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.die_health import DieHealth, is_watched
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
 from ranks.recompute import Recomputer
+from xccl.recovery import Released
 from xds_mpi import trace
+from xds_mpi.control import WaitTimeout
 
 
 def run(ctx: RankContext) -> None:
@@ -58,6 +62,14 @@ class ColocatedDie:
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
+        self.health = None  # §6.1: heartbeats answered from this loop (ranks/die_health.py)
+        if is_watched(cfg, plan):
+            self.health = DieHealth(
+                cfg,
+                ctx.comm,
+                iteration=lambda: self.executor.num_iterations,
+                virtual_s=lambda: clock.now_ns / 1e9,
+            )
         self.recompute = Recomputer(
             cfg,
             self.dies,
@@ -66,6 +78,8 @@ class ColocatedDie:
             self.pricer,
             events=self.executor.events,
             log=ctx.log,
+            window_comm=ctx.comm if self.health else None,  # the TE-shell fences the waits
+            stall=self.health.stall if self.health else None,
         )
         self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
@@ -90,6 +104,23 @@ class ColocatedDie:
         )
 
     def step(self) -> bool:
+        """One turn of the event loop: heartbeats answered here only (§6.1), then an iteration.
+        A die released by the TE-shell's fence, or a dead one, only idles from then on."""
+        health = self.health
+        if health is None:
+            return self.iterate()
+        health.check_dead()
+        if health.is_out:
+            health.idle()
+            return True
+        health.answer()
+        try:
+            return self.iterate()
+        except Released:
+            health.released()
+            return True
+
+    def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
@@ -126,8 +157,23 @@ class ColocatedDie:
         """(does any die have work, has every die been told to stop) — one allreduce."""
         mine = np.array([self.scheduler.num_active, 0 if self.inbox.is_stopped else 1])
         total = np.empty_like(mine)
-        self.dies.Allreduce(mine, total, op=MPI.SUM)
+        if self.health is None:
+            self.dies.Allreduce(mine, total, op=MPI.SUM)
+        else:  # a lost die never joins: wait so that the TE-shell's fence releases us
+            self._agree_releasable(self.dies.Iallreduce(mine, total, op=MPI.SUM))
         return bool(total[0]), total[1] == 0
+
+    def _agree_releasable(self, request: MPI.Request) -> None:
+        timeout_s = self.outbox.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            self.recompute.recovery.interrupt()  # raises Released after a fence
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"die rank {self.outbox.rank}: not every die agreed on iteration "
+                    f"{self.executor.num_iterations} after {timeout_s:g} s"
+                )
+            os.sched_yield()
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report
@@ -136,6 +182,8 @@ class ColocatedDie:
     def close(self) -> None:
         self.eplb.close()
         self.outbox.drain()
+        if self.health is not None:
+            self.health.close()
         self.recompute.free()
         self.mem.free()
         self.dies.Free()

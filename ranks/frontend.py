@@ -9,6 +9,8 @@ from collections import deque
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.detector import Detector
+from ranks.die_health import is_watched
 from ranks.eplb_shell import make_eplb_shell
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from ranks.trace_io import gather_traces
@@ -50,6 +52,10 @@ class Frontend:
             mtp_depth=sched.mtp_depth,
         )
         self.num_open = len(self.queue)
+        # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
+        self.detector = None
+        if is_watched(cfg, ctx.plan):
+            self.detector = Detector(ctx, self.groups, self._placement)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
@@ -62,6 +68,8 @@ class Frontend:
         progress = Progress(self.log)
         while self.num_open:
             did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
+            if self.detector is not None:
+                self.detector.poll(self.records, self.started)
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline:
@@ -93,6 +101,8 @@ class Frontend:
         self._take_tokens()
         self.eplb.finish()
         MPI.Request.Waitall(self.sends)
+        if self.detector is not None:
+            self.detector.close()
 
     def _dispatch_arrived(self) -> int:
         now, num = time.time() - self.started, 0
@@ -137,6 +147,23 @@ class Frontend:
             queued=len(self.queue),
             elapsed_s=time.time() - self.started,
         )
+
+    def _placement(self):
+        """The expert placement now: EPLB's when it balances, else the topology's."""
+        from xds_mpi.eplb.placement import from_topology
+
+        placement = getattr(self.eplb, "placement", None)
+        if placement is not None:
+            return placement
+        cfg = self.ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
+        num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
+        return from_topology(self.ctx.topo, num_moe_layers)
+
+    def failure_records(self) -> list:
+        """One record per stuck/dead row (and per die silent without one); [] if unwatched."""
+        if self.detector is None:
+            return []
+        return self.detector.records(self.records, self.started)
 
     def arrival_wall(self, req_id: int) -> float:
         return self.started + self.records[req_id].req.arrival_s

@@ -30,6 +30,7 @@ def run(ctx: RankContext) -> int:
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
     handshake_s, status, serving, placements = 0.0, "completed", None, ()
+    lost_writer = None  # a decode die lost (ranks/detector.py): its failure records
     ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
     try:
         placements = handshake(ctx)
@@ -48,6 +49,7 @@ def run(ctx: RankContext) -> int:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
     except Exception as exc:
         status = f"failed: {exc}"
+        lost_writer = getattr(exc, "write_failures", None)
         raise
     finally:
         write_run_file(
@@ -58,7 +60,7 @@ def run(ctx: RankContext) -> int:
             started_at=started_at,
             wall_time_s=time.perf_counter() - started,
             handshake_s=handshake_s,
-            extra=serving.write if serving else None,
+            extra=serving.write if serving else lost_writer,
             hosts=[p.host for p in placements],
             nodes=[p.node for p in placements],
         )
@@ -87,12 +89,15 @@ class Serving:
             frontend = self._serve(ctx)
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
+        self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        for record in self.failures:
+            ctx.log.info(record.describe())
         self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
         if self.eplb:
             for line in self.eplb.lines():
@@ -195,3 +200,7 @@ class Serving:
             self.eplb.write(f)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)
+        if self.failures:
+            from xds_mpi.failures import write_failures
+
+            write_failures(f, self.failures)

@@ -73,6 +73,12 @@ class HealthConfig:
     probe_timeout_s: float = 5.0
     on_expert_lost: Literal["restart", "stop"] = "stop"
 
+    @property
+    def release_grace_s(self) -> float:
+        """How long the TE-shell waits, after fencing the dies, for the released ones to answer
+        (and once more, to tell a stuck die from a dead one): ranks/detector.py."""
+        return max(2 * self.dp_interval_s, self.timeout_s / 2)
+
     def __post_init__(self) -> None:
         positive(
             "health",

@@ -12,7 +12,12 @@ from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
 # so an accepted row is one that runs. Deployment kind: "colocated", "afd", or "pd" (pd.enabled).
-EMULATED: set[tuple[str, str, str]] = set()
+EMULATED: set[tuple[str, str, str]] = {
+    ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
+    ("dead", "colocated", "colocated"),
+}
+# Seconds the TE-shell's release takes at most after detection (ranks/detector.py): two graces.
+RELEASE_GRACES = 2
 
 
 def check_failures(cfg: Config, topo: Topology) -> None:
@@ -21,6 +26,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
     _check_overlaps(cfg.faults.events)
     for i, spec in enumerate(cfg.faults.events):
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
+        if spec.kind in ("stuck", "dead"):
+            _check_detectable(cfg, f"faults.events[{i}]", spec)
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -56,6 +63,30 @@ def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) 
         raise ConfigError(
             f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment is not "
             "emulated (README.md, Failures, lists what is)"
+        )
+
+
+def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A stuck or dead die is found by the heartbeats; its peers wait for it meanwhile, and their
+    waits must outlast detection and release, or they fail with an XCCL timeout first."""
+    health = cfg.health
+    if not health.enabled:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault is found by heartbeats, and health.enabled is false"
+        )
+    if health.on_expert_lost == "restart":
+        raise ConfigError(
+            f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
+            "remaining dies) is not emulated; use stop"
+        )
+    grace = health.release_grace_s
+    needed = health.timeout_s + health.dp_interval_s + RELEASE_GRACES * grace
+    if cfg.xccl.poll_timeout_s <= needed:
+        raise ConfigError(
+            f"{where}: xccl.poll_timeout_s({cfg.xccl.poll_timeout_s:g}) must exceed detection "
+            f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
+            f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
+            "stuck die's peers would end the run with an XCCL timeout first"
         )
 
 

@@ -15,6 +15,8 @@ TAG_PD_READY, TAG_PD_DONE = 217, 218
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
 # Heartbeats, both tiers (ranks/heartbeat.py); 253-259 decode failover, 261-269 PD failover.
 TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
+# Decode failover (ranks/die_health.py): a die tells the TE-shell when its injected fault began.
+TAG_FAILURE_BEGAN = 253
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

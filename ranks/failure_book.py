@@ -1,0 +1,111 @@
+"""The TE-shell's failure records for the decode dies' `stuck` and `dead` rows (xDeepServe §6):
+one xds_mpi/failures.py FailureRecord per row, from what the dies noted (when their fault began)
+and what the detector concluded (ranks/detector.py).
+
+Projected detection time: heartbeats are a wall-clock mechanism (intervals and timeout are the
+same seconds on the pod), so the detection lands at the die's virtual injection time plus the
+wall seconds from injection to detection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ranks.die_health import FaultBegan
+from xds_mpi.config import Config
+from xds_mpi.engine.results import RequestRecord
+from xds_mpi.failures import FailureRecord
+
+RATE_WINDOW_S = 3.0  # tokens/s before and after a fault: over this many wall seconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detection:
+    """What the detector concluded: wall_time (time.time()) of the fence; verdicts: every die
+    silent past health.timeout_s -> "dead" (still silent after the release and after) or
+    "stuck" (answered again, later); recovery: what was done, in words."""
+
+    wall_time: float
+    verdicts: dict[int, str] = field(default_factory=dict)
+    recovery: str = ""
+
+
+def failure_records(
+    cfg: Config,
+    roles: dict[int, str],
+    began: dict[int, FaultBegan],
+    requests: dict[int, RequestRecord],
+    *,
+    started: float,
+    detection: Detection | None,
+) -> list[FailureRecord]:
+    """One record per stuck/dead row, then one per silent die no row names (a false verdict).
+    roles: die rank -> role; started: wall time serving started."""
+    rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    verdicts = detection.verdicts if detection else {}
+    out = [
+        _record(row.kind, row.die, row.iteration, roles, began.get(row.die), requests, started)
+        for row in rows
+    ]
+    named = {row.die for row in rows}
+    out += [
+        _record("none", die, -1, roles, None, requests, started)
+        for die in sorted(verdicts)
+        if die not in named
+    ]
+    return [_judged(r, detection, began.get(r.die), started, requests) for r in out]
+
+
+def _record(kind, die, iteration, roles, note, requests, started) -> FailureRecord:
+    if note is None:
+        return FailureRecord(
+            kind=kind,
+            die=die,
+            role=roles[die],
+            injected_iteration=iteration,
+            injected_wall_s=-1.0,
+            injected_virtual_s=-1.0,
+            recovery="never injected: the run ended before it" if kind != "none" else "",
+        )
+    at = note.wall_time
+    return FailureRecord(
+        kind=kind,
+        die=die,
+        role=roles[die],
+        injected_iteration=note.iteration,
+        injected_wall_s=at - started,
+        injected_virtual_s=note.virtual_s,
+        verdict="transient" if kind == "stuck" else "",
+        recovery="none needed: the die came back before health.timeout_s; its peers waited "
+        "in their XCCL waits"
+        if kind == "stuck"
+        else "",
+        tokens_per_s_before=tokens_per_s(requests, at - RATE_WINDOW_S, at),
+        tokens_per_s_after=tokens_per_s(requests, at, at + RATE_WINDOW_S),
+    )
+
+
+def _judged(record: FailureRecord, detection, note, started, requests) -> FailureRecord:
+    """The record with the detector's verdict, for a die it named."""
+    if detection is None or record.die not in detection.verdicts:
+        return record
+    return replace(
+        record,
+        detected_wall_s=detection.wall_time - started,
+        detected_virtual_s=note.virtual_s + detection.wall_time - note.wall_time if note else -1.0,
+        detected_by="heartbeat",
+        verdict=detection.verdicts[record.die],
+        recovery=detection.recovery,
+        requests_affected=unfinished_on(requests, record.die),
+    )
+
+
+def unfinished_on(requests: dict[int, RequestRecord], die: int) -> tuple[int, ...]:
+    """The requests a die was serving and had not finished."""
+    return tuple(sorted(i for i, r in requests.items() if r.die_rank == die and not r.finished_at))
+
+
+def tokens_per_s(requests: dict[int, RequestRecord], t0: float, t1: float) -> float:
+    """Tokens the TE-shell received in wall window [t0, t1), per second."""
+    count = sum(1 for r in requests.values() for t in r.token_times if t0 <= t < t1)
+    return count / (t1 - t0)
