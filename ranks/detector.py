@@ -60,7 +60,6 @@ class Detector:
             ctx.comm, groups, interval_s=health.dp_interval_s, timeout_s=health.timeout_s
         )
         self.began: dict[int, FaultBegan] = {}
-        self.armed_at: float | None = None
         self.detection: Detection | None = None
         self.roles = {info.rank: info.role for info in ctx.topo.ranks if info.is_die}
         self.placement = placement
@@ -71,7 +70,7 @@ class Detector:
         now = time.monotonic()
         self.sender.tick(now)
         self._take_notes()
-        silent = self._silent(now)
+        silent = self.sender.silent(now)
         if silent:
             self._fence_and_stop(silent, requests, started)
         return 0
@@ -87,15 +86,6 @@ class Detector:
         self._take_notes()
         self.fence_mem.free()
         self.sender.close()
-
-    def _silent(self, now: float) -> list[int]:
-        answers = self.sender.last_answer
-        if not answers:
-            return []
-        if self.armed_at is None:
-            self.armed_at = min(answers.values())
-        since = {t: max(answers.get(t, self.armed_at), self.armed_at) for t in self.groups}
-        return [t for t in self.groups if now - since[t] > self.timeout_s]
 
     def _take_notes(self) -> None:
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_FAILURE_BEGAN)) is not None:
