@@ -11,11 +11,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.die_failover import scale_down, take_failover
 from ranks.die_health import DieHealth, is_watched
-from ranks.die_io import DieTotals, Inbox, Outbox, serve
+from ranks.die_io import SHELL, DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
+from ranks.messages import TAG_STOP
 from ranks.recompute import Recomputer
 from xccl.recovery import Released
 from xds_mpi import trace
@@ -62,6 +64,13 @@ class ColocatedDie:
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
+        if cfg.health.replicas == "ring":  # a replica of every expert on another die (§6.2)
+            from ranks.replicas import ring_expert_map
+
+            moe_layers = self.executor.moe_layers()
+            self.executor.expert_map = ring_expert_map(topo, model, moe_layers)
+        self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
+        self.is_scaled = self.is_lost = False
         self.health = None  # §6.1: heartbeats answered from this loop (ranks/die_health.py)
         if is_watched(cfg, plan):
             self.health = DieHealth(
@@ -111,14 +120,30 @@ class ColocatedDie:
             return self.iterate()
         health.check_dead()
         if health.is_out:
-            health.idle()
-            return True
+            return self.out_turn()
         health.answer()
         try:
             return self.iterate()
         except Released:
             health.released()
             return True
+
+    def out_turn(self) -> bool:
+        """A turn out of the iterations: a released survivor waits to be told which dies are
+        lost and goes on without them (ranks/die_failover.py); a lost die idles until the job's
+        end, which it leaves without a collective (`leave`)."""
+        comm = self.outbox.comm
+        failover = None if self.health.is_dead else take_failover(comm)
+        if failover is not None:
+            scale_down(self, failover)
+            self.health.is_released = False
+            return True
+        if comm.iprobe(source=SHELL, tag=TAG_STOP):
+            comm.recv(source=SHELL, tag=TAG_STOP)
+            self.is_lost = True
+            return False
+        self.health.idle()
+        return True
 
     def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
@@ -160,6 +185,7 @@ class ColocatedDie:
         if self.health is None:
             self.dies.Allreduce(mine, total, op=MPI.SUM)
         else:  # a lost die never joins: wait so that the TE-shell's fence releases us
+            self.recompute.recovery.interrupt()  # a fence seen even by a die that never waits
             self._agree_releasable(self.dies.Iallreduce(mine, total, op=MPI.SUM))
         return bool(total[0]), total[1] == 0
 
@@ -184,6 +210,15 @@ class ColocatedDie:
         self.outbox.drain()
         if self.health is not None:
             self.health.close()
+        if self.is_scaled:  # the old windows span lost dies: their frees would never return
+            self.executor.ep.mem.free()
+            self.dies.Free()
+            return
         self.recompute.free()
         self.mem.free()
         self.dies.Free()
+
+    def leave(self) -> None:
+        """A lost die at the job's end: its own sends completed, no collective."""
+        self.outbox.drain()
+        self.health.close()

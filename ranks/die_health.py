@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from ranks.heartbeat import HeartbeatResponder
 from xds_mpi.config import Config
-from xds_mpi.tags import TAG_FAILURE_BEGAN
+from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_STOP
 
 SHELL = 0
 STUCK_OP = "dispatch"  # where a stuck die blocks
@@ -94,7 +94,9 @@ class DieHealth:
         self.has_stalled = True
         self._began("stuck")
         until = time.monotonic() + row.duration_s if row.duration_s > 0 else float("inf")
-        while time.monotonic() < until:  # blocked: no loop, no answers (until the job ends)
+        # Blocked: no loop, no answers. The job's end (the TE-shell's stop) unblocks it, so
+        # that a die stuck for good still exits (the emulator's need, not the fault's).
+        while time.monotonic() < until and not self.comm.iprobe(source=SHELL, tag=TAG_STOP):
             time.sleep(min(0.05, max(until - time.monotonic(), 0.0)))
 
     def released(self) -> None:

@@ -21,13 +21,16 @@ RATE_WINDOW_S = 3.0  # tokens/s before and after a fault: over this many wall se
 
 @dataclass(frozen=True, kw_only=True)
 class Detection:
-    """What the detector concluded: wall_time (time.time()) of the fence; verdicts: every die
-    silent past health.timeout_s -> "dead" (still silent after the release and after) or
-    "stuck" (answered again, later); recovery: what was done, in words."""
+    """What one fence concluded: wall_time (time.time()) of the fence; verdicts: the dies judged
+    -> "dead" (still silent after the release and after) or "stuck" (answered again, later);
+    recovery: what was done, in words; affected: the requests moved; resumed_wall: when the
+    dies served again (-1: the run stopped)."""
 
     wall_time: float
     verdicts: dict[int, str] = field(default_factory=dict)
     recovery: str = ""
+    affected: tuple[int, ...] = ()
+    resumed_wall: float = -1.0
 
 
 def failure_records(
@@ -37,12 +40,12 @@ def failure_records(
     requests: dict[int, RequestRecord],
     *,
     started: float,
-    detection: Detection | None,
+    detections: list[Detection],
 ) -> list[FailureRecord]:
     """One record per stuck/dead row, then one per silent die no row names (a false verdict).
     roles: die rank -> role; started: wall time serving started."""
     rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
-    verdicts = detection.verdicts if detection else {}
+    naming = {die: d for d in detections for die in d.verdicts}  # die -> its detection
     out = [
         _record(row.kind, row.die, row.iteration, roles, began.get(row.die), requests, started)
         for row in rows
@@ -50,10 +53,10 @@ def failure_records(
     named = {row.die for row in rows}
     out += [
         _record("none", die, -1, roles, None, requests, started)
-        for die in sorted(verdicts)
+        for die in sorted(naming)
         if die not in named
     ]
-    return [_judged(r, detection, began.get(r.die), started, requests) for r in out]
+    return [_judged(r, naming.get(r.die), began.get(r.die), started, requests) for r in out]
 
 
 def _record(kind, die, iteration, roles, note, requests, started) -> FailureRecord:
@@ -86,9 +89,10 @@ def _record(kind, die, iteration, roles, note, requests, started) -> FailureReco
 
 
 def _judged(record: FailureRecord, detection, note, started, requests) -> FailureRecord:
-    """The record with the detector's verdict, for a die it named."""
-    if detection is None or record.die not in detection.verdicts:
+    """The record with the verdict of the detection that named its die (None: unchanged)."""
+    if detection is None:
         return record
+    resumed = detection.resumed_wall
     return replace(
         record,
         detected_wall_s=detection.wall_time - started,
@@ -96,7 +100,10 @@ def _judged(record: FailureRecord, detection, note, started, requests) -> Failur
         detected_by="heartbeat",
         verdict=detection.verdicts[record.die],
         recovery=detection.recovery,
-        requests_affected=unfinished_on(requests, record.die),
+        requests_affected=detection.affected or unfinished_on(requests, record.die),
+        tokens_per_s_after=tokens_per_s(requests, resumed, resumed + RATE_WINDOW_S)
+        if resumed > 0
+        else record.tokens_per_s_after,
     )
 
 

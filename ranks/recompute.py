@@ -151,7 +151,7 @@ class Recomputer:
 
     def _run(self, iteration: int, attempt: Callable[[], T], state: Sequence[Recoverable]) -> T:
         if not self.is_voting:
-            return attempt()
+            return self._run_once(iteration, attempt, state)
         self._attempts = IterationAttempts(
             iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
         )
@@ -171,6 +171,25 @@ class Recomputer:
             ) from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
+
+    def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
+        """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
+        so that restore_interrupted can undo it (ranks/die_failover.py)."""
+        if self.recovery is None:
+            return attempt()
+        self._attempts = IterationAttempts(
+            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+        )
+        result = self._attempts.run(0)
+        self._attempts = None
+        return result
+
+    def restore_interrupted(self) -> None:
+        """The die back to the start of the iteration a fence interrupted (none: nothing)."""
+        if self._attempts is not None and not self.is_voting:
+            self._attempts.restore()
+            self._attempts = None
+            trace.mark_rolled_back()
 
     def _rolled_back(self, outcome: Outcome) -> None:
         """Every die's attempt failed: count it, tell it, restore the die."""

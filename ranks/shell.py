@@ -127,10 +127,11 @@ class Serving:
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
         frontend.serve()
-        mem.free()
+        if not frontend.has_failed_over():
+            mem.free()  # collective over every rank: not after a failover (lost dies)
         alone.Free()
         total = Traffic()
-        for traffic in mem.world_traffic:
+        for traffic in mem.world_traffic or ():
             total.add(traffic)
         self.cross_node = {
             "cross_node_polls": total.remote_polls,

@@ -63,6 +63,9 @@ class HealthConfig:
     probe_interval_s / probe_timeout_s: link probing of the KV-transfer path with dummy payloads.
     on_expert_lost: when a lost die held the last replica of an expert, "restart" the decode side
     from the config on the remaining dies (stage 1) or "stop" with an error naming expert and die.
+    replicas: "ring" fills each routed die's redundant slots, from the start, with copies of the
+    next routed die's experts, so that losing any one die keeps a replica of every expert
+    (vertical scaling, ranks/die_failover.py); "none" leaves them to EPLB.
     """
 
     enabled: bool = True
@@ -72,6 +75,7 @@ class HealthConfig:
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 5.0
     on_expert_lost: Literal["restart", "stop"] = "stop"
+    replicas: Literal["none", "ring"] = "none"
 
     @property
     def release_grace_s(self) -> float:

@@ -17,6 +17,8 @@ TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
 TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
 # Decode failover (ranks/die_health.py): a die tells the TE-shell when its injected fault began.
 TAG_FAILURE_BEGAN = 253
+# Vertical scaling (ranks/die_failover.py): the lost dies out to the survivors; each one's ready.
+TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 
