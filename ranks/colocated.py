@@ -64,21 +64,7 @@ class ColocatedDie:
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
-        if cfg.health.replicas == "ring":  # a replica of every expert on another die (§6.2)
-            from ranks.replicas import ring_expert_map
-
-            moe_layers = self.executor.moe_layers()
-            self.executor.expert_map = ring_expert_map(topo, model, moe_layers)
-        self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
-        self.is_scaled = self.is_lost = False
-        self.health = None  # §6.1: heartbeats answered from this loop (ranks/die_health.py)
-        if is_watched(cfg, plan):
-            self.health = DieHealth(
-                cfg,
-                ctx.comm,
-                iteration=lambda: self.executor.num_iterations,
-                virtual_s=lambda: clock.now_ns / 1e9,
-            )
+        self._failure_side(ctx, model, clock)
         self.recompute = Recomputer(
             cfg,
             self.dies,
@@ -93,6 +79,26 @@ class ColocatedDie:
         self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+
+    def _failure_side(self, ctx: RankContext, model, clock) -> None:
+        """Ring replicas (§6.2: a replica of every expert on another die) and the heartbeats
+        answered from this loop (§6.1, ranks/die_health.py)."""
+        cfg, topo = ctx.cfg, ctx.topo
+        if cfg.health.replicas == "ring":
+            from ranks.replicas import ring_expert_map
+
+            moe_layers = self.executor.moe_layers()
+            self.executor.expert_map = ring_expert_map(topo, model, moe_layers)
+        self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
+        self.is_scaled = self.is_lost = False
+        self.health = None
+        if is_watched(cfg, ctx.plan):
+            self.health = DieHealth(
+                cfg,
+                ctx.comm,
+                iteration=lambda: self.executor.num_iterations,
+                virtual_s=lambda: clock.now_ns / 1e9,
+            )
 
     def _executor(self, ctx: RankContext, model, ep, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor

@@ -132,12 +132,11 @@ class Detector:
             self.timeout_s,
         )
         # Step 3: who answers again once released, and who only later.
-        before = dict(self.sender.last_answer)
         back = self._answers_after(fenced, 2 * self.grace_s)
         lost = [d for d in self.groups if back.get(d, float("inf")) > fenced + self.grace_s]
-        # The peers were silent too, waiting for the lost die; with none lost, the die silent
-        # the longest is the one that was stuck.
-        judged = lost or [min(silent, key=lambda d: before.get(d, 0.0))]
+        # The peers were silent too, waiting for the lost die, and answer at once when
+        # released; with none lost, the die that answered last was the stuck one.
+        judged = lost or [max(back, key=back.get)]
         verdicts = {d: "dead" if d not in back else "stuck" for d in judged}
         self._take_notes()
         why_not = self._why_not_scale(lost)

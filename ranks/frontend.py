@@ -85,6 +85,11 @@ class Frontend:
             if not did_work:
                 time.sleep(0.0005)
         progress.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Stop every die (the lost ones too, so that they leave), take the reports, traces and
+        last tokens."""
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         lost = self.lost_dies()  # told too, so that they leave (without a collective)
         send_to_each(

@@ -186,8 +186,13 @@ class Recomputer:
 
     def restore_interrupted(self) -> None:
         """The die back to the start of the iteration a fence interrupted (none: nothing)."""
-        if self._attempts is not None and not self.is_voting:
-            self._attempts.restore()
+        attempts, c = self._attempts, self.counters
+        if attempts is not None and not self.is_voting:
+            c.rollbacks += 1
+            c.recomputed_iterations += 1
+            c.wall_lost_s += attempts.wall_s()
+            c.vtime_lost_s += attempts.vtime_s()
+            attempts.restore()
             self._attempts = None
             trace.mark_rolled_back()
 

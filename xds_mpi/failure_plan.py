@@ -24,6 +24,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
     for i, spec in enumerate(cfg.faults.events):
         _check_row(cfg, topo, f"faults.events[{i}]", spec)
     _check_overlaps(cfg.faults.events)
+    if cfg.health.replicas == "ring":
+        _check_ring(cfg, topo)
     for i, spec in enumerate(cfg.faults.events):
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead"):
@@ -87,6 +89,29 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
             f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
             f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
             "stuck die's peers would end the run with an XCCL timeout first"
+        )
+
+
+def _check_ring(cfg: Config, topo: Topology) -> None:
+    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots take the next
+    routed die's experts, from the start and for good."""
+    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring fills the redundant slots of a colocated deployment without "
+            f"PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled}, "
+            f"eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+        )
+    routed = [
+        sum(1 for s in info.expert_slots if s.kind == "routed")
+        for info in topo.ranks
+        if any(s.kind == "routed" for s in info.expert_slots)
+    ]
+    redundant = cfg.deployment.redundant_slots_per_die
+    if redundant < max(routed):
+        raise ConfigError(
+            f"health.replicas=ring copies each die's {max(routed)} routed experts into the "
+            f"previous die's redundant slots: deployment.redundant_slots_per_die({redundant}) "
+            f"must be >= {max(routed)}"
         )
 
 
