@@ -225,6 +225,10 @@ class ColocatedDie:
         self.dies.Free()
 
     def leave(self) -> None:
-        """A lost die at the job's end: its own sends completed, no collective."""
+        """A lost die at the job's end: its own sends completed, what the TE-shell sent it
+        meanwhile (requests, pings) taken, no collective."""
         self.outbox.drain()
         self.health.close()
+        comm = self.outbox.comm
+        while (message := comm.improbe(source=SHELL, tag=MPI.ANY_TAG)) is not None:
+            message.recv()

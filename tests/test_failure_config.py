@@ -140,3 +140,19 @@ def test_stuck_and_dead_rows_on_afd_dies_are_still_refused():
     cfg = config_from_dict(raw)
     with pytest.raises(ConfigError, match="dead fault on a expert die of a afd deployment"):
         check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "sections, reason",
+    [
+        ({}, r"deployment.redundant_slots_per_die\(0\) must be >= 4"),
+        (
+            {"deployment": {"redundant_slots_per_die": 4}, "eplb": {"enabled": True}},
+            "without PD or EPLB",
+        ),
+    ],
+)
+def test_ring_replicas_without_their_slots_or_with_eplb_are_refused(sections, reason):
+    sections = {**sections, "health": {"replicas": "ring"}}
+    with pytest.raises(ConfigError, match=reason):
+        _check([], **sections)
