@@ -53,6 +53,7 @@ class Frontend:
         )
         self.num_open = len(self.queue)
         self.batches_from: Counter[int] = Counter()  # die rank -> token batches taken
+        self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/shell_failover.py)
         # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
         self.detector = None
         if is_watched(cfg, ctx.plan):
@@ -170,7 +171,7 @@ class Frontend:
 
     def lost_dies(self) -> tuple[int, ...]:
         """The DP groups lost and scaled away (ranks/shell_failover.py)."""
-        return tuple(g for g in decode_groups(self.ctx.topo) if g not in self.groups)
+        return self.lost
 
     def has_failed_over(self) -> bool:
         """Did the dies rebuild without some die (or all of them, after a stuck one)?"""

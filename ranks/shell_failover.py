@@ -35,7 +35,7 @@ def scale_down(frontend, loss: Loss) -> None:
     orphans: list[int] = []  # Step 3
     for die in loss.lost:
         orphans += frontend.balancer.remove_group(die)
-    frontend.groups = survivors
+    frontend.groups, frontend.lost = survivors, frontend.lost + loss.lost
     for req_id in sorted(orphans, reverse=True):
         frontend.queue.appendleft(resumed(frontend.records[req_id]))
     recovery = (
