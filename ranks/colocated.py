@@ -191,7 +191,7 @@ class ColocatedDie:
         if self.health is None:
             self.dies.Allreduce(mine, total, op=MPI.SUM)
         else:  # a lost die never joins: wait so that the TE-shell's fence releases us
-            self.recompute.recovery.interrupt()  # a fence seen even by a die that never waits
+            self.recompute.recovery.check_fence()  # a fence seen even by a die that never waits
             self._agree_releasable(self.dies.Iallreduce(mine, total, op=MPI.SUM))
         return bool(total[0]), total[1] == 0
 
@@ -199,7 +199,7 @@ class ColocatedDie:
         timeout_s = self.outbox.timeout_s
         deadline = time.monotonic() + timeout_s
         while not request.Test():
-            self.recompute.recovery.interrupt()  # raises Released after a fence
+            self.recompute.recovery.check_fence()  # raises Released after a fence
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"die rank {self.outbox.rank}: not every die agreed on iteration "

@@ -133,17 +133,27 @@ class Recovery:
     def interrupt(self) -> None:
         """Raise Released if the TE-shell fenced the dies, RollbackRequested if another die
         signalled that this attempt failed."""
+        word, fence = self._words()
+        self._check_fence(fence)
+        if word > self.epoch:
+            raise RollbackRequested(self.rank, self.epoch)
+
+    def check_fence(self) -> None:
+        """Raise Released if the TE-shell fenced the dies (outside an attempt, e.g. while the
+        dies agree between iterations, where a rollback word belongs to the next attempt)."""
+        self._check_fence(self._words()[1])
+
+    def _words(self) -> tuple[int, int]:
+        """(rollback word, fence word) of this die's window."""
         if self.is_one_node:
             self.mem.sync()
-            word, fence = int(self.mem.words[0]), int(self.mem.words[1])
-        else:
-            word = self.mem.fetch_word(self.me, ROLLBACK_WORD)
-            fence = self.mem.fetch_word(self.me, FENCE_WORD)
+            return int(self.mem.words[0]), int(self.mem.words[1])
+        return self.mem.fetch_word(self.me, ROLLBACK_WORD), self.mem.fetch_word(self.me, FENCE_WORD)
+
+    def _check_fence(self, fence: int) -> None:
         if fence > self.fence_seen:
             self.fence_seen = fence
             raise Released(self.rank, fence)
-        if word > self.epoch:
-            raise RollbackRequested(self.rank, self.epoch)
 
     def notify(self) -> None:
         """Tell every die that this attempt failed: epoch + 1 into every die's word, flushed."""
