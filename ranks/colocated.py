@@ -65,17 +65,7 @@ class ColocatedDie:
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
         self._failure_side(ctx, model, clock)
-        self.recompute = Recomputer(
-            cfg,
-            self.dies,
-            ctx.comm.rank,
-            [ep],
-            self.pricer,
-            events=self.executor.events,
-            log=ctx.log,
-            window_comm=ctx.comm if self.health else None,  # the TE-shell fences the waits
-            stall=self.health.stall if self.health else None,
-        )
+        self.recompute = self._recomputer(ctx, ep)
         self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
@@ -99,6 +89,21 @@ class ColocatedDie:
                 iteration=lambda: self.executor.num_iterations,
                 virtual_s=lambda: clock.now_ns / 1e9,
             )
+
+    def _recomputer(self, ctx: RankContext, ep) -> Recomputer:
+        """Token recomputation (§6.2 stage 3); with heartbeats, its abort-word window spans the
+        TE-shell too, which fences the waits through it (§6.1)."""
+        return Recomputer(
+            ctx.cfg,
+            self.dies,
+            ctx.comm.rank,
+            [ep],
+            self.pricer,
+            events=self.executor.events,
+            log=ctx.log,
+            window_comm=ctx.comm if self.health else None,
+            stall=self.health.stall if self.health else None,
+        )
 
     def _executor(self, ctx: RankContext, model, ep, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor

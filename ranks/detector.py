@@ -35,8 +35,6 @@ from xds_mpi.eplb.placement import Placement, remove_die
 from xds_mpi.failures import FailureRecord, write_failures
 from xds_mpi.tags import TAG_FAILURE_BEGAN
 
-STOPPED = "none: vertical scaling is not emulated, the run stops"
-
 
 @dataclass(frozen=True, kw_only=True)
 class Loss:
@@ -46,6 +44,13 @@ class Loss:
     lost: tuple[int, ...]
     verdicts: dict[int, str]
     detected_at: float
+
+
+def stopped(why_not: str) -> str:
+    """The failure record's recovery text of a run that stops."""
+    if why_not.startswith("health.on_expert_lost=stop"):
+        return "none, the run stops: an expert lost its last replica (health.on_expert_lost=stop)"
+    return f"none, the run stops: {why_not}"
 
 
 class DecodeDieLost(RuntimeError):
@@ -142,7 +147,7 @@ class Detector:
         why_not = self._why_not_scale(lost)
         if why_not:
             self._stop(
-                Detection(wall_time=detected_at, verdicts=verdicts, recovery=STOPPED),
+                Detection(wall_time=detected_at, verdicts=verdicts, recovery=stopped(why_not)),
                 lost,
                 why_not,
                 requests,

@@ -16,7 +16,9 @@ from xds_mpi.config import Config
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.failures import FailureRecord
 
-RATE_WINDOW_S = 3.0  # tokens/s before and after a fault: over this many wall seconds
+# tokens/s before a fault (from serving's start at the earliest) and after it, or after the
+# dies resumed: over this many wall seconds.
+RATE_WINDOW_S = 3.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +85,7 @@ def _record(kind, die, iteration, roles, note, requests, started) -> FailureReco
         "in their XCCL waits"
         if kind == "stuck"
         else "",
-        tokens_per_s_before=tokens_per_s(requests, at - RATE_WINDOW_S, at),
+        tokens_per_s_before=tokens_per_s(requests, max(at - RATE_WINDOW_S, started), at),
         tokens_per_s_after=tokens_per_s(requests, at, at + RATE_WINDOW_S),
     )
 
@@ -113,6 +115,8 @@ def unfinished_on(requests: dict[int, RequestRecord], die: int) -> tuple[int, ..
 
 
 def tokens_per_s(requests: dict[int, RequestRecord], t0: float, t1: float) -> float:
-    """Tokens the TE-shell received in wall window [t0, t1), per second."""
+    """Tokens the TE-shell received in wall window [t0, t1), per second (0 for an empty one)."""
+    if t1 <= t0:
+        return 0.0
     count = sum(1 for r in requests.values() for t in r.token_times if t0 <= t < t1)
     return count / (t1 - t0)

@@ -29,8 +29,7 @@ def run(ctx: RankContext) -> int:
         return decode_shell.run(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
-    handshake_s, status, serving, placements = 0.0, "completed", None, ()
-    lost_writer = None  # a decode die lost (ranks/detector.py): its failure records
+    handshake_s, status, serving, placements, lost_writer = 0.0, "completed", None, (), None
     ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
     try:
         placements = handshake(ctx)
@@ -49,7 +48,7 @@ def run(ctx: RankContext) -> int:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
     except Exception as exc:
         status = f"failed: {exc}"
-        lost_writer = getattr(exc, "write_failures", None)
+        lost_writer = getattr(exc, "write_failures", None)  # a decode die lost: its records
         raise
     finally:
         write_run_file(
