@@ -4,19 +4,25 @@ every MoE layer's dispatch and combine, even with nothing to send."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
-from ranks.die_io import DieTotals, Inbox, Outbox, serve
+from ranks.die_failover import scale_down, take_failover
+from ranks.die_health import DieHealth, is_watched
+from ranks.die_io import SHELL, DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
 from ranks.handshake import handshake
 from ranks.memory_check import MemoryCheck
+from ranks.messages import TAG_STOP
 from ranks.recompute import Recomputer
+from xccl.recovery import Released
 from xds_mpi import trace
+from xds_mpi.control import WaitTimeout
 
 
 def run(ctx: RankContext) -> None:
@@ -59,19 +65,47 @@ class ColocatedDie:
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
-        self.recompute = Recomputer(
-            cfg,
+        self._failure_side(ctx, model, clock)
+        self.recompute = self._recomputer(ctx, ep)
+        self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
+        self.inbox = Inbox(ctx.comm, self.scheduler)
+        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+        self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults (ranks/memory_check.py)
+
+    def _failure_side(self, ctx: RankContext, model, clock) -> None:
+        """Ring replicas (§6.2: a replica of every expert on another die) and the heartbeats
+        answered from this loop (§6.1, ranks/die_health.py)."""
+        cfg, topo = ctx.cfg, ctx.topo
+        if cfg.health.replicas == "ring":
+            from ranks.replicas import ring_expert_map
+
+            moe_layers = self.executor.moe_layers()
+            self.executor.expert_map = ring_expert_map(topo, model, moe_layers)
+        self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
+        self.is_scaled = self.is_lost = False
+        self.health = None
+        if is_watched(cfg, ctx.plan):
+            self.health = DieHealth(
+                cfg,
+                ctx.comm,
+                iteration=lambda: self.executor.num_iterations,
+                virtual_s=lambda: clock.now_ns / 1e9,
+            )
+
+    def _recomputer(self, ctx: RankContext, ep) -> Recomputer:
+        """Token recomputation (§6.2 stage 3); with heartbeats, its abort-word window spans the
+        TE-shell too, which fences the waits through it (§6.1)."""
+        return Recomputer(
+            ctx.cfg,
             self.dies,
             ctx.comm.rank,
             [ep],
             self.pricer,
             events=self.executor.events,
             log=ctx.log,
+            window_comm=ctx.comm if self.health else None,
+            stall=self.health.stall if self.health else None,
         )
-        self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
-        self.inbox = Inbox(ctx.comm, self.scheduler)
-        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
-        self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults (ranks/memory_check.py)
 
     def _executor(self, ctx: RankContext, model, ep, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor
@@ -92,6 +126,39 @@ class ColocatedDie:
         )
 
     def step(self) -> bool:
+        """One turn of the event loop: heartbeats answered here only (§6.1), then an iteration.
+        A die released by the TE-shell's fence, or a dead one, only idles from then on."""
+        health = self.health
+        if health is None:
+            return self.iterate()
+        health.check_dead()
+        if health.is_out:
+            return self.out_turn()
+        health.answer()
+        try:
+            return self.iterate()
+        except Released:
+            health.released()
+            return True
+
+    def out_turn(self) -> bool:
+        """A turn out of the iterations: a released survivor waits to be told which dies are
+        lost and goes on without them (ranks/die_failover.py); a lost die idles until the job's
+        end, which it leaves without a collective (`leave`)."""
+        comm = self.outbox.comm
+        failover = None if self.health.is_dead else take_failover(comm)
+        if failover is not None:
+            scale_down(self, failover)
+            self.health.is_released = False
+            return True
+        if comm.iprobe(source=SHELL, tag=TAG_STOP):
+            comm.recv(source=SHELL, tag=TAG_STOP)
+            self.is_lost = True
+            return False
+        self.health.idle()
+        return True
+
+    def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
@@ -129,8 +196,24 @@ class ColocatedDie:
         """(does any die have work, has every die been told to stop) — one allreduce."""
         mine = np.array([self.scheduler.num_active, 0 if self.inbox.is_stopped else 1])
         total = np.empty_like(mine)
-        self.dies.Allreduce(mine, total, op=MPI.SUM)
+        if self.health is None:
+            self.dies.Allreduce(mine, total, op=MPI.SUM)
+        else:  # a lost die never joins: wait so that the TE-shell's fence releases us
+            self.recompute.recovery.check_fence()  # a fence seen even by a die that never waits
+            self._agree_releasable(self.dies.Iallreduce(mine, total, op=MPI.SUM))
         return bool(total[0]), total[1] == 0
+
+    def _agree_releasable(self, request: MPI.Request) -> None:
+        timeout_s = self.outbox.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            self.recompute.recovery.check_fence()  # raises Released after a fence
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"die rank {self.outbox.rank}: not every die agreed on iteration "
+                    f"{self.executor.num_iterations} after {timeout_s:g} s"
+                )
+            os.sched_yield()
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report
@@ -139,6 +222,21 @@ class ColocatedDie:
     def close(self) -> None:
         self.eplb.close()
         self.outbox.drain()
+        if self.health is not None:
+            self.health.close()
+        if self.is_scaled:  # the old windows span lost dies: their frees would never return
+            self.executor.ep.mem.free()
+            self.dies.Free()
+            return
         self.recompute.free()
         self.mem.free()
         self.dies.Free()
+
+    def leave(self) -> None:
+        """A lost die at the job's end: its own sends completed, what the TE-shell sent it
+        meanwhile (requests, pings) taken, no collective."""
+        self.outbox.drain()
+        self.health.close()
+        comm = self.outbox.comm
+        while (message := comm.improbe(source=SHELL, tag=MPI.ANY_TAG)) is not None:
+            message.recv()

@@ -58,6 +58,9 @@ def serve(die: DecodeDie) -> None:
     together (an error aborts the job instead of hanging in a collective)."""
     while die.step():
         pass
+    if getattr(die, "is_lost", False):  # a lost die (ranks/die_failover.py): no collective
+        die.leave()
+        return
     totals = die.totals()
     die.outbox.report(totals.num_iterations, totals.virtual_spent, totals.recovery)
     send_trace(die.outbox.comm, timeout_s=die.outbox.timeout_s)
@@ -89,6 +92,7 @@ class Outbox:
         self.pending: list[MPI.Request] = []
         self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
         self.num_iterations = 0
+        self.num_batches = 0  # token batches sent (vertical scaling waits for all of them)
 
     def stream(self, emitted: list[Emitted], timing: IterationTiming) -> None:
         """Send this iteration's tokens, with the MTP drafts each decode step verified, straight
@@ -105,6 +109,7 @@ class Outbox:
                 steps=tuple(e.step for e in emitted if e.step),
             )
             self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
+            self.num_batches += 1
         self.pending = [r for r in self.pending if not r.Test()]
 
     def report(

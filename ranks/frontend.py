@@ -4,11 +4,13 @@ the decode load balancer (xDeepServe §4.3), and takes the tokens the dies strea
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.detector import Detector
+from ranks.die_health import is_watched
 from ranks.eplb_shell import make_eplb_shell
 from ranks.memory_check import MemoryLosses
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
@@ -51,6 +53,12 @@ class Frontend:
             mtp_depth=sched.mtp_depth,
         )
         self.num_open = len(self.queue)
+        self.batches_from: Counter[int] = Counter()  # die rank -> token batches taken
+        self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/shell_failover.py)
+        # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
+        self.detector = None
+        if is_watched(cfg, ctx.plan):
+            self.detector = Detector(ctx, self.groups, self._placement)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
@@ -65,6 +73,12 @@ class Frontend:
         while self.num_open:
             did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
             did_work += self.memory.poll()
+            if self.detector is not None and (
+                loss := self.detector.poll(self.records, self.started)
+            ):
+                from ranks.shell_failover import scale_down
+
+                scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline:
@@ -75,10 +89,16 @@ class Frontend:
             if not did_work:
                 time.sleep(0.0005)
         progress.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Stop every die (the lost ones too, so that they leave), take the reports, traces and
+        last tokens."""
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
+        lost = self.lost_dies()  # told too, so that they leave (without a collective)
         send_to_each(
             self.comm,
-            {g: None for g in self.groups},
+            {g: None for g in self.groups + lost},
             tag=TAG_STOP,
             timeout_s=timeout_s,
             me="TE-shell",
@@ -92,10 +112,12 @@ class Frontend:
             me="TE-shell",
             event="die report",
         )
-        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s)
+        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost)
         self._take_tokens()
         self.eplb.finish()
         MPI.Request.Waitall(self.sends)
+        if self.detector is not None:
+            self.detector.close()
 
     def _dispatch_arrived(self) -> int:
         now, num = time.time() - self.started, 0
@@ -119,6 +141,7 @@ class Frontend:
             batch = message.recv()
             for step in batch.steps:
                 self.records[step.req_id].add_step(step.drafts, step.num_accepted)
+            self.batches_from[batch.die_rank] += 1
             for req_id, token, is_finished in batch.tokens:
                 record = self.records[req_id]
                 record.add_token(token, batch.wall_time)
@@ -140,6 +163,42 @@ class Frontend:
             queued=len(self.queue),
             elapsed_s=time.time() - self.started,
         )
+
+    def _watch(self) -> None:
+        """§6.1 heartbeats; on a loss, §6.2 stage 2: the dies go on without the lost ones."""
+        loss = self.detector.poll(self.records, self.started)
+        if loss is not None:
+            from ranks.shell_failover import scale_down
+
+            scale_down(self, loss)
+
+    def lost_dies(self) -> tuple[int, ...]:
+        """The DP groups lost and scaled away (ranks/shell_failover.py)."""
+        return self.lost
+
+    def has_failed_over(self) -> bool:
+        """Did the dies rebuild without some die (or all of them, after a stuck one)?"""
+        return self.detector is not None and bool(self.detector.detections)
+
+    def _placement(self):
+        """The expert placement now: EPLB's when it balances, else the topology's."""
+        from xds_mpi.eplb.placement import from_topology
+
+        placement = getattr(self.eplb, "placement", None)
+        if placement is not None:
+            return placement
+        from ranks.replicas import ring_placement
+
+        cfg = self.ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
+        num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
+        place = ring_placement if cfg.health.replicas == "ring" else from_topology
+        return place(self.ctx.topo, num_moe_layers)
+
+    def failure_records(self) -> list:
+        """One record per stuck/dead row (and per die silent without one); [] if unwatched."""
+        if self.detector is None:
+            return []
+        return self.detector.records(self.records, self.started)
 
     def arrival_wall(self, req_id: int) -> float:
         return self.started + self.records[req_id].req.arrival_s

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from mpi4py import MPI
 
 from xccl.errors import RetriesExhausted, XcclError
-from xccl.faults import RecoverableBuffer, RecoveryHooks
+from xccl.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery import FaultReport, Outcome, Recovery
 from xds_mpi import trace
 from xds_mpi.config import Config
@@ -113,8 +113,14 @@ class Recomputer:
         *,
         events: EventMap,
         log: logging.Logger | None = None,
+        window_comm: MPI.Comm | None = None,
+        stall: FaultHook | None = None,
     ) -> None:
-        """events: how the die's XCCL operations number their events (the fault plan's layers)."""
+        """events: how the die's XCCL operations number their events (the fault plan's layers).
+        window_comm: the world communicator when the TE-shell fences these dies (ranks/detector.py):
+        the abort words' window then spans it, and the waits check the fence even with no fault
+        table. stall: the die's stuck-fault hook (ranks/die_health.py), called inside each
+        operation before the fault plan's."""
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
@@ -123,11 +129,15 @@ class Recomputer:
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
         self.plan = FaultPlan(cfg.faults, rank, events)
-        self.recovery = (
-            Recovery(comm, timeout_s=cfg.xccl.poll_timeout_s) if cfg.faults.is_enabled else None
-        )
-        if self.recovery is not None:
-            hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=self.plan.check)
+        self.is_voting = cfg.faults.is_enabled  # transient errors: attempts and votes
+        self.recovery = None
+        if self.is_voting or window_comm is not None:
+            self.recovery = Recovery(
+                comm, timeout_s=cfg.xccl.poll_timeout_s, window_comm=window_comm
+            )
+            check = self.plan.check if self.is_voting else None
+            hook = _chain(stall, check)
+            hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
             for b in self.buffers:
                 b.set_recovery(hooks)
 
@@ -140,8 +150,8 @@ class Recomputer:
             return self._run(iteration, attempt, state)
 
     def _run(self, iteration: int, attempt: Callable[[], T], state: Sequence[Recoverable]) -> T:
-        if self.recovery is None:
-            return attempt()
+        if not self.is_voting:
+            return self._run_once(iteration, attempt, state)
         self._attempts = IterationAttempts(
             iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
         )
@@ -161,6 +171,30 @@ class Recomputer:
             ) from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
+
+    def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
+        """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
+        so that restore_interrupted can undo it (ranks/die_failover.py)."""
+        if self.recovery is None:
+            return attempt()
+        self._attempts = IterationAttempts(
+            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+        )
+        result = self._attempts.run(0)
+        self._attempts = None
+        return result
+
+    def restore_interrupted(self) -> None:
+        """The die back to the start of the iteration a fence interrupted (none: nothing)."""
+        attempts, c = self._attempts, self.counters
+        if attempts is not None and not self.is_voting:
+            c.rollbacks += 1
+            c.recomputed_iterations += 1
+            c.wall_lost_s += attempts.wall_s()
+            c.vtime_lost_s += attempts.vtime_s()
+            attempts.restore()
+            self._attempts = None
+            trace.mark_rolled_back()
 
     def _rolled_back(self, outcome: Outcome) -> None:
         """Every die's attempt failed: count it, tell it, restore the die."""
@@ -206,6 +240,19 @@ class Recomputer:
     def free(self) -> None:
         if self.recovery is not None:
             self.recovery.free()
+
+
+def _chain(*hooks: FaultHook | None) -> FaultHook | None:
+    """One fault hook calling each given hook in turn (None: no hook at all)."""
+    given = [h for h in hooks if h is not None]
+    if not given:
+        return None
+
+    def hook(op: str, event_id: int) -> None:
+        for h in given:
+            h(op, event_id)
+
+    return hook
 
 
 def describe(faults: Sequence[FaultReport], events: EventMap) -> str:

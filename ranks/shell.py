@@ -29,7 +29,7 @@ def run(ctx: RankContext) -> int:
         return decode_shell.run(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
-    handshake_s, status, serving, placements = 0.0, "completed", None, ()
+    handshake_s, status, serving, placements, lost_writer = 0.0, "completed", None, (), None
     ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
     try:
         placements = handshake(ctx)
@@ -48,6 +48,7 @@ def run(ctx: RankContext) -> int:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
     except Exception as exc:
         status = f"failed: {exc}"
+        lost_writer = getattr(exc, "write_failures", None)  # a decode die lost: its records
         raise
     finally:
         write_run_file(
@@ -58,7 +59,7 @@ def run(ctx: RankContext) -> int:
             started_at=started_at,
             wall_time_s=time.perf_counter() - started,
             handshake_s=handshake_s,
-            extra=serving.write if serving else None,
+            extra=serving.write if serving else lost_writer,
             hosts=[p.host for p in placements],
             nodes=[p.node for p in placements],
         )
@@ -87,12 +88,15 @@ class Serving:
             frontend = self._serve(ctx)
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
+        self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        for record in self.failures:
+            ctx.log.info(record.describe())
         self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
         if self.eplb:
             for line in self.eplb.lines():
@@ -105,9 +109,10 @@ class Serving:
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
         roles = {info.rank: info.role for info in ctx.topo.ranks}
-        self.failures = frontend.memory.records(roles, self.started, time.time())  # §6.2
-        for record in self.failures:
+        memory = frontend.memory.records(roles, self.started, time.time())  # §6.2 stage 3
+        for record in memory:
             ctx.log.warning(record.describe())
+        self.failures = self.failures + memory
         self.mismatches: list[str] = []
         self.check_line = ""
         self.is_checked = ctx.cfg.run.check
@@ -126,10 +131,11 @@ class Serving:
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
         frontend.serve()
-        mem.free()
+        if not frontend.has_failed_over():
+            mem.free()  # collective over every rank: not after a failover (lost dies)
         alone.Free()
         total = Traffic()
-        for traffic in mem.world_traffic:
+        for traffic in mem.world_traffic or ():
             total.add(traffic)
         self.cross_node = {
             "cross_node_polls": total.remote_polls,

@@ -43,13 +43,16 @@ def traced_ranks(topo) -> tuple[int, ...]:
     return tuple(r for role in TRACED_ROLES for r in topo.ranks_with_role(role))
 
 
-def gather_traces(comm: MPI.Comm, topo, *, timeout_s: float) -> dict[int, list[SpanRecord]]:
-    """Every traced rank's events, by rank ({} with tracing off)."""
+def gather_traces(
+    comm: MPI.Comm, topo, *, timeout_s: float, skip: tuple[int, ...] = ()
+) -> dict[int, list[SpanRecord]]:
+    """Every traced rank's events but those of `skip` (lost dies), by rank ({} with tracing
+    off)."""
     if not trace.is_enabled():
         return {}
     received = recv_from_each(
         comm,
-        traced_ranks(topo),
+        [r for r in traced_ranks(topo) if r not in skip],
         tag=TAG_TRACE,
         timeout_s=timeout_s,
         me="TE-shell",

@@ -14,3 +14,10 @@ def pytest_addoption(parser):
         " a pairwise cover of the axes (default, ~20 runs) or every accepted "
         "combination (thousands of runs: a nightly-style job)",
     )
+    parser.addoption(
+        "--failure-matrix",
+        action="store_true",
+        default=False,
+        help="tests/test_decode_failover.py: every {stuck, dead} x {early, mid-run} fault on a "
+        "colocated die (4 serving runs more)",
+    )

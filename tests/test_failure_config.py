@@ -105,3 +105,54 @@ def test_failure_records_round_trip_through_the_run_file(tmp_path):
     assert records[0].detection_s == pytest.approx(1.25)
     assert "detected after 1.25 s by heartbeat" in records[0].describe()
     assert "never detected" in records[1].describe() and "lost [7]" in records[1].describe()
+
+
+def test_stuck_and_dead_rows_on_colocated_dies_are_accepted():
+    _check([{"kind": "dead", "die": 2, "iteration": 3}, {"kind": "stuck", "die": 1}])
+
+
+@pytest.mark.parametrize(
+    "sections, reason",
+    [
+        ({"health": {"enabled": False}}, "found by heartbeats, and health.enabled is false"),
+        (
+            {"health": {"on_expert_lost": "restart"}},
+            "on_expert_lost=restart .* is not emulated; use stop",
+        ),
+        (
+            {"xccl": {"poll_timeout_s": 20}, "health": {"timeout_s": 10}},
+            r"xccl.poll_timeout_s\(20\) must exceed detection and release, health.timeout_s\(10\)"
+            r" \+ dp_interval_s\(0.2\) \+ 2 x 5 s = 20.2 s",
+        ),
+    ],
+)
+def test_undetectable_stuck_or_dead_rows_are_refused(sections, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _check([{"kind": "dead", "die": 2, "iteration": 3}], **sections)
+
+
+def test_stuck_and_dead_rows_on_afd_dies_are_still_refused():
+    import yaml
+    from harness import REPO_ROOT
+
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
+    raw["faults"] = {"events": [{"kind": "dead", "die": 6, "iteration": 1}]}
+    cfg = config_from_dict(raw)
+    with pytest.raises(ConfigError, match="dead fault on a expert die of a afd deployment"):
+        check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.parametrize(
+    "sections, reason",
+    [
+        ({}, r"deployment.redundant_slots_per_die\(0\) must be >= 4"),
+        (
+            {"deployment": {"redundant_slots_per_die": 4}, "eplb": {"enabled": True}},
+            "without PD or EPLB",
+        ),
+    ],
+)
+def test_ring_replicas_without_their_slots_or_with_eplb_are_refused(sections, reason):
+    sections = {**sections, "health": {"replicas": "ring"}}
+    with pytest.raises(ConfigError, match=reason):
+        _check([], **sections)

@@ -24,7 +24,14 @@ fault) and never sees the interrupt, since it waits for nothing more. The vote, 
 interrupt, decides: every die learns there whether any die failed, and all of them re-execute,
 so all dies stay in the same iteration with the same publication numbers.
 
-Cost (shared/MPI_NOTES.md idioms): interrupt() is Win.Sync + one load when every die shares this
+The TE-shell's release (xDeepServe §6.1, ranks/detector.py) rides the same window: word 1 of each
+die's window is the fence, which only the TE-shell writes (the window then spans the world
+communicator, the TE-shell holding no words). interrupt() checks it first; a fence above the
+last one seen raises Released, so a die waiting for a lost peer leaves its wait, returns to its
+event loop and answers heartbeats again. No vote follows a release: the lost die would never
+join it.
+
+Cost (docs/mpi.md idioms): interrupt() is Win.Sync + one load when every die shares this
 node, else Fetch_and_op(NO_OP) + Flush on oneself, which also reaches writers on other nodes.
 """
 
@@ -39,13 +46,32 @@ from typing import TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from xccl.errors import InjectedFault, RetriesExhausted, RollbackRequested, XcclTimeout
+from xccl.errors import (
+    InjectedFault,
+    RetriesExhausted,
+    RollbackRequested,
+    XcclError,
+    XcclTimeout,
+)
 from xccl.faults import OPS, Realignable
 from xccl.gmem import DieMemory
 
 T = TypeVar("T")
 # Vote message per die: notified, has fault, fault die, op index, event id, code, then states.
 HEADER = 6
+ROLLBACK_WORD, FENCE_WORD = 0, 8  # byte offsets in each die's window
+
+
+class Released(XcclError):
+    """Raised inside a wait (or the dies' agreement) when the TE-shell fenced the dies after a
+    silent one: leave the iteration and answer from the event loop (ranks/detector.py)."""
+
+    def __init__(self, die: int, fence: int) -> None:
+        super().__init__(f"die rank {die}: released by the TE-shell's fence {fence}")
+        self.die, self.fence = die, fence
+
+    def __reduce__(self):
+        return type(self), (self.die, self.fence)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,11 +105,25 @@ class Outcome:
 class Recovery:
     """The abort signal and the vote over the dies' communicator (collective constructor)."""
 
-    def __init__(self, comm: MPI.Comm, *, timeout_s: float, max_states: int = 16) -> None:
-        self.mem = DieMemory(comm, 8)
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        *,
+        timeout_s: float,
+        max_states: int = 16,
+        window_comm: MPI.Comm | None = None,
+    ) -> None:
+        """window_comm: the communicator the abort words' window spans (default: comm, the dies);
+        the world one when a TE-shell fences the dies (it joins with `fence_window`)."""
+        window_comm = comm if window_comm is None else window_comm
+        self.mem = DieMemory(window_comm, 16)
+        # Each die's rank in the window (the dies' ranks in the world, with a TE-shell).
+        self.peers = comm.group.Translate_ranks(list(range(comm.size)), window_comm.group)
+        self.me = window_comm.rank
         # A writer on another node needs the RMA idiom; one node: a local load sees every write.
         self.is_one_node = all(self.mem.is_same_node)
         self.comm, self.rank, self.num_dies = comm, comm.rank, comm.size
+        self.fence_seen = 0
         self.timeout_s, self.max_states = timeout_s, max_states
         self.epoch = 0
         self._notified = False
@@ -91,20 +131,35 @@ class Recovery:
         self._recv = np.zeros((comm.size, HEADER + max_states), np.int64)
 
     def interrupt(self) -> None:
-        """Raise RollbackRequested if another die signalled that this attempt failed."""
-        if self.is_one_node:
-            self.mem.sync()
-            word = int(self.mem.words[0])
-        else:
-            word = self.mem.fetch_word(self.rank, 0)
+        """Raise Released if the TE-shell fenced the dies, RollbackRequested if another die
+        signalled that this attempt failed."""
+        word, fence = self._words()
+        self._check_fence(fence)
         if word > self.epoch:
             raise RollbackRequested(self.rank, self.epoch)
 
+    def check_fence(self) -> None:
+        """Raise Released if the TE-shell fenced the dies (outside an attempt, e.g. while the
+        dies agree between iterations, where a rollback word belongs to the next attempt)."""
+        self._check_fence(self._words()[1])
+
+    def _words(self) -> tuple[int, int]:
+        """(rollback word, fence word) of this die's window."""
+        if self.is_one_node:
+            self.mem.sync()
+            return int(self.mem.words[0]), int(self.mem.words[1])
+        return self.mem.fetch_word(self.me, ROLLBACK_WORD), self.mem.fetch_word(self.me, FENCE_WORD)
+
+    def _check_fence(self, fence: int) -> None:
+        if fence > self.fence_seen:
+            self.fence_seen = fence
+            raise Released(self.rank, fence)
+
     def notify(self) -> None:
         """Tell every die that this attempt failed: epoch + 1 into every die's word, flushed."""
-        for die in range(self.num_dies):
-            self.mem.store_word(die, 0, self.epoch + 1)
-            self.mem.flush(die)  # the word buffer is reused by the next store
+        for peer in self.peers:
+            self.mem.store_word(peer, ROLLBACK_WORD, self.epoch + 1)
+            self.mem.flush(peer)  # the word buffer is reused by the next store
         self._notified = True
 
     def vote(self, fault: InjectedFault | None, states: Sequence[int]) -> Outcome:
@@ -194,6 +249,19 @@ class Recovery:
                     "XCCL's waits, or one whose waits have no interrupt)"
                 )
             os.sched_yield()
+
+
+def fence_window(comm: MPI.Comm) -> DieMemory:
+    """The TE-shell's side of the dies' abort-word window over the world `comm` (collective with
+    the dies' Recovery(window_comm=comm)); it holds no words."""
+    return DieMemory(comm, 0)
+
+
+def fence(mem: DieMemory, dies: Sequence[int], value: int) -> None:
+    """The TE-shell's release: `value` (growing with each fence) into every die's fence word."""
+    for die in dies:
+        mem.store_word(die, FENCE_WORD, value)
+        mem.flush(die)
 
 
 def _abandon(buffers: Sequence[Realignable]) -> None:

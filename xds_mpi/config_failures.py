@@ -66,6 +66,9 @@ class HealthConfig:
     saturated decode die (probe_slow_s must exceed a decode iteration, the echo waits for one).
     on_expert_lost: when a lost die held the last replica of an expert, "restart" the decode side
     from the config on the remaining dies (stage 1) or "stop" with an error naming expert and die.
+    replicas: "ring" fills each routed die's redundant slots, from the start, with copies of the
+    next routed die's experts, so that losing any one die keeps a replica of every expert
+    (vertical scaling, ranks/die_failover.py); "none" leaves them to EPLB.
     """
 
     enabled: bool = True
@@ -76,6 +79,13 @@ class HealthConfig:
     probe_timeout_s: float = 5.0
     probe_slow_s: float = 1.0
     on_expert_lost: Literal["restart", "stop"] = "stop"
+    replicas: Literal["none", "ring"] = "none"
+
+    @property
+    def release_grace_s(self) -> float:
+        """How long the TE-shell waits, after fencing the dies, for the released ones to answer
+        (and once more, to tell a stuck die from a dead one): ranks/detector.py."""
+        return max(2 * self.dp_interval_s, self.timeout_s / 2)
 
     def __post_init__(self) -> None:
         positive(

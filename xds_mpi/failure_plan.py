@@ -19,15 +19,23 @@ EMULATED: set[tuple[str, str, str]] = {
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
     ("memory", "colocated", "colocated"),  # KV block ranges only (ranks/memory_check.py)
     ("memory", "colocated", "pd"),
+    ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
+    ("dead", "colocated", "colocated"),
 }
+# Seconds the TE-shell's release takes at most after detection (ranks/detector.py): two graces.
+RELEASE_GRACES = 2
 
 
 def check_failures(cfg: Config, topo: Topology) -> None:
     for i, spec in enumerate(cfg.faults.events):
         _check_row(cfg, topo, f"faults.events[{i}]", spec)
     _check_overlaps(cfg.faults.events)
+    if cfg.health.replicas == "ring":
+        _check_ring(cfg, topo)
     for i, spec in enumerate(cfg.faults.events):
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
+        if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
+            _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -115,6 +123,50 @@ def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
         raise ConfigError(
             f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
             f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
+def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A stuck or dead die is found by the heartbeats; its peers wait for it meanwhile, and their
+    waits must outlast detection and release, or they fail with an XCCL timeout first."""
+    health = cfg.health
+    if not health.enabled:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault is found by heartbeats, and health.enabled is false"
+        )
+    if health.on_expert_lost == "restart":
+        raise ConfigError(
+            f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
+            "remaining dies) is not emulated; use stop"
+        )
+    grace = health.release_grace_s
+    needed = health.timeout_s + health.dp_interval_s + RELEASE_GRACES * grace
+    if cfg.xccl.poll_timeout_s <= needed:
+        raise ConfigError(
+            f"{where}: xccl.poll_timeout_s({cfg.xccl.poll_timeout_s:g}) must exceed detection "
+            f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
+            f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
+            "stuck die's peers would end the run with an XCCL timeout first"
+        )
+
+
+def _check_ring(cfg: Config, topo: Topology) -> None:
+    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots take the next
+    routed die's experts, from the start and for good."""
+    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring fills the redundant slots of a colocated deployment without "
+            f"PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled}, "
+            f"eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+        )
+    routed = [
+        sum(1 for s in info.expert_slots if s.kind == "routed")
+        for info in topo.ranks
+        if any(s.kind == "routed" for s in info.expert_slots)
+    ]
+    redundant = cfg.deployment.redundant_slots_per_die
+    if redundant < max(routed):
+        raise ConfigError(
+            f"health.replicas=ring copies each die's {max(routed)} routed experts into the "
+            f"previous die's redundant slots: deployment.redundant_slots_per_die({redundant}) "
+            f"must be >= {max(routed)}"
         )
 
 

@@ -22,6 +22,10 @@ TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
 TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
 # A die's KV memory fault and the requests it ended (ranks/memory_check.py).
 TAG_MEMORY_FAULT = 268
+# Decode failover (ranks/die_health.py): a die tells the TE-shell when its injected fault began.
+TAG_FAILURE_BEGAN = 253
+# Vertical scaling (ranks/die_failover.py): the lost dies out to the survivors; each one's ready.
+TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

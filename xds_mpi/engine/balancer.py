@@ -60,3 +60,13 @@ class DecodeBalancer:
         self.num_pending[group] -= 1
         self.reserved[group] -= need
         return group
+
+    def remove_group(self, group: int) -> tuple[int, ...]:
+        """Vertical scaling (§6.2 stage 2): `group` is lost; no request goes there any more.
+        Returns the ids of the requests it held unfinished (to be served elsewhere)."""
+        orphans = tuple(sorted(r for r, (g, _) in self._where.items() if g == group))
+        for req_id in orphans:
+            self.on_complete(req_id)
+        self.groups = tuple(g for g in self.groups if g != group)
+        del self.num_pending[group], self.reserved[group]
+        return orphans

@@ -1,0 +1,71 @@
+"""The TE-shell's side of vertical scaling (xDeepServe §6.2 stage 2: "we reduce the number of DP
+groups and EP ranks, allowing decode to proceed with fewer NPUs"), after its detector found lost
+dies whose experts all keep a replica (ranks/detector.py).
+
+  1. Every surviving die is told which dies are lost; each rebuilds its communicator, window,
+     XCCL buffers and expert placement without them (ranks/die_failover.py) and says how many
+     token batches it has sent.
+  2. The TE-shell takes every one of those batches, so that what each request emitted is known.
+  3. The lost dies' unfinished requests are re-prefilled on the other DP groups: the prompt and
+     every token already emitted, continued to the same max_new_tokens (greedy decoding of the
+     same prefix gives the same next tokens, which `--check` verifies against the reference).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from ranks.detector import Loss
+from ranks.die_failover import Failover
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
+
+
+def scale_down(frontend, loss: Loss) -> None:
+    """Steps 1-3 on the TE-shell's Frontend (ranks/frontend.py); the detector records it."""
+    comm, timeout_s = frontend.comm, frontend.ctx.cfg.xccl.poll_timeout_s
+    before = len(frontend.groups)
+    survivors = tuple(g for g in frontend.groups if g not in loss.lost)
+    opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}
+    send_to_each(comm, {g: Failover(lost=loss.lost) for g in survivors}, **opts)  # Step 1
+    opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
+    ready = recv_from_each(comm, survivors, **opts)
+    _take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
+    orphans: list[int] = []  # Step 3
+    for die in loss.lost:
+        orphans += frontend.balancer.remove_group(die)
+    frontend.groups, frontend.lost = survivors, frontend.lost + loss.lost
+    for req_id in sorted(orphans, reverse=True):
+        frontend.queue.appendleft(resumed(frontend.records[req_id]))
+    recovery = (
+        f"vertical scaling: {before} -> {len(survivors)} decode dies; "
+        f"{len(orphans)} requests re-prefilled on other DP groups"
+        if loss.lost
+        else f"buffers rebuilt on all {before} decode dies; the interrupted iteration recomputed"
+    )
+    frontend.log.warning("failover: %s", recovery)
+    frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))
+
+
+def resumed(record):
+    """A lost request again: its prompt and the tokens it emitted, the rest still to come."""
+    req = record.req
+    return replace(
+        req,
+        prompt=tuple(req.prompt) + tuple(record.tokens),
+        max_new_tokens=req.max_new_tokens - len(record.tokens),
+    )
+
+
+def _take_batches(frontend, expected: dict[int, int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(frontend.batches_from[g] < n for g, n in expected.items()):
+        if not frontend._take_tokens():
+            time.sleep(0.0005)
+        if time.monotonic() > deadline:
+            missing = {g: n - frontend.batches_from[g] for g, n in expected.items()}
+            raise WaitTimeout(
+                f"TE-shell: failover: token batches still missing after {timeout_s:g} s "
+                f"(die rank -> batches): {missing}"
+            )

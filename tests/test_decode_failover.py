@@ -1,0 +1,109 @@
+"""Stuck and dead decode dies (xDeepServe §6.1-6.2): the TE-shell's heartbeats find them, its fence
+releases the dies waiting for them, and the run never hangs. A stuck die back before
+health.timeout_s is a transient; a lost die whose experts all keep a replica (health.replicas
+ring) is scaled away and its requests re-prefilled elsewhere, every token equal to the reference;
+a lost die holding an expert's last replica stops the run with an error naming both."""
+
+from __future__ import annotations
+
+import pytest
+from test_recompute import serve
+from test_serving import check_line
+
+from xds_mpi.failures import read_failures
+
+# Generous against false verdicts on a loaded machine; release grace = timeout_s / 2.
+HEALTH = ["health.timeout_s=4", "health.dp_interval_s=0.2"]
+RING = ["deployment.redundant_slots_per_die=4", "health.replicas=ring"]
+SERVED = "check: 8 requests, 128 tokens, 0 mismatches"
+
+
+def served(tmp_path, rows: list[str], *settings: str, config: str = "colocated"):
+    events = "faults.events=[" + ", ".join(rows) + "]"
+    result, run_file = serve(tmp_path, config, [events, *HEALTH, *settings], timeout=400)
+    assert run_file is not None, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, run_file, read_failures(run_file)
+
+
+def assert_detected(record, die: int, verdict: str, timeout_s: float = 4):
+    assert (record.die, record.verdict, record.detected_by) == (die, verdict, "heartbeat")
+    # Silence counts from the die's last answer, which precedes its fault by up to an iteration.
+    assert 0 < record.detection_s < timeout_s + 2, record.describe()
+    assert record.detected_virtual_s > record.injected_virtual_s
+
+
+def assert_scaled(result, records, die: int, verdict: str, recovery: str, served: str = SERVED):
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == served
+    [record] = records  # no false verdict on any other die
+    assert_detected(record, die, verdict)
+    assert record.recovery.startswith(recovery), record.describe()
+    assert record.tokens_per_s_after > 0
+    return record
+
+
+def test_a_dead_die_mid_run_is_scaled_away_and_its_requests_served_elsewhere(tmp_path):
+    result, _, records = served(tmp_path, ["{kind: dead, die: 2, iteration: 5}"], *RING)
+    record = assert_scaled(result, records, 2, "dead", "vertical scaling: 4 -> 3 decode dies")
+    assert record.injected_iteration == 5 and record.requests_affected
+    assert record.tokens_per_s_before > 0
+
+
+def test_a_dead_die_holding_the_last_replica_stops_the_run_naming_die_and_experts(tmp_path):
+    result, run_file, records = served(tmp_path, ["{kind: dead, die: 2, iteration: 5}"])
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert run_file.attrs["status"].startswith("failed: die rank 2 (dead) silent")
+    [record] = records
+    assert_detected(record, 2, "dead")
+    # configs/colocated.yaml: die rank 2 (die index 1) holds experts 4-7, with no replica
+    # elsewhere (no redundant slots), in each of the 3 MoE layers (mtp_depth 0).
+    lost = "; ".join(f"layer {layer}: experts [4, 5, 6, 7]" for layer in range(3))
+    stop = "health.on_expert_lost=stop: die rank 2: removing die 1 leaves no replica of: "
+    assert stop + lost in out
+
+
+def test_a_stuck_die_back_before_the_timeout_is_a_transient(tmp_path):
+    rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
+    result, _, records = served(tmp_path, rows)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records  # no false verdict on any other die
+    assert (record.kind, record.die, record.verdict) == ("stuck", 3, "transient")
+    assert record.detection_s == -1 and record.injected_iteration == 4
+    assert "silent for more than" not in result.stdout + result.stderr
+
+
+# Stuck for timeout + 1.5 graces (7 s): silent through detection and the first grace (lost),
+# back during the second (verdict stuck). Stuck for 5 s: back within the first grace, nobody
+# lost: the buffers are rebuilt on every die and the interrupted iteration recomputed.
+MATRIX = [
+    ("{kind: dead, die: 1, iteration: 0}", 1, "dead", "vertical scaling: 4 -> 3"),  # early
+    ("{kind: stuck, die: 4, iteration: 1}", 4, "dead", "vertical scaling: 4 -> 3"),  # for good
+    ("{kind: stuck, die: 2, iteration: 6, duration_s: 7}", 2, "stuck", "vertical scaling"),
+    ("{kind: stuck, die: 3, iteration: 4, duration_s: 5}", 3, "stuck", "buffers rebuilt on all 4"),
+]
+
+
+@pytest.mark.parametrize("row, die, verdict, recovery", MATRIX)
+def test_failure_matrix(tmp_path, request, row, die, verdict, recovery):
+    if not request.config.getoption("--failure-matrix"):
+        pytest.skip("the {stuck, dead} x {early, mid-run} matrix runs with --failure-matrix")
+    result, _, records = served(tmp_path, [row], *RING)
+    assert_scaled(result, records, die, verdict, recovery)
+
+
+def test_eight_dies_lose_one_mid_run(tmp_path, request):
+    if not request.config.getoption("--failure-matrix"):
+        pytest.skip("8 dies losing one runs with --failure-matrix")
+    eight = [
+        "deployment.dp_groups_per_domain=8",
+        "deployment.redundant_slots_per_die=2",  # 16 experts: 2 routed per die
+        "health.replicas=ring",
+        "workload.num_requests=16",
+    ]
+    result, _, records = served(tmp_path, ["{kind: dead, die: 5, iteration: 6}"], *eight)
+    served_16 = "check: 16 requests, 256 tokens, 0 mismatches"
+    record = assert_scaled(result, records, 5, "dead", "vertical scaling: 8 -> 7", served_16)
+    print(record.describe())

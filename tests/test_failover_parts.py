@@ -1,0 +1,69 @@
+"""The parts of vertical scaling that need no MPI: ring replicas keep every expert when any one die
+goes, the balancer gives back a lost group's requests, a lost request resumes where it stopped."""
+
+from __future__ import annotations
+
+import pytest
+
+from ranks.failure_book import tokens_per_s
+from ranks.replicas import ring_placement
+from ranks.shell_failover import resumed
+from xds_mpi.config import config_from_dict
+from xds_mpi.engine.balancer import DecodeBalancer
+from xds_mpi.engine.requests import Request
+from xds_mpi.engine.results import RequestRecord
+from xds_mpi.eplb.placement import from_topology, remove_die
+from xds_mpi.topology import Topology
+
+
+@pytest.mark.parametrize("num_dies, redundant", [(4, 4), (8, 2)])
+def test_ring_replicas_survive_the_loss_of_any_one_die(num_dies, redundant):
+    cfg = config_from_dict(
+        {
+            "deployment": {
+                "dp_groups_per_domain": num_dies,
+                "redundant_slots_per_die": redundant,
+            },
+            "model": {"num_routed_experts": 16},
+        }
+    )
+    topo = Topology.from_config(cfg)
+    ring = ring_placement(topo, 3)
+    # Die i's redundant slots hold die i+1's routed experts, in order.
+    per_die = 16 // num_dies
+    for die in range(num_dies):
+        nxt = (die + 1) % num_dies
+        held = [ring.phy2log[0][s] for s in ring.redundant_slots(die)]
+        assert held == list(range(nxt * per_die, (nxt + 1) * per_die))
+    for die in range(num_dies):
+        left = remove_die(ring, die)
+        assert all(left.log2phy(layer)[e] for layer in range(3) for e in range(16))
+    with pytest.raises(ValueError, match="leaves no replica"):
+        remove_die(from_topology(topo, 3), 0)
+
+
+def test_a_lost_group_gives_back_its_requests_and_takes_no_more():
+    balancer = DecodeBalancer(
+        (1, 2), max_batch=8, kv_capacity_tokens=4096, block_tokens=16, mtp_depth=0
+    )
+    reqs = [Request(req_id=i, prompt=(1, 2, 3), max_new_tokens=4) for i in range(4)]
+    for req in reqs:
+        balancer.on_dispatch(balancer.pick(req), req)
+    on_two = sorted(r.req_id for r in reqs if balancer._where[r.req_id][0] == 2)
+    assert balancer.remove_group(2) == tuple(on_two) and on_two
+    assert balancer.pick(reqs[0]) == 1 and balancer.groups == (1,)
+
+
+def test_a_lost_request_resumes_with_its_tokens_as_prompt():
+    record = RequestRecord(req=Request(req_id=7, prompt=(5, 6), max_new_tokens=5, arrival_s=1.0))
+    record.add_token(9, 10.0)
+    record.add_token(8, 10.5)
+    again = resumed(record)
+    assert (again.req_id, again.prompt, again.max_new_tokens, again.arrival_s) == (
+        7,
+        (5, 6, 9, 8),
+        3,
+        1.0,
+    )
+    assert tokens_per_s({7: record}, 10.0, 12.0) == 1.0
+    assert tokens_per_s({7: record}, 10.2, 12.2) == 0.5
