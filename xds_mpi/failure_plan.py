@@ -123,6 +123,9 @@ def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
         raise ConfigError(
             f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
             f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
+        )
+
+
 def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
     """A stuck or dead die is found by the heartbeats; its peers wait for it meanwhile, and their
     waits must outlast detection and release, or they fail with an XCCL timeout first."""
