@@ -194,6 +194,8 @@ class PrefillDie:
             ]
         mine: Assignment = self.group.scatter(batches, root=0)
         for req, pooled_v in zip(mine.requests, mine.pooled_v):
+            # Pooled on the leader's clock: a die behind it idles until the request is there.
+            self.pricer.clock.arrive(pooled_v * 1e9)
             self.scheduler.add(req)
             self.assigned[req.req_id] = (time.time(), pooled_v)
         return mine.num_assigned
