@@ -110,7 +110,10 @@ def test_replicas_swap_while_decoding_and_tokens_equal_the_reference(tmp_path):
     events = json.loads((tmp_path / "eplb.trace.json").read_text())["traceEvents"]
     phases = Counter(e["args"]["phase"] for e in events if e.get("name") == "eplb")
     assert phases["enable"] == 2 * 4 * num_reconfigs, phases  # two clocks x 4 dies
-    assert phases["load"] > 0 and phases["prefetch + disable"] == phases["enable"], phases
+    # A placement decided near the end may be prefetched but never enabled (decoding ended):
+    # at most one reconfiguration in flight, on every die and both clocks.
+    in_flight = phases["prefetch + disable"] - phases["enable"]
+    assert phases["load"] > 0 and in_flight in (0, 2 * 4), phases
     # The report draws the measured die load before and after ([MoE layers, dies] each).
     run = load_run(tmp_path / "eplb.h5")
     assert "after" in run.eplb_loads, run.eplb_loads.keys()
