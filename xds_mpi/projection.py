@@ -53,10 +53,13 @@ def project(
     accept_rate: float = 0.0,
     imbalance: Imbalance = UNIFORM,
     execution: Execution = SEQUENTIAL,
+    redundant_dies: int = 0,
 ) -> Projection:
-    """batch_per_die: requests per DP group; kv_len: mean KV length; accept_rate: MTP."""
+    """batch_per_die: requests per DP group; kv_len: mean KV length; accept_rate: MTP;
+    redundant_dies: dedicated non-routed dies that hold a routed replica, not a shared expert
+    (xds_mpi/projection_layers.py counts)."""
     topo = Topology.from_config(cfg)
-    cost, n = CostModel(m, hw), counts(cfg, topo)
+    cost, n = CostModel(m, hw), counts(cfg, topo, redundant_dies=redundant_dies)
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     inputs = dict(
         cfg=cfg, cost=cost, n=n, batch=batch_per_die, kv_len=kv_len, imbalance=imbalance,
