@@ -20,7 +20,13 @@ from xds_mpi.comm_cost import expected_max_z
 from xds_mpi.config import load_config
 from xds_mpi.cost import CostModel, Hardware
 from xds_mpi.hardware import load_profile
-from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+from xds_mpi.imbalance import (
+    Imbalance,
+    batch_from_run_file,
+    from_run_file,
+    from_skew,
+    kv_straggler,
+)
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.paper_data import SCENARIOS, VALIDATION
 from xds_mpi.paper_table import calibration_table, validation_table
@@ -188,6 +194,26 @@ def test_loads_measured_in_a_run_file(tmp_path):
         f["eplb/slice_die_rows"] = np.array([[[9, 1], [2, 2]], [[3, 1], [1, 3]]], np.float64)
         f["eplb/slice_num_prefill"] = np.array([1, 0])
     assert from_run_file(path) == pytest.approx(1.5)
+
+
+def test_the_slowest_dp_groups_batch_measured_and_priced(tmp_path):
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:  # iteration 0 holds a prompt; die 2 is an expert die
+        for die, sampled, rows in ((0, [2, 3, 1], [9, 3, 1]), (1, [2, 1, 3], [2, 1, 3]),
+                                   (2, [0, 0, 0], [0, 0, 0])):  # fmt: skip
+            f[f"dies/{die}/num_sampled"] = np.array(sampled)
+            f[f"dies/{die}/num_rows"] = np.array(rows)
+            f[f"dies/{die}/num_drafted"] = np.zeros(3, np.int64)
+    assert batch_from_run_file(path) == pytest.approx((3 / 2 + 3 / 2) / 2)
+    cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    cost = CostModel(BIG, hw)
+    work = dict(batch_per_die=60, kv_len=3072)
+    even = project(cfg, BIG, hw, **work)
+    slow = project(cfg, BIG, hw, **work, imbalance=Imbalance(batch=1.5))
+    attention = [cost.mla_prolog(b) + cost.attention([(3072, 1)] * b) for b in (60, 90)]
+    delta = slow.primitives_s["layer"] - even.primitives_s["layer"]
+    assert delta == pytest.approx(attention[1] - attention[0])
 
 
 def test_project_paper_and_primitive_print_from_the_model():

@@ -110,7 +110,7 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
         "experts": typical_experts,
         "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
     }
-    stream0, stream1 = attn_max, sum(parts.values()) - attn_mean
+    stream0, stream1 = attn_max, sum(parts.values()) - attn_max  # dispatch holds the wait
     layer = 2 * max(stream0, stream1) if mb > 1 else stream0 + stream1
     scale = layer / sum(parts.values())
     primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
