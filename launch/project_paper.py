@@ -61,7 +61,13 @@ def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
     kv = kv_straggler(batch=args.batch, spread=args.kv_spread, groups=groups)
     batch, batch_source = batch_imbalance(args)
     return dict(
-        imbalance=Imbalance(moe=moe, kv=kv, batch=batch, source=f"{args.loads}; {batch_source}"),
+        imbalance=Imbalance(
+            moe=moe,
+            kv=kv,
+            batch=batch,
+            noise=args.loads in ("uniform", "fig11a"),
+            source=f"{args.loads}; {batch_source}",
+        ),  # fmt: skip
         execution=Execution(microbatches=args.microbatches, pipelined_graphs=args.pipelined_graphs),
     )
 

@@ -21,11 +21,14 @@ from xds_mpi.comm_cost import expected_max_z
 @dataclass(frozen=True, kw_only=True)
 class Imbalance:
     """moe: slowest routed die's rows / mean; kv: slowest DP group's mean KV length / the
-    mean; batch: its batch / the mean; source says where the numbers came from."""
+    mean; batch: its batch / the mean; source says where the numbers came from. noise: moe is
+    an expected load's (a skew model, even routing), so one iteration's routing noise comes on
+    top; a load measured in a run (`from_run_file`) holds its noise already."""
 
     moe: float = 1.0
     kv: float = 1.0
     batch: float = 1.0
+    noise: bool = True
     source: str = "uniform"
 
 

@@ -4,10 +4,10 @@ at the slowest dies.
 Colocated (DP x EP, xDeepServe §7.1): attention side, gate, dispatch, routed experts, combine.
 Dispatch waits for the slowest DP group's attention (it absorbs MLA variance, xDeepServe §7.1)
 and takes in the hottest die's rows; combine waits for the hottest expert die. With two
-microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 of the die's 24 AIC)
-and stream 1 (gate, dispatch, experts, combine; 8 AIC) overlap, so a layer takes 2 x the longer
-stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns at the
-expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
+microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 AIC, 32 AIV) and
+stream 1 (gate, dispatch, experts, combine; 8 AIC, 16 AIV) overlap, so a layer takes 2 x the
+longer stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns
+at the expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
 (attention, A2E, MoE, E2A) and D x M x the expert side's compute.
 """
 
@@ -70,16 +70,17 @@ def _attention(cost: CostModel, x: LayerInputs, batch: float, *, slowest: bool) 
     return cost.mla_prolog(round(batch * imb.batch) * x.rows_per_seq) + cost.attention(seqs)
 
 
-def _routed(cost: CostModel, n: dict, tokens: float, load: float | None) -> tuple[float, float]:
-    """(rows in, expert seconds) of a routed die. load None: the typical die, the mean of
-    `tokens`' routed rows. Otherwise the hottest die: `load` x the mean (the max over mean of
-    the expected loads), and at least the mean plus one iteration's routing noise (rows land on
-    dies at random: the largest of n Poisson counts of mean R is about R + z(n) sqrt(R))."""
+def _routed(cost: CostModel, n: dict, tokens: float, imb: Imbalance | None) -> tuple[float, float]:
+    """(rows in, expert seconds) of a routed die. imb None: the typical die, the mean of
+    `tokens`' routed rows. Otherwise the hottest die: imb.moe x the mean, and, when that is the
+    expected loads' max/mean (not a measured one), at least the mean plus one iteration's routing
+    noise (rows land on dies at random: the largest of n Poisson counts of mean R is about
+    R + z(n) sqrt(R))."""
     m = cost.m
     mean = tokens * m.top_k / n["routed_dies"]
-    per_die = mean
-    if load is not None:
-        per_die = max(mean * load, mean + expected_max_z(n["routed_dies"]) * math.sqrt(mean))
+    per_die = mean if imb is None else mean * imb.moe
+    if imb is not None and imb.noise:
+        per_die = max(per_die, mean + expected_max_z(n["routed_dies"]) * math.sqrt(mean))
     experts_per_die = max(1, round(m.num_routed_experts / n["routed_dies"]))
     return per_die, cost.routed(per_die, experts_per_die)
 
@@ -94,7 +95,7 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
     attn_mean = _attention(s0, x, batch, slowest=False)
     attn_max = _attention(s0, x, batch, slowest=True)
     tokens = rows * n["dies"]
-    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance.moe)
+    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance)
     _, experts_mean = _routed(s1, n, tokens, None)
     shared = s1.experts([tokens / n["shared_dies"]]) if dedicated else 0.0
     every_die_shared = 0.0 if dedicated else s1.experts([rows] * m.num_shared_experts)
@@ -175,7 +176,7 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     batch = x.batch / micro
     mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
     tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
-    rows_max, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
+    rows_max, experts_max = _routed(cost, n, tokens, x.imbalance)
     if n["shared_dies"]:  # dedicated shared-expert dies
         moe = max(experts_max, cost.experts([tokens / n["shared_dies"]]))
     else:  # every expert die runs the shared expert on its share of the tokens
