@@ -28,6 +28,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "run file whose eplb/slice_die_rows were measured (default uniform)",
     )
     g.add_argument("--kv-spread", type=float, default=0.0, help="KV lengths mean x (1 +- S)")
+    g.add_argument(
+        "--batch-imbalance",
+        default=None,
+        help="slowest DP group's batch / the mean: a number >= 1, or a run file whose DP groups' "
+        "batches were measured (default: the --loads run file's, else 1)",
+    )
     g.add_argument("--microbatches", type=int, default=1, help="2: two-stream overlap")
     g.add_argument("--pipelined-graphs", action="store_true", help="graph launches hidden")
 
@@ -53,10 +59,36 @@ def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
     topo = Topology.from_config(cfg)
     groups = topo.num_dp_domains * topo.dp_groups_per_domain
     kv = kv_straggler(batch=args.batch, spread=args.kv_spread, groups=groups)
+    batch, batch_source = batch_imbalance(args)
     return dict(
-        imbalance=Imbalance(moe=moe, kv=kv, source=args.loads),
+        imbalance=Imbalance(
+            moe=moe,
+            kv=kv,
+            batch=batch,
+            noise=args.loads in ("uniform", "fig11a"),
+            source=f"{args.loads}; {batch_source}",
+        ),  # fmt: skip
         execution=Execution(microbatches=args.microbatches, pipelined_graphs=args.pipelined_graphs),
     )
+
+
+def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
+    """(slowest DP group's batch / the mean, where it came from) from --batch-imbalance."""
+    from xds_mpi.config import ConfigError
+    from xds_mpi.imbalance import batch_from_run_file
+
+    given = args.batch_imbalance
+    if given is None and args.loads not in ("uniform", "fig11a"):
+        given = args.loads
+    if given is None:
+        return 1.0, "even DP batches"
+    try:
+        value = float(given)
+    except ValueError:
+        return batch_from_run_file(given), f"DP batches measured in {given}"
+    if value < 1:
+        raise ConfigError(f"--batch-imbalance is max / mean, so >= 1; got {value}")
+    return value, f"DP batches {value:g}x"
 
 
 def print_paper(args: argparse.Namespace) -> int:

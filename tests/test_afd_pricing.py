@@ -31,16 +31,22 @@ def _pricer(slots_here: int):
 def test_a2e_is_in_flight_and_e2a_on_the_clock():
     cfg, cost, hops, clock, pricer = _pricer(6)
     clock.advance(1000.0)
-    a2e = hops.a2e(cost, 3, load=1.0, int8=True)
+    a2e = hops.a2e(cost, 3, int8=True)
     with pricer.a2e_in_flight(3):
         assert clock.now_ns == pytest.approx(1000.0 + pricer.moe_scale * a2e * 1e9)
     assert clock.now_ns == 1000.0  # the die goes on with its next microbatch
     pricer.e2a(3)
     assert clock.now_ns == pytest.approx(1000.0 + pricer.moe_scale * hops.e2a(cost, 3) * 1e9)
-    # A2E: to the trampoline (1 of them for 2 groups over 3 expert dies), then to 3 expert dies.
-    assert hops.trampolines == 1 and hops.expert_dies == 3
+    # A2E: to the die's trampoline (the domain has 2, one per attention die), then an expert
+    # die pulls its rows from the 2 trampolines in its persistent kernel (no kernel start).
+    assert (hops.trampolines, hops.domain_trampolines, hops.expert_dies) == (1, 2, 3)
     expert_rows = 3 * 2 * 8 / 3
-    assert a2e == pytest.approx(cost.dispatch(3, peers=1) + cost.dispatch(expert_rows, peers=3))
+    stage2 = cost.dispatch(expert_rows, peers=2) - cost.hw.dispatch_start_s
+    assert a2e == pytest.approx(cost.dispatch(3, peers=1) + stage2)
+    # E2A: a trampoline takes its attention die's 3 rows x (top-8 + shared) from the 3 expert
+    # dies (persistent), then the die its 3 rows from its trampoline.
+    stage1 = cost.combine(3 * 9, peers=3) - cost.hw.combine_start_s
+    assert hops.e2a(cost, 3) == pytest.approx(stage1 + cost.combine(3, peers=1))
 
 
 def test_an_expert_slot_stands_for_its_share_of_the_dies_cost_experts():

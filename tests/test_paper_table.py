@@ -20,11 +20,19 @@ from xds_mpi.comm_cost import expected_max_z
 from xds_mpi.config import load_config
 from xds_mpi.cost import CostModel, Hardware
 from xds_mpi.hardware import load_profile
-from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+from xds_mpi.imbalance import (
+    Imbalance,
+    batch_from_run_file,
+    from_run_file,
+    from_skew,
+    kv_straggler,
+)
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.paper_data import SCENARIOS, VALIDATION
 from xds_mpi.paper_table import calibration_table, validation_table
 from xds_mpi.projection import Execution, project
+from xds_mpi.projection_layers import counts
+from xds_mpi.topology import Topology
 
 BIG = cost_shape()
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
@@ -36,12 +44,12 @@ def _recompute(pub, hw: Hardware) -> float:
     cfg = load_config(REPO_ROOT / "configs" / f"{s.config}.yaml", list(s.overrides))
     groups = cfg.deployment.num_dp_domains * cfg.deployment.dp_groups_per_domain
     imbalance = Imbalance(
-        moe=from_skew(cfg, BIG, hottest=s.skew[0], share=s.skew[1]),
+        moe=from_skew(cfg, BIG, hottest=s.skew[0], share=s.skew[1]) if s.skew else 1.0,
         kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
     )
     p = project(
         cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
-        accept_rate=s.accept, imbalance=imbalance,
+        accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
         execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
     )  # fmt: skip
     forward_ms = (p.iteration_s - hw.bubble_s) * 1e3
@@ -138,6 +146,8 @@ def test_expected_max_and_kv_straggler_follow_their_formulas():
 
 
 def test_a_moe_layer_is_priced_at_the_hottest_die():
+    """Even expected loads still leave one iteration's routing noise: the hottest of 256
+    Poisson counts of mean R is R + z(256) sqrt(R); a skew of 2x the mean is above that."""
     cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
     hw = Hardware.from_profile(load_profile("ascend910c"))
     cost = CostModel(BIG, hw)
@@ -145,10 +155,37 @@ def test_a_moe_layer_is_priced_at_the_hottest_die():
     even = project(cfg, BIG, hw, **work)
     hot = project(cfg, BIG, hw, **work, imbalance=Imbalance(moe=2.0))
     mean_rows = 60 * 288 * 8 / 256  # one routed expert per routed die
-    extra = (cost.experts([2 * mean_rows]) - cost.experts([mean_rows])) + (
-        cost.dispatch(2 * mean_rows, peers=288) - cost.dispatch(mean_rows, peers=288)
+    noisy = mean_rows + expected_max_z(256) * math.sqrt(mean_rows)
+    extra = (cost.experts([2 * mean_rows]) - cost.experts([noisy])) + (
+        cost.dispatch(2 * mean_rows, peers=288) - cost.dispatch(noisy, peers=288)
     )
     assert hot.primitives_s["layer"] - even.primitives_s["layer"] == pytest.approx(extra)
+    assert even.primitives_s["dispatch"] == pytest.approx(cost.dispatch(noisy, peers=288))
+
+
+def test_the_moe_stream_runs_on_its_share_of_the_cores():
+    """Two microbatches ([001] §4.2.3): stream 1's dispatch serves its peers from 16 AIV cores,
+    its experts run on 8 of the 24 AIC; the shared expert runs on 32 dies when 32 of the 64
+    non-routed dies hold routed replicas."""
+    cfg = load_config(
+        REPO_ROOT / "configs" / "ep288.yaml", list(SCENARIOS["001 b8 4096+256"].overrides)
+    )
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    work = dict(batch_per_die=48, kv_len=4224, mtp_depth=1, accept_rate=0.7,
+                execution=Execution(microbatches=2), redundant_dies=32)  # fmt: skip
+    p = project(cfg, BIG, hw, **work)
+    stream1 = CostModel(BIG, replace(hw, aiv_cores=16, int8_ops=hw.int8_ops / 3))
+    mean_rows = 24 * 2 * 320 * 8 / 256
+    noisy = mean_rows + expected_max_z(256) * math.sqrt(mean_rows)
+    assert p.primitives_s["dispatch"] == pytest.approx(stream1.dispatch(noisy, peers=320))
+    n = counts(cfg, Topology.from_config(cfg), redundant_dies=32)
+    assert (n["routed_dies"], n["shared_dies"]) == (256, 32)
+    one_stream = project(cfg, BIG, hw, **{**work, "execution": Execution()})
+    assert one_stream.primitives_s["dispatch"] == pytest.approx(
+        CostModel(BIG, hw).dispatch(
+            2 * mean_rows + expected_max_z(256) * math.sqrt(2 * mean_rows), peers=320
+        )
+    )
 
 
 def test_loads_measured_in_a_run_file(tmp_path):
@@ -157,6 +194,26 @@ def test_loads_measured_in_a_run_file(tmp_path):
         f["eplb/slice_die_rows"] = np.array([[[9, 1], [2, 2]], [[3, 1], [1, 3]]], np.float64)
         f["eplb/slice_num_prefill"] = np.array([1, 0])
     assert from_run_file(path) == pytest.approx(1.5)
+
+
+def test_the_slowest_dp_groups_batch_measured_and_priced(tmp_path):
+    path = tmp_path / "r.h5"
+    with h5py.File(path, "w") as f:  # iteration 0 holds a prompt; die 2 is an expert die
+        for die, sampled, rows in ((0, [2, 3, 1], [9, 3, 1]), (1, [2, 1, 3], [2, 1, 3]),
+                                   (2, [0, 0, 0], [0, 0, 0])):  # fmt: skip
+            f[f"dies/{die}/num_sampled"] = np.array(sampled)
+            f[f"dies/{die}/num_rows"] = np.array(rows)
+            f[f"dies/{die}/num_drafted"] = np.zeros(3, np.int64)
+    assert batch_from_run_file(path) == pytest.approx((3 / 2 + 3 / 2) / 2)
+    cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    cost = CostModel(BIG, hw)
+    work = dict(batch_per_die=60, kv_len=3072)
+    even = project(cfg, BIG, hw, **work)
+    slow = project(cfg, BIG, hw, **work, imbalance=Imbalance(batch=1.5))
+    attention = [cost.mla_prolog(b) + cost.attention([(3072, 1)] * b) for b in (60, 90)]
+    delta = slow.primitives_s["layer"] - even.primitives_s["layer"]
+    assert delta == pytest.approx(attention[1] - attention[0])
 
 
 def test_project_paper_and_primitive_print_from_the_model():

@@ -96,8 +96,8 @@ PROBE_SETTINGS = [
 
 
 def _probe_run(tmp_path):
-    """(largest batch of a die per iteration, decode-only iterations, the slowest die's virtual
-    seconds of each decode iteration) of a colocated run on the probe profile."""
+    """(each die's batch per iteration [dies, iterations], decode-only iterations, the slowest
+    die's virtual seconds of each decode iteration) of a colocated run on the probe profile."""
     settings = [x for kv in PROBE_SETTINGS + [f"run.output_dir={tmp_path}", "run.name=p"]
                 for x in ("--set", kv)]  # fmt: skip
     run = subprocess.run(
@@ -107,9 +107,9 @@ def _probe_run(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     with h5py.File(tmp_path / "p.h5") as f:
         dies = [f["dies"][d] for d in f["dies"]]
-        # The slowest DP group's batch: dies that got their requests an iteration apart finish
-        # apart too, and the emulated iteration is the slowest die's.
-        batch = np.max([d["num_sampled"][:] for d in dies], axis=0)
+        # Dies that got their requests an iteration apart finish apart too: the DP groups'
+        # batches differ, and the emulated iteration is the slowest die's.
+        batch = np.array([d["num_sampled"][:] for d in dies])
         decode = np.all([d["num_rows"][:] == d["num_sampled"][:] for d in dies], axis=0)
         emulated = np.max([d["vtime_s"][:] for d in dies], axis=0)[decode]
         summary_ms = f["summary"].attrs["projected_iteration_ms"]
@@ -120,29 +120,32 @@ def _probe_run(tmp_path):
 def test_the_emulated_clock_on_skewed_routing_agrees_with_the_projection_of_its_loads(tmp_path):
     """The trained checkpoint routes unevenly (the hottest die ~2x the mean). The emulated
     clocks price every die's own rows and wait at the barriers; the analytic projection is given
-    only the measured max/mean die load. On the probe profile attention, dispatch/combine and
-    the imbalance each take >= 10 % of the iteration (about 16 %, 13 % and 28 %)."""
-    batch, decode, emulated = _probe_run(tmp_path)
+    the measured max/mean die load and, per iteration, the mean DP batch and the largest over
+    it. On the probe profile attention, dispatch/combine and the expert imbalance each take
+    >= 10 % of the iteration (about 16 %, 13 % and 24 %)."""
+    batches, decode, emulated = _probe_run(tmp_path)
+    mean, largest = batches.mean(axis=0)[decode], batches.max(axis=0)[decode]
     moe = from_run_file(tmp_path / "p.h5")
     assert 1.5 < moe < 3.0  # the checkpoint's skew, measured
     cfg = load_config(REPO_ROOT / "configs" / "colocated.yaml", PROBE_SETTINGS[1:2])
     probe = Hardware.from_profile(load_profile(str(PROBE)))
     kv = 64 + 8 / 2  # mean KV length over the decode iterations
 
-    def analytic(imbalance):
+    def analytic(moe_load):
         return np.array([
-            project(cfg, BIG, probe, batch_per_die=int(b), kv_len=kv, imbalance=imbalance)
-            for b in batch[decode]
+            project(cfg, BIG, probe, batch_per_die=b, kv_len=kv,
+                    imbalance=Imbalance(moe=moe_load, batch=top / b, noise=False))
+            for b, top in zip(mean, largest, strict=True)
         ])  # fmt: skip
 
-    skewed, uniform = analytic(Imbalance(moe=moe)), analytic(Imbalance())
+    skewed, uniform = analytic(moe), analytic(1.0)
     iteration = np.mean([p.iteration_s for p in skewed])
     assert emulated.mean() == pytest.approx(iteration, rel=0.05)
     assert np.mean([p.iteration_s for p in uniform]) < 0.85 * emulated.mean()
-    full = skewed[np.argmax(batch[decode])]
+    full = skewed[np.argmax(mean)]
     moe_layers = BIG.num_layers - BIG.num_dense_layers
     comm = (full.primitives_s["dispatch"] + full.primitives_s["combine"]) * moe_layers
-    even = uniform[np.argmax(batch[decode])]
+    even = uniform[np.argmax(mean)]
     for share in (
         full.breakdown_s["attention"] / full.iteration_s,
         comm / full.iteration_s,

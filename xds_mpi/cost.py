@@ -138,15 +138,18 @@ class CostModel:
         return rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
 
     # -- transfers ------------------------------------------------------------------------------
-    def link(self, kind: str) -> LinkCosts:
-        """The mechanism's constants for a dispatch-like (A2E) or combine-like (E2A) exchange."""
+    def link(self, kind: str, *, persistent: bool = False) -> LinkCosts:
+        """The mechanism's constants for a dispatch-like (A2E) or combine-like (E2A) exchange;
+        persistent: run by a kernel already polling (xDeepServe §5.2: the MoE dies' persistent
+        kernels), so without the kernel start."""
         hw = self.hw
+        start = hw.dispatch_start_s if kind == "dispatch" else hw.combine_start_s
         return LinkCosts(
             read_bytes_per_s=hw.read_bytes_per_s,
             write_latency_s=hw.write_latency_s,
             read_latency_s=hw.read_latency_s,
             aiv_cores=hw.aiv_cores,
-            start_s=hw.dispatch_start_s if kind == "dispatch" else hw.combine_start_s,
+            start_s=0.0 if persistent else start,
             jitter_s=hw.jitter_s,
         )
 
@@ -156,15 +159,19 @@ class CostModel:
             return self.m.hidden + 4
         return self.m.hidden * self.hw.act_bytes
 
-    def dispatch(self, rows_in: float, *, peers: int, int8: bool = True) -> float:
+    def dispatch(
+        self, rows_in: float, *, peers: int, int8: bool = True, persistent: bool = False
+    ) -> float:
         """Flags to every peer, then pull `rows_in` rows from the peers."""
         nbytes = rows_in * self.row_bytes("dispatch", int8=int8)
-        return exchange_s(self.link("dispatch"), peers=peers, bytes_in=nbytes)
+        link = self.link("dispatch", persistent=persistent)
+        return exchange_s(link, peers=peers, bytes_in=nbytes)
 
-    def combine(self, rows_back: float, *, peers: int) -> float:
+    def combine(self, rows_back: float, *, peers: int, persistent: bool = False) -> float:
         """Flags, then pull this die's rows' expert outputs back."""
         nbytes = rows_back * self.row_bytes("combine")
-        return exchange_s(self.link("combine"), peers=peers, bytes_in=nbytes)
+        link = self.link("combine", persistent=persistent)
+        return exchange_s(link, peers=peers, bytes_in=nbytes)
 
     def expert_pull(self) -> float:
         """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a

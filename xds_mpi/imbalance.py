@@ -4,7 +4,8 @@ the batch and KV length of the slowest DP group. A layer runs at the slowest die
 
 Expert loads come from a run file's measured routing (`from_run_file`), or from a Figure-11a
 skew rebalanced by FlowServe's EPLB (`from_skew`, on xds_mpi/eplb/pod.py's skew model). The DP
-imbalance comes from the spread of the requests' KV lengths (`kv_straggler`).
+imbalance comes from the spread of the requests' KV lengths (`kv_straggler`) and from the
+batches the DP groups ran, measured in a run (`batch_from_run_file`) or given.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from xds_mpi.comm_cost import expected_max_z
 @dataclass(frozen=True, kw_only=True)
 class Imbalance:
     """moe: slowest routed die's rows / mean; kv: slowest DP group's mean KV length / the
-    mean; batch: its batch / the mean; source says where the numbers came from."""
+    mean; batch: its batch / the mean; source says where the numbers came from. noise: moe is
+    an expected load's (a skew model, even routing), so one iteration's routing noise comes on
+    top; a load measured in a run (`from_run_file`) holds its noise already."""
 
     moe: float = 1.0
     kv: float = 1.0
     batch: float = 1.0
+    noise: bool = True
     source: str = "uniform"
 
 
@@ -75,3 +79,22 @@ def from_run_file(path) -> float:
         if "slice_num_prefill" in g and (g["slice_num_prefill"][:] == 0).any():
             rows = rows[g["slice_num_prefill"][:] == 0]
     return float(np.mean([max_over_mean(r) for layers in rows for r in layers if r.sum() > 0]))
+
+
+def batch_from_run_file(path) -> float:
+    """Largest DP group's batch / the mean over the groups in a run's decode-only iterations
+    (every die's rows are its sampled entries and drafts), averaged over those iterations:
+    what `Imbalance.batch` prices at the slowest DP group. Dies that never sample (expert dies)
+    are no DP group."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        dies = [f["dies"][d] for d in f["dies"] if f["dies"][d]["num_sampled"][:].sum() > 0]
+        sampled = np.array([d["num_sampled"][:] for d in dies], np.float64)  # [dies, iters]
+        rows = np.array([d["num_rows"][:] for d in dies])
+        drafted = np.array([d["num_drafted"][:] for d in dies])
+    decode = (rows == sampled + drafted).all(axis=0) & (sampled.sum(axis=0) > 0)
+    if not decode.any():
+        raise ValueError(f"{path}: no decode-only iteration to measure DP batches on")
+    per_iteration = sampled[:, decode]
+    return float(np.mean(per_iteration.max(axis=0) / per_iteration.mean(axis=0)))

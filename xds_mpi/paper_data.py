@@ -32,9 +32,9 @@ GRAPH_LAUNCH_MS = (0.6, 0.8)
 
 
 # -- VALIDATION ---------------------------------------------------------------------------------
-# [001] §5.1: one decode instance, DP320 / EP320: 32 shared-expert dies, 256 routed + 32 redundant
-# experts one per die (the projection counts the redundant dies with the shared ones: each hosts
-# one expert's mean load; the replicas' effect enters through the EPLB'd load).
+# [001] §5.1: one decode instance, DP320 / EP320, one expert per die: 32 shared-expert copies,
+# 256 routed and 32 redundant experts. The config holds 256 routed dies and 64 others; 32 of those
+# hold a routed replica (`redundant_dies`), so the shared expert runs on 32 dies.
 _EP320 = ("deployment.dp_groups_per_domain=320", "deployment.num_shared_expert_dies=64")
 
 
@@ -44,42 +44,59 @@ class Scenario:
     lengths over their mean (requests spread uniformly through their decode); microbatches: 2 =
     the two-stream overlap ([001] §4.2.3); pipelined_graphs: graph launches hidden ([001] §4.2.4);
     skew: the expert-load skew (hottest / mean, share above the mean; [000] Figure 11a) that
-    FlowServe's EPLB rebalances."""
+    FlowServe's EPLB rebalances, None where the paper gives none (expected loads even; one
+    iteration's routing noise remains); redundant_dies: as project() takes it; batch: requests
+    per die (published_batch: as the paper states it, per NPU for [001])."""
 
     name: str
     setup: str
     config: str
     overrides: tuple[str, ...] = ()
     batch: int
+    published_batch: int = 0
     kv_len: int
     kv_spread: float
     mtp_depth: int = 1
     accept: float
     microbatches: int = 1
     pipelined_graphs: bool = False
-    skew: tuple[float, float] = (30.0, 0.2)
+    skew: tuple[float, float] | None = (30.0, 0.2)
+    redundant_dies: int = 0
 
     @property
     def conditions(self) -> str:
         """The scenario in a few words, for the table."""
         overlap = ", 2 streams" if self.microbatches > 1 else ""
-        return f"{self.setup}, b{self.batch}, KV {self.kv_len}, MTP {self.accept:.0%}{overlap}"
+        batch = f"b{self.batch}/die"
+        if self.published_batch:
+            batch = f"b{self.published_batch}/NPU={batch}"
+        mtp = f"MTP {self.accept:.0%}" if self.mtp_depth else "no MTP"
+        return f"{self.setup}, {batch}, KV {self.kv_len}, {mtp}{overlap}"
 
 
-def _cmi(batch: int, prompt: int, output: int) -> Scenario:
-    """[001] Table 5's rows: MTP 1 at 70 % ([001] §5.2), microbatch pipeline and pipelined MTP
-    graphs ([001] §4.2.3-4.2.4); KV lengths run from the prompt to prompt + output."""
+def _cmi(batch: int, prompt: int, output: int, *, mtp: bool = True) -> Scenario:
+    """[001] Table 5's rows. The batch is per NPU (two dies): Table 4 gives the NPU 1,504 INT8
+    TOPS (the package, [001] §3.3) and its tokens/s are batch / TPOT, and §4.2.1 sizes a die's
+    buffers for "a local batch of at most 96 tokens" (48 requests x 2 with MTP at batch 96).
+    MTP 1 at 70 % ([001] §5.2); pipelined MTP graphs ([001] §4.2.4); the two-stream pipeline
+    where [001] evaluates it, batch 64-128 (§5.4.1, Figure 20a), not at 24 or 8; no load
+    distribution is published ([001] §4.1: EPLB splits a replicated expert's tokens evenly).
+    KV lengths run from the prompt to prompt + output."""
     return Scenario(
-        name=f"001 b{batch} {prompt}+{output}",
+        name=f"001 b{batch} {prompt}+{output}" + ("" if mtp else " no MTP"),
         setup="DP320/EP320",
         config="ep288",
         overrides=_EP320,
-        batch=batch,
+        batch=batch // 2,
+        published_batch=batch,
         kv_len=prompt + output // 2,
         kv_spread=(output / 2) / (prompt + output / 2),
-        accept=0.7,
-        microbatches=2,
+        mtp_depth=1 if mtp else 0,
+        accept=0.7 if mtp else 0.0,
+        microbatches=2 if batch >= 64 else 1,
         pipelined_graphs=True,
+        skew=None,
+        redundant_dies=32,
     )
 
 
@@ -94,7 +111,8 @@ SCENARIOS = {
         kv_spread=1 / 3,
         accept=0.9,
     ),
-    # [000] §5.2 / §3.3: 3 DP domains x 160 attention dies + EP288, batch 96, 2K+2K workload.
+    # [000] §7.1 AFD / §3.3 (the §5.2 deployment): 3 DP domains x 160 attention dies + EP288,
+    # batch 96, 2K+2K workload.
     "000 afd": Scenario(
         name="000 afd",
         setup="3x160 attention + EP288",
@@ -111,6 +129,7 @@ SCENARIOS = {
     "001 b96 4096+256": _cmi(96, 4096, 256),
     "001 b24 4096+256": _cmi(24, 4096, 256),
     "001 b8 4096+256": _cmi(8, 4096, 256),
+    "001 b96 4096+256 no MTP": _cmi(96, 4096, 256, mtp=False),
 }
 
 
@@ -140,13 +159,19 @@ VALIDATION = [
     # [000] §3.3: "A2E achieves a latency of 172 us, while E2A completes in 193 us".
     Published(source="000 §3.3", scenario="000 afd", metric="A2E", value=172.0, unit="us"),
     Published(source="000 §3.3", scenario="000 afd", metric="E2A", value=193.0, unit="us"),
-    # [000] §5.2: MoE 0.12 ms per layer; forward ~93 ms; TPOT 93 / 1.9 ~ 49 ms; 2400 tokens/s.
-    Published(source="000 §5.2", scenario="000 afd", metric="MoE", value=120.0, unit="us"),
-    Published(source="000 §5.2", scenario="000 afd", metric="tpot", value=49.0, unit="ms"),
-    Published(source="000 §5.2", scenario="000 afd", metric="tokens/s/chip", value=2400.0,
+    # [000] §7.1 (disaggregated MoE-attention): "MLAProlog, MLA, Gating, and the first stage of
+    # A2E each take approximately 700 [us] per layer" (the text's "ns" read by its own sum,
+    # 0.7 x 2 x 61 ms): the attention side of one microbatch.
+    Published(source="000 §7.1 AFD", scenario="000 afd", metric="attention side", value=700.0,
+              unit="us"),
+    # [000] §7.1 (disaggregated MoE-attention, the §5.2 deployment): MoE 0.12 ms per layer;
+    # forward ~93 ms; TPOT 93 / 1.9 ~ 49 ms; 2400 tokens/s.
+    Published(source="000 §7.1 AFD", scenario="000 afd", metric="MoE", value=120.0, unit="us"),
+    Published(source="000 §7.1 AFD", scenario="000 afd", metric="tpot", value=49.0, unit="ms"),
+    Published(source="000 §7.1 AFD", scenario="000 afd", metric="tokens/s/chip", value=2400.0,
               unit="tok/s"),
     # [001] Table 5 (Table 4's CloudMatrix-Infer row is its 4096+256 row): achieved TPOT and
-    # throughput per NPU die.
+    # throughput per NPU (two dies; see _cmi).
     *[
         Published(source="001 Table 5", scenario=f"001 {cond}", metric=metric, value=value,
                   unit=unit)
@@ -157,11 +182,14 @@ VALIDATION = [
             ("b24 4096+256", 24.6, 974.0),
             ("b8 4096+256", 14.9, 538.0),
         )
-        for metric, value, unit in (("tpot", tpot, "ms"), ("tokens/s/die", tput, "tok/s"))
+        for metric, value, unit in (("tpot", tpot, "ms"), ("tokens/s/chip", tput, "tok/s"))
     ],
     # [001] Figure 22b: per-layer latency with MTP, batch 96, 4K: 1,260 us.
     Published(source="001 Fig. 22b", scenario="001 b96 4096+256", metric="layer", value=1260.0,
               unit="us"),
+    # [001] Figure 22b: without MTP, 874 us.
+    Published(source="001 Fig. 22b", scenario="001 b96 4096+256 no MTP", metric="layer",
+              value=874.0, unit="us"),
     # [001] §4.2.3: each stream ~600 us per microbatch (4K, batch 96, MTP).
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream", value=600.0,
               unit="us"),

@@ -41,15 +41,18 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
     m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
     topo = Topology.from_config(cfg)
     groups = topo.num_dp_domains * topo.dp_groups_per_domain
-    hottest, share = s.skew
-    imbalance = Imbalance(
-        moe=from_skew(cfg, m, hottest=hottest, share=share),
-        kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
-        source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB; KV spread {s.kv_spread:.2f}",
-    )
+    kv = kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups)
+    if s.skew is None:
+        imbalance = Imbalance(kv=kv, source="even expected loads + routing noise")
+    else:
+        hottest, share = s.skew
+        imbalance = Imbalance(
+            moe=from_skew(cfg, m, hottest=hottest, share=share), kv=kv,
+            source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB",
+        )  # fmt: skip
     kwargs = dict(
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
-        imbalance=imbalance,
+        imbalance=imbalance, redundant_dies=s.redundant_dies,
         execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
     )  # fmt: skip
     return cfg, m, hw, kwargs
@@ -77,7 +80,7 @@ def metric_value(p, metric: str, *, dies_per_chip: int, bubble_s: float) -> floa
     }
     if metric in values:
         return values[metric]()
-    return p.primitives_s[metric] * 1e6  # one call (us): A2E, E2A, MoE, layer, stream
+    return p.primitives_s[metric] * 1e6  # one call (us): A2E, E2A, MoE, layer, stream, ...
 
 
 def validation_table(profile: str = "ascend910c") -> list[Row]:

@@ -47,25 +47,26 @@ def project(
     m: ModelConfig,
     hw: Hardware,
     *,
-    batch_per_die: int,
-    kv_len: int,
+    batch_per_die: float,
+    kv_len: float,
     mtp_depth: int = 0,
     accept_rate: float = 0.0,
     imbalance: Imbalance = UNIFORM,
     execution: Execution = SEQUENTIAL,
+    redundant_dies: int = 0,
 ) -> Projection:
-    """batch_per_die: requests per DP group; kv_len: mean KV length; accept_rate: MTP."""
+    """batch_per_die: mean requests per DP group; kv_len: mean KV length; accept_rate: MTP;
+    redundant_dies: as xds_mpi/projection_layers.py `counts` takes them."""
     topo = Topology.from_config(cfg)
-    cost, n = CostModel(m, hw), counts(cfg, topo)
+    cost, n = CostModel(m, hw), counts(cfg, topo, redundant_dies=redundant_dies)
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     inputs = dict(
         cfg=cfg, cost=cost, n=n, batch=batch_per_die, kv_len=kv_len, imbalance=imbalance,
         microbatches=execution.microbatches,
     )  # fmt: skip
     spent = _passes_spent(cost, layer, inputs, mtp_depth=mtp_depth)
-    spent["head + sampling"] = cost.head(batch_per_die * (1 + mtp_depth)) + cost.sampling(
-        batch_per_die * (1 + mtp_depth)
-    )
+    rows = slowest_batch(batch_per_die, imbalance) * (1 + mtp_depth)
+    spent["head + sampling"] = cost.head(rows) + cost.sampling(rows)
     if not execution.pipelined_graphs:
         spent["graph launch"] = hw.graph_launch_s * (1 + (mtp_depth if m.num_mtp_modules else 0))
     spent["scheduling bubble"] = hw.bubble_s
@@ -86,9 +87,10 @@ def project(
 def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> dict[str, float]:
     """Seconds per iteration of each operation in the layers of the MTP passes (one row per
     sequence each) and of the main pass (1 + mtp_depth rows per sequence): MoE layers as the
-    deployment's `layer` prices them, dense layers alike in every deployment."""
-    m, batch = cost.m, inputs["batch"]
-    kv = inputs["kv_len"] * inputs["imbalance"].kv
+    deployment's `layer` prices them, dense layers alike in every deployment, at the slowest DP
+    group's batch and KV length (the next MoE layer's dispatch waits for it)."""
+    m, imb = cost.m, inputs["imbalance"]
+    batch, kv = slowest_batch(inputs["batch"], imb), inputs["kv_len"] * imb.kv
     spent: dict[str, float] = {}
     for kind, rows_per_seq, num_moe, num_dense in (
         ("mtp", 1, m.num_mtp_modules and mtp_depth, 0),
@@ -107,3 +109,8 @@ def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> di
         if kind == "mtp" and num_moe:
             spent["MTP head"] = (cost.head(rows) + cost.sampling(rows)) * mtp_depth
     return spent
+
+
+def slowest_batch(batch: float, imbalance: Imbalance) -> int:
+    """The slowest DP group's requests: the mean batch x its max over mean, whole."""
+    return max(1, round(batch * imbalance.batch))

@@ -4,10 +4,10 @@ at the slowest dies.
 Colocated (DP x EP, xDeepServe §7.1): attention side, gate, dispatch, routed experts, combine.
 Dispatch waits for the slowest DP group's attention (it absorbs MLA variance, xDeepServe §7.1)
 and takes in the hottest die's rows; combine waits for the hottest expert die. With two
-microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 of the die's 24 AIC)
-and stream 1 (gate, dispatch, experts, combine; 8 AIC) overlap, so a layer takes 2 x the longer
-stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns at the
-expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
+microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 AIC, 32 AIV) and
+stream 1 (gate, dispatch, experts, combine; 8 AIC, 16 AIV) overlap, so a layer takes 2 x the
+longer stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns
+at the expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
 (attention, A2E, MoE, E2A) and D x M x the expert side's compute.
 """
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from xds_mpi.comm_cost import expected_max_z
 from xds_mpi.config import Config
 from xds_mpi.cost import CostModel
 from xds_mpi.imbalance import Imbalance
 
-ATTENTION_STREAM_AIC = 16  # CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC, stream 1 gets 8
-MOE_STREAM_AIC = 8
+# CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC and 32 AIV, stream 1 gets 8 AIC and 16 AIV.
+ATTENTION_STREAM = (16, 32)
+MOE_STREAM = (8, 16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,22 +38,29 @@ class LayerInputs:
     microbatches: int
 
 
-def counts(cfg: Config, topo) -> dict:
+def counts(cfg: Config, topo, *, redundant_dies: int = 0) -> dict:
+    """Die counts; `redundant_dies` of the dedicated non-routed dies hold a routed replica
+    instead of a shared-expert copy (CloudMatrix-Infer §4.1: 32 shared copies, 256 routed and
+    32 redundant experts, one per die: a topology without empty routed dies cannot say so)."""
     hosts = [r for r in topo.ranks if r.expert_slots]
     routed = [r for r in hosts if any(s.kind == "routed" for s in r.expert_slots)]
     return {
         "dies": topo.num_dies,
         "expert_dies": len(hosts),
         "routed_dies": len(routed),
-        "shared_dies": len(hosts) - len(routed),
+        "shared_dies": len(hosts) - len(routed) - redundant_dies,
         "attention": topo.num_dp_domains * topo.dp_groups_per_domain,
     }
 
 
-def _share(cost: CostModel, aic: int, total: int) -> CostModel:
-    """The cost model of a stream given `aic` of the die's `total` cube cores."""
-    f = aic / total
-    hw = replace(cost.hw, int8_ops=cost.hw.int8_ops * f, bf16_flops=cost.hw.bf16_flops * f)
+def _share(cost: CostModel, cores: tuple[int, int]) -> CostModel:
+    """The cost model of a stream given (AIC, AIV) of the die's cores: the cube cores set its
+    compute, the vector cores how many peers its dispatch/combine serve at once."""
+    aic, aiv = cores
+    f = aic / cost.hw.aic_cores
+    hw = replace(
+        cost.hw, int8_ops=cost.hw.int8_ops * f, bf16_flops=cost.hw.bf16_flops * f, aiv_cores=aiv
+    )
     return CostModel(cost.m, hw)
 
 
@@ -61,10 +70,17 @@ def _attention(cost: CostModel, x: LayerInputs, batch: float, *, slowest: bool) 
     return cost.mla_prolog(round(batch * imb.batch) * x.rows_per_seq) + cost.attention(seqs)
 
 
-def _routed(cost: CostModel, n: dict, tokens: float, load: float) -> tuple[float, float]:
-    """(rows in, expert seconds) of a routed die carrying `load` x the mean of `tokens`."""
+def _routed(cost: CostModel, n: dict, tokens: float, imb: Imbalance | None) -> tuple[float, float]:
+    """(rows in, expert seconds) of a routed die. imb None: the typical die, the mean of
+    `tokens`' routed rows. Otherwise the hottest die: imb.moe x the mean, and, when that is the
+    expected loads' max/mean (not a measured one), at least the mean plus one iteration's routing
+    noise (rows land on dies at random: the largest of n Poisson counts of mean R is about
+    R + z(n) sqrt(R))."""
     m = cost.m
-    per_die = tokens * m.top_k / n["routed_dies"] * load
+    mean = tokens * m.top_k / n["routed_dies"]
+    per_die = mean if imb is None else mean * imb.moe
+    if imb is not None and imb.noise:
+        per_die = max(per_die, mean + expected_max_z(n["routed_dies"]) * math.sqrt(mean))
     experts_per_die = max(1, round(m.num_routed_experts / n["routed_dies"]))
     return per_die, cost.routed(per_die, experts_per_die)
 
@@ -72,16 +88,15 @@ def _routed(cost: CostModel, n: dict, tokens: float, load: float) -> tuple[float
 def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
     cfg, n, mb = x.cfg, x.n, x.microbatches
     m, dedicated = x.cost.m, cfg.deployment.shared_experts == "dedicated"
-    total_aic = x.cost.hw.aic_cores
-    s0 = _share(x.cost, ATTENTION_STREAM_AIC, total_aic) if mb > 1 else x.cost
-    s1 = _share(x.cost, MOE_STREAM_AIC, total_aic) if mb > 1 else x.cost
+    s0 = _share(x.cost, ATTENTION_STREAM) if mb > 1 else x.cost
+    s1 = _share(x.cost, MOE_STREAM) if mb > 1 else x.cost
     batch = x.batch / mb
     rows = batch * x.rows_per_seq
     attn_mean = _attention(s0, x, batch, slowest=False)
     attn_max = _attention(s0, x, batch, slowest=True)
     tokens = rows * n["dies"]
-    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance.moe)
-    _, experts_mean = _routed(s1, n, tokens, 1.0)
+    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance)
+    _, experts_mean = _routed(s1, n, tokens, None)
     shared = s1.experts([tokens / n["shared_dies"]]) if dedicated else 0.0
     every_die_shared = 0.0 if dedicated else s1.experts([rows] * m.num_shared_experts)
     dispatch = s1.dispatch(rows_max, peers=n["dies"], int8=cfg.xccl.use_int8)
@@ -96,7 +111,7 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
         "experts": typical_experts,
         "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
     }
-    stream0, stream1 = attn_max, sum(parts.values()) - attn_mean
+    stream0, stream1 = attn_max, sum(parts.values()) - attn_max  # dispatch holds the wait
     layer = 2 * max(stream0, stream1) if mb > 1 else stream0 + stream1
     scale = layer / sum(parts.values())
     primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
@@ -108,9 +123,12 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
 @dataclass(frozen=True, kw_only=True)
 class AfdHops:
     """A2E and E2A of one microbatch of one attention die (xDeepServe §3.3, Figure 8): to its
-    trampoline, then from the trampolines to the experts; back through the trampolines."""
+    trampoline, then from the domain's trampolines (as many expert dies as attention dies) to
+    the experts; back through the trampolines. The expert dies' stages run in persistent
+    kernels (xDeepServe §5.2), without a kernel start; the attention dies' stages start one."""
 
     trampolines: int
+    domain_trampolines: int
     expert_dies: int
     routed_dies: int
     groups_per_domain: int
@@ -120,23 +138,34 @@ class AfdHops:
         groups = cfg.deployment.dp_groups_per_domain
         return cls(
             trampolines=math.ceil(groups / n["expert_dies"]),
+            domain_trampolines=min(groups, n["expert_dies"]),
             expert_dies=n["expert_dies"],
             routed_dies=n["routed_dies"],
             groups_per_domain=groups,
         )
 
-    def a2e(self, cost: CostModel, mb_rows: float, *, load: float, int8: bool) -> float:
-        """mb_rows: the die's rows; load: the hottest expert die's rows over the mean."""
-        expert_rows = mb_rows * self.groups_per_domain * cost.m.top_k / self.routed_dies * load
-        return cost.dispatch(mb_rows, peers=self.trampolines, int8=int8) + cost.dispatch(
-            expert_rows, peers=self.expert_dies, int8=int8
+    def a2e_first(self, cost: CostModel, mb_rows: float, *, int8: bool) -> float:
+        """Stage 1: the attention die's rows to its trampoline."""
+        return cost.dispatch(mb_rows, peers=self.trampolines, int8=int8)
+
+    def a2e(
+        self, cost: CostModel, mb_rows: float, *, expert_rows: float | None = None, int8: bool
+    ) -> float:
+        """mb_rows: the attention die's rows; expert_rows: what the hottest expert die takes
+        in at stage 2, from the trampolines (None: the mean die's share)."""
+        if expert_rows is None:
+            expert_rows = mb_rows * self.groups_per_domain * cost.m.top_k / self.routed_dies
+        return self.a2e_first(cost, mb_rows, int8=int8) + cost.dispatch(
+            expert_rows, peers=self.domain_trampolines, int8=int8, persistent=True
         )
 
     def e2a(self, cost: CostModel, mb_rows: float) -> float:
-        """Each trampoline takes its tokens' top-k and shared outputs, then the die its rows."""
-        per_trampoline = mb_rows * self.groups_per_domain / self.expert_dies * (cost.m.top_k + 1)
-        return cost.combine(per_trampoline, peers=self.expert_dies) + cost.combine(
-            mb_rows, peers=self.trampolines
+        """Each trampoline takes its attention dies' top-k and shared outputs from the expert
+        dies, then the attention die its rows from its trampoline."""
+        served = self.groups_per_domain / self.domain_trampolines
+        per_trampoline = mb_rows * served * (cost.m.top_k + 1)
+        return cost.combine(per_trampoline, peers=self.expert_dies, persistent=True) + (
+            cost.combine(mb_rows, peers=self.trampolines)
         )
 
 
@@ -147,18 +176,19 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     batch = x.batch / micro
     mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
     tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
-    _, experts_max = _routed(cost, n, tokens, x.imbalance.moe)
+    rows_max, experts_max = _routed(cost, n, tokens, x.imbalance)
     if n["shared_dies"]:  # dedicated shared-expert dies
         moe = max(experts_max, cost.experts([tokens / n["shared_dies"]]))
     else:  # every expert die runs the shared expert on its share of the tokens
         moe = experts_max + cost.experts([tokens / n["expert_dies"]])
     hops = AfdHops.of(cfg, n)
-    a2e = hops.a2e(cost, mb_rows, load=x.imbalance.moe, int8=cfg.xccl.use_int8)
+    a2e = hops.a2e(cost, mb_rows, expert_rows=rows_max, int8=cfg.xccl.use_int8)
     e2a = hops.e2a(cost, mb_rows)
     attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
     expert_side = dep.num_dp_domains * micro * moe
     layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
     parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
     scale = layer / sum(parts.values())
-    primitives = {"A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
+    side = attention + hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
+    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
     return {k: v * scale for k, v in parts.items()}, primitives

@@ -27,7 +27,7 @@ class AfdPricer(Pricer):
     @contextmanager
     def a2e_in_flight(self, rows: int):
         """Records published in the block land after the A2E; the die's clock is unchanged."""
-        seconds = self.moe_scale * self.hops.a2e(self.cost, rows, load=1.0, int8=self.use_int8)
+        seconds = self.moe_scale * self.hops.a2e(self.cost, rows, int8=self.use_int8)
         self.calls["A2E"].append(seconds / self.moe_scale)
         self.spent[self._prefix + "A2E (overlapped)"] += seconds
         before = self.clock.snapshot()
