@@ -4,10 +4,8 @@ every MoE layer's dispatch and combine, even with nothing to send."""
 
 from __future__ import annotations
 
-import os
 import time
 
-import numpy as np
 from mpi4py import MPI
 
 from ranks.context import RankContext
@@ -22,7 +20,9 @@ from ranks.messages import TAG_STOP
 from ranks.recompute import Recomputer
 from xccl.recovery import Released
 from xds_mpi import trace
-from xds_mpi.control import WaitTimeout
+
+# Sleep between idle agreement rounds: doubling from the first to the last while no die has work.
+IDLE_MIN_S, IDLE_MAX_S = 0.001, 0.008
 
 
 def run(ctx: RankContext) -> None:
@@ -67,10 +67,12 @@ class ColocatedDie:
         self.executor = self._executor(ctx, model, ep, state, slots)
         self._failure_side(ctx, model, clock)
         self.recompute = self._recomputer(ctx, ep)
-        self.eplb = make_eplb_die(cfg, ctx.comm, self.dies, self.executor, self.pricer)
+        self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
         self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults (ranks/memory_check.py)
+        self.idle_s = 0.0  # the current idle back-off
+        self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
 
     def _failure_side(self, ctx: RankContext, model, clock) -> None:
         """Ring replicas (§6.2: a replica of every expert on another die) and the heartbeats
@@ -163,10 +165,14 @@ class ColocatedDie:
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
         busy, all_stopped = self.agree()  # all dies run the same iterations
-        if not busy:
-            time.sleep(0.001)
+        if not busy:  # idle polling backs off, up to IDLE_MAX_S between rounds
+            self.idle_s = min(2 * self.idle_s, IDLE_MAX_S) if self.idle_s else IDLE_MIN_S
+            time.sleep(self.idle_s)
             return not all_stopped
-        self.eplb.at_boundary()  # §4.5 Step 3: replica swap phases, at a boundary all agree on
+        self.idle_s = 0.0
+        self.eplb.at_boundary(
+            self.eplb_agreed
+        )  # §4.5 Step 3: replica swap phases, at a boundary all agree on
         sampled, timing = self.iteration()  # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         self.executor.commit({e.req_id for e in emitted if e.is_finished})
@@ -193,27 +199,19 @@ class ColocatedDie:
         return self.executor.forward(entries)  # MLA, gate, dispatch, experts, combine
 
     def agree(self) -> tuple[bool, bool]:
-        """(does any die have work, has every die been told to stop) — one allreduce."""
-        mine = np.array([self.scheduler.num_active, 0 if self.inbox.is_stopped else 1])
-        total = np.empty_like(mine)
-        if self.health is None:
-            self.dies.Allreduce(mine, total, op=MPI.SUM)
-        else:  # a lost die never joins: wait so that the TE-shell's fence releases us
-            self.recompute.recovery.check_fence()  # a fence seen even by a die that never waits
-            self._agree_releasable(self.dies.Iallreduce(mine, total, op=MPI.SUM))
-        return bool(total[0]), total[1] == 0
-
-    def _agree_releasable(self, request: MPI.Request) -> None:
-        timeout_s = self.outbox.timeout_s
-        deadline = time.monotonic() + timeout_s
-        while not request.Test():
-            self.recompute.recovery.check_fence()  # raises Released after a fence
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"die rank {self.outbox.rank}: not every die agreed on iteration "
-                    f"{self.executor.num_iterations} after {timeout_s:g} s"
-                )
-            os.sched_yield()
+        """(does any die have work, has every die been told to stop), and EPLB's boundary
+        (ranks/eplb_die.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
+        collective in the die loop (§4.2)."""
+        mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
+        fence = None
+        if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
+            fence = self.recompute.recovery.check_fence
+            fence()  # a fence seen even by a die that never waits
+        rows = self.executor.ep.agreement.agree(
+            (*mine, *self.eplb.boundary_values()), interrupt=fence
+        )
+        self.eplb_agreed = (int(rows[:, 2].min()), int(rows[:, 3].min()))
+        return bool(rows[:, 0].sum()), not rows[:, 1].any()
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report

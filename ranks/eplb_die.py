@@ -5,7 +5,7 @@ current time slice; every `eplb.interval` iterations it sends the slice to the T
 a DP group is one die, so the group's aggregate is the die's own count.
 Step 3: a placement the TE-shell computed (Step 2) is swapped in over several iterations while
 decoding goes on, each phase starting at an iteration boundary that every die agrees on through
-one allreduce over the dies:
+the one-sided agreement of the dies (xccl/agreement.py):
   phase 1 prefetch: copy the new replicas' weights from the checkpoint the die holds in host
           memory (priced as a pull over the UB from a die hosting the expert);
   phase 2 disable: the redundant slots that change are emptied in log2phy (tokens go to the
@@ -67,8 +67,8 @@ class Swap:
 
 
 class EplbDie:
-    def __init__(self, cfg, comm: MPI.Comm, dies: MPI.Comm, executor, pricer) -> None:
-        self.cfg, self.comm, self.dies = cfg.eplb, comm, dies
+    def __init__(self, cfg, comm: MPI.Comm, executor, pricer) -> None:
+        self.cfg, self.comm = cfg.eplb, comm
         self.me, self.timeout_s = comm.rank, cfg.xccl.poll_timeout_s
         self.executor, self.pricer = executor, pricer
         self.expert_map = executor.expert_map
@@ -88,20 +88,21 @@ class EplbDie:
             version_start=self.version,
         )
 
-    # -- Step 3: at each iteration boundary (collective over the dies) --------------------------
-    def at_boundary(self) -> None:
-        """Agree with every die on the newest placement all have and on whether all loads are
-        done; move the swap on by one phase accordingly; then load this iteration's share."""
+    # -- Step 3: at each iteration boundary (agreed over the dies' windows) ---------------------
+    def boundary_values(self) -> tuple[int, int]:
+        """This die's part of the boundary agreement (ranks/colocated.py agree): the newest
+        placement it has, and 1 once it has nothing left to load."""
         while (message := self.comm.improbe(source=SHELL, tag=TAG_EPLB_PLACEMENT)) is not None:
             self.received = message.recv()
-        mine = np.array(
-            [
-                self.received.version if self.received else 0,
-                0 if self.swap and self.swap.to_load else 1,
-            ]
+        return (
+            self.received.version if self.received else 0,
+            0 if self.swap and self.swap.to_load else 1,
         )
-        agreed = np.empty_like(mine)
-        self.dies.Allreduce(mine, agreed, op=MPI.MIN)
+
+    def at_boundary(self, agreed: tuple[int, int]) -> None:
+        """With `agreed` the minimum of every die's boundary_values: the newest placement all
+        have and whether all loads are done, move the swap on by one phase; then load this
+        iteration's share."""
         if self.swap and agreed[1]:
             trace.instant("eplb", phase="enable", version=self.swap.update.version)
             self._enable()
@@ -208,7 +209,10 @@ class EplbDie:
 class NoEplb:
     """EPLB disabled: the die's hooks do nothing."""
 
-    def at_boundary(self) -> None:
+    def boundary_values(self) -> tuple[int, int]:
+        return (0, 1)
+
+    def at_boundary(self, agreed: tuple[int, int]) -> None:
         pass
 
     def after_iteration(self) -> None:
@@ -221,5 +225,5 @@ class NoEplb:
         pass
 
 
-def make_eplb_die(cfg, comm: MPI.Comm, dies: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:
-    return EplbDie(cfg, comm, dies, executor, pricer) if cfg.eplb.enabled else NoEplb()
+def make_eplb_die(cfg, comm: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:
+    return EplbDie(cfg, comm, executor, pricer) if cfg.eplb.enabled else NoEplb()

@@ -109,7 +109,8 @@ def test_ep_area_follows_its_formula():
     )
     assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80  # 10 + 4 -> 16; 10 x 8
     assert ep.max_send_rows == 12 and ep.max_recv_rows == 36
-    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80]  # each rounded up to 64 B
+    # records, records, staging, index, combine rows, agreement (2 banks x 3 slots x 5 words)
+    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80, 2 * 3 * 5 * 8]  # each rounded up to 64 B
     assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
     assert ep.offset(1, "dispatch_records") == 6400
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from xccl import records
+from xccl.agreement import WindowAgreement
 from xccl.ep_handles import DispatchHandle, DispatchInfo
 from xccl.ep_rows import EpRows
 from xccl.errors import BufferTooSmall, XcclError
@@ -81,6 +82,7 @@ class EpBuffer:
         # wait_span: around each wait for peers' records (xccl/wait_span.py)
         self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
         self._seq = {"dispatch": 0, "combine": 0}
+        self.agreement = WindowAgreement(mem, layout, timeout_s=timeout_s)  # between iterations
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 

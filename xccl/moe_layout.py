@@ -18,6 +18,8 @@ from xccl.quant import send_row_bytes
 # Per staged row, next to the rows: its token index, top-k column and physical slot.
 INDEX_DTYPE = np.dtype([("token", "<i4"), ("column", "<i4"), ("slot", "<i8")])
 INDEX_BYTES = INDEX_DTYPE.itemsize
+# Payload words of one member's slot in the between-iterations agreement (xccl/agreement.py).
+AGREE_WORDS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +32,7 @@ class EpLayout:
         dispatch staging   max_send_rows x send_row_bytes   (own rows, partitioned by dest die)
         dispatch index     max_send_rows x INDEX_BYTES      (token, column, slot of each row)
         combine staging    max_recv_rows x out_row_bytes    (expert outputs, by source die)
+        agreement          2 x num_members x (AGREE_WORDS + 1) x 8   (xccl/agreement.py)
     max_send_rows = max_tokens x num_columns (top-k, + 1 with dedicated shared experts);
     max_recv_rows = num_members x max_send_rows (every row of every die may go to one die);
     send_row_bytes = hidden x itemsize, or hidden + 4 (INT8 + float32 scale) rounded up to 8;
@@ -78,6 +81,7 @@ class EpLayout:
             "dispatch_rows": self.max_send_rows * self.send_row_bytes,
             "dispatch_index": self.max_send_rows * INDEX_BYTES,
             "combine_rows": self.max_recv_rows * self.out_row_bytes,
+            "agreement": 2 * self.num_members * (AGREE_WORDS + 1) * 8,
         }
         offsets, at = {}, 0
         for name, size in sizes.items():

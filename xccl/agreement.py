@@ -1,0 +1,90 @@
+"""The dies' agreement between iterations, one-sided over the EP area of their windows.
+
+xDeepServe §4.2 keeps communication between DP groups inside dispatch and combine; the dies still
+have to agree, once per iteration, on whether any of them has work (and, with EPLB, on which
+placement all of them hold). Instead of an MPI collective, each member die owns in its window two
+banks of one slot per member; a slot is AGREE_WORDS payload words and a round word. To agree on
+round r a die writes its payload into its slot of bank r % 2 of every member's window, flushes,
+then writes the round word (the doorbell, last), and polls its own bank until every member's
+round word says r. Two banks suffice: a die writes round r + 1 only after it saw every member's
+round r, so no member still reads the bank r + 1 overwrites (it holds round r - 1, read before
+that member wrote round r).
+
+Every member calls `agree` the same number of times (the die loop's lockstep); a new window (a
+failover's rebuild) starts again at round 1 on every survivor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from xccl.faults import Interrupt
+from xccl.gmem import WORD, DieMemory, poll_until
+from xccl.moe_layout import AGREE_WORDS, EpLayout
+
+ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
+
+
+class WindowAgreement:
+    """One die's side of the agreement among the members of an EP layout."""
+
+    def __init__(self, mem: DieMemory, layout: EpLayout, *, timeout_s: float) -> None:
+        self.mem, self.layout, self.timeout_s = mem, layout, timeout_s
+        self.members = layout.members
+        self.me_idx = self.members.index(mem.rank)
+        self.round = 0
+        self._payload = np.zeros(AGREE_WORDS, WORD)
+
+    def agree(self, values: Sequence[int], *, interrupt: Interrupt | None = None) -> np.ndarray:
+        """Every member's `values` (at most AGREE_WORDS non-negative ints) of this round:
+        [num_members, AGREE_WORDS] int64, rows in member order, unused columns 0."""
+        self.round += 1
+        word = self.round % (1 << ROUND_BITS)
+        self._payload[:] = 0
+        self._payload[: len(values)] = values
+        bank = self.round % 2
+        for rank in self.members:  # the payloads first, then every doorbell (docs/mpi.md §2)
+            self.mem.put(rank, self._slot(rank, bank, self.me_idx), self._payload)
+        self.mem.flush_all()
+        for rank in self.members:
+            self.mem.store_word(rank, self._slot(rank, bank, self.me_idx) + _ROUND_AT, word)
+        self.mem.flush_all()
+        self._wait(bank, word, interrupt)
+        start = self._slot(self.mem.rank, bank, 0) // WORD.itemsize
+        slots = self.mem.words[start : start + len(self.members) * _SLOT_WORDS]
+        return slots.reshape(len(self.members), _SLOT_WORDS)[:, :AGREE_WORDS].astype(np.int64)
+
+    def _wait(self, bank: int, word: int, interrupt: Interrupt | None) -> None:
+        pending = list(range(len(self.members)))
+
+        def all_arrived() -> bool:
+            me = self.mem.rank
+            pending[:] = [
+                i
+                for i in pending
+                if self.mem.load_word(self._slot(me, bank, i) + _ROUND_AT, self.members[i]) != word
+            ]
+            return not pending
+
+        poll_until(
+            all_arrived,
+            deadline=time.monotonic() + self.timeout_s,
+            interrupt=interrupt,
+            describe=lambda: (
+                f"die rank {self.mem.rank}: agreement round {self.round}: no word from "
+                f"rank(s) {[self.members[i] for i in pending]} after {self.timeout_s:g} s"
+            ),
+        )
+        self.mem.sync()  # the payloads, flushed before their doorbells, become visible
+
+    def _slot(self, rank: int, bank: int, member_idx: int) -> int:
+        """Byte offset of member `member_idx`'s slot of `bank` in `rank`'s window."""
+        at = bank * len(self.members) + member_idx
+        return self.layout.offset(rank, "agreement") + at * _SLOT_WORDS * WORD.itemsize
+
+
+_SLOT_WORDS = AGREE_WORDS + 1
+_ROUND_AT = AGREE_WORDS * WORD.itemsize  # the round word follows the payload
