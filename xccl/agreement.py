@@ -38,9 +38,16 @@ class WindowAgreement:
         self.round = 0
         self._payload = np.zeros(AGREE_WORDS, WORD)
 
-    def agree(self, values: Sequence[int], *, interrupt: Interrupt | None = None) -> np.ndarray:
+    def agree(
+        self,
+        values: Sequence[int],
+        *,
+        interrupt: Interrupt | None = None,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
         """Every member's `values` (at most AGREE_WORDS non-negative ints) of this round:
-        [num_members, AGREE_WORDS] int64, rows in member order, unused columns 0."""
+        [num_members, AGREE_WORDS] int64, rows in member order, unused columns 0. timeout_s:
+        this round's bound on the wait (default: the one given at construction)."""
         self.round += 1
         word = self.round % (1 << ROUND_BITS)
         self._payload[:] = 0
@@ -52,12 +59,12 @@ class WindowAgreement:
         for rank in self.members:
             self.mem.store_word(rank, self._slot(rank, bank, self.me_idx) + _ROUND_AT, word)
         self.mem.flush_all()
-        self._wait(bank, word, interrupt)
+        self._wait(bank, word, interrupt, self.timeout_s if timeout_s is None else timeout_s)
         start = self._slot(self.mem.rank, bank, 0) // WORD.itemsize
         slots = self.mem.words[start : start + len(self.members) * _SLOT_WORDS]
         return slots.reshape(len(self.members), _SLOT_WORDS)[:, :AGREE_WORDS].astype(np.int64)
 
-    def _wait(self, bank: int, word: int, interrupt: Interrupt | None) -> None:
+    def _wait(self, bank: int, word: int, interrupt: Interrupt | None, timeout_s: float) -> None:
         pending = list(range(len(self.members)))
 
         def all_arrived() -> bool:
@@ -71,11 +78,11 @@ class WindowAgreement:
 
         poll_until(
             all_arrived,
-            deadline=time.monotonic() + self.timeout_s,
+            deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             describe=lambda: (
                 f"die rank {self.mem.rank}: agreement round {self.round}: no word from "
-                f"rank(s) {[self.members[i] for i in pending]} after {self.timeout_s:g} s"
+                f"rank(s) {[self.members[i] for i in pending]} after {timeout_s:g} s"
             ),
         )
         self.mem.sync()  # the payloads, flushed before their doorbells, become visible
