@@ -26,7 +26,14 @@ EMULATED: set[tuple[str, str, str]] = {
 RELEASE_GRACES = 2
 
 
+def release_bound_s(health) -> float:
+    """Seconds from a die's silence to the end of the TE-shell's release at most
+    (ranks/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
+    return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
+
+
 def check_failures(cfg: Config, topo: Topology) -> None:
+    _check_on_timeout(cfg)
     for i, spec in enumerate(cfg.faults.events):
         _check_row(cfg, topo, f"faults.events[{i}]", spec)
     _check_overlaps(cfg.faults.events)
@@ -139,14 +146,30 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
             f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
             "remaining dies) is not emulated; use stop"
         )
-    grace = health.release_grace_s
-    needed = health.timeout_s + health.dp_interval_s + RELEASE_GRACES * grace
-    if cfg.xccl.poll_timeout_s <= needed:
+    grace, needed = health.release_grace_s, release_bound_s(health)
+    # faults.on_timeout=recompute: a timed-out wait is recomputed, and the vote after it waits
+    # out detection and release (ranks/recompute.py), so a short poll timeout is fine.
+    if cfg.xccl.poll_timeout_s <= needed and cfg.faults.on_timeout != "recompute":
         raise ConfigError(
             f"{where}: xccl.poll_timeout_s({cfg.xccl.poll_timeout_s:g}) must exceed detection "
             f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
             f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
-            "stuck die's peers would end the run with an XCCL timeout first"
+            "stuck die's peers would end the run with an XCCL timeout first (or set "
+            "faults.on_timeout=recompute)"
+        )
+
+
+def _check_on_timeout(cfg: Config) -> None:
+    """faults.on_timeout=recompute runs on colocated decode dies (ranks/recompute.py), which
+    need the heartbeats to tell a lost peer from a slow one."""
+    if cfg.faults.on_timeout != "recompute":
+        return
+    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or not cfg.health.enabled:
+        raise ConfigError(
+            "faults.on_timeout=recompute is emulated on the dies of a colocated deployment "
+            f"without PD and with heartbeats (deployment.kind {cfg.deployment.kind}, pd.enabled "
+            f"{cfg.pd.enabled}, health.enabled {cfg.health.enabled}): without heartbeats a lost "
+            "peer would look like a slow one"
         )
 
 
