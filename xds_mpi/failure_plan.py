@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
+from xds_mpi.failure_slots import slot_refusal
 from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
@@ -203,7 +204,10 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        raise ConfigError(_slot_refusal(topo, where, spec))
+        refusal = slot_refusal(cfg, topo, where, spec)  # xds_mpi/failure_slots.py
+        if refusal:
+            raise ConfigError(refusal)
+        return
     if role == "expert":
         raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
     blocks = cfg.scheduler.num_kv_blocks_per_die
@@ -225,27 +229,6 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
             "may need: it would wait forever"
         )
-
-
-def _slot_refusal(topo: Topology, where: str, spec: FailureSpec) -> str:
-    """Why an expert-slot memory fault cannot run: no replica left, or masking not emulated."""
-    slot = topo.ranks[spec.die].expert_slots[spec.slot]
-    copies = [
-        (info.rank, i)
-        for info in topo.ranks
-        for i, s in enumerate(info.expert_slots)
-        if s.kind != "shared" and slot.kind != "shared" and s.expert_idx == slot.expert_idx
-    ]
-    if slot.kind != "shared" and len(copies) < 2:
-        return (
-            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
-            f"{slot.expert_idx}: masking it would leave the expert nowhere"
-        )
-    return (
-        f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} ({slot.kind} "
-        f"expert {slot.expert_idx}, copies at (die, slot) {copies}) is not emulated; only KV "
-        "block ranges are (README.md, Failures)"
-    )
 
 
 def _check_overlaps(events: list[FailureSpec]) -> None:
