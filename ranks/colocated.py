@@ -204,7 +204,8 @@ class ColocatedDie:
         return bool(total[0]), total[1] == 0
 
     def _agree_releasable(self, request: MPI.Request) -> None:
-        timeout_s = self.outbox.timeout_s
+        # As long as a vote waits (faults.on_timeout recompute: past detection and release)
+        timeout_s = self.recompute.recovery.vote_timeout_s
         deadline = time.monotonic() + timeout_s
         while not request.Test():
             self.recompute.recovery.check_fence()  # raises Released after a fence

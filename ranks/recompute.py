@@ -117,18 +117,11 @@ class Recomputer:
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
         self.plan = FaultPlan(cfg.faults, rank, events)
-        recover_timeouts = cfg.faults.on_timeout == "recompute"
         # Transient errors or recomputed timeouts: every iteration is an attempt, and votes.
-        self.is_voting = cfg.faults.is_enabled or recover_timeouts
+        self.is_voting = cfg.faults.is_enabled or cfg.faults.on_timeout == "recompute"
         self.recovery = None
         if self.is_voting or window_comm is not None:
-            self.recovery = Recovery(
-                comm,
-                timeout_s=cfg.xccl.poll_timeout_s,
-                window_comm=window_comm,
-                recover_timeouts=recover_timeouts,
-                vote_timeout_s=_vote_timeout_s(cfg, recover_timeouts),
-            )
+            self.recovery = _recovery(cfg, comm, window_comm)
             check = self.plan.check if self.is_voting else None
             hook = _chain(stall, check)
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
@@ -259,6 +252,17 @@ def _chain(*hooks: FaultHook | None) -> FaultHook | None:
             h(op, event_id)
 
     return hook
+
+
+def _recovery(cfg: Config, comm: MPI.Comm, window_comm: MPI.Comm | None) -> Recovery:
+    recover_timeouts = cfg.faults.on_timeout == "recompute"
+    return Recovery(
+        comm,
+        timeout_s=cfg.xccl.poll_timeout_s,
+        window_comm=window_comm,
+        recover_timeouts=recover_timeouts,
+        vote_timeout_s=_vote_timeout_s(cfg, recover_timeouts),
+    )
 
 
 def _vote_timeout_s(cfg: Config, recover_timeouts: bool) -> float:

@@ -31,16 +31,9 @@ def with_timeouts(
         "detected_by": "xccl timeout",
         "recovery": recovery_text,
     }
-    for i, r in enumerate(records):
-        if r.die != peer:
-            continue
-        if r.kind != "stuck" or r.verdict != "transient":
-            return records  # the heartbeats found the peer lost: their record stands
-        # Projected like the heartbeats' detection: injection plus the wall seconds since.
-        late_s = detected["detected_wall_s"] - r.injected_wall_s
-        records = list(records)
-        records[i] = replace(r, **detected, detected_virtual_s=r.injected_virtual_s + late_s)
-        return records
+    named = [i for i, r in enumerate(records) if r.die == peer]
+    if named:
+        return _attributed(records, named[0], detected)
     slow = FailureRecord(
         kind="none",
         die=peer,
@@ -52,3 +45,15 @@ def with_timeouts(
         **detected,
     )
     return [*records, slow]
+
+
+def _attributed(records: list[FailureRecord], i: int, detected: dict) -> list[FailureRecord]:
+    """records[i], the peer's row, detected by the timeout if it was a transient stall."""
+    r = records[i]
+    if r.kind != "stuck" or r.verdict != "transient":
+        return records  # the heartbeats found the peer lost: their record stands
+    # Projected like the heartbeats' detection: injection plus the wall seconds since.
+    late_s = detected["detected_wall_s"] - r.injected_wall_s
+    out = list(records)
+    out[i] = replace(r, **detected, detected_virtual_s=r.injected_virtual_s + late_s)
+    return out

@@ -198,21 +198,7 @@ class Recovery:
         if max_retries < 0:
             raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
-            fault, result = None, None
-            try:
-                result = attempt(k)
-            except InjectedFault as exc:
-                fault = exc
-                self.notify()
-                _abandon(buffers)
-            except PeerTimeout as exc:
-                if not self.recover_timeouts:
-                    raise
-                fault, self.timed_out_at = exc, time.time()  # a late peer: like a fault
-                self.notify()
-                _abandon(buffers)
-            except RollbackRequested:
-                _abandon(buffers)
+            fault, result = self._attempt(attempt, k, buffers)
             outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
             if not outcome.failed:
                 return result
@@ -227,6 +213,25 @@ class Recovery:
             f"die rank {self.rank}: {what} failed {max_retries + 1} attempts "
             f"(max_retries {max_retries}); the last: " + "; ".join(str(f) for f in outcome.faults)
         )
+
+    def _attempt(
+        self, attempt: Callable[[int], T], k: int, buffers: Sequence[Realignable]
+    ) -> tuple[Fault | None, T | None]:
+        """Steps 1-2 of attempt k: (this die's fault or None, the attempt's result or None)."""
+        try:
+            return None, attempt(k)
+        except InjectedFault as exc:
+            fault = exc
+        except PeerTimeout as exc:
+            if not self.recover_timeouts:
+                raise
+            fault, self.timed_out_at = exc, time.time()  # a late peer: like a fault
+        except RollbackRequested:
+            _abandon(buffers)
+            return None, None
+        self.notify()
+        _abandon(buffers)
+        return fault, None
 
     def free(self) -> None:
         """Release the window; safe to call twice."""
