@@ -79,6 +79,7 @@ def test_a_short_poll_timeout_is_accepted_with_recompute_and_refused_without():
         ("colocated", "health.enabled False"),
         ("afd", "deployment.kind afd"),
         ("pd", "pd.enabled True"),
+        ("eplb", "eplb.enabled True"),
     ],
 )
 def test_recompute_on_timeout_is_refused_where_it_does_not_run(config, named):

@@ -165,12 +165,18 @@ def _check_on_timeout(cfg: Config) -> None:
     need the heartbeats to tell a lost peer from a slow one."""
     if cfg.faults.on_timeout != "recompute":
         return
-    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or not cfg.health.enabled:
+    kind, pd, eplb, health = (
+        cfg.deployment.kind,
+        cfg.pd.enabled,
+        cfg.eplb.enabled,
+        cfg.health.enabled,
+    )
+    if kind != "colocated" or pd or eplb or not health:
         raise ConfigError(
             "faults.on_timeout=recompute is emulated on the dies of a colocated deployment "
-            f"without PD and with heartbeats (deployment.kind {cfg.deployment.kind}, pd.enabled "
-            f"{cfg.pd.enabled}, health.enabled {cfg.health.enabled}): without heartbeats a lost "
-            "peer would look like a slow one"
+            f"without PD or EPLB and with heartbeats (deployment.kind {kind}, pd.enabled {pd}, "
+            f"eplb.enabled {eplb}, health.enabled {health}): without heartbeats a lost peer "
+            "would look like a slow one; EPLB's waits for the TE-shell are not recomputed"
         )
 
 
