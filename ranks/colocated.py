@@ -203,12 +203,14 @@ class ColocatedDie:
         (ranks/eplb_die.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
         collective in the die loop (§4.2)."""
         mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
-        fence = None
+        fence = timeout_s = None
         if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
             fence = self.recompute.recovery.check_fence
             fence()  # a fence seen even by a die that never waits
+            # As long as a vote waits (faults.on_timeout recompute: past detection and release)
+            timeout_s = self.recompute.recovery.vote_timeout_s
         rows = self.executor.ep.agreement.agree(
-            (*mine, *self.eplb.boundary_values()), interrupt=fence
+            (*mine, *self.eplb.boundary_values()), interrupt=fence, timeout_s=timeout_s
         )
         self.eplb_agreed = (int(rows[:, 2].min()), int(rows[:, 3].min()))
         return bool(rows[:, 0].sum()), not rows[:, 1].any()

@@ -30,6 +30,7 @@ from ranks.context import RankContext
 from ranks.die_health import FaultBegan
 from ranks.failure_book import Detection, failure_records
 from ranks.heartbeat import HeartbeatSender
+from ranks.timeout_book import with_timeouts
 from xccl.recovery import fence, fence_window
 from xds_mpi.eplb.placement import Placement, remove_die
 from xds_mpi.failures import FailureRecord, write_failures
@@ -108,11 +109,15 @@ class Detector:
             )
         )
 
-    def records(self, requests: dict, started: float) -> list[FailureRecord]:
+    def records(
+        self, requests: dict, started: float, recovery: dict | None = None
+    ) -> list[FailureRecord]:
+        """recovery: die rank -> its recomputation counters (timeouts recomputed), once known."""
         cfg = self.ctx.cfg
-        return failure_records(
+        records = failure_records(
             cfg, self.roles, self.began, requests, started=started, detections=self.detections
         )
+        return with_timeouts(records, recovery or {}, self.roles, started)
 
     def close(self) -> None:
         """After the dies' responders closed: free the window with them (not after a failover:

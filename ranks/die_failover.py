@@ -58,7 +58,8 @@ def scale_down(die, failover: Failover) -> None:
     die.retired.append((die.dies, die.executor.ep.mem))
     ep = _new_buffer(die.executor.ep, survivors, world)
     die.executor.ep, die.recompute.buffers = ep, [ep]
-    die.dies = die.recompute.comm = survivors
+    die.dies = survivors
+    die.recompute.regroup(survivors)  # its votes too (faults.on_timeout recompute)
     die.is_scaled = True
     expert_map = die.executor.expert_map  # Step 3
     placement = with_dies(expert_map.placement, die.topo)

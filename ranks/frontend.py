@@ -198,7 +198,8 @@ class Frontend:
         """One record per stuck/dead row (and per die silent without one); [] if unwatched."""
         if self.detector is None:
             return []
-        return self.detector.records(self.records, self.started)
+        recovery = {rank: report.recovery for rank, report in self.reports.items()}
+        return self.detector.records(self.records, self.started, recovery)
 
     def arrival_wall(self, req_id: int) -> float:
         return self.started + self.records[req_id].req.arrival_s

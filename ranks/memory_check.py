@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.die_io import SHELL
+from ranks.slot_mask import SlotLoss, SlotMask, slot_record
 from xds_mpi.failures import FailureRecord
 from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 
@@ -53,10 +54,13 @@ class MemoryCheck:
             if s.die == self.rank and s.kind == "memory" and s.first_block >= 0
         ]
         self.sends: list[MPI.Request] = []
+        self.slots = SlotMask(ctx)  # expert slots with a replica elsewhere (ranks/slot_mask.py)
 
     def check(self, die) -> None:
         """Between iterations: apply the rows now due."""
         iteration = die.executor.num_iterations
+        for loss in self.slots.check(die):
+            self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
             self.rows.remove((row, spec))
             sched = die.scheduler
@@ -110,7 +114,10 @@ class MemoryLosses:
         while (msg := fe.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_MEMORY_FAULT)) is not None:
             loss: MemoryLoss = msg.recv()
             self.losses.append(loss)
-            fe.log.warning("%s: requests %s end", loss.reason, list(loss.req_ids))
+            if isinstance(loss, SlotLoss):
+                fe.log.warning("%s: slot masked, replicas %s serve", loss.reason, loss.replicas)
+            else:
+                fe.log.warning("%s: requests %s end", loss.reason, list(loss.req_ids))
             for req_id in loss.req_ids:
                 record = fe.records[req_id]
                 record.lost, record.finished_at = loss.reason, time.time()
@@ -124,13 +131,15 @@ class MemoryLosses:
         return [_record(loss, roles, times, started, ended) for loss in self.losses]
 
 
-def _record(loss: MemoryLoss, roles, times, started: float, ended: float) -> FailureRecord:
+def _record(loss, roles, times, started: float, ended: float) -> FailureRecord:
     """Found when injected: the runtime's memory check reports the fault as it happens."""
     at = loss.wall - started
 
     def rate(a: float, b: float) -> float:
         return sum(1 for t in times if a <= t < b) / (b - a) if b > a else 0.0
 
+    if isinstance(loss, SlotLoss):
+        return slot_record(loss, roles, rate, started, ended)
     return FailureRecord(
         kind="memory",
         die=loss.die,

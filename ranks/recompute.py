@@ -15,17 +15,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from mpi4py import MPI
 
+from ranks.recovery_counters import RecoveryCounters, describe
 from xccl.errors import RetriesExhausted, XcclError
 from xccl.faults import FaultHook, RecoverableBuffer, RecoveryHooks
-from xccl.recovery import FaultReport, Outcome, Recovery
+from xccl.recovery import Outcome, Recovery
 from xds_mpi import trace
 from xds_mpi.config import Config
 from xds_mpi.engine.pricing import Pricer
+from xds_mpi.failure_plan import release_bound_s
 from xds_mpi.faults import EventMap, FaultPlan
 
 T = TypeVar("T")
@@ -42,19 +43,6 @@ class Recoverable(Protocol):
     def checkpoint(self) -> Any: ...
 
     def restore(self, checkpoint: Any) -> None: ...
-
-
-@dataclass
-class RecoveryCounters:
-    """Per die. rollbacks: failed attempts (the same on every die); recomputed_iterations:
-    iterations that needed at least one re-execution; faults_injected: faults raised on this
-    die; wall_lost_s / vtime_lost_s: wall and virtual time of the failed attempts."""
-
-    rollbacks: int = 0
-    recomputed_iterations: int = 0
-    faults_injected: int = 0
-    wall_lost_s: float = 0.0
-    vtime_lost_s: float = 0.0
 
 
 class IterationAttempts:
@@ -129,12 +117,11 @@ class Recomputer:
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
         self.plan = FaultPlan(cfg.faults, rank, events)
-        self.is_voting = cfg.faults.is_enabled  # transient errors: attempts and votes
+        # Transient errors or recomputed timeouts: every iteration is an attempt, and votes.
+        self.is_voting = cfg.faults.is_enabled or cfg.faults.on_timeout == "recompute"
         self.recovery = None
         if self.is_voting or window_comm is not None:
-            self.recovery = Recovery(
-                comm, timeout_s=cfg.xccl.poll_timeout_s, window_comm=window_comm
-            )
+            self.recovery = _recovery(cfg, comm, window_comm)
             check = self.plan.check if self.is_voting else None
             hook = _chain(stall, check)
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
@@ -156,13 +143,15 @@ class Recomputer:
             iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
         )
         try:
-            return self.recovery.run(
+            result = self.recovery.run(
                 self._attempts.run,
                 self.buffers,
                 max_retries=self.faults.max_retries,
                 what=f"iteration {iteration}",
                 on_rollback=self._rolled_back,
             )
+            self._attempts = None  # done: a later fence interrupts no iteration of this one
+            return result
         except RetriesExhausted as exc:
             raise RecomputationFailed(
                 f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
@@ -187,7 +176,7 @@ class Recomputer:
     def restore_interrupted(self) -> None:
         """The die back to the start of the iteration a fence interrupted (none: nothing)."""
         attempts, c = self._attempts, self.counters
-        if attempts is not None and not self.is_voting:
+        if attempts is not None:
             c.rollbacks += 1
             c.recomputed_iterations += 1
             c.wall_lost_s += attempts.wall_s()
@@ -201,6 +190,9 @@ class Recomputer:
         attempts, c = self._attempts, self.counters
         self._outcome = outcome
         c.rollbacks += 1
+        timed_out_at = self.recovery.timed_out_at
+        c.count_timeouts(outcome, attempts.iteration, timed_out_at)
+        self.recovery.timed_out_at = -1.0
         if self._last_recomputed != attempts.iteration:
             c.recomputed_iterations += 1
             self._last_recomputed = attempts.iteration
@@ -230,6 +222,13 @@ class Recomputer:
         )
         trace.mark_rolled_back()
 
+    def regroup(self, comm: MPI.Comm) -> None:
+        """Vertical scaling (ranks/die_failover.py): vote over the survivors' `comm` from now
+        on (collective over them)."""
+        self.comm = comm
+        if self.is_voting:
+            self.recovery.regroup(comm)
+
     def report(self) -> dict:
         """The counters, with faults_injected summed over every die (collective over the dies:
         expert dies inject faults too but report to nobody)."""
@@ -255,13 +254,20 @@ def _chain(*hooks: FaultHook | None) -> FaultHook | None:
     return hook
 
 
-def describe(faults: Sequence[FaultReport], events: EventMap) -> str:
-    """The faults of a failed attempt: die, operation, MoE layer, event id and error code."""
-    return (
-        "; ".join(
-            f"die {f.die} {f.op} at layer {events.layer_of_event(f.event_id)} (event "
-            f"{f.event_id}, code {f.code})"
-            for f in faults
-        )
-        or "none reported"
+def _recovery(cfg: Config, comm: MPI.Comm, window_comm: MPI.Comm | None) -> Recovery:
+    recover_timeouts = cfg.faults.on_timeout == "recompute"
+    return Recovery(
+        comm,
+        timeout_s=cfg.xccl.poll_timeout_s,
+        window_comm=window_comm,
+        recover_timeouts=recover_timeouts,
+        vote_timeout_s=_vote_timeout_s(cfg, recover_timeouts),
     )
+
+
+def _vote_timeout_s(cfg: Config, recover_timeouts: bool) -> float:
+    """How long a vote waits for every die. With timeouts recomputed, a die whose wait timed out
+    votes while its peer may still be lost: the vote outlasts the heartbeats' detection and
+    release (xds_mpi/failure_plan.py), so the fence, not a vote timeout, ends it (§6.1 wins)."""
+    poll_s = cfg.xccl.poll_timeout_s
+    return poll_s + release_bound_s(cfg.health) if recover_timeouts else poll_s

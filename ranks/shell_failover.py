@@ -19,12 +19,16 @@ from dataclasses import replace
 from ranks.detector import Loss
 from ranks.die_failover import Failover
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.failure_plan import release_bound_s
 from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 
 
 def scale_down(frontend, loss: Loss) -> None:
     """Steps 1-3 on the TE-shell's Frontend (ranks/frontend.py); the detector records it."""
-    comm, timeout_s = frontend.comm, frontend.ctx.cfg.xccl.poll_timeout_s
+    cfg = frontend.ctx.cfg
+    # The survivors' rebuild is no XCCL wait: a short poll timeout (faults.on_timeout
+    # recompute) does not bound it.
+    comm, timeout_s = frontend.comm, max(cfg.xccl.poll_timeout_s, release_bound_s(cfg.health))
     before = len(frontend.groups)
     survivors = tuple(g for g in frontend.groups if g not in loss.lost)
     opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}

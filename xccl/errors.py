@@ -9,6 +9,24 @@ class XcclTimeout(XcclError, TimeoutError):
     """A wait passed its deadline (die, peer, event named)."""
 
 
+class PeerTimeout(XcclTimeout):
+    """A wait for peers' records passed xccl.poll_timeout_s (xccl/records.py): die, the waiting
+    die's rank; op, the stage ("dispatch", "combine", ...); event_id; peers, the ranks whose
+    records are missing. With recovery on (xccl/recovery.py, recover_timeouts) it is a fault of
+    the attempt like an injected one: the iteration is recomputed."""
+
+    def __init__(self, message: str, *, die: int, op: str, event_id: int, peers: tuple) -> None:
+        super().__init__(message)
+        self.die, self.op, self.event_id, self.peers = die, op, event_id, tuple(peers)
+
+    def __reduce__(self):
+        return _rebuild_peer_timeout, (str(self), self.die, self.op, self.event_id, self.peers)
+
+
+def _rebuild_peer_timeout(message, die, op, event_id, peers) -> PeerTimeout:
+    return PeerTimeout(message, die=die, op=op, event_id=event_id, peers=peers)
+
+
 class EventMismatch(XcclError):
     """A record carried another event id than the caller expected: stale or misrouted data."""
 

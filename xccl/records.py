@@ -21,7 +21,7 @@ from functools import cache
 
 import numpy as np
 
-from xccl.errors import EventMismatch
+from xccl.errors import EventMismatch, PeerTimeout, XcclTimeout
 from xccl.faults import Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import RECORD_BYTES
@@ -173,14 +173,20 @@ def wait(
         pending[:] = [r for r in pending if not _has_rung(mem, r, expected.doorbell)]
         return not pending
 
-    poll_until(
-        all_rang,
-        deadline=time.monotonic() + timeout_s,
-        interrupt=interrupt,
-        describe=lambda: (
-            f"{no_record(mem, expected, [r.peer for r in pending])} after {timeout_s:g} s"
-        ),
-    )
+    try:
+        poll_until(
+            all_rang,
+            deadline=time.monotonic() + timeout_s,
+            interrupt=interrupt,
+            describe=lambda: (
+                f"{no_record(mem, expected, [r.peer for r in pending])} after {timeout_s:g} s"
+            ),
+        )
+    except XcclTimeout as exc:  # the same message, with die, stage, event and peers as fields
+        peers = tuple(r.peer for r in pending)
+        raise PeerTimeout(
+            str(exc), die=mem.rank, op=expected.stage, event_id=expected.event_id, peers=peers
+        ) from None
     return read(mem, records, expected, dtype)
 
 

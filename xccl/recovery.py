@@ -24,6 +24,11 @@ fault) and never sees the interrupt, since it waits for nothing more. The vote, 
 interrupt, decides: every die learns there whether any die failed, and all of them re-execute,
 so all dies stay in the same iteration with the same publication numbers.
 
+A wait that times out (PeerTimeout, xccl.poll_timeout_s) is such a fault too when the caller
+asks for it (recover_timeouts): the late peer was slow, not necessarily gone, so the die notifies
+and votes like one whose operation raised, and the iteration is recomputed. A lost peer never
+votes: the vote waits up to vote_timeout_s, and the TE-shell's fence (below) ends that wait first.
+
 The TE-shell's release (xDeepServe §6.1, ranks/detector.py) rides the same window: word 1 of each
 die's window is the fence, which only the TE-shell writes (the window then spans the world
 communicator, the TE-shell holding no words). interrupt() checks it first; a fence above the
@@ -40,7 +45,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -48,17 +52,19 @@ from mpi4py import MPI
 
 from xccl.errors import (
     InjectedFault,
+    PeerTimeout,
     RetriesExhausted,
     RollbackRequested,
     XcclError,
     XcclTimeout,
 )
-from xccl.faults import OPS, Realignable
+from xccl.faults import Realignable
 from xccl.gmem import DieMemory
+from xccl.vote import HEADER, Fault, FaultReport, Outcome, decode, encode
+
+__all__ = ["FaultReport", "Outcome", "Recovery", "Released", "fence", "fence_window"]
 
 T = TypeVar("T")
-# Vote message per die: notified, has fault, fault die, op index, event id, code, then states.
-HEADER = 6
 ROLLBACK_WORD, FENCE_WORD = 0, 8  # byte offsets in each die's window
 
 
@@ -74,34 +80,6 @@ class Released(XcclError):
         return type(self), (self.die, self.fence)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FaultReport:
-    """One die's fault in an attempt: the die it names, the operation, its event id, the code."""
-
-    die: int
-    op: str
-    event_id: int
-    code: int
-
-    def __str__(self) -> str:
-        return f"die {self.die} {self.op} event {self.event_id} code {self.code}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Outcome:
-    """What the vote decided, identical on every die.
-
-    failed: some die reported a fault or notified. epoch: failed attempts so far, this one
-    included. faults: every reported fault, by rank. states: the element-wise max over all dies
-    of the `states` voted (as long as this die's), to resync the buffers with.
-    """
-
-    failed: bool
-    epoch: int
-    faults: tuple[FaultReport, ...]
-    states: tuple[int, ...]
-
-
 class Recovery:
     """The abort signal and the vote over the dies' communicator (collective constructor)."""
 
@@ -112,23 +90,45 @@ class Recovery:
         timeout_s: float,
         max_states: int = 16,
         window_comm: MPI.Comm | None = None,
+        recover_timeouts: bool = False,
+        vote_timeout_s: float | None = None,
     ) -> None:
         """window_comm: the communicator the abort words' window spans (default: comm, the dies);
-        the world one when a TE-shell fences the dies (it joins with `fence_window`)."""
+        the world one when a TE-shell fences the dies (it joins with `fence_window`).
+        recover_timeouts: a wait that timed out (PeerTimeout) fails the attempt like an injected
+        fault, instead of ending the run. vote_timeout_s: how long a vote waits for every die
+        (default timeout_s); a fence ends the wait earlier (Released)."""
         window_comm = comm if window_comm is None else window_comm
         self.mem = DieMemory(window_comm, 16)
-        # Each die's rank in the window (the dies' ranks in the world, with a TE-shell).
-        self.peers = comm.group.Translate_ranks(list(range(comm.size)), window_comm.group)
-        self.me = window_comm.rank
+        self.window_comm, self.me = window_comm, window_comm.rank
         # A writer on another node needs the RMA idiom; one node: a local load sees every write.
         self.is_one_node = all(self.mem.is_same_node)
-        self.comm, self.rank, self.num_dies = comm, comm.rank, comm.size
         self.fence_seen = 0
         self.timeout_s, self.max_states = timeout_s, max_states
+        self.recover_timeouts = recover_timeouts
+        self.vote_timeout_s = timeout_s if vote_timeout_s is None else vote_timeout_s
         self.epoch = 0
+        self.timed_out_at = -1.0  # time.time() of this die's last recovered timeout
         self._notified = False
-        self._send = np.zeros(HEADER + max_states, np.int64)
-        self._recv = np.zeros((comm.size, HEADER + max_states), np.int64)
+        self._join(comm)
+
+    def _join(self, comm: MPI.Comm) -> None:
+        """Vote over `comm` (the dies); notify each die's word in the window."""
+        # Each die's rank in the window (the dies' ranks in the world, with a TE-shell).
+        self.peers = comm.group.Translate_ranks(list(range(comm.size)), self.window_comm.group)
+        self.comm, self.rank, self.num_dies = comm, comm.rank, comm.size
+        self._send = np.zeros(HEADER + self.max_states, np.int64)
+        self._recv = np.zeros((comm.size, HEADER + self.max_states), np.int64)
+
+    def regroup(self, comm: MPI.Comm) -> None:
+        """After vertical scaling (ranks/die_failover.py): vote over the survivors' `comm`
+        (collective over them). A fence may have cut a vote short on some dies and not on
+        others, and left notifies in the words: every survivor takes the highest epoch and
+        word any of them holds, so no stale word reads as a rollback of the next attempt."""
+        self._join(comm)
+        mine = max(self.epoch, self._words()[0])
+        self.epoch = comm.allreduce(mine, op=MPI.MAX)
+        self._notified = False
 
     def interrupt(self) -> None:
         """Raise Released if the TE-shell fenced the dies, RollbackRequested if another die
@@ -162,36 +162,24 @@ class Recovery:
             self.mem.flush(peer)  # the word buffer is reused by the next store
         self._notified = True
 
-    def vote(self, fault: InjectedFault | None, states: Sequence[int]) -> Outcome:
-        """Every die, once per attempt: did any die fail it? One allgather, bounded by timeout_s.
+    def vote(self, fault: Fault | None, states: Sequence[int]) -> Outcome:
+        """Every die, once per attempt: did any die fail it? One allgather, bounded by
+        vote_timeout_s.
 
-        fault: this die's InjectedFault, or None. states: this die's publication states (the
-        same layout on every die: the same buffers in the same order; missing trailing ones
-        count as 0), at most max_states non-negative ints."""
+        fault: this die's InjectedFault (or PeerTimeout), or None. states: this die's
+        publication states (the same layout on every die: the same buffers in the same order;
+        missing trailing ones count as 0), at most max_states non-negative ints."""
         if len(states) > self.max_states:
             raise ValueError(
                 f"die rank {self.rank}: {len(states)} publication states to vote, "
                 f"max_states is {self.max_states}"
             )
-        send = self._send
-        send[:] = 0
-        send[0] = self._notified or fault is not None
-        if fault is not None:
-            op = OPS.index(fault.op) if fault.op in OPS else -1
-            send[1:HEADER] = (1, fault.die, op, fault.event_id, fault.code)
-        send[HEADER : HEADER + len(states)] = states
+        encode(self._send, notified=self._notified, fault=fault, states=states)
         self._allgather()
-        rows = self._recv[:, : HEADER + len(states)].tolist()  # [dies][words] ints
-        faults = tuple(
-            FaultReport(die=r[2], op=OPS[r[3]] if r[3] >= 0 else "?", event_id=r[4], code=r[5])
-            for r in rows
-            if r[1]
-        )
-        failed = any(r[0] for r in rows)
-        self.epoch += failed
+        outcome = decode(self._recv[:, : HEADER + len(states)].tolist(), self.epoch)
+        self.epoch = outcome.epoch
         self._notified = False
-        merged = tuple(max(column) for column in zip(*(r[HEADER:] for r in rows)))
-        return Outcome(failed=failed, epoch=self.epoch, faults=faults, states=merged)
+        return outcome
 
     def run(
         self,
@@ -210,15 +198,7 @@ class Recovery:
         if max_retries < 0:
             raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
-            fault, result = None, None
-            try:
-                result = attempt(k)
-            except InjectedFault as exc:
-                fault = exc
-                self.notify()
-                _abandon(buffers)
-            except RollbackRequested:
-                _abandon(buffers)
+            fault, result = self._attempt(attempt, k, buffers)
             outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
             if not outcome.failed:
                 return result
@@ -234,18 +214,39 @@ class Recovery:
             f"(max_retries {max_retries}); the last: " + "; ".join(str(f) for f in outcome.faults)
         )
 
+    def _attempt(
+        self, attempt: Callable[[int], T], k: int, buffers: Sequence[Realignable]
+    ) -> tuple[Fault | None, T | None]:
+        """Steps 1-2 of attempt k: (this die's fault or None, the attempt's result or None)."""
+        try:
+            return None, attempt(k)
+        except InjectedFault as exc:
+            fault = exc
+        except PeerTimeout as exc:
+            if not self.recover_timeouts:
+                raise
+            fault, self.timed_out_at = exc, time.time()  # a late peer: like a fault
+        except RollbackRequested:
+            _abandon(buffers)
+            return None, None
+        self.notify()
+        _abandon(buffers)
+        return fault, None
+
     def free(self) -> None:
         """Release the window; safe to call twice."""
         self.mem.free()
 
     def _allgather(self) -> None:
         request = self.comm.Iallgather(self._send, self._recv)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.vote_timeout_s
         while not request.Test():
+            if self.window_comm is not self.comm:  # a TE-shell fences: a lost die never votes
+                self.check_fence()
             if time.monotonic() > deadline:
                 raise XcclTimeout(
                     f"die rank {self.rank}: vote of epoch {self.epoch}: not every "
-                    f"die voted after {self.timeout_s:g} s (a die stuck outside "
+                    f"die voted after {self.vote_timeout_s:g} s (a die stuck outside "
                     "XCCL's waits, or one whose waits have no interrupt)"
                 )
             os.sched_yield()

@@ -35,6 +35,9 @@ class FaultsConfig:
     run's n-th iteration with work, from 0, the same on every die). rate: seeded probabilistic
     mode, the chance each operation call fails. An iteration may be re-executed max_retries times;
     one more failure ends the run with an error naming die, operation and iteration.
+    on_timeout: what a dispatch/combine wait that reached xccl.poll_timeout_s does: "stop" ends
+    the run, "recompute" fails the attempt like an injected error (the iteration is recomputed;
+    a lost peer is left to the heartbeats, docs/design.md).
     events: failures beyond transient errors, rows of xds_mpi/config_failures.py FailureSpec
     (stuck, dead, link, saturated, memory); detected and recovered per the `health` section."""
 
@@ -44,10 +47,15 @@ class FaultsConfig:
     seed: int = 0
     max_retries: int = 3
     events: list = field(default_factory=list)
+    on_timeout: str = "stop"  # "recompute": a timed-out XCCL wait is recomputed (§6.2 stage 3)
 
     def __post_init__(self) -> None:
         require(0.0 <= self.rate < 1.0, f"faults.rate must be in [0, 1), got {self.rate}")
         non_negative("faults", max_retries=self.max_retries)
+        require(
+            self.on_timeout in ("stop", "recompute"),
+            f"faults.on_timeout must be stop or recompute, got {self.on_timeout!r}",
+        )
         for op in self.ops:
             _check_op("faults.ops", op)
         object.__setattr__(self, "table", [_fault_row(i, row) for i, row in enumerate(self.table)])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
+from xds_mpi.failure_slots import slot_refusal
 from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
@@ -26,7 +27,14 @@ EMULATED: set[tuple[str, str, str]] = {
 RELEASE_GRACES = 2
 
 
+def release_bound_s(health) -> float:
+    """Seconds from a die's silence to the end of the TE-shell's release at most
+    (ranks/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
+    return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
+
+
 def check_failures(cfg: Config, topo: Topology) -> None:
+    _check_on_timeout(cfg)
     for i, spec in enumerate(cfg.faults.events):
         _check_row(cfg, topo, f"faults.events[{i}]", spec)
     _check_overlaps(cfg.faults.events)
@@ -139,14 +147,36 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
             f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
             "remaining dies) is not emulated; use stop"
         )
-    grace = health.release_grace_s
-    needed = health.timeout_s + health.dp_interval_s + RELEASE_GRACES * grace
-    if cfg.xccl.poll_timeout_s <= needed:
+    grace, needed = health.release_grace_s, release_bound_s(health)
+    # faults.on_timeout=recompute: a timed-out wait is recomputed, and the vote after it waits
+    # out detection and release (ranks/recompute.py), so a short poll timeout is fine.
+    if cfg.xccl.poll_timeout_s <= needed and cfg.faults.on_timeout != "recompute":
         raise ConfigError(
             f"{where}: xccl.poll_timeout_s({cfg.xccl.poll_timeout_s:g}) must exceed detection "
             f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
             f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
-            "stuck die's peers would end the run with an XCCL timeout first"
+            "stuck die's peers would end the run with an XCCL timeout first (or set "
+            "faults.on_timeout=recompute)"
+        )
+
+
+def _check_on_timeout(cfg: Config) -> None:
+    """faults.on_timeout=recompute runs on colocated decode dies (ranks/recompute.py), which
+    need the heartbeats to tell a lost peer from a slow one."""
+    if cfg.faults.on_timeout != "recompute":
+        return
+    kind, pd, eplb, health = (
+        cfg.deployment.kind,
+        cfg.pd.enabled,
+        cfg.eplb.enabled,
+        cfg.health.enabled,
+    )
+    if kind != "colocated" or pd or eplb or not health:
+        raise ConfigError(
+            "faults.on_timeout=recompute is emulated on the dies of a colocated deployment "
+            f"without PD or EPLB and with heartbeats (deployment.kind {kind}, pd.enabled {pd}, "
+            f"eplb.enabled {eplb}, health.enabled {health}): without heartbeats a lost peer "
+            "would look like a slow one; EPLB's waits for the TE-shell are not recomputed"
         )
 
 
@@ -180,7 +210,10 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        raise ConfigError(_slot_refusal(topo, where, spec))
+        refusal = slot_refusal(cfg, topo, where, spec)  # xds_mpi/failure_slots.py
+        if refusal:
+            raise ConfigError(refusal)
+        return
     if role == "expert":
         raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
     blocks = cfg.scheduler.num_kv_blocks_per_die
@@ -202,27 +235,6 @@ def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, ro
             f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
             "may need: it would wait forever"
         )
-
-
-def _slot_refusal(topo: Topology, where: str, spec: FailureSpec) -> str:
-    """Why an expert-slot memory fault cannot run: no replica left, or masking not emulated."""
-    slot = topo.ranks[spec.die].expert_slots[spec.slot]
-    copies = [
-        (info.rank, i)
-        for info in topo.ranks
-        for i, s in enumerate(info.expert_slots)
-        if s.kind != "shared" and slot.kind != "shared" and s.expert_idx == slot.expert_idx
-    ]
-    if slot.kind != "shared" and len(copies) < 2:
-        return (
-            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
-            f"{slot.expert_idx}: masking it would leave the expert nowhere"
-        )
-    return (
-        f"{where}: a memory fault in expert slot {spec.slot} of die {spec.die} ({slot.kind} "
-        f"expert {slot.expert_idx}, copies at (die, slot) {copies}) is not emulated; only KV "
-        "block ranges are (README.md, Failures)"
-    )
 
 
 def _check_overlaps(events: list[FailureSpec]) -> None:

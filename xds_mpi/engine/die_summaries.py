@@ -82,13 +82,15 @@ def recovery_summary(die_recovery: dict[int, dict]) -> dict:
         "recomputed_iterations": max(c["recomputed_iterations"] for c in counters),
         "wall_lost_s": max(c["wall_lost_s"] for c in counters),
         "vtime_lost_s": max(c["vtime_lost_s"] for c in counters),
+        "xccl_timeouts": max(c.get("timeouts", 0) for c in counters),
     }
 
 
 def format_recovery(r: dict) -> str:
     return (
         f"recovery: {r['faults_injected']} faults injected, {r['rollbacks']} rollbacks, "
-        f"{r['recomputed_iterations']} iterations recomputed; lost {r['wall_lost_s']:.2f} s "
+        f"{r['recomputed_iterations']} iterations recomputed, "
+        f"{r.get('xccl_timeouts', 0)} after an XCCL timeout; lost {r['wall_lost_s']:.2f} s "
         f"wall, {r['vtime_lost_s'] * 1e3:.2f} ms virtual"
     )
 

@@ -1,0 +1,55 @@
+"""Memory faults in expert slots, checked before launch (xds_mpi/failure_plan.py): a slot row
+runs when the slot's expert keeps a replica elsewhere once every slot row is masked (ranks/
+slot_mask.py); replicas come from health.replicas ring. Every other slot row is refused, naming
+why."""
+
+from __future__ import annotations
+
+from xds_mpi.config import Config
+from xds_mpi.config_failures import FailureSpec
+from xds_mpi.topology import Topology
+
+
+def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> str:
+    """Why an expert-slot memory fault cannot run ("" when it can: ranks/slot_mask.py masks the
+    slot and the expert's other replica serves it; replicas come from health.replicas ring)."""
+    slot = topo.ranks[spec.die].expert_slots[spec.slot]
+    if slot.kind == "shared":
+        return f"{where}: slot {spec.slot} of die {spec.die} holds shared expert " + (
+            f"{slot.expert_idx}: masking a shared expert slot is not emulated"
+        )
+    others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    if cfg.eplb.enabled or others:
+        return (
+            f"{where}: masking expert slot {spec.slot} of die {spec.die} is not emulated with "
+            f"eplb.enabled({cfg.eplb.enabled}) or stuck/dead rows ({len(others)}): both move "
+            "the placement the mask edits"
+        )
+    if cfg.health.replicas != "ring":
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
+            f"{slot.expert_idx} (health.replicas {cfg.health.replicas}): masking it would leave "
+            "the expert nowhere"
+        )
+    return _masked_experts_left(cfg, topo, where)
+
+
+def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
+    """With every slot row masked, does each expert keep a replica in the ring placement?"""
+    from ranks.replicas import ring_placement  # pure: the placement the dies build
+
+    placement = ring_placement(topo, 1)
+    masked = [
+        topo.ranks[e.die].expert_slots[e.slot].phy_idx
+        for e in cfg.faults.events
+        if e.kind == "memory" and e.slot >= 0
+    ]
+    row = placement.phy2log[0]
+    left = {x for s, x in enumerate(row) if x >= 0 and s not in masked}
+    gone = sorted({x for x in row if x >= 0} - left)
+    if gone:
+        return (
+            f"{where}: the masked expert slots (physical {sorted(masked)}) hold every replica "
+            f"of routed expert(s) {gone}: masking them would leave those experts nowhere"
+        )
+    return ""
