@@ -10,6 +10,7 @@ oversubscription. For each size and core count, in the same run:
   ls     - the raw load/store baseline: numpy stores into the peer's window (Shared_query),
            Win.Sync, a one-word flag store; the peer polls Win.Sync + a load of the flag
   sendrecv - two-sided MPI Send/Recv ping-pong of the same bytes
+  floor  - the protocol floor (launch/bench_p2p_floor.py): the ring steps alone, in plain numpy
   projected - what one sync send costs a 910C die on the virtual clock (dies on two servers)
 Medians over iterations, then the median over pairs.
 """
@@ -23,6 +24,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from launch.bench_p2p_floor import FloorPair
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import P2PLayout
 from xccl.p2p import P2P
@@ -38,7 +40,9 @@ COLUMNS = [
     "put_rtt_us",
     "ls_rtt_us",
     "sendrecv_rtt_us",
+    "floor_rtt_us",
     "rtt_vs_best",
+    "rtt_vs_floor",
     "rtt_vs_put",
     "rma_rtt_vs_put",
     "xccl_gb_s",
@@ -78,11 +82,12 @@ class Bench:
         self.raw = DieMemory(comm, raw_bytes, memory_path="rma")
         self.shared = DieMemory(comm, raw_bytes, memory_path="auto")
         self.flag = self.raw.nbytes - 8
+        self.floor = FloorPair(comm, self.peer, max(args.sizes))
         self.args = args
 
     def close(self) -> None:
         comm.Barrier()
-        for mem in (*self.mems.values(), self.raw, self.shared):
+        for mem in (*self.mems.values(), self.raw, self.shared, self.floor):
             mem.free()
 
     def timed(self, body, iters: int) -> float:
@@ -211,6 +216,7 @@ class Bench:
         got["rtt_put"] = self.timed(lambda i: self.put_rtt(buf, i), iters)
         got["rtt_ls"] = self.timed(lambda i: self.ls_rtt(buf, i), iters)
         got["rtt_sendrecv"] = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
+        got["rtt_floor"] = self.floor.measure(self.timed, buf, iters)
         got["bw_put"] = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters)
         got["bw_ls"] = nbytes / self.timed(lambda i: self.ls_rtt(buf, i + 1000, True), iters)
         got["proj_ns"] = self.projected_send_ns(buf, cores)
@@ -231,7 +237,9 @@ class Bench:
             "put_rtt_us": med["rtt_put"] * 1e6,
             "ls_rtt_us": med["rtt_ls"] * 1e6,
             "sendrecv_rtt_us": med["rtt_sendrecv"] * 1e6,
+            "floor_rtt_us": med["rtt_floor"] * 1e6,
             "rtt_vs_best": med["rtt_auto"] / best,
+            "rtt_vs_floor": med["rtt_auto"] / med["rtt_floor"],
             "rtt_vs_put": med["rtt_auto"] / med["rtt_put"],
             "rma_rtt_vs_put": med["rtt_rma"] / med["rtt_put"],
             "xccl_gb_s": med["bw_auto"] / 1e9,
@@ -277,8 +285,10 @@ def main(argv: list[str] | None = None) -> None:
             f"mode {args.mode}, ring {args.slots} x {args.slot_bytes} B",
             legend="xccl_*: XCCL on the load/store path (default on one node); xccl_rma_*: "
             "XCCL forced onto RMA (xccl.memory_path=rma). Raw baselines: put (Put+Flush+flag), "
-            "ls (numpy stores into the peer's window + Win.Sync + flag), sendrecv. "
-            "rtt_vs_best: xccl round trip / the fastest raw round trip; rtt_vs_put, "
+            "ls (numpy stores into the peer's window + Win.Sync + flag), sendrecv; floor: the "
+            "ring protocol's steps alone in plain numpy (nan: no load/store path). "
+            "rtt_vs_best: xccl round trip / the fastest raw round trip; rtt_vs_floor: / the "
+            "floor's; rtt_vs_put, "
             "rma_rtt_vs_put: / raw Put's (lower is better); bw_vs_put, rma_bw_vs_put: one-way "
             "bandwidth / raw Put's (higher is better); "
             "proj_910c_send_us: one sync send on the virtual clock.",

@@ -153,6 +153,12 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
     assert [int(r["bytes"]) for r in rows] == [64, 12000]
     for row in rows:
         assert float(row["xccl_rtt_us"]) > 0 and float(row["put_rtt_us"]) > 0
+        floor = float(row["floor_rtt_us"])  # nan only where no peer is reached by load/store
+        assert floor > 0 or math.isnan(floor)
+        if floor > 0:
+            assert float(row["rtt_vs_floor"]) == pytest.approx(
+                float(row["xccl_rtt_us"]) / floor, rel=1e-2
+            )
         expected_ns = projected_send_ns(int(row["bytes"]), ring_bytes=4 * 4096, num_cores=2)
         assert float(row["proj_910c_send_us"]) == pytest.approx(expected_ns / 1e3, rel=1e-6)
 
