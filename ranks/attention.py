@@ -58,7 +58,7 @@ class AttentionDie(AfdDieBase):
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
-    def step(self) -> bool:
+    def iterate(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
@@ -90,6 +90,10 @@ class AttentionDie(AfdDieBase):
         entries = self.scheduler.schedule()  # continuous batching, chunked prefill
         mine = [c for c in planned if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)  # attention, A2E ... E2A
+
+    def install(self, afd) -> None:
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py)."""
+        self.executor.afd = afd
 
     def totals(self) -> DieTotals:
         return decode_totals(self.executor, self.pricer, self.recompute)

@@ -26,13 +26,16 @@ from xds_mpi.config import Config
 from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_STOP
 
 SHELL = 0
-STUCK_OP = "dispatch"  # where a stuck die blocks
+# Where a stuck die blocks: a colocated die's dispatch; an afd die's A2E (the attention die's
+# tokens, or a trampoline's / expert die's forwarded rows).
+STUCK_OPS = ("dispatch", "a2e")
 
 
 def is_watched(cfg: Config, plan) -> bool:
-    """Does the TE-shell watch the dies with heartbeats and fence them? Colocated deployments
-    without PD (the PD and afd sides are refused in xds_mpi/failure_plan.py EMULATED)."""
-    return cfg.health.enabled and plan.pd is None and cfg.deployment.kind == "colocated"
+    """Does the TE-shell watch the dies with heartbeats and fence them? Colocated and afd
+    deployments without PD (the PD decode side is refused in xds_mpi/failure_plan.py EMULATED)."""
+    kind = cfg.deployment.kind
+    return cfg.health.enabled and plan.pd is None and kind in ("colocated", "afd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,9 +90,9 @@ class DieHealth:
     def stall(self, op: str, event_id: int) -> None:
         """The fault hook inside each XCCL operation: a stuck row blocks here, once."""
         row = self.rows.get("stuck")
-        if row is None or self.has_stalled or op != STUCK_OP:
+        if row is None or self.has_stalled or op not in STUCK_OPS:
             return
-        if self.iteration() != row.iteration:
+        if self.iteration() < row.iteration:  # afd: an idle domain's die skips iterations
             return
         self.has_stalled = True
         self._began("stuck")

@@ -23,6 +23,9 @@ def run(ctx: RankContext) -> None:
     die = ExpertDie(ctx)
     while die.step():
         pass
+    if die.is_lost:  # lost (ranks/afd_health.py): no collective
+        die.leave()
+        return
     ctx.log.debug(
         "expert die: %d iterations, %d calls, %d rows, %d metadata records",
         die.num_iterations,
@@ -44,7 +47,7 @@ class ExpertDie(AfdDieBase):
         self.layer_of: dict[int, int] = {}
         self.num_iterations = self.num_rows = 0
 
-    def step(self) -> bool:
+    def iterate(self) -> bool:
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:
             time.sleep(0.001)
@@ -59,6 +62,10 @@ class ExpertDie(AfdDieBase):
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
         with trace.span("expert loop", calls=len(planned)):
             return self.loop.run([p.call for p in planned])  # persistent: every layer
+
+    def install(self, afd) -> None:
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py)."""
+        self.loop.buf = afd
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""

@@ -26,7 +26,8 @@ def scale_down(frontend, loss: Loss) -> None:
     """Steps 1-3 on the TE-shell's Frontend (ranks/frontend.py); the detector records it."""
     comm, timeout_s = frontend.comm, frontend.ctx.cfg.xccl.poll_timeout_s
     before = len(frontend.groups)
-    survivors = tuple(g for g in frontend.groups if g not in loss.lost)
+    # Every watched die that is left: the DP groups, and an afd deployment's expert dies.
+    survivors = tuple(g for g in frontend.detector.groups if g not in loss.lost)
     opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}
     send_to_each(comm, {g: Failover(lost=loss.lost) for g in survivors}, **opts)  # Step 1
     opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
@@ -34,15 +35,18 @@ def scale_down(frontend, loss: Loss) -> None:
     _take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
     orphans: list[int] = []  # Step 3
     for die in loss.lost:
-        orphans += frontend.balancer.remove_group(die)
-    frontend.groups, frontend.lost = survivors, frontend.lost + loss.lost
+        if die in frontend.groups:  # a DP group (an afd expert die serves no requests)
+            orphans += frontend.balancer.remove_group(die)
+    frontend.groups = tuple(g for g in frontend.groups if g not in loss.lost)
+    frontend.lost = frontend.lost + loss.lost
     for req_id in sorted(orphans, reverse=True):
         frontend.queue.appendleft(resumed(frontend.records[req_id]))
+    kind = "attention" if frontend.ctx.cfg.deployment.kind == "afd" else "decode"
     recovery = (
-        f"vertical scaling: {before} -> {len(survivors)} decode dies; "
+        f"vertical scaling: {before} -> {len(frontend.groups)} {kind} dies; "
         f"{len(orphans)} requests re-prefilled on other DP groups"
         if loss.lost
-        else f"buffers rebuilt on all {before} decode dies; the interrupted iteration recomputed"
+        else f"buffers rebuilt on all {len(survivors)} dies; the interrupted iteration recomputed"
     )
     frontend.log.warning("failover: %s", recovery)
     frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))

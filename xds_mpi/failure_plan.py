@@ -21,6 +21,10 @@ EMULATED: set[tuple[str, str, str]] = {
     ("memory", "colocated", "pd"),
     ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
     ("dead", "colocated", "colocated"),
+    ("stuck", "attention", "afd"),  # ranks/afd_health.py, afd_failover.py (_check_afd_loss)
+    ("dead", "attention", "afd"),
+    ("stuck", "expert", "afd"),  # lost: the run stops (no replica source on expert dies)
+    ("dead", "expert", "afd"),
 }
 # Seconds the TE-shell's release takes at most after detection (ranks/detector.py): two graces.
 RELEASE_GRACES = 2
