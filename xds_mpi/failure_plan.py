@@ -40,6 +40,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
+    if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
+        _check_afd_loss(topo, cfg.faults.events)
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -152,6 +154,26 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
             f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
             "stuck die's peers would end the run with an XCCL timeout first"
         )
+
+
+def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
+    """An afd run recovers from one lost attention die whose DP domain keeps another
+    (ranks/afd_failover.py); a second loss would rebuild a rebuilt layout (not emulated)."""
+    rows = [i for i, e in enumerate(events) if e.kind in ("stuck", "dead")]
+    if len(rows) > 1:
+        raise ConfigError(
+            f"faults.events{rows}: {len(rows)} stuck/dead rows in one afd run; one is emulated "
+            "(after it the dies run on a rebuilt layout that a second loss is not emulated on)"
+        )
+    for i in rows:
+        info = topo.ranks[events[i].die]
+        domain = topo.domain_ranks(info.dp_domain) if info.role == "attention" else ()
+        if len(domain) == 1:
+            raise ConfigError(
+                f"faults.events[{i}]: attention die {info.rank} is the only die of DP domain "
+                f"{info.dp_domain} (deployment.dp_groups_per_domain 1); losing a whole domain "
+                "is not emulated"
+            )
 
 
 def _check_ring(cfg: Config, topo: Topology) -> None:
