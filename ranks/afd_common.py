@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from xds_mpi.engine.afd_plan import AfdPlan
 
 
+def expert_placement(cfg, topo):
+    """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
+    health.replicas "ring" each expert die's redundant slots holding the next one's experts
+    (ranks/replicas.py), so that an expert die can be lost (ranks/afd_failover.py)."""
+    from ranks.replicas import ring_placement
+    from xds_mpi.eplb.placement import from_topology
+
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(topo, 1)
+
+
 class AfdDieBase:
     def __init__(self, ctx: RankContext) -> None:
         import torch  # only now: the handshake does not wait for every die's torch import
@@ -38,6 +49,7 @@ class AfdDieBase:
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
+        self.placement = expert_placement(cfg, topo)  # who hosts which expert, every layer alike
         self.clock = VirtualClock()
         self.afd = self._afd_buffer()
         self.plan = self._call_plan()

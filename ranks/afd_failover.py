@@ -9,17 +9,18 @@ released it (ranks/detector.py): the attention and expert dies left go on withou
   3. A lost attention die keeps its place in the layout, as rank -1: its trampoline forwards no
      rows for it and returns it none (xccl/afd_expert.py), so every expert die still hears from
      every trampoline and stops expecting the lost die's tokens. Its DP domain goes on with the
-     dies it has left; with none left the domain is never busy again.
+     die it has left. A lost expert die leaves the layout; the placement loses its slots
+     (remove_die: with health.replicas "ring" every expert keeps a replica, else the TE-shell
+     stopped the run), and the trampolines are the first G expert dies left.
   4. The die tells the TE-shell how many token batches it has sent (attention dies: so that the
      TE-shell has every token before it re-prefills the lost die's requests elsewhere).
-A lost expert die stops the run before this (its experts have no replica on the expert dies:
-ranks/detector.py); with no die lost (a stuck die that answered again) the same steps rebuild
+With no die lost (a stuck die that answered again) the same steps rebuild
 the buffer on every die and the interrupted iteration is recomputed.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 from mpi4py import MPI
@@ -28,9 +29,19 @@ from ranks.die_failover import Failover, Ready
 from xccl.afd import AfdBuffer
 from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
+from xds_mpi.eplb.placement import remove_die
 from xds_mpi.tags import TAG_FAILOVER_READY
 
 SHELL = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Routing:
+    """An attention die's routing after a failover: log2phy, [experts] -> physical slots;
+    shared_slots, where its shared column goes."""
+
+    log2phy: tuple[tuple[int, ...], ...]
+    shared_slots: tuple[int, ...]
 
 
 def scale_down(die, failover: Failover) -> None:
@@ -40,14 +51,33 @@ def scale_down(die, failover: Failover) -> None:
     lost_here = MPI.Group.Translate_ranks(world.group, list(failover.lost), die.dies.group)
     survivors = die.dies.Create_group(die.dies.group.Excl(lost_here))  # Step 2
     afd = rebuilt_buffer(die.afd, survivors)  # Step 3: the lost dies as -1
-    die.install(afd)
     die.afd, die.recompute.buffers = afd, [afd]
+    die.install(afd, rerouted(die, failover.lost))
     die.dies = die.recompute.comm = survivors
     die.plan.num_calls = survivors.allreduce(die.plan.num_calls, op=MPI.MAX)
     die.is_scaled = True
     outbox = getattr(die, "outbox", None)  # Step 4
     ready = Ready(die=world.rank, num_batches=outbox.num_batches if outbox else 0)
     world.send(ready, dest=SHELL, tag=TAG_FAILOVER_READY)
+
+
+def rerouted(die, lost: tuple[int, ...]) -> Routing:
+    """Where the attention dies send rows now: every expert's slots without the lost expert
+    dies' (eplb/placement.py remove_die; the TE-shell checked a replica is left), and the
+    shared expert of the die's trampoline (experts[group] of the dies left: a lost trampoline's
+    group moves to the expert die after it)."""
+    topo, placement = die.topo, die.placement
+    for rank in lost:
+        if topo.ranks[rank].role == "expert":
+            placement = remove_die(placement, topo.ranks[rank].die_idx)
+    die.placement = placement
+    experts = [r for r in topo.ranks_with_role("expert") if r not in lost]
+    shared = ()  # an expert die routes nothing
+    if die.afd.role == "attention":
+        is_dedicated = die.cfg.deployment.shared_experts == "dedicated"
+        trampoline = experts[die.afd.group]
+        shared = die.slots.shared_slots_for(trampoline, is_dedicated=is_dedicated)
+    return Routing(log2phy=placement.log2phy(0), shared_slots=shared)
 
 
 def rebuilt_buffer(old: AfdBuffer, comm: MPI.Comm) -> AfdBuffer:
@@ -60,14 +90,14 @@ def rebuilt_buffer(old: AfdBuffer, comm: MPI.Comm) -> AfdBuffer:
     layout = replace(
         layout,
         attention=tuple(to_new.get(r, -1) for r in layout.attention),
-        experts=tuple(to_new[r] for r in layout.experts),  # every expert die is left
+        experts=tuple(to_new[r] for r in layout.experts if r in to_new),
         base=(0,) * comm.size,
     )
     nbytes = -(-layout.area_bytes(old.role) // 8) * 8
     afd = AfdBuffer(
         DieMemory(comm, nbytes),
         layout,
-        np.array([to_new[int(r)] for r in old.slot_owner], np.int64),
+        np.array([to_new.get(int(r), -1) for r in old.slot_owner], np.int64),  # -1: lost
         num_routed_slots=old.num_routed_slots,
         use_trampolines=old.use_trampolines,
         dtype=old.dtype,

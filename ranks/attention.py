@@ -48,8 +48,8 @@ class AttentionDie(AfdDieBase):
             slots=self.slots,
             shared_slots=shared_slots,
             num_microbatches=cfg.deployment.num_microbatches,
-            phy2log=topo.phy2log,
-            log2phy=topo.log2phy(),
+            phy2log=self.placement.phy2log[0],
+            log2phy=self.placement.log2phy(0),
             table=state.table,
             cache=state.cache,
             pricer=self.pricer,
@@ -91,9 +91,11 @@ class AttentionDie(AfdDieBase):
         mine = [c for c in planned if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)  # attention, A2E ... E2A
 
-    def install(self, afd) -> None:
-        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py)."""
-        self.executor.afd = afd
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer and routing, after a failover (ranks/afd_failover.py)."""
+        executor = self.executor
+        executor.afd, executor.log2phy = afd, routing.log2phy
+        executor.shared_slots = routing.shared_slots
 
     def totals(self) -> DieTotals:
         return decode_totals(self.executor, self.pricer, self.recompute)

@@ -63,8 +63,9 @@ class ExpertDie(AfdDieBase):
         with trace.span("expert loop", calls=len(planned)):
             return self.loop.run([p.call for p in planned])  # persistent: every layer
 
-    def install(self, afd) -> None:
-        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py)."""
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py); its own slots
+        hold what they held (routing: the attention dies')."""
         self.loop.buf = afd
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
@@ -73,7 +74,7 @@ class ExpertDie(AfdDieBase):
 
         layer_idx = self.layer_of[call.call]
         moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
-        expert = self.topo.phy2log[slot] if is_routed else -1
+        expert = self.placement.phy2log[0][slot] if is_routed else -1
         where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
         with torch.inference_mode(), trace.span("experts", **where):
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype

@@ -41,15 +41,26 @@ def scale_down(frontend, loss: Loss) -> None:
     frontend.lost = frontend.lost + loss.lost
     for req_id in sorted(orphans, reverse=True):
         frontend.queue.appendleft(resumed(frontend.records[req_id]))
-    kind = "attention" if frontend.ctx.cfg.deployment.kind == "afd" else "decode"
-    recovery = (
-        f"vertical scaling: {before} -> {len(frontend.groups)} {kind} dies; "
-        f"{len(orphans)} requests re-prefilled on other DP groups"
-        if loss.lost
-        else f"buffers rebuilt on all {len(survivors)} dies; the interrupted iteration recomputed"
-    )
+    recovery = _recovery(frontend, loss, before, len(orphans), len(survivors))
     frontend.log.warning("failover: %s", recovery)
     frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))
+
+
+def _recovery(frontend, loss: Loss, before: int, num_orphans: int, num_left: int) -> str:
+    """What the failover did, in words."""
+    if not loss.lost:
+        return f"buffers rebuilt on all {num_left} dies; the interrupted iteration recomputed"
+    experts = frontend.ctx.topo.ranks_with_role("expert")
+    if any(d in experts for d in loss.lost):  # afd: the expert dies' slots
+        return (
+            f"vertical scaling: {len(experts)} -> {len(experts) - len(loss.lost)} expert dies; "
+            "their slots removed, every expert kept a replica"
+        )
+    kind = "attention" if frontend.ctx.cfg.deployment.kind == "afd" else "decode"
+    return (
+        f"vertical scaling: {before} -> {len(frontend.groups)} {kind} dies; "
+        f"{num_orphans} requests re-prefilled on other DP groups"
+    )
 
 
 def resumed(record):

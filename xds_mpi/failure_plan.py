@@ -177,13 +177,13 @@ def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
 
 
 def _check_ring(cfg: Config, topo: Topology) -> None:
-    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots take the next
-    routed die's experts, from the start and for good."""
-    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or cfg.eplb.enabled:
+    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots (colocated
+    dies, or afd expert dies) take the next routed die's experts, from the start and for good."""
+    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled or cfg.eplb.enabled:
         raise ConfigError(
-            "health.replicas=ring fills the redundant slots of a colocated deployment without "
-            f"PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled}, "
-            f"eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+            "health.replicas=ring fills the redundant slots of a colocated or afd deployment "
+            f"without PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled "
+            f"{cfg.pd.enabled}, eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
         )
     routed = [
         sum(1 for s in info.expert_slots if s.kind == "routed")
