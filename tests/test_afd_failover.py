@@ -3,8 +3,8 @@ TE-shell rank 0, attention dies 1-4 in DP domains {1, 2} and {3, 4}, expert dies
 the trampolines). The TE-shell's heartbeats find a silent attention or expert die, its fence
 releases the dies waiting in A2E/E2A or the agreement, and the run never hangs: a lost attention
 die is dropped from a rebuilt A2E/E2A and its requests are re-prefilled on the other attention
-dies, every token equal to the reference; a lost expert die holds the only copy of its experts,
-so the run stops naming die and experts."""
+dies, every token equal to the reference; a lost expert die is dropped when every expert keeps a
+replica (health.replicas ring), else the run stops naming die and experts."""
 
 from __future__ import annotations
 
@@ -19,10 +19,12 @@ from xds_mpi.failure_plan import check_failures
 from xds_mpi.topology import Topology
 
 QUIET = ["run.trace=false"]
+# Each expert die's 6 redundant slots hold the next expert die's routed experts (5 or 6).
+RING = ["deployment.redundant_slots_per_die=6", "health.replicas=ring"]
 
 
-def afd_served(tmp_path, rows: list[str]):
-    return served(tmp_path, rows, *QUIET, config="afd")
+def afd_served(tmp_path, rows: list[str], *settings: str):
+    return served(tmp_path, rows, *QUIET, *settings, config="afd")
 
 
 def test_a_dead_attention_die_mid_run_is_dropped_and_its_requests_served_elsewhere(tmp_path):
@@ -36,6 +38,17 @@ def test_a_dead_attention_die_mid_run_is_dropped_and_its_requests_served_elsewhe
     assert record.recovery.startswith("vertical scaling: 4 -> 3 attention dies"), record.describe()
     assert record.requests_affected  # die 2 held requests when it died
     assert record.tokens_per_s_before > 0 and record.tokens_per_s_after > 0
+
+
+def test_a_dead_expert_die_mid_run_is_dropped_when_every_expert_keeps_a_replica(tmp_path):
+    result, _, records = afd_served(tmp_path, ["{kind: dead, die: 7, iteration: 5}"], *RING)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert (record.kind, record.role, record.injected_iteration) == ("dead", "expert", 5)
+    assert_detected(record, 7, "dead")
+    assert record.recovery.startswith("vertical scaling: 3 -> 2 expert dies"), record.describe()
+    assert record.tokens_per_s_after > 0
 
 
 def test_an_expert_die_dead_early_without_a_replica_stops_naming_die_and_experts(tmp_path):
@@ -66,34 +79,26 @@ def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "row, die, verdict, recovery",
+    "row, die, settings, recovery",
     [
         # Stuck for good inside its A2E: never answers again, lost as dead (ranks/detector.py).
-        ("{kind: stuck, die: 4, iteration: 3}", 4, "dead", "vertical scaling: 4 -> 3"),
-        ("{kind: dead, die: 1, iteration: 0}", 1, "dead", "vertical scaling: 4 -> 3"),
+        ("{kind: stuck, die: 4, iteration: 3}", 4, [], "vertical scaling: 4 -> 3 attention"),
+        ("{kind: dead, die: 1, iteration: 0}", 1, [], "vertical scaling: 4 -> 3 attention"),
+        # Trampolines: their attention groups move to the expert dies left (experts[g]).
+        ("{kind: stuck, die: 6, iteration: 3}", 6, RING, "vertical scaling: 3 -> 2 expert"),
+        ("{kind: dead, die: 5, iteration: 0}", 5, RING, "vertical scaling: 3 -> 2 expert"),
     ],
 )
-def test_lost_attention_dies_early_or_stuck_for_good(
-    tmp_path, request, row, die, verdict, recovery
+def test_lost_dies_early_stuck_for_good_or_trampolines(
+    tmp_path, request, row, die, settings, recovery
 ):
     _matrix_only(request)
-    result, _, records = afd_served(tmp_path, [row])
+    result, _, records = afd_served(tmp_path, [row], *settings)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == SERVED
     [record] = records
-    assert_detected(record, die, verdict)
+    assert_detected(record, die, "dead")
     assert record.recovery.startswith(recovery), record.describe()
-
-
-def test_a_trampoline_expert_die_stuck_for_good_stops_naming_its_experts(tmp_path, request):
-    _matrix_only(request)
-    result, _, records = afd_served(tmp_path, ["{kind: stuck, die: 6, iteration: 2}"])
-    assert result.returncode != 0
-    [record] = records
-    assert_detected(record, 6, "dead")
-    assert "die rank 6: removing die 5 leaves no replica of: layer 0: experts [6, 7, 8, 9, 10]" in (
-        result.stdout + result.stderr
-    )
 
 
 def _matrix_only(request) -> None:
@@ -132,7 +137,11 @@ def test_stuck_and_dead_rows_on_afd_dies_are_accepted():
             {"health": {"enabled": False}},
             "found by heartbeats, and health.enabled is false",
         ),
-        ([{"kind": "dead", "die": 6}], {"health": {"replicas": "ring"}}, "without PD or EPLB"),
+        (
+            [{"kind": "dead", "die": 6}],
+            {"health": {"replicas": "ring"}},
+            r"deployment.redundant_slots_per_die\(0\) must be >= 6",
+        ),
     ],
 )
 def test_afd_rows_that_cannot_run_are_refused_with_a_reason(events, sections, reason):
