@@ -1,6 +1,7 @@
 """The TE-shell's failure detector for its decode dies (xDeepServe §6.1) and what follows a loss.
 
-1. Heartbeats: the TE-shell pings every DP master (each colocated die) every
+1. Heartbeats: the TE-shell pings every DP master (each colocated or attention die; an afd
+   deployment's expert dies too, ranks/afd_health.py) every
    health.dp_interval_s; a die answers from its event loop only (ranks/die_health.py), so a
    die stuck in an XCCL wait or an executor, or a dead one, falls silent. Silence is counted
    from the first ping (the dies built their models before the window collective preceding

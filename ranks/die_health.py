@@ -1,12 +1,12 @@
-"""A decode die's side of failure detection (xDeepServe §6.1): it answers the TE-shell's
-heartbeats from its event loop only, plays the `stuck` and `dead` rows of `faults.events` that
-name it, and once the TE-shell's fence released it (xccl/recovery.py Released), idles answering
-until the run ends.
+"""A decode die's side of failure detection (xDeepServe §6.1; colocated dies, and afd attention
+and expert dies through ranks/afd_health.py): it answers the TE-shell's heartbeats from its event
+loop only, plays the `stuck` and `dead` rows of `faults.events` that name it, and once the
+TE-shell's fence released it (xccl/recovery.py Released), idles answering until the run ends.
 
 Faults as emulated (docs/design.md, Failures):
-  stuck  the die blocks inside its first dispatch of iteration `iteration` (staged, not yet
-         published: every peer waits for it) for duration_s wall seconds, 0 = for good; the
-         process is alive and answers nothing meanwhile.
+  stuck  the die blocks inside its first dispatch (afd: A2E) of iteration `iteration` or later
+         (staged, not yet published: every peer waits for it) for duration_s wall seconds, 0 =
+         for good; the process is alive and answers nothing meanwhile.
   dead   at iteration `iteration` the die stops taking part: it joins no collective and no
          XCCL operation and answers no heartbeat, an idle live process until the job ends.
 The die tells the TE-shell when its fault began (TAG_FAILURE_BEGAN), for the failure record
