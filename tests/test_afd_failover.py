@@ -8,6 +8,8 @@ replica (health.replicas ring), else the run stops naming die and experts."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 from harness import REPO_ROOT
@@ -112,6 +114,23 @@ def _afd(events, **sections):
         raw[name] = {**raw.get(name, {}), **values}
     cfg = config_from_dict({**raw, "faults": {"events": events}})
     check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.parametrize("die, experts", [(5, [0, 1, 2, 3, 4, 5]), (6, [6, 7, 8, 9, 10])])
+def test_ring_replicas_on_expert_dies_survive_the_loss_of_any_one(die, experts):
+    from ranks.replicas import ring_placement
+    from xds_mpi.eplb.placement import from_topology, remove_die
+
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
+    raw["deployment"]["redundant_slots_per_die"] = 6
+    topo = Topology.from_config(config_from_dict(raw))
+    idx = topo.ranks[die].die_idx
+    left = remove_die(ring_placement(topo, 3), idx)
+    for layer in range(3):
+        assert all(left.log2phy(layer)), f"layer {layer}: an expert without a slot"
+        assert all(left.slot_die[s] != idx for row in left.log2phy(layer) for s in row)
+    with pytest.raises(ValueError, match=re.escape(f"layer 0: experts {experts}")):
+        remove_die(from_topology(topo, 3), idx)  # no ring: its experts live only there
 
 
 def test_stuck_and_dead_rows_on_afd_dies_are_accepted():
