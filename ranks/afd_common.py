@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
+from ranks.afd_health import leave, make_health, wait_releasable, watched_step
 from ranks.context import RankContext
 from ranks.die_parts import make_pricer
 from xds_mpi import trace
@@ -18,6 +19,17 @@ if TYPE_CHECKING:
     from ranks.recompute import Recoverable
     from xccl.afd import AfdBuffer
     from xds_mpi.engine.afd_plan import AfdPlan
+
+
+def expert_placement(cfg, topo):
+    """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
+    health.replicas "ring" each expert die's redundant slots holding the next one's experts
+    (ranks/replicas.py), so that an expert die can be lost (ranks/afd_failover.py)."""
+    from ranks.replicas import ring_placement
+    from xds_mpi.eplb.placement import from_topology
+
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(topo, 1)
 
 
 class AfdDieBase:
@@ -37,16 +49,29 @@ class AfdDieBase:
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
         self.slots = ExpertSlots.from_topology(topo)
+        self.placement = expert_placement(cfg, topo)  # who hosts which expert, every layer alike
         self.clock = VirtualClock()
         self.afd = self._afd_buffer()
         self.plan = self._call_plan()
         self.pricer = make_pricer(
             cfg, self.clock, self.slots, rank=ctx.comm.rank, afd_topo=ctx.topo
         )
+        # §6.1: heartbeats answered from the loop; the abort words then span the TE-shell too,
+        # which fences the waits through them (ranks/afd_health.py).
+        self.iteration = 0  # busy iterations completed, the same on every die
+        self.health = make_health(ctx, self)
         self.recompute = Recomputer(
-            cfg, self.dies, ctx.comm.rank, [self.afd], self.pricer, events=self.plan, log=ctx.log
+            cfg,
+            self.dies,
+            ctx.comm.rank,
+            [self.afd],
+            self.pricer,
+            events=self.plan,
+            log=ctx.log,
+            window_comm=ctx.comm if self.health else None,
+            stall=self.health.stall if self.health else None,
         )
-        self.iteration = 0  # busy iterations, the same on every die
+        self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
@@ -84,10 +109,22 @@ class AfdDieBase:
         the iteration's start, then the calls planned afresh, with new call numbers and the same
         events)."""
         iteration = self.iteration
-        self.iteration += 1
-        return self.recompute.run(
+        result = self.recompute.run(
             iteration, partial(self._planned_attempt, busy, iteration), state=state
         )
+        self.iteration += 1  # not before: a fence's Released leaves the iteration to redo
+        return result
+
+    def step(self) -> bool:
+        """One turn of the event loop (heartbeats, then `iterate`; ranks/afd_health.py)."""
+        return watched_step(self)
+
+    def iterate(self) -> bool:
+        """One iteration, or an idle turn; False once every attention die was told to stop."""
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        leave(self)
 
     def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
         return self.attempt(busy, self.plan.iteration(busy, iteration))
@@ -105,11 +142,20 @@ class AfdDieBase:
             mine[domain] = num_active
         mine[-1] = 1 if is_running else 0
         total = np.empty_like(mine)
-        self.dies.Allreduce(mine, total, op=MPI.SUM)
+        if self.health is None:
+            self.dies.Allreduce(mine, total, op=MPI.SUM)
+        else:  # a lost die never joins: wait so that the TE-shell's fence releases us
+            wait_releasable(self, self.dies.Iallreduce(mine, total, op=MPI.SUM))
         busy = tuple(int(d) for d in np.flatnonzero(total[:-1]))
         return busy, total[-1] == 0
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
+        if self.is_scaled:  # the old windows span lost dies: their frees would never return
+            self.afd.mem.free()
+            self.dies.Free()
+            return
         self.recompute.free()
         self.mem.free()
         self.dies.Free()

@@ -48,8 +48,8 @@ class AttentionDie(AfdDieBase):
             slots=self.slots,
             shared_slots=shared_slots,
             num_microbatches=cfg.deployment.num_microbatches,
-            phy2log=topo.phy2log,
-            log2phy=topo.log2phy(),
+            phy2log=self.placement.phy2log[0],
+            log2phy=self.placement.log2phy(0),
             table=state.table,
             cache=state.cache,
             pricer=self.pricer,
@@ -58,7 +58,7 @@ class AttentionDie(AfdDieBase):
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
 
-    def step(self) -> bool:
+    def iterate(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
@@ -90,6 +90,12 @@ class AttentionDie(AfdDieBase):
         entries = self.scheduler.schedule()  # continuous batching, chunked prefill
         mine = [c for c in planned if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)  # attention, A2E ... E2A
+
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer and routing, after a failover (ranks/afd_failover.py)."""
+        executor = self.executor
+        executor.afd, executor.log2phy = afd, routing.log2phy
+        executor.shared_slots = routing.shared_slots
 
     def totals(self) -> DieTotals:
         return decode_totals(self.executor, self.pricer, self.recompute)

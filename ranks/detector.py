@@ -1,6 +1,7 @@
 """The TE-shell's failure detector for its decode dies (xDeepServe §6.1) and what follows a loss.
 
-1. Heartbeats: the TE-shell pings every DP master (each colocated die) every
+1. Heartbeats: the TE-shell pings every DP master (each colocated or attention die; an afd
+   deployment's expert dies too, ranks/afd_health.py) every
    health.dp_interval_s; a die answers from its event loop only (ranks/die_health.py), so a
    die stuck in an XCCL wait or an executor, or a dead one, falls silent. Silence is counted
    from the first ping (the dies built their models before the window collective preceding
@@ -70,10 +71,12 @@ class Detector:
     def __init__(
         self, ctx: RankContext, groups: Sequence[int], placement: Callable[[], Placement]
     ) -> None:
-        """placement(): the expert placement now (EPLB's, or the topology's static one)."""
+        """groups: the DP masters (colocated or attention dies); an afd deployment's expert dies
+        are watched too. placement(): the expert placement now (EPLB's, or the topology's)."""
         health = ctx.cfg.health
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
-        self.groups, self.timeout_s = tuple(groups), health.timeout_s
+        groups = tuple(groups) + ctx.topo.ranks_with_role("expert")
+        self.groups, self.timeout_s = groups, health.timeout_s
         self.grace_s = health.release_grace_s
         self.fence_mem = fence_window(ctx.comm)  # collective with the dies' Recovery window
         self.sender = HeartbeatSender(
@@ -184,14 +187,16 @@ class Detector:
                 "eplb.enabled or a faults table (their collectives span the lost dies): "
                 "the run stops"
             )
-        if len(lost) == len(self.groups):
-            return "no die is left: the run stops"
+        if all(d in lost for d in self.groups if self.roles[d] != "expert"):
+            return "no decode die is left: the run stops"
         return ""
 
     def _expert_loss(self, dies: Sequence[int]) -> str:
         """What losing `dies` does to the experts, in words (the end of the stop message)."""
         placement, lost = self.placement(), []
         for die in dies:
+            if not self.ctx.topo.ranks[die].expert_slots:  # an afd attention die hosts none
+                continue
             try:
                 placement = remove_die(placement, self.ctx.topo.ranks[die].die_idx)
             except ValueError as exc:

@@ -1,12 +1,12 @@
-"""A decode die's side of failure detection (xDeepServe §6.1): it answers the TE-shell's
-heartbeats from its event loop only, plays the `stuck` and `dead` rows of `faults.events` that
-name it, and once the TE-shell's fence released it (xccl/recovery.py Released), idles answering
-until the run ends.
+"""A decode die's side of failure detection (xDeepServe §6.1; colocated dies, and afd attention
+and expert dies through ranks/afd_health.py): it answers the TE-shell's heartbeats from its event
+loop only, plays the `stuck` and `dead` rows of `faults.events` that name it, and once the
+TE-shell's fence released it (xccl/recovery.py Released), idles answering until the run ends.
 
 Faults as emulated (docs/design.md, Failures):
-  stuck  the die blocks inside its first dispatch of iteration `iteration` (staged, not yet
-         published: every peer waits for it) for duration_s wall seconds, 0 = for good; the
-         process is alive and answers nothing meanwhile.
+  stuck  the die blocks inside its first dispatch (afd: A2E) of iteration `iteration` or later
+         (staged, not yet published: every peer waits for it) for duration_s wall seconds, 0 =
+         for good; the process is alive and answers nothing meanwhile.
   dead   at iteration `iteration` the die stops taking part: it joins no collective and no
          XCCL operation and answers no heartbeat, an idle live process until the job ends.
 The die tells the TE-shell when its fault began (TAG_FAILURE_BEGAN), for the failure record
@@ -26,13 +26,16 @@ from xds_mpi.config import Config
 from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_STOP
 
 SHELL = 0
-STUCK_OP = "dispatch"  # where a stuck die blocks
+# Where a stuck die blocks: a colocated die's dispatch; an afd die's A2E (the attention die's
+# tokens, or a trampoline's / expert die's forwarded rows).
+STUCK_OPS = ("dispatch", "a2e")
 
 
 def is_watched(cfg: Config, plan) -> bool:
-    """Does the TE-shell watch the dies with heartbeats and fence them? Colocated deployments
-    without PD (the PD and afd sides are refused in xds_mpi/failure_plan.py EMULATED)."""
-    return cfg.health.enabled and plan.pd is None and cfg.deployment.kind == "colocated"
+    """Does the TE-shell watch the dies with heartbeats and fence them? Colocated and afd
+    deployments without PD (the PD decode side is refused in xds_mpi/failure_plan.py EMULATED)."""
+    kind = cfg.deployment.kind
+    return cfg.health.enabled and plan.pd is None and kind in ("colocated", "afd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,9 +90,9 @@ class DieHealth:
     def stall(self, op: str, event_id: int) -> None:
         """The fault hook inside each XCCL operation: a stuck row blocks here, once."""
         row = self.rows.get("stuck")
-        if row is None or self.has_stalled or op != STUCK_OP:
+        if row is None or self.has_stalled or op not in STUCK_OPS:
             return
-        if self.iteration() != row.iteration:
+        if self.iteration() < row.iteration:  # afd: an idle domain's die skips iterations
             return
         self.has_stalled = True
         self._began("stuck")

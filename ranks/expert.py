@@ -23,6 +23,9 @@ def run(ctx: RankContext) -> None:
     die = ExpertDie(ctx)
     while die.step():
         pass
+    if die.is_lost:  # lost (ranks/afd_health.py): no collective
+        die.leave()
+        return
     ctx.log.debug(
         "expert die: %d iterations, %d calls, %d rows, %d metadata records",
         die.num_iterations,
@@ -44,7 +47,7 @@ class ExpertDie(AfdDieBase):
         self.layer_of: dict[int, int] = {}
         self.num_iterations = self.num_rows = 0
 
-    def step(self) -> bool:
+    def iterate(self) -> bool:
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:
             time.sleep(0.001)
@@ -60,13 +63,18 @@ class ExpertDie(AfdDieBase):
         with trace.span("expert loop", calls=len(planned)):
             return self.loop.run([p.call for p in planned])  # persistent: every layer
 
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/afd_failover.py); its own slots
+        hold what they held (routing: the attention dies')."""
+        self.loop.buf = afd
+
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""
         import torch
 
         layer_idx = self.layer_of[call.call]
         moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
-        expert = self.topo.phy2log[slot] if is_routed else -1
+        expert = self.placement.phy2log[0][slot] if is_routed else -1
         where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
         with torch.inference_mode(), trace.span("experts", **where):
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype

@@ -30,7 +30,8 @@ def scale_down(frontend, loss: Loss) -> None:
     # recompute) does not bound it.
     comm, timeout_s = frontend.comm, max(cfg.xccl.poll_timeout_s, release_bound_s(cfg.health))
     before = len(frontend.groups)
-    survivors = tuple(g for g in frontend.groups if g not in loss.lost)
+    # Every watched die that is left: the DP groups, and an afd deployment's expert dies.
+    survivors = tuple(g for g in frontend.detector.groups if g not in loss.lost)
     opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}
     send_to_each(comm, {g: Failover(lost=loss.lost) for g in survivors}, **opts)  # Step 1
     opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
@@ -38,18 +39,32 @@ def scale_down(frontend, loss: Loss) -> None:
     _take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
     orphans: list[int] = []  # Step 3
     for die in loss.lost:
-        orphans += frontend.balancer.remove_group(die)
-    frontend.groups, frontend.lost = survivors, frontend.lost + loss.lost
+        if die in frontend.groups:  # a DP group (an afd expert die serves no requests)
+            orphans += frontend.balancer.remove_group(die)
+    frontend.groups = tuple(g for g in frontend.groups if g not in loss.lost)
+    frontend.lost = frontend.lost + loss.lost
     for req_id in sorted(orphans, reverse=True):
         frontend.queue.appendleft(resumed(frontend.records[req_id]))
-    recovery = (
-        f"vertical scaling: {before} -> {len(survivors)} decode dies; "
-        f"{len(orphans)} requests re-prefilled on other DP groups"
-        if loss.lost
-        else f"buffers rebuilt on all {before} decode dies; the interrupted iteration recomputed"
-    )
+    recovery = _recovery(frontend, loss, before, len(orphans), len(survivors))
     frontend.log.warning("failover: %s", recovery)
     frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))
+
+
+def _recovery(frontend, loss: Loss, before: int, num_orphans: int, num_left: int) -> str:
+    """What the failover did, in words."""
+    if not loss.lost:
+        return f"buffers rebuilt on all {num_left} dies; the interrupted iteration recomputed"
+    experts = frontend.ctx.topo.ranks_with_role("expert")
+    if any(d in experts for d in loss.lost):  # afd: the expert dies' slots
+        return (
+            f"vertical scaling: {len(experts)} -> {len(experts) - len(loss.lost)} expert dies; "
+            "their slots removed, every expert kept a replica"
+        )
+    kind = "attention" if frontend.ctx.cfg.deployment.kind == "afd" else "decode"
+    return (
+        f"vertical scaling: {before} -> {len(frontend.groups)} {kind} dies; "
+        f"{num_orphans} requests re-prefilled on other DP groups"
+    )
 
 
 def resumed(record):

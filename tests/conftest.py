@@ -19,5 +19,6 @@ def pytest_addoption(parser):
         action="store_true",
         default=False,
         help="tests/test_decode_failover.py: every {stuck, dead} x {early, mid-run} fault on a "
-        "colocated die (4 serving runs more)",
+        "colocated die (4 serving runs more); tests/test_afd_failover.py: early, stuck-for-good "
+        "and trampoline losses on afd dies (4 more)",
     )

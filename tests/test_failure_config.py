@@ -131,17 +131,6 @@ def test_undetectable_stuck_or_dead_rows_are_refused(sections, reason):
         _check([{"kind": "dead", "die": 2, "iteration": 3}], **sections)
 
 
-def test_stuck_and_dead_rows_on_afd_dies_are_still_refused():
-    import yaml
-    from harness import REPO_ROOT
-
-    raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
-    raw["faults"] = {"events": [{"kind": "dead", "die": 6, "iteration": 1}]}
-    cfg = config_from_dict(raw)
-    with pytest.raises(ConfigError, match="dead fault on a expert die of a afd deployment"):
-        check_failures(cfg, Topology.from_config(cfg))
-
-
 @pytest.mark.parametrize(
     "sections, reason",
     [

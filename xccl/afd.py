@@ -112,8 +112,8 @@ class AfdBuffer(AfdExpertSide):
         self.slot_owner = np.asarray(slot_owner, np.int64)  # [slots] -> expert rank
         self.expert_of_rank = {r: i for i, r in enumerate(self.layout.experts)}
         self.dest_of_slot = np.array(
-            [self.expert_of_rank[int(r)] for r in self.slot_owner], np.int64
-        )  # [slots] -> expert idx
+            [self.expert_of_rank.get(int(r), -1) for r in self.slot_owner], np.int64
+        )  # [slots] -> expert idx; -1: a lost expert die's slot, which no routing picks
         self.num_routed_slots = num_routed_slots
         self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == self.me))
 

@@ -55,11 +55,20 @@ class AfdExpertSide:
         self.records.take(call)
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
-        src_idx = layout.attention.index(src)
-        bodies = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
-        if bodies is None:
-            return False
-        x, route = self.rows.pull_tokens(src, lane, bodies)
+        if src < 0:  # a lost attention die (ranks/afd_failover.py): no tokens, zero rows out
+            if self._forwarded:
+                # As its attention die would: a lane is reused only after the calls before
+                # returned (the reuse argument in xccl/afd.py), else records overwrite records.
+                self.records.waiting_for = f"die rank {self.me}: earlier calls to return"
+                return False
+            x = np.empty((0, layout.hidden), self.rows.dtype)
+            route = np.empty((0, layout.num_columns), np.int64)
+        else:
+            src_idx = layout.attention.index(src)
+            bodies = self.records.ready(call, "a2e_records", [(src, src_idx)], "A2E")
+            if bodies is None:
+                return False
+            x, route = self.rows.pull_tokens(src, lane, bodies)
         token, column = np.nonzero(route >= 0)  # token-major
         plan = self._scatter(
             x, token, column, route[token, column], call, "fwd_records", self.group, fault_op="a2e"
@@ -130,9 +139,10 @@ class AfdExpertSide:
         del self._forwarded[call.call]
         outs = np.empty_like(staged)
         outs[plan.order] = staged  # back to the attention die's order
-        self.rows.stage_outputs("ret_rows", call.lane, outs)
         dst = self.domain_attention(call.domain)[self.group]
-        self.records.publish([dst], "back_records", call, self.idx, count=len(token))
+        if dst >= 0:  # a lost attention die (-1) waits for nothing
+            self.rows.stage_outputs("ret_rows", call.lane, outs)
+            self.records.publish([dst], "back_records", call, self.idx, count=len(token))
         return True
 
     @property

@@ -18,10 +18,14 @@ EMULATED: set[tuple[str, str, str]] = {
     ("saturated", "colocated", "pd"),
     ("dead", "prefill", "pd"),  # ranks/prefill_loss.py, detected by ranks/je_prefill_loss.py
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
-    ("memory", "colocated", "colocated"),  # KV block ranges only (ranks/memory_check.py)
+    ("memory", "colocated", "colocated"),  # KV blocks (ranks/memory_check.py), slots (slot_mask)
     ("memory", "colocated", "pd"),
     ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
     ("dead", "colocated", "colocated"),
+    ("stuck", "attention", "afd"),  # ranks/afd_health.py, afd_failover.py (_check_afd_loss)
+    ("dead", "attention", "afd"),
+    ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
+    ("dead", "expert", "afd"),
 }
 # Seconds the TE-shell's release takes at most after detection (ranks/detector.py): two graces.
 RELEASE_GRACES = 2
@@ -44,6 +48,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
+    if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
+        _check_afd_loss(topo, cfg.faults.events)
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -180,14 +186,34 @@ def _check_on_timeout(cfg: Config) -> None:
         )
 
 
-def _check_ring(cfg: Config, topo: Topology) -> None:
-    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots take the next
-    routed die's experts, from the start and for good."""
-    if cfg.deployment.kind != "colocated" or cfg.pd.enabled or cfg.eplb.enabled:
+def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
+    """An afd run recovers from one lost attention die whose DP domain keeps another
+    (ranks/afd_failover.py); a second loss would rebuild a rebuilt layout (not emulated)."""
+    rows = [i for i, e in enumerate(events) if e.kind in ("stuck", "dead")]
+    if len(rows) > 1:
         raise ConfigError(
-            "health.replicas=ring fills the redundant slots of a colocated deployment without "
-            f"PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled}, "
-            f"eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+            f"faults.events{rows}: {len(rows)} stuck/dead rows in one afd run; one is emulated "
+            "(after it the dies run on a rebuilt layout that a second loss is not emulated on)"
+        )
+    for i in rows:
+        info = topo.ranks[events[i].die]
+        domain = topo.domain_ranks(info.dp_domain) if info.role == "attention" else ()
+        if len(domain) == 1:
+            raise ConfigError(
+                f"faults.events[{i}]: attention die {info.rank} is the only die of DP domain "
+                f"{info.dp_domain} (deployment.dp_groups_per_domain 1); losing a whole domain "
+                "is not emulated"
+            )
+
+
+def _check_ring(cfg: Config, topo: Topology) -> None:
+    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots (colocated
+    dies, or afd expert dies) take the next routed die's experts, from the start and for good."""
+    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled or cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring fills the redundant slots of a colocated or afd deployment "
+            f"without PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled "
+            f"{cfg.pd.enabled}, eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
         )
     routed = [
         sum(1 for s in info.expert_slots if s.kind == "routed")

@@ -1,0 +1,179 @@
+"""Stuck and dead dies of disaggregated MoE-attention (xDeepServe §6.1-6.2, configs/afd.yaml:
+TE-shell rank 0, attention dies 1-4 in DP domains {1, 2} and {3, 4}, expert dies 5-7, 5 and 6
+the trampolines). The TE-shell's heartbeats find a silent attention or expert die, its fence
+releases the dies waiting in A2E/E2A or the agreement, and the run never hangs: a lost attention
+die is dropped from a rebuilt A2E/E2A and its requests are re-prefilled on the other attention
+dies, every token equal to the reference; a lost expert die is dropped when every expert keeps a
+replica (health.replicas ring), else the run stops naming die and experts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from harness import REPO_ROOT
+from test_decode_failover import assert_detected, served
+from test_serving import check_line
+
+from xds_mpi.config import ConfigError, config_from_dict
+from xds_mpi.failure_plan import check_failures
+from xds_mpi.topology import Topology
+
+# One request per attention die keeps each run short; dying at iteration 5 of 16 is mid-run.
+LEAN = ["run.trace=false", "workload.num_requests=4"]
+SERVED = "check: 4 requests, 64 tokens, 0 mismatches"
+# Each expert die's 6 redundant slots hold the next expert die's routed experts (5 or 6).
+RING = ["deployment.redundant_slots_per_die=6", "health.replicas=ring"]
+
+
+def afd_served(tmp_path, rows: list[str], *settings: str):
+    return served(tmp_path, rows, *LEAN, *settings, config="afd")
+
+
+def test_a_dead_attention_die_mid_run_is_dropped_and_its_requests_served_elsewhere(tmp_path):
+    result, _, records = afd_served(tmp_path, ["{kind: dead, die: 2, iteration: 5}"])
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED  # every token equal to the reference
+    [record] = records  # no false verdict on any other die (expert dies included)
+    assert (record.kind, record.role, record.injected_iteration) == ("dead", "attention", 5)
+    assert_detected(record, 2, "dead")
+    assert record.recovery.startswith("vertical scaling: 4 -> 3 attention dies"), record.describe()
+    assert record.requests_affected  # die 2 held requests when it died
+    assert record.tokens_per_s_before > 0 and record.tokens_per_s_after > 0
+
+
+def test_a_dead_expert_die_mid_run_is_dropped_when_every_expert_keeps_a_replica(tmp_path):
+    result, _, records = afd_served(tmp_path, ["{kind: dead, die: 7, iteration: 5}"], *RING)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert (record.kind, record.role, record.injected_iteration) == ("dead", "expert", 5)
+    assert_detected(record, 7, "dead")
+    assert record.recovery.startswith("vertical scaling: 3 -> 2 expert dies"), record.describe()
+    assert record.tokens_per_s_after > 0
+
+
+def test_an_expert_die_dead_early_without_a_replica_stops_naming_die_and_experts(tmp_path):
+    result, run_file, records = afd_served(tmp_path, ["{kind: dead, die: 7, iteration: 1}"])
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert run_file.attrs["status"].startswith("failed: die rank 7 (dead) silent")
+    [record] = records
+    assert (record.kind, record.role, record.injected_iteration) == ("dead", "expert", 1)
+    assert_detected(record, 7, "dead")
+    assert record.recovery.startswith("none, the run stops: an expert lost its last replica")
+    # Expert die rank 7 (die index 6) holds routed experts 11-15 alone, in each of the 3 MoE
+    # layers of the tiny model (mtp_depth 0).
+    lost = "; ".join(f"layer {layer}: experts [11, 12, 13, 14, 15]" for layer in range(3))
+    stop = "health.on_expert_lost=stop: die rank 7: removing die 6 leaves no replica of: "
+    assert stop + lost in out
+
+
+def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
+    rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
+    result, _, records = afd_served(tmp_path, rows)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert (record.kind, record.die, record.verdict) == ("stuck", 3, "transient")
+    assert record.detection_s == -1 and record.injected_iteration >= 4
+    assert "silent for more than" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "row, die, settings, recovery",
+    [
+        # Stuck for good inside its A2E: never answers again, lost as dead (ranks/detector.py).
+        ("{kind: stuck, die: 4, iteration: 3}", 4, [], "vertical scaling: 4 -> 3 attention"),
+        ("{kind: dead, die: 1, iteration: 0}", 1, [], "vertical scaling: 4 -> 3 attention"),
+        # Trampolines: their attention groups move to the expert dies left (experts[g]).
+        ("{kind: stuck, die: 6, iteration: 3}", 6, RING, "vertical scaling: 3 -> 2 expert"),
+        ("{kind: dead, die: 5, iteration: 0}", 5, RING, "vertical scaling: 3 -> 2 expert"),
+    ],
+)
+def test_lost_dies_early_stuck_for_good_or_trampolines(
+    tmp_path, request, row, die, settings, recovery
+):
+    _matrix_only(request)
+    result, _, records = afd_served(tmp_path, [row], *settings)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert_detected(record, die, "dead")
+    assert record.recovery.startswith(recovery), record.describe()
+
+
+def _matrix_only(request) -> None:
+    if not request.config.getoption("--failure-matrix"):
+        pytest.skip("the longer afd failure cases run with --failure-matrix")
+
+
+def _afd(events, **sections):
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    cfg = config_from_dict({**raw, "faults": {"events": events}})
+    check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.parametrize("die, experts", [(5, [0, 1, 2, 3, 4, 5]), (6, [6, 7, 8, 9, 10])])
+def test_ring_replicas_on_expert_dies_survive_the_loss_of_any_one(die, experts):
+    from ranks.replicas import ring_placement
+    from xds_mpi.eplb.placement import from_topology, remove_die
+
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
+    raw["deployment"]["redundant_slots_per_die"] = 6
+    topo = Topology.from_config(config_from_dict(raw))
+    idx = topo.ranks[die].die_idx
+    left = remove_die(ring_placement(topo, 3), idx)
+    for layer in range(3):
+        assert all(left.log2phy(layer)), f"layer {layer}: an expert without a slot"
+        assert all(left.slot_die[s] != idx for row in left.log2phy(layer) for s in row)
+    with pytest.raises(ValueError, match=re.escape(f"layer 0: experts {experts}")):
+        remove_die(from_topology(topo, 3), idx)  # no ring: its experts live only there
+
+
+def test_stuck_and_dead_rows_on_afd_dies_are_accepted():
+    _afd([{"kind": "dead", "die": 2, "iteration": 3}])
+    _afd([{"kind": "stuck", "die": 7, "iteration": 3, "duration_s": 1}])
+
+
+@pytest.mark.parametrize(
+    "events, sections, reason",
+    [
+        (
+            [{"kind": "dead", "die": 2, "iteration": 3}, {"kind": "stuck", "die": 5}],
+            {},
+            r"faults.events\[0, 1\]: 2 stuck/dead rows in one afd run; one is emulated",
+        ),
+        (
+            [{"kind": "dead", "die": 2, "iteration": 3}],
+            {"deployment": {"dp_groups_per_domain": 1}},
+            "attention die 2 is the only die of DP domain 1 .* losing a whole domain",
+        ),
+        (
+            [{"kind": "dead", "die": 2}],
+            {"health": {"enabled": False}},
+            "found by heartbeats, and health.enabled is false",
+        ),
+        (
+            [{"kind": "dead", "die": 6}],
+            {"health": {"replicas": "ring"}},
+            r"deployment.redundant_slots_per_die\(0\) must be >= 6",
+        ),
+    ],
+)
+def test_afd_rows_that_cannot_run_are_refused_with_a_reason(events, sections, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _afd(events, **sections)
+
+
+def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
+    attention = Topology.from_config(config_from_dict(raw)).ranks_with_role("attention")[0]
+    raw["faults"] = {"events": [{"kind": "dead", "die": attention, "iteration": 1}]}
+    cfg = config_from_dict(raw)
+    with pytest.raises(ConfigError, match="dead fault on a attention die of a pd deployment"):
+        check_failures(cfg, Topology.from_config(cfg))
