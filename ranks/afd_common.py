@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 def expert_placement(cfg, topo):
     """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
     health.replicas "ring" each expert die's redundant slots holding the next one's experts
-    (ranks/replicas.py), so that an expert die can be lost (ranks/afd_failover.py)."""
-    from ranks.replicas import ring_placement
+    (xds_mpi/eplb/ring.py), so that an expert die can be lost (ranks/afd_failover.py)."""
     from xds_mpi.eplb.placement import from_topology
+    from xds_mpi.eplb.ring import ring_placement
 
     place = ring_placement if cfg.health.replicas == "ring" else from_topology
     return place(topo, 1)

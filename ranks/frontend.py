@@ -187,7 +187,7 @@ class Frontend:
         placement = getattr(self.eplb, "placement", None)
         if placement is not None:
             return placement
-        from ranks.replicas import ring_placement
+        from xds_mpi.eplb.ring import ring_placement
 
         cfg = self.ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
         num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth

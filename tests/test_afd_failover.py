@@ -120,8 +120,8 @@ def _afd(events, **sections):
 
 @pytest.mark.parametrize("die, experts", [(5, [0, 1, 2, 3, 4, 5]), (6, [6, 7, 8, 9, 10])])
 def test_ring_replicas_on_expert_dies_survive_the_loss_of_any_one(die, experts):
-    from ranks.replicas import ring_placement
     from xds_mpi.eplb.placement import from_topology, remove_die
+    from xds_mpi.eplb.ring import ring_placement
 
     raw = yaml.safe_load((REPO_ROOT / "configs" / "afd.yaml").read_text())
     raw["deployment"]["redundant_slots_per_die"] = 6

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from ranks.failure_book import tokens_per_s
-from ranks.replicas import ring_placement
 from ranks.shell_failover import resumed
 from xds_mpi.config import config_from_dict
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import Request
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.eplb.placement import from_topology, remove_die
+from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.topology import Topology
 
 

@@ -207,7 +207,7 @@ def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
 
 
 def _check_ring(cfg: Config, topo: Topology) -> None:
-    """health.replicas=ring (ranks/replicas.py): each routed die's redundant slots (colocated
+    """health.replicas=ring (xds_mpi/eplb/ring.py): each routed die's redundant slots (colocated
     dies, or afd expert dies) take the next routed die's experts, from the start and for good."""
     if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled or cfg.eplb.enabled:
         raise ConfigError(

@@ -36,7 +36,7 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
 
 def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
     """With every slot row masked, does each expert keep a replica in the ring placement?"""
-    from ranks.replicas import ring_placement  # pure: the placement the dies build
+    from xds_mpi.eplb.ring import ring_placement  # pure: the placement the dies build
 
     placement = ring_placement(topo, 1)
     masked = [
