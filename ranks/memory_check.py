@@ -68,9 +68,7 @@ class MemoryCheck:
             victims = [r for r in held if r in sched.running]
             _move_receives(die, [r for r in held if r not in sched.running])
             for req_id in victims:
-                seq = sched.running.pop(req_id)
-                sched.table.free(req_id)
-                sched.reserved_blocks -= sched._blocks(seq.req)
+                sched.drop(req_id)
             die.executor.commit(set(victims))  # their MTP state goes too
             _tell_decode_shell(self.comm, die, victims, self.sends)
             loss = MemoryLoss(

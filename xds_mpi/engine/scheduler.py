@@ -106,6 +106,14 @@ class DieScheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def drop(self, req_id: int):
+        """Take a running request out: its KV blocks and its reservation are freed; returns its
+        sequence (a finished request, or one whose KV a memory fault took)."""
+        seq = self.running.pop(req_id)
+        self.table.free(req_id)
+        self.reserved_blocks -= self._blocks(seq.req)
+        return seq
+
     def _blocks(self, req: Request) -> int:
         return -(-kv_tokens_needed(req, self.mtp_depth) // self.table.block_tokens)
 
@@ -183,9 +191,7 @@ class DieScheduler:
                 tokens[-1] == self.eos_id and not self.ignore_eos
             )
             if is_finished:
-                del self.running[req_id]
-                self.table.free(req_id)
-                self.reserved_blocks -= self._blocks(seq.req)
+                self.drop(req_id)
             emitted.extend(
                 Emitted(
                     req_id=req_id,
