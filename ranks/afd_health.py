@@ -79,10 +79,11 @@ def out_turn(die) -> bool:
 
 def wait_releasable(die, request: MPI.Request) -> None:
     """The agreement's allreduce, waited on so that the TE-shell's fence releases the die (a
-    lost die never joins it); bounded by xccl.poll_timeout_s."""
+    lost die never joins it); bounded as long as a vote waits (xccl.poll_timeout_s, plus
+    detection and release with faults.on_timeout recompute)."""
     recovery = die.recompute.recovery
     recovery.check_fence()  # a fence seen even by a die whose allreduce completes at once
-    timeout_s = die.cfg.xccl.poll_timeout_s
+    timeout_s = recovery.vote_timeout_s
     deadline = time.monotonic() + timeout_s
     while not request.Test():
         recovery.check_fence()  # raises Released after a fence

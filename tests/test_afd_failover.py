@@ -177,3 +177,20 @@ def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
     cfg = config_from_dict(raw)
     with pytest.raises(ConfigError, match="dead fault on a attention die of a pd deployment"):
         check_failures(cfg, Topology.from_config(cfg))
+
+
+def test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed(tmp_path):
+    """faults.on_timeout recompute on afd dies: attention die 2 stalls 2 s (under
+    health.timeout_s, so no heartbeat verdict); trampoline 6's forward and the other dies' waits
+    give up after 1 s, name die 2, every die rolls back and recomputes the iteration."""
+    row = "{kind: stuck, die: 2, iteration: 5, duration_s: 2}"
+    recompute = ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]
+    result, run_file, records = afd_served(tmp_path, [row], *recompute)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED
+    assert run_file["summary"].attrs["xccl_timeouts"] >= 1
+    assert "timed out waiting for die 2: xccl.poll_timeout_s" in out
+    [record] = records  # the stuck row's, found by the timeout; nobody declared lost
+    assert (record.die, record.verdict, record.detected_by) == (2, "transient", "xccl timeout")
+    assert "silent for more than" not in out

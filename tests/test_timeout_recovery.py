@@ -77,7 +77,7 @@ def test_a_short_poll_timeout_is_accepted_with_recompute_and_refused_without():
     "config, named",
     [
         ("colocated", "health.enabled False"),
-        ("afd", "deployment.kind afd"),
+        ("pd_afd", "pd.enabled True"),
         ("pd", "pd.enabled True"),
         ("eplb", "eplb.enabled True"),
     ],

@@ -60,6 +60,7 @@ class AfdExpertSide:
                 # As its attention die would: a lane is reused only after the calls before
                 # returned (the reuse argument in xccl/afd.py), else records overwrite records.
                 self.records.waiting_for = f"die rank {self.me}: earlier calls to return"
+                self.records.missing = ("A2E", call.event_id, ())  # no peer's record missing
                 return False
             x = np.empty((0, layout.hidden), self.rows.dtype)
             route = np.empty((0, layout.num_columns), np.int64)

@@ -30,7 +30,7 @@ import numpy as np
 
 from xccl.afd import AfdBuffer, AfdCall
 from xccl.afd_rows import Received
-from xccl.errors import XcclTimeout
+from xccl.errors import PeerTimeout
 
 # compute(call, slot, rows [n, hidden]) -> [n, hidden]: one expert slot's rows of one call.
 ExpertFn = Callable[[AfdCall, int, np.ndarray], np.ndarray]
@@ -74,7 +74,7 @@ class ExpertLoop:
         buf, n, done = self.buf, len(calls), _Done()
         received: deque[Received] = deque()
         started = last_progress = time.monotonic()
-        waits: dict[str, str] = {}  # stage -> whom it waits for, for errors
+        waits: dict[str, tuple] = {}  # stage -> (whom it waits for, AfdRecords.missing)
         interrupt = buf.interrupt
         while done.sent < n or (buf.is_forwarding and done.returned < n):
             if interrupt is not None:
@@ -85,12 +85,7 @@ class ExpertLoop:
                 last_progress = time.monotonic()
                 waits.clear()
             elif time.monotonic() - last_progress > self.timeout_s:
-                raise XcclTimeout(
-                    f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} "
-                    f"s (calls forwarded {done.forwarded}, received "
-                    f"{done.received}, sent {done.sent}, returned {done.returned} "
-                    f"of {n}): " + "; ".join(f"{stage}: {why}" for stage, why in waits.items())
-                )
+                raise self._timeout(done, n, waits)
             else:
                 os.sched_yield()
         return LoopStats(
@@ -101,8 +96,27 @@ class ExpertLoop:
             wall_s=time.monotonic() - started,
         )
 
+    def _timeout(self, done: _Done, n: int, waits: dict[str, tuple]) -> PeerTimeout:
+        """No stage progressed for timeout_s: named by the first stage that misses peers (A2E
+        before A2E': a trampoline's forward waits for the attention die its own A2E' waits
+        for); recoverable like a record wait's timeout (xccl/records.py) when the caller
+        recovers timeouts."""
+        buf = self.buf
+        missing = [m for _, m in waits.values() if m[2]] or [("expert loop", -1, ())]
+        op, event_id, peers = missing[0]
+        stuck = "; ".join(f"{stage}: {why}" for stage, (why, _) in waits.items())
+        return PeerTimeout(
+            f"die rank {buf.me}: expert loop stuck for {self.timeout_s:g} s (calls forwarded "
+            f"{done.forwarded}, received {done.received}, sent {done.sent}, returned "
+            f"{done.returned} of {n}): {stuck}",
+            die=buf.me,
+            op=op,
+            event_id=event_id,
+            peers=peers,
+        )
+
     def _turn(
-        self, calls: Sequence[AfdCall], done: _Done, received: deque, waits: dict[str, str]
+        self, calls: Sequence[AfdCall], done: _Done, received: deque, waits: dict[str, tuple]
     ) -> bool:
         """One turn: every stage tries one step, none blocks. True if any progressed."""
         buf, n, forwards = self.buf, len(calls), self.buf.is_forwarding
@@ -112,7 +126,7 @@ class ExpertLoop:
             if buf.try_forward(calls[done.forwarded]):
                 done.forwarded, progressed = done.forwarded + 1, True
             else:
-                waits["forward"] = buf.waiting_for
+                waits["forward"] = (buf.waiting_for, buf.records.missing)
         if done.received < n:
             if (r := buf.try_receive(calls[done.received])) is not None:
                 received.append(r)
@@ -122,7 +136,7 @@ class ExpertLoop:
                     done.returned if forwards else done.sent
                 )
             else:
-                waits["receive"] = buf.waiting_for
+                waits["receive"] = (buf.waiting_for, buf.records.missing)
         # Stage 2 + 3: compute the oldest received call, send its outputs (E2A').
         if received:
             r = received.popleft()
@@ -134,7 +148,7 @@ class ExpertLoop:
             if buf.try_return(calls[done.returned]):
                 done.returned, progressed = done.returned + 1, True
             else:
-                waits["return"] = buf.waiting_for
+                waits["return"] = (buf.waiting_for, buf.records.missing)
         return progressed
 
     def _experts(self, r: Received) -> np.ndarray:

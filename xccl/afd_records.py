@@ -66,6 +66,7 @@ class AfdRecords:
         self.clock, self.link, self.num_cores, self.timeout_s = clock, link, num_cores, timeout_s
         self.counters = AfdCounters()
         self.waiting_for = ""  # the last unmet poll: die, stage, event, missing peers
+        self.missing: tuple[str, int, tuple[int, ...]] = ("", -1, ())  # (stage, event, peers)
         self.interrupt: Interrupt | None = None
         self.next_call = self.call_floor = 0  # 1 + highest call seen; lowest call allowed
 
@@ -111,6 +112,7 @@ class AfdRecords:
         missing = records.missing_peers(self.mem, sources, expected.doorbell)
         if missing:
             self.waiting_for = records.no_record(self.mem, expected, missing)
+            self.missing = (expected.stage, expected.event_id, tuple(missing))
             return None
         return records.read(self.mem, sources, expected, ROWS_RECORD)
 

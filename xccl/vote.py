@@ -90,4 +90,6 @@ def decode(rows: list[list[int]], epoch: int) -> Outcome:
 
 
 def _op_index(op: str) -> int:
-    return OPS.index(op) if op in OPS else -1
+    """The stage's index in OPS; AFD stages are named "A2E", "A2E'", "E2A'" (xccl/afd.py)."""
+    name = op.lower().rstrip("'")
+    return OPS.index(name) if name in OPS else -1

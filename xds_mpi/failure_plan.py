@@ -167,8 +167,8 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
 
 
 def _check_on_timeout(cfg: Config) -> None:
-    """faults.on_timeout=recompute runs on colocated decode dies (ranks/recompute.py), which
-    need the heartbeats to tell a lost peer from a slow one."""
+    """faults.on_timeout=recompute runs on colocated and afd decode dies (ranks/recompute.py),
+    which need the heartbeats to tell a lost peer from a slow one."""
     if cfg.faults.on_timeout != "recompute":
         return
     kind, pd, eplb, health = (
@@ -177,9 +177,9 @@ def _check_on_timeout(cfg: Config) -> None:
         cfg.eplb.enabled,
         cfg.health.enabled,
     )
-    if kind != "colocated" or pd or eplb or not health:
+    if kind not in ("colocated", "afd") or pd or eplb or not health:
         raise ConfigError(
-            "faults.on_timeout=recompute is emulated on the dies of a colocated deployment "
+            "faults.on_timeout=recompute is emulated on the dies of a colocated or afd deployment "
             f"without PD or EPLB and with heartbeats (deployment.kind {kind}, pd.enabled {pd}, "
             f"eplb.enabled {eplb}, health.enabled {health}): without heartbeats a lost peer "
             "would look like a slow one; EPLB's waits for the TE-shell are not recomputed"
