@@ -156,7 +156,7 @@ class Recomputer:
             raise RecomputationFailed(
                 f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
                 f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
-                f"attempt's faults: {describe(self._outcome.faults, self.plan.events)}"
+                f"attempt's faults: {describe(self._outcome, self.plan.events)}"
             ) from exc
         finally:
             self.counters.faults_injected = self.plan.num_fired
@@ -202,7 +202,7 @@ class Recomputer:
             self.log.info(
                 "iteration %d rolled back (%s); recomputing, attempt %d of %d",
                 attempts.iteration,
-                describe(outcome.faults, self.plan.events),
+                describe(outcome, self.plan.events),
                 attempts.attempt + 2,
                 self.faults.max_retries + 1,
             )

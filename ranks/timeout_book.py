@@ -1,7 +1,8 @@
 """Failure records for XCCL waits that timed out and were recomputed (faults.on_timeout
 recompute, xDeepServe §6.2 stage 3): the dies' recomputation counters name the first timeout
-(the waiting die, the die it waited for, when); the record of the stuck row on that peer says
-so, or, when no row names the peer, a record of kind `none` does (a slow die nobody injected).
+(the waiting die, the die its wait leads to: xccl/vote.py Outcome.blamed, when); the record of
+the stuck row on that peer says so, or, when no row names the peer, a record of kind `none` does
+(a slow die nobody injected).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ def with_timeouts(
         return records
     first = min(seen, key=lambda c: c["timeout_wall"])
     peer, count = int(first["timeout_peer"]), max(c["timeouts"] for c in seen)
+    via = int(first.get("timeout_via", peer))
+    waited = f"die rank {peer}" if via in (peer, -1) else f"die rank {via} (waiting for {peer})"
     recovery_text = (
-        f"token recomputation: die rank {int(first['timeout_die'])}'s wait for die rank {peer} "
+        f"token recomputation: die rank {int(first['timeout_die'])}'s wait for {waited} "
         f"timed out (xccl.poll_timeout_s); every die recomputed the iteration ({count} "
         "attempts failed on a timeout)"
     )

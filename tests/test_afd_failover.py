@@ -182,7 +182,8 @@ def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
 def test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed(tmp_path):
     """faults.on_timeout recompute on afd dies: attention die 2 stalls 2 s (under
     health.timeout_s, so no heartbeat verdict); trampoline 6's forward and the other dies' waits
-    give up after 1 s, name die 2, every die rolls back and recomputes the iteration."""
+    give up after 1 s and name die 2 (directly or through the dies they waited for), every die
+    rolls back and recomputes the iteration; no other die is called slow."""
     row = "{kind: stuck, die: 2, iteration: 5, duration_s: 2}"
     recompute = ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]
     result, run_file, records = afd_served(tmp_path, [row], *recompute)
@@ -190,7 +191,10 @@ def test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed(tmp_path):
     assert result.returncode == 0, out[-3000:]
     assert check_line(result) == SERVED
     assert run_file["summary"].attrs["xccl_timeouts"] >= 1
-    assert "timed out waiting for die 2: xccl.poll_timeout_s" in out
+    # The die that times out first may wait for a trampoline that waits for die 2: the vote's
+    # waits lead the blame to die 2 either way (xccl/vote.py Outcome.blamed).
+    blamed = r"timed out waiting for die (2: xccl.poll_timeout_s|\d: xccl.poll_timeout_s; the "
+    assert re.search(blamed + r"waits lead to die 2)", out), out[-3000:]
     [record] = records  # the stuck row's, found by the timeout; nobody declared lost
     assert (record.die, record.verdict, record.detected_by) == (2, "transient", "xccl timeout")
     assert "silent for more than" not in out

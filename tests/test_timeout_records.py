@@ -12,9 +12,9 @@ from xccl.vote import HEADER, decode, encode
 from xds_mpi.failures import FailureRecord
 
 
-def words(fault, notified=False, states=(3, 4)):
+def words(fault, notified=False, states=(3, 4), waiting=None):
     send = np.zeros(HEADER + 4, np.int64)
-    encode(send, notified=notified, fault=fault, states=states)
+    encode(send, notified=notified, fault=fault, states=states, waiting=waiting)
     return send[: HEADER + len(states)].tolist()
 
 
@@ -34,6 +34,22 @@ def test_the_vote_tells_a_timeout_from_an_injected_fault():
     assert str(late) == "die 2 combine event 31 timed out on die 3"
     assert (injected.code, injected.peer, injected.is_timeout) == (2, -1, False)
     assert outcome.timeouts == (late,)
+
+
+def test_a_timeout_is_blamed_on_the_die_the_waits_lead_to():
+    """Expert die 7 times out on trampoline 6, which was waiting for attention die 2 when the
+    rollback reached it; die 2 (stalled, not waiting) is the one to blame, not die 6."""
+    timeout = PeerTimeout("late", die=7, op="a2e", event_id=60, peers=(6,), since=10.0)
+    rows = [words(None), words(None, waiting=(6, 2, 9.5)), words(None), words(timeout)]
+    outcome = decode(rows, epoch=0)
+    [late] = outcome.timeouts
+    assert late.peer == 6 and outcome.blamed(late) == 2
+    # Die 2 came back and was interrupted in its next wait, for die 5, which waited for die 2:
+    # a cycle; die 2's wait began last (it was busy while 5 waited), so die 2 is blamed.
+    rows += [words(None, waiting=(2, 5, 12.0)), words(None, waiting=(5, 2, 9.0))]
+    assert decode(rows, epoch=0).blamed(late) == 2
+    # Nobody else reported a wait: the timed-out wait's own peer.
+    assert decode([words(None), words(timeout)], epoch=0).blamed(late) == 6
 
 
 def test_a_vote_with_nothing_reported_passes():

@@ -30,7 +30,7 @@ import numpy as np
 
 from xccl.afd import AfdBuffer, AfdCall
 from xccl.afd_rows import Received
-from xccl.errors import PeerTimeout
+from xccl.errors import PeerTimeout, RollbackRequested
 
 # compute(call, slot, rows [n, hidden]) -> [n, hidden]: one expert slot's rows of one call.
 ExpertFn = Callable[[AfdCall, int, np.ndarray], np.ndarray]
@@ -75,17 +75,27 @@ class ExpertLoop:
         received: deque[Received] = deque()
         started = last_progress = time.monotonic()
         waits: dict[str, tuple] = {}  # stage -> (whom it waits for, AfdRecords.missing)
+        blocked: dict[str, tuple] = {}  # stage -> (AfdRecords.missing, blocked since: time.time())
         interrupt = buf.interrupt
         while done.sent < n or (buf.is_forwarding and done.returned < n):
             if interrupt is not None:
-                interrupt()
-            progressed = self._turn(calls, done, received, waits)
+                try:
+                    interrupt()
+                except RollbackRequested as exc:
+                    exc.waiting = _longest_wait(buf.me, blocked)
+                    raise
+            turn: dict[str, tuple] = {}
+            progressed = self._turn(calls, done, received, turn)
+            now = time.time()
+            blocked = {st: (m, blocked.get(st, (m, now))[1]) for st, (_, m) in turn.items()}
+            waits.update(turn)
             done.num_turns += 1
             if progressed:
                 last_progress = time.monotonic()
                 waits.clear()
             elif time.monotonic() - last_progress > self.timeout_s:
-                raise self._timeout(done, n, waits)
+                since = time.time() - (time.monotonic() - last_progress)
+                raise self._timeout(done, n, waits, since)
             else:
                 os.sched_yield()
         return LoopStats(
@@ -96,7 +106,7 @@ class ExpertLoop:
             wall_s=time.monotonic() - started,
         )
 
-    def _timeout(self, done: _Done, n: int, waits: dict[str, tuple]) -> PeerTimeout:
+    def _timeout(self, done: _Done, n: int, waits: dict[str, tuple], since: float) -> PeerTimeout:
         """No stage progressed for timeout_s: named by the first stage that misses peers (A2E
         before A2E': a trampoline's forward waits for the attention die its own A2E' waits
         for); recoverable like a record wait's timeout (xccl/records.py) when the caller
@@ -113,6 +123,7 @@ class ExpertLoop:
             op=op,
             event_id=event_id,
             peers=peers,
+            since=since,
         )
 
     def _turn(
@@ -158,3 +169,13 @@ class ExpertLoop:
             rows = np.flatnonzero(r.slot == slot)
             out[rows] = self.compute(r.call, int(slot), r.x[rows])
         return out
+
+
+def _longest_wait(me: int, blocked: dict[str, tuple]) -> tuple[int, int, float] | None:
+    """(me, lowest missing peer, since) of the stage blocked the longest on missing peers: what a
+    rollback interrupted this die waiting for (RollbackRequested.waiting), None if nothing."""
+    waiting = [(since, min(m[2])) for m, since in blocked.values() if m[2]]
+    if not waiting:
+        return None
+    since, peer = min(waiting)
+    return me, peer, since

@@ -12,19 +12,24 @@ class XcclTimeout(XcclError, TimeoutError):
 class PeerTimeout(XcclTimeout):
     """A wait for peers' records passed xccl.poll_timeout_s (xccl/records.py): die, the waiting
     die's rank; op, the stage ("dispatch", "combine", ...); event_id; peers, the ranks whose
-    records are missing. With recovery on (xccl/recovery.py, recover_timeouts) it is a fault of
-    the attempt like an injected one: the iteration is recomputed."""
+    records are missing; since: when the wait began (time.time(), -1 unknown). With recovery on
+    (xccl/recovery.py, recover_timeouts) it is a fault of the attempt like an injected one: the
+    iteration is recomputed."""
 
-    def __init__(self, message: str, *, die: int, op: str, event_id: int, peers: tuple) -> None:
+    def __init__(
+        self, message: str, *, die: int, op: str, event_id: int, peers: tuple, since: float = -1.0
+    ) -> None:
         super().__init__(message)
         self.die, self.op, self.event_id, self.peers = die, op, event_id, tuple(peers)
+        self.since = since
 
     def __reduce__(self):
-        return _rebuild_peer_timeout, (str(self), self.die, self.op, self.event_id, self.peers)
+        args = (str(self), self.die, self.op, self.event_id, self.peers, self.since)
+        return _rebuild_peer_timeout, args
 
 
-def _rebuild_peer_timeout(message, die, op, event_id, peers) -> PeerTimeout:
-    return PeerTimeout(message, die=die, op=op, event_id=event_id, peers=peers)
+def _rebuild_peer_timeout(message, die, op, event_id, peers, since) -> PeerTimeout:
+    return PeerTimeout(message, die=die, op=op, event_id=event_id, peers=peers, since=since)
 
 
 class EventMismatch(XcclError):
@@ -58,7 +63,11 @@ class InjectedFault(XcclError):
 
 class RollbackRequested(XcclError):
     """Raised inside a wait when another die signalled that the current attempt failed: abandon
-    it and vote (xccl/recovery.py). epoch: the attempt's epoch (failed attempts before it)."""
+    it and vote (xccl/recovery.py). epoch: the attempt's epoch (failed attempts before it).
+    waiting: what the interrupted wait waited for, (waiting die's rank, lowest missing peer,
+    since when: time.time()), set by the wait that knows (xccl/records.py, xccl/afd_loop.py);
+    None when unknown. The vote carries it so that a timeout is blamed on the die the waits
+    lead to, not on a die that was itself waiting (xccl/vote.py)."""
 
     def __init__(self, die: int, epoch: int) -> None:
         super().__init__(
@@ -66,6 +75,7 @@ class RollbackRequested(XcclError):
             "signalled a failed XCCL operation"
         )
         self.die, self.epoch = die, epoch
+        self.waiting: tuple[int, int, float] | None = None
 
     def __reduce__(self):
         return type(self), (self.die, self.epoch)

@@ -21,7 +21,7 @@ from functools import cache
 
 import numpy as np
 
-from xccl.errors import EventMismatch, PeerTimeout, XcclTimeout
+from xccl.errors import EventMismatch, PeerTimeout, RollbackRequested, XcclTimeout
 from xccl.faults import Interrupt
 from xccl.gmem import DieMemory, poll_until
 from xccl.layout import RECORD_BYTES
@@ -167,6 +167,7 @@ def wait(
 ) -> np.ndarray:
     """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
     pending = list(records)
+    since = time.time()
 
     def all_rang() -> bool:
         # A rung doorbell stays rung until the reader's next call, so only the rest are polled.
@@ -185,8 +186,17 @@ def wait(
     except XcclTimeout as exc:  # the same message, with die, stage, event and peers as fields
         peers = tuple(r.peer for r in pending)
         raise PeerTimeout(
-            str(exc), die=mem.rank, op=expected.stage, event_id=expected.event_id, peers=peers
+            str(exc),
+            die=mem.rank,
+            op=expected.stage,
+            event_id=expected.event_id,
+            peers=peers,
+            since=since,
         ) from None
+    except RollbackRequested as exc:  # whom this die still waited for, for the vote's blame
+        if pending:
+            exc.waiting = (mem.rank, min(r.peer for r in pending), since)
+        raise
     return read(mem, records, expected, dtype)
 
 

@@ -110,6 +110,7 @@ class Recovery:
         self.epoch = 0
         self.timed_out_at = -1.0  # time.time() of this die's last recovered timeout
         self._notified = False
+        self._waiting: tuple[int, int, float] | None = None  # RollbackRequested.waiting
         self._join(comm)
 
     def _join(self, comm: MPI.Comm) -> None:
@@ -174,7 +175,15 @@ class Recovery:
                 f"die rank {self.rank}: {len(states)} publication states to vote, "
                 f"max_states is {self.max_states}"
             )
-        encode(self._send, notified=self._notified, fault=fault, states=states)
+        encode(
+            self._send,
+            notified=self._notified,
+            fault=fault,
+            states=states,
+            waiting=self._waiting,
+            timed_out_at=self.timed_out_at,
+        )
+        self._waiting = None
         self._allgather()
         outcome = decode(self._recv[:, : HEADER + len(states)].tolist(), self.epoch)
         self.epoch = outcome.epoch
@@ -198,6 +207,7 @@ class Recovery:
         if max_retries < 0:
             raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
+            self._waiting = None
             fault, result = self._attempt(attempt, k, buffers)
             outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
             if not outcome.failed:
@@ -226,7 +236,8 @@ class Recovery:
             if not self.recover_timeouts:
                 raise
             fault, self.timed_out_at = exc, time.time()  # a late peer: like a fault
-        except RollbackRequested:
+        except RollbackRequested as exc:
+            self._waiting = exc.waiting  # voted: whom this die was waiting for
             _abandon(buffers)
             return None, None
         self.notify()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+import time
 
 import pytest
 
@@ -36,6 +37,9 @@ def pytest_runtest_makereport(item, call):
         f"{report.longreprtext}\n[rank {comm.rank}] aborting the MPI job\n"
     )
     sys.stderr.flush()
+    # The launcher forwards a rank's output through a pipe; an abort at once can kill the job
+    # before the message is read (CI saw an empty output). Give it a moment.
+    time.sleep(1.0)
     comm.Abort(1)
 
 
