@@ -1,7 +1,8 @@
 """Memory faults in expert slots, checked before launch (xds_mpi/failure_plan.py): a slot row
 runs when the slot's expert keeps a replica elsewhere once every slot row is masked (ranks/
 slot_mask.py); replicas come from health.replicas ring. Every other slot row is refused, naming
-why."""
+why. On an afd deployment (ranks/afd_memory.py) a memory row, KV blocks or slot, is refused
+beside a stuck/dead row."""
 
 from __future__ import annotations
 
@@ -53,3 +54,19 @@ def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
             f"of routed expert(s) {gone}: masking them would leave those experts nowhere"
         )
     return ""
+
+
+def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
+    """Why a memory row cannot run on an afd deployment ("" when it can): not beside a stuck or
+    dead row, whose failover rebuilds the A2E/E2A layout and the routing placement from the
+    start's (ranks/afd_failover.py), which would bring a masked slot back and has not been
+    exercised with masked KV blocks."""
+    others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    if not others:
+        return ""
+    what = f"slot {spec.slot}" if spec.slot >= 0 else "KV blocks"
+    return (
+        f"{where}: a memory fault ({what} of die {spec.die}) beside {len(others)} stuck/dead "
+        "row(s) in one afd run is not emulated: the failover rebuilds the layout and routing "
+        "the memory rows edit"
+    )
