@@ -58,15 +58,18 @@ def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
 
 def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
     """Why a memory row cannot run on an afd deployment ("" when it can): not beside a stuck or
-    dead row, whose failover rebuilds the A2E/E2A layout and the routing placement from the
-    start's (ranks/afd_failover.py), which would bring a masked slot back and has not been
-    exercised with masked KV blocks."""
+    dead row (ranks/afd_failover.py). A masked slot: the TE-shell's check that a lost expert
+    die leaves every expert a replica uses the start's placement, blind to the mask. KV blocks:
+    the memory loss and a failover both take requests off a die, and which the TE-shell hears
+    first is left to chance (a victim could be re-prefilled as an orphan); not emulated."""
     others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     if not others:
         return ""
-    what = f"slot {spec.slot}" if spec.slot >= 0 else "KV blocks"
+    if spec.slot >= 0:
+        what, why = f"slot {spec.slot}", "a failover's replica check does not see masked slots"
+    else:
+        what, why = "KV blocks", "its victims and a failover's orphans are not kept apart"
     return (
         f"{where}: a memory fault ({what} of die {spec.die}) beside {len(others)} stuck/dead "
-        "row(s) in one afd run is not emulated: the failover rebuilds the layout and routing "
-        "the memory rows edit"
+        f"row(s) in one afd run is not emulated: {why}"
     )
