@@ -149,6 +149,12 @@ def test_kv_rows_on_attention_dies_and_ring_slots_on_expert_dies_are_accepted():
         ),
         ([{"kind": "memory", "die": 5, "slot": 12}], RING_SECTIONS, "holds shared expert 0"),
         (
+            # rank 6's sixth redundant slot: rank 7 has 5 routed experts to copy
+            [{"kind": "memory", "die": 6, "slot": 10}],
+            RING_SECTIONS,
+            "slot 10 of die 6 is a redundant slot holding no expert",
+        ),
+        (
             [{"kind": "memory", "die": 6, "first_block": 0, "num_blocks": 4}],
             {},
             "expert die and holds no KV blocks",

@@ -26,6 +26,11 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
             f"eplb.enabled({cfg.eplb.enabled}) or stuck/dead rows ({len(others)}): both move "
             "the placement the mask edits"
         )
+    if slot.kind == "redundant" and _ring_expert(cfg, topo, slot.phy_idx) < 0:
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} is a redundant slot holding no expert "
+            f"(health.replicas {cfg.health.replicas}): its fault would hit nothing served"
+        )
     if cfg.health.replicas != "ring":
         return (
             f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
@@ -33,6 +38,15 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
             "the expert nowhere"
         )
     return _masked_experts_left(cfg, topo, where)
+
+
+def _ring_expert(cfg: Config, topo: Topology, phy: int) -> int:
+    """The routed expert physical slot `phy` holds from the start (-1: none)."""
+    if cfg.health.replicas != "ring":
+        return -1  # redundant slots start empty (EPLB, which fills them, is refused above)
+    from xds_mpi.eplb.ring import ring_placement
+
+    return ring_placement(topo, 1).phy2log[0][phy]
 
 
 def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
