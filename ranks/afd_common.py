@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.afd_health import leave, make_health, wait_releasable, watched_step
+from ranks.afd_memory import afd_memory_check
 from ranks.context import RankContext
 from ranks.die_parts import make_pricer
 from xds_mpi import trace
@@ -72,6 +73,7 @@ class AfdDieBase:
             stall=self.health.stall if self.health else None,
         )
         self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
+        self.memory = afd_memory_check(ctx)  # §6.2 stage 3: memory faults (ranks/afd_memory.py)
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""

@@ -45,9 +45,11 @@ class ExpertDie(AfdDieBase):
 
         self.loop = ExpertLoop(self.afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
         self.layer_of: dict[int, int] = {}
+        self.faulty: dict[tuple[int, int], object] = {}  # (layer, slot) -> NaN expert copy
         self.num_iterations = self.num_rows = 0
 
     def iterate(self) -> bool:
+        self.memory.check(self)  # expert slots gone bad (ranks/afd_memory.py)
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:
             time.sleep(0.001)
@@ -78,7 +80,9 @@ class ExpertDie(AfdDieBase):
         where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
         with torch.inference_mode(), trace.span("experts", **where):
             x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype
-            if is_routed:
+            if (layer_idx, slot) in self.faulty:  # a memory fault (ranks/afd_memory.py)
+                out = self.faulty[layer_idx, slot](x)
+            elif is_routed:
                 out = moe.expert_forward(expert, x)
             else:
                 out = moe.shared_forward(x)

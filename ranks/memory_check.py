@@ -1,8 +1,9 @@
 """On-chip memory faults in a die's KV cache (xDeepServe §6.2 stage 3), both ends.
 
-The die (`MemoryCheck`, called between iterations): when it reaches a `memory` row's iteration,
-its runtime reports KV blocks [first_block, first_block + num_blocks) faulty (the emulator's
-stand-in for the CANN runtime's memory check: reported at once). The die masks them (never
+The die (`MemoryCheck`, called between iterations; a colocated die, or an afd attention die:
+ranks/afd_memory.py): when it reaches a `memory` row's iteration, its runtime reports KV
+blocks [first_block, first_block + num_blocks) faulty (the emulator's stand-in for the CANN
+runtime's memory check: reported at once). The die masks them (never
 handed out again, the pool shrinks) and ends every request whose KV had a block there: its KV
 is gone, so it leaves the batch with a reason and its other blocks go back. The rest continue
 untouched. The die tells the TE-shell (MemoryLoss).
@@ -15,12 +16,13 @@ FailureRecord per row.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from ranks.die_io import SHELL
-from ranks.slot_mask import SlotLoss, SlotMask, slot_record
+from ranks.slot_mask import ColocatedSlots, SlotLoss, SlotMask, SlotSite, slot_record
 from xds_mpi.failures import FailureRecord
 from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 
@@ -45,21 +47,36 @@ class MemoryLoss:
         return f"kv memory fault on die {self.die} blocks {self.first_block}..{last}"
 
 
+def executor_iterations(die) -> int:
+    """A colocated die's iterations: every die runs each one."""
+    return die.executor.num_iterations
+
+
 class MemoryCheck:
-    def __init__(self, ctx) -> None:
-        self.comm, self.rank = ctx.comm, ctx.comm.rank
+    """A die's side. iterations(die): the iterations the die has run, the same count on every
+    die (a row's `iteration` is one); site: where the die keeps its slots (ranks/slot_mask.py)."""
+
+    def __init__(
+        self,
+        ctx,
+        *,
+        iterations: Callable[[object], int] = executor_iterations,
+        site: SlotSite | None = None,
+    ) -> None:
+        self.comm, self.rank, self.iterations = ctx.comm, ctx.comm.rank, iterations
         self.rows = [
             (i, s)
             for i, s in enumerate(ctx.cfg.faults.events)
             if s.die == self.rank and s.kind == "memory" and s.first_block >= 0
         ]
         self.sends: list[MPI.Request] = []
-        self.slots = SlotMask(ctx)  # expert slots with a replica elsewhere (ranks/slot_mask.py)
+        # expert slots with a replica elsewhere (ranks/slot_mask.py)
+        self.slots = SlotMask(ctx, site or ColocatedSlots())
 
     def check(self, die) -> None:
         """Between iterations: apply the rows now due."""
-        iteration = die.executor.num_iterations
-        for loss in self.slots.check(die):
+        iteration = self.iterations(die)
+        for loss in self.slots.check(die, iteration):
             self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
             self.rows.remove((row, spec))

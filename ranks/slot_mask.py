@@ -10,14 +10,19 @@ boundary: the emulator's stand-in for the runtime's memory check report reaching
 (NaN) from then on: a row that still reached the slot would break the reference check.
 The die owning the slot tells the TE-shell (SlotLoss), which keeps one FailureRecord per row.
 The validator (xds_mpi/failure_plan.py) refuses a slot whose expert would keep no replica.
+
+Where a die keeps the placement it routes with and its slots' weights is its `SlotSite`: a
+colocated die's expert map (ColocatedSlots, here), an afd die's placement and an expert die's
+slots (ranks/afd_memory.py AfdSlots).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
-from xds_mpi.eplb.placement import disable
+from xds_mpi.eplb.placement import Placement, disable
 from xds_mpi.failures import FailureRecord
 
 
@@ -43,29 +48,57 @@ class SlotLoss:
         return f"expert memory fault on die {self.die} slot {self.slot} (expert {self.expert})"
 
 
+class SlotSite(Protocol):
+    """Where a die keeps the placement it routes with and its expert slots' weights."""
+
+    def placement(self, die) -> Placement: ...
+
+    def install(self, die, placement: Placement) -> None: ...
+
+    def corrupt(self, die, phy: int) -> None:
+        """The die's own physical slot `phy`: its weights turn to NaN in every MoE layer."""
+
+
+class ColocatedSlots:
+    """A colocated die: its executor's expert map (ranks/replicas.py with ring replicas)."""
+
+    @staticmethod
+    def placement(die) -> Placement:
+        return die.executor.expert_map.placement
+
+    @staticmethod
+    def install(die, placement: Placement) -> None:
+        die.executor.expert_map.install(placement)
+
+    @staticmethod
+    def corrupt(die, phy: int) -> None:
+        _corrupt(die, die.executor.expert_map, phy)
+
+
 class SlotMask:
     """A die's side: every slot row of the run (all dies drop the slot), due at its iteration."""
 
-    def __init__(self, ctx) -> None:
-        self.rank, self.topo = ctx.comm.rank, ctx.topo
+    def __init__(self, ctx, site: SlotSite) -> None:
+        self.rank, self.topo, self.site = ctx.comm.rank, ctx.topo, site
         self.rows = [
             (i, s)
             for i, s in enumerate(ctx.cfg.faults.events)
             if s.kind == "memory" and s.slot >= 0
         ]
 
-    def check(self, die) -> list[SlotLoss]:
-        """Between iterations: mask the slots now due; the losses of this die's own slots."""
-        iteration, losses = die.executor.num_iterations, []
+    def check(self, die, iteration: int) -> list[SlotLoss]:
+        """Between iterations (`iteration`: the die's count of them, the same on every die):
+        mask the slots now due; the losses of this die's own slots."""
+        losses, site = [], self.site
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
             self.rows.remove((row, spec))
-            expert_map = die.executor.expert_map
+            placement = site.placement(die)
             phy = self.topo.ranks[spec.die].expert_slots[spec.slot].phy_idx
-            layers = range(len(expert_map.moe_layers))
-            expert = expert_map.placement.phy2log[0][phy]
+            expert = placement.phy2log[0][phy]
             if spec.die == self.rank:
-                _corrupt(die, expert_map, phy)
-            expert_map.install(disable(expert_map.placement, tuple((r, phy) for r in layers)))
+                site.corrupt(die, phy)
+            layers = range(len(placement.phy2log))
+            site.install(die, disable(placement, tuple((r, phy) for r in layers)))
             if spec.die != self.rank:
                 continue
             losses.append(
@@ -75,7 +108,7 @@ class SlotMask:
                     slot=spec.slot,
                     phy=phy,
                     expert=expert,
-                    replicas=expert_map.placement.log2phy(0)[expert],
+                    replicas=site.placement(die).log2phy(0)[expert],
                     iteration=iteration,
                     wall=time.time(),
                     virtual_s=die.pricer.clock.now_ns / 1e9,

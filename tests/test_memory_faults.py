@@ -82,14 +82,3 @@ def test_memory_faults_the_dies_cannot_survive_are_refused(row, reason):
     cfg = config_from_dict({"faults": {"events": [{"kind": "memory", "die": 2, **row}]}})
     with pytest.raises(ConfigError, match=reason):
         check_failures(cfg, Topology.from_config(cfg))
-
-
-def test_a_memory_fault_on_an_afd_die_is_refused():
-    cfg = config_from_dict(
-        {
-            "deployment": {"kind": "afd", "num_expert_dies": 4},
-            "faults": {"events": [{"kind": "memory", "die": 1, "first_block": 0, "num_blocks": 4}]},
-        }
-    )
-    with pytest.raises(ConfigError, match="is not emulated"):
-        check_failures(cfg, Topology.from_config(cfg))

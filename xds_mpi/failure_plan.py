@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
-from xds_mpi.failure_slots import slot_refusal
+from xds_mpi.failure_slots import afd_memory_refusal, slot_refusal
 from xds_mpi.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
@@ -20,6 +20,8 @@ EMULATED: set[tuple[str, str, str]] = {
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
     ("memory", "colocated", "colocated"),  # KV blocks (ranks/memory_check.py), slots (slot_mask)
     ("memory", "colocated", "pd"),
+    ("memory", "attention", "afd"),  # KV blocks, ranks/afd_memory.py (afd_memory_refusal)
+    ("memory", "expert", "afd"),  # slots with a ring replica
     ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
     ("dead", "colocated", "colocated"),
     ("stuck", "attention", "afd"),  # ranks/afd_health.py, afd_failover.py (_check_afd_loss)
@@ -230,6 +232,8 @@ def _check_ring(cfg: Config, topo: Topology) -> None:
 
 
 def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, role: str) -> None:
+    if cfg.deployment.kind == "afd" and (refusal := afd_memory_refusal(cfg, where, spec)):
+        raise ConfigError(refusal)  # xds_mpi/failure_slots.py
     if spec.slot >= 0:
         slots = topo.ranks[spec.die].expert_slots
         if spec.slot >= len(slots):

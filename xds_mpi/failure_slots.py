@@ -1,7 +1,8 @@
 """Memory faults in expert slots, checked before launch (xds_mpi/failure_plan.py): a slot row
 runs when the slot's expert keeps a replica elsewhere once every slot row is masked (ranks/
 slot_mask.py); replicas come from health.replicas ring. Every other slot row is refused, naming
-why."""
+why. On an afd deployment (ranks/afd_memory.py) a memory row, KV blocks or slot, is refused
+beside a stuck/dead row."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
             f"eplb.enabled({cfg.eplb.enabled}) or stuck/dead rows ({len(others)}): both move "
             "the placement the mask edits"
         )
+    if slot.kind == "redundant" and _ring_expert(cfg, topo, slot.phy_idx) < 0:
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} is a redundant slot holding no expert "
+            f"(health.replicas {cfg.health.replicas}): its fault would hit nothing served"
+        )
     if cfg.health.replicas != "ring":
         return (
             f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
@@ -32,6 +38,15 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
             "the expert nowhere"
         )
     return _masked_experts_left(cfg, topo, where)
+
+
+def _ring_expert(cfg: Config, topo: Topology, phy: int) -> int:
+    """The routed expert physical slot `phy` holds from the start (-1: none)."""
+    if cfg.health.replicas != "ring":
+        return -1  # redundant slots start empty (EPLB, which fills them, is refused above)
+    from xds_mpi.eplb.ring import ring_placement
+
+    return ring_placement(topo, 1).phy2log[0][phy]
 
 
 def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
@@ -53,3 +68,22 @@ def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
             f"of routed expert(s) {gone}: masking them would leave those experts nowhere"
         )
     return ""
+
+
+def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
+    """Why a memory row cannot run on an afd deployment ("" when it can): not beside a stuck or
+    dead row (ranks/afd_failover.py). A masked slot: the TE-shell's check that a lost expert
+    die leaves every expert a replica uses the start's placement, blind to the mask. KV blocks:
+    the memory loss and a failover both take requests off a die, and which the TE-shell hears
+    first is left to chance (a victim could be re-prefilled as an orphan); not emulated."""
+    others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    if not others:
+        return ""
+    if spec.slot >= 0:
+        what, why = f"slot {spec.slot}", "a failover's replica check does not see masked slots"
+    else:
+        what, why = "KV blocks", "its victims and a failover's orphans are not kept apart"
+    return (
+        f"{where}: a memory fault ({what} of die {spec.die}) beside {len(others)} stuck/dead "
+        f"row(s) in one afd run is not emulated: {why}"
+    )
