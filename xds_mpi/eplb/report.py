@@ -178,7 +178,8 @@ class EplbReport:
             out.append(
                 "EPLB after vertical scaling: placement version(s) "
                 + ", ".join(f"v{v}" for v in self.scalings)
-                + " without the lost dies' slots; newest version in use "
+                + " installed at once on the survivors, without the lost dies' slots; newest "
+                + "version in use "
                 + f"v{self.num_reconfigs}"
             )
         for v in self.versions + ((self.after,) if self.after else ()):
