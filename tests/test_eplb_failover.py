@@ -59,6 +59,17 @@ def test_a_dead_die_with_eplb_is_scaled_away_and_eplb_rebalances_the_survivors(t
     print(record.describe(), "| EPLB versions", versions, "scaled", scaled)
 
 
+def test_a_stuck_die_back_within_the_grace_keeps_eplb_on_all_dies(tmp_path, request):
+    if not request.config.getoption("--failure-matrix"):
+        pytest.skip("the stuck-and-back case with EPLB runs with --failure-matrix")
+    rows = ["{kind: stuck, die: 3, iteration: 6, duration_s: 5}"]
+    result, run_file, records = served(tmp_path, rows, *EPLB)
+    served_line = "check: 8 requests, 160 tokens, 0 mismatches"
+    assert_scaled(result, records, 3, "stuck", "buffers rebuilt on all 4", served_line)
+    [scaled] = run_file["eplb"]["scaling_version"][()]
+    assert run_file["eplb"].attrs["num_reconfigs"] > scaled
+
+
 def test_eplb_with_the_ring_needs_a_redundant_slot_beyond_it():
     sections = {"health": {"replicas": "ring"}, "eplb": {"enabled": True}}
     with pytest.raises(ConfigError, match="4 of them the ring's .*; set it to 5 or more"):
