@@ -82,7 +82,8 @@ class ColocatedDie:
             from ranks.replicas import ring_expert_map
 
             moe_layers = self.executor.moe_layers()
-            self.executor.expert_map = ring_expert_map(topo, model, moe_layers)
+            fixed = cfg.eplb.enabled  # EPLB balances the other redundant slots
+            self.executor.expert_map = ring_expert_map(topo, model, moe_layers, fixed=fixed)
         self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
         self.is_scaled = self.is_lost = False
         self.health = None

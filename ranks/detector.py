@@ -13,7 +13,8 @@
    silent after the grace (max(2 intervals, timeout_s / 2)) is lost. Watched for one more
    grace: answering again then makes it "stuck", else "dead".
 4. If every expert keeps a replica without the lost dies, the survivors go on without them
-   (vertical scaling, ranks/shell_failover.py and ranks/die_failover.py). Otherwise
+   (vertical scaling, ranks/shell_failover.py and ranks/die_failover.py; with EPLB its newest
+   placement is checked, the one the survivors install without the lost slots). Otherwise
    (health.on_expert_lost "stop") the run stops with an error naming the dies, their verdicts
    and, per MoE layer, the experts whose last replica they held, after writing the failure
    records (DecodeDieLost.write_failures).
@@ -181,11 +182,11 @@ class Detector:
         if expert_loss:
             return expert_loss
         cfg = self.ctx.cfg
-        if cfg.eplb.enabled or cfg.faults.is_enabled:
+        if cfg.faults.is_enabled:  # refused before launch (xds_mpi/failure_loss.py): a guard
             return (
-                "every expert keeps a replica, but vertical scaling is not emulated with "
-                "eplb.enabled or a faults table (their collectives span the lost dies): "
-                "the run stops"
+                "every expert keeps a replica, but vertical scaling is not emulated with a "
+                "faults.table or faults.rate (transient faults are not carried over to the "
+                "survivors): the run stops"
             )
         if all(d in lost for d in self.groups if self.roles[d] != "expert"):
             return "no decode die is left: the run stops"

@@ -7,7 +7,9 @@ released it (ranks/detector.py), the die learns which dies are lost and goes on 
      survivors only, never the lost dies), a window on it and fresh XCCL buffers; the old ones
      are never used again (nor freed: their frees are collectives the lost dies would never join).
   3. The expert placement loses the lost dies' slots (eplb/placement.py remove_die; the TE-shell
-     checked that every expert keeps a replica); the routing now avoids them.
+     checked that every expert keeps a replica); the routing now avoids them. With EPLB the
+     TE-shell sends that placement (its newest, without the lost slots) as EPLB's next version,
+     which the die installs at once (ranks/eplb_die.py take_over).
   4. The die tells the TE-shell how many token batches it has sent, so that the TE-shell has
      every token before it re-prefills the lost dies' requests elsewhere, and serves on.
 With no die lost (a stuck die that answered again after the fence), the same steps rebuild the
@@ -31,9 +33,12 @@ SHELL = 0
 
 @dataclass(frozen=True, kw_only=True)
 class Failover:
-    """TE-shell -> every surviving die: lost, the world ranks of the dies to go on without."""
+    """TE-shell -> every surviving die: lost, the world ranks of the dies to go on without;
+    with EPLB, eplb_placement: the placement to install as EPLB version eplb_version."""
 
     lost: tuple[int, ...]
+    eplb_placement: Placement | None = None
+    eplb_version: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,11 +66,14 @@ def scale_down(die, failover: Failover) -> None:
     die.dies = survivors
     die.recompute.regroup(survivors)  # its votes too (faults.on_timeout recompute)
     die.is_scaled = True
-    expert_map = die.executor.expert_map  # Step 3
-    placement = with_dies(expert_map.placement, die.topo)
-    for rank in failover.lost:
-        placement = remove_die(placement, die.topo.ranks[rank].die_idx)
-    expert_map.install(placement)
+    if failover.eplb_placement is not None:  # Step 3
+        die.eplb.take_over(failover.eplb_placement, failover.eplb_version)
+    else:
+        expert_map = die.executor.expert_map
+        placement = with_dies(expert_map.placement, die.topo)
+        for rank in failover.lost:
+            placement = remove_die(placement, die.topo.ranks[rank].die_idx)
+        expert_map.install(placement)
     ready = Ready(die=world.rank, num_batches=die.outbox.num_batches)  # Step 4
     world.send(ready, dest=SHELL, tag=TAG_FAILOVER_READY)
 

@@ -14,6 +14,9 @@ the one-sided agreement of the dies (xccl/agreement.py):
           iterations keep decoding;
   phase 4 enable: once every die has loaded, the new placement is installed at the next boundary.
 Step 4 (rotation over replicas) happens inside dispatch (xccl/routing.py).
+Vertical scaling (ranks/die_failover.py): a survivor installs at once the placement the TE-shell
+made without the lost dies' slots (take_over), loading the weights its slots lack; a swap in
+progress and any older placement still on its way are dropped.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class EplbDie:
         self.executor, self.pricer = executor, pricer
         self.expert_map = executor.expert_map
         self.version, self.received = 0, None  # placement in use; newest PlacementUpdate
+        self.stale_upto = 0  # placements up to this version were dropped by a take_over
         self.swap: Swap | None = None
         self.num_slices, self.pending = 0, []
         self.book = self._new_book()
@@ -93,7 +97,9 @@ class EplbDie:
         """This die's part of the boundary agreement (ranks/colocated.py agree): the newest
         placement it has, and 1 once it has nothing left to load."""
         while (message := self.comm.improbe(source=SHELL, tag=TAG_EPLB_PLACEMENT)) is not None:
-            self.received = message.recv()
+            update = message.recv()
+            if update.version > self.stale_upto:
+                self.received = update
         return (
             self.received.version if self.received else 0,
             0 if self.swap and self.swap.to_load else 1,
@@ -125,16 +131,35 @@ class EplbDie:
         changed = changed_slots(old, new)
         owner = self.executor.slots.slot_owner
         mine = [(row, slot) for row, slot in changed if owner[slot] == self.me]
-        model = self.executor.model
-        staged = []
-        for row, slot in mine:
-            expert = new.phy2log[row][slot]
-            if expert >= 0:
-                moe = model.moe_of(self.expert_map.moe_layers[row])
-                weights = copy.deepcopy(moe.experts[expert])
-                staged.append(StagedLoad(row=row, slot=slot, expert_idx=expert, weights=weights))
+        staged = [
+            StagedLoad(row=row, slot=slot, expert_idx=expert, weights=self._weights(row, expert))
+            for row, slot in mine
+            if (expert := new.phy2log[row][slot]) >= 0
+        ]
         self.expert_map.install(disable(old, changed))
         self.swap = Swap(update=update, to_load=staged)
+
+    def _weights(self, row: int, expert: int):
+        """Phase 1's copy of expert `expert` of placement row `row`, from the checkpoint the die
+        holds in host memory."""
+        moe = self.executor.model.moe_of(self.expert_map.moe_layers[row])
+        return copy.deepcopy(moe.experts[expert])
+
+    def take_over(self, placement, version: int) -> None:
+        """Vertical scaling: `placement` (the TE-shell's newest, without the lost dies' slots)
+        is version `version`, in use from the next iteration; this die's redundant slots that
+        do not hold their expert's weights yet load them now (priced as pulls, like phase 3).
+        A swap in progress, and any placement up to `version` still on its way, are dropped."""
+        owner, held = self.executor.slots.slot_owner, self.expert_map.weights
+        for row, experts in enumerate(placement.phy2log):
+            for slot, expert in enumerate(experts):
+                mine = placement.is_redundant[slot] and owner[slot] == self.me and expert >= 0
+                if mine and held.get((row, slot), (-1, None))[0] != expert:
+                    self.expert_map.load(row, slot, expert, self._weights(row, expert))
+                    self.load_s += self.pricer.cost.expert_pull()
+        self.expert_map.install(placement)
+        self.version = self.stale_upto = version
+        self.swap = self.received = None
 
     def _load(self) -> None:
         """Phase 3: up to load_slots_per_iteration slots get their weights this iteration."""
@@ -223,6 +248,9 @@ class NoEplb:
 
     def close(self) -> None:
         pass
+
+    def take_over(self, placement, version: int) -> None:
+        raise AssertionError("no EPLB: a failover carries no EPLB placement")
 
 
 def make_eplb_die(cfg, comm: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:

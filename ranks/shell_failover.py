@@ -4,7 +4,8 @@ dies whose experts all keep a replica (ranks/detector.py).
 
   1. Every surviving die is told which dies are lost; each rebuilds its communicator, window,
      XCCL buffers and expert placement without them (ranks/die_failover.py) and says how many
-     token batches it has sent.
+     token batches it has sent. With EPLB, the TE-shell's EPLB agent drops the lost dies first
+     and the message carries its placement without their slots (ranks/eplb_shell.py).
   2. The TE-shell takes every one of those batches, so that what each request emitted is known.
   3. The lost dies' unfinished requests are re-prefilled on the other DP groups: the prompt and
      every token already emitted, continued to the same max_new_tokens (greedy decoding of the
@@ -33,7 +34,11 @@ def scale_down(frontend, loss: Loss) -> None:
     # Every watched die that is left: the DP groups, and an afd deployment's expert dies.
     survivors = tuple(g for g in frontend.detector.groups if g not in loss.lost)
     opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}
-    send_to_each(comm, {g: Failover(lost=loss.lost) for g in survivors}, **opts)  # Step 1
+    # With EPLB: its newest placement without the lost dies' slots, as its next version.
+    eplb = frontend.eplb.scale_down(loss.lost)
+    placement, version = eplb if eplb is not None else (None, 0)
+    failover = Failover(lost=loss.lost, eplb_placement=placement, eplb_version=version)
+    send_to_each(comm, dict.fromkeys(survivors, failover), **opts)  # Step 1
     opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
     ready = recv_from_each(comm, survivors, **opts)
     _take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
+from xds_mpi.failure_loss import check_decode_loss
 from xds_mpi.failure_slots import afd_memory_refusal, slot_refusal
 from xds_mpi.topology import Topology
 
@@ -50,8 +51,7 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
-    if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
-        _check_afd_loss(topo, cfg.faults.events)
+    check_decode_loss(cfg, topo)  # xds_mpi/failure_loss.py
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -188,34 +188,14 @@ def _check_on_timeout(cfg: Config) -> None:
         )
 
 
-def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
-    """An afd run recovers from one lost attention die whose DP domain keeps another
-    (ranks/afd_failover.py); a second loss would rebuild a rebuilt layout (not emulated)."""
-    rows = [i for i, e in enumerate(events) if e.kind in ("stuck", "dead")]
-    if len(rows) > 1:
-        raise ConfigError(
-            f"faults.events{rows}: {len(rows)} stuck/dead rows in one afd run; one is emulated "
-            "(after it the dies run on a rebuilt layout that a second loss is not emulated on)"
-        )
-    for i in rows:
-        info = topo.ranks[events[i].die]
-        domain = topo.domain_ranks(info.dp_domain) if info.role == "attention" else ()
-        if len(domain) == 1:
-            raise ConfigError(
-                f"faults.events[{i}]: attention die {info.rank} is the only die of DP domain "
-                f"{info.dp_domain} (deployment.dp_groups_per_domain 1); losing a whole domain "
-                "is not emulated"
-            )
-
-
 def _check_ring(cfg: Config, topo: Topology) -> None:
     """health.replicas=ring (xds_mpi/eplb/ring.py): each routed die's redundant slots (colocated
-    dies, or afd expert dies) take the next routed die's experts, from the start and for good."""
-    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled or cfg.eplb.enabled:
+    dies, or afd expert dies) take the next routed die's experts, from the start and for good;
+    with EPLB (colocated only) those slots stay put and EPLB fills the ones left over."""
+    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled:
         raise ConfigError(
             "health.replicas=ring fills the redundant slots of a colocated or afd deployment "
-            f"without PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled "
-            f"{cfg.pd.enabled}, eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+            f"without PD (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled})"
         )
     routed = [
         sum(1 for s in info.expert_slots if s.kind == "routed")

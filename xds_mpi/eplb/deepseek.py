@@ -68,8 +68,10 @@ def rebalance(
     """Every layer. counts: [num_layers, num_slices, num_experts] (the slices are summed)."""
     for layer in range(len(placement.phy2log)):
         load = np.asarray(counts[layer], np.float64).sum(axis=0)
-        routed = [
-            e for s, e in enumerate(placement.phy2log[layer]) if not placement.is_redundant[s]
+        routed = [  # a die lost to vertical scaling leaves fixed empty slots (-1)
+            e
+            for s, e in enumerate(placement.phy2log[layer])
+            if not placement.is_redundant[s] and e >= 0
         ]
         base = np.bincount(routed, minlength=placement.num_experts)
         chosen = replicate(load, base, budget)

@@ -47,10 +47,11 @@ class MoePricing:
     def ms(self, die_rows: np.ndarray, rows_scale: float = 1.0) -> float:
         """MoE ms per iteration. die_rows: [num_moe_layers, num_dies] routed rows each die
         received in one iteration (tiny top-k); rows_scale: multiply every die's rows (a larger
-        batch with the same skew)."""
+        batch with the same skew); nan: a die lost to vertical scaling, left out."""
         total = 0.0
         for rows, scale in zip(die_rows, self.layer_scales):
             big = np.asarray(rows, np.float64) * self.topk_scale * rows_scale  # [dies]
+            big = big[~np.isnan(big)]  # a die lost to vertical scaling (nan) serves nothing
             experts = max(self.cost.routed(r, self.experts_per_die) for r in big)
             dispatch = self.cost.dispatch(float(big.max()), peers=self.num_dies, int8=self.use_int8)
             total += scale * (experts + dispatch)

@@ -43,6 +43,16 @@ class Placement:
     def num_dies(self) -> int:
         return max(self.slot_die) + 1
 
+    @property
+    def live_dies(self) -> tuple[int, ...]:
+        """The dies still serving: a die remove_die took out holds only fixed empty slots."""
+        live = {
+            die
+            for slot, die in enumerate(self.slot_die)
+            if self.is_redundant[slot] or any(row[slot] >= 0 for row in self.phy2log)
+        }
+        return tuple(sorted(live))
+
     def log2phy(self, layer: int) -> tuple[tuple[int, ...], ...]:
         """[num_experts] physical slots holding each expert in `layer`, routed slot first."""
         table: list[list[int]] = [[] for _ in range(self.num_experts)]
@@ -68,12 +78,13 @@ class Placement:
 def die_loads(placement: Placement, layer: int, counts: np.ndarray) -> np.ndarray:
     """Expected tokens per die when each expert's tokens split evenly over its replicas.
 
-    counts: [num_experts] tokens per logical expert. Returns [num_dies] float64."""
+    counts: [num_experts] tokens per logical expert. Returns [num_dies] float64 over the live
+    dies (every die but those remove_die took out)."""
     loads = np.zeros(placement.num_dies)
     for expert, slots in enumerate(placement.log2phy(layer)):
         for slot in slots:
             loads[placement.slot_die[slot]] += counts[expert] / len(slots)
-    return loads
+    return loads[list(placement.live_dies)]
 
 
 def changed_slots(old: Placement, new: Placement) -> tuple[tuple[int, int], ...]:
@@ -100,7 +111,9 @@ def disable(placement: Placement, slots: tuple[tuple[int, int], ...]) -> Placeme
 
 
 def remove_die(placement: Placement, die_idx: int) -> Placement:
-    """Failover hook: the placement without die `die_idx`'s slots (routed and redundant).
+    """Failover hook: the placement without die `die_idx`'s slots (routed and redundant). They
+    become fixed and empty (-1 and not redundant): no rebalancing fills them again, and
+    changed_slots never names them.
 
     Raises ValueError naming, per layer, every expert that would lose its last replica."""
     if not 0 <= die_idx < placement.num_dies:
@@ -111,7 +124,15 @@ def remove_die(placement: Placement, die_idx: int) -> Placement:
         for slot, die in enumerate(placement.slot_die)
         if die == die_idx
     )
-    result = disable(placement, gone)
+    emptied = disable(placement, gone)
+    result = Placement(
+        phy2log=emptied.phy2log,
+        slot_die=placement.slot_die,
+        is_redundant=tuple(
+            r and die != die_idx for r, die in zip(placement.is_redundant, placement.slot_die)
+        ),
+        num_experts=placement.num_experts,
+    )
     lost = [
         f"layer {layer}: experts {missing}"
         for layer in range(len(result.phy2log))

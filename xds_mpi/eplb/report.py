@@ -35,11 +35,15 @@ class SliceTotals:
 
     @classmethod
     def from_parts(cls, parts: list) -> SliceTotals:
-        """parts: the slice's CountSlice of every DP group, in die order."""
-        first = parts[0]
+        """parts: the slice's CountSlice of every DP group, in die order; None for a die lost
+        to vertical scaling (its die_rows column: nan, which max_over_mean leaves out)."""
+        given = [p for p in parts if p is not None]
+        first, lost = given[0], np.full(len(given[0].rows_in), np.nan)
+        rows = [lost if p is None else p.rows_in for p in parts]
+        parts = given
         return cls(
             counts=np.sum([p.counts for p in parts], axis=0),
-            die_rows=np.stack([p.rows_in for p in parts], axis=1),
+            die_rows=np.stack(rows, axis=1),
             moe_s=max(p.moe_vtime_s for p in parts),
             num_iterations=first.num_iterations,
             version_start=first.version_start,
@@ -102,7 +106,7 @@ def _projected(pricing, rows_per_iteration: np.ndarray, target_rows: float) -> d
     """rows_per_iteration: [layers, dies]; the projected MoE ms at this load and scaled."""
     if pricing is None:
         return {}
-    mean = float(rows_per_iteration[0].mean())
+    mean = float(np.nanmean(rows_per_iteration[0]))  # nan: a die lost to vertical scaling
     scale = target_rows / mean if target_rows and mean > 0 else float("nan")
     return {
         "projected_moe_ms": pricing.ms(rows_per_iteration),
@@ -118,16 +122,23 @@ class EplbReport:
     versions: tuple[VersionLoad, ...]
     after: VersionLoad | None
     reconfigs: tuple[Reconfig, ...]
+    scalings: tuple[int, ...]  # versions that vertical scaling installed (ranks/eplb_shell.py)
     num_loading_iterations: int
     load_ms: float
     slices: tuple[SliceTotals, ...]
 
     @classmethod
     def from_slices(
-        cls, slices: list[SliceTotals], reconfigs: list[Reconfig], pricing=None, target_rows=0.0
+        cls,
+        slices: list[SliceTotals],
+        reconfigs: list[Reconfig],
+        pricing=None,
+        target_rows=0.0,
+        scalings: tuple[int, ...] = (),
     ) -> EplbReport:
         """pricing: a MoePricing for the projected MoE time; target_rows: mean routed rows per
-        die and MoE layer for the scaled projection (0: none)."""
+        die and MoE layer for the scaled projection (0: none); scalings: the versions vertical
+        scaling installed (the newest placement without the lost dies' slots)."""
         loads = []
         for version in [0, *(r.version for r in reconfigs)]:
             steady = [s for s in slices if s.is_steady and s.version_start == version]
@@ -139,6 +150,7 @@ class EplbReport:
             versions=tuple(loads),
             after=pooled,
             reconfigs=tuple(reconfigs),
+            scalings=tuple(scalings),
             num_loading_iterations=sum(s.num_loading for s in slices),
             load_ms=1e3 * max((s.load_s for s in slices), default=0.0),
             slices=tuple(slices),
@@ -162,6 +174,14 @@ class EplbReport:
             f"iterations decoded while replica weights loaded ({self.load_ms:.2f} ms virtual "
             "load on the busiest die, overlapped)"
         ]
+        if self.scalings:
+            out.append(
+                "EPLB after vertical scaling: placement version(s) "
+                + ", ".join(f"v{v}" for v in self.scalings)
+                + " installed at once on the survivors, without the lost dies' slots; newest "
+                + "version in use "
+                + f"v{self.num_reconfigs}"
+            )
         for v in self.versions + ((self.after,) if self.after else ()):
             ratios = " ".join(f"{r:.2f}" for r in v.max_over_mean)
             name = f"v{v.version}" if v.version >= 0 else "after (v1+ pooled)"
@@ -198,6 +218,7 @@ class EplbReport:
         g.attrs["num_decided"] = self.num_decided
         g.attrs["num_loading_iterations"] = self.num_loading_iterations
         g.attrs["load_ms"] = self.load_ms
+        g["scaling_version"] = np.array(self.scalings, np.int64)
         if self.slices:
             g["slice_counts"] = np.stack([s.counts for s in self.slices])  # [S, layers, E]
             g["slice_die_rows"] = np.stack([s.die_rows for s in self.slices])  # [S, layers, dies]

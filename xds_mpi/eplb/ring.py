@@ -5,6 +5,8 @@ one die then leaves a replica of every expert. Token routing spreads over both c
 (xccl/routing.py), which changes where rows go, never what they compute: every die holds every
 expert's weights (the model is built whole on each die). The dies load the weights
 (ranks/replicas.py); the TE-shell and the validator need only the placement.
+With EPLB (fixed=True) the ring's slots are fixed, not redundant: EPLB balances only the
+redundant slots left over, and a lost die's experts keep their ring replica whatever it moves.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 from xds_mpi.eplb.placement import Placement, from_topology
 
 
-def ring_placement(topo, num_moe_layers: int) -> Placement:
+def ring_placement(topo, num_moe_layers: int, *, fixed: bool = False) -> Placement:
     """The topology's placement with every redundant slot filled by the ring (at least as many
     redundant slots per die as routed experts on the next die: checked in
-    xds_mpi/failure_plan.py)."""
+    xds_mpi/failure_plan.py). fixed: the filled slots are no longer redundant (EPLB leaves
+    them alone; a die computes them with the model's own weights)."""
     static = from_topology(topo, num_moe_layers)
     routed, row = static.phy2log[0], list(static.phy2log[0])
     dies = sorted({d for s, d in enumerate(static.slot_die) if not static.is_redundant[s]})
@@ -28,9 +31,12 @@ def ring_placement(topo, num_moe_layers: int) -> Placement:
         ]
         for slot, expert in zip(static.redundant_slots(die), theirs):
             row[slot] = expert
+    is_redundant = static.is_redundant
+    if fixed:
+        is_redundant = tuple(r and e < 0 for r, e in zip(is_redundant, row))
     return Placement(
         phy2log=(tuple(row),) * num_moe_layers,
         slot_die=static.slot_die,
-        is_redundant=static.is_redundant,
+        is_redundant=is_redundant,
         num_experts=static.num_experts,
     )
