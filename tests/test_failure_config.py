@@ -137,7 +137,7 @@ def test_undetectable_stuck_or_dead_rows_are_refused(sections, reason):
         ({}, r"deployment.redundant_slots_per_die\(0\) must be >= 4"),
         (
             {"deployment": {"redundant_slots_per_die": 4}, "eplb": {"enabled": True}},
-            "without PD or EPLB",
+            "EPLB would move the replicas",
         ),
     ],
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
+from xds_mpi.failure_plan_pd import check_decode_loss
 from xds_mpi.failure_slots import slot_refusal
 from xds_mpi.topology import Topology
 
@@ -22,6 +23,8 @@ EMULATED: set[tuple[str, str, str]] = {
     ("memory", "colocated", "pd"),
     ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
     ("dead", "colocated", "colocated"),
+    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failure_plan_pd.py)
+    ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/decode_loss.py
     ("stuck", "attention", "afd"),  # ranks/afd_health.py, afd_failover.py (_check_afd_loss)
     ("dead", "attention", "afd"),
     ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
@@ -48,6 +51,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
+            if cfg.pd.enabled:
+                check_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
     if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
         _check_afd_loss(topo, cfg.faults.events)
 
@@ -209,11 +214,17 @@ def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
 def _check_ring(cfg: Config, topo: Topology) -> None:
     """health.replicas=ring (xds_mpi/eplb/ring.py): each routed die's redundant slots (colocated
     dies, or afd expert dies) take the next routed die's experts, from the start and for good."""
-    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled or cfg.eplb.enabled:
+    kind = cfg.deployment.kind
+    if kind not in ("colocated", "afd") or (cfg.pd.enabled and kind != "colocated"):
         raise ConfigError(
-            "health.replicas=ring fills the redundant slots of a colocated or afd deployment "
-            f"without PD or EPLB (deployment.kind {cfg.deployment.kind}, pd.enabled "
-            f"{cfg.pd.enabled}, eplb.enabled {cfg.eplb.enabled}): EPLB would move the replicas"
+            "health.replicas=ring fills the redundant slots of a colocated or afd deployment, "
+            f"or of a PD run's colocated decode dies (deployment.kind {kind}, pd.enabled "
+            f"{cfg.pd.enabled})"
+        )
+    if cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring with eplb.enabled: EPLB would move the replicas (the ring "
+            "is placed without EPLB)"
         )
     routed = [
         sum(1 for s in info.expert_slots if s.kind == "routed")
