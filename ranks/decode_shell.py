@@ -69,7 +69,8 @@ class DecodeShell:
                     f"({self.ctx.cfg.run.timeout_s:g}); {self.num_tasks} tasks routed"
                 )
         stop.recv()
-        self.watch.close()
+        self.watch.close()  # watched: the JE stopped us first; the dies have closed after it
+        self._take_completions()
         MPI.Request.Waitall(self.sends)
 
     def _route(self) -> int:

@@ -161,6 +161,7 @@ class JobExecutor(Frontend):
         self._take_transfers()
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         prefill, shell = self.pd_plan.prefill, self.pd_plan.decode_shell
+        shell = 0 if self.decode_loss.is_watched else shell  # told first (_finish)
         send_to_each(
             self.comm,
             {p: None for p in prefill + ((shell,) if shell else ())},
@@ -176,6 +177,12 @@ class JobExecutor(Frontend):
         self.watch.close()
         self._take_failover()
         self._record_failures()
+
+    def _finish(self) -> None:
+        """A decode TE-shell that pings the decode dies stops before the dies do: no ping may
+        reach a die that has closed (ranks/decode_loss.py)."""
+        self.decode_loss.stop_shell()
+        super()._finish()
 
     def _record_failures(self) -> None:
         """One FailureRecord per injected KV-path fault and per unexplained verdict."""

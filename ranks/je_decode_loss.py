@@ -35,6 +35,7 @@ from xds_mpi.tags import (
     TAG_PD_DECODE_HELD,
     TAG_PD_DECODE_LOST,
     TAG_PD_DECODE_WITHDRAW,
+    TAG_STOP,
 )
 
 
@@ -97,6 +98,13 @@ class DecodeLossWatch:
                 je.watch.prefill(resumed(record))
         self.moved.append(moved)
         je.log.warning("decode failover (dies %s lost): %s", list(loss.lost), moved.recovery())
+
+    def stop_shell(self) -> None:
+        """At the end of serving, before the decode dies are stopped: the decode TE-shell's
+        heartbeats end (it answers with its DecodeBook once the dies closed)."""
+        if self.is_watched:
+            opts = {"timeout_s": self.timeout_s, "me": "JE", "event": "stop"}
+            send_to_each(self.comm, {self.shell: None}, tag=TAG_STOP, **opts)
 
     def take_book(self) -> None:
         """After the JE's stop to the decode TE-shell: its detections and the dies' notes."""

@@ -1,0 +1,130 @@
+"""A decode die lost in a PD run (xDeepServe §6.1-6.2, "P/D separate failover"): the decode
+TE-shell's heartbeats find it, its fence releases the surviving decode dies, which scale
+vertically (ring replicas); the JE re-routes the tasks whose KV was still at prefill and has the
+requests the die was decoding prefilled again; prefill never stops, and every token equals the
+reference.
+
+configs/pd.yaml: JE 0, decode TE-shell 1, colocated decode dies 2-5, prefill dies 6-7.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import REPO_ROOT
+from test_decode_failover import RING, assert_detected, served
+from test_serving import check_line
+
+from xds_mpi.config import ConfigError, config_from_dict, load_config
+from xds_mpi.failure_plan import check_failures
+from xds_mpi.topology import Topology
+
+# Probes past detection and release (the survivors echo none until released); a small workload.
+PD = [
+    "health.probe_timeout_s=12",
+    "workload.num_requests=6",
+    "workload.output_len=10",
+    "workload.max_output_len=10",
+    "workload.ignore_eos=true",
+]
+SERVED = "check: 6 requests, 60 tokens, 0 mismatches"  # 6 x 10: none lost, none twice
+
+
+def lost_die(tmp_path, row: str):
+    result, run_file, records = served(tmp_path, [row], *RING, *PD, config="pd")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED, out[-3000:]
+    [record] = records  # no false verdict (heartbeat or link probe) on any other die
+    assert record.recovery.startswith("vertical scaling: 4 -> 3 decode dies"), record.describe()
+    assert record.tokens_per_s_after > 0
+    assert (run_file["requests"]["num_tokens"][()] > 0).all()
+    return record, out
+
+
+def test_a_dead_decode_die_mid_run_is_scaled_away_its_requests_prefilled_again(tmp_path):
+    record, out = lost_die(tmp_path, "{kind: dead, die: 3, iteration: 3}")
+    assert_detected(record, 3, "dead")
+    assert record.injected_iteration == 3 and record.tokens_per_s_before > 0
+    # It was decoding its requests: their KV left prefill, they go back through the JE.
+    assert record.requests_affected, record.describe()
+    moved = len(record.requests_affected)
+    assert f"{moved} requests prefilled again through the JE, 0 PD tasks re-routed" in out
+
+
+def test_a_decode_die_dead_at_its_first_iteration_gets_its_tasks_re_routed(tmp_path):
+    record, out = lost_die(tmp_path, "{kind: dead, die: 2, iteration: 0}")
+    assert_detected(record, 2, "dead")
+    assert record.injected_iteration == 0 and record.requests_affected
+    # It never pulled a KV: every task sent to it is re-routed, its KV still at prefill.
+    moved = len(record.requests_affected)
+    assert f"0 requests prefilled again through the JE, {moved} PD tasks re-routed" in out
+
+
+BASE = {
+    "pd": {"enabled": True},
+    "deployment": {"num_prefill_dies": 2, "num_host_ranks": 2, "redundant_slots_per_die": 4},
+    "health": {"replicas": "ring", "timeout_s": 4, "probe_timeout_s": 12},
+}
+
+
+def _check(row: dict, **changes) -> None:
+    sections = {k: {**v, **changes.get(k, {})} for k, v in BASE.items()}
+    cfg = config_from_dict({**sections, "faults": {"events": [row]}})
+    check_failures(cfg, Topology.from_config(cfg))
+
+
+def test_a_dead_or_stuck_for_good_pd_decode_die_is_accepted():
+    _check({"kind": "dead", "die": 3, "iteration": 2})
+    _check({"kind": "stuck", "die": 4, "iteration": 2})
+
+
+@pytest.mark.parametrize(
+    "row, changes, reason",
+    [
+        (
+            {"kind": "stuck", "die": 3, "duration_s": 2.0},
+            {},
+            r"stuck for duration_s\(2.0\) is not emulated .* only stuck for good",
+        ),
+        ({"kind": "dead", "die": 3}, {"health": {"replicas": "none"}}, "health.replicas=ring"),
+        (
+            {"kind": "dead", "die": 3},
+            {"deployment": {"num_host_ranks": 1}},
+            r"num_host_ranks\(1\) gives the JE the decode balancing",
+        ),
+        (
+            {"kind": "dead", "die": 3},
+            {"health": {"probe_timeout_s": 5}},
+            r"probe_timeout_s\(5\) must exceed detection and release \(8.2 s",
+        ),
+    ],
+)
+def test_pd_decode_losses_that_do_not_run_are_refused(row, changes, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _check(row, **changes)
+
+
+def test_a_pd_decode_loss_with_another_fault_row_is_refused():
+    cfg = config_from_dict(
+        {
+            **BASE,
+            "faults": {
+                "events": [
+                    {"kind": "dead", "die": 3},
+                    {"kind": "saturated", "die": 4, "delay_s": 2.0},
+                ]
+            },
+        }
+    )
+    with pytest.raises(ConfigError, match=r"other fault rows \(faults.events\[1\]\)"):
+        check_failures(cfg, Topology.from_config(cfg))
+
+
+def test_a_pd_afd_decode_side_loss_stays_refused():
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd_afd.yaml", ["faults.events=[{kind: dead, die: 2}]"]
+    )
+    topo = Topology.from_config(cfg)
+    assert topo.ranks[2].role == "attention"
+    with pytest.raises(ConfigError, match="attention die of a pd deployment is not emulated"):
+        check_failures(cfg, topo)
