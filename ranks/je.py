@@ -190,7 +190,7 @@ class JobExecutor(Frontend):
         roles = {info.rank: info.role for info in self.ctx.topo.ranks}
         rows, now = self.ctx.cfg.faults.events, time.time()
         failures = self.failover.records(rows, roles, times, self.started, now)
-        self.pd_book.failures = self.decode_loss.explained(failures)
+        self.pd_book.failures = self.decode_loss.explained(failures, self.started)
         for i, spec in enumerate(rows):
             if roles[spec.die] == "prefill" and spec.kind in ("dead", "stuck"):
                 began, loss = self.failover.began.get(i), self.watch.loss_of(spec.die)

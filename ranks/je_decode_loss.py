@@ -21,6 +21,7 @@ and the JE's request records.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from ranks.decode_loss import DecodeBook, DecodeLoss
@@ -45,6 +46,7 @@ class Moved:
     (KV still at prefill) and those prefilled again."""
 
     loss: DecodeLoss
+    handled_at: float = 0.0  # time.time() once the JE moved the requests
     rerouted: list[int] = field(default_factory=list)
     prefilled: list[int] = field(default_factory=list)
 
@@ -96,6 +98,7 @@ class DecodeLossWatch:
             else:
                 moved.prefilled.append(req_id)
                 je.watch.prefill(resumed(record))
+        moved.handled_at = time.time()
         self.moved.append(moved)
         je.log.warning("decode failover (dies %s lost): %s", list(loss.lost), moved.recovery())
 
@@ -142,8 +145,21 @@ class DecodeLossWatch:
         )
         return with_timeouts(out, recovery, roles, started)
 
-    def explained(self, records: list) -> list:
-        """PD failure records without the link verdicts on a lost decode die's pairs (its silence
-        explains them: the prober's dummies went unanswered)."""
-        lost = self.lost
-        return [r for r in records if not (r.kind == "none" and r.die in lost)]
+    def explained(self, records: list, started: float) -> list:
+        """PD failure records without the verdicts a decode loss explains: on the lost die's
+        pairs (its dummies go unanswered), and on any pair from the fault until probe_timeout_s
+        after the JE moved the requests (the survivors wait for the lost die until the fence
+        releases them, and echo late meanwhile)."""
+        began = self.book.began if self.book else {}
+        probe_s = self.je.ctx.cfg.health.probe_timeout_s
+        windows = [
+            (min(began[d].wall_time for d in m.loss.lost if d in began), m.handled_at + probe_s)
+            for m in self.moved
+            if any(d in began for d in m.loss.lost)
+        ]
+
+        def is_explained(r) -> bool:
+            at = started + r.detected_wall_s
+            return r.die in self.lost or any(t0 <= at <= t1 for t0, t1 in windows)
+
+        return [r for r in records if not (r.kind == "none" and is_explained(r))]

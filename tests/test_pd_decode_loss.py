@@ -138,3 +138,54 @@ def test_a_pd_afd_decode_side_loss_stays_refused():
     assert topo.ranks[2].role == "attention"
     with pytest.raises(ConfigError, match="attention die of a pd deployment is not emulated"):
         check_failures(cfg, topo)
+
+
+def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_no_verdict(
+    tmp_path,
+):
+    # Stuck inside its dispatch: never answers again, so the verdict is "dead"; the survivors
+    # waiting for it echo the prefill dies' dummies late until released, which the JE puts
+    # down to the loss ([record] in lost_die: no false saturated / link verdict).
+    record, out = lost_die(tmp_path, "{kind: stuck, die: 4, iteration: 2}")
+    assert record.kind == "stuck"
+    assert_detected(record, 4, "dead")
+    assert sum(moved(record)) == len(record.requests_affected) >= 1, out[-3000:]
+
+
+def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
+    from types import SimpleNamespace
+
+    from ranks.decode_loss import DecodeBook, DecodeLoss
+    from ranks.die_health import FaultBegan
+    from ranks.je_decode_loss import DecodeLossWatch, Moved
+    from xds_mpi.failures import FailureRecord
+
+    health = SimpleNamespace(probe_timeout_s=12)
+    watch = DecodeLossWatch.__new__(DecodeLossWatch)  # the JE's side, without a JE
+    watch.je = SimpleNamespace(ctx=SimpleNamespace(cfg=SimpleNamespace(health=health)))
+    loss = DecodeLoss(lost=(4,), batches={}, orphans=(), before=4, after=3, detected_at=105.0)
+    watch.moved = [Moved(loss=loss, handled_at=108.0)]
+    began = FaultBegan(die=4, kind="stuck", iteration=2, wall_time=103.0, virtual_s=1.0)
+    watch.book = DecodeBook(began={4: began}, detections=[])
+
+    def verdict(die: int, at: float, kind: str = "none") -> FailureRecord:
+        return FailureRecord(
+            kind=kind,
+            die=die,
+            role="colocated",
+            injected_iteration=-1,
+            injected_wall_s=-1.0,
+            injected_virtual_s=-1.0,
+            detected_wall_s=at,
+        )
+
+    # started at 100: the fault at 3 s, requests moved at 8 s, probes time out 12 s later.
+    late_echo, lost_pair, after, before = (
+        verdict(2, 9.0),
+        verdict(4, 50.0),
+        verdict(5, 21.0),
+        verdict(5, 2.0),
+    )
+    row = verdict(3, 9.0, kind="saturated")  # an injected row's record is always kept
+    kept = watch.explained([late_echo, lost_pair, after, before, row], started=100.0)
+    assert kept == [after, before, row]
