@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.die_failover import scale_down, take_failover
-from ranks.die_health import DieHealth, is_watched
+from ranks.die_health import DieHealth, is_watched, watch_comm, watcher
 from ranks.die_io import SHELL, DieTotals, Inbox, Outbox, serve
 from ranks.die_parts import decode_state, decode_totals, make_pricer
 from ranks.eplb_die import make_eplb_die
@@ -93,6 +93,7 @@ class ColocatedDie:
                 ctx.comm,
                 iteration=lambda: self.executor.num_iterations,
                 virtual_s=lambda: clock.now_ns / 1e9,
+                shell=watcher(ctx.plan),  # PD: the decode TE-shell
             )
 
     def _recomputer(self, ctx: RankContext, ep) -> Recomputer:
@@ -106,7 +107,7 @@ class ColocatedDie:
             self.pricer,
             events=self.executor.events,
             log=ctx.log,
-            window_comm=ctx.comm if self.health else None,
+            window_comm=watch_comm(ctx) if self.health else None,
             stall=self.health.stall if self.health else None,
         )
 
@@ -149,7 +150,7 @@ class ColocatedDie:
         lost and goes on without them (ranks/die_failover.py); a lost die idles until the job's
         end, which it leaves without a collective (`leave`)."""
         comm = self.outbox.comm
-        failover = None if self.health.is_dead else take_failover(comm)
+        failover = None if self.health.is_dead else take_failover(comm, self.health.shell)
         if failover is not None:
             scale_down(self, failover)
             self.health.is_released = False

@@ -5,6 +5,8 @@ is that one); it picks the decode DP group with §4.3's balancer by load (lowest
 then fewest requests; the group itself defers while its KV is full, step 6) and forwards the
 task there. It sees only what balancing needs: the tasks and each group's completions (request
 ids, TAG_PD_DONE); tokens go from the groups straight to the JE (the output shortcut).
+With a stuck/dead row on a decode die it also watches its dies with heartbeats, fences them and
+fails over on a loss (ranks/decode_loss.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from mpi4py import MPI
 
 from ranks.context import RankContext
+from ranks.decode_loss import DecodeWatch
 from ranks.handshake import handshake
 from ranks.messages import TAG_STOP
 from ranks.pd_messages import TAG_PD_DONE, TAG_PD_TASK
@@ -29,8 +32,10 @@ def run(ctx: RankContext) -> None:
     handshake(ctx)
     mem = DieMemory(ctx.comm, 0)  # joins the window collective, holds no die memory
     alone = ctx.comm.Split(0, ctx.comm.rank)
-    DecodeShell(ctx).serve()
-    mem.free()
+    shell = DecodeShell(ctx)
+    shell.serve()
+    if not shell.watch.has_failed_over:  # collective over every rank: not after a failover
+        mem.free()
     alone.Free()
 
 
@@ -49,19 +54,23 @@ class DecodeShell:
         )
         self.sends: list[MPI.Request] = []
         self.num_tasks = 0
+        self.watch = DecodeWatch(self)  # §6.1 heartbeats over the decode dies (PD decode loss)
 
     def serve(self) -> None:
         """Route tasks and take completions until the JE says stop."""
-        deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
+        started, deadline = time.time(), time.monotonic() + self.ctx.cfg.run.timeout_s
         while (stop := self.comm.improbe(source=JE, tag=TAG_STOP)) is None:
             if not self._route() + self._take_completions():
                 time.sleep(0.0005)
+            self.watch.poll(started)
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"decode TE-shell: no stop from the JE after run.timeout_s"
                     f"({self.ctx.cfg.run.timeout_s:g}); {self.num_tasks} tasks routed"
                 )
         stop.recv()
+        self.watch.close()  # watched: the JE stopped us first; the dies have closed after it
+        self._take_completions()
         MPI.Request.Waitall(self.sends)
 
     def _route(self) -> int:

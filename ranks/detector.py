@@ -70,16 +70,25 @@ class DecodeDieLost(RuntimeError):
 
 class Detector:
     def __init__(
-        self, ctx: RankContext, groups: Sequence[int], placement: Callable[[], Placement]
+        self,
+        ctx: RankContext,
+        groups: Sequence[int],
+        placement: Callable[[], Placement],
+        window_comm: MPI.Comm | None = None,
     ) -> None:
         """groups: the DP masters (colocated or attention dies); an afd deployment's expert dies
-        are watched too. placement(): the expert placement now (EPLB's, or the topology's)."""
+        are watched too. placement(): the expert placement now (EPLB's, or the topology's).
+        window_comm: what the fence window spans (default the world; PD: the decode TE-shell
+        and its dies, ranks/die_health.py watch_comm)."""
         health = ctx.cfg.health
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
         groups = tuple(groups) + ctx.topo.ranks_with_role("expert")
         self.groups, self.timeout_s = groups, health.timeout_s
         self.grace_s = health.release_grace_s
-        self.fence_mem = fence_window(ctx.comm)  # collective with the dies' Recovery window
+        window_comm = ctx.comm if window_comm is None else window_comm
+        self.fence_mem = fence_window(window_comm)  # collective with the dies' Recovery window
+        in_window = MPI.Group.Translate_ranks(ctx.comm.group, list(groups), window_comm.group)
+        self.window_rank = dict(zip(groups, in_window))  # world rank -> its rank in the window
         self.sender = HeartbeatSender(
             ctx.comm, groups, interval_s=health.dp_interval_s, timeout_s=health.timeout_s
         )
@@ -139,7 +148,7 @@ class Detector:
     def _fence(self, silent: list[int], requests: dict, started: float) -> Loss:
         detected_at, fenced = time.time(), time.monotonic()
         # Step 2: release every die from its waits.
-        fence(self.fence_mem, self.groups, len(self.detections) + 1)
+        fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)
         self.log.warning(
             "dies %s silent for more than health.timeout_s(%g) s; fenced every die",
             silent,

@@ -49,8 +49,9 @@ class Ready:
     num_batches: int
 
 
-def take_failover(comm: MPI.Comm) -> Failover | None:
-    message = comm.improbe(source=SHELL, tag=TAG_FAILOVER)
+def take_failover(comm: MPI.Comm, shell: int = SHELL) -> Failover | None:
+    """shell: the watcher's rank (PD: the decode TE-shell, ranks/die_health.py watcher)."""
+    message = comm.improbe(source=shell, tag=TAG_FAILOVER)
     return None if message is None else message.recv()
 
 
@@ -75,7 +76,7 @@ def scale_down(die, failover: Failover) -> None:
             placement = remove_die(placement, die.topo.ranks[rank].die_idx)
         expert_map.install(placement)
     ready = Ready(die=world.rank, num_batches=die.outbox.num_batches)  # Step 4
-    world.send(ready, dest=SHELL, tag=TAG_FAILOVER_READY)
+    world.send(ready, dest=die.health.shell, tag=TAG_FAILOVER_READY)
 
 
 def with_dies(placement: Placement, topo) -> Placement:

@@ -32,10 +32,38 @@ STUCK_OPS = ("dispatch", "a2e")
 
 
 def is_watched(cfg: Config, plan) -> bool:
-    """Does the TE-shell watch the dies with heartbeats and fence them? Colocated and afd
-    deployments without PD (the PD decode side is refused in xds_mpi/failure_plan.py EMULATED)."""
+    """Does a TE-shell watch the decode dies with heartbeats and fence them? Colocated and afd
+    deployments without PD; in PD the decode TE-shell (host rank 1) watches colocated decode dies
+    when a stuck/dead row names one (ranks/decode_loss.py; xds_mpi/failure_plan.py refuses the
+    rest)."""
     kind = cfg.deployment.kind
-    return cfg.health.enabled and plan.pd is None and kind in ("colocated", "afd")
+    if plan.pd is not None:
+        return cfg.health.enabled and kind == "colocated" and has_decode_loss(cfg, plan)
+    return cfg.health.enabled and kind in ("colocated", "afd")
+
+
+def has_decode_loss(cfg: Config, plan) -> bool:
+    """PD: does a stuck/dead row name a decode die (with a decode TE-shell to watch it)?"""
+    decode = set(plan.pd.decode)
+    rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead") and e.die in decode]
+    return bool(rows) and plan.pd.decode_shell != 0
+
+
+def watcher(plan) -> int:
+    """The rank that pings, fences and fails over the decode dies: the TE-shell, or in PD the
+    decode TE-shell."""
+    return plan.pd.decode_shell if plan.pd is not None else SHELL
+
+
+def watch_comm(ctx) -> MPI.Comm:
+    """The communicator the fence window spans: the world, or in PD the decode TE-shell and the
+    decode dies only (Create_group: collective over them alone, the JE and prefill dies never
+    join). Called once by the watcher and every decode die, in the same order."""
+    plan = ctx.plan
+    if plan.pd is None:
+        return ctx.comm
+    members = [plan.pd.decode_shell, *plan.pd.decode]
+    return ctx.comm.Create_group(ctx.comm.group.Incl(members))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,10 +89,12 @@ class DieHealth:
         *,
         iteration: Callable[[], int],
         virtual_s: Callable[[], float],
+        shell: int = SHELL,
     ) -> None:
-        self.comm, self.rank = comm, comm.rank
+        """shell: the watcher's rank (ranks/die_health.py watcher)."""
+        self.comm, self.rank, self.shell = comm, comm.rank, shell
         self.iteration, self.virtual_s = iteration, virtual_s
-        self.responder = HeartbeatResponder(comm, SHELL)
+        self.responder = HeartbeatResponder(comm, shell)
         mine = [e for e in cfg.faults.events if e.die == comm.rank]
         self.rows = {e.kind: e for e in mine if e.kind in ("stuck", "dead")}
         self.is_dead = self.is_released = self.has_stalled = False
@@ -97,7 +127,7 @@ class DieHealth:
         self.has_stalled = True
         self._began("stuck")
         until = time.monotonic() + row.duration_s if row.duration_s > 0 else float("inf")
-        # Blocked: no loop, no answers. The job's end (the TE-shell's stop) unblocks it, so
+        # Blocked: no loop, no answers. The job's end (the TE-shell's or JE's stop) unblocks it, so
         # that a die stuck for good still exits (the emulator's need, not the fault's).
         while time.monotonic() < until and not self.comm.iprobe(source=SHELL, tag=TAG_STOP):
             time.sleep(min(0.05, max(until - time.monotonic(), 0.0)))
@@ -126,4 +156,4 @@ class DieHealth:
             wall_time=time.time(),
             virtual_s=self.virtual_s(),
         )
-        self.pending.append(self.comm.isend(note, dest=SHELL, tag=TAG_FAILURE_BEGAN))
+        self.pending.append(self.comm.isend(note, dest=self.shell, tag=TAG_FAILURE_BEGAN))

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 from ranks.context import RankContext
 from ranks.detector import Detector
-from ranks.die_health import is_watched
+from ranks.die_health import is_watched, watcher
 from ranks.eplb_shell import make_eplb_shell
 from ranks.memory_check import MemoryLosses
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
@@ -27,6 +27,18 @@ from xds_mpi.progress import Progress, Snapshot
 def decode_groups(topo) -> tuple[int, ...]:
     """The DP groups requests go to: the colocated dies, or the attention dies (afd)."""
     return topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+
+
+def static_placement(ctx):
+    """The expert placement without EPLB: the ring replicas' (health.replicas ring), else the
+    topology's."""
+    from xds_mpi.eplb.placement import from_topology
+    from xds_mpi.eplb.ring import ring_placement
+
+    cfg = ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
+    num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(ctx.topo, num_moe_layers)
 
 
 class Frontend:
@@ -57,7 +69,7 @@ class Frontend:
         self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/shell_failover.py)
         # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
         self.detector = None
-        if is_watched(cfg, ctx.plan):
+        if is_watched(cfg, ctx.plan) and watcher(ctx.plan) == ctx.comm.rank:  # PD: rank 1 watches
             self.detector = Detector(ctx, self.groups, self._placement)
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
@@ -182,17 +194,8 @@ class Frontend:
 
     def _placement(self):
         """The expert placement now: EPLB's when it balances, else the topology's."""
-        from xds_mpi.eplb.placement import from_topology
-
         placement = getattr(self.eplb, "placement", None)
-        if placement is not None:
-            return placement
-        from xds_mpi.eplb.ring import ring_placement
-
-        cfg = self.ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
-        num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
-        place = ring_placement if cfg.health.replicas == "ring" else from_topology
-        return place(self.ctx.topo, num_moe_layers)
+        return static_placement(self.ctx) if placement is None else placement
 
     def failure_records(self) -> list:
         """One record per stuck/dead row (and per die silent without one); [] if unwatched."""

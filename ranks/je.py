@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from ranks.frontend import Frontend
+from ranks.je_decode_loss import DecodeLossWatch
 from ranks.je_prefill_loss import PrefillWatch
 from ranks.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
 from ranks.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
@@ -40,6 +41,7 @@ class JobExecutor(Frontend):
         pd, sched = ctx.plan.pd, ctx.cfg.scheduler
         self.pd_plan, self.pd_book, self.failover = pd, PdBook(), PdFailover()
         self.watch = PrefillWatch(self)  # heartbeats to the prefill TEs' leaders (§6.1)
+        self.decode_loss = DecodeLossWatch(self)  # decode dies lost (ranks/je_decode_loss.py)
         self.router = PrefillRouter(len(pd.tes), ctx.cfg.pd.long_prompt_tokens)
         unbounded = 1 << 40
         self.balancer = LoadBalancer(
@@ -61,14 +63,15 @@ class JobExecutor(Frontend):
             self.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
             num += 1
         num += self._take_prefilled() + self._take_transfers() + self._take_failover()
-        return num + self.watch.poll()
+        return num + self.watch.poll() + self.decode_loss.poll()
 
     def _take_prefilled(self) -> int:
         num = 0
         while (msg := self.comm.improbe(tag=TAG_PD_PREFILLED)) is not None:
             task = msg.recv()
             self.router.prefilled(task.req.req_id)
-            self.pd_book.tasks[task.req.req_id] = task
+            if task.req.req_id not in self.pd_book.transfers:  # the TTFT split: the first one's
+                self.pd_book.tasks[task.req.req_id] = task
             self._route(task, is_reroute=False)
             num += 1
         return num
@@ -84,6 +87,10 @@ class JobExecutor(Frontend):
             self.balancer.on_dispatch(to, task.req)
             message = task
         self.sends.append(self.comm.isend(message, dest=to, tag=TAG_PD_TASK))
+
+    def route_again(self, task) -> None:
+        """A task whose decode die was lost before its KV moved: to another decode die."""
+        self._route(task, is_reroute=True)
 
     def _take_failover(self) -> int:
         """Faults the dies injected (for the records) and the link probers' reports: requests
@@ -113,6 +120,14 @@ class JobExecutor(Frontend):
             num += 1
         return num
 
+    def failure_records(self) -> list:
+        """One record per decode die's stuck/dead row (ranks/je_decode_loss.py)."""
+        recovery = {rank: report.recovery for rank, report in self.reports.items()}
+        return self.decode_loss.records(self.records, self.started, recovery)
+
+    def has_failed_over(self) -> bool:
+        return bool(self.decode_loss.moved) or super().has_failed_over()
+
     def _take_tokens(self) -> int:
         """A request whose first token ended it at prefill leaves its TE's load here."""
         num = super()._take_tokens()
@@ -124,7 +139,9 @@ class JobExecutor(Frontend):
         num = 0
         while (msg := self.comm.improbe(tag=TAG_PD_TRANSFER)) is not None:
             done = msg.recv()
-            self.pd_book.transfers[done.req_id] = done
+            # a request prefilled again after its decode die was lost moves its KV again:
+            # the TTFT split and the /pd group keep its first transfer
+            self.pd_book.transfers.setdefault(done.req_id, done)
             self.records[done.req_id].die_rank = done.decode_rank
             num += 1
         return num
@@ -144,6 +161,7 @@ class JobExecutor(Frontend):
         self._take_transfers()
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         prefill, shell = self.pd_plan.prefill, self.pd_plan.decode_shell
+        shell = 0 if self.decode_loss.is_watched else shell  # told first (_finish)
         send_to_each(
             self.comm,
             {p: None for p in prefill + ((shell,) if shell else ())},
@@ -152,6 +170,7 @@ class JobExecutor(Frontend):
             me="JE",
             event="stop",
         )
+        self.decode_loss.take_book()
         self.pd_book.reports = recv_from_each(
             self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
         )
@@ -159,12 +178,19 @@ class JobExecutor(Frontend):
         self._take_failover()
         self._record_failures()
 
+    def _finish(self) -> None:
+        """A decode TE-shell that pings the decode dies stops before the dies do: no ping may
+        reach a die that has closed (ranks/decode_loss.py)."""
+        self.decode_loss.stop_shell()
+        super()._finish()
+
     def _record_failures(self) -> None:
         """One FailureRecord per injected KV-path fault and per unexplained verdict."""
         times = [t for r in self.records.values() for t in r.token_times]
         roles = {info.rank: info.role for info in self.ctx.topo.ranks}
         rows, now = self.ctx.cfg.faults.events, time.time()
-        self.pd_book.failures = self.failover.records(rows, roles, times, self.started, now)
+        failures = self.failover.records(rows, roles, times, self.started, now)
+        self.pd_book.failures = self.decode_loss.explained(failures, self.started)
         for i, spec in enumerate(rows):
             if roles[spec.die] == "prefill" and spec.kind in ("dead", "stuck"):
                 began, loss = self.failover.began.get(i), self.watch.loss_of(spec.die)

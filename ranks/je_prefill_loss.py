@@ -80,13 +80,17 @@ class PrefillWatch:
     def _prefill_again(self, req_ids) -> None:
         je = self.je
         for req_id in req_ids:
-            req = je.records[req_id].req
-            je.router.prefilled(req_id)  # no-op unless it was counted somewhere
-            leader = je.pd_plan.leaders[je.router.dispatch(req_id, len(req.prompt))]
-            je.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
+            self.prefill(je.records[req_id].req)
             task = je.pd_book.tasks.get(req_id)
             loss = self.loss_of(task.prefill_rank) if task else None
             (loss or self.losses[-1]).moved.append(req_id)
+
+    def prefill(self, req) -> None:
+        """Send `req` to a live prefill TE (its leader's pool), chosen by length and load."""
+        je = self.je
+        je.router.prefilled(req.req_id)  # no-op unless it was counted somewhere
+        leader = je.pd_plan.leaders[je.router.dispatch(req.req_id, len(req.prompt))]
+        je.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
 
     def loss_of(self, die: int) -> TeLoss | None:
         return next((loss for loss in self.losses if die in loss.ranks), None)

@@ -31,6 +31,17 @@ class PdDecode:
         self.kv.drain()
         super().close()
 
+    def leave(self) -> None:
+        """A lost decode die at the job's end (ranks/decode_loss.py): what the decode TE-shell
+        and the prefill dies sent it meanwhile (tasks, pings, probes) taken too."""
+        from mpi4py import MPI
+
+        super().leave()
+        comm = self.outbox.comm
+        while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)) is not None:
+            message.recv()
+        MPI.Request.Waitall(self.kv.sends)
+
 
 class PdColocatedDie(PdDecode, ColocatedDie):
     def __init__(self, ctx: RankContext) -> None:

@@ -103,6 +103,7 @@ class KvSender:
             abort: KvAbort = msg.recv()
             resync_pair(self.p2p, abort.src, abort.dst, abort.state)
             self.resyncing = -1
+        self.failover.take_decode_lost(self)  # a decode die lost (ranks/pd_send_failover.py)
         self.sends = [r for r in self.sends if not r.Test()]
 
     def _start_next(self) -> None:

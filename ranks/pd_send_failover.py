@@ -8,6 +8,11 @@ held for that pair (none of their bytes were published, so the decode die can ca
 receive) and names them in the report, and the JE sends their tasks to another decode die,
 which pulls the KV over another pair. Sends held on a pair already down are withdrawn as they
 come ("reroute" reports). The blocks stay with the die until some decode die took the KV.
+
+A decode die lost (ranks/je_decode_loss.py, TAG_PD_DECODE_WITHDRAW): every pull from it is
+dropped (those arriving later too), every send to it cancelled (its pair is never used again, so
+cancelling mid-message is safe), and the die names the tasks it still holds to the JE
+(TAG_PD_DECODE_HELD): those of the lost die are re-routed, their KV still here.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from ranks.die_io import SHELL
 from ranks.link_probe import LinkProber, LinkReport
 from ranks.pd_channel import ChannelFaults
+from xds_mpi.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 
 
 class SendFailover:
@@ -30,6 +37,28 @@ class SendFailover:
         self.held: dict[int, tuple[object, float]] = {}  # req -> (its KvPull, held since)
         self.sends: list = []
         self.num_withdrawn = 0
+        self.lost_decode: set[int] = set()  # decode dies lost (ranks/je_decode_loss.py)
+        self.num_decode_failovers = 0  # the dies rebuilt: the world window is never freed
+
+    def take_decode_lost(self, sender) -> None:
+        """Withdraw what waits on a lost decode die; name the tasks still held to the JE."""
+        while (msg := self.comm.improbe(source=SHELL, tag=TAG_PD_DECODE_WITHDRAW)) is not None:
+            self.lost_decode.update(msg.recv())
+            self.num_decode_failovers += 1
+            self._drop_lost(sender)
+            held = tuple(sender.held)
+            self.sends.append(self.comm.isend(held, dest=SHELL, tag=TAG_PD_DECODE_HELD))
+        if self.lost_decode:
+            self._drop_lost(sender)  # pulls the lost die sent before it was lost
+
+    def _drop_lost(self, sender) -> None:
+        lost = self.lost_decode
+        sender.pulls = deque(p for p in sender.pulls if p.decode_rank not in lost)
+        for req_id in [r for r, (p, _) in self.held.items() if p.decode_rank in lost]:
+            del self.held[req_id]
+        for out in [o for o in sender.outgoing.values() if o.pull.decode_rank in lost]:
+            sender.p2p.cancel(out.handle)
+            del sender.outgoing[out.pull.req_id]
 
     def tick(self, iteration: int) -> None:
         self.channel.tick(self.comm, iteration, self.clock(), self.sends)

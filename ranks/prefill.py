@@ -239,5 +239,6 @@ class PrefillDie:
             self.heartbeat.close()
         self.sends.append(self.sender.report(self.executor.num_iterations))
         MPI.Request.Waitall(self.sends)
-        self.mem.free()
+        if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
+            self.mem.free()
         self.group.Free()

@@ -26,22 +26,14 @@ from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 
 def scale_down(frontend, loss: Loss) -> None:
     """Steps 1-3 on the TE-shell's Frontend (ranks/frontend.py); the detector records it."""
-    cfg = frontend.ctx.cfg
-    # The survivors' rebuild is no XCCL wait: a short poll timeout (faults.on_timeout
-    # recompute) does not bound it.
-    comm, timeout_s = frontend.comm, max(cfg.xccl.poll_timeout_s, release_bound_s(cfg.health))
     before = len(frontend.groups)
-    # Every watched die that is left: the DP groups, and an afd deployment's expert dies.
-    survivors = tuple(g for g in frontend.detector.groups if g not in loss.lost)
-    opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": "TE-shell", "event": "failover"}
     # With EPLB: its newest placement without the lost dies' slots, as its next version.
     eplb = frontend.eplb.scale_down(loss.lost)
     placement, version = eplb if eplb is not None else (None, 0)
     failover = Failover(lost=loss.lost, eplb_placement=placement, eplb_version=version)
-    send_to_each(comm, dict.fromkeys(survivors, failover), **opts)  # Step 1
-    opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
-    ready = recv_from_each(comm, survivors, **opts)
-    _take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
+    comm, cfg = frontend.comm, frontend.ctx.cfg
+    ready, timeout_s = rebuild(comm, cfg, frontend.detector, loss, failover=failover)  # Step 1
+    take_batches(frontend, {g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
     orphans: list[int] = []  # Step 3
     for die in loss.lost:
         if die in frontend.groups:  # a DP group (an afd expert die serves no requests)
@@ -50,9 +42,26 @@ def scale_down(frontend, loss: Loss) -> None:
     frontend.lost = frontend.lost + loss.lost
     for req_id in sorted(orphans, reverse=True):
         frontend.queue.appendleft(resumed(frontend.records[req_id]))
-    recovery = _recovery(frontend, loss, before, len(orphans), len(survivors))
+    recovery = _recovery(frontend, loss, before, len(orphans), len(ready))
     frontend.log.warning("failover: %s", recovery)
     frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))
+
+
+def rebuild(
+    comm, cfg, detector, loss: Loss, me: str = "TE-shell", failover: Failover | None = None
+) -> tuple[dict, float]:
+    """Step 1: every surviving watched die (the DP groups, an afd deployment's expert dies)
+    rebuilds without `loss.lost`; (die -> its Ready, the timeout the failover's waits use).
+    failover: the message (default: the lost dies alone, no EPLB placement)."""
+    # The survivors' rebuild is no XCCL wait: a short poll timeout (faults.on_timeout
+    # recompute) does not bound it.
+    timeout_s = max(cfg.xccl.poll_timeout_s, release_bound_s(cfg.health))
+    survivors = tuple(g for g in detector.groups if g not in loss.lost)
+    opts = {"tag": TAG_FAILOVER, "timeout_s": timeout_s, "me": me, "event": "failover"}
+    failover = Failover(lost=loss.lost) if failover is None else failover
+    send_to_each(comm, dict.fromkeys(survivors, failover), **opts)
+    opts = {**opts, "tag": TAG_FAILOVER_READY, "event": "failover ready"}
+    return recv_from_each(comm, survivors, **opts), timeout_s
 
 
 def _recovery(frontend, loss: Loss, before: int, num_orphans: int, num_left: int) -> str:
@@ -82,7 +91,8 @@ def resumed(record):
     )
 
 
-def _take_batches(frontend, expected: dict[int, int], timeout_s: float) -> None:
+def take_batches(frontend, expected: dict[int, int], timeout_s: float) -> None:
+    """Take token batches until each die's count reached `expected` (die rank -> batches)."""
     deadline = time.monotonic() + timeout_s
     while any(frontend.batches_from[g] < n for g, n in expected.items()):
         if not frontend._take_tokens():
@@ -90,6 +100,6 @@ def _take_batches(frontend, expected: dict[int, int], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             missing = {g: n - frontend.batches_from[g] for g, n in expected.items()}
             raise WaitTimeout(
-                f"TE-shell: failover: token batches still missing after {timeout_s:g} s "
-                f"(die rank -> batches): {missing}"
+                f"{type(frontend).__name__}: failover: token batches still missing after "
+                f"{timeout_s:g} s (die rank -> batches): {missing}"
             )

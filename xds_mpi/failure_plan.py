@@ -9,6 +9,7 @@ from __future__ import annotations
 from xds_mpi.config import Config, ConfigError
 from xds_mpi.config_failures import KIND_ROLES, FailureSpec
 from xds_mpi.failure_loss import check_decode_loss
+from xds_mpi.failure_plan_pd import check_decode_loss as check_pd_decode_loss
 from xds_mpi.failure_slots import afd_memory_refusal, slot_refusal
 from xds_mpi.topology import Topology
 
@@ -25,6 +26,8 @@ EMULATED: set[tuple[str, str, str]] = {
     ("memory", "expert", "afd"),  # slots with a ring replica
     ("stuck", "colocated", "colocated"),  # ranks/die_health.py, detected by ranks/detector.py
     ("dead", "colocated", "colocated"),
+    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failure_plan_pd.py)
+    ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/decode_loss.py
     ("stuck", "attention", "afd"),  # ranks/afd_health.py, afd_failover.py (_check_afd_loss)
     ("dead", "attention", "afd"),
     ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
@@ -51,6 +54,8 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
+            if cfg.pd.enabled:
+                check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
     check_decode_loss(cfg, topo)  # xds_mpi/failure_loss.py
 
 
@@ -190,12 +195,19 @@ def _check_on_timeout(cfg: Config) -> None:
 
 def _check_ring(cfg: Config, topo: Topology) -> None:
     """health.replicas=ring (xds_mpi/eplb/ring.py): each routed die's redundant slots (colocated
-    dies, or afd expert dies) take the next routed die's experts, from the start and for good;
-    with EPLB (colocated only) those slots stay put and EPLB fills the ones left over."""
-    if cfg.deployment.kind not in ("colocated", "afd") or cfg.pd.enabled:
+    dies, or afd expert dies, or a PD run's colocated decode dies) take the next routed die's
+    experts, from the start and for good; with EPLB (colocated without PD) those slots stay put
+    and EPLB fills the ones left over."""
+    kind, pd = cfg.deployment.kind, cfg.pd.enabled
+    if kind not in ("colocated", "afd") or (pd and kind != "colocated"):
         raise ConfigError(
-            "health.replicas=ring fills the redundant slots of a colocated or afd deployment "
-            f"without PD (deployment.kind {cfg.deployment.kind}, pd.enabled {cfg.pd.enabled})"
+            "health.replicas=ring fills the redundant slots of a colocated or afd deployment, "
+            f"or of a PD run's colocated decode dies (deployment.kind {kind}, pd.enabled {pd})"
+        )
+    if pd and cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring with eplb.enabled in a PD run: vertical scaling with EPLB is "
+            "emulated without PD only"
         )
     routed = [
         sum(1 for s in info.expert_slots if s.kind == "routed")

@@ -26,6 +26,11 @@ TAG_MEMORY_FAULT = 268
 TAG_FAILURE_BEGAN = 253
 # Vertical scaling (ranks/die_failover.py): the lost dies out to the survivors; each one's ready.
 TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
+# A PD decode die lost (ranks/decode_loss.py, ranks/je_decode_loss.py): the decode TE-shell tells
+# the JE (and at the end hands it its detections); the JE has every prefill die withdraw the
+# sends to the lost die and name the tasks it still holds.
+TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
+TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
 # Trace events, once per rank at the end (ranks/trace_io.py).
 TAG_TRACE = 241
 

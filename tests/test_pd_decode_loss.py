@@ -1,0 +1,191 @@
+"""A decode die lost in a PD run (xDeepServe §6.1-6.2, "P/D separate failover"): the decode
+TE-shell's heartbeats find it, its fence releases the surviving decode dies, which scale
+vertically (ring replicas); the JE re-routes the tasks whose KV was still at prefill and has the
+requests the die was decoding prefilled again; prefill never stops, and every token equals the
+reference.
+
+configs/pd.yaml: JE 0, decode TE-shell 1, colocated decode dies 2-5, prefill dies 6-7.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from harness import REPO_ROOT
+from test_decode_failover import RING, assert_detected, served
+from test_serving import check_line
+
+from xds_mpi.config import ConfigError, config_from_dict, load_config
+from xds_mpi.failure_plan import check_failures
+from xds_mpi.topology import Topology
+
+# Probes past detection and release (the survivors echo none until released); a small workload.
+PD = [
+    "health.probe_timeout_s=12",
+    "workload.num_requests=6",
+    "workload.output_len=10",
+    "workload.max_output_len=10",
+    "workload.ignore_eos=true",
+]
+SERVED = "check: 6 requests, 60 tokens, 0 mismatches"  # 6 x 10: none lost, none twice
+
+
+def lost_die(tmp_path, row: str):
+    result, run_file, records = served(tmp_path, [row], *RING, *PD, config="pd")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED, out[-3000:]
+    [record] = records  # no false verdict (heartbeat or link probe) on any other die
+    assert record.recovery.startswith("vertical scaling: 4 -> 3 decode dies"), record.describe()
+    assert record.tokens_per_s_after > 0
+    assert (run_file["requests"]["num_tokens"][()] > 0).all()
+    return record, out
+
+
+def moved(record) -> tuple[int, int]:
+    """(requests prefilled again, PD tasks re-routed), from the record's recovery."""
+    found = re.search(
+        r"(\d+) requests prefilled again through the JE, (\d+) PD tasks re-routed", record.recovery
+    )
+    assert found, record.describe()
+    return int(found[1]), int(found[2])
+
+
+def test_a_dead_decode_die_mid_run_is_scaled_away_its_requests_prefilled_again(tmp_path):
+    record, out = lost_die(tmp_path, "{kind: dead, die: 3, iteration: 3}")
+    assert_detected(record, 3, "dead")
+    assert record.injected_iteration == 3 and record.tokens_per_s_before > 0
+    # It was decoding some: their KV left prefill, they go back through the JE (any task it had
+    # not pulled yet is re-routed, its KV still at prefill).
+    prefilled, rerouted = moved(record)
+    assert prefilled >= 1 and prefilled + rerouted == len(record.requests_affected), out[-3000:]
+
+
+def test_a_decode_die_dead_at_its_first_iteration_gets_its_tasks_re_routed(tmp_path):
+    record, out = lost_die(tmp_path, "{kind: dead, die: 2, iteration: 0}")
+    assert_detected(record, 2, "dead")
+    assert record.injected_iteration == 0 and record.requests_affected
+    # It never pulled a KV: every task sent to it is re-routed, its KV still at prefill.
+    assert moved(record) == (0, len(record.requests_affected)), out[-3000:]
+
+
+BASE = {
+    "pd": {"enabled": True},
+    "deployment": {"num_prefill_dies": 2, "num_host_ranks": 2, "redundant_slots_per_die": 4},
+    "health": {"replicas": "ring", "timeout_s": 4, "probe_timeout_s": 12},
+}
+
+
+def _check(row: dict, **changes) -> None:
+    sections = {k: {**v, **changes.get(k, {})} for k, v in BASE.items()}
+    cfg = config_from_dict({**sections, "faults": {"events": [row]}})
+    check_failures(cfg, Topology.from_config(cfg))
+
+
+def test_a_dead_or_stuck_for_good_pd_decode_die_is_accepted():
+    _check({"kind": "dead", "die": 3, "iteration": 2})
+    _check({"kind": "stuck", "die": 4, "iteration": 2})
+
+
+@pytest.mark.parametrize(
+    "row, changes, reason",
+    [
+        (
+            {"kind": "stuck", "die": 3, "duration_s": 2.0},
+            {},
+            r"stuck for duration_s\(2.0\) is not emulated .* only stuck for good",
+        ),
+        ({"kind": "dead", "die": 3}, {"health": {"replicas": "none"}}, "health.replicas=ring"),
+        (
+            {"kind": "dead", "die": 3},
+            {"deployment": {"num_host_ranks": 1}},
+            r"num_host_ranks\(1\) gives the JE the decode balancing",
+        ),
+        (
+            {"kind": "dead", "die": 3},
+            {"health": {"probe_timeout_s": 5}},
+            r"probe_timeout_s\(5\) must exceed detection and release \(8.2 s",
+        ),
+    ],
+)
+def test_pd_decode_losses_that_do_not_run_are_refused(row, changes, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _check(row, **changes)
+
+
+def test_a_pd_decode_loss_with_another_fault_row_is_refused():
+    cfg = config_from_dict(
+        {
+            **BASE,
+            "faults": {
+                "events": [
+                    {"kind": "dead", "die": 3},
+                    {"kind": "saturated", "die": 4, "delay_s": 2.0},
+                ]
+            },
+        }
+    )
+    with pytest.raises(ConfigError, match=r"other fault rows \(faults.events\[1\]\)"):
+        check_failures(cfg, Topology.from_config(cfg))
+
+
+def test_a_pd_afd_decode_side_loss_stays_refused():
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd_afd.yaml", ["faults.events=[{kind: dead, die: 2}]"]
+    )
+    topo = Topology.from_config(cfg)
+    assert topo.ranks[2].role == "attention"
+    with pytest.raises(ConfigError, match="attention die of a pd deployment is not emulated"):
+        check_failures(cfg, topo)
+
+
+def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_no_verdict(
+    tmp_path,
+):
+    # Stuck inside its dispatch: never answers again, so the verdict is "dead"; the survivors
+    # waiting for it echo the prefill dies' dummies late until released, which the JE puts
+    # down to the loss ([record] in lost_die: no false saturated / link verdict).
+    record, out = lost_die(tmp_path, "{kind: stuck, die: 4, iteration: 2}")
+    assert record.kind == "stuck"
+    assert_detected(record, 4, "dead")
+    assert sum(moved(record)) == len(record.requests_affected) >= 1, out[-3000:]
+
+
+def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
+    from types import SimpleNamespace
+
+    from ranks.decode_loss import DecodeBook, DecodeLoss
+    from ranks.die_health import FaultBegan
+    from ranks.je_decode_loss import DecodeLossWatch, Moved
+    from xds_mpi.failures import FailureRecord
+
+    health = SimpleNamespace(probe_timeout_s=12)
+    watch = DecodeLossWatch.__new__(DecodeLossWatch)  # the JE's side, without a JE
+    watch.je = SimpleNamespace(ctx=SimpleNamespace(cfg=SimpleNamespace(health=health)))
+    loss = DecodeLoss(lost=(4,), batches={}, orphans=(), before=4, after=3, detected_at=105.0)
+    watch.moved = [Moved(loss=loss, handled_at=108.0)]
+    began = FaultBegan(die=4, kind="stuck", iteration=2, wall_time=103.0, virtual_s=1.0)
+    watch.book = DecodeBook(began={4: began}, detections=[])
+
+    def verdict(die: int, at: float, kind: str = "none") -> FailureRecord:
+        return FailureRecord(
+            kind=kind,
+            die=die,
+            role="colocated",
+            injected_iteration=-1,
+            injected_wall_s=-1.0,
+            injected_virtual_s=-1.0,
+            detected_wall_s=at,
+        )
+
+    # started at 100: the fault at 3 s, requests moved at 8 s, probes time out 12 s later.
+    late_echo, lost_pair, after, before = (
+        verdict(2, 9.0),
+        verdict(4, 50.0),
+        verdict(5, 21.0),
+        verdict(5, 2.0),
+    )
+    row = verdict(3, 9.0, kind="saturated")  # an injected row's record is always kept
+    kept = watch.explained([late_echo, lost_pair, after, before, row], started=100.0)
+    assert kept == [after, before, row]
