@@ -207,7 +207,6 @@ class Recovery:
         if max_retries < 0:
             raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
-            self._waiting = None
             fault, result = self._attempt(attempt, k, buffers)
             outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
             if not outcome.failed:

@@ -4,9 +4,8 @@ words, and what every die reads back from all of them.
 Per die: notified, has fault, fault die, op index, event id, code, peer, then what the die was
 waiting for when its attempt ended (waiting die, peer, since in microseconds of time.time(); -1:
 not waiting), when its wait timed out (us of time.time(), -1: it did not), then the publication
-states. An injected fault carries its error code (> 0,
-faults.table) and no peer; a wait that timed out (xccl.errors.PeerTimeout) carries TIMEOUT_CODE
-and the first peer it waited for.
+states. An injected fault carries its error code (> 0, faults.table) and no peer; a wait that
+timed out (xccl.errors.PeerTimeout) carries TIMEOUT_CODE and the first peer it waited for.
 
 Whom a timeout blames: the die that timed out may have waited for a die that itself waited (an
 expert die for a trampoline that waits for a stalled attention die; the others leave their waits
