@@ -92,8 +92,9 @@ def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def print_paper(args: argparse.Namespace) -> int:
-    from xds_mpi.paper_table import calibration_table, validation_table
+    from xds_mpi.paper_table import MISS, calibration_table, validation_table
 
+    table = validation_table(args.profile)
     rows = [
         [
             r.source,
@@ -103,13 +104,18 @@ def print_paper(args: argparse.Namespace) -> int:
             f"{r.projected:.1f}",
             f"{r.error:+.0%}",
         ]
-        for r in validation_table(args.profile)
+        for r in table
     ]
     print(
-        f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}; why rows "
-        "miss: docs/design.md §5b"
+        f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}; what is "
+        "not modelled: docs/design.md §5b"
     )
     print(format_table(["source", "conditions", "metric", "published", "projected", "error"], rows))
+    misses = [r for r in table if r.why]
+    if misses:
+        print(f"\nRows outside +-{MISS:.0%}, what the model's value is made of:")
+        for r in misses:
+            print(f"  {r.source} {r.metric} ({r.error:+.0%}): {r.why}")
     fit = calibration_table(args.profile)
     print(
         f"\nCALIBRATION: [001] Table 7 fit, dispatch/combine at 128 tokens per rank: "

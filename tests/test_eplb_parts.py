@@ -66,7 +66,7 @@ def test_an_impossible_skew_is_refused_with_the_numbers():
 
 
 def test_skew_slices_drift_but_keep_the_shape():
-    slices = skew_slices(64, Skew(hottest_over_mean=8.0, num_slices=3, drift=0.1, seed=1))
+    slices = skew_slices(64, Skew(hottest_over_mean=8.0, num_slices=3, drift_sigma=0.3, seed=1))
     assert slices.shape == (4, 64)
     assert all(np.allclose(np.sort(s), np.sort(slices[0])) for s in slices)
     assert not np.array_equal(slices[0], slices[-1])

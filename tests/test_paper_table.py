@@ -44,7 +44,9 @@ def _recompute(pub, hw: Hardware) -> float:
     cfg = load_config(REPO_ROOT / "configs" / f"{s.config}.yaml", list(s.overrides))
     groups = cfg.deployment.num_dp_domains * cfg.deployment.dp_groups_per_domain
     imbalance = Imbalance(
-        moe=from_skew(cfg, BIG, hottest=s.skew[0], share=s.skew[1]) if s.skew else 1.0,
+        moe=from_skew(cfg, BIG, hottest=s.skew[0], share=s.skew[1], drift_sigma=s.drift_sigma)
+        if s.skew
+        else 1.0,
         kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
     )
     p = project(
@@ -80,6 +82,29 @@ def test_every_projected_value_is_the_cost_models():
     ]
     for row, pub in zip(table, VALIDATION, strict=True):
         assert row.projected == pytest.approx(_recompute(pub, hw), rel=1e-9), row
+
+
+def test_rows_that_miss_carry_what_the_model_made_them_of():
+    """A row outside MISS carries `why_text` of its own scenario's projection (the model's parts
+    and the imbalance it was priced at); a row within carries none."""
+    from xds_mpi.paper_table import MISS, scenario_inputs, scenario_projection, why_text
+
+    for row, pub in zip(validation_table(), VALIDATION, strict=True):
+        if abs(row.error) <= MISS:
+            assert row.why == ""
+            continue
+        _, _, _, kwargs = scenario_inputs(pub.scenario)
+        p = scenario_projection(pub.scenario)
+        assert row.why == why_text(p, pub.metric, kwargs["imbalance"])
+        assert f"{kwargs['imbalance'].moe:.2f}x" in row.why
+
+
+def test_the_drift_the_skewed_scenarios_use_is_the_measured_one():
+    """No scenario carries a drift of its own: the papers' benchmarks are fixed sets of
+    requests, priced at the drift measured on the checkpoint for that case."""
+    from xds_mpi.paper_data import DRIFT_SAME_REQUESTS
+
+    assert all(s.drift_sigma == DRIFT_SAME_REQUESTS for s in SCENARIOS.values() if s.skew)
 
 
 def test_the_table_moves_with_the_hardware_not_with_the_published_numbers():

@@ -41,9 +41,10 @@ def kv_straggler(*, batch: int, spread: float, groups: int) -> float:
     return 1.0 + expected_max_z(groups) * spread / math.sqrt(3.0 * batch)
 
 
-def from_skew(cfg, m, *, hottest: float, share: float, seed: int = 0) -> float:
+def from_skew(cfg, m, *, hottest: float, share: float, drift_sigma: float, seed: int = 0) -> float:
     """Max / mean routed-die load of a Figure-11a skew after FlowServe's EPLB, the placement
-    computed from earlier slices and priced on the next (as xds_mpi/eplb/pod.py compares)."""
+    computed from earlier slices and priced on the next, the loads drifting by `drift_sigma`
+    per slice (as xds_mpi/eplb/pod.py compares)."""
     from xds_mpi.config_eplb import budget
     from xds_mpi.eplb.placement import from_topology
     from xds_mpi.eplb.pod import Skew, die_loads, skew_slices
@@ -52,7 +53,9 @@ def from_skew(cfg, m, *, hottest: float, share: float, seed: int = 0) -> float:
 
     topo = Topology.from_config(cfg)
     static = from_topology(topo, 1)
-    skew = Skew(hottest_over_mean=hottest, share_above_mean=share, seed=seed)
+    skew = Skew(
+        hottest_over_mean=hottest, share_above_mean=share, drift_sigma=drift_sigma, seed=seed
+    )
     slices = skew_slices(m.num_routed_experts, skew)
     routed = len({d for d, e in zip(static.slot_die, static.phy2log[0]) if e >= 0})
     placement = rebalance(

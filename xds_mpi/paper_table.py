@@ -18,10 +18,38 @@ class Row:
     unit: str
     published: float
     projected: float
+    why: str = ""  # rows outside MISS: what the projected value is made of (`why_text`)
 
     @property
     def error(self) -> float:
         return self.projected / self.published - 1.0
+
+
+MISS = 0.15  # a row further off than this gets its reason printed beside it
+
+SHARE_PARTS = {"share attention": ("attention",), "share dispatch+combine": ("dispatch", "combine")}
+ITERATION_METRICS = ("iteration", "tpot", "tokens/s/chip", "tokens/s/die")
+
+
+def why_text(p, metric: str, imbalance, *, top: int = 3) -> str:
+    """What the model's value of `metric` is made of, from the projection itself: the largest
+    parts (share of the value, or of the forward time for the iteration metrics and the
+    shares) and the imbalance it was priced at, with its source. A reader sees which modelled
+    term carries the value and what it rests on."""
+    if metric in ITERATION_METRICS or metric in SHARE_PARTS:
+        parts = p.breakdown_s
+    else:
+        parts = p.parts_s.get(metric, {metric: p.primitives_s.get(metric, 0.0)})
+    total = sum(parts.values()) or 1.0
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])[:top]
+    made_of = ", ".join(f"{k} {v / total:.0%}" for k, v in largest)
+    if metric in SHARE_PARTS:
+        mine = sum(parts[k] for k in SHARE_PARTS[metric])
+        made_of = f"{' + '.join(SHARE_PARTS[metric])} {mine * 1e3:.1f} ms; largest: {made_of}"
+    return (
+        f"{made_of}; priced at hottest expert die {imbalance.moe:.2f}x, KV {imbalance.kv:.2f}x, "
+        f"batch {imbalance.batch:.2f}x the mean ({imbalance.source})"
+    )
 
 
 @cache
@@ -47,8 +75,9 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
     else:
         hottest, share = s.skew
         imbalance = Imbalance(
-            moe=from_skew(cfg, m, hottest=hottest, share=share), kv=kv,
-            source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB",
+            moe=from_skew(cfg, m, hottest=hottest, share=share, drift_sigma=s.drift_sigma),
+            kv=kv, source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB, drift "
+            f"{s.drift_sigma:g} per slice",
         )  # fmt: skip
     kwargs = dict(
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
@@ -91,6 +120,7 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
         value = metric_value(
             p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip, bubble_s=hw.bubble_s
         )
+        off = abs(value / pub.value - 1) > MISS
         rows.append(
             Row(
                 source=pub.source,
@@ -99,6 +129,7 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
                 unit=pub.unit,
                 published=pub.value,
                 projected=value,
+                why=why_text(p, pub.metric, kwargs["imbalance"]) if off else "",
             )
         )
     return rows

@@ -26,6 +26,7 @@ class Projection:
     tokens_per_s_per_chip: float
     breakdown_s: dict = field(default_factory=dict)  # operation -> seconds per iteration
     primitives_s: dict = field(default_factory=dict)  # one call of each primitive (one layer)
+    parts_s: dict = field(default_factory=dict)  # primitive -> {its parts: seconds} (one layer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,13 +75,14 @@ def project(
     tokens_per_step = 1 + mtp_depth * accept_rate
     num_chips = n["dies"] / cfg.hardware.dies_per_chip
     tokens = batch_per_die * n["attention"] * tokens_per_step
-    _, primitives = layer(LayerInputs(**inputs, rows_per_seq=1 + mtp_depth))
+    _, primitives, parts = layer(LayerInputs(**inputs, rows_per_seq=1 + mtp_depth))
     return Projection(
         iteration_s=iteration,
         tpot_s=iteration / tokens_per_step,
         tokens_per_s_per_chip=tokens / iteration / num_chips,
         breakdown_s=spent,
         primitives_s=primitives,
+        parts_s=parts,
     )
 
 
@@ -97,7 +99,7 @@ def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> di
         ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
     ):
         rows = batch * rows_per_seq
-        parts, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
+        parts, _, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
         for name, seconds in parts.items():
             spent[name] = spent.get(name, 0.0) + seconds * num_moe
         dense = (

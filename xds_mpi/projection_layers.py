@@ -85,7 +85,7 @@ def _routed(cost: CostModel, n: dict, tokens: float, imb: Imbalance | None) -> t
     return per_die, cost.routed(per_die, experts_per_die)
 
 
-def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
+def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
     cfg, n, mb = x.cfg, x.n, x.microbatches
     m, dedicated = x.cost.m, cfg.deployment.shared_experts == "dedicated"
     s0 = _share(x.cost, ATTENTION_STREAM) if mb > 1 else x.cost
@@ -117,7 +117,9 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict]:
     primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
     if mb > 1:
         primitives["stream"] = max(stream0, stream1)
-    return {k: v * scale for k, v in parts.items()}, primitives
+    scaled = {k: v * scale for k, v in parts.items()}
+    details = {"layer": scaled, "stream": {"attention stream": stream0, "MoE stream": stream1}}
+    return scaled, primitives, details
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +171,7 @@ class AfdHops:
         )
 
 
-def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
+def afd_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
     cfg, n, cost = x.cfg, x.n, x.cost
     dep = cfg.deployment
     micro = dep.num_microbatches
@@ -178,9 +180,11 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
     rows_max, experts_max = _routed(cost, n, tokens, x.imbalance)
     if n["shared_dies"]:  # dedicated shared-expert dies
-        moe = max(experts_max, cost.experts([tokens / n["shared_dies"]]))
+        shared = cost.experts([tokens / n["shared_dies"]])
+        moe = max(experts_max, shared)
     else:  # every expert die runs the shared expert on its share of the tokens
-        moe = experts_max + cost.experts([tokens / n["expert_dies"]])
+        shared = cost.experts([tokens / n["expert_dies"]])
+        moe = experts_max + shared
     hops = AfdHops.of(cfg, n)
     a2e = hops.a2e(cost, mb_rows, expert_rows=rows_max, int8=cfg.xccl.use_int8)
     e2a = hops.e2a(cost, mb_rows)
@@ -189,6 +193,19 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict]:
     layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
     parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
     scale = layer / sum(parts.values())
-    side = attention + hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
+    a2e_first = hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
+    side = attention + a2e_first
     primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
-    return {k: v * scale for k, v in parts.items()}, primitives
+    prolog = cost.mla_prolog(round(batch * x.imbalance.batch) * x.rows_per_seq)
+    e2a_last = cost.combine(mb_rows, peers=hops.trampolines)
+    details = {
+        "attention side": {
+            "MLAProlog": prolog, "attention": attention - prolog - cost.gate(mb_rows),
+            "gate": cost.gate(mb_rows), "A2E stage 1": a2e_first,
+        },
+        "A2E": {"stage 1": a2e_first, "stage 2 (trampolines)": a2e - a2e_first},
+        "E2A": {"stage 1 (to trampolines)": e2a - e2a_last, "stage 2": e2a_last},
+        "MoE": {"routed experts, hottest die": experts_max, "shared expert": shared},
+        "layer": {k: v * scale for k, v in parts.items()},
+    }  # fmt: skip
+    return {k: v * scale for k, v in parts.items()}, primitives, details

@@ -19,6 +19,7 @@ from xds_mpi.config_eplb import budget
 from xds_mpi.cost import CostModel, Hardware
 from xds_mpi.eplb.placement import Placement, from_topology
 from xds_mpi.eplb.policy import max_over_mean, rebalance
+from xds_mpi.paper_data import DRIFT_SAME_REQUESTS
 from xds_mpi.projection import project
 from xds_mpi.topology import Topology
 
@@ -27,12 +28,15 @@ from xds_mpi.topology import Topology
 class Skew:
     """Figure 11a's shape: the hottest expert `hottest_over_mean` x the mean, a share
     `share_above_mean` of experts above the mean. Across `num_slices` time slices (plus one to
-    evaluate on), `drift` of the experts swap places per slice; `seed` fixes the draw."""
+    evaluate on) each expert's log load moves by `drift_sigma` x a normal draw per slice and the
+    experts take Figure 11a's loads again in their new order, so every slice keeps the published
+    shape; the default is the drift measured on the trained checkpoint for a fixed set of requests
+    (xds_mpi/paper_data.py DRIFT_SAME_REQUESTS, xds_mpi/eplb/drift.py). `seed` fixes the draw."""
 
     hottest_over_mean: float = 30.0
     share_above_mean: float = 0.2
     num_slices: int = 4
-    drift: float = 0.05
+    drift_sigma: float = DRIFT_SAME_REQUESTS
     seed: int = 0
 
 
@@ -58,19 +62,18 @@ def skew_loads(num_experts: int, skew: Skew) -> np.ndarray:
 
 
 def skew_slices(num_experts: int, skew: Skew) -> np.ndarray:
-    """[num_slices + 1, num_experts] loads (mean 1 in each slice); the hot experts move a little
-    from one slice to the next (`drift`)."""
+    """[num_slices + 1, num_experts] loads (mean 1 in each slice, each slice Figure 11a's loads
+    in some order); the experts change ranks from one slice to the next by `drift_sigma`."""
     rng = np.random.default_rng(skew.seed)
-    loads = skew_loads(num_experts, skew)
-    order = rng.permutation(num_experts)  # order[r]: the expert at rank r
-    slices = []
-    for _ in range(skew.num_slices + 1):
+    loads = skew_loads(num_experts, skew)  # descending
+    row = np.empty(num_experts)
+    row[rng.permutation(num_experts)] = loads
+    slices = [row]
+    for _ in range(skew.num_slices):
+        key = np.log(slices[-1]) + skew.drift_sigma * rng.standard_normal(num_experts)
         row = np.empty(num_experts)
-        row[order] = loads
+        row[np.argsort(-key, kind="stable")] = loads  # the largest key takes the hottest load
         slices.append(row)
-        for _ in range(round(skew.drift * num_experts)):
-            i, j = rng.integers(num_experts, size=2)
-            order[i], order[j] = order[j], order[i]
     return np.stack(slices)
 
 
