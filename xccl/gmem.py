@@ -143,7 +143,7 @@ class DieMemory:
     # -- data -----------------------------------------------------------------------------------
     def put(self, peer: int, offset: int, data: np.ndarray) -> None:
         """Write `data` (any contiguous array) at `offset` of `peer`'s window; complete on flush."""
-        raw = _as_bytes(data)
+        raw = as_bytes(data)
         self.check(peer, offset, raw.nbytes, "put")
         self._count(peer, raw.nbytes)
         view = self.views[peer]
@@ -154,7 +154,7 @@ class DieMemory:
 
     def get(self, peer: int, offset: int, out: np.ndarray) -> None:
         """Read into `out` (contiguous) from `peer`'s window; valid after `flush(peer)`."""
-        raw = _as_bytes(out)
+        raw = as_bytes(out)
         self.check(peer, offset, raw.nbytes, "get")
         self._count(peer, raw.nbytes)
         view = self.views[peer]
@@ -226,6 +226,28 @@ class DieMemory:
         self._win.Sync()
         return int(self.words[offset // WORD.itemsize])
 
+    # -- settled once, for places a protocol writes and polls again and again -------------------
+    def region(self, peer: int, offset: int, nbytes: int) -> np.ndarray | None:
+        """`peer`'s window bytes [offset, offset + nbytes) as a uint8 array for plain loads and
+        stores, bounds checked here once; None when `peer` is reached by RMA (use put / get)."""
+        self.check(peer, offset, nbytes, "region")
+        view = self.views[peer]
+        return None if view is None else view[offset : offset + nbytes]
+
+    def word_loader(self, offset: int, writer: int) -> Callable[[], int]:
+        """`load_word(offset, writer)` for a word polled again and again: the bounds check and
+        the idiom (a far writer is polled through MPI) are settled here once."""
+        self.check(self.rank, offset, WORD.itemsize, "load_word")
+        if self._poll_by_rma[writer]:
+            return lambda: self.load_word(offset, writer)
+        words, index, sync = self.words, offset // WORD.itemsize, self._win.Sync
+
+        def load() -> int:
+            sync()
+            return int(words[index])
+
+        return load
+
     def describe_paths(self) -> str:
         """Which path reaches which peer, e.g. 'load/store to ranks [0, 1], rma to ranks [2]'."""
         return describe_paths(self.views)
@@ -254,7 +276,7 @@ class DieMemory:
         self.words, self.floats = self.local.view(WORD), self.local.view(np.float64)
 
 
-def _as_bytes(array: np.ndarray) -> np.ndarray:
+def as_bytes(array: np.ndarray) -> np.ndarray:
     """The bytes of a contiguous array, as a flat uint8 view (no copy)."""
     if array.dtype == np.uint8 and array.ndim == 1:
         return array
@@ -273,7 +295,10 @@ def poll_until(
     """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
+    A condition that holds at the first try is no wait: it returns before any of the set-up.
     """
+    if ready():
+        return
     with waiting():
         while not ready():
             if interrupt is not None:

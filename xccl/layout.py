@@ -30,8 +30,6 @@ from xccl.errors import OutOfWindow, UnknownPeer
 # One metadata record (its fields: xccl/records.py): 8 words, the doorbell first.
 RECORD_BYTES = 64
 RECORDS_PER_PAIR = 2
-# Below this many bytes per core a transfer is not split further (AIV cores move whole blocks).
-MIN_CORE_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -149,12 +147,3 @@ class P2PLayout:
 def all_pairs(ranks: Iterable[int]) -> frozenset[tuple[int, int]]:
     ranks = list(ranks)
     return frozenset((s, d) for s in ranks for d in ranks)
-
-
-def core_runs(length: int, parts: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges splitting `length` bytes into at most `parts` near-equal 8-aligned runs,
-    one per AIV core writing them."""
-    if length == 0:
-        return []
-    step = max(MIN_CORE_BYTES, (-(-length // parts) + 7) // 8 * 8)
-    return [(lo, min(lo + step, length)) for lo in range(0, length, step)]

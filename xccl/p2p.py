@@ -44,12 +44,12 @@ import numpy as np
 from xccl import records
 from xccl.errors import BufferTooSmall, UnknownPeer
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
-from xccl.gmem import DieMemory
-from xccl.layout import RECORDS_PER_PAIR, P2PLayout, core_runs
+from xccl.gmem import DieMemory, as_bytes
+from xccl.layout import RECORDS_PER_PAIR, P2PLayout
+from xccl.p2p_lanes import RecvLane, SendLane
 from xccl.p2p_ops import Handle, Op, OpQueues, Transfer
 from xccl.p2p_recv import RingReceiver
 from xccl.p2p_time import P2PTimes
-from xccl.records import P2P_RECORD, RecordAt
 from xccl.vclock import LinkModel, Path, VirtualClock
 
 # Publications a sender may have unacknowledged per pair: the receiver copies one out while the
@@ -87,7 +87,9 @@ class P2P(RingReceiver):
         self._consumed = {}  # src -> publications consumed
         self._rtail = {}  # src -> slots consumed
         self._ops = OpQueues()
-        self._body = np.zeros(1, P2P_RECORD)
+        self._send_lanes: dict[int, SendLane] = {}  # dst -> this end of the pair, built once
+        self._recv_lanes: dict[int, RecvLane] = {}  # src -> this end of the pair, built once
+        self._max_pub_slots = max(1, layout.ring_slots // MAX_IN_FLIGHT)
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 
@@ -101,7 +103,7 @@ class P2P(RingReceiver):
     ) -> Handle:
         """Start sending `data` (any contiguous array; its bytes are sent) to `dst`.
         The caller must not change `data` until the handle completes."""
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        raw = as_bytes(np.ascontiguousarray(data))
         op = Op("send", dst, event_id, raw.nbytes)
         self._check_pair(op, self.me, dst)
         op.steps = self._send_steps(op, raw, num_cores or self.num_cores)
@@ -110,7 +112,7 @@ class P2P(RingReceiver):
 
     def irecv(self, out: np.ndarray, src: int, event_id: int) -> Handle:
         """Start receiving from `src` into `out` (contiguous; its first nbytes are written)."""
-        raw = out.reshape(-1).view(np.uint8)
+        raw = as_bytes(out)
         op = Op("recv", src, event_id, raw.nbytes)
         self._check_pair(op, src, self.me)
         op.steps = self._recv_steps(op, raw)
@@ -192,87 +194,87 @@ class P2P(RingReceiver):
                 self.describe(op, f"the deployment declares no ring for rank {src} -> rank {dst}")
             )
 
+    def _send_lane(self, dst: int) -> SendLane:
+        lane = self._send_lanes.get(dst)
+        if lane is None:
+            lane = self._send_lanes[dst] = SendLane.build(self.mem, self.layout, self.me, dst)
+        return lane
+
     def _send_steps(self, op: Op, data: np.ndarray, num_cores: int):
-        dst, ack = op.peer, self.layout.ack_offset(self.me, op.peer)
+        lane = self._send_lane(op.peer)
         sent = chunk_id = publications = 0
         in_flight: deque[tuple[int, int]] = deque()  # (publication number, tail after it)
-        acked_tail = self._tail.get(dst, 0)
+        acked_tail = self._tail.get(op.peer, 0)
         while True:
-            acked_tail = yield from self._wait_for_room(
-                dst, ack, in_flight, acked_tail, has_bytes_left=sent < data.nbytes
-            )
-            # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots,
-            # split over `num_cores` parallel writes (one per AIV core).
-            nbytes = self._put_slots(dst, data, sent, acked_tail, num_cores)
+            if self._is_blocked(lane, in_flight, acked_tail, has_bytes_left=sent < data.nbytes):
+                acked_tail = yield from self._wait_for_room(lane, in_flight, acked_tail)
+            # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots.
+            # The record carries `num_cores` (the AIV cores that write in parallel), and the
+            # virtual clock prices the split; the emulator writes each contiguous run at once.
+            nbytes = self._put_slots(lane, data, sent, acked_tail, num_cores)
             if self.fault_hook is not None and sent + nbytes >= data.nbytes:
                 # The message's last publication: its bytes are on the way, its record is not.
                 self.fault_hook("p2p_send", op.event_id)
             # Step 3: advance the receiver's tail pointer: record body, flush, then the doorbell.
-            in_flight.append(self._publish(op, data.nbytes, nbytes, chunk_id, num_cores))
+            in_flight.append(self._publish(lane, op, data.nbytes, nbytes, chunk_id, num_cores))
             sent += nbytes
             chunk_id += -(-nbytes // self.layout.slot_bytes)
             publications += 1
             if sent >= data.nbytes:
                 break
         # Step 4 / 8: poll our metadata for the receiver's acks; the last one completes the send.
-        while in_flight:
-            acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
-            if in_flight:
-                yield f"the ack of publication {in_flight[-1][0]} (tail {in_flight[-1][1]})"
+        while True:
+            acked_tail = self._take_acks(lane, in_flight, acked_tail)
+            if not in_flight:
+                break
+            yield ("the ack of publication {} (tail {})", *in_flight[-1])
         return Transfer(
-            peer=dst,
+            peer=op.peer,
             event_id=op.event_id,
             nbytes=data.nbytes,
             num_publications=publications,
             vtime_ns=self.clock.now_ns,
         )
 
-    def _wait_for_room(
-        self, dst: int, ack: int, in_flight: deque, acked_tail: int, *, has_bytes_left: bool
-    ):
-        """Flow control: at most MAX_IN_FLIGHT publications unacknowledged, slots to write into.
-        Yields while blocked; returns the tail up to which the ring is free."""
-        ring_slots = self.layout.ring_slots
+    def _is_blocked(
+        self, lane: SendLane, in_flight: deque, acked_tail: int, *, has_bytes_left: bool
+    ) -> bool:
+        """Flow control: at most MAX_IN_FLIGHT publications unacknowledged, slots to write into."""
+        return len(in_flight) == MAX_IN_FLIGHT or (
+            has_bytes_left and self._tail.get(lane.dst, 0) - acked_tail == self.layout.ring_slots
+        )
 
-        def is_blocked() -> bool:
-            return len(in_flight) == MAX_IN_FLIGHT or (
-                has_bytes_left and self._tail.get(dst, 0) - acked_tail == ring_slots
-            )
-
-        while is_blocked():
-            acked_tail = self._take_acks(dst, ack, in_flight, acked_tail)
-            if in_flight and is_blocked():
-                yield f"the ack of publication {in_flight[0][0]} (ring full)"
-        return acked_tail
+    def _wait_for_room(self, lane: SendLane, in_flight: deque, acked_tail: int):
+        """Yields while blocked (_is_blocked); returns the tail up to which the ring is free."""
+        while True:
+            acked_tail = self._take_acks(lane, in_flight, acked_tail)
+            if not in_flight or not self._is_blocked(
+                lane, in_flight, acked_tail, has_bytes_left=True
+            ):
+                return acked_tail
+            yield ("the ack of publication {} (ring full)", in_flight[0][0])
 
     def _put_slots(
-        self, dst: int, data: np.ndarray, sent: int, acked_tail: int, num_cores: int
+        self, lane: SendLane, data: np.ndarray, sent: int, acked_tail: int, num_cores: int
     ) -> int:
-        """Put the next publication's bytes (at most the free slots, at most 1/MAX_IN_FLIGHT of
-        the ring) from data[sent:] into dst's ring; returns how many."""
-        layout, ring = self.layout, self.layout.ring_offset(self.me, dst)
-        tail = self._tail.get(dst, 0)
-        max_pub_slots = max(1, layout.ring_slots // MAX_IN_FLIGHT)
-        free_slots = min(layout.ring_slots - (tail - acked_tail), max_pub_slots)
+        """Write the next publication's bytes (at most the free slots, at most 1/MAX_IN_FLIGHT of
+        the ring) from data[sent:] into the receiver's ring; returns how many."""
+        layout, tail = self.layout, self._tail.get(lane.dst, 0)
+        free_slots = min(layout.ring_slots - (tail - acked_tail), self._max_pub_slots)
         nbytes = min(data.nbytes - sent, free_slots * layout.slot_bytes)
         for ring_pos, msg_pos, length in layout.slot_runs(tail, nbytes):
-            base = sent + msg_pos
-            for lo, hi in core_runs(length, num_cores):
-                self.mem.put(dst, ring + ring_pos + lo, data[base + lo : base + hi])
+            lane.write(ring_pos, data[sent + msg_pos : sent + msg_pos + length])
         return nbytes
 
     def _publish(
-        self, op: Op, msg_bytes: int, nbytes: int, chunk_id: int, num_cores: int
+        self, lane: SendLane, op: Op, msg_bytes: int, nbytes: int, chunk_id: int, num_cores: int
     ) -> tuple[int, int]:
         """Write the record of a publication of `nbytes`; returns (its number, tail after it)."""
-        dst = op.peer
+        dst = lane.dst
         tail = self._tail[dst] = self._tail.get(dst, 0) + -(-nbytes // self.layout.slot_bytes)
         seq = self._published[dst] = self._published.get(dst, 0) + 1
-        body = self._body  # publish reads it before returning, so one serves every record
-        # One assignment in P2P_RECORD's field order: doorbell (written last, by publish),
-        # event_id, chunk_id, tail, vtime_ns, msg_bytes, pub_bytes, num_cores, is_dma.
-        body[0] = (
-            0,
+        # P2P_RECORD's fields after the doorbell (rung last, by publish), in order.
+        body = (
             op.event_id,
             chunk_id,
             tail,
@@ -282,14 +284,15 @@ class P2P(RingReceiver):
             num_cores,
             self.path == "dma",
         )
-        target = RecordAt(dst, self.layout.record_offset(self.me, dst, seq))
-        records.publish(self.mem, [target], body, seq)
+        lane.records[seq % RECORDS_PER_PAIR].publish(body, seq)
         return seq, tail
 
-    def _take_acks(self, dst: int, ack: int, in_flight: deque, acked_tail: int) -> int:
+    def _take_acks(self, lane: SendLane, in_flight: deque, acked_tail: int) -> int:
         """Retire acknowledged publications; returns the tail up to which the ring is free."""
-        word = self.mem.load_word(ack, dst)
+        if not in_flight:
+            return acked_tail
+        word = lane.load_ack()
         while in_flight and records.ack_covers(word, in_flight[0][0]):
             _, acked_tail = in_flight.popleft()
-            self.times.ack_lands(dst, records.ack_time_ns(word))
+            self.times.ack_lands(lane.dst, records.ack_time_ns(word))
         return acked_tail

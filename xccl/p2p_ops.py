@@ -37,13 +37,16 @@ class Transfer:
 
 
 class Op:
-    """One send or receive: its protocol steps (a generator yielding what it waits for) and,
-    once done, its result or error."""
+    """One send or receive: its protocol steps and, once done, its result or error.
+
+    The steps are a generator that yields what it waits for as a format string and its
+    arguments (`waiting_for`), formatted only when a message needs it: a wait turn then costs
+    no string formatting."""
 
     def __init__(self, kind: str, peer: int, event_id: int, nbytes: int) -> None:
         self.kind, self.peer, self.event_id, self.nbytes = kind, peer, event_id, nbytes
-        self.steps: Generator[str, None, Transfer] | None = None
-        self.waiting_for = "its turn on the pair"
+        self.steps: Generator[tuple, None, Transfer] | None = None
+        self.waiting_for: tuple = ("its turn on the pair",)
         self.result: Transfer | None = None
         self.error: BaseException | None = None
 
@@ -53,7 +56,8 @@ class Op:
 
     def describe(self, me: int, what: str) -> str:
         arrow = "to" if self.kind == "send" else "from"
-        waiting = f", waiting for {self.waiting_for}" if self.steps is not None else ""
+        template, *args = self.waiting_for
+        waiting = f", waiting for {template.format(*args)}" if self.steps is not None else ""
         return (
             f"die rank {me}: {self.kind} of {self.nbytes} B {arrow} rank {self.peer}, event "
             f"{self.event_id}: {what}{waiting}"

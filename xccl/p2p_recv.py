@@ -9,18 +9,16 @@ here (the restart rule in xccl/p2p.py moves them).
 
 from __future__ import annotations
 
-from collections.abc import Generator
-
 import numpy as np
 
 from xccl import records
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook
 from xccl.gmem import DieMemory
-from xccl.layout import P2PLayout
+from xccl.layout import RECORDS_PER_PAIR, P2PLayout
+from xccl.p2p_lanes import RecvLane
 from xccl.p2p_ops import Op, Transfer
 from xccl.p2p_time import P2PTimes
-from xccl.records import P2P_RECORD, Expected, RecordAt
 
 
 class RingReceiver:
@@ -33,20 +31,43 @@ class RingReceiver:
     fault_hook: FaultHook | None
     _consumed: dict[int, int]  # src -> publications consumed
     _rtail: dict[int, int]  # src -> slots consumed
+    _recv_lanes: dict[int, RecvLane]  # src -> this end of the pair, built once
+
+    def _recv_lane(self, src: int) -> RecvLane:
+        lane = self._recv_lanes.get(src)
+        if lane is None:
+            lane = self._recv_lanes[src] = RecvLane.build(self.mem, self.layout, src, self.me)
+        return lane
 
     def _recv_steps(self, op: Op, out: np.ndarray):
+        lane = self._recv_lane(op.peer)
         received = expected_chunk = publications = 0
         total = None
         while total is None or received < total:
             # Step 5 (Fig. 4): poll our metadata until the sender's next record is published.
-            seq, body = yield from self._next_record(op)
-            self._check_record(op, body, expected_chunk, out.nbytes if total is None else None)
-            total, nbytes = int(body["msg_bytes"]), int(body["pub_bytes"])
+            seq = self._consumed.get(lane.src, 0) + 1
+            record = lane.records[seq % RECORDS_PER_PAIR]
+            while not record.has_rung(seq):
+                yield ("record {} from rank {}", seq, lane.src)
+            # P2P_RECORD's fields in order (p2p_lanes.P2P_FIELDS).
+            _, _, chunk_id, tail, vtime_ns, msg_bytes, nbytes, num_cores, is_dma = record.read(
+                "receive", op.event_id, f"publication {seq}"
+            )
+            self._check_record(
+                op, chunk_id, msg_bytes, expected_chunk, out.nbytes if total is None else None
+            )
+            total = msg_bytes
             if self.fault_hook is not None and received + nbytes >= total:
                 # The last publication arrived; the sender waits for its ack.
                 self.fault_hook("p2p_recv", op.event_id)
-            # Step 6-7: copy the slots out, then acknowledge (_consume).
-            self._consume(op, out, received, seq, body)
+            # Step 6: copy the slots out of the managed area into the caller's buffer.
+            self._copy_slots(lane, op, out, received, nbytes, tail)
+            self._consumed[lane.src] = seq
+            self.times.publication_lands(
+                lane.src, vtime_ns, nbytes, num_cores=num_cores, is_dma=bool(is_dma)
+            )
+            # Step 7: acknowledge in the sender's metadata (frees those slots for the next fill).
+            lane.acknowledge(records.ack_word(seq, self.times.clock.now_ns))
             received += nbytes
             expected_chunk += -(-nbytes // self.layout.slot_bytes)
             publications += 1
@@ -58,43 +79,15 @@ class RingReceiver:
             vtime_ns=self.times.clock.now_ns,
         )
 
-    def _next_record(self, op: Op) -> Generator[str, None, tuple[int, np.void]]:
-        """Yields while the sender's next record is unpublished; returns (its number, its body)."""
-        src = op.peer
-        seq = self._consumed.get(src, 0) + 1
-        source = [RecordAt(src, self.layout.record_offset(src, self.me, seq))]
-        while records.missing_peers(self.mem, source, seq):
-            yield f"record {seq} from rank {src}"
-        expected = Expected(
-            stage="receive", event_id=op.event_id, doorbell=seq, call=f"publication {seq}"
-        )
-        return seq, records.read(self.mem, source, expected, P2P_RECORD)[0]
-
-    def _consume(self, op: Op, out: np.ndarray, received: int, seq: int, body: np.void) -> None:
-        """Take publication `seq` (record `body`) into out[received:] and acknowledge it."""
-        src, nbytes = op.peer, int(body["pub_bytes"])
-        # Step 6: copy the slots out of the managed area into the caller's buffer.
-        self._copy_slots(op, out, received, nbytes, int(body["tail"]))
-        self._consumed[src] = seq
-        self.times.publication_lands(
-            src,
-            float(body["vtime_ns"]),
-            nbytes,
-            num_cores=int(body["num_cores"]),
-            is_dma=bool(body["is_dma"]),
-        )
-        # Step 7: acknowledge in the sender's metadata (frees those slots for the next fill).
-        ack = self.layout.ack_offset(src, self.me)
-        self.mem.store_word(src, ack, records.ack_word(seq, self.times.clock.now_ns))
-        self.mem.flush(src)
-
-    def _copy_slots(self, op: Op, out: np.ndarray, received: int, nbytes: int, tail: int) -> None:
+    def _copy_slots(
+        self, lane: RecvLane, op: Op, out: np.ndarray, received: int, nbytes: int, tail: int
+    ) -> None:
         """Copy a publication's ring slots into out[received:]; its tail must match ours."""
-        src, layout, local = op.peer, self.layout, self.mem.local
-        ring, rtail = layout.ring_offset(src, self.me), self._rtail.get(src, 0)
+        src, layout, ring = lane.src, self.layout, lane.ring
+        rtail = self._rtail.get(src, 0)
         for ring_pos, msg_pos, length in layout.slot_runs(rtail, nbytes):
             at = received + msg_pos
-            out[at : at + length] = local[ring + ring_pos : ring + ring_pos + length]
+            out[at : at + length] = ring[ring_pos : ring_pos + length]
         rtail = self._rtail[src] = rtail + -(-nbytes // layout.slot_bytes)
         if tail != rtail:
             raise XcclError(
@@ -103,12 +96,12 @@ class RingReceiver:
             )
 
     def _check_record(
-        self, op: Op, body: np.void, expected_chunk: int, capacity: int | None
+        self, op: Op, chunk_id: int, msg_bytes: int, expected_chunk: int, capacity: int | None
     ) -> None:
-        me, src, msg_bytes = self.me, op.peer, int(body["msg_bytes"])
-        if int(body["chunk_id"]) != expected_chunk:
+        me, src = self.me, op.peer
+        if chunk_id != expected_chunk:
             raise XcclError(
-                f"die rank {me}: chunk id {int(body['chunk_id'])} from rank {src}, "
+                f"die rank {me}: chunk id {chunk_id} from rank {src}, "
                 f"expected {expected_chunk} (event {op.event_id})"
             )
         if capacity is not None and msg_bytes > capacity:

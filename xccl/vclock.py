@@ -53,10 +53,16 @@ class LinkModel:
         self, nbytes: int, *, num_cores: int = 1, path: Path = "mte", same_server: bool = False
     ) -> float:
         """Virtual ns the link is busy pushing `nbytes` (no start-up latency)."""
+        return nbytes / self.gb_per_s(num_cores=num_cores, path=path, same_server=same_server)
+
+    def gb_per_s(
+        self, *, num_cores: int = 1, path: Path = "mte", same_server: bool = False
+    ) -> float:
+        """The rate a write pushes bytes at (bytes / (GB/s) = ns)."""
         gb_per_s = self.write_gb_per_s_intra if same_server else self.write_gb_per_s_inter
         if path == "mte":  # each AIV core moves its share through its unified buffer
             gb_per_s = min(gb_per_s, self.mte_gb_per_s_per_core * min(num_cores, self.max_cores))
-        return nbytes / gb_per_s  # bytes / (GB/s) = ns
+        return gb_per_s
 
     def latency_ns(self, *, same_server: bool = False) -> float:
         """A one-word flag write (an acknowledgement)."""

@@ -1,0 +1,116 @@
+"""One end of a p2p pair (xccl/p2p.py), settled once when the pair is first used.
+
+Every message on a pair writes the same ring, the same RECORDS_PER_PAIR records and the same ack
+word, so the offsets (xccl/layout.py), the bounds checks and the choice of path
+(xccl/gmem_paths.py) are made here once, not per message. On the load/store path a lane holds
+numpy views of the peer's memory and a message is a few plain stores; on RMA the same methods
+call put / store_word. The ordering rules are DieMemory's and xccl/record_slots.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from xccl.gmem import WORD, DieMemory
+from xccl.layout import RECORDS_PER_PAIR, P2PLayout
+from xccl.record_slots import InRecord, OutRecord
+from xccl.records import P2P_RECORD, RecordAt
+
+# The order InRecord.read returns a P2P_RECORD's fields in (p2p_recv.py unpacks it).
+P2P_FIELDS = (
+    "doorbell",
+    "event_id",
+    "chunk_id",
+    "tail",
+    "vtime_ns",
+    "msg_bytes",
+    "pub_bytes",
+    "num_cores",
+    "is_dma",
+)
+assert P2P_RECORD.names == P2P_FIELDS, P2P_RECORD.names
+
+
+@dataclass(frozen=True)
+class SendLane:
+    """This die's end of the pair me -> dst.
+
+    ring: dst's ring bytes [ring_slots x slot_bytes] uint8 for plain stores, or None (RMA, at
+    ring_offset in dst's window). records: the pair's records in dst's window, publication
+    number % RECORDS_PER_PAIR. load_ack: loads the ack word dst writes into our window.
+    """
+
+    mem: DieMemory
+    dst: int
+    ring_offset: int
+    ring: np.ndarray | None
+    records: tuple[OutRecord, ...]
+    load_ack: Callable[[], int]
+
+    @classmethod
+    def build(cls, mem: DieMemory, layout: P2PLayout, me: int, dst: int) -> SendLane:
+        ring_offset = layout.ring_offset(me, dst)
+        return cls(
+            mem=mem,
+            dst=dst,
+            ring_offset=ring_offset,
+            ring=mem.region(dst, ring_offset, layout.ring_bytes),
+            records=tuple(
+                OutRecord(mem, RecordAt(dst, layout.record_offset(me, dst, seq)), P2P_RECORD)
+                for seq in range(RECORDS_PER_PAIR)
+            ),
+            load_ack=mem.word_loader(layout.ack_offset(me, dst), dst),
+        )
+
+    def write(self, ring_pos: int, data: np.ndarray) -> None:
+        """Write `data` (uint8) at byte `ring_pos` of the ring; complete at the record's flush."""
+        if self.ring is not None:
+            self.ring[ring_pos : ring_pos + data.nbytes] = data
+        else:
+            self.mem.put(self.dst, self.ring_offset + ring_pos, data)
+
+
+@dataclass(frozen=True)
+class RecvLane:
+    """This die's end of the pair src -> me.
+
+    ring: our ring bytes [ring_slots x slot_bytes] uint8 that src writes. records: src's records
+    in our window, publication number % RECORDS_PER_PAIR. ack: the ack word in src's window
+    [1] uint64 for a plain store, or None (RMA, at ack_offset).
+    """
+
+    mem: DieMemory
+    src: int
+    ring: np.ndarray
+    records: tuple[InRecord, ...]
+    ack_offset: int
+    ack: np.ndarray | None
+
+    @classmethod
+    def build(cls, mem: DieMemory, layout: P2PLayout, src: int, me: int) -> RecvLane:
+        ring_offset, ack_offset = layout.ring_offset(src, me), layout.ack_offset(src, me)
+        mem.check(me, ring_offset, layout.ring_bytes, "ring")
+        ack = mem.region(src, ack_offset, WORD.itemsize)
+        return cls(
+            mem=mem,
+            src=src,
+            ring=mem.local[ring_offset : ring_offset + layout.ring_bytes],
+            records=tuple(
+                InRecord(mem, RecordAt(src, layout.record_offset(src, me, seq)), P2P_RECORD)
+                for seq in range(RECORDS_PER_PAIR)
+            ),
+            ack_offset=ack_offset,
+            ack=None if ack is None else ack.view(WORD),
+        )
+
+    def acknowledge(self, word: int) -> None:
+        """Write the ack word into src's window and complete it (records.ack_word)."""
+        if self.ack is not None:
+            self.ack[0] = word  # one aligned 8-byte store: atomic
+            self.mem.sync()
+        else:
+            self.mem.store_word(self.src, self.ack_offset, word)
+            self.mem.flush(self.src)
