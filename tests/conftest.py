@@ -1,6 +1,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/harness.py is imported as `harness` by the test modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -18,7 +20,33 @@ def pytest_addoption(parser):
         "--failure-matrix",
         action="store_true",
         default=False,
-        help="tests/test_decode_failover.py: every {stuck, dead} x {early, mid-run} fault on a "
-        "colocated die (4 serving runs more); tests/test_afd_failover.py: early, stuck-for-good "
-        "and trampoline losses on afd dies (4 more)",
+        help="also the failure runs marked failure_matrix: every {stuck, dead} x {early, "
+        "mid-run} fault on a colocated die, early, stuck-for-good, transient and trampoline "
+        "losses on afd dies, the second kind of each lost prefill / decode die, a KV memory fault "
+        "in a PD run, a saturated die (the default suite runs one case of each mechanism)",
     )
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="also the end-to-end runs marked long: more shapes of what the default suite "
+        "already serves and checks (afd domain/group/expert shapes, 8-rank protocol bodies, "
+        "the MTP and PD variants, the afd CLI bring-up, an afd run across two hosts)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a longer variant, runs with --long")
+    config.addinivalue_line("markers", "failure_matrix: a failure case, runs with --failure-matrix")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Keep the default suite lean (CI's budget): the variants marked long / failure_matrix
+    repeat a mechanism a default test already covers, at another shape or fault kind."""
+    for marker, option in (("long", "--long"), ("failure_matrix", "--failure-matrix")):
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"a {marker} variant: runs with {option}")
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)

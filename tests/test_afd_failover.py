@@ -71,6 +71,7 @@ def test_an_expert_die_dead_early_without_a_replica_stops_naming_die_and_experts
     assert stop + lost in out
 
 
+@pytest.mark.failure_matrix
 def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
     rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
     result, _, records = afd_served(tmp_path, rows)

@@ -85,7 +85,9 @@ def test_run_refuses_a_wrong_np_before_launching():
     assert "launching" not in result.stdout
 
 
-@pytest.mark.parametrize("config, world_size", [("colocated", 5), ("afd", 8)])
+@pytest.mark.parametrize(
+    "config, world_size", [("colocated", 5), pytest.param("afd", 8, marks=pytest.mark.long)]
+)
 def test_run_brings_up_every_rank(config, world_size):
     result = xds_mpi("run", config)
     assert result.returncode == 0, result.stdout + result.stderr

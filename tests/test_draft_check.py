@@ -165,7 +165,16 @@ def test_one_wrong_draft_on_one_die_fails_the_check_though_every_token_is_right(
     assert step_drafts[0] == new  # the run file keeps the drafted token
 
 
-@pytest.mark.parametrize("config,depth", [("colocated", 1), ("colocated", 2), ("afd", 2)])
+# colocated depth 1 and afd depth 2 repeat tests/test_serving.py and tests/test_serving_afd.py's
+# MTP runs (--check compares every draft there too): they run with --long.
+@pytest.mark.parametrize(
+    "config,depth",
+    [
+        pytest.param("colocated", 1, marks=pytest.mark.long),
+        ("colocated", 2),
+        pytest.param("afd", 2, marks=pytest.mark.long),
+    ],
+)
 def test_unperturbed_runs_draft_what_the_reference_drafts_step_by_step(tmp_path, config, depth):
     settings = [
         f"scheduler.mtp_depth={depth}",

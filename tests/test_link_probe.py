@@ -53,6 +53,7 @@ def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
     assert record.requests_lost == ()
 
 
+@pytest.mark.failure_matrix
 def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
     # decode die 3 takes each KV transfer 2.5 s late (the echo too) for 8 s; requests keep
     # arriving for 8 s, so there are transfers left to steer once it is found.

@@ -12,8 +12,24 @@ from xccl.gmem_paths import MEMORY_PATH_ENV
 BODIES = sorted(MPI_DIR.glob("body_*.py"))
 
 
-@pytest.mark.parametrize("body", BODIES, ids=lambda p: p.stem)
-@pytest.mark.parametrize("num_procs", RANK_COUNTS)
+# At 8 ranks the default suite runs dispatch/combine, A2E/E2A and the timeout body; the others
+# (p2p, gmem, control, agreement and the fault bodies, all also run at 2 and 4) with --long.
+EIGHT_RANK_DEFAULT = {"body_ep", "body_afd", "body_faults_timeout"}
+
+
+@pytest.mark.parametrize(
+    "num_procs,body",
+    [
+        pytest.param(
+            n,
+            body,
+            id=f"{n}-{body.stem}",
+            marks=pytest.mark.long if n == 8 and body.stem not in EIGHT_RANK_DEFAULT else (),
+        )
+        for n in RANK_COUNTS
+        for body in BODIES
+    ],
+)
 def test_body(num_procs, body):
     result = run_bodies(num_procs, body, timeout_s=180)
     assert result.returncode == 0, explain(result)

@@ -62,6 +62,7 @@ def test_a_dead_decode_die_mid_run_is_scaled_away_its_requests_prefilled_again(t
     assert prefilled >= 1 and prefilled + rerouted == len(record.requests_affected), out[-3000:]
 
 
+@pytest.mark.failure_matrix
 def test_a_decode_die_dead_at_its_first_iteration_gets_its_tasks_re_routed(tmp_path):
     record, out = lost_die(tmp_path, "{kind: dead, die: 2, iteration: 0}")
     assert_detected(record, 2, "dead")
@@ -140,6 +141,7 @@ def test_a_pd_afd_decode_side_loss_stays_refused():
         check_failures(cfg, topo)
 
 
+@pytest.mark.failure_matrix
 def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_no_verdict(
     tmp_path,
 ):

@@ -55,8 +55,24 @@ def serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, h5py
     return result, (h5py.File(path, "r") if path.exists() else None)
 
 
-@pytest.mark.parametrize("num_microbatches", [1, 2])
-@pytest.mark.parametrize("shape", list(CASES), ids=lambda s: "D{}G{}E{}".format(*s))
+# The default suite serves every shape once, with 1 or 2 microbatches in turn; the other four
+# (shape, microbatches) pairs run with --long.
+DEFAULT_CASES = {((1, 2, 2), 1), ((2, 2, 3), 2), ((3, 2, 5), 1), ((2, 3, 4), 2)}
+
+
+@pytest.mark.parametrize(
+    "shape,num_microbatches",
+    [
+        pytest.param(
+            shape,
+            m,
+            id="D{}G{}E{}-{}".format(*shape, m),
+            marks=() if (shape, m) in DEFAULT_CASES else pytest.mark.long,
+        )
+        for shape in CASES
+        for m in (1, 2)
+    ],
+)
 def test_every_token_equals_the_reference(tmp_path, shape, num_microbatches):
     domains, groups, experts = shape
     num_requests, extra = CASES[shape]
@@ -96,7 +112,7 @@ def test_every_token_equals_the_reference(tmp_path, shape, num_microbatches):
         assert busy_domains == {0, 1}  # domain 2 sat out
 
 
-@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("depth", [pytest.param(1, marks=pytest.mark.long), 2])
 def test_mtp_through_a2e_e2a_serves_the_greedy_tokens(tmp_path, depth):
     # 2 domains x 2 groups, 3 expert dies, 2 microbatches: each MTP block is one more MoE layer
     # of A2E/E2A calls; the trained checkpoint, so drafts are accepted.

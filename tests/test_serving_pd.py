@@ -89,6 +89,7 @@ def test_backpressure_defers_receives_and_loses_nothing(tmp_path):
     assert list(run_file["requests/status"].asstr()[()]) == ["done"] * 10
 
 
+@pytest.mark.long
 def test_mtp_depth_1_two_prefill_tes_of_three_dies_feed_two_decode_dies(tmp_path):
     # prefill TE 0 = ranks 4, 5 (EP2, short prompts), TE 1 = rank 6 (EP1, prompts >= 40 tokens);
     # the prompts are 57, 47, 41 (long) and 29, 31, 18 (short) tokens

@@ -57,7 +57,7 @@ def test_a_protocol_body_passes_across_two_hosts(hosts, tmp_path, body):
     "config, overrides",
     [
         ("colocated", ["hardware.chips_per_server=1"]),
-        ("afd", ["hardware.chips_per_server=2"]),
+        pytest.param("afd", ["hardware.chips_per_server=2"], marks=pytest.mark.long),
     ],
 )
 def test_a_served_run_checks_equal_with_dies_on_both_hosts(hosts, tmp_path, config, overrides):
