@@ -176,14 +176,6 @@ class Frontend:
             elapsed_s=time.time() - self.started,
         )
 
-    def _watch(self) -> None:
-        """§6.1 heartbeats; on a loss, §6.2 stage 2: the dies go on without the lost ones."""
-        loss = self.detector.poll(self.records, self.started)
-        if loss is not None:
-            from ranks.shell_failover import scale_down
-
-            scale_down(self, loss)
-
     def lost_dies(self) -> tuple[int, ...]:
         """The DP groups lost and scaled away (ranks/shell_failover.py)."""
         return self.lost
