@@ -23,7 +23,8 @@ def pytest_addoption(parser):
         help="also the failure runs marked failure_matrix: every {stuck, dead} x {early, "
         "mid-run} fault on a colocated die, early, stuck-for-good, transient and trampoline "
         "losses on afd dies, the second kind of each lost prefill / decode die, a KV memory fault "
-        "in a PD run, a saturated die (the default suite runs one case of each mechanism)",
+        "in a PD run, expert slots masked on afd dies, a saturated die (the default suite runs one "
+        "case of each mechanism)",
     )
     parser.addoption(
         "--long",

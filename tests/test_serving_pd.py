@@ -114,6 +114,7 @@ def test_mtp_depth_1_two_prefill_tes_of_three_dies_feed_two_decode_dies(tmp_path
     assert set(prefill_rank[prompt_len < 40]) <= {4, 5}  # short: TE 0
 
 
+@pytest.mark.long
 def test_one_prefill_die_feeds_six_and_failed_kv_transfers_are_retried(tmp_path):
     # JE only (it balances decode itself), 1 prefill die (rank 7, all 16 experts) -> 6 decode
     # dies; the prefill die's 5th transfer fails twice at the sender; decode die 2's first

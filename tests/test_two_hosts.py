@@ -29,7 +29,14 @@ def hosts(tmp_path_factory):
         yield made
 
 
-@pytest.mark.parametrize("body", ["body_p2p.py", "body_ep.py", "body_afd.py"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param("body_p2p.py", marks=pytest.mark.long),
+        "body_ep.py",
+        pytest.param("body_afd.py", marks=pytest.mark.long),
+    ],
+)
 def test_a_protocol_body_passes_across_two_hosts(hosts, tmp_path, body):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"{hosts.names[0]}:2\n{hosts.names[1]}:2\n")
