@@ -31,8 +31,9 @@ def pytest_addoption(parser):
         action="store_true",
         default=False,
         help="also the end-to-end runs marked long: more shapes of what the default suite "
-        "already serves and checks (afd domain/group/expert shapes, 8-rank protocol bodies, "
-        "the MTP and PD variants, the afd CLI bring-up, an afd run across two hosts)",
+        "already serves and checks (afd domain/group/expert shapes, the protocol bodies at 8 "
+        "ranks, a hundred seeded random faults, MTP and PD variants, the afd CLI bring-up and "
+        "trace, two-host bodies and an afd run across two hosts)",
     )
 
 

@@ -55,6 +55,7 @@ def test_a_dead_expert_die_mid_run_is_dropped_when_every_expert_keeps_a_replica(
     assert record.tokens_per_s_after > 0
 
 
+@pytest.mark.failure_matrix
 def test_an_expert_die_dead_early_without_a_replica_stops_naming_die_and_experts(tmp_path):
     result, run_file, records = afd_served(tmp_path, ["{kind: dead, die: 7, iteration: 1}"])
     out = result.stdout + result.stderr

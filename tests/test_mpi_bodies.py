@@ -12,9 +12,8 @@ from xccl.gmem_paths import MEMORY_PATH_ENV
 BODIES = sorted(MPI_DIR.glob("body_*.py"))
 
 
-# At 8 ranks the default suite runs dispatch/combine, A2E/E2A and the timeout body; the others
-# (p2p, gmem, control, agreement and the fault bodies, all also run at 2 and 4) with --long.
-EIGHT_RANK_DEFAULT = {"body_ep", "body_afd", "body_faults_timeout"}
+# Every body runs at 2 and 4 ranks by default; at 8 ranks with --long (the default suite serves
+# 8 dies in tests/test_serving.py and the config matrix).
 
 
 @pytest.mark.parametrize(
@@ -24,7 +23,7 @@ EIGHT_RANK_DEFAULT = {"body_ep", "body_afd", "body_faults_timeout"}
             n,
             body,
             id=f"{n}-{body.stem}",
-            marks=pytest.mark.long if n == 8 and body.stem not in EIGHT_RANK_DEFAULT else (),
+            marks=pytest.mark.long if n == 8 else (),
         )
         for n in RANK_COUNTS
         for body in BODIES

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import h5py
+import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
@@ -103,6 +104,7 @@ def test_afd_faults_on_attention_trampoline_and_expert_dies(tmp_path):
     assert_recovered(result, run_file, 8, 96, len(rows))
 
 
+@pytest.mark.long  # the fault sites one by one run by default (the two tests above)
 def test_a_hundred_seeded_random_faults(tmp_path):
     # ~100 iterations of 4 dies x 3 MoE layers x (dispatch, combine): ~40 % of the attempts fail
     result, run_file = serve(

@@ -55,9 +55,10 @@ def serve(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, h5py
     return result, (h5py.File(path, "r") if path.exists() else None)
 
 
-# The default suite serves every shape once, with 1 or 2 microbatches in turn; the other four
-# (shape, microbatches) pairs run with --long.
-DEFAULT_CASES = {((1, 2, 2), 1), ((2, 2, 3), 2), ((3, 2, 5), 1), ((2, 3, 4), 2)}
+# The default suite serves three shapes (one microbatch; a dedicated shared-expert die, and INT8
+# off, pipelined); the other five (shape, microbatches) pairs, the idle domain among them, run
+# with --long.
+DEFAULT_CASES = {((1, 2, 2), 1), ((2, 2, 3), 2), ((2, 3, 4), 2)}
 
 
 @pytest.mark.parametrize(

@@ -156,6 +156,7 @@ def test_the_trace_of_a_faulted_mtp_run_matches_its_run_file(faulted_mtp_run):
     assert starts == ends and len(starts) == summary["num_served"]
 
 
+@pytest.mark.long
 def test_an_afd_run_traces_attention_and_expert_dies(tmp_path):
     run_path = run_job(tmp_path, "afd", "afd", "workload.num_requests=4", "workload.output_len=4")
     by_track = check_structure(load_trace(run_path))

@@ -33,7 +33,7 @@ def hosts(tmp_path_factory):
     "body",
     [
         pytest.param("body_p2p.py", marks=pytest.mark.long),
-        "body_ep.py",
+        pytest.param("body_ep.py", marks=pytest.mark.long),  # the served run below crosses too
         pytest.param("body_afd.py", marks=pytest.mark.long),
     ],
 )
