@@ -25,8 +25,9 @@ import numpy as np
 from mpi4py import MPI
 
 from launch.bench_p2p_floor import FloorPair
-from xccl.gmem import DieMemory, poll_until
+from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
+from xccl.mpi_time import poll_until
 from xccl.p2p import P2P
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile

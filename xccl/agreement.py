@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from xccl.faults import Interrupt
-from xccl.gmem import WORD, DieMemory, poll_until
+from xccl.gmem import WORD, DieMemory
 from xccl.moe_layout import AGREE_WORDS, EpLayout
+from xccl.mpi_time import poll_until
 
 ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
 

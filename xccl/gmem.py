@@ -24,8 +24,6 @@ multi-node pod takes, so the tests that run on two hosts check it was really tak
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -33,7 +31,7 @@ from typing import Literal
 import numpy as np
 from mpi4py import MPI
 
-from xccl.errors import OutOfWindow, XcclTimeout
+from xccl.errors import OutOfWindow
 from xccl.gmem_paths import (
     MemoryPath,
     check_memory_path,
@@ -42,7 +40,7 @@ from xccl.gmem_paths import (
     peer_views,
     same_node_table,
 )
-from xccl.mpi_time import timed, waiting
+from xccl.mpi_time import timed
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -283,26 +281,3 @@ def as_bytes(array: np.ndarray) -> np.ndarray:
     if not array.flags.c_contiguous:
         raise ValueError(f"RMA buffers must be contiguous, got strides {array.strides}")
     return array.reshape(-1).view(np.uint8)
-
-
-def poll_until(
-    ready: Callable[[], bool],
-    *,
-    deadline: float,
-    describe: Callable[[], str],
-    interrupt: Callable[[], None] | None = None,
-) -> None:
-    """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
-
-    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
-    A condition that holds at the first try is no wait: it returns before any of the set-up.
-    """
-    if ready():
-        return
-    with waiting():
-        while not ready():
-            if interrupt is not None:
-                interrupt()
-            if time.monotonic() > deadline:
-                raise XcclTimeout(describe())
-            os.sched_yield()

@@ -4,15 +4,18 @@ pay nothing).
 
 DieMemory makes its calls through `timed(win)`: the window itself when timing is off, else a
 proxy that adds each call's duration to MPI_TIME.work_s, or to MPI_TIME.wait_s while
-`waiting()` is active (gmem.poll_until marks its loop).
+`waiting()` is active (poll_until below marks its loop).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from xccl.errors import XcclTimeout
 
 TIME_MPI_ENV = "XDS_TIME_MPI"
 
@@ -69,3 +72,26 @@ def waiting():
         yield
     finally:
         MPI_TIME.in_wait = outer
+
+
+def poll_until(
+    ready: Callable[[], bool],
+    *,
+    deadline: float,
+    describe: Callable[[], str],
+    interrupt: Callable[[], None] | None = None,
+) -> None:
+    """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
+
+    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
+    A condition that holds at the first try is no wait: it returns before any of the set-up.
+    """
+    if ready():
+        return
+    with waiting():
+        while not ready():
+            if interrupt is not None:
+                interrupt()
+            if time.monotonic() > deadline:
+                raise XcclTimeout(describe())
+            os.sched_yield()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from xccl.errors import InjectedFault, XcclError
-from xccl.gmem import poll_until
+from xccl.mpi_time import poll_until
 
 if TYPE_CHECKING:
     from xccl.p2p import P2P

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from xccl.errors import EventMismatch
 from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORD_BYTES
-from xccl.records import BODY_OFFSET, DOORBELL_OFFSET, RecordAt, put_bytes
+from xccl.records import (
+    BODY_OFFSET,
+    DOORBELL_OFFSET,
+    RecordAt,
+    event_mismatch,
+    put_bytes,
+)
 
 
 def body_dtype(dtype: np.dtype) -> np.dtype:
@@ -81,8 +86,5 @@ class InRecord:
         self.mem.sync()  # the writer's body, written before its doorbell, becomes visible
         values = self._record.item(0)
         if values[1] != event_id:
-            raise EventMismatch(
-                f"die rank {self.mem.rank}: {stage} expected event {event_id}, rank "
-                f"{self.at.peer} reported event {values[1]} ({call})"
-            )
+            raise event_mismatch(self.mem.rank, stage, event_id, call, self.at.peer, values[1])
         return values

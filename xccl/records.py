@@ -23,8 +23,9 @@ import numpy as np
 
 from xccl.errors import EventMismatch, PeerTimeout, RollbackRequested, XcclTimeout
 from xccl.faults import Interrupt
-from xccl.gmem import DieMemory, poll_until
+from xccl.gmem import DieMemory
 from xccl.layout import RECORD_BYTES
+from xccl.mpi_time import poll_until
 
 
 def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
@@ -132,12 +133,20 @@ def read(
     mismatch = bodies["event_id"] != expected.event_id
     if mismatch.any():
         i = int(np.flatnonzero(mismatch)[0])
-        raise EventMismatch(
-            f"die rank {mem.rank}: {expected.stage} expected event "
-            f"{expected.event_id}, rank {records[i].peer} reported event "
-            f"{int(bodies['event_id'][i])} ({expected.call})"
-        )
+        got, peer = int(bodies["event_id"][i]), records[i].peer
+        raise event_mismatch(mem.rank, expected.stage, expected.event_id, expected.call, peer, got)
     return bodies
+
+
+def event_mismatch(
+    rank: int, stage: str, event_id: int, call: str, peer: int, got: int
+) -> EventMismatch:
+    """The error for a record from `peer` carrying event `got` where `event_id` was awaited
+    (`stage`, `call`: as in Expected)."""
+    return EventMismatch(
+        f"die rank {rank}: {stage} expected event {event_id}, rank {peer} reported event {got} "
+        f"({call})"
+    )
 
 
 def ready(

@@ -13,8 +13,9 @@ import pytest
 from mpi4py import MPI
 
 from xccl import records
-from xccl.gmem import DieMemory, poll_until
+from xccl.gmem import DieMemory
 from xccl.gmem_paths import LOAD_STORE
+from xccl.mpi_time import poll_until
 from xccl.records import ROWS_RECORD, Expected, RecordAt
 
 comm = MPI.COMM_WORLD
