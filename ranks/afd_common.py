@@ -8,12 +8,12 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mpi4py import MPI
 
-from ranks.afd_health import leave, make_health, wait_releasable, watched_step
+from ranks.afd_health import leave, make_health, watched_step
 from ranks.afd_memory import afd_memory_check
 from ranks.context import RankContext
 from ranks.die_parts import make_pricer
+from xccl.agreement import IdleBackoff
 from xds_mpi import trace
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ class AfdDieBase:
         # §6.1: heartbeats answered from the loop; the abort words then span the TE-shell too,
         # which fences the waits through them (ranks/afd_health.py).
         self.iteration = 0  # busy iterations completed, the same on every die
+        self.idle = IdleBackoff()  # between agreement rounds while no domain has work
         self.health = make_health(ctx, self)
         self.recompute = Recomputer(
             cfg,
@@ -137,19 +138,27 @@ class AfdDieBase:
 
     def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
         """(the DP domains with work this iteration, has every attention die been told to stop)
-        — one allreduce among all dies; expert dies bring zeros."""
-        mine = np.zeros(self.topo.num_dp_domains + 1, np.int64)
-        domain = self.ctx.info.dp_domain
-        if domain >= 0:
-            mine[domain] = num_active
-        mine[-1] = 1 if is_running else 0
-        total = np.empty_like(mine)
-        if self.health is None:
-            self.dies.Allreduce(mine, total, op=MPI.SUM)
-        else:  # a lost die never joins: wait so that the TE-shell's fence releases us
-            wait_releasable(self, self.dies.Iallreduce(mine, total, op=MPI.SUM))
-        busy = tuple(int(d) for d in np.flatnonzero(total[:-1]))
-        return busy, total[-1] == 0
+        — one-sided, over the dies' windows (xccl/agreement.py), no MPI collective in the die
+        loop (§4.2); expert dies bring zeros. Idle rounds back off (self.idle)."""
+        fence = timeout_s = None
+        if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
+            fence = self.recompute.recovery.check_fence
+            fence()  # a fence seen even by a die that never waits
+            # As long as a vote waits (faults.on_timeout recompute: past detection and release)
+            timeout_s = self.recompute.recovery.vote_timeout_s
+        afd = self.afd
+        rows = afd.agreement.agree(
+            (num_active, 1 if is_running else 0), interrupt=fence, timeout_s=timeout_s
+        )
+        group, attention = afd.layout.group_size, afd.layout.attention
+        domain_of = {rank: i // group for i, rank in enumerate(attention) if rank >= 0}
+        members = afd.agreement.members
+        busy = sorted({domain_of[members[i]] for i in np.flatnonzero(rows[:, 0])})
+        if busy:
+            self.idle.busy()
+        else:
+            self.idle.idle()
+        return tuple(busy), not rows[:, 1].any()
 
     def close(self) -> None:
         if self.health is not None:

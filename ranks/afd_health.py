@@ -4,8 +4,8 @@ colocated die's parts (ranks/die_health.py) in the afd event loop.
   - The die answers the TE-shell's heartbeats from its loop only, between iterations; the
     `stuck` and `dead` rows naming it play there (a stuck die blocks in its A2E: an attention
     die's tokens staged, not yet announced; an expert die's forwarded or received rows).
-  - The dies' agreement between iterations is a non-blocking allreduce, waited on while
-    checking the fence word: a lost die never joins it, and the TE-shell's fence releases the
+  - The dies' agreement between iterations is one-sided (xccl/agreement.py), its wait checking
+    the fence word: a lost die never writes its part, and the TE-shell's fence releases the
     others (xccl/recovery.py Released), as it releases them from their A2E/E2A waits.
   - A released die waits to be told which dies are lost and rebuilds without them
     (ranks/afd_failover.py); a lost one idles until the job's end, which it leaves without a
@@ -14,16 +14,12 @@ colocated die's parts (ranks/die_health.py) in the afd event loop.
 
 from __future__ import annotations
 
-import os
-import time
-
 from mpi4py import MPI
 
 from ranks.die_failover import take_failover
 from ranks.die_health import DieHealth, is_watched
 from ranks.messages import TAG_STOP
 from xccl.recovery import Released
-from xds_mpi.control import WaitTimeout
 
 SHELL = 0
 
@@ -75,24 +71,6 @@ def out_turn(die) -> bool:
         return False
     die.health.idle()
     return True
-
-
-def wait_releasable(die, request: MPI.Request) -> None:
-    """The agreement's allreduce, waited on so that the TE-shell's fence releases the die (a
-    lost die never joins it); bounded as long as a vote waits (xccl.poll_timeout_s, plus
-    detection and release with faults.on_timeout recompute)."""
-    recovery = die.recompute.recovery
-    recovery.check_fence()  # a fence seen even by a die whose allreduce completes at once
-    timeout_s = recovery.vote_timeout_s
-    deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        recovery.check_fence()  # raises Released after a fence
-        if time.monotonic() > deadline:
-            raise WaitTimeout(
-                f"die rank {die.ctx.comm.rank}: not every die agreed on iteration "
-                f"{die.iteration} after {timeout_s:g} s"
-            )
-        os.sched_yield()
 
 
 def leave(die) -> None:

@@ -5,8 +5,6 @@ microbatch by microbatch, even with nothing to send; an idle domain sits the ite
 
 from __future__ import annotations
 
-import time
-
 from ranks.afd_common import AfdDieBase
 from ranks.context import RankContext
 from ranks.die_io import DieTotals, Inbox, Outbox, serve
@@ -64,8 +62,7 @@ class AttentionDie(AfdDieBase):
         self.memory.check(self)  # KV blocks and expert slots gone bad (ranks/afd_memory.py)
         self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
-        if not busy:
-            time.sleep(0.001)
+        if not busy:  # agree backed off
             return not all_stopped
         result = self.run_iteration(busy, state=(self.scheduler, self.executor))
         if result is None:  # the other domains took their turn

@@ -4,8 +4,6 @@ every MoE layer's dispatch and combine, even with nothing to send."""
 
 from __future__ import annotations
 
-import time
-
 from mpi4py import MPI
 
 from ranks.context import RankContext
@@ -18,11 +16,9 @@ from ranks.handshake import handshake
 from ranks.memory_check import MemoryCheck
 from ranks.messages import TAG_STOP
 from ranks.recompute import Recomputer
+from xccl.agreement import IdleBackoff
 from xccl.recovery import Released
 from xds_mpi import trace
-
-# Sleep between idle agreement rounds: doubling from the first to the last while no die has work.
-IDLE_MIN_S, IDLE_MAX_S = 0.001, 0.008
 
 
 def run(ctx: RankContext) -> None:
@@ -71,7 +67,7 @@ class ColocatedDie:
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
         self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults (ranks/memory_check.py)
-        self.idle_s = 0.0  # the current idle back-off
+        self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
 
     def _failure_side(self, ctx: RankContext, model, clock) -> None:
@@ -167,11 +163,10 @@ class ColocatedDie:
         self.inbox.poll()  # requests / stop from the TE-shell
         self.before_agree()
         busy, all_stopped = self.agree()  # all dies run the same iterations
-        if not busy:  # idle polling backs off, up to IDLE_MAX_S between rounds
-            self.idle_s = min(2 * self.idle_s, IDLE_MAX_S) if self.idle_s else IDLE_MIN_S
-            time.sleep(self.idle_s)
+        if not busy:  # idle polling backs off
+            self.idle.idle()
             return not all_stopped
-        self.idle_s = 0.0
+        self.idle.busy()
         self.eplb.at_boundary(
             self.eplb_agreed
         )  # §4.5 Step 3: replica swap phases, at a boundary all agree on

@@ -6,7 +6,6 @@ of the iteration without coming back here in between. It ends when the attention
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -51,8 +50,7 @@ class ExpertDie(AfdDieBase):
     def iterate(self) -> bool:
         self.memory.check(self)  # expert slots gone bad (ranks/afd_memory.py)
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
-        if not busy:
-            time.sleep(0.001)
+        if not busy:  # agree backed off
             return not all_stopped
         stats = self.run_iteration(busy)
         self.num_iterations += 1

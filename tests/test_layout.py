@@ -116,6 +116,39 @@ def test_ep_area_follows_its_formula():
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64
 
 
+def test_afd_agreement_area_follows_the_lanes_and_skips_a_lost_die():
+    from xccl.moe_layout import AGREE_WORDS, AfdLayout
+
+    def layout(attention):
+        return AfdLayout(
+            attention=attention,
+            experts=(4, 5),
+            group_size=2,
+            base=(0, 0, 0, 128, 0, 64),
+            num_lanes=3,
+            hidden=8,
+            max_tokens=4,
+            top_k=2,
+            has_shared=True,
+            itemsize=8,
+            use_int8=False,
+        )
+
+    whole, lost = layout((0, 1, 2, 3)), layout((0, -1, 2, 3))
+    assert whole.members == (0, 1, 2, 3, 4, 5) and lost.members == (0, 2, 3, 4, 5)
+    for afd in (whole, lost):
+        for rank in afd.members:
+            role = afd.role_of(rank)
+            lanes_end = afd.offset(rank, "back_records", afd.num_lanes - 1)
+            lanes_end += afd._areas[role]["lane"] - afd._areas[role]["back_records"]
+            at = afd.offset(rank, "agreement")
+            slot_bytes = (AGREE_WORDS + 1) * 8
+            assert at == lanes_end  # after every lane, none overlapped
+            assert at + 2 * len(afd.members) * slot_bytes <= afd.base[rank] + afd.area_bytes(role)
+    # 2 banks x 6 vs 5 slots x 40 B: 480 vs 400 B, each rounded up to 64 B
+    assert whole.area_bytes("attention") - lost.area_bytes("attention") == 512 - 448
+
+
 @pytest.mark.parametrize(
     "hidden, dtype, use_int8",
     [(5, np.float32, False), (6, np.float64, False), (5, np.float32, True), (7, np.float64, True)],

@@ -49,6 +49,7 @@ import numpy as np
 from xccl.afd_expert import AfdExpertSide
 from xccl.afd_records import AfdCall, AfdRecords
 from xccl.afd_rows import A2EHandle, AfdRows, ScatterPlan
+from xccl.agreement import WindowAgreement
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
@@ -102,6 +103,7 @@ class AfdBuffer(AfdExpertSide):
         )
         self.counters = self.records.counters
         self.rows = AfdRows(mem, layout, self.records, dtype)
+        self.agreement = WindowAgreement(mem, layout, timeout_s=timeout_s)  # between iterations
         self._place_in_group()
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault

@@ -94,5 +94,21 @@ class WindowAgreement:
         return self.layout.offset(rank, "agreement") + at * _SLOT_WORDS * WORD.itemsize
 
 
+class IdleBackoff:
+    """The sleep between agreement rounds in which no die has work: doubling from `first_s` to
+    `last_s` while the rounds stay idle, none after a busy one."""
+
+    def __init__(self, first_s: float = 0.001, last_s: float = 0.008) -> None:
+        self.first_s, self.last_s = first_s, last_s
+        self.sleep_s = 0.0
+
+    def idle(self) -> None:
+        self.sleep_s = min(2 * self.sleep_s, self.last_s) if self.sleep_s else self.first_s
+        time.sleep(self.sleep_s)
+
+    def busy(self) -> None:
+        self.sleep_s = 0.0
+
+
 _SLOT_WORDS = AGREE_WORDS + 1
 _ROUND_AT = AGREE_WORDS * WORD.itemsize  # the round word follows the payload

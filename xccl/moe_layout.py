@@ -128,6 +128,8 @@ class AfdLayout:
         scatter_*     as above                          (trampolines: A2E' forwarding)
         out_rows      max_recv_rows x out_row_bytes     (expert outputs, by source)
         ret_rows      (max_rows + max_tokens) x out_row_bytes   (trampolines: E2A to attention)
+    every die, once after its lanes:
+        agreement     2 x num_members x (AGREE_WORDS + 1) x 8   (xccl/agreement.py)
     max_rows = max_tokens x top_k; max_recv_rows = max(G, ...) senders x (max_rows + max_tokens),
     senders = G trampolines (or the G attention dies of a domain in the direct variant).
     """
@@ -184,6 +186,12 @@ class AfdLayout:
     def max_recv_rows(self) -> int:
         return self.group_size * self.max_sent_rows
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The dies that agree between iterations (xccl/agreement.py): the attention dies, then
+        the expert dies; a lost attention die (-1, ranks/afd_failover.py) is none of them."""
+        return tuple(r for r in (*self.attention, *self.experts) if r >= 0)
+
     def role_of(self, rank: int) -> str:
         if rank in self.attention:
             return "attention"
@@ -222,7 +230,9 @@ class AfdLayout:
                 offsets[name] = at
                 at += (size + 63) // 64 * 64
             offsets["lane"] = at  # bytes of one lane
-            offsets["end"] = at * self.num_lanes
+            offsets["agreement"] = at * self.num_lanes  # offset() with lane 0: after the lanes
+            agreement = 2 * len(self.members) * (AGREE_WORDS + 1) * 8
+            offsets["end"] = offsets["agreement"] + (agreement + 63) // 64 * 64
             areas[role] = offsets
         return areas
 
