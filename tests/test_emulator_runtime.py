@@ -1,5 +1,6 @@
-"""The emulator's pinning and GC control (xds_mpi/emulator_runtime.py) and what `bench serve`
-reads from a run's trace (launch/serve_stats.py), on crafted inputs."""
+"""The emulator's pinning and GC control (xds_mpi/emulator_runtime.py), the bounded wait every
+poll uses (xccl/mpi_time.py poll_until) and what `bench serve` reads from a run's trace
+(launch/serve_stats.py), on crafted inputs."""
 
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def test_default_gc_is_left_alone(restore_gc):
     assert gc.isenabled()
     emulator_runtime.between_iterations()
     assert gc.get_freeze_count() == 0 and emulator_runtime.collections() == 0
+
+
+def test_poll_until_returns_once_ready_and_times_out_naming_the_wait():
+    from xccl.errors import XcclTimeout
+    from xccl.mpi_time import poll_until
+
+    tries = iter([False, False, True])
+    poll_until(lambda: next(tries), deadline=float("inf"), describe=lambda: "never")
+    with pytest.raises(XcclTimeout, match="die 3 waits for die 5"):
+        poll_until(lambda: False, deadline=0.0, describe=lambda: "die 3 waits for die 5")
 
 
 def span(name, ts, dur, tid=1, **args):
