@@ -33,27 +33,11 @@ from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
 
 comm = MPI.COMM_WORLD
-COLUMNS = [
-    "bytes",
-    "cores",
-    "xccl_rtt_us",
-    "xccl_rma_rtt_us",
-    "put_rtt_us",
-    "ls_rtt_us",
-    "sendrecv_rtt_us",
-    "floor_rtt_us",
-    "rtt_vs_best",
-    "rtt_vs_floor",
-    "rtt_vs_put",
-    "rma_rtt_vs_put",
-    "xccl_gb_s",
-    "xccl_rma_gb_s",
-    "put_gb_s",
-    "ls_gb_s",
-    "bw_vs_put",
-    "rma_bw_vs_put",
-    "proj_910c_send_us",
-]
+COLUMNS = (
+    "bytes cores xccl_rtt_us xccl_rma_rtt_us put_rtt_us ls_rtt_us sendrecv_rtt_us floor_rtt_us "
+    "rtt_vs_best rtt_vs_floor rtt_vs_put rma_rtt_vs_put xccl_gb_s xccl_rma_gb_s put_gb_s "
+    "ls_gb_s bw_vs_put rma_bw_vs_put proj_910c_send_us"
+).split()
 PATHS = ("auto", "rma")  # xccl over load/store (one node), xccl over RMA
 
 
@@ -82,7 +66,7 @@ class Bench:
         raw_bytes = (max(args.sizes) + 64 + 7) // 8 * 8  # data + a flag word
         self.raw = DieMemory(comm, raw_bytes, memory_path="rma")
         self.shared = DieMemory(comm, raw_bytes, memory_path="auto")
-        self.flag = self.raw.nbytes - 8
+        self.flag, self._tokens = self.raw.nbytes - 8, {"put": 0, "ls": 0}
         self.floor = FloorPair(comm, self.peer, max(args.sizes))
         self.args = args
 
@@ -121,9 +105,15 @@ class Bench:
             p2p.recv(buf, peer, event)
             p2p.send(buf, peer, event, num_cores=cores)
 
-    def put_rtt(self, buf: np.ndarray, i: int, one_way: bool = False) -> None:
+    def _next_token(self, kind: str) -> int:
+        """A flag value never used before (a stale equal one would pass a wait; both ranks of a
+        pair count alike). Even: the answer sets bit 0."""
+        self._tokens[kind] += 1
+        return self._tokens[kind] << 1
+
+    def put_rtt(self, buf: np.ndarray, one_way: bool = False) -> None:
         raw, peer, flag = self.raw, self.peer, self.flag
-        token = i % (1 << 62) + 1 << 1
+        token = self._next_token("put")
 
         def put_and_flag(value: int) -> None:
             raw.put(peer, 0, buf)
@@ -149,13 +139,13 @@ class Bench:
             else:
                 put_and_flag(token | 1)
 
-    def ls_rtt(self, buf: np.ndarray, i: int, one_way: bool = False) -> None:
+    def ls_rtt(self, buf: np.ndarray, one_way: bool = False) -> None:
         """The raw load/store ping-pong: no DieMemory call, only numpy and Win.Sync."""
         win, peer = self.shared.win, self.peer
         theirs, mine = self.shared.views[peer], self.shared.words
         flag = self.flag // 8
         their_words = theirs.view(np.uint64)
-        token = i % (1 << 62) + 1 << 1
+        token = self._next_token("ls")
 
         def store_and_flag(value: int, data: bool = True) -> None:
             if data:
@@ -214,12 +204,12 @@ class Bench:
             got[f"bw_{path}"] = nbytes / self.timed(
                 lambda i, p2p=p2p: self.xccl_one_way(p2p, buf, cores), iters
             )
-        got["rtt_put"] = self.timed(lambda i: self.put_rtt(buf, i), iters)
-        got["rtt_ls"] = self.timed(lambda i: self.ls_rtt(buf, i), iters)
+        got["rtt_put"] = self.timed(lambda i: self.put_rtt(buf), iters)
+        got["rtt_ls"] = self.timed(lambda i: self.ls_rtt(buf), iters)
         got["rtt_sendrecv"] = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
         got["rtt_floor"] = self.floor.measure(self.timed, buf, iters)
-        got["bw_put"] = nbytes / self.timed(lambda i: self.put_rtt(buf, i + 1000, True), iters)
-        got["bw_ls"] = nbytes / self.timed(lambda i: self.ls_rtt(buf, i + 1000, True), iters)
+        got["bw_put"] = nbytes / self.timed(lambda i: self.put_rtt(buf, True), iters)
+        got["bw_ls"] = nbytes / self.timed(lambda i: self.ls_rtt(buf, True), iters)
         got["proj_ns"] = self.projected_send_ns(buf, cores)
         return got
 
