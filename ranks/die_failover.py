@@ -25,6 +25,7 @@ from mpi4py import MPI
 from xccl.ep import EpBuffer
 from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
+from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 
@@ -67,6 +68,7 @@ def scale_down(die, failover: Failover) -> None:
     die.dies = survivors
     die.recompute.regroup(survivors)  # its votes too (faults.on_timeout recompute)
     die.is_scaled = True
+    die.pricer.rescale(num_routed_dies_left(die.topo, failover.lost))
     if failover.eplb_placement is not None:  # Step 3
         die.eplb.take_over(failover.eplb_placement, failover.eplb_version)
     else:
@@ -77,6 +79,14 @@ def scale_down(die, failover: Failover) -> None:
         expert_map.install(placement)
     ready = Ready(die=world.rank, num_batches=die.outbox.num_batches)  # Step 4
     world.send(ready, dest=die.health.shell, tag=TAG_FAILOVER_READY)
+
+
+def num_routed_dies_left(topo, lost: tuple[int, ...]) -> int:
+    """The dies hosting routed slots (make_pricer's count) without the lost ones: the EP size
+    the cost model prices dispatch/combine and the experts over after the scaling."""
+    slots = ExpertSlots.from_topology(topo)
+    owners = {int(rank) for rank in slots.slot_owner[: slots.num_routed_slots]}
+    return len(owners - set(lost))
 
 
 def with_dies(placement: Placement, topo) -> Placement:

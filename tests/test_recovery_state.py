@@ -37,6 +37,26 @@ def price_some_work(p: Pricer) -> None:
     p.combine(2)
 
 
+def test_after_vertical_scaling_ep_is_priced_over_the_dies_left():
+    from harness import REPO_ROOT
+
+    from ranks.die_failover import num_routed_dies_left
+    from xds_mpi.config import load_config
+    from xds_mpi.topology import Topology
+
+    topo = Topology.from_config(load_config(REPO_ROOT / "configs" / "colocated.yaml"))
+    assert num_routed_dies_left(topo, ()) == 4 and num_routed_dies_left(topo, (2,)) == 3
+    scaled, before, fresh = pricer(), pricer(), pricer()
+    scaled.rescale(3)
+    fresh.__init__(fresh.cost, ModelConfig(), VirtualClock(), num_routed_dies=3, use_int8=True)
+    for p in (scaled, before, fresh):
+        price_some_work(p)
+    assert dict(scaled.spent) == dict(fresh.spent)  # as if built for 3 dies
+    for op in ("dispatch", "experts", "combine"):  # fewer peers, more experts per die
+        assert scaled.spent[op] != before.spent[op], op
+    assert scaled.spent["attention"] == before.spent["attention"]
+
+
 def test_the_clock_goes_back_only_by_restore():
     clock = VirtualClock(100.0)
     start = clock.snapshot()

@@ -35,10 +35,16 @@ class Pricer:
         self.moe_scale = (big.num_layers - big.num_dense_layers) / tiny_moe
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
-        self.experts_per_die = max(1, round(big.num_routed_experts / num_routed_dies))
-        self.num_peers = num_routed_dies
+        self.rescale(num_routed_dies)
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
+
+    def rescale(self, num_routed_dies: int) -> None:
+        """Price EP over `num_routed_dies` dies hosting routed experts (the cost shape's experts
+        spread over them, dispatch/combine with as many peers): at start, and after vertical
+        scaling left fewer (ranks/die_failover.py)."""
+        self.experts_per_die = max(1, round(self.cost.m.num_routed_experts / num_routed_dies))
+        self.num_peers = num_routed_dies
 
     @contextmanager
     def mtp_layer(self):
