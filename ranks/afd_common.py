@@ -150,10 +150,8 @@ class AfdDieBase:
         rows = afd.agreement.agree(
             (num_active, 1 if is_running else 0), interrupt=fence, timeout_s=timeout_s
         )
-        group, attention = afd.layout.group_size, afd.layout.attention
-        domain_of = {rank: i // group for i, rank in enumerate(attention) if rank >= 0}
-        members = afd.agreement.members
-        busy = sorted({domain_of[members[i]] for i in np.flatnonzero(rows[:, 0])})
+        domains = afd.layout.member_domains  # expert dies bring 0 requests
+        busy = sorted({domains[i] for i in np.flatnonzero(rows[:, 0])})
         if busy:
             self.idle.busy()
         else:

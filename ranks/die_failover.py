@@ -84,9 +84,7 @@ def scale_down(die, failover: Failover) -> None:
 def num_routed_dies_left(topo, lost: tuple[int, ...]) -> int:
     """The dies hosting routed slots (make_pricer's count) without the lost ones: the EP size
     the cost model prices dispatch/combine and the experts over after the scaling."""
-    slots = ExpertSlots.from_topology(topo)
-    owners = {int(rank) for rank in slots.slot_owner[: slots.num_routed_slots]}
-    return len(owners - set(lost))
+    return len(ExpertSlots.from_topology(topo).routed_dies - set(lost))
 
 
 def with_dies(placement: Placement, topo) -> Placement:

@@ -61,15 +61,14 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None):
 
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
     trace.set_clock(clock)
-    owners = slots.slot_owner[: slots.num_routed_slots]
-    args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(set(owners)))
+    args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:
         return Pricer(cost, cfg.model, clock, **args)
     from xds_mpi.engine.afd_pricing import AfdPricer
     from xds_mpi.projection_layers import AfdHops, counts
 
     hops = AfdHops.of(cfg, counts(cfg, afd_topo))
-    here = sum(1 for owner in owners if owner == rank)
+    here = slots.slot_owner[: slots.num_routed_slots].count(rank)
     return AfdPricer(cost, cfg.model, clock, hops=hops, num_routed_slots_here=here, **args)
 
 

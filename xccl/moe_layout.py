@@ -192,6 +192,13 @@ class AfdLayout:
         the expert dies; a lost attention die (-1, ranks/afd_failover.py) is none of them."""
         return tuple(r for r in (*self.attention, *self.experts) if r >= 0)
 
+    @cached_property
+    def member_domains(self) -> tuple[int, ...]:
+        """Per member (`members`, in order): its DP domain, -1 for an expert die."""
+        group = self.group_size
+        domains = [i // group for i, rank in enumerate(self.attention) if rank >= 0]
+        return (*domains, *(-1 for rank in self.experts if rank >= 0))
+
     def role_of(self, rank: int) -> str:
         if rank in self.attention:
             return "attention"

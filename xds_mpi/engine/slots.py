@@ -42,6 +42,12 @@ class ExpertSlots:
         shared-expert dies (spread by token)."""
         return tuple(self.shared_slot_of.values())
 
+    @property
+    def routed_dies(self) -> frozenset[int]:
+        """The ranks hosting routed slots: the EP size the cost model prices (ranks/die_parts.py
+        make_pricer; after a loss, without the lost ranks: ranks/die_failover.py)."""
+        return frozenset(int(rank) for rank in self.slot_owner[: self.num_routed_slots])
+
     def is_routed(self, slot: int) -> bool:
         return slot < self.num_routed_slots
 
