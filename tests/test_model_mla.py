@@ -88,3 +88,48 @@ def test_rolled_back_positions_are_overwritten(mla):
     table.append(0, 4)
     out = mla(x[8:], torch.arange(8, 12), [_chunk(table, 0, 8, 4)], cache, 0)
     torch.testing.assert_close(out, mla.naive_forward(x)[8:], **TOL)
+
+
+def _einsum_attention(mla, x, positions, chunks, cache):
+    """MLA.forward as einsums, the form its batched matmuls replace."""
+    q_nope, q_rope = mla.project_q(x, positions)
+    c_kv, k_rope = mla.project_latent(x, positions)
+    cache.write(0, torch.cat([c.write_slots for c in chunks]), c_kv, k_rope)
+    w_uk, w_uv = mla.up_projections()
+    q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+    outputs, row = [], 0
+    for chunk in chunks:
+        rows = slice(row, row + chunk.num_tokens)
+        latent, rope_key = cache.latent[0, chunk.slots], cache.rope_key[0, chunk.slots]
+        scores = (
+            torch.einsum("nhc,tc->nht", q_latent[rows], latent)
+            + torch.einsum("nhr,tr->nht", q_rope[rows], rope_key)
+        ) * mla.scale
+        query_pos = torch.arange(chunk.start_pos, chunk.start_pos + chunk.num_tokens)
+        key_pos = torch.arange(chunk.start_pos + chunk.num_tokens)
+        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[:, None, None], -torch.inf)
+        outputs.append(torch.einsum("nht,tc->nhc", scores.softmax(-1), latent))
+        row += chunk.num_tokens
+    o = torch.einsum("nhc,hvc->nhv", torch.cat(outputs), w_uv)
+    return mla.wo(o.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("schedule", [[29, 1, 1, 1], [1] * 6, [3, 7, 1, 2]])
+def test_forward_gives_the_einsum_forms_numbers_bit_for_bit(mla, schedule):
+    """The forward calls the batched matmuls einsum makes, without einsum's planning: the
+    served runs' tokens must not move, so the numbers must be the very same."""
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(sum(schedule), 128, generator=gen, dtype=torch.float64) for _ in range(2)]
+    table = BlockTable(num_blocks=32, block_tokens=4)
+    caches = _new_cache(mla, table), _new_cache(mla, table)
+    start = 0
+    for num_new in schedule:
+        chunks = []
+        for seq_id in (0, 1):
+            table.append(seq_id, num_new) if table.has(seq_id) else table.allocate(seq_id, num_new)
+            chunks.append(_chunk(table, seq_id, start, num_new))
+        x = torch.cat([xs[0][start : start + num_new], xs[1][start : start + num_new]])
+        positions = torch.arange(start, start + num_new).repeat(2)
+        fast = mla(x, positions, chunks, caches[0], 0)
+        assert torch.equal(fast, _einsum_attention(mla, x, positions, chunks, caches[1]))
+        start += num_new

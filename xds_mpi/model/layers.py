@@ -53,15 +53,25 @@ class Rotary:
         self.max_seq_len = max_seq_len
         self.cos = angles.cos().to(dtype)  # [max_seq_len, dim / 2]
         self.sin = angles.sin().to(dtype)
+        # The last positions tensor's (cos, sin) rows: every layer's queries and keys of one
+        # forward rotate by the same positions, so the rows are gathered once per forward.
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [rows] int64 -> (cos [rows, dim / 2], sin [rows, dim / 2])"""
+        if self._last is None or self._last[0] is not positions:
+            if positions.numel() and int(positions.max()) >= self.max_seq_len:
+                raise ValueError(
+                    f"position {int(positions.max())} is beyond model.max_seq_len"
+                    f"({self.max_seq_len})"
+                )
+            self._last = (positions, self.cos[positions], self.sin[positions])
+        return self._last[1], self._last[2]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [rows, ..., dim], positions: [rows] int64 -> x rotated by each row's position."""
-        if positions.numel() and int(positions.max()) >= self.max_seq_len:
-            raise ValueError(
-                f"position {int(positions.max())} is beyond model.max_seq_len({self.max_seq_len})"
-            )
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
-        cos = self.cos[positions].view(shape)
-        sin = self.sin[positions].view(shape)
+        cos, sin = self._rows(positions)
+        cos, sin = cos.view(shape), sin.view(shape)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
