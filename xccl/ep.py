@@ -76,6 +76,8 @@ class EpBuffer:
         self.member_of_rank[list(self.members)] = np.arange(len(self.members))
         self.slot_owner = np.asarray(slot_owner, np.int64)  # [num slots] -> rank
         self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
+        self.local_index = np.full(len(self.slot_owner), -1, np.int64)  # slot -> local position
+        self.local_index[list(self.local_slots)] = np.arange(len(self.local_slots))
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
@@ -156,16 +158,17 @@ class EpBuffer:
         src_member = np.repeat(np.arange(len(self.members)), recv_counts)  # [R] as pulled
         perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
         src_rank = np.asarray(self.members, np.int64)[src_member]
-        if len(index) and not np.isin(index["slot"], self.local_slots).all():
+        slots = index["slot"].astype(np.int64)
+        in_range = (slots >= 0) & (slots < len(self.local_index))
+        local = np.where(in_range, self.local_index[np.where(in_range, slots, 0)], -1)
+        if (local < 0).any():
             raise XcclError(
                 f"die rank {self.me}: dispatch event {event_id} delivered rows for "
-                f"slots {sorted(set(index['slot']) - set(self.local_slots))} this "
-                "die does not host"
+                f"slots {sorted(set(slots[local < 0].tolist()))} this die does not host"
             )
-        slots = index["slot"]
         return perm, DispatchInfo(
             local_slots=self.local_slots,
-            num_rows_per_slot=np.array([(slots == s).sum() for s in self.local_slots], np.int64),
+            num_rows_per_slot=np.bincount(local, minlength=len(self.local_slots)),
             src_rank=src_rank[perm],
             src_token=index["token"][perm].astype(np.int64),
             src_column=index["column"][perm].astype(np.int64),

@@ -73,10 +73,10 @@ class EpRows:
         dest = np.empty(num_rows, np.int64)
         dest[perm] = np.arange(num_rows)  # where each pulled row goes
         member = np.repeat(np.arange(len(self.members)), counts)
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        source_row = np.repeat(np.asarray(offsets, np.int64), counts) + np.arange(num_rows) - first
+        first = np.cumsum(counts) - counts  # [members] each member's first pulled row
+        source_row = np.arange(num_rows) + np.repeat(np.asarray(offsets, np.int64) - first, counts)
         cut = np.flatnonzero((np.diff(dest) != 1) | (np.diff(member) != 0)) + 1
-        starts, ends = np.r_[0, cut], np.r_[cut, num_rows]
+        starts, ends = np.concatenate(([0], cut)), np.concatenate((cut, [num_rows]))
         for a, b, m, src, dst in zip(
             starts.tolist(),
             ends.tolist(),

@@ -3,9 +3,25 @@ column of a token goes to, the combine weights, and the weighted sum of the retu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=256)
+def _replicas(log2phy: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(replicas [E, max R] physical slots, -1 padded; num_replicas [E]) of a placement, kept
+    while the placement is in use (a MoE layer's log2phy changes only at an EPLB swap)."""
+    num_replicas = np.array([len(r) for r in log2phy], np.int64)  # [E]
+    replicas = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)  # [E, max R]
+    for expert, slots in enumerate(log2phy):
+        replicas[expert, : len(slots)] = slots
+    return replicas, np.maximum(num_replicas, 1)
+
+
+def _replicas_of(log2phy: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    return _replicas(tuple(map(tuple, log2phy)))
 
 
 def rotation_table(
@@ -15,15 +31,11 @@ def rotation_table(
 
     Column e rotates over expert e's replicas by position: row t takes replica
     (src_rank + t) mod replicas (§4.5 step 4). The die's rank shifts the start so that dies with
-    one token each do not all pick the first replica. Built once per batch, applied by a gather.
+    one token each do not all pick the first replica.
     """
-    num_replicas = np.array([len(r) for r in log2phy], np.int64)  # [E]
-    replicas = np.full((len(log2phy), max(num_replicas, default=1)), -1, np.int64)  # [E, max R]
-    for expert, slots in enumerate(log2phy):
-        replicas[expert, : len(slots)] = slots
+    replicas, num_replicas = _replicas_of(log2phy)
     position = src_rank + np.arange(num_tokens)[:, None]  # [T, 1]
-    pick = position % np.maximum(num_replicas, 1)[None, :]  # [T, E]
-    return replicas[np.arange(len(log2phy))[None, :], pick]  # [T, E]
+    return replicas[np.arange(len(log2phy))[None, :], position % num_replicas[None, :]]  # [T, E]
 
 
 def select_slots(
@@ -34,14 +46,15 @@ def select_slots(
 ) -> np.ndarray:
     """[T, K] logical experts (-1 = none) -> [T, C] physical slots (-1 = none).
 
-    The rotation table [T, E] gathered at topk_idx: spread over replicas by position, no
-    communication (§4.5 step 4). With dedicated shared-expert slots, column K is slot
-    shared_slots[(src_rank + token) mod len(shared_slots)].
+    The rotation table's entries at topk_idx (computed for those entries only): spread over
+    replicas by position, no communication (§4.5 step 4). With dedicated shared-expert slots,
+    column K is slot shared_slots[(src_rank + token) mod len(shared_slots)].
     """
     num_tokens, top_k = topk_idx.shape
-    table = rotation_table(log2phy, num_tokens, src_rank)  # [T, E]
-    phy = np.take_along_axis(table, np.where(topk_idx >= 0, topk_idx, 0), axis=1)  # [T, K]
-    phy = np.where(topk_idx >= 0, phy, -1)
+    replicas, num_replicas = _replicas_of(log2phy)
+    expert = np.where(topk_idx >= 0, topk_idx, 0)  # [T, K]
+    position = src_rank + np.arange(num_tokens)[:, None]  # [T, 1]
+    phy = np.where(topk_idx >= 0, replicas[expert, position % num_replicas[expert]], -1)
     if shared_slots:
         token = np.arange(num_tokens)
         shared = np.asarray(shared_slots)[(src_rank + token) % len(shared_slots)]
