@@ -22,6 +22,7 @@ from launch.serve_stats import RANK_STATS_ENV
 from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path
 from xccl.mpi_time import MPI_TIME
+from xccl.wake import set_wait_mode
 from xds_mpi import emulator_runtime, trace
 from xds_mpi.config import load_config
 from xds_mpi.plan import DeploymentPlan
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
     core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
     node.Free()
     if core is not None:

@@ -24,7 +24,7 @@ multi-node pod takes, so the tests that run on two hosts check it was really tak
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -41,6 +41,7 @@ from xccl.gmem_paths import (
     same_node_table,
 )
 from xccl.mpi_time import timed
+from xccl.wake import WakeWords
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -95,6 +96,10 @@ class DieMemory:
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
         self._view_words = tuple(None if v is None else v.view(WORD) for v in self.views)
         self._has_rma_peer = any(v is None for v in self.views)
+        # Sleeping waits on this node (xccl/wake.py): every rank's wake words, their own window.
+        self.wake_words = WakeWords(
+            comm, lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path)
+        )
         if poll_idiom == "load" and not all(self.is_same_node):
             # A local load never sees a write from another node (docs/mpi.md): it would hang.
             far = [r for r, same in enumerate(self.is_same_node) if not same]
@@ -250,6 +255,21 @@ class DieMemory:
         """Which path reaches which peer, e.g. 'load/store to ranks [0, 1], rma to ranks [2]'."""
         return describe_paths(self.views)
 
+    # -- sleeping waits (xccl/wake.py) -----------------------------------------------------------
+    def wake(self, peers: Sequence[int]) -> None:
+        """After ringing doorbells in `peers`' windows and flushing: wake those asleep."""
+        self.wake_words.wake(peers)
+
+    def sleeper(
+        self, writers: Sequence[int], is_ready: Callable[[], bool], missing: Callable[[], int]
+    ):
+        """For `poll_until(park=...)`: a sleep until `missing()` (a writer the wait still
+        misses) wakes this die, or None when the wait must spin (xccl.wait, or a writer that
+        cannot wake this die)."""
+        if not self.wake_words.can_sleep_on(writers):
+            return None
+        return lambda: self.wake_words.park(is_ready, missing())
+
     def sync(self) -> None:
         """Memory barrier between RMA writes by peers and local loads of this window."""
         self._win.Sync()
@@ -268,6 +288,7 @@ class DieMemory:
         PROCESS_TRAFFIC.add(self.traffic)
         self.win.Unlock_all()
         self.win.Free()
+        self.wake_words.free()
         self.views = (None,) * len(self.sizes)  # the peers' memory is gone with the window
         self._view_words = self.views
         self.local = np.zeros(0, np.uint8)

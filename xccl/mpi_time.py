@@ -80,8 +80,11 @@ def poll_until(
     deadline: float,
     describe: Callable[[], str],
     interrupt: Callable[[], None] | None = None,
+    park: Callable[[], None] | None = None,
 ) -> None:
-    """Spin on `ready()` yielding the CPU between tries; raise XcclTimeout after `deadline`.
+    """Spin on `ready()` yielding the CPU between tries, or with `park` sleeping in it
+    (`DieMemory.sleeper`, a bounded sleep until a writer wakes us); raise XcclTimeout after
+    `deadline`.
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
     A condition that holds at the first try is no wait: it returns before any of the set-up.
@@ -94,4 +97,7 @@ def poll_until(
                 interrupt()
             if time.monotonic() > deadline:
                 raise XcclTimeout(describe())
-            os.sched_yield()
+            if park is None:
+                os.sched_yield()
+            else:
+                park()

@@ -209,6 +209,9 @@ class XcclConfig:
     # How a die reaches a same-node peer's window: "auto" = load/store where MPI exposes the
     # peer's memory, RMA elsewhere; "rma" = RMA always (xccl/gmem_paths.py).
     memory_path: Literal["auto", "rma"] = "auto"
+    # How a die waits for same-node peers' doorbells: "auto" = sleeps on a futex when the node
+    # has more ranks than cores, else spins; "sleep" / "spin" = always (xccl/wake.py).
+    wait: Literal["auto", "sleep", "spin"] = "auto"
 
     def __post_init__(self) -> None:
         positive(

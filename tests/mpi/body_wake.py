@@ -1,0 +1,101 @@
+"""Sleeping waits (xccl/wake.py): the writer a waiter names wakes it; the records and the
+agreement still deliver every round when every wait sleeps."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from xccl import records, wake
+from xccl.agreement import WindowAgreement
+from xccl.gmem import DieMemory
+from xccl.moe_layout import EpLayout
+from xccl.mpi_time import poll_until
+from xccl.records import ROWS_RECORD, Expected, RecordAt
+
+comm = MPI.COMM_WORLD
+ROUNDS = 200
+
+
+@pytest.fixture
+def sleeping_mem():
+    """A window whose waits sleep on every same-node writer (xccl.wait: sleep)."""
+    mem = DieMemory(comm, 4096)
+    mem.wake_words.sleeps = wake.futex_available()
+    yield mem
+    comm.Barrier()
+    mem.free()
+
+
+def test_the_named_writer_wakes_a_sleeper_long_before_its_sleep_ends(sleeping_mem, monkeypatch):
+    """Rank 0 sleeps naming rank 1, which rings 0.3 s later. With each sleep 30 s long, only
+    the wake can end the wait in time: a lost or misdirected wake would take 30 s."""
+    mem = sleeping_mem
+    if not wake.futex_available():
+        pytest.skip("no futex on this platform: waits spin")
+    monkeypatch.setattr(wake, "PARK_S", 30.0)
+    comm.Barrier()
+    if comm.rank == 1:
+        time.sleep(0.3)
+        mem.store_word(0, 0, 7)
+        mem.flush(0)
+        mem.wake([0])
+    elif comm.rank == 0:
+
+        def rang() -> bool:
+            return mem.load_word(0, 1) == 7
+
+        start = time.monotonic()
+        poll_until(
+            rang,
+            deadline=start + 60,
+            describe=lambda: "rank 0: no word from rank 1",
+            park=mem.sleeper([1], rang, lambda: 1),
+        )
+        assert time.monotonic() - start < 10
+
+
+def test_records_deliver_every_round_while_every_wait_sleeps(sleeping_mem):
+    """All-to-all records for ROUNDS rounds, every reader asleep between doorbells: each round's
+    bodies carry that round's event and counts (a stale or lost record would show)."""
+    mem = sleeping_mem
+    me, size = comm.rank, comm.size
+    offset = lambda writer: writer * records.RECORD_BYTES  # noqa: E731 - writer's record in a window
+    targets = [RecordAt(peer, offset(me)) for peer in range(size)]
+    sources = [RecordAt(writer, offset(writer)) for writer in range(size)]
+    for round_ in range(1, ROUNDS + 1):
+        if (me + round_) % size == 0:
+            time.sleep(0.002)  # someone is late every round: the others sleep
+        bodies = np.zeros(size, ROWS_RECORD)
+        bodies["event_id"], bodies["count"] = round_, [me * 1000 + round_ + p for p in range(size)]
+        records.publish(mem, targets, bodies, round_)
+        expected = Expected(stage="test", event_id=round_, doorbell=round_, call=f"round {round_}")
+        got = records.wait(mem, sources, expected, ROWS_RECORD, timeout_s=60, interrupt=None)
+        assert got["count"].tolist() == [w * 1000 + round_ + me for w in range(size)]
+        comm.Barrier()  # nobody overwrites a record before every reader took it
+
+
+def test_the_agreement_agrees_every_round_while_every_wait_sleeps():
+    layout = EpLayout(
+        members=tuple(range(comm.size)),
+        base=(0,) * comm.size,
+        hidden=8,
+        max_tokens=2,
+        num_columns=1,
+        itemsize=8,
+        use_int8=False,
+    )
+    mem = DieMemory(comm, layout.area_bytes())
+    mem.wake_words.sleeps = wake.futex_available()
+    agreement = WindowAgreement(mem, layout, timeout_s=60)
+    for round_ in range(1, ROUNDS + 1):
+        if (comm.rank + round_) % comm.size == 0:
+            time.sleep(0.002)
+        rows = agreement.agree((comm.rank * round_, round_ % 3))
+        assert rows[:, 0].tolist() == [r * round_ for r in range(comm.size)]
+        assert (rows[:, 1] == round_ % 3).all()
+    comm.Barrier()
+    mem.free()
