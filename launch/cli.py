@@ -67,6 +67,15 @@ def describe_memory_path(path: str) -> str:
     )
 
 
+def describe_wait(mode: str) -> str:
+    """validate's line on how dies wait for their peers' doorbells (xccl/wake.py)."""
+    return {
+        "auto": "waits: auto: sleep on a futex when a node runs more ranks than cores, else spin",
+        "sleep": "waits: sleep (forced) on a futex, woken by the writer waited for",
+        "spin": "waits: spin (forced), yielding the CPU between polls",
+    }[mode]
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     path, plan = _load(args)
     cfg, topo, windows = plan.cfg, plan.topo, plan.window_bytes
@@ -76,6 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
     print(describe_memory_path(cfg.xccl.memory_path))
+    print(describe_wait(cfg.xccl.wait))
     if plan.pd is not None:
         print(describe_pd(plan))
     if not args.brief:

@@ -65,6 +65,7 @@ def test_yaml_values_land_in_their_sections(tmp_path):
         ({"deployment": {"num_dp_domains": 2}}, "num_dp_domains must be 1 for a colocated"),
         ({"deployment": {"shared_experts": "dedicated"}}, "num_shared_expert_dies must be > 0"),
         ({"xccl": {"slot_bytes": 0}}, "xccl.slot_bytes must be > 0, got 0"),
+        ({"xccl": {"wait": "nap"}}, "xccl.wait must be one of 'auto', 'sleep', 'spin'"),
         (
             {"workload": {"prompt_len": 100}},
             "max_prompt_len(64) must be >= workload.prompt_len(100)",

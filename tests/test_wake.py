@@ -1,0 +1,41 @@
+"""How a process decides whether its waits sleep (xccl/wake.py; the waits themselves are
+tested in tests/mpi/body_wake.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from xccl import wake
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_decision():
+    yield
+    wake._sleeps = None
+
+
+def test_auto_sleeps_only_with_more_ranks_than_cores():
+    if not wake.futex_available():
+        pytest.skip("no futex here: every mode spins")
+    cores = len(os.sched_getaffinity(0))
+    assert wake.set_wait_mode("auto", local_ranks=cores + 1) is True
+    assert wake.set_wait_mode("auto", local_ranks=cores) is False
+    assert wake.set_wait_mode("sleep", local_ranks=1) is True
+    assert wake.set_wait_mode("spin", local_ranks=cores + 100) is False
+    assert wake.sleeps() is False  # the decision stays for the process
+
+
+def test_without_a_decision_the_environment_decides(monkeypatch):
+    if not wake.futex_available():
+        pytest.skip("no futex here: every mode spins")
+    monkeypatch.setenv(wake.WAIT_ENV, "sleep")
+    assert wake.sleeps() is True
+    monkeypatch.setenv(wake.WAIT_ENV, "spin")
+    assert wake.sleeps() is False
+
+
+def test_an_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"xccl.wait must be one of \['auto', 'sleep', 'spin'\]"):
+        wake.set_wait_mode("nap", local_ranks=1)
