@@ -72,7 +72,7 @@ def describe_wait(mode: str) -> str:
     return {
         "auto": "waits: auto: sleep on a futex when a node runs more ranks than cores, else spin",
         "sleep": "waits: sleep (forced) on a futex, woken by the writer waited for",
-        "spin": "waits: spin (forced), yielding the CPU between polls",
+        "spin": "waits: spin (the default), yielding the CPU between polls",
     }[mode]
 
 

@@ -22,9 +22,10 @@ writer read the peer's target before its own stores are visible, and so read a t
 waiter has just replaced; that waiter then sleeps out PARK_S and looks again. Writers on
 another node (RMA) cannot reach the futex, so a wait that includes one keeps spinning.
 
-`xccl.wait` (config; XDS_WAIT for the test bodies): "spin" never sleeps, "sleep" sleeps
-whenever every awaited writer can wake it, "auto" (the default) sleeps only when the node runs
-more ranks than this process may use cores (docs/mpi.md §4 has the measurements).
+`xccl.wait` (config; XDS_WAIT for the test bodies): "spin" (the config's default) never
+sleeps, "sleep" sleeps whenever every awaited writer can wake it, "auto" (the test bodies'
+default) sleeps only when the node runs more ranks than this process may use cores
+(docs/mpi.md §4 has the measurements).
 """
 
 from __future__ import annotations

@@ -209,9 +209,11 @@ class XcclConfig:
     # How a die reaches a same-node peer's window: "auto" = load/store where MPI exposes the
     # peer's memory, RMA elsewhere; "rma" = RMA always (xccl/gmem_paths.py).
     memory_path: Literal["auto", "rma"] = "auto"
-    # How a die waits for same-node peers' doorbells: "auto" = sleeps on a futex when the node
-    # has more ranks than cores, else spins; "sleep" / "spin" = always (xccl/wake.py).
-    wait: Literal["auto", "sleep", "spin"] = "auto"
+    # How a die waits for same-node peers' doorbells (xccl/wake.py): "spin" polls, yielding
+    # between tries; "sleep" sleeps on a futex until the writer it names wakes it; "auto" sleeps
+    # when the node has more ranks than cores. Spin by default: sleeping was slower on the main
+    # job and faster only at larger batches and 16 dies (docs/mpi.md §4).
+    wait: Literal["auto", "sleep", "spin"] = "spin"
 
     def __post_init__(self) -> None:
         positive(
