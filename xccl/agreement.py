@@ -60,7 +60,7 @@ class WindowAgreement:
         for rank in self.members:
             self.mem.store_word(rank, self._slot(rank, bank, self.me_idx) + _ROUND_AT, word)
         self.mem.flush_all()
-        self.mem.wake(self.members)
+        self.mem.wake_words.wake(self.members)
         self._wait(bank, word, interrupt, self.timeout_s if timeout_s is None else timeout_s)
         start = self._slot(self.mem.rank, bank, 0) // WORD.itemsize
         slots = self.mem.words[start : start + len(self.members) * _SLOT_WORDS]
@@ -82,7 +82,9 @@ class WindowAgreement:
             all_arrived,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
-            park=self.mem.sleeper(self.members, all_arrived, lambda: self.members[pending[0]]),
+            park=self.mem.wake_words.sleeper(
+                self.members, all_arrived, lambda: self.members[pending[0]]
+            ),
             describe=lambda: (
                 f"die rank {self.mem.rank}: agreement round {self.round}: no word from "
                 f"rank(s) {[self.members[i] for i in pending]} after {timeout_s:g} s"

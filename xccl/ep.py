@@ -75,9 +75,10 @@ class EpBuffer:
         self.member_of_rank = np.full(max(self.members) + 1, -1, np.int64)
         self.member_of_rank[list(self.members)] = np.arange(len(self.members))
         self.slot_owner = np.asarray(slot_owner, np.int64)  # [num slots] -> rank
-        self.local_slots = tuple(int(s) for s in np.flatnonzero(self.slot_owner == mem.rank))
-        self.local_index = np.full(len(self.slot_owner), -1, np.int64)  # slot -> local position
-        self.local_index[list(self.local_slots)] = np.arange(len(self.local_slots))
+        is_local = self.slot_owner == mem.rank
+        self.local_slots = tuple(int(s) for s in np.flatnonzero(is_local))
+        # slot -> position in local_slots, -1 if not ours; the appended -1 answers any other slot
+        self.local_index = np.append(np.where(is_local, np.cumsum(is_local) - 1, -1), -1)
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
@@ -153,14 +154,11 @@ class EpBuffer:
     def _dispatch_info(
         self, event_id: int, index: np.ndarray, recv_counts: np.ndarray
     ) -> tuple[np.ndarray, DispatchInfo]:
-        """The pulled rows' order by slot, perm [R], and their origins in that order; refuses rows
-        for slots we do not host."""
+        """perm [R]: the pulled rows in slot order, and their origins; refuses slots not ours."""
         src_member = np.repeat(np.arange(len(self.members)), recv_counts)  # [R] as pulled
         perm = np.lexsort((index["column"], index["token"], src_member, index["slot"]))
-        src_rank = np.asarray(self.members, np.int64)[src_member]
         slots = index["slot"].astype(np.int64)
-        in_range = (slots >= 0) & (slots < len(self.local_index))
-        local = np.where(in_range, self.local_index[np.where(in_range, slots, 0)], -1)
+        local = self.local_index[np.where((slots >= 0) & (slots < len(self.slot_owner)), slots, -1)]
         if (local < 0).any():
             raise XcclError(
                 f"die rank {self.me}: dispatch event {event_id} delivered rows for "
@@ -169,7 +167,7 @@ class EpBuffer:
         return perm, DispatchInfo(
             local_slots=self.local_slots,
             num_rows_per_slot=np.bincount(local, minlength=len(self.local_slots)),
-            src_rank=src_rank[perm],
+            src_rank=np.asarray(self.members, np.int64)[src_member[perm]],
             src_token=index["token"][perm].astype(np.int64),
             src_column=index["column"][perm].astype(np.int64),
         )
@@ -193,9 +191,8 @@ class EpBuffer:
         counts = bodies["count"].astype(np.int64)
         if not np.array_equal(counts, handle.send_counts):
             raise XcclError(
-                f"die rank {self.me}: combine event {handle.event_id} returns "
-                f"{counts.tolist()} rows per die, dispatch sent "
-                f"{handle.send_counts.tolist()}"
+                f"die rank {self.me}: combine event {handle.event_id} returns {counts.tolist()} "
+                f"rows per die, dispatch sent {handle.send_counts.tolist()}"
             )
         outs = self.rows.pull_combine(counts, bodies["offset"].astype(np.int64))
         self._pull_time(outs.nbytes)

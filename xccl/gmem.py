@@ -24,7 +24,7 @@ multi-node pod takes, so the tests that run on two hosts check it was really tak
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -96,7 +96,8 @@ class DieMemory:
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
         self._view_words = tuple(None if v is None else v.view(WORD) for v in self.views)
         self._has_rma_peer = any(v is None for v in self.views)
-        # Sleeping waits on this node (xccl/wake.py): every rank's wake words, their own window.
+        # Sleeping waits on this node (xccl/wake.py): every rank's wake words, their own window;
+        # writers call wake_words.wake after ringing doorbells, waits park in wake_words.sleeper.
         self.wake_words = WakeWords(
             comm, lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path)
         )
@@ -254,21 +255,6 @@ class DieMemory:
     def describe_paths(self) -> str:
         """Which path reaches which peer, e.g. 'load/store to ranks [0, 1], rma to ranks [2]'."""
         return describe_paths(self.views)
-
-    # -- sleeping waits (xccl/wake.py) -----------------------------------------------------------
-    def wake(self, peers: Sequence[int]) -> None:
-        """After ringing doorbells in `peers`' windows and flushing: wake those asleep."""
-        self.wake_words.wake(peers)
-
-    def sleeper(
-        self, writers: Sequence[int], is_ready: Callable[[], bool], missing: Callable[[], int]
-    ):
-        """For `poll_until(park=...)`: a sleep until `missing()` (a writer the wait still
-        misses) wakes this die, or None when the wait must spin (xccl.wait, or a writer that
-        cannot wake this die)."""
-        if not self.wake_words.can_sleep_on(writers):
-            return None
-        return lambda: self.wake_words.park(is_ready, missing())
 
     def sync(self) -> None:
         """Memory barrier between RMA writes by peers and local loads of this window."""

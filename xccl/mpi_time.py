@@ -83,7 +83,7 @@ def poll_until(
     park: Callable[[], None] | None = None,
 ) -> None:
     """Spin on `ready()` yielding the CPU between tries, or with `park` sleeping in it
-    (`DieMemory.sleeper`, a bounded sleep until a writer wakes us); raise XcclTimeout after
+    (`WakeWords.sleeper`, a bounded sleep until a writer wakes us); raise XcclTimeout after
     `deadline`.
 
     `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.

@@ -60,14 +60,14 @@ class OutRecord:
             mem.sync()  # the body before the doorbell
             self._bell[0] = doorbell  # one aligned 8-byte store: atomic
             mem.sync()
-            mem.wake([peer])
+            mem.wake_words.wake([peer])
             return
         self._staged[0] = values
         mem.put(peer, self.at.offset + BODY_OFFSET, self._staged_bytes)
         mem.flush(peer)
         mem.store_word(peer, self.at.offset + DOORBELL_OFFSET, doorbell)
         mem.flush(peer)  # the word buffer is reused by the next store
-        mem.wake([peer])
+        mem.wake_words.wake([peer])
 
 
 class InRecord:

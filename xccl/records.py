@@ -106,7 +106,7 @@ def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray, doo
     for record in records:
         mem.store_word(record.peer, record.offset + DOORBELL_OFFSET, doorbell)
         mem.flush(record.peer)  # the word buffer is reused by the next store
-    mem.wake([record.peer for record in records])  # readers asleep in wait() (xccl/wake.py)
+    mem.wake_words.wake([record.peer for record in records])  # readers asleep in wait()
 
 
 def missing_peers(mem: DieMemory, records: Sequence[RecordAt], doorbell: int) -> list[int]:
@@ -189,7 +189,9 @@ def wait(
             all_rang,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
-            park=mem.sleeper([r.peer for r in records], all_rang, lambda: pending[0].peer),
+            park=mem.wake_words.sleeper(
+                (r.peer for r in records), all_rang, lambda: pending[0].peer
+            ),
             describe=lambda: (
                 f"{no_record(mem, expected, [r.peer for r in pending])} after {timeout_s:g} s"
             ),

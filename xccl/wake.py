@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, get_args
 
 import numpy as np
@@ -115,9 +115,15 @@ class WakeWords:
         self._stores = 0  # this rank's wake count: with its rank, the unique value it stores
         comm.Barrier()  # every word zeroed before anyone wakes
 
-    def can_sleep_on(self, writers: Sequence[int]) -> bool:
-        """May a wait for doorbells `writers` ring sleep (each of them can wake this rank)?"""
-        return self.sleeps and all(self.words[w] is not None for w in writers)
+    def sleeper(
+        self, writers: Iterable[int], is_ready: Callable[[], bool], missing: Callable[[], int]
+    ) -> Callable[[], None] | None:
+        """For `poll_until(park=...)`: a sleep until `missing()` (a writer the wait still
+        misses) wakes this rank, or None when the wait must spin (xccl.wait, or one of
+        `writers` cannot reach this rank's word)."""
+        if not self.sleeps or any(self.words[w] is None for w in writers):
+            return None
+        return lambda: self.park(is_ready, missing())
 
     def park(self, is_ready: Callable[[], bool], writer: int) -> None:
         """Sleep until `writer` (one the wait still misses) wakes this rank, at most PARK_S,
@@ -148,7 +154,7 @@ class WakeWords:
 
     def free(self) -> None:
         self.words = (None,) * len(self.words)
-        self.local = np.zeros(1, np.uint32)
+        self.local = np.zeros(2, np.uint32)
         self.win.Unlock_all()
         self.win.Free()
 

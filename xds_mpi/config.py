@@ -206,14 +206,9 @@ class XcclConfig:
     num_cores: int = 2  # AIV cores a transfer is split over
     poll_timeout_s: float = 60.0  # every wait raises after this long
     max_window_bytes: int = 1 << 30  # per-die cap on the RMA window
-    # How a die reaches a same-node peer's window: "auto" = load/store where MPI exposes the
-    # peer's memory, RMA elsewhere; "rma" = RMA always (xccl/gmem_paths.py).
+    # "auto": load/store to the same-node peers MPI exposes, else RMA; "rma": RMA (gmem_paths)
     memory_path: Literal["auto", "rma"] = "auto"
-    # How a die waits for same-node peers' doorbells (xccl/wake.py): "spin" polls, yielding
-    # between tries; "sleep" sleeps on a futex until the writer it names wakes it; "auto" sleeps
-    # when the node has more ranks than cores. Spin by default: sleeping was slower on the main
-    # job and faster only at larger batches and 16 dies (docs/mpi.md §4).
-    wait: Literal["auto", "sleep", "spin"] = "spin"
+    wait: Literal["auto", "sleep", "spin"] = "spin"  # xccl/wake.py; why spin: docs/mpi.md §4
 
     def __post_init__(self) -> None:
         positive(
