@@ -3,7 +3,10 @@
 Ranks pair up (0,1), (2,3), ...; every pair measures at once, so at 8 ranks the numbers include
 oversubscription. For each size and core count, in the same run:
   xccl   - round trip: A sends (sync: returns after the ack), B receives and sends back;
-           one way: a sync send of the whole message (until the ack), for bandwidth.
+           one way: a sync send of the whole message (until the ack), for bandwidth, received
+           into a private buffer (through the ring: two copies) and into window memory
+           ("direct": a message of more than one publication lands with one copy,
+           xccl/p2p_send.py).
            On both memory paths (xccl/gmem_paths.py): "ls" (load/store into the peer's window,
            what the default config uses on one node) and "rma" (Put/Get/atomics, as across nodes)
   put    - the raw-MPI baseline: Put data + Flush + one-word flag + Flush, peer polls the flag
@@ -36,13 +39,14 @@ comm = MPI.COMM_WORLD
 COLUMNS = (
     "bytes cores xccl_rtt_us xccl_rma_rtt_us put_rtt_us ls_rtt_us sendrecv_rtt_us floor_rtt_us "
     "rtt_vs_best rtt_vs_floor rtt_vs_put rma_rtt_vs_put xccl_gb_s xccl_rma_gb_s put_gb_s "
-    "ls_gb_s bw_vs_put rma_bw_vs_put proj_910c_send_us"
+    "ls_gb_s bw_vs_put rma_bw_vs_put xccl_direct_gb_s xccl_rma_direct_gb_s direct_bw_vs_put "
+    "rma_direct_bw_vs_put proj_910c_send_us"
 ).split()
 PATHS = ("auto", "rma")  # xccl over load/store (one node), xccl over RMA
 
 
 def iterations(nbytes: int, base: int) -> int:
-    return max(5, min(base, int(base * 65536 / max(nbytes, 65536))))
+    return max(40, min(base, int(base * 65536 / max(nbytes, 65536))))
 
 
 class Bench:
@@ -53,8 +57,9 @@ class Bench:
         self.layout = P2PLayout.build(comm.size, args.slots, args.slot_bytes, pairs)
         link = LinkModel.from_profile(load_profile(args.profile))
         self.mems, self.p2ps = {}, {}
+        self.landing_at = self.layout.window_bytes(comm.rank)  # a receive buffer in the window
         for path in PATHS:
-            self.mems[path] = DieMemory(comm, self.layout.window_bytes(comm.rank), memory_path=path)
+            self.mems[path] = DieMemory(comm, self.landing_at + max(args.sizes), memory_path=path)
             # Dies on different servers, as the paper measured (xDeepServe §3.1, Figure 5).
             self.p2ps[path] = P2P(
                 self.mems[path],
@@ -75,17 +80,20 @@ class Bench:
         for mem in (*self.mems.values(), self.raw, self.shared, self.floor):
             mem.free()
 
-    def timed(self, body, iters: int) -> float:
-        """Median seconds of `body(i)` over `iters` runs after a warm-up, pairs in step."""
+    def timed_together(self, bodies: dict, iters: int) -> dict:
+        """Median seconds of every `bodies[key](i)` over `iters` iterations, each iteration
+        running every body once in turn, after a warm-up; pairs in step."""
         for i in range(2):
-            body(-1 - i)
+            for body in bodies.values():
+                body(-1 - i)
         comm.Barrier()
-        times = []
+        times = {key: [] for key in bodies}
         for i in range(iters):
-            start = time.perf_counter()
-            body(i)
-            times.append(time.perf_counter() - start)
-        return float(np.median(times))
+            for key, body in bodies.items():
+                start = time.perf_counter()
+                body(i)
+                times[key].append(time.perf_counter() - start)
+        return {key: float(np.median(spent)) for key, spent in times.items()}
 
     def xccl_rtt(self, p2p: P2P, buf: np.ndarray, event: int, cores: int) -> None:
         peer = self.peer
@@ -178,11 +186,11 @@ class Bench:
             comm.Recv(buf, self.peer, 5)
             comm.Send(buf, self.peer, 5)
 
-    def xccl_one_way(self, p2p: P2P, buf: np.ndarray, cores: int) -> None:
+    def xccl_one_way(self, p2p: P2P, buf: np.ndarray, cores: int, out=None) -> None:
         if self.is_a:
             p2p.send(buf, self.peer, 0, num_cores=cores)
         else:
-            p2p.recv(buf, self.peer, 0)
+            p2p.recv(buf if out is None else out, self.peer, 0)
 
     def projected_send_ns(self, buf: np.ndarray, cores: int) -> float:
         """Nanoseconds one sync send of `buf` takes on a fresh virtual clock."""
@@ -193,23 +201,26 @@ class Bench:
         return clock.now_ns
 
     def measure(self, nbytes: int, cores: int) -> dict:
-        """Every quantity of one row, in seconds or GB/s, on this rank."""
-        buf = np.ones(nbytes, np.uint8)
+        """Every quantity of one row, in seconds or GB/s, on this rank. The round trips take
+        turns every iteration, and so do the one-way sends: a machine whose speed drifts during
+        the row moves every column of a ratio alike."""
+        buf, out = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
         iters = iterations(nbytes, self.args.iters)
-        got = {}
+        rtts = {"rtt_put": lambda i: self.put_rtt(buf), "rtt_ls": lambda i: self.ls_rtt(buf)}
+        rtts["rtt_sendrecv"] = lambda i: self.sendrecv_rtt(buf)
+        if self.floor.theirs is not None:
+            rtts["rtt_floor"] = lambda i: self.floor.rtt(buf, out, i)
+        one_way = {"bw_put": lambda i: self.put_rtt(buf, True)}
+        one_way["bw_ls"] = lambda i: self.ls_rtt(buf, True)
         for path, p2p in self.p2ps.items():
-            got[f"rtt_{path}"] = self.timed(
-                lambda i, p2p=p2p: self.xccl_rtt(p2p, buf, i % 1000 + 1, cores), iters
+            rtts[f"rtt_{path}"] = lambda i, p2p=p2p: self.xccl_rtt(p2p, buf, i % 1000 + 1, cores)
+            one_way[f"bw_{path}"] = lambda i, p2p=p2p: self.xccl_one_way(p2p, buf, cores)
+            landing = p2p.mem.local[self.landing_at : self.landing_at + nbytes]
+            one_way[f"bw_direct_{path}"] = lambda i, p2p=p2p, landing=landing: self.xccl_one_way(
+                p2p, buf, cores, landing
             )
-            got[f"bw_{path}"] = nbytes / self.timed(
-                lambda i, p2p=p2p: self.xccl_one_way(p2p, buf, cores), iters
-            )
-        got["rtt_put"] = self.timed(lambda i: self.put_rtt(buf), iters)
-        got["rtt_ls"] = self.timed(lambda i: self.ls_rtt(buf), iters)
-        got["rtt_sendrecv"] = self.timed(lambda i: self.sendrecv_rtt(buf), iters)
-        got["rtt_floor"] = self.floor.measure(self.timed, buf, iters)
-        got["bw_put"] = nbytes / self.timed(lambda i: self.put_rtt(buf, True), iters)
-        got["bw_ls"] = nbytes / self.timed(lambda i: self.ls_rtt(buf, True), iters)
+        got = {"rtt_floor": float("nan"), **self.timed_together(rtts, iters)}
+        got.update({key: nbytes / s for key, s in self.timed_together(one_way, iters).items()})
         got["proj_ns"] = self.projected_send_ns(buf, cores)
         return got
 
@@ -239,6 +250,10 @@ class Bench:
             "ls_gb_s": med["bw_ls"] / 1e9,
             "bw_vs_put": med["bw_auto"] / med["bw_put"],
             "rma_bw_vs_put": med["bw_rma"] / med["bw_put"],
+            "xccl_direct_gb_s": med["bw_direct_auto"] / 1e9,
+            "xccl_rma_direct_gb_s": med["bw_direct_rma"] / 1e9,
+            "direct_bw_vs_put": med["bw_direct_auto"] / med["bw_put"],
+            "rma_direct_bw_vs_put": med["bw_direct_rma"] / med["bw_put"],
             "proj_910c_send_us": med["proj_ns"] / 1e3,
         }
 
@@ -281,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
             "rtt_vs_best: xccl round trip / the fastest raw round trip; rtt_vs_floor: / the "
             "floor's; rtt_vs_put, "
             "rma_rtt_vs_put: / raw Put's (lower is better); bw_vs_put, rma_bw_vs_put: one-way "
-            "bandwidth / raw Put's (higher is better); "
+            "bandwidth / raw Put's (higher is better); *direct*: the same, received into window "
+            "memory (one copy for a message of more than one publication); "
             "proj_910c_send_us: one sync send on the virtual clock.",
         )
 

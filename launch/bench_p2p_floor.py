@@ -35,14 +35,6 @@ class FloorPair:
         self.theirs, self.mine = self.mem.views[peer], self.mem.local
         self._record = np.zeros(RECORD_WORDS, np.uint64)
 
-    def measure(self, timed, buf: np.ndarray, iters: int) -> float:
-        """`timed` (the bench's median over `iters` round trips) of the floor; nan without a
-        load/store path to the peer."""
-        if self.theirs is None:
-            return float("nan")
-        out = np.empty_like(buf)
-        return timed(lambda i: self.rtt(buf, out, i), iters)
-
     def rtt(self, buf: np.ndarray, out: np.ndarray, i: int) -> None:
         seq = i % (1 << 40) + 1
         if self.is_a:

@@ -156,6 +156,11 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
     assert [int(r["bytes"]) for r in rows] == [64, 12000]
     for row in rows:
         assert float(row["xccl_rtt_us"]) > 0 and float(row["put_rtt_us"]) > 0
+        for column in ("xccl_direct_gb_s", "xccl_rma_direct_gb_s"):  # received in window memory
+            assert float(row[column]) > 0
+        assert float(row["direct_bw_vs_put"]) == pytest.approx(
+            float(row["xccl_direct_gb_s"]) / float(row["put_gb_s"]), rel=1e-2
+        )
         floor = float(row["floor_rtt_us"])  # nan only where no peer is reached by load/store
         assert floor > 0 or math.isnan(floor)
         if floor > 0:

@@ -14,7 +14,9 @@ The ack is one atomic word: the publication number and the receiver's virtual ti
 (xccl/records.py ack_word).
 
 Operations queue per (direction, peer) and advance only inside `progress()` (xccl/p2p_ops.py).
-The receiving end (steps 5-7) lives in xccl/p2p_recv.py.
+The sending end (steps 1-4, 8, and the rendezvous of a message larger than one publication, which
+lands it with one copy when the receive buffer is window memory) lives in xccl/p2p_send.py, the
+receiving end (steps 5-7) in xccl/p2p_recv.py.
 
 Restarting after an abandoned attempt (xccl/recovery.py): a pair may stop anywhere in a message:
 the sender n publications in, the receiver m <= n consumed, an ack unwritten. The rule:
@@ -36,7 +38,6 @@ the queues failed until abandon(), so no later transfer reuses the slots the fai
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,19 +46,16 @@ from xccl import records
 from xccl.errors import BufferTooSmall, UnknownPeer
 from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory, as_bytes
-from xccl.layout import RECORDS_PER_PAIR, P2PLayout
+from xccl.layout import P2PLayout
 from xccl.p2p_lanes import RecvLane, SendLane
 from xccl.p2p_ops import Handle, Op, OpQueues, Transfer
 from xccl.p2p_recv import RingReceiver
+from xccl.p2p_send import MAX_IN_FLIGHT, RingSender
 from xccl.p2p_time import P2PTimes
 from xccl.vclock import LinkModel, Path, VirtualClock
 
-# Publications a sender may have unacknowledged per pair: the receiver copies one out while the
-# sender fills the next (each at most half the ring). A record slot is reused only after its ack.
-MAX_IN_FLIGHT = RECORDS_PER_PAIR
 
-
-class P2P(RingReceiver):
+class P2P(RingSender, RingReceiver):
     """send / receive between this die and the peers its layout pairs it with."""
 
     def __init__(
@@ -90,6 +88,7 @@ class P2P(RingReceiver):
         self._send_lanes: dict[int, SendLane] = {}  # dst -> this end of the pair, built once
         self._recv_lanes: dict[int, RecvLane] = {}  # src -> this end of the pair, built once
         self._max_pub_slots = max(1, layout.ring_slots // MAX_IN_FLIGHT)
+        self._max_pub_bytes = self._max_pub_slots * layout.slot_bytes
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
 
@@ -193,106 +192,3 @@ class P2P(RingReceiver):
             raise UnknownPeer(
                 self.describe(op, f"the deployment declares no ring for rank {src} -> rank {dst}")
             )
-
-    def _send_lane(self, dst: int) -> SendLane:
-        lane = self._send_lanes.get(dst)
-        if lane is None:
-            lane = self._send_lanes[dst] = SendLane.build(self.mem, self.layout, self.me, dst)
-        return lane
-
-    def _send_steps(self, op: Op, data: np.ndarray, num_cores: int):
-        lane = self._send_lane(op.peer)
-        sent = chunk_id = publications = 0
-        in_flight: deque[tuple[int, int]] = deque()  # (publication number, tail after it)
-        acked_tail = self._tail.get(op.peer, 0)
-        while True:
-            if self._is_blocked(lane, in_flight, acked_tail, has_bytes_left=sent < data.nbytes):
-                acked_tail = yield from self._wait_for_room(lane, in_flight, acked_tail)
-            # Step 1-2 (Fig. 4): copy from the caller's buffer into the receiver's ring slots.
-            # The record carries `num_cores` (the AIV cores that write in parallel), and the
-            # virtual clock prices the split; the emulator writes each contiguous run at once.
-            nbytes = self._put_slots(lane, data, sent, acked_tail, num_cores)
-            if self.fault_hook is not None and sent + nbytes >= data.nbytes:
-                # The message's last publication: its bytes are on the way, its record is not.
-                self.fault_hook("p2p_send", op.event_id)
-            # Step 3: advance the receiver's tail pointer: record body, flush, then the doorbell.
-            in_flight.append(self._publish(lane, op, data.nbytes, nbytes, chunk_id, num_cores))
-            sent += nbytes
-            chunk_id += -(-nbytes // self.layout.slot_bytes)
-            publications += 1
-            if sent >= data.nbytes:
-                break
-        # Step 4 / 8: poll our metadata for the receiver's acks; the last one completes the send.
-        while True:
-            acked_tail = self._take_acks(lane, in_flight, acked_tail)
-            if not in_flight:
-                break
-            yield ("the ack of publication {} (tail {})", *in_flight[-1])
-        return Transfer(
-            peer=op.peer,
-            event_id=op.event_id,
-            nbytes=data.nbytes,
-            num_publications=publications,
-            vtime_ns=self.clock.now_ns,
-        )
-
-    def _is_blocked(
-        self, lane: SendLane, in_flight: deque, acked_tail: int, *, has_bytes_left: bool
-    ) -> bool:
-        """Flow control: at most MAX_IN_FLIGHT publications unacknowledged, slots to write into."""
-        return len(in_flight) == MAX_IN_FLIGHT or (
-            has_bytes_left and self._tail.get(lane.dst, 0) - acked_tail == self.layout.ring_slots
-        )
-
-    def _wait_for_room(self, lane: SendLane, in_flight: deque, acked_tail: int):
-        """Yields while blocked (_is_blocked); returns the tail up to which the ring is free."""
-        while True:
-            acked_tail = self._take_acks(lane, in_flight, acked_tail)
-            if not in_flight or not self._is_blocked(
-                lane, in_flight, acked_tail, has_bytes_left=True
-            ):
-                return acked_tail
-            yield ("the ack of publication {} (ring full)", in_flight[0][0])
-
-    def _put_slots(
-        self, lane: SendLane, data: np.ndarray, sent: int, acked_tail: int, num_cores: int
-    ) -> int:
-        """Write the next publication's bytes (at most the free slots, at most 1/MAX_IN_FLIGHT of
-        the ring) from data[sent:] into the receiver's ring; returns how many."""
-        layout, tail = self.layout, self._tail.get(lane.dst, 0)
-        free_slots = min(layout.ring_slots - (tail - acked_tail), self._max_pub_slots)
-        nbytes = min(data.nbytes - sent, free_slots * layout.slot_bytes)
-        for ring_pos, msg_pos, length in layout.slot_runs(tail, nbytes):
-            lane.write(ring_pos, data[sent + msg_pos : sent + msg_pos + length])
-        return nbytes
-
-    def _publish(
-        self, lane: SendLane, op: Op, msg_bytes: int, nbytes: int, chunk_id: int, num_cores: int
-    ) -> tuple[int, int]:
-        """Write the record of a publication of `nbytes`; returns (its number, tail after it)."""
-        dst = lane.dst
-        tail = self._tail[dst] = self._tail.get(dst, 0) + -(-nbytes // self.layout.slot_bytes)
-        seq = self._published[dst] = self._published.get(dst, 0) + 1
-        # P2P_RECORD's fields after the doorbell (rung last, by publish), in order.
-        body = (
-            op.event_id,
-            chunk_id,
-            tail,
-            self.times.stamp(dst, nbytes, num_cores),
-            msg_bytes,
-            nbytes,
-            num_cores,
-            self.path == "dma",
-        )
-        lane.records[seq % RECORDS_PER_PAIR].publish(body, seq)
-        return seq, tail
-
-    def _take_acks(self, lane: SendLane, in_flight: deque, acked_tail: int) -> int:
-        """Retire acknowledged publications; returns the tail up to which the ring is free."""
-        if not in_flight:
-            return acked_tail
-        word = lane.load_ack()
-        while in_flight and records.ack_covers(word, in_flight[0][0]):
-            _, acked_tail = in_flight.popleft()
-            self.times.ack_lands(lane.dst, records.ack_time_ns(word))
-        return acked_tail

@@ -5,6 +5,10 @@ word, so the offsets (xccl/layout.py), the bounds checks and the choice of path
 (xccl/gmem_paths.py) are made here once, not per message. On the load/store path a lane holds
 numpy views of the peer's memory and a message is a few plain stores; on RMA the same methods
 call put / store_word. The ordering rules are DieMemory's and xccl/record_slots.py's.
+
+The ack word's record-sized slot also carries the receiver's landing for a rendezvous
+(xccl/p2p_send.py): three words after the ack, [publication number, window offset or NO_LANDING,
+capacity], written before the ack that makes them visible.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xccl.errors import XcclError
 from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
 from xccl.record_slots import InRecord, OutRecord
@@ -30,8 +35,22 @@ P2P_FIELDS = (
     "pub_bytes",
     "num_cores",
     "is_dma",
+    "kind",
 )
 assert P2P_RECORD.names == P2P_FIELDS, P2P_RECORD.names
+# A landing's offset when the receive buffer is not window memory: the message takes the ring.
+NO_LANDING = (1 << 64) - 1
+LANDING_WORDS = 3  # after the ack word: publication number, offset, capacity
+
+
+def window_offset(mem: DieMemory, out: np.ndarray, after: int) -> int | None:
+    """Where the bytes of `out` (uint8, contiguous) sit in this die's window, if they are window
+    memory at or past byte `after` (the p2p area ends there); else None."""
+    local = mem.local
+    if out.nbytes == 0 or local is None or local.nbytes == 0:
+        return None
+    offset = out.__array_interface__["data"][0] - local.__array_interface__["data"][0]
+    return offset if after <= offset and offset + out.nbytes <= local.nbytes else None
 
 
 @dataclass(frozen=True)
@@ -40,7 +59,8 @@ class SendLane:
 
     ring: dst's ring bytes [ring_slots x slot_bytes] uint8 for plain stores, or None (RMA, at
     ring_offset in dst's window). records: the pair's records in dst's window, publication
-    number % RECORDS_PER_PAIR. load_ack: loads the ack word dst writes into our window.
+    number % RECORDS_PER_PAIR. load_ack: loads the ack word dst writes into our window;
+    landing: the LANDING_WORDS after it (our memory).
     """
 
     mem: DieMemory
@@ -49,6 +69,7 @@ class SendLane:
     ring: np.ndarray | None
     records: tuple[OutRecord, ...]
     load_ack: Callable[[], int]
+    landing: np.ndarray
 
     @classmethod
     def build(cls, mem: DieMemory, layout: P2PLayout, me: int, dst: int) -> SendLane:
@@ -63,6 +84,7 @@ class SendLane:
                 for seq in range(RECORDS_PER_PAIR)
             ),
             load_ack=mem.word_loader(layout.ack_offset(me, dst), dst),
+            landing=_landing_words(mem.local, layout.ack_offset(me, dst)),
         )
 
     def write(self, ring_pos: int, data: np.ndarray) -> None:
@@ -72,14 +94,36 @@ class SendLane:
         else:
             self.mem.put(self.dst, self.ring_offset + ring_pos, data)
 
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        """Write `data` (uint8) at byte `offset` of dst's window (a landing); complete at the
+        record's flush."""
+        region = self.mem.region(self.dst, offset, data.nbytes)
+        if region is not None:
+            region[:] = data
+        else:
+            self.mem.put(self.dst, offset, data)
+
+    def read_landing(self, seq: int) -> tuple[int, int] | None:
+        """The landing dst wrote with its ack of publication `seq`: (offset, capacity) in dst's
+        window, or None (the ring). Call after that ack was seen."""
+        self.mem.sync()  # the landing words, written before the ack, become visible
+        got, offset, capacity = (int(word) for word in self.landing)
+        if got != seq:
+            raise XcclError(
+                f"die rank {self.mem.rank}: landing from rank {self.dst} is for publication "
+                f"{got}, expected {seq}"
+            )
+        return None if offset == NO_LANDING else (offset, capacity)
+
 
 @dataclass(frozen=True)
 class RecvLane:
     """This die's end of the pair src -> me.
 
     ring: our ring bytes [ring_slots x slot_bytes] uint8 that src writes. records: src's records
-    in our window, publication number % RECORDS_PER_PAIR. ack: the ack word in src's window
-    [1] uint64 for a plain store, or None (RMA, at ack_offset).
+    in our window, publication number % RECORDS_PER_PAIR. ack: the ack word and the landing
+    words after it in src's window [1 + LANDING_WORDS] uint64 for plain stores, or None (RMA, at
+    ack_offset).
     """
 
     mem: DieMemory
@@ -93,7 +137,7 @@ class RecvLane:
     def build(cls, mem: DieMemory, layout: P2PLayout, src: int, me: int) -> RecvLane:
         ring_offset, ack_offset = layout.ring_offset(src, me), layout.ack_offset(src, me)
         mem.check(me, ring_offset, layout.ring_bytes, "ring")
-        ack = mem.region(src, ack_offset, WORD.itemsize)
+        ack = mem.region(src, ack_offset, (1 + LANDING_WORDS) * WORD.itemsize)
         return cls(
             mem=mem,
             src=src,
@@ -106,11 +150,23 @@ class RecvLane:
             ack=None if ack is None else ack.view(WORD),
         )
 
-    def acknowledge(self, word: int) -> None:
-        """Write the ack word into src's window and complete it (records.ack_word)."""
+    def acknowledge(self, word: int, landing: tuple[int, int, int] | None = None) -> None:
+        """Write the ack word into src's window and complete it (records.ack_word); a
+        `landing` (publication number, offset, capacity) goes first, ordered before the ack."""
         if self.ack is not None:
+            if landing is not None:
+                self.ack[1:] = landing
+                self.mem.sync()
             self.ack[0] = word  # one aligned 8-byte store: atomic
             self.mem.sync()
-        else:
-            self.mem.store_word(self.src, self.ack_offset, word)
+            return
+        if landing is not None:
+            self.mem.put(self.src, self.ack_offset + WORD.itemsize, np.array(landing, WORD))
             self.mem.flush(self.src)
+        self.mem.store_word(self.src, self.ack_offset, word)
+        self.mem.flush(self.src)
+
+
+def _landing_words(local: np.ndarray, ack_offset: int) -> np.ndarray:
+    start = ack_offset + WORD.itemsize
+    return local[start : start + LANDING_WORDS * WORD.itemsize].view(WORD)

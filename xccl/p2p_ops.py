@@ -26,7 +26,9 @@ class Transfer:
     """What a completed send or receive did.
 
     peer: the other die's rank. event_id: the caller's event id. nbytes: message size.
-    num_publications: ring fills it took. vtime_ns: this die's virtual clock at completion.
+    num_publications: publications of its bytes (ring fills, or 1 when direct). vtime_ns: this
+    die's virtual clock at completion. direct: it landed straight in the receiver's buffer
+    (xccl/p2p_send.py), not through the ring.
     """
 
     peer: int
@@ -34,6 +36,7 @@ class Transfer:
     nbytes: int
     num_publications: int
     vtime_ns: float
+    direct: bool = False
 
 
 class Op:

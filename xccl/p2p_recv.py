@@ -2,9 +2,11 @@
 
 A receive polls its metadata for the sender's next record, checks it (chunk id, tail pointer,
 message size against the caller's buffer), copies the publication's slots out of the ring and
-acknowledges in the sender's metadata, until the whole message arrived. P2P mixes this in: it owns
-the window, the layout, the virtual times, the fault hook and the per-source counters advanced
-here (the restart rule in xccl/p2p.py moves them).
+acknowledges in the sender's metadata, until the whole message arrived. A rendezvous request
+(P2P_RTS, xccl/p2p_send.py) is answered with the landing words in the ack: where the receive
+buffer sits in this die's window, if it does; a direct publication then needs no copy. P2P
+mixes this in: it owns the window, the layout, the virtual times, the fault hook and the
+per-source counters advanced here (the restart rule in xccl/p2p.py moves them).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from xccl.errors import BufferTooSmall, XcclError
 from xccl.faults import FaultHook
 from xccl.gmem import DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
-from xccl.p2p_lanes import RecvLane
+from xccl.p2p_lanes import NO_LANDING, RecvLane, window_offset
 from xccl.p2p_ops import Op, Transfer
 from xccl.p2p_time import P2PTimes
+from xccl.records import P2P_DIRECT, P2P_RTS
 
 
 class RingReceiver:
@@ -42,7 +45,7 @@ class RingReceiver:
     def _recv_steps(self, op: Op, out: np.ndarray):
         lane = self._recv_lane(op.peer)
         received = expected_chunk = publications = 0
-        total = None
+        total = landing = None
         while total is None or received < total:
             # Step 5 (Fig. 4): poll our metadata until the sender's next record is published.
             seq = self._consumed.get(lane.src, 0) + 1
@@ -50,18 +53,26 @@ class RingReceiver:
             while not record.has_rung(seq):
                 yield ("record {} from rank {}", seq, lane.src)
             # P2P_RECORD's fields in order (p2p_lanes.P2P_FIELDS).
-            _, _, chunk_id, tail, vtime_ns, msg_bytes, nbytes, num_cores, is_dma = record.read(
-                "receive", op.event_id, f"publication {seq}"
-            )
+            fields = record.read("receive", op.event_id, f"publication {seq}")
+            _, _, chunk_id, tail, vtime_ns, msg_bytes, nbytes, num_cores, is_dma, kind = fields
             self._check_record(
                 op, chunk_id, msg_bytes, expected_chunk, out.nbytes if total is None else None
             )
             total = msg_bytes
+            if kind == P2P_RTS:  # a rendezvous (xccl/p2p_send.py): answer where to land
+                offset = window_offset(self.mem, out, self.layout.window_bytes(self.me))
+                landing = (seq, NO_LANDING if offset is None else offset, out.nbytes)
+                self._consumed[lane.src] = seq
+                lane.acknowledge(records.ack_word(seq, self.times.clock.now_ns), landing)
+                continue
             if self.fault_hook is not None and received + nbytes >= total:
                 # The last publication arrived; the sender waits for its ack.
                 self.fault_hook("p2p_recv", op.event_id)
-            # Step 6: copy the slots out of the managed area into the caller's buffer.
-            self._copy_slots(lane, op, out, received, nbytes, tail)
+            if kind == P2P_DIRECT:  # the bytes are in `out` already; no ring slots were used
+                self._check_direct(op, landing, tail)
+            else:
+                # Step 6: copy the slots out of the managed area into the caller's buffer.
+                self._copy_slots(lane, op, out, received, nbytes, tail)
             self._consumed[lane.src] = seq
             self.times.publication_lands(
                 lane.src, vtime_ns, nbytes, num_cores=num_cores, is_dma=bool(is_dma)
@@ -77,7 +88,17 @@ class RingReceiver:
             nbytes=total,
             num_publications=publications,
             vtime_ns=self.times.clock.now_ns,
+            direct=kind == P2P_DIRECT,
         )
+
+    def _check_direct(self, op: Op, landing: tuple | None, tail: int) -> None:
+        """A direct publication must answer the landing we offered, and leave the tail."""
+        rtail = self._rtail.get(op.peer, 0)
+        if landing is None or landing[1] == NO_LANDING or tail != rtail:
+            raise XcclError(
+                f"die rank {self.me}: direct publication from rank {op.peer} (tail {tail}) "
+                f"without a landing offered (ours: {landing}, tail {rtail}; event {op.event_id})"
+            )
 
     def _copy_slots(
         self, lane: RecvLane, op: Op, out: np.ndarray, received: int, nbytes: int, tail: int

@@ -36,7 +36,8 @@ def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
 
 # chunk_id: ring slots before this publication in its message; tail: the sender's tail pointer
 # after it; msg_bytes / pub_bytes: sizes of the message and of this publication; num_cores /
-# is_dma: how the sender wrote the bytes (the receiver prices the same transfer).
+# is_dma: how the sender wrote the bytes (the receiver prices the same transfer); kind: P2P_RING,
+# P2P_RTS or P2P_DIRECT (xccl/p2p_send.py).
 P2P_RECORD = _record_dtype(
     [
         ("chunk_id", "<u8"),
@@ -45,9 +46,11 @@ P2P_RECORD = _record_dtype(
         ("msg_bytes", "<u8"),
         ("pub_bytes", "<u8"),
         ("num_cores", "<u4"),
-        ("is_dma", "<u4"),
+        ("is_dma", "<u2"),
+        ("kind", "<u2"),
     ]
 )
+P2P_RING, P2P_RTS, P2P_DIRECT = 0, 1, 2
 # count / offset: rows the writer staged for the reader and the row where they start;
 # shared_count / shared_offset: its full-precision shared-expert rows (A2E/E2A only, else 0).
 ROWS_RECORD = _record_dtype(
