@@ -21,16 +21,15 @@ Medians over iterations, then the median over pairs.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from launch.bench_p2p_floor import FloorPair
+from launch.bench_p2p_raw import RawPair
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
-from xccl.mpi_time import poll_until
 from xccl.p2p import P2P
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.hardware import load_profile
@@ -68,16 +67,13 @@ class Bench:
                 timeout_s=120,
                 server_of=list(range(comm.size)),
             )
-        raw_bytes = (max(args.sizes) + 64 + 7) // 8 * 8  # data + a flag word
-        self.raw = DieMemory(comm, raw_bytes, memory_path="rma")
-        self.shared = DieMemory(comm, raw_bytes, memory_path="auto")
-        self.flag, self._tokens = self.raw.nbytes - 8, {"put": 0, "ls": 0}
+        self.raw = RawPair(comm, self.peer, max(args.sizes))
         self.floor = FloorPair(comm, self.peer, max(args.sizes))
         self.args = args
 
     def close(self) -> None:
         comm.Barrier()
-        for mem in (*self.mems.values(), self.raw, self.shared, self.floor):
+        for mem in (*self.mems.values(), self.raw, self.floor):
             mem.free()
 
     def timed_together(self, bodies: dict, iters: int) -> dict:
@@ -113,79 +109,6 @@ class Bench:
             p2p.recv(buf, peer, event)
             p2p.send(buf, peer, event, num_cores=cores)
 
-    def _next_token(self, kind: str) -> int:
-        """A flag value never used before (a stale equal one would pass a wait; both ranks of a
-        pair count alike). Even: the answer sets bit 0."""
-        self._tokens[kind] += 1
-        return self._tokens[kind] << 1
-
-    def put_rtt(self, buf: np.ndarray, one_way: bool = False) -> None:
-        raw, peer, flag = self.raw, self.peer, self.flag
-        token = self._next_token("put")
-
-        def put_and_flag(value: int) -> None:
-            raw.put(peer, 0, buf)
-            raw.flush(peer)
-            raw.store_word(peer, flag, value)
-            raw.flush(peer)
-
-        def wait_flag(value: int) -> None:
-            poll_until(
-                lambda: raw.load_word(flag, peer) == value,
-                deadline=time.monotonic() + 60,
-                describe=lambda: f"rank {comm.rank}: bench flag {value} from {peer}",
-            )
-
-        if self.is_a:
-            put_and_flag(token)
-            wait_flag(token | 1)
-        else:
-            wait_flag(token)
-            if one_way:  # only the flag goes back: an ack, like xccl's
-                raw.store_word(peer, flag, token | 1)
-                raw.flush(peer)
-            else:
-                put_and_flag(token | 1)
-
-    def ls_rtt(self, buf: np.ndarray, one_way: bool = False) -> None:
-        """The raw load/store ping-pong: no DieMemory call, only numpy and Win.Sync."""
-        win, peer = self.shared.win, self.peer
-        theirs, mine = self.shared.views[peer], self.shared.words
-        flag = self.flag // 8
-        their_words = theirs.view(np.uint64)
-        token = self._next_token("ls")
-
-        def store_and_flag(value: int, data: bool = True) -> None:
-            if data:
-                theirs[: buf.nbytes] = buf
-                win.Sync()  # the data before the flag (docs/mpi.md §2)
-            their_words[flag] = value
-
-        def wait_flag(value: int) -> None:
-            deadline = time.monotonic() + 60
-            while True:
-                win.Sync()
-                if mine[flag] == value:
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {comm.rank}: bench flag {value} from {peer}")
-                os.sched_yield()
-
-        if self.is_a:
-            store_and_flag(token)
-            wait_flag(token | 1)
-        else:
-            wait_flag(token)
-            store_and_flag(token | 1, data=not one_way)
-
-    def sendrecv_rtt(self, buf: np.ndarray) -> None:
-        if self.is_a:
-            comm.Send(buf, self.peer, 5)
-            comm.Recv(buf, self.peer, 5)
-        else:
-            comm.Recv(buf, self.peer, 5)
-            comm.Send(buf, self.peer, 5)
-
     def xccl_one_way(self, p2p: P2P, buf: np.ndarray, cores: int, out=None) -> None:
         if self.is_a:
             p2p.send(buf, self.peer, 0, num_cores=cores)
@@ -206,12 +129,15 @@ class Bench:
         the row moves every column of a ratio alike."""
         buf, out = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
         iters = iterations(nbytes, self.args.iters)
-        rtts = {"rtt_put": lambda i: self.put_rtt(buf), "rtt_ls": lambda i: self.ls_rtt(buf)}
-        rtts["rtt_sendrecv"] = lambda i: self.sendrecv_rtt(buf)
+        raw = self.raw
+        rtts = {"rtt_put": lambda i: raw.put_rtt(buf), "rtt_ls": lambda i: raw.ls_rtt(buf)}
+        rtts["rtt_sendrecv"] = lambda i: raw.sendrecv_rtt(buf)
         if self.floor.theirs is not None:
             rtts["rtt_floor"] = lambda i: self.floor.rtt(buf, out, i)
-        one_way = {"bw_put": lambda i: self.put_rtt(buf, True)}
-        one_way["bw_ls"] = lambda i: self.ls_rtt(buf, True)
+        one_way = {
+            "bw_put": lambda i: raw.put_rtt(buf, True),
+            "bw_ls": lambda i: raw.ls_rtt(buf, True),
+        }
         for path, p2p in self.p2ps.items():
             rtts[f"rtt_{path}"] = lambda i, p2p=p2p: self.xccl_rtt(p2p, buf, i % 1000 + 1, cores)
             one_way[f"bw_{path}"] = lambda i, p2p=p2p: self.xccl_one_way(p2p, buf, cores)
