@@ -25,6 +25,7 @@ from xccl.faults import Interrupt
 from xccl.gmem import WORD, DieMemory
 from xccl.moe_layout import AGREE_WORDS, EpLayout
 from xccl.mpi_time import poll_until
+from xccl.word_poll import WordPoll
 
 ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
 
@@ -38,6 +39,7 @@ class WindowAgreement:
         self.me_idx = self.members.index(mem.rank)
         self.round = 0
         self._payload = np.zeros(AGREE_WORDS, WORD)
+        self._polls: dict[int, WordPoll] = {}  # bank -> the round words of that bank, settled
 
     def agree(
         self,
@@ -67,15 +69,16 @@ class WindowAgreement:
         return slots.reshape(len(self.members), _SLOT_WORDS)[:, :AGREE_WORDS].astype(np.int64)
 
     def _wait(self, bank: int, word: int, interrupt: Interrupt | None, timeout_s: float) -> None:
+        poll = self._polls.get(bank)
+        if poll is None:
+            offsets = [
+                self._slot(self.mem.rank, bank, i) + _ROUND_AT for i in range(len(self.members))
+            ]
+            poll = self._polls[bank] = WordPoll(self.mem, offsets, self.members)
         pending = list(range(len(self.members)))
 
         def all_arrived() -> bool:
-            me = self.mem.rank
-            pending[:] = [
-                i
-                for i in pending
-                if self.mem.load_word(self._slot(me, bank, i) + _ROUND_AT, self.members[i]) != word
-            ]
+            pending[:] = poll.missing(word)
             return not pending
 
         poll_until(
@@ -83,7 +86,7 @@ class WindowAgreement:
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             park=self.mem.wake_words.sleeper(
-                self.members, all_arrived, lambda: self.members[pending[0]]
+                self.members, all_arrived, lambda: [self.members[i] for i in pending]
             ),
             describe=lambda: (
                 f"die rank {self.mem.rank}: agreement round {self.round}: no word from "

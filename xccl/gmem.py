@@ -110,7 +110,7 @@ class DieMemory:
             )
         self.poll_idiom = poll_idiom
         # Per writer: poll through MPI (a far writer, or forced) or by a local load.
-        self._poll_by_rma = tuple(
+        self.poll_by_rma = tuple(
             poll_idiom == "rma" or (poll_idiom == "auto" and not same) for same in self.is_same_node
         )
         self._word_buf = np.zeros(1, WORD)
@@ -221,7 +221,7 @@ class DieMemory:
 
     def load_word(self, offset: int, writer: int) -> int:
         """Read one word of this die's own window that `writer` writes."""
-        if self._poll_by_rma[writer]:
+        if self.poll_by_rma[writer]:
             # Through MPI even on the load/store path: only that progresses a far writer.
             self.traffic.remote_polls += not self.is_same_node[writer]
             self.check(self.rank, offset, WORD.itemsize, "load_word")
@@ -242,7 +242,7 @@ class DieMemory:
         """`load_word(offset, writer)` for a word polled again and again: the bounds check and
         the idiom (a far writer is polled through MPI) are settled here once."""
         self.check(self.rank, offset, WORD.itemsize, "load_word")
-        if self._poll_by_rma[writer]:
+        if self.poll_by_rma[writer]:
             return lambda: self.load_word(offset, writer)
         words, index, sync = self.words, offset // WORD.itemsize, self._win.Sync
 

@@ -26,6 +26,7 @@ from xccl.faults import Interrupt
 from xccl.gmem import DieMemory
 from xccl.layout import RECORD_BYTES
 from xccl.mpi_time import poll_until
+from xccl.word_poll import WordPoll
 
 
 def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
@@ -179,12 +180,12 @@ def wait(
     interrupt: Interrupt | None,
 ) -> np.ndarray:
     """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
-    pending = list(records)
+    poll = WordPoll(mem, [r.offset + DOORBELL_OFFSET for r in records], [r.peer for r in records])
+    pending = list(range(len(records)))  # indices of the records whose doorbell is missing
     since = time.time()
 
     def all_rang() -> bool:
-        # A rung doorbell stays rung until the reader's next call, so only the rest are polled.
-        pending[:] = [r for r in pending if not _has_rung(mem, r, expected.doorbell)]
+        pending[:] = poll.missing(expected.doorbell)
         return not pending
 
     try:
@@ -193,14 +194,15 @@ def wait(
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             park=mem.wake_words.sleeper(
-                (r.peer for r in records), all_rang, lambda: pending[0].peer
+                (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
             ),
             describe=lambda: (
-                f"{no_record(mem, expected, [r.peer for r in pending])} after {timeout_s:g} s"
+                f"{no_record(mem, expected, [records[i].peer for i in pending])} after "
+                f"{timeout_s:g} s"
             ),
         )
     except XcclTimeout as exc:  # the same message, with die, stage, event and peers as fields
-        peers = tuple(r.peer for r in pending)
+        peers = tuple(records[i].peer for i in pending)
         raise PeerTimeout(
             str(exc),
             die=mem.rank,
@@ -211,7 +213,7 @@ def wait(
         ) from None
     except RollbackRequested as exc:  # whom this die still waited for, for the vote's blame
         if pending:
-            exc.waiting = (mem.rank, min(r.peer for r in pending), since)
+            exc.waiting = (mem.rank, min(records[i].peer for i in pending), since)
         raise
     return read(mem, records, expected, dtype)
 

@@ -53,7 +53,7 @@ def test_the_named_writer_wakes_a_sleeper_long_before_its_sleep_ends(sleeping_me
             rang,
             deadline=start + 60,
             describe=lambda: "rank 0: no word from rank 1",
-            park=mem.wake_words.sleeper([1], rang, lambda: 1),
+            park=mem.wake_words.sleeper([1], rang, lambda: [1]),
         )
         assert time.monotonic() - start < 10
 
