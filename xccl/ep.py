@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from xccl import records
 from xccl.agreement import WindowAgreement
 from xccl.ep_handles import DispatchHandle, DispatchInfo
 from xccl.ep_rows import EpRows
@@ -35,6 +34,7 @@ from xccl.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.quant import decode_rows
+from xccl.record_fan import FanIn, FanOut
 from xccl.records import ROWS_RECORD, Expected, RecordAt
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
@@ -85,6 +85,7 @@ class EpBuffer:
         # wait_span: around each wait for peers' records (xccl/wait_span.py)
         self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
         self._seq = {"dispatch": 0, "combine": 0}
+        self._fans = {kind: self._bind_records(kind) for kind in self._seq}  # xccl/record_fan.py
         self.agreement = WindowAgreement(mem, layout, timeout_s=timeout_s)  # between iterations
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested
@@ -272,23 +273,22 @@ class EpBuffer:
         bodies = np.zeros(len(self.members), ROWS_RECORD)  # one per member: Puts in flight
         bodies["event_id"], bodies["count"] = event_id, counts
         bodies["offset"], bodies["vtime_ns"] = np.cumsum(counts) - counts, self.clock.now_ns
-        targets = [
-            RecordAt(rank, self.layout.record_offset(rank, kind, self.me_idx))
-            for rank in self.members
-        ]
-        records.publish(self.mem, targets, bodies, seq)
+        self._fans[kind][0].publish(bodies, seq)
         return seq
+
+    def _bind_records(self, kind: str) -> tuple[FanOut, FanIn]:
+        """Our record in every member's window, and every member's in ours, for `kind`."""
+        at = self.layout.record_offset
+        out = [RecordAt(r, at(r, kind, self.me_idx)) for r in self.members]
+        into = [RecordAt(r, at(self.me, kind, i)) for i, r in enumerate(self.members)]
+        return FanOut(self.mem, out, ROWS_RECORD), FanIn(self.mem, into, ROWS_RECORD)
 
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""
-        sources = [
-            RecordAt(rank, self.layout.record_offset(self.me, kind, i))
-            for i, rank in enumerate(self.members)
-        ]
         expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
         opts = {"timeout_s": self.timeout_s, "interrupt": self.interrupt}
         with self.wait_span(f"{kind} wait", event=event_id):
-            bodies = records.wait(self.mem, sources, expected, ROWS_RECORD, **opts)
+            bodies = self._fans[kind][1].wait(expected, **opts)
             # Virtual time: the last peer's record lands (with a link model, after its latency).
             latency_ns = 0.0 if self.link is None else self.link.latency_ns()
             self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)

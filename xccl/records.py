@@ -135,12 +135,19 @@ def read(
         raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
         for record, row in zip(records, raw):
             row[:] = mem.local[record.offset : record.offset + RECORD_BYTES]
+    check_events(mem, records, expected, bodies)
+    return bodies
+
+
+def check_events(
+    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, bodies: np.ndarray
+) -> None:
+    """EventMismatch naming the first of `bodies` (read from `records`) with a foreign event."""
     mismatch = bodies["event_id"] != expected.event_id
     if mismatch.any():
         i = int(np.flatnonzero(mismatch)[0])
         got, peer = int(bodies["event_id"][i]), records[i].peer
         raise event_mismatch(mem.rank, expected.stage, expected.event_id, expected.call, peer, got)
-    return bodies
 
 
 def event_mismatch(
@@ -181,6 +188,21 @@ def wait(
 ) -> np.ndarray:
     """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
     poll = WordPoll(mem, [r.offset + DOORBELL_OFFSET for r in records], [r.peer for r in records])
+    await_doorbells(mem, records, poll, expected, timeout_s=timeout_s, interrupt=interrupt)
+    return read(mem, records, expected, dtype)
+
+
+def await_doorbells(
+    mem: DieMemory,
+    records: Sequence[RecordAt],
+    poll: WordPoll,
+    expected: Expected,
+    *,
+    timeout_s: float,
+    interrupt: Interrupt | None,
+) -> None:
+    """Poll `records`' doorbells (`poll`: over the same records, in order) until every one
+    rang; PeerTimeout after `timeout_s` naming die, stage, event and the missing peers."""
     pending = list(range(len(records)))  # indices of the records whose doorbell is missing
     since = time.time()
 
@@ -215,7 +237,6 @@ def wait(
         if pending:
             exc.waiting = (mem.rank, min(records[i].peer for i in pending), since)
         raise
-    return read(mem, records, expected, dtype)
 
 
 def ack_word(seq: int, vtime_ns: float = 0.0) -> int:
