@@ -25,6 +25,8 @@ from xccl.faults import Interrupt
 from xccl.gmem import WORD, DieMemory
 from xccl.moe_layout import AGREE_WORDS, EpLayout
 from xccl.mpi_time import poll_until
+from xccl.record_fan import FanOut
+from xccl.records import RecordAt
 from xccl.word_poll import WordPoll
 
 ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
@@ -40,6 +42,7 @@ class WindowAgreement:
         self.round = 0
         self._payload = np.zeros(AGREE_WORDS, WORD)
         self._polls: dict[int, WordPoll] = {}  # bank -> the round words of that bank, settled
+        self._fans: dict[int, FanOut] = {}  # bank -> our slot of that bank in every member
 
     def agree(
         self,
@@ -56,17 +59,26 @@ class WindowAgreement:
         self._payload[:] = 0
         self._payload[: len(values)] = values
         bank = self.round % 2
-        for rank in self.members:  # the payloads first, then every doorbell (docs/mpi.md §2)
-            self.mem.put(rank, self._slot(rank, bank, self.me_idx), self._payload)
-        self.mem.flush_all()
-        for rank in self.members:
-            self.mem.store_word(rank, self._slot(rank, bank, self.me_idx) + _ROUND_AT, word)
-        self.mem.flush_all()
-        self.mem.wake_words.wake(self.members)
+        # The payloads first, then every doorbell (docs/mpi.md §2), to the slots bound once.
+        self._fan_out(bank).publish(self._payload.view(np.uint8), word)
         self._wait(bank, word, interrupt, self.timeout_s if timeout_s is None else timeout_s)
         start = self._slot(self.mem.rank, bank, 0) // WORD.itemsize
         slots = self.mem.words[start : start + len(self.members) * _SLOT_WORDS]
         return slots.reshape(len(self.members), _SLOT_WORDS)[:, :AGREE_WORDS].astype(np.int64)
+
+    def _fan_out(self, bank: int) -> FanOut:
+        fan = self._fans.get(bank)
+        if fan is None:
+            targets = [RecordAt(r, self._slot(r, bank, self.me_idx)) for r in self.members]
+            fan = self._fans[bank] = FanOut(
+                self.mem,
+                targets,
+                slot_bytes=_SLOT_WORDS * WORD.itemsize,
+                body_at=0,
+                body_bytes=AGREE_WORDS * WORD.itemsize,
+                bell_at=_ROUND_AT,
+            )
+        return fan
 
     def _wait(self, bank: int, word: int, interrupt: Interrupt | None, timeout_s: float) -> None:
         poll = self._polls.get(bank)

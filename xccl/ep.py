@@ -273,7 +273,7 @@ class EpBuffer:
         bodies = np.zeros(len(self.members), ROWS_RECORD)  # one per member: Puts in flight
         bodies["event_id"], bodies["count"] = event_id, counts
         bodies["offset"], bodies["vtime_ns"] = np.cumsum(counts) - counts, self.clock.now_ns
-        self._fans[kind][0].publish(bodies, seq)
+        self._fans[kind][0].publish(bodies.view(np.uint8).reshape(len(bodies), -1), seq)
         return seq
 
     def _bind_records(self, kind: str) -> tuple[FanOut, FanIn]:
@@ -281,7 +281,7 @@ class EpBuffer:
         at = self.layout.record_offset
         out = [RecordAt(r, at(r, kind, self.me_idx)) for r in self.members]
         into = [RecordAt(r, at(self.me, kind, i)) for i, r in enumerate(self.members)]
-        return FanOut(self.mem, out, ROWS_RECORD), FanIn(self.mem, into, ROWS_RECORD)
+        return FanOut.records(self.mem, out, ROWS_RECORD), FanIn(self.mem, into, ROWS_RECORD)
 
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""

@@ -1,4 +1,5 @@
-"""One record per member, written and read every call (dispatch/combine), bound once.
+"""One record per member, written and read every call (dispatch/combine, the agreement), bound
+once.
 
 `records.publish` and `records.wait` take any list of records and settle each one's path,
 bounds and offsets on every call: per publication a Put, a doorbell store and a barrier per
@@ -26,42 +27,67 @@ from xccl.word_poll import WordPoll
 
 
 class FanOut:
-    """This die's record in each of `targets` (one per reader; target i gets bodies[i])."""
+    """This die's slot in each of `targets` (one per reader, `slot_bytes` at `at.offset`): the
+    body bytes [body_at, body_at + body_bytes) written first, then the one-word doorbell at
+    `bell_at`. `FanOut.records` binds records (the doorbell first, then the body)."""
 
-    def __init__(self, mem: DieMemory, targets: Sequence[RecordAt], dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        mem: DieMemory,
+        targets: Sequence[RecordAt],
+        *,
+        slot_bytes: int,
+        body_at: int,
+        body_bytes: int,
+        bell_at: int,
+    ) -> None:
         self.mem, self.targets = mem, list(targets)
         self.peers = [at.peer for at in self.targets]
-        self._end = put_bytes(dtype)
+        self._body = slice(body_at, body_at + body_bytes)
+        self._bell_at = bell_at
         self._near: list[tuple[int, np.ndarray]] = []  # (i, the body's bytes in reader i)
         self._bells: list[np.ndarray] = []  # [1] uint64 doorbells of the near readers
-        self._far: list[RecordAt] = []  # readers reached by RMA
-        self._far_idx: list[int] = []
+        self._far: list[tuple[int, RecordAt]] = []  # (i, a reader reached by RMA)
         for i, at in enumerate(self.targets):
-            region = mem.region(at.peer, at.offset, RECORD_BYTES)
+            region = mem.region(at.peer, at.offset, slot_bytes)
             if region is None:
-                self._far.append(at)
-                self._far_idx.append(i)
+                self._far.append((i, at))
             else:
-                self._near.append((i, region[BODY_OFFSET : self._end]))
-                self._bells.append(region[DOORBELL_OFFSET:BODY_OFFSET].view(WORD))
+                self._near.append((i, region[self._body]))
+                self._bells.append(region[bell_at : bell_at + WORD.itemsize].view(WORD))
 
-    def publish(self, bodies: np.ndarray, doorbell: int) -> None:
-        """bodies: [len(targets)] record dtype (its doorbell field unused). Every body, a
-        barrier, then every doorbell rung with `doorbell`, a barrier; sleeping readers woken."""
-        mem, end = self.mem, self._end
-        raw = bodies.view(np.uint8).reshape(len(self.targets), RECORD_BYTES)
-        for i, body in self._near:
-            body[:] = raw[i, BODY_OFFSET:end]
-        for i, at in zip(self._far_idx, self._far):  # Puts read `bodies` until the flush
-            mem.put(at.peer, at.offset + BODY_OFFSET, raw[i, BODY_OFFSET:end])
+    @classmethod
+    def records(cls, mem: DieMemory, targets: Sequence[RecordAt], dtype: np.dtype) -> FanOut:
+        """A record of `dtype` in each of `targets`: its fields after the doorbell, then it."""
+        body_bytes = put_bytes(dtype) - BODY_OFFSET
+        return cls(
+            mem,
+            targets,
+            slot_bytes=RECORD_BYTES,
+            body_at=BODY_OFFSET,
+            body_bytes=body_bytes,
+            bell_at=DOORBELL_OFFSET,
+        )
+
+    def publish(self, slots: np.ndarray, doorbell: int) -> None:
+        """slots: [len(targets), slot bytes] uint8, target i's slot in row i (only the body
+        bytes are sent), or [slot bytes] for every target alike. Every body, a barrier, then
+        every doorbell rung with `doorbell`, a barrier; sleeping readers woken."""
+        mem, body = self.mem, self._body
+        every = slots[body] if slots.ndim == 1 else None
+        for i, dst in self._near:
+            dst[:] = slots[i, body] if every is None else every
+        for i, at in self._far:  # Puts read `slots` until the flush
+            data = slots[i, body] if every is None else every
+            mem.put(at.peer, at.offset + body.start, data)
         if self._far:
             mem.flush_all()  # Flush_all, then the Win.Sync the near bodies need
         else:
             mem.sync()  # the bodies before the doorbells
         for bell in self._bells:
             bell[0] = doorbell  # one aligned 8-byte store: atomic
-        for at in self._far:
-            mem.store_word(at.peer, at.offset + DOORBELL_OFFSET, doorbell)
+        for _, at in self._far:
+            mem.store_word(at.peer, at.offset + self._bell_at, doorbell)
             mem.flush(at.peer)  # the word buffer is reused by the next store
         if self._bells:
             mem.sync()
