@@ -90,7 +90,7 @@ class WindowAgreement:
         pending = list(range(len(self.members)))
 
         def all_arrived() -> bool:
-            pending[:] = poll.missing(word)
+            pending[:] = poll.missing(word, pending)
             return not pending
 
         poll_until(

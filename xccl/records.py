@@ -207,7 +207,7 @@ def await_doorbells(
     since = time.time()
 
     def all_rang() -> bool:
-        pending[:] = poll.missing(expected.doorbell)
+        pending[:] = poll.missing(expected.doorbell, pending)
         return not pending
 
     try:

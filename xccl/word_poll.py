@@ -31,15 +31,18 @@ class WordPoll:
         self._near_words = np.array([offsets[i] // WORD.itemsize for i in near], np.intp)
         self._far = [(i, offsets[i], w) for i, w in enumerate(self.writers) if mem.poll_by_rma[w]]
 
-    def missing(self, value: int) -> list[int]:
-        """Indices of the words that do not hold `value` yet (near writers first)."""
+    def missing(self, value: int, pending: Sequence[int] | None = None) -> list[int]:
+        """Indices of the words that do not hold `value` yet (near writers first). pending: the
+        indices the last call returned, if this wait made one: a rung word stays rung until
+        the wait ends, so only those far words are fetched again (one MPI call each)."""
         mem, missing = self.mem, []
         if len(self._near_words):
             mem.sync()
             differs = mem.words[self._near_words] != np.uint64(value)
             if differs.any():
                 missing = self._near[differs].tolist()
+        still = None if pending is None else set(pending)
         for i, offset, writer in self._far:
-            if mem.load_word(offset, writer) != value:
+            if (still is None or i in still) and mem.load_word(offset, writer) != value:
                 missing.append(i)
         return missing
