@@ -6,10 +6,10 @@ from __future__ import annotations
 import h5py
 import pytest
 
-from xds_mpi.config import ConfigError, config_from_dict
-from xds_mpi.failure_plan import EMULATED, check_failures
+from xds_mpi.config.schema import ConfigError, config_from_dict
 from xds_mpi.failures import FailureRecord, read_failures, write_failures
-from xds_mpi.topology import Topology
+from xds_mpi.plan.failures import EMULATED, check_failures
+from xds_mpi.plan.topology import Topology
 
 
 def _check(events, **sections):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xccl.quant import quant_dequant
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.moe import Gate, dispatch_input, select_experts
 
 torch.set_num_threads(1)

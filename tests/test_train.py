@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.shapes import compute_shape

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from xccl.quant import quant_dequant
-from xds_mpi.config import Config, ModelConfig
+from xds_mpi.config.schema import Config, ModelConfig
 from xds_mpi.model.layers import SwiGLU
 
 

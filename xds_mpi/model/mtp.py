@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.block import Block
 from xds_mpi.model.layers import RMSNorm, Rotary, linear
 from xds_mpi.model.mla import AttnChunk, LatentCache

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 import torch
 
-from xds_mpi.config import ConfigError, ModelConfig
+from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.transformer import DeepSeekModel
 
 FORMAT = "xds-mpi-weights/1"

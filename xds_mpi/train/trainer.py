@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.transformer import DeepSeekModel
 from xds_mpi.model.weights import init_weights
 from xds_mpi.train.corpus import Corpus, random_windows, spread_windows
