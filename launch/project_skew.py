@@ -1,5 +1,5 @@
 """`xds-mpi project --skew`: expert load skew at pod scale, with and without EPLB (xDeepServe
-Figure 11), beside the uniform projection (xds_mpi/eplb/pod.py)."""
+Figure 11), beside the uniform projection (xds_mpi/projection/eplb_pod.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("expert load skew (Figure 11; xds_mpi/eplb/pod.py)")
+    g = p.add_argument_group("expert load skew (Figure 11; xds_mpi/eplb/skew.py)")
     g.add_argument(
         "--skew",
         type=float,
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def print_skew(args: argparse.Namespace, cfg, m, hw, workload: dict) -> None:
     """The comparison table: forward time per iteration and the routed dies' straggler."""
     from xds_mpi.config.schema import ConfigError
-    from xds_mpi.eplb.pod import Skew, compare
+    from xds_mpi.eplb.skew import Skew
+    from xds_mpi.projection.eplb_pod import compare
 
     if args.skew_slices < 1 or args.skew_drift < 0:
         raise ConfigError(

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    exit_code = role_program(info.role)(RankContext(plan=plan, comm=comm, log=log))
+    program = role_program(info.role, is_pd=plan.pd is not None)
+    exit_code = program(RankContext(plan=plan, comm=comm, log=log))
     faulthandler.cancel_dump_traceback_later()
     write_rank_stats(comm.rank, info.role, core)
     if exit_code:

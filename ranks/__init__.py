@@ -1,12 +1,12 @@
-"""Role programs: one per role a rank can play. `role_program(role)(ctx)` runs a rank.
+"""Role programs: one per role a rank can play. `role_program(role, is_pd=...)(ctx)` runs a rank.
 
-Every program starts with the startup handshake (all ranks agree on config and topology). The
-colocated deployment serves requests (ranks/colocated/die.py, ranks/shell/frontend.py), and so does
-the
-disaggregated MoE-attention one (ranks/afd/attention.py, ranks/afd/expert.py); with `pd.enabled` the
-host rank is the JE (ranks/shell/je.py) and prefill dies prefill (ranks/pd/prefill.py) for decode
-dies that
-receive the KV cache (ranks/pd/decode.py); without it prefill dies end after the handshake.
+Every program starts with the startup handshake (all ranks agree on config and topology).
+- host: the TE-shell (ranks/shell/): the frontend of a colocated or afd deployment; with PD, host
+  rank 0 is the JE and host rank 1 the decode TE-shell.
+- colocated (ranks/colocated/): attention for its DP group plus expert slots (Figure 10).
+- attention, expert (ranks/afd/): disaggregated MoE-attention (§5.2).
+- prefill (ranks/pd/prefill.py): prefill dies, idle without PD; with PD the decode dies receive
+  the KV cache (ranks/pd/decode.py) instead of prefilling in chunks.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ from collections.abc import Callable
 
 from ranks.core.context import RankContext
 
-# The module whose run(ctx) plays each role. Imported only by the ranks that play it, so ranks
-# that do not compute the model never import torch.
-ROLE_MODULES = {
-    "host": "ranks.shell.te_shell",
-    "attention": "ranks.afd.attention",
-    "expert": "ranks.afd.expert",
-    "colocated": "ranks.colocated.die",
-    "prefill": "ranks.pd.prefill",
+# "module:function" that plays each role, without and with PD. Imported only by the ranks that
+# play it, so a rank imports only its own role's code.
+ROLE_PROGRAMS = {
+    "host": ("ranks.shell.te_shell:run", "ranks.shell.te_shell:run"),
+    "colocated": ("ranks.colocated.die:run", "ranks.pd.decode:run_colocated"),
+    "attention": ("ranks.afd.attention:run", "ranks.pd.decode:run_attention"),
+    "expert": ("ranks.afd.expert:run", "ranks.afd.expert:run"),
+    "prefill": ("ranks.pd.prefill:run", "ranks.pd.prefill:run"),
 }
 
 
-def role_program(role: str) -> Callable[[RankContext], int | None]:
-    """run(ctx) -> exit code (None = 0) of the program for `role`."""
-    return importlib.import_module(ROLE_MODULES[role]).run
+def role_program(role: str, *, is_pd: bool) -> Callable[[RankContext], int | None]:
+    """run(ctx) -> exit code (None = 0) of the program for `role` (`is_pd`: pd.enabled)."""
+    module, function = ROLE_PROGRAMS[role][is_pd].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
-__all__ = ["ROLE_MODULES", "RankContext", "role_program"]
+__all__ = ["ROLE_PROGRAMS", "RankContext", "role_program"]

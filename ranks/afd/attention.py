@@ -19,12 +19,7 @@ IDLE = IterationTiming(
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    if ctx.plan.pd is not None:  # PD: requests arrive prefilled, KV over p2p
-        from ranks.pd.decode import PdAttentionDie
-
-        serve(PdAttentionDie(ctx))
-    else:
-        serve(AttentionDie(ctx))
+    serve(AttentionDie(ctx))
 
 
 class AttentionDie(AfdDieBase):

@@ -23,12 +23,7 @@ from xds_mpi.report import trace
 
 def run(ctx: RankContext) -> None:
     handshake(ctx)
-    if ctx.plan.pd is not None:  # PD: requests arrive prefilled, KV over p2p
-        from ranks.pd.decode import PdColocatedDie
-
-        serve(PdColocatedDie(ctx))
-    else:
-        serve(ColocatedDie(ctx))
+    serve(ColocatedDie(ctx))
 
 
 class ColocatedDie:

@@ -10,7 +10,19 @@ from __future__ import annotations
 from ranks.afd.attention import AttentionDie
 from ranks.colocated.die import ColocatedDie
 from ranks.core.context import RankContext
+from ranks.core.die_io import serve
+from ranks.core.handshake import handshake
 from ranks.pd.receive import KvReceiver
+
+
+def run_colocated(ctx: RankContext) -> None:
+    handshake(ctx)
+    serve(PdColocatedDie(ctx))
+
+
+def run_attention(ctx: RankContext) -> None:
+    handshake(ctx)
+    serve(PdAttentionDie(ctx))
 
 
 class PdDecode:

@@ -1,5 +1,5 @@
 """How much expert loads move from one EPLB time slice to the next, measured on the trained
-checkpoint (what xds_mpi/eplb/pod.py's `Skew.drift_sigma` takes instead of an assumed number).
+checkpoint (what xds_mpi/eplb/skew.py's `Skew.drift_sigma` takes instead of an assumed number).
 
 EPLB places replicas from past slices and serves the next one (xDeepServe §4.5), so the hottest
 die after EPLB depends on how far each expert's share of the traffic moves between slices. The

@@ -15,10 +15,10 @@ import numpy as np
 
 from xccl.layout import P2PLayout
 from xccl.moe_layout import AfdLayout, EpLayout
-from xds_mpi.config.eplb import check_eplb
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
+from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.plan.failures import check_failures
 from xds_mpi.plan.pd import PdPlan, build_pd, check_pd_fault, pd_window_bytes

@@ -10,6 +10,16 @@ from xds_mpi.config.failures import FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.topology import Topology
 
+# Seconds the TE-shell's release takes at most after detection (ranks/recovery/detector.py): two
+# graces.
+RELEASE_GRACES = 2
+
+
+def release_bound_s(health) -> float:
+    """Seconds from a die's silence to the end of the TE-shell's release at most
+    (ranks/recovery/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
+    return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
+
 
 def check_decode_loss(cfg: Config, topo: Topology) -> None:
     rows = [

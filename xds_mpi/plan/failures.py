@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from xds_mpi.config.failures import KIND_ROLES, FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
-from xds_mpi.plan.failure_loss import check_decode_loss
+from xds_mpi.plan.failure_loss import RELEASE_GRACES, check_decode_loss, release_bound_s
 from xds_mpi.plan.failure_slots import afd_memory_refusal, slot_refusal
 from xds_mpi.plan.failures_pd import check_decode_loss as check_pd_decode_loss
 from xds_mpi.plan.topology import Topology
@@ -50,15 +50,6 @@ EMULATED: set[tuple[str, str, str]] = {
     ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
     ("dead", "expert", "afd"),
 }
-# Seconds the TE-shell's release takes at most after detection (ranks/recovery/detector.py): two
-# graces.
-RELEASE_GRACES = 2
-
-
-def release_bound_s(health) -> float:
-    """Seconds from a die's silence to the end of the TE-shell's release at most
-    (ranks/recovery/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
-    return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
 
 
 def check_failures(cfg: Config, topo: Topology) -> None:

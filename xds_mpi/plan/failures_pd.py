@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from xds_mpi.config.failures import FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.failure_loss import release_bound_s
 from xds_mpi.plan.topology import Topology
 
 # Rows that share a PD run with a lost decode die: none (their recoveries are not emulated
@@ -54,8 +55,6 @@ def check_decode_loss(cfg: Config, topo: Topology, where: str, spec: FailureSpec
             f"{where}: a lost PD decode die with other fault rows (faults.events{others}) in one "
             "run is not emulated; one stuck/dead decode row per run"
         )
-    from xds_mpi.plan.failures import release_bound_s  # it imports this module
-
     health = cfg.health
     bound = release_bound_s(health)
     if health.probe_timeout_s <= bound:

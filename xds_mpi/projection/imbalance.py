@@ -4,7 +4,7 @@ the batch and KV length of the slowest DP group. A layer runs at the slowest die
 (xds_mpi/projection/project.py).
 
 Expert loads come from a run file's measured routing (`from_run_file`), or from a Figure-11a
-skew rebalanced by FlowServe's EPLB (`from_skew`, on xds_mpi/eplb/pod.py's skew model). The DP
+skew rebalanced by FlowServe's EPLB (`from_skew`, on xds_mpi/eplb/skew.py's skew model). The DP
 imbalance comes from the spread of the requests' KV lengths (`kv_straggler`) and from the
 batches the DP groups ran, measured in a run (`batch_from_run_file`) or given.
 """
@@ -45,11 +45,11 @@ def kv_straggler(*, batch: int, spread: float, groups: int) -> float:
 def from_skew(cfg, m, *, hottest: float, share: float, drift_sigma: float, seed: int = 0) -> float:
     """Max / mean routed-die load of a Figure-11a skew after FlowServe's EPLB, the placement
     computed from earlier slices and priced on the next, the loads drifting by `drift_sigma`
-    per slice (as xds_mpi/eplb/pod.py compares)."""
-    from xds_mpi.config.eplb import budget
+    per slice (as xds_mpi/projection/eplb_pod.py compares)."""
     from xds_mpi.eplb.placement import from_topology
-    from xds_mpi.eplb.pod import Skew, die_loads, skew_slices
     from xds_mpi.eplb.policy import max_over_mean, rebalance
+    from xds_mpi.eplb.skew import Skew, die_loads, skew_slices
+    from xds_mpi.plan.eplb import budget
     from xds_mpi.plan.topology import Topology
 
     topo = Topology.from_config(cfg)
