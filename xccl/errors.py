@@ -53,7 +53,7 @@ class OutOfWindow(XcclError, IndexError):
 class InjectedFault(XcclError):
     """An emulated transient XCCL error (xDeepServe §6.2 stage 3), raised by a buffer's fault hook
     inside an operation, where peers are left waiting. die: the die's rank; op: the operation
-    (xccl.faults.OPS); event_id: the operation's event; code: the error code."""
+    (xccl.recovery.faults.OPS); event_id: the operation's event; code: the error code."""
 
     def __init__(self, die: int, op: str, event_id: int, code: int) -> None:
         super().__init__(f"die rank {die}: injected fault (code {code}) in {op} event {event_id}")

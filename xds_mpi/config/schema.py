@@ -5,7 +5,7 @@ A config file has the sections below (every key optional, defaults shown in the 
 modules); each section checks its own constraints, naming the numbers involved. Reading YAML,
 `--set` overrides, unknown keys and value types are `xds_mpi.config.loader`'s. What a config
 implies across sections (rank map, layouts, window sizes) and whether it can run is
-`xds_mpi.plan.DeploymentPlan`'s, never written back into the config.
+`xds_mpi.plan.deployment.DeploymentPlan`'s, never written back into the config.
 """
 
 from __future__ import annotations

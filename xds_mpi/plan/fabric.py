@@ -1,6 +1,7 @@
 """The deployment's XCCL memory: which die pairs talk p2p, and how big each die's window is.
 
-Helpers of `xds_mpi.plan.DeploymentPlan.build`, the one place that calls them: role programs and
+Helpers of `xds_mpi.plan.deployment.DeploymentPlan.build`, the one place that calls them: role
+programs and
 the launcher take the layouts and window sizes from the plan.
 """
 

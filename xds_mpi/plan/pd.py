@@ -1,5 +1,5 @@
 """What disaggregated prefill-decode derives from a config (xDeepServe §5.1), for
-`xds_mpi.plan.DeploymentPlan.build`: the prefill dies' own expert-parallel group, their
+`xds_mpi.plan.deployment.DeploymentPlan.build`: the prefill dies' own expert-parallel group, their
 dispatch/combine area, the P/D pairs of the p2p layout, and the refusals of configs PD cannot run.
 
 The prefill dies form `pd.num_prefill_tes` prefill TEs of consecutive dies (sizes differing by
