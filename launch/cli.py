@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from launch import (
@@ -111,6 +112,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
+    if result.stopped_by is not None:
+        name = signal.Signals(result.stopped_by).name
+        print(f"xds-mpi: stopped by {name}: mpiexec and its ranks ended", file=sys.stderr)
+        return result.returncode
     if result.timed_out:
         print(
             f"xds-mpi: error: job exceeded run.timeout_s({cfg.run.timeout_s:g}) and was killed",
