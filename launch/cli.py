@@ -105,6 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
         placement=hosts.placement_flags(args.hosts, plan, args.mpiexec, dry_run=args.dry_run),
+        can_fail_over=any(e.kind in ("stuck", "dead") for e in cfg.faults.events),
     )
     if args.dry_run:
         print(command.shell_line())
@@ -151,7 +152,7 @@ def _add_run(sub) -> None:
         "--set scheduler.mtp_depth=1|2 decodes with MTP drafts; the "
         "faults section (faults.table, faults.rate) injects transient "
         "XCCL errors that every die rolls back and recomputes (see "
-        "README: MTP decoding and token recomputation).",
+        "docs/serving.md and docs/failures.md).",
     )
     _add_config_args(p)
     p.add_argument(
