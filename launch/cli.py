@@ -115,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
     if result.stopped_by is not None:
         name = signal.Signals(result.stopped_by).name
-        print(f"xds-mpi: stopped by {name}: mpiexec and its ranks ended", file=sys.stderr)
+        print(f"xds-mpi: stopped by {name}", file=sys.stderr)
         return result.returncode
     if result.timed_out:
         print(
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"xds-mpi: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # run_job has ended mpiexec and its ranks already
+        print("xds-mpi: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

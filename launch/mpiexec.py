@@ -25,8 +25,9 @@ MpiFlavor = Literal["mpich", "openmpi", "unknown"]
 LAUNCH_GRACE_S = 30
 # How long mpiexec gets to end its ranks after a SIGTERM before everything is SIGKILLed.
 STOP_GRACE_S = 5
-# Signals to the launcher that end the whole job (exit code 128 + signo).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Signals to the launcher that end the whole job (exit code 128 + signo); SIGINT does too, as
+# the KeyboardInterrupt it raises (so that a Ctrl-C still interrupts a caller such as pytest).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 # MPICH: without it every Win.Flush runs the whole progress engine (docs/mpi.md §3).
 MPICH_ENV = {"MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS": "1"}
@@ -126,7 +127,7 @@ class JobResult:
     returncode: int  # 128 + signo when a signal to the launcher stopped the job
     timed_out: bool
     output: str  # stdout + stderr when captured, else ""
-    stopped_by: int | None = None  # the signal (SIGTERM, SIGINT, SIGHUP) that stopped the job
+    stopped_by: int | None = None  # the signal (SIGTERM, SIGHUP) that stopped the job
 
 
 class _Stopped(Exception):
@@ -140,7 +141,8 @@ class _Stopped(Exception):
 def run_job(
     command: MpiCommand, *, timeout_s: float, capture: bool = False, cwd: str | Path | None = None
 ) -> JobResult:
-    """Run the job in its own session; on timeout, SIGTERM, SIGINT or SIGHUP end the whole job.
+    """Run the job in its own session; a timeout, SIGTERM, SIGHUP or Ctrl-C ends the whole job
+    (SIGINT: after the job is gone, the KeyboardInterrupt goes on to the caller).
 
     A job that lasted MPIEXEC_TIMEOUT counts as timed out whatever its exit code: hydra
     sometimes exits 0 after killing a job at its timeout (seen with the mpich 5.0.2 wheel).
@@ -181,7 +183,7 @@ def run_job(
 
 @contextmanager
 def _signals_stop_the_job():
-    """While the job runs, SIGTERM/SIGINT/SIGHUP to the launcher raise _Stopped instead of
+    """While the job runs, SIGTERM/SIGHUP to the launcher raise _Stopped instead of
     killing the launcher alone: mpiexec and the ranks live in other sessions and would stay."""
     if threading.current_thread() is not threading.main_thread():
         yield
