@@ -80,6 +80,8 @@ def run_bench(args: argparse.Namespace, program: list[str]) -> int:
     command = mpi_command(args.np, program, timeout_s=args.timeout)
     print(f"xds-mpi: bench {args.kind} on {args.np} ranks: {command.shell_line()}", flush=True)
     result = run_job(command, timeout_s=args.timeout + LAUNCH_GRACE_S)
+    if result.stopped_by is not None:
+        return result.returncode  # 128 + signo; mpiexec and its ranks already ended
     if result.timed_out:
         print(f"xds-mpi: error: bench exceeded --timeout {args.timeout:g} s", file=sys.stderr)
         return 124

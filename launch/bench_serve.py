@@ -51,13 +51,25 @@ def serve(args, dies: int, source: Path | None, extra: list[str]) -> ServeStats:
         if source is not None:
             env["PYTHONPATH"] = str(source)
             cwd = source
-        done = subprocess.run(
-            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=args.timeout
-        )
+        done = run_launcher(command, cwd=cwd, env=env, timeout_s=args.timeout)
         output = done.stdout + done.stderr
         if done.returncode:
             raise SystemExit(f"bench serve: the run failed ({done.returncode}):\n{output[-3000:]}")
         return summarize(output, Path(tmp))
+
+
+def run_launcher(command: list[str], *, cwd: Path, env: dict, timeout_s: float):
+    """`xds-mpi run` as a child; past the timeout it gets SIGTERM, so that it ends its MPI job
+    (a SIGKILL, what subprocess.run sends, would leave mpiexec and the ranks running)."""
+    with subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 def median_row(dies: int, source: str, runs: list[ServeStats], base: float | None) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from launch import (
@@ -104,6 +105,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
         placement=hosts.placement_flags(args.hosts, plan, args.mpiexec, dry_run=args.dry_run),
+        can_fail_over=any(e.kind in ("stuck", "dead") for e in cfg.faults.events),
     )
     if args.dry_run:
         print(command.shell_line())
@@ -111,6 +113,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
+    if result.stopped_by is not None:
+        name = signal.Signals(result.stopped_by).name
+        print(f"xds-mpi: stopped by {name}", file=sys.stderr)
+        return result.returncode
     if result.timed_out:
         print(
             f"xds-mpi: error: job exceeded run.timeout_s({cfg.run.timeout_s:g}) and was killed",
@@ -146,7 +152,7 @@ def _add_run(sub) -> None:
         "--set scheduler.mtp_depth=1|2 decodes with MTP drafts; the "
         "faults section (faults.table, faults.rate) injects transient "
         "XCCL errors that every die rolls back and recomputes (see "
-        "README: MTP decoding and token recomputation).",
+        "docs/serving.md and docs/failures.md).",
     )
     _add_config_args(p)
     p.add_argument(
@@ -199,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"xds-mpi: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # run_job has ended mpiexec and its ranks already
+        print("xds-mpi: stopped by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

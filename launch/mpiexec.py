@@ -11,8 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -21,12 +23,23 @@ from typing import Literal
 MpiFlavor = Literal["mpich", "openmpi", "unknown"]
 # How long the launcher waits beyond MPIEXEC_TIMEOUT before killing the group.
 LAUNCH_GRACE_S = 30
+# How long mpiexec gets to end its ranks after a SIGTERM before everything is SIGKILLed.
+STOP_GRACE_S = 5
+# Signals to the launcher that end the whole job (exit code 128 + signo); SIGINT does too, as
+# the KeyboardInterrupt it raises (so that a Ctrl-C still interrupts a caller such as pytest).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 # MPICH: without it every Win.Flush runs the whole progress engine (docs/mpi.md §3).
 MPICH_ENV = {"MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS": "1"}
 # Open MPI: osc/ucx prints a warning on every window; root needs explicit consent.
 OPENMPI_ENV = {"OMPI_MCA_osc": "^ucx"}
 OPENMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+# A run that can lose a die: after a failover the windows that span the lost die are never freed
+# (their frees are collectives it would not join), so at MPI_Finalize MPICH's UCX layer warns
+# once per leaked registration ("ucp_rcache: destroying inuse region", "object ... was not
+# returned to mpool ucp_rkeys": ~118 lines for one dead die of 4). UCX has no switch for those two
+# warnings alone: its log level drops every warning, so it is set only for such runs.
+FAILOVER_ENV = {"UCX_LOG_LEVEL": "error"}
 
 
 def find_mpiexec() -> str:
@@ -78,9 +91,11 @@ def mpi_command(
     timeout_s: float | None = None,
     mpiexec: str | None = None,
     placement: Sequence[str] = (),
+    can_fail_over: bool = False,
 ) -> MpiCommand:
     """`mpiexec -n N <program...>` plus the flags and environment the detected MPI needs;
-    `placement`: flags that put the ranks on hosts (launch/hosts.py)."""
+    `placement`: flags that put the ranks on hosts (launch/hosts.py); `can_fail_over`: the run
+    may lose a die (FAILOVER_ENV, unless the user set those variables)."""
     mpiexec = mpiexec or find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     argv = [mpiexec, "-n", str(num_procs), *placement]
@@ -92,6 +107,8 @@ def mpi_command(
             env.update(OPENMPI_ROOT_ENV)
     else:
         env.update(MPICH_ENV)
+    if can_fail_over:
+        env.update({k: v for k, v in FAILOVER_ENV.items() if k not in os.environ})
     if timeout_s is not None:
         env["MPIEXEC_TIMEOUT"] = str(max(1, int(timeout_s)))
     return MpiCommand(argv=tuple(argv) + tuple(program), env=env)
@@ -107,15 +124,25 @@ def rank_program(config_path: str | Path, overrides: Sequence[str] = ()) -> list
 
 @dataclass(frozen=True, kw_only=True)
 class JobResult:
-    returncode: int
+    returncode: int  # 128 + signo when a signal to the launcher stopped the job
     timed_out: bool
     output: str  # stdout + stderr when captured, else ""
+    stopped_by: int | None = None  # the signal (SIGTERM, SIGHUP) that stopped the job
+
+
+class _Stopped(Exception):
+    """A signal to the launcher, raised in the main thread while run_job waits."""
+
+    def __init__(self, signo: int):
+        super().__init__(signal.Signals(signo).name)
+        self.signo = signo
 
 
 def run_job(
     command: MpiCommand, *, timeout_s: float, capture: bool = False, cwd: str | Path | None = None
 ) -> JobResult:
-    """Run the job in its own process group; on timeout or Ctrl-C kill the whole group.
+    """Run the job in its own session; a timeout, SIGTERM, SIGHUP or Ctrl-C ends the whole job
+    (SIGINT: after the job is gone, the KeyboardInterrupt goes on to the caller).
 
     A job that lasted MPIEXEC_TIMEOUT counts as timed out whatever its exit code: hydra
     sometimes exits 0 after killing a job at its timeout (seen with the mpich 5.0.2 wheel).
@@ -124,31 +151,114 @@ def run_job(
     out = subprocess.PIPE if capture else None
     mpi_timeout_s = float(command.env.get("MPIEXEC_TIMEOUT", "inf"))
     started = time.monotonic()
-    proc = subprocess.Popen(
-        command.argv,
-        env=env,
-        cwd=cwd,
-        stdout=out,
-        stderr=subprocess.STDOUT if capture else None,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, _ = proc.communicate(timeout=timeout_s)
-        timed_out = time.monotonic() - started >= mpi_timeout_s
-        return JobResult(returncode=proc.returncode, timed_out=timed_out, output=stdout or "")
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        stdout, _ = proc.communicate()
-        return JobResult(returncode=proc.returncode, timed_out=True, output=stdout or "")
-    except BaseException:
-        kill_group(proc)
-        proc.wait()
-        raise
+    with _signals_stop_the_job():
+        proc = subprocess.Popen(
+            command.argv,
+            env=env,
+            cwd=cwd,
+            stdout=out,
+            stderr=subprocess.STDOUT if capture else None,
+            text=True,
+            start_new_session=True,  # a Ctrl-C reaches the launcher only; it ends the job
+        )
+        try:
+            stdout, _ = proc.communicate(timeout=timeout_s)
+            timed_out = time.monotonic() - started >= mpi_timeout_s
+            return JobResult(returncode=proc.returncode, timed_out=timed_out, output=stdout or "")
+        except subprocess.TimeoutExpired:
+            stop_job(proc)
+            return JobResult(returncode=proc.returncode, timed_out=True, output=_rest(proc))
+        except _Stopped as stop:
+            stop_job(proc)
+            return JobResult(
+                returncode=128 + stop.signo,
+                timed_out=False,
+                output=_rest(proc),
+                stopped_by=stop.signo,
+            )
+        except BaseException:
+            stop_job(proc)
+            raise
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+@contextmanager
+def _signals_stop_the_job():
+    """While the job runs, SIGTERM/SIGHUP to the launcher raise _Stopped instead of
+    killing the launcher alone: mpiexec and the ranks live in other sessions and would stay."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signo, _frame):
+        raise _Stopped(signo)
+
+    previous = {signo: signal.signal(signo, stop) for signo in STOP_SIGNALS}
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        yield
+    finally:
+        for signo, handler in previous.items():
+            signal.signal(signo, handler)
+
+
+def _rest(proc: subprocess.Popen) -> str:
+    """What a stopped job wrote that was not read yet (its pipe closes when the job is gone)."""
+    try:
+        return proc.communicate()[0] or ""
+    except (OSError, ValueError):
+        return ""
+
+
+def stop_job(proc: subprocess.Popen) -> None:
+    """End mpiexec and every rank: SIGTERM first (mpiexec forwards it to its ranks, which hydra
+    starts in sessions of their own, out of reach of a signal to mpiexec's group), then after
+    STOP_GRACE_S SIGKILL to mpiexec's group and to every process it had started."""
+    below = _descendants(proc.pid)
+    _signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and (proc.poll() is None or any(map(_alive, below))):
+        time.sleep(0.1)
+    _signal_group(proc.pid, signal.SIGKILL)
+    for pid in below:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, signo: int) -> None:
+    try:
+        os.killpg(pgid, signo)
+    except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(pid: int, signo: int) -> None:
+    try:
+        os.kill(pid, signo)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root` (Linux /proc; elsewhere none, and the group signal must do)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        pid, ppid = int(text.split()[0]), int(text.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead but still listed
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -225,3 +225,10 @@ def test_a_run_over_its_time_limit_is_reported_as_such():
     result = xds_mpi("run", "--set", "run.timeout_s=1")
     assert result.returncode == 124, result.stdout[-2000:] + result.stderr[-2000:]
     assert "job exceeded run.timeout_s(1) and was killed" in result.stderr
+
+
+def test_run_refuses_a_checkpoint_of_another_shape_before_launch():
+    result = xds_mpi("run", "--set", "model.hidden=7")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "model.hidden: checkpoint 128 vs config 7" in result.stderr
+    assert "launching" not in result.stdout

@@ -112,7 +112,7 @@ def test_save_load_round_trip_gives_identical_logits(model, tmp_path):
     for a, b in zip(before, after):
         assert a.tokens == b.tokens and torch.equal(a.logits, b.logits)
     wrong = dataclasses.replace(model.cfg, weights=str(path), hidden=64)
-    with pytest.raises(ConfigError, match=r"hidden: config 64 vs file 128"):
+    with pytest.raises(ConfigError, match=r"model.hidden: checkpoint 128 vs config 64"):
         build_model(wrong)
 
 

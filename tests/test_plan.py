@@ -135,3 +135,20 @@ def test_the_row_dtype_sizes_the_layout_and_the_dies_buffers(kind):
     layout = plan.ep if kind == "colocated" else plan.afd
     assert plan.row_dtype == np.float32 and layout.itemsize == 4
     assert layout.out_row_bytes == plan.cfg.model.hidden * 4
+
+
+def test_a_checkpoint_of_another_model_shape_is_refused_before_launch():
+    # model.weights: tiny was trained at hidden 128: a rank would die loading it after launch.
+    with pytest.raises(ConfigError) as refused:
+        DeploymentPlan.build(shipped("colocated", ["model.hidden=7", "model.num_heads=2"]))
+    message = str(refused.value)
+    assert "model.hidden: checkpoint 128 vs config 7" in message
+    assert "model.num_heads: checkpoint 4 vs config 2" in message
+    assert "model.weights=random" in message and "train-tiny" in message
+    random = shipped("colocated", ["model.hidden=7", "model.weights=random"])
+    assert DeploymentPlan.build(random).cfg.model.hidden == 7
+
+
+def test_a_missing_checkpoint_is_refused_before_launch(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        DeploymentPlan.build(shipped("colocated", [f"model.weights={tmp_path}/none.h5"]))

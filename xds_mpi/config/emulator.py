@@ -24,7 +24,8 @@ class EmulatorConfig:
 
     pin_cores: Literal["auto", "always", "never"] = "auto"
     # Off by default: on this 2-core machine, with more ranks than cores, controlled runs served
-    # fewer tokens/s than Python's own GC (4 dies, alternated: README, "The emulator's own §4.4").
+    # fewer tokens/s than Python's own GC (4 dies, alternated: docs/xccl.md, "The emulator's
+    # own §4.4").
     gc: Literal["controlled", "default"] = "default"
     gc_every: int = 256  # §4.4: "after every few hundred forward passes"
 

@@ -19,14 +19,15 @@ import numpy as np
 import torch
 
 from xds_mpi.config.schema import ConfigError, ModelConfig
+from xds_mpi.model.checkpoint import (
+    FORMAT,
+    check_same_shape,
+    read_checkpoint_config,
+    weights_path,
+)
 from xds_mpi.model.transformer import DeepSeekModel
 
-FORMAT = "xds-mpi-weights/1"
-# Fields that say where weights come from rather than what shape the model has.
-_PROVENANCE_FIELDS = ("weights", "seed")
 GATE_BIAS_STD = 0.02
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}  # model.weights name -> file in DATA_DIR
 
 
 def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -56,31 +57,10 @@ def save_weights(model: DeepSeekModel, path: str | Path) -> None:
 
 def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """The file's ModelConfig (weights = the path) and its tensors by name."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    cfg = read_checkpoint_config(path)
     with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != FORMAT:
-            raise ConfigError(
-                f"{path}: not an xds-mpi weights file (format "
-                f"{f.attrs.get('format')!r}, expected {FORMAT!r})"
-            )
-        values = json.loads(f.attrs["model_config"])
         tensors = {name: f[name][()] for name in f.keys()}
-    cfg = ModelConfig(**{**values, "weights": str(path)})
     return cfg, tensors
-
-
-def _check_same_shape(expected: ModelConfig, found: ModelConfig) -> None:
-    diffs = [
-        f"{f.name}: config {getattr(expected, f.name)} vs file {getattr(found, f.name)}"
-        for f in dataclasses.fields(ModelConfig)
-        if f.name not in _PROVENANCE_FIELDS and getattr(expected, f.name) != getattr(found, f.name)
-    ]
-    if diffs:
-        raise ConfigError(
-            f"{found.weights}: weights were saved for a different model shape ({'; '.join(diffs)})"
-        )
 
 
 def load_model(
@@ -89,7 +69,7 @@ def load_model(
     """A model built from the file's own config; `expected` (if given) must match its shape."""
     cfg, tensors = read_weights(path)
     if expected is not None:
-        _check_same_shape(expected, cfg)
+        check_same_shape(expected, cfg)
     model = DeepSeekModel(cfg, dtype=dtype)
     state = {name: torch.from_numpy(value) for name, value in tensors.items()}
     missing = sorted(set(model.state_dict()) ^ set(state))
@@ -97,13 +77,6 @@ def load_model(
         raise ConfigError(f"{path}: tensors missing or unexpected: {', '.join(missing[:8])}")
     model.load_state_dict(state)
     return model
-
-
-def weights_path(weights: str) -> Path:
-    """A packaged checkpoint name ("tiny") or an HDF5 path -> the file's path."""
-    if weights in PACKAGED_WEIGHTS:
-        return DATA_DIR / PACKAGED_WEIGHTS[weights]
-    return Path(weights)
 
 
 def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float64) -> DeepSeekModel:

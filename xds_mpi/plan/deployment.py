@@ -3,8 +3,9 @@
 `DeploymentPlan.build(cfg, world_size)` is what `xds-mpi validate`, `run` and `submit` and every
 rank (launch/rank.py) call: the topology (rank map, expert placement), the XCCL layouts and each
 die's window size, the row dtype of dispatch/combine and A2E/E2A. It refuses, with the reason and
-the numbers, a world size or pod that does not fit, MTP or fault settings that cannot work, a
-window over the per-die cap, and a workload in which no request could be served.
+the numbers, a checkpoint saved for another model shape, a world size or pod that does not fit,
+MTP or fault settings that cannot work, a window over the per-die cap, and a workload in which no
+request could be served.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
+from xds_mpi.model.checkpoint import check_checkpoint
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.plan.failures import check_failures
@@ -46,6 +48,7 @@ class DeploymentPlan:
     @classmethod
     def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
         """Derive the plan; world_size: the communicator's size (None: what the config needs)."""
+        check_checkpoint(cfg.model)  # before launch: every rank would die loading it
         topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
         check_serving(cfg, topo)
         # The one source of the row dtype: a wire format (the model computes in its own dtype;

@@ -36,7 +36,7 @@ def check_eplb(cfg: Config, num_routed_dies: int) -> None:
     if dep.kind != "colocated":
         raise ConfigError(
             f"eplb.enabled needs a colocated deployment, got deployment.kind={dep.kind!r}: the "
-            "attention/expert dies of afd do not swap replicas yet (see README, EPLB)"
+            "attention/expert dies of afd do not swap replicas yet (see docs/serving.md, EPLB)"
         )
     if cfg.pd.enabled:
         raise ConfigError(

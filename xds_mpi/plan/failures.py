@@ -104,7 +104,7 @@ def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) 
     if (spec.kind, role, deployment) not in EMULATED:
         raise ConfigError(
             f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment is not "
-            "emulated (README.md, Failures, lists what is)"
+            "emulated (docs/failures.md lists what is)"
         )
 
 

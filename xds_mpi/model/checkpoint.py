@@ -1,0 +1,66 @@
+"""What a weights file says about itself, read without torch: its format and ModelConfig.
+
+`DeploymentPlan.build` calls `check_checkpoint` so that `xds-mpi validate`, `run` and `submit`
+refuse a checkpoint of another model shape before launch (every rank would otherwise die loading
+it); xds_mpi/model/weights.py loads the tensors and runs the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import h5py
+
+from xds_mpi.config.schema import ConfigError, ModelConfig
+
+FORMAT = "xds-mpi-weights/1"
+# Fields that say where weights come from rather than what shape the model has.
+PROVENANCE_FIELDS = ("weights", "seed")
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}  # model.weights name -> file in DATA_DIR
+
+
+def weights_path(weights: str) -> Path:
+    """A packaged checkpoint name ("tiny") or an HDF5 path -> the file's path."""
+    if weights in PACKAGED_WEIGHTS:
+        return DATA_DIR / PACKAGED_WEIGHTS[weights]
+    return Path(weights)
+
+
+def read_checkpoint_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig a weights file was saved with (weights = the path); attributes only."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    with h5py.File(path, "r") as f:
+        if f.attrs.get("format") != FORMAT:
+            raise ConfigError(
+                f"{path}: not an xds-mpi weights file (format "
+                f"{f.attrs.get('format')!r}, expected {FORMAT!r})"
+            )
+        values = json.loads(f.attrs["model_config"])
+    return ModelConfig(**{**values, "weights": str(path)})
+
+
+def check_same_shape(expected: ModelConfig, found: ModelConfig) -> None:
+    """Refuse `found` (a file's config) unless every shape field equals `expected`'s."""
+    diffs = [
+        f"model.{f.name}: checkpoint {getattr(found, f.name)} vs config {getattr(expected, f.name)}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in PROVENANCE_FIELDS and getattr(expected, f.name) != getattr(found, f.name)
+    ]
+    if diffs:
+        raise ConfigError(
+            f"model.weights({expected.weights}): {found.weights} was saved for another model "
+            f"shape ({'; '.join(diffs)}): set those fields back to the checkpoint's values, or "
+            "--set model.weights=random for seeded weights of any shape (`xds-mpi train-tiny` "
+            "trains checkpoints of the tiny shape, configs/model/tiny.yaml)"
+        )
+
+
+def check_checkpoint(model: ModelConfig) -> None:
+    """model.weights names a checkpoint: it must exist and have the config's model shape."""
+    if model.weights != "random":
+        check_same_shape(model, read_checkpoint_config(weights_path(model.weights)))
