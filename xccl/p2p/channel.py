@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import BufferTooSmall, UnknownPeer
 from xccl.gmem import DieMemory, as_bytes
 from xccl.layout import P2PLayout
@@ -51,7 +52,6 @@ from xccl.p2p.ops import Handle, Op, OpQueues, Transfer
 from xccl.p2p.recv import RingReceiver
 from xccl.p2p.send import MAX_IN_FLIGHT, RingSender
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.vclock import LinkModel, Path, VirtualClock
 

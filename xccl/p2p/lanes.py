@@ -4,7 +4,7 @@ Every message on a pair writes the same ring, the same RECORDS_PER_PAIR records 
 word, so the offsets (xccl/layout.py), the bounds checks and the choice of path
 (xccl/gmem_paths.py) are made here once, not per message. On the load/store path a lane holds
 numpy views of the peer's memory and a message is a few plain stores; on RMA the same methods
-call put / store_word. The ordering rules are DieMemory's and xccl/records/slots.py's.
+call put / store_word. The ordering rules are DieMemory's and xccl/records/record.py's.
 
 The ack word's record-sized slot also carries the receiver's landing for a rendezvous
 (xccl/p2p/send.py): three words after the ack, [publication number, window offset or NO_LANDING,
@@ -21,8 +21,7 @@ import numpy as np
 from xccl.errors import XcclError
 from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
-from xccl.records.record import P2P_RECORD, RecordAt
-from xccl.records.slots import InRecord, OutRecord
+from xccl.records import P2P_RECORD, InRecord, OutRecord, RecordAt
 
 # The order InRecord.read returns a P2P_RECORD's fields in (p2p_recv.py unpacks it).
 P2P_FIELDS = (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from xccl.errors import InjectedFault, XcclError
-from xccl.records.mpi_time import poll_until
+from xccl.wake import poll_until
 
 if TYPE_CHECKING:
     from xccl.p2p.channel import P2P

@@ -10,8 +10,8 @@ receiver expects the sender's tail, and the sender's ack word says "all acknowle
 
 from __future__ import annotations
 
+from xccl import records
 from xccl.p2p.channel import P2P
-from xccl.records import record as records
 
 
 def pair_state(p2p: P2P, src: int, dst: int) -> tuple[int, int]:

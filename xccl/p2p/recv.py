@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.gmem import DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
 from xccl.p2p.lanes import NO_LANDING, RecvLane, window_offset
 from xccl.p2p.ops import Op, Transfer
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
 from xccl.records.record import P2P_DIRECT, P2P_RTS
 from xccl.recovery.faults import FaultHook
 

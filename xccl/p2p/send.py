@@ -23,13 +23,13 @@ from collections import deque
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import XcclError
 from xccl.gmem import DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
 from xccl.p2p.lanes import SendLane
 from xccl.p2p.ops import Op, Transfer
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
 from xccl.records.record import P2P_DIRECT, P2P_RING, P2P_RTS
 from xccl.recovery.faults import FaultHook
 
