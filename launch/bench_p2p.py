@@ -30,7 +30,7 @@ from launch.bench_p2p_floor import FloorPair
 from launch.bench_p2p_raw import RawPair
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
-from xccl.p2p.channel import P2P
+from xccl.p2p import P2P
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.projection.hardware import load_profile
 

@@ -23,7 +23,7 @@ import numpy as np
 from launch.bench_report import report
 from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve_stats import RANK_STATS_ENV, ServeStats, summarize
-from xccl.records.mpi_time import TIME_MPI_ENV
+from xccl.wake import TIME_MPI_ENV
 from xds_mpi.config.schema import ConfigError
 
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]

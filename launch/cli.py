@@ -69,7 +69,7 @@ def describe_memory_path(path: str) -> str:
 
 
 def describe_wait(mode: str) -> str:
-    """validate's line on how dies wait for their peers' doorbells (xccl/records/wake.py)."""
+    """validate's line on how dies wait for their peers' doorbells (xccl/wake.py)."""
     return {
         "auto": "waits: auto: sleep on a futex when a node runs more ranks than cores, else spin",
         "sleep": "waits: sleep (forced) on a futex, woken by the writer waited for",

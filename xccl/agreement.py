@@ -23,11 +23,9 @@ import numpy as np
 
 from xccl.gmem import WORD, DieMemory
 from xccl.moe_layout import AGREE_WORDS, EpLayout
-from xccl.records.fan import FanOut
-from xccl.records.mpi_time import poll_until
-from xccl.records.record import RecordAt
-from xccl.records.word_poll import WordPoll
+from xccl.records import FanOut, RecordAt, WordPoll
 from xccl.recovery.faults import Interrupt
+from xccl.wake import poll_until
 
 ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
 

@@ -10,7 +10,7 @@ Retry (the transfer, not a decode rollback): with p2p faults configured a die ru
 transfer at a time (abandoning fails every transfer of the die, and the retry involves two dies
 only); the failing die abandons its one transfer in flight
 and sends KvAbort with its end's pair state; the peer abandons its end, both resync the pair to
-the max (xccl/p2p/pair.py), the peer answers KvAbortAck; then the decode die posts a fresh irecv
+the max (xccl/p2p/channel.py), the peer answers KvAbortAck; then the decode die posts a fresh irecv
 with the next attempt's event id and pulls again. More than pd.max_transfer_retries failed
 attempts of one transfer end the run with an error naming both dies and the request.
 """

@@ -39,7 +39,7 @@ from ranks.pd.faults import (
 )
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
-from xccl.p2p.pair import pair_state, resync_pair
+from xccl.p2p import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
@@ -68,7 +68,7 @@ class Incoming:
 
 class KvReceiver:
     def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
-        from xccl.p2p.channel import P2P
+        from xccl.p2p import P2P
         from xccl.vclock import LinkModel
         from xds_mpi.model.shapes import cost_shape
         from xds_mpi.projection.hardware import load_profile

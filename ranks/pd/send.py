@@ -27,7 +27,7 @@ from ranks.pd.faults import (
     poll_transfer,
 )
 from ranks.recovery.pd_send_failover import SendFailover
-from xccl.p2p.pair import pair_state, resync_pair
+from xccl.p2p import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
@@ -46,7 +46,7 @@ class Outgoing:
 
 class KvSender:
     def __init__(self, ctx: RankContext, mem, cache, scheduler, pricer) -> None:
-        from xccl.p2p.channel import P2P
+        from xccl.p2p import P2P
 
         cfg = ctx.cfg
         self.comm, self.rank, self.timeout_s = ctx.comm, ctx.comm.rank, cfg.xccl.poll_timeout_s

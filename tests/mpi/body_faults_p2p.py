@@ -10,7 +10,7 @@ from faults_common import recovery as recovery  # the fixture; the alias re-expo
 
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout, all_pairs
-from xccl.p2p.channel import P2P
+from xccl.p2p import P2P
 from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import tagged_payload
 from xds_mpi.config.schema import FaultsConfig

@@ -10,7 +10,7 @@ from body_p2p import LINK, RANKS, SENTINEL, SLOT, SLOTS, comm
 from xccl.errors import BufferTooSmall
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout, all_pairs
-from xccl.p2p.channel import P2P
+from xccl.p2p import P2P
 from xccl.reference import tagged_payload
 from xccl.vclock import VirtualClock
 

@@ -54,10 +54,10 @@ from xccl.agreement import WindowAgreement
 from xccl.errors import BufferTooSmall, XcclError
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout
-from xccl.records.wait_span import WaitSpan, no_span
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
+from xccl.wake import WaitSpan, no_span
 
 
 def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import XcclError
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout
-from xccl.records import record as records
-from xccl.records.record import ROWS_RECORD, Expected, RecordAt
+from xccl.records import ROWS_RECORD, Expected, RecordAt
 from xccl.recovery.faults import Interrupt
 from xccl.vclock import LinkModel, VirtualClock
 

@@ -34,12 +34,11 @@ from xccl.errors import BufferTooSmall, XcclError
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.quant import decode_rows
-from xccl.records.fan import FanIn, FanOut
-from xccl.records.record import ROWS_RECORD, Expected, RecordAt
-from xccl.records.wait_span import WaitSpan, no_span
+from xccl.records import ROWS_RECORD, Expected, FanIn, FanOut, RecordAt
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
+from xccl.wake import WaitSpan, no_span
 
 
 class EpBuffer:

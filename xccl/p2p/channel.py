@@ -31,6 +31,12 @@ the sender n publications in, the receiver m <= n consumed, an ack unwritten. Th
      no stale ack (a 16-bit number compared modulo 2^16) can retire it, and the whole ring is
      free. Nobody writes into the pair between 1 and 3: every die left the attempt, and its acks
      and records were flushed, before the vote.
+Restarting one pair alone (P2P.pair_state / resync_pair): a KV transfer between one prefill
+and one decode die is retried between those two, without touching the dies' other pairs. Both
+ends `abandon()` (each has only that transfer in flight), exchange `pair_state` over the control
+plane, and both `resync_pair` to the element-wise max. As in the rule above, the next
+publication is numbered past every doorbell the failed attempt left, the receiver expects the
+sender's tail, and the sender's ack word says "all acknowledged".
 Fault hooks: "p2p_send" at a message's last publication, after its bytes were Put (not yet
 flushed) and before its record; "p2p_recv" when a message's last record arrived, before the copy
 and the ack, so for a message of several ring fills the pair stops mid-message. A fault leaves
@@ -39,21 +45,22 @@ the queues failed until abandon(), so no later transfer reuses the slots the fai
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import BufferTooSmall, UnknownPeer
 from xccl.gmem import DieMemory, as_bytes
 from xccl.layout import P2PLayout
-from xccl.p2p.lanes import RecvLane, SendLane
-from xccl.p2p.ops import Handle, Op, OpQueues, Transfer
-from xccl.p2p.recv import RingReceiver
-from xccl.p2p.send import MAX_IN_FLIGHT, RingSender
+from xccl.p2p.ops import Op, OpQueues, Transfer
+from xccl.p2p.recv import RecvLane, RingReceiver
+from xccl.p2p.send import MAX_IN_FLIGHT, RingSender, SendLane
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.vclock import LinkModel, Path, VirtualClock
+from xccl.wake import poll_until
 
 
 class P2P(RingSender, RingReceiver):
@@ -173,13 +180,37 @@ class P2P(RingSender, RingReceiver):
             )
         for src, dst in self.layout.pairs:
             if src == self.me:
-                self._published[dst], self._tail[dst] = published, tail
-                self.mem.store_word(
-                    self.me, self.layout.ack_offset(src, dst), records.ack_word(published)
-                )
-                self.mem.flush(self.me)
+                self._move_sender(dst, published, tail)
             if dst == self.me:
                 self._consumed[src], self._rtail[src] = published, tail
+
+    def pair_state(self, src: int, dst: int) -> tuple[int, int]:
+        """(publications, ring position) of the pair src -> dst at this end of it."""
+        if self.me == src:
+            return self._published.get(dst, 0), self._tail.get(dst, 0)
+        return self._consumed.get(src, 0), self._rtail.get(src, 0)
+
+    def resync_pair(self, src: int, dst: int, state: tuple[int, int]) -> None:
+        """Continue the pair src -> dst alone from `state` (the max of both ends' pair_state)."""
+        published, tail = (int(v) for v in state)
+        have = self.pair_state(src, dst)
+        if published < have[0] or tail < have[1]:
+            raise ValueError(
+                f"die rank {self.me}: pair {src} -> {dst} resync to publication {published}, "
+                f"ring position {tail} would go back from {have}"
+            )
+        if self.me == src:
+            self._move_sender(dst, published, tail)
+        else:
+            self._consumed[src], self._rtail[src] = published, tail
+
+    def _move_sender(self, dst: int, published: int, tail: int) -> None:
+        """Our end of me -> dst continues from publication `published`, ring position `tail`,
+        and our ack word says "all acknowledged"."""
+        self._published[dst], self._tail[dst] = published, tail
+        ack_at = self.layout.ack_offset(self.me, dst)
+        self.mem.store_word(self.me, ack_at, records.ack_word(published))
+        self.mem.flush(self.me)
 
     # -- protocol -------------------------------------------------------------------------------
     def _check_pair(self, op: Op, src: int, dst: int) -> None:
@@ -193,3 +224,33 @@ class P2P(RingSender, RingReceiver):
             raise UnknownPeer(
                 self.describe(op, f"the deployment declares no ring for rank {src} -> rank {dst}")
             )
+
+
+class Handle:
+    """An in-flight send or receive. `test()` advances all transfers and says if this one is done;
+    `wait()` blocks (yielding the CPU) until it is, raising its error or XcclTimeout."""
+
+    def __init__(self, p2p: P2P, op: Op) -> None:
+        self._p2p, self._op = p2p, op
+
+    def test(self) -> bool:
+        if not self._op.done:
+            self._p2p.progress()
+        return self._op.done
+
+    def wait(self, timeout_s: float | None = None) -> Transfer:
+        p2p, op = self._p2p, self._op
+        timeout_s = p2p.timeout_s if timeout_s is None else timeout_s
+        poll_until(
+            self.test,
+            deadline=time.monotonic() + timeout_s,
+            interrupt=p2p.interrupt,
+            describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"),
+        )
+        if op.error is not None:
+            raise op.error
+        return op.result
+
+
+# The single-pair restart as functions of a P2P, as the PD ranks call it.
+pair_state, resync_pair = P2P.pair_state, P2P.resync_pair

@@ -1,5 +1,5 @@
-"""p2p transfers in flight (xccl/p2p/channel.py): what a completed one did, its handle, and the
-queues.
+"""p2p transfers in flight (xccl/p2p/channel.py): one send or receive, what a completed one did,
+and the queues they wait in (their handle is the channel's, `Handle`).
 
 Operations queue per (direction, peer) and advance only inside `progress()`, which every handle's
 `test()` / `wait()` calls, so async transfers make progress whenever the caller checks on any of
@@ -9,17 +9,11 @@ failed (every later `progress()` raises it again) until `abandon()`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from xccl.errors import InjectedFault, XcclError
-from xccl.records.mpi_time import poll_until
-
-if TYPE_CHECKING:
-    from xccl.p2p.channel import P2P
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,32 +60,6 @@ class Op:
             f"die rank {me}: {self.kind} of {self.nbytes} B {arrow} rank {self.peer}, event "
             f"{self.event_id}: {what}{waiting}"
         )
-
-
-class Handle:
-    """An in-flight send or receive. `test()` advances all transfers and says if this one is done;
-    `wait()` blocks (yielding the CPU) until it is, raising its error or XcclTimeout."""
-
-    def __init__(self, p2p: P2P, op: Op) -> None:
-        self._p2p, self._op = p2p, op
-
-    def test(self) -> bool:
-        if not self._op.done:
-            self._p2p.progress()
-        return self._op.done
-
-    def wait(self, timeout_s: float | None = None) -> Transfer:
-        p2p, op = self._p2p, self._op
-        timeout_s = p2p.timeout_s if timeout_s is None else timeout_s
-        poll_until(
-            self.test,
-            deadline=time.monotonic() + timeout_s,
-            interrupt=p2p.interrupt,
-            describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"),
-        )
-        if op.error is not None:
-            raise op.error
-        return op.result
 
 
 class OpQueues:

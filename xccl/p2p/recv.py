@@ -12,17 +12,35 @@ per-source counters advanced here (the restart rule in xccl/p2p/channel.py moves
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from xccl import records
 from xccl.errors import BufferTooSmall, XcclError
-from xccl.gmem import DieMemory
+from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
-from xccl.p2p.lanes import NO_LANDING, RecvLane, window_offset
 from xccl.p2p.ops import Op, Transfer
+from xccl.p2p.send import LANDING_WORDS, NO_LANDING
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
+from xccl.records import P2P_RECORD, InRecord, RecordAt
 from xccl.records.record import P2P_DIRECT, P2P_RTS
 from xccl.recovery.faults import FaultHook
+
+# The order InRecord.read returns a P2P_RECORD's fields in (_recv_steps unpacks it).
+P2P_FIELDS = (
+    "doorbell",
+    "event_id",
+    "chunk_id",
+    "tail",
+    "vtime_ns",
+    "msg_bytes",
+    "pub_bytes",
+    "num_cores",
+    "is_dma",
+    "kind",
+)
+assert P2P_RECORD.names == P2P_FIELDS, P2P_RECORD.names
 
 
 class RingReceiver:
@@ -53,7 +71,7 @@ class RingReceiver:
             record = lane.records[seq % RECORDS_PER_PAIR]
             while not record.has_rung(seq):
                 yield ("record {} from rank {}", seq, lane.src)
-            # P2P_RECORD's fields in order (p2p_lanes.P2P_FIELDS).
+            # P2P_RECORD's fields in order (P2P_FIELDS above).
             fields = record.read("receive", op.event_id, f"publication {seq}")
             _, _, chunk_id, tail, vtime_ns, msg_bytes, nbytes, num_cores, is_dma, kind = fields
             self._check_record(
@@ -131,3 +149,64 @@ class RingReceiver:
                 f"die rank {me}: receive buffer of {capacity} B < the "
                 f"{msg_bytes} B message from rank {src} (event {op.event_id})"
             )
+
+
+def window_offset(mem: DieMemory, out: np.ndarray, after: int) -> int | None:
+    """Where the bytes of `out` (uint8, contiguous) sit in this die's window, if they are window
+    memory at or past byte `after` (the p2p area ends there); else None."""
+    local = mem.local
+    if out.nbytes == 0 or local is None or local.nbytes == 0:
+        return None
+    offset = out.__array_interface__["data"][0] - local.__array_interface__["data"][0]
+    return offset if after <= offset and offset + out.nbytes <= local.nbytes else None
+
+
+@dataclass(frozen=True)
+class RecvLane:
+    """This die's end of the pair src -> me.
+
+    ring: our ring bytes [ring_slots x slot_bytes] uint8 that src writes. records: src's records
+    in our window, publication number % RECORDS_PER_PAIR. ack: the ack word and the landing
+    words after it in src's window [1 + LANDING_WORDS] uint64 for plain stores, or None (RMA, at
+    ack_offset).
+    """
+
+    mem: DieMemory
+    src: int
+    ring: np.ndarray
+    records: tuple[InRecord, ...]
+    ack_offset: int
+    ack: np.ndarray | None
+
+    @classmethod
+    def build(cls, mem: DieMemory, layout: P2PLayout, src: int, me: int) -> RecvLane:
+        ring_offset, ack_offset = layout.ring_offset(src, me), layout.ack_offset(src, me)
+        mem.check(me, ring_offset, layout.ring_bytes, "ring")
+        ack = mem.region(src, ack_offset, (1 + LANDING_WORDS) * WORD.itemsize)
+        return cls(
+            mem=mem,
+            src=src,
+            ring=mem.local[ring_offset : ring_offset + layout.ring_bytes],
+            records=tuple(
+                InRecord(mem, RecordAt(src, layout.record_offset(src, me, seq)), P2P_RECORD)
+                for seq in range(RECORDS_PER_PAIR)
+            ),
+            ack_offset=ack_offset,
+            ack=None if ack is None else ack.view(WORD),
+        )
+
+    def acknowledge(self, word: int, landing: tuple[int, int, int] | None = None) -> None:
+        """Write the ack word into src's window and complete it (records.ack_word); a
+        `landing` (publication number, offset, capacity) goes first, ordered before the ack."""
+        if self.ack is not None:
+            if landing is not None:
+                self.ack[1:] = landing
+                self.mem.sync()
+            self.ack[0] = word  # one aligned 8-byte store: atomic
+            self.mem.sync()
+            return
+        if landing is not None:
+            self.mem.put(self.src, self.ack_offset + WORD.itemsize, np.array(landing, WORD))
+            self.mem.flush(self.src)
+        self.mem.store_word(self.src, self.ack_offset, word)
+        self.mem.flush(self.src)

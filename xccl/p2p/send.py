@@ -5,7 +5,7 @@ A message that fits one publication (half the ring) is copied into the receiver'
 record published, its ack awaited. A larger one first asks where to go (a rendezvous):
   1. the sender publishes a record of kind P2P_RTS carrying the message size and no bytes;
   2. the receiver checks it like a first record (event, size against its buffer) and answers with
-     its ack, the landing words before it (xccl/p2p/lanes.py): the offset of its receive buffer
+     its ack, the landing words before it (SendLane below): the offset of its receive buffer
      in its own window, when the caller received into window memory, or NO_LANDING;
   3. with an offset, the sender stores the whole message straight into that buffer and publishes
      one P2P_DIRECT record: one copy, as a raw Put makes, where the ring makes two (into the ring,
@@ -15,23 +15,40 @@ virtual clock does not see the request or its ack, and prices a direct message a
 publication of all its bytes, which is what the ring's publications cost back to back (link
 serialization, xccl/p2p/timing.py) without the waits for ring room of a message of more than
 MAX_IN_FLIGHT publications.
+
+Each end of a pair is settled once, when the pair is first used (SendLane here, RecvLane in
+xccl/p2p/recv.py): every message on a pair writes the same ring, the same RECORDS_PER_PAIR
+records and the same ack word, so the offsets (xccl/layout.py), the bounds checks and the choice
+of path (xccl/gmem_paths.py) are made once, not per message. On the load/store path a lane holds
+numpy views of the peer's memory and a message is a few plain stores; on RMA the same methods
+call put / store_word. The ordering rules are DieMemory's and xccl/records/record.py's.
+
+The ack word's record-sized slot also carries the receiver's landing for a rendezvous: three
+words after the ack, [publication number, window offset or NO_LANDING, capacity], written before
+the ack that makes them visible.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from xccl import records
 from xccl.errors import XcclError
-from xccl.gmem import DieMemory
+from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORDS_PER_PAIR, P2PLayout
-from xccl.p2p.lanes import SendLane
 from xccl.p2p.ops import Op, Transfer
 from xccl.p2p.timing import P2PTimes
-from xccl.records import record as records
+from xccl.records import P2P_RECORD, OutRecord, RecordAt
 from xccl.records.record import P2P_DIRECT, P2P_RING, P2P_RTS
 from xccl.recovery.faults import FaultHook
+
+# A landing's offset when the receive buffer is not window memory: the message takes the ring.
+NO_LANDING = (1 << 64) - 1
+LANDING_WORDS = 3  # after the ack word: publication number, offset, capacity
 
 # Publications a sender may have unacknowledged per pair: the receiver copies one out while the
 # sender fills the next (each at most half the ring). A record slot is reused only after its ack.
@@ -206,3 +223,71 @@ class RingSender:
             _, acked_tail = in_flight.popleft()
             self.times.ack_lands(lane.dst, records.ack_time_ns(word))
         return acked_tail
+
+
+@dataclass(frozen=True)
+class SendLane:
+    """This die's end of the pair me -> dst.
+
+    ring: dst's ring bytes [ring_slots x slot_bytes] uint8 for plain stores, or None (RMA, at
+    ring_offset in dst's window). records: the pair's records in dst's window, publication
+    number % RECORDS_PER_PAIR. load_ack: loads the ack word dst writes into our window;
+    landing: the LANDING_WORDS after it (our memory).
+    """
+
+    mem: DieMemory
+    dst: int
+    ring_offset: int
+    ring: np.ndarray | None
+    records: tuple[OutRecord, ...]
+    load_ack: Callable[[], int]
+    landing: np.ndarray
+
+    @classmethod
+    def build(cls, mem: DieMemory, layout: P2PLayout, me: int, dst: int) -> SendLane:
+        ring_offset = layout.ring_offset(me, dst)
+        return cls(
+            mem=mem,
+            dst=dst,
+            ring_offset=ring_offset,
+            ring=mem.region(dst, ring_offset, layout.ring_bytes),
+            records=tuple(
+                OutRecord(mem, RecordAt(dst, layout.record_offset(me, dst, seq)), P2P_RECORD)
+                for seq in range(RECORDS_PER_PAIR)
+            ),
+            load_ack=mem.word_loader(layout.ack_offset(me, dst), dst),
+            landing=_landing_words(mem.local, layout.ack_offset(me, dst)),
+        )
+
+    def write(self, ring_pos: int, data: np.ndarray) -> None:
+        """Write `data` (uint8) at byte `ring_pos` of the ring; complete at the record's flush."""
+        if self.ring is not None:
+            self.ring[ring_pos : ring_pos + data.nbytes] = data
+        else:
+            self.mem.put(self.dst, self.ring_offset + ring_pos, data)
+
+    def write_at(self, offset: int, data: np.ndarray) -> None:
+        """Write `data` (uint8) at byte `offset` of dst's window (a landing); complete at the
+        record's flush."""
+        region = self.mem.region(self.dst, offset, data.nbytes)
+        if region is not None:
+            region[:] = data
+        else:
+            self.mem.put(self.dst, offset, data)
+
+    def read_landing(self, seq: int) -> tuple[int, int] | None:
+        """The landing dst wrote with its ack of publication `seq`: (offset, capacity) in dst's
+        window, or None (the ring). Call after that ack was seen."""
+        self.mem.sync()  # the landing words, written before the ack, become visible
+        got, offset, capacity = (int(word) for word in self.landing)
+        if got != seq:
+            raise XcclError(
+                f"die rank {self.mem.rank}: landing from rank {self.dst} is for publication "
+                f"{got}, expected {seq}"
+            )
+        return None if offset == NO_LANDING else (offset, capacity)
+
+
+def _landing_words(local: np.ndarray, ack_offset: int) -> np.ndarray:
+    start = ack_offset + WORD.itemsize
+    return local[start : start + LANDING_WORDS * WORD.itemsize].view(WORD)

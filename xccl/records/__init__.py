@@ -1,1 +1,55 @@
-"""Metadata records in a die's window, their doorbells, and the bounded waits on them."""
+"""Metadata records in a die's window: the writer's end (record.py: the format, `publish`,
+`OutRecord`, `FanOut`) and the reader's end (wait.py: the doorbell waits and body reads, `wait`,
+`InRecord`, `FanIn`). How a wait spins or sleeps is xccl/wake.py."""
+
+from xccl.layout import RECORD_BYTES
+from xccl.records.record import (
+    BODY_OFFSET,
+    DOORBELL_OFFSET,
+    P2P_RECORD,
+    ROWS_RECORD,
+    FanOut,
+    OutRecord,
+    RecordAt,
+    ack_covers,
+    ack_time_ns,
+    ack_word,
+    publish,
+    put_bytes,
+)
+from xccl.records.wait import (
+    Expected,
+    FanIn,
+    InRecord,
+    WordPoll,
+    missing_peers,
+    no_record,
+    read,
+    ready,
+    wait,
+)
+
+__all__ = [
+    "BODY_OFFSET",
+    "DOORBELL_OFFSET",
+    "RECORD_BYTES",
+    "P2P_RECORD",
+    "ROWS_RECORD",
+    "Expected",
+    "FanIn",
+    "FanOut",
+    "InRecord",
+    "OutRecord",
+    "RecordAt",
+    "WordPoll",
+    "ack_covers",
+    "ack_time_ns",
+    "ack_word",
+    "missing_peers",
+    "no_record",
+    "publish",
+    "put_bytes",
+    "read",
+    "ready",
+    "wait",
+]

@@ -1,4 +1,5 @@
-"""The metadata record and the one way every protocol publishes and reads it (xDeepServe §3).
+"""The metadata record and its writer's end (xDeepServe §3): what a record is, and the one order
+every protocol publishes it in.
 
 A record is RECORD_BYTES in the reader's window, written by one peer: word 0 is the doorbell, the
 rest the body, named fields of a numpy structured dtype (the paper's 32-byte field, plus the
@@ -7,28 +8,33 @@ doorbell, the writer's virtual time and sizes):
     cores
     ROWS_RECORD  dispatch/combine and A2E/E2A (xccl/ep/buffer.py, xccl/afd/buffer.py): rows and
     where they sit
-publish: Put every body, flush, then ring each doorbell with the publication number and flush,
-so a reader that sees the number never acts on a half-written body (shared/MPI_NOTES.md).
-ready: every doorbell rang, then Win.Sync and read the bodies, refusing a stale or misrouted
-event id. wait: ready polled until a deadline; the timeout names die, stage, event, call and the
-peers whose records are missing.
+Publishing: Put every body, flush, then ring each doorbell with the publication number and flush,
+so a reader that sees the number never acts on a half-written body (shared/MPI_NOTES.md); then
+wake the readers asleep in their wait (xccl/wake.py). The reader's end, the doorbell waits and the
+body reads, is xccl/records/wait.py.
+
+Three writers keep that order (docs/mpi.md §2):
+  publish   any list of records, settled on every call (path, bounds, offsets);
+  OutRecord one slot used again and again (p2p's ring records), settled once: on load/store its
+            body is one structured store into the reader's memory, then `Win.Sync`, the doorbell,
+            `Win.Sync`; on RMA a staged Put, flush, one Accumulate, flush;
+  FanOut    one slot per reader written every call (dispatch/combine, the agreement), bound once:
+            per publication a Put, a doorbell store and a barrier per member would be ~200
+            window calls per dispatch at 64 dies; bound, the near readers' bodies and doorbells
+            are plain stores with one barrier after the bodies and one after the doorbells.
+Bound writers are valid until the window is freed.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from xccl.errors import EventMismatch, PeerTimeout, RollbackRequested, XcclTimeout
-from xccl.gmem import DieMemory
+from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORD_BYTES
-from xccl.records.mpi_time import poll_until
-from xccl.records.word_poll import WordPoll
-from xccl.recovery.faults import Interrupt
 
 
 def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
@@ -87,17 +93,6 @@ class RecordAt:
     offset: int
 
 
-@dataclass(frozen=True, kw_only=True)
-class Expected:
-    """What a reader waits for: records rung with `doorbell` carrying `event_id`.
-    stage: the step named in errors ("dispatch", "A2E'", "receive"); call: which call, in words."""
-
-    stage: str
-    event_id: int
-    doorbell: int
-    call: str
-
-
 def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray, doorbell: int) -> None:
     """Put bodies[i] (every field after the doorbell) into records[i], flush, then ring each
     doorbell with `doorbell` and flush. The Puts read `bodies` until that first flush."""
@@ -115,130 +110,116 @@ def publish(mem: DieMemory, records: Sequence[RecordAt], bodies: np.ndarray, doo
     mem.wake_words.wake([record.peer for record in records])  # readers asleep in wait()
 
 
-def missing_peers(mem: DieMemory, records: Sequence[RecordAt], doorbell: int) -> list[int]:
-    """Writers of `records` (in our window) whose doorbell does not hold `doorbell` yet."""
-    return [r.peer for r in records if not _has_rung(mem, r, doorbell)]
-
-
-def _has_rung(mem: DieMemory, record: RecordAt, doorbell: int) -> bool:
-    return mem.load_word(record.offset + DOORBELL_OFFSET, record.peer) == doorbell
-
-
-def read(
-    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype
-) -> np.ndarray:
-    """The bodies [W] `dtype` of records whose doorbells rang; EventMismatch on a foreign event."""
-    mem.sync()  # the peers' body Puts, flushed before their doorbells, become visible
-    if len(records) == 1:
-        at = records[0].offset
-        bodies = mem.local[at : at + RECORD_BYTES].copy().view(dtype)
-    else:
-        bodies = np.empty(len(records), dtype)
-        raw = bodies.view(np.uint8).reshape(len(records), RECORD_BYTES)
-        for record, row in zip(records, raw):
-            row[:] = mem.local[record.offset : record.offset + RECORD_BYTES]
-    check_events(mem, records, expected, bodies)
-    return bodies
-
-
-def check_events(
-    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, bodies: np.ndarray
-) -> None:
-    """EventMismatch naming the first of `bodies` (read from `records`) with a foreign event."""
-    mismatch = bodies["event_id"] != expected.event_id
-    if mismatch.any():
-        i = int(np.flatnonzero(mismatch)[0])
-        got, peer = int(bodies["event_id"][i]), records[i].peer
-        raise event_mismatch(mem.rank, expected.stage, expected.event_id, expected.call, peer, got)
-
-
-def event_mismatch(
-    rank: int, stage: str, event_id: int, call: str, peer: int, got: int
-) -> EventMismatch:
-    """The error for a record from `peer` carrying event `got` where `event_id` was awaited
-    (`stage`, `call`: as in Expected)."""
-    return EventMismatch(
-        f"die rank {rank}: {stage} expected event {event_id}, rank {peer} reported event {got} "
-        f"({call})"
+def body_dtype(dtype: np.dtype) -> np.dtype:
+    """`dtype` without its doorbell: the fields a publication writes before ringing."""
+    names = [name for name in dtype.names if name != "doorbell"]
+    return np.dtype(
+        {
+            "names": names,
+            "formats": [dtype.fields[name][0] for name in names],
+            "offsets": [dtype.fields[name][1] for name in names],
+            "itemsize": RECORD_BYTES,
+        }
     )
 
 
-def ready(
-    mem: DieMemory, records: Sequence[RecordAt], expected: Expected, dtype: np.dtype
-) -> np.ndarray | None:
-    """read() if every doorbell rang, else None."""
-    if missing_peers(mem, records, expected.doorbell):
-        return None
-    return read(mem, records, expected, dtype)
+class OutRecord:
+    """The writer's end of the record at `at` (in `at.peer`'s window)."""
+
+    def __init__(self, mem: DieMemory, at: RecordAt, dtype: np.dtype) -> None:
+        self.mem, self.at = mem, at
+        self._end = put_bytes(dtype)
+        region = mem.region(at.peer, at.offset, RECORD_BYTES)
+        # Load/store: the body's fields over the reader's memory, and its doorbell word.
+        self._body = None if region is None else region.view(body_dtype(dtype))
+        self._bell = None if region is None else region[DOORBELL_OFFSET:BODY_OFFSET].view(WORD)
+        self._staged = np.zeros(1, body_dtype(dtype))  # RMA: the body Put from here
+        self._staged_bytes = self._staged.view(np.uint8)[BODY_OFFSET : self._end]
+
+    def publish(self, values: tuple, doorbell: int) -> None:
+        """Write the body (`values` in field order, doorbell excluded), a barrier, then ring."""
+        mem, peer = self.mem, self.at.peer
+        if self._body is not None:
+            self._body[0] = values
+            mem.sync()  # the body before the doorbell
+            self._bell[0] = doorbell  # one aligned 8-byte store: atomic
+            mem.sync()
+            mem.wake_words.wake([peer])
+            return
+        self._staged[0] = values
+        mem.put(peer, self.at.offset + BODY_OFFSET, self._staged_bytes)
+        mem.flush(peer)
+        mem.store_word(peer, self.at.offset + DOORBELL_OFFSET, doorbell)
+        mem.flush(peer)  # the word buffer is reused by the next store
+        mem.wake_words.wake([peer])
 
 
-def no_record(mem: DieMemory, expected: Expected, missing: Sequence[int]) -> str:
-    return (
-        f"die rank {mem.rank}: {expected.stage} event {expected.event_id} ({expected.call}):"
-        f" no record from rank(s) {list(missing)}"
-    )
+class FanOut:
+    """This die's slot in each of `targets` (one per reader, `slot_bytes` at `at.offset`): the
+    body bytes [body_at, body_at + body_bytes) written first, then the one-word doorbell at
+    `bell_at`. `FanOut.records` binds records (the doorbell first, then the body)."""
 
+    def __init__(
+        self,
+        mem: DieMemory,
+        targets: Sequence[RecordAt],
+        *,
+        slot_bytes: int,
+        body_at: int,
+        body_bytes: int,
+        bell_at: int,
+    ) -> None:
+        self.mem, self.targets = mem, list(targets)
+        self.peers = [at.peer for at in self.targets]
+        self._body = slice(body_at, body_at + body_bytes)
+        self._bell_at = bell_at
+        self._near: list[tuple[int, np.ndarray]] = []  # (i, the body's bytes in reader i)
+        self._bells: list[np.ndarray] = []  # [1] uint64 doorbells of the near readers
+        self._far: list[tuple[int, RecordAt]] = []  # (i, a reader reached by RMA)
+        for i, at in enumerate(self.targets):
+            region = mem.region(at.peer, at.offset, slot_bytes)
+            if region is None:
+                self._far.append((i, at))
+            else:
+                self._near.append((i, region[self._body]))
+                self._bells.append(region[bell_at : bell_at + WORD.itemsize].view(WORD))
 
-def wait(
-    mem: DieMemory,
-    records: Sequence[RecordAt],
-    expected: Expected,
-    dtype: np.dtype,
-    *,
-    timeout_s: float,
-    interrupt: Interrupt | None,
-) -> np.ndarray:
-    """ready() polled until it holds; XcclTimeout after `timeout_s` naming the missing peers."""
-    poll = WordPoll(mem, [r.offset + DOORBELL_OFFSET for r in records], [r.peer for r in records])
-    await_doorbells(mem, records, poll, expected, timeout_s=timeout_s, interrupt=interrupt)
-    return read(mem, records, expected, dtype)
-
-
-def await_doorbells(
-    mem: DieMemory,
-    records: Sequence[RecordAt],
-    poll: WordPoll,
-    expected: Expected,
-    *,
-    timeout_s: float,
-    interrupt: Interrupt | None,
-) -> None:
-    """Poll `records`' doorbells (`poll`: over the same records, in order) until every one
-    rang; PeerTimeout after `timeout_s` naming die, stage, event and the missing peers."""
-    pending = list(range(len(records)))  # indices of the records whose doorbell is missing
-    since = time.time()
-
-    def all_rang() -> bool:
-        pending[:] = poll.missing(expected.doorbell, pending)
-        return not pending
-
-    try:
-        poll_until(
-            all_rang,
-            deadline=time.monotonic() + timeout_s,
-            interrupt=interrupt,
-            park=mem.wake_words.sleeper(
-                (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
-            ),
-            describe=lambda: (
-                f"{no_record(mem, expected, [records[i].peer for i in pending])} after "
-                f"{timeout_s:g} s"
-            ),
+    @classmethod
+    def records(cls, mem: DieMemory, targets: Sequence[RecordAt], dtype: np.dtype) -> FanOut:
+        """A record of `dtype` in each of `targets`: its fields after the doorbell, then it."""
+        body_bytes = put_bytes(dtype) - BODY_OFFSET
+        return cls(
+            mem,
+            targets,
+            slot_bytes=RECORD_BYTES,
+            body_at=BODY_OFFSET,
+            body_bytes=body_bytes,
+            bell_at=DOORBELL_OFFSET,
         )
-    except XcclTimeout as exc:  # the same message, with die, stage, event and peers as fields
-        peers = tuple(records[i].peer for i in pending)
-        raise PeerTimeout(
-            str(exc),
-            die=mem.rank,
-            op=expected.stage,
-            event_id=expected.event_id,
-            peers=peers,
-            since=since,
-        ) from None
-    except RollbackRequested as exc:  # whom this die still waited for, for the vote's blame
-        if pending:
-            exc.waiting = (mem.rank, min(records[i].peer for i in pending), since)
-        raise
+
+    def publish(self, slots: np.ndarray, doorbell: int) -> None:
+        """slots: [len(targets), slot bytes] uint8, target i's slot in row i (only the body
+        bytes are sent), or [slot bytes] for every target alike. Every body, a barrier, then
+        every doorbell rung with `doorbell`, a barrier; sleeping readers woken."""
+        mem, body = self.mem, self._body
+        every = slots[body] if slots.ndim == 1 else None
+        for i, dst in self._near:
+            dst[:] = slots[i, body] if every is None else every
+        for i, at in self._far:  # Puts read `slots` until the flush
+            data = slots[i, body] if every is None else every
+            mem.put(at.peer, at.offset + body.start, data)
+        if self._far:
+            mem.flush_all()  # Flush_all, then the Win.Sync the near bodies need
+        else:
+            mem.sync()  # the bodies before the doorbells
+        for bell in self._bells:
+            bell[0] = doorbell  # one aligned 8-byte store: atomic
+        for _, at in self._far:
+            mem.store_word(at.peer, at.offset + self._bell_at, doorbell)
+            mem.flush(at.peer)  # the word buffer is reused by the next store
+        if self._bells:
+            mem.sync()
+        mem.wake_words.wake(self.peers)  # readers asleep in their wait
 
 
 def ack_word(seq: int, vtime_ns: float = 0.0) -> int:

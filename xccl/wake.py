@@ -1,4 +1,11 @@
-"""Sleeping waits on one node: a die whose peers have not rung yet sleeps instead of spinning.
+"""How a die waits for its peers: a bounded poll that yields the CPU or sleeps until woken.
+
+Every wait in XCCL (records, the agreement, p2p handles) is `poll_until`: try `ready()`, then
+between tries check `interrupt` (a rollback signal, so no wait is deaf) and the deadline, and
+either yield the CPU (`os.sched_yield()`, the best spin on oversubscribed cores: shared/
+MPI_NOTES.md) or, given `park`, sleep on a futex until a writer wakes this die.
+
+Sleeping on one node: a die whose peers have not rung yet sleeps instead of spinning.
 
 With more ranks than cores, a die that spins (even yielding at every try) keeps its share of a
 core while the die everyone waits for runs on what is left. Here a waiting die sleeps in the
@@ -28,6 +35,13 @@ another node (RMA) cannot reach the futex, so a wait that includes one keeps spi
 sleeps, "sleep" sleeps whenever every awaited writer can wake it, "auto" (the test bodies'
 default) sleeps only when the node runs more ranks than this process may use cores
 (docs/mpi.md §4 has the measurements).
+
+Where the time goes: every window call is timed when XDS_TIME_MPI=1 (`xds-mpi bench serve` reads
+it; off by default, so default runs pay nothing), split by whether `poll_until` was waiting:
+DieMemory makes its calls through `timed(win)`, the window itself when timing is off, else a
+proxy that adds each call's duration to MPI_TIME.work_s, or to MPI_TIME.wait_s while a wait is
+in progress. `WaitSpan` is the hook around a buffer's waits through which the caller's tracer sees
+how long each took (xccl imports nothing of the project: the hook is passed in).
 """
 
 from __future__ import annotations
@@ -36,11 +50,16 @@ import ctypes
 import os
 import platform
 import random
+import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import numpy as np
 from mpi4py import MPI
+
+from xccl.errors import XcclTimeout
 
 WaitMode = Literal["auto", "sleep", "spin"]
 WAIT_MODES: tuple[str, ...] = get_args(WaitMode)
@@ -52,6 +71,48 @@ _NOBODY = np.uint32(0xFFFFFFFF)  # target while the rank is not asleep
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE): the word is in another process's map
+
+
+TIME_MPI_ENV = "XDS_TIME_MPI"
+# wait_span(name, **args) -> a context manager around one wait ("dispatch wait", event=...).
+WaitSpan = Callable[..., AbstractContextManager]
+
+
+def poll_until(
+    ready: Callable[[], bool],
+    *,
+    deadline: float,
+    describe: Callable[[], str],
+    interrupt: Callable[[], None] | None = None,
+    park: Callable[[], None] | None = None,
+) -> None:
+    """Spin on `ready()` yielding the CPU between tries, or with `park` sleeping in it
+    (`WakeWords.sleeper`, a bounded sleep until a writer wakes us); raise XcclTimeout after
+    `deadline`.
+
+    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
+    A condition that holds at the first try is no wait: it returns before any of the set-up.
+    """
+    if ready():
+        return
+    with waiting():
+        while not ready():
+            if interrupt is not None:
+                interrupt()
+            if time.monotonic() > deadline:
+                raise XcclTimeout(describe())
+            if park is None:
+                os.sched_yield()
+            else:
+                park()
+
+
+def no_span(name: str, **args) -> AbstractContextManager:
+    """The default WaitSpan: nothing recorded."""
+    return nullcontext()
+
+
+# -- sleeping on a futex
 
 
 class _Timespec(ctypes.Structure):
@@ -168,3 +229,60 @@ class WakeWords:
 
 def _futex(word: np.ndarray, op: int, value, timeout) -> None:
     _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(word.ctypes.data), op, value, timeout, None, 0)
+
+
+# -- MPI time, split by waiting or not
+
+
+@dataclass
+class MpiTime:
+    work_s: float = 0.0  # MPI window calls outside any wait for a peer
+    wait_s: float = 0.0  # MPI window calls made while polling for a peer
+    calls: int = 0
+    in_wait: bool = False
+
+
+MPI_TIME = MpiTime()
+
+
+def is_timing_mpi() -> bool:
+    return os.environ.get(TIME_MPI_ENV) == "1"
+
+
+class _TimedWin:
+    """Forwards every attribute of an MPI.Win; its methods are timed."""
+
+    def __init__(self, win) -> None:
+        self._win = win
+
+    def __getattr__(self, name: str):
+        method = getattr(self._win, name)
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                MPI_TIME.calls += 1
+                if MPI_TIME.in_wait:
+                    MPI_TIME.wait_s += spent
+                else:
+                    MPI_TIME.work_s += spent
+
+        return call
+
+
+def timed(win):
+    """The object DieMemory calls the window through."""
+    return _TimedWin(win) if is_timing_mpi() else win
+
+
+@contextmanager
+def waiting():
+    """Marks a wait for a peer (nested waits keep the outer mark)."""
+    outer, MPI_TIME.in_wait = MPI_TIME.in_wait, True
+    try:
+        yield
+    finally:
+        MPI_TIME.in_wait = outer
