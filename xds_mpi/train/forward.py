@@ -4,7 +4,7 @@ Inference attends from a paged latent cache with W_UK absorbed into the query; t
 cache, so attention takes MLA's un-absorbed form (keys and values expanded per head from the same
 c_kv and k_rope) over the full sequence. Everything else is the very same module call: norms,
 projections, rotary, the dense FFN, and `MoE.forward` (DeepSeek-V3 sigmoid gate, the routed
-experts, the shared expert, combine). tests/test_train_forward.py checks the two paths agree.
+experts, the shared expert, combine). tests/test_train.py checks the two paths agree.
 """
 
 from __future__ import annotations
