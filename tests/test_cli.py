@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,14 @@ def test_run_brings_up_every_rank(config, world_size):
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"all {world_size} ranks agree on the deployment" in result.stdout
     assert "[r0 host]" in result.stdout
+    # Every rank but 0 said it was built, with its start-up CPU and memory (ranks/core/ready.py).
+    ready = re.search(
+        rf"start-up: all {world_size - 1} ranks ready in [\d.]+ s; CPU per rank median "
+        r"([\d.]+) s, max ([\d.]+) s; PSS per rank median (\d+) MiB",
+        result.stdout,
+    )
+    assert ready, result.stdout
+    assert 0 < float(ready[1]) <= float(ready[2]) and int(ready[3]) > 0
 
 
 def test_the_rank_entry_runs_under_plain_mpiexec():

@@ -7,11 +7,14 @@ oversubscribed), and on timeout name who waited for what from whom.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterable
 
 from mpi4py import MPI
+
+PROGRESS_EVERY_S = 2.0  # seconds between two progress lines of a long wait that logs
 
 
 class WaitTimeout(TimeoutError):
@@ -19,12 +22,21 @@ class WaitTimeout(TimeoutError):
 
 
 def recv_from_each(
-    comm: MPI.Comm, peers: Iterable[int], *, tag: int, timeout_s: float, me: str, event: str
+    comm: MPI.Comm,
+    peers: Iterable[int],
+    *,
+    tag: int,
+    timeout_s: float,
+    me: str,
+    event: str,
+    log: logging.Logger | None = None,
 ) -> dict[int, object]:
-    """Receive one pickled message with `tag` from every peer, in any order, within `timeout_s`."""
+    """Receive one pickled message with `tag` from every peer, in any order, within `timeout_s`;
+    with `log`, a line every PROGRESS_EVERY_S seconds saying how many have arrived."""
     pending = set(peers)
-    received: dict[int, object] = {}
-    deadline = time.monotonic() + timeout_s
+    total, received = len(pending), {}
+    started = time.monotonic()
+    deadline, next_line = started + timeout_s, started + PROGRESS_EVERY_S
     while pending:
         got_one = False
         for peer in sorted(pending):
@@ -34,7 +46,11 @@ def recv_from_each(
                 pending.discard(peer)
                 got_one = True
         if pending and not got_one:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if log is not None and now >= next_line:
+                log.info("%s: %d of %d ranks (%.1f s)", event, len(received), total, now - started)
+                next_line = now + PROGRESS_EVERY_S
+            if now > deadline:
                 raise WaitTimeout(
                     f"{me}: no {event} from rank(s) {sorted(pending)} after "
                     f"{timeout_s:g} s (got {len(received)} of "

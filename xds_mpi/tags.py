@@ -5,6 +5,8 @@ from __future__ import annotations
 
 # Startup handshake (ranks/core/handshake.py).
 TAG_HELLO, TAG_VERDICT = 101, 102
+# Start-up progress: every rank but 0, once built, tells rank 0 (ranks/core/ready.py).
+TAG_READY = 103
 # TE-shell <-> dies (ranks/core/messages.py).
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
 # Prefill-decode disaggregation (ranks/core/pd_messages.py, ranks/pd/faults.py).

@@ -13,6 +13,7 @@ import numpy as np
 from ranks.afd.common import AfdDieBase
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
+from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
 from xds_mpi.report import trace
 
@@ -20,6 +21,7 @@ from xds_mpi.report import trace
 def run(ctx: RankContext) -> None:
     handshake(ctx)
     die = ExpertDie(ctx)
+    report_ready(ctx.comm)
     while die.step():
         pass
     if die.is_lost:  # lost (ranks/recovery/afd_health.py): no collective

@@ -16,6 +16,7 @@ from ranks.core.messages import (
     DieReport,
     TokenBatch,
 )
+from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.scheduler import DieScheduler, Emitted
@@ -56,6 +57,7 @@ def serve(die: DecodeDie) -> None:
     """A decode die (colocated or attention) after the handshake: iterations until every die was
     told to stop, its report to the TE-shell, then the collective close — only on this way out
     together (an error aborts the job instead of hanging in a collective)."""
+    report_ready(die.outbox.comm)
     while die.step():
         pass
     if getattr(die, "is_lost", False):  # a lost die (ranks/recovery/die_failover.py): no collective

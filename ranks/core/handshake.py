@@ -62,7 +62,13 @@ def _give_verdict(ctx: RankContext, hello: tuple) -> dict:
     timeout_s = ctx.cfg.xccl.poll_timeout_s
     others = range(1, ctx.comm.size)
     hellos = recv_from_each(
-        ctx.comm, others, tag=TAG_HELLO, timeout_s=timeout_s, me=ctx.name, event="handshake hello"
+        ctx.comm,
+        others,
+        tag=TAG_HELLO,
+        timeout_s=timeout_s,
+        me=ctx.name,
+        event="handshake hello",
+        log=ctx.log,
     )
     verdict = "; ".join(_disagreements(ctx, hello[0], hellos))
     send_to_each(

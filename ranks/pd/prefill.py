@@ -26,6 +26,7 @@ from ranks.core.die_io import SHELL
 from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
 from ranks.core.pd_messages import TAG_PD_PREFILLED
+from ranks.core.ready import report_ready
 from ranks.pd.send import KvSender
 from ranks.recovery.heartbeat import HeartbeatResponder
 from ranks.recovery.prefill_loss import PrefillLoss
@@ -45,8 +46,10 @@ class Assignment:
 def run(ctx: RankContext) -> None:
     handshake(ctx)
     if ctx.plan.pd is None:
+        report_ready(ctx.comm)
         return  # pd off: prefill dies stay idle (the decode dies prefill in chunks)
     die = PrefillDie(ctx)
+    report_ready(ctx.comm)
     while die.step():
         pass
     die.close()

@@ -19,6 +19,7 @@ from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_STOP
 from ranks.core.pd_messages import TAG_PD_DONE, TAG_PD_TASK
+from ranks.core.ready import report_ready
 from ranks.recovery.decode_loss import DecodeWatch
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.pd_failover import Routed, pick_decode
@@ -33,6 +34,7 @@ def run(ctx: RankContext) -> None:
     mem = DieMemory(ctx.comm, 0)  # joins the window collective, holds no die memory
     alone = ctx.comm.Split(0, ctx.comm.rank)
     shell = DecodeShell(ctx)
+    report_ready(ctx.comm)
     shell.serve()
     if not shell.watch.has_failed_over:  # collective over every rank: not after a failover
         mem.free()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
+from ranks.core.ready import await_ready
 from ranks.shell import decode_shell
 from xds_mpi.report import trace
 from xds_mpi.report.runfile import run_file_path, write_run_file
@@ -44,7 +45,7 @@ def run(ctx: RankContext) -> int:
         from ranks.shell.frontend import decode_groups
 
         if decode_groups(ctx.topo):
-            serving = Serving(ctx)
+            serving = Serving(ctx, started=started)
             if serving.mismatches:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
     except Exception as exc:
@@ -82,11 +83,11 @@ class Serving:
     """Serve the workload on the DP groups (colocated or attention dies); summarize; check
     against the reference."""
 
-    def __init__(self, ctx: RankContext) -> None:
+    def __init__(self, ctx: RankContext, *, started: float) -> None:
         from xds_mpi.engine.results import format_summary, summarize
 
         with trace.span("serve"):
-            frontend = self._serve(ctx)
+            frontend = self._serve(ctx, started)
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
@@ -121,7 +122,7 @@ class Serving:
             with trace.span("check"):
                 self._check(ctx)
 
-    def _serve(self, ctx: RankContext) -> Frontend:
+    def _serve(self, ctx: RankContext, started: float) -> Frontend:
         """Serve the whole workload; the Frontend (its records and die reports) once done.
         Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
         from ranks.shell.frontend import Frontend
@@ -131,6 +132,7 @@ class Serving:
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
+        await_ready(ctx.comm, ctx.log, started=started, timeout_s=ctx.cfg.run.timeout_s)
         frontend.serve()
         if not frontend.has_failed_over():
             mem.free()  # collective over every rank: not after a failover (lost dies)
