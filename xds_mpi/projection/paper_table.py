@@ -89,7 +89,8 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
     kwargs = dict(
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
         imbalance=imbalance, redundant_dies=s.redundant_dies,
-        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
+                            stream0_aic=s.stream0_aic),
     )  # fmt: skip
     return cfg, m, hw, kwargs
 
