@@ -290,3 +290,20 @@ def test_project_paper_and_primitive_print_from_the_model():
     h800 = CostModel(BIG, Hardware.from_profile(load_profile("h800")))
     for ep in (8, 256):
         assert f"{h800.combine(64 * 8, peers=ep) * 1e6:.1f}" in out
+
+
+def test_afd_attention_side_holds_a2e_stage_1_and_each_pass_pays_its_tail():
+    """[000] §7.1: the attention die's turn is MLAProlog, MLA, gating and A2E's first stage;
+    the last microbatch's way through the experts and back is paid once per pass."""
+    from xds_mpi.projection.paper_table import scenario_inputs
+
+    cfg, m, hw, kwargs = scenario_inputs("000 afd")
+    p = project(cfg, m, hw, **kwargs)
+    prim = p.primitives_s
+    micro = cfg.deployment.num_microbatches
+    assert prim["layer"] >= micro * prim["attention side"]
+    assert prim["attention side"] > p.parts_s["attention side"]["A2E stage 1"] > 0
+    tail = prim["A2E"] - p.parts_s["A2E"]["stage 1"] + prim["MoE"] + prim["E2A"]
+    assert prim["tail"] == pytest.approx(tail)
+    passes = 1 + kwargs["mtp_depth"]
+    assert p.breakdown_s["last microbatch's tail"] > (passes - 1) * tail

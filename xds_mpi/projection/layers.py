@@ -221,13 +221,18 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
     a2e = hops.a2e(cost, mb_rows, expert_rows=rows_max, int8=cfg.xccl.use_int8)
     e2a = hops.e2a(cost, mb_rows)
     attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
-    expert_side = dep.num_dp_domains * micro * moe
-    layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
-    parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
-    scale = layer / sum(parts.values())
     a2e_first = hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
-    side = attention + a2e_first
-    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
+    side = attention + a2e_first  # xDeepServe §7.1: A2E's first stage is the attention die's
+    expert_side = dep.num_dp_domains * micro * moe
+    layer = max(micro * side, side + (a2e - a2e_first) + moe + e2a, expert_side)
+    parts = {"MLAProlog+attention+gate+A2E stage 1": micro * side, "A2E stage 2": a2e - a2e_first,
+             "MoE": moe, "E2A": e2a}  # fmt: skip
+    scale = layer / sum(parts.values())
+    # the last layer's last microbatch: its way through the experts and back is not overlapped
+    # (xDeepServe §7.1: "the second microbatch of the final layer cannot be overlapped")
+    tail = (a2e - a2e_first) + moe + e2a
+    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer,
+                  "tail": tail}  # fmt: skip
     prolog = cost.mla_prolog(round(batch * x.imbalance.batch) * x.rows_per_seq)
     e2a_last = cost.combine(mb_rows, peers=hops.trampolines)
     details = {

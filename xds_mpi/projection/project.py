@@ -103,9 +103,13 @@ def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> di
         ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
     ):
         rows = batch * rows_per_seq
-        parts, _, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
+        parts, primitives, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
         for name, seconds in parts.items():
             spent[name] = spent.get(name, 0.0) + seconds * num_moe
+        if num_moe and "tail" in primitives:  # once per pass: the last microbatch's way back
+            spent["last microbatch's tail"] = spent.get("last microbatch's tail", 0.0) + (
+                primitives["tail"] * (mtp_depth if kind == "mtp" else 1)
+            )
         dense = (
             cost.mla_prolog(rows)
             + cost.attention([(kv, rows_per_seq)] * batch)
