@@ -290,6 +290,7 @@ def test_project_paper_and_primitive_print_from_the_model():
     h800 = CostModel(BIG, Hardware.from_profile(load_profile("h800")))
     for ep in (8, 256):
         assert f"{h800.combine(64 * 8, peers=ep) * 1e6:.1f}" in out
+    assert "growth EP8 -> EP256" in out
 
 
 def test_afd_attention_side_holds_a2e_stage_1_and_each_pass_pays_its_tail():
@@ -307,3 +308,28 @@ def test_afd_attention_side_holds_a2e_stage_1_and_each_pass_pays_its_tail():
     assert prim["tail"] == pytest.approx(tail)
     passes = 1 + kwargs["mtp_depth"]
     assert p.breakdown_s["last microbatch's tail"] > (passes - 1) * tail
+
+
+def test_h800_traffic_leaving_the_node_sets_the_growth_with_ep():
+    """Two tiers: with uniform routing inside / EP of the bytes come over NVLink and the rest
+    over the NIC, both at once; more peers outside the node -> slower. The 910C's UB is one
+    tier, so its growth comes from the per-peer rounds and the slowest peer only."""
+    hw = Hardware.from_profile(load_profile("h800"))
+    cost = CostModel(BIG, hw)
+    rows = 128 * 8
+    nbytes = rows * (7168 + 4)
+    for ep in (8, 16, 64, 256):
+        inside = min(ep, 8)
+        latency = 2 * 3.0e-6 if ep > 8 else 2 * 1.0e-6
+        moving = max(nbytes * inside / ep / 160e9, nbytes * (1 - inside / ep) / 50e9)
+        expected = (
+            hw.dispatch_start_s
+            + math.ceil(ep / 132) * latency
+            + moving
+            + hw.jitter_s * expected_max_z(ep)
+        )
+        assert cost.dispatch(rows, peers=ep) == pytest.approx(expected)
+    times = [cost.dispatch(rows, peers=ep) for ep in (8, 16, 32, 64, 128, 256)]
+    assert times == sorted(times) and times[-1] / times[0] > 2
+    one_tier = CostModel(BIG, replace(hw, node_dies=0))
+    assert one_tier.dispatch(rows, peers=8) > cost.dispatch(rows, peers=8)
