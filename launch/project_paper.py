@@ -145,11 +145,14 @@ def print_primitive(args: argparse.Namespace) -> int:
     if args.tokens < 1 or min(sizes) < 1:
         raise ConfigError(f"need --tokens >= 1 and every --ep >= 1; got {args.tokens}, {sizes}")
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(args.profile)))
+    us = [primitive_s(cost, args.primitive, ep, args.tokens) * 1e6 for ep in sizes]
+    link = cost.link("dispatch")
     rows = [
-        [str(ep), f"{primitive_s(cost, args.primitive, ep, args.tokens) * 1e6:.1f}"] for ep in sizes
+        [str(ep), f"{link.inside(ep)}/{ep}", f"{v:.1f}"] for ep, v in zip(sizes, us, strict=True)
     ]
     print(f"{args.primitive}, {args.tokens} tokens per rank, profile {args.profile}")
-    print(format_table(["EP", "us"], rows))
+    print(format_table(["EP", "peers in the node", "us"], rows))
+    print(f"growth EP{sizes[0]} -> EP{sizes[-1]}: {us[-1] / us[0]:.2f}x")
     return 0
 
 

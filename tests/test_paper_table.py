@@ -52,7 +52,8 @@ def _recompute(pub, hw: Hardware) -> float:
     p = project(
         cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
         accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
-        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
+                            stream0_aic=s.stream0_aic),
     )  # fmt: skip
     forward_ms = (p.iteration_s - hw.bubble_s) * 1e3
     b = {k: v * 1e3 for k, v in p.breakdown_s.items()}
@@ -197,7 +198,7 @@ def test_the_moe_stream_runs_on_its_share_of_the_cores():
     )
     hw = Hardware.from_profile(load_profile("ascend910c"))
     work = dict(batch_per_die=48, kv_len=4224, mtp_depth=1, accept_rate=0.7,
-                execution=Execution(microbatches=2), redundant_dies=32)  # fmt: skip
+                execution=Execution(microbatches=2, stream0_aic=16), redundant_dies=32)  # fmt: skip
     p = project(cfg, BIG, hw, **work)
     stream1 = CostModel(BIG, replace(hw, aiv_cores=16, int8_ops=hw.int8_ops / 3))
     mean_rows = 24 * 2 * 320 * 8 / 256
@@ -211,6 +212,38 @@ def test_the_moe_stream_runs_on_its_share_of_the_cores():
             2 * mean_rows + expected_max_z(256) * math.sqrt(2 * mean_rows), peers=320
         )
     )
+
+
+def _ep320(hw, **execution):
+    cfg = load_config(
+        REPO_ROOT / "configs" / "ep288.yaml", list(SCENARIOS["001 b8 4096+256"].overrides)
+    )
+    work = dict(batch_per_die=48, kv_len=4096, mtp_depth=1, accept_rate=0.7, redundant_dies=32)
+    return project(cfg, BIG, hw, **work, execution=Execution(pipelined_graphs=True, **execution))
+
+
+def test_two_streams_take_twice_the_longer_stream_at_the_balanced_split():
+    """[001] §4.2.3: each stream runs both microbatches per layer; without a stated split the
+    AIC go where the longer stream is shortest; at the stated split (16 AIC) the streams are
+    what that split prices."""
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    balanced = _ep320(hw, microbatches=2)
+    s0, s1 = balanced.primitives_s["stream 0"], balanced.primitives_s["stream 1"]
+    assert balanced.primitives_s["layer"] == pytest.approx(2 * max(s0, s1))
+    for aic in range(8, 21):
+        fixed = _ep320(hw, microbatches=2, stream0_aic=aic)
+        assert fixed.primitives_s["layer"] >= balanced.primitives_s["layer"] - 1e-12
+    assert _ep320(hw, microbatches=2, stream0_aic=16).parts_s.get("stream 0 AIC") == 16
+
+
+def test_overlap_is_not_slower_than_one_stream_when_bytes_on_the_link_dominate():
+    """Crafted: a link 20x narrower makes the MoE path mostly moving bytes (which halve with
+    the microbatch and need no cube), so the other microbatch's attention hides them: two
+    streams beat one."""
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    slow = replace(hw, read_bytes_per_s=hw.read_bytes_per_s / 20)
+    one, two = _ep320(slow), _ep320(slow, microbatches=2)
+    assert two.primitives_s["layer"] < one.primitives_s["layer"]
 
 
 def test_loads_measured_in_a_run_file(tmp_path):
@@ -257,3 +290,46 @@ def test_project_paper_and_primitive_print_from_the_model():
     h800 = CostModel(BIG, Hardware.from_profile(load_profile("h800")))
     for ep in (8, 256):
         assert f"{h800.combine(64 * 8, peers=ep) * 1e6:.1f}" in out
+    assert "growth EP8 -> EP256" in out
+
+
+def test_afd_attention_side_holds_a2e_stage_1_and_each_pass_pays_its_tail():
+    """[000] §7.1: the attention die's turn is MLAProlog, MLA, gating and A2E's first stage;
+    the last microbatch's way through the experts and back is paid once per pass."""
+    from xds_mpi.projection.paper_table import scenario_inputs
+
+    cfg, m, hw, kwargs = scenario_inputs("000 afd")
+    p = project(cfg, m, hw, **kwargs)
+    prim = p.primitives_s
+    micro = cfg.deployment.num_microbatches
+    assert prim["layer"] >= micro * prim["attention side"]
+    assert prim["attention side"] > p.parts_s["attention side"]["A2E stage 1"] > 0
+    tail = prim["A2E"] - p.parts_s["A2E"]["stage 1"] + prim["MoE"] + prim["E2A"]
+    assert prim["tail"] == pytest.approx(tail)
+    passes = 1 + kwargs["mtp_depth"]
+    assert p.breakdown_s["last microbatch's tail"] > (passes - 1) * tail
+
+
+def test_h800_traffic_leaving_the_node_sets_the_growth_with_ep():
+    """Two tiers: with uniform routing inside / EP of the bytes come over NVLink and the rest
+    over the NIC, both at once; more peers outside the node -> slower. The 910C's UB is one
+    tier, so its growth comes from the per-peer rounds and the slowest peer only."""
+    hw = Hardware.from_profile(load_profile("h800"))
+    cost = CostModel(BIG, hw)
+    rows = 128 * 8
+    nbytes = rows * (7168 + 4)
+    for ep in (8, 16, 64, 256):
+        inside = min(ep, 8)
+        latency = 2 * 3.0e-6 if ep > 8 else 2 * 1.0e-6
+        moving = max(nbytes * inside / ep / 160e9, nbytes * (1 - inside / ep) / 50e9)
+        expected = (
+            hw.dispatch_start_s
+            + math.ceil(ep / 132) * latency
+            + moving
+            + hw.jitter_s * expected_max_z(ep)
+        )
+        assert cost.dispatch(rows, peers=ep) == pytest.approx(expected)
+    times = [cost.dispatch(rows, peers=ep) for ep in (8, 16, 32, 64, 128, 256)]
+    assert times == sorted(times) and times[-1] / times[0] > 2
+    one_tier = CostModel(BIG, replace(hw, node_dies=0))
+    assert one_tier.dispatch(rows, peers=8) > cost.dispatch(rows, peers=8)

@@ -30,12 +30,20 @@ def expected_max_z(n: int) -> float:
 class LinkCosts:
     """What the mechanism reads from a hardware profile."""
 
-    read_bytes_per_s: float
+    read_bytes_per_s: float  # from a peer outside the die's node
     write_latency_s: float
     read_latency_s: float
     aiv_cores: int
     start_s: float  # kernel start (and quantization, for dispatch): fitted
     jitter_s: float  # spread of a die's start: fitted
+    node_dies: int = 0  # dies in a node, reached over the inner tier (0: one tier)
+    intra_read_bytes_per_s: float = 0.0
+    intra_write_latency_s: float = 0.0
+    intra_read_latency_s: float = 0.0
+
+    def inside(self, peers: int) -> int:
+        """How many of `peers` (the die included) sit in the die's node."""
+        return min(peers, self.node_dies) if self.node_dies else peers
 
 
 def exchange_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
@@ -46,9 +54,27 @@ def exchange_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
 
 def per_peer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
     """Step 1 (flags to every peer) and Step 2 (a pull from every peer), each core serving
-    peers / cores of them one after another, plus the bytes in at the read bandwidth."""
+    peers / cores of them one after another, plus the bytes in. Two tiers (a node's inner
+    links, the network between nodes): with uniform routing a share inside / peers of the bytes
+    comes from the die's node and the rest from outside, both links at once; a round pays the
+    outer tier's latency once any of its peers is outside the node."""
     rounds = math.ceil(peers / link.aiv_cores)
-    return rounds * (link.write_latency_s + link.read_latency_s) + bytes_in / link.read_bytes_per_s
+    inside = link.inside(peers)
+    if not link.node_dies:  # one tier
+        return rounds * (link.write_latency_s + link.read_latency_s) + (
+            bytes_in / link.read_bytes_per_s
+        )
+    outer = inside < peers
+    latency = (
+        link.write_latency_s + link.read_latency_s
+        if outer
+        else link.intra_write_latency_s + link.intra_read_latency_s
+    )
+    bytes_out = bytes_in * (1 - inside / peers)
+    moving = max(
+        (bytes_in - bytes_out) / link.intra_read_bytes_per_s, bytes_out / link.read_bytes_per_s
+    )
+    return rounds * latency + moving
 
 
 def wait_s(link: LinkCosts, peers: int) -> float:

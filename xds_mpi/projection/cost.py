@@ -27,6 +27,10 @@ class Hardware:
     read_bytes_per_s: float  # UB, one die pulling from others
     write_latency_s: float
     read_latency_s: float
+    node_dies: int  # dies on the inner tier of the network (0: the fabric is one tier)
+    intra_read_bytes_per_s: float
+    intra_write_latency_s: float
+    intra_read_latency_s: float
     aiv_cores: int
     aic_cores: int
     dispatch_start_s: float  # fitted to a primitive latency table (the profile names it)
@@ -51,6 +55,10 @@ class Hardware:
             read_bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
             write_latency_s=ub["write_latency_us_inter"] * 1e-6,
             read_latency_s=ub["read_latency_us_inter"] * 1e-6,
+            node_dies=ub["node_dies"],
+            intra_read_bytes_per_s=ub["read_gb_per_s_intra"] * 1e9,
+            intra_write_latency_s=ub["write_latency_us_intra"] * 1e-6,
+            intra_read_latency_s=ub["read_latency_us_intra"] * 1e-6,
             aiv_cores=die["aiv_cores"],
             aic_cores=die["aic_cores"],
             dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
@@ -152,6 +160,10 @@ class CostModel:
             aiv_cores=hw.aiv_cores,
             start_s=0.0 if persistent else start,
             jitter_s=hw.jitter_s,
+            node_dies=hw.node_dies,
+            intra_read_bytes_per_s=hw.intra_read_bytes_per_s,
+            intra_write_latency_s=hw.intra_write_latency_s,
+            intra_read_latency_s=hw.intra_read_latency_s,
         )
 
     def row_bytes(self, kind: str, *, int8: bool = True) -> int:

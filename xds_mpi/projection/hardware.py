@@ -29,6 +29,7 @@ REQUIRED = {
     "die": ["bf16_tflops", "int8_tops", "hbm_gb", "hbm_tb_per_s", "aiv_cores"],
     "ub": [
         "link_gb_per_s",
+        "node_dies",
         "write_gb_per_s_inter",
         "write_gb_per_s_intra",
         "write_latency_us_inter",

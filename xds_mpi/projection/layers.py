@@ -22,9 +22,10 @@ from xds_mpi.projection.comm_cost import expected_max_z
 from xds_mpi.projection.cost import CostModel
 from xds_mpi.projection.imbalance import Imbalance
 
-# CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC and 32 AIV, stream 1 gets 8 AIC and 16 AIV.
-ATTENTION_STREAM = (16, 32)
-MOE_STREAM = (8, 16)
+# CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC and 32 AIV, stream 1 gets 8 AIC and 16 AIV
+# "under typical decode conditions (4K sequence, batch size 96, MTP enabled)"; elsewhere "the
+# allocation ... can be adjusted adaptively" so that the two streams stay balanced.
+PAPER_SPLIT = 16  # stream 0's AIC at the typical conditions; AIV follow as 2 per AIC
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,7 @@ class LayerInputs:
     rows_per_seq: int
     imbalance: Imbalance
     microbatches: int
+    stream0_aic: int | None = None  # two streams: stream 0's AIC (None: the balanced split)
 
 
 def counts(cfg: Config, topo, *, redundant_dies: int = 0) -> dict:
@@ -87,11 +89,35 @@ def _routed(cost: CostModel, n: dict, tokens: float, imb: Imbalance | None) -> t
 
 
 def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
-    cfg, n, mb = x.cfg, x.n, x.microbatches
+    """One stream runs the layer's ops one after another. Two streams (CloudMatrix-Infer
+    §4.2.3, Figure 14b): stream 0 runs one microbatch's attention path while stream 1 runs the
+    other's MoE path, each on its own AIC/AIV; in steady state each stream runs both
+    microbatches per layer, so a layer takes 2 x the longer stream."""
+    if x.microbatches == 1:
+        parts, stream0, stream1 = _streams(x, x.cost, x.cost)
+        return _layer(parts, stream0 + stream1, {}, stream0, stream1)
+    aic = x.cost.hw.aic_cores
+    splits = [x.stream0_aic] if x.stream0_aic else range(aic // 3, aic - aic // 6 + 1)
+    priced = {a: _streams(x, *_split(x.cost, a)) for a in splits}
+    best = min(priced, key=lambda a: max(priced[a][1:]))
+    parts, stream0, stream1 = priced[best]
+    streams = {"stream 0": stream0, "stream 1": stream1}
+    return _layer(parts, 2 * max(stream0, stream1), streams, stream0, stream1, split=best)
+
+
+def _split(cost: CostModel, stream0_aic: int) -> tuple[CostModel, CostModel]:
+    """Stream 0 on `stream0_aic` AIC and twice as many AIV, stream 1 on the rest (§4.2.3's
+    16/32 and 8/16 of 24/48 keep that ratio)."""
+    aic, aiv = cost.hw.aic_cores, cost.hw.aiv_cores
+    s0_aiv = round(aiv * stream0_aic / aic)
+    return _share(cost, (stream0_aic, s0_aiv)), _share(cost, (aic - stream0_aic, aiv - s0_aiv))
+
+
+def _streams(x: LayerInputs, s0: CostModel, s1: CostModel) -> tuple[dict, float, float]:
+    """(one microbatch's parts, its attention path on s0, its MoE path on s1)."""
+    cfg, n = x.cfg, x.n
     m, dedicated = x.cost.m, cfg.deployment.shared_experts == "dedicated"
-    s0 = _share(x.cost, ATTENTION_STREAM) if mb > 1 else x.cost
-    s1 = _share(x.cost, MOE_STREAM) if mb > 1 else x.cost
-    batch = x.batch / mb
+    batch = x.batch / x.microbatches
     rows = batch * x.rows_per_seq
     attn_mean = _attention(s0, x, batch, slowest=False)
     attn_max = _attention(s0, x, batch, slowest=True)
@@ -112,14 +138,19 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
         "experts": typical_experts,
         "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
     }
-    stream0, stream1 = attn_max, sum(parts.values()) - attn_max  # dispatch holds the wait
-    layer = 2 * max(stream0, stream1) if mb > 1 else stream0 + stream1
+    primitives = {"dispatch": dispatch, "combine": combine}
+    return {**parts, "_primitives": primitives}, attn_max, sum(parts.values()) - attn_max
+
+
+def _layer(parts: dict, layer: float, streams: dict, stream0: float, stream1: float, *,
+           split: int | None = None) -> tuple[dict, dict, dict]:  # fmt: skip
+    """(parts scaled to the layer's time, one call of each primitive, details)."""
+    primitives = {**parts.pop("_primitives"), "layer": layer, **streams}
     scale = layer / sum(parts.values())
-    primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
-    if mb > 1:
-        primitives["stream"] = max(stream0, stream1)
     scaled = {k: v * scale for k, v in parts.items()}
-    details = {"layer": scaled, "stream": {"attention stream": stream0, "MoE stream": stream1}}
+    details = {"layer": scaled, "streams": {"attention path": stream0, "MoE path": stream1}}
+    if split is not None:
+        details["stream 0 AIC"] = split
     return scaled, primitives, details
 
 
@@ -190,13 +221,18 @@ def afd_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
     a2e = hops.a2e(cost, mb_rows, expert_rows=rows_max, int8=cfg.xccl.use_int8)
     e2a = hops.e2a(cost, mb_rows)
     attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
-    expert_side = dep.num_dp_domains * micro * moe
-    layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
-    parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
-    scale = layer / sum(parts.values())
     a2e_first = hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
-    side = attention + a2e_first
-    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
+    side = attention + a2e_first  # xDeepServe §7.1: A2E's first stage is the attention die's
+    expert_side = dep.num_dp_domains * micro * moe
+    layer = max(micro * side, side + (a2e - a2e_first) + moe + e2a, expert_side)
+    parts = {"MLAProlog+attention+gate+A2E stage 1": micro * side, "A2E stage 2": a2e - a2e_first,
+             "MoE": moe, "E2A": e2a}  # fmt: skip
+    scale = layer / sum(parts.values())
+    # the last layer's last microbatch: its way through the experts and back is not overlapped
+    # (xDeepServe §7.1: "the second microbatch of the final layer cannot be overlapped")
+    tail = (a2e - a2e_first) + moe + e2a
+    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer,
+                  "tail": tail}  # fmt: skip
     prolog = cost.mla_prolog(round(batch * x.imbalance.batch) * x.rows_per_seq)
     e2a_last = cost.combine(mb_rows, peers=hops.trampolines)
     details = {

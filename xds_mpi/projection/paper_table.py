@@ -5,7 +5,7 @@ What `xds-mpi project --paper` prints; tests recompute each projected value from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from xds_mpi.projection.paper_data import (
@@ -89,7 +89,8 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
     kwargs = dict(
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
         imbalance=imbalance, redundant_dies=s.redundant_dies,
-        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
+                            stream0_aic=s.stream0_aic),
     )  # fmt: skip
     return cfg, m, hw, kwargs
 
@@ -153,4 +154,7 @@ def calibration_table(profile: str = "ascend910c"):
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
     table = TABLE7_H800 if profile == "h800" else TABLE7_CM384
     row_bytes = {k: cost.row_bytes(k) for k in ("dispatch", "combine")}
-    return fit_table7(cost.link("dispatch"), table, tokens=TABLE7_TOKENS, row_bytes=row_bytes)
+    # Table 7's kernels reach every peer over the outer tier: CANN's on the one-tier UB, DeepEP's
+    # low-latency kernels over RDMA even inside a node ("pure RDMA", DeepEP's README)
+    one_tier = replace(cost.link("dispatch"), node_dies=0)
+    return fit_table7(one_tier, table, tokens=TABLE7_TOKENS, row_bytes=row_bytes)

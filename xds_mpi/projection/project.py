@@ -34,10 +34,13 @@ class Projection:
 class Execution:
     """How the dies run a layer: microbatches = 2 is the colocated two-stream overlap
     (CloudMatrix-Infer §4.2.3; afd deployments take their own microbatches); pipelined_graphs:
-    graph launches hidden behind the previous graph (CloudMatrix-Infer §4.2.4)."""
+    graph launches hidden behind the previous graph (CloudMatrix-Infer §4.2.4); stream0_aic: the
+    AIC of the attention stream where the paper states the split (§4.2.3: 16 of 24 at 4K, batch
+    96, MTP), None: the split that balances the two streams (§4.2.3: "adjusted adaptively")."""
 
     microbatches: int = 1
     pipelined_graphs: bool = False
+    stream0_aic: int | None = None
 
 
 UNIFORM = Imbalance()
@@ -64,7 +67,7 @@ def project(
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     inputs = dict(
         cfg=cfg, cost=cost, n=n, batch=batch_per_die, kv_len=kv_len, imbalance=imbalance,
-        microbatches=execution.microbatches,
+        microbatches=execution.microbatches, stream0_aic=execution.stream0_aic,
     )  # fmt: skip
     spent = _passes_spent(cost, layer, inputs, mtp_depth=mtp_depth)
     rows = slowest_batch(batch_per_die, imbalance) * (1 + mtp_depth)
@@ -100,9 +103,13 @@ def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> di
         ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
     ):
         rows = batch * rows_per_seq
-        parts, _, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
+        parts, primitives, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
         for name, seconds in parts.items():
             spent[name] = spent.get(name, 0.0) + seconds * num_moe
+        if num_moe and "tail" in primitives:  # once per pass: the last microbatch's way back
+            spent["last microbatch's tail"] = spent.get("last microbatch's tail", 0.0) + (
+                primitives["tail"] * (mtp_depth if kind == "mtp" else 1)
+            )
         dense = (
             cost.mla_prolog(rows)
             + cost.attention([(kv, rows_per_seq)] * batch)
