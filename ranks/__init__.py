@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ranks.context import RankContext
 
 # The module whose run(ctx) plays each role. Imported only by the ranks that play it, so ranks
-# that do not compute the model never import torch.
+# that do not compute the model never load the model's modules (no rank imports torch).
 ROLE_MODULES = {
     "host": "ranks.shell",
     "attention": "ranks.attention",
