@@ -11,7 +11,7 @@ import sys
 
 from launch.bench_cli import run_bench
 from launch.bench_report import add_row_options
-from xds_mpi.config import ConfigError
+from xds_mpi.config.schema import ConfigError
 
 
 def add_parser(kinds) -> None:

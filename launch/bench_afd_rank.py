@@ -4,7 +4,7 @@ One DP domain: ranks 0..G-1 are attention dies, the other E ranks expert dies (e
 evenly over them, E need not be a multiple of G). Every attention die sends `tokens` rows of
 `hidden` float32 values to top-k experts (random routing, fixed seed); the experts are the
 identity. Three variants move the same tokens in the same run:
-  trampoline  A2E -> A2E' -> experts -> E2A' -> E2A (xccl/afd.py, Fig. 8)
+  trampoline  A2E -> A2E' -> experts -> E2A' -> E2A (xccl/afd/buffer.py, Fig. 8)
   direct      A2E / E2A straight between attention and expert dies (no trampolines)
   colocated   XCCL dispatch/combine (Fig. 7) over all N dies, the expert dies sending 0 tokens
 a2e_us / e2a_us: from a common start (after a barrier) until the slowest die finished its part of
@@ -24,12 +24,12 @@ import numpy as np
 from mpi4py import MPI
 
 from launch.bench_report import rank_parser
-from xccl.afd import AfdBuffer, AfdCall
-from xccl.ep import EpBuffer
+from xccl.afd.buffer import AfdBuffer, AfdCall
+from xccl.ep.buffer import EpBuffer
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout, EpLayout
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.hardware import load_profile
+from xds_mpi.projection.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = [

@@ -7,7 +7,7 @@ import sys
 
 from launch.bench_report import add_row_options
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, run_job
-from xds_mpi.config import ConfigError
+from xds_mpi.config.schema import ConfigError
 
 
 def add_parsers(kinds) -> None:

@@ -16,12 +16,12 @@ import numpy as np
 from mpi4py import MPI
 
 from launch.bench_report import rank_parser
-from xccl.ep import EpBuffer, select_slots
+from xccl.ep.buffer import EpBuffer, select_slots
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.quant import quant_dequant
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.hardware import load_profile
+from xds_mpi.projection.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = ["tokens", "hidden", "topk", "int8", "xccl_us", "alltoallv_us", "speedup", "proj_910c_us"]

@@ -6,7 +6,7 @@ oversubscription. For each size and core count, in the same run:
            one way: a sync send of the whole message (until the ack), for bandwidth, received
            into a private buffer (through the ring: two copies) and into window memory
            ("direct": a message of more than one publication lands with one copy,
-           xccl/p2p_send.py).
+           xccl/p2p/send.py).
            On both memory paths (xccl/gmem_paths.py): "ls" (load/store into the peer's window,
            what the default config uses on one node) and "rma" (Put/Get/atomics, as across nodes)
   put    - the raw-MPI baseline: Put data + Flush + one-word flag + Flush, peer polls the flag
@@ -30,9 +30,9 @@ from launch.bench_p2p_floor import FloorPair
 from launch.bench_p2p_raw import RawPair
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
-from xccl.p2p import P2P
+from xccl.p2p.channel import P2P
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.hardware import load_profile
+from xds_mpi.projection.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = (

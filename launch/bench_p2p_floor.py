@@ -4,7 +4,7 @@ costs in Python on this machine, written as plainly as numpy allows.
 One message: the sender stores the bytes into its ring in the receiver's window, an 8-word
 record, a memory barrier, the doorbell; the receiver polls the doorbell, reads and checks the
 record, copies the bytes out, stores the ack; the sender's send ends when it sees the ack. This is
-xccl/p2p.py's Figure 4 sequence without its generality (queues, async handles, several
+xccl/p2p/channel.py's Figure 4 sequence without its generality (queues, async handles, several
 publications per message, fault hooks, the virtual clock, bounds checks), on the load/store path
 only (no floor where the peer is reached by RMA: nan). The ratio
 xccl / floor is the price of that generality; floor / raw ls is what no Python ring protocol can

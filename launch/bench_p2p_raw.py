@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from xccl.gmem import DieMemory
-from xccl.mpi_time import poll_until
+from xccl.records.mpi_time import poll_until
 
 
 class RawPair:

@@ -23,8 +23,8 @@ import numpy as np
 from launch.bench_report import report
 from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve_stats import RANK_STATS_ENV, ServeStats, summarize
-from xccl.mpi_time import TIME_MPI_ENV
-from xds_mpi.config import ConfigError
+from xccl.records.mpi_time import TIME_MPI_ENV
+from xds_mpi.config.schema import ConfigError
 
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]
 COLUMNS += ["mpi_ms", "wait_ms"]

@@ -24,11 +24,11 @@ from launch import (
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
-from xds_mpi.config import ConfigError, load_config
-from xds_mpi.fabric import format_bytes
-from xds_mpi.pd_plan import describe_pd
-from xds_mpi.plan import DeploymentPlan
-from xds_mpi.progress import PROGRESS_ENV, progress_mode
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.fabric import format_bytes
+from xds_mpi.plan.pd import describe_pd
+from xds_mpi.report.progress import PROGRESS_ENV, progress_mode
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,7 @@ def describe_memory_path(path: str) -> str:
 
 
 def describe_wait(mode: str) -> str:
-    """validate's line on how dies wait for their peers' doorbells (xccl/wake.py)."""
+    """validate's line on how dies wait for their peers' doorbells (xccl/records/wake.py)."""
     return {
         "auto": "waits: auto: sleep on a futex when a node runs more ranks than cores, else spin",
         "sleep": "waits: sleep (forced) on a futex, woken by the writer waited for",

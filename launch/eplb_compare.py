@@ -15,11 +15,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from launch.paths import resolve_config
-    from xds_mpi.config import load_config
+    from xds_mpi.config.schema import load_config
     from xds_mpi.eplb.ab import compare_run_files, format_comparison
     from xds_mpi.eplb.moe_time import MoePricing
     from xds_mpi.eplb.report import SCALED_BATCH
-    from xds_mpi.plan import DeploymentPlan
+    from xds_mpi.plan.deployment import DeploymentPlan
 
     cfg = load_config(resolve_config(args.config), args.set)
     topo = DeploymentPlan.build(cfg).topo

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from xds_mpi.config import ConfigError
+from xds_mpi.config.schema import ConfigError
 
 DTYPES = ("float64", "float32")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from launch.jobscript import node_layout
 from launch.mpiexec import MpiFlavor, find_mpiexec, mpi_flavor
-from xds_mpi.config import ConfigError
-from xds_mpi.plan import DeploymentPlan
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.topology import Topology
 
 
 def placement_flags(

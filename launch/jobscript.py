@@ -17,8 +17,8 @@ from typing import Literal
 
 from launch.mpiexec import MpiCommand, mpi_command, mpi_flavor, rank_program
 from launch.paths import REPO_ROOT
-from xds_mpi.config import ConfigError
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError
+from xds_mpi.plan.topology import Topology
 
 TEMPLATE = REPO_ROOT / "hpc" / "xds-mpi.sbatch.in"
 # Slurm's limit covers more than MPIEXEC_TIMEOUT: starting the ranks and writing the run file.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from xds_mpi.config import ConfigError
+from xds_mpi.config.schema import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = "colocated"

@@ -12,8 +12,8 @@ from launch.project_skew import print_skew
 from launch.report import format_table
 
 if TYPE_CHECKING:
-    from xds_mpi.config import Config
-    from xds_mpi.projection import Projection
+    from xds_mpi.config.schema import Config
+    from xds_mpi.projection.project import Projection
 
 
 def add_parser(sub) -> None:
@@ -39,11 +39,11 @@ def add_parser(sub) -> None:
 
 def cmd_project(args: argparse.Namespace) -> int:
     from launch.paths import resolve_config
-    from xds_mpi.config import ConfigError, load_config
-    from xds_mpi.cost import Hardware
-    from xds_mpi.hardware import load_profile
+    from xds_mpi.config.schema import ConfigError, load_config
     from xds_mpi.model.shapes import load_model_preset
-    from xds_mpi.projection import project
+    from xds_mpi.projection.cost import Hardware
+    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.projection.project import project
 
     if args.paper:
         return print_paper(args)

@@ -11,7 +11,7 @@ PRIMITIVES = ("dispatch", "combine", "a2e", "e2a")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("against the papers (xds_mpi/paper_data.py)")
+    g = p.add_argument_group("against the papers (xds_mpi/projection/paper_data.py)")
     g.add_argument("--paper", action="store_true", help="print the validation table and the fits")
     g.add_argument("--primitive", choices=PRIMITIVES, help="one primitive's latency across EP")
     g.add_argument("--ep", default="8,16,32,64,128,256", help="EP sizes for --primitive")
@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("imbalance and overlap (xds_mpi/imbalance.py, xds_mpi/projection.py)")
+    g = p.add_argument_group(
+        "imbalance and overlap (xds_mpi/projection/imbalance.py, xds_mpi/projection/project.py)"
+    )
     g.add_argument(
         "--loads",
         default="uniform",
@@ -40,10 +42,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
     """project()'s imbalance and execution from the command line."""
-    from xds_mpi.config import ConfigError
-    from xds_mpi.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
-    from xds_mpi.projection import Execution
-    from xds_mpi.topology import Topology
+    from xds_mpi.config.schema import ConfigError
+    from xds_mpi.plan.topology import Topology
+    from xds_mpi.projection.imbalance import Imbalance, from_run_file, from_skew, kv_straggler
+    from xds_mpi.projection.project import Execution
 
     if args.microbatches not in (1, 2) or not 0 <= args.kv_spread < 1:
         raise ConfigError(
@@ -74,8 +76,8 @@ def model_inputs(args: argparse.Namespace, cfg, m) -> dict:
 
 def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
     """(slowest DP group's batch / the mean, where it came from) from --batch-imbalance."""
-    from xds_mpi.config import ConfigError
-    from xds_mpi.imbalance import batch_from_run_file
+    from xds_mpi.config.schema import ConfigError
+    from xds_mpi.projection.imbalance import batch_from_run_file
 
     given = args.batch_imbalance
     if given is None and args.loads not in ("uniform", "fig11a"):
@@ -92,7 +94,7 @@ def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def print_paper(args: argparse.Namespace) -> int:
-    from xds_mpi.paper_table import MISS, calibration_table, validation_table
+    from xds_mpi.projection.paper_table import MISS, calibration_table, validation_table
 
     table = validation_table(args.profile)
     rows = [
@@ -131,10 +133,10 @@ def print_paper(args: argparse.Namespace) -> int:
 
 def print_primitive(args: argparse.Namespace) -> int:
     """Latency of one call at each EP size: `tokens` per rank x top-k rows, uniform routing."""
-    from xds_mpi.config import ConfigError
-    from xds_mpi.cost import CostModel, Hardware
-    from xds_mpi.hardware import load_profile
+    from xds_mpi.config.schema import ConfigError
     from xds_mpi.model.shapes import cost_shape
+    from xds_mpi.projection.cost import CostModel, Hardware
+    from xds_mpi.projection.hardware import load_profile
 
     try:
         sizes = [int(v) for v in args.ep.split(",")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launch.report import format_table
-from xds_mpi.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
+from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def print_skew(args: argparse.Namespace, cfg, m, hw, workload: dict) -> None:
     """The comparison table: forward time per iteration and the routed dies' straggler."""
-    from xds_mpi.config import ConfigError
+    from xds_mpi.config.schema import ConfigError
     from xds_mpi.eplb.pod import Skew, compare
 
     if args.skew_slices < 1 or args.skew_drift < 0:

@@ -21,11 +21,12 @@ from launch.log import setup_logging
 from launch.serve_stats import RANK_STATS_ENV
 from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path
-from xccl.mpi_time import MPI_TIME
-from xccl.wake import set_wait_mode
-from xds_mpi import emulator_runtime, trace
-from xds_mpi.config import load_config
-from xds_mpi.plan import DeploymentPlan
+from xccl.records.mpi_time import MPI_TIME
+from xccl.records.wake import set_wait_mode
+from xds_mpi import emulator_runtime
+from xds_mpi.config.schema import load_config
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.report import trace
 
 
 def write_rank_stats(rank: int, role: str, core: int | None) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xds_mpi.topology import ExpertSlot, RankInfo, Topology
+from xds_mpi.plan.topology import ExpertSlot, RankInfo, Topology
 
 
 def _ranges(values: list[int]) -> str:

@@ -80,8 +80,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def write_report(paths: list[Path], out: Path) -> Path:
     """Every figure of every run as out/<run>_<figure>.png, then out/index.html."""
-    from xds_mpi.report_data import load_run
-    from xds_mpi.report_plots import FIGURES
+    from xds_mpi.report.data import load_run
+    from xds_mpi.report.plots import FIGURES
 
     out.mkdir(parents=True, exist_ok=True)
     runs = [load_run(p) for p in paths]

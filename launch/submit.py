@@ -27,8 +27,8 @@ from launch.jobscript import (
     render,
 )
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
-from xds_mpi.config import Config, ConfigError, load_config
-from xds_mpi.plan import DeploymentPlan
+from xds_mpi.config.schema import Config, ConfigError, load_config
+from xds_mpi.plan.deployment import DeploymentPlan
 
 POLL_S = 0.5
 # squeue failing this many polls in a row means the controller is gone, not a hiccup.

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from xds_mpi.config import ConfigError
+from xds_mpi.config.schema import ConfigError
 
 if TYPE_CHECKING:
     from xds_mpi.train.corpus import Corpus

@@ -1,10 +1,12 @@
 """Role programs: one per role a rank can play. `role_program(role)(ctx)` runs a rank.
 
 Every program starts with the startup handshake (all ranks agree on config and topology). The
-colocated deployment serves requests (ranks/colocated.py, ranks/frontend.py), and so does the
-disaggregated MoE-attention one (ranks/attention.py, ranks/expert.py); with `pd.enabled` the
-host rank is the JE (ranks/je.py) and prefill dies prefill (ranks/prefill.py) for decode dies that
-receive the KV cache (ranks/pd_decode.py); without it prefill dies end after the handshake.
+colocated deployment serves requests (ranks/colocated/die.py, ranks/shell/frontend.py), and so does
+the
+disaggregated MoE-attention one (ranks/afd/attention.py, ranks/afd/expert.py); with `pd.enabled` the
+host rank is the JE (ranks/shell/je.py) and prefill dies prefill (ranks/pd/prefill.py) for decode
+dies that
+receive the KV cache (ranks/pd/decode.py); without it prefill dies end after the handshake.
 """
 
 from __future__ import annotations
@@ -12,16 +14,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from ranks.context import RankContext
+from ranks.core.context import RankContext
 
 # The module whose run(ctx) plays each role. Imported only by the ranks that play it, so ranks
 # that do not compute the model never load the model's modules (no rank imports torch).
 ROLE_MODULES = {
-    "host": "ranks.shell",
-    "attention": "ranks.attention",
-    "expert": "ranks.expert",
-    "colocated": "ranks.colocated",
-    "prefill": "ranks.prefill",
+    "host": "ranks.shell.te_shell",
+    "attention": "ranks.afd.attention",
+    "expert": "ranks.afd.expert",
+    "colocated": "ranks.colocated.die",
+    "prefill": "ranks.pd.prefill",
 }
 
 

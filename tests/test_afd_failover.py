@@ -16,9 +16,9 @@ from harness import REPO_ROOT
 from test_decode_failover import assert_detected, served
 from test_serving import check_line
 
-from xds_mpi.config import ConfigError, config_from_dict
-from xds_mpi.failure_plan import check_failures
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, config_from_dict
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.topology import Topology
 
 # One request per attention die keeps each run short; dying at iteration 5 of 16 is mid-run.
 LEAN = ["run.trace=false", "workload.num_requests=4"]
@@ -87,7 +87,8 @@ def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
 @pytest.mark.parametrize(
     "row, die, settings, recovery",
     [
-        # Stuck for good inside its A2E: never answers again, lost as dead (ranks/detector.py).
+        # Stuck for good inside its A2E: never answers again, lost as dead
+        # (ranks/recovery/detector.py).
         ("{kind: stuck, die: 4, iteration: 3}", 4, [], "vertical scaling: 4 -> 3 attention"),
         ("{kind: dead, die: 1, iteration: 0}", 1, [], "vertical scaling: 4 -> 3 attention"),
         # Trampolines: their attention groups move to the expert dies left (experts[g]).
@@ -194,7 +195,7 @@ def test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed(tmp_path):
     assert check_line(result) == SERVED
     assert run_file["summary"].attrs["xccl_timeouts"] >= 1
     # The die that times out first may wait for a trampoline that waits for die 2: the vote's
-    # waits lead the blame to die 2 either way (xccl/vote.py Outcome.blamed).
+    # waits lead the blame to die 2 either way (xccl/recovery/vote.py Outcome.blamed).
     blamed = r"timed out waiting for die (2: xccl.poll_timeout_s|\d: xccl.poll_timeout_s; the "
     assert re.search(blamed + r"waits lead to die 2)", out), out[-3000:]
     [record] = records  # the stuck row's, found by the timeout; nobody declared lost

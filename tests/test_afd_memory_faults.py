@@ -15,9 +15,9 @@ from harness import REPO_ROOT
 from test_decode_failover import served
 from test_serving import check_line
 
-from xds_mpi.config import ConfigError, config_from_dict
-from xds_mpi.failure_plan import check_failures
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, config_from_dict
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.topology import Topology
 
 # One request per attention die keeps each run short (request i goes to attention die i + 1).
 LEAN = ["run.trace=false", "workload.num_requests=4"]
@@ -106,8 +106,8 @@ def _expert_die(slot_expert: dict[int, int]):
 def test_a_faulty_slot_computes_nan_and_another_slot_of_its_expert_does_not():
     import numpy as np
 
-    from ranks.afd_memory import AfdSlots
-    from ranks.expert import ExpertDie
+    from ranks.afd.expert import ExpertDie
+    from ranks.recovery.afd_memory import AfdSlots
 
     die = _expert_die({0: 3, 1: 3})  # one expert in two slots of the die
     AfdSlots.corrupt(die, 0)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from xds_mpi.config import (
+from xds_mpi.config.schema import (
     Config,
     ConfigError,
     FaultSpec,

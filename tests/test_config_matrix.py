@@ -16,8 +16,8 @@ import config_matrix as m
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
-from xds_mpi.config import ConfigError, load_config
-from xds_mpi.plan import DeploymentPlan
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.deployment import DeploymentPlan
 
 BASE_WORKLOAD = (0,) * len(m.WORKLOAD_AXES)
 NAMES_A_KEY = re.compile(

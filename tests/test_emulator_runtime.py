@@ -1,5 +1,5 @@
 """The emulator's pinning and GC control (xds_mpi/emulator_runtime.py), the bounded wait every
-poll uses (xccl/mpi_time.py poll_until) and what `bench serve` reads from a run's trace
+poll uses (xccl/records/mpi_time.py poll_until) and what `bench serve` reads from a run's trace
 (launch/serve_stats.py), on crafted inputs."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from launch.serve_stats import first_dispatch_waits, parse_output, summarize
 from xds_mpi import emulator_runtime
-from xds_mpi.config_emulator import EmulatorConfig
+from xds_mpi.config.emulator import EmulatorConfig
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_default_gc_is_left_alone(restore_gc):
 
 def test_poll_until_returns_once_ready_and_times_out_naming_the_wait():
     from xccl.errors import XcclTimeout
-    from xccl.mpi_time import poll_until
+    from xccl.records.mpi_time import poll_until
 
     tries = iter([False, False, True])
     poll_until(lambda: next(tries), deadline=float("inf"), describe=lambda: "never")

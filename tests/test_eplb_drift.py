@@ -1,5 +1,6 @@
 """The expert-load drift between EPLB time slices (xds_mpi/eplb/drift.py): the estimator takes
-the window noise out, and the two constants of xds_mpi/paper_data.py are what it measures on
+the window noise out, and the two constants of xds_mpi/projection/paper_data.py are what it measures
+on
 the trained checkpoint."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from xds_mpi.eplb.drift import measure_drift, slice_drift
-from xds_mpi.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
+from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
 
 
 def _counts(shares: np.ndarray, rows_per_half: int, rng) -> np.ndarray:

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from test_decode_failover import assert_scaled, served
 
-from xds_mpi.config import ConfigError, config_from_dict
+from xds_mpi.config.schema import ConfigError, config_from_dict
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.eplb.policy import rebalance
 from xds_mpi.eplb.ring import ring_placement
-from xds_mpi.failure_plan import check_failures
-from xds_mpi.plan import DeploymentPlan
-from xds_mpi.topology import Topology
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.topology import Topology
 
 # The ring's 4 replicas per die stay put (every expert survives one lost die); EPLB fills the
 # fifth slot of every die, rebalancing after every 2-iteration slice.

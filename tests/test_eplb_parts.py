@@ -8,16 +8,16 @@ import copy
 import numpy as np
 import pytest
 
-from xds_mpi.config import ModelConfig, load_config
-from xds_mpi.cost import Hardware
+from xds_mpi.config.schema import ModelConfig, load_config
 from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import Placement
 from xds_mpi.eplb.pod import Skew, compare, skew_loads, skew_slices
-from xds_mpi.hardware import load_profile
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.model.transformer import DeepSeekModel
 from xds_mpi.model.weights import init_state
+from xds_mpi.projection.cost import Hardware
+from xds_mpi.projection.hardware import load_profile
 
 TINY = ModelConfig(hidden=32, num_routed_experts=4, num_shared_experts=1, top_k=2)
 

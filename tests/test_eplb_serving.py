@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi import report_plots
-from xds_mpi.config import ConfigError, config_from_dict
-from xds_mpi.plan import DeploymentPlan
-from xds_mpi.report_data import load_run
+from xds_mpi.config.schema import ConfigError, config_from_dict
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.report import plots as report_plots
+from xds_mpi.report.data import load_run
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 

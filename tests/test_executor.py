@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from xccl.vclock import VirtualClock
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.scheduler import Entry
 from xds_mpi.model.weights import build_model

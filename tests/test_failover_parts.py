@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from ranks.failure_book import tokens_per_s
-from ranks.shell_failover import resumed
-from xds_mpi.config import config_from_dict
+from ranks.recovery.failure_book import tokens_per_s
+from ranks.recovery.shell_failover import resumed
+from xds_mpi.config.schema import config_from_dict
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import Request
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.eplb.placement import from_topology, remove_die
 from xds_mpi.eplb.ring import ring_placement
-from xds_mpi.topology import Topology
+from xds_mpi.plan.topology import Topology
 
 
 @pytest.mark.parametrize("num_dies, redundant", [(4, 4), (8, 2)])

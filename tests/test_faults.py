@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from xccl.errors import InjectedFault
-from xccl.faults import OPS
-from xds_mpi.config import FAULT_OPS, FaultsConfig
+from xccl.recovery.faults import OPS
+from xds_mpi.config.schema import FAULT_OPS, FaultsConfig
 from xds_mpi.engine.afd_plan import AfdPlan
 from xds_mpi.faults import RANDOM_CODE, FaultPlan, LayerEvents
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from test_serving_pd import explain, serve
 
-from xds_mpi.config import ConfigError, config_from_dict
+from xds_mpi.config.schema import ConfigError, config_from_dict
 from xds_mpi.engine.pd_failover import PdFailover
-from xds_mpi.failure_plan import check_failures
 from xds_mpi.failures import read_failures
-from xds_mpi.topology import Topology
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.topology import Topology
 
 PROBES = (
     "health.probe_interval_s=1",
@@ -85,7 +85,7 @@ def test_channel_rows_the_prober_cannot_name_are_refused(row, health, decode_die
 
 
 def test_failover_book_rules_pairs_and_dies_out_and_back_in():
-    from ranks.link_probe import LinkReport
+    from ranks.recovery.link_probe import LinkReport
 
     book = PdFailover()
 

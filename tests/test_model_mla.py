@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.weights import build_model

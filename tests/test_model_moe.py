@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from xccl.quant import quant_dequant
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.moe import Gate, dispatch_input, select_experts
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from xds_mpi.config import ConfigError, ModelConfig
+from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.kv_blocks import BlockTable, KVCacheFull
 from xds_mpi.model.shapes import compute_shape, cost_shape, load_model_preset
 from xds_mpi.model.tokenizer import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer

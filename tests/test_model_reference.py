@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from xds_mpi.config import ConfigError, ModelConfig
+from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.sampling import verify_drafts
 from xds_mpi.model.tokenizer import ByteTokenizer

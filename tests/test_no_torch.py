@@ -10,11 +10,11 @@ import sys
 from harness import REPO_ROOT
 
 ROLE_MODULES = (
-    "ranks.colocated",
-    "ranks.attention",
-    "ranks.expert",
-    "ranks.prefill",
-    "ranks.shell",
+    "ranks.colocated.die",
+    "ranks.afd.attention",
+    "ranks.afd.expert",
+    "ranks.pd.prefill",
+    "ranks.shell.te_shell",
 )
 
 

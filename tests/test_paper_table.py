@@ -16,23 +16,23 @@ import pytest
 import yaml
 from harness import REPO_ROOT
 
-from xds_mpi.comm_cost import expected_max_z
-from xds_mpi.config import load_config
-from xds_mpi.cost import CostModel, Hardware
-from xds_mpi.hardware import load_profile
-from xds_mpi.imbalance import (
+from xds_mpi.config.schema import load_config
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.plan.topology import Topology
+from xds_mpi.projection.comm_cost import expected_max_z
+from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.projection.hardware import load_profile
+from xds_mpi.projection.imbalance import (
     Imbalance,
     batch_from_run_file,
     from_run_file,
     from_skew,
     kv_straggler,
 )
-from xds_mpi.model.shapes import cost_shape
-from xds_mpi.paper_data import SCENARIOS, VALIDATION
-from xds_mpi.paper_table import calibration_table, validation_table
-from xds_mpi.projection import Execution, project
-from xds_mpi.projection_layers import counts
-from xds_mpi.topology import Topology
+from xds_mpi.projection.layers import counts
+from xds_mpi.projection.paper_data import SCENARIOS, VALIDATION
+from xds_mpi.projection.paper_table import calibration_table, validation_table
+from xds_mpi.projection.project import Execution, project
 
 BIG = cost_shape()
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
@@ -87,7 +87,7 @@ def test_every_projected_value_is_the_cost_models():
 def test_rows_that_miss_carry_what_the_model_made_them_of():
     """A row outside MISS carries `why_text` of its own scenario's projection (the model's parts
     and the imbalance it was priced at); a row within carries none."""
-    from xds_mpi.paper_table import MISS, scenario_inputs, scenario_projection, why_text
+    from xds_mpi.projection.paper_table import MISS, scenario_inputs, scenario_projection, why_text
 
     for row, pub in zip(validation_table(), VALIDATION, strict=True):
         if abs(row.error) <= MISS:
@@ -102,7 +102,7 @@ def test_rows_that_miss_carry_what_the_model_made_them_of():
 def test_the_drift_the_skewed_scenarios_use_is_the_measured_one():
     """No scenario carries a drift of its own: the papers' benchmarks are fixed sets of
     requests, priced at the drift measured on the checkpoint for that case."""
-    from xds_mpi.paper_data import DRIFT_SAME_REQUESTS
+    from xds_mpi.projection.paper_data import DRIFT_SAME_REQUESTS
 
     assert all(s.drift_sigma == DRIFT_SAME_REQUESTS for s in SCENARIOS.values() if s.skew)
 

@@ -16,9 +16,9 @@ from harness import REPO_ROOT
 from test_decode_failover import RING, assert_detected, served
 from test_serving import check_line
 
-from xds_mpi.config import ConfigError, config_from_dict, load_config
-from xds_mpi.failure_plan import check_failures
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.topology import Topology
 
 # Probes past detection and release (the survivors echo none until released); a small workload.
 PD = [
@@ -157,9 +157,9 @@ def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_n
 def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
     from types import SimpleNamespace
 
-    from ranks.decode_loss import DecodeBook, DecodeLoss
-    from ranks.die_health import FaultBegan
-    from ranks.je_decode_loss import DecodeLossWatch, Moved
+    from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
+    from ranks.recovery.die_health import FaultBegan
+    from ranks.recovery.je_decode_loss import DecodeLossWatch, Moved
     from xds_mpi.failures import FailureRecord
 
     health = SimpleNamespace(probe_timeout_s=12)

@@ -1,4 +1,5 @@
-"""The TE-shell's progress (xds_mpi/progress.py): a bar rewritten in place on a terminal, plain
+"""The TE-shell's progress (xds_mpi/report/progress.py): a bar rewritten in place on a terminal,
+plain
 log lines otherwise."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import io
 import logging
 
-from xds_mpi.progress import Progress, Snapshot, format_bar, format_line, progress_mode
+from xds_mpi.report.progress import Progress, Snapshot, format_bar, format_line, progress_mode
 
 HALF = Snapshot(done=2, total=8, tokens=64, max_tokens=128, running=6, queued=0, elapsed_s=2.0)
 

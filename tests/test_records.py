@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl import records
-from xccl.ep import EpBuffer
+from xccl.ep.buffer import EpBuffer
 from xccl.errors import EventMismatch, XcclTimeout
 from xccl.gmem import DieMemory
 from xccl.layout import RECORD_BYTES
 from xccl.moe_layout import EpLayout
-from xccl.records import P2P_RECORD, ROWS_RECORD, Expected, RecordAt
+from xccl.records import record as records
+from xccl.records.record import P2P_RECORD, ROWS_RECORD, Expected, RecordAt
 from xccl.routing import combine_weights, weighted_column_sum
 
 SENTINEL = 0xA5

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import pytest
 
-from ranks.recompute import IterationAttempts
+from ranks.recovery.recompute import IterationAttempts
 from xccl.vclock import VirtualClock
-from xds_mpi.config import FaultsConfig, ModelConfig
-from xds_mpi.cost import CostModel, Hardware
+from xds_mpi.config.schema import FaultsConfig, ModelConfig
 from xds_mpi.engine import timing
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry
 from xds_mpi.faults import FaultPlan, LayerEvents
-from xds_mpi.hardware import load_profile
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.model.weights import build_model
+from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.projection.hardware import load_profile
 
 
 def pricer() -> Pricer:
@@ -40,9 +40,9 @@ def price_some_work(p: Pricer) -> None:
 def test_after_vertical_scaling_ep_is_priced_over_the_dies_left():
     from harness import REPO_ROOT
 
-    from ranks.die_failover import num_routed_dies_left
-    from xds_mpi.config import load_config
-    from xds_mpi.topology import Topology
+    from ranks.recovery.die_failover import num_routed_dies_left
+    from xds_mpi.config.schema import load_config
+    from xds_mpi.plan.topology import Topology
 
     topo = Topology.from_config(load_config(REPO_ROOT / "configs" / "colocated.yaml"))
     assert num_routed_dies_left(topo, ()) == 4 and num_routed_dies_left(topo, (2,)) == 3

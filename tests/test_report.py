@@ -15,9 +15,9 @@ import pytest
 from harness import REPO_ROOT
 
 from launch.run_report import write_report
-from xds_mpi.report_data import BREAKDOWN, load_run
-from xds_mpi.report_plots import FIGURES
-from xds_mpi.runfile import read_run_file
+from xds_mpi.report.data import BREAKDOWN, load_run
+from xds_mpi.report.plots import FIGURES
+from xds_mpi.report.runfile import read_run_file
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 CHROMIUM = Path("/usr/bin/chromium")  # Debian's package; .ci/run installs it

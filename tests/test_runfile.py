@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi.config import ConfigError, load_config
-from xds_mpi.runfile import read_run_file, run_file_path, write_run_file
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.topology import Topology
+from xds_mpi.report.runfile import read_run_file, run_file_path, write_run_file
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 

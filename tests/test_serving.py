@@ -157,7 +157,7 @@ def test_a_workload_nobody_can_serve_is_refused_before_launch(tmp_path):
 
 
 def test_the_check_reports_a_token_that_differs():
-    from xds_mpi.config import config_from_dict
+    from xds_mpi.config.schema import config_from_dict
     from xds_mpi.engine.requests import Request
     from xds_mpi.engine.results import RequestRecord, check_against_reference
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
@@ -185,7 +185,7 @@ def reference_acceptance(
     overrides: list[str], depth: int, config: str = "colocated"
 ) -> tuple[int, int]:
     """(drafted, accepted) of the single-process reference's MTP loop on the run's workload."""
-    from xds_mpi.config import load_config
+    from xds_mpi.config.schema import load_config
     from xds_mpi.engine.workload import load_workload
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model

@@ -16,10 +16,10 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
-from xds_mpi.config import ConfigError, load_config
+from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.pd_prefill import PrefillStatus, assign
 from xds_mpi.engine.requests import Request
-from xds_mpi.plan import DeploymentPlan
+from xds_mpi.plan.deployment import DeploymentPlan
 
 PARTS = ("queue", "prefill", "kv_wait", "kv_transfer", "first_step")
 

@@ -20,8 +20,8 @@ import h5py
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi.config import load_config
-from xds_mpi.runfile import read_run_file
+from xds_mpi.config.schema import load_config
+from xds_mpi.report.runfile import read_run_file
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"

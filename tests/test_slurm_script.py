@@ -13,8 +13,8 @@ import pytest
 from harness import REPO_ROOT
 
 from launch.jobscript import default_time_limit, node_layout, parse_sweep
-from xds_mpi.config import ConfigError, config_from_dict, load_config
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
+from xds_mpi.plan.topology import Topology
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ranks.timeout_book import with_timeouts
+from ranks.recovery.timeout_book import with_timeouts
 from xccl.errors import InjectedFault, PeerTimeout
-from xccl.vote import HEADER, decode, encode
+from xccl.recovery.vote import HEADER, decode, encode
 from xds_mpi.failures import FailureRecord
 
 

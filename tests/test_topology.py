@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from xds_mpi.config import ConfigError, config_from_dict
-from xds_mpi.topology import Topology
+from xds_mpi.config.schema import ConfigError, config_from_dict
+from xds_mpi.plan.topology import Topology
 
 
 def colocated(num_dies: int, **deployment):

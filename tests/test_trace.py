@@ -1,4 +1,5 @@
-"""The run's trace (xds_mpi/trace.py, xds_mpi/trace_writer.py): the API on its own, then real runs'
+"""The run's trace (xds_mpi/report/trace.py, xds_mpi/report/trace_writer.py): the API on its own,
+then real runs'
 traces read back and checked against their run files."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import pytest
 from harness import REPO_ROOT
 
 from xccl.vclock import VirtualClock
-from xds_mpi import trace
-from xds_mpi.runfile import read_run_file
-from xds_mpi.trace_writer import ROLLED_BACK_TID, VIRTUAL_PID, WALL_PID, chrome_trace
+from xds_mpi.report import trace
+from xds_mpi.report.runfile import read_run_file
+from xds_mpi.report.trace_writer import ROLLED_BACK_TID, VIRTUAL_PID, WALL_PID, chrome_trace
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 ROUNDING_US = 0.01  # the writer rounds ts and dur to 1 ns each

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.train.corpus import is_heldout, load_corpus, stdlib_files
 from xds_mpi.train.options import TrainConfig
 from xds_mpi.train.trainer import train_tiny

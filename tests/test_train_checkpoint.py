@@ -15,7 +15,7 @@ import torch
 from harness import REPO_ROOT
 
 from launch.paths import resolve_config
-from xds_mpi.config import load_config
+from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import compute_shape
 from xds_mpi.model.weights import build_model, weights_path
 from xds_mpi.train.corpus import load_corpus, spread_windows

@@ -17,7 +17,7 @@ import pytest
 from two_hosts import can_make_hosts, two_hosts
 from two_node_slurm import slurm_missing, two_node_slurm
 
-from xds_mpi.runfile import read_run_file
+from xds_mpi.report.runfile import read_run_file
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 

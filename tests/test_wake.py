@@ -1,4 +1,4 @@
-"""How a process decides whether its waits sleep (xccl/wake.py; the waits themselves are
+"""How a process decides whether its waits sleep (xccl/records/wake.py; the waits themselves are
 tested in tests/mpi/body_wake.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from xccl import wake
+from xccl.records import wake
 
 
 @pytest.fixture(autouse=True)

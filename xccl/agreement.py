@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from xccl.faults import Interrupt
 from xccl.gmem import WORD, DieMemory
 from xccl.moe_layout import AGREE_WORDS, EpLayout
-from xccl.mpi_time import poll_until
-from xccl.record_fan import FanOut
-from xccl.records import RecordAt
-from xccl.word_poll import WordPoll
+from xccl.records.fan import FanOut
+from xccl.records.mpi_time import poll_until
+from xccl.records.record import RecordAt
+from xccl.records.word_poll import WordPoll
+from xccl.recovery.faults import Interrupt
 
 ROUND_BITS = 32  # a round word is compared for equality; two banks make wrap-around harmless
 

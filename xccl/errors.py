@@ -10,10 +10,12 @@ class XcclTimeout(XcclError, TimeoutError):
 
 
 class PeerTimeout(XcclTimeout):
-    """A wait for peers' records passed xccl.poll_timeout_s (xccl/records.py): die, the waiting
+    """A wait for peers' records passed xccl.poll_timeout_s (xccl/records/record.py): die, the
+    waiting
     die's rank; op, the stage ("dispatch", "combine", ...); event_id; peers, the ranks whose
     records are missing; since: when the wait began (time.time(), -1 unknown). With recovery on
-    (xccl/recovery.py, recover_timeouts) it is a fault of the attempt like an injected one: the
+    (xccl/recovery/rollback.py, recover_timeouts) it is a fault of the attempt like an injected one:
+    the
     iteration is recomputed."""
 
     def __init__(
@@ -51,7 +53,7 @@ class OutOfWindow(XcclError, IndexError):
 class InjectedFault(XcclError):
     """An emulated transient XCCL error (xDeepServe §6.2 stage 3), raised by a buffer's fault hook
     inside an operation, where peers are left waiting. die: the die's rank; op: the operation
-    (xccl.faults.OPS); event_id: the operation's event; code: the error code."""
+    (xccl.recovery.faults.OPS); event_id: the operation's event; code: the error code."""
 
     def __init__(self, die: int, op: str, event_id: int, code: int) -> None:
         super().__init__(f"die rank {die}: injected fault (code {code}) in {op} event {event_id}")
@@ -63,11 +65,11 @@ class InjectedFault(XcclError):
 
 class RollbackRequested(XcclError):
     """Raised inside a wait when another die signalled that the current attempt failed: abandon
-    it and vote (xccl/recovery.py). epoch: the attempt's epoch (failed attempts before it).
+    it and vote (xccl/recovery/rollback.py). epoch: the attempt's epoch (failed attempts before it).
     waiting: what the interrupted wait waited for, (waiting die's rank, lowest missing peer,
-    since when: time.time()), set by the wait that knows (xccl/records.py, xccl/afd_loop.py);
+    since when: time.time()), set by the wait that knows (xccl/records/record.py, xccl/afd/loop.py);
     None when unknown. The vote carries it so that a timeout is blamed on the die the waits
-    lead to, not on a die that was itself waiting (xccl/vote.py)."""
+    lead to, not on a die that was itself waiting (xccl/recovery/vote.py)."""
 
     def __init__(self, die: int, epoch: int) -> None:
         super().__init__(

@@ -40,8 +40,8 @@ from xccl.gmem_paths import (
     peer_views,
     same_node_table,
 )
-from xccl.mpi_time import timed
-from xccl.wake import WakeWords
+from xccl.records.mpi_time import timed
+from xccl.records.wake import WakeWords
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -96,7 +96,8 @@ class DieMemory:
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
         self._view_words = tuple(None if v is None else v.view(WORD) for v in self.views)
         self._has_rma_peer = any(v is None for v in self.views)
-        # Sleeping waits on this node (xccl/wake.py): every rank's wake words, their own window;
+        # Sleeping waits on this node (xccl/records/wake.py): every rank's wake words, their own
+        # window;
         # writers call wake_words.wake after ringing doorbells, waits park in wake_words.sleeper.
         self.wake_words = WakeWords(
             comm, lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path)

@@ -7,7 +7,7 @@ A die's window = [metadata area | p2p rings]. For the ordered pairs a deployment
         RECORDS_PER_PAIR records per sender s -> d, used in turn by its publications (written by
         s: doorbell, event id, chunk id, tail, ...), so s can publish while d reads the previous
         one ack word per receiver d -> r, padded to a record (written by r; the words after it
-        carry r's landing for a rendezvous, xccl/p2p_lanes.py)
+        carry r's landing for a rendezvous, xccl/p2p/lanes.py)
     rings of die d         = in_d x ring_slots x slot_bytes
         one ring of S slots x B bytes per sender s -> d
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from xccl.errors import OutOfWindow, UnknownPeer
 
-# One metadata record (its fields: xccl/records.py): 8 words, the doorbell first.
+# One metadata record (its fields: xccl/records/record.py): 8 words, the doorbell first.
 RECORD_BYTES = 64
 RECORDS_PER_PAIR = 2
 

@@ -2,7 +2,7 @@
 
 Every rank computes the same layout from the same inputs, so a die knows where a peer staged the
 rows it pulls and where its own record sits in the peer's window without asking. Records are
-xccl/records.py's ROWS_RECORD; wire rows are xccl/quant.py's (send_row_bytes).
+xccl/records/record.py's ROWS_RECORD; wire rows are xccl/quant.py's (send_row_bytes).
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ class AfdLayout:
 
     Every region exists once per lane; a lane is one (DP domain, microbatch) pair, so a domain's
     next layer reuses its lane only after that lane's E2A completed (the reuse argument in
-    xccl/afd.py). "scatter" regions hold rows a die sends to expert dies, staged dest-major in its
+    xccl/afd/buffer.py). "scatter" regions hold rows a die sends to expert dies, staged dest-major
+    in its
     own window (trampolines for A2E', attention dies in the direct variant); routed rows may be
     INT8, shared-expert rows are always full precision (the reference quantizes routed rows only).
 
@@ -189,7 +190,8 @@ class AfdLayout:
     @property
     def members(self) -> tuple[int, ...]:
         """The dies that agree between iterations (xccl/agreement.py): the attention dies, then
-        the expert dies; a lost attention die (-1, ranks/afd_failover.py) is none of them."""
+        the expert dies; a lost attention die (-1, ranks/recovery/afd_failover.py) is none of
+        them."""
         return tuple(r for r in (*self.attention, *self.experts) if r >= 0)
 
     @cached_property

@@ -8,7 +8,7 @@ launch/rank.py before the role program) pins the rank and turns automatic collec
 dispatch and combine) freezes what start-up built on its first call and then collects every
 `gc_every` iterations (only what was made since: frozen objects are never walked again), and
 the youngest generation at every other iteration boundary.
-The `emulator` config section (xds_mpi/config_emulator.py) chooses.
+The `emulator` config section (xds_mpi/config/emulator.py) chooses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import gc
 import os
 from dataclasses import dataclass
 
-from xds_mpi.config_emulator import EmulatorConfig
+from xds_mpi.config.emulator import EmulatorConfig
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from xccl.errors import InjectedFault
-from xds_mpi.config import FAULT_OPS, FaultsConfig
+from xds_mpi.config.schema import FAULT_OPS, FaultsConfig
 
 RANDOM_CODE = 1  # the error code of a fault drawn by the random mode
 
@@ -89,7 +89,7 @@ class FaultPlan:
         self.num_calls = Counter()
 
     def check(self, op: str, event_id: int) -> None:
-        """The fault hook of this die's XCCL buffers (xccl/faults.py): numbers the calls of
+        """The fault hook of this die's XCCL buffers (xccl/recovery/faults.py): numbers the calls of
         each (op, layer) of the attempt in the order they come and raises InjectedFault when
         decide() names a code."""
         layer = self.events.layer_of_event(event_id)

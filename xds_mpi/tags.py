@@ -3,35 +3,41 @@ one (a shared tag hands one feature's message to another's receive)."""
 
 from __future__ import annotations
 
-# Startup handshake (ranks/handshake.py).
+# Startup handshake (ranks/core/handshake.py).
 TAG_HELLO, TAG_VERDICT = 101, 102
-# TE-shell <-> dies (ranks/messages.py).
+# TE-shell <-> dies (ranks/core/messages.py).
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
-# Prefill-decode disaggregation (ranks/pd_messages.py, ranks/pd_faults.py).
+# Prefill-decode disaggregation (ranks/core/pd_messages.py, ranks/pd/faults.py).
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
 TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
 # Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
-# Heartbeats, both tiers (ranks/heartbeat.py); 253-259 decode failover, 261-269 PD failover.
+# Heartbeats, both tiers (ranks/recovery/heartbeat.py); 253-259 decode failover, 261-269 PD
+# failover.
 TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
-# PD link probing and re-routing (ranks/link_probe.py, ranks/pd_channel.py, ranks/je.py).
+# PD link probing and re-routing (ranks/recovery/link_probe.py, ranks/pd/channel.py,
+# ranks/shell/je.py).
 TAG_PD_PROBE, TAG_PD_ECHO, TAG_PD_VERDICT = 261, 262, 263
 TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
-# A prefill TE lost (ranks/je_prefill_loss.py): JE -> decode dies, their withdrawn requests back.
+# A prefill TE lost (ranks/recovery/je_prefill_loss.py): JE -> decode dies, their withdrawn requests
+# back.
 TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
-# A die's KV memory fault and the requests it ended (ranks/memory_check.py).
+# A die's KV memory fault and the requests it ended (ranks/recovery/memory_check.py).
 TAG_MEMORY_FAULT = 268
-# Decode failover (ranks/die_health.py): a die tells the TE-shell when its injected fault began.
+# Decode failover (ranks/recovery/die_health.py): a die tells the TE-shell when its injected fault
+# began.
 TAG_FAILURE_BEGAN = 253
-# Vertical scaling (ranks/die_failover.py): the lost dies out to the survivors; each one's ready.
+# Vertical scaling (ranks/recovery/die_failover.py): the lost dies out to the survivors; each one's
+# ready.
 TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
-# A PD decode die lost (ranks/decode_loss.py, ranks/je_decode_loss.py): the decode TE-shell tells
+# A PD decode die lost (ranks/recovery/decode_loss.py, ranks/recovery/je_decode_loss.py): the decode
+# TE-shell tells
 # the JE (and at the end hands it its detections); the JE has every prefill die withdraw the
 # sends to the lost die and name the tasks it still holds.
 TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
 TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
-# Trace events, once per rank at the end (ranks/trace_io.py).
+# Trace events, once per rank at the end (ranks/core/trace_io.py).
 TAG_TRACE = 241
 
 

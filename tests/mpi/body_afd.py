@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl.afd import AfdBuffer, AfdCall
-from xccl.afd_loop import ExpertLoop
+from xccl.afd.buffer import AfdBuffer, AfdCall
+from xccl.afd.loop import ExpertLoop
 from xccl.errors import XcclTimeout
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout

@@ -8,11 +8,11 @@ import time
 import pytest
 from mpi4py import MPI
 
-from ranks.context import RankContext
-from ranks.handshake import handshake
-from xds_mpi.config import config_from_dict
+from ranks.core.context import RankContext
+from ranks.core.handshake import handshake
+from xds_mpi.config.schema import config_from_dict
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
-from xds_mpi.plan import DeploymentPlan
+from xds_mpi.plan.deployment import DeploymentPlan
 
 comm = MPI.COMM_WORLD
 
@@ -101,7 +101,7 @@ def test_an_unreceived_send_ends_in_a_named_timeout():
 
 @pytest.mark.mpi(min_size=2)
 def test_heartbeats_name_the_rank_whose_loop_stopped():
-    from ranks.heartbeat import HeartbeatResponder, HeartbeatSender
+    from ranks.recovery.heartbeat import HeartbeatResponder, HeartbeatSender
 
     quiet = comm.size - 1  # this rank's loop "stalls" after three answers
     done = bytearray(1)

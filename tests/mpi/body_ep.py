@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl.ep import EpBuffer
+from xccl.ep.buffer import EpBuffer
 from xccl.errors import BufferTooSmall, EventMismatch, XcclError
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout

@@ -21,13 +21,13 @@ from faults_common import (
 )
 from faults_common import recovery as recovery  # the fixture; the alias re-exports it to pytest
 
-from xccl.afd import AfdBuffer, AfdCall
-from xccl.afd_loop import ExpertLoop
-from xccl.faults import RecoveryHooks
+from xccl.afd.buffer import AfdBuffer, AfdCall
+from xccl.afd.loop import ExpertLoop
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout
+from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import e2a_reference
-from xds_mpi.config import FaultsConfig
+from xds_mpi.config.schema import FaultsConfig
 from xds_mpi.faults import FaultPlan
 
 NUM_AFD_ITERATIONS, NUM_AFD_LAYERS, NUM_MICROBATCHES = 7, 2, 2

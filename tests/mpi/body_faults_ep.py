@@ -21,13 +21,13 @@ from faults_common import (
 )
 from faults_common import recovery as recovery  # the fixture; the alias re-exports it to pytest
 
-from xccl.ep import EpBuffer
+from xccl.ep.buffer import EpBuffer
 from xccl.errors import InjectedFault, RetriesExhausted, RollbackRequested
-from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
+from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import combine_reference
-from xds_mpi.config import FaultsConfig
+from xds_mpi.config.schema import FaultsConfig
 from xds_mpi.faults import FaultPlan, LayerEvents
 
 NUM_ITERATIONS, NUM_LAYERS = 20, 3
@@ -98,7 +98,7 @@ class EpGroup:
 
 def attempt_until_agreed(group, plan, recovery, it, raised, outcomes):
     """Iteration `it` attempted until every die votes it done -> its outputs. The coordinator's
-    steps spelled out (xccl/recovery.py `Recovery.run` does the same): attempt, notify on a
+    steps spelled out (xccl/recovery/rollback.py `Recovery.run` does the same): attempt, notify on a
     fault, abandon, vote, resync. Notes (it, attempt) of this die's faults in `raised` and
     (it, outcome) of each rollback in `outcomes`."""
     ep, ys = group.ep, None

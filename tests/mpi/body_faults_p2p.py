@@ -8,12 +8,12 @@ import pytest
 from faults_common import LAST, POLL_TIMEOUT_S, comm, counting, fired_attempts
 from faults_common import recovery as recovery  # the fixture; the alias re-exports it to pytest
 
-from xccl.faults import RecoveryHooks
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout, all_pairs
-from xccl.p2p import P2P
+from xccl.p2p.channel import P2P
+from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import tagged_payload
-from xds_mpi.config import FaultsConfig
+from xds_mpi.config.schema import FaultsConfig
 from xds_mpi.faults import FaultPlan, LayerEvents
 
 SLOTS, SLOT = 4, 64

@@ -1,5 +1,6 @@
 """A wait that times out on a slow peer (not a lost one) fails the attempt like an injected
-fault when recovery asks for it (xccl/recovery.py recover_timeouts, faults.on_timeout recompute):
+fault when recovery asks for it (xccl/recovery/rollback.py recover_timeouts, faults.on_timeout
+recompute):
 every die rolls back and the re-execution serves the oracle's outputs; a peer late in every
 attempt exhausts the retries with an error naming die, peer and event."""
 
@@ -13,8 +14,8 @@ from body_faults_ep import EpGroup, ep_event
 from faults_common import LAST, POLL_TIMEOUT_S, comm
 
 from xccl.errors import RetriesExhausted
-from xccl.faults import RecoveryHooks
-from xccl.recovery import Recovery
+from xccl.recovery.faults import RecoveryHooks
+from xccl.recovery.rollback import Recovery
 
 # A slow peer, not a lost one (faults.on_timeout recompute): its peers' dispatch waits time out,
 # the attempt fails like an injected fault, and the re-execution serves the oracle's outputs.

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl import records
 from xccl.gmem import DieMemory
 from xccl.gmem_paths import LOAD_STORE
-from xccl.mpi_time import poll_until
-from xccl.records import ROWS_RECORD, Expected, RecordAt
+from xccl.records import record as records
+from xccl.records.mpi_time import poll_until
+from xccl.records.record import ROWS_RECORD, Expected, RecordAt
 
 comm = MPI.COMM_WORLD
 MESSAGES, SLOTS, DATA_WORDS = 600, 3, 512

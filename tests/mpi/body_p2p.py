@@ -13,7 +13,7 @@ from mpi4py import MPI
 from xccl.errors import BufferTooSmall, EventMismatch, OutOfWindow, UnknownPeer, XcclTimeout
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout, all_pairs
-from xccl.p2p import MAX_IN_FLIGHT, P2P
+from xccl.p2p.channel import MAX_IN_FLIGHT, P2P
 from xccl.reference import p2p_deliveries, tagged_payload
 from xccl.vclock import LinkModel, VirtualClock
 

@@ -1,4 +1,4 @@
-"""XCCL p2p's rendezvous (xccl/p2p_send.py) at any rank count (run by tests/test_mpi_bodies.py):
+"""XCCL p2p's rendezvous (xccl/p2p/send.py) at any rank count (run by tests/test_mpi_bodies.py):
 a message larger than one publication, received into window memory, lands with one copy."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from body_p2p import LINK, RANKS, SENTINEL, SLOT, SLOTS, comm
 from xccl.errors import BufferTooSmall
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout, all_pairs
-from xccl.p2p import P2P
+from xccl.p2p.channel import P2P
 from xccl.reference import tagged_payload
 from xccl.vclock import VirtualClock
 
@@ -19,7 +19,7 @@ from xccl.vclock import VirtualClock
 @pytest.mark.parametrize("memory_path", ["auto", "rma"])
 def test_a_large_message_into_window_memory_lands_with_one_copy(memory_path):
     """A message of more than one publication whose receive buffer is window memory is stored
-    straight into that buffer (xccl/p2p_send.py): the ring keeps its old bytes, the bytes beside
+    straight into that buffer (xccl/p2p/send.py): the ring keeps its old bytes, the bytes beside
     the buffer too; a buffer too small is refused before any byte moves; a private buffer still
     takes the ring."""
     nbytes = int(2.5 * SLOTS * SLOT)

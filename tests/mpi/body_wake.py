@@ -1,4 +1,4 @@
-"""Sleeping waits (xccl/wake.py): the writer a waiter names wakes it; the records and the
+"""Sleeping waits (xccl/records/wake.py): the writer a waiter names wakes it; the records and the
 agreement still deliver every round when every wait sleeps."""
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl import records, wake
 from xccl.agreement import WindowAgreement
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
-from xccl.mpi_time import poll_until
-from xccl.records import ROWS_RECORD, Expected, RecordAt
+from xccl.records import record as records
+from xccl.records import wake
+from xccl.records.mpi_time import poll_until
+from xccl.records.record import ROWS_RECORD, Expected, RecordAt
 
 comm = MPI.COMM_WORLD
 ROUNDS = 200

@@ -3,7 +3,7 @@ faults (xDeepServe §6.2 stage 3) at any rank count.
 
 Each test runs iterations of an XCCL workload under a declarative fault table (FaultsConfig rows:
 die, op, layer, iteration, times), wraps every iteration as an attempt (notify, interrupt, vote,
-resync, re-execute: xccl/recovery.py) and compares every iteration's outputs with the
+resync, re-execute: xccl/recovery/rollback.py) and compares every iteration's outputs with the
 single-process oracle bit for bit. Inputs depend only on (rank, event id), so a re-execution sends
 the same rows with the same event ids. Every wait has the production poll timeout (60 s): a die
 deaf to the rollback would fail its test with XcclTimeout, not merely slow it down.
@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 
 from xccl.errors import InjectedFault
-from xccl.recovery import Recovery
+from xccl.recovery.rollback import Recovery
 from xds_mpi.faults import FaultPlan
 
 comm = MPI.COMM_WORLD

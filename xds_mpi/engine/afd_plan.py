@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xccl.afd import AfdCall
+from xccl.afd.buffer import AfdCall
 from xds_mpi.engine.scheduler import Entry
 
 

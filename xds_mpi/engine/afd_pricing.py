@@ -1,6 +1,6 @@
 """The virtual clock of disaggregated MoE-attention dies (xDeepServe §5.2), priced like the
 colocated path (xds_mpi/engine/pricing.py) with the projection's A2E/E2A hops
-(xds_mpi/projection_layers.py AfdHops).
+(xds_mpi/projection/layers.py AfdHops).
 
 An attention die's A2E is in flight while the die goes on with its next microbatch: its records
 are stamped with the time they land at the expert dies (send time + A2E), the die's own clock is
@@ -14,7 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from xds_mpi.engine.pricing import Pricer
-from xds_mpi.projection_layers import AfdHops
+from xds_mpi.projection.layers import AfdHops
 
 
 class AfdPricer(Pricer):

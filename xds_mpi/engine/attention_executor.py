@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xccl.afd import AfdBuffer
+from xccl.afd.buffer import AfdBuffer
 from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from xccl.ep import EpBuffer
-from xds_mpi import emulator_runtime, trace
+from xccl.ep.buffer import EpBuffer
+from xds_mpi import emulator_runtime
 from xds_mpi.engine.mtp import MtpBook, MtpWork
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
@@ -32,6 +32,7 @@ from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.sampling import verify_drafts
 from xds_mpi.model.transformer import DeepSeekModel
+from xds_mpi.report import trace
 
 
 class ColocatedExecutor:

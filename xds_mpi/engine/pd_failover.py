@@ -95,7 +95,7 @@ class PdFailover:
 
 def loss_record(spec, began, loss, token_times, started: float, ended: float) -> FailureRecord:
     """A prefill die lost (dead / stuck for good), found by the JE's heartbeat
-    (ranks/je_prefill_loss.py). Detection's projected time is its wall time added to the
+    (ranks/recovery/je_prefill_loss.py). Detection's projected time is its wall time added to the
     die's virtual clock at injection: heartbeat intervals and timeouts are real seconds on the
     pod as well."""
     injected = began.wall - started if began else -1.0

@@ -7,7 +7,8 @@ The rule, by length first and load second:
   engine/pd_prefill.py). With one TE, or the threshold 0, every TE serves every prompt. The
   split is static: a stream of only long (or only short) prompts leaves the other TEs idle,
   which is the price of never putting a short request behind a long one.
-- Lost TEs (a prefill die found silent, ranks/je_prefill_loss.py) take nothing more; when no
+- Lost TEs (a prefill die found silent, ranks/recovery/je_prefill_loss.py) take nothing more; when
+no
   live TE serves a prompt's length, any live TE takes it (losing a TE must lose no request).
 - Load: among the TEs serving its length, the one with the fewest prompt tokens the JE sent it
   whose prefill has not finished (pending in its pool or being computed); ties go to the lowest

@@ -14,9 +14,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 from xccl.vclock import VirtualClock
-from xds_mpi.config import ModelConfig
-from xds_mpi.cost import CostModel
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.engine.scheduler import Entry
+from xds_mpi.projection.cost import CostModel
 
 
 class Pricer:
@@ -42,7 +42,7 @@ class Pricer:
     def rescale(self, num_routed_dies: int) -> None:
         """Price EP over `num_routed_dies` dies hosting routed experts (the cost shape's experts
         spread over them, dispatch/combine with as many peers): at start, and after vertical
-        scaling left fewer (ranks/die_failover.py)."""
+        scaling left fewer (ranks/recovery/die_failover.py)."""
         self.experts_per_die = max(1, round(self.cost.m.num_routed_experts / num_routed_dies))
         self.num_peers = num_routed_dies
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds_mpi.config import Config
+from xds_mpi.config.schema import Config
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import h5py
 import numpy as np
 
-from xds_mpi.config import Config
+from xds_mpi.config.schema import Config
 from xds_mpi.engine.requests import Request
 
 if TYPE_CHECKING:  # the reference imports torch; the check loads it lazily

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds_mpi.topology import Topology
+from xds_mpi.plan.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +44,9 @@ class ExpertSlots:
 
     @property
     def routed_dies(self) -> frozenset[int]:
-        """The ranks hosting routed slots: the EP size the cost model prices (ranks/die_parts.py
-        make_pricer; after a loss, without the lost ranks: ranks/die_failover.py)."""
+        """The ranks hosting routed slots: the EP size the cost model prices
+        (ranks/core/die_parts.py
+        make_pricer; after a loss, without the lost ranks: ranks/recovery/die_failover.py)."""
         return frozenset(int(rank) for rank in self.slot_owner[: self.num_routed_slots])
 
     def is_routed(self, slot: int) -> bool:

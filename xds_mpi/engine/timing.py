@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xccl.vclock import VirtualClock
-from xds_mpi import trace
+from xds_mpi.report import trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +34,8 @@ class Meter:
 
     Kinds are those of IterationTiming: "attention", "xccl", "experts"; work outside every
     `with` (embedding, dense FFN, sampling) counts in the total only. With tracing on, each
-    `with` is also a span (`name`, default the kind; xds_mpi/trace.py) from the same readings."""
+    `with` is also a span (`name`, default the kind; xds_mpi/report/trace.py) from the same
+    readings."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock

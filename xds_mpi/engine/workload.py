@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xds_mpi.config import Config, ConfigError, WorkloadConfig
+from xds_mpi.config.schema import Config, ConfigError, WorkloadConfig
 from xds_mpi.engine.requests import Request
 
 NUM_BYTES = 256  # synthetic prompts are byte tokens

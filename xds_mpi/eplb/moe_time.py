@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xds_mpi.cost import CostModel
+from xds_mpi.projection.cost import CostModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,9 +28,9 @@ class MoePricing:
 
     @classmethod
     def from_config(cls, cfg, num_routed_dies: int) -> MoePricing:
-        from xds_mpi.cost import Hardware
-        from xds_mpi.hardware import load_profile
         from xds_mpi.model.shapes import cost_shape
+        from xds_mpi.projection.cost import Hardware
+        from xds_mpi.projection.hardware import load_profile
 
         big, tiny = cost_shape(), cfg.model
         scale = (big.num_layers - big.num_dense_layers) / (tiny.num_layers - tiny.num_dense_layers)

@@ -1,5 +1,5 @@
 """EPLB at pod scale, analytically: a skewed routing like xDeepServe Figure 11a priced on the
-projection of xds_mpi/projection.py (which assumes uniform routing), without EPLB, with each
+projection of xds_mpi/projection/project.py (which assumes uniform routing), without EPLB, with each
 policy, and uniform (Figure 11b's MoE-Native, MoE-Balanced, MoE-Avg-Routing).
 
 A separate addition to the projection: the uniform projection is computed as usual, then each MoE
@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xds_mpi.config import Config, ModelConfig
-from xds_mpi.config_eplb import budget
-from xds_mpi.cost import CostModel, Hardware
+from xds_mpi.config.eplb import budget
+from xds_mpi.config.schema import Config, ModelConfig
 from xds_mpi.eplb.placement import Placement, from_topology
 from xds_mpi.eplb.policy import max_over_mean, rebalance
-from xds_mpi.paper_data import DRIFT_SAME_REQUESTS
-from xds_mpi.projection import project
-from xds_mpi.topology import Topology
+from xds_mpi.plan.topology import Topology
+from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.projection.paper_data import DRIFT_SAME_REQUESTS
+from xds_mpi.projection.project import project
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +31,8 @@ class Skew:
     evaluate on) each expert's log load moves by `drift_sigma` x a normal draw per slice and the
     experts take Figure 11a's loads again in their new order, so every slice keeps the published
     shape; the default is the drift measured on the trained checkpoint for a fixed set of requests
-    (xds_mpi/paper_data.py DRIFT_SAME_REQUESTS, xds_mpi/eplb/drift.py). `seed` fixes the draw."""
+    (xds_mpi/projection/paper_data.py DRIFT_SAME_REQUESTS, xds_mpi/eplb/drift.py). `seed` fixes the
+    draw."""
 
     hottest_over_mean: float = 30.0
     share_above_mean: float = 0.2
@@ -159,7 +160,8 @@ def die_experts(placement: Placement, loads, num_experts: int, *, is_static=Fals
 
 
 def die_loads(placement: Placement, loads, num_experts: int) -> list[float]:
-    """Each routed die's total load under `placement` (xds_mpi/imbalance.py prices the max)."""
+    """Each routed die's total load under `placement` (xds_mpi/projection/imbalance.py prices the
+    max)."""
     return [sum(v) for v in die_experts(placement, loads, num_experts)]
 
 

@@ -1,5 +1,5 @@
 """What the dies and the TE-shell tell each other about expert load (§4.5 Steps 1 and 3), on
-the control plane (two-sided MPI, tags beside ranks/messages.py's)."""
+the control plane (two-sided MPI, tags beside ranks/core/messages.py's)."""
 
 from __future__ import annotations
 

@@ -122,7 +122,7 @@ class EplbReport:
     versions: tuple[VersionLoad, ...]
     after: VersionLoad | None
     reconfigs: tuple[Reconfig, ...]
-    scalings: tuple[int, ...]  # versions that vertical scaling installed (ranks/eplb_shell.py)
+    scalings: tuple[int, ...]  # versions that vertical scaling installed (ranks/shell/eplb.py)
     num_loading_iterations: int
     load_ms: float
     slices: tuple[SliceTotals, ...]

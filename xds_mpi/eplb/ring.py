@@ -4,7 +4,7 @@ die i+1's experts (mod the number of routed dies), in every MoE layer, from the 
 one die then leaves a replica of every expert. Token routing spreads over both copies
 (xccl/routing.py), which changes where rows go, never what they compute: every die holds every
 expert's weights (the model is built whole on each die). The dies load the weights
-(ranks/replicas.py); the TE-shell and the validator need only the placement.
+(ranks/colocated/replicas.py); the TE-shell and the validator need only the placement.
 With EPLB (fixed=True) the ring's slots are fixed, not redundant: EPLB balances only the
 redundant slots left over, and a lost die's experts keep their ring replica whatever it moves.
 """
@@ -17,7 +17,7 @@ from xds_mpi.eplb.placement import Placement, from_topology
 def ring_placement(topo, num_moe_layers: int, *, fixed: bool = False) -> Placement:
     """The topology's placement with every redundant slot filled by the ring (at least as many
     redundant slots per die as routed experts on the next die: checked in
-    xds_mpi/failure_plan.py). fixed: the filled slots are no longer redundant (EPLB leaves
+    xds_mpi/plan/failures.py). fixed: the filled slots are no longer redundant (EPLB leaves
     them alone; a die computes them with the model's own weights)."""
     static = from_topology(topo, num_moe_layers)
     routed, row = static.phy2log[0], list(static.phy2log[0])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.layers import RMSNorm, Rotary, SwiGLU
 from xds_mpi.model.mla import MLA, AttnChunk, LatentCache
 from xds_mpi.model.moe import NO_WIRE, MoE, Wire

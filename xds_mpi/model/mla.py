@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, softmax
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 
 from xccl.quant import quant_dequant
-from xds_mpi.config import Config, ModelConfig
+from xds_mpi.config.schema import Config, ModelConfig
 from xds_mpi.model.layers import SwiGLU, matmul
 
 

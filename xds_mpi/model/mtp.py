@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.block import Block
 from xds_mpi.model.layers import Linear, RMSNorm, Rotary
 from xds_mpi.model.mla import AttnChunk, LatentCache

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from xds_mpi.config import ConfigError, ModelConfig, config_from_dict
+from xds_mpi.config.schema import ConfigError, ModelConfig, config_from_dict
 
 MODEL_PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 COMPUTE_PRESET = "tiny"

@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from xds_mpi.config import ConfigError, ModelConfig
+from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 FORMAT = "xds-mpi-weights/1"

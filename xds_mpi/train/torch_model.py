@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.layers import NORM_EPS
 from xds_mpi.model.weights import check_names, init_state, read_weights
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xds_mpi.config import ModelConfig
+from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.weights import init_state
 from xds_mpi.train.corpus import Corpus, random_windows, spread_windows
 from xds_mpi.train.forward import Losses, sequence_losses

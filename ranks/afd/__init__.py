@@ -1,0 +1,1 @@
+"""Disaggregated MoE-attention (§5.2): attention dies and expert dies."""

@@ -1,0 +1,106 @@
+"""An attention die of disaggregated MoE-attention (xDeepServe §5.2, Figures 18-19): one DP group
+(TP=1) of a DP domain. Each iteration the dies agree which domains have work; a busy domain's dies
+run attention on their own requests and meet the expert dies through A2E/E2A at every MoE layer,
+microbatch by microbatch, even with nothing to send; an idle domain sits the iteration out."""
+
+from __future__ import annotations
+
+from ranks.afd.common import AfdDieBase
+from ranks.core.context import RankContext
+from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
+from ranks.core.die_parts import decode_state, decode_totals
+from ranks.core.handshake import handshake
+from xds_mpi.engine.timing import IterationTiming
+
+IDLE = IterationTiming(
+    num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0, total_s=0.0, vtime_s=0.0
+)
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    if ctx.plan.pd is not None:  # PD: requests arrive prefilled, KV over p2p
+        from ranks.pd.decode import PdAttentionDie
+
+        serve(PdAttentionDie(ctx))
+    else:
+        serve(AttentionDie(ctx))
+
+
+class AttentionDie(AfdDieBase):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        from xds_mpi.engine.attention_executor import AttentionExecutor
+
+        cfg, topo = self.cfg, self.topo
+        state = decode_state(cfg, self.model)
+        self.domain = ctx.info.dp_domain
+        self.scheduler = state.scheduler
+        shared_slots = self.slots.shared_slots_for(
+            topo.trampoline_rank(ctx.comm.rank),
+            is_dedicated=cfg.deployment.shared_experts == "dedicated",
+        )
+        self.executor = AttentionExecutor(
+            self.model,
+            self.afd,
+            slots=self.slots,
+            shared_slots=shared_slots,
+            num_microbatches=cfg.deployment.num_microbatches,
+            phy2log=self.placement.phy2log[0],
+            log2phy=self.placement.log2phy(0),
+            table=state.table,
+            cache=state.cache,
+            pricer=self.pricer,
+            mtp_depth=cfg.scheduler.mtp_depth,
+        )
+        self.inbox = Inbox(ctx.comm, self.scheduler)
+        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+
+    def iterate(self) -> bool:
+        """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
+        self.inbox.poll()  # requests / stop from the TE-shell
+        self.memory.check(
+            self
+        )  # KV blocks and expert slots gone bad (ranks/recovery/afd_memory.py)
+        self.before_agree()
+        busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
+        if not busy:  # agree backed off
+            return not all_stopped
+        result = self.run_iteration(busy, state=(self.scheduler, self.executor))
+        if result is None:  # the other domains took their turn
+            self.outbox.stream([], IDLE)  # one row per iteration
+            return True
+        sampled, timing = result
+        emitted = self.scheduler.postprocess(sampled)
+        self.executor.commit({e.req_id for e in emitted if e.is_finished})
+        self.emit(emitted, timing)  # the output shortcut
+        return True
+
+    def before_agree(self) -> None:
+        """Work between iterations before the dies agree (PD: KV transfers, ranks/pd/decode.py)."""
+
+    def emit(self, emitted, timing) -> None:
+        """Stream the iteration's tokens to the TE-shell (PD adds the prefill's first tokens)."""
+        self.outbox.stream(emitted, timing)
+
+    def attempt(self, busy, planned):
+        """Schedule and run this die's part of the iteration (None when its domain is idle)."""
+        if self.domain not in busy:
+            return None
+        entries = self.scheduler.schedule()  # continuous batching, chunked prefill
+        mine = [c for c in planned if c.call.domain == self.domain]
+        return self.executor.forward(entries, mine)  # attention, A2E ... E2A
+
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer and routing, after a failover
+        (ranks/recovery/afd_failover.py)."""
+        executor = self.executor
+        executor.afd, executor.log2phy = afd, routing.log2phy
+        executor.shared_slots = routing.shared_slots
+
+    def totals(self) -> DieTotals:
+        return decode_totals(self.executor, self.pricer, self.recompute)
+
+    def close(self) -> None:
+        self.outbox.drain()
+        super().close()

@@ -1,0 +1,169 @@
+"""What attention and expert dies of a disaggregated MoE-attention deployment share: the window
+with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ranks.core.context import RankContext
+from ranks.core.die_parts import make_pricer
+from ranks.recovery.afd_health import leave, make_health, watched_step
+from ranks.recovery.afd_memory import afd_memory_check
+from xccl.agreement import IdleBackoff
+from xds_mpi.report import trace
+
+if TYPE_CHECKING:
+    from ranks.recovery.recompute import Recoverable
+    from xccl.afd.buffer import AfdBuffer
+    from xds_mpi.engine.afd_plan import AfdPlan
+
+
+def expert_placement(cfg, topo):
+    """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
+    health.replicas "ring" each expert die's redundant slots holding the next one's experts
+    (xds_mpi/eplb/ring.py), so that an expert die can be lost (ranks/recovery/afd_failover.py)."""
+    from xds_mpi.eplb.placement import from_topology
+    from xds_mpi.eplb.ring import ring_placement
+
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(topo, 1)
+
+
+class AfdDieBase:
+    def __init__(self, ctx: RankContext) -> None:
+        from ranks.recovery.recompute import Recomputer
+        from xccl.gmem import DieMemory
+        from xccl.vclock import VirtualClock
+        from xds_mpi.engine.slots import ExpertSlots
+        from xds_mpi.model.weights import build_model
+
+        cfg, topo = ctx.cfg, ctx.topo
+        self.ctx, self.cfg, self.topo = ctx, cfg, topo
+        self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
+        self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
+        self.model = build_model(cfg.model)
+        self.slots = ExpertSlots.from_topology(topo)
+        self.placement = expert_placement(cfg, topo)  # who hosts which expert, every layer alike
+        self.clock = VirtualClock()
+        self.afd = self._afd_buffer()
+        self.plan = self._call_plan()
+        self.pricer = make_pricer(
+            cfg, self.clock, self.slots, rank=ctx.comm.rank, afd_topo=ctx.topo
+        )
+        # §6.1: heartbeats answered from the loop; the abort words then span the TE-shell too,
+        # which fences the waits through them (ranks/recovery/afd_health.py).
+        self.iteration = 0  # busy iterations completed, the same on every die
+        self.idle = IdleBackoff()  # between agreement rounds while no domain has work
+        self.health = make_health(ctx, self)
+        self.recompute = Recomputer(
+            cfg,
+            self.dies,
+            ctx.comm.rank,
+            [self.afd],
+            self.pricer,
+            events=self.plan,
+            log=ctx.log,
+            window_comm=ctx.comm if self.health else None,
+            stall=self.health.stall if self.health else None,
+        )
+        self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
+        self.memory = afd_memory_check(
+            ctx
+        )  # §6.2 stage 3: memory faults (ranks/recovery/afd_memory.py)
+
+    def _afd_buffer(self) -> AfdBuffer:
+        """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
+        from xccl.afd.buffer import AfdBuffer
+
+        plan, xccl = self.ctx.plan, self.cfg.xccl
+        return AfdBuffer(
+            self.mem,
+            plan.afd,
+            self.slots.slot_owner,
+            num_routed_slots=self.slots.num_routed_slots,
+            dtype=plan.row_dtype,
+            clock=self.clock,
+            num_cores=xccl.num_cores,
+            timeout_s=xccl.poll_timeout_s,
+            wait_span=trace.span,
+        )
+
+    def _call_plan(self) -> AfdPlan:
+        """Which A2E/E2A calls an iteration makes: one per MoE layer (the MTP blocks' included),
+        DP domain and microbatch."""
+        from xds_mpi.engine.afd_plan import AfdPlan
+
+        depth, num_layers = self.cfg.scheduler.mtp_depth, len(self.model.layers)
+        moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)
+        moe_layers += tuple(range(num_layers, num_layers + depth))  # MTP blocks are MoE too
+        return AfdPlan(
+            moe_layers=moe_layers,
+            num_domains=self.topo.num_dp_domains,
+            num_microbatches=self.cfg.deployment.num_microbatches,
+        )
+
+    def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
+        """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to
+        the iteration's start, then the calls planned afresh, with new call numbers and the same
+        events)."""
+        iteration = self.iteration
+        result = self.recompute.run(
+            iteration, partial(self._planned_attempt, busy, iteration), state=state
+        )
+        self.iteration += 1  # not before: a fence's Released leaves the iteration to redo
+        return result
+
+    def step(self) -> bool:
+        """One turn of the event loop (heartbeats, then `iterate`; ranks/recovery/afd_health.py)."""
+        return watched_step(self)
+
+    def iterate(self) -> bool:
+        """One iteration, or an idle turn; False once every attention die was told to stop."""
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        leave(self)
+
+    def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
+        return self.attempt(busy, self.plan.iteration(busy, iteration))
+
+    def attempt(self, busy: tuple[int, ...], planned: list):
+        """This die's part of the iteration over its `planned` calls (AfdPlan.iteration)."""
+        raise NotImplementedError
+
+    def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
+        """(the DP domains with work this iteration, has every attention die been told to stop)
+        — one-sided, over the dies' windows (xccl/agreement.py), no MPI collective in the die
+        loop (§4.2); expert dies bring zeros. Idle rounds back off (self.idle)."""
+        fence = timeout_s = None
+        if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
+            fence = self.recompute.recovery.check_fence
+            fence()  # a fence seen even by a die that never waits
+            # As long as a vote waits (faults.on_timeout recompute: past detection and release)
+            timeout_s = self.recompute.recovery.vote_timeout_s
+        afd = self.afd
+        rows = afd.agreement.agree(
+            (num_active, 1 if is_running else 0), interrupt=fence, timeout_s=timeout_s
+        )
+        domains = afd.layout.member_domains  # expert dies bring 0 requests
+        busy = sorted({domains[i] for i in np.flatnonzero(rows[:, 0])})
+        if busy:
+            self.idle.busy()
+        else:
+            self.idle.idle()
+        return tuple(busy), not rows[:, 1].any()
+
+    def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
+        if self.is_scaled:  # the old windows span lost dies: their frees would never return
+            self.afd.mem.free()
+            self.dies.Free()
+            return
+        self.recompute.free()
+        self.mem.free()
+        self.dies.Free()

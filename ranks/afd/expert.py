@@ -1,0 +1,89 @@
+"""An expert die of disaggregated MoE-attention (xDeepServe §5.2, Figures 18-19): it hosts expert
+slots (and, for attention group g, is its trampoline when it is expert die g). Each iteration it
+learns from the dies' agreement which DP domains are busy, then runs the persistent loop
+(xccl/afd/loop.py: receive A2E / compute / send E2A) over every MoE layer, domain and microbatch
+of the iteration without coming back here in between. It ends when the attention dies do."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+
+from ranks.afd.common import AfdDieBase
+from ranks.core.context import RankContext
+from ranks.core.handshake import handshake
+from ranks.core.trace_io import send_trace
+from xds_mpi.report import trace
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    die = ExpertDie(ctx)
+    while die.step():
+        pass
+    if die.is_lost:  # lost (ranks/recovery/afd_health.py): no collective
+        die.leave()
+        return
+    ctx.log.debug(
+        "expert die: %d iterations, %d calls, %d rows, %d metadata records",
+        die.num_iterations,
+        die.plan.num_calls,
+        die.num_rows,
+        die.afd.counters.metadata_writes,
+    )
+    die.recompute.report()  # collective: the dies' fault total
+    send_trace(ctx.comm, timeout_s=ctx.cfg.xccl.poll_timeout_s)
+    die.close()  # collective: only on the way out together (an error aborts the job)
+
+
+class ExpertDie(AfdDieBase):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        from xccl.afd.loop import ExpertLoop
+
+        self.loop = ExpertLoop(self.afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
+        self.layer_of: dict[int, int] = {}
+        self.faulty: dict[tuple[int, int], object] = {}  # (layer, slot) -> NaN expert copy
+        self.num_iterations = self.num_rows = 0
+
+    def iterate(self) -> bool:
+        self.memory.check(self)  # expert slots gone bad (ranks/recovery/afd_memory.py)
+        busy, all_stopped = self.agree(0, False)  # which domains take turns now
+        if not busy:  # agree backed off
+            return not all_stopped
+        stats = self.run_iteration(busy)
+        self.num_iterations += 1
+        self.num_rows += stats.num_rows
+        return True
+
+    def attempt(self, busy, planned):
+        """The expert dies' part of the iteration: every planned call, whatever the domain."""
+        self.layer_of = {p.call.call: p.layer_idx for p in planned}
+        with trace.span("expert loop", calls=len(planned)):
+            return self.loop.run([p.call for p in planned])  # persistent: every layer
+
+    def install(self, afd, routing) -> None:
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/recovery/afd_failover.py); its own
+        slots
+        hold what they held (routing: the attention dies')."""
+        self.loop.buf = afd
+
+    def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
+        """One slot's rows of one call: a routed expert, or the shared experts."""
+        layer_idx = self.layer_of[call.call]
+        moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
+        expert = self.placement.phy2log[0][slot] if is_routed else -1
+        where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
+        with trace.span("experts", **where):
+            x = rows.astype(self.model.dtype, copy=False)  # rows cross in the row dtype
+            if (layer_idx, slot) in self.faulty:  # a memory fault (ranks/recovery/afd_memory.py)
+                out = self.faulty[layer_idx, slot](x)
+            elif is_routed:
+                out = moe.expert_forward(expert, x)
+            else:
+                out = moe.shared_forward(x)
+            is_mtp = layer_idx >= len(self.model.layers)
+            with self.pricer.mtp_layer() if is_mtp else nullcontext():
+                self.pricer.expert_slot(len(rows), is_shared=not is_routed)
+        return out

@@ -1,0 +1,47 @@
+"""What a role program is given: the deployment plan (config, topology, XCCL layouts and window
+sizes), its own entry, the communicator."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import yaml
+from mpi4py import MPI
+
+from xds_mpi.config.schema import Config
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.topology import RankInfo, Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    plan: DeploymentPlan  # built for comm.size: every rank derives the same one
+    comm: MPI.Comm
+    log: logging.Logger
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def topo(self) -> Topology:
+        return self.plan.topo
+
+    @property
+    def info(self) -> RankInfo:
+        return self.topo.ranks[self.comm.rank]
+
+    @property
+    def name(self) -> str:
+        """How errors and logs name this rank: 'die 3 (rank 4, colocated)' or 'rank 0 (host)'."""
+        info = self.info
+        if info.is_die:
+            return f"die {info.die_idx} (rank {info.rank}, {info.role})"
+        return f"rank {info.rank} (host)"
+
+    def config_digest(self) -> str:
+        """Identifies the config a rank loaded, so ranks that read different files are caught."""
+        text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]

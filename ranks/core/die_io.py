@@ -1,0 +1,136 @@
+"""A die's control-plane mailboxes: requests and stop in from the TE-shell, tokens out."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from mpi4py import MPI
+
+from ranks.core.messages import (
+    TAG_REPORT,
+    TAG_REQUEST,
+    TAG_STOP,
+    TAG_TOKENS,
+    DieReport,
+    TokenBatch,
+)
+from ranks.core.trace_io import send_trace
+from xds_mpi.control import WaitTimeout
+from xds_mpi.engine.scheduler import DieScheduler, Emitted
+from xds_mpi.engine.timing import IterationTiming
+from xds_mpi.report import trace
+
+SHELL = 0  # the TE-shell is rank 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DieTotals:
+    """A decode die's run, for its report to the TE-shell. virtual_spent: operation -> virtual
+    seconds (xds_mpi/engine/pricing.py); recovery: the token recomputation counters
+    (ranks/recovery/recompute.py, faults_injected summed over every die)."""
+
+    num_iterations: int
+    virtual_spent: dict[str, float]
+    recovery: dict
+
+
+class DecodeDie(Protocol):
+    """What `serve` drives: a colocated die (ranks/colocated/die.py) or an attention die
+    (ranks/afd/attention.py)."""
+
+    outbox: Outbox
+
+    def step(self) -> bool:
+        """One iteration (or an idle turn); False once every die was told to stop."""
+
+    def totals(self) -> DieTotals:
+        """The run's totals (collective over the dies)."""
+
+    def close(self) -> None:
+        """Drain the outbox and free the die (collective)."""
+
+
+def serve(die: DecodeDie) -> None:
+    """A decode die (colocated or attention) after the handshake: iterations until every die was
+    told to stop, its report to the TE-shell, then the collective close — only on this way out
+    together (an error aborts the job instead of hanging in a collective)."""
+    while die.step():
+        pass
+    if getattr(die, "is_lost", False):  # a lost die (ranks/recovery/die_failover.py): no collective
+        die.leave()
+        return
+    totals = die.totals()
+    die.outbox.report(totals.num_iterations, totals.virtual_spent, totals.recovery)
+    send_trace(die.outbox.comm, timeout_s=die.outbox.timeout_s)
+    die.close()
+
+
+class Inbox:
+    def __init__(self, comm: MPI.Comm, scheduler: DieScheduler) -> None:
+        self.comm, self.scheduler = comm, scheduler
+        self.is_stopped = False
+
+    def poll(self) -> None:
+        """Take every request that has arrived; note a stop."""
+        while (message := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
+            req = message.recv()
+            with trace.span("request", req_id=req.req_id):
+                trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell's dispatch
+                self.scheduler.add(req)
+        if not self.is_stopped:
+            message = self.comm.improbe(source=SHELL, tag=TAG_STOP)
+            if message is not None:
+                message.recv()
+                self.is_stopped = True
+
+
+class Outbox:
+    def __init__(self, comm: MPI.Comm, rank: int, *, timeout_s: float) -> None:
+        self.comm, self.rank, self.timeout_s = comm, rank, timeout_s
+        self.pending: list[MPI.Request] = []
+        self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
+        self.num_iterations = 0
+        self.num_batches = 0  # token batches sent (vertical scaling waits for all of them)
+
+    def stream(self, emitted: list[Emitted], timing: IterationTiming) -> None:
+        """Send this iteration's tokens, with the MTP drafts each decode step verified, straight
+        to the TE-shell (the output shortcut)."""
+        self.num_iterations += 1
+        for name in self.timings:
+            self.timings[name].append(getattr(timing, name))
+        if emitted:
+            batch = TokenBatch(
+                die_rank=self.rank,
+                iteration=self.num_iterations,
+                wall_time=time.time(),
+                tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted),
+                steps=tuple(e.step for e in emitted if e.step),
+            )
+            self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
+            self.num_batches += 1
+        self.pending = [r for r in self.pending if not r.Test()]
+
+    def report(
+        self, num_iterations: int, virtual_spent: dict[str, float], recovery: dict | None = None
+    ) -> None:
+        report = DieReport(
+            die_rank=self.rank,
+            num_iterations=num_iterations,
+            timings=self.timings,
+            virtual_spent=virtual_spent,
+            recovery=recovery or {},
+        )
+        self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
+
+    def drain(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.pending:
+            self.pending = [r for r in self.pending if not r.Test()]
+            if self.pending and time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"die rank {self.rank}: {len(self.pending)} messages to the "
+                    f"TE-shell not taken after {self.timeout_s:g} s"
+                )
+            time.sleep(0.0005)

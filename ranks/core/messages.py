@@ -1,0 +1,37 @@
+"""Control-plane messages between the TE-shell and the dies (the VPC plane: two-sided MPI).
+
+TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle).
+die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_REPORT (DieReport, once at
+the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from xds_mpi.engine.scheduler import VerifiedDrafts
+from xds_mpi.tags import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenBatch:
+    """Tokens one die produced in one iteration: (req_id, token, is_finished) each."""
+
+    die_rank: int
+    iteration: int
+    wall_time: float  # time.time() on the die when sampled
+    tokens: tuple[tuple[int, int, bool], ...]
+    steps: tuple[VerifiedDrafts, ...] = ()  # the decode steps that sampled them, in order
+
+
+@dataclass(frozen=True, kw_only=True)
+class DieReport:
+    die_rank: int
+    num_iterations: int
+    timings: dict = field(default_factory=dict)  # IterationTiming field -> list per iteration
+    virtual_spent: dict = field(
+        default_factory=dict
+    )  # operation -> virtual seconds, all iterations
+    recovery: dict = field(
+        default_factory=dict
+    )  # token recomputation (ranks/recovery/recompute.py)

@@ -1,0 +1,62 @@
+"""The trace's way to the TE-shell: every traced rank sends its buffered events once, at the end
+(one message), and the TE-shell gathers them to write the run's trace
+(xds_mpi/report/trace_writer.py).
+A rank that does not take part sends nothing; with run.trace off nobody sends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from xds_mpi.control import recv_from_each, send_to_each
+from xds_mpi.report import trace
+from xds_mpi.report.trace import SpanRecord
+from xds_mpi.tags import TAG_TRACE
+
+SHELL = 0
+# The roles whose ranks send a trace. A role added later (prefill dies under PD) adds its name
+# here and calls send_trace at the end of its program.
+TRACED_ROLES = ("colocated", "attention", "expert")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankTrace:
+    rank: int
+    events: list[SpanRecord]
+
+
+def send_trace(comm: MPI.Comm, *, timeout_s: float) -> None:
+    """This rank's events to the TE-shell (bounded: the shell takes them after the reports)."""
+    if not trace.is_enabled():
+        return
+    send_to_each(
+        comm,
+        {SHELL: RankTrace(rank=comm.rank, events=trace.take_events())},
+        tag=TAG_TRACE,
+        timeout_s=timeout_s,
+        me=f"rank {comm.rank}",
+        event="trace",
+    )
+
+
+def traced_ranks(topo) -> tuple[int, ...]:
+    return tuple(r for role in TRACED_ROLES for r in topo.ranks_with_role(role))
+
+
+def gather_traces(
+    comm: MPI.Comm, topo, *, timeout_s: float, skip: tuple[int, ...] = ()
+) -> dict[int, list[SpanRecord]]:
+    """Every traced rank's events but those of `skip` (lost dies), by rank ({} with tracing
+    off)."""
+    if not trace.is_enabled():
+        return {}
+    received = recv_from_each(
+        comm,
+        [r for r in traced_ranks(topo) if r not in skip],
+        tag=TAG_TRACE,
+        timeout_s=timeout_s,
+        me="TE-shell",
+        event="trace",
+    )
+    return {rank: message.events for rank, message in received.items()}

@@ -1,0 +1,1 @@
+"""Disaggregated prefill-decode (§5.1): prefill dies, the KV transfer's send and receive sides."""

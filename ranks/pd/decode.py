@@ -1,0 +1,60 @@
+"""The decode dies of a PD deployment: a colocated die (ranks/colocated/die.py) or an attention die
+of disaggregated MoE-attention (ranks/afd/attention.py) whose requests arrive already prefilled,
+with their latent KV over XCCL p2p (ranks/pd/receive.py), instead of as prompts. Their
+iterations, experts, recomputation and output shortcut are the base dies' own; the KV transfers
+move between iterations, and a request's first token (the prefill's) streams with the tokens of
+its first decode step."""
+
+from __future__ import annotations
+
+from ranks.afd.attention import AttentionDie
+from ranks.colocated.die import ColocatedDie
+from ranks.core.context import RankContext
+from ranks.pd.receive import KvReceiver
+
+
+class PdDecode:
+    """What a PD decode die adds to its base die's step: the KV transfers move before the dies
+    agree (a request joins the batch only once its KV is here), and the prefill's first tokens
+    stream with the tokens of the request's first decode step."""
+
+    kv: KvReceiver
+
+    def before_agree(self) -> None:
+        self.kv.step()
+
+    def emit(self, emitted, timing) -> None:
+        self.outbox.stream(self.kv.take_first_tokens(timing.vtime_s) + emitted, timing)
+        self.kv.completed(emitted)
+
+    def close(self) -> None:
+        self.kv.drain()
+        super().close()
+
+    def leave(self) -> None:
+        """A lost decode die at the job's end (ranks/recovery/decode_loss.py): what the decode
+        TE-shell
+        and the prefill dies sent it meanwhile (tasks, pings, probes) taken too."""
+        from mpi4py import MPI
+
+        super().leave()
+        comm = self.outbox.comm
+        while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)) is not None:
+            message.recv()
+        MPI.Request.Waitall(self.kv.sends)
+
+
+class PdColocatedDie(PdDecode, ColocatedDie):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
+
+    def before_agree(self) -> None:
+        self.memory.check(self)  # §6.2 stage 3 (ranks/recovery/memory_check.py), before KV moves
+        super().before_agree()
+
+
+class PdAttentionDie(PdDecode, AttentionDie):
+    def __init__(self, ctx: RankContext) -> None:
+        super().__init__(ctx)
+        self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)

@@ -1,0 +1,241 @@
+"""A prefill die (xDeepServe §5.1 steps 2-3 and 6-8, its side): one prefill DP group.
+
+The dies of one prefill TE run in lockstep like colocated dies (every MoE layer is a
+dispatch/combine among them, engine/executor.py on their TE's EP group); TEs never wait on each
+other. Each step: the TE's leader (its DP-0, which plays the TE-shell: the JE sends the TE's
+requests straight to it) takes new requests into the TE's shared pending pool; while requests
+are pending
+every group sends it its status and it assigns them (engine/pd_prefill.py `assign`, §4.3's
+single-level collaborative scheduler); the dies prefill (main model + MTP modules over the
+prompt), and each finished prompt becomes a PD-transfer task (metadata and block addresses) sent
+to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
+(ranks/pd/send.py); a completed send frees the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ranks.core.context import RankContext
+from ranks.core.die_io import SHELL
+from ranks.core.handshake import handshake
+from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
+from ranks.core.pd_messages import TAG_PD_PREFILLED
+from ranks.pd.send import KvSender
+from ranks.recovery.heartbeat import HeartbeatResponder
+from ranks.recovery.prefill_loss import PrefillLoss
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """The leader's decision for one prefill DP group: its requests, the leader's virtual time
+    when each entered the pool (projected queueing starts there: the prefill dies' clocks move
+    together, every MoE layer meeting at dispatch/combine), and how many were assigned in all."""
+
+    requests: tuple
+    pooled_v: tuple[float, ...]
+    num_assigned: int
+
+
+def run(ctx: RankContext) -> None:
+    handshake(ctx)
+    if ctx.plan.pd is None:
+        return  # pd off: prefill dies stay idle (the decode dies prefill in chunks)
+    die = PrefillDie(ctx)
+    while die.step():
+        pass
+    die.close()
+
+
+class PrefillDie:
+    def __init__(self, ctx: RankContext) -> None:
+        from xccl.gmem import DieMemory
+
+        plan, rank = ctx.plan, ctx.comm.rank
+        self.ctx, self.comm, self.rank = ctx, ctx.comm, rank
+        self.mem = DieMemory(ctx.comm, plan.window_bytes[rank])
+        self.te = plan.pd.te_of(rank)
+        # this TE's dies (decode dies use color 1, hosts 0)
+        self.group = ctx.comm.Split(2 + self.te, rank)
+        self.is_leader = rank == plan.pd.leaders[self.te]
+        self._build(ctx)
+        self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
+        self.pool: deque = deque()  # leader: requests shared by every prefill DP group
+        self.pooled_v: dict[int, float] = {}  # leader: req -> its virtual time entering the pool
+        self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, pooled virtual s)
+        self.started: dict[int, tuple[float, float]] = {}  # req -> first prefill step
+        self.is_stopped = False
+        self.sends: list[MPI.Request] = []
+        # §6.1: the JE (control plane) pings each TE's leader, which plays its TE-shell
+        self.heartbeat = HeartbeatResponder(ctx.comm, SHELL) if self.is_leader else None
+        self.loss = PrefillLoss(ctx.cfg, rank)  # an injected dead / stuck die (emulated)
+
+    def _build(self, ctx: RankContext) -> None:
+        from ranks.core.die_parts import decode_state, make_pricer
+        from xccl.ep.buffer import EpBuffer
+        from xccl.vclock import VirtualClock
+        from xds_mpi.engine.executor import ColocatedExecutor
+        from xds_mpi.engine.pd_prefill import PrefillScheduler
+        from xds_mpi.engine.slots import ExpertSlots
+        from xds_mpi.model.weights import build_model
+
+        cfg, pd = ctx.cfg, ctx.plan.pd
+        model = build_model(cfg.model)
+        state = decode_state(cfg, model, PrefillScheduler)
+        slot_owner = pd.slot_owners[self.te]
+        num_experts = len(slot_owner)
+        slots = ExpertSlots(slot_owner=slot_owner, num_routed_slots=num_experts, shared_slot_of={})
+        clock = VirtualClock()
+        ep = EpBuffer(
+            self.mem,
+            pd.eps[self.te],
+            slots.slot_owner,
+            dtype=ctx.plan.row_dtype,
+            clock=clock,
+            num_cores=cfg.xccl.num_cores,
+            timeout_s=cfg.xccl.poll_timeout_s,
+        )
+        self.pricer = make_pricer(cfg, clock, slots)
+        self.scheduler, self.cache, self.hidden = state.scheduler, state.cache, cfg.model.hidden
+        self.executor = ColocatedExecutor(
+            model,
+            ep,
+            phy2log=tuple(range(num_experts)),
+            log2phy=tuple((e,) for e in range(num_experts)),
+            table=state.table,
+            cache=state.cache,
+            pricer=self.pricer,
+            slots=slots,
+            mtp_depth=cfg.scheduler.mtp_depth,
+        )
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Take messages, move KV, agree, assign while requests are pending, prefill."""
+        if self.loss.is_due(self.executor.num_iterations):
+            self.loss.play(self.comm, self.executor.num_iterations, self.pricer.clock.now_ns / 1e9)
+            self.is_stopped = True
+            return False
+        if self.heartbeat is not None:
+            self.heartbeat.answer()  # from the event loop only: a stuck loop answers nothing
+        self._take_messages()
+        self.sender.tick(self.executor.num_iterations)
+        self.sender.progress()  # step 8: completed sends free their blocks
+        pending, active, outstanding, running = self._agree()
+        if pending:
+            active += self._assign()
+        if active:
+            self._iteration()
+        elif not pending:
+            time.sleep(0.001)
+        return bool(running or outstanding or active or pending)
+
+    def _take_messages(self) -> None:
+        if self.is_leader:
+            while (msg := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
+                req = msg.recv()
+                self.pool.append(req)
+                self.pooled_v[req.req_id] = self.pricer.clock.now_ns / 1e9
+        if not self.is_stopped:
+            msg = self.comm.improbe(source=SHELL, tag=TAG_STOP)
+            if msg is not None:
+                msg.recv()
+                self.is_stopped = True
+        self.sender.take_pulls()
+
+    def _agree(self) -> tuple[int, int, int, int]:
+        """(pending in the pool, requests on the dies, KV transfers outstanding, dies not yet
+        told to stop), summed over the prefill dies: one allreduce."""
+        mine = np.array(
+            [
+                len(self.pool),
+                self.scheduler.num_active,
+                self.sender.num_outstanding,
+                0 if self.is_stopped else 1,
+            ]
+        )
+        total = np.empty_like(mine)
+        self.group.Allreduce(mine, total, op=MPI.SUM)
+        return tuple(int(v) for v in total)
+
+    def _assign(self) -> int:
+        """The leader gathers every group's status and hands out pending requests (only called
+        while requests are pending); returns how many were assigned in all."""
+        from xds_mpi.engine.pd_prefill import assign
+
+        cfg = self.ctx.cfg
+        statuses = self.group.gather(self.scheduler.status(cfg.pd.long_prompt_tokens), root=0)
+        batches = None
+        if self.is_leader:
+            batches, left = assign(
+                list(self.pool),
+                statuses,
+                block_tokens=cfg.scheduler.kv_block_tokens,
+                long_prompt_tokens=cfg.pd.long_prompt_tokens,
+                step_tokens=cfg.xccl.max_tokens_per_die,
+            )
+            self.pool = deque(left)
+            num = sum(map(len, batches))
+            batches = [
+                Assignment(
+                    requests=tuple(b),
+                    pooled_v=tuple(self.pooled_v.pop(r.req_id) for r in b),
+                    num_assigned=num,
+                )
+                for b in batches
+            ]
+        mine: Assignment = self.group.scatter(batches, root=0)
+        for req, pooled_v in zip(mine.requests, mine.pooled_v):
+            # Pooled on the leader's clock: a die behind it idles until the request is there.
+            self.pricer.clock.arrive(pooled_v * 1e9)
+            self.scheduler.add(req)
+            self.assigned[req.req_id] = (time.time(), pooled_v)
+        return mine.num_assigned
+
+    def _iteration(self) -> None:
+        start = (time.time(), self.pricer.clock.now_ns / 1e9)
+        entries = self.scheduler.schedule()
+        for e in entries:
+            self.started.setdefault(e.req_id, start)
+        sampled, _ = self.executor.forward(entries)
+        done = self.scheduler.postprocess(sampled)
+        self.executor.commit({p.seq.req.req_id for p in done if p.is_finished})
+        for prefilled in done:
+            self._hand_over(prefilled)
+
+    def _hand_over(self, prefilled) -> None:
+        """Step 3: a finished prompt becomes a PD-transfer task the JE learns about (or, when
+        its first token ends it, the token goes straight to the JE)."""
+        req = prefilled.seq.req
+        if prefilled.is_finished:
+            batch = TokenBatch(
+                die_rank=self.rank,
+                iteration=self.executor.num_iterations,
+                wall_time=time.time(),
+                tokens=((req.req_id, prefilled.token, True),),
+            )
+            self.sends.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
+            return
+        task = self.sender.register(
+            prefilled,
+            self.executor.mtp.states.pop(req.req_id, None),
+            assigned=self.assigned.pop(req.req_id),
+            started=self.started.pop(req.req_id),
+            now=(time.time(), self.pricer.clock.now_ns / 1e9),
+        )
+        self.sends.append(self.comm.isend(task, dest=SHELL, tag=TAG_PD_PREFILLED))
+
+    def close(self) -> None:
+        """The report to the JE, then the collective frees."""
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        self.sends.append(self.sender.report(self.executor.num_iterations))
+        MPI.Request.Waitall(self.sends)
+        if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
+            self.mem.free()
+        self.group.Free()

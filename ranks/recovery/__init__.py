@@ -1,0 +1,2 @@
+"""Failure detection and recovery (§6): heartbeats, the detector, recompute, scale-down, memory
+faults."""

@@ -1,0 +1,113 @@
+"""A decode die of a PD run lost, from the decode TE-shell (xDeepServe §6.1 detection, §6.2 "P/D
+separate failover": the decode side recovers on its own, prefill goes on).
+
+The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/detector.py) over its
+decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
+decode TE-shell and the decode dies only (ranks/recovery/die_health.py watch_comm), the same
+verdicts. On
+a loss:
+  1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/die_failover.py,
+  via
+     ranks/recovery/shell_failover.py rebuild) and say how many token batches they sent;
+  2. the lost die leaves the decode balancer: no task goes there any more; the requests routed
+     to it and not finished (the decode TE-shell's view) are named to the JE (DecodeLoss), with
+     the survivors' batch counts, so that the JE has their tokens before it moves them
+     (ranks/recovery/je_decode_loss.py: re-routed when their prefill die still holds the KV, else
+     prefilled again with the tokens emitted so far).
+At the JE's stop the decode TE-shell hands the JE its detections and the dies' notes
+(DecodeBook): the JE holds the request records the failure records need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ranks.recovery.detector import Detector, Loss
+from ranks.recovery.die_health import is_watched, watch_comm
+from ranks.recovery.shell_failover import rebuild
+from ranks.shell.frontend import static_placement
+from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
+
+JE = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLoss:
+    """Decode TE-shell -> JE: the lost decode dies, each survivor's token batches sent so far,
+    the requests routed to the lost dies and not finished, the decode dies before and after."""
+
+    lost: tuple[int, ...]
+    batches: dict[int, int]
+    orphans: tuple[int, ...]
+    before: int
+    after: int
+    detected_at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeBook:
+    """Decode TE-shell -> JE at the end: the dies' fault notes and the detector's detections."""
+
+    began: dict
+    detections: list
+
+
+class DecodeWatch:
+    """The decode TE-shell's detector and its side of the failover (none when unwatched)."""
+
+    def __init__(self, shell) -> None:
+        ctx = shell.ctx
+        self.shell, self.comm, self.detector = shell, ctx.comm, None
+        self.sends: list = []
+        if is_watched(ctx.cfg, ctx.plan):
+            groups = ctx.plan.pd.decode
+            self.detector = Detector(ctx, groups, lambda: static_placement(ctx), watch_comm(ctx))
+
+    @property
+    def has_failed_over(self) -> bool:
+        return self.detector is not None and bool(self.detector.detections)
+
+    def poll(self, started: float) -> None:
+        if self.detector is None:
+            return
+        loss = self.detector.poll({}, started)  # records are the JE's
+        if loss is not None:
+            self._scale_down(loss)
+
+    def _scale_down(self, loss: Loss) -> None:
+        shell, cfg = self.shell, self.shell.ctx.cfg
+        before = len(shell.balancer.groups)
+        ready, _ = rebuild(self.comm, cfg, self.detector, loss, me="decode TE-shell")  # Step 1
+        orphans: list[int] = []  # Step 2
+        for die in loss.lost:
+            orphans += shell.balancer.remove_group(die)
+        after = len(shell.balancer.groups)
+        message = DecodeLoss(
+            lost=loss.lost,
+            batches={g: r.num_batches for g, r in ready.items()},
+            orphans=tuple(sorted(orphans)),
+            before=before,
+            after=after,
+            detected_at=loss.detected_at,
+        )
+        self.sends.append(self.comm.isend(message, dest=JE, tag=TAG_PD_DECODE_LOST))
+        recovery = (
+            f"vertical scaling: {before} -> {after} decode dies; {len(orphans)} requests moved "
+            "by the JE"
+        )
+        if not loss.lost:  # a stuck die back within the grace (refused before launch in PD)
+            recovery = (
+                f"buffers rebuilt on all {len(ready)} dies; the interrupted iteration recomputed"
+            )
+        shell.ctx.log.warning("decode failover: %s", recovery)
+        self.detector.recovered(loss, recovery, message.orphans)
+
+    def close(self) -> None:
+        """At the JE's stop (the dies' responders closed): the book to the JE, the pings done."""
+        from mpi4py import MPI
+
+        if self.detector is not None:
+            self.detector.close()
+            book = DecodeBook(began=self.detector.began, detections=self.detector.detections)
+            self.sends.append(self.comm.isend(book, dest=JE, tag=TAG_PD_DECODE_BOOK))
+        MPI.Request.Waitall(self.sends)

@@ -1,0 +1,227 @@
+"""The TE-shell's failure detector for its decode dies (xDeepServe §6.1) and what follows a loss.
+
+1. Heartbeats: the TE-shell pings every DP master (each colocated or attention die; an afd
+   deployment's expert dies too, ranks/recovery/afd_health.py) every
+   health.dp_interval_s; a die answers from its event loop only (ranks/recovery/die_health.py), so a
+   die stuck in an XCCL wait or an executor, or a dead one, falls silent. Silence is counted
+   from the first ping (the dies built their models before the window collective preceding
+   it), so a die stuck before its first answer is caught too.
+2. A die silent for health.timeout_s is suspected. Its peers are silent too by then: they wait
+   for it inside dispatch/combine or the agreement between iterations. The TE-shell fences:
+   one word into every die's abort-word window (xccl/recovery/rollback.py), which every wait checks.
+3. Released dies leave their waits and answer again within a few intervals; a die still
+   silent after the grace (max(2 intervals, timeout_s / 2)) is lost. Watched for one more
+   grace: answering again then makes it "stuck", else "dead".
+4. If every expert keeps a replica without the lost dies, the survivors go on without them
+   (vertical scaling, ranks/recovery/shell_failover.py and ranks/recovery/die_failover.py; with EPLB
+   its newest
+   placement is checked, the one the survivors install without the lost slots). Otherwise
+   (health.on_expert_lost "stop") the run stops with an error naming the dies, their verdicts
+   and, per MoE layer, the experts whose last replica they held, after writing the failure
+   records (DecodeDieLost.write_failures).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mpi4py import MPI
+
+from ranks.core.context import RankContext
+from ranks.recovery.die_health import FaultBegan
+from ranks.recovery.failure_book import Detection, failure_records
+from ranks.recovery.heartbeat import HeartbeatSender
+from ranks.recovery.timeout_book import with_timeouts
+from xccl.recovery.rollback import fence, fence_window
+from xds_mpi.eplb.placement import Placement, remove_die
+from xds_mpi.failures import FailureRecord, write_failures
+from xds_mpi.tags import TAG_FAILURE_BEGAN
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loss:
+    """What a fence found: lost, the dies to go on without (none: a stuck die came back);
+    verdicts, die -> "dead" / "stuck"; detected_at, the fence's wall time (time.time())."""
+
+    lost: tuple[int, ...]
+    verdicts: dict[int, str]
+    detected_at: float
+
+
+def stopped(why_not: str) -> str:
+    """The failure record's recovery text of a run that stops."""
+    if why_not.startswith("health.on_expert_lost=stop"):
+        return "none, the run stops: an expert lost its last replica (health.on_expert_lost=stop)"
+    return f"none, the run stops: {why_not}"
+
+
+class DecodeDieLost(RuntimeError):
+    """A decode die was lost (or stuck past health.timeout_s); the run stops. records: the
+    failure records, for the run file."""
+
+    def __init__(self, message: str, records: list[FailureRecord]) -> None:
+        super().__init__(message)
+        self.records = records
+
+    def write_failures(self, f) -> None:
+        write_failures(f, self.records)
+
+
+class Detector:
+    def __init__(
+        self,
+        ctx: RankContext,
+        groups: Sequence[int],
+        placement: Callable[[], Placement],
+        window_comm: MPI.Comm | None = None,
+    ) -> None:
+        """groups: the DP masters (colocated or attention dies); an afd deployment's expert dies
+        are watched too. placement(): the expert placement now (EPLB's, or the topology's).
+        window_comm: what the fence window spans (default the world; PD: the decode TE-shell
+        and its dies, ranks/recovery/die_health.py watch_comm)."""
+        health = ctx.cfg.health
+        self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
+        groups = tuple(groups) + ctx.topo.ranks_with_role("expert")
+        self.groups, self.timeout_s = groups, health.timeout_s
+        self.grace_s = health.release_grace_s
+        window_comm = ctx.comm if window_comm is None else window_comm
+        self.fence_mem = fence_window(window_comm)  # collective with the dies' Recovery window
+        in_window = MPI.Group.Translate_ranks(ctx.comm.group, list(groups), window_comm.group)
+        self.window_rank = dict(zip(groups, in_window))  # world rank -> its rank in the window
+        self.sender = HeartbeatSender(
+            ctx.comm, groups, interval_s=health.dp_interval_s, timeout_s=health.timeout_s
+        )
+        self.began: dict[int, FaultBegan] = {}
+        self.detections: list[Detection] = []  # one per fence, in order
+        self.roles = {info.rank: info.role for info in ctx.topo.ranks if info.is_die}
+        self.placement = placement
+
+    def poll(self, requests: dict, started: float) -> Loss | None:
+        """A turn of the TE-shell's loop: pings out, answers and notes in; on silence, steps 2-3,
+        and the dies to go on without (raises DecodeDieLost when the run cannot go on).
+        requests: the frontend's records; started: serving's start (wall)."""
+        now = time.monotonic()
+        self.sender.tick(now)
+        self._take_notes()
+        silent = self.sender.silent(now)
+        return self._fence(silent, requests, started) if silent else None
+
+    def recovered(self, loss: Loss, recovery: str, affected: tuple[int, ...]) -> None:
+        """The dies went on without `loss.lost` (ranks/recovery/shell_failover.py): one detection
+        more."""
+        for die in loss.lost:
+            self.sender.forget(die)
+        self.groups = tuple(g for g in self.groups if g not in loss.lost)
+        self.detections.append(
+            Detection(
+                wall_time=loss.detected_at,
+                verdicts=loss.verdicts,
+                recovery=recovery,
+                affected=affected,
+                resumed_wall=time.time(),
+            )
+        )
+
+    def records(
+        self, requests: dict, started: float, recovery: dict | None = None
+    ) -> list[FailureRecord]:
+        """recovery: die rank -> its recomputation counters (timeouts recomputed), once known."""
+        cfg = self.ctx.cfg
+        records = failure_records(
+            cfg, self.roles, self.began, requests, started=started, detections=self.detections
+        )
+        return with_timeouts(records, recovery or {}, self.roles, started)
+
+    def close(self) -> None:
+        """After the dies' responders closed: free the window with them (not after a failover:
+        it spans the lost dies), complete the pings."""
+        self._take_notes()
+        if not self.detections:
+            self.fence_mem.free()
+        self.sender.close()
+
+    def _take_notes(self) -> None:
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_FAILURE_BEGAN)) is not None:
+            note: FaultBegan = msg.recv()
+            self.began[note.die] = note
+
+    def _fence(self, silent: list[int], requests: dict, started: float) -> Loss:
+        detected_at, fenced = time.time(), time.monotonic()
+        # Step 2: release every die from its waits.
+        fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)
+        self.log.warning(
+            "dies %s silent for more than health.timeout_s(%g) s; fenced every die",
+            silent,
+            self.timeout_s,
+        )
+        # Step 3: who answers again once released, and who only later.
+        back = self._answers_after(fenced, 2 * self.grace_s)
+        lost = [d for d in self.groups if back.get(d, float("inf")) > fenced + self.grace_s]
+        # The peers were silent too, waiting for the lost die, and answer at once when
+        # released; with none lost, the die that answered last was the stuck one.
+        judged = lost or [max(back, key=back.get)]
+        verdicts = {d: "dead" if d not in back else "stuck" for d in judged}
+        self._take_notes()
+        why_not = self._why_not_scale(lost)
+        if why_not:
+            self._stop(
+                Detection(wall_time=detected_at, verdicts=verdicts, recovery=stopped(why_not)),
+                lost,
+                why_not,
+                requests,
+                started,
+            )
+        return Loss(lost=tuple(lost), verdicts=verdicts, detected_at=detected_at)
+
+    def _stop(self, detection, lost, why_not: str, requests: dict, started: float) -> None:
+        self.detections.append(detection)
+        records = self.records(requests, started)
+        for record in records:
+            self.log.info(record.describe())
+        named = ", ".join(f"die rank {d} ({v})" for d, v in detection.verdicts.items())
+        raise DecodeDieLost(
+            f"{named} silent for more than health.timeout_s({self.timeout_s:g}) s; "
+            f"{len(lost)} still silent {self.grace_s:g} s after the fence; {why_not}",
+            records,
+        )
+
+    def _why_not_scale(self, lost: Sequence[int]) -> str:
+        """Why the dies cannot go on without `lost` ("" when they can)."""
+        expert_loss = self._expert_loss(lost)
+        if expert_loss:
+            return expert_loss
+        cfg = self.ctx.cfg
+        if cfg.faults.is_enabled:  # refused before launch (xds_mpi/plan/failure_loss.py): a guard
+            return (
+                "every expert keeps a replica, but vertical scaling is not emulated with a "
+                "faults.table or faults.rate (transient faults are not carried over to the "
+                "survivors): the run stops"
+            )
+        if all(d in lost for d in self.groups if self.roles[d] != "expert"):
+            return "no decode die is left: the run stops"
+        return ""
+
+    def _expert_loss(self, dies: Sequence[int]) -> str:
+        """What losing `dies` does to the experts, in words (the end of the stop message)."""
+        placement, lost = self.placement(), []
+        for die in dies:
+            if not self.ctx.topo.ranks[die].expert_slots:  # an afd attention die hosts none
+                continue
+            try:
+                placement = remove_die(placement, self.ctx.topo.ranks[die].die_idx)
+            except ValueError as exc:
+                lost.append(f"die rank {die}: {exc}")
+        return "health.on_expert_lost=stop: " + "; ".join(lost) if lost else ""
+
+    def _answers_after(self, since: float, window_s: float) -> dict[int, float]:
+        """die -> the first time it answered after `since`, watching for window_s seconds."""
+        first: dict[int, float] = {}
+        while (now := time.monotonic()) < since + window_s:
+            self.sender.tick(now)
+            for die, at in self.sender.last_answer.items():
+                if at > since and die not in first:
+                    first[die] = at
+            time.sleep(0.005)
+        return first

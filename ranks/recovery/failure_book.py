@@ -1,0 +1,122 @@
+"""The TE-shell's failure records for the decode dies' `stuck` and `dead` rows (xDeepServe §6):
+one xds_mpi/failures.py FailureRecord per row, from what the dies noted (when their fault began)
+and what the detector concluded (ranks/recovery/detector.py).
+
+Projected detection time: heartbeats are a wall-clock mechanism (intervals and timeout are the
+same seconds on the pod), so the detection lands at the die's virtual injection time plus the
+wall seconds from injection to detection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ranks.recovery.die_health import FaultBegan
+from xds_mpi.config.schema import Config
+from xds_mpi.engine.results import RequestRecord
+from xds_mpi.failures import FailureRecord
+
+# tokens/s before a fault (from serving's start at the earliest) and after it, or after the
+# dies resumed: over this many wall seconds.
+RATE_WINDOW_S = 3.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Detection:
+    """What one fence concluded: wall_time (time.time()) of the fence; verdicts: the dies judged
+    -> "dead" (still silent after the release and after) or "stuck" (answered again, later);
+    recovery: what was done, in words; affected: the requests moved; resumed_wall: when the
+    dies served again (-1: the run stopped)."""
+
+    wall_time: float
+    verdicts: dict[int, str] = field(default_factory=dict)
+    recovery: str = ""
+    affected: tuple[int, ...] = ()
+    resumed_wall: float = -1.0
+
+
+def failure_records(
+    cfg: Config,
+    roles: dict[int, str],
+    began: dict[int, FaultBegan],
+    requests: dict[int, RequestRecord],
+    *,
+    started: float,
+    detections: list[Detection],
+) -> list[FailureRecord]:
+    """One record per stuck/dead row, then one per silent die no row names (a false verdict).
+    roles: die rank -> role; started: wall time serving started."""
+    rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    naming = {die: d for d in detections for die in d.verdicts}  # die -> its detection
+    out = [
+        _record(row.kind, row.die, row.iteration, roles, began.get(row.die), requests, started)
+        for row in rows
+    ]
+    named = {row.die for row in rows}
+    out += [
+        _record("none", die, -1, roles, None, requests, started)
+        for die in sorted(naming)
+        if die not in named
+    ]
+    return [_judged(r, naming.get(r.die), began.get(r.die), started, requests) for r in out]
+
+
+def _record(kind, die, iteration, roles, note, requests, started) -> FailureRecord:
+    if note is None:
+        return FailureRecord(
+            kind=kind,
+            die=die,
+            role=roles[die],
+            injected_iteration=iteration,
+            injected_wall_s=-1.0,
+            injected_virtual_s=-1.0,
+            recovery="never injected: the run ended before it" if kind != "none" else "",
+        )
+    at = note.wall_time
+    return FailureRecord(
+        kind=kind,
+        die=die,
+        role=roles[die],
+        injected_iteration=note.iteration,
+        injected_wall_s=at - started,
+        injected_virtual_s=note.virtual_s,
+        verdict="transient" if kind == "stuck" else "",
+        recovery="none needed: the die came back before health.timeout_s; its peers waited "
+        "in their XCCL waits"
+        if kind == "stuck"
+        else "",
+        tokens_per_s_before=tokens_per_s(requests, max(at - RATE_WINDOW_S, started), at),
+        tokens_per_s_after=tokens_per_s(requests, at, at + RATE_WINDOW_S),
+    )
+
+
+def _judged(record: FailureRecord, detection, note, started, requests) -> FailureRecord:
+    """The record with the verdict of the detection that named its die (None: unchanged)."""
+    if detection is None:
+        return record
+    resumed = detection.resumed_wall
+    return replace(
+        record,
+        detected_wall_s=detection.wall_time - started,
+        detected_virtual_s=note.virtual_s + detection.wall_time - note.wall_time if note else -1.0,
+        detected_by="heartbeat",
+        verdict=detection.verdicts[record.die],
+        recovery=detection.recovery,
+        requests_affected=detection.affected or unfinished_on(requests, record.die),
+        tokens_per_s_after=tokens_per_s(requests, resumed, resumed + RATE_WINDOW_S)
+        if resumed > 0
+        else record.tokens_per_s_after,
+    )
+
+
+def unfinished_on(requests: dict[int, RequestRecord], die: int) -> tuple[int, ...]:
+    """The requests a die was serving and had not finished."""
+    return tuple(sorted(i for i, r in requests.items() if r.die_rank == die and not r.finished_at))
+
+
+def tokens_per_s(requests: dict[int, RequestRecord], t0: float, t1: float) -> float:
+    """Tokens the TE-shell received in wall window [t0, t1), per second (0 for an empty one)."""
+    if t1 <= t0:
+        return 0.0
+    count = sum(1 for r in requests.values() for t in r.token_times if t0 <= t < t1)
+    return count / (t1 - t0)

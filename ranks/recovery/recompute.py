@@ -1,0 +1,276 @@
+"""A die's side of token recomputation (xDeepServe §6.2 stage 3): injected faults in, iterations
+re-executed, counters out.
+
+Each iteration runs as an attempt of xccl/recovery/rollback.py's protocol: a die whose XCCL
+operation
+raises an injected fault tells every die (the abort word every wait checks), every die votes once
+per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
+start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP drafts,
+event ids; its virtual clock and priced time) and runs it again. Nothing of a failed attempt
+reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
+configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from mpi4py import MPI
+
+from ranks.recovery.recovery_counters import RecoveryCounters, describe
+from xccl.errors import RetriesExhausted, XcclError
+from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
+from xccl.recovery.rollback import Outcome, Recovery
+from xds_mpi.config.schema import Config
+from xds_mpi.engine.pricing import Pricer
+from xds_mpi.faults import EventMap, FaultPlan
+from xds_mpi.plan.failures import release_bound_s
+from xds_mpi.report import trace
+
+T = TypeVar("T")
+
+
+class RecomputationFailed(XcclError):
+    """A fault outlived faults.max_retries re-executions of one iteration."""
+
+
+class Recoverable(Protocol):
+    """Part of a die's state that an iteration changes before it commits (the scheduler, the
+    executor with its MTP drafts): put back to the iteration's start after a failed attempt."""
+
+    def checkpoint(self) -> Any: ...
+
+    def restore(self, checkpoint: Any) -> None: ...
+
+
+class IterationAttempts:
+    """One iteration's attempts on one die: where the iteration started (the die's state, the
+    virtual clock, the priced time), and the attempt running now."""
+
+    def __init__(
+        self,
+        iteration: int,
+        body: Callable[[], T],
+        *,
+        plan: FaultPlan,
+        pricer: Pricer,
+        state: Sequence[Recoverable],
+    ) -> None:
+        self.iteration, self.body, self.plan, self.pricer = iteration, body, plan, pricer
+        self.state = tuple(state)
+        self.checkpoints = tuple(part.checkpoint() for part in self.state)
+        self.clock_start, self.priced_start = pricer.clock.snapshot(), pricer.snapshot()
+        self.attempt, self.started_s = 0, time.perf_counter()
+
+    def run(self, attempt: int) -> T:
+        """Attempt `attempt` (0 = the first execution) of the iteration."""
+        self.attempt, self.started_s = attempt, time.perf_counter()
+        self.plan.begin(iteration=self.iteration, attempt=attempt)
+        trace.begin_attempt()
+        if attempt == 0:
+            return self.body()
+        with trace.span("recompute", iteration=self.iteration, attempt=attempt):
+            return self.body()
+
+    def wall_s(self) -> float:
+        """Wall seconds of the attempt so far."""
+        return time.perf_counter() - self.started_s
+
+    def vtime_s(self) -> float:
+        """Virtual seconds since the iteration started (the failed attempt's, before restore)."""
+        return (self.pricer.clock.now_ns - self.clock_start) / 1e9
+
+    def restore(self) -> None:
+        """The die back to the iteration's start."""
+        self.pricer.clock.restore(self.clock_start)
+        self.pricer.restore(self.priced_start)
+        for part, checkpoint in zip(self.state, self.checkpoints):
+            part.restore(checkpoint)
+
+
+class Recomputer:
+    def __init__(
+        self,
+        cfg: Config,
+        comm: MPI.Comm,
+        rank: int,
+        buffers: Sequence[RecoverableBuffer],
+        pricer: Pricer,
+        *,
+        events: EventMap,
+        log: logging.Logger | None = None,
+        window_comm: MPI.Comm | None = None,
+        stall: FaultHook | None = None,
+    ) -> None:
+        """events: how the die's XCCL operations number their events (the fault plan's layers).
+        window_comm: the world communicator when the TE-shell fences these dies
+        (ranks/recovery/detector.py):
+        the abort words' window then spans it, and the waits check the fence even with no fault
+        table. stall: the die's stuck-fault hook (ranks/recovery/die_health.py), called inside each
+        operation before the fault plan's."""
+        self.faults = cfg.faults
+        self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
+        self.counters = RecoveryCounters()
+        self.log = log if comm.rank == 0 else None  # one die tells the story
+        self._last_recomputed = -1
+        self._outcome: Outcome | None = None
+        self._attempts: IterationAttempts | None = None  # the iteration running now
+        self.plan = FaultPlan(cfg.faults, rank, events)
+        # Transient errors or recomputed timeouts: every iteration is an attempt, and votes.
+        self.is_voting = cfg.faults.is_enabled or cfg.faults.on_timeout == "recompute"
+        self.recovery = None
+        if self.is_voting or window_comm is not None:
+            self.recovery = _recovery(cfg, comm, window_comm)
+            check = self.plan.check if self.is_voting else None
+            hook = _chain(stall, check)
+            hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
+            for b in self.buffers:
+                b.set_recovery(hooks)
+
+    def run(
+        self, iteration: int, attempt: Callable[[], T], *, state: Sequence[Recoverable] = ()
+    ) -> T:
+        """attempt() until every die completed one; between attempts the virtual clock, the
+        priced time and each part of `state` go back to where this call found them."""
+        with trace.span("iteration", iteration=iteration):
+            return self._run(iteration, attempt, state)
+
+    def _run(self, iteration: int, attempt: Callable[[], T], state: Sequence[Recoverable]) -> T:
+        if not self.is_voting:
+            return self._run_once(iteration, attempt, state)
+        self._attempts = IterationAttempts(
+            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+        )
+        try:
+            result = self.recovery.run(
+                self._attempts.run,
+                self.buffers,
+                max_retries=self.faults.max_retries,
+                what=f"iteration {iteration}",
+                on_rollback=self._rolled_back,
+            )
+            self._attempts = None  # done: a later fence interrupts no iteration of this one
+            return result
+        except RetriesExhausted as exc:
+            raise RecomputationFailed(
+                f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
+                f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
+                f"attempt's faults: {describe(self._outcome, self.plan.events)}"
+            ) from exc
+        finally:
+            self.counters.faults_injected = self.plan.num_fired
+
+    def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
+        """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
+        so that restore_interrupted can undo it (ranks/recovery/die_failover.py)."""
+        if self.recovery is None:
+            return attempt()
+        self._attempts = IterationAttempts(
+            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+        )
+        result = self._attempts.run(0)
+        self._attempts = None
+        return result
+
+    def restore_interrupted(self) -> None:
+        """The die back to the start of the iteration a fence interrupted (none: nothing)."""
+        attempts, c = self._attempts, self.counters
+        if attempts is not None:
+            c.rollbacks += 1
+            c.recomputed_iterations += 1
+            c.wall_lost_s += attempts.wall_s()
+            c.vtime_lost_s += attempts.vtime_s()
+            attempts.restore()
+            self._attempts = None
+            trace.mark_rolled_back()
+
+    def _rolled_back(self, outcome: Outcome) -> None:
+        """Every die's attempt failed: count it, tell it, restore the die."""
+        attempts, c = self._attempts, self.counters
+        self._outcome = outcome
+        c.rollbacks += 1
+        timed_out_at = self.recovery.timed_out_at
+        c.count_timeouts(outcome, attempts.iteration, timed_out_at)
+        self.recovery.timed_out_at = -1.0
+        if self._last_recomputed != attempts.iteration:
+            c.recomputed_iterations += 1
+            self._last_recomputed = attempts.iteration
+        c.wall_lost_s += attempts.wall_s()
+        c.vtime_lost_s += attempts.vtime_s()
+        if self.log is not None and attempts.attempt < self.faults.max_retries:
+            self.log.info(
+                "iteration %d rolled back (%s); recomputing, attempt %d of %d",
+                attempts.iteration,
+                describe(outcome, self.plan.events),
+                attempts.attempt + 2,
+                self.faults.max_retries + 1,
+            )
+        for f in outcome.faults:
+            if f.die == self.rank:
+                trace.instant("fault", op=f.op, event=f.event_id, code=f.code)
+        started_s, failed_ns = time.perf_counter(), self.pricer.clock.now_ns
+        attempts.restore()
+        # The restore takes no virtual time; on the virtual clock it belongs to the failed
+        # attempt, whose spans are flagged (the re-run repeats their virtual times).
+        trace.record(
+            "rollback",
+            (started_s, time.perf_counter()),
+            (failed_ns, failed_ns),
+            iteration=attempts.iteration,
+            attempt=attempts.attempt,
+        )
+        trace.mark_rolled_back()
+
+    def regroup(self, comm: MPI.Comm) -> None:
+        """Vertical scaling (ranks/recovery/die_failover.py): vote over the survivors' `comm` from
+        now
+        on (collective over them)."""
+        self.comm = comm
+        if self.is_voting:
+            self.recovery.regroup(comm)
+
+    def report(self) -> dict:
+        """The counters, with faults_injected summed over every die (collective over the dies:
+        expert dies inject faults too but report to nobody)."""
+        counters = dict(vars(self.counters))
+        counters["faults_injected"] = self.comm.allreduce(counters["faults_injected"])
+        return counters
+
+    def free(self) -> None:
+        if self.recovery is not None:
+            self.recovery.free()
+
+
+def _chain(*hooks: FaultHook | None) -> FaultHook | None:
+    """One fault hook calling each given hook in turn (None: no hook at all)."""
+    given = [h for h in hooks if h is not None]
+    if not given:
+        return None
+
+    def hook(op: str, event_id: int) -> None:
+        for h in given:
+            h(op, event_id)
+
+    return hook
+
+
+def _recovery(cfg: Config, comm: MPI.Comm, window_comm: MPI.Comm | None) -> Recovery:
+    recover_timeouts = cfg.faults.on_timeout == "recompute"
+    return Recovery(
+        comm,
+        timeout_s=cfg.xccl.poll_timeout_s,
+        window_comm=window_comm,
+        recover_timeouts=recover_timeouts,
+        vote_timeout_s=_vote_timeout_s(cfg, recover_timeouts),
+    )
+
+
+def _vote_timeout_s(cfg: Config, recover_timeouts: bool) -> float:
+    """How long a vote waits for every die. With timeouts recomputed, a die whose wait timed out
+    votes while its peer may still be lost: the vote outlasts the heartbeats' detection and
+    release (xds_mpi/plan/failures.py), so the fence, not a vote timeout, ends it (§6.1 wins)."""
+    poll_s = cfg.xccl.poll_timeout_s
+    return poll_s + release_bound_s(cfg.health) if recover_timeouts else poll_s

@@ -1,0 +1,1 @@
+"""Host ranks: the TE-shell (frontend, decode-side shell with PD) and the JE."""

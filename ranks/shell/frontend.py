@@ -1,0 +1,202 @@
+"""The TE-shell's frontend: admits the workload, dispatches each request once to a DP group with
+the decode load balancer (xDeepServe §4.3), and takes the tokens the dies stream back."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+from mpi4py import MPI
+
+from ranks.core.context import RankContext
+from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from ranks.core.trace_io import gather_traces
+from ranks.recovery.detector import Detector
+from ranks.recovery.die_health import is_watched, watcher
+from ranks.recovery.memory_check import MemoryLosses
+from ranks.shell.eplb import make_eplb_shell
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.engine.balancer import DecodeBalancer
+from xds_mpi.engine.requests import rejection
+from xds_mpi.engine.results import RequestRecord
+from xds_mpi.engine.workload import load_workload
+from xds_mpi.report import trace
+from xds_mpi.report.progress import Progress, Snapshot
+
+
+def decode_groups(topo) -> tuple[int, ...]:
+    """The DP groups requests go to: the colocated dies, or the attention dies (afd)."""
+    return topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+
+
+def static_placement(ctx):
+    """The expert placement without EPLB: the ring replicas' (health.replicas ring), else the
+    topology's."""
+    from xds_mpi.eplb.placement import from_topology
+    from xds_mpi.eplb.ring import ring_placement
+
+    cfg = ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
+    num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(ctx.topo, num_moe_layers)
+
+
+class Frontend:
+    def __init__(self, ctx: RankContext) -> None:
+        cfg = ctx.cfg
+        self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
+        self.groups = decode_groups(ctx.topo)
+        self.records: dict[int, RequestRecord] = {}
+        self.queue: deque = deque()
+        for req in load_workload(cfg):
+            reason = rejection(req, cfg)
+            self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
+            if reason:
+                self.log.warning("request %d rejected: %s", req.req_id, reason)
+            else:
+                self.queue.append(req)
+        self.queue = deque(sorted(self.queue, key=lambda r: (r.arrival_s, r.req_id)))
+        sched = cfg.scheduler
+        self.balancer = DecodeBalancer(
+            self.groups,
+            max_batch=sched.max_batch_per_die,
+            kv_capacity_tokens=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+            block_tokens=sched.kv_block_tokens,
+            mtp_depth=sched.mtp_depth,
+        )
+        self.num_open = len(self.queue)
+        self.batches_from: Counter[int] = Counter()  # die rank -> token batches taken
+        self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/recovery/shell_failover.py)
+        # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
+        self.detector = None
+        if is_watched(cfg, ctx.plan) and watcher(ctx.plan) == ctx.comm.rank:  # PD: rank 1 watches
+            self.detector = Detector(ctx, self.groups, self._placement)
+        self.sends: list[MPI.Request] = []
+        self.reports: dict[int, DieReport] = {}
+        self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
+        self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/core/trace_io.py)
+        self.memory = MemoryLosses(self)  # requests ended by KV memory faults (§6.2 stage 3)
+
+    def serve(self) -> None:
+        """Until every accepted request is finished; then tell the dies to stop."""
+        self.started = time.time()
+        deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
+        progress = Progress(self.log)
+        while self.num_open:
+            did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
+            did_work += self.memory.poll()
+            if self.detector is not None and (
+                loss := self.detector.poll(self.records, self.started)
+            ):
+                from ranks.recovery.shell_failover import scale_down
+
+                scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
+            if progress.is_due():
+                progress.show(self.progress())
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"TE-shell: {self.num_open} requests unfinished after "
+                    f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})"
+                )
+            if not did_work:
+                time.sleep(0.0005)
+        progress.close()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Stop every die (the lost ones too, so that they leave), take the reports, traces and
+        last tokens."""
+        timeout_s = self.ctx.cfg.xccl.poll_timeout_s
+        lost = self.lost_dies()  # told too, so that they leave (without a collective)
+        send_to_each(
+            self.comm,
+            {g: None for g in self.groups + lost},
+            tag=TAG_STOP,
+            timeout_s=timeout_s,
+            me="TE-shell",
+            event="stop",
+        )
+        self.reports = recv_from_each(
+            self.comm,
+            self.groups,
+            tag=TAG_REPORT,
+            timeout_s=timeout_s,
+            me="TE-shell",
+            event="die report",
+        )
+        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost)
+        self._take_tokens()
+        # A slot masked in a die's last iteration: its message left before the die's report.
+        self.memory.poll()
+        self.eplb.finish()
+        MPI.Request.Waitall(self.sends)
+        if self.detector is not None:
+            self.detector.close()
+
+    def _dispatch_arrived(self) -> int:
+        now, num = time.time() - self.started, 0
+        while self.queue and self.queue[0].arrival_s <= now:
+            group = self.balancer.pick(self.queue[0])
+            if group is None:
+                break  # every DP group is full; wait for completions
+            req = self.queue.popleft()
+            self.balancer.on_dispatch(group, req)
+            record = self.records[req.req_id]
+            record.die_rank, record.dispatched_at = group, time.time()
+            with trace.span("request", req_id=req.req_id, die=group):
+                trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
+                self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
+            num += 1
+        return num
+
+    def _take_tokens(self) -> int:
+        num = 0
+        while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_TOKENS)) is not None:
+            batch = message.recv()
+            for step in batch.steps:
+                self.records[step.req_id].add_step(step.drafts, step.num_accepted)
+            self.batches_from[batch.die_rank] += 1
+            for req_id, token, is_finished in batch.tokens:
+                record = self.records[req_id]
+                record.add_token(token, batch.wall_time)
+                if is_finished:
+                    record.finished_at = batch.wall_time
+                    self.balancer.on_complete(req_id)
+                    self.num_open -= 1
+            num += 1
+        return num
+
+    def progress(self) -> Snapshot:
+        served = [r for r in self.records.values() if not r.rejected]
+        return Snapshot(
+            done=sum(1 for r in served if r.finished_at),
+            total=len(served),
+            tokens=sum(len(r.tokens) for r in served),
+            max_tokens=sum(r.req.max_new_tokens for r in served),
+            running=sum(self.balancer.num_pending.values()),
+            queued=len(self.queue),
+            elapsed_s=time.time() - self.started,
+        )
+
+    def lost_dies(self) -> tuple[int, ...]:
+        """The DP groups lost and scaled away (ranks/recovery/shell_failover.py)."""
+        return self.lost
+
+    def has_failed_over(self) -> bool:
+        """Did the dies rebuild without some die (or all of them, after a stuck one)?"""
+        return self.detector is not None and bool(self.detector.detections)
+
+    def _placement(self):
+        """The expert placement now: EPLB's when it balances, else the topology's."""
+        placement = getattr(self.eplb, "placement", None)
+        return static_placement(self.ctx) if placement is None else placement
+
+    def failure_records(self) -> list:
+        """One record per stuck/dead row (and per die silent without one); [] if unwatched."""
+        if self.detector is None:
+            return []
+        recovery = {rank: report.recovery for rank, report in self.reports.items()}
+        return self.detector.records(self.records, self.started, recovery)
+
+    def arrival_wall(self, req_id: int) -> float:
+        return self.started + self.records[req_id].req.arrival_s

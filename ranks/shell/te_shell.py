@@ -1,0 +1,216 @@
+"""The TE-shell (host rank): owns the request stream and reports on the job.
+
+In a colocated or afd deployment it serves the workload (ranks/shell/frontend.py), prints a progress
+line and a summary, and with run.check compares every served request with the single-process
+reference.
+At the end it writes the run file (xds_mpi/report/runfile.py) and names it on its last log line; a
+run
+that fails still writes one, with status "failed: <why>", before the error aborts the job.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from ranks.core.context import RankContext
+from ranks.core.handshake import handshake
+from ranks.shell import decode_shell
+from xds_mpi.report import trace
+from xds_mpi.report.runfile import run_file_path, write_run_file
+from xds_mpi.report.trace_writer import trace_path, write_trace
+
+if TYPE_CHECKING:  # imported when serving starts, after the handshake
+    from ranks.shell.frontend import Frontend
+
+
+def run(ctx: RankContext) -> int:
+    if ctx.comm.rank != 0:  # PD: host rank 1 is the decode TE-shell
+        return decode_shell.run(ctx)
+    started_at, started = datetime.now(), time.perf_counter()
+    path = run_file_path(ctx.cfg, started_at)
+    handshake_s, status, serving, placements, lost_writer = 0.0, "completed", None, (), None
+    ctx.log.info("TE-shell up; waiting for %d ranks", ctx.comm.size - 1)
+    try:
+        placements = handshake(ctx)
+        handshake_s = time.perf_counter() - started
+        ctx.log.info(
+            "all %d ranks agree on the deployment (%.2f s): %s",
+            ctx.comm.size,
+            handshake_s,
+            ctx.topo.summary(),
+        )
+        from ranks.shell.frontend import decode_groups
+
+        if decode_groups(ctx.topo):
+            serving = Serving(ctx)
+            if serving.mismatches:
+                status = f"check failed: {len(serving.mismatches)} mismatches"
+    except Exception as exc:
+        status = f"failed: {exc}"
+        lost_writer = getattr(exc, "write_failures", None)  # a decode die lost: its records
+        raise
+    finally:
+        write_run_file(
+            path,
+            cfg=ctx.cfg,
+            topo=ctx.topo,
+            status=status,
+            started_at=started_at,
+            wall_time_s=time.perf_counter() - started,
+            handshake_s=handshake_s,
+            extra=serving.write if serving else lost_writer,
+            hosts=[p.host for p in placements],
+            nodes=[p.node for p in placements],
+        )
+        if ctx.cfg.run.trace:
+            _write_trace(ctx, path, serving.traces if serving else {})
+        ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
+        if serving and ctx.cfg.run.check:
+            print(serving.check_line, flush=True)
+    return 1 if serving and serving.mismatches else 0
+
+
+def _write_trace(ctx: RankContext, path, traces: dict) -> None:
+    """The shell's own events and the ranks' gathered `traces` beside the run file."""
+    traces = {ctx.comm.rank: trace.take_events(), **traces}
+    ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
+
+
+class Serving:
+    """Serve the workload on the DP groups (colocated or attention dies); summarize; check
+    against the reference."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        from xds_mpi.engine.results import format_summary, summarize
+
+        with trace.span("serve"):
+            frontend = self._serve(ctx)
+        self.records, self.started = frontend.records, frontend.started
+        self.traces = frontend.traces
+        self.failures = frontend.failure_records()  # §6: one per stuck/dead row
+        self.summary = summarize(self.records, frontend.started, time.time())
+        self.summary.update(self.cross_node)
+        self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
+        self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
+        ctx.log.info(format_summary(self.summary))
+        self._add_die_summaries(ctx, frontend.reports)
+        for record in self.failures:
+            ctx.log.info(record.describe())
+        self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
+        if self.eplb:
+            for line in self.eplb.lines():
+                ctx.log.info(line)
+            self.summary.update(self.eplb.summary())
+        self.pd_book = getattr(frontend, "pd_book", None)  # PD: the TTFT split, KV transfers
+        if self.pd_book is not None:
+            from xds_mpi.engine.pd_results import format_pd
+
+            self.summary.update(self.pd_book.summary(self.records, self.started))
+            ctx.log.info(format_pd(self.summary))
+        roles = {info.rank: info.role for info in ctx.topo.ranks}
+        memory = frontend.memory.records(roles, self.started, time.time())  # §6.2 stage 3
+        for record in memory:
+            ctx.log.warning(record.describe())
+        self.failures = self.failures + memory
+        self.mismatches: list[str] = []
+        self.check_line = ""
+        self.is_checked = ctx.cfg.run.check
+        if ctx.cfg.run.check:
+            with trace.span("check"):
+                self._check(ctx)
+
+    def _serve(self, ctx: RankContext) -> Frontend:
+        """Serve the whole workload; the Frontend (its records and die reports) once done.
+        Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
+        from ranks.shell.frontend import Frontend
+        from ranks.shell.je import JobExecutor
+        from xccl.gmem import DieMemory, Traffic
+
+        mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
+        alone = ctx.comm.Split(0, ctx.comm.rank)
+        frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
+        frontend.serve()
+        if not frontend.has_failed_over():
+            mem.free()  # collective over every rank: not after a failover (lost dies)
+        alone.Free()
+        total = Traffic()
+        for traffic in mem.world_traffic or ():
+            total.add(traffic)
+        self.cross_node = {
+            "cross_node_polls": total.remote_polls,
+            "cross_node_rma_ops": total.remote_rma,
+            "cross_node_bytes": total.remote_bytes,
+        }
+        if not all(mem.is_same_node):
+            ctx.log.info(
+                "cross-node traffic: %d polls through Fetch_and_op, %d RMA operations, %d bytes",
+                total.remote_polls,
+                total.remote_rma,
+                total.remote_bytes,
+            )
+        return frontend
+
+    def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
+        """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
+        there was any) and the 910C projection."""
+        from xds_mpi.engine.die_summaries import (
+            format_mtp,
+            format_projection,
+            format_recovery,
+            mtp_summary,
+            projected_summary,
+            recovery_summary,
+        )
+        from xds_mpi.model.shapes import cost_shape
+
+        mtp = mtp_summary(ctx.cfg.scheduler.mtp_depth, self.die_timings)
+        if mtp:
+            ctx.log.info(format_mtp(mtp))
+            self.summary.update(mtp)
+        recovery = recovery_summary(self.die_recovery)
+        if recovery:
+            ctx.log.info(format_recovery(recovery))
+            self.summary.update(recovery)
+        big = cost_shape()
+        self.summary.update(
+            projected_summary(
+                die_reports,
+                ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
+                big.num_layers - big.num_dense_layers,
+            )
+        )
+        ctx.log.info(format_projection(self.summary))
+
+    def _check(self, ctx: RankContext) -> None:
+        """Compare every served request with the single-process reference; log each mismatch."""
+        from xds_mpi.engine.results import check_against_reference
+
+        num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg, self.records)
+        for line in self.mismatches:
+            ctx.log.error("check: %s", line)
+        self.check_line = (
+            f"check: {num_requests} requests, {num_tokens} tokens, "
+            f"{len(self.mismatches)} mismatches"
+        )
+        lost = sorted(r for r, record in self.records.items() if record.lost)
+        if lost:  # not checked: their KV went with a memory fault (ranks/recovery/memory_check.py)
+            self.check_line += f"; {len(lost)} lost, not checked: {lost}"
+
+    def write(self, f) -> None:
+        from xds_mpi.engine.results import write_serving
+
+        write_serving(
+            f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
+        )
+        f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
+        if self.eplb:
+            self.eplb.write(f)
+        failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])
+        if failures:
+            from xds_mpi.failures import write_failures
+
+            write_failures(f, failures)
+        if self.pd_book is not None:
+            self.pd_book.write(f, self.records, self.started)

@@ -1,0 +1,1 @@
+"""XCCL A2E/E2A with trampolines (Figure 8)."""

@@ -1,0 +1,1 @@
+"""XCCL dispatch/combine (Figure 7): pull-based, optional fused INT8."""

@@ -1,0 +1,1 @@
+"""XCCL's side of failure handling: injected faults, the vote, rollback and fences."""

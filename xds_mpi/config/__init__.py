@@ -1,0 +1,1 @@
+"""YAML -> frozen dataclasses: the schema, nothing derived."""

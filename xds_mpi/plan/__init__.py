@@ -1,0 +1,1 @@
+"""The deployment plan: topology and every check derived from the config."""

@@ -1,0 +1,138 @@
+"""DeploymentPlan: everything derived from a config, in one place, refused when it cannot run.
+
+`DeploymentPlan.build(cfg, world_size)` is what `xds-mpi validate`, `run` and `submit` and every
+rank (launch/rank.py) call: the topology (rank map, expert placement), the XCCL layouts and each
+die's window size, the row dtype of dispatch/combine and A2E/E2A. It refuses, with the reason and
+the numbers, a world size or pod that does not fit, MTP or fault settings that cannot work, a
+window over the per-die cap, and a workload in which no request could be served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from xccl.layout import P2PLayout
+from xccl.moe_layout import AfdLayout, EpLayout
+from xds_mpi.config.eplb import check_eplb
+from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.engine.requests import rejection
+from xds_mpi.engine.workload import load_workload
+from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
+from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.pd import PdPlan, build_pd, check_pd_fault, pd_window_bytes
+from xds_mpi.plan.topology import Topology
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentPlan:
+    """cfg: the user's config, untouched; topo: ranks -> roles and expert slots;
+    p2p: ring layout of every rank's window (first in each window); ep: dispatch/combine area of
+    a colocated deployment, else None; afd: A2E/E2A area of an afd one, else None;
+    row_dtype: dtype of the rows XCCL moves without INT8 (the layouts size rows with its itemsize);
+    window_bytes: [world_size] bytes of each rank's window (host ranks: 0);
+    pd: disaggregated prefill-decode (xds_mpi/plan/pd.py), None unless pd.enabled."""
+
+    cfg: Config
+    topo: Topology
+    p2p: P2PLayout
+    ep: EpLayout | None
+    afd: AfdLayout | None
+    row_dtype: np.dtype
+    window_bytes: tuple[int, ...]
+    pd: PdPlan | None = None
+
+    @classmethod
+    def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
+        """Derive the plan; world_size: the communicator's size (None: what the config needs)."""
+        topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
+        check_serving(cfg, topo)
+        # The one source of the row dtype: a wire format (the model computes in its own dtype;
+        # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
+        row_dtype = np.dtype(cfg.xccl.row_dtype)
+        try:
+            p2p = p2p_layout(cfg, topo)
+            ep = ep_layout(cfg, topo, p2p, row_dtype.itemsize)
+            afd = afd_layout(cfg, topo, p2p, row_dtype.itemsize)
+            pd = build_pd(cfg, topo, p2p, row_dtype.itemsize)
+        except ConfigError:
+            raise
+        except ValueError as exc:  # a layout's own refusal, e.g. slot_bytes not a multiple of 8
+            raise ConfigError(f"xccl: {exc}") from None
+        windows = window_bytes(cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
+        windows = pd_window_bytes(cfg, pd, windows)
+        check_workload(cfg, topo)
+        return cls(
+            cfg=cfg,
+            topo=topo,
+            p2p=p2p,
+            ep=ep,
+            afd=afd,
+            row_dtype=row_dtype,
+            window_bytes=windows,
+            pd=pd,
+        )
+
+
+def check_serving(cfg: Config, topo: Topology) -> None:
+    """What MTP and the fault table need of the rest of the config."""
+    depth = cfg.scheduler.mtp_depth
+    if depth and not cfg.model.num_mtp_modules:
+        raise ConfigError(
+            f"scheduler.mtp_depth({depth}) needs a model with MTP modules "
+            "(model.num_mtp_modules is 0)"
+        )
+    if depth and cfg.xccl.max_tokens_per_die < 2 * depth:
+        raise ConfigError(
+            f"xccl.max_tokens_per_die({cfg.xccl.max_tokens_per_die}) cannot hold "
+            f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
+            f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)"
+        )
+    _check_fault_table(cfg, topo)
+    check_failures(cfg, topo)  # faults.events (xds_mpi/plan/failures.py)
+    check_eplb(cfg, len({info.rank for info in topo.ranks if _hosts_routed(info)}))
+
+
+def _hosts_routed(info) -> bool:
+    return any(slot.kind == "routed" for slot in info.expert_slots)
+
+
+def _check_fault_table(cfg: Config, topo: Topology) -> None:
+    """Every row names a die, a MoE layer (MTP blocks included) and an operation the run makes."""
+    depth, model = cfg.scheduler.mtp_depth, cfg.model
+    num_cache_layers = model.num_layers + depth
+    first, last = topo.num_host_ranks, topo.num_host_ranks + topo.num_dies - 1
+    for i, spec in enumerate(cfg.faults.table):
+        if check_pd_fault(cfg, topo, i, spec):
+            continue  # a KV-transfer fault of a PD run (xds_mpi/plan/pd.py)
+        if spec.op.startswith("p2p"):
+            raise ConfigError(
+                f"faults.table[{i}].op({spec.op}): a {cfg.deployment.kind} decode "
+                "run makes no p2p transfers, so this fault could never fire (p2p "
+                "faults are exercised by tests/mpi/body_faults_p2p.py)"
+            )
+        if not first <= spec.die <= last:
+            raise ConfigError(
+                f"faults.table[{i}].die({spec.die}) is not a die: dies are ranks {first}..{last}"
+            )
+        if not model.num_dense_layers <= spec.layer < num_cache_layers:
+            raise ConfigError(
+                f"faults.table[{i}].layer({spec.layer}) is not a MoE layer: "
+                f"layers {model.num_dense_layers}..{num_cache_layers - 1} are "
+                f"(model.num_dense_layers({model.num_dense_layers}), "
+                f"num_layers({model.num_layers}) + scheduler.mtp_depth({depth}))"
+            )
+
+
+def check_workload(cfg: Config, topo: Topology) -> None:
+    """Refuse a serving run in which no request could be served (the workload is generated or
+    read once: cheap next to the run it saves)."""
+    if not topo.ranks_with_role("colocated") + topo.ranks_with_role("attention"):
+        return
+    requests = load_workload(cfg)
+    reasons = [rejection(req, cfg) for req in requests]
+    if requests and all(reasons):
+        raise ConfigError(
+            f"none of the {len(requests)} requests can be served; the first: {reasons[0]}"
+        )

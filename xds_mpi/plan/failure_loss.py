@@ -1,0 +1,50 @@
+"""Losing a decode die (a stuck or dead row on a colocated, attention or expert die), checked
+before launch (xds_mpi/plan/failures.py): what the TE-shell's vertical scaling
+(ranks/recovery/detector.py,
+ranks/recovery/shell_failover.py) cannot go on with is refused here, naming why, so that no accepted
+config stops at run time for it."""
+
+from __future__ import annotations
+
+from xds_mpi.config.failures import FailureSpec
+from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.topology import Topology
+
+
+def check_decode_loss(cfg: Config, topo: Topology) -> None:
+    rows = [
+        i
+        for i, e in enumerate(cfg.faults.events)
+        if e.kind in ("stuck", "dead") and topo.ranks[e.die].role != "prefill"
+    ]
+    if rows and cfg.faults.is_enabled:
+        raise ConfigError(
+            f"faults.events{rows}: a stuck or dead decode die together with faults.table or "
+            "faults.rate (transient XCCL errors) is not emulated: vertical scaling after the "
+            "loss does not carry the transient faults' injection and recomputation over to the "
+            "survivors' communicator (ranks/recovery/detector.py would stop the run); drop one "
+            "of the two"
+        )
+    if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
+        _check_afd_loss(topo, cfg.faults.events)
+
+
+def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
+    """An afd run recovers from one lost attention die whose DP domain keeps another
+    (ranks/recovery/afd_failover.py); a second loss would rebuild a rebuilt layout (not
+    emulated)."""
+    rows = [i for i, e in enumerate(events) if e.kind in ("stuck", "dead")]
+    if len(rows) > 1:
+        raise ConfigError(
+            f"faults.events{rows}: {len(rows)} stuck/dead rows in one afd run; one is emulated "
+            "(after it the dies run on a rebuilt layout that a second loss is not emulated on)"
+        )
+    for i in rows:
+        info = topo.ranks[events[i].die]
+        domain = topo.domain_ranks(info.dp_domain) if info.role == "attention" else ()
+        if len(domain) == 1:
+            raise ConfigError(
+                f"faults.events[{i}]: attention die {info.rank} is the only die of DP domain "
+                f"{info.dp_domain} (deployment.dp_groups_per_domain 1); losing a whole domain "
+                "is not emulated"
+            )

@@ -1,0 +1,91 @@
+"""Memory faults in expert slots, checked before launch (xds_mpi/plan/failures.py): a slot row
+runs when the slot's expert keeps a replica elsewhere once every slot row is masked (ranks/
+slot_mask.py); replicas come from health.replicas ring. Every other slot row is refused, naming
+why. On an afd deployment (ranks/recovery/afd_memory.py) a memory row, KV blocks or slot, is refused
+beside a stuck/dead row."""
+
+from __future__ import annotations
+
+from xds_mpi.config.failures import FailureSpec
+from xds_mpi.config.schema import Config
+from xds_mpi.plan.topology import Topology
+
+
+def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> str:
+    """Why an expert-slot memory fault cannot run ("" when it can: ranks/recovery/slot_mask.py masks
+    the
+    slot and the expert's other replica serves it; replicas come from health.replicas ring)."""
+    slot = topo.ranks[spec.die].expert_slots[spec.slot]
+    if slot.kind == "shared":
+        return f"{where}: slot {spec.slot} of die {spec.die} holds shared expert " + (
+            f"{slot.expert_idx}: masking a shared expert slot is not emulated"
+        )
+    others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    if cfg.eplb.enabled or others:
+        return (
+            f"{where}: masking expert slot {spec.slot} of die {spec.die} is not emulated with "
+            f"eplb.enabled({cfg.eplb.enabled}) or stuck/dead rows ({len(others)}): both move "
+            "the placement the mask edits"
+        )
+    if slot.kind == "redundant" and _ring_expert(cfg, topo, slot.phy_idx) < 0:
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} is a redundant slot holding no expert "
+            f"(health.replicas {cfg.health.replicas}): its fault would hit nothing served"
+        )
+    if cfg.health.replicas != "ring":
+        return (
+            f"{where}: slot {spec.slot} of die {spec.die} holds the only copy of routed expert "
+            f"{slot.expert_idx} (health.replicas {cfg.health.replicas}): masking it would leave "
+            "the expert nowhere"
+        )
+    return _masked_experts_left(cfg, topo, where)
+
+
+def _ring_expert(cfg: Config, topo: Topology, phy: int) -> int:
+    """The routed expert physical slot `phy` holds from the start (-1: none)."""
+    if cfg.health.replicas != "ring":
+        return -1  # redundant slots start empty (EPLB, which fills them, is refused above)
+    from xds_mpi.eplb.ring import ring_placement
+
+    return ring_placement(topo, 1).phy2log[0][phy]
+
+
+def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
+    """With every slot row masked, does each expert keep a replica in the ring placement?"""
+    from xds_mpi.eplb.ring import ring_placement  # pure: the placement the dies build
+
+    placement = ring_placement(topo, 1)
+    masked = [
+        topo.ranks[e.die].expert_slots[e.slot].phy_idx
+        for e in cfg.faults.events
+        if e.kind == "memory" and e.slot >= 0
+    ]
+    row = placement.phy2log[0]
+    left = {x for s, x in enumerate(row) if x >= 0 and s not in masked}
+    gone = sorted({x for x in row if x >= 0} - left)
+    if gone:
+        return (
+            f"{where}: the masked expert slots (physical {sorted(masked)}) hold every replica "
+            f"of routed expert(s) {gone}: masking them would leave those experts nowhere"
+        )
+    return ""
+
+
+def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
+    """Why a memory row cannot run on an afd deployment ("" when it can): not beside a stuck or
+    dead row (ranks/recovery/afd_failover.py). A masked slot: the TE-shell's check that a lost
+    expert
+    die leaves every expert a replica uses the start's placement, blind to the mask. KV blocks:
+    the memory loss and a failover both take requests off a die, and which the TE-shell hears
+    first is left to chance (a victim could be re-prefilled as an orphan); not emulated."""
+    others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
+    if not others:
+        return ""
+    if spec.slot >= 0:
+        what, why = f"slot {spec.slot}", "a failover's replica check does not see masked slots"
+    else:
+        what, why = "KV blocks", "its victims and a failover's orphans are not kept apart"
+    return (
+        f"{where}: a memory fault ({what} of die {spec.die}) beside {len(others)} stuck/dead "
+        f"row(s) in one afd run is not emulated: {why}"
+    )

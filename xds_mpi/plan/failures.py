@@ -1,0 +1,304 @@
+"""`faults.events` checked against the deployment: every row names a die of a role its kind can
+hit, the fields fit that die, and no two rows overlap (xds_mpi/config/failures.py has the kinds).
+
+Called from `xds_mpi/plan/deployment.py` so validate, run, submit and every rank refuse the same
+rows.
+"""
+
+from __future__ import annotations
+
+from xds_mpi.config.failures import KIND_ROLES, FailureSpec
+from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.failure_loss import check_decode_loss
+from xds_mpi.plan.failure_slots import afd_memory_refusal, slot_refusal
+from xds_mpi.plan.failures_pd import check_decode_loss as check_pd_decode_loss
+from xds_mpi.plan.topology import Topology
+
+# (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
+# so an accepted row is one that runs. Deployment kind: "colocated", "afd", or "pd" (pd.enabled).
+EMULATED: set[tuple[str, str, str]] = {
+    ("link", "prefill", "pd"),  # ranks/pd/channel.py, detected by ranks/recovery/link_probe.py
+    ("saturated", "colocated", "pd"),
+    (
+        "dead",
+        "prefill",
+        "pd",
+    ),  # ranks/recovery/prefill_loss.py, detected by ranks/recovery/je_prefill_loss.py
+    ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
+    (
+        "memory",
+        "colocated",
+        "colocated",
+    ),  # KV blocks (ranks/recovery/memory_check.py), slots (slot_mask)
+    ("memory", "colocated", "pd"),
+    ("memory", "attention", "afd"),  # KV blocks, ranks/recovery/afd_memory.py (afd_memory_refusal)
+    ("memory", "expert", "afd"),  # slots with a ring replica
+    (
+        "stuck",
+        "colocated",
+        "colocated",
+    ),  # ranks/recovery/die_health.py, detected by ranks/recovery/detector.py
+    ("dead", "colocated", "colocated"),
+    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failure_plan_pd.py)
+    ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/recovery/decode_loss.py
+    (
+        "stuck",
+        "attention",
+        "afd",
+    ),  # ranks/recovery/afd_health.py, afd_failover.py (_check_afd_loss)
+    ("dead", "attention", "afd"),
+    ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
+    ("dead", "expert", "afd"),
+}
+# Seconds the TE-shell's release takes at most after detection (ranks/recovery/detector.py): two
+# graces.
+RELEASE_GRACES = 2
+
+
+def release_bound_s(health) -> float:
+    """Seconds from a die's silence to the end of the TE-shell's release at most
+    (ranks/recovery/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
+    return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
+
+
+def check_failures(cfg: Config, topo: Topology) -> None:
+    _check_on_timeout(cfg)
+    for i, spec in enumerate(cfg.faults.events):
+        _check_row(cfg, topo, f"faults.events[{i}]", spec)
+    _check_overlaps(cfg.faults.events)
+    if cfg.health.replicas == "ring":
+        _check_ring(cfg, topo)
+    for i, spec in enumerate(cfg.faults.events):
+        _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
+        if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
+            _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
+            if cfg.pd.enabled:
+                check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
+    check_decode_loss(cfg, topo)  # xds_mpi/plan/failure_loss.py
+
+
+def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    roles = {info.rank: info.role for info in topo.ranks if info.is_die}
+    if spec.die not in roles:
+        raise ConfigError(
+            f"{where}.die({spec.die}) is not a die: dies are ranks {min(roles)}..{max(roles)}"
+        )
+    role, allowed = roles[spec.die], KIND_ROLES[spec.kind]
+    if role not in allowed:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault hits a {' or '.join(allowed)} die; "
+            f"rank {spec.die} is a {role} die"
+        )
+    if spec.kind in ("link", "saturated") and not cfg.pd.enabled:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault is on the KV-transfer path, which only a "
+            "disaggregated prefill-decode run has (pd.enabled is false)"
+        )
+    if spec.kind == "link" and roles.get(spec.peer) not in ("colocated", "attention"):
+        raise ConfigError(
+            f"{where}.peer({spec.peer}) is not a decode die (a link joins prefill die "
+            f"{spec.die} to a colocated or attention die)"
+        )
+    if spec.kind == "memory":
+        _check_memory(cfg, topo, where, spec, role)
+    if spec.kind in ("link", "saturated"):
+        _check_channel(cfg, topo, where, spec)
+    if role == "prefill" and spec.kind in ("dead", "stuck") and cfg.pd.enabled:
+        _check_prefill_loss(cfg, where, spec)
+
+
+def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    role = topo.ranks[spec.die].role
+    deployment = "pd" if cfg.pd.enabled else cfg.deployment.kind
+    if (spec.kind, role, deployment) not in EMULATED:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment is not "
+            "emulated (README.md, Failures, lists what is)"
+        )
+
+
+def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    """A KV-path fault the link prober can name (ranks/recovery/link_probe.py), and recover from."""
+    health = cfg.health
+    if spec.kind == "saturated" and not (
+        health.probe_slow_s < spec.delay_s < health.probe_timeout_s
+    ):
+        raise ConfigError(
+            f"{where}: a saturated die's delay_s({spec.delay_s}) must lie between "
+            f"health.probe_slow_s({health.probe_slow_s}) and health.probe_timeout_s"
+            f"({health.probe_timeout_s}): shorter is no fault the probe sees, longer looks "
+            "like a link fault"
+        )
+    if spec.kind == "link" and spec.duration_s == 0 and not health.enabled:
+        raise ConfigError(
+            f"{where}: a link fault for good (duration_s 0) with health.enabled false: no "
+            "probe would find it and its transfers would wait forever"
+        )
+    decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
+    if spec.kind == "link" and spec.duration_s == 0 and len(decode) < 2:
+        raise ConfigError(
+            f"{where}: a link fault for good from prefill die {spec.die} to the only decode "
+            f"die {spec.peer} leaves its KV no other pair"
+        )
+
+
+def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A lost prefill die takes its TE out (ranks/recovery/je_prefill_loss.py): the TE must be that
+    die
+    alone (others would hang in the TE's collectives), another TE must be left, and someone
+    must be listening."""
+    dies, tes = cfg.deployment.num_prefill_dies, cfg.pd.num_prefill_tes
+    if spec.kind == "stuck" and spec.duration_s:
+        raise ConfigError(
+            f"{where}: a prefill die stuck for duration_s({spec.duration_s}) is not emulated; "
+            "only stuck for good (duration_s 0)"
+        )
+    if dies != tes:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} is emulated only with one die per prefill "
+            f"TE (deployment.num_prefill_dies({dies}) = pd.num_prefill_tes({tes})): the other "
+            "dies of its TE would hang in the TE's collectives"
+        )
+    if tes < 2 or not cfg.health.enabled:
+        raise ConfigError(
+            f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
+            f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
+        )
+
+
+def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
+    """A stuck or dead die is found by the heartbeats; its peers wait for it meanwhile, and their
+    waits must outlast detection and release, or they fail with an XCCL timeout first."""
+    health = cfg.health
+    if not health.enabled:
+        raise ConfigError(
+            f"{where}: a {spec.kind} fault is found by heartbeats, and health.enabled is false"
+        )
+    if health.on_expert_lost == "restart":
+        raise ConfigError(
+            f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
+            "remaining dies) is not emulated; use stop"
+        )
+    grace, needed = health.release_grace_s, release_bound_s(health)
+    # faults.on_timeout=recompute: a timed-out wait is recomputed, and the vote after it waits
+    # out detection and release (ranks/recovery/recompute.py), so a short poll timeout is fine.
+    if cfg.xccl.poll_timeout_s <= needed and cfg.faults.on_timeout != "recompute":
+        raise ConfigError(
+            f"{where}: xccl.poll_timeout_s({cfg.xccl.poll_timeout_s:g}) must exceed detection "
+            f"and release, health.timeout_s({health.timeout_s:g}) + dp_interval_s"
+            f"({health.dp_interval_s:g}) + {RELEASE_GRACES} x {grace:g} s = {needed:g} s: the "
+            "stuck die's peers would end the run with an XCCL timeout first (or set "
+            "faults.on_timeout=recompute)"
+        )
+
+
+def _check_on_timeout(cfg: Config) -> None:
+    """faults.on_timeout=recompute runs on colocated and afd decode dies
+    (ranks/recovery/recompute.py),
+    which need the heartbeats to tell a lost peer from a slow one."""
+    if cfg.faults.on_timeout != "recompute":
+        return
+    kind, pd, eplb, health = (
+        cfg.deployment.kind,
+        cfg.pd.enabled,
+        cfg.eplb.enabled,
+        cfg.health.enabled,
+    )
+    if kind not in ("colocated", "afd") or pd or eplb or not health:
+        raise ConfigError(
+            "faults.on_timeout=recompute is emulated on the dies of a colocated or afd deployment "
+            f"without PD or EPLB and with heartbeats (deployment.kind {kind}, pd.enabled {pd}, "
+            f"eplb.enabled {eplb}, health.enabled {health}): without heartbeats a lost peer "
+            "would look like a slow one; EPLB's waits for the TE-shell are not recomputed"
+        )
+
+
+def _check_ring(cfg: Config, topo: Topology) -> None:
+    """health.replicas=ring (xds_mpi/eplb/ring.py): each routed die's redundant slots (colocated
+    dies, or afd expert dies, or a PD run's colocated decode dies) take the next routed die's
+    experts, from the start and for good; with EPLB (colocated without PD) those slots stay put
+    and EPLB fills the ones left over."""
+    kind, pd = cfg.deployment.kind, cfg.pd.enabled
+    if kind not in ("colocated", "afd") or (pd and kind != "colocated"):
+        raise ConfigError(
+            "health.replicas=ring fills the redundant slots of a colocated or afd deployment, "
+            f"or of a PD run's colocated decode dies (deployment.kind {kind}, pd.enabled {pd})"
+        )
+    if pd and cfg.eplb.enabled:
+        raise ConfigError(
+            "health.replicas=ring with eplb.enabled in a PD run: vertical scaling with EPLB is "
+            "emulated without PD only"
+        )
+    routed = [
+        sum(1 for s in info.expert_slots if s.kind == "routed")
+        for info in topo.ranks
+        if any(s.kind == "routed" for s in info.expert_slots)
+    ]
+    redundant = cfg.deployment.redundant_slots_per_die
+    if redundant < max(routed):
+        raise ConfigError(
+            f"health.replicas=ring copies each die's {max(routed)} routed experts into the "
+            f"previous die's redundant slots: deployment.redundant_slots_per_die({redundant}) "
+            f"must be >= {max(routed)}"
+        )
+
+
+def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, role: str) -> None:
+    if cfg.deployment.kind == "afd" and (refusal := afd_memory_refusal(cfg, where, spec)):
+        raise ConfigError(refusal)  # xds_mpi/plan/failure_slots.py
+    if spec.slot >= 0:
+        slots = topo.ranks[spec.die].expert_slots
+        if spec.slot >= len(slots):
+            raise ConfigError(
+                f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
+            )
+        refusal = slot_refusal(cfg, topo, where, spec)  # xds_mpi/plan/failure_slots.py
+        if refusal:
+            raise ConfigError(refusal)
+        return
+    if role == "expert":
+        raise ConfigError(f"{where}: rank {spec.die} is an expert die and holds no KV blocks")
+    blocks = cfg.scheduler.num_kv_blocks_per_die
+    if spec.first_block + spec.num_blocks > blocks:
+        raise ConfigError(
+            f"{where}: KV blocks {spec.first_block}..{spec.first_block + spec.num_blocks - 1} "
+            f"are past the die's scheduler.num_kv_blocks_per_die({blocks})"
+        )
+    masked = sum(
+        e.num_blocks for e in cfg.faults.events if e.kind == "memory" and e.die == spec.die
+    )
+    w = cfg.workload
+    tokens = max(w.prompt_len, w.max_prompt_len) + max(w.output_len, w.max_output_len)
+    tokens = min(tokens + cfg.scheduler.mtp_depth, cfg.model.max_seq_len)
+    longest = -(-tokens // cfg.scheduler.kv_block_tokens)
+    if blocks - masked < longest:
+        raise ConfigError(
+            f"{where}: die {spec.die} keeps {blocks} - {masked} masked = {blocks - masked} KV "
+            f"blocks, fewer than the {longest} the workload's longest request ({tokens} tokens) "
+            "may need: it would wait forever"
+        )
+
+
+def _check_overlaps(events: list[FailureSpec]) -> None:
+    """A dead die takes no other fault; one die has one fault of a kind (two memory rows: ranges
+    that do not overlap), so what was injected and what was detected stay one-to-one."""
+    for i, a in enumerate(events):
+        for j in range(i):
+            b = events[j]
+            if a.die != b.die:
+                continue
+            if "dead" in (a.kind, b.kind) or (a.kind == b.kind and _overlap(a, b)):
+                raise ConfigError(
+                    f"faults.events[{j}] ({b.kind}) and faults.events[{i}] ({a.kind}) overlap "
+                    f"on die {a.die}: a dead die takes no other fault, and one die takes one "
+                    "fault of each kind (memory: ranges that do not overlap)"
+                )
+
+
+def _overlap(a: FailureSpec, b: FailureSpec) -> bool:
+    if a.kind != "memory":
+        return True
+    if a.slot >= 0 or b.slot >= 0:
+        return a.slot == b.slot
+    a_end, b_end = a.first_block + a.num_blocks, b.first_block + b.num_blocks
+    return a.first_block < b_end and b.first_block < a_end

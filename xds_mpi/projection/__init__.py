@@ -1,0 +1,1 @@
+"""The cost model and the projection onto the pod; the paper table."""

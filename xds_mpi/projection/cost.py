@@ -1,0 +1,181 @@
+"""The 910C cost model: what one operation takes on a die, at the target model's shapes.
+
+Every compute operation is a roofline: max(FLOPs / (peak x compute efficiency), bytes /
+(HBM bandwidth x memory efficiency)); the efficiencies are the achieved/peak ratios of the papers'
+operator tables (configs/hardware/ascend910c.yaml cites each). GEMMs use INT8 weights and the
+INT8 peak; MLA's attention core uses the BF16 peak. Transfers: dispatch/combine and the A2E/E2A
+stages are priced by their mechanism (xds_mpi/projection/comm_cost.py): kernel start, per-peer flags
+and
+pulls, the bytes taken in, the wait for the slowest peer. The only fitted constants (kernel
+starts, die jitter) are fitted to a primitive latency table; nothing is fitted to a published
+end-to-end number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xds_mpi.config.schema import ModelConfig
+from xds_mpi.projection.comm_cost import LinkCosts, exchange_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    bf16_flops: float  # FLOP/s
+    int8_ops: float
+    hbm_bytes_per_s: float
+    read_bytes_per_s: float  # UB, one die pulling from others
+    write_latency_s: float
+    read_latency_s: float
+    aiv_cores: int
+    aic_cores: int
+    dispatch_start_s: float  # fitted to a primitive latency table (the profile names it)
+    combine_start_s: float
+    jitter_s: float
+    graph_launch_s: float
+    gemm_eff: float
+    mla_eff: float
+    mem_eff: float
+    bubble_s: float  # per iteration scheduling bubble
+    weight_bytes: int
+    kv_bytes: int
+    act_bytes: int
+
+    @classmethod
+    def from_profile(cls, p: dict) -> Hardware:
+        die, ub, eff, srv = p["die"], p["ub"], p["efficiency"], p["serving"]
+        return cls(
+            bf16_flops=die["bf16_tflops"] * 1e12,
+            int8_ops=die["int8_tops"] * 1e12,
+            hbm_bytes_per_s=die["hbm_tb_per_s"] * 1e12,
+            read_bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
+            write_latency_s=ub["write_latency_us_inter"] * 1e-6,
+            read_latency_s=ub["read_latency_us_inter"] * 1e-6,
+            aiv_cores=die["aiv_cores"],
+            aic_cores=die["aic_cores"],
+            dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
+            combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
+            jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,
+            graph_launch_s=srv["graph_launch_ms"] * 1e-3,
+            gemm_eff=eff["gemm_int8"],
+            mla_eff=eff["mla_compute"],
+            mem_eff=eff["memory"],
+            bubble_s=srv["scheduler_bubble_ms"] * 1e-3,
+            weight_bytes=srv["weight_bytes"],
+            kv_bytes=srv["kv_bytes"],
+            act_bytes=srv["activation_bytes"],
+        )
+
+
+class CostModel:
+    """Seconds per operation for one die at shape `m` on hardware `hw`."""
+
+    def __init__(self, m: ModelConfig, hw: Hardware) -> None:
+        self.m, self.hw = m, hw
+
+    def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
+        return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
+
+    def gemm(self, rows: int, params: float) -> float:
+        """rows x [in -> out] with `params` = in x out INT8 weights read once."""
+        if rows == 0:
+            return 0.0
+        return self._roofline(
+            2.0 * rows * params,
+            params * self.hw.weight_bytes,
+            peak=self.hw.int8_ops,
+            eff=self.hw.gemm_eff,
+        )
+
+    # -- attention side -------------------------------------------------------------------------
+    def mla_prolog(self, rows: int) -> float:
+        """MLAProlog (q/kv down and up projections, the absorbed W_UK) + W_UV and o_proj."""
+        m = self.m
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        params = (
+            m.hidden * m.q_lora_rank
+            + m.q_lora_rank * m.num_heads * qk
+            + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+            + 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
+            + m.num_heads * m.v_head_dim * m.hidden
+        )
+        return self.gemm(rows, params)
+
+    def attention(self, seqs: list[tuple[int, int]]) -> float:
+        """Absorbed MLA: seqs = (KV length, new rows) per sequence; each row scores and reads
+        its sequence's latent cache (read once per sequence)."""
+        m, width = self.m, self.m.kv_lora_rank + self.m.qk_rope_dim
+        flops = sum(2.0 * rows * m.num_heads * n * (width + m.kv_lora_rank) for n, rows in seqs)
+        nbytes = sum(n * width * self.hw.kv_bytes for n, _ in seqs)
+        return self._roofline(flops, nbytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff)
+
+    def gate(self, rows: int) -> float:
+        return self.gemm(rows, self.m.hidden * self.m.num_routed_experts)
+
+    # -- FFN side -------------------------------------------------------------------------------
+    def experts(self, rows_per_expert: list[float]) -> float:
+        """SwiGLU experts run one after another on the die, each over its own rows."""
+        params = 3.0 * self.m.hidden * self.m.moe_intermediate
+        return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
+
+    def routed(self, rows: float, num_experts: float) -> float:
+        """A die's `rows` routed rows over its `num_experts` experts, each row to one of them at
+        random: only the experts some row reaches run, n x (1 - (1 - 1/n)^rows) of them on
+        average (at a few rows most experts' weights are never read)."""
+        if rows <= 0 or num_experts <= 0:
+            return 0.0
+        touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
+        params = 3.0 * self.m.hidden * self.m.moe_intermediate
+        return touched * self.gemm(rows / touched, params)
+
+    def dense_ffn(self, rows: int) -> float:
+        return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
+
+    def head(self, rows: int) -> float:
+        return self.gemm(rows, self.m.hidden * self.m.vocab_size)
+
+    def sampling(self, rows: int) -> float:
+        """Reading the logits once (argmax / top-p), memory-bound."""
+        return rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
+
+    # -- transfers ------------------------------------------------------------------------------
+    def link(self, kind: str, *, persistent: bool = False) -> LinkCosts:
+        """The mechanism's constants for a dispatch-like (A2E) or combine-like (E2A) exchange;
+        persistent: run by a kernel already polling (xDeepServe §5.2: the MoE dies' persistent
+        kernels), so without the kernel start."""
+        hw = self.hw
+        start = hw.dispatch_start_s if kind == "dispatch" else hw.combine_start_s
+        return LinkCosts(
+            read_bytes_per_s=hw.read_bytes_per_s,
+            write_latency_s=hw.write_latency_s,
+            read_latency_s=hw.read_latency_s,
+            aiv_cores=hw.aiv_cores,
+            start_s=0.0 if persistent else start,
+            jitter_s=hw.jitter_s,
+        )
+
+    def row_bytes(self, kind: str, *, int8: bool = True) -> int:
+        """Dispatch rows are INT8 + a 4-byte scale (or activations); combine rows activations."""
+        if kind == "dispatch" and int8:
+            return self.m.hidden + 4
+        return self.m.hidden * self.hw.act_bytes
+
+    def dispatch(
+        self, rows_in: float, *, peers: int, int8: bool = True, persistent: bool = False
+    ) -> float:
+        """Flags to every peer, then pull `rows_in` rows from the peers."""
+        nbytes = rows_in * self.row_bytes("dispatch", int8=int8)
+        link = self.link("dispatch", persistent=persistent)
+        return exchange_s(link, peers=peers, bytes_in=nbytes)
+
+    def combine(self, rows_back: float, *, peers: int, persistent: bool = False) -> float:
+        """Flags, then pull this die's rows' expert outputs back."""
+        nbytes = rows_back * self.row_bytes("combine")
+        link = self.link("combine", persistent=persistent)
+        return exchange_s(link, peers=peers, bytes_in=nbytes)
+
+    def expert_pull(self) -> float:
+        """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a
+        die that hosts it: an EPLB replica load (xds_mpi/eplb)."""
+        nbytes = 3.0 * self.m.hidden * self.m.moe_intermediate * self.hw.weight_bytes
+        return self.hw.write_latency_s + self.hw.read_latency_s + nbytes / self.hw.read_bytes_per_s

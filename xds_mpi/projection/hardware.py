@@ -1,0 +1,39 @@
+"""Hardware profiles: configs/hardware/<name>.yaml, each value citing its source paper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from xds_mpi.config.schema import ConfigError
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
+
+
+def load_profile(name: str) -> dict:
+    """A profile by name (configs/hardware/<name>.yaml) or by path."""
+    path = Path(name) if name.endswith(".yaml") else PROFILE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
+        raise ConfigError(f"hardware.profile {name!r}: no such profile (known: {known})")
+    profile = yaml.safe_load(path.read_text())
+    for section, keys in REQUIRED.items():
+        missing = [k for k in keys if k not in profile.get(section, {})]
+        if missing:
+            raise ConfigError(f"hardware profile {path}: section {section!r} lacks {missing}")
+    return profile
+
+
+REQUIRED = {
+    "die": ["bf16_tflops", "int8_tops", "hbm_gb", "hbm_tb_per_s", "aiv_cores"],
+    "ub": [
+        "link_gb_per_s",
+        "write_gb_per_s_inter",
+        "write_gb_per_s_intra",
+        "write_latency_us_inter",
+        "write_latency_us_intra",
+        "mte_gb_per_s_per_core",
+        "dma_startup_us",
+    ],
+}

@@ -1,0 +1,212 @@
+"""One MoE layer of the projection (xds_mpi/projection/project.py), colocated or disaggregated,
+priced
+at the slowest dies.
+
+Colocated (DP x EP, xDeepServe §7.1): attention side, gate, dispatch, routed experts, combine.
+Dispatch waits for the slowest DP group's attention (it absorbs MLA variance, xDeepServe §7.1)
+and takes in the hottest die's rows; combine waits for the hottest expert die. With two
+microbatches (CloudMatrix-Infer §4.2.3) stream 0 (MLAProlog, attention; 16 AIC, 32 AIV) and
+stream 1 (gate, dispatch, experts, combine; 8 AIC, 16 AIV) overlap, so a layer takes 2 x the
+longer stream. Disaggregated (xDeepServe §5.2, Figure 19): D domains x M microbatches take turns
+at the expert dies; a layer takes the longest of M x the attention side, one microbatch's round trip
+(attention, A2E, MoE, E2A) and D x M x the expert side's compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from xds_mpi.config.schema import Config
+from xds_mpi.projection.comm_cost import expected_max_z
+from xds_mpi.projection.cost import CostModel
+from xds_mpi.projection.imbalance import Imbalance
+
+# CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC and 32 AIV, stream 1 gets 8 AIC and 16 AIV.
+ATTENTION_STREAM = (16, 32)
+MOE_STREAM = (8, 16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerInputs:
+    cfg: Config
+    cost: CostModel
+    n: dict
+    batch: int
+    kv_len: float
+    rows_per_seq: int
+    imbalance: Imbalance
+    microbatches: int
+
+
+def counts(cfg: Config, topo, *, redundant_dies: int = 0) -> dict:
+    """Die counts; `redundant_dies` of the dedicated non-routed dies hold a routed replica
+    instead of a shared-expert copy (CloudMatrix-Infer §4.1: 32 shared copies, 256 routed and
+    32 redundant experts, one per die: a topology without empty routed dies cannot say so)."""
+    hosts = [r for r in topo.ranks if r.expert_slots]
+    routed = [r for r in hosts if any(s.kind == "routed" for s in r.expert_slots)]
+    return {
+        "dies": topo.num_dies,
+        "expert_dies": len(hosts),
+        "routed_dies": len(routed),
+        "shared_dies": len(hosts) - len(routed) - redundant_dies,
+        "attention": topo.num_dp_domains * topo.dp_groups_per_domain,
+    }
+
+
+def _share(cost: CostModel, cores: tuple[int, int]) -> CostModel:
+    """The cost model of a stream given (AIC, AIV) of the die's cores: the cube cores set its
+    compute, the vector cores how many peers its dispatch/combine serve at once."""
+    aic, aiv = cores
+    f = aic / cost.hw.aic_cores
+    hw = replace(
+        cost.hw, int8_ops=cost.hw.int8_ops * f, bf16_flops=cost.hw.bf16_flops * f, aiv_cores=aiv
+    )
+    return CostModel(cost.m, hw)
+
+
+def _attention(cost: CostModel, x: LayerInputs, batch: float, *, slowest: bool) -> float:
+    imb = x.imbalance if slowest else Imbalance()
+    seqs = [(x.kv_len * imb.kv, x.rows_per_seq)] * max(1, round(batch * imb.batch))
+    return cost.mla_prolog(round(batch * imb.batch) * x.rows_per_seq) + cost.attention(seqs)
+
+
+def _routed(cost: CostModel, n: dict, tokens: float, imb: Imbalance | None) -> tuple[float, float]:
+    """(rows in, expert seconds) of a routed die. imb None: the typical die, the mean of
+    `tokens`' routed rows. Otherwise the hottest die: imb.moe x the mean, and, when that is the
+    expected loads' max/mean (not a measured one), at least the mean plus one iteration's routing
+    noise (rows land on dies at random: the largest of n Poisson counts of mean R is about
+    R + z(n) sqrt(R))."""
+    m = cost.m
+    mean = tokens * m.top_k / n["routed_dies"]
+    per_die = mean if imb is None else mean * imb.moe
+    if imb is not None and imb.noise:
+        per_die = max(per_die, mean + expected_max_z(n["routed_dies"]) * math.sqrt(mean))
+    experts_per_die = max(1, round(m.num_routed_experts / n["routed_dies"]))
+    return per_die, cost.routed(per_die, experts_per_die)
+
+
+def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
+    cfg, n, mb = x.cfg, x.n, x.microbatches
+    m, dedicated = x.cost.m, cfg.deployment.shared_experts == "dedicated"
+    s0 = _share(x.cost, ATTENTION_STREAM) if mb > 1 else x.cost
+    s1 = _share(x.cost, MOE_STREAM) if mb > 1 else x.cost
+    batch = x.batch / mb
+    rows = batch * x.rows_per_seq
+    attn_mean = _attention(s0, x, batch, slowest=False)
+    attn_max = _attention(s0, x, batch, slowest=True)
+    tokens = rows * n["dies"]
+    rows_max, experts_max = _routed(s1, n, tokens, x.imbalance)
+    _, experts_mean = _routed(s1, n, tokens, None)
+    shared = s1.experts([tokens / n["shared_dies"]]) if dedicated else 0.0
+    every_die_shared = 0.0 if dedicated else s1.experts([rows] * m.num_shared_experts)
+    dispatch = s1.dispatch(rows_max, peers=n["dies"], int8=cfg.xccl.use_int8)
+    combine = s1.combine(rows * (m.top_k + (1 if dedicated else 0)), peers=n["dies"])
+    slowest_experts = max(experts_max, shared) + every_die_shared
+    typical_experts = max(experts_mean, shared) + every_die_shared
+    parts = {
+        "MLAProlog": s0.mla_prolog(rows),
+        "attention": attn_mean - s0.mla_prolog(rows),
+        "gate": s1.gate(rows),
+        "dispatch": dispatch + attn_max - attn_mean,  # waits for the slowest DP group
+        "experts": typical_experts,
+        "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
+    }
+    stream0, stream1 = attn_max, sum(parts.values()) - attn_max  # dispatch holds the wait
+    layer = 2 * max(stream0, stream1) if mb > 1 else stream0 + stream1
+    scale = layer / sum(parts.values())
+    primitives = {"dispatch": dispatch, "combine": combine, "layer": layer}
+    if mb > 1:
+        primitives["stream"] = max(stream0, stream1)
+    scaled = {k: v * scale for k, v in parts.items()}
+    details = {"layer": scaled, "stream": {"attention stream": stream0, "MoE stream": stream1}}
+    return scaled, primitives, details
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdHops:
+    """A2E and E2A of one microbatch of one attention die (xDeepServe §3.3, Figure 8): to its
+    trampoline, then from the domain's trampolines (as many expert dies as attention dies) to
+    the experts; back through the trampolines. The expert dies' stages run in persistent
+    kernels (xDeepServe §5.2), without a kernel start; the attention dies' stages start one."""
+
+    trampolines: int
+    domain_trampolines: int
+    expert_dies: int
+    routed_dies: int
+    groups_per_domain: int
+
+    @classmethod
+    def of(cls, cfg: Config, n: dict) -> AfdHops:
+        groups = cfg.deployment.dp_groups_per_domain
+        return cls(
+            trampolines=math.ceil(groups / n["expert_dies"]),
+            domain_trampolines=min(groups, n["expert_dies"]),
+            expert_dies=n["expert_dies"],
+            routed_dies=n["routed_dies"],
+            groups_per_domain=groups,
+        )
+
+    def a2e_first(self, cost: CostModel, mb_rows: float, *, int8: bool) -> float:
+        """Stage 1: the attention die's rows to its trampoline."""
+        return cost.dispatch(mb_rows, peers=self.trampolines, int8=int8)
+
+    def a2e(
+        self, cost: CostModel, mb_rows: float, *, expert_rows: float | None = None, int8: bool
+    ) -> float:
+        """mb_rows: the attention die's rows; expert_rows: what the hottest expert die takes
+        in at stage 2, from the trampolines (None: the mean die's share)."""
+        if expert_rows is None:
+            expert_rows = mb_rows * self.groups_per_domain * cost.m.top_k / self.routed_dies
+        return self.a2e_first(cost, mb_rows, int8=int8) + cost.dispatch(
+            expert_rows, peers=self.domain_trampolines, int8=int8, persistent=True
+        )
+
+    def e2a(self, cost: CostModel, mb_rows: float) -> float:
+        """Each trampoline takes its attention dies' top-k and shared outputs from the expert
+        dies, then the attention die its rows from its trampoline."""
+        served = self.groups_per_domain / self.domain_trampolines
+        per_trampoline = mb_rows * served * (cost.m.top_k + 1)
+        return cost.combine(per_trampoline, peers=self.expert_dies, persistent=True) + (
+            cost.combine(mb_rows, peers=self.trampolines)
+        )
+
+
+def afd_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
+    cfg, n, cost = x.cfg, x.n, x.cost
+    dep = cfg.deployment
+    micro = dep.num_microbatches
+    batch = x.batch / micro
+    mb_rows = batch * x.rows_per_seq  # one attention die, one microbatch
+    tokens = mb_rows * dep.dp_groups_per_domain  # one domain's microbatch
+    rows_max, experts_max = _routed(cost, n, tokens, x.imbalance)
+    if n["shared_dies"]:  # dedicated shared-expert dies
+        shared = cost.experts([tokens / n["shared_dies"]])
+        moe = max(experts_max, shared)
+    else:  # every expert die runs the shared expert on its share of the tokens
+        shared = cost.experts([tokens / n["expert_dies"]])
+        moe = experts_max + shared
+    hops = AfdHops.of(cfg, n)
+    a2e = hops.a2e(cost, mb_rows, expert_rows=rows_max, int8=cfg.xccl.use_int8)
+    e2a = hops.e2a(cost, mb_rows)
+    attention = _attention(cost, x, batch, slowest=True) + cost.gate(mb_rows)
+    expert_side = dep.num_dp_domains * micro * moe
+    layer = max(micro * attention, attention + a2e + moe + e2a, expert_side)
+    parts = {"MLAProlog+attention+gate": micro * attention, "A2E": a2e, "MoE": moe, "E2A": e2a}
+    scale = layer / sum(parts.values())
+    a2e_first = hops.a2e_first(cost, mb_rows, int8=cfg.xccl.use_int8)
+    side = attention + a2e_first
+    primitives = {"attention side": side, "A2E": a2e, "MoE": moe, "E2A": e2a, "layer": layer}
+    prolog = cost.mla_prolog(round(batch * x.imbalance.batch) * x.rows_per_seq)
+    e2a_last = cost.combine(mb_rows, peers=hops.trampolines)
+    details = {
+        "attention side": {
+            "MLAProlog": prolog, "attention": attention - prolog - cost.gate(mb_rows),
+            "gate": cost.gate(mb_rows), "A2E stage 1": a2e_first,
+        },
+        "A2E": {"stage 1": a2e_first, "stage 2 (trampolines)": a2e - a2e_first},
+        "E2A": {"stage 1 (to trampolines)": e2a - e2a_last, "stage 2": e2a_last},
+        "MoE": {"routed experts, hottest die": experts_max, "shared expert": shared},
+        "layer": {k: v * scale for k, v in parts.items()},
+    }  # fmt: skip
+    return {k: v * scale for k, v in parts.items()}, primitives, details

@@ -1,0 +1,156 @@
+"""The projection against the papers: each validation row of xds_mpi/projection/paper_data.py
+projected by
+the cost model (`validation_table`), and the calibration fits apart (`calibration_table`).
+What `xds-mpi project --paper` prints; tests recompute each projected value from the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from xds_mpi.projection.paper_data import (
+    SCENARIOS,
+    TABLE7_CM384,
+    TABLE7_H800,
+    TABLE7_TOKENS,
+    VALIDATION,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    source: str
+    conditions: str
+    metric: str
+    unit: str
+    published: float
+    projected: float
+    why: str = ""  # rows outside MISS: what the projected value is made of (`why_text`)
+
+    @property
+    def error(self) -> float:
+        return self.projected / self.published - 1.0
+
+
+MISS = 0.15  # a row further off than this gets its reason printed beside it
+
+SHARE_PARTS = {"share attention": ("attention",), "share dispatch+combine": ("dispatch", "combine")}
+ITERATION_METRICS = ("iteration", "tpot", "tokens/s/chip", "tokens/s/die")
+
+
+def why_text(p, metric: str, imbalance, *, top: int = 3) -> str:
+    """What the model's value of `metric` is made of, from the projection itself: the largest
+    parts (share of the value, or of the forward time for the iteration metrics and the
+    shares) and the imbalance it was priced at, with its source. A reader sees which modelled
+    term carries the value and what it rests on."""
+    if metric in ITERATION_METRICS or metric in SHARE_PARTS:
+        parts = p.breakdown_s
+    else:
+        parts = p.parts_s.get(metric, {metric: p.primitives_s.get(metric, 0.0)})
+    total = sum(parts.values()) or 1.0
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])[:top]
+    made_of = ", ".join(f"{k} {v / total:.0%}" for k, v in largest)
+    if metric in SHARE_PARTS:
+        mine = sum(parts[k] for k in SHARE_PARTS[metric])
+        made_of = f"{' + '.join(SHARE_PARTS[metric])} {mine * 1e3:.1f} ms; largest: {made_of}"
+    return (
+        f"{made_of}; priced at hottest expert die {imbalance.moe:.2f}x, KV {imbalance.kv:.2f}x, "
+        f"batch {imbalance.batch:.2f}x the mean ({imbalance.source})"
+    )
+
+
+@cache
+def scenario_inputs(name: str, profile: str = "ascend910c"):
+    """(config, cost shape, hardware, project() keyword arguments) of a published scenario."""
+    from launch.paths import resolve_config
+    from xds_mpi.config.schema import load_config
+    from xds_mpi.model.shapes import cost_shape
+    from xds_mpi.plan.topology import Topology
+    from xds_mpi.projection.cost import Hardware
+    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.projection.imbalance import Imbalance, from_skew, kv_straggler
+    from xds_mpi.projection.project import Execution
+
+    s = SCENARIOS[name]
+    cfg = load_config(resolve_config(s.config), list(s.overrides))
+    m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
+    topo = Topology.from_config(cfg)
+    groups = topo.num_dp_domains * topo.dp_groups_per_domain
+    kv = kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups)
+    if s.skew is None:
+        imbalance = Imbalance(kv=kv, source="even expected loads + routing noise")
+    else:
+        hottest, share = s.skew
+        imbalance = Imbalance(
+            moe=from_skew(cfg, m, hottest=hottest, share=share, drift_sigma=s.drift_sigma),
+            kv=kv, source=f"Figure-11a skew {hottest:g}x after FlowServe EPLB, drift "
+            f"{s.drift_sigma:g} per slice",
+        )  # fmt: skip
+    kwargs = dict(
+        batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
+        imbalance=imbalance, redundant_dies=s.redundant_dies,
+        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs),
+    )  # fmt: skip
+    return cfg, m, hw, kwargs
+
+
+@cache
+def scenario_projection(name: str, profile: str = "ascend910c"):
+    from xds_mpi.projection.project import project
+
+    cfg, m, hw, kwargs = scenario_inputs(name, profile)
+    return project(cfg, m, hw, **kwargs)
+
+
+def metric_value(p, metric: str, *, dies_per_chip: int, bubble_s: float) -> float:
+    """One metric of a projection in the unit the papers use."""
+    forward = p.iteration_s - bubble_s
+    b = p.breakdown_s
+    values = {
+        "iteration": lambda: p.iteration_s * 1e3,
+        "tpot": lambda: p.tpot_s * 1e3,
+        "tokens/s/chip": lambda: p.tokens_per_s_per_chip,
+        "tokens/s/die": lambda: p.tokens_per_s_per_chip / dies_per_chip,
+        "share attention": lambda: 100 * b["attention"] / forward,
+        "share dispatch+combine": lambda: 100 * (b["dispatch"] + b["combine"]) / forward,
+    }
+    if metric in values:
+        return values[metric]()
+    return p.primitives_s[metric] * 1e6  # one call (us): A2E, E2A, MoE, layer, stream, ...
+
+
+def validation_table(profile: str = "ascend910c") -> list[Row]:
+    rows = []
+    for pub in VALIDATION:
+        cfg, _, hw, kwargs = scenario_inputs(pub.scenario, profile)
+        p = scenario_projection(pub.scenario, profile)
+        value = metric_value(
+            p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip, bubble_s=hw.bubble_s
+        )
+        off = abs(value / pub.value - 1) > MISS
+        rows.append(
+            Row(
+                source=pub.source,
+                conditions=SCENARIOS[pub.scenario].conditions,
+                metric=pub.metric,
+                unit=pub.unit,
+                published=pub.value,
+                projected=value,
+                why=why_text(p, pub.metric, kwargs["imbalance"]) if off else "",
+            )
+        )
+    return rows
+
+
+def calibration_table(profile: str = "ascend910c"):
+    """The Table 7 fit of `profile`'s XCCL constants (the profile's values, rounded, are what
+    the fit returns)."""
+    from xds_mpi.model.shapes import cost_shape
+    from xds_mpi.projection.comm_cost import fit_table7
+    from xds_mpi.projection.cost import CostModel, Hardware
+    from xds_mpi.projection.hardware import load_profile
+
+    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
+    table = TABLE7_H800 if profile == "h800" else TABLE7_CM384
+    row_bytes = {k: cost.row_bytes(k) for k in ("dispatch", "combine")}
+    return fit_table7(cost.link("dispatch"), table, tokens=TABLE7_TOKENS, row_bytes=row_bytes)

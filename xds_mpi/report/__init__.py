@@ -1,0 +1,1 @@
+"""Run files, traces, progress and the report."""

@@ -1,0 +1,159 @@
+"""What `xds-mpi report` reads from one run: the run file (summary, per-die iterations, requests)
+and, when it sits beside it, the run's trace (per-iteration breakdown on the 910C clock, expert
+load per layer and expert, faults and recoveries on the wall clock)."""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from xds_mpi.report.trace_writer import VIRTUAL_PID, WALL_PID, trace_path
+
+# The breakdown's parts (Figure 20's kernels): leaf spans on the virtual clock; a wait is shown
+# apart from the rest of its operation.
+BREAKDOWN = (
+    "attention",
+    "gate",
+    "dispatch wait",
+    "dispatch",
+    "experts",
+    "combine wait",
+    "combine",
+    "sampling",
+)
+RECOVERY_SPANS = ("fault", "rollback", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunData:
+    """One run for the report. breakdown: part -> [iterations] projected ms, mean over the dies
+    (from the trace; empty without one); expert_load: [moe layers, experts] rows received, with
+    load_layers the layer index of each row; recovery: (name, wall s since start, duration s)."""
+
+    name: str
+    attrs: dict
+    summary: dict
+    dies: dict[int, dict[str, np.ndarray]]
+    requests: dict[str, np.ndarray]
+    has_trace: bool = False
+    breakdown: dict[str, np.ndarray] = field(default_factory=dict)
+    expert_load: np.ndarray | None = None
+    load_layers: tuple[int, ...] = ()
+    recovery: list[tuple[str, float, float]] = field(default_factory=list)
+    eplb_loads: dict[str, np.ndarray] = field(default_factory=dict)  # EPLB before/after below
+
+
+def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
+    """EPLB's measured die load per placement version with steady iterations ("v0" = the static
+    placement before any swap, "after" = every later version pooled): [MoE layers, dies] routed
+    rows per iteration each; {} without EPLB."""
+    if "eplb" not in f:
+        return {}
+    return {
+        name: group["die_rows"][()] / max(1, int(group.attrs["num_iterations"]))
+        for name, group in f["eplb"].items()
+        if isinstance(group, h5py.Group)
+    }
+
+
+def load_run(path: str | Path) -> RunData:
+    path = Path(path)
+    with h5py.File(path, "r") as f:
+        parts = dict(
+            name=path.stem,
+            attrs={k: _plain(v) for k, v in f.attrs.items()},
+            summary={k: _plain(v) for k, v in f["summary"].attrs.items()} if "summary" in f else {},
+            dies={
+                int(rank): {name: group[name][()] for name in group}
+                for rank, group in f.get("dies", {}).items()
+            },
+            requests={name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")},
+            eplb_loads=eplb_loads(f),
+        )
+    traced = trace_path(path)
+    if traced.exists():
+        parts.update(_from_trace(json.loads(traced.read_text())["traceEvents"]))
+    return RunData(**parts)
+
+
+def _from_trace(events: list[dict]) -> dict:
+    """RunData's fields that come from the trace."""
+    layers, load = expert_load(events)
+    return dict(
+        has_trace=True,
+        breakdown=breakdown(events),
+        expert_load=load,
+        load_layers=layers,
+        recovery=[
+            (e["name"], e["ts"] / 1e6, e.get("dur", 0.0) / 1e6)
+            for e in events
+            if e["pid"] == WALL_PID and e["name"] in RECOVERY_SPANS
+        ],
+    )
+
+
+def breakdown(events: list[dict]) -> dict[str, np.ndarray]:
+    """part -> [iterations] projected ms per iteration, the mean over the dies; "other" is the
+    iteration's time outside every part (embedding, dense FFN, MTP heads, the bubble)."""
+    spans = defaultdict(list)  # die -> its spans on the virtual clock, in time order
+    for e in events:
+        if e["pid"] == VIRTUAL_PID and e["ph"] == "X":
+            spans[e["tid"]].append(e)
+    per_die = [_die_breakdown(sorted(s, key=lambda e: e["ts"])) for s in spans.values()]
+    per_die = [b for b in per_die if b]
+    if not per_die:
+        return {}
+    num = min(len(b["iteration"]) for b in per_die)
+    parts = (*BREAKDOWN, "other")
+    return {p: np.mean([b[p][:num] for b in per_die], axis=0) / 1e3 for p in parts}
+
+
+def _die_breakdown(spans: list[dict]) -> dict[str, np.ndarray]:
+    """One die's virtual microseconds per part and iteration ({} for a die without iterations)."""
+    iterations = [e for e in spans if e["name"] == "iteration"]
+    if not iterations:
+        return {}
+    starts = [e["ts"] for e in iterations]
+    out = {p: np.zeros(len(iterations)) for p in (*BREAKDOWN, "iteration")}
+    out["iteration"] = np.array([e["dur"] for e in iterations], float)
+    for e in spans:
+        if e["name"] in BREAKDOWN:
+            out[e["name"]][bisect.bisect_right(starts, e["ts"]) - 1] += e["dur"]
+    for op in ("dispatch", "combine"):  # the operation's own time, its wait apart
+        out[op] -= out[f"{op} wait"]
+    out["other"] = np.maximum(out["iteration"] - sum(out[p] for p in BREAKDOWN), 0.0)
+    return out
+
+
+def expert_load(events: list[dict]) -> tuple[tuple[int, ...], np.ndarray | None]:
+    """(layers, [layers, experts] rows each routed expert received), from the "experts" spans'
+    arguments on the wall clock (rolled-back attempts left out)."""
+    rows: dict[tuple[int, int], int] = defaultdict(int)
+    for e in events:
+        args = e.get("args", {})
+        if e["pid"] == WALL_PID and e["name"] == "experts" and "experts" in args:
+            if not args.get("rolled_back"):
+                for expert, num in zip(args["experts"], args["rows"]):
+                    if expert >= 0:
+                        rows[args["layer"], expert] += num
+    if not rows:
+        return (), None
+    layers = tuple(sorted({layer for layer, _ in rows}))
+    load = np.zeros((len(layers), max(e for _, e in rows) + 1), np.int64)
+    for (layer, expert), num in rows.items():
+        load[layers.index(layer), expert] += num
+    return layers, load
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

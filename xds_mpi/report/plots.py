@@ -1,0 +1,159 @@
+"""The report's figures (matplotlib, headless Agg backend), one function each: a run in, a
+PNG out. A figure whose data the run does not have says so inside it rather than vanishing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display, CI included
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from xds_mpi.report.data import RunData  # noqa: E402
+
+DPI = 80
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _empty(ax, why: str) -> None:
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def breakdown(run: RunData, path: Path) -> Path:
+    """Figure 20 style: each iteration's projected time by operation, stacked (mean over dies)."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    if not run.breakdown:
+        _empty(ax, "no trace beside the run file (run.trace: false)")
+    else:
+        x = np.arange(len(run.breakdown["other"]))
+        bottom = np.zeros(len(x))
+        for part, ms in run.breakdown.items():
+            ax.bar(x, ms, bottom=bottom, label=part, width=0.9)
+            bottom += ms
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("projected ms (910C clock, mean over dies)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(f"{run.name}: per-operation breakdown per iteration")
+    return _save(fig, path)
+
+
+def die_times(run: RunData, path: Path) -> Path:
+    """Each die's wall and virtual seconds per iteration."""
+    fig, (wall, virtual) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for rank, die in sorted(run.dies.items()):
+        wall.plot(die["total_s"] * 1e3, label=f"rank {rank}", lw=1)
+        virtual.plot(die["vtime_s"] * 1e3, label=f"rank {rank}", lw=1)
+    wall.set(title="wall ms per iteration", xlabel="iteration", ylabel="ms")
+    virtual.set(title="projected 910C ms per iteration", xlabel="iteration", ylabel="ms")
+    if run.dies:
+        wall.legend(fontsize=7)
+    fig.suptitle(run.name, fontsize=9)
+    return _save(fig, path)
+
+
+def expert_load(run: RunData, path: Path) -> Path:
+    """Rows each routed expert received per MoE layer (Figure 11a's heatmap)."""
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    if run.expert_load is None:
+        _empty(ax, "no expert load: no trace beside the run file")
+    else:
+        image = ax.imshow(run.expert_load, aspect="auto", cmap="viridis")
+        ax.set_yticks(range(len(run.load_layers)), [f"layer {i}" for i in run.load_layers])
+        ax.set_xlabel("logical expert")
+        fig.colorbar(image, ax=ax, label="rows received")
+    ax.set_title(f"{run.name}: expert load per layer and expert")
+    return _save(fig, path)
+
+
+def eplb(run: RunData, path: Path) -> Path:
+    """EPLB: routed rows per die and MoE layer per iteration, before and after the swaps."""
+    versions = sorted((k for k in run.eplb_loads if k != "after"), key=lambda k: int(k[1:]))
+    shown = [k for k in (versions[:1] + ["after"]) if k in run.eplb_loads]  # before, after
+    loads = {k: run.eplb_loads[k] for k in shown}
+    fig, axes = plt.subplots(1, max(1, len(loads)), figsize=(10, 3.2), squeeze=False)
+    if not loads:
+        _empty(axes[0, 0], "no EPLB in this run")
+    top = max((float(rows.max()) for rows in loads.values()), default=1.0)
+    for ax, (label, rows) in zip(axes[0], loads.items()):
+        image = ax.imshow(rows, aspect="auto", cmap="magma", vmin=0, vmax=top)
+        ratios = rows.max(axis=1) / np.maximum(rows.mean(axis=1), 1e-9)
+        ax.set_yticks(range(len(rows)), [f"MoE {i} ({r:.2f})" for i, r in enumerate(ratios)])
+        ax.set_xlabel("die")
+        name = "after (all later versions)" if label == "after" else f"before ({label})"
+        ax.set_title(f"{name}: rows per iteration (max/mean)", fontsize=9)
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"{run.name}: EPLB die load", fontsize=9)
+    return _save(fig, path)
+
+
+def latencies(run: RunData, path: Path) -> Path:
+    """TTFT and TPOT histograms over the served requests."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    for ax, key, title in zip(axes, ("ttft_s", "tpot_s"), ("TTFT", "TPOT")):
+        values = run.requests[key][np.isfinite(run.requests[key])] * 1e3
+        if len(values):
+            ax.hist(values, bins=min(20, max(len(values), 1)), color="tab:blue")
+        else:
+            _empty(ax, f"no {title}")
+        ax.set(title=f"{title} distribution", xlabel="ms", ylabel="requests")
+    fig.suptitle(run.name, fontsize=9)
+    return _save(fig, path)
+
+
+def mtp_acceptance(run: RunData, path: Path) -> Path:
+    """MTP acceptance per DP group (die)."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ranks = run.summary.get("mtp_group_ranks")
+    if ranks is None or not len(ranks):
+        _empty(ax, "MTP off in this run (scheduler.mtp_depth = 0)")
+    else:
+        acceptance = np.asarray(run.summary["mtp_group_acceptance"]) * 100
+        ax.bar([f"rank {r}" for r in ranks], acceptance, color="tab:green")
+        ax.axhline(run.summary["mtp_acceptance"] * 100, color="k", ls="--", lw=1, label="all")
+        ax.set(ylabel="drafts accepted (%)", ylim=(0, 100))
+        ax.legend(fontsize=7)
+    ax.set_title(f"{run.name}: MTP acceptance per DP group")
+    return _save(fig, path)
+
+
+def recovery(run: RunData, path: Path) -> Path:
+    """Faults (markers), rollbacks and recomputed attempts (bars) on the wall clock."""
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    rows = {"fault": 2, "rollback": 1, "recompute": 0}
+    colors = {"fault": "tab:red", "rollback": "tab:orange", "recompute": "tab:purple"}
+    for name, start, dur in run.recovery:
+        if name == "fault":
+            ax.plot([start], [rows[name]], "v", color=colors[name], ms=8)
+        else:
+            ax.barh(rows[name], max(dur, 1e-3), left=start, color=colors[name], height=0.6)
+    if not run.recovery:
+        ax.text(0.5, 0.5, "no faults, rollbacks or recomputation", transform=ax.transAxes)
+    ax.set_yticks(list(rows.values()), list(rows))
+    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [s + d for _, s, d in run.recovery]))
+    ax.set_xlabel("wall s since the run's first event")
+    count = sum(1 for name, _, _ in run.recovery if name == "fault")
+    where = "" if run.has_trace else " (no trace)"
+    ax.set_title(f"{run.name}: faults and recoveries, {count} faults{where}")
+    return _save(fig, path)
+
+
+FIGURES = {
+    "breakdown": breakdown,
+    "die_times": die_times,
+    "expert_load": expert_load,
+    "eplb": eplb,
+    "latency": latencies,
+    "mtp": mtp_acceptance,
+    "recovery": recovery,
+}

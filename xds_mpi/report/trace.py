@@ -1,0 +1,211 @@
+"""The run's timeline: spans on every rank, on two clocks (docs/design.md §7).
+
+One tracer per process (= per rank). Code anywhere records with one line, a no-op while tracing
+is off (the default until `configure`):
+
+    with trace.span("dispatch", layer=3):   # wall start/end + virtual (910C) start/end
+        ...
+    trace.instant("fault", op="combine")    # a point in time
+    trace.flow_start(flow_id)               # an arrow from here ...
+    trace.flow_end(flow_id)                 # ... to here (another rank, same id)
+
+Events are buffered in memory as `SpanRecord`s and sent to the TE-shell once at the end
+(ranks/core/trace_io.py), which writes one Chrome trace-event file (xds_mpi/report/trace_writer.py).
+The names a span may take are `SPAN_NAMES`: one place, so the writer can check every span.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Protocol
+
+# Every span name, and what it covers. Those marked "not emitted yet" wait for their code
+# (heartbeats; KV transfers once prefill dies send a trace): one line each emits them.
+SPAN_NAMES: dict[str, str] = {
+    "iteration": "one decode iteration of a die (all its attempts)",
+    "attention": "MLA (prolog + attention) of one layer",
+    "gate": "the router of one MoE layer",
+    "dispatch": "XCCL dispatch (colocated) or A2E (afd) of one MoE layer",
+    "combine": "XCCL combine (colocated) or E2A (afd) of one MoE layer",
+    "dispatch wait": "inside dispatch: polling until every peer's record arrived",
+    "combine wait": "inside combine: polling until every peer's record arrived",
+    "e2a wait": "inside E2A: polling for the trampoline's record",
+    "experts": "this die's routed expert slots (and the local shared expert)",
+    "sampling": "logits and greedy verification of the sampled rows",
+    "MTP": "the MTP modules' drafting passes of one iteration",
+    "expert loop": "an expert die's persistent receive / compute / send loop (afd)",
+    "rollback": "a failed attempt's state restored (token recomputation)",
+    "recompute": "an iteration's re-executed attempt",
+    "serve": "the TE-shell serving the workload",
+    "check": "the TE-shell re-running the reference",
+    "request": "a request dispatched by the TE-shell (instant; flow to its die)",
+    "fault": "an injected XCCL fault (instant)",
+    "eplb": "EPLB reconfiguration on a die: phases 1-2 (prefetch + disable), each phase-3 load, "
+    "phase 4 (enable, instant)",
+    "heartbeat": "a heartbeat (not emitted yet)",
+    "kv transfer": "a KV cache transfer, prefill to decode (not emitted yet)",
+}
+
+
+class Clock(Protocol):
+    now_ns: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpanRecord:
+    """One event. wall_*: microseconds since the epoch (time.time() base, perf_counter
+    resolution); v*_us: the rank's virtual clock (None on a rank without one). phase: "X" span,
+    "i" instant, "s"/"f" flow start/end (flow_id set). rolled_back: recorded during an attempt
+    that was rolled back (its virtual times repeat the re-run's)."""
+
+    name: str
+    phase: str
+    wall_start_us: float
+    wall_end_us: float
+    vstart_us: float | None
+    vend_us: float | None
+    args: dict
+    flow_id: int = -1
+    rolled_back: bool = False
+
+
+class Tracer:
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock
+        self.events: list[SpanRecord] = []
+        self.attempt_start = 0  # index of the first event of the attempt running now
+        self._offset_us = time.time() * 1e6 - time.perf_counter() * 1e6
+
+    def now_us(self) -> float:
+        return time.perf_counter() * 1e6 + self._offset_us
+
+    def vnow_us(self) -> float | None:
+        return None if self.clock is None else self.clock.now_ns / 1e3
+
+    @contextmanager
+    def span(self, name: str, args: dict):
+        wall, vstart = self.now_us(), self.vnow_us()
+        try:
+            yield
+        finally:
+            self.events.append(
+                SpanRecord(
+                    name=name,
+                    phase="X",
+                    wall_start_us=wall,
+                    wall_end_us=self.now_us(),
+                    vstart_us=vstart,
+                    vend_us=self.vnow_us(),
+                    args=args,
+                )
+            )
+
+    def record(self, name: str, wall_s: tuple[float, float], vtime_ns: tuple, args: dict) -> None:
+        """A span timed by someone else: wall_s = perf_counter() at start/end, vtime_ns = the
+        virtual clock at start/end."""
+        self.events.append(
+            SpanRecord(
+                name=name,
+                phase="X",
+                wall_start_us=wall_s[0] * 1e6 + self._offset_us,
+                wall_end_us=wall_s[1] * 1e6 + self._offset_us,
+                vstart_us=vtime_ns[0] / 1e3,
+                vend_us=vtime_ns[1] / 1e3,
+                args=args,
+            )
+        )
+
+    def point(self, name: str, phase: str, args: dict, flow_id: int = -1) -> None:
+        wall, vnow = self.now_us(), self.vnow_us()
+        self.events.append(
+            SpanRecord(
+                name=name,
+                phase=phase,
+                wall_start_us=wall,
+                wall_end_us=wall,
+                vstart_us=vnow,
+                vend_us=vnow,
+                args=args,
+                flow_id=flow_id,
+            )
+        )
+
+    def mark_rolled_back(self) -> None:
+        """The attempt running now failed: flag its events (their virtual times will repeat)."""
+        for i in range(self.attempt_start, len(self.events)):
+            e = self.events[i]
+            self.events[i] = SpanRecord(**{**vars(e), "rolled_back": True})
+
+    def begin_attempt(self) -> None:
+        self.attempt_start = len(self.events)
+
+
+_tracer: Tracer | None = None  # None: tracing off
+
+
+def configure(*, enabled: bool, clock: Clock | None = None) -> None:
+    """Turn tracing on (a fresh buffer) or off for this process; `clock`: the virtual clock."""
+    global _tracer
+    _tracer = Tracer(clock) if enabled else None
+
+
+def set_clock(clock: Clock) -> None:
+    """The rank's virtual clock, once built (spans before it have no virtual times)."""
+    if _tracer is not None:
+        _tracer.clock = clock
+
+
+def is_enabled() -> bool:
+    return _tracer is not None
+
+
+def span(name: str, **args):
+    """A context manager recording `name` with wall and virtual start/end; no-op when off."""
+    if _tracer is None:
+        return nullcontext()
+    return _tracer.span(name, args)
+
+
+def record(name: str, wall_s: tuple[float, float], vtime_ns: tuple[float, float], **args) -> None:
+    """A span its caller already timed (engine/timing.py Meter: one measurement, two uses)."""
+    if _tracer is not None:
+        _tracer.record(name, wall_s, vtime_ns, args)
+
+
+def instant(name: str, **args) -> None:
+    if _tracer is not None:
+        _tracer.point(name, "i", args)
+
+
+def flow_start(flow_id: int, name: str = "flow", **args) -> None:
+    """The tail of an arrow; `flow_end` with the same id (unique in the run) is its head."""
+    if _tracer is not None:
+        _tracer.point(name, "s", args, flow_id)
+
+
+def flow_end(flow_id: int, name: str = "flow", **args) -> None:
+    if _tracer is not None:
+        _tracer.point(name, "f", args, flow_id)
+
+
+def begin_attempt() -> None:
+    """An iteration's attempt starts (ranks/recovery/recompute.py)."""
+    if _tracer is not None:
+        _tracer.begin_attempt()
+
+
+def mark_rolled_back() -> None:
+    """The attempt started last failed (ranks/recovery/recompute.py)."""
+    if _tracer is not None:
+        _tracer.mark_rolled_back()
+
+
+def take_events() -> list[SpanRecord]:
+    """This rank's events so far (the buffer empties); [] when off."""
+    if _tracer is None:
+        return []
+    events, _tracer.events = _tracer.events, []
+    _tracer.attempt_start = 0
+    return events
