@@ -1,6 +1,6 @@
 """`xds-mpi generate`: run the single-process reference model on one prompt.
 
-Torch is imported inside the command so that other subcommands stay fast to start.
+The model is the numpy one the dies serve (xds_mpi/model/); no torch.
 """
 
 from __future__ import annotations
@@ -58,15 +58,10 @@ def _printable(text: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_options(args)
-    import torch
-
     from xds_mpi.model.reference import ReferenceGenerator
     from xds_mpi.model.tokenizer import ByteTokenizer
 
-    # The tiny model's matrices are too small to gain from intra-op threads; on a busy machine
-    # the extra threads only wait for cores.
-    torch.set_num_threads(1)
-    model = _load_model(args, getattr(torch, args.dtype))
+    model = _load_model(args, args.dtype)
     tokenizer = ByteTokenizer(model.cfg.vocab_size)
     start = time.perf_counter()
     generator = ReferenceGenerator(model, _generate_options(args))
@@ -103,7 +98,7 @@ def _load_model(args: argparse.Namespace, dtype):
         else build_model(load_model_preset(args.model), dtype=dtype)
     )
     if args.save_weights:
-        save_weights(model, args.save_weights)
+        save_weights(model.cfg, model.state_dict(), args.save_weights)
     return model
 
 

@@ -99,7 +99,8 @@ def mpi_command(
     mpiexec = mpiexec or find_mpiexec()
     flavor = mpi_flavor(mpiexec)
     argv = [mpiexec, "-n", str(num_procs), *placement]
-    env = {"PYTHONUNBUFFERED": "1"}
+    # One BLAS thread per rank: the ranks share the cores (xds_mpi/model/blas.py).
+    env = {"PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
     if flavor == "openmpi":
         argv.append("--oversubscribe")
         env.update(OPENMPI_ENV)

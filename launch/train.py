@@ -197,7 +197,7 @@ def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
 
     from xds_mpi.model.weights import save_weights
 
-    save_weights(result.model, path)
+    save_weights(result.model.cfg, result.model.arrays(), path)
     with h5py.File(path, "a") as f:
         for name in TRAIN_ATTRS:
             f.attrs[f"train_{name}"] = getattr(tc, name)
@@ -212,12 +212,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
         )
     import torch
 
-    from xds_mpi.model.weights import load_model, weights_path
+    from xds_mpi.model.weights import weights_path
     from xds_mpi.train.corpus import spread_windows
     from xds_mpi.train.stats import text_stats
+    from xds_mpi.train.torch_model import load_torch_model
 
     torch.set_num_threads(1)
-    model = load_model(weights_path(args.weights))
+    model = load_torch_model(weights_path(args.weights))
     stream, source = _stats_stream(args, model)
     windows = spread_windows(stream, num_windows=args.windows, window_len=STATS_WINDOW + 1)
     stats = text_stats(model, windows)

@@ -36,11 +36,12 @@ def test_a_known_drift_is_recovered_through_the_noise():
 
 def test_the_published_constants_are_the_checkpoints_measure():
     torch = pytest.importorskip("torch")
-    from xds_mpi.model.weights import load_model, weights_path
+    from xds_mpi.model.weights import weights_path
     from xds_mpi.train.corpus import load_corpus
+    from xds_mpi.train.torch_model import load_torch_model
 
     torch.set_num_threads(1)
-    model = load_model(weights_path("tiny"), dtype=torch.float32)
+    model = load_torch_model(weights_path("tiny"), dtype=torch.float32)
     heldout = load_corpus().heldout
     same = measure_drift(model, heldout, same_requests=True)
     other = measure_drift(model, heldout, same_requests=False)

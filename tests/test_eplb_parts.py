@@ -7,15 +7,15 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 
 from xds_mpi.config.schema import ModelConfig, load_config
 from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import Placement
 from xds_mpi.eplb.skew import Skew, skew_loads, skew_slices
-from xds_mpi.model.moe import MoE
 from xds_mpi.model.shapes import load_model_preset
+from xds_mpi.model.transformer import DeepSeekModel
+from xds_mpi.model.weights import init_state
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.eplb_pod import compare
 from xds_mpi.projection.hardware import load_profile
@@ -30,15 +30,14 @@ def two_die_map() -> ExpertMap:
 
 
 def test_a_replica_computes_what_the_expert_computes_once_loaded():
-    torch.manual_seed(0)
-    moe, expert_map = MoE(TINY), two_die_map()
+    moe, expert_map = DeepSeekModel(TINY, init_state(TINY, 0)).moe_of(1), two_die_map()
     new = expert_map.placement.with_layer(0, (0, 1, 3, 2, 3, -1))  # expert 3 also on die 0
-    x = torch.randn(5, TINY.hidden)
+    x = np.random.default_rng(0).standard_normal((5, TINY.hidden))
     expert_map.install(new)
     with pytest.raises(RuntimeError, match="holding the weights of expert -1"):
         expert_map.expert_forward(moe, 1, 2, x)
     expert_map.load(0, 2, 3, copy.deepcopy(moe.experts[3]))
-    assert torch.equal(expert_map.expert_forward(moe, 1, 2, x), moe.expert_forward(3, x))
+    assert np.array_equal(expert_map.expert_forward(moe, 1, 2, x), moe.expert_forward(3, x))
     assert expert_map.log2phy(1)[3] == (2, 4) and expert_map.log2phy(2)[3] == (4,)
 
 

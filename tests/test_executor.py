@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
+import numpy as np
 
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import ModelConfig
@@ -28,11 +28,9 @@ def executor() -> ColocatedExecutor:
     )
 
 
-def rows(ex: ColocatedExecutor, *, seed: int) -> torch.Tensor:
+def rows(ex: ColocatedExecutor, *, seed: int) -> np.ndarray:
     """3 last-block rows [3, hidden]."""
-    return torch.randn(
-        3, ex.model.cfg.hidden, dtype=ex.model.dtype, generator=torch.Generator().manual_seed(seed)
-    )
+    return np.random.default_rng(seed).standard_normal((3, ex.model.cfg.hidden))
 
 
 def test_a_last_prompt_chunk_samples_its_last_row_whatever_its_other_tokens():

@@ -20,14 +20,11 @@ def xds_mpi(*args: str) -> subprocess.CompletedProcess:
 def reference_continuation(prompt: str, *, max_new_tokens: int) -> str:
     """The in-process reference generator's continuation (greedy, no EOS stop, the tiny
     compute shape's weights), escaped as the CLI prints it."""
-    import torch
-
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.shapes import compute_shape
     from xds_mpi.model.tokenizer import ByteTokenizer
     from xds_mpi.model.weights import build_model
 
-    torch.set_num_threads(1)
     tok = ByteTokenizer()
     [ref] = ReferenceGenerator(
         build_model(compute_shape()),

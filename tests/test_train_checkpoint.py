@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from harness import REPO_ROOT
@@ -19,6 +20,7 @@ from xds_mpi.model.shapes import compute_shape
 from xds_mpi.model.weights import build_model, weights_path
 from xds_mpi.train.corpus import load_corpus, spread_windows
 from xds_mpi.train.stats import text_stats
+from xds_mpi.train.torch_model import load_torch_model
 
 torch.set_num_threads(1)
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
@@ -33,7 +35,7 @@ MIN_MTP_ACCEPTANCE = 0.50  # the issue's target for module 1
 
 @pytest.fixture(scope="module")
 def model():
-    return build_model(compute_shape())
+    return load_torch_model(weights_path("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,10 @@ def test_the_default_configs_use_the_packaged_checkpoint(model):
     cfg = load_config(resolve_config("colocated"))
     assert cfg.model.weights == "tiny" and weights_path("tiny").is_file()
     assert dataclasses.replace(model.cfg, weights="tiny") == cfg.model == compute_shape()
+    served = build_model(cfg.model)
+    assert np.array_equal(served.head.weight, model.head.weight.numpy())
     random = build_model(dataclasses.replace(cfg.model, weights="random"))
-    assert not torch.equal(random.head.weight, model.head.weight)
+    assert not np.array_equal(random.head.weight, served.head.weight)
 
 
 def test_the_checkpoint_has_learned_held_out_code(stats):

@@ -35,8 +35,6 @@ def expert_placement(cfg, topo):
 
 class AfdDieBase:
     def __init__(self, ctx: RankContext) -> None:
-        import torch  # only now: the handshake does not wait for every die's torch import
-
         from ranks.recovery.recompute import Recomputer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
@@ -44,7 +42,6 @@ class AfdDieBase:
         from xds_mpi.model.weights import build_model
 
         cfg, topo = ctx.cfg, ctx.topo
-        torch.set_num_threads(1)  # ranks share the cores
         self.ctx, self.cfg, self.topo = ctx, cfg, topo
         self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)

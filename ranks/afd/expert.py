@@ -73,14 +73,12 @@ class ExpertDie(AfdDieBase):
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""
-        import torch
-
         layer_idx = self.layer_of[call.call]
         moe, is_routed = self.model.moe_of(layer_idx), slot < self.slots.num_routed_slots
         expert = self.placement.phy2log[0][slot] if is_routed else -1
         where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
-        with torch.inference_mode(), trace.span("experts", **where):
-            x = torch.from_numpy(rows).to(self.model.dtype)  # rows cross in the row dtype
+        with trace.span("experts", **where):
+            x = rows.astype(self.model.dtype, copy=False)  # rows cross in the row dtype
             if (layer_idx, slot) in self.faulty:  # a memory fault (ranks/recovery/afd_memory.py)
                 out = self.faulty[layer_idx, slot](x)
             elif is_routed:
@@ -90,4 +88,4 @@ class ExpertDie(AfdDieBase):
             is_mtp = layer_idx >= len(self.model.layers)
             with self.pricer.mtp_layer() if is_mtp else nullcontext():
                 self.pricer.expert_slot(len(rows), is_shared=not is_routed)
-        return out.numpy()
+        return out

@@ -28,8 +28,6 @@ def run(ctx: RankContext) -> None:
 
 class ColocatedDie:
     def __init__(self, ctx: RankContext) -> None:
-        import torch  # only now: the handshake does not wait for every die's torch import
-
         from xccl.ep.buffer import EpBuffer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
@@ -37,7 +35,6 @@ class ColocatedDie:
         from xds_mpi.model.weights import build_model
 
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
-        torch.set_num_threads(1)  # ranks share the cores
         self.mem = DieMemory(ctx.comm, plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         model = build_model(cfg.model)

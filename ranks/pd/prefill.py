@@ -57,12 +57,9 @@ def run(ctx: RankContext) -> None:
 
 class PrefillDie:
     def __init__(self, ctx: RankContext) -> None:
-        import torch
-
         from xccl.gmem import DieMemory
 
         plan, rank = ctx.plan, ctx.comm.rank
-        torch.set_num_threads(1)
         self.ctx, self.comm, self.rank = ctx, ctx.comm, rank
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank])
         self.te = plan.pd.te_of(rank)

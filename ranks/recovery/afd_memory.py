@@ -15,8 +15,6 @@ dies drop a slot at the same boundary.
 
 from __future__ import annotations
 
-import copy
-
 from ranks.recovery.memory_check import MemoryCheck
 from xds_mpi.eplb.placement import Placement
 
@@ -44,12 +42,6 @@ class AfdSlots:
         """An expert die's slot `phy`: from now on it computes with a copy of its expert whose
         weights are NaN, in every MoE layer (the model is built whole on each die, and another
         slot of the die may hold the same expert: only this slot's copy goes bad)."""
-        import torch  # the dies import torch after the handshake (ranks/afd/common.py)
-
         expert = die.placement.phy2log[0][phy]
-        with torch.no_grad():
-            for layer_idx in die.plan.moe_layers:
-                module = copy.deepcopy(die.model.moe_of(layer_idx).experts[expert])
-                for p in module.parameters():
-                    p.fill_(float("nan"))
-                die.faulty[layer_idx, phy] = module
+        for layer_idx in die.plan.moe_layers:
+            die.faulty[layer_idx, phy] = die.model.moe_of(layer_idx).experts[expert].broken()

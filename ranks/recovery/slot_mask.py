@@ -121,18 +121,14 @@ class SlotMask:
 
 def _corrupt(die, expert_map, phy: int) -> None:
     """The faulty memory: the slot's weights, in every MoE layer, turn to NaN."""
-    import torch  # the dies import torch after the handshake (ranks/colocated/die.py)
-
     placement = expert_map.placement
-    with torch.no_grad():
-        for row, layer_idx in enumerate(expert_map.moe_layers):
-            expert = placement.phy2log[row][phy]
-            if placement.is_redundant[phy]:
-                module = expert_map.weights[row, phy][1]
-            else:
-                module = die.executor.model.moe_of(layer_idx).experts[expert]
-            for p in module.parameters():
-                p.fill_(float("nan"))
+    for row, layer_idx in enumerate(expert_map.moe_layers):
+        expert = placement.phy2log[row][phy]
+        if placement.is_redundant[phy]:
+            module = expert_map.weights[row, phy][1]
+        else:
+            module = die.executor.model.moe_of(layer_idx).experts[expert]
+        module.break_in_place()
 
 
 def slot_record(loss: SlotLoss, roles: dict, rate, started: float, ended: float) -> FailureRecord:

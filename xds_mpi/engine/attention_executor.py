@@ -13,7 +13,7 @@ MoE layer of A2E/E2A calls after the main layers, its rows split into microbatch
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from xccl.afd.buffer import AfdBuffer
 from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
@@ -42,34 +42,33 @@ class AttentionExecutor(ColocatedExecutor):
         pending = [None] * self.num_microbatches  # A2E handles in flight
         todo = self._todo = iter(calls)
         self.num_iterations += 1
-        with torch.inference_mode():
-            xs = [self.model.embed(tokens) for tokens, _, _ in inputs]  # [n_m, hidden] each
-            for layer_idx, layer in enumerate(self.model.layers):
-                for mb, (group, (tokens, positions, chunks)) in enumerate(zip(groups, inputs)):
-                    if pending[mb] is not None:  # previous layer's MoE
-                        xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-                        pending[mb] = None
-                    with meter("attention", layer=layer_idx, microbatch=mb):
-                        if group:
-                            xs[mb] = layer.attention_part(
-                                xs[mb], positions, chunks, self.cache, layer_idx
-                            )
-                        self.pricer.attention(group, is_moe=layer.is_moe)
-                    if layer.is_moe:
-                        planned = next(todo)
-                        assert planned.layer_idx == layer_idx and planned.microbatch == mb
-                        pending[mb] = self._a2e(layer, xs[mb], planned, meter)
-                    elif group:
-                        xs[mb] = layer.ffn_part(xs[mb])
-                        self.pricer.dense_ffn(len(tokens))
-            for mb in range(self.num_microbatches):
-                if pending[mb] is not None:
+        xs = [self.model.embed(tokens) for tokens, _, _ in inputs]  # [n_m, hidden] each
+        for layer_idx, layer in enumerate(self.model.layers):
+            for mb, (group, (tokens, positions, chunks)) in enumerate(zip(groups, inputs)):
+                if pending[mb] is not None:  # previous layer's MoE
                     xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
-            # The microbatches are contiguous groups of the batch.
-            sampled, works = self._sample_and_draft(entries, torch.cat(xs), meter)
+                    pending[mb] = None
+                with meter("attention", layer=layer_idx, microbatch=mb):
+                    if group:
+                        xs[mb] = layer.attention_part(
+                            xs[mb], positions, chunks, self.cache, layer_idx
+                        )
+                    self.pricer.attention(group, is_moe=layer.is_moe)
+                if layer.is_moe:
+                    planned = next(todo)
+                    assert planned.layer_idx == layer_idx and planned.microbatch == mb
+                    pending[mb] = self._a2e(layer, xs[mb], planned, meter)
+                elif group:
+                    xs[mb] = layer.ffn_part(xs[mb])
+                    self.pricer.dense_ffn(len(tokens))
+        for mb in range(self.num_microbatches):
+            if pending[mb] is not None:
+                xs[mb] = xs[mb] + self._e2a(pending[mb], meter)
+        # The microbatches are contiguous groups of the batch.
+        sampled, works = self._sample_and_draft(entries, np.concatenate(xs), meter)
         return self.results(sampled, works), iteration_timing(entries, sampled, meter)
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> np.ndarray:
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
         x, positions, chunks = self._mtp_rows(depth, active, inputs)
@@ -95,9 +94,9 @@ class AttentionExecutor(ColocatedExecutor):
             assert planned.layer_idx == layer_idx and planned.microbatch == mb
             pending.append((xm, self._a2e(block, xm, planned, meter)))
             row, first = row + num_rows, first + num_works
-        return torch.cat([xm + self._e2a(handle, meter) for xm, handle in pending])
+        return np.concatenate([xm + self._e2a(handle, meter) for xm, handle in pending])
 
-    def _a2e(self, layer, x: torch.Tensor, planned: PlannedCall, meter: Meter):
+    def _a2e(self, layer, x: np.ndarray, planned: PlannedCall, meter: Meter):
         """Gate the microbatch and send it toward its experts (returns without waiting)."""
         where = {"layer": planned.layer_idx, "microbatch": planned.microbatch}
         with meter("experts", "gate", **where):
@@ -106,18 +105,18 @@ class AttentionExecutor(ColocatedExecutor):
             self.pricer.gate(len(h))
         with meter("xccl", "dispatch", **where), self.pricer.a2e_in_flight(len(h)):
             return self.afd.a2e(
-                h.numpy(),
-                routing.topk_idx.numpy(),
-                routing.topk_weight.numpy(),
+                h,
+                routing.topk_idx,
+                routing.topk_weight,
                 planned.call,
                 log2phy=self.log2phy,
                 shared_slots=self.shared_slots,
             )
 
-    def _e2a(self, handle, meter: Meter) -> torch.Tensor:
+    def _e2a(self, handle, meter: Meter) -> np.ndarray:
         """Wait for the microbatch's expert outputs: [n, hidden] routed + shared."""
         with meter("xccl", "combine", event=handle.call.event_id):
             with self.pricer.waiting("E2A"):
                 out = self.afd.e2a(handle)
             self.pricer.e2a(len(out))
-            return torch.from_numpy(out)
+            return out

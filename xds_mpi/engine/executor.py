@@ -18,7 +18,6 @@ re-run from `checkpoint` (token recomputation, §6.2).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from xccl.ep.buffer import EpBuffer
 from xds_mpi import emulator_runtime
@@ -77,13 +76,13 @@ class ColocatedExecutor:
             AttnChunk(
                 start_pos=e.start_pos,
                 num_tokens=len(e.input_ids),
-                slots=torch.tensor(self.table.slots(e.req_id, 0, e.start_pos + len(e.input_ids))),
+                slots=np.array(self.table.slots(e.req_id, 0, e.start_pos + len(e.input_ids))),
             )
             for e in entries
         ]
-        tokens = torch.tensor([t for e in entries for t in e.input_ids], dtype=torch.int64)
-        positions = torch.tensor(
-            [e.start_pos + i for e in entries for i in range(len(e.input_ids))], dtype=torch.int64
+        tokens = np.array([t for e in entries for t in e.input_ids], dtype=np.int64)
+        positions = np.array(
+            [e.start_pos + i for e in entries for i in range(len(e.input_ids))], dtype=np.int64
         )
         return tokens, positions, chunks
 
@@ -97,22 +96,21 @@ class ColocatedExecutor:
         self.expert_map.start_iteration(
             has_prefill=any(len(e.input_ids) > 1 + e.num_drafts for e in entries)
         )
-        with torch.inference_mode():
-            x = self.model.embed(tokens)  # [n, hidden]
-            for layer_idx, layer in enumerate(self.model.layers):
-                with meter("attention", layer=layer_idx):
-                    if entries:
-                        x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
-                    self.pricer.attention(entries, is_moe=layer.is_moe)
-                if layer.is_moe:
-                    x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
-                elif entries:
-                    x = layer.ffn_part(x)
-                    self.pricer.dense_ffn(len(tokens))
-            sampled, works = self._sample_and_draft(entries, x, meter)
+        x = self.model.embed(tokens)  # [n, hidden]
+        for layer_idx, layer in enumerate(self.model.layers):
+            with meter("attention", layer=layer_idx):
+                if entries:
+                    x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
+                self.pricer.attention(entries, is_moe=layer.is_moe)
+            if layer.is_moe:
+                x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
+            elif entries:
+                x = layer.ffn_part(x)
+                self.pricer.dense_ffn(len(tokens))
+        sampled, works = self._sample_and_draft(entries, x, meter)
         return self.results(sampled, works), iteration_timing(entries, sampled, meter)
 
-    def _sample_and_draft(self, entries: list[Entry], x: torch.Tensor, meter: Meter):
+    def _sample_and_draft(self, entries: list[Entry], x: np.ndarray, meter: Meter):
         """The main model's tokens (verifying drafts), then with MTP the next drafts; x: the last
         layer's rows [n, hidden]. Returns (sampled, works) of `_verify`."""
         with trace.span("sampling"):
@@ -131,19 +129,19 @@ class ColocatedExecutor:
             for r, tokens in sampled.items()
         }
 
-    def _moe(self, moe, h: torch.Tensor, layer_idx: int, meter: Meter) -> torch.Tensor:
+    def _moe(self, moe, h: np.ndarray, layer_idx: int, meter: Meter) -> np.ndarray:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
         pricer = self.pricer
         with meter("experts", "gate", layer=layer_idx):
             routing = moe.gate(h)
             pricer.gate(len(h))
-        topk_idx = routing.topk_idx.numpy()
+        topk_idx = routing.topk_idx
         with meter("xccl", "dispatch", layer=layer_idx):
             with pricer.waiting("dispatch"):
                 recv_x, info, handle = self.ep.dispatch(
-                    h.numpy(),
+                    h,
                     topk_idx,
-                    routing.topk_weight.numpy(),
+                    routing.topk_weight,
                     self.events.event_id(self.num_iterations, layer_idx),
                     log2phy=self.expert_map.log2phy(layer_idx),
                     shared_slots=self.shared_slots,
@@ -155,7 +153,7 @@ class ColocatedExecutor:
             pricer.experts(len(recv_x), 0 if self.shared_slots else len(h))
         with meter("xccl", "combine", layer=layer_idx):
             with pricer.waiting("combine"):
-                routed = torch.from_numpy(self.ep.combine(expert_out, handle))
+                routed = self.ep.combine(expert_out, handle)
             pricer.combine(len(h))
         with meter("experts", layer=layer_idx, shared=True):
             shared = 0.0 if self.shared_slots else moe.shared_forward(h)
@@ -176,28 +174,29 @@ class ColocatedExecutor:
         row = 0
         for slot, num_rows in zip(info.local_slots, info.num_rows_per_slot):
             if num_rows:
-                rows = torch.from_numpy(recv_x[row : row + num_rows]).to(self.model.dtype)
+                rows = recv_x[row : row + num_rows].astype(self.model.dtype, copy=False)
                 if self.slots.is_routed(slot):
                     out = self.expert_map.expert_forward(moe, layer_idx, slot, rows)
                 else:
                     out = moe.shared_forward(rows)
-                expert_out[row : row + num_rows] = out.numpy()
+                expert_out[row : row + num_rows] = out
                 row += num_rows
         return expert_out
 
     # -- sampling and MTP -----------------------------------------------------------------------
     def _verify(
-        self, entries: list[Entry], x: torch.Tensor
+        self, entries: list[Entry], x: np.ndarray
     ) -> tuple[dict[int, list[int]], dict[int, MtpWork]]:
         """Greedy tokens of every sampled entry (its drafts checked against the main model, as
         the reference's verify step), and with MTP each entry's drafting work."""
-        rows = x.split([len(e.input_ids) for e in entries]) if entries else ()
+        rows = np.split(x, np.cumsum([len(e.input_ids) for e in entries])[:-1]) if entries else ()
         steps = [(e, r) for e, r in zip(entries, rows) if e.is_sampled]
         sampled: dict[int, list[int]] = {}
         if steps:
             # Verify rows: [last token, drafts] of a decode step, the last prompt row otherwise.
             picked = [r[-1 - e.num_drafts :] for e, r in steps]
-            logits = self.model.logits(torch.cat(picked)).split([len(p) for p in picked])
+            logits = self.model.logits(np.concatenate(picked))
+            logits = np.split(logits, np.cumsum([len(p) for p in picked])[:-1])
             for (e, _), row_logits in zip(steps, logits):
                 drafts = list(e.input_ids[len(e.input_ids) - e.num_drafts :])
                 sampled[e.req_id] = verify_drafts(
@@ -226,14 +225,11 @@ class ColocatedExecutor:
             inputs = [w.inputs(depth) for w in active]
             with self.pricer.mtp_layer():
                 hidden = self._mtp_block(depth, active, inputs, meter)  # [rows, hidden]
-                out = dict(
-                    zip(
-                        (w.req_id for w in active), hidden.split([w.stop - w.start for w in active])
-                    )
-                )
+                bounds = np.cumsum([w.stop - w.start for w in active])[:-1]
+                out = dict(zip((w.req_id for w in active), np.split(hidden, bounds)))
                 drafting = [w for w in active if w.is_drafting]
                 if drafting:
-                    last = torch.stack([out[w.req_id][-1] for w in drafting])
+                    last = np.stack([out[w.req_id][-1] for w in drafting])
                     for w, token in zip(
                         drafting, model.mtp_logits(depth, last).argmax(-1).tolist()
                     ):
@@ -246,23 +242,21 @@ class ColocatedExecutor:
         """MTP depth's block input h' [rows, hidden], positions [rows], attention chunks."""
         model = self.model
         prev = [row for rows, _ in inputs for row in rows]
-        next_ids = torch.tensor([t for _, ids in inputs for t in ids], dtype=torch.int64)
-        prev = torch.stack(prev) if prev else torch.empty(0, model.cfg.hidden, dtype=model.dtype)
+        next_ids = np.array([t for _, ids in inputs for t in ids], dtype=np.int64)
+        prev = np.stack(prev) if prev else np.empty((0, model.cfg.hidden), model.dtype)
         x = model.mtp_module(depth).project(prev, model.embed(next_ids))
-        positions = torch.tensor(
-            [p for w in active for p in range(w.start, w.stop)], dtype=torch.int64
-        )
+        positions = np.array([p for w in active for p in range(w.start, w.stop)], dtype=np.int64)
         chunks = [
             AttnChunk(
                 start_pos=w.start,
                 num_tokens=w.stop - w.start,
-                slots=torch.tensor(self.table.slots(w.req_id, 0, w.stop)),
+                slots=np.array(self.table.slots(w.req_id, 0, w.stop)),
             )
             for w in active
         ]
         return x, positions, chunks
 
-    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> torch.Tensor:
+    def _mtp_block(self, depth: int, active: list[MtpWork], inputs, meter: Meter) -> np.ndarray:
         """MTP module `depth`'s block over this die's rows: attention, then its MoE through
         dispatch / combine like a main layer's. Returns h^depth [rows, hidden]."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1

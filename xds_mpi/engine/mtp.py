@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 
 @dataclass(kw_only=True)
@@ -28,7 +28,7 @@ class MtpState:
     h^k rows at positions next_pos[k], next_pos[k] + 1, ... (h^0 from the main model)."""
 
     next_pos: list[int]
-    rows: list[list[torch.Tensor]]
+    rows: list[list[np.ndarray]]
 
     @classmethod
     def new(cls, depth: int) -> MtpState:
@@ -47,7 +47,7 @@ class MtpWork:
     state: MtpState  # staged: becomes the request's state on commit
     is_drafting: bool  # decoding: its last row at each depth yields a draft
     drafts: list[int] = field(default_factory=list)
-    speculative: list[torch.Tensor] = field(default_factory=list)  # h^{k-1} from drafts
+    speculative: list[np.ndarray] = field(default_factory=list)  # h^{k-1} from drafts
     start: int = 0  # this depth's positions [start, stop)
     stop: int = 0
 
@@ -65,14 +65,14 @@ class MtpWork:
             )
         return max(self.stop - self.start, 0)
 
-    def inputs(self, depth: int) -> tuple[list[torch.Tensor], list[int]]:
+    def inputs(self, depth: int) -> tuple[list[np.ndarray], list[int]]:
         """(h^{depth-1} rows, tokens t_{i+depth}) for positions [start, stop)."""
         num = self.stop - self.start
         prev = (self.state.rows[depth - 1] + self.speculative)[:num]
         extended = self.context + self.drafts
         return prev, extended[self.start + depth : self.stop + depth]
 
-    def keep(self, depth: int, out: torch.Tensor | None, num_depths: int) -> None:
+    def keep(self, depth: int, out: np.ndarray | None, num_depths: int) -> None:
         """out: [stop - start, hidden] h^depth (None: no rows). Depth's entries are committed up
         to the first that used a draft; its committed h^{depth-1} rows are consumed; h^depth
         goes on to depth + 1 (committed rows kept, the rest speculative)."""
@@ -83,7 +83,7 @@ class MtpWork:
         self.speculative = []
         if depth == num_depths or out is None:
             return
-        rows = list(out.unbind(0))
+        rows = list(out)
         state.rows[depth].extend(rows[: committed - self.start])
         self.speculative = rows[committed - self.start :]
 
@@ -97,13 +97,13 @@ class MtpBook:
         self.staged: dict[int, MtpState] = {}
 
     def start(
-        self, req_id: int, context: list[int], h0_rows: torch.Tensor, *, is_drafting: bool
+        self, req_id: int, context: list[int], h0_rows: np.ndarray, *, is_drafting: bool
     ) -> MtpWork:
         """A request's work this iteration: h0_rows [n, hidden] are the main model's committed
         rows of this step (the prompt chunk, or t_m and the accepted drafts)."""
         state = self.states.get(req_id)
         state = MtpState.new(self.depth) if state is None else state.copy()
-        state.rows[0].extend(h0_rows.unbind(0))
+        state.rows[0].extend(h0_rows)
         self.staged[req_id] = state
         return MtpWork(req_id=req_id, context=context, state=state, is_drafting=is_drafting)
 

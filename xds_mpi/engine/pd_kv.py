@@ -11,7 +11,6 @@ MTP rows (h^k of positions not yet consumed) travel the same way.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from xds_mpi.engine.mtp import MtpState
 from xds_mpi.engine.pd_task import PdTask
@@ -22,37 +21,37 @@ def kv_nbytes(task: PdTask, cache: LatentCache, hidden: int) -> int:
     """Bytes of the task's message: every cache layer's latent + rope key rows, then MTP rows."""
     layers, _, lora = cache.latent.shape
     rope = cache.rope_key.shape[2]
-    itemsize = cache.latent.element_size()
+    itemsize = cache.latent.itemsize
     return itemsize * (layers * task.kv_len * (lora + rope) + sum(task.mtp_rows) * hidden)
 
 
 def pack_kv(task: PdTask, cache: LatentCache, mtp: MtpState | None) -> np.ndarray:
     """The task's message as one contiguous byte array (a copy: the blocks stay untouched)."""
-    slots = torch.tensor(task.slots, dtype=torch.int64)
+    slots = np.array(task.slots, dtype=np.int64)
     parts = [cache.latent[:, slots].reshape(-1), cache.rope_key[:, slots].reshape(-1)]
     if mtp is not None:
         parts += [row.reshape(-1) for rows in mtp.rows for row in rows]
-    return torch.cat(parts).numpy().view(np.uint8)
+    return np.concatenate(parts).view(np.uint8)
 
 
 def unpack_kv(
     task: PdTask, buf: np.ndarray, cache: LatentCache, slots: list[int], hidden: int
 ) -> MtpState | None:
     """Write the message into `cache` at the decode die's `slots`; the MTP state, if any."""
-    values = torch.from_numpy(buf).view(cache.latent.dtype)
+    values = buf.view(cache.latent.dtype)
     layers, _, lora = cache.latent.shape
     rope, n = cache.rope_key.shape[2], task.kv_len
-    index = torch.tensor(slots, dtype=torch.int64)
+    index = np.array(slots, dtype=np.int64)
     at = layers * n * lora
-    cache.latent[:, index] = values[:at].view(layers, n, lora)
-    cache.rope_key[:, index] = values[at : at + layers * n * rope].view(layers, n, rope)
+    cache.latent[:, index] = values[:at].reshape(layers, n, lora)
+    cache.rope_key[:, index] = values[at : at + layers * n * rope].reshape(layers, n, rope)
     if not task.mtp_next_pos:
         return None
     at += layers * n * rope
-    rows: list[list[torch.Tensor]] = []
+    rows: list[list[np.ndarray]] = []
     for count in task.mtp_rows:
-        block = values[at : at + count * hidden].view(count, hidden).clone()
-        rows.append(list(block.unbind(0)))
+        block = values[at : at + count * hidden].reshape(count, hidden).copy()
+        rows.append(list(block))
         at += count * hidden
     return MtpState(next_pos=list(task.mtp_next_pos), rows=rows)
 

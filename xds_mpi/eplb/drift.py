@@ -65,8 +65,9 @@ def measure_drift(
     requests: int = 256,
     window_len: int = 128,
 ) -> DriftMeasure:
-    """model: a DeepSeekModel; stream: [tokens] held-out token ids; the slices as the module
-    docstring reads them (window_len: the checkpoint's trained window, 128 tokens)."""
+    """model: the torch twin (xds_mpi/train/torch_model.py); stream: [tokens] held-out token
+    ids; the slices as the module docstring reads them (window_len: the checkpoint's trained
+    window, 128 tokens)."""
     import torch
 
     from xds_mpi.train.corpus import spread_windows
@@ -92,7 +93,7 @@ def measure_drift(
 
     def hook(layer_idx: int):
         def count(module, inputs, routing) -> None:
-            idx = routing.topk_idx.flatten()
+            idx = routing[0].flatten()
             counts[layer_idx, cell["slice"], cell["half"]] += np.bincount(
                 idx.numpy(), minlength=num_experts
             )

@@ -12,9 +12,9 @@ before its load would compute with no weights at all and fail loudly.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from xds_mpi.eplb.placement import Placement
+from xds_mpi.model.layers import SwiGLU
 
 
 class ExpertMap:
@@ -26,7 +26,7 @@ class ExpertMap:
         self.row_of = {layer_idx: row for row, layer_idx in enumerate(moe_layers)}
         self._log2phy = [placement.log2phy(r) for r in range(len(moe_layers))]
         # (row, slot) -> (logical expert, its weights) loaded into the redundant slot
-        self.weights: dict[tuple[int, int], tuple[int, torch.nn.Module]] = {}
+        self.weights: dict[tuple[int, int], tuple[int, SwiGLU]] = {}
         num_experts = placement.num_experts
         self.counts = np.zeros((len(moe_layers), num_experts), np.int64)  # [rows, E] this iteration
         self.rows_in = np.zeros(len(moe_layers), np.int64)  # [rows] rows this die received
@@ -66,7 +66,7 @@ class ExpertMap:
         self.counts[row] += np.bincount(chosen, minlength=self.placement.num_experts)
         self.rows_in[row] += num_rows_in
 
-    def expert_forward(self, moe, layer_idx: int, slot: int, x: torch.Tensor) -> torch.Tensor:
+    def expert_forward(self, moe, layer_idx: int, slot: int, x: np.ndarray) -> np.ndarray:
         """Routed slot `slot` of MoE layer `layer_idx`: x [n, hidden] -> [n, hidden]."""
         row = self.row_of[layer_idx]
         expert_idx = self.placement.phy2log[row][slot]
@@ -80,6 +80,6 @@ class ExpertMap:
             )
         return weights(x)
 
-    def load(self, row: int, slot: int, expert_idx: int, weights: torch.nn.Module) -> None:
+    def load(self, row: int, slot: int, expert_idx: int, weights: SwiGLU) -> None:
         """Step 3 phase 3: the slot's own copy of expert `expert_idx`'s weights."""
         self.weights[(row, slot)] = (expert_idx, weights)

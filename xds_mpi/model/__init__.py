@@ -1,6 +1,6 @@
 """The tiny DeepSeek-style model (MLA, MoE, MTP) and its single-process reference generator.
 
-Torch-free: kv_blocks (paged KV bookkeeping), tokenizer, shapes (presets). Torch: layers, mla,
-moe, block, mtp, transformer, weights, sampling, reference. Nothing is imported here so that
-the torch-free modules stay cheap to import.
+numpy only, shared by the dies and the reference (DESIGN.md §7: a die imports no torch). The
+torch twin that trains the checkpoint and serves as the tests' oracle is
+xds_mpi/train/torch_model.py. Nothing is imported here so that each module stays cheap to import.
 """

@@ -1,41 +1,98 @@
-"""Building blocks shared by attention, MoE and MTP: RMSNorm, rotary embedding, SwiGLU FFN."""
+"""Building blocks shared by attention, MoE and MTP: the batch-invariant matmul, RMSNorm, rotary
+embedding, SwiGLU FFN. numpy only: a die imports no torch (DESIGN.md §7).
+
+Batch invariance: a request's tokens must not depend on what it is batched with. OpenBLAS's
+dgemm computes a row with another accumulation order when it falls into the kernel's row
+remainder (measured: every odd row count moves the last row's last bits), so `matmul` pads the
+rows to a multiple of ROW_BLOCK: every row then goes through the full-tile kernel, and a row's
+result is the same whatever the row count (tests/test_model_layers.py checks 1..130 rows).
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-from torch.nn import functional as F
+import numpy as np
 
+from xds_mpi.model import blas
+
+blas.single_thread()  # one BLAS thread: see xds_mpi/model/blas.py
 NORM_EPS = 1e-6
+ROW_BLOCK = 4  # the x86 dgemm kernels' row tile (Haswell / Zen: 4; a remainder of 1 differs)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float = NORM_EPS) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x: [n, k] @ w: [k, m] -> [n, m], each row's value independent of n."""
+    num_rows = x.shape[0]
+    pad = -num_rows % ROW_BLOCK
+    if pad:
+        x = np.concatenate([x, np.zeros((pad, x.shape[1]), x.dtype)])
+    out = x @ w
+    return out[:num_rows] if pad else out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Along the last axis; -inf entries get probability 0."""
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+class Linear:
+    """y = x W^T without bias. Only W^T [in, out] is held (contiguous, as the matmul wants it);
+    `weight` [out, in] is its view, as the checkpoint stores it."""
+
+    def __init__(self, weight: np.ndarray) -> None:
+        self.wt = np.ascontiguousarray(weight.T)
+
+    @classmethod
+    def of(cls, params: dict[str, np.ndarray], name: str) -> Linear:
+        """The projection params[name]; the dict then holds its view (one copy in memory)."""
+        linear = cls(params[name])
+        params[name] = linear.weight
+        return linear
+
+    @property
+    def weight(self) -> np.ndarray:
+        return self.wt.T
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x: [rows, in] -> [rows, out]"""
+        return matmul(x, self.wt)
+
+
+class RMSNorm:
+    def __init__(self, weight: np.ndarray, *, eps: float = NORM_EPS) -> None:
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: [..., dim] -> [..., dim]"""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps) * self.weight
 
 
-def linear(in_dim: int, out_dim: int) -> nn.Linear:
-    return nn.Linear(in_dim, out_dim, bias=False)
-
-
-class SwiGLU(nn.Module):
+class SwiGLU:
     """w2(silu(w1 x) * w3 x): the dense FFN, one routed expert and the shared expert(s)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.w1 = linear(hidden, intermediate)
-        self.w3 = linear(hidden, intermediate)
-        self.w2 = linear(intermediate, hidden)
+    def __init__(self, params: dict[str, np.ndarray], prefix: str) -> None:
+        self.w1 = Linear.of(params, f"{prefix}w1.weight")
+        self.w3 = Linear.of(params, f"{prefix}w3.weight")
+        self.w2 = Linear.of(params, f"{prefix}w2.weight")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: [rows, hidden] -> [rows, hidden]"""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu(self.w1(x)) * self.w3(x))
+
+    def broken(self) -> SwiGLU:
+        """A copy whose weights are NaN (an emulated memory fault on the slot holding it)."""
+        copy = object.__new__(SwiGLU)
+        for name in ("w1", "w3", "w2"):
+            setattr(copy, name, Linear(np.full_like(getattr(self, name).weight, np.nan)))
+        return copy
+
+    def break_in_place(self) -> None:
+        for linear in (self.w1, self.w3, self.w2):
+            linear.wt.fill(np.nan)
 
 
 class Rotary:
@@ -45,22 +102,22 @@ class Rotary:
     plain RoPE (theta = rope_theta) is used.
     """
 
-    def __init__(self, *, dim: int, max_seq_len: int, theta: float, dtype: torch.dtype) -> None:
+    def __init__(self, *, dim: int, max_seq_len: int, theta: float, dtype: np.dtype) -> None:
         if dim % 2:
             raise ValueError(f"RoPE needs an even dimension, got qk_rope_dim={dim}")
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+        inv_freq = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)
         self.max_seq_len = max_seq_len
-        self.cos = angles.cos().to(dtype)  # [max_seq_len, dim / 2]
-        self.sin = angles.sin().to(dtype)
-        # The last positions tensor's (cos, sin) rows: every layer's queries and keys of one
+        self.cos = np.cos(angles).astype(dtype)  # [max_seq_len, dim / 2]
+        self.sin = np.sin(angles).astype(dtype)
+        # The last positions array's (cos, sin) rows: every layer's queries and keys of one
         # forward rotate by the same positions, so the rows are gathered once per forward.
-        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """positions: [rows] int64 -> (cos [rows, dim / 2], sin [rows, dim / 2])"""
         if self._last is None or self._last[0] is not positions:
-            if positions.numel() and int(positions.max()) >= self.max_seq_len:
+            if positions.size and int(positions.max()) >= self.max_seq_len:
                 raise ValueError(
                     f"position {int(positions.max())} is beyond model.max_seq_len"
                     f"({self.max_seq_len})"
@@ -68,10 +125,11 @@ class Rotary:
             self._last = (positions, self.cos[positions], self.sin[positions])
         return self._last[1], self._last[2]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [rows, ..., dim], positions: [rows] int64 -> x rotated by each row's position."""
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (-1,)
         cos, sin = self._rows(positions)
-        cos, sin = cos.view(shape), sin.view(shape)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        cos, sin = cos.reshape(shape), sin.reshape(shape)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
+import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.model.layers import RMSNorm, Rotary, linear
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, softmax
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,15 +23,15 @@ class AttnChunk:
 
     start_pos: int  # position of the chunk's first row
     num_tokens: int  # rows of this chunk, positions start_pos .. start_pos + num_tokens - 1
-    slots: torch.Tensor  # [start_pos + num_tokens] int64: cache slot of every position so far
+    slots: np.ndarray  # [start_pos + num_tokens] int64: cache slot of every position so far
 
     @property
-    def write_slots(self) -> torch.Tensor:
+    def write_slots(self) -> np.ndarray:
         return self.slots[self.start_pos :]
 
 
 class LatentCache:
-    """Latent KV tensors for every attention layer (main layers, then MTP modules), indexed by the
+    """Latent KV arrays for every attention layer (main layers, then MTP modules), indexed by the
     slots a `kv_blocks.BlockTable` hands out."""
 
     def __init__(
@@ -42,118 +41,126 @@ class LatentCache:
         num_slots: int,
         kv_lora_rank: int,
         rope_dim: int,
-        dtype: torch.dtype,
+        dtype: np.dtype,
     ) -> None:
-        self.latent = torch.zeros(num_layers, num_slots, kv_lora_rank, dtype=dtype)
-        self.rope_key = torch.zeros(num_layers, num_slots, rope_dim, dtype=dtype)
+        # One array, so that a chunk gathers its keys [c_kv | k_rope] with one index.
+        self.keys = np.zeros((num_layers, num_slots, kv_lora_rank + rope_dim), dtype)
+        self.latent = self.keys[..., :kv_lora_rank]  # views: [num_layers, num_slots, ...]
+        self.rope_key = self.keys[..., kv_lora_rank:]
 
     def write(
-        self, layer_idx: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor
+        self, layer_idx: int, slots: np.ndarray, latent: np.ndarray, rope_key: np.ndarray
     ) -> None:
         """slots: [n] int64, latent: [n, kv_lora_rank], rope_key: [n, qk_rope_dim]"""
         self.latent[layer_idx, slots] = latent
         self.rope_key[layer_idx, slots] = rope_key
 
-    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
         """One layer's (latent [num_slots, kv_lora_rank], rope_key [num_slots, qk_rope_dim])."""
         return self.latent[layer_idx], self.rope_key[layer_idx]
 
 
-class MLA(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qk_nope_dim, self.qk_rope_dim = cfg.qk_nope_dim, cfg.qk_rope_dim
+class MLA:
+    """Absorbed MLA: W_UK folded into the query projection, W_UV into the output projection, so a
+    row's query is [q_latent | q_rope] scored against the cache's [c_kv | k_rope] directly."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str) -> None:
+        heads, nope, rope = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim
+        self.num_heads, self.qk_nope_dim, self.qk_rope_dim = heads, nope, rope
         self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.rotary = rotary
-        self.scale = (cfg.qk_nope_dim + cfg.qk_rope_dim) ** -0.5
-        qk_head_dim = cfg.qk_nope_dim + cfg.qk_rope_dim
-        self.wq_a = linear(cfg.hidden, cfg.q_lora_rank)
-        self.q_norm = RMSNorm(cfg.q_lora_rank)
-        self.wq_b = linear(cfg.q_lora_rank, cfg.num_heads * qk_head_dim)
-        self.wkv_a = linear(cfg.hidden, cfg.kv_lora_rank + cfg.qk_rope_dim)
-        self.kv_norm = RMSNorm(cfg.kv_lora_rank)
-        self.wkv_b = linear(cfg.kv_lora_rank, cfg.num_heads * (cfg.qk_nope_dim + cfg.v_head_dim))
-        self.wo = linear(cfg.num_heads * cfg.v_head_dim, cfg.hidden)
+        self.scale = (nope + rope) ** -0.5
+        self.wq_a = Linear.of(params, prefix + "wq_a.weight")
+        self.q_norm = RMSNorm(params[prefix + "q_norm.weight"])
+        self.wq_b = Linear.of(params, prefix + "wq_b.weight")
+        self.wkv_a = Linear.of(params, prefix + "wkv_a.weight")
+        self.kv_norm = RMSNorm(params[prefix + "kv_norm.weight"])
+        self.wkv_b = Linear.of(params, prefix + "wkv_b.weight")
+        self.wo = Linear.of(params, prefix + "wo.weight")
+        w_uk, w_uv = self.up_projections()
+        wq = self.wq_b.weight.reshape(heads, nope + rope, -1)  # [heads, nope + rope, q_lora]
+        # [q_lora, heads, c + rope]: per head, q_nope W_UK's columns, then q_rope's.
+        self.wq_absorbed = np.ascontiguousarray(
+            np.concatenate(
+                [np.einsum("hdq,hdc->qhc", wq[:, :nope], w_uk), wq[:, nope:].transpose(2, 0, 1)],
+                axis=-1,
+            ).reshape(wq.shape[-1], -1)
+        )
+        wo = self.wo.weight.reshape(-1, heads, self.v_head_dim)  # [hidden, heads, v]
+        # [heads x c, hidden]: o_latent W_UV^T, then wo, as one product.
+        self.wo_absorbed = np.einsum("hvc,dhv->hcd", w_uv, wo).reshape(-1, wo.shape[0])
 
-    def project_q(self, x: torch.Tensor, positions: torch.Tensor):
-        """x: [n, hidden] -> (q_nope [n, heads, qk_nope_dim], q_rope [n, heads, qk_rope_dim])"""
-        q = self.wq_b(self.q_norm(self.wq_a(x))).view(x.shape[0], self.num_heads, -1)
-        q_nope, q_rope = q.split([self.qk_nope_dim, self.qk_rope_dim], dim=-1)
-        return q_nope, self.rotary(q_rope, positions)
+    def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
+        q = matmul(self.q_norm(self.wq_a(x)), self.wq_absorbed)
+        q = q.reshape(x.shape[0], self.num_heads, -1)
+        q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
+        return q
 
-    def project_latent(self, x: torch.Tensor, positions: torch.Tensor):
+    def project_latent(self, x: np.ndarray, positions: np.ndarray):
         """x: [n, hidden] -> what the cache keeps: (c_kv [n, kv_lora_rank], k_rope [n, rope])"""
-        c_kv, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_dim], dim=-1)
+        kv = self.wkv_a(x)
+        c_kv, k_rope = kv[:, : self.kv_lora_rank], kv[:, self.kv_lora_rank :]
         return self.kv_norm(c_kv), self.rotary(k_rope, positions)
 
-    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def up_projections(self) -> tuple[np.ndarray, np.ndarray]:
         """(W_UK [heads, qk_nope_dim, kv_lora_rank], W_UV [heads, v_head_dim, kv_lora_rank])"""
-        w = self.wkv_b.weight.view(self.num_heads, self.qk_nope_dim + self.v_head_dim, -1)
+        w = self.wkv_b.weight.reshape(self.num_heads, self.qk_nope_dim + self.v_head_dim, -1)
         return w[:, : self.qk_nope_dim], w[:, self.qk_nope_dim :]
 
-    def forward(
+    def __call__(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
+        x: np.ndarray,
+        positions: np.ndarray,
         chunks: list[AttnChunk],
         cache: LatentCache,
         layer_idx: int,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """x: [n, hidden] rows of all chunks in order, positions: [n] -> [n, hidden].
 
         Writes the rows' latents into `cache` layer `layer_idx`, then each row attends causally
         to its own sequence's cached positions.
         """
-        q_nope, q_rope = self.project_q(x, positions)
+        q = self.project_q(x, positions)  # [n, heads, c + rope]
         c_kv, k_rope = self.project_latent(x, positions)
-        cache.write(layer_idx, torch.cat([c.write_slots for c in chunks]), c_kv, k_rope)
-        w_uk, w_uv = self.up_projections()
-        # The products are the batched matmuls einsum itself makes ("nhd,hdc->nhc" and so on),
-        # called directly: the same numbers (tests/test_model_mla.py) for a third of the time.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [n, heads, c]
-        latent, rope_key = cache.layer(layer_idx)
-        outputs, row = [], 0
+        slots = [c.write_slots for c in chunks]
+        cache.write(layer_idx, slots[0] if len(slots) == 1 else np.concatenate(slots), c_kv, k_rope)
+        keys = cache.keys[layer_idx]  # [num_slots, c + rope]
+        num_heads, lora = self.num_heads, self.kv_lora_rank
+        o_latent = np.empty((x.shape[0], num_heads, lora), x.dtype)
+        row = 0
         for chunk in chunks:
-            rows = slice(row, row + chunk.num_tokens)
-            cached_c_kv = latent[chunk.slots]  # [t, kv_lora_rank]
-            cached_k_rope = rope_key[chunk.slots]  # [t, qk_rope_dim]
-            scores = (
-                _heads_by(q_latent[rows], cached_c_kv.T) + _heads_by(q_rope[rows], cached_k_rope.T)
-            ) * self.scale  # [rows, heads, t]
-            if chunk.num_tokens > 1:  # a single new row sees no future position
-                scores = scores.masked_fill(
-                    _future_mask(chunk.start_pos, chunk.num_tokens), -torch.inf
-                )
-            outputs.append(_heads_by(scores.softmax(-1), cached_c_kv))  # [rows, heads, c]
-            row += chunk.num_tokens
-        o = torch.bmm(torch.cat(outputs).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.wo(o.reshape(x.shape[0], -1))  # o: [n, heads, v_head_dim]
+            num = chunk.num_tokens
+            cached = keys[chunk.slots]  # [t, c + rope]
+            scores = matmul(q[row : row + num].reshape(num * num_heads, -1), cached.T)
+            scores = scores.reshape(num, num_heads, -1) * self.scale  # [rows, heads, t]
+            if num > 1:  # a single new row sees no future position
+                scores = np.where(_future_mask(chunk.start_pos, num), -np.inf, scores)
+            probs = softmax(scores).reshape(num * num_heads, -1)
+            o_latent[row : row + num] = matmul(probs, cached[:, :lora]).reshape(num, num_heads, -1)
+            row += num
+        return matmul(o_latent.reshape(x.shape[0], -1), self.wo_absorbed)
 
-    def naive_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def naive_forward(self, x: np.ndarray) -> np.ndarray:
         """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->
         [t, hidden]; keys and values expanded per head, no cache."""
-        num_tokens = x.shape[0]
-        positions = torch.arange(num_tokens)
-        q_nope, q_rope = self.project_q(x, positions)
+        num_tokens, heads, nope = x.shape[0], self.num_heads, self.qk_nope_dim
+        positions = np.arange(num_tokens)
+        q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(num_tokens, heads, -1)
+        q = np.concatenate([q[..., :nope], self.rotary(q[..., nope:], positions)], axis=-1)
         c_kv, k_rope = self.project_latent(x, positions)
-        kv = self.wkv_b(c_kv).view(num_tokens, self.num_heads, -1)
-        k_nope, v = kv.split([self.qk_nope_dim, self.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [t, heads, qk_head_dim]
-        scores = torch.einsum("thd,shd->ths", q, k) * self.scale
-        scores = scores.masked_fill(_future_mask(0, num_tokens), -torch.inf)
-        o = torch.einsum("ths,shv->thv", scores.softmax(-1), v)
+        kv = self.wkv_b(c_kv).reshape(num_tokens, heads, -1)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        k_rope = np.broadcast_to(k_rope[:, None, :], (num_tokens, heads, k_rope.shape[-1]))
+        k = np.concatenate([k_nope, k_rope], axis=-1)
+        scores = np.einsum("thd,shd->ths", q, k) * self.scale
+        scores = np.where(_future_mask(0, num_tokens), -np.inf, scores)
+        o = np.einsum("ths,shv->thv", softmax(scores), v)
         return self.wo(o.reshape(num_tokens, -1))
 
 
-def _heads_by(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a: [rows, heads, k] times b: [k, m] -> [rows, heads, m], as one batch of one matmul."""
-    return torch.bmm(a.reshape(1, -1, a.shape[-1]), b[None]).view(a.shape[0], a.shape[1], -1)
-
-
-def _future_mask(start_pos: int, num_tokens: int) -> torch.Tensor:
+def _future_mask(start_pos: int, num_tokens: int) -> np.ndarray:
     """[num_tokens, 1, start_pos + num_tokens] bool: True where the key lies after the query."""
-    query_pos = torch.arange(start_pos, start_pos + num_tokens)[:, None, None]
-    key_pos = torch.arange(start_pos + num_tokens)[None, None, :]
+    query_pos = np.arange(start_pos, start_pos + num_tokens)[:, None, None]
+    key_pos = np.arange(start_pos + num_tokens)[None, None, :]
     return key_pos > query_pos

@@ -10,43 +10,41 @@ The embedding and output head are shared with the main model; each module has it
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.block import Block
-from xds_mpi.model.layers import RMSNorm, Rotary, linear
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.moe import NO_WIRE, Wire
 
 
-class MTPModule(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary) -> None:
-        super().__init__()
-        self.hnorm = RMSNorm(cfg.hidden)
-        self.enorm = RMSNorm(cfg.hidden)
-        self.eh_proj = linear(2 * cfg.hidden, cfg.hidden)
+class MTPModule:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str) -> None:
+        self.hnorm = RMSNorm(params[prefix + "hnorm.weight"])
+        self.enorm = RMSNorm(params[prefix + "enorm.weight"])
+        self.eh_proj = Linear.of(params, prefix + "eh_proj.weight")
         # DeepSeek-V3's MTP block is an MoE layer like the main model's last layer.
-        self.block = Block(cfg, rotary, is_moe=True)
-        self.norm = RMSNorm(cfg.hidden)
+        self.block = Block(cfg, rotary, params, prefix + "block.", is_moe=True)
+        self.norm = RMSNorm(params[prefix + "norm.weight"])
 
-    def forward(
+    def __call__(
         self,
-        prev_hidden: torch.Tensor,
-        next_embedding: torch.Tensor,
-        positions: torch.Tensor,
+        prev_hidden: np.ndarray,
+        next_embedding: np.ndarray,
+        positions: np.ndarray,
         chunks: list[AttnChunk],
         cache: LatentCache,
         cache_layer_idx: int,
         *,
         wire: Wire = NO_WIRE,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """prev_hidden: [n, hidden] h^{k-1}_i, next_embedding: [n, hidden] Emb(t_{i+k}) -> h^k_i"""
         x = self.project(prev_hidden, next_embedding)
         return self.block(x, positions, chunks, cache, cache_layer_idx, wire=wire)
 
-    def project(self, prev_hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+    def project(self, prev_hidden: np.ndarray, next_embedding: np.ndarray) -> np.ndarray:
         """The block's input h'_i: [n, hidden] (the distributed engine runs the block in pieces)."""
         return self.eh_proj(
-            torch.cat([self.hnorm(prev_hidden), self.enorm(next_embedding)], dim=-1)
+            np.concatenate([self.hnorm(prev_hidden), self.enorm(next_embedding)], axis=-1)
         )

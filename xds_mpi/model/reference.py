@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.mla import AttnChunk, LatentCache
@@ -59,7 +59,7 @@ class RequestOutput:
     num_steps: int  # decode iterations after prefill
     num_drafted: int  # MTP draft tokens proposed
     num_accepted: int  # MTP draft tokens accepted
-    logits: torch.Tensor | None = None  # [len(tokens), vocab] when record_logits
+    logits: np.ndarray | None = None  # [len(tokens), vocab] when record_logits
     # Per decode step (the first verifies the drafts of the MTP pass after prefill): the drafts
     # it verified and how many were accepted, before the cut at max_new_tokens or EOS.
     step_drafts: tuple[tuple[int, ...], ...] = ()
@@ -73,10 +73,10 @@ class _Seq:
     seq_id: int
     tokens: list[int]  # prompt + committed generated tokens
     num_prompt: int
-    generator: torch.Generator
-    hiddens: list[list[torch.Tensor]]  # [depth][position] committed h^depth rows, depth < D
+    generator: np.random.Generator
+    hiddens: list[list[np.ndarray]]  # [depth][position] committed h^depth rows, depth < D
     mtp_len: list[int]  # [depth - 1] committed cache entries of MTP depth
-    logit_rows: list[torch.Tensor] = field(default_factory=list)
+    logit_rows: list[np.ndarray] = field(default_factory=list)
     num_steps: int = 0
     num_drafted: int = 0
     num_accepted: int = 0
@@ -102,13 +102,12 @@ class ReferenceGenerator:
     def generate(self, prompts: list[list[int]]) -> list[RequestOutput]:
         seqs = [self._new_seq(seq_id, prompt) for seq_id, prompt in enumerate(prompts)]
         self._new_cache(seqs)
-        with torch.inference_mode():
-            self._prefill(seqs)
-            active = [s for s in seqs if not s.is_done]
-            while active:
-                drafts = self._draft(active) if self.opts.mtp_depth else {}
-                self._verify(active, drafts)
-                active = [s for s in active if not s.is_done]
+        self._prefill(seqs)
+        active = [s for s in seqs if not s.is_done]
+        while active:
+            drafts = self._draft(active) if self.opts.mtp_depth else {}
+            self._verify(active, drafts)
+            active = [s for s in active if not s.is_done]
         return [self._output(s) for s in seqs]
 
     def _new_seq(self, seq_id: int, prompt: list[int]) -> _Seq:
@@ -128,7 +127,7 @@ class ReferenceGenerator:
             seq_id=seq_id,
             tokens=list(prompt),
             num_prompt=len(prompt),
-            generator=torch.Generator().manual_seed(self.opts.seed + seq_id),
+            generator=np.random.default_rng(self.opts.seed + seq_id),
             hiddens=[[] for _ in range(depth)],
             mtp_len=[0] * depth,
         )
@@ -152,7 +151,7 @@ class ReferenceGenerator:
     def _chunk(self, seq_id: int, start_pos: int, num_tokens: int) -> AttnChunk:
         slots = self.table.slots(seq_id, 0, start_pos + num_tokens)
         return AttnChunk(
-            start_pos=start_pos, num_tokens=num_tokens, slots=torch.tensor(slots, dtype=torch.int64)
+            start_pos=start_pos, num_tokens=num_tokens, slots=np.array(slots, dtype=np.int64)
         )
 
     def _run_main(self, seqs: list[_Seq], inputs: list[list[int]], starts: list[int]):
@@ -160,17 +159,13 @@ class ReferenceGenerator:
         chunks = [
             self._chunk(s.seq_id, start, len(ids)) for s, ids, start in zip(seqs, inputs, starts)
         ]
-        tokens = torch.tensor([t for ids in inputs for t in ids], dtype=torch.int64)
-        positions = torch.cat(
-            [torch.arange(start, start + len(ids)) for ids, start in zip(inputs, starts)]
+        tokens = np.array([t for ids in inputs for t in ids], dtype=np.int64)
+        positions = np.concatenate(
+            [np.arange(start, start + len(ids)) for ids, start in zip(inputs, starts)]
         )
         hidden = self.model(tokens, positions, chunks, self.cache, wire=self.opts.wire)
-        return list(
-            zip(
-                hidden.split([len(ids) for ids in inputs]),
-                self.model.logits(hidden).split([len(ids) for ids in inputs]),
-            )
-        )
+        bounds = np.cumsum([len(ids) for ids in inputs])[:-1]
+        return list(zip(np.split(hidden, bounds), np.split(self.model.logits(hidden), bounds)))
 
     def _prefill(self, seqs: list[_Seq]) -> None:
         for s in seqs:
@@ -200,12 +195,12 @@ class ReferenceGenerator:
             self._commit(s, new_tokens, hidden[: len(new_tokens)], logits[: len(new_tokens)])
 
     def _commit(
-        self, s: _Seq, new_tokens: list[int], hidden: torch.Tensor, logits: torch.Tensor
+        self, s: _Seq, new_tokens: list[int], hidden: np.ndarray, logits: np.ndarray
     ) -> None:
         """Append tokens chosen from `logits` [n, vocab]; `hidden` [h, hidden] holds the main
         model's h^0 of the positions now in the main cache (the prompt, or t_m + accepted)."""
         if self.opts.mtp_depth:
-            s.hiddens[0].extend(hidden.unbind(0))
+            s.hiddens[0].extend(hidden)
         num_generated = len(s.tokens) - s.num_prompt
         new_tokens = new_tokens[: self.opts.max_new_tokens - num_generated]
         if not self.opts.ignore_eos and EOS_ID in new_tokens:
@@ -213,7 +208,7 @@ class ReferenceGenerator:
             s.is_done = True
         s.tokens.extend(new_tokens)
         if self.opts.record_logits:
-            s.logit_rows.extend(logits[: len(new_tokens)].unbind(0))
+            s.logit_rows.extend(logits[: len(new_tokens)])
         if len(s.tokens) - s.num_prompt >= self.opts.max_new_tokens:
             s.is_done = True
         if s.is_done:
@@ -222,7 +217,7 @@ class ReferenceGenerator:
     def _draft(self, seqs: list[_Seq]) -> dict[int, list[int]]:
         """Steps 1-2: MTP depth 1..D, chained, each drafting one token greedily per sequence."""
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
-        speculative: dict[tuple[int, int, int], torch.Tensor] = {}  # (seq, depth, pos) -> h row
+        speculative: dict[tuple[int, int, int], np.ndarray] = {}  # (seq, depth, pos) -> h row
         for depth in range(1, self.opts.mtp_depth + 1):
             prev, next_tokens, positions, chunks = [], [], [], []
             for s in seqs:
@@ -236,19 +231,19 @@ class ReferenceGenerator:
                         else speculative[s.seq_id, depth - 1, pos]
                     )
                     next_tokens.append(extended[pos + depth])
-                positions.append(torch.arange(start, stop))
+                positions.append(np.arange(start, stop))
                 chunks.append(self._chunk(s.seq_id, start, stop - start))
             hidden = self.model.mtp_forward(
                 depth,
-                torch.stack(prev),
-                torch.tensor(next_tokens, dtype=torch.int64),
-                torch.cat(positions),
+                np.stack(prev),
+                np.array(next_tokens, dtype=np.int64),
+                np.concatenate(positions),
                 chunks,
                 self.cache,
                 wire=self.opts.wire,
             )
-            rows = hidden.split([c.num_tokens for c in chunks])
-            last_rows = torch.stack([r[-1] for r in rows])
+            rows = np.split(hidden, np.cumsum([c.num_tokens for c in chunks])[:-1])
+            last_rows = np.stack([r[-1] for r in rows])
             for s, token in zip(seqs, self.model.mtp_logits(depth, last_rows).argmax(-1).tolist()):
                 drafts[s.seq_id].append(token)
             for s, seq_rows in zip(seqs, rows):
@@ -259,8 +254,8 @@ class ReferenceGenerator:
         self,
         s: _Seq,
         depth: int,
-        rows: torch.Tensor,
-        speculative: dict[tuple[int, int, int], torch.Tensor],
+        rows: np.ndarray,
+        speculative: dict[tuple[int, int, int], np.ndarray],
     ) -> None:
         """rows: [n, hidden] h^depth at positions [mtp_len, last_pos); entries that used a draft
         token (pos > last_pos - depth) are recomputed next step."""
@@ -268,7 +263,7 @@ class ReferenceGenerator:
         s.mtp_len[depth - 1] = num_committed
         if depth == self.opts.mtp_depth:
             return
-        for pos, row in enumerate(rows.unbind(0), start=start):
+        for pos, row in enumerate(rows, start=start):
             if pos < num_committed:
                 s.hiddens[depth].append(row)
             else:
@@ -283,5 +278,5 @@ class ReferenceGenerator:
             num_accepted=s.num_accepted,
             step_drafts=tuple(s.step_drafts),
             step_accepted=tuple(s.step_accepted),
-            logits=torch.stack(s.logit_rows) if self.opts.record_logits else None,
+            logits=np.stack(s.logit_rows) if self.opts.record_logits else None,
         )

@@ -8,19 +8,30 @@ main model's argmax, so greedy MTP yields exactly the tokens of greedy decoding.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
+
+from xds_mpi.model.layers import softmax
 
 
-def sample(logits: torch.Tensor, *, temperature: float, generator: torch.Generator) -> int:
+def sample(logits: np.ndarray, *, temperature: float, generator: np.random.Generator | None) -> int:
     """logits: [vocab] -> token id (argmax when temperature is 0)."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return _draw(softmax(logits / temperature), generator)
+
+
+def _draw(probs: np.ndarray, generator: np.random.Generator) -> int:
+    """One token from probs [vocab] (not necessarily summing to 1): inverse CDF of one uniform."""
+    cdf = np.cumsum(probs)
+    return min(int(np.searchsorted(cdf, generator.random() * cdf[-1], side="right")), len(cdf) - 1)
 
 
 def verify_drafts(
-    logits: torch.Tensor, drafts: list[int], *, temperature: float, generator: torch.Generator
+    logits: np.ndarray,
+    drafts: list[int],
+    *,
+    temperature: float,
+    generator: np.random.Generator | None,
 ) -> list[int]:
     """logits: [len(drafts) + 1, vocab], row j from the main model at the position before draft j.
 
@@ -34,10 +45,9 @@ def verify_drafts(
             if token != draft:
                 return [*drafts[:draft_idx], token]
             continue
-        probs = torch.softmax(row / temperature, dim=-1)
-        if float(torch.rand((), generator=generator, dtype=probs.dtype)) < float(probs[draft]):
+        probs = softmax(row / temperature)
+        if generator.random() < probs[draft]:
             continue
         probs[draft] = 0
-        token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-        return [*drafts[:draft_idx], token]
+        return [*drafts[:draft_idx], _draw(probs, generator)]
     return [*drafts, sample(logits[len(drafts)], temperature=temperature, generator=generator)]

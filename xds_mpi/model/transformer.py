@@ -1,53 +1,113 @@
-"""The tiny DeepSeek-style model: embedding, dense then MoE blocks, final norm, output head, MTP."""
+"""The tiny DeepSeek-style model: embedding, dense then MoE blocks, final norm, output head, MTP.
+
+Plain numpy arrays named as the checkpoint names them (`param_shapes`); the dies and the
+single-process reference run this one model, so their tokens agree bit for bit.
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.block import Block
-from xds_mpi.model.layers import RMSNorm, Rotary, linear
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.moe import NO_WIRE, Wire
 from xds_mpi.model.mtp import MTPModule
 
 
-class DeepSeekModel(nn.Module):
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's name and shape (the checkpoint's names; [out, in] for a projection)."""
+    hidden, heads = cfg.hidden, cfg.num_heads
+
+    def swiglu(prefix: str, inner: int) -> dict:
+        return {
+            f"{prefix}w1.weight": (inner, hidden),
+            f"{prefix}w3.weight": (inner, hidden),
+            f"{prefix}w2.weight": (hidden, inner),
+        }
+
+    def block(prefix: str, is_moe: bool) -> dict:
+        attn = f"{prefix}attn."
+        shapes = {
+            f"{prefix}attn_norm.weight": (hidden,),
+            f"{attn}wq_a.weight": (cfg.q_lora_rank, hidden),
+            f"{attn}q_norm.weight": (cfg.q_lora_rank,),
+            f"{attn}wq_b.weight": (heads * (cfg.qk_nope_dim + cfg.qk_rope_dim), cfg.q_lora_rank),
+            f"{attn}wkv_a.weight": (cfg.kv_lora_rank + cfg.qk_rope_dim, hidden),
+            f"{attn}kv_norm.weight": (cfg.kv_lora_rank,),
+            f"{attn}wkv_b.weight": (heads * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            f"{attn}wo.weight": (hidden, heads * cfg.v_head_dim),
+            f"{prefix}ffn_norm.weight": (hidden,),
+        }
+        if not is_moe:
+            return shapes | swiglu(f"{prefix}ffn.", cfg.intermediate)
+        shapes[f"{prefix}ffn.gate.weight"] = (cfg.num_routed_experts, hidden)
+        shapes[f"{prefix}ffn.gate.bias"] = (cfg.num_routed_experts,)
+        for e in range(cfg.num_routed_experts):
+            shapes |= swiglu(f"{prefix}ffn.experts.{e}.", cfg.moe_intermediate)
+        for e in range(cfg.num_shared_experts):
+            shapes |= swiglu(f"{prefix}ffn.shared_experts.{e}.", cfg.moe_intermediate)
+        return shapes
+
+    shapes = {"embed.weight": (cfg.vocab_size, hidden)}
+    for i in range(cfg.num_layers):
+        shapes |= block(f"layers.{i}.", i >= cfg.num_dense_layers)
+    shapes |= {"norm.weight": (hidden,), "head.weight": (cfg.vocab_size, hidden)}
+    for k in range(cfg.num_mtp_modules):
+        shapes |= {
+            f"mtp.{k}.hnorm.weight": (hidden,),
+            f"mtp.{k}.enorm.weight": (hidden,),
+            f"mtp.{k}.eh_proj.weight": (hidden, 2 * hidden),
+            f"mtp.{k}.norm.weight": (hidden,),
+        }
+        shapes |= block(f"mtp.{k}.block.", True)
+    return shapes
+
+
+class DeepSeekModel:
     """Cache layers: 0..num_layers-1 are the main blocks, num_layers + k - 1 is MTP depth k."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float64) -> None:
-        super().__init__()
-        self.cfg = cfg
+    def __init__(
+        self, cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype=np.float64
+    ) -> None:
+        """params: every name of `param_shapes(cfg)` -> its array (cast to `dtype` here)."""
+        self.cfg, self.dtype = cfg, np.dtype(dtype)
+        params = {name: np.ascontiguousarray(value, self.dtype) for name, value in params.items()}
+        self.params = params
         self.rotary = Rotary(
             dim=cfg.qk_rope_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta, dtype=dtype
         )
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(
-            Block(cfg, self.rotary, is_moe=i >= cfg.num_dense_layers) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden)
-        self.head = linear(cfg.hidden, cfg.vocab_size)
-        self.mtp = nn.ModuleList(MTPModule(cfg, self.rotary) for _ in range(cfg.num_mtp_modules))
-        self.to(dtype)
-        self.requires_grad_(False)
+        self.embed_weight = params["embed.weight"]  # [vocab_size, hidden]
+        self.layers = [
+            Block(cfg, self.rotary, params, f"layers.{i}.", is_moe=i >= cfg.num_dense_layers)
+            for i in range(cfg.num_layers)
+        ]
+        self.norm = RMSNorm(params["norm.weight"])
+        self.head = Linear.of(params, "head.weight")
+        self.mtp = [
+            MTPModule(cfg, self.rotary, params, f"mtp.{k}.") for k in range(cfg.num_mtp_modules)
+        ]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.head.weight.dtype
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return dict(self.params)
 
     def num_cache_layers(self, mtp_depth: int) -> int:
         return self.cfg.num_layers + mtp_depth
 
-    def forward(
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens: [n] int64 -> [n, hidden]"""
+        return self.embed_weight[tokens]
+
+    def __call__(
         self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
+        tokens: np.ndarray,
+        positions: np.ndarray,
         chunks: list[AttnChunk],
         cache: LatentCache,
         *,
         wire: Wire = NO_WIRE,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """tokens, positions: [n] int64 -> [n, hidden] last block's output (before the final norm;
         the MTP module takes this as h^0)."""
         x = self.embed(tokens)
@@ -55,7 +115,7 @@ class DeepSeekModel(nn.Module):
             x = layer(x, positions, chunks, cache, layer_idx, wire=wire)
         return x
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden: [n, hidden] -> [n, vocab_size]"""
         return self.head(self.norm(hidden))
 
@@ -76,14 +136,14 @@ class DeepSeekModel(nn.Module):
     def mtp_forward(
         self,
         depth: int,
-        prev_hidden: torch.Tensor,
-        next_tokens: torch.Tensor,
-        positions: torch.Tensor,
+        prev_hidden: np.ndarray,
+        next_tokens: np.ndarray,
+        positions: np.ndarray,
         chunks: list[AttnChunk],
         cache: LatentCache,
         *,
         wire: Wire = NO_WIRE,
-    ) -> torch.Tensor:
+    ) -> np.ndarray:
         """prev_hidden: [n, hidden] h^{depth-1}_i, next_tokens: [n] t_{i+depth} -> [n, hidden]"""
         return self.mtp_module(depth)(
             prev_hidden,
@@ -95,6 +155,6 @@ class DeepSeekModel(nn.Module):
             wire=wire,
         )
 
-    def mtp_logits(self, depth: int, hidden: torch.Tensor) -> torch.Tensor:
+    def mtp_logits(self, depth: int, hidden: np.ndarray) -> np.ndarray:
         """hidden: [n, hidden] h^depth_i -> [n, vocab_size] predicting t_{i+depth+1}"""
         return self.head(self.mtp_module(depth).norm(hidden))

@@ -4,7 +4,8 @@ Weights are float32 values whatever the compute dtype, so a float64 run and a fl
 from the same numbers and a file round trip is exact. Each tensor draws from its own generator,
 seeded by (seed, tensor name): changing one module's shape never shifts another's weights.
 `model.weights` is "random", the name of a checkpoint shipped in xds_mpi/data/ ("tiny", written by
-`xds-mpi train-tiny`), or the path of an HDF5 file.
+`xds-mpi train-tiny`), or the path of an HDF5 file. numpy and h5py only: the dies load weights
+without torch (the trainer hands its tensors over as arrays, xds_mpi/train/torch_model.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import torch
 
 from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.checkpoint import (
@@ -25,34 +25,36 @@ from xds_mpi.model.checkpoint import (
     read_checkpoint_config,
     weights_path,
 )
-from xds_mpi.model.transformer import DeepSeekModel
+from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 GATE_BIAS_STD = 0.02
 
 
-def _init_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+def _init_value(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """One tensor's float32 initial value from its own generator."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return np.ones(shape, np.float32)
+    normal = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("gate.bias"):
-        return torch.randn(shape, generator=gen) * GATE_BIAS_STD
+        return normal * np.float32(GATE_BIAS_STD)
     if name == "embed.weight":
-        return torch.randn(shape, generator=gen)
-    fan_in = shape[-1]
-    return torch.randn(shape, generator=gen) / fan_in**0.5
+        return normal
+    return normal / np.float32(shape[-1] ** 0.5)  # fan-in
 
 
-def init_weights(model: DeepSeekModel, seed: int) -> None:
-    for name, param in model.named_parameters():
-        param.copy_(_init_value(name, param.shape, seed).to(param.dtype))
+def init_state(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded random weights (float32) for every tensor of the model."""
+    return {name: _init_value(name, shape, seed) for name, shape in param_shapes(cfg).items()}
 
 
-def save_weights(model: DeepSeekModel, path: str | Path) -> None:
+def save_weights(cfg: ModelConfig, state: dict[str, np.ndarray], path: str | Path) -> None:
+    """state: tensor name -> array (any float dtype; stored as float32)."""
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
-        f.attrs["model_config"] = json.dumps(dataclasses.asdict(model.cfg))
-        for name, tensor in model.state_dict().items():
-            f.create_dataset(name, data=tensor.to(torch.float32).numpy())
+        f.attrs["model_config"] = json.dumps(dataclasses.asdict(cfg))
+        for name, value in state.items():
+            f.create_dataset(name, data=np.asarray(value, np.float32))
 
 
 def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -63,26 +65,26 @@ def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return cfg, tensors
 
 
+def check_names(cfg: ModelConfig, names, where: str) -> None:
+    """The tensors `names` must be exactly the model's (`param_shapes`)."""
+    wrong = sorted(set(param_shapes(cfg)) ^ set(names))
+    if wrong:
+        raise ConfigError(f"{where}: tensors missing or unexpected: {', '.join(wrong[:8])}")
+
+
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float64, expected: ModelConfig | None = None
+    path: str | Path, *, dtype=np.float64, expected: ModelConfig | None = None
 ) -> DeepSeekModel:
     """A model built from the file's own config; `expected` (if given) must match its shape."""
     cfg, tensors = read_weights(path)
     if expected is not None:
         check_same_shape(expected, cfg)
-    model = DeepSeekModel(cfg, dtype=dtype)
-    state = {name: torch.from_numpy(value) for name, value in tensors.items()}
-    missing = sorted(set(model.state_dict()) ^ set(state))
-    if missing:
-        raise ConfigError(f"{path}: tensors missing or unexpected: {', '.join(missing[:8])}")
-    model.load_state_dict(state)
-    return model
+    check_names(cfg, tensors, str(path))
+    return DeepSeekModel(cfg, tensors, dtype=dtype)
 
 
-def build_model(cfg: ModelConfig, *, dtype: torch.dtype = torch.float64) -> DeepSeekModel:
+def build_model(cfg: ModelConfig, *, dtype=np.float64) -> DeepSeekModel:
     """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file."""
     if cfg.weights != "random":
         return load_model(weights_path(cfg.weights), dtype=dtype, expected=cfg)
-    model = DeepSeekModel(cfg, dtype=dtype)
-    init_weights(model, cfg.seed)
-    return model
+    return DeepSeekModel(cfg, init_state(cfg, cfg.seed), dtype=dtype)

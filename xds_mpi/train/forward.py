@@ -1,10 +1,10 @@
-"""The training forward: whole sequences at once, causal, through the inference model's modules.
+"""The training forward: whole sequences at once, causal, through the torch twin's modules.
 
-Inference attends from a paged latent cache with W_UK absorbed into the query; training has no
-cache, so attention takes MLA's un-absorbed form (keys and values expanded per head from the same
-c_kv and k_rope) over the full sequence. Everything else is the very same module call: norms,
-projections, rotary, the dense FFN, and `MoE.forward` (DeepSeek-V3 sigmoid gate, the routed
-experts, the shared expert, combine). tests/test_train.py checks the two paths agree.
+Inference (the numpy model) attends from a paged latent cache with W_UK absorbed into the query;
+training has no cache, so attention takes MLA's un-absorbed form (keys and values expanded per
+head from the same c_kv and k_rope) over the full sequence. Everything else is the same formula:
+norms, projections, rotary, the dense FFN, and the MoE (DeepSeek-V3 sigmoid gate, the routed
+experts, the shared expert, combine). tests/test_model_oracle.py checks the two models agree.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from xds_mpi.model.block import Block
-from xds_mpi.model.mla import MLA
-from xds_mpi.model.transformer import DeepSeekModel
+from xds_mpi.train.torch_model import MLA, Block, DeepSeekModel
 
 
 def causal_attention(attn: MLA, x: torch.Tensor) -> torch.Tensor:

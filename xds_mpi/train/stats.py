@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from xds_mpi.model.moe import Gate
+from xds_mpi.model import transformer
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
-from xds_mpi.model.transformer import DeepSeekModel
 from xds_mpi.train.forward import sequence_logits
+from xds_mpi.train.torch_model import DeepSeekModel, Gate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +73,7 @@ def text_stats(model: DeepSeekModel, windows: torch.Tensor, *, batch_size: int =
 
     def count_hook(name: str):
         def hook(module, inputs, routing) -> None:
-            counts[name] += torch.bincount(routing.topk_idx.flatten(), minlength=num_experts)
+            counts[name] += torch.bincount(routing[0].flatten(), minlength=num_experts)
 
         return hook
 
@@ -120,9 +120,11 @@ class DecodeAcceptance:
 def decode_acceptance(
     model: DeepSeekModel, prompts: list[list[int]], *, mtp_depth: int, max_new_tokens: int
 ) -> DecodeAcceptance:
-    """Greedy decoding of every prompt with MTP depth `mtp_depth` in the reference generator."""
+    """Greedy decoding of every prompt with MTP depth `mtp_depth` in the reference generator
+    (the numpy model the dies serve, with the torch model's weights)."""
     options = GenerateOptions(max_new_tokens=max_new_tokens, mtp_depth=mtp_depth, ignore_eos=True)
-    outs = ReferenceGenerator(model, options).generate(prompts)
+    served = transformer.DeepSeekModel(model.cfg, model.arrays())
+    outs = ReferenceGenerator(served, options).generate(prompts)
     return DecodeAcceptance(
         mtp_depth=mtp_depth,
         num_drafted=sum(o.num_drafted for o in outs),

@@ -1,6 +1,6 @@
 """`train_tiny`: AdamW on the main + MTP loss, warmup then cosine, float32, one thread.
 
-Determinism: the weights start from `init_weights(seed)`, batches come from a generator seeded
+Determinism: the weights start from `init_state(seed)`, batches come from a generator seeded
 with the same seed, and the loop runs on one intra-op thread, so the result does not depend on
 how many cores the machine has. The gate's selection bias stays frozen at zero: DeepSeek-V3 would
 nudge it towards balance (auxiliary-loss-free balancing), but the point of this checkpoint is the
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.model.transformer import DeepSeekModel
-from xds_mpi.model.weights import init_weights
+from xds_mpi.model.weights import init_state
 from xds_mpi.train.corpus import Corpus, random_windows, spread_windows
 from xds_mpi.train.forward import Losses, sequence_losses
 from xds_mpi.train.options import TrainConfig
+from xds_mpi.train.torch_model import DeepSeekModel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,11 +45,11 @@ class TrainResult:
 
 
 def trainable_model(cfg: ModelConfig, seed: int) -> DeepSeekModel:
-    """float32 model with init_weights(seed); every parameter trains except the gate bias."""
+    """float32 model with init_state(seed); every parameter trains except the gate bias."""
     model = DeepSeekModel(
         dataclasses.replace(cfg, weights="random", seed=seed), dtype=torch.float32
     )
-    init_weights(model, seed)
+    model.load_arrays(init_state(model.cfg, seed))
     for name, param in model.named_parameters():
         if name.endswith("gate.bias"):
             param.zero_()
