@@ -16,6 +16,7 @@ import numpy as np
 from xccl.quant import quant_dequant
 from xds_mpi.config.schema import Config, ModelConfig
 from xds_mpi.model.layers import SwiGLU, matmul
+from xds_mpi.model.params import LazyList
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,12 +160,15 @@ NO_WIRE = Wire()  # one process, no XCCL: the rows stay as they are
 class MoE:
     def __init__(self, cfg: ModelConfig, params: dict, prefix: str) -> None:
         self.gate = Gate(cfg, params, prefix + "gate.")
-        self.experts = [
-            SwiGLU(params, f"{prefix}experts.{e}.") for e in range(cfg.num_routed_experts)
-        ]
+        self.params, self.prefix = params, prefix
+        # Built when first used: a die uses only the experts its slots host.
+        self.experts = LazyList(cfg.num_routed_experts, self._expert)
         self.shared_experts = [
             SwiGLU(params, f"{prefix}shared_experts.{e}.") for e in range(cfg.num_shared_experts)
         ]
+
+    def _expert(self, expert_idx: int) -> SwiGLU:
+        return SwiGLU(self.params, f"{self.prefix}experts.{expert_idx}.")
 
     def expert_forward(self, expert_idx: int, x: np.ndarray) -> np.ndarray:
         """One routed expert over the rows routed to it: x [n, hidden] -> [n, hidden]"""

@@ -14,6 +14,7 @@ from xds_mpi.model.layers import Linear, RMSNorm, Rotary
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.moe import NO_WIRE, Wire
 from xds_mpi.model.mtp import MTPModule
+from xds_mpi.model.params import LazyParams
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -71,9 +72,11 @@ class DeepSeekModel:
     def __init__(
         self, cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype=np.float64
     ) -> None:
-        """params: every name of `param_shapes(cfg)` -> its array (cast to `dtype` here)."""
+        """params: every name of `param_shapes(cfg)` -> its array: a LazyParams (made when first
+        used, in `dtype`), or plain arrays (cast to `dtype` as they are used)."""
         self.cfg, self.dtype = cfg, np.dtype(dtype)
-        params = {name: np.ascontiguousarray(value, self.dtype) for name, value in params.items()}
+        if not isinstance(params, LazyParams):
+            params = LazyParams.of_arrays(params, self.dtype)
         self.params = params
         self.rotary = Rotary(
             dim=cfg.qk_rope_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta, dtype=dtype

@@ -25,6 +25,7 @@ from xds_mpi.model.checkpoint import (
     read_checkpoint_config,
     weights_path,
 )
+from xds_mpi.model.params import LazyParams
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 GATE_BIAS_STD = 0.02
@@ -72,19 +73,44 @@ def check_names(cfg: ModelConfig, names, where: str) -> None:
         raise ConfigError(f"{where}: tensors missing or unexpected: {', '.join(wrong[:8])}")
 
 
+class RandomWeights:
+    """The seeded random weights of `cfg`, one tensor at a time (each from its own generator, so
+    drawing one alone gives the same values as drawing them all)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        self.shapes, self.seed = param_shapes(cfg), seed
+
+    def value(self, name: str) -> np.ndarray:
+        return _init_value(name, self.shapes[name], self.seed)
+
+
+class FileWeights:
+    """The tensors of an HDF5 weights file, one at a time; the file stays open for reading."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = h5py.File(path, "r")
+
+    def value(self, name: str) -> np.ndarray:
+        return self.file[name][()]
+
+
 def load_model(
     path: str | Path, *, dtype=np.float64, expected: ModelConfig | None = None
 ) -> DeepSeekModel:
-    """A model built from the file's own config; `expected` (if given) must match its shape."""
-    cfg, tensors = read_weights(path)
+    """A model built from the file's own config; `expected` (if given) must match its shape.
+    Tensors are read when first used (a die reads only the experts it hosts)."""
+    cfg = read_checkpoint_config(path)
     if expected is not None:
         check_same_shape(expected, cfg)
-    check_names(cfg, tensors, str(path))
-    return DeepSeekModel(cfg, tensors, dtype=dtype)
+    source = FileWeights(path)
+    check_names(cfg, source.file.keys(), str(path))
+    return DeepSeekModel(cfg, LazyParams(param_shapes(cfg), source, dtype), dtype=dtype)
 
 
 def build_model(cfg: ModelConfig, *, dtype=np.float64) -> DeepSeekModel:
-    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file."""
+    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file.
+    Either way a tensor is made when first used, so a die holds only what it touches."""
     if cfg.weights != "random":
         return load_model(weights_path(cfg.weights), dtype=dtype, expected=cfg)
-    return DeepSeekModel(cfg, init_state(cfg, cfg.seed), dtype=dtype)
+    source = RandomWeights(cfg, cfg.seed)
+    return DeepSeekModel(cfg, LazyParams(source.shapes, source, dtype), dtype=dtype)
