@@ -55,7 +55,8 @@ def scale_down(die, failover: Failover) -> None:
     afd = rebuilt_buffer(die.afd, survivors)  # Step 3: the lost dies as -1
     die.afd, die.recompute.buffers = afd, [afd]
     die.install(afd, rerouted(die, failover.lost))
-    die.dies = die.recompute.comm = survivors
+    die.dies = survivors
+    die.recompute.regroup(survivors)  # its votes too (faults.on_timeout recompute)
     die.plan.num_calls = survivors.allreduce(die.plan.num_calls, op=MPI.MAX)
     die.is_scaled = True
     outbox = getattr(die, "outbox", None)  # Step 4
