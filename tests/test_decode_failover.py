@@ -107,20 +107,3 @@ def test_eight_dies_lose_one_mid_run(tmp_path, request):
     served_16 = "check: 16 requests, 256 tokens, 0 mismatches"
     record = assert_scaled(result, records, 5, "dead", "vertical scaling: 8 -> 7", served_16)
     print(record.describe())
-
-
-# faults.on_timeout recompute: the dies' waits give up on the lost die after 1 s and vote; the
-# TE-shell's fence ends the vote, and the survivors vote among themselves from then on.
-RECOMPUTE = ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]
-
-
-@pytest.mark.parametrize(
-    "row, die",
-    [
-        ("{kind: dead, die: 2, iteration: 5}", 2),
-        ("{kind: stuck, die: 4, iteration: 3}", 4),  # for good: lost as dead
-    ],
-)
-def test_a_lost_die_with_timeouts_recomputed_is_scaled_away(tmp_path, row, die):
-    result, _, records = served(tmp_path, [row], *RING, *RECOMPUTE)
-    assert_scaled(result, records, die, "dead", "vertical scaling: 4 -> 3 decode dies")
