@@ -25,8 +25,30 @@ def check_decode_loss(cfg: Config, topo: Topology) -> None:
             "survivors' communicator (ranks/recovery/detector.py would stop the run); drop one "
             "of the two"
         )
+    _check_mtp_loss(cfg, rows)
     if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
         _check_afd_loss(topo, cfg.faults.events)
+
+
+def _check_mtp_loss(cfg: Config, rows: list[int]) -> None:
+    """A lost decode die's requests are prefilled again elsewhere with the tokens they emitted
+    (ranks/recovery/scale_down.py resumed): their tokens equal the reference's, but their MTP
+    drafts restart from that prefill, so the drafts and acceptance `--check` compares step by
+    step do not (measured: colocated and afd, 1-2 mismatches of 8 requests). A stuck row shorter
+    than health.timeout_s loses no die and stays accepted."""
+    depth, timeout_s = cfg.scheduler.mtp_depth, cfg.health.timeout_s
+    events = cfg.faults.events
+    losing = [
+        i for i in rows if events[i].kind == "dead" or not 0 < events[i].duration_s < timeout_s
+    ]
+    if depth and losing:
+        raise ConfigError(
+            f"faults.events{losing}: a decode die that may be lost (dead, or stuck for good or "
+            f"for >= health.timeout_s({timeout_s:g}) s) with scheduler.mtp_depth({depth}) is not "
+            "emulated: its requests are prefilled again elsewhere and their MTP drafts restart "
+            "from that prefill, so they no longer match the reference's step by step; set "
+            "scheduler.mtp_depth 0 or a shorter stuck row"
+        )
 
 
 def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
