@@ -27,8 +27,8 @@ from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
 from ranks.core.pd_messages import TAG_PD_PREFILLED
 from ranks.pd.send import KvSender
-from ranks.recovery.heartbeat import HeartbeatResponder
 from ranks.recovery.prefill_loss import PrefillLoss
+from ranks.recovery.watch import HeartbeatResponder
 
 
 @dataclass(frozen=True, kw_only=True)

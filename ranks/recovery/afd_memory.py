@@ -22,7 +22,7 @@ from xds_mpi.eplb.placement import Placement
 
 
 def afd_memory_check(ctx) -> MemoryCheck:
-    return MemoryCheck(ctx, iterations=lambda die: die.iteration, site=AfdSlots())
+    return MemoryCheck(ctx, site=AfdSlots())
 
 
 class AfdSlots:

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ranks.core.messages import JE
 from ranks.recovery.detector import Detector, Loss
-from ranks.recovery.die_health import is_watched, watch_comm
-from ranks.recovery.shell_failover import rebuild
+from ranks.recovery.scale_down import rebuild
+from ranks.recovery.watch import is_watched, watch_comm
 from ranks.shell.frontend import static_placement
 from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
-
-JE = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +60,11 @@ class DecodeWatch:
         self.sends: list = []
         if is_watched(ctx.cfg, ctx.plan):
             groups = ctx.plan.pd.decode
-            self.detector = Detector(ctx, groups, lambda: static_placement(ctx), watch_comm(ctx))
+            self.detector = Detector(ctx, groups, self.placement, watch_comm(ctx))
+
+    def placement(self):
+        """The expert placement now: the static one (a PD run balances with no EPLB)."""
+        return static_placement(self.shell.ctx)
 
     @property
     def has_failed_over(self) -> bool:

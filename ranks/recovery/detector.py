@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
-from ranks.recovery.die_health import FaultBegan
-from ranks.recovery.failure_book import Detection, failure_records
-from ranks.recovery.heartbeat import HeartbeatSender
-from ranks.recovery.timeout_book import with_timeouts
+from ranks.recovery.records import Detection, failure_records, with_timeouts
+from ranks.recovery.watch import FaultBegan, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
 from xds_mpi.eplb.placement import Placement, remove_die
 from xds_mpi.failures import FailureRecord, write_failures

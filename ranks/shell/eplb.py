@@ -169,6 +169,11 @@ class NoEplbShell:
     def scale_down(self, lost: tuple[int, ...]) -> None:
         return None
 
+    @property
+    def placement(self) -> None:
+        """No placement of EPLB's: the expert placement is the static one."""
+        return None
+
 
 def make_eplb_shell(ctx, groups: tuple[int, ...]) -> EplbShell | NoEplbShell:
     if not ctx.cfg.eplb.enabled:
