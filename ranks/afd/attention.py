@@ -94,6 +94,12 @@ class AttentionDie(AfdDieBase):
         (ranks/recovery/scale_down.py)."""
         self.executor.reroute(afd, routing.log2phy, routing.shared_slots)
 
+    def use_placement(self, placement) -> None:
+        """Who hosts which expert from now on; routed with it at once."""
+        super().use_placement(placement)
+        executor = self.executor
+        executor.reroute(self.afd, placement.log2phy(0), executor.shared_slots)
+
     def num_batches_sent(self) -> int:
         return self.outbox.num_batches
 

@@ -144,6 +144,10 @@ class AfdDieBase(DecodeDieLoop):
         """The rebuilt A2E/E2A buffer and routing, after a failover."""
         raise NotImplementedError
 
+    def use_placement(self, placement) -> None:
+        """Who hosts which expert from now on (a masked slot, ranks/recovery/afd_memory.py)."""
+        self.placement = placement
+
     def num_batches_sent(self) -> int:
         """Token batches this die has sent the TE-shell (an expert die sends none)."""
         return 0

@@ -35,9 +35,7 @@ class AfdSlots:
 
     @staticmethod
     def install(die, placement: Placement) -> None:
-        die.placement = placement
-        if die.afd.role == "attention":
-            die.executor.log2phy = placement.log2phy(0)
+        die.use_placement(placement)
 
     @staticmethod
     def corrupt(die, phy: int) -> None:
