@@ -176,7 +176,7 @@ class Recomputer:
         window_comm: the world communicator when the TE-shell fences these dies
         (ranks/recovery/detector.py):
         the abort words' window then spans it, and the waits check the fence even with no fault
-        table. stall: the die's stuck-fault hook (ranks/recovery/die_health.py), called inside each
+        table. stall: the die's stuck-fault hook (ranks/recovery/watch.py), called inside each
         operation before the fault plan's."""
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
@@ -232,7 +232,7 @@ class Recomputer:
 
     def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
         """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
-        so that restore_interrupted can undo it (ranks/recovery/die_failover.py)."""
+        so that restore_interrupted can undo it (ranks/recovery/scale_down.py)."""
         if self.recovery is None:
             return attempt()
         self._attempts = IterationAttempts(

@@ -1,7 +1,7 @@
 """Losing a decode die (a stuck or dead row on a colocated, attention or expert die), checked
 before launch (xds_mpi/plan/failures.py): what the TE-shell's vertical scaling
 (ranks/recovery/detector.py,
-ranks/recovery/shell_failover.py) cannot go on with is refused here, naming why, so that no accepted
+ranks/recovery/scale_down.py) cannot go on with is refused here, naming why, so that no accepted
 config stops at run time for it."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _check_mtp_loss(cfg: Config, rows: list[int]) -> None:
 
 def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
     """An afd run recovers from one lost attention die whose DP domain keeps another
-    (ranks/recovery/afd_failover.py); a second loss would rebuild a rebuilt layout (not
+    (ranks/recovery/scale_down.py); a second loss would rebuild a rebuilt layout (not
     emulated)."""
     rows = [i for i, e in enumerate(events) if e.kind in ("stuck", "dead")]
     if len(rows) > 1:
