@@ -108,6 +108,27 @@ def test_lost_dies_early_stuck_for_good_or_trampolines(
     assert record.recovery.startswith(recovery), record.describe()
 
 
+# faults.on_timeout recompute: the dies' waits give up on the lost die after 1 s and vote; the
+# TE-shell's fence ends the vote, and the survivors vote among themselves from then on.
+RECOMPUTE = ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]
+
+
+@pytest.mark.parametrize(
+    "row, die",
+    [
+        ("{kind: dead, die: 2, iteration: 5}", 2),
+        ("{kind: stuck, die: 4, iteration: 3}", 4),  # for good: lost as dead
+    ],
+)
+def test_a_lost_attention_die_with_timeouts_recomputed_is_scaled_away(tmp_path, row, die):
+    result, _, records = afd_served(tmp_path, [row], *RECOMPUTE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert_detected(record, die, "dead")
+    assert record.recovery.startswith("vertical scaling: 4 -> 3 attention"), record.describe()
+
+
 def _matrix_only(request) -> None:
     if not request.config.getoption("--failure-matrix"):
         pytest.skip("the longer afd failure cases run with --failure-matrix")

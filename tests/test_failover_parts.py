@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ranks.recovery.failure_book import tokens_per_s
-from ranks.recovery.shell_failover import resumed
+from ranks.recovery.records import tokens_per_s
+from ranks.recovery.scale_down import resumed
 from xds_mpi.config.schema import config_from_dict
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import Request

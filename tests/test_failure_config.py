@@ -131,6 +131,20 @@ def test_undetectable_stuck_or_dead_rows_are_refused(sections, reason):
         _check([{"kind": "dead", "die": 2, "iteration": 3}], **sections)
 
 
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"kind": "dead", "die": 2, "iteration": 3},
+        {"kind": "stuck", "die": 2, "iteration": 3},  # for good
+        {"kind": "stuck", "die": 2, "iteration": 3, "duration_s": 12},  # past health.timeout_s
+    ],
+)
+def test_a_decode_die_that_may_be_lost_with_mtp_is_refused(row):
+    with pytest.raises(ConfigError, match=r"scheduler.mtp_depth\(1\) is not emulated"):
+        _check([row], scheduler={"mtp_depth": 1})
+    _check([{**row, "kind": "stuck", "duration_s": 1.5}], scheduler={"mtp_depth": 1})
+
+
 def test_ring_replicas_without_their_slots_are_refused():
     # With EPLB the ring needs one slot more: tests/test_eplb_failover.py.
     with pytest.raises(ConfigError, match=r"deployment.redundant_slots_per_die\(0\) must be >= 4"):

@@ -158,8 +158,8 @@ def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
     from types import SimpleNamespace
 
     from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
-    from ranks.recovery.die_health import FaultBegan
     from ranks.recovery.je_decode_loss import DecodeLossWatch, Moved
+    from ranks.recovery.watch import FaultBegan
     from xds_mpi.failures import FailureRecord
 
     health = SimpleNamespace(probe_timeout_s=12)

@@ -40,7 +40,7 @@ def price_some_work(p: Pricer) -> None:
 def test_after_vertical_scaling_ep_is_priced_over_the_dies_left():
     from harness import REPO_ROOT
 
-    from ranks.recovery.die_failover import num_routed_dies_left
+    from ranks.recovery.scale_down import num_routed_dies_left
     from xds_mpi.config.schema import load_config
     from xds_mpi.plan.topology import Topology
 

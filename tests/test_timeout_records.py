@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ranks.recovery.timeout_book import with_timeouts
+from ranks.recovery.records import with_timeouts
 from xccl.errors import InjectedFault, PeerTimeout
 from xccl.recovery.vote import HEADER, decode, encode
 from xds_mpi.failures import FailureRecord

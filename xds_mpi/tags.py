@@ -15,7 +15,7 @@ TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
 # Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
-# Heartbeats, both tiers (ranks/recovery/heartbeat.py); 253-259 decode failover, 261-269 PD
+# Heartbeats, both tiers (ranks/recovery/watch.py); 253-259 decode failover, 261-269 PD
 # failover.
 TAG_HEARTBEAT, TAG_HEARTBEAT_ACK = 251, 252
 # PD link probing and re-routing (ranks/recovery/link_probe.py, ranks/pd/channel.py,
@@ -27,10 +27,10 @@ TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
 TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
 # A die's KV memory fault and the requests it ended (ranks/recovery/memory_check.py).
 TAG_MEMORY_FAULT = 268
-# Decode failover (ranks/recovery/die_health.py): a die tells the TE-shell when its injected fault
+# Decode failover (ranks/recovery/watch.py): a die tells the TE-shell when its injected fault
 # began.
 TAG_FAILURE_BEGAN = 253
-# Vertical scaling (ranks/recovery/die_failover.py): the lost dies out to the survivors; each one's
+# Vertical scaling (ranks/recovery/scale_down.py): the lost dies out to the survivors; each one's
 # ready.
 TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
 # A PD decode die lost (ranks/recovery/decode_loss.py, ranks/recovery/je_decode_loss.py): the decode

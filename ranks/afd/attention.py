@@ -54,9 +54,7 @@ class AttentionDie(AfdDieBase):
     def iterate(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
-        self.memory.check(
-            self
-        )  # KV blocks and expert slots gone bad (ranks/recovery/afd_memory.py)
+        self.memory.check(self)  # KV blocks and expert slots gone bad
         self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
         if not busy:  # agree backed off
@@ -88,14 +86,20 @@ class AttentionDie(AfdDieBase):
 
     def install(self, afd, routing) -> None:
         """A rebuilt A2E/E2A buffer and routing, after a failover
-        (ranks/recovery/afd_failover.py)."""
+        (ranks/recovery/scale_down.py)."""
+        self.executor.reroute(afd, routing.log2phy, routing.shared_slots)
+
+    def use_placement(self, placement) -> None:
+        """Who hosts which expert from now on; routed with it at once."""
+        super().use_placement(placement)
         executor = self.executor
-        executor.afd, executor.log2phy = afd, routing.log2phy
-        executor.shared_slots = routing.shared_slots
+        executor.reroute(self.afd, placement.log2phy(0), executor.shared_slots)
+
+    def num_batches_sent(self) -> int:
+        return self.outbox.num_batches
+
+    def drain(self) -> None:
+        self.outbox.drain()
 
     def totals(self) -> DieTotals:
         return decode_totals(self.executor, self.pricer, self.recompute)
-
-    def close(self) -> None:
-        self.outbox.drain()
-        super().close()

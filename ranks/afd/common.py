@@ -8,11 +8,15 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
+from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_parts import make_pricer
-from ranks.recovery.afd_health import leave, make_health, watched_step
+from ranks.core.messages import SHELL
+from ranks.recovery import scale_down
 from ranks.recovery.afd_memory import afd_memory_check
+from ranks.recovery.watch import DieHealth, is_watched
 from xccl.agreement import IdleBackoff
 from xds_mpi.report import trace
 
@@ -25,7 +29,7 @@ if TYPE_CHECKING:
 def expert_placement(cfg, topo):
     """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
     health.replicas "ring" each expert die's redundant slots holding the next one's experts
-    (xds_mpi/eplb/ring.py), so that an expert die can be lost (ranks/recovery/afd_failover.py)."""
+    (xds_mpi/eplb/ring.py), so that an expert die can be lost (ranks/recovery/scale_down.py)."""
     from xds_mpi.eplb.placement import from_topology
     from xds_mpi.eplb.ring import ring_placement
 
@@ -33,7 +37,7 @@ def expert_placement(cfg, topo):
     return place(topo, 1)
 
 
-class AfdDieBase:
+class AfdDieBase(DecodeDieLoop):
     def __init__(self, ctx: RankContext) -> None:
         from ranks.recovery.recompute import Recomputer
         from xccl.gmem import DieMemory
@@ -42,7 +46,7 @@ class AfdDieBase:
         from xds_mpi.model.weights import build_model
 
         cfg, topo = ctx.cfg, ctx.topo
-        self.ctx, self.cfg, self.topo = ctx, cfg, topo
+        self.ctx, self.cfg, self.topo, self.world = ctx, cfg, topo, ctx.comm
         self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         self.model = build_model(cfg.model)
@@ -54,11 +58,11 @@ class AfdDieBase:
         self.pricer = make_pricer(
             cfg, self.clock, self.slots, rank=ctx.comm.rank, afd_topo=ctx.topo
         )
-        # §6.1: heartbeats answered from the loop; the abort words then span the TE-shell too,
-        # which fences the waits through them (ranks/recovery/afd_health.py).
+        # §6.1: heartbeats answered from the loop (ranks/core/decode_die.py); the abort words
+        # then span the TE-shell too, which fences the waits through them.
         self.iteration = 0  # busy iterations completed, the same on every die
         self.idle = IdleBackoff()  # between agreement rounds while no domain has work
-        self.health = make_health(ctx, self)
+        self.health = DieHealth(cfg, ctx.comm, self) if is_watched(cfg, ctx.plan) else None
         self.recompute = Recomputer(
             cfg,
             self.dies,
@@ -71,9 +75,7 @@ class AfdDieBase:
             stall=self.health.stall if self.health else None,
         )
         self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
-        self.memory = afd_memory_check(
-            ctx
-        )  # §6.2 stage 3: memory faults (ranks/recovery/afd_memory.py)
+        self.memory = afd_memory_check(ctx)  # §6.2 stage 3: memory faults
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
@@ -117,16 +119,38 @@ class AfdDieBase:
         self.iteration += 1  # not before: a fence's Released leaves the iteration to redo
         return result
 
-    def step(self) -> bool:
-        """One turn of the event loop (heartbeats, then `iterate`; ranks/recovery/afd_health.py)."""
-        return watched_step(self)
+    @property
+    def busy_iterations(self) -> int:
+        """Busy iterations completed, the same count on every die (idle domains included)."""
+        return self.iteration
 
-    def iterate(self) -> bool:
-        """One iteration, or an idle turn; False once every attention die was told to stop."""
+    def rebuild(self, failover: scale_down.Failover) -> None:
+        """Go on without `failover.lost` (ranks/recovery/scale_down.py, die steps 1-4)."""
+        self.recompute.restore_interrupted()  # Step 1
+        self.dies = scale_down.survivors(self.dies, self.world, failover.lost)  # Step 2
+        afd = self.afd.rebuilt(self.dies)  # the lost attention dies as -1
+        self.recompute.regroup(self.dies, [afd])  # the vote moves with the buffer
+        self.afd = afd
+        self.placement, routing = scale_down.rerouted(self, failover.lost)  # Step 3
+        self.install(afd, routing)
+        self.plan.renumber(self.dies.allreduce(self.plan.num_calls, op=MPI.MAX))
+        self.is_scaled = True
+        scale_down.send_ready(self.world, SHELL, self.num_batches_sent())  # Step 4
+
+    def install(self, afd: AfdBuffer, routing: scale_down.Routing) -> None:
+        """The rebuilt A2E/E2A buffer and routing, after a failover."""
         raise NotImplementedError
 
-    def leave(self) -> None:
-        leave(self)
+    def use_placement(self, placement) -> None:
+        """Who hosts which expert from now on (a masked slot, ranks/recovery/afd_memory.py)."""
+        self.placement = placement
+
+    def num_batches_sent(self) -> int:
+        """Token batches this die has sent the TE-shell (an expert die sends none)."""
+        return 0
+
+    def xccl_buffer(self):
+        return self.afd
 
     def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
         return self.attempt(busy, self.plan.iteration(busy, iteration))
@@ -139,12 +163,7 @@ class AfdDieBase:
         """(the DP domains with work this iteration, has every attention die been told to stop)
         — one-sided, over the dies' windows (xccl/agreement.py), no MPI collective in the die
         loop (§4.2); expert dies bring zeros. Idle rounds back off (self.idle)."""
-        fence = timeout_s = None
-        if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
-            fence = self.recompute.recovery.check_fence
-            fence()  # a fence seen even by a die that never waits
-            # As long as a vote waits (faults.on_timeout recompute: past detection and release)
-            timeout_s = self.recompute.recovery.vote_timeout_s
+        fence, timeout_s = self.agreement_fence()  # a lost die never writes (decode_die.py)
         afd = self.afd
         rows = afd.agreement.agree(
             (num_active, 1 if is_running else 0), interrupt=fence, timeout_s=timeout_s
@@ -156,14 +175,3 @@ class AfdDieBase:
         else:
             self.idle.idle()
         return tuple(busy), not rows[:, 1].any()
-
-    def close(self) -> None:
-        if self.health is not None:
-            self.health.close()
-        if self.is_scaled:  # the old windows span lost dies: their frees would never return
-            self.afd.mem.free()
-            self.dies.Free()
-            return
-        self.recompute.free()
-        self.mem.free()
-        self.dies.Free()

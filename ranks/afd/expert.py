@@ -24,7 +24,7 @@ def run(ctx: RankContext) -> None:
     report_ready(ctx.comm)
     while die.step():
         pass
-    if die.is_lost:  # lost (ranks/recovery/afd_health.py): no collective
+    if die.is_lost:  # lost (ranks/core/decode_die.py): no collective
         die.leave()
         return
     ctx.log.debug(
@@ -66,10 +66,11 @@ class ExpertDie(AfdDieBase):
             return self.loop.run([p.call for p in planned])  # persistent: every layer
 
     def install(self, afd, routing) -> None:
-        """A rebuilt A2E/E2A buffer, after a failover (ranks/recovery/afd_failover.py); its own
-        slots
-        hold what they held (routing: the attention dies')."""
-        self.loop.buf = afd
+        """A rebuilt A2E/E2A buffer, after a failover (ranks/recovery/scale_down.py): a loop on
+        it; its own slots hold what they held (routing: the attention dies')."""
+        from xccl.afd.loop import ExpertLoop
+
+        self.loop = ExpertLoop(afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
         """One slot's rows of one call: a routed expert, or the shared experts."""

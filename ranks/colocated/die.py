@@ -4,20 +4,17 @@ every MoE layer's dispatch and combine, even with nothing to send."""
 
 from __future__ import annotations
 
-from mpi4py import MPI
-
 from ranks.colocated.eplb import make_eplb_die
 from ranks.core.context import RankContext
-from ranks.core.die_io import SHELL, DieTotals, Inbox, Outbox, serve
+from ranks.core.decode_die import DecodeDieLoop
+from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals, make_pricer
 from ranks.core.handshake import handshake
-from ranks.core.messages import TAG_STOP
-from ranks.recovery.die_failover import scale_down, take_failover
-from ranks.recovery.die_health import DieHealth, is_watched, watch_comm, watcher
+from ranks.recovery import scale_down
 from ranks.recovery.memory_check import MemoryCheck
 from ranks.recovery.recompute import Recomputer
+from ranks.recovery.watch import DieHealth, is_watched, watch_comm, watcher
 from xccl.agreement import IdleBackoff
-from xccl.recovery.rollback import Released
 from xds_mpi.report import trace
 
 
@@ -26,7 +23,7 @@ def run(ctx: RankContext) -> None:
     serve(ColocatedDie(ctx))
 
 
-class ColocatedDie:
+class ColocatedDie(DecodeDieLoop):
     def __init__(self, ctx: RankContext) -> None:
         from xccl.ep.buffer import EpBuffer
         from xccl.gmem import DieMemory
@@ -35,11 +32,13 @@ class ColocatedDie:
         from xds_mpi.model.weights import build_model
 
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
+        self.world = ctx.comm
         self.mem = DieMemory(ctx.comm, plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         model = build_model(cfg.model)
         state = decode_state(cfg, model)
-        slots, clock = ExpertSlots.from_topology(topo), VirtualClock()
+        slots = ExpertSlots.from_topology(topo)
+        self.clock = clock = VirtualClock()
         ep = EpBuffer(
             self.mem,
             plan.ep,
@@ -53,20 +52,18 @@ class ColocatedDie:
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, ep, state, slots)
-        self._failure_side(ctx, model, clock)
+        self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, ep)
         self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
-        self.memory = MemoryCheck(
-            ctx
-        )  # §6.2 stage 3: KV memory faults (ranks/recovery/memory_check.py)
+        self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
 
-    def _failure_side(self, ctx: RankContext, model, clock) -> None:
+    def _failure_side(self, ctx: RankContext, model) -> None:
         """Ring replicas (§6.2: a replica of every expert on another die) and the heartbeats
-        answered from this loop (§6.1, ranks/recovery/die_health.py)."""
+        answered from this loop (§6.1, ranks/recovery/watch.py)."""
         cfg, topo = ctx.cfg, ctx.topo
         if cfg.health.replicas == "ring":
             from ranks.colocated.replicas import ring_expert_map
@@ -78,13 +75,8 @@ class ColocatedDie:
         self.is_scaled = self.is_lost = False
         self.health = None
         if is_watched(cfg, ctx.plan):
-            self.health = DieHealth(
-                cfg,
-                ctx.comm,
-                iteration=lambda: self.executor.num_iterations,
-                virtual_s=lambda: clock.now_ns / 1e9,
-                shell=watcher(ctx.plan),  # PD: the decode TE-shell
-            )
+            # PD: the decode TE-shell watches
+            self.health = DieHealth(cfg, ctx.comm, self, shell=watcher(ctx.plan))
 
     def _recomputer(self, ctx: RankContext, ep) -> Recomputer:
         """Token recomputation (§6.2 stage 3); with heartbeats, its abort-word window spans the
@@ -119,39 +111,31 @@ class ColocatedDie:
             mtp_depth=cfg.scheduler.mtp_depth,
         )
 
-    def step(self) -> bool:
-        """One turn of the event loop: heartbeats answered here only (§6.1), then an iteration.
-        A die released by the TE-shell's fence, or a dead one, only idles from then on."""
-        health = self.health
-        if health is None:
-            return self.iterate()
-        health.check_dead()
-        if health.is_out:
-            return self.out_turn()
-        health.answer()
-        try:
-            return self.iterate()
-        except Released:
-            health.released()
-            return True
+    @property
+    def busy_iterations(self) -> int:
+        """Iterations run, the same count on every die (a fault row's `iteration` is one)."""
+        return self.executor.num_iterations
 
-    def out_turn(self) -> bool:
-        """A turn out of the iterations: a released survivor waits to be told which dies are
-        lost and goes on without them (ranks/recovery/die_failover.py); a lost die idles until the
-        job's
-        end, which it leaves without a collective (`leave`)."""
-        comm = self.outbox.comm
-        failover = None if self.health.is_dead else take_failover(comm, self.health.shell)
-        if failover is not None:
-            scale_down(self, failover)
-            self.health.is_released = False
-            return True
-        if comm.iprobe(source=SHELL, tag=TAG_STOP):
-            comm.recv(source=SHELL, tag=TAG_STOP)
-            self.is_lost = True
-            return False
-        self.health.idle()
-        return True
+    def rebuild(self, failover: scale_down.Failover) -> None:
+        """Go on without `failover.lost` (ranks/recovery/scale_down.py, die steps 1-4)."""
+        self.recompute.restore_interrupted()  # Step 1
+        self.retired.append((self.dies, self.executor.ep.mem))
+        self.dies = scale_down.survivors(self.dies, self.world, failover.lost)  # Step 2
+        ep = self.executor.ep.rebuilt(self.dies)
+        self.executor.use_buffer(ep)
+        self.recompute.regroup(self.dies, [ep])  # the vote moves with the buffer
+        self.is_scaled = True
+        self.pricer.rescale(scale_down.num_routed_dies_left(self.topo, failover.lost))
+        if failover.eplb_placement is not None:  # Step 3
+            self.eplb.take_over(failover.eplb_placement, failover.eplb_version)
+        else:
+            expert_map = self.executor.expert_map
+            left = scale_down.without_dies(expert_map.placement, self.topo, failover.lost)
+            expert_map.install(left)
+        scale_down.send_ready(self.world, self.health.shell, self.outbox.num_batches)  # Step 4
+
+    def xccl_buffer(self):
+        return self.executor.ep
 
     def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
@@ -195,12 +179,7 @@ class ColocatedDie:
         (ranks/colocated/eplb.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
         collective in the die loop (§4.2)."""
         mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
-        fence = timeout_s = None
-        if self.health is not None:  # a lost die never writes: the TE-shell's fence releases us
-            fence = self.recompute.recovery.check_fence
-            fence()  # a fence seen even by a die that never waits
-            # As long as a vote waits (faults.on_timeout recompute: past detection and release)
-            timeout_s = self.recompute.recovery.vote_timeout_s
+        fence, timeout_s = self.agreement_fence()  # a lost die never writes (decode_die.py)
         rows = self.executor.ep.agreement.agree(
             (*mine, *self.eplb.boundary_values()), interrupt=fence, timeout_s=timeout_s
         )
@@ -211,24 +190,9 @@ class ColocatedDie:
         self.eplb.flush()  # the last count slice goes before the die's report
         return decode_totals(self.executor, self.pricer, self.recompute)
 
+    def drain(self) -> None:
+        self.outbox.drain()
+
     def close(self) -> None:
         self.eplb.close()
-        self.outbox.drain()
-        if self.health is not None:
-            self.health.close()
-        if self.is_scaled:  # the old windows span lost dies: their frees would never return
-            self.executor.ep.mem.free()
-            self.dies.Free()
-            return
-        self.recompute.free()
-        self.mem.free()
-        self.dies.Free()
-
-    def leave(self) -> None:
-        """A lost die at the job's end: its own sends completed, what the TE-shell sent it
-        meanwhile (requests, pings) taken, no collective."""
-        self.outbox.drain()
-        self.health.close()
-        comm = self.outbox.comm
-        while (message := comm.improbe(source=SHELL, tag=MPI.ANY_TAG)) is not None:
-            message.recv()
+        super().close()

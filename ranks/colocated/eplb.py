@@ -14,7 +14,7 @@ the one-sided agreement of the dies (xccl/agreement.py):
           iterations keep decoding;
   phase 4 enable: once every die has loaded, the new placement is installed at the next boundary.
 Step 4 (rotation over replicas) happens inside dispatch (xccl/routing.py).
-Vertical scaling (ranks/recovery/die_failover.py): a survivor installs at once the placement the
+Vertical scaling (ranks/recovery/scale_down.py): a survivor installs at once the placement the
 TE-shell
 made without the lost dies' slots (take_over), loading the weights its slots lack; a swap in
 progress and any older placement still on its way are dropped.
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from ranks.core.messages import SHELL
 from xds_mpi.control import WaitTimeout
 from xds_mpi.eplb.placement import changed_slots, disable
 from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, CountSlice, PlacementUpdate
 from xds_mpi.report import trace
 
-SHELL = 0  # the TE-shell is rank 0
 MOE_OPS = ("gate", "dispatch", "experts", "combine")
 
 

@@ -9,6 +9,7 @@ from typing import Protocol
 from mpi4py import MPI
 
 from ranks.core.messages import (
+    SHELL,
     TAG_REPORT,
     TAG_REQUEST,
     TAG_STOP,
@@ -22,8 +23,6 @@ from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.scheduler import DieScheduler, Emitted
 from xds_mpi.engine.timing import IterationTiming
 from xds_mpi.report import trace
-
-SHELL = 0  # the TE-shell is rank 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +41,7 @@ class DecodeDie(Protocol):
     (ranks/afd/attention.py)."""
 
     outbox: Outbox
+    is_lost: bool  # lost (ranks/core/decode_die.py): it leaves without a collective
 
     def step(self) -> bool:
         """One iteration (or an idle turn); False once every die was told to stop."""
@@ -52,6 +52,9 @@ class DecodeDie(Protocol):
     def close(self) -> None:
         """Drain the outbox and free the die (collective)."""
 
+    def leave(self) -> None:
+        """A lost die's way out: no collective."""
+
 
 def serve(die: DecodeDie) -> None:
     """A decode die (colocated or attention) after the handshake: iterations until every die was
@@ -60,7 +63,7 @@ def serve(die: DecodeDie) -> None:
     report_ready(die.outbox.comm)
     while die.step():
         pass
-    if getattr(die, "is_lost", False):  # a lost die (ranks/recovery/die_failover.py): no collective
+    if die.is_lost:  # a lost die (ranks/core/decode_die.py): no collective
         die.leave()
         return
     totals = die.totals()

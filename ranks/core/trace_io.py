@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ranks.core.messages import SHELL
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.report import trace
 from xds_mpi.report.trace import SpanRecord
 from xds_mpi.tags import TAG_TRACE
 
-SHELL = 0
 # The roles whose ranks send a trace. A role added later (prefill dies under PD) adds its name
 # here and calls send_trace at the end of its program.
 TRACED_ROLES = ("colocated", "attention", "expert")

@@ -85,7 +85,7 @@ class KvReceiver:
         )
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.decode_shell = ctx.plan.pd.decode_shell
-        self.failover = ReceiveFailover(ctx, self, clock=lambda: executor.pricer.clock.now_ns / 1e9)
+        self.failover = ReceiveFailover(ctx, self, clock=executor.pricer.clock)
         self.deferred: deque[Incoming] = deque()
         self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens

@@ -20,7 +20,7 @@ from xds_mpi.eplb.placement import Placement
 
 
 def afd_memory_check(ctx) -> MemoryCheck:
-    return MemoryCheck(ctx, iterations=lambda die: die.iteration, site=AfdSlots())
+    return MemoryCheck(ctx, site=AfdSlots())
 
 
 class AfdSlots:
@@ -33,9 +33,7 @@ class AfdSlots:
 
     @staticmethod
     def install(die, placement: Placement) -> None:
-        die.placement = placement
-        if die.afd.role == "attention":
-            die.executor.log2phy = placement.log2phy(0)
+        die.use_placement(placement)
 
     @staticmethod
     def corrupt(die, phy: int) -> None:

@@ -3,12 +3,12 @@ separate failover": the decode side recovers on its own, prefill goes on).
 
 The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/detector.py) over its
 decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
-decode TE-shell and the decode dies only (ranks/recovery/die_health.py watch_comm), the same
+decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same
 verdicts. On
 a loss:
-  1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/die_failover.py,
+  1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py,
   via
-     ranks/recovery/shell_failover.py rebuild) and say how many token batches they sent;
+     ranks/recovery/scale_down.py rebuild) and say how many token batches they sent;
   2. the lost die leaves the decode balancer: no task goes there any more; the requests routed
      to it and not finished (the decode TE-shell's view) are named to the JE (DecodeLoss), with
      the survivors' batch counts, so that the JE has their tokens before it moves them
@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ranks.core.messages import JE
 from ranks.recovery.detector import Detector, Loss
-from ranks.recovery.die_health import is_watched, watch_comm
-from ranks.recovery.shell_failover import rebuild
+from ranks.recovery.scale_down import rebuild
+from ranks.recovery.watch import is_watched, watch_comm
 from ranks.shell.frontend import static_placement
 from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
-
-JE = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +60,11 @@ class DecodeWatch:
         self.sends: list = []
         if is_watched(ctx.cfg, ctx.plan):
             groups = ctx.plan.pd.decode
-            self.detector = Detector(ctx, groups, lambda: static_placement(ctx), watch_comm(ctx))
+            self.detector = Detector(ctx, groups, self.placement, watch_comm(ctx))
+
+    def placement(self):
+        """The expert placement now: the static one (a PD run balances with no EPLB)."""
+        return static_placement(self.shell.ctx)
 
     @property
     def has_failed_over(self) -> bool:

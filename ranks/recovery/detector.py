@@ -1,8 +1,8 @@
 """The TE-shell's failure detector for its decode dies (xDeepServe §6.1) and what follows a loss.
 
 1. Heartbeats: the TE-shell pings every DP master (each colocated or attention die; an afd
-   deployment's expert dies too, ranks/recovery/afd_health.py) every
-   health.dp_interval_s; a die answers from its event loop only (ranks/recovery/die_health.py), so a
+   deployment's expert dies too, ranks/core/decode_die.py) every
+   health.dp_interval_s; a die answers from its event loop only (ranks/recovery/watch.py), so a
    die stuck in an XCCL wait or an executor, or a dead one, falls silent. Silence is counted
    from the first ping (the dies built their models before the window collective preceding
    it), so a die stuck before its first answer is caught too.
@@ -13,7 +13,7 @@
    silent after the grace (max(2 intervals, timeout_s / 2)) is lost. Watched for one more
    grace: answering again then makes it "stuck", else "dead".
 4. If every expert keeps a replica without the lost dies, the survivors go on without them
-   (vertical scaling, ranks/recovery/shell_failover.py and ranks/recovery/die_failover.py; with EPLB
+   (vertical scaling, ranks/recovery/scale_down.py and ranks/recovery/scale_down.py; with EPLB
    its newest
    placement is checked, the one the survivors install without the lost slots). Otherwise
    (health.on_expert_lost "stop") the run stops with an error naming the dies, their verdicts
@@ -30,10 +30,8 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
-from ranks.recovery.die_health import FaultBegan
-from ranks.recovery.failure_book import Detection, failure_records
-from ranks.recovery.heartbeat import HeartbeatSender
-from ranks.recovery.timeout_book import with_timeouts
+from ranks.recovery.records import Detection, failure_records, with_timeouts
+from ranks.recovery.watch import FaultBegan, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
 from xds_mpi.eplb.placement import Placement, remove_die
 from xds_mpi.failures import FailureRecord, write_failures
@@ -80,7 +78,7 @@ class Detector:
         """groups: the DP masters (colocated or attention dies); an afd deployment's expert dies
         are watched too. placement(): the expert placement now (EPLB's, or the topology's).
         window_comm: what the fence window spans (default the world; PD: the decode TE-shell
-        and its dies, ranks/recovery/die_health.py watch_comm)."""
+        and its dies, ranks/recovery/watch.py watch_comm)."""
         health = ctx.cfg.health
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
         groups = tuple(groups) + ctx.topo.ranks_with_role("expert")
@@ -109,7 +107,7 @@ class Detector:
         return self._fence(silent, requests, started) if silent else None
 
     def recovered(self, loss: Loss, recovery: str, affected: tuple[int, ...]) -> None:
-        """The dies went on without `loss.lost` (ranks/recovery/shell_failover.py): one detection
+        """The dies went on without `loss.lost` (ranks/recovery/scale_down.py): one detection
         more."""
         for die in loss.lost:
             self.sender.forget(die)

@@ -25,10 +25,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
-from ranks.recovery.die_health import is_watched
-from ranks.recovery.failure_book import failure_records
-from ranks.recovery.shell_failover import resumed, take_batches
-from ranks.recovery.timeout_book import with_timeouts
+from ranks.recovery.records import failure_records, with_timeouts
+from ranks.recovery.scale_down import resumed
+from ranks.recovery.watch import is_watched
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.plan.failures import release_bound_s
 from xds_mpi.tags import (
@@ -79,14 +78,13 @@ class DecodeLossWatch:
 
     def _recover(self, loss: DecodeLoss) -> None:
         je = self.je
-        take_batches(je, loss.batches, self.timeout_s)  # Step 1
+        je.take_batches(loss.batches, self.timeout_s)  # Step 1
         prefill = [p for p in je.pd_plan.prefill if je.watch.loss_of(p) is None]  # Step 2
         opts = {"timeout_s": self.timeout_s, "me": "JE", "event": "decode die lost"}
         send_to_each(self.comm, {p: loss.lost for p in prefill}, tag=TAG_PD_DECODE_WITHDRAW, **opts)
         held = recv_from_each(self.comm, prefill, tag=TAG_PD_DECODE_HELD, **opts)
         held_ids = {r for ids in held.values() for r in ids}
-        je.groups = tuple(g for g in je.groups if g not in loss.lost)
-        je.lost = je.lost + loss.lost
+        je.drop_groups(loss.lost)  # the decode TE-shell named the orphans (loss.orphans)
         moved = Moved(loss=loss)
         for req_id in loss.orphans:  # Step 3
             record = je.records[req_id]

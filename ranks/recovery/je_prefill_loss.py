@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from ranks.core.messages import TAG_REQUEST
-from ranks.recovery.heartbeat import HeartbeatSender
+from ranks.recovery.watch import HeartbeatSender
 from xds_mpi.tags import TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 

@@ -16,12 +16,11 @@ FailureRecord per row.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ranks.core.die_io import SHELL
+from ranks.core.messages import SHELL
 from ranks.recovery.slot_mask import ColocatedSlots, SlotLoss, SlotMask, SlotSite, slot_record
 from xds_mpi.failures import FailureRecord
 from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
@@ -47,24 +46,15 @@ class MemoryLoss:
         return f"kv memory fault on die {self.die} blocks {self.first_block}..{last}"
 
 
-def executor_iterations(die) -> int:
-    """A colocated die's iterations: every die runs each one."""
-    return die.executor.num_iterations
-
-
 class MemoryCheck:
-    """A die's side. iterations(die): the iterations the die has run, the same count on every
-    die (a row's `iteration` is one); site: where the die keeps its slots
-    (ranks/recovery/slot_mask.py)."""
+    """A die's side; `check(die)` reads die.busy_iterations, the iterations the die has run,
+    the same count on every die (a row's `iteration` is one). site: where the die keeps its
+    slots (ranks/recovery/slot_mask.py)."""
 
-    def __init__(
-        self,
-        ctx,
-        *,
-        iterations: Callable[[object], int] = executor_iterations,
-        site: SlotSite | None = None,
-    ) -> None:
-        self.comm, self.rank, self.iterations = ctx.comm, ctx.comm.rank, iterations
+    def __init__(self, ctx, *, site: SlotSite | None = None) -> None:
+        self.comm, self.rank = ctx.comm, ctx.comm.rank
+        # PD: the decode TE-shell hears the requests a fault ended (0: no decode TE-shell)
+        self.decode_shell = ctx.plan.pd.decode_shell if ctx.plan.pd is not None else 0
         self.rows = [
             (i, s)
             for i, s in enumerate(ctx.cfg.faults.events)
@@ -74,9 +64,9 @@ class MemoryCheck:
         # expert slots with a replica elsewhere (ranks/recovery/slot_mask.py)
         self.slots = SlotMask(ctx, site or ColocatedSlots())
 
-    def check(self, die) -> None:
-        """Between iterations: apply the rows now due."""
-        iteration = self.iterations(die)
+    def check(self, die) -> list[int]:
+        """Between iterations: apply the rows now due; the requests they ended."""
+        iteration, ended = die.busy_iterations, []
         for loss in self.slots.check(die, iteration):
             self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
@@ -88,7 +78,11 @@ class MemoryCheck:
             for req_id in victims:
                 sched.drop(req_id)
             die.executor.commit(set(victims))  # their MTP state goes too
-            _tell_decode_shell(self.comm, die, victims, self.sends)
+            ended += victims
+            if victims and self.decode_shell:  # PD: its balancer hears them end
+                self.sends.append(
+                    self.comm.isend(list(victims), dest=self.decode_shell, tag=TAG_PD_DONE)
+                )
             loss = MemoryLoss(
                 row=row,
                 die=self.rank,
@@ -101,6 +95,7 @@ class MemoryCheck:
             )
             self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         self.sends = [r for r in self.sends if not r.Test()]
+        return ended
 
 
 def _move_receives(die, req_ids) -> None:
@@ -112,38 +107,28 @@ def _move_receives(die, req_ids) -> None:
         incoming.slots = tuple(table.allocate(req_id, incoming.task.kv_len))
 
 
-def _tell_decode_shell(comm, die, victims, sends) -> None:
-    """PD: the decode TE-shell's balancer hears the victims ended, as it hears completions."""
-    shell = getattr(getattr(die, "kv", None), "decode_shell", 0)
-    if victims and shell:
-        sends.append(comm.isend(list(victims), dest=shell, tag=TAG_PD_DONE))
-
-
 class MemoryLosses:
-    """The TE-shell's side: end the named requests, keep the losses for the records."""
+    """The TE-shell's side: the dies' losses, kept for the records."""
 
-    def __init__(self, frontend) -> None:
-        self.frontend, self.losses = frontend, []
+    def __init__(self, comm, log) -> None:
+        self.comm, self.log, self.losses = comm, log, []
 
-    def poll(self) -> int:
-        fe, num = self.frontend, 0
-        while (msg := fe.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_MEMORY_FAULT)) is not None:
-            loss: MemoryLoss = msg.recv()
-            self.losses.append(loss)
+    def poll(self) -> list[MemoryLoss | SlotLoss]:
+        """The losses that arrived (the frontend ends the requests each names)."""
+        taken = []
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_MEMORY_FAULT)) is not None:
+            loss: MemoryLoss | SlotLoss = msg.recv()
             if isinstance(loss, SlotLoss):
-                fe.log.warning("%s: slot masked, replicas %s serve", loss.reason, loss.replicas)
+                self.log.warning("%s: slot masked, replicas %s serve", loss.reason, loss.replicas)
             else:
-                fe.log.warning("%s: requests %s end", loss.reason, list(loss.req_ids))
-            for req_id in loss.req_ids:
-                record = fe.records[req_id]
-                record.lost, record.finished_at = loss.reason, time.time()
-                fe.balancer.on_complete(req_id)
-                fe.num_open -= 1
-            num += 1
-        return num
+                self.log.warning("%s: requests %s end", loss.reason, list(loss.req_ids))
+            taken.append(loss)
+        self.losses += taken
+        return taken
 
-    def records(self, roles: dict, started: float, ended: float) -> list[FailureRecord]:
-        times = [t for r in self.frontend.records.values() for t in r.token_times]
+    def records(self, requests: dict, roles: dict, started: float, ended: float) -> list:
+        """One FailureRecord per loss; requests: the frontend's records (the tokens' times)."""
+        times = [t for r in requests.values() for t in r.token_times]
         return [_record(loss, roles, times, started, ended) for loss in self.losses]
 
 

@@ -27,6 +27,7 @@ from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 class ReceiveFailover:
     def __init__(self, ctx, receiver, clock) -> None:
+        """clock: the die's virtual clock (its seconds go into the channel's records)."""
         self.comm, self.rank, self.receiver, self.clock = ctx.comm, ctx.comm.rank, receiver, clock
         self.channel = ChannelFaults(ctx.cfg, self.rank, "saturated")
         self.echoer = ProbeEchoer(self.comm, self.channel)
@@ -35,7 +36,7 @@ class ReceiveFailover:
         self.lost: set[int] = set()  # prefill dies of lost TEs
 
     def step(self, iteration: int) -> None:
-        self.channel.tick(self.comm, iteration, self.clock(), self.sends)
+        self.channel.tick(self.comm, iteration, self.clock.now_ns / 1e9, self.sends)
         self.echoer.step()
         self._take_cancels()
         self._withdraw_lost()

@@ -9,6 +9,8 @@ start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MT
 event ids; its virtual clock and priced time) and runs it again. Nothing of a failed attempt
 reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
 configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
+What a die counts (RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed
+attempt's faults in words: injected XCCL errors and waits that timed out on a slow peer.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from mpi4py import MPI
 
-from ranks.recovery.recovery_counters import RecoveryCounters, describe
 from xccl.errors import RetriesExhausted, XcclError
 from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery.rollback import Outcome, Recovery
+from xccl.recovery.vote import FaultReport
 from xds_mpi.config.schema import Config
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.faults import EventMap, FaultPlan
@@ -31,6 +34,70 @@ from xds_mpi.plan.failures import release_bound_s
 from xds_mpi.report import trace
 
 T = TypeVar("T")
+
+
+@dataclass
+class RecoveryCounters:
+    """Per die. rollbacks: failed attempts (the same on every die); recomputed_iterations:
+    iterations that needed at least one re-execution; faults_injected: faults raised on this
+    die; wall_lost_s / vtime_lost_s: wall and virtual time of the failed attempts.
+    timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
+    the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
+    first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
+    waited for, or the one that die was waiting for, ...), its iteration and the wall time
+    (time.time()) of the vote that saw it (-1: none); timeout_via: the die the timed-out wait
+    itself named."""
+
+    rollbacks: int = 0
+    recomputed_iterations: int = 0
+    faults_injected: int = 0
+    wall_lost_s: float = 0.0
+    vtime_lost_s: float = 0.0
+    timeouts: int = 0
+    timeout_die: int = -1
+    timeout_peer: int = -1
+    timeout_via: int = -1
+    timeout_iteration: int = -1
+    timeout_wall: float = -1.0
+
+    def count_timeouts(self, outcome: Outcome, iteration: int, timed_out_at: float) -> None:
+        """A failed vote: one more timed-out attempt if any die's wait timed out.
+        timed_out_at: when this die's own wait timed out in this attempt (time.time()), -1 if it
+        did not (the vote's time stands in; the earliest over the dies is the timeout's)."""
+        timeouts = outcome.timeouts
+        if not timeouts:
+            return
+        self.timeouts += 1
+        if self.timeout_wall < 0:
+            first = timeouts[0]
+            self.timeout_die, self.timeout_via = first.die, first.peer
+            self.timeout_peer = outcome.blamed(first)
+            self.timeout_iteration = iteration
+            # The earliest timeout any die voted (expert dies report their counters to nobody).
+            voted = [f.at_us / 1e6 for f in timeouts if f.at_us >= 0]
+            fallback = timed_out_at if timed_out_at >= 0 else time.time()
+            self.timeout_wall = min(voted, default=fallback)
+
+
+def describe(outcome: Outcome, events: EventMap) -> str:
+    """The faults of a failed attempt: die, operation, MoE layer, event id, and the error code
+    or the peer a timed-out wait waited for (and the die the waits lead to, when another)."""
+    return (
+        "; ".join(
+            f"die {f.die} {f.op} at layer {events.layer_of_event(f.event_id)} (event "
+            f"{f.event_id}, {_what(f, outcome)})"
+            for f in outcome.faults
+        )
+        or "none reported"
+    )
+
+
+def _what(f: FaultReport, outcome: Outcome) -> str:
+    if not f.is_timeout:
+        return f"code {f.code}"
+    said = f"timed out waiting for die {f.peer}: xccl.poll_timeout_s"
+    blamed = outcome.blamed(f)
+    return said if blamed == f.peer else f"{said}; the waits lead to die {blamed}"
 
 
 class RecomputationFailed(XcclError):
@@ -109,7 +176,7 @@ class Recomputer:
         window_comm: the world communicator when the TE-shell fences these dies
         (ranks/recovery/detector.py):
         the abort words' window then spans it, and the waits check the fence even with no fault
-        table. stall: the die's stuck-fault hook (ranks/recovery/die_health.py), called inside each
+        table. stall: the die's stuck-fault hook (ranks/recovery/watch.py), called inside each
         operation before the fault plan's."""
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
@@ -165,7 +232,7 @@ class Recomputer:
 
     def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
         """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
-        so that restore_interrupted can undo it (ranks/recovery/die_failover.py)."""
+        so that restore_interrupted can undo it (ranks/recovery/scale_down.py)."""
         if self.recovery is None:
             return attempt()
         self._attempts = IterationAttempts(
@@ -224,11 +291,13 @@ class Recomputer:
         )
         trace.mark_rolled_back()
 
-    def regroup(self, comm: MPI.Comm) -> None:
-        """Vertical scaling (ranks/recovery/die_failover.py): vote over the survivors' `comm` from
-        now
-        on (collective over them)."""
-        self.comm = comm
+    def regroup(self, comm: MPI.Comm, buffers: Sequence[RecoverableBuffer]) -> None:
+        """Vertical scaling (ranks/recovery/scale_down.py): the survivors' `comm` and their
+        rebuilt `buffers` (hooks already installed: EpBuffer/AfdBuffer.rebuilt) from now on.
+        The vote moves with them, always: a vote left on a communicator that holds a lost die
+        never completes, and every fence that ends it finds the dies stuck in the next one.
+        Collective over `comm`."""
+        self.comm, self.buffers = comm, list(buffers)
         if self.is_voting:
             self.recovery.regroup(comm)
 

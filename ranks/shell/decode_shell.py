@@ -17,14 +17,12 @@ from mpi4py import MPI
 
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
-from ranks.core.messages import TAG_STOP
+from ranks.core.messages import JE, TAG_STOP
 from ranks.core.pd_messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.core.ready import report_ready
 from ranks.recovery.decode_loss import DecodeWatch
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.pd_failover import Routed, pick_decode
-
-JE = 0
 
 
 def run(ctx: RankContext) -> None:

@@ -8,7 +8,7 @@ new placement from the kept slices; the layers where it lowers the predicted max
 change, and if any does, it goes to every die with the next version number (Step 3 swaps it in).
 It also keeps, per slice, what each die measured (routed rows received, MoE virtual time), so the
 summary and the run file show the per-layer and per-die load before and after each swap.
-Vertical scaling (ranks/recovery/shell_failover.py, xDeepServe §6.2 stage 2 "EPLB removes its
+Vertical scaling (ranks/recovery/scale_down.py, xDeepServe §6.2 stage 2 "EPLB removes its
 slots"):
 scale_down takes the lost dies out of the groups and the count slices, and makes the newest
 placement without their slots the next version, which the survivors install at once
@@ -167,6 +167,11 @@ class NoEplbShell:
         pass
 
     def scale_down(self, lost: tuple[int, ...]) -> None:
+        return None
+
+    @property
+    def placement(self) -> None:
+        """No placement of EPLB's: the expert placement is the static one."""
         return None
 
 

@@ -12,8 +12,8 @@ from ranks.core.context import RankContext
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector
-from ranks.recovery.die_health import is_watched, watcher
 from ranks.recovery.memory_check import MemoryLosses
+from ranks.recovery.watch import is_watched, watcher
 from ranks.shell.eplb import make_eplb_shell
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
@@ -66,7 +66,7 @@ class Frontend:
         )
         self.num_open = len(self.queue)
         self.batches_from: Counter[int] = Counter()  # die rank -> token batches taken
-        self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/recovery/shell_failover.py)
+        self.lost: tuple[int, ...] = ()  # DP groups scaled away (ranks/recovery/scale_down.py)
         # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
         self.detector = None
         if is_watched(cfg, ctx.plan) and watcher(ctx.plan) == ctx.comm.rank:  # PD: rank 1 watches
@@ -75,7 +75,8 @@ class Frontend:
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
         self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/core/trace_io.py)
-        self.memory = MemoryLosses(self)  # requests ended by KV memory faults (§6.2 stage 3)
+        self.memory = MemoryLosses(ctx.comm, ctx.log)  # KV memory faults (§6.2 stage 3)
+        self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -83,12 +84,12 @@ class Frontend:
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         progress = Progress(self.log)
         while self.num_open:
-            did_work = self._dispatch_arrived() + self._take_tokens() + self.eplb.poll()
-            did_work += self.memory.poll()
+            did_work = self._dispatch_arrived() + self.take_tokens() + self.eplb.poll()
+            did_work += self._end_lost()
             if self.detector is not None and (
                 loss := self.detector.poll(self.records, self.started)
             ):
-                from ranks.recovery.shell_failover import scale_down
+                from ranks.recovery.scale_down import scale_down
 
                 scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
             if progress.is_due():
@@ -125,9 +126,9 @@ class Frontend:
             event="die report",
         )
         self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost)
-        self._take_tokens()
+        self.take_tokens()
         # A slot masked in a die's last iteration: its message left before the die's report.
-        self.memory.poll()
+        self._end_lost()
         self.eplb.finish()
         MPI.Request.Waitall(self.sends)
         if self.detector is not None:
@@ -149,7 +150,7 @@ class Frontend:
             num += 1
         return num
 
-    def _take_tokens(self) -> int:
+    def take_tokens(self) -> int:
         num = 0
         while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_TOKENS)) is not None:
             batch = message.recv()
@@ -166,6 +167,52 @@ class Frontend:
             num += 1
         return num
 
+    def _end_lost(self) -> int:
+        """End the requests the dies' memory faults ended; how many losses arrived."""
+        losses = self.memory.poll()
+        for loss in losses:
+            self.end_requests(loss.req_ids, loss.reason)
+        return len(losses)
+
+    def take_batches(self, expected: dict[int, int], timeout_s: float) -> None:
+        """Take token batches until each die's count reached `expected` (die rank -> batches):
+        after a failover, every token the survivors sent before they rebuilt."""
+        deadline = time.monotonic() + timeout_s
+        while any(self.batches_from[g] < n for g, n in expected.items()):
+            if not self.take_tokens():
+                time.sleep(0.0005)
+            if time.monotonic() > deadline:
+                missing = {g: n - self.batches_from[g] for g, n in expected.items()}
+                raise WaitTimeout(
+                    f"{type(self).__name__}: failover: token batches still missing after "
+                    f"{timeout_s:g} s (die rank -> batches): {missing}"
+                )
+
+    def drop_groups(self, lost: tuple[int, ...]) -> list[int]:
+        """Go on without the DP groups `lost` (an afd expert die is none: ignored); the
+        requests they held unfinished (the orphans), which the caller places again."""
+        orphans: list[int] = []
+        for die in lost:
+            if die in self.groups:
+                orphans += self.balancer.remove_group(die)
+        self.groups = tuple(g for g in self.groups if g not in lost)
+        self.lost = self.lost + tuple(lost)
+        return orphans
+
+    def readmit(self, requests) -> None:
+        """Requests to dispatch before every queued one, in the given order."""
+        for req in reversed(list(requests)):
+            self.queue.appendleft(req)
+
+    def end_requests(self, req_ids, reason: str) -> None:
+        """Requests ended on a die (their KV went with a memory fault): finished, with `reason`
+        recorded; not checked against the reference."""
+        for req_id in req_ids:
+            record = self.records[req_id]
+            record.lost, record.finished_at = reason, time.time()
+            self.balancer.on_complete(req_id)
+            self.num_open -= 1
+
     def progress(self) -> Snapshot:
         served = [r for r in self.records.values() if not r.rejected]
         return Snapshot(
@@ -179,7 +226,7 @@ class Frontend:
         )
 
     def lost_dies(self) -> tuple[int, ...]:
-        """The DP groups lost and scaled away (ranks/recovery/shell_failover.py)."""
+        """The DP groups lost and scaled away (ranks/recovery/scale_down.py)."""
         return self.lost
 
     def has_failed_over(self) -> bool:
@@ -188,7 +235,7 @@ class Frontend:
 
     def _placement(self):
         """The expert placement now: EPLB's when it balances, else the topology's."""
-        placement = getattr(self.eplb, "placement", None)
+        placement = self.eplb.placement
         return static_placement(self.ctx) if placement is None else placement
 
     def failure_records(self) -> list:

@@ -130,9 +130,9 @@ class JobExecutor(Frontend):
     def has_failed_over(self) -> bool:
         return bool(self.decode_loss.moved) or super().has_failed_over()
 
-    def _take_tokens(self) -> int:
+    def take_tokens(self) -> int:
         """A request whose first token ended it at prefill leaves its TE's load here."""
-        num = super()._take_tokens()
+        num = super().take_tokens()
         for req_id in [r for r in self.router.in_flight() if self.records[r].tokens]:
             self.router.prefilled(req_id)
         return num

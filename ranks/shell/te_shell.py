@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from ranks.core.ready import await_ready
+from ranks.recovery.detector import DecodeDieLost
 from ranks.shell import decode_shell
 from xds_mpi.report import trace
 from xds_mpi.report.runfile import run_file_path, write_run_file
@@ -48,9 +49,11 @@ def run(ctx: RankContext) -> int:
             serving = Serving(ctx, started=started)
             if serving.mismatches:
                 status = f"check failed: {len(serving.mismatches)} mismatches"
+    except DecodeDieLost as exc:  # a decode die lost and the run stops: its records
+        status, lost_writer = f"failed: {exc}", exc.write_failures
+        raise
     except Exception as exc:
         status = f"failed: {exc}"
-        lost_writer = getattr(exc, "write_failures", None)  # a decode die lost: its records
         raise
     finally:
         write_run_file(
@@ -104,14 +107,16 @@ class Serving:
             for line in self.eplb.lines():
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
-        self.pd_book = getattr(frontend, "pd_book", None)  # PD: the TTFT split, KV transfers
+        self.pd_book = frontend.pd_book  # PD: the TTFT split, KV transfers
         if self.pd_book is not None:
             from xds_mpi.engine.pd_results import format_pd
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
         roles = {info.rank: info.role for info in ctx.topo.ranks}
-        memory = frontend.memory.records(roles, self.started, time.time())  # §6.2 stage 3
+        memory = frontend.memory.records(
+            self.records, roles, self.started, time.time()
+        )  # §6.2 stage 3
         for record in memory:
             ctx.log.warning(record.describe())
         self.failures = self.failures + memory

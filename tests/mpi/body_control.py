@@ -101,7 +101,7 @@ def test_an_unreceived_send_ends_in_a_named_timeout():
 
 @pytest.mark.mpi(min_size=2)
 def test_heartbeats_name_the_rank_whose_loop_stopped():
-    from ranks.recovery.heartbeat import HeartbeatResponder, HeartbeatSender
+    from ranks.recovery.watch import HeartbeatResponder, HeartbeatSender
 
     quiet = comm.size - 1  # this rank's loop "stalls" after three answers
     done = bytearray(1)

@@ -44,8 +44,10 @@ staging, before the records), on an attention die in e2a before waiting.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
+from mpi4py import MPI
 
 from xccl.afd.expert import AfdExpertSide
 from xccl.afd.records import AfdCall, AfdRecords
@@ -69,6 +71,24 @@ def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:
         )
     if np.dtype(dtype).itemsize != layout.itemsize:
         raise ValueError(f"dtype {np.dtype(dtype)} != layout itemsize {layout.itemsize}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdOptions:
+    """What an AfdBuffer is built with besides its window, layout and slots: num_routed_slots,
+    the slots before the shared ones; use_trampolines, A2E through the trampolines (else
+    direct); dtype, the rows' wire dtype; clock, the die's virtual clock; link, the cost
+    model's link; num_cores, AIV cores per transfer; timeout_s, every wait's deadline;
+    wait_span, the tracer's span around the attention side's E2A wait."""
+
+    num_routed_slots: int
+    use_trampolines: bool
+    dtype: np.dtype
+    clock: VirtualClock
+    link: LinkModel | None
+    num_cores: int
+    timeout_s: float
+    wait_span: WaitSpan
 
 
 class AfdBuffer(AfdExpertSide):
@@ -109,6 +129,16 @@ class AfdBuffer(AfdExpertSide):
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.wait_span = wait_span
+        self.options = AfdOptions(
+            num_routed_slots=num_routed_slots,
+            use_trampolines=use_trampolines,
+            dtype=self.dtype,
+            clock=self.clock,
+            link=link,
+            num_cores=num_cores,
+            timeout_s=timeout_s,
+            wait_span=wait_span,
+        )
 
     def _map_slots(self, slot_owner: Sequence[int], num_routed_slots: int) -> None:
         """Which expert die hosts each slot, and which slots are ours."""
@@ -139,6 +169,28 @@ class AfdBuffer(AfdExpertSide):
     @interrupt.setter
     def interrupt(self, interrupt: Interrupt | None) -> None:
         self.records.interrupt = interrupt
+
+    def rebuilt(self, comm: MPI.Comm) -> AfdBuffer:
+        """This buffer over `comm` (the survivors: a sub-communicator of the one this window
+        spans) on a window of its own, with the same options and recovery hooks: the layout's
+        ranks are the survivors' ranks in `comm`, each area at the window's start; a lost
+        attention die keeps its place as rank -1, a lost expert die leaves the layout and its
+        slots are owned by nobody (-1). Collective over `comm`. This buffer is never used again
+        (nor freed: its window spans the lost dies)."""
+        before = self.mem.comm  # the communicator the layout numbers ranks in
+        in_before = MPI.Group.Translate_ranks(comm.group, list(range(comm.size)), before.group)
+        to_new = {old: new for new, old in enumerate(in_before)}
+        layout = replace(
+            self.layout,
+            attention=tuple(to_new.get(r, -1) for r in self.layout.attention),
+            experts=tuple(to_new[r] for r in self.layout.experts if r in to_new),
+            base=(0,) * comm.size,
+        )
+        nbytes = -(-layout.area_bytes(self.role) // 8) * 8
+        owners = np.array([to_new.get(int(r), -1) for r in self.slot_owner], np.int64)
+        afd = AfdBuffer(DieMemory(comm, nbytes), layout, owners, **vars(self.options))
+        afd.set_recovery(RecoveryHooks(interrupt=self.interrupt, fault_hook=self.fault_hook))
+        return afd
 
     def set_recovery(self, hooks: RecoveryHooks) -> None:
         """Install the recovery hooks (once, by the die's recomputer; xccl/recovery/faults.py)."""

@@ -24,8 +24,10 @@ Fault hooks fire after staging, before the records: "dispatch" between steps 3 a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
+from mpi4py import MPI
 
 from xccl.agreement import WindowAgreement
 from xccl.ep.handles import DispatchHandle, DispatchInfo
@@ -39,6 +41,21 @@ from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
 from xccl.wake import WaitSpan, no_span
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpOptions:
+    """What an EpBuffer is built with besides its window, layout and slots: dtype, the rows'
+    wire dtype; clock, the die's virtual clock; link, the cost model's link (None: the clock's
+    default); num_cores, AIV cores per transfer; timeout_s, every wait's deadline; wait_span,
+    the tracer's span around each wait for peers' records."""
+
+    dtype: np.dtype
+    clock: VirtualClock
+    link: LinkModel | None
+    num_cores: int
+    timeout_s: float
+    wait_span: WaitSpan
 
 
 class EpBuffer:
@@ -84,6 +101,14 @@ class EpBuffer:
         self.clock, self.link = clock or VirtualClock(), link
         # wait_span: around each wait for peers' records (xccl/records/wait_span.py)
         self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
+        self.options = EpOptions(
+            dtype=self.dtype,
+            clock=self.clock,
+            link=link,
+            num_cores=num_cores,
+            timeout_s=timeout_s,
+            wait_span=wait_span,
+        )
         self._seq = {"dispatch": 0, "combine": 0}
         self._fans = {kind: self._bind_records(kind) for kind in self._seq}  # xccl/records/fan.py
         self.agreement = WindowAgreement(mem, layout, timeout_s=timeout_s)  # between iterations
@@ -93,6 +118,21 @@ class EpBuffer:
     def set_recovery(self, hooks: RecoveryHooks) -> None:
         """Install the recovery hooks (once, by the die's recomputer; xccl/recovery/faults.py)."""
         self.interrupt, self.fault_hook = hooks.interrupt, hooks.fault_hook
+
+    def rebuilt(self, comm: MPI.Comm) -> EpBuffer:
+        """This buffer over `comm` (the survivors: a sub-communicator of the one this window
+        spans) on a window of its own, with the same options and recovery hooks; slots of the
+        dies left out are owned by nobody (-1: the routing never picks them). Collective over
+        `comm`. This buffer is never used again (nor freed: its window spans the lost dies)."""
+        layout = replace(self.layout, members=tuple(range(comm.size)), base=(0,) * comm.size)
+        nbytes = -(-layout.offset(comm.rank, "end") // 8) * 8
+        before = self.mem.comm  # the communicator slot_owner numbers ranks in
+        in_before = MPI.Group.Translate_ranks(comm.group, list(range(comm.size)), before.group)
+        to_new = {old: new for new, old in enumerate(in_before)}
+        owners = [to_new.get(int(owner), -1) for owner in self.slot_owner]
+        ep = EpBuffer(DieMemory(comm, nbytes), layout, owners, **vars(self.options))
+        ep.set_recovery(RecoveryHooks(interrupt=self.interrupt, fault_hook=self.fault_hook))
+        return ep
 
     # -- dispatch -------------------------------------------------------------------------------
     def dispatch(

@@ -70,7 +70,7 @@ class HealthConfig:
     from the config on the remaining dies (stage 1) or "stop" with an error naming expert and die.
     replicas: "ring" fills each routed die's redundant slots, from the start, with copies of the
     next routed die's experts, so that losing any one die keeps a replica of every expert
-    (vertical scaling, ranks/recovery/die_failover.py); "none" leaves them to EPLB.
+    (vertical scaling, ranks/recovery/scale_down.py); "none" leaves them to EPLB.
     """
 
     enabled: bool = True

@@ -52,6 +52,11 @@ class AfdPlan:
                     self.num_calls += 1
         return planned
 
+    def renumber(self, num_calls: int) -> None:
+        """Number the next calls from `num_calls` on (after a failover every survivor takes the
+        highest count among them, so that they number the next calls alike)."""
+        self.num_calls = num_calls
+
     def layer_of_event(self, event_id: int) -> int:
         position = (event_id % self.events_per_iteration) // (
             self.num_domains * self.num_microbatches

@@ -30,6 +30,12 @@ class AttentionExecutor(ColocatedExecutor):
         super().__init__(model, None, **kwargs)
         self.afd, self.num_microbatches = afd, num_microbatches
 
+    def reroute(self, afd: AfdBuffer, log2phy, shared_slots: tuple[int, ...]) -> None:
+        """A2E/E2A through `afd` with routing log2phy ([experts] -> physical slots) and the
+        shared column to shared_slots from now on (after a failover or a masked slot,
+        ranks/recovery/scale_down.py and memory.py)."""
+        self.afd, self.log2phy, self.shared_slots = afd, log2phy, shared_slots
+
     def forward(
         self, entries: list[Entry], calls: list[PlannedCall]
     ) -> tuple[dict[int, Sampled], IterationTiming]:

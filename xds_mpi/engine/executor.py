@@ -65,6 +65,11 @@ class ColocatedExecutor:
         # Per-layer log2phy, redundant slots' weights, the gate's counts (§4.5; xds_mpi/eplb).
         self.expert_map = expert_map or ExpertMap.static(phy2log, self.moe_layers())
 
+    def use_buffer(self, ep: EpBuffer) -> None:
+        """Dispatch/combine through `ep` from now on (the survivors' buffer after a failover,
+        ranks/recovery/scale_down.py)."""
+        self.ep = ep
+
     def moe_layers(self) -> tuple[int, ...]:
         """Layer index of every MoE call of an iteration: main MoE layers, then MTP depths."""
         main = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)

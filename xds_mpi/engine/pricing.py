@@ -42,7 +42,7 @@ class Pricer:
     def rescale(self, num_routed_dies: int) -> None:
         """Price EP over `num_routed_dies` dies hosting routed experts (the cost shape's experts
         spread over them, dispatch/combine with as many peers): at start, and after vertical
-        scaling left fewer (ranks/recovery/die_failover.py)."""
+        scaling left fewer (ranks/recovery/scale_down.py)."""
         self.experts_per_die = max(1, round(self.cost.m.num_routed_experts / num_routed_dies))
         self.num_peers = num_routed_dies
 

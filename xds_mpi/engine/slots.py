@@ -46,7 +46,7 @@ class ExpertSlots:
     def routed_dies(self) -> frozenset[int]:
         """The ranks hosting routed slots: the EP size the cost model prices
         (ranks/core/die_parts.py
-        make_pricer; after a loss, without the lost ranks: ranks/recovery/die_failover.py)."""
+        make_pricer; after a loss, without the lost ranks: ranks/recovery/scale_down.py)."""
         return frozenset(int(rank) for rank in self.slot_owner[: self.num_routed_slots])
 
     def is_routed(self, slot: int) -> bool:

@@ -37,7 +37,7 @@ EMULATED: set[tuple[str, str, str]] = {
         "stuck",
         "colocated",
         "colocated",
-    ),  # ranks/recovery/die_health.py, detected by ranks/recovery/detector.py
+    ),  # ranks/recovery/watch.py, detected by ranks/recovery/detector.py
     ("dead", "colocated", "colocated"),
     ("stuck", "colocated", "pd"),  # for good only, ring replicas (failure_plan_pd.py)
     ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/recovery/decode_loss.py
@@ -45,7 +45,7 @@ EMULATED: set[tuple[str, str, str]] = {
         "stuck",
         "attention",
         "afd",
-    ),  # ranks/recovery/afd_health.py, afd_failover.py (_check_afd_loss)
+    ),  # ranks/core/decode_die.py, afd_failover.py (_check_afd_loss)
     ("dead", "attention", "afd"),
     ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
     ("dead", "expert", "afd"),

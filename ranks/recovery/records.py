@@ -2,6 +2,12 @@
 one xds_mpi/failures.py FailureRecord per row, from what the dies noted (when their fault began)
 and what the detector concluded (ranks/recovery/detector.py).
 
+XCCL waits that timed out and were recomputed (faults.on_timeout recompute, §6.2 stage 3,
+`with_timeouts`): the dies' recomputation counters name the first timeout (the waiting die, the
+die its wait leads to: xccl/recovery/vote.py Outcome.blamed, when); the record of the stuck row on
+that peer says so, or, when no row names the peer, a record of kind `none` does (a slow die
+nobody injected).
+
 Projected detection time: heartbeats are a wall-clock mechanism (intervals and timeout are the
 same seconds on the pod), so the detection lands at the die's virtual injection time plus the
 wall seconds from injection to detection.
@@ -11,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ranks.recovery.die_health import FaultBegan
+from ranks.recovery.watch import FaultBegan
 from xds_mpi.config.schema import Config
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.failures import FailureRecord
@@ -120,3 +126,53 @@ def tokens_per_s(requests: dict[int, RequestRecord], t0: float, t1: float) -> fl
         return 0.0
     count = sum(1 for r in requests.values() for t in r.token_times if t0 <= t < t1)
     return count / (t1 - t0)
+
+
+def with_timeouts(
+    records: list[FailureRecord], recovery: dict[int, dict], roles: dict[int, str], started: float
+) -> list[FailureRecord]:
+    """`records` with the first recomputed timeout in the dies' counters (`recovery`: die rank
+    -> counters) attributed; started: wall time serving started."""
+    seen = [c for c in recovery.values() if c and c.get("timeouts", 0) > 0]
+    if not seen:
+        return records
+    first = min(seen, key=lambda c: c["timeout_wall"])
+    peer, count = int(first["timeout_peer"]), max(c["timeouts"] for c in seen)
+    via = int(first.get("timeout_via", peer))
+    waited = f"die rank {peer}" if via in (peer, -1) else f"die rank {via} (waiting for {peer})"
+    recovery_text = (
+        f"token recomputation: die rank {int(first['timeout_die'])}'s wait for {waited} "
+        f"timed out (xccl.poll_timeout_s); every die recomputed the iteration ({count} "
+        "attempts failed on a timeout)"
+    )
+    detected = {
+        "detected_wall_s": float(first["timeout_wall"]) - started,
+        "detected_by": "xccl timeout",
+        "recovery": recovery_text,
+    }
+    named = [i for i, r in enumerate(records) if r.die == peer]
+    if named:
+        return _attributed(records, named[0], detected)
+    slow = FailureRecord(
+        kind="none",
+        die=peer,
+        role=roles.get(peer, "?"),
+        injected_iteration=int(first["timeout_iteration"]),
+        injected_wall_s=-1.0,
+        injected_virtual_s=-1.0,
+        verdict="slow",
+        **detected,
+    )
+    return [*records, slow]
+
+
+def _attributed(records: list[FailureRecord], i: int, detected: dict) -> list[FailureRecord]:
+    """records[i], the peer's row, detected by the timeout if it was a transient stall."""
+    r = records[i]
+    if r.kind != "stuck" or r.verdict != "transient":
+        return records  # the heartbeats found the peer lost: their record stands
+    # Projected like the heartbeats' detection: injection plus the wall seconds since.
+    late_s = detected["detected_wall_s"] - r.injected_wall_s
+    out = list(records)
+    out[i] = replace(r, **detected, detected_virtual_s=r.injected_virtual_s + late_s)
+    return out

@@ -1,0 +1,269 @@
+"""Heartbeats (xDeepServe §6.1), both ends: a sender on a host rank pings its targets every
+interval and knows when each last answered (`HeartbeatSender`); a responder answers from its
+owner's event loop only (`HeartbeatResponder`), so an owner stuck in an executor or an XCCL wait
+stops answering — which is the signal. Two tiers use the same pair with decoupled intervals: the
+control plane -> each TE-shell, and a TE-shell -> the master of each DP group. A ping carries a
+sequence number; the answer echoes it with a small status object of the responder's choosing.
+Nothing here blocks: sends are `isend`s completed later, receives are probes.
+
+A decode die's side (`DieHealth`: colocated dies, afd attention and expert dies, through the
+decode-die loop of ranks/core/decode_die.py): it answers the TE-shell's heartbeats from its
+event loop only, plays the `stuck` and `dead` rows of `faults.events` that name it, and once the
+TE-shell's fence released it (xccl/recovery/rollback.py Released), idles answering until it is
+told to rebuild (ranks/recovery/scale_down.py) or the run ends.
+
+Faults as emulated (docs/design.md, Failures):
+  stuck  the die blocks inside its first dispatch (afd: A2E) of iteration `iteration` or later
+         (staged, not yet published: every peer waits for it) for duration_s wall seconds, 0 =
+         for good; the process is alive and answers nothing meanwhile.
+  dead   at iteration `iteration` the die stops taking part: it joins no collective and no
+         XCCL operation and answers no heartbeat, an idle live process until the job ends.
+The die tells the TE-shell when its fault began (TAG_FAILURE_BEGAN), for the failure record
+only: detection never reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mpi4py import MPI
+
+from ranks.core.messages import SHELL
+from xccl.vclock import VirtualClock
+from xds_mpi.config.schema import Config
+from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_HEARTBEAT, TAG_HEARTBEAT_ACK, TAG_STOP
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping:
+    seq: int
+    sent_at: float  # sender's time.monotonic()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pong:
+    seq: int
+    status: object = None
+
+
+class HeartbeatSender:
+    """Pings `targets` every `interval_s`; `silent()` names those with no answer for `timeout_s`
+    (counted from the later of the first ping and their last answer)."""
+
+    def __init__(
+        self, comm: MPI.Comm, targets: Sequence[int], *, interval_s: float, timeout_s: float
+    ) -> None:
+        self.comm, self.targets = comm, tuple(targets)
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.seq, self.next_at = 0, 0.0
+        self.started_at: float | None = None
+        self.last_answer: dict[int, float] = {}
+        self.status: dict[int, object] = {}
+        self.pending: list[MPI.Request] = []
+
+    def tick(self, now: float | None = None) -> None:
+        """Send the pings that are due and take every answer that arrived."""
+        now = time.monotonic() if now is None else now
+        if self.started_at is None:
+            self.started_at = now
+        if now >= self.next_at:
+            self.seq += 1
+            self.next_at = now + self.interval_s
+            ping = Ping(seq=self.seq, sent_at=now)
+            for target in self.targets:
+                self.pending.append(self.comm.isend(ping, dest=target, tag=TAG_HEARTBEAT))
+        for target in self.targets:
+            while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
+                pong: Pong = msg.recv()
+                self.last_answer[target], self.status[target] = now, pong.status
+        self.pending = [r for r in self.pending if not r.Test()]
+
+    def silent(self, now: float | None = None) -> list[int]:
+        """Targets that have not answered for longer than timeout_s."""
+        now = time.monotonic() if now is None else now
+        if self.started_at is None:
+            return []
+        return [
+            t
+            for t in self.targets
+            if now - max(self.last_answer.get(t, self.started_at), self.started_at) > self.timeout_s
+        ]
+
+    def close(self) -> None:
+        """After the responders stopped answering (the caller's last collective): take the
+        answers still queued and complete the pings, so nothing is left pending at finalize."""
+        for target in self.targets + tuple(self.last_answer):
+            while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
+                msg.recv()
+        MPI.Request.Waitall(self.pending)
+        self.pending = []
+
+    def forget(self, target: int) -> None:
+        """Stop pinging a target the caller has declared lost."""
+        self.targets = tuple(t for t in self.targets if t != target)
+
+
+class HeartbeatResponder:
+    """Answers pings from `source`; call `answer()` once per turn of the owner's event loop."""
+
+    def __init__(self, comm: MPI.Comm, source: int) -> None:
+        self.comm, self.source = comm, source
+        self.pending: list[MPI.Request] = []
+        self.answered = 0
+
+    def answer(self, status: object = None) -> None:
+        while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
+            ping: Ping = msg.recv()
+            pong = Pong(seq=ping.seq, status=status)
+            self.pending.append(self.comm.isend(pong, dest=self.source, tag=TAG_HEARTBEAT_ACK))
+            self.answered += 1
+        self.pending = [r for r in self.pending if not r.Test()]
+
+    def close(self) -> None:
+        """Take the pings still queued unanswered and complete the answers sent (call before the
+        owner's last collective, so the sender's `close` after it finds every answer)."""
+        while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
+            msg.recv()
+        MPI.Request.Waitall(self.pending)
+        self.pending = []
+
+
+# Where a stuck die blocks: a colocated die's dispatch; an afd die's A2E (the attention die's
+# tokens, or a trampoline's / expert die's forwarded rows).
+STUCK_OPS = ("dispatch", "a2e")
+
+
+def is_watched(cfg: Config, plan) -> bool:
+    """Does a TE-shell watch the decode dies with heartbeats and fence them? Colocated and afd
+    deployments without PD; in PD the decode TE-shell (host rank 1) watches colocated decode dies
+    when a stuck/dead row names one (ranks/recovery/decode_loss.py; xds_mpi/plan/failures.py refuses
+    the
+    rest)."""
+    kind = cfg.deployment.kind
+    if plan.pd is not None:
+        return cfg.health.enabled and kind == "colocated" and has_decode_loss(cfg, plan)
+    return cfg.health.enabled and kind in ("colocated", "afd")
+
+
+def has_decode_loss(cfg: Config, plan) -> bool:
+    """PD: does a stuck/dead row name a decode die (with a decode TE-shell to watch it)?"""
+    decode = set(plan.pd.decode)
+    rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead") and e.die in decode]
+    return bool(rows) and plan.pd.decode_shell != 0
+
+
+def watcher(plan) -> int:
+    """The rank that pings, fences and fails over the decode dies: the TE-shell, or in PD the
+    decode TE-shell."""
+    return plan.pd.decode_shell if plan.pd is not None else SHELL
+
+
+def watch_comm(ctx) -> MPI.Comm:
+    """The communicator the fence window spans: the world, or in PD the decode TE-shell and the
+    decode dies only (Create_group: collective over them alone, the JE and prefill dies never
+    join). Called once by the watcher and every decode die, in the same order."""
+    plan = ctx.plan
+    if plan.pd is None:
+        return ctx.comm
+    members = [plan.pd.decode_shell, *plan.pd.decode]
+    return ctx.comm.Create_group(ctx.comm.group.Incl(members))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultBegan:
+    """A die's note to the TE-shell: its injected `kind` fault began at its iteration
+    `iteration`, at wall time `wall_time` (time.time()) and virtual second `virtual_s`."""
+
+    die: int
+    kind: str
+    iteration: int
+    wall_time: float
+    virtual_s: float
+
+
+class WatchedDie(Protocol):
+    """What the heartbeat side reads of its die: `busy_iterations`, the iterations with work it
+    has run (the same count on every die: a fault row's `iteration` is one), and its virtual
+    `clock`."""
+
+    busy_iterations: int
+    clock: VirtualClock
+
+
+class DieHealth:
+    """A die's side of the heartbeats: rank, the die's world rank; die, what it reads of the die
+    (WatchedDie); shell, the watcher's rank (`watcher`)."""
+
+    def __init__(self, cfg: Config, comm: MPI.Comm, die: WatchedDie, *, shell: int = SHELL) -> None:
+        self.comm, self.rank, self.shell, self.die = comm, comm.rank, shell, die
+        self.responder = HeartbeatResponder(comm, shell)
+        mine = [e for e in cfg.faults.events if e.die == comm.rank]
+        self.rows = {e.kind: e for e in mine if e.kind in ("stuck", "dead")}
+        self.is_dead = self.is_released = self.has_stalled = False
+        self.pending: list[MPI.Request] = []
+
+    @property
+    def is_out(self) -> bool:
+        """Dead, or released by the fence: the die runs no iteration any more."""
+        return self.is_dead or self.is_released
+
+    def answer(self) -> None:
+        """From the event loop, between iterations: answer the heartbeats that arrived."""
+        if not self.is_dead:
+            self.responder.answer()
+
+    def check_dead(self) -> None:
+        """At the start of a turn: a dead row of this die's iteration now takes effect."""
+        row = self.rows.get("dead")
+        if row is not None and not self.is_dead and self.die.busy_iterations >= row.iteration:
+            self.is_dead = True
+            self._began("dead")
+
+    def stall(self, op: str, event_id: int) -> None:
+        """The fault hook inside each XCCL operation: a stuck row blocks here, once."""
+        row = self.rows.get("stuck")
+        if row is None or self.has_stalled or op not in STUCK_OPS:
+            return
+        if self.die.busy_iterations < row.iteration:  # afd: an idle domain's die skips iterations
+            return
+        self.has_stalled = True
+        self._began("stuck")
+        until = time.monotonic() + row.duration_s if row.duration_s > 0 else float("inf")
+        # Blocked: no loop, no answers. The job's end (the TE-shell's or JE's stop) unblocks it, so
+        # that a die stuck for good still exits (the emulator's need, not the fault's).
+        while time.monotonic() < until and not self.comm.iprobe(source=SHELL, tag=TAG_STOP):
+            time.sleep(min(0.05, max(until - time.monotonic(), 0.0)))
+
+    def released(self) -> None:
+        """The fence released this die from a wait or the agreement: out of the iterations."""
+        self.is_released = True
+
+    def rejoined(self) -> None:
+        """The die rebuilt without the lost dies (ranks/recovery/scale_down.py): it runs
+        iterations again."""
+        self.is_released = False
+
+    def idle(self) -> None:
+        """A turn of a die that is out: a released die still answers, a dead one does not."""
+        self.answer()
+        self.pending = [r for r in self.pending if not r.Test()]
+        time.sleep(0.002)
+
+    def close(self) -> None:
+        """Before the dies' last collective with the TE-shell."""
+        self.responder.close()
+        MPI.Request.Waitall(self.pending)
+        self.pending = []
+
+    def _began(self, kind: str) -> None:
+        note = FaultBegan(
+            die=self.rank,
+            kind=kind,
+            iteration=self.die.busy_iterations,
+            wall_time=time.time(),
+            virtual_s=self.die.clock.now_ns / 1e9,
+        )
+        self.pending.append(self.comm.isend(note, dest=self.shell, tag=TAG_FAILURE_BEGAN))
