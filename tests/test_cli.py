@@ -230,7 +230,7 @@ def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
 
 
 def test_a_run_over_its_time_limit_is_reported_as_such():
-    # Rank start-up alone (torch on every die) takes longer than one second.
+    # A run (rank start-up, serving, the check) takes longer than one second.
     result = xds_mpi("run", "--set", "run.timeout_s=1")
     assert result.returncode == 124, result.stdout[-2000:] + result.stderr[-2000:]
     assert "job exceeded run.timeout_s(1) and was killed" in result.stderr

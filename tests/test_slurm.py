@@ -25,8 +25,8 @@ from xds_mpi.report.runfile import read_run_file
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
-# A 5-rank job takes ~3 s on an idle 2-core machine but over 50 s when it is loaded (every rank
-# imports torch): generous limits, so only a hung job fails on time.
+# A 5-rank job takes a few seconds on an idle 2-core machine but far longer when it is loaded:
+# generous limits, so only a hung job fails on time.
 JOB_TIMEOUT_S = 240
 
 

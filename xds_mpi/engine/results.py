@@ -14,7 +14,7 @@ import numpy as np
 from xds_mpi.config.schema import Config
 from xds_mpi.engine.requests import Request
 
-if TYPE_CHECKING:  # the reference imports torch; the check loads it lazily
+if TYPE_CHECKING:  # the reference builds the model; the check loads it lazily
     from xds_mpi.model.reference import RequestOutput
 
 
