@@ -190,7 +190,7 @@ class AfdLayout:
     @property
     def members(self) -> tuple[int, ...]:
         """The dies that agree between iterations (xccl/agreement.py): the attention dies, then
-        the expert dies; a lost attention die (-1, ranks/recovery/afd_failover.py) is none of
+        the expert dies; a lost attention die (-1, ranks/recovery/scale_down.py) is none of
         them."""
         return tuple(r for r in (*self.attention, *self.experts) if r >= 0)
 

@@ -57,9 +57,7 @@ class AfdExpertSide:
         self.records.take(call)
         layout, lane = self.layout, call.lane
         src = self.domain_attention(call.domain)[self.group]
-        if (
-            src < 0
-        ):  # a lost attention die (ranks/recovery/afd_failover.py): no tokens, zero rows out
+        if src < 0:  # a lost attention die (ranks/recovery/scale_down.py): no tokens, zero rows out
             if self._forwarded:
                 # As its attention die would: a lane is reused only after the calls before
                 # returned (the reuse argument in xccl/afd/buffer.py), else records overwrite

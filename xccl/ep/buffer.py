@@ -99,7 +99,7 @@ class EpBuffer:
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
-        # wait_span: around each wait for peers' records (xccl/records/wait_span.py)
+        # wait_span: around each wait for peers' records (xccl/wake.py)
         self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
         self.options = EpOptions(
             dtype=self.dtype,
@@ -110,7 +110,8 @@ class EpBuffer:
             wait_span=wait_span,
         )
         self._seq = {"dispatch": 0, "combine": 0}
-        self._fans = {kind: self._bind_records(kind) for kind in self._seq}  # xccl/records/fan.py
+        # xccl/records/record.py
+        self._fans = {kind: self._bind_records(kind) for kind in self._seq}
         self.agreement = WindowAgreement(mem, layout, timeout_s=timeout_s)  # between iterations
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
         self.interrupt: Interrupt | None = None  # every wait turn; may raise RollbackRequested

@@ -123,7 +123,7 @@ class Recovery:
         self._recv = np.zeros((comm.size, HEADER + self.max_states), np.int64)
 
     def regroup(self, comm: MPI.Comm) -> None:
-        """After vertical scaling (ranks/recovery/die_failover.py): vote over the survivors' `comm`
+        """After vertical scaling (ranks/recovery/scale_down.py): vote over the survivors' `comm`
         (collective over them). A fence may have cut a vote short on some dies and not on
         others, and left notifies in the words: every survivor takes the highest epoch and
         word any of them holds, so no stale word reads as a rollback of the next attempt."""
