@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import REPO_ROOT
 
 from xccl.errors import OutOfWindow, UnknownPeer
 from xccl.layout import RECORD_BYTES, P2PLayout, all_pairs
@@ -114,6 +115,35 @@ def test_ep_area_follows_its_formula():
     assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
     assert ep.offset(1, "dispatch_records") == 6400
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64
+
+
+def test_a_die_receives_at_most_one_row_per_token_for_each_slot_it_hosts():
+    from dataclasses import replace
+
+    from xccl.moe_layout import EpLayout
+
+    ep = EpLayout(
+        members=tuple(range(1, 289)),
+        base=(0,) * 289,
+        hidden=128,
+        max_tokens=60,
+        num_columns=9,  # top-8 + a dedicated shared expert
+        itemsize=8,
+        use_int8=False,
+        max_slots_per_die=2,  # ep288: one routed + one redundant slot per die
+    )
+    assert ep.max_recv_rows == 288 * 60 * 2
+    assert replace(ep, max_slots_per_die=16).max_recv_rows == 288 * 60 * 9  # capped by columns
+    assert replace(ep, max_slots_per_die=0).max_recv_rows == 288 * 60 * 9  # unknown: columns
+
+
+def test_ep288_windows_are_sized_from_what_a_die_can_receive():
+    from xds_mpi.config.schema import load_config
+    from xds_mpi.plan.deployment import DeploymentPlan
+
+    plan = DeploymentPlan.build(load_config(str(REPO_ROOT / "configs" / "ep288.yaml")), 289)
+    assert plan.ep.max_slots_per_die == 2
+    assert max(plan.window_bytes) < 40 * 2**20  # 162 MiB when every row could go to one slot
 
 
 def test_afd_agreement_area_follows_the_lanes_and_skips_a_lost_die():

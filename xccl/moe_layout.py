@@ -34,7 +34,9 @@ class EpLayout:
         combine staging    max_recv_rows x out_row_bytes    (expert outputs, by source die)
         agreement          2 x num_members x (AGREE_WORDS + 1) x 8   (xccl/agreement.py)
     max_send_rows = max_tokens x num_columns (top-k, + 1 with dedicated shared experts);
-    max_recv_rows = num_members x max_send_rows (every row of every die may go to one die);
+    max_recv_rows = num_members x max_tokens x min(num_columns, max_slots_per_die): a token's
+        columns name distinct experts, so a die receives at most one row per token for each
+        slot it hosts (every token of every die may still come to one die);
     send_row_bytes = hidden x itemsize, or hidden + 4 (INT8 + float32 scale) rounded up to 8;
     out_row_bytes = hidden x itemsize. Combine has its own records and staging so a fast die's
     combine never overwrites what a slow die still pulls from dispatch.
@@ -47,6 +49,7 @@ class EpLayout:
     num_columns: int
     itemsize: int
     use_int8: bool
+    max_slots_per_die: int = 0  # expert slots on the die with the most; 0: as many as columns
 
     def __post_init__(self) -> None:
         for name in ("hidden", "max_tokens", "num_columns", "itemsize"):
@@ -71,7 +74,8 @@ class EpLayout:
 
     @property
     def max_recv_rows(self) -> int:
-        return self.num_members * self.max_send_rows
+        per_token = min(self.num_columns, self.max_slots_per_die or self.num_columns)
+        return self.num_members * self.max_tokens * per_token
 
     @cached_property
     def _area(self) -> dict[str, int]:

@@ -37,14 +37,16 @@ def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpL
     if cfg.deployment.kind != "colocated":
         return None
     shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0
+    members = topo.ranks_with_role("colocated")
     return EpLayout(
-        members=topo.ranks_with_role("colocated"),
+        members=members,
         base=tuple(p2p.window_bytes(r) for r in range(topo.world_size)),
         hidden=cfg.model.hidden,
         max_tokens=cfg.xccl.max_tokens_per_die,
         num_columns=cfg.model.top_k + shared_column,
         itemsize=itemsize,
         use_int8=cfg.xccl.use_int8,
+        max_slots_per_die=max(len(topo.ranks[r].expert_slots) for r in members),
     )
 
 
