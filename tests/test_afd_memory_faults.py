@@ -107,7 +107,7 @@ def test_a_faulty_slot_computes_nan_and_another_slot_of_its_expert_does_not():
     import numpy as np
 
     from ranks.afd.expert import ExpertDie
-    from ranks.recovery.afd_memory import AfdSlots
+    from ranks.recovery.memory import AfdSlots
 
     die = _expert_die({0: 3, 1: 3})  # one expert in two slots of the die
     AfdSlots.corrupt(die, 0)

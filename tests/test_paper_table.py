@@ -19,8 +19,7 @@ from harness import REPO_ROOT
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
-from xds_mpi.projection.comm_cost import expected_max_z
-from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
 from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.imbalance import (
     Imbalance,

@@ -25,7 +25,7 @@ TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN = 264, 265
 # A prefill TE lost (ranks/recovery/je_prefill_loss.py): JE -> decode dies, their withdrawn requests
 # back.
 TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN = 266, 267
-# A die's KV memory fault and the requests it ended (ranks/recovery/memory_check.py).
+# A die's KV memory fault and the requests it ended (ranks/recovery/memory.py).
 TAG_MEMORY_FAULT = 268
 # Decode failover (ranks/recovery/watch.py): a die tells the TE-shell when its injected fault
 # began.

@@ -15,7 +15,7 @@ from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_parts import make_pricer
 from ranks.core.messages import SHELL
 from ranks.recovery import scale_down
-from ranks.recovery.afd_memory import afd_memory_check
+from ranks.recovery.memory import afd_memory_check
 from ranks.recovery.watch import DieHealth, is_watched
 from xccl.agreement import IdleBackoff
 from xds_mpi.report import trace
@@ -142,7 +142,7 @@ class AfdDieBase(DecodeDieLoop):
         raise NotImplementedError
 
     def use_placement(self, placement) -> None:
-        """Who hosts which expert from now on (a masked slot, ranks/recovery/afd_memory.py)."""
+        """Who hosts which expert from now on (a masked slot, ranks/recovery/memory.py)."""
         self.placement = placement
 
     def num_batches_sent(self) -> int:

@@ -50,7 +50,7 @@ class ExpertDie(AfdDieBase):
         self.num_iterations = self.num_rows = 0
 
     def iterate(self) -> bool:
-        self.memory.check(self)  # expert slots gone bad (ranks/recovery/afd_memory.py)
+        self.memory.check(self)  # expert slots gone bad (ranks/recovery/memory.py)
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:  # agree backed off
             return not all_stopped
@@ -80,7 +80,7 @@ class ExpertDie(AfdDieBase):
         where = {"layer": layer_idx, "experts": [expert], "rows": [len(rows)]}
         with trace.span("experts", **where):
             x = rows.astype(self.model.dtype, copy=False)  # rows cross in the row dtype
-            if (layer_idx, slot) in self.faulty:  # a memory fault (ranks/recovery/afd_memory.py)
+            if (layer_idx, slot) in self.faulty:  # a memory fault (ranks/recovery/memory.py)
                 out = self.faulty[layer_idx, slot](x)
             elif is_routed:
                 out = moe.expert_forward(expert, x)

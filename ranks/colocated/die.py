@@ -11,7 +11,7 @@ from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals, make_pricer
 from ranks.core.handshake import handshake
 from ranks.recovery import scale_down
-from ranks.recovery.memory_check import MemoryCheck
+from ranks.recovery.memory import MemoryCheck
 from ranks.recovery.recompute import Recomputer
 from ranks.recovery.watch import DieHealth, is_watched, watch_comm, watcher
 from xccl.agreement import IdleBackoff

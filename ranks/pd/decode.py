@@ -62,7 +62,7 @@ class PdColocatedDie(PdDecode, ColocatedDie):
         self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
 
     def before_agree(self) -> None:
-        self.memory.check(self)  # §6.2 stage 3 (ranks/recovery/memory_check.py), before KV moves
+        self.memory.check(self)  # §6.2 stage 3 (ranks/recovery/memory.py), before KV moves
         super().before_agree()
 
 

@@ -12,7 +12,7 @@ from ranks.core.context import RankContext
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector
-from ranks.recovery.memory_check import MemoryLosses
+from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.watch import is_watched, watcher
 from ranks.shell.eplb import make_eplb_shell
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each

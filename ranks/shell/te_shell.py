@@ -202,7 +202,7 @@ class Serving:
             f"{len(self.mismatches)} mismatches"
         )
         lost = sorted(r for r, record in self.records.items() if record.lost)
-        if lost:  # not checked: their KV went with a memory fault (ranks/recovery/memory_check.py)
+        if lost:  # not checked: their KV went with a memory fault (ranks/recovery/memory.py)
             self.check_line += f"; {len(lost)} lost, not checked: {lost}"
 
     def write(self, f) -> None:

@@ -2,18 +2,29 @@
 
 Plain numpy arrays named as the checkpoint names them (`param_shapes`); the dies and the
 single-process reference run this one model, so their tokens agree bit for bit.
-"""
+
+One transformer block: pre-norm MLA, then a pre-norm dense SwiGLU FFN or MoE, each residual.
+
+The distributed engine calls `attention_part` on the attention die, then the FFN in pieces
+(`ffn_norm`, then the MoE's gate / experts / combine), then adds the residual itself.
+
+DeepSeek-V3 multi-token prediction module (DeepSeek-V3 report §2.2; xDeepServe §4.6).
+
+Module k at position i combines the previous depth's hidden state h^{k-1}_i (the main model's
+last-layer output for k = 1) with the embedding of token t_{i+k}:
+    h'_i = W_proj [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]      (2 hidden -> hidden)
+    h^k_i = Block(h'_i)                                            (one transformer block)
+    logits = Head(RMSNorm_k(h^k_i))   -> predicts t_{i+k+1}
+The embedding and output head are shared with the main model; each module has its own norms."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.model.block import Block
-from xds_mpi.model.layers import Linear, RMSNorm, Rotary
-from xds_mpi.model.mla import AttnChunk, LatentCache
-from xds_mpi.model.moe import NO_WIRE, Wire
-from xds_mpi.model.mtp import MTPModule
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary, SwiGLU
+from xds_mpi.model.mla import MLA, AttnChunk, LatentCache
+from xds_mpi.model.moe import NO_WIRE, MoE, Wire
 from xds_mpi.model.params import LazyParams
 
 
@@ -161,3 +172,74 @@ class DeepSeekModel:
     def mtp_logits(self, depth: int, hidden: np.ndarray) -> np.ndarray:
         """hidden: [n, hidden] h^depth_i -> [n, vocab_size] predicting t_{i+depth+1}"""
         return self.head(self.mtp_module(depth).norm(hidden))
+
+
+class Block:
+    def __init__(
+        self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str, *, is_moe: bool
+    ) -> None:
+        self.is_moe = is_moe
+        self.attn_norm = RMSNorm(params[prefix + "attn_norm.weight"])
+        self.attn = MLA(cfg, rotary, params, prefix + "attn.")
+        self.ffn_norm = RMSNorm(params[prefix + "ffn_norm.weight"])
+        self.ffn = MoE(cfg, params, prefix + "ffn.") if is_moe else SwiGLU(params, prefix + "ffn.")
+
+    def attention_part(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        cache_layer_idx: int,
+    ) -> np.ndarray:
+        """x: [n, hidden] residual stream -> [n, hidden] after the attention residual."""
+        return x + self.attn(self.attn_norm(x), positions, chunks, cache, cache_layer_idx)
+
+    def ffn_part(self, x: np.ndarray, *, wire: Wire = NO_WIRE) -> np.ndarray:
+        """x: [n, hidden] residual stream -> [n, hidden] after the FFN / MoE residual."""
+        h = self.ffn_norm(x)
+        return x + (self.ffn(h, wire=wire) if self.is_moe else self.ffn(h))
+
+    def __call__(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        cache_layer_idx: int,
+        *,
+        wire: Wire = NO_WIRE,
+    ) -> np.ndarray:
+        x = self.attention_part(x, positions, chunks, cache, cache_layer_idx)
+        return self.ffn_part(x, wire=wire)
+
+
+class MTPModule:
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str) -> None:
+        self.hnorm = RMSNorm(params[prefix + "hnorm.weight"])
+        self.enorm = RMSNorm(params[prefix + "enorm.weight"])
+        self.eh_proj = Linear.of(params, prefix + "eh_proj.weight")
+        # DeepSeek-V3's MTP block is an MoE layer like the main model's last layer.
+        self.block = Block(cfg, rotary, params, prefix + "block.", is_moe=True)
+        self.norm = RMSNorm(params[prefix + "norm.weight"])
+
+    def __call__(
+        self,
+        prev_hidden: np.ndarray,
+        next_embedding: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        cache_layer_idx: int,
+        *,
+        wire: Wire = NO_WIRE,
+    ) -> np.ndarray:
+        """prev_hidden: [n, hidden] h^{k-1}_i, next_embedding: [n, hidden] Emb(t_{i+k}) -> h^k_i"""
+        x = self.project(prev_hidden, next_embedding)
+        return self.block(x, positions, chunks, cache, cache_layer_idx, wire=wire)
+
+    def project(self, prev_hidden: np.ndarray, next_embedding: np.ndarray) -> np.ndarray:
+        """The block's input h'_i: [n, hidden] (the distributed engine runs the block in pieces)."""
+        return self.eh_proj(
+            np.concatenate([self.hnorm(prev_hidden), self.enorm(next_embedding)], axis=-1)
+        )

@@ -1,7 +1,8 @@
 """Memory faults in expert slots, checked before launch (xds_mpi/plan/failures.py): a slot row
-runs when the slot's expert keeps a replica elsewhere once every slot row is masked (ranks/
-slot_mask.py); replicas come from health.replicas ring. Every other slot row is refused, naming
-why. On an afd deployment (ranks/recovery/afd_memory.py) a memory row, KV blocks or slot, is refused
+runs when the slot's expert keeps a replica elsewhere once every slot row is masked
+(ranks/recovery/memory.py); replicas come from health.replicas ring. Every other slot row is
+refused, naming
+why. On an afd deployment (ranks/recovery/memory.py) a memory row, KV blocks or slot, is refused
 beside a stuck/dead row."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from xds_mpi.plan.topology import Topology
 
 
 def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> str:
-    """Why an expert-slot memory fault cannot run ("" when it can: ranks/recovery/slot_mask.py masks
+    """Why an expert-slot memory fault cannot run ("" when it can: ranks/recovery/memory.py masks
     the
     slot and the expert's other replica serves it; replicas come from health.replicas ring)."""
     slot = topo.ranks[spec.die].expert_slots[spec.slot]

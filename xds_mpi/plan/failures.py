@@ -29,9 +29,9 @@ EMULATED: set[tuple[str, str, str]] = {
         "memory",
         "colocated",
         "colocated",
-    ),  # KV blocks (ranks/recovery/memory_check.py), slots (slot_mask)
+    ),  # KV blocks (ranks/recovery/memory.py), slots (slot_mask)
     ("memory", "colocated", "pd"),
-    ("memory", "attention", "afd"),  # KV blocks, ranks/recovery/afd_memory.py (afd_memory_refusal)
+    ("memory", "attention", "afd"),  # KV blocks, ranks/recovery/memory.py (afd_memory_refusal)
     ("memory", "expert", "afd"),  # slots with a ring replica
     (
         "stuck",

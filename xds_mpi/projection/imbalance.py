@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xds_mpi.projection.comm_cost import expected_max_z
+from xds_mpi.projection.cost import expected_max_z
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass, replace
 
 from xds_mpi.config.schema import Config
-from xds_mpi.projection.comm_cost import expected_max_z
-from xds_mpi.projection.cost import CostModel
+from xds_mpi.projection.cost import CostModel, expected_max_z
 from xds_mpi.projection.imbalance import Imbalance
 
 # CloudMatrix-Infer §4.2.3: stream 0 gets 16 AIC and 32 AIV, stream 1 gets 8 AIC and 16 AIV

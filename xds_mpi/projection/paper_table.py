@@ -147,8 +147,7 @@ def calibration_table(profile: str = "ascend910c"):
     """The Table 7 fit of `profile`'s XCCL constants (the profile's values, rounded, are what
     the fit returns)."""
     from xds_mpi.model.shapes import cost_shape
-    from xds_mpi.projection.comm_cost import fit_table7
-    from xds_mpi.projection.cost import CostModel, Hardware
+    from xds_mpi.projection.cost import CostModel, Hardware, fit_table7
     from xds_mpi.projection.hardware import load_profile
 
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
