@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,8 @@ from xccl.wake import TIME_MPI_ENV
 from xds_mpi.config.schema import ConfigError
 
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]
-COLUMNS += ["mpi_ms", "wait_ms"]
+COLUMNS += ["mpi_ms", "wait_ms", "startup_s", "cpu_rank_s", "pss_rank_mib", "pss_gib"]
+COLUMNS += ["proj_iter_ms", "slowdown", "serving_share"]
 JITTER_COLUMNS = ["dies", "gc", "pin_cores", "samples", "wait_p50_ms", "wait_p99_ms", "tokens_s"]
 # (emulator.gc, pinned?): without either, GC control only, pinning only, both.
 VARIANTS = (("default", False), ("controlled", False), ("default", True), ("controlled", True))
@@ -51,11 +53,13 @@ def serve(args, dies: int, source: Path | None, extra: list[str]) -> ServeStats:
         if source is not None:
             env["PYTHONPATH"] = str(source)
             cwd = source
+        started = time.perf_counter()
         done = run_launcher(command, cwd=cwd, env=env, timeout_s=args.timeout)
+        wall_s = time.perf_counter() - started
         output = done.stdout + done.stderr
         if done.returncode:
             raise SystemExit(f"bench serve: the run failed ({done.returncode}):\n{output[-3000:]}")
-        return summarize(output, Path(tmp))
+        return summarize(output, Path(tmp), wall_s)
 
 
 def run_launcher(command: list[str], *, cwd: Path, env: dict, timeout_s: float):
@@ -84,10 +88,19 @@ def median_row(dies: int, source: str, runs: list[ServeStats], base: float | Non
         "python_ms": med["python_ms"],
         "mpi_ms": med["mpi_ms"],
         "wait_ms": med["wait_ms"],
+        "startup_s": med["startup_s"],
+        "cpu_rank_s": med["cpu_per_rank_s"],
+        "pss_rank_mib": med["pss_per_rank_mib"],
+        "pss_gib": med["pss_total_gib"],
+        "proj_iter_ms": med["projected_iteration_ms"],
+        "slowdown": med["iteration_ms"] / med["projected_iteration_ms"],
+        "serving_share": med["serving_s"] / med["wall_s"],
     }
 
 
 _FIELDS = ("tokens_per_s", "iteration_ms", "moe_layer_ms", "python_ms", "mpi_ms", "wait_ms")
+_FIELDS += ("startup_s", "cpu_per_rank_s", "pss_per_rank_mib", "pss_total_gib")
+_FIELDS += ("projected_iteration_ms", "serving_s", "wall_s")
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -155,7 +168,11 @@ def _title(args) -> str:
 _LEGEND = (
     "per MoE layer per die: moe_layer_ms = python_ms + mpi_ms (MPI window calls outside waits; "
     "nan where the source does not time them) + wait_ms (waiting for peers); iter_ms: median "
-    "iteration; vs_against: tokens/s / the other checkout's."
+    "iteration; vs_against: tokens/s / the other checkout's. startup_s: launch to every rank "
+    "built; cpu_rank_s / pss_rank_mib: a rank's CPU seconds and PSS then (median), pss_gib: all "
+    "ranks'; proj_iter_ms: the projected iteration on the pod; slowdown: iter_ms / proj_iter_ms "
+    "(the emulation's); serving_share: serving time / the run's wall time (nan: the checkout "
+    "does not report it)."
 )
 
 

@@ -23,6 +23,12 @@ LAYER_SPANS = ("gate", "dispatch", "experts", "combine")
 WAIT_SPANS = ("dispatch wait", "combine wait")
 SUMMARY = re.compile(r"(\d+) tokens in ([\d.]+) s = ([\d.]+) tok/s")
 TRACE = re.compile(r"INFO trace (\S+\.trace\.json)")
+# ranks/core/ready.py's start-up line and the projection's line (absent from older checkouts).
+STARTUP = re.compile(
+    r"start-up: all \d+ ranks ready in ([\d.]+) s; CPU per rank median ([\d.]+) s, max [\d.]+ s"
+    r"(?:; PSS per rank median (\d+) MiB, max \d+ MiB, ([\d.]+) GiB in all)?"
+)
+PROJECTED = re.compile(r"projected on \S+: iteration ([\d.]+) ms")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +40,13 @@ class ServeStats:
     mpi_ms: float  # of which MPI window calls outside waits (nan: not timed)
     python_ms: float  # the rest
     first_dispatch_wait_ms: tuple[float, ...]  # one per die and iteration
+    startup_s: float  # launch of the TE-shell to every rank built (nan: not reported)
+    cpu_per_rank_s: float  # median CPU seconds of a rank until built
+    pss_per_rank_mib: float  # median PSS of a rank once built
+    pss_total_gib: float  # all ranks' PSS once built
+    projected_iteration_ms: float  # the projection's iteration on the pod
+    serving_s: float  # the summary's serving time
+    wall_s: float  # the whole `xds-mpi run`, launch to exit
 
 
 def parse_output(output: str) -> tuple[float, Path | None]:
@@ -78,7 +91,14 @@ def first_dispatch_waits(events: list[dict]) -> list[float]:
     return out
 
 
-def summarize(output: str, stats_dir: Path | None) -> ServeStats:
+def _floats(pattern: re.Pattern, output: str, count: int) -> list[float]:
+    """The pattern's groups as floats (nan for a group or a line that is missing)."""
+    found = pattern.search(output)
+    groups = found.groups() if found else (None,) * count
+    return [float(g) if g is not None else float("nan") for g in groups]
+
+
+def summarize(output: str, stats_dir: Path | None, wall_s: float = float("nan")) -> ServeStats:
     """The run's numbers (see the module docstring)."""
     tokens_per_s, trace_path = parse_output(output)
     if trace_path is None:
@@ -105,6 +125,15 @@ def summarize(output: str, stats_dir: Path | None) -> ServeStats:
         mpi_ms=mpi_ms,
         python_ms=python_ms,
         first_dispatch_wait_ms=tuple(jitter),
+        **dict(
+            zip(
+                ("startup_s", "cpu_per_rank_s", "pss_per_rank_mib", "pss_total_gib"),
+                _floats(STARTUP, output, 4),
+            )
+        ),
+        projected_iteration_ms=_floats(PROJECTED, output, 1)[0],
+        serving_s=float(SUMMARY.search(output).group(2)),
+        wall_s=wall_s,
     )
 
 

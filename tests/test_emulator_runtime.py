@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 
 import pytest
@@ -104,3 +105,15 @@ def test_serve_stats_split_a_crafted_trace(tmp_path):
     assert stats.mpi_ms == pytest.approx(0.2)
     assert stats.python_ms == pytest.approx(stats.moe_layer_ms - stats.wait_ms - 0.2)
     assert stats.iteration_ms == pytest.approx(15.0)
+    assert math.isnan(stats.startup_s) and math.isnan(stats.projected_iteration_ms)
+    # The start-up and projection lines (ranks/core/ready.py, the TE-shell's projection).
+    output += (
+        "\nstart-up: all 4 ranks ready in 2.5 s; CPU per rank median 0.61 s, max 0.70 s; "
+        "PSS per rank median 48 MiB, max 50 MiB, 0.19 GiB in all"
+        "\nprojected on 910C: iteration 62.94 ms, TPOT 62.94 ms"
+    )
+    stats = summarize(output, tmp_path, wall_s=8.0)
+    assert (stats.startup_s, stats.cpu_per_rank_s) == (2.5, 0.61)
+    assert (stats.pss_per_rank_mib, stats.pss_total_gib) == (48, 0.19)
+    assert stats.projected_iteration_ms == 62.94
+    assert stats.serving_s / stats.wall_s == pytest.approx(0.25)
