@@ -24,7 +24,7 @@ multi-node pod takes, so the tests that run on two hosts check it was really tak
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -73,7 +73,11 @@ class DieMemory:
         *,
         poll_idiom: PollIdiom = "auto",
         memory_path: MemoryPath | None = None,
+        unzeroed: Sequence[tuple[int, int]] = (),
     ) -> None:
+        """unzeroed: (offset, nbytes) regions always written before they are read (row
+        staging): left as the MPI gave them, so that their pages are not touched at start (at
+        ep288, zeroing every window committed 10 GiB of shared memory before the first token)."""
         if nbytes < 0 or nbytes % WORD.itemsize:
             raise ValueError(f"window size must be a non-negative multiple of 8, got {nbytes}")
         self.comm = comm
@@ -86,7 +90,7 @@ class DieMemory:
         self.local = (
             np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
         )
-        self.local[:] = 0
+        self._zero_except(unzeroed)
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
         self.is_same_node = same_node_table(comm)
@@ -121,6 +125,16 @@ class DieMemory:
         comm.Barrier()  # every window zeroed before anyone writes into it
 
     # -- checks ---------------------------------------------------------------------------------
+    def _zero_except(self, unzeroed: Sequence[tuple[int, int]]) -> None:
+        """Zero the window but the `unzeroed` regions (records and doorbells start at 0)."""
+        at = 0
+        for offset, size in sorted(unzeroed):
+            if not 0 <= at <= offset <= offset + size <= self.nbytes:
+                raise ValueError(f"unzeroed region ({offset}, {size}) outside or overlapping")
+            self.local[at:offset] = 0
+            at = offset + size
+        self.local[at:] = 0
+
     def check(self, peer: int, offset: int, nbytes: int, what: str) -> None:
         sizes = self.sizes
         if 0 <= peer < len(sizes) and 0 <= offset and 0 <= nbytes <= sizes[peer] - offset:

@@ -89,7 +89,7 @@ class EpLayout:
         }
         offsets, at = {}, 0
         for name, size in sizes.items():
-            offsets[name] = at
+            offsets[name], offsets[name + "_end"] = at, at + size
             at += (size + 63) // 64 * 64
         offsets["end"] = at
         return offsets
@@ -101,6 +101,12 @@ class EpLayout:
     def offset(self, rank: int, region: str) -> int:
         """Byte offset of `region` in `rank`'s window."""
         return self.base[rank] + self._area[region]
+
+    def row_regions(self, rank: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) of `rank`'s row staging (dispatch rows and index, combine rows):
+        written before they are read, so they need no zeroing (DieMemory's `unzeroed`)."""
+        names = ("dispatch_rows", "dispatch_index", "combine_rows")
+        return [(self.offset(rank, n), self._area[n + "_end"] - self._area[n]) for n in names]
 
     def record_offset(self, rank: int, kind: str, peer_idx: int) -> int:
         """The record member `peer_idx` writes into `rank`'s window for `kind` (dispatch or

@@ -33,7 +33,9 @@ class ColocatedDie(DecodeDieLoop):
 
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
         self.world = ctx.comm
-        self.mem = DieMemory(ctx.comm, plan.window_bytes[ctx.comm.rank])
+        rank = ctx.comm.rank
+        rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
+        self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
         model = build_model(cfg.model)
         state = decode_state(cfg, model)

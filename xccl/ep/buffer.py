@@ -131,7 +131,8 @@ class EpBuffer:
         in_before = MPI.Group.Translate_ranks(comm.group, list(range(comm.size)), before.group)
         to_new = {old: new for new, old in enumerate(in_before)}
         owners = [to_new.get(int(owner), -1) for owner in self.slot_owner]
-        ep = EpBuffer(DieMemory(comm, nbytes), layout, owners, **vars(self.options))
+        mem = DieMemory(comm, nbytes, unzeroed=layout.row_regions(comm.rank))
+        ep = EpBuffer(mem, layout, owners, **vars(self.options))
         ep.set_recovery(RecoveryHooks(interrupt=self.interrupt, fault_hook=self.fault_hook))
         return ep
 
