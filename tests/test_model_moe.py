@@ -83,3 +83,16 @@ def test_int8_dispatch_input_is_xccl_quant_dequant(dtype):
     assert np.array_equal(dispatch_input(x, use_int8=True), expected)
     assert dispatch_input(x, use_int8=True).dtype == dtype
     assert dispatch_input(x, use_int8=False) is x
+
+
+def test_group_limited_routing_takes_a_die_with_no_rows():
+    # An idle die still runs the gate of every MoE layer on its 0 rows (ep288 found it).
+    routing = select_experts(
+        np.zeros((0, 8)),
+        np.zeros(8),
+        top_k=4,
+        num_expert_groups=4,
+        topk_groups=2,
+        routed_scaling=2.5,
+    )
+    assert routing.topk_idx.shape == (0, 4) and routing.topk_weight.shape == (0, 4)

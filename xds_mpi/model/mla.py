@@ -93,7 +93,7 @@ class MLA:
     def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
         q = matmul(self.q_norm(self.wq_a(x)), self.wq_absorbed)
-        q = q.reshape(x.shape[0], self.num_heads, -1)
+        q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
         q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
         return q
 

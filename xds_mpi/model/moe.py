@@ -45,7 +45,10 @@ def select_experts(
     biased = scores + bias  # [rows, experts]
     if num_expert_groups > 1:
         # Step 1: a group's score is the sum of its two best biased scores.
-        grouped = biased.reshape(num_rows, num_expert_groups, -1)  # [rows, groups, per_group]
+        per_group = num_experts // num_expert_groups  # spelled out: a die may have 0 rows
+        grouped = biased.reshape(
+            num_rows, num_expert_groups, per_group
+        )  # [rows, groups, per_group]
         group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)  # [rows, groups]
         # Step 2: keep the topk_groups best groups, hide every other group's experts.
         group_idx = _topk_indices(group_scores, topk_groups)  # [rows, topk_groups]
