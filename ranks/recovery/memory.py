@@ -165,14 +165,24 @@ class MemoryLosses:
 
 
 def _record(loss, roles, times, started: float, ended: float) -> FailureRecord:
-    """Found when injected: the runtime's memory check reports the fault as it happens."""
+    """Found when injected: the runtime's memory check reports the fault as it happens. A KV
+    block fault ends its requests; a slot fault ends none (a replica serves the expert)."""
     at = loss.wall - started
 
     def rate(a: float, b: float) -> float:
         return sum(1 for t in times if a <= t < b) / (b - a) if b > a else 0.0
 
     if isinstance(loss, SlotLoss):
-        return slot_record(loss, roles, rate, started, ended)
+        verdict = f"faulty expert slot {loss.slot} (physical slot {loss.phy}, expert {loss.expert})"
+        recovery = (
+            f"slot masked: expert {loss.expert} served by its replica at physical slot(s) "
+            f"{list(loss.replicas)}; no request ended"
+        )
+        ended_ids = {}
+    else:
+        verdict = f"faulty KV blocks {loss.first_block}..{loss.first_block + loss.num_blocks - 1}"
+        recovery = f"blocks masked; {len(loss.req_ids)} requests ended, the rest continue"
+        ended_ids = {"requests_affected": loss.req_ids, "requests_lost": loss.req_ids}
     return FailureRecord(
         kind="memory",
         die=loss.die,
@@ -183,12 +193,11 @@ def _record(loss, roles, times, started: float, ended: float) -> FailureRecord:
         detected_wall_s=at,
         detected_virtual_s=loss.virtual_s,
         detected_by="memory check",
-        verdict=f"faulty KV blocks {loss.first_block}..{loss.first_block + loss.num_blocks - 1}",
-        recovery=f"blocks masked; {len(loss.req_ids)} requests ended, the rest continue",
-        requests_affected=loss.req_ids,
-        requests_lost=loss.req_ids,
+        verdict=verdict,
+        recovery=recovery,
         tokens_per_s_before=rate(started, loss.wall),
         tokens_per_s_after=rate(loss.wall, ended),
+        **ended_ids,
     )
 
 
@@ -294,28 +303,6 @@ def _corrupt(die, expert_map, phy: int) -> None:
         else:
             module = die.executor.model.moe_of(layer_idx).experts[expert]
         module.break_in_place()
-
-
-def slot_record(loss: SlotLoss, roles: dict, rate, started: float, ended: float) -> FailureRecord:
-    """Found when injected, like a KV block fault; rate(a, b): served tokens/s over wall
-    [a, b); started / ended: serving's wall start and end."""
-    at = loss.wall - started
-    return FailureRecord(
-        kind="memory",
-        die=loss.die,
-        role=roles[loss.die],
-        injected_iteration=loss.iteration,
-        injected_wall_s=at,
-        injected_virtual_s=loss.virtual_s,
-        detected_wall_s=at,
-        detected_virtual_s=loss.virtual_s,
-        detected_by="memory check",
-        verdict=f"faulty expert slot {loss.slot} (physical slot {loss.phy}, expert {loss.expert})",
-        recovery=f"slot masked: expert {loss.expert} served by its replica at physical slot(s) "
-        f"{list(loss.replicas)}; no request ended",
-        tokens_per_s_before=rate(started, loss.wall),
-        tokens_per_s_after=rate(loss.wall, ended),
-    )
 
 
 def afd_memory_check(ctx) -> MemoryCheck:
