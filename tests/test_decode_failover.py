@@ -107,3 +107,17 @@ def test_eight_dies_lose_one_mid_run(tmp_path, request):
     served_16 = "check: 16 requests, 256 tokens, 0 mismatches"
     record = assert_scaled(result, records, 5, "dead", "vertical scaling: 8 -> 7", served_16)
     print(record.describe())
+
+
+def test_dies_slower_than_the_timeout_are_not_fenced(tmp_path):
+    """An emulated iteration can outlast health.timeout_s (ep288 on one workstation: seconds
+    per iteration): the detector waits 3x the slowest gap the dies showed between two answers.
+    With the fixed timeout this run fenced every healthy die and stopped (before the pace)."""
+    fast = ["health.timeout_s=0.05", "health.dp_interval_s=0.01", "health.control_interval_s=0.01"]
+    result, run_file = serve(tmp_path, "colocated", fast, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED
+    assert "fenced" not in out
+    assert "a die is now suspected after" in out  # the log says why it waits longer
+    assert read_failures(run_file) == []

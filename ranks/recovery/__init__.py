@@ -8,8 +8,9 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       answers nothing (`watch.DieHealth.check_dead`); a stuck one blocks inside its first
       dispatch / A2E (`watch.DieHealth.stall`), and its peers wait for it in their XCCL waits
       or in the agreement between iterations.
-  Step 2 (§6.1): a die silent for health.timeout_s is suspected; the TE-shell fences: one word
-      into every die's abort-word window (`detector.Detector._fence` ->
+  Step 2 (§6.1): a die silent for health.timeout_s (or 3x the dies' slowest gap between two
+      answers, when longer: `watch.HeartbeatSender.patience_s`) is suspected; the TE-shell
+      fences: one word into every die's abort-word window (`detector.Detector._fence` ->
       `xccl.recovery.rollback.fence`). Every wait checks it and raises Released; the die turns
       out of the iterations (`DieHealth.released`, `DecodeDieLoop.out_turn`) and answers again.
       With faults.on_timeout recompute a wait may time out first: the die votes

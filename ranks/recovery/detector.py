@@ -6,9 +6,11 @@
    die stuck in an XCCL wait or an executor, or a dead one, falls silent. Silence is counted
    from the first ping (the dies built their models before the window collective preceding
    it), so a die stuck before its first answer is caught too.
-2. A die silent for health.timeout_s is suspected. Its peers are silent too by then: they wait
-   for it inside dispatch/combine or the agreement between iterations. The TE-shell fences:
-   one word into every die's abort-word window (xccl/recovery/rollback.py), which every wait checks.
+2. A die silent for health.timeout_s is suspected, or for 3x the longest gap seen between two
+   answers when the dies are slower than that (watch.py PACE_FACTOR). Its peers are silent too
+   by then: they wait for it inside dispatch/combine or the agreement between iterations. The
+   TE-shell fences: one word into every die's abort-word window (xccl/recovery/rollback.py),
+   which every wait checks.
 3. Released dies leave their waits and answer again within a few intervals; a die still
    silent after the grace (max(2 intervals, timeout_s / 2)) is lost. Watched for one more
    grace: answering again then makes it "stuck", else "dead".
@@ -31,7 +33,7 @@ from mpi4py import MPI
 
 from ranks.core.context import RankContext
 from ranks.recovery.records import Detection, failure_records, with_timeouts
-from ranks.recovery.watch import FaultBegan, HeartbeatSender
+from ranks.recovery.watch import PACE_FACTOR, FaultBegan, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
 from xds_mpi.eplb.placement import Placement, remove_die
 from xds_mpi.failures import FailureRecord, write_failures
@@ -88,9 +90,17 @@ class Detector:
         self.fence_mem = fence_window(window_comm)  # collective with the dies' Recovery window
         in_window = MPI.Group.Translate_ranks(ctx.comm.group, list(groups), window_comm.group)
         self.window_rank = dict(zip(groups, in_window))  # world rank -> its rank in the window
+        # The pace may stretch the patience only while the peers' XCCL waits outlast detection
+        # and release (the bound xds_mpi/plan/failures.py checks for timeout_s itself).
+        ceiling = ctx.cfg.xccl.poll_timeout_s - health.dp_interval_s - 2 * self.grace_s
         self.sender = HeartbeatSender(
-            ctx.comm, groups, interval_s=health.dp_interval_s, timeout_s=health.timeout_s
+            ctx.comm,
+            groups,
+            interval_s=health.dp_interval_s,
+            timeout_s=health.timeout_s,
+            ceiling_s=ceiling,
         )
+        self.patience_told = health.timeout_s  # the patience the log last named
         self.began: dict[int, FaultBegan] = {}
         self.detections: list[Detection] = []  # one per fence, in order
         self.roles = {info.rank: info.role for info in ctx.topo.ranks if info.is_die}
@@ -103,8 +113,24 @@ class Detector:
         now = time.monotonic()
         self.sender.tick(now)
         self._take_notes()
+        self._tell_patience()
         silent = self.sender.silent(now)
         return self._fence(silent, requests, started) if silent else None
+
+    def _tell_patience(self) -> None:
+        """Log when the dies' pace makes the detector wait longer than health.timeout_s (and
+        again at every doubling): an emulated iteration can outlast the timeout."""
+        patience = self.sender.patience_s
+        if patience > self.patience_told * (2.0 if self.patience_told > self.timeout_s else 1.0):
+            self.patience_told = patience
+            self.log.info(
+                "heartbeat: a die answered %.1f s after its last answer; a die is now suspected "
+                "after %.1f s of silence (%g x that; health.timeout_s %g)",
+                self.sender.pace_s,
+                patience,
+                PACE_FACTOR,
+                self.timeout_s,
+            )
 
     def recovered(self, loss: Loss, recovery: str, affected: tuple[int, ...]) -> None:
         """The dies went on without `loss.lost` (ranks/recovery/scale_down.py): one detection
@@ -149,9 +175,11 @@ class Detector:
         detected_at, fenced = time.time(), time.monotonic()
         # Step 2: release every die from its waits.
         fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)
+        self.sender.restart_pace(fenced)
         self.log.warning(
-            "dies %s silent for more than health.timeout_s(%g) s; fenced every die",
+            "dies %s silent for more than %g s (health.timeout_s %g); fenced every die",
             silent,
+            self.sender.patience_s,
             self.timeout_s,
         )
         # Step 3: who answers again once released, and who only later.
@@ -180,7 +208,8 @@ class Detector:
             self.log.info(record.describe())
         named = ", ".join(f"die rank {d} ({v})" for d, v in detection.verdicts.items())
         raise DecodeDieLost(
-            f"{named} silent for more than health.timeout_s({self.timeout_s:g}) s; "
+            f"{named} silent for more than {self.sender.patience_s:g} s "
+            f"(health.timeout_s {self.timeout_s:g}); "
             f"{len(lost)} still silent {self.grace_s:g} s after the fence; {why_not}",
             records,
         )

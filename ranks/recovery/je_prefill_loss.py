@@ -67,10 +67,11 @@ class PrefillWatch:
         ranks = tuple(self.je.pd_plan.tes[te])
         self.losses.append(TeLoss(te=te, ranks=ranks, wall=time.time()))
         self.je.log.warning(
-            "heartbeat: prefill TE %d (dies %s) silent for health.timeout_s(%g): prefill "
+            "heartbeat: prefill TE %d (dies %s) silent for %g s (health.timeout_s %g): prefill "
             "instance lost",
             te,
             list(ranks),
+            self.sender.patience_s,
             self.sender.timeout_s,
         )
         for decode in self.je.pd_plan.decode:

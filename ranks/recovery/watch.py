@@ -49,20 +49,41 @@ class Pong:
     status: object = None
 
 
+# A target is silent once it has not answered for PACE_FACTOR x the longest gap seen between two
+# answers of any target, when that is longer than timeout_s. An emulated die runs far slower than
+# a 910C (ep288 puts 289 ranks on the cores of one workstation: an iteration takes seconds), and
+# a die answers only between iterations: a fixed wall-clock timeout shorter than an iteration
+# fenced healthy dies. The pace is what the targets show they need; gaps across a fence (the
+# waits it released) are not counted. Until some target has answered, none is silent: at 289
+# ranks the first answers come seconds after the first ping, and a fault strikes one die while
+# the others answer their first turn.
+PACE_FACTOR = 3.0
+
+
 class HeartbeatSender:
-    """Pings `targets` every `interval_s`; `silent()` names those with no answer for `timeout_s`
-    (counted from the later of the first ping and their last answer)."""
+    """Pings `targets` every `interval_s`; `silent()` names those with no answer for
+    `patience_s` (counted from the later of the first ping and their last answer):
+    timeout_s, or PACE_FACTOR x `pace_s` when the targets answer slower than that, up to
+    ceiling_s (the detector's: before the peers' own XCCL waits time out)."""
 
     def __init__(
-        self, comm: MPI.Comm, targets: Sequence[int], *, interval_s: float, timeout_s: float
+        self,
+        comm: MPI.Comm,
+        targets: Sequence[int],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        ceiling_s: float = float("inf"),
     ) -> None:
         self.comm, self.targets = comm, tuple(targets)
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s, self.ceiling_s = interval_s, timeout_s, ceiling_s
         self.seq, self.next_at = 0, 0.0
         self.started_at: float | None = None
         self.last_answer: dict[int, float] = {}
         self.status: dict[int, object] = {}
         self.pending: list[MPI.Request] = []
+        self.pace_s = 0.0  # the longest gap seen between two answers of a target
+        self.counted_from: float | None = None  # gaps that began before this are not counted
 
     def tick(self, now: float | None = None) -> None:
         """Send the pings that are due and take every answer that arrived."""
@@ -78,19 +99,33 @@ class HeartbeatSender:
         for target in self.targets:
             while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
                 pong: Pong = msg.recv()
+                self._count_gap(target, now)
                 self.last_answer[target], self.status[target] = now, pong.status
         self.pending = [r for r in self.pending if not r.Test()]
 
+    @property
+    def patience_s(self) -> float:
+        """How long a target may stay silent before `silent` names it."""
+        return max(self.timeout_s, min(PACE_FACTOR * self.pace_s, self.ceiling_s))
+
     def silent(self, now: float | None = None) -> list[int]:
-        """Targets that have not answered for longer than timeout_s."""
+        """Targets that have not answered for longer than `patience_s`."""
         now = time.monotonic() if now is None else now
-        if self.started_at is None:
+        if not self.last_answer:  # no pace yet: the targets are still starting (all of them)
             return []
-        return [
-            t
-            for t in self.targets
-            if now - max(self.last_answer.get(t, self.started_at), self.started_at) > self.timeout_s
-        ]
+        return [t for t in self.targets if now - self._since(t) > self.patience_s]
+
+    def restart_pace(self, now: float | None = None) -> None:
+        """After a fence: the silence it ended was a fault's, not the targets' pace."""
+        self.counted_from = time.monotonic() if now is None else now
+
+    def _since(self, target: int) -> float:
+        return max(self.last_answer.get(target, self.started_at), self.started_at)
+
+    def _count_gap(self, target: int, now: float) -> None:
+        began = self._since(target)
+        if self.counted_from is None or began >= self.counted_from:
+            self.pace_s = max(self.pace_s, now - began)
 
     def close(self) -> None:
         """After the responders stopped answering (the caller's last collective): take the

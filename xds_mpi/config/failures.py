@@ -60,7 +60,9 @@ class HealthConfig:
 
     control_interval_s: the control plane's heartbeat to each TE-shell; dp_interval_s: the
     TE-shell's heartbeat to each DP group's master (decoupled, as in §6.1). A die answers only
-    from its event loop, between iterations; one silent for timeout_s is suspected.
+    from its event loop, between iterations; one silent for timeout_s is suspected, or for 3x
+    the longest gap the dies showed between two answers when that is longer (an emulated
+    iteration at pod width outlasts any fixed timeout: ranks/recovery/watch.py PACE_FACTOR).
     probe_interval_s / probe_timeout_s: link probing of the KV-transfer path with dummy payloads
     (ranks/recovery/link_probe.py): a pair whose KV send has made no progress for probe_interval_s
     gets a
