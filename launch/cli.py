@@ -25,6 +25,7 @@ from launch import (
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
+from launch.startup import StartupWatch
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.fabric import format_bytes
@@ -112,7 +113,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
-    result = run_job(command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S)
+    startup = StartupWatch(topo.world_size)  # the ranks' imports: silent before the TE-shell
+    os.environ.update(startup.env)
+    try:
+        result = run_job(
+            command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S, while_waiting=startup.poll
+        )
+    finally:
+        startup.close()
     if result.stopped_by is not None:
         name = signal.Signals(result.stopped_by).name
         print(f"xds-mpi: stopped by {name}", file=sys.stderr)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -140,10 +140,16 @@ class _Stopped(Exception):
 
 
 def run_job(
-    command: MpiCommand, *, timeout_s: float, capture: bool = False, cwd: str | Path | None = None
+    command: MpiCommand,
+    *,
+    timeout_s: float,
+    capture: bool = False,
+    cwd: str | Path | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> JobResult:
     """Run the job in its own session; a timeout, SIGTERM, SIGHUP or Ctrl-C ends the whole job
     (SIGINT: after the job is gone, the KeyboardInterrupt goes on to the caller).
+    `while_waiting` is called about every second while the job runs (the start-up count).
 
     A job that lasted MPIEXEC_TIMEOUT counts as timed out whatever its exit code: hydra
     sometimes exits 0 after killing a job at its timeout (seen with the mpich 5.0.2 wheel).
@@ -163,7 +169,7 @@ def run_job(
             start_new_session=True,  # a Ctrl-C reaches the launcher only; it ends the job
         )
         try:
-            stdout, _ = proc.communicate(timeout=timeout_s)
+            stdout = _wait(proc, started + timeout_s, while_waiting)
             timed_out = time.monotonic() - started >= mpi_timeout_s
             return JobResult(returncode=proc.returncode, timed_out=timed_out, output=stdout or "")
         except subprocess.TimeoutExpired:
@@ -180,6 +186,19 @@ def run_job(
         except BaseException:
             stop_job(proc)
             raise
+
+
+def _wait(proc: subprocess.Popen, deadline: float, while_waiting) -> str:
+    """The job's output once it ends; subprocess.TimeoutExpired at the deadline."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return proc.communicate(timeout=max(min(left, 1.0), 0.0))[0] or ""
+        except subprocess.TimeoutExpired:
+            if left <= 1.0:
+                raise
+            if while_waiting is not None:
+                while_waiting()
 
 
 @contextmanager

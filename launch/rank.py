@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from launch.log import setup_logging
 from launch.serve_stats import RANK_STATS_ENV
+from launch.startup import mark_loaded
 from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path
 from xccl.wake import MPI_TIME, set_wait_mode
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
+    mark_loaded(comm.rank)  # the launcher counts these during a long start-up
     cfg = load_config(args.config, args.set)
     plan = DeploymentPlan.build(cfg, comm.size)
     info = plan.topo.ranks[comm.rank]

@@ -5,6 +5,7 @@ A rank that does not take part sends nothing; with run.trace off nobody sends.""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -45,10 +46,15 @@ def traced_ranks(topo) -> tuple[int, ...]:
 
 
 def gather_traces(
-    comm: MPI.Comm, topo, *, timeout_s: float, skip: tuple[int, ...] = ()
+    comm: MPI.Comm,
+    topo,
+    *,
+    timeout_s: float,
+    skip: tuple[int, ...] = (),
+    log: logging.Logger | None = None,
 ) -> dict[int, list[SpanRecord]]:
     """Every traced rank's events but those of `skip` (lost dies), by rank ({} with tracing
-    off)."""
+    off); with `log`, a progress line every 2 s."""
     if not trace.is_enabled():
         return {}
     received = recv_from_each(
@@ -58,5 +64,6 @@ def gather_traces(
         timeout_s=timeout_s,
         me="TE-shell",
         event="trace",
+        log=log,
     )
     return {rank: message.events for rank, message in received.items()}

@@ -109,6 +109,7 @@ class Frontend:
         last tokens."""
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         lost = self.lost_dies()  # told too, so that they leave (without a collective)
+        self.ctx.log.info("serving done: stopping %d dies, taking their reports", len(self.groups))
         send_to_each(
             self.comm,
             {g: None for g in self.groups + lost},
@@ -124,8 +125,11 @@ class Frontend:
             timeout_s=timeout_s,
             me="TE-shell",
             event="die report",
+            log=self.ctx.log,  # a line every 2 s: at pod width the reports take a while
         )
-        self.traces = gather_traces(self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost)
+        self.traces = gather_traces(
+            self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost, log=self.ctx.log
+        )
         self.take_tokens()
         # A slot masked in a die's last iteration: its message left before the die's report.
         self._end_lost()

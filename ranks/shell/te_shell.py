@@ -194,7 +194,12 @@ class Serving:
         """Compare every served request with the single-process reference; log each mismatch."""
         from xds_mpi.engine.results import check_against_reference
 
+        ctx.log.info(
+            "check: running the single-process reference on %d requests", len(self.records)
+        )
+        checked = time.perf_counter()
         num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg, self.records)
+        ctx.log.info("check: reference done in %.1f s", time.perf_counter() - checked)
         for line in self.mismatches:
             ctx.log.error("check: %s", line)
         self.check_line = (

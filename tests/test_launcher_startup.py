@@ -1,0 +1,54 @@
+"""The launcher counts the ranks that have loaded their code while the TE-shell cannot log yet
+(launch/startup.py): each rank drops a mark once its imports are done."""
+
+from __future__ import annotations
+
+from harness import REPO_ROOT
+
+from launch import cli, startup
+from launch.startup import StartupWatch
+
+
+def test_the_count_is_printed_until_every_rank_has_loaded():
+    lines: list[str] = []
+    watch = StartupWatch(3, every_s=0.0, out=lambda line, flush: lines.append(line))
+    try:
+        watch.poll()
+        startup.os.environ[startup.STARTUP_ENV] = str(watch.dir)
+        for rank in (0, 2):
+            startup.mark_loaded(rank)
+        watch.poll()
+        startup.mark_loaded(1)
+        watch.poll()
+        watch.poll()  # done: nothing more
+    finally:
+        del startup.os.environ[startup.STARTUP_ENV]
+        watch.close()
+    assert [line.split(" (")[0] for line in lines] == [
+        "xds-mpi: start-up: 0 of 3 ranks have loaded their code",
+        "xds-mpi: start-up: 2 of 3 ranks have loaded their code",
+        "xds-mpi: start-up: all 3 ranks loaded their code in 0 s",
+    ]
+    assert not watch.dir.exists()
+
+
+def test_a_fast_start_up_prints_nothing():
+    lines: list[str] = []
+    watch = StartupWatch(1, every_s=60.0, out=lambda line, flush: lines.append(line))
+    startup.os.environ[startup.STARTUP_ENV] = str(watch.dir)
+    try:
+        startup.mark_loaded(0)
+        watch.poll()
+    finally:
+        del startup.os.environ[startup.STARTUP_ENV]
+        watch.close()
+    assert lines == [] and watch.is_done
+
+
+def test_every_rank_of_a_run_marks_itself(monkeypatch, capfd, tmp_path):
+    monkeypatch.setattr(startup, "EVERY_S", 0.0)  # a line at every poll until all have loaded
+    monkeypatch.chdir(REPO_ROOT)
+    code = cli.main(["run", "--set", f"run.output_dir={tmp_path}", "--set", "run.trace=false"])
+    out = capfd.readouterr().out
+    assert code == 0, out[-3000:]
+    assert "xds-mpi: start-up: all 5 ranks loaded their code in" in out, out[-3000:]
