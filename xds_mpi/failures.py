@@ -8,9 +8,12 @@ detectors report; `write_failures` / `read_failures` are the run file's side.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-import h5py
 import numpy as np
+
+if TYPE_CHECKING:  # h5py is imported where the run file is written: dies never need it
+    import h5py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +72,8 @@ _LISTS = ("requests_affected", "requests_lost")
 def write_failures(f: h5py.File, records: list[FailureRecord]) -> None:
     """The run file's `failures` group: one dataset per field, one entry per record (the two
     request lists as variable-length int arrays)."""
+    import h5py
+
     group = f.create_group("failures")
     for field in fields(FailureRecord):
         values = [getattr(r, field.name) for r in records]

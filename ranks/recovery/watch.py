@@ -93,15 +93,21 @@ class HeartbeatSender:
         if now >= self.next_at:
             self.seq += 1
             self.next_at = now + self.interval_s
+            self.pending = [r for r in self.pending if not r.Test()]
             ping = Ping(seq=self.seq, sent_at=now)
             for target in self.targets:
                 self.pending.append(self.comm.isend(ping, dest=target, tag=TAG_HEARTBEAT))
-        for target in self.targets:
-            while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
-                pong: Pong = msg.recv()
+        # One probe for any answer, not one per target: the TE-shell ticks every turn of its
+        # loop, and 288 probes a turn took most of a core at ep288.
+        status = MPI.Status()
+        while (
+            msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_HEARTBEAT_ACK, status=status)
+        ) is not None:
+            pong: Pong = msg.recv()
+            target = status.Get_source()
+            if target in self.targets:  # not one forgotten meanwhile
                 self._count_gap(target, now)
                 self.last_answer[target], self.status[target] = now, pong.status
-        self.pending = [r for r in self.pending if not r.Test()]
 
     @property
     def patience_s(self) -> float:

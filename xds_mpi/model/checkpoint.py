@@ -11,8 +11,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import h5py
-
 from xds_mpi.config.schema import ConfigError, ModelConfig
 
 FORMAT = "xds-mpi-weights/1"
@@ -34,6 +32,8 @@ def read_checkpoint_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    import h5py  # here, not at the top: a die with random weights never reads a file (0.1 s)
+
     with h5py.File(path, "r") as f:
         if f.attrs.get("format") != FORMAT:
             raise ConfigError(

@@ -15,7 +15,6 @@ import json
 import zlib
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 from xds_mpi.config.schema import ConfigError, ModelConfig
@@ -51,6 +50,8 @@ def init_state(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
 
 def save_weights(cfg: ModelConfig, state: dict[str, np.ndarray], path: str | Path) -> None:
     """state: tensor name -> array (any float dtype; stored as float32)."""
+    import h5py  # where a file is read or written: random weights need none (0.1 s a die)
+
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
         f.attrs["model_config"] = json.dumps(dataclasses.asdict(cfg))
@@ -61,6 +62,8 @@ def save_weights(cfg: ModelConfig, state: dict[str, np.ndarray], path: str | Pat
 def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """The file's ModelConfig (weights = the path) and its tensors by name."""
     cfg = read_checkpoint_config(path)
+    import h5py
+
     with h5py.File(path, "r") as f:
         tensors = {name: f[name][()] for name in f.keys()}
     return cfg, tensors
@@ -88,6 +91,8 @@ class FileWeights:
     """The tensors of an HDF5 weights file, one at a time; the file stays open for reading."""
 
     def __init__(self, path: str | Path) -> None:
+        import h5py
+
         self.file = h5py.File(path, "r")
 
     def value(self, name: str) -> np.ndarray:
