@@ -40,7 +40,7 @@ from xccl.gmem_paths import (
     peer_views,
     same_node_table,
 )
-from xccl.wake import WakeWords, timed
+from xccl.wake import WakeWords, quiet_barrier, timed
 
 PollIdiom = Literal["auto", "load", "rma"]
 WORD = np.dtype(np.uint64)
@@ -83,6 +83,7 @@ class DieMemory:
         self.comm = comm
         self.rank = comm.rank
         self.nbytes = nbytes
+        quiet_barrier(comm, what="window allocation")  # the ranks built at different times
         self.sizes = tuple(comm.allgather(nbytes))
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
@@ -284,6 +285,7 @@ class DieMemory:
         communicator gets every rank's traffic in `world_traffic` first."""
         if self.win == MPI.WIN_NULL:
             return
+        quiet_barrier(self.comm, what="window free")  # the ranks end at different times
         self.world_traffic = self.comm.gather(self.traffic, root=0)
         PROCESS_TRAFFIC.add(self.traffic)
         self.win.Unlock_all()

@@ -107,6 +107,46 @@ def poll_until(
                 park()
 
 
+class Doze:
+    """The pause between two polls of a wait that is not on a die's critical path (the control
+    plane, the ranks meeting at start and end): yield for the first YIELD_S, then sleep, from
+    0.5 ms doubling to 20 ms, until `reset` (progress was made). With 289 ranks on 2 cores, ranks
+    that yield-spin while they wait for the TE-shell (or sit in one of MPICH's blocking
+    collectives, which poll at full speed) take most of the CPU the others need: ep288 spent over
+    5 minutes between its last token and its summary."""
+
+    YIELD_S = 0.001
+    FIRST_S, LAST_S = 0.0005, 0.02
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.since, self.sleep_s = time.monotonic(), 0.0
+
+    def pause(self) -> None:
+        if time.monotonic() - self.since < self.YIELD_S:
+            os.sched_yield()
+            return
+        self.sleep_s = min(2 * self.sleep_s, self.LAST_S) if self.sleep_s else self.FIRST_S
+        time.sleep(self.sleep_s)
+
+
+def quiet_barrier(comm: MPI.Comm, *, what: str, timeout_s: float = 600.0) -> None:
+    """Meet every rank of `comm` dozing, before a blocking collective that the ranks reach at
+    different times (a window's allocation and free): the early ones sleep instead of polling
+    in MPICH's collective, and the collective itself then finds everyone there."""
+    request = comm.Ibarrier()
+    deadline, doze = time.monotonic() + timeout_s, Doze()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise XcclTimeout(
+                f"rank {comm.rank} of {comm.size}: {what}: not every rank arrived after "
+                f"{timeout_s:g} s"
+            )
+        doze.pause()
+
+
 def no_span(name: str, **args) -> AbstractContextManager:
     """The default WaitSpan: nothing recorded."""
     return nullcontext()

@@ -1,18 +1,20 @@
 """Bounded waits on the control plane (two-sided MPI between the TE-shell and the dies).
 
 Control messages are the VPC plane, not UB, so they use ordinary pickled send/receive; but like
-every wait in the project they poll with a deadline, yield the CPU between polls (ranks are
-oversubscribed), and on timeout name who waited for what from whom.
+every wait in the project they poll with a deadline, yield the CPU between polls and then sleep
+(xccl/wake.py Doze: ranks are oversubscribed), and on timeout name who waited for what from
+whom.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 
 from mpi4py import MPI
+
+from xccl.wake import Doze
 
 PROGRESS_EVERY_S = 2.0  # seconds between two progress lines of a long wait that logs
 
@@ -37,6 +39,7 @@ def recv_from_each(
     total, received = len(pending), {}
     started = time.monotonic()
     deadline, next_line = started + timeout_s, started + PROGRESS_EVERY_S
+    doze = Doze()
     while pending:
         got_one = False
         for peer in sorted(pending):
@@ -45,7 +48,9 @@ def recv_from_each(
                 received[peer] = message.recv()
                 pending.discard(peer)
                 got_one = True
-        if pending and not got_one:
+        if got_one:
+            doze.reset()
+        elif pending:
             now = time.monotonic()
             if log is not None and now >= next_line:
                 log.info("%s: %d of %d ranks (%.1f s)", event, len(received), total, now - started)
@@ -56,7 +61,7 @@ def recv_from_each(
                     f"{timeout_s:g} s (got {len(received)} of "
                     f"{len(received) + len(pending)})"
                 )
-            os.sched_yield()
+            doze.pause()
     return received
 
 
@@ -65,12 +70,15 @@ def send_to_each(
 ) -> None:
     """Send a pickled message to each peer; complete all sends within `timeout_s`."""
     requests = {peer: comm.issend(obj, dest=peer, tag=tag) for peer, obj in messages.items()}
-    deadline = time.monotonic() + timeout_s
+    deadline, doze = time.monotonic() + timeout_s, Doze()
     while requests:
-        requests = {peer: req for peer, req in requests.items() if not req.Test()}
+        left = {peer: req for peer, req in requests.items() if not req.Test()}
+        if len(left) < len(requests):
+            doze.reset()
+        requests = left
         if requests:
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"{me}: {event} not taken by rank(s) {sorted(requests)} after {timeout_s:g} s"
                 )
-            os.sched_yield()
+            doze.pause()
