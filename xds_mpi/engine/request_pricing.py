@@ -79,16 +79,16 @@ class RequestPricer:
 
     def price(self, req: Request) -> PricedRequest:
         prompt, output = req.priced_prompt_len, req.priced_output_len
-        prefill = self._pass(causal_chunks(prompt), self.num_prefill_dies, sampled=1)
+        prefill = self.pass_s(causal_chunks(prompt), self.num_prefill_dies, sampled=1)
         mean_kv = prompt + output // 2
-        step = self._pass([(mean_kv, 1)] * self.batch, self.num_decode_dies, sampled=self.batch)
+        step = self.pass_s([(mean_kv, 1)] * self.batch, self.num_decode_dies, sampled=self.batch)
         transfer = 0.0
         if self.link is not None:  # the prompt's latent cache over UB, to another server
             nbytes = projected_kv_bytes(prompt, self.cost.m)
             transfer = self.link.transfer_ns(nbytes, num_cores=self.cfg.xccl.num_cores) / 1e9
         return PricedRequest(prefill_s=prefill, transfer_s=transfer, step_s=step)
 
-    def _pass(self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int) -> float:
+    def pass_s(self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int) -> float:
         """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)
         on a die of an EP group of `num_dies`, layer by layer as the executor prices it."""
         clock = VirtualClock()
@@ -115,10 +115,12 @@ class RequestPricer:
         return clock.now_ns / 1e9
 
 
-def causal_chunks(num_tokens: int) -> list[tuple[int, int]]:
-    """(KV length, new rows) per chunk of a prompt's causal attention."""
-    ends = list(range(CAUSAL_CHUNK_TOKENS, num_tokens, CAUSAL_CHUNK_TOKENS)) + [num_tokens]
-    return [(end, end - start) for start, end in zip([0, *ends], ends)]
+def causal_chunks(num_tokens: int, num_cached: int = 0) -> list[tuple[int, int]]:
+    """(KV length, new rows) per chunk of a prompt's causal attention, computing the tokens
+    after its first `num_cached` (a cached prefix, whose KV is read but not computed)."""
+    first = num_cached + CAUSAL_CHUNK_TOKENS
+    ends = list(range(first, num_tokens, CAUSAL_CHUNK_TOKENS)) + [num_tokens]
+    return [(end, end - start) for start, end in zip([num_cached, *ends], ends)]
 
 
 def mean_decode_batch(die_timings: dict[int, dict[str, list]]) -> float:
