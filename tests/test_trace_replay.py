@@ -17,10 +17,13 @@ from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.request_pricing import RequestPricer
+from xds_mpi.engine.pd_kv import projected_kv_bytes
+from xds_mpi.engine.request_pricing import RequestPricer, planes
 from xds_mpi.engine.requests import Request, rejection
 from xds_mpi.engine.slo import RequestTimes, slo_summary
-from xds_mpi.engine.trace_replay import prefix_hits, trace_requests
+from xds_mpi.engine.trace_replay import hit_blocks, prefix_hits, trace_requests
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.projection.hardware import load_profile
 
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 SCALE = 1 / 64  # 512-token blocks -> 8 served tokens
@@ -107,6 +110,7 @@ def test_crafted_trace_tokens_and_rejections(tmp_path):
 def test_prefix_hits_of_the_crafted_trace(tmp_path):
     cfg = crafted_cfg(tmp_path)
     served = [r for r in trace_requests(cfg) if not rejection(r, cfg)]
+    assert hit_blocks(served) == {0: 0, 1: 2, 9: 1, 10: 0}
     hits = prefix_hits(served, 512)
     # blocks 2 + 3 + 2 + 2; hits: line 2 reuses [1, 2], line 10 reuses [1]
     assert (hits.num_blocks, hits.num_hit_blocks) == (9, 3)
@@ -188,6 +192,13 @@ def test_projection_prices_the_trace_lengths(tmp_path):
     a, b = pricer.price(short), pricer.price(long)
     assert b.prefill_s > 10 * a.prefill_s  # the same served prompt, priced at 16k tokens
     assert b.transfer_s > a.transfer_s > 0 and b.step_s > a.step_s
+    ub = planes(load_profile("ascend910c"), cfg.hardware.dies_per_server)["UB"]
+    cached = pricer.price(long, 8000, ub)  # half the prompt pulled from a pool over UB
+    assert cached.prefill_s < 0.75 * b.prefill_s and cached.step_s == b.step_s
+    assert cached.pull_s == pytest.approx(ub.pull_s(projected_kv_bytes(8000, cost_shape())))
+    assert cached.ttft_s == pytest.approx(
+        cached.pull_s + cached.prefill_s + b.transfer_s + b.step_s
+    )
     colocated = RequestPricer(cfg, num_prefill_dies=4, num_decode_dies=4, batch_per_die=4,
                               is_pd=False)  # fmt: skip
     assert colocated.price(long).transfer_s == 0.0
@@ -253,4 +264,5 @@ def test_pd_serves_the_crafted_trace(tmp_path):
     assert (summary["trace_lines"], summary["trace_rejected"]) == (12, 8)
     assert (summary["trace_blocks"], summary["trace_prefix_hit_blocks"]) == (9, 3)
     assert summary["trace_prompt_tokens"] == 1024 + 1500 + 900 + 700
-    assert 0 <= summary["goodput_requests"] <= 4
+    assert 0 <= summary["goodput_requests"] <= summary["cache_goodput_requests"] <= 4
+    assert summary["cache_projected_ttft_ms_p50"] <= summary["projected_ttft_ms_p50"]

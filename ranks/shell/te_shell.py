@@ -195,7 +195,13 @@ class Serving:
         """Log and add the trace replay's numbers (when the workload is a trace) and the SLOs:
         each request priced at its own lengths on the projected clock, and the goodput."""
         from xds_mpi.engine.request_pricing import RequestPricer, mean_decode_batch
-        from xds_mpi.engine.slo import format_slo, request_times, slo_summary
+        from xds_mpi.engine.slo import (
+            cached_summary,
+            format_cached,
+            format_slo,
+            request_times,
+            slo_summary,
+        )
         from xds_mpi.engine.trace_replay import format_trace, trace_summary
 
         if ctx.cfg.workload.source == "trace":
@@ -212,6 +218,21 @@ class Serving:
         self.slo_times = request_times(self.records, self.started, pricer)
         self.summary.update(slo_summary(ctx.cfg, self.slo_times))
         ctx.log.info(format_slo(self.summary))
+        if ctx.cfg.workload.source == "trace":  # what an EMS pool would make of the hits
+            self.summary.update(cached_summary(ctx.cfg, self._cached_times(ctx, pricer)))
+            ctx.log.info(format_cached(self.summary))
+
+    def _cached_times(self, ctx: RankContext, pricer) -> list:
+        """Each request priced with its prefix hits (an unbounded cache of the window) pulled
+        over UB from a pool instead of computed."""
+        from xds_mpi.engine.request_pricing import planes
+        from xds_mpi.engine.slo import request_times
+        from xds_mpi.engine.trace_replay import cached_prefixes
+        from xds_mpi.projection.hardware import load_profile
+
+        cached = cached_prefixes(ctx.cfg, self.records)
+        ub = planes(load_profile(ctx.cfg.hardware.profile), ctx.cfg.hardware.dies_per_server)
+        return request_times(self.records, self.started, pricer, cached=cached, pool=ub["UB"])
 
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""

@@ -15,45 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.config.schema import Config
 from xds_mpi.engine.pd_kv import projected_kv_bytes
-from xds_mpi.engine.request_pricing import RequestPricer, causal_chunks
+from xds_mpi.engine.request_pricing import Plane, RequestPricer, causal_chunks, planes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
 
 PROMPT_TOKENS = 4096  # [001] §5.4.3: "inputs with a 4K token length"
 PROMPTS_PER_DIE = 2  # [001] §5.4.3: "16K total tokens per NPU" = 2 dies x 2 x 4K
 PREFILL_EP = 32  # [001] §5.1: each prefill instance employs EP32
 REUSE_RATES = (0.0, 0.125, 0.25, 0.5, 0.75, 0.9)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plane:
-    """How a die pulls cached KV from the pool: bytes per second and the latency of one pull."""
-
-    name: str
-    bytes_per_s: float
-    latency_s: float
-
-    def pull_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s if nbytes else 0.0
-
-
-def planes(profile: dict, dies_per_node: int) -> dict[str, Plane]:
-    """The UB and VPC planes of a hardware profile (configs/hardware/<name>.yaml); the VPC
-    bandwidth of a node shared by its `dies_per_node` dies."""
-    ub, srv = profile["ub"], profile.get("vpc")
-    if srv is None:
-        raise ConfigError("the hardware profile has no 'vpc' section (node_gbit_per_s)")
-    return {
-        "UB": Plane(
-            name="UB",
-            bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
-            latency_s=ub["read_latency_us_inter"] * 1e-6,
-        ),
-        "VPC": Plane(
-            name="VPC", bytes_per_s=srv["node_gbit_per_s"] * 1e9 / 8 / dies_per_node, latency_s=0.0
-        ),
-    }
 
 
 @dataclass(frozen=True, kw_only=True)

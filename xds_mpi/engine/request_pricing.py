@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.config.schema import Config
+from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.engine.pd_kv import projected_kv_bytes
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.requests import Request
@@ -33,17 +33,49 @@ CAUSAL_CHUNK_TOKENS = 512  # a prompt's rows see the KV up to the end of their c
 
 
 @dataclass(frozen=True, kw_only=True)
+class Plane:
+    """How a die pulls cached KV from the pool: bytes per second and the latency of one pull."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+    def pull_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s if nbytes else 0.0
+
+
+def planes(profile: dict, dies_per_node: int) -> dict[str, Plane]:
+    """The UB and VPC planes of a hardware profile (configs/hardware/<name>.yaml); the VPC
+    bandwidth of a node shared by its `dies_per_node` dies."""
+    ub, srv = profile["ub"], profile.get("vpc")
+    if srv is None:
+        raise ConfigError("the hardware profile has no 'vpc' section (node_gbit_per_s)")
+    return {
+        "UB": Plane(
+            name="UB",
+            bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
+            latency_s=ub["read_latency_us_inter"] * 1e-6,
+        ),
+        "VPC": Plane(
+            name="VPC", bytes_per_s=srv["node_gbit_per_s"] * 1e9 / 8 / dies_per_node, latency_s=0.0
+        ),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
 class PricedRequest:
-    """Projected seconds of one request: prefill, KV transfer (0 without PD), one decode step
-    (the first token's and every later one's), and the TTFT and TPOT they make."""
+    """Projected seconds of one request: pulling its cached prefix from the KV pool (0 without
+    one), prefill, KV transfer (0 without PD), one decode step (the first token's and every later
+    one's), and the TTFT and TPOT they make."""
 
     prefill_s: float
     transfer_s: float
     step_s: float
+    pull_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:
-        return self.prefill_s + self.transfer_s + self.step_s
+        return self.pull_s + self.prefill_s + self.transfer_s + self.step_s
 
     @property
     def tpot_s(self) -> float:
@@ -77,16 +109,19 @@ class RequestPricer:
         self.batch = max(1, round(batch_per_die))
         self.link = LinkModel.from_profile(profile) if is_pd else None
 
-    def price(self, req: Request) -> PricedRequest:
+    def price(self, req: Request, num_cached: int = 0, pool: Plane | None = None) -> PricedRequest:
+        """num_cached: leading prompt tokens whose KV is pulled from a pool over `pool` (the
+        plane) instead of computed."""
         prompt, output = req.priced_prompt_len, req.priced_output_len
-        prefill = self.pass_s(causal_chunks(prompt), self.num_prefill_dies, sampled=1)
+        prefill = self.pass_s(causal_chunks(prompt, num_cached), self.num_prefill_dies, sampled=1)
+        pull = pool.pull_s(projected_kv_bytes(num_cached, self.cost.m)) if pool else 0.0
         mean_kv = prompt + output // 2
         step = self.pass_s([(mean_kv, 1)] * self.batch, self.num_decode_dies, sampled=self.batch)
         transfer = 0.0
         if self.link is not None:  # the prompt's latent cache over UB, to another server
             nbytes = projected_kv_bytes(prompt, self.cost.m)
             transfer = self.link.transfer_ns(nbytes, num_cores=self.cfg.xccl.num_cores) / 1e9
-        return PricedRequest(prefill_s=prefill, transfer_s=transfer, step_s=step)
+        return PricedRequest(prefill_s=prefill, transfer_s=transfer, step_s=step, pull_s=pull)
 
     def pass_s(self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int) -> float:
         """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)

@@ -33,14 +33,18 @@ class RequestTimes:
         )
 
 
-def request_times(records: dict, started: float, pricer) -> list[RequestTimes]:
+def request_times(
+    records: dict, started: float, pricer, *, cached: dict[int, int] | None = None, pool=None
+) -> list[RequestTimes]:
     """Both clocks' times of every request that produced a token (rejected and lost ones
-    have none)."""
+    have none). cached: req_id -> leading prompt tokens priced as pulled from a KV pool over
+    `pool` (a `request_pricing.Plane`) instead of computed."""
     out = []
     for record in records.values():
         if record.rejected or record.lost or not record.tokens:
             continue
-        priced = pricer.price(record.req)
+        num_cached = (cached or {}).get(record.req.req_id, 0)
+        priced = pricer.price(record.req, num_cached, pool)
         out.append(
             RequestTimes(
                 req_id=record.req.req_id,
@@ -74,6 +78,23 @@ def slo_summary(cfg: Config, times: list[RequestTimes]) -> dict:
             key = f"{clock}_{name.removesuffix('_v')}_ms_p{q}"
             out[key] = float(np.percentile(values, q)) if len(values) else 0.0
     return out
+
+
+def cached_summary(cfg: Config, times: list[RequestTimes]) -> dict:
+    """The projected goodput and TTFT percentiles when each request's cached prefix is pulled
+    from a pool (`cache_` keys)."""
+    full = slo_summary(cfg, times)
+    keys = ["goodput_requests", "goodput_fraction"] + [f"projected_ttft_ms_p{q}" for q in QUANTILES]
+    return {f"cache_{key}": full[key] for key in keys}
+
+
+def format_cached(s: dict) -> str:
+    ttft = "/".join(f"{s[f'cache_projected_ttft_ms_p{q}']:.1f}" for q in QUANTILES)
+    return (
+        f"with the prefix hits pulled over UB (an unbounded pool, priced, not served): goodput "
+        f"{s['cache_goodput_requests']} requests ({s['cache_goodput_fraction']:.0%}); TTFT "
+        f"p50/p90/p99 projected {ttft} ms"
+    )
 
 
 def format_slo(s: dict) -> str:

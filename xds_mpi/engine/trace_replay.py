@@ -260,28 +260,44 @@ class PrefixHits:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def prefix_hits(requests: list[Request], block_tokens: int) -> PrefixHits:
-    """Over `requests` in arrival order (trace lengths, block ids)."""
+def hit_blocks(requests: list[Request]) -> dict[int, int]:
+    """req_id -> how many leading blocks of its prompt an unbounded prefix cache holds when it
+    arrives (`requests` taken in arrival order)."""
     seen: set[int] = set()
-    num_blocks = num_hit = prompt_tokens = hit_tokens = 0
+    hits: dict[int, int] = {}
     for req in sorted(requests, key=lambda r: (r.arrival_s, r.req_id)):
-        key, hits, is_hit = 0, 0, True
+        key, num, is_hit = 0, 0, True
         for block_id in req.block_ids:
             key = hash((key, block_id))  # the chain: this block and its whole prefix
             if is_hit and key in seen:
-                hits += 1
+                num += 1
             else:
                 is_hit = False
                 seen.add(key)
-        num_blocks += len(req.block_ids)
-        num_hit += hits
-        prompt_tokens += req.priced_prompt_len
-        hit_tokens += min(hits * block_tokens, req.priced_prompt_len - 1)
+        hits[req.req_id] = num
+    return hits
+
+
+def cached_tokens(req: Request, num_hit_blocks: int, block_tokens: int) -> int:
+    """The prompt tokens (trace lengths) of its hit blocks; at least the last one is computed."""
+    return min(num_hit_blocks * block_tokens, req.priced_prompt_len - 1)
+
+
+def cached_prefixes(cfg: Config, records: dict) -> dict[int, int]:
+    """req_id -> cached prompt tokens (trace lengths) of each served request of a run."""
+    served = [r.req for r in records.values() if not r.rejected]
+    hits = hit_blocks(served)
+    return {r.req_id: cached_tokens(r, hits[r.req_id], cfg.trace.block_tokens) for r in served}
+
+
+def prefix_hits(requests: list[Request], block_tokens: int) -> PrefixHits:
+    """Over `requests` in arrival order (trace lengths, block ids)."""
+    hits = hit_blocks(requests)
     return PrefixHits(
-        num_blocks=num_blocks,
-        num_hit_blocks=num_hit,
-        prompt_tokens=prompt_tokens,
-        hit_tokens=hit_tokens,
+        num_blocks=sum(len(r.block_ids) for r in requests),
+        num_hit_blocks=sum(hits.values()),
+        prompt_tokens=sum(r.priced_prompt_len for r in requests),
+        hit_tokens=sum(cached_tokens(r, hits[r.req_id], block_tokens) for r in requests),
     )
 
 
