@@ -258,6 +258,9 @@ def test_pd_serves_the_crafted_trace(tmp_path):
         summary = dict(f["summary"].attrs)
         assert sorted(f["slo/req_id"][()]) == [0, 1, 9, 10]
         assert (f["slo/ttft_v_s"][()] > 0).all()
+        # the hits (line 2: 2 blocks, line 10: 1) priced as pulled: those two faster, not others
+        saved = f["slo/ttft_v_s"][()] - f["slo/cache_ttft_v_s"][()]
+        assert (saved[[1, 2]] > 0).all() and (saved[[0, 3]] == 0).all()
     for i, (_, reason) in enumerate(CRAFTED):
         assert status[i] == ("rejected" if reason else "done")
         assert reason in reasons[i] and (not reason or f"line {i + 1}:" in reasons[i])

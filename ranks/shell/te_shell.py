@@ -218,8 +218,10 @@ class Serving:
         self.slo_times = request_times(self.records, self.started, pricer)
         self.summary.update(slo_summary(ctx.cfg, self.slo_times))
         ctx.log.info(format_slo(self.summary))
+        self.cached_times = []
         if ctx.cfg.workload.source == "trace":  # what an EMS pool would make of the hits
-            self.summary.update(cached_summary(ctx.cfg, self._cached_times(ctx, pricer)))
+            self.cached_times = self._cached_times(ctx, pricer)
+            self.summary.update(cached_summary(ctx.cfg, self.cached_times))
             ctx.log.info(format_cached(self.summary))
 
     def _cached_times(self, ctx: RankContext, pricer) -> list:
@@ -258,7 +260,7 @@ class Serving:
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
         from xds_mpi.engine.slo import write_slo
 
-        write_slo(f, self.slo_times)
+        write_slo(f, self.slo_times, self.cached_times)
         if self.eplb:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])

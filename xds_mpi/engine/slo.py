@@ -110,10 +110,15 @@ def format_slo(s: dict) -> str:
     )
 
 
-def write_slo(f, times: list[RequestTimes]) -> None:
-    """/slo: per request that produced a token (req_id order), TTFT and TPOT on both clocks."""
+def write_slo(f, times: list[RequestTimes], cached: list[RequestTimes] = ()) -> None:
+    """/slo: per request that produced a token (req_id order), TTFT and TPOT on both clocks;
+    with `cached` (a trace replay) also the projected TTFT with its prefix hits pulled from a
+    pool (`cache_ttft_v_s`)."""
     ordered = sorted(times, key=lambda t: t.req_id)
     group = f.create_group("slo")
     group["req_id"] = np.array([t.req_id for t in ordered], np.int64)
     for name in ("ttft_s", "tpot_s", "ttft_v_s", "tpot_v_s"):
         group[name] = np.array([getattr(t, name) for t in ordered])
+    if cached:
+        by_id = {t.req_id: t.ttft_v_s for t in cached}
+        group["cache_ttft_v_s"] = np.array([by_id[t.req_id] for t in ordered])
