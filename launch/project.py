@@ -6,7 +6,13 @@ import argparse
 from typing import TYPE_CHECKING
 
 from launch.project_paper import add_arguments as add_paper_arguments
-from launch.project_paper import add_model_arguments, model_inputs, print_paper, print_primitive
+from launch.project_paper import (
+    add_model_arguments,
+    model_inputs,
+    print_context_cache,
+    print_paper,
+    print_primitive,
+)
 from launch.project_skew import add_arguments as add_skew_arguments
 from launch.project_skew import print_skew
 from launch.report import format_table
@@ -49,6 +55,8 @@ def cmd_project(args: argparse.Namespace) -> int:
         return print_paper(args)
     if args.primitive:
         return print_primitive(args)
+    if args.context_cache:
+        return print_context_cache(args)
     if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
         raise ConfigError(
             f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "

@@ -17,6 +17,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep", default="8,16,32,64,128,256", help="EP sizes for --primitive")
     g.add_argument("--tokens", type=int, default=128, help="tokens per rank for --primitive")
     g.add_argument("--profile", default="ascend910c", help="hardware profile (configs/hardware/)")
+    g.add_argument(
+        "--context-cache",
+        action="store_true",
+        help="the context-caching curve (prefill vs reuse rate, UB and VPC) against [001] §5.4.3",
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,3 +168,32 @@ def primitive_s(cost, name: str, ep: int, tokens: int) -> float:
     if name in ("dispatch", "a2e"):
         return cost.dispatch(rows, peers=ep)
     return cost.combine(rows, peers=ep)
+
+
+def print_context_cache(args: argparse.Namespace) -> int:
+    """The projected context-caching curve and its validation table ([001] §5.4.3)."""
+    from launch.report import format_table
+    from xds_mpi.config.schema import config_from_dict
+    from xds_mpi.engine.context_cache_curve import cache_curve, validation_rows
+
+    cfg = config_from_dict({"hardware": {"profile": args.profile}})
+    points = cache_curve(cfg)
+    rows = [
+        [p.plane, f"{p.reuse:.1%}", f"{p.pull_s * 1e3:.1f}", f"{p.compute_s * 1e3:.0f}",
+         f"{p.ttft_s * 1e3:.0f}", f"{p.tokens_per_s:.0f}"]
+        for p in points
+    ]  # fmt: skip
+    headers = ["plane", "reuse", "pull ms", "compute ms", "TTFT ms", "tokens/s per die"]
+    print(format_table(headers, rows))
+    print()
+    table = [
+        [
+            what,
+            f"{published:.3g}",
+            f"{projected:.3g}",
+            f"{(projected - published) / published:+.0%}",
+        ]
+        for what, published, projected in validation_rows(points)
+    ]
+    print(format_table(["[001] §5.4.3", "published", "projected", "error"], table))
+    return 0

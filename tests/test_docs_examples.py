@@ -68,6 +68,8 @@ def test_the_pages_hold_examples_of_both_commands():
 
 @pytest.mark.parametrize("where, argv", COMMANDS, ids=[where for where, _ in COMMANDS])
 def test_every_documented_command_validates(where, argv, capsys, monkeypatch):
+    if "../shared/" in where and not (REPO_ROOT.parent / "shared").is_dir():
+        pytest.skip("names a data file in ../shared (docs/trace.md), absent here")
     monkeypatch.chdir(REPO_ROOT)  # the examples name configs and paths from the repository
     code = main(as_validate(argv))
     out = capsys.readouterr()

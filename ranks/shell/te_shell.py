@@ -100,6 +100,7 @@ class Serving:
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        self._add_slo(ctx)
         for record in self.failures:
             ctx.log.info(record.describe())
         self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
@@ -190,6 +191,51 @@ class Serving:
         )
         ctx.log.info(format_projection(self.summary))
 
+    def _add_slo(self, ctx: RankContext) -> None:
+        """Log and add the trace replay's numbers (when the workload is a trace) and the SLOs:
+        each request priced at its own lengths on the projected clock, and the goodput."""
+        from xds_mpi.engine.request_pricing import RequestPricer, mean_decode_batch
+        from xds_mpi.engine.slo import (
+            cached_summary,
+            format_cached,
+            format_slo,
+            request_times,
+            slo_summary,
+        )
+        from xds_mpi.engine.trace_replay import format_trace, trace_summary
+
+        if ctx.cfg.workload.source == "trace":
+            self.summary.update(trace_summary(ctx.cfg, self.records))
+            ctx.log.info(format_trace(self.summary))
+        pd = ctx.plan.pd
+        pricer = RequestPricer(
+            ctx.cfg,
+            num_prefill_dies=len(pd.tes[0]) if pd else len(self.die_timings),
+            num_decode_dies=len(self.die_timings),
+            batch_per_die=mean_decode_batch(self.die_timings),
+            is_pd=pd is not None,
+        )
+        self.slo_times = request_times(self.records, self.started, pricer)
+        self.summary.update(slo_summary(ctx.cfg, self.slo_times))
+        ctx.log.info(format_slo(self.summary))
+        self.cached_times = []
+        if ctx.cfg.workload.source == "trace":  # what an EMS pool would make of the hits
+            self.cached_times = self._cached_times(ctx, pricer)
+            self.summary.update(cached_summary(ctx.cfg, self.cached_times))
+            ctx.log.info(format_cached(self.summary))
+
+    def _cached_times(self, ctx: RankContext, pricer) -> list:
+        """Each request priced with its prefix hits (an unbounded cache of the window) pulled
+        over UB from a pool instead of computed."""
+        from xds_mpi.engine.request_pricing import planes
+        from xds_mpi.engine.slo import request_times
+        from xds_mpi.engine.trace_replay import cached_prefixes
+        from xds_mpi.projection.hardware import load_profile
+
+        cached = cached_prefixes(ctx.cfg, self.records)
+        ub = planes(load_profile(ctx.cfg.hardware.profile), ctx.cfg.hardware.dies_per_server)
+        return request_times(self.records, self.started, pricer, cached=cached, pool=ub["UB"])
+
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""
         from xds_mpi.engine.results import check_against_reference
@@ -217,6 +263,9 @@ class Serving:
             f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
         )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
+        from xds_mpi.engine.slo import write_slo
+
+        write_slo(f, self.slo_times, self.cached_times)
         if self.eplb:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])

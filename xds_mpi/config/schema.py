@@ -35,6 +35,7 @@ from xds_mpi.config.loader import (  # noqa: F401
 )
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.config.pd import PdConfig
+from xds_mpi.config.trace import TraceConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +153,7 @@ class SchedulerConfig:
 class WorkloadConfig:
     """The request stream the TE-shell's frontend serves."""
 
-    source: Literal["synthetic", "jsonl"] = "synthetic"
+    source: Literal["synthetic", "jsonl", "trace"] = "synthetic"  # trace: the `trace` section
     path: str = ""  # jsonl: one {"prompt": ..., "max_tokens": ...} per line
     num_requests: int = 8
     arrival: Literal["all_at_once", "rate"] = "all_at_once"
@@ -259,9 +260,18 @@ class RunConfig:
     check: bool = False  # compare with the single-process reference
     trace: bool = True  # write <run name>.trace.json beside the run file (xds_mpi/report/trace.py)
     seed: int = 0
+    # The SLOs a request must meet to count in the goodput, on the projected clock (xDeepServe:
+    # "a TTFT SLA under 2 s and a TPOT SLA of 35 ms"; xds_mpi/engine/slo.py)
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 35.0
 
     def __post_init__(self) -> None:
-        positive("run", timeout_s=self.timeout_s)
+        positive(
+            "run",
+            timeout_s=self.timeout_s,
+            slo_ttft_ms=self.slo_ttft_ms,
+            slo_tpot_ms=self.slo_tpot_ms,
+        )
         require(
             "/" not in self.name and self.name not in (".", ".."),
             f"run.name must be a file name without '/', got {self.name!r}",
@@ -279,6 +289,7 @@ class Config:
     health: HealthConfig = field(default_factory=HealthConfig)
     eplb: EplbConfig = field(default_factory=EplbConfig)
     pd: PdConfig = field(default_factory=PdConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)

@@ -14,6 +14,22 @@ class Request:
     max_new_tokens: int
     arrival_s: float = 0.0  # seconds after the run starts
     problem: str = ""  # set when the request could not even be read
+    # A trace replay's request (xds_mpi/engine/trace_replay.py; 0 and () otherwise): the trace's
+    # own lengths, which the projection prices, the served ones being scaled down; its line; the
+    # trace's id of each prompt block (equal ids: equal blocks, so a shared prefix).
+    trace_prompt_len: int = 0
+    trace_output_len: int = 0
+    trace_line: int = 0
+    block_ids: tuple[int, ...] = ()
+
+    @property
+    def priced_prompt_len(self) -> int:
+        """The prompt length the projection prices: the trace's, else the served one."""
+        return self.trace_prompt_len or len(self.prompt)
+
+    @property
+    def priced_output_len(self) -> int:
+        return self.trace_output_len or self.max_new_tokens
 
 
 def kv_tokens_needed(req: Request, mtp_depth: int = 0) -> int:

@@ -1,4 +1,5 @@
-"""The request stream: a seeded synthetic generator or a JSONL file of prompts."""
+"""The request stream: a seeded synthetic generator, a JSONL file of prompts, or a window of a
+production trace (xds_mpi/engine/trace_replay.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ NUM_BYTES = 256  # synthetic prompts are byte tokens
 
 def load_workload(cfg: Config) -> list[Request]:
     w = cfg.workload
+    if w.source == "trace":
+        from xds_mpi.engine.trace_replay import trace_requests
+
+        return trace_requests(cfg)
     return jsonl_requests(w) if w.source == "jsonl" else synthetic_requests(w)
 
 
