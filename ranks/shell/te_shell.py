@@ -93,6 +93,7 @@ class Serving:
             frontend = self._serve(ctx, started)
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
+        self.expert_loads = frontend.expert_loads
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
@@ -221,3 +222,7 @@ class Serving:
             write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)
+        if self.expert_loads:
+            from xds_mpi.engine.afd_load import write_loads
+
+            write_loads(f, self.expert_loads)
