@@ -3,8 +3,9 @@ the expert dies' calls: xds_mpi/engine/afd_load.py), beside what the budget meth
 same deployment and budget.
 
 Measured, per expert die and call of a main-model MoE layer, at the cost shape:
-- t_B: the virtual time from one call's expert work to the next call's on the same die within an
-  iteration (the stage period the pipeline gave the die), per cost-shape layer;
+- t_B: per die and iteration, the virtual span from its first call's expert work to its last
+  call's end over the number of calls (the stage period the pipeline gave the die), per
+  cost-shape layer; the median over dies and iterations (prefill iterations are the outliers);
 - tokens per expert: the call's routed rows x topk_scale (each tiny row stands for that many
   token-expert pairs) over the die's cost-shape experts; the hottest slot's share gives EP
   balancedness sigma = mean / max (§3.3);
@@ -46,7 +47,7 @@ class Measured:
 
     num_calls: int
     calls_per_layer: float  # N_BO as run: calls per (iteration, layer)
-    budget_s: float  # median stage period
+    budget_s: float  # stage period: median over (die, iteration) of its calls' span / calls
     tokens_per_expert: float
     hottest_over_mean: float  # the hottest routed slot's rows / the die's mean slot
     gemm_s: float
@@ -74,14 +75,14 @@ def measure(loads: list[MeasuredLoad], model: MoeShape, hw: Platform, num_tiny_l
             hottest.append(routed[i].max() / mean if mean else np.nan)
             active.append(c["active_s"][i])
             flops.append(FLOPS_PER_TOKEN_PER_HM * pairs[i] * hm)
-            same = (c["iteration"] == c["iteration"][i]) & main & (c["call"] > c["call"][i])
-            if same.any():
-                nxt = np.flatnonzero(same)[0]
-                periods.append((c["vstart_s"][nxt] - c["vstart_s"][i]) / c["scale"][i])
+        for it in np.unique(c["iteration"][main]):
+            calls = np.flatnonzero(main & (c["iteration"] == it))
+            span = c["vend_s"][calls].max() - c["vstart_s"][calls].min()
+            periods.append(span / (len(calls) * c["scale"][calls[0]]))
         keys = set(zip(c["iteration"][main], c["layer"][main], strict=True))
         per_layer += [np.sum((c["iteration"] == it) & (c["layer"] == ly)) for it, ly in keys]
-    if not tokens or not periods:
-        raise ValueError("the run file's expert dies recorded no two calls of one iteration")
+    if not tokens:
+        raise ValueError("the run file's expert dies recorded no call of a main-model MoE layer")
     t_b = float(np.median(periods))
     gemm = float(np.mean(active))
     total_flops = float(np.mean(flops))
