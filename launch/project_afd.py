@@ -176,6 +176,13 @@ def print_measured(path: str, model, node_ranks: int) -> None:
     ]  # fmt: skip
     headers = ["quantity", "analytic", "measured", "unit", "measured/analytic", "note"]
     print(format_table(headers, table))
+    layers = [
+        [str(x.layer), str(x.num_calls), f"{x.tokens_per_expert:.3g}", f"{x.hottest_over_mean:.2f}",
+         f"{x.gemm_s * 1e6:.1f}"]
+        for x in m.layers
+    ]  # fmt: skip
+    print("measured per MoE layer of the run (each stands for its share of the cost shape's):")
+    print(format_table(["layer", "calls", "tok/expert", "hottest/mean", "t_G us"], layers))
 
 
 def _ranges(values) -> str:

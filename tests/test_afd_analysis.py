@@ -175,6 +175,9 @@ def test_measured_beside_analytic(tmp_path, capsys):
     tokens = by["tokens per expert per stage (link bound vs run)"]
     assert 0 < tokens.measured < 0.1 * tokens.analytic
     assert 1 <= measured.calls_per_layer <= 4
+    assert [x.layer for x in measured.layers] == [1, 2, 3]  # the tiny model's MoE layers
+    assert sum(x.num_calls for x in measured.layers) == measured.num_calls
+    assert all(0 < x.tokens_per_expert < 0.1 * tokens.analytic for x in measured.layers)
     assert main(["project", "--afd-analysis", "--afd-run", path]) == 0
     assert "t_B per stage" in capsys.readouterr().out
     with h5py.File(path, "a") as f:  # a run file without the expert dies' load is refused

@@ -42,6 +42,17 @@ GAP_OPS = ("dense FFN", "head + sampling", "graph launch", "scheduling bubble")
 
 
 @dataclass(frozen=True, kw_only=True)
+class LayerLoad:
+    """One tiny MoE layer's calls, averaged over the expert dies that host routed slots."""
+
+    layer: int
+    num_calls: int
+    tokens_per_expert: float
+    hottest_over_mean: float
+    gemm_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class Measured:
     """Means over the expert dies' main-layer calls (per cost-shape layer)."""
 
@@ -54,49 +65,74 @@ class Measured:
     ofu: float
     temporal_sparsity: float
     hfu: float
+    layers: tuple[LayerLoad, ...] = ()
 
 
 def measure(loads: list[MeasuredLoad], model: MoeShape, hw: Platform, num_tiny_layers: int):
     """The `Measured` means of the expert dies' calls of main-model layers (MTP blocks, layer >=
     num_tiny_layers, left out: their price is one layer's, not a share of 58)."""
-    periods, tokens, hottest, active, flops, per_layer = [], [], [], [], [], []
     hm = model.hidden * model.moe_intermediate
+    calls, periods, per_layer = [], [], []
     for load in loads:
         if not load.is_routed.any():  # a dedicated shared-expert die: no routed experts
             continue
         c = load.columns
         main = c["layer"] < num_tiny_layers
-        routed = load.rows[:, load.is_routed].astype(float)  # [calls, routed slots]
-        experts_here = load.experts_per_slot * routed.shape[1]
-        pairs = routed.sum(axis=1) * load.topk_scale  # token-expert pairs of the cost shape
-        for i in np.flatnonzero(main):
-            tokens.append(pairs[i] / experts_here)
-            mean = routed[i].mean()
-            hottest.append(routed[i].max() / mean if mean else np.nan)
-            active.append(c["active_s"][i])
-            flops.append(FLOPS_PER_TOKEN_PER_HM * pairs[i] * hm)
+        calls += _calls(load, main)
         for it in np.unique(c["iteration"][main]):
-            calls = np.flatnonzero(main & (c["iteration"] == it))
-            span = c["vend_s"][calls].max() - c["vstart_s"][calls].min()
-            periods.append(span / (len(calls) * c["scale"][calls[0]]))
+            mine = np.flatnonzero(main & (c["iteration"] == it))
+            span = c["vend_s"][mine].max() - c["vstart_s"][mine].min()
+            periods.append(span / (len(mine) * c["scale"][mine[0]]))
         keys = set(zip(c["iteration"][main], c["layer"][main], strict=True))
         per_layer += [np.sum((c["iteration"] == it) & (c["layer"] == ly)) for it, ly in keys]
-    if not tokens:
+    if not calls:
         raise ValueError("the run file's expert dies recorded no call of a main-model MoE layer")
     t_b = float(np.median(periods))
-    gemm = float(np.mean(active))
-    total_flops = float(np.mean(flops))
+    gemm = float(np.mean([k["gemm_s"] for k in calls]))
+    flops = FLOPS_PER_TOKEN_PER_HM * hm * float(np.mean([k["pairs"] for k in calls]))
     return Measured(
-        num_calls=len(tokens),
+        num_calls=len(calls),
         calls_per_layer=float(np.mean(per_layer)),
         budget_s=t_b,
-        tokens_per_expert=float(np.mean(tokens)),
-        hottest_over_mean=float(np.nanmean(hottest)),
+        tokens_per_expert=float(np.mean([k["tokens"] for k in calls])),
+        hottest_over_mean=float(np.nanmean([k["hottest"] for k in calls])),
         gemm_s=gemm,
-        ofu=total_flops / (gemm * hw.flops) if gemm else 0.0,
+        ofu=flops / (gemm * hw.flops) if gemm else 0.0,
         temporal_sparsity=gemm / t_b,
-        hfu=total_flops / (hw.flops * t_b),
+        hfu=flops / (hw.flops * t_b),
+        layers=_by_layer(calls),
     )
+
+
+def _calls(load: MeasuredLoad, main: np.ndarray) -> list[dict]:
+    """Per main-layer call of one die: its layer, token-expert pairs of the cost shape, tokens per
+    expert, hottest routed slot over the mean, active expert seconds."""
+    routed = load.rows[:, load.is_routed].astype(float)  # [calls, routed slots]
+    experts_here = load.experts_per_slot * routed.shape[1]
+    pairs = routed.sum(axis=1) * load.topk_scale
+    mean = routed.mean(axis=1)
+    return [
+        dict(layer=int(load.columns["layer"][i]), pairs=pairs[i], tokens=pairs[i] / experts_here,
+             hottest=routed[i].max() / mean[i] if mean[i] else np.nan,
+             gemm_s=load.columns["active_s"][i])
+        for i in np.flatnonzero(main)
+    ]  # fmt: skip
+
+
+def _by_layer(calls: list[dict]) -> tuple[LayerLoad, ...]:
+    out = []
+    for layer in sorted({k["layer"] for k in calls}):
+        mine = [k for k in calls if k["layer"] == layer]
+        out.append(
+            LayerLoad(
+                layer=layer,
+                num_calls=len(mine),
+                tokens_per_expert=float(np.mean([k["tokens"] for k in mine])),
+                hottest_over_mean=float(np.nanmean([k["hottest"] for k in mine])),
+                gemm_s=float(np.mean([k["gemm_s"] for k in mine])),
+            )
+        )
+    return tuple(out)
 
 
 def eq1_budget_s(path: str, model: MoeShape, num_bo: int) -> float:
