@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from launch.project_afd import add_arguments as add_afd_arguments
+from launch.project_afd import print_afd
 from launch.project_paper import add_arguments as add_paper_arguments
 from launch.project_paper import (
     add_model_arguments,
@@ -40,6 +42,7 @@ def add_parser(sub) -> None:
     add_model_arguments(p)
     add_skew_arguments(p)
     add_paper_arguments(p)
+    add_afd_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -51,6 +54,8 @@ def cmd_project(args: argparse.Namespace) -> int:
     from xds_mpi.projection.hardware import load_profile
     from xds_mpi.projection.project import project
 
+    if args.afd_analysis:
+        return print_afd(args)
     if args.paper:
         return print_paper(args)
     if args.primitive:

@@ -37,7 +37,7 @@ def test_a_cached_prefix_is_read_not_computed():
 
 
 def test_the_pull_is_the_cached_kv_over_the_plane(points):
-    plane = planes(load_profile("ascend910c"), Config().hardware.dies_per_server)
+    plane = planes(load_profile("ascend910c"))
     for reuse in REUSE_RATES:
         cached = round(reuse * PROMPT_TOKENS)
         nbytes = PROMPTS_PER_DIE * projected_kv_bytes(cached, cost_shape())

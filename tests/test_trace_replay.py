@@ -192,7 +192,7 @@ def test_projection_prices_the_trace_lengths(tmp_path):
     a, b = pricer.price(short), pricer.price(long)
     assert b.prefill_s > 10 * a.prefill_s  # the same served prompt, priced at 16k tokens
     assert b.transfer_s > a.transfer_s > 0 and b.step_s > a.step_s
-    ub = planes(load_profile("ascend910c"), cfg.hardware.dies_per_server)["UB"]
+    ub = planes(load_profile("ascend910c"))["UB"]
     cached = pricer.price(long, 8000, ub)  # half the prompt pulled from a pool over UB
     assert cached.prefill_s < 0.75 * b.prefill_s and cached.step_s == b.step_s
     assert cached.pull_s == pytest.approx(ub.pull_s(projected_kv_bytes(8000, cost_shape())))

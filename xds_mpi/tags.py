@@ -41,6 +41,8 @@ TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
 TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
 # Trace events, once per rank at the end (ranks/core/trace_io.py).
 TAG_TRACE = 241
+# An afd expert die's measured load, once at the end (ranks/afd/load_io.py).
+TAG_AFD_LOAD = 242
 
 
 def all_tags() -> dict[str, int]:

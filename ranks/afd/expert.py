@@ -11,6 +11,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ranks.afd.common import AfdDieBase
+from ranks.afd.load_io import send_load
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
@@ -36,6 +37,8 @@ def run(ctx: RankContext) -> None:
     )
     die.recompute.report()  # collective: the dies' fault total
     send_trace(ctx.comm, timeout_s=ctx.cfg.xccl.poll_timeout_s)
+    if not ctx.plan.pd:  # the TE-shell takes it (ranks/shell/frontend.py); PD's JE does not
+        send_load(ctx.comm, die.load, timeout_s=ctx.cfg.xccl.poll_timeout_s)
     die.close()  # collective: only on the way out together (an error aborts the job)
 
 
@@ -48,6 +51,7 @@ class ExpertDie(AfdDieBase):
         self.layer_of: dict[int, int] = {}
         self.faulty: dict[tuple[int, int], object] = {}  # (layer, slot) -> NaN expert copy
         self.num_iterations = self.num_rows = 0
+        self.load = self._expert_load()  # what each call brought (xds_mpi/engine/afd_load.py)
 
     def iterate(self) -> bool:
         self.memory.check(self)  # expert slots gone bad (ranks/recovery/memory.py)
@@ -62,6 +66,7 @@ class ExpertDie(AfdDieBase):
     def attempt(self, busy, planned):
         """The expert dies' part of the iteration: every planned call, whatever the domain."""
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
+        self.load.begin(self.iteration)
         with trace.span("expert loop", calls=len(planned)):
             return self.loop.run([p.call for p in planned])  # persistent: every layer
 
@@ -87,6 +92,25 @@ class ExpertDie(AfdDieBase):
             else:
                 out = moe.shared_forward(x)
             is_mtp = layer_idx >= len(self.model.layers)
+            vstart_s = self.clock.now_ns / 1e9
             with self.pricer.mtp_layer() if is_mtp else nullcontext():
                 self.pricer.expert_slot(len(rows), is_shared=not is_routed)
+            self.load.add(
+                iteration=self.iteration, call=call.call, layer=layer_idx, slot=slot,
+                rows=len(rows), vstart_s=vstart_s, vend_s=self.clock.now_ns / 1e9,
+                scale=1.0 if is_mtp else self.pricer.moe_scale,
+            )  # fmt: skip
         return out
+
+    def _expert_load(self):
+        from xds_mpi.engine.afd_load import ExpertLoad
+
+        me, slots = self.world.rank, self.slots
+        mine = tuple(s for s, owner in enumerate(slots.slot_owner) if owner == me)
+        return ExpertLoad(
+            rank=me,
+            slots=mine,
+            is_routed=tuple(slots.is_routed(s) for s in mine),
+            topk_scale=self.pricer.topk_scale,
+            experts_per_slot=self.pricer.experts_per_slot,
+        )

@@ -47,19 +47,21 @@ def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
     return DecodeState(table=table, cache=cache, scheduler=scheduler)
 
 
-def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None):
+def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None, profile: str = ""):
     """The die's pricer: the cost model at the target shape on the configured hardware profile,
     advancing `clock` (which the die's trace reads too); routed experts spread over the dies
     that host routed slots. The attention and expert dies of an afd deployment (`rank`: this
     die, `afd_topo`: the plan's topology) also price A2E/E2A (xds_mpi/engine/afd_pricing.py);
-    colocated and prefill dies (no afd_topo) price dispatch/combine."""
+    colocated and prefill dies (no afd_topo) price dispatch/combine. profile: this die's hardware
+    profile when it is not hardware.profile (a 910B prefill die: pd.prefill_profile)."""
     from xds_mpi.engine.pricing import Pricer
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.projection.cost import CostModel, Hardware
     from xds_mpi.projection.hardware import load_profile
     from xds_mpi.report import trace
 
-    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
+    hardware = Hardware.from_profile(load_profile(profile or cfg.hardware.profile))
+    cost = CostModel(cost_shape(), hardware)
     trace.set_clock(clock)
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:

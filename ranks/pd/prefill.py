@@ -103,7 +103,7 @@ class PrefillDie:
             num_cores=cfg.xccl.num_cores,
             timeout_s=cfg.xccl.poll_timeout_s,
         )
-        self.pricer = make_pricer(cfg, clock, slots)
+        self.pricer = make_pricer(cfg, clock, slots, profile=cfg.pd.prefill_profile)
         self.scheduler, self.cache, self.hidden = state.scheduler, state.cache, cfg.model.hidden
         self.executor = ColocatedExecutor(
             model,

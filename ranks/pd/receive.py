@@ -69,9 +69,8 @@ class Incoming:
 class KvReceiver:
     def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
         from xccl.p2p import P2P
-        from xccl.vclock import LinkModel
         from xds_mpi.model.shapes import cost_shape
-        from xds_mpi.projection.hardware import load_profile
+        from xds_mpi.plan.kv_link import kv_link_model
 
         cfg = ctx.cfg
         self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
@@ -79,10 +78,12 @@ class KvReceiver:
         self.timeout_s = cfg.xccl.poll_timeout_s
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
         self.faults = install(self.p2p, cfg, self.rank)
-        self.link, self.big = (
-            LinkModel.from_profile(load_profile(cfg.hardware.profile)),
-            cost_shape(),
-        )
+        self.big = cost_shape()
+        # Each prefill die's fabric to this die (xds_mpi/plan/kv_link.py): UB, RoCE or VPC.
+        self.links = {
+            p: kv_link_model(cfg, ctx.topo, p, self.rank)
+            for p in ctx.topo.ranks_with_role("prefill")
+        }
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.decode_shell = ctx.plan.pd.decode_shell
         self.failover = ReceiveFailover(ctx, self, clock=executor.pricer.clock)
@@ -242,14 +243,15 @@ class KvReceiver:
         )
 
     def _tell_je(self, incoming: Incoming, first_step_v: float) -> None:
-        """The transfer's numbers for the TTFT split; its virtual time is the UB link's for the
-        prompt's latent cache at the cost shape (61 layers + MTP, BF16)."""
+        """The transfer's numbers for the TTFT split; its virtual time is the pair's link's
+        (UB, or RoCE/VPC across hardware types) for the prompt's latent cache at the cost shape
+        (61 layers + MTP, BF16)."""
         task = incoming.task
         same = self.server_of[task.prefill_rank] == self.server_of[self.rank]
         big_bytes = projected_kv_bytes(len(task.req.prompt), self.big)
+        link = self.links[task.prefill_rank]
         transfer_v = (
-            self.link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same)
-            / 1e9
+            link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same) / 1e9
         )
         done = KvTransferDone(
             req_id=task.req.req_id,

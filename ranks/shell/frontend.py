@@ -8,6 +8,7 @@ from collections import Counter, deque
 
 from mpi4py import MPI
 
+from ranks.afd.load_io import gather_loads
 from ranks.core.context import RankContext
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
 from ranks.core.trace_io import gather_traces
@@ -75,6 +76,7 @@ class Frontend:
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
         self.traces: dict[int, list] = {}  # rank -> its trace events (ranks/core/trace_io.py)
+        self.expert_loads: dict = {}  # afd: expert rank -> ExpertLoad (ranks/afd/load_io.py)
         self.memory = MemoryLosses(ctx.comm, ctx.log)  # KV memory faults (§6.2 stage 3)
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
 
@@ -130,6 +132,10 @@ class Frontend:
         self.traces = gather_traces(
             self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost, log=self.ctx.log
         )
+        if not self.ctx.plan.pd:  # PD's expert dies keep theirs (ranks/afd/expert.py)
+            self.expert_loads = gather_loads(
+                self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost
+            )
         self.take_tokens()
         # A slot masked in a die's last iteration: its message left before the die's report.
         self._end_lost()

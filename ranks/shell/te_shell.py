@@ -93,6 +93,7 @@ class Serving:
             frontend = self._serve(ctx, started)
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
+        self.expert_loads = frontend.expert_loads
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
@@ -233,7 +234,7 @@ class Serving:
         from xds_mpi.projection.hardware import load_profile
 
         cached = cached_prefixes(ctx.cfg, self.records)
-        ub = planes(load_profile(ctx.cfg.hardware.profile), ctx.cfg.hardware.dies_per_server)
+        ub = planes(load_profile(ctx.cfg.hardware.profile))
         return request_times(self.records, self.started, pricer, cached=cached, pool=ub["UB"])
 
     def _check(self, ctx: RankContext) -> None:
@@ -275,3 +276,7 @@ class Serving:
             write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)
+        if self.expert_loads:
+            from xds_mpi.engine.afd_load import write_loads
+
+            write_loads(f, self.expert_loads)

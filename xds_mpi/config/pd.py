@@ -9,6 +9,7 @@ config must hold for that (prefill dies, p2p pairs, window sizes) is `xds_mpi.pl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from xds_mpi.config.loader import non_negative
 
@@ -21,12 +22,18 @@ class PdConfig:
     (0: one class); with 2+ prefill TEs it also splits the TEs into short and long ones.
     num_prefill_tes: how many prefill TEs the prefill dies form (consecutive dies, each TE its own
     scheduler, leader and dispatch/combine group; the JE picks one per request).
-    max_transfer_retries: attempts of one KV transfer after a failed one."""
+    max_transfer_retries: attempts of one KV transfer after a failed one.
+    prefill_profile: the prefill dies' hardware profile (configs/hardware/; "" = hardware.profile);
+    a prefill die of another hardware than the decode dies sits outside their UB domain
+    (xDeepServe §5.1: 910B prefill, 910C decode), so its KV crosses `kv_fabric`.
+    kv_fabric: the fabric of such a pair (§5.1: "RoCE or VPC"; xds_mpi/plan/kv_link.py)."""
 
     enabled: bool = False
     long_prompt_tokens: int = 48
     num_prefill_tes: int = 1
     max_transfer_retries: int = 3
+    prefill_profile: str = ""
+    kv_fabric: Literal["roce", "vpc"] = "roce"
 
     def __post_init__(self) -> None:
         non_negative(

@@ -62,9 +62,7 @@ def cache_curve(cfg: Config) -> list[CachePoint]:
     )
     return [
         cache_point(pricer, plane, reuse)
-        for plane in planes(
-            load_profile(cfg.hardware.profile), cfg.hardware.dies_per_server
-        ).values()
+        for plane in planes(load_profile(cfg.hardware.profile)).values()
         for reuse in REUSE_RATES
     ]
 

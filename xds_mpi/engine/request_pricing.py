@@ -44,21 +44,20 @@ class Plane:
         return self.latency_s + nbytes / self.bytes_per_s if nbytes else 0.0
 
 
-def planes(profile: dict, dies_per_node: int) -> dict[str, Plane]:
+def planes(profile: dict) -> dict[str, Plane]:
     """The UB and VPC planes of a hardware profile (configs/hardware/<name>.yaml); the VPC
-    bandwidth of a node shared by its `dies_per_node` dies."""
-    ub, srv = profile["ub"], profile.get("vpc")
-    if srv is None:
-        raise ConfigError("the hardware profile has no 'vpc' section (node_gbit_per_s)")
+    bandwidth is a die's share of its node's NIC (`scale_out.vpc_gb_per_s`, the same figure
+    a heterogeneous PD pair's KV crosses: xds_mpi/plan/kv_link.py)."""
+    ub, out = profile["ub"], profile.get("scale_out", {})
+    if "vpc_gb_per_s" not in out:
+        raise ConfigError("the hardware profile's 'scale_out' section has no vpc_gb_per_s")
     return {
         "UB": Plane(
             name="UB",
             bytes_per_s=ub["read_gb_per_s_inter"] * 1e9,
             latency_s=ub["read_latency_us_inter"] * 1e-6,
         ),
-        "VPC": Plane(
-            name="VPC", bytes_per_s=srv["node_gbit_per_s"] * 1e9 / 8 / dies_per_node, latency_s=0.0
-        ),
+        "VPC": Plane(name="VPC", bytes_per_s=out["vpc_gb_per_s"] * 1e9, latency_s=0.0),
     }
 
 

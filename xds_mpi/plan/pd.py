@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from xccl.layout import P2PLayout
 from xccl.moe_layout import EpLayout
 from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.kv_link import check_kv_links
 from xds_mpi.plan.topology import Topology
 
 
@@ -53,6 +54,7 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
     _refuse(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
+    check_kv_links(cfg, topo, prefill, decode)
     tes = split(prefill, cfg.pd.num_prefill_tes)
     eps = tuple(
         EpLayout(
@@ -203,8 +205,24 @@ def describe_pd(plan) -> str:
         f"p2p: {len(p2p.pairs)} prefill->decode pairs, ring {p2p.ring_slots} x "
         f"{p2p.slot_bytes} B; p2p window bytes: "
         + ", ".join(f"rank {r}: {p2p.window_bytes(r)}" for r in pd.prefill + pd.decode),
+        describe_kv_links(plan),
     ]
     return "\n".join(lines)
+
+
+def describe_kv_links(plan) -> str:
+    """The KV fabric of the prefill->decode pairs (xds_mpi/plan/kv_link.py), by class."""
+    from collections import Counter
+
+    from xds_mpi.plan.kv_link import die_profile, kv_link_class
+
+    cfg, topo, pd = plan.cfg, plan.topo, plan.pd
+    classes = Counter(kv_link_class(cfg, topo, p, d) for p in pd.prefill for d in pd.decode)
+    return (
+        f"KV links: prefill dies on {die_profile(cfg, topo, pd.prefill[0])}, decode dies on "
+        f"{cfg.hardware.profile}; "
+        + ", ".join(f"{n} pairs over {c}" for c, n in sorted(classes.items()))
+    )
 
 
 def describe_tes(cfg: Config, pd: PdPlan) -> list[str]:
