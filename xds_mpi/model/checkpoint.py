@@ -44,6 +44,14 @@ def read_checkpoint_config(path: str | Path) -> ModelConfig:
     return ModelConfig(**{**values, "weights": str(path)})
 
 
+def read_quant_info(path: str | Path) -> dict | None:
+    """An INT8 checkpoint's description (`xds-mpi quantize`, xds_mpi/quant/): method, the
+    quantized and smoothed projections, calibration counts; None for a float checkpoint."""
+    with h5py.File(path, "r") as f:
+        info = f.attrs.get("quant")
+    return None if info is None else json.loads(info)
+
+
 def check_same_shape(expected: ModelConfig, found: ModelConfig) -> None:
     """Refuse `found` (a file's config) unless every shape field equals `expected`'s."""
     diffs = [

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, softmax
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, projection, softmax
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +62,12 @@ class LatentCache:
 
 class MLA:
     """Absorbed MLA: W_UK folded into the query projection, W_UV into the output projection, so a
-    row's query is [q_latent | q_rope] scored against the cache's [c_kv | k_rope] directly."""
+    row's query is [q_latent | q_rope] scored against the cache's [c_kv | k_rope] directly.
+
+    With an INT8 checkpoint (xDeepServe §4.7: Wq_a, Wkv_a, Wq_b and Wo quantized) W_UK and W_UV
+    cannot be folded into INT8 weights: Wq_b and Wo run as INT8 projections, and W_UK / W_UV as
+    float per-head products after / before them, as a quantized MLA operator does.
+    """
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str) -> None:
         heads, nope, rope = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim
@@ -70,32 +75,65 @@ class MLA:
         self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.rotary = rotary
         self.scale = (nope + rope) ** -0.5
-        self.wq_a = Linear.of(params, prefix + "wq_a.weight")
+        self.wq_a = projection(params, prefix + "wq_a.weight")
         self.q_norm = RMSNorm(params[prefix + "q_norm.weight"])
-        self.wq_b = Linear.of(params, prefix + "wq_b.weight")
-        self.wkv_a = Linear.of(params, prefix + "wkv_a.weight")
+        self.wq_b = projection(params, prefix + "wq_b.weight")
+        self.wkv_a = projection(params, prefix + "wkv_a.weight")
         self.kv_norm = RMSNorm(params[prefix + "kv_norm.weight"])
         self.wkv_b = Linear.of(params, prefix + "wkv_b.weight")
-        self.wo = Linear.of(params, prefix + "wo.weight")
+        self.wo = projection(params, prefix + "wo.weight")
         w_uk, w_uv = self.up_projections()
-        wq = self.wq_b.weight.reshape(heads, nope + rope, -1)  # [heads, nope + rope, q_lora]
-        # [q_lora, heads, c + rope]: per head, q_nope W_UK's columns, then q_rope's.
-        self.wq_absorbed = np.ascontiguousarray(
-            np.concatenate(
-                [np.einsum("hdq,hdc->qhc", wq[:, :nope], w_uk), wq[:, nope:].transpose(2, 0, 1)],
-                axis=-1,
-            ).reshape(wq.shape[-1], -1)
-        )
-        wo = self.wo.weight.reshape(-1, heads, self.v_head_dim)  # [hidden, heads, v]
-        # [heads x c, hidden]: o_latent W_UV^T, then wo, as one product.
-        self.wo_absorbed = np.einsum("hvc,dhv->hcd", w_uv, wo).reshape(-1, wo.shape[0])
+        self.wq_absorbed = self.wo_absorbed = None
+        if isinstance(self.wq_b, Linear):
+            wq = self.wq_b.weight.reshape(heads, nope + rope, -1)  # [heads, nope + rope, q_lora]
+            # [q_lora, heads, c + rope]: per head, q_nope W_UK's columns, then q_rope's.
+            self.wq_absorbed = np.ascontiguousarray(
+                np.concatenate(
+                    [
+                        np.einsum("hdq,hdc->qhc", wq[:, :nope], w_uk),
+                        wq[:, nope:].transpose(2, 0, 1),
+                    ],
+                    axis=-1,
+                ).reshape(wq.shape[-1], -1)
+            )
+        if isinstance(self.wo, Linear):
+            wo = self.wo.weight.reshape(-1, heads, self.v_head_dim)  # [hidden, heads, v]
+            # [heads x c, hidden]: o_latent W_UV^T, then wo, as one product.
+            self.wo_absorbed = np.einsum("hvc,dhv->hcd", w_uv, wo).reshape(-1, wo.shape[0])
+        # Per head, contiguous for the INT8 path: W_UK [nope, c] and W_UV^T [c, v].
+        self.w_uk = [np.ascontiguousarray(w) for w in w_uk]
+        self.w_uv_t = [np.ascontiguousarray(w.T) for w in w_uv]
+
+    def use_projections(self) -> None:
+        """Run Wq_b and Wo as projections of their own, not folded with W_UK / W_UV (what
+        the INT8 path does; calibration records their inputs this way)."""
+        self.wq_absorbed = self.wo_absorbed = None
 
     def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
-        q = matmul(self.q_norm(self.wq_a(x)), self.wq_absorbed)
-        q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
+        q_lora = self.q_norm(self.wq_a(x))
+        if self.wq_absorbed is not None:
+            q = matmul(q_lora, self.wq_absorbed)
+            q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
+        else:
+            q_heads = self.wq_b(q_lora).reshape(x.shape[0], self.num_heads, -1)
+            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, heads, nope]
+            q_latent = np.stack(
+                [matmul(q_nope[:, h], w) for h, w in enumerate(self.w_uk)], axis=1
+            )  # [n, heads, c]
+            q = np.concatenate([q_latent, q_heads[..., self.qk_nope_dim :]], axis=-1)
         q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
         return q
+
+    def project_out(self, o_latent: np.ndarray) -> np.ndarray:
+        """o_latent: [n, heads, kv_lora_rank] attention-weighted latents -> [n, hidden]"""
+        num_rows = o_latent.shape[0]
+        if self.wo_absorbed is not None:
+            return matmul(o_latent.reshape(num_rows, -1), self.wo_absorbed)
+        o = np.stack(
+            [matmul(o_latent[:, h], w) for h, w in enumerate(self.w_uv_t)], axis=1
+        )  # [n, heads, v]
+        return self.wo(o.reshape(num_rows, -1))
 
     def project_latent(self, x: np.ndarray, positions: np.ndarray):
         """x: [n, hidden] -> what the cache keeps: (c_kv [n, kv_lora_rank], k_rope [n, rope])"""
@@ -139,7 +177,7 @@ class MLA:
             probs = softmax(scores).reshape(num * num_heads, -1)
             o_latent[row : row + num] = matmul(probs, cached[:, :lora]).reshape(num, num_heads, -1)
             row += num
-        return matmul(o_latent.reshape(x.shape[0], -1), self.wo_absorbed)
+        return self.project_out(o_latent)
 
     def naive_forward(self, x: np.ndarray) -> np.ndarray:
         """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->

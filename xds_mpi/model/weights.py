@@ -23,9 +23,11 @@ from xds_mpi.model.checkpoint import (
     FORMAT,
     check_same_shape,
     read_checkpoint_config,
+    read_quant_info,
     weights_path,
 )
 from xds_mpi.model.params import LazyParams
+from xds_mpi.model.qlinear import is_quantizable, quant_tensor_shapes
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 GATE_BIAS_STD = 0.02
@@ -66,11 +68,27 @@ def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return cfg, tensors
 
 
-def check_names(cfg: ModelConfig, names, where: str) -> None:
-    """The tensors `names` must be exactly the model's (`param_shapes`)."""
-    wrong = sorted(set(param_shapes(cfg)) ^ set(names))
+def check_names(cfg: ModelConfig, names, where: str, shapes=None) -> None:
+    """The tensors `names` must be exactly the model's (`shapes`, default `param_shapes`)."""
+    wrong = sorted(set(param_shapes(cfg) if shapes is None else shapes) ^ set(names))
     if wrong:
         raise ConfigError(f"{where}: tensors missing or unexpected: {', '.join(wrong[:8])}")
+
+
+def checkpoint_shapes(cfg: ModelConfig, quant: dict | None, where: str) -> dict:
+    """Every tensor a checkpoint of `cfg` holds: the model's, plus an INT8 checkpoint's scales
+    and smoothing factors (`quant`: its read_quant_info)."""
+    shapes = param_shapes(cfg)
+    if quant is None:
+        return shapes
+    wrong = [n for n in quant["projections"] if n not in shapes or not is_quantizable(n)]
+    if wrong:
+        raise ConfigError(f"{where}: cannot hold INT8 projections {', '.join(wrong[:8])}")
+    smoothed = set(quant["smoothed"])
+    extra = {}
+    for name in quant["projections"]:
+        extra |= quant_tensor_shapes(shapes, name, is_smoothed=name in smoothed)
+    return shapes | extra
 
 
 class RandomWeights:
@@ -103,8 +121,9 @@ def load_model(
     if expected is not None:
         check_same_shape(expected, cfg)
     source = FileWeights(path)
-    check_names(cfg, source.file.keys(), str(path))
-    return DeepSeekModel(cfg, LazyParams(param_shapes(cfg), source, dtype), dtype=dtype)
+    shapes = checkpoint_shapes(cfg, read_quant_info(path), str(path))
+    check_names(cfg, source.file.keys(), str(path), shapes)
+    return DeepSeekModel(cfg, LazyParams(shapes, source, dtype), dtype=dtype)
 
 
 def build_model(cfg: ModelConfig, *, dtype=np.float64) -> DeepSeekModel:
