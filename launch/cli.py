@@ -18,6 +18,7 @@ from launch import (
     generate,
     hosts,
     project,
+    quantize,
     run_report,
     submit,
     train,
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     project.add_parser(sub)
     train.add_parser(sub)
+    quantize.add_parser(sub)
     run_report.add_parser(sub)
     return parser
 

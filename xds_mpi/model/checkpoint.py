@@ -19,7 +19,8 @@ FORMAT = "xds-mpi-weights/1"
 # Fields that say where weights come from rather than what shape the model has.
 PROVENANCE_FIELDS = ("weights", "seed")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
-PACKAGED_WEIGHTS = {"tiny": "tiny.h5"}  # model.weights name -> file in DATA_DIR
+# model.weights name -> file in DATA_DIR; tiny-int8 is `xds-mpi quantize` of tiny (docs/int8.md)
+PACKAGED_WEIGHTS = {"tiny": "tiny.h5", "tiny-int8": "tiny_int8.h5"}
 
 
 def weights_path(weights: str) -> Path:
