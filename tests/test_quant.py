@@ -11,6 +11,7 @@ from xccl.quant import QMAX, quantize_int8
 from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.checkpoint import read_quant_info
 from xds_mpi.model.layers import Linear
+from xds_mpi.model.mla import LatentCache
 from xds_mpi.model.qlinear import (
     QuantLinear,
     channel_scales,
@@ -196,3 +197,45 @@ def test_a_quantized_checkpoint_with_a_projection_the_model_lacks_is_refused(
     save_quantized(cfg, out, info, bad)
     with pytest.raises(ConfigError, match="wkv_b"):
         load_model(bad)
+
+
+def _int8_cache(num_slots: int = 12) -> LatentCache:
+    return LatentCache(
+        num_layers=2,
+        num_slots=num_slots,
+        kv_lora_rank=32,
+        rope_dim=8,
+        dtype=np.float64,
+        latent_int8=True,
+    )
+
+
+def test_int8_latent_cache_keeps_each_token_within_half_its_step_and_the_rope_key_exact():
+    rng = np.random.default_rng(8)
+    cache, slots = _int8_cache(), np.array([3, 0, 7, 11])
+    latent, rope = (
+        rng.standard_normal((4, 32)) * [[1], [10], [0.1], [3]],
+        rng.standard_normal((4, 8)),
+    )
+    cache.write(1, slots, latent, rope)
+    keys = cache.gather(1, slots)  # [4, 32 + 8]
+    step = cache.latent_scale[1, slots].astype(np.float64)[:, None]
+    assert np.all(np.abs(keys[:, :32] - latent) <= step / 2 * (1 + 1e-6))
+    assert np.array_equal(keys[:, 32:], rope)
+    assert cache.latent.dtype == np.int8
+    # Per layer: 32 INT8 values + a float32 scale + 8 float64 RoPE values.
+    assert cache.token_nbytes == 2 * (32 + 4 + 8 * 8)
+
+
+def test_a_packed_int8_cache_unpacks_bit_for_bit_into_other_slots():
+    rng = np.random.default_rng(9)
+    sender, receiver = _int8_cache(), _int8_cache()
+    for layer in range(2):
+        sender.write(layer, np.arange(5), rng.standard_normal((5, 32)), rng.standard_normal((5, 8)))
+    buf = np.concatenate(sender.pack(np.arange(5)))
+    assert buf.nbytes == 5 * sender.token_nbytes
+    assert receiver.unpack(np.array([6, 7, 8, 9, 10]), buf) == buf.nbytes
+    for layer in range(2):
+        assert np.array_equal(
+            receiver.gather(layer, np.arange(6, 11)), sender.gather(layer, np.arange(5))
+        )

@@ -34,6 +34,7 @@ def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
         kv_lora_rank=cfg.model.kv_lora_rank,
         rope_dim=cfg.model.qk_rope_dim,
         dtype=model.dtype,
+        latent_int8=sched.kv_int8,
     )
     scheduler = (scheduler_class or DieScheduler)(
         table=table,

@@ -243,10 +243,13 @@ class KvReceiver:
 
     def _tell_je(self, incoming: Incoming, first_step_v: float) -> None:
         """The transfer's numbers for the TTFT split; its virtual time is the UB link's for the
-        prompt's latent cache at the cost shape (61 layers + MTP, BF16)."""
+        prompt's latent cache at the cost shape (61 layers + MTP; BF16, the latent in INT8 with
+        scheduler.kv_int8)."""
         task = incoming.task
         same = self.server_of[task.prefill_rank] == self.server_of[self.rank]
-        big_bytes = projected_kv_bytes(len(task.req.prompt), self.big)
+        big_bytes = projected_kv_bytes(
+            len(task.req.prompt), self.big, kv_int8=self.cfg.scheduler.kv_int8
+        )
         transfer_v = (
             self.link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same)
             / 1e9

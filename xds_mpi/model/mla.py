@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xccl.quant import dequantize_int8, quantize_int8
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, projection, softmax
 
@@ -32,7 +33,13 @@ class AttnChunk:
 
 class LatentCache:
     """Latent KV arrays for every attention layer (main layers, then MTP modules), indexed by the
-    slots a `kv_blocks.BlockTable` hands out."""
+    slots a `kv_blocks.BlockTable` hands out.
+
+    latent_int8 (xDeepServe §4.7): the non-RoPE part c_kv is kept as INT8 with one float32 scale
+    per token and layer (xccl/quant.py's per-token quantizer: max|c_kv| / 127, round half to
+    even), quantized when the token is written, so every reader (decode, a PD transfer's receiver)
+    sees the same values; the RoPE key stays in the compute dtype.
+    """
 
     def __init__(
         self,
@@ -42,22 +49,69 @@ class LatentCache:
         kv_lora_rank: int,
         rope_dim: int,
         dtype: np.dtype,
+        latent_int8: bool = False,
     ) -> None:
-        # One array, so that a chunk gathers its keys [c_kv | k_rope] with one index.
-        self.keys = np.zeros((num_layers, num_slots, kv_lora_rank + rope_dim), dtype)
-        self.latent = self.keys[..., :kv_lora_rank]  # views: [num_layers, num_slots, ...]
-        self.rope_key = self.keys[..., kv_lora_rank:]
+        self.latent_int8, self.kv_lora_rank = latent_int8, kv_lora_rank
+        if latent_int8:
+            self.latent = np.zeros((num_layers, num_slots, kv_lora_rank), np.int8)
+            self.latent_scale = np.ones((num_layers, num_slots), np.float32)
+            self.rope_key = np.zeros((num_layers, num_slots, rope_dim), dtype)
+            self.keys = None
+        else:
+            # One array, so that a chunk gathers its keys [c_kv | k_rope] with one index.
+            self.keys = np.zeros((num_layers, num_slots, kv_lora_rank + rope_dim), dtype)
+            self.latent = self.keys[..., :kv_lora_rank]  # views: [num_layers, num_slots, ...]
+            self.rope_key = self.keys[..., kv_lora_rank:]
+            self.latent_scale = None
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes one token's KV takes over every layer: latent (+ its scale) and RoPE key."""
+        num_layers, _, rope = self.rope_key.shape
+        latent = self.kv_lora_rank * self.latent.itemsize + (4 if self.latent_int8 else 0)
+        return num_layers * (latent + rope * self.rope_key.itemsize)
 
     def write(
         self, layer_idx: int, slots: np.ndarray, latent: np.ndarray, rope_key: np.ndarray
     ) -> None:
         """slots: [n] int64, latent: [n, kv_lora_rank], rope_key: [n, qk_rope_dim]"""
-        self.latent[layer_idx, slots] = latent
+        if self.latent_int8:
+            q, scale = quantize_int8(latent)
+            self.latent[layer_idx, slots], self.latent_scale[layer_idx, slots] = q, scale
+        else:
+            self.latent[layer_idx, slots] = latent
         self.rope_key[layer_idx, slots] = rope_key
 
-    def layer(self, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
-        """One layer's (latent [num_slots, kv_lora_rank], rope_key [num_slots, qk_rope_dim])."""
-        return self.latent[layer_idx], self.rope_key[layer_idx]
+    def gather(self, layer_idx: int, slots: np.ndarray) -> np.ndarray:
+        """slots: [t] int64 -> [t, kv_lora_rank + rope_dim] keys [c_kv | k_rope] (c_kv is also
+        the value), in the compute dtype."""
+        if not self.latent_int8:
+            return self.keys[layer_idx][slots]
+        dtype = self.rope_key.dtype
+        latent = dequantize_int8(
+            self.latent[layer_idx, slots], self.latent_scale[layer_idx, slots], dtype
+        )
+        return np.concatenate([latent, self.rope_key[layer_idx, slots]], axis=-1)
+
+    def pack(self, slots: np.ndarray) -> list[np.ndarray]:
+        """The slots' KV over every layer as byte arrays (copies; a PD transfer's message)."""
+        parts = [self.latent[:, slots], self.rope_key[:, slots]]
+        if self.latent_int8:
+            parts.insert(1, self.latent_scale[:, slots])
+        return [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts]
+
+    def unpack(self, slots: np.ndarray, buf: np.ndarray) -> int:
+        """Write `pack`'s bytes (another cache's, same shape) into `slots`; bytes consumed."""
+        at = 0
+        arrays = [self.latent, self.rope_key]
+        if self.latent_int8:
+            arrays.insert(1, self.latent_scale)
+        for array in arrays:
+            shape = (array.shape[0], len(slots), *array.shape[2:])
+            nbytes = int(np.prod(shape)) * array.itemsize
+            array[:, slots] = buf[at : at + nbytes].view(array.dtype).reshape(shape)
+            at += nbytes
+        return at
 
 
 class MLA:
@@ -163,13 +217,12 @@ class MLA:
         c_kv, k_rope = self.project_latent(x, positions)
         slots = [c.write_slots for c in chunks]
         cache.write(layer_idx, slots[0] if len(slots) == 1 else np.concatenate(slots), c_kv, k_rope)
-        keys = cache.keys[layer_idx]  # [num_slots, c + rope]
         num_heads, lora = self.num_heads, self.kv_lora_rank
         o_latent = np.empty((x.shape[0], num_heads, lora), x.dtype)
         row = 0
         for chunk in chunks:
             num = chunk.num_tokens
-            cached = keys[chunk.slots]  # [t, c + rope]
+            cached = cache.gather(layer_idx, chunk.slots)  # [t, c + rope]
             scores = matmul(q[row : row + num].reshape(num * num_heads, -1), cached.T)
             scores = scores.reshape(num, num_heads, -1) * self.scale  # [rows, heads, t]
             if num > 1:  # a single new row sees no future position
