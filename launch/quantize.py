@@ -188,10 +188,11 @@ def ablation(args, cfg, state, cal, heldout) -> str:
 
         return DeepSeekModel(cfg, LazyParams.of_arrays(tensors, np.float64))
 
-    models = {"float": model_of(state)}
+    models = {"float": (model_of(state), False)}
     for method in ABLATION:
         tensors, _ = quantize_state(state, cal, QuantOptions(method=method, alpha=args.alpha))
-        models[method] = model_of(tensors)
+        models[method] = (model_of(tensors), False)
+    models["smooth+gptq+kv"] = (models["smooth+gptq"][0], True)  # and the INT8 latent cache
     windows = spread_windows(heldout, num_windows=args.eval_windows, window_len=args.window)
     prompt_windows = spread_windows(heldout[1:], num_windows=args.eval_prompts, window_len=32)
     rows = evaluate(

@@ -4,11 +4,14 @@ checkpoint written and loaded back."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
+from harness import REPO_ROOT
 
 from xccl.quant import QMAX, quantize_int8
-from xds_mpi.config.schema import ConfigError, ModelConfig
+from xds_mpi.config.schema import ConfigError, ModelConfig, load_config
 from xds_mpi.model.checkpoint import read_quant_info
 from xds_mpi.model.layers import Linear
 from xds_mpi.model.mla import LatentCache
@@ -20,6 +23,7 @@ from xds_mpi.model.qlinear import (
     round_to_grid,
 )
 from xds_mpi.model.weights import build_model, init_state, load_model
+from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.quant.calibrate import calibrate
 from xds_mpi.quant.gptq import gptq_quantize, output_error
 from xds_mpi.quant.quantize import QuantOptions, quantize_state, save_quantized
@@ -239,3 +243,72 @@ def test_a_packed_int8_cache_unpacks_bit_for_bit_into_other_slots():
         assert np.array_equal(
             receiver.gather(layer, np.arange(6, 11)), sender.gather(layer, np.arange(5))
         )
+
+
+def _colocated(overrides):
+    return load_config(REPO_ROOT / "configs" / "colocated.yaml", overrides)
+
+
+def test_an_int8_checkpoint_of_another_shape_is_refused_before_launch(quantized_file):
+    _, _, _, path = quantized_file  # 2 layers, 4 routed experts; colocated has 4 and 16
+    with pytest.raises(ConfigError) as refused:
+        DeploymentPlan.build(_colocated([f"model.weights={path}"]))
+    assert "model.num_layers: checkpoint 2 vs config 4" in str(refused.value)
+    assert "model.num_routed_experts: checkpoint 4 vs config 16" in str(refused.value)
+
+
+def test_an_int8_checkpoint_missing_a_scale_is_refused_before_launch(quantized_file, tmp_path):
+    cfg, _, out, _ = quantized_file
+    bad = tmp_path / "no_scale.h5"
+    info = read_quant_info(quantized_file[3])
+    save_quantized(
+        cfg, {k: v for k, v in out.items() if k != "layers.1.attn.wo.weight_scale"}, info, bad
+    )
+    overrides = [
+        f"model.weights={bad}",
+        "model.num_layers=2",
+        "model.num_routed_experts=4",
+        "model.seed=3",
+        "deployment.dp_groups_per_domain=4",
+    ]
+    with pytest.raises(
+        ConfigError, match=r"missing or unexpected: layers\.1\.attn\.wo\.weight_scale"
+    ):
+        DeploymentPlan.build(_colocated(overrides))
+    as_float = tmp_path / "float_ints.h5"  # the integers stored as float: not an INT8 tensor
+    save_quantized(
+        cfg,
+        {**out, "layers.1.attn.wo.weight": out["layers.1.attn.wo.weight"].astype(np.float32)},
+        info,
+        as_float,
+    )
+    overrides[0] = f"model.weights={as_float}"
+    with pytest.raises(
+        ConfigError, match=r"layers\.1\.attn\.wo\.weight is float32\[128, 64\], expected int8"
+    ):
+        DeploymentPlan.build(_colocated(overrides))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--calib-text", "/nonexistent/calib.txt"],
+            "--calib-text '/nonexistent/calib.txt' does not exist",
+        ),
+        (["--weights", "tiny-int8"], "already an INT8 checkpoint"),
+        (
+            ["--min-tokens-per-expert", "5000", "--max-calib-windows", "100"],
+            r"--min-tokens-per-expert\(5000\) cannot be reached: --max-calib-windows\(100\) x "
+            r"--window\(128\) x top_k\(2\) / num_routed_experts\(16\) = 1600",
+        ),
+        (["--alpha", "1.5"], r"--alpha must lie in \[0, 1\], got 1.5"),
+        (["--window", "0"], "--window must be >= 1, got 0"),
+    ],
+)
+def test_quantize_refuses_bad_inputs_before_reading_any_text(argv, message, capsys, tmp_path):
+    from launch.cli import main
+
+    assert main(["quantize", "--out", str(tmp_path / "x.h5"), *argv]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "x.h5").exists()

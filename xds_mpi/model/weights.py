@@ -22,12 +22,12 @@ from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.checkpoint import (
     FORMAT,
     check_same_shape,
+    checkpoint_shapes,
     read_checkpoint_config,
     read_quant_info,
     weights_path,
 )
 from xds_mpi.model.params import LazyParams
-from xds_mpi.model.qlinear import is_quantizable, quant_tensor_shapes
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 GATE_BIAS_STD = 0.02
@@ -73,22 +73,6 @@ def check_names(cfg: ModelConfig, names, where: str, shapes=None) -> None:
     wrong = sorted(set(param_shapes(cfg) if shapes is None else shapes) ^ set(names))
     if wrong:
         raise ConfigError(f"{where}: tensors missing or unexpected: {', '.join(wrong[:8])}")
-
-
-def checkpoint_shapes(cfg: ModelConfig, quant: dict | None, where: str) -> dict:
-    """Every tensor a checkpoint of `cfg` holds: the model's, plus an INT8 checkpoint's scales
-    and smoothing factors (`quant`: its read_quant_info)."""
-    shapes = param_shapes(cfg)
-    if quant is None:
-        return shapes
-    wrong = [n for n in quant["projections"] if n not in shapes or not is_quantizable(n)]
-    if wrong:
-        raise ConfigError(f"{where}: cannot hold INT8 projections {', '.join(wrong[:8])}")
-    smoothed = set(quant["smoothed"])
-    extra = {}
-    for name in quant["projections"]:
-        extra |= quant_tensor_shapes(shapes, name, is_smoothed=name in smoothed)
-    return shapes | extra
 
 
 class RandomWeights:

@@ -55,19 +55,21 @@ class _GateRecorder:
         return routing
 
 
-def _run(model: DeepSeekModel, windows: np.ndarray, prompts, new_tokens: int) -> _Run:
+def _run(
+    model: DeepSeekModel, windows: np.ndarray, prompts, new_tokens: int, kv_int8: bool
+) -> _Run:
     logs = []
     for _, block in blocks(model):
         if block.is_moe:
             logs.append([])
             block.ffn.gate = _GateRecorder(block.ffn.gate, logs[-1])
-    logits, mtp_logits = forward_windows(model, windows)
+    logits, mtp_logits = forward_windows(model, windows, kv_int8=kv_int8)
     routing = [np.concatenate(log) for log in logs]
     for _, block in blocks(model):
         if block.is_moe:
             block.ffn.gate = block.ffn.gate.gate
     options = GenerateOptions(
-        max_new_tokens=new_tokens, mtp_depth=1 if model.mtp else 0, ignore_eos=True
+        max_new_tokens=new_tokens, mtp_depth=1 if model.mtp else 0, ignore_eos=True, kv_int8=kv_int8
     )
     outputs = ReferenceGenerator(model, options).generate(prompts)
     return _Run(
@@ -117,16 +119,20 @@ def _measures(name: str, run: _Run, ref: _Run, windows: np.ndarray) -> Measures:
 
 
 def evaluate(
-    models: dict[str, DeepSeekModel],
+    models: dict[str, tuple[DeepSeekModel, bool]],
     windows: np.ndarray,
     prompts: list[list[int]],
     *,
     reference: str,
     new_tokens: int,
 ) -> list[Measures]:
-    """models: name -> model (`reference` is the float one); windows: [b, t] held-out token ids;
-    prompts: held-out prompts to generate `new_tokens` from -> one Measures per model."""
-    runs = {name: _run(model, windows, prompts, new_tokens) for name, model in models.items()}
+    """models: name -> (model, INT8 latent KV or not) (`reference` is the float one); windows:
+    [b, t] held-out token ids; prompts: held-out prompts to generate `new_tokens` from -> one
+    Measures per model."""
+    runs = {
+        name: _run(model, windows, prompts, new_tokens, kv_int8)
+        for name, (model, kv_int8) in models.items()
+    }
     return [_measures(name, run, runs[reference], windows) for name, run in runs.items()]
 
 

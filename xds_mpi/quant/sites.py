@@ -37,8 +37,11 @@ def projection_sites(model: DeepSeekModel) -> Iterator[tuple[str, object, str]]:
                 yield f"{ffn_prefix}{attr}.weight", ffn, attr
 
 
-def forward_windows(model: DeepSeekModel, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """windows: [b, t] int64 token ids, each a sequence from position 0 -> (main-model logits
+def forward_windows(
+    model: DeepSeekModel, windows: np.ndarray, *, kv_int8: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """windows: [b, t] int64 token ids, each a sequence from position 0 (kv_int8: through an
+    INT8 latent cache) -> (main-model logits
     [b, t, vocab], MTP depth-1 logits [b, t - 1, vocab]: at i, fed h^0_i and token i + 1, it
     predicts token i + 2). Empty MTP logits for a model without MTP modules."""
     num_windows, num_tokens = windows.shape
@@ -48,6 +51,7 @@ def forward_windows(model: DeepSeekModel, windows: np.ndarray) -> tuple[np.ndarr
         kv_lora_rank=model.cfg.kv_lora_rank,
         rope_dim=model.cfg.qk_rope_dim,
         dtype=model.dtype,
+        latent_int8=kv_int8,
     )
     slots = np.arange(num_windows * num_tokens, dtype=np.int64).reshape(num_windows, num_tokens)
     chunks = [AttnChunk(start_pos=0, num_tokens=num_tokens, slots=s) for s in slots]
