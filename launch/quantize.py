@@ -188,10 +188,11 @@ def ablation(args, cfg, state, cal, heldout) -> str:
 
         return DeepSeekModel(cfg, LazyParams.of_arrays(tensors, np.float64))
 
-    models = {"float": (model_of(state), False)}
+    models, weight_errors = {"float": (model_of(state), False)}, []
     for method in ABLATION:
-        tensors, _ = quantize_state(state, cal, QuantOptions(method=method, alpha=args.alpha))
+        tensors, info = quantize_state(state, cal, QuantOptions(method=method, alpha=args.alpha))
         models[method] = (model_of(tensors), False)
+        weight_errors.append(f"{method} {info['weight_error_mean']:.3e}")
     models["smooth+gptq+kv"] = (models["smooth+gptq"][0], True)  # and the INT8 latent cache
     windows = spread_windows(heldout, num_windows=args.eval_windows, window_len=args.window)
     prompt_windows = spread_windows(heldout[1:], num_windows=args.eval_prompts, window_len=32)
@@ -206,4 +207,6 @@ def ablation(args, cfg, state, cal, heldout) -> str:
         f"Held out: {args.eval_windows} windows x {args.window} tokens (teacher-forced), "
         f"{args.eval_prompts} prompts x 32 tokens + {args.eval_new_tokens} generated (MTP 1)\n"
         + format_table(rows)
+        + "\nWeight rounding error per projection (mean trace(D H D^T) / trace(W H W^T), "
+        "calibration H): " + ", ".join(weight_errors)
     )

@@ -60,7 +60,11 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None):
     from xds_mpi.projection.hardware import load_profile
     from xds_mpi.report import trace
 
-    cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(cfg.hardware.profile)))
+    cost = CostModel(
+        cost_shape(),
+        Hardware.from_profile(load_profile(cfg.hardware.profile)),
+        kv_int8=cfg.scheduler.kv_int8,
+    )
     trace.set_clock(clock)
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:

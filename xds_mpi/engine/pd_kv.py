@@ -16,6 +16,7 @@ import numpy as np
 from xds_mpi.engine.mtp import MtpState
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.model.mla import LatentCache
+from xds_mpi.plan.kv_memory import token_layer_bytes
 
 
 def kv_nbytes(task: PdTask, cache: LatentCache, hidden: int) -> int:
@@ -53,15 +54,5 @@ def projected_kv_bytes(prompt_len: int, big, *, kv_int8: bool = False) -> int:
     """Bytes of a prompt's latent cache at the cost shape, MTP layers included: every layer's
     kv_lora_rank + qk_rope_dim per token in BF16, or (kv_int8) the latent as INT8 + a float32
     scale and the RoPE key in BF16."""
-    return (
-        (big.num_layers + big.num_mtp_modules)
-        * prompt_len
-        * projected_token_bytes(big, kv_int8=kv_int8)
-    )
-
-
-def projected_token_bytes(big, *, kv_int8: bool) -> int:
-    """One token's latent KV in one layer at the cost shape."""
-    if kv_int8:
-        return big.kv_lora_rank + 4 + big.qk_rope_dim * 2
-    return (big.kv_lora_rank + big.qk_rope_dim) * 2
+    per_token = token_layer_bytes(big, itemsize=2, kv_int8=kv_int8)
+    return (big.num_layers + big.num_mtp_modules) * prompt_len * per_token

@@ -20,9 +20,15 @@ import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.checkpoint import FORMAT
-from xds_mpi.model.qlinear import SCALE_SUFFIX, SMOOTH_SUFFIX, base_name, quantize_rtn
+from xds_mpi.model.qlinear import (
+    SCALE_SUFFIX,
+    SMOOTH_SUFFIX,
+    base_name,
+    dequantize_weight,
+    quantize_rtn,
+)
 from xds_mpi.quant.calibrate import Calibration
-from xds_mpi.quant.gptq import gptq_quantize
+from xds_mpi.quant.gptq import gptq_quantize, output_error
 from xds_mpi.quant.smoothing import smooth, smoothing_factors
 
 METHODS = ("rtn", "smooth", "gptq", "smooth+gptq")
@@ -51,7 +57,9 @@ class QuantOptions:
 def quantize_projection(
     weight: np.ndarray, stats, options: QuantOptions, *, is_short: bool
 ) -> dict[str, np.ndarray]:
-    """One projection [out, in] -> its INT8 tensors: "q" int8, "scale" [out], "smooth" [in]."""
+    """One projection [out, in] -> its INT8 tensors: "q" int8, "scale" [out], "smooth" [in],
+    and "error": the weights' share of output error on the calibration rows, trace(D H D^T) /
+    trace(W H W^T) with D = W - dequantized (the same in the smoothed space)."""
     weight = np.asarray(weight, np.float64)
     hessian, out = stats.hessian, {}
     if options.is_smoothed and not is_short:
@@ -62,6 +70,9 @@ def quantize_projection(
         out["q"], out["scale"] = gptq_quantize(weight, hessian)
     else:
         out["q"], out["scale"] = quantize_rtn(weight)
+    signal = output_error(weight, np.zeros_like(weight), hessian)
+    approx = dequantize_weight(out["q"], out["scale"])
+    out["error"] = output_error(weight, approx, hessian) / signal if signal > 0 else 0.0
     return out
 
 
@@ -71,7 +82,7 @@ def quantize_state(
     """Float tensors by name -> (INT8 checkpoint tensors, the `quant` description)."""
     short = calibration.short_experts
     out = dict(state)
-    smoothed, fallback = [], []
+    smoothed, fallback, errors = [], [], []
     for name, stats in calibration.stats.items():
         is_short = name.startswith(tuple(short))
         tensors = quantize_projection(state[name], stats, options, is_short=is_short)
@@ -82,6 +93,7 @@ def quantize_state(
             smoothed.append(name)
         if is_short:
             fallback.append(name)
+        errors.append(tensors["error"])
     counts = [n for per_layer in calibration.expert_tokens.values() for n in per_layer]
     info = {
         "method": options.method,
@@ -89,6 +101,7 @@ def quantize_state(
         "projections": list(calibration.stats),
         "smoothed": smoothed,
         "rtn_fallback": fallback,
+        "weight_error_mean": float(np.mean(errors)) if errors else 0.0,
         "calibration": {
             "windows": calibration.num_windows,
             "window_len": calibration.window_len,
