@@ -149,8 +149,7 @@ def describe_calibration(cal) -> str:
         f"(minimum asked {cal.min_tokens_per_expert})"
     ]
     if short:
-        per = {e: cal.expert_tokens[e.split("experts.")[0]][int(e.split(".")[-2])] for e in short}
-        listed = ", ".join(f"{e.rstrip('.')} ({n})" for e, n in per.items())
+        listed = ", ".join(f"{e.rstrip('.')} ({n})" for e, n in short.items())
         lines.append(
             f"xds-mpi: {len(short)} experts stayed under {cal.min_tokens_per_expert} rows and are "
             f"rounded to nearest without smoothing: {listed}"

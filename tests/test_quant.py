@@ -312,3 +312,26 @@ def test_quantize_refuses_bad_inputs_before_reading_any_text(argv, message, caps
     assert main(["quantize", "--out", str(tmp_path / "x.h5"), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "x.h5").exists()
+
+
+@pytest.mark.parametrize("min_tokens", [1, 10_000])
+def test_calibration_grows_until_every_expert_has_its_minimum_or_the_cap(min_tokens):
+    cfg = ModelConfig(num_layers=2, num_routed_experts=4, num_mtp_modules=0)
+    stream = np.random.default_rng(0).integers(0, 256, 4000)
+    cal = calibrate(
+        build_model(cfg),
+        stream,
+        window_len=32,
+        batch_windows=2,
+        min_tokens_per_expert=min_tokens,
+        max_windows=6,
+        seed=0,
+    )
+    [counts] = cal.expert_tokens.values()  # one MoE layer
+    # Every routed row reaches top_k experts: the counts add up to windows x tokens x top_k.
+    assert sum(counts) == cal.num_windows * 32 * cfg.top_k
+    if min_tokens == 1:  # the first batch of 2 windows already reached every expert
+        assert cal.num_windows == 2 and min(counts) >= 1 and not cal.short_experts
+    else:  # the cap: every expert stays short and is listed with its rows
+        assert cal.num_windows == 6
+        assert cal.short_experts == {f"layers.1.ffn.experts.{e}.": n for e, n in enumerate(counts)}

@@ -59,14 +59,14 @@ class Calibration:
     min_tokens_per_expert: int
 
     @property
-    def short_experts(self) -> list[str]:
-        """Expert prefixes ("layers.1.ffn.experts.7.") under the minimum."""
-        return [
-            f"{prefix}experts.{e}."
+    def short_experts(self) -> dict[str, int]:
+        """Expert prefix ("layers.1.ffn.experts.7.") -> its rows, for those under the minimum."""
+        return {
+            f"{prefix}experts.{e}.": n
             for prefix, counts in self.expert_tokens.items()
             for e, n in enumerate(counts)
             if n < self.min_tokens_per_expert
-        ]
+        }
 
 
 def calibrate(
@@ -94,7 +94,7 @@ def calibrate(
     while num_windows < max_windows:
         batch = min(batch_windows, max_windows - num_windows)
         windows = random_windows(
-            train_stream, num_windows=batch, window_len=window_len, seed=seed + batch_idx
+            train_stream, num_windows=batch, window_len=window_len, seed=[seed, batch_idx]
         )
         forward_windows(model, windows)
         num_windows, batch_idx = num_windows + batch, batch_idx + 1

@@ -16,7 +16,7 @@ def corpus_streams(*, max_files: int | None = None) -> tuple[np.ndarray, np.ndar
 
 
 def random_windows(
-    stream: np.ndarray, *, num_windows: int, window_len: int, seed: int
+    stream: np.ndarray, *, num_windows: int, window_len: int, seed: int | list[int]
 ) -> np.ndarray:
     """num_windows windows at seeded random offsets -> [num_windows, window_len] int64."""
     if len(stream) < window_len:
