@@ -335,3 +335,24 @@ def test_calibration_grows_until_every_expert_has_its_minimum_or_the_cap(min_tok
     else:  # the cap: every expert stays short and is listed with its rows
         assert cal.num_windows == 6
         assert cal.short_experts == {f"layers.1.ffn.experts.{e}.": n for e, n in enumerate(counts)}
+
+
+def test_kv_memory_counts_the_int8_latent_and_its_scale_per_token_and_layer():
+    from xds_mpi.model.shapes import cost_shape
+    from xds_mpi.plan.kv_memory import KvMemory
+    from xds_mpi.projection.cost import CostModel, Hardware
+    from xds_mpi.projection.hardware import load_profile
+
+    cfg = _colocated(["scheduler.kv_int8=false"])
+    m, big = cfg.model, cost_shape()
+    kv = KvMemory.of(cfg, big)
+    layers = m.num_layers + cfg.scheduler.mtp_depth
+    assert kv.float_token_bytes == layers * (m.kv_lora_rank + m.qk_rope_dim) * 8
+    assert kv.int8_token_bytes == layers * (m.kv_lora_rank + 4 + m.qk_rope_dim * 8)
+    assert kv.same_bytes_blocks == kv.pool_bytes // (kv.int8_token_bytes * 16)
+    assert kv.same_bytes_blocks > kv.num_blocks
+    assert kv.cost_int8_bytes == big.kv_lora_rank + 4 + 2 * big.qk_rope_dim
+    hw = Hardware.from_profile(load_profile(cfg.hardware.profile))
+    # The cost model's attention reads the cache with those bytes.
+    assert CostModel(big, hw, kv_int8=True).kv_token_bytes == kv.cost_int8_bytes
+    assert CostModel(big, hw).kv_token_bytes == kv.cost_float_bytes
