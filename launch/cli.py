@@ -18,6 +18,7 @@ from launch import (
     generate,
     hosts,
     project,
+    quantize,
     run_report,
     submit,
     train,
@@ -27,8 +28,10 @@ from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
 from launch.startup import StartupWatch
 from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.fabric import format_bytes
+from xds_mpi.plan.kv_memory import describe_kv
 from xds_mpi.plan.pd import describe_pd
 from xds_mpi.report.progress import PROGRESS_ENV, progress_mode
 
@@ -88,6 +91,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     print(describe_memory_path(cfg.xccl.memory_path))
     print(describe_wait(cfg.xccl.wait))
+    print(describe_kv(cfg, cost_shape()))
     if plan.pd is not None:
         print(describe_pd(plan))
     if not args.brief:
@@ -202,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     project.add_parser(sub)
     train.add_parser(sub)
+    quantize.add_parser(sub)
     run_report.add_parser(sub)
     return parser
 

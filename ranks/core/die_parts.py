@@ -34,6 +34,7 @@ def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
         kv_lora_rank=cfg.model.kv_lora_rank,
         rope_dim=cfg.model.qk_rope_dim,
         dtype=model.dtype,
+        latent_int8=sched.kv_int8,
     )
     scheduler = (scheduler_class or DieScheduler)(
         table=table,
@@ -61,7 +62,7 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None, pro
     from xds_mpi.report import trace
 
     hardware = Hardware.from_profile(load_profile(profile or cfg.hardware.profile))
-    cost = CostModel(cost_shape(), hardware)
+    cost = CostModel(cost_shape(), hardware, kv_int8=cfg.scheduler.kv_int8)
     trace.set_clock(clock)
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:

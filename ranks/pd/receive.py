@@ -245,10 +245,12 @@ class KvReceiver:
     def _tell_je(self, incoming: Incoming, first_step_v: float) -> None:
         """The transfer's numbers for the TTFT split; its virtual time is the pair's link's
         (UB, or RoCE/VPC across hardware types) for the prompt's latent cache at the cost shape
-        (61 layers + MTP, BF16)."""
+        (61 layers + MTP; BF16, the latent in INT8 with scheduler.kv_int8)."""
         task = incoming.task
         same = self.server_of[task.prefill_rank] == self.server_of[self.rank]
-        big_bytes = projected_kv_bytes(len(task.req.prompt), self.big)
+        big_bytes = projected_kv_bytes(
+            len(task.req.prompt), self.big, kv_int8=self.cfg.scheduler.kv_int8
+        )
         link = self.links[task.prefill_rank]
         transfer_v = (
             link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same) / 1e9

@@ -134,6 +134,7 @@ class SchedulerConfig:
     num_kv_blocks_per_die: int = 256
     prefill_chunk_tokens: int = 64
     mtp_depth: int = 0  # MTP draft tokens per decode step (0 = plain decoding)
+    kv_int8: bool = False  # latent KV's non-RoPE part as INT8 + a per-token scale (§4.7)
 
     def __post_init__(self) -> None:
         positive(

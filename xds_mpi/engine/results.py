@@ -105,6 +105,7 @@ def check_against_reference(
             use_int8=cfg.xccl.use_int8,
             ignore_eos=cfg.workload.ignore_eos,
             block_tokens=cfg.scheduler.kv_block_tokens,
+            kv_int8=cfg.scheduler.kv_int8,
             row_dtype=wire.row_dtype,
             shared_path=wire.shared,
         )

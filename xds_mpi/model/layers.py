@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from xds_mpi.model import blas
+from xds_mpi.model.qlinear import SCALE_SUFFIX, QuantLinear, base_name
 
 blas.single_thread()  # one BLAS thread: see xds_mpi/model/blas.py
 NORM_EPS = 1e-6
@@ -61,6 +62,18 @@ class Linear:
         """x: [rows, in] -> [rows, out]"""
         return matmul(x, self.wt)
 
+    def poison(self) -> None:
+        """An emulated memory fault: every output becomes NaN."""
+        self.wt.fill(np.nan)
+
+
+def projection(params, name: str) -> Linear | QuantLinear:
+    """params[name] as an INT8 projection when the checkpoint quantized it (its scales are
+    there, xds_mpi/model/qlinear.py), else a float one."""
+    if base_name(name) + SCALE_SUFFIX in params:
+        return QuantLinear.of(params, name)
+    return Linear.of(params, name)
+
 
 class RMSNorm:
     def __init__(self, weight: np.ndarray, *, eps: float = NORM_EPS) -> None:
@@ -75,9 +88,9 @@ class SwiGLU:
     """w2(silu(w1 x) * w3 x): the dense FFN, one routed expert and the shared expert(s)."""
 
     def __init__(self, params: dict[str, np.ndarray], prefix: str) -> None:
-        self.w1 = Linear.of(params, f"{prefix}w1.weight")
-        self.w3 = Linear.of(params, f"{prefix}w3.weight")
-        self.w2 = Linear.of(params, f"{prefix}w2.weight")
+        self.w1 = projection(params, f"{prefix}w1.weight")
+        self.w3 = projection(params, f"{prefix}w3.weight")
+        self.w2 = projection(params, f"{prefix}w2.weight")
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x: [rows, hidden] -> [rows, hidden]"""
@@ -92,7 +105,7 @@ class SwiGLU:
 
     def break_in_place(self) -> None:
         for linear in (self.w1, self.w3, self.w2):
-            linear.wt.fill(np.nan)
+            linear.poison()
 
 
 class Rotary:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xccl.quant import dequantize_int8, quantize_int8
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, softmax
+from xds_mpi.model.layers import Linear, RMSNorm, Rotary, matmul, projection, softmax
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,13 @@ class AttnChunk:
 
 class LatentCache:
     """Latent KV arrays for every attention layer (main layers, then MTP modules), indexed by the
-    slots a `kv_blocks.BlockTable` hands out."""
+    slots a `kv_blocks.BlockTable` hands out.
+
+    latent_int8 (xDeepServe §4.7): the non-RoPE part c_kv is kept as INT8 with one float32 scale
+    per token and layer (xccl/quant.py's per-token quantizer: max|c_kv| / 127, round half to
+    even), quantized when the token is written, so every reader (decode, a PD transfer's receiver)
+    sees the same values; the RoPE key stays in the compute dtype.
+    """
 
     def __init__(
         self,
@@ -42,27 +49,79 @@ class LatentCache:
         kv_lora_rank: int,
         rope_dim: int,
         dtype: np.dtype,
+        latent_int8: bool = False,
     ) -> None:
-        # One array, so that a chunk gathers its keys [c_kv | k_rope] with one index.
-        self.keys = np.zeros((num_layers, num_slots, kv_lora_rank + rope_dim), dtype)
-        self.latent = self.keys[..., :kv_lora_rank]  # views: [num_layers, num_slots, ...]
-        self.rope_key = self.keys[..., kv_lora_rank:]
+        self.latent_int8, self.kv_lora_rank = latent_int8, kv_lora_rank
+        if latent_int8:
+            self.latent = np.zeros((num_layers, num_slots, kv_lora_rank), np.int8)
+            self.latent_scale = np.ones((num_layers, num_slots), np.float32)
+            self.rope_key = np.zeros((num_layers, num_slots, rope_dim), dtype)
+            self.keys = None
+        else:
+            # One array, so that a chunk gathers its keys [c_kv | k_rope] with one index.
+            self.keys = np.zeros((num_layers, num_slots, kv_lora_rank + rope_dim), dtype)
+            self.latent = self.keys[..., :kv_lora_rank]  # views: [num_layers, num_slots, ...]
+            self.rope_key = self.keys[..., kv_lora_rank:]
+            self.latent_scale = None
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes one token's KV takes over every layer: latent (+ its scale) and RoPE key."""
+        num_layers, _, rope = self.rope_key.shape
+        latent = self.kv_lora_rank * self.latent.itemsize + (4 if self.latent_int8 else 0)
+        return num_layers * (latent + rope * self.rope_key.itemsize)
 
     def write(
         self, layer_idx: int, slots: np.ndarray, latent: np.ndarray, rope_key: np.ndarray
     ) -> None:
         """slots: [n] int64, latent: [n, kv_lora_rank], rope_key: [n, qk_rope_dim]"""
-        self.latent[layer_idx, slots] = latent
+        if self.latent_int8:
+            q, scale = quantize_int8(latent)
+            self.latent[layer_idx, slots], self.latent_scale[layer_idx, slots] = q, scale
+        else:
+            self.latent[layer_idx, slots] = latent
         self.rope_key[layer_idx, slots] = rope_key
 
-    def layer(self, layer_idx: int) -> tuple[np.ndarray, np.ndarray]:
-        """One layer's (latent [num_slots, kv_lora_rank], rope_key [num_slots, qk_rope_dim])."""
-        return self.latent[layer_idx], self.rope_key[layer_idx]
+    def gather(self, layer_idx: int, slots: np.ndarray) -> np.ndarray:
+        """slots: [t] int64 -> [t, kv_lora_rank + rope_dim] keys [c_kv | k_rope] (c_kv is also
+        the value), in the compute dtype."""
+        if not self.latent_int8:
+            return self.keys[layer_idx][slots]
+        dtype = self.rope_key.dtype
+        latent = dequantize_int8(
+            self.latent[layer_idx, slots], self.latent_scale[layer_idx, slots], dtype
+        )
+        return np.concatenate([latent, self.rope_key[layer_idx, slots]], axis=-1)
+
+    def pack(self, slots: np.ndarray) -> list[np.ndarray]:
+        """The slots' KV over every layer as byte arrays (copies; a PD transfer's message)."""
+        parts = [self.latent[:, slots], self.rope_key[:, slots]]
+        if self.latent_int8:
+            parts.insert(1, self.latent_scale[:, slots])
+        return [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts]
+
+    def unpack(self, slots: np.ndarray, buf: np.ndarray) -> int:
+        """Write `pack`'s bytes (another cache's, same shape) into `slots`; bytes consumed."""
+        at = 0
+        arrays = [self.latent, self.rope_key]
+        if self.latent_int8:
+            arrays.insert(1, self.latent_scale)
+        for array in arrays:
+            shape = (array.shape[0], len(slots), *array.shape[2:])
+            nbytes = int(np.prod(shape)) * array.itemsize
+            array[:, slots] = buf[at : at + nbytes].view(array.dtype).reshape(shape)
+            at += nbytes
+        return at
 
 
 class MLA:
     """Absorbed MLA: W_UK folded into the query projection, W_UV into the output projection, so a
-    row's query is [q_latent | q_rope] scored against the cache's [c_kv | k_rope] directly."""
+    row's query is [q_latent | q_rope] scored against the cache's [c_kv | k_rope] directly.
+
+    With an INT8 checkpoint (xDeepServe §4.7: Wq_a, Wkv_a, Wq_b and Wo quantized) W_UK and W_UV
+    cannot be folded into INT8 weights: Wq_b and Wo run as INT8 projections, and W_UK / W_UV as
+    float per-head products after / before them, as a quantized MLA operator does.
+    """
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary, params: dict, prefix: str) -> None:
         heads, nope, rope = cfg.num_heads, cfg.qk_nope_dim, cfg.qk_rope_dim
@@ -70,32 +129,65 @@ class MLA:
         self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
         self.rotary = rotary
         self.scale = (nope + rope) ** -0.5
-        self.wq_a = Linear.of(params, prefix + "wq_a.weight")
+        self.wq_a = projection(params, prefix + "wq_a.weight")
         self.q_norm = RMSNorm(params[prefix + "q_norm.weight"])
-        self.wq_b = Linear.of(params, prefix + "wq_b.weight")
-        self.wkv_a = Linear.of(params, prefix + "wkv_a.weight")
+        self.wq_b = projection(params, prefix + "wq_b.weight")
+        self.wkv_a = projection(params, prefix + "wkv_a.weight")
         self.kv_norm = RMSNorm(params[prefix + "kv_norm.weight"])
         self.wkv_b = Linear.of(params, prefix + "wkv_b.weight")
-        self.wo = Linear.of(params, prefix + "wo.weight")
+        self.wo = projection(params, prefix + "wo.weight")
         w_uk, w_uv = self.up_projections()
-        wq = self.wq_b.weight.reshape(heads, nope + rope, -1)  # [heads, nope + rope, q_lora]
-        # [q_lora, heads, c + rope]: per head, q_nope W_UK's columns, then q_rope's.
-        self.wq_absorbed = np.ascontiguousarray(
-            np.concatenate(
-                [np.einsum("hdq,hdc->qhc", wq[:, :nope], w_uk), wq[:, nope:].transpose(2, 0, 1)],
-                axis=-1,
-            ).reshape(wq.shape[-1], -1)
-        )
-        wo = self.wo.weight.reshape(-1, heads, self.v_head_dim)  # [hidden, heads, v]
-        # [heads x c, hidden]: o_latent W_UV^T, then wo, as one product.
-        self.wo_absorbed = np.einsum("hvc,dhv->hcd", w_uv, wo).reshape(-1, wo.shape[0])
+        self.wq_absorbed = self.wo_absorbed = None
+        if isinstance(self.wq_b, Linear):
+            wq = self.wq_b.weight.reshape(heads, nope + rope, -1)  # [heads, nope + rope, q_lora]
+            # [q_lora, heads, c + rope]: per head, q_nope W_UK's columns, then q_rope's.
+            self.wq_absorbed = np.ascontiguousarray(
+                np.concatenate(
+                    [
+                        np.einsum("hdq,hdc->qhc", wq[:, :nope], w_uk),
+                        wq[:, nope:].transpose(2, 0, 1),
+                    ],
+                    axis=-1,
+                ).reshape(wq.shape[-1], -1)
+            )
+        if isinstance(self.wo, Linear):
+            wo = self.wo.weight.reshape(-1, heads, self.v_head_dim)  # [hidden, heads, v]
+            # [heads x c, hidden]: o_latent W_UV^T, then wo, as one product.
+            self.wo_absorbed = np.einsum("hvc,dhv->hcd", w_uv, wo).reshape(-1, wo.shape[0])
+        # Per head, contiguous for the INT8 path: W_UK [nope, c] and W_UV^T [c, v].
+        self.w_uk = [np.ascontiguousarray(w) for w in w_uk]
+        self.w_uv_t = [np.ascontiguousarray(w.T) for w in w_uv]
+
+    def use_projections(self) -> None:
+        """Run Wq_b and Wo as projections of their own, not folded with W_UK / W_UV (what
+        the INT8 path does; calibration records their inputs this way)."""
+        self.wq_absorbed = self.wo_absorbed = None
 
     def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
-        q = matmul(self.q_norm(self.wq_a(x)), self.wq_absorbed)
-        q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
+        q_lora = self.q_norm(self.wq_a(x))
+        if self.wq_absorbed is not None:
+            q = matmul(q_lora, self.wq_absorbed)
+            q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
+        else:
+            q_heads = self.wq_b(q_lora).reshape(x.shape[0], self.num_heads, -1)
+            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, heads, nope]
+            q_latent = np.stack(
+                [matmul(q_nope[:, h], w) for h, w in enumerate(self.w_uk)], axis=1
+            )  # [n, heads, c]
+            q = np.concatenate([q_latent, q_heads[..., self.qk_nope_dim :]], axis=-1)
         q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
         return q
+
+    def project_out(self, o_latent: np.ndarray) -> np.ndarray:
+        """o_latent: [n, heads, kv_lora_rank] attention-weighted latents -> [n, hidden]"""
+        num_rows = o_latent.shape[0]
+        if self.wo_absorbed is not None:
+            return matmul(o_latent.reshape(num_rows, -1), self.wo_absorbed)
+        o = np.stack(
+            [matmul(o_latent[:, h], w) for h, w in enumerate(self.w_uv_t)], axis=1
+        )  # [n, heads, v]
+        return self.wo(o.reshape(num_rows, -1))
 
     def project_latent(self, x: np.ndarray, positions: np.ndarray):
         """x: [n, hidden] -> what the cache keeps: (c_kv [n, kv_lora_rank], k_rope [n, rope])"""
@@ -125,13 +217,12 @@ class MLA:
         c_kv, k_rope = self.project_latent(x, positions)
         slots = [c.write_slots for c in chunks]
         cache.write(layer_idx, slots[0] if len(slots) == 1 else np.concatenate(slots), c_kv, k_rope)
-        keys = cache.keys[layer_idx]  # [num_slots, c + rope]
         num_heads, lora = self.num_heads, self.kv_lora_rank
         o_latent = np.empty((x.shape[0], num_heads, lora), x.dtype)
         row = 0
         for chunk in chunks:
             num = chunk.num_tokens
-            cached = keys[chunk.slots]  # [t, c + rope]
+            cached = cache.gather(layer_idx, chunk.slots)  # [t, c + rope]
             scores = matmul(q[row : row + num].reshape(num * num_heads, -1), cached.T)
             scores = scores.reshape(num, num_heads, -1) * self.scale  # [rows, heads, t]
             if num > 1:  # a single new row sees no future position
@@ -139,7 +230,7 @@ class MLA:
             probs = softmax(scores).reshape(num * num_heads, -1)
             o_latent[row : row + num] = matmul(probs, cached[:, :lora]).reshape(num, num_heads, -1)
             row += num
-        return matmul(o_latent.reshape(x.shape[0], -1), self.wo_absorbed)
+        return self.project_out(o_latent)
 
     def naive_forward(self, x: np.ndarray) -> np.ndarray:
         """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->

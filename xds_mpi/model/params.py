@@ -41,6 +41,9 @@ class LazyParams(MutableMapping):
             self.made[name] = np.ascontiguousarray(self.source.value(name), self.dtype)
         return self.made[name]
 
+    def __contains__(self, name) -> bool:  # without making the tensor
+        return name in self.shapes
+
     def __setitem__(self, name: str, value: np.ndarray) -> None:
         self.made[name] = value
 

@@ -33,6 +33,7 @@ class GenerateOptions:
     use_int8: bool = False  # INT8 quantize-dequantize the MoE dispatch input
     ignore_eos: bool = False  # keep generating past EOS (fixed-length benchmarks)
     block_tokens: int = 16  # paged KV block size
+    kv_int8: bool = False  # the latent KV's non-RoPE part in INT8 (mla.LatentCache)
     record_logits: bool = False  # keep the main-model logits each token was chosen from
     row_dtype: str = "float64"  # XCCL's row dtype: rows not in INT8 and expert outputs round
     shared_path: str = "local"  # the shared expert's rows: local, routed or rows (moe.Wire)
@@ -146,6 +147,7 @@ class ReferenceGenerator:
             kv_lora_rank=cfg.kv_lora_rank,
             rope_dim=cfg.qk_rope_dim,
             dtype=self.model.dtype,
+            latent_int8=self.opts.kv_int8,
         )
 
     def _chunk(self, seq_id: int, start_pos: int, num_tokens: int) -> AttnChunk:

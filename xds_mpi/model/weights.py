@@ -21,7 +21,9 @@ from xds_mpi.config.schema import ConfigError, ModelConfig
 from xds_mpi.model.checkpoint import (
     FORMAT,
     check_same_shape,
+    checkpoint_shapes,
     read_checkpoint_config,
+    read_quant_info,
     weights_path,
 )
 from xds_mpi.model.params import LazyParams
@@ -69,9 +71,9 @@ def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return cfg, tensors
 
 
-def check_names(cfg: ModelConfig, names, where: str) -> None:
-    """The tensors `names` must be exactly the model's (`param_shapes`)."""
-    wrong = sorted(set(param_shapes(cfg)) ^ set(names))
+def check_names(cfg: ModelConfig, names, where: str, shapes=None) -> None:
+    """The tensors `names` must be exactly the model's (`shapes`, default `param_shapes`)."""
+    wrong = sorted(set(param_shapes(cfg) if shapes is None else shapes) ^ set(names))
     if wrong:
         raise ConfigError(f"{where}: tensors missing or unexpected: {', '.join(wrong[:8])}")
 
@@ -108,8 +110,9 @@ def load_model(
     if expected is not None:
         check_same_shape(expected, cfg)
     source = FileWeights(path)
-    check_names(cfg, source.file.keys(), str(path))
-    return DeepSeekModel(cfg, LazyParams(param_shapes(cfg), source, dtype), dtype=dtype)
+    shapes = checkpoint_shapes(cfg, read_quant_info(path), str(path))
+    check_names(cfg, source.file.keys(), str(path), shapes)
+    return DeepSeekModel(cfg, LazyParams(shapes, source, dtype), dtype=dtype)
 
 
 def build_model(cfg: ModelConfig, *, dtype=np.float64) -> DeepSeekModel:

@@ -30,6 +30,7 @@ from statistics import NormalDist
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
+from xds_mpi.plan.kv_memory import token_layer_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +92,11 @@ class Hardware:
 class CostModel:
     """Seconds per operation for one die at shape `m` on hardware `hw`."""
 
-    def __init__(self, m: ModelConfig, hw: Hardware) -> None:
-        self.m, self.hw = m, hw
+    def __init__(self, m: ModelConfig, hw: Hardware, *, kv_int8: bool = False) -> None:
+        """kv_int8: the latent KV's non-RoPE part is read as INT8 + a per-token scale
+        (scheduler.kv_int8); otherwise all of it in hw.kv_bytes per value."""
+        self.m, self.hw, self.kv_int8 = m, hw, kv_int8
+        self.kv_token_bytes = token_layer_bytes(m, itemsize=hw.kv_bytes, kv_int8=kv_int8)
 
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
         return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
@@ -127,7 +131,7 @@ class CostModel:
         its sequence's latent cache (read once per sequence)."""
         m, width = self.m, self.m.kv_lora_rank + self.m.qk_rope_dim
         flops = sum(2.0 * rows * m.num_heads * n * (width + m.kv_lora_rank) for n, rows in seqs)
-        nbytes = sum(n * width * self.hw.kv_bytes for n, _ in seqs)
+        nbytes = sum(n * self.kv_token_bytes for n, _ in seqs)
         return self._roofline(flops, nbytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff)
 
     def gate(self, rows: int) -> float:

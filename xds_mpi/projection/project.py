@@ -63,7 +63,8 @@ def project(
     """batch_per_die: mean requests per DP group; kv_len: mean KV length; accept_rate: MTP;
     redundant_dies: as xds_mpi/projection/layers.py `counts` takes them."""
     topo = Topology.from_config(cfg)
-    cost, n = CostModel(m, hw), counts(cfg, topo, redundant_dies=redundant_dies)
+    cost = CostModel(m, hw, kv_int8=cfg.scheduler.kv_int8)
+    n = counts(cfg, topo, redundant_dies=redundant_dies)
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     inputs = dict(
         cfg=cfg, cost=cost, n=n, batch=batch_per_die, kv_len=kv_len, imbalance=imbalance,
