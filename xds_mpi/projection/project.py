@@ -2,7 +2,9 @@
 
 An iteration is FlowServe's (xDeepServe §4.6, Figure 20): with MTP depth d, d MTP passes over
 the batch, then the main model over batch x (1 + d) rows, sampling after each, plus the scheduling
-bubble and one graph launch per pass unless the graphs are pipelined (CloudMatrix-Infer §4.2.4).
+bubble where the execution has one (xDeepServe §7.1: "the scheduling bubble between iterations
+adds around 2 ms"; CloudMatrix-Infer §4.2.4 runs its graphs back to back and states none) and
+one graph launch per pass unless the graphs are pipelined (CloudMatrix-Infer §4.2.4).
 Layers are sequential; within a layer the slowest die sets the pace (dispatch and combine are
 barriers): `imbalance` (xds_mpi/projection/imbalance.py) says how far the slowest attention and
 expert dies
@@ -36,11 +38,15 @@ class Execution:
     (CloudMatrix-Infer §4.2.3; afd deployments take their own microbatches); pipelined_graphs:
     graph launches hidden behind the previous graph (CloudMatrix-Infer §4.2.4); stream0_aic: the
     AIC of the attention stream where the paper states the split (§4.2.3: 16 of 24 at 4K, batch
-    96, MTP), None: the split that balances the two streams (§4.2.3: "adjusted adaptively")."""
+    96, MTP), None: the split that balances the two streams (§4.2.3: "adjusted adaptively");
+    scheduling_bubble: the host's gap between iterations is paid (the profile's
+    serving.scheduler_bubble_ms, xDeepServe §7.1); False where a source says the graphs run
+    back to back."""
 
     microbatches: int = 1
     pipelined_graphs: bool = False
     stream0_aic: int | None = None
+    scheduling_bubble: bool = True
 
 
 UNIFORM = Imbalance()
@@ -74,7 +80,8 @@ def project(
     spent["head + sampling"] = cost.head(rows) + cost.sampling(rows)
     if not execution.pipelined_graphs:
         spent["graph launch"] = hw.graph_launch_s * (1 + (mtp_depth if m.num_mtp_modules else 0))
-    spent["scheduling bubble"] = hw.bubble_s
+    if execution.scheduling_bubble:
+        spent["scheduling bubble"] = hw.bubble_s
     iteration = sum(spent.values())
     tokens_per_step = 1 + mtp_depth * accept_rate
     num_chips = n["dies"] / cfg.hardware.dies_per_chip
