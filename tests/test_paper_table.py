@@ -66,9 +66,39 @@ def _recompute(pub, hw: Hardware) -> float:
         "tpot": p.iteration_s * 1e3 / tokens_per_step,
         "tokens/s/chip": 2 * per_die,
         "tokens/s/die": per_die,
-        "share attention": 100 * b.get("attention", math.nan) / forward_ms,
-        "share dispatch+combine": 100 * (b.get("dispatch", 0) + b.get("combine", 0)) / forward_ms,
+        "share attention": 100
+        * (b.get("attention", math.nan) + b.get("MTP attention", 0))
+        / forward_ms,
+        "share dispatch+combine": 100
+        * sum(b.get(p + k, 0) for p in ("", "MTP ") for k in ("dispatch", "combine"))
+        / forward_ms,
+        "MTP pass": _mtp_pass_s(cfg, hw, s, imbalance) * 1e3 if s.mtp_depth else math.nan,
     }.get(pub.metric, p.primitives_s.get(pub.metric, math.nan) * 1e6)
+
+
+def _mtp_pass_s(cfg, hw: Hardware, s, imbalance) -> float:
+    """One MTP module's pass: its block (one MoE layer, and the last microbatch's tail where
+    the deployment has one) over 1 + depth x acceptance rows per sequence, eh_proj over those
+    rows, the shared head and sampling over one row per sequence, the graph's launch."""
+    from xds_mpi.projection.layers import LayerInputs, afd_layer, colocated_layer
+
+    cost = CostModel(BIG, hw)
+    rows_per_seq = 1 + s.mtp_depth * s.accept
+    layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
+    n = counts(cfg, Topology.from_config(cfg), redundant_dies=s.redundant_dies)
+    x = LayerInputs(cfg=cfg, cost=cost, n=n, batch=s.batch, kv_len=s.kv_len,
+                    rows_per_seq=rows_per_seq, imbalance=imbalance,
+                    microbatches=s.microbatches, stream0_aic=s.stream0_aic)  # fmt: skip
+    parts, primitives, _ = layer(x)
+    launch = 0.0 if s.pipelined_graphs else hw.graph_launch_s
+    return (
+        sum(parts.values())
+        + primitives.get("tail", 0.0)
+        + cost.mtp_projection(s.batch * rows_per_seq)
+        + cost.head(s.batch)
+        + cost.sampling(s.batch)
+        + launch
+    )
 
 
 def groups_dies(cfg) -> int:
@@ -102,6 +132,26 @@ def test_rows_that_miss_carry_what_they_lack_and_what_the_model_made_them_of():
         assert row.why == why_text(p, pub.metric, kwargs["imbalance"])
         assert f"{kwargs['imbalance'].moe:.2f}x" in row.why
         assert row.lacks == pub.lacks != ""
+
+
+def test_the_mtp_pass_runs_its_block_over_the_committed_tokens():
+    """[000] §4.6 / [001] §4.2.4: an MTP module's block takes the tokens the last verification
+    committed, 1 + the accepted drafts per sequence: more accepted -> a longer MTP pass; at
+    acceptance 1 its block costs what a main layer over 1 + depth rows costs."""
+    cfg = load_config(REPO_ROOT / "configs" / "ep288.yaml")
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    work = dict(batch_per_die=60, kv_len=3072, mtp_depth=1)
+    passes = [project(cfg, BIG, hw, **work, accept_rate=a).primitives_s["MTP pass"]
+              for a in (0.0, 0.5, 0.9, 1.0)]  # fmt: skip
+    assert passes == sorted(passes) and passes[0] < passes[-1]
+    full = project(cfg, BIG, hw, **work, accept_rate=1.0)
+    block = sum(v for k, v in full.parts_s["MTP pass"].items()
+                if k not in ("MTP eh_proj", "MTP head", "graph launch"))  # fmt: skip
+    assert block == pytest.approx(full.primitives_s["layer"])
+    none = project(cfg, BIG, hw, batch_per_die=60, kv_len=3072)
+    assert "MTP pass" not in none.primitives_s and not any(
+        k.startswith("MTP") for k in none.breakdown_s
+    )
 
 
 def test_the_table_counts_independent_validation_rows_only():
@@ -357,8 +407,12 @@ def test_afd_attention_side_holds_a2e_stage_1_and_each_pass_pays_its_tail():
     assert prim["attention side"] > p.parts_s["attention side"]["A2E stage 1"] > 0
     tail = prim["A2E"] - p.parts_s["A2E"]["stage 1"] + prim["MoE"] + prim["E2A"]
     assert prim["tail"] == pytest.approx(tail)
-    passes = 1 + kwargs["mtp_depth"]
-    assert p.breakdown_s["last microbatch's tail"] > (passes - 1) * tail
+    assert p.breakdown_s["last microbatch's tail"] == pytest.approx(tail)
+    mtp_tail = p.parts_s["MTP pass"]["MTP last microbatch's tail"]
+    assert mtp_tail > 0
+    assert p.breakdown_s["MTP last microbatch's tail"] == pytest.approx(
+        mtp_tail * kwargs["mtp_depth"]
+    )
 
 
 def test_h800_traffic_leaving_the_node_sets_the_growth_with_ep():

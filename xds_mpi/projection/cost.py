@@ -152,6 +152,15 @@ class CostModel:
     def dense_ffn(self, rows: int) -> float:
         return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
 
+    def mtp_projection(self, rows: float) -> float:
+        """An MTP module's eh_proj: [normed embedding; normed hidden] (2 x hidden) -> hidden.
+        xDeepServe §4.7 quantizes MLA, MoE and MLP weights to INT8, not this one: BF16 weights
+        at the BF16 peak."""
+        params = 2.0 * self.m.hidden * self.m.hidden
+        return self._roofline(
+            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
+        )
+
     def head(self, rows: int) -> float:
         return self.gemm(rows, self.m.hidden * self.m.vocab_size)
 

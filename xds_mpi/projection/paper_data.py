@@ -240,6 +240,13 @@ VALIDATION = [
     # 49 ms": arithmetic of the rows above.
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="tokens/s/chip", value=2400.0,
               unit="tok/s", lacks=_LACKS_ATTENTION),
+    # "5 ms for the MTP layer": the MTP pass (its block over the committed tokens, eh_proj,
+    # the shared head and sampling, its graph's launch).
+    Published(source="000 §7.1 AFD", scenario="000 afd", metric="MTP pass", value=5.0,
+              unit="ms",
+              lacks="what the 5 ms holds beyond the MTP block, eh_proj, the shared head, "
+              "sampling and the graph launch is not described; the block's attention side is "
+              "priced about 20 % fast, as in the attention-side row"),
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="tpot", value=49.0, unit="ms",
               role="derived",
               derived_from="(2 + 5 + 0.7 x 2 x 61 + 0.17 + 0.12 + 0.19) / 1.9 of the rows above"),

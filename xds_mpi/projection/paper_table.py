@@ -64,6 +64,12 @@ SHARE_PARTS = {"share attention": ("attention",), "share dispatch+combine": ("di
 ITERATION_METRICS = ("iteration", "forward", "tpot", "tokens/s/chip", "tokens/s/die")
 
 
+def share_s(breakdown: dict, metric: str) -> float:
+    """Seconds of a Figure-20 share's kernels in the iteration: the main pass's and the MTP
+    pass's ("MTP <op>") alike, as a kernel profile counts them."""
+    return sum(breakdown.get(p + k, 0.0) for k in SHARE_PARTS[metric] for p in ("", "MTP "))
+
+
 def why_text(p, metric: str, imbalance, *, top: int = 3) -> str:
     """What the model's value of `metric` is made of, from the projection itself: the largest
     parts (share of the value, or of the forward time for the iteration metrics and the
@@ -77,7 +83,7 @@ def why_text(p, metric: str, imbalance, *, top: int = 3) -> str:
     largest = sorted(parts.items(), key=lambda kv: -kv[1])[:top]
     made_of = ", ".join(f"{k} {v / total:.0%}" for k, v in largest)
     if metric in SHARE_PARTS:
-        mine = sum(parts[k] for k in SHARE_PARTS[metric])
+        mine = share_s(parts, metric)
         made_of = f"{' + '.join(SHARE_PARTS[metric])} {mine * 1e3:.1f} ms; largest: {made_of}"
     return (
         f"{made_of}; priced at hottest expert die {imbalance.moe:.2f}x, KV {imbalance.kv:.2f}x, "
@@ -138,11 +144,12 @@ def metric_value(p, metric: str, *, dies_per_chip: int) -> float:
         "iteration": lambda: p.iteration_s * 1e3,
         "forward": lambda: forward * 1e3,
         "scheduling bubble": lambda: b.get("scheduling bubble", 0.0) * 1e3,
+        "MTP pass": lambda: p.primitives_s["MTP pass"] * 1e3,
         "tpot": lambda: p.tpot_s * 1e3,
         "tokens/s/chip": lambda: p.tokens_per_s_per_chip,
         "tokens/s/die": lambda: p.tokens_per_s_per_chip / dies_per_chip,
-        "share attention": lambda: 100 * b["attention"] / forward,
-        "share dispatch+combine": lambda: 100 * (b["dispatch"] + b["combine"]) / forward,
+        "share attention": lambda: 100 * share_s(b, "share attention") / forward,
+        "share dispatch+combine": lambda: 100 * share_s(b, "share dispatch+combine") / forward,
     }
     if metric in values:
         return values[metric]()
