@@ -208,6 +208,11 @@ class CostModel:
         link = self.link("combine", persistent=persistent)
         return exchange_s(link, peers=peers, bytes_in=nbytes)
 
+    def start_wait(self, kind: str, *, peers: int) -> float:
+        """The part of a dispatch-like or combine-like call spent waiting for the last of
+        `peers` dies to start (stragglers: the fitted jitter), inside `dispatch`/`combine`."""
+        return wait_s(self.link(kind), peers)
+
     def expert_pull(self) -> float:
         """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a
         die that hosts it: an EPLB replica load (xds_mpi/eplb)."""

@@ -94,6 +94,10 @@ def why_text(p, metric: str, imbalance, *, top: int = 3) -> str:
 @cache
 def scenario_inputs(name: str, profile: str = "ascend910c"):
     """(config, cost shape, hardware, project() keyword arguments) of a published scenario."""
+    return _inputs(SCENARIOS[name], profile)
+
+
+def _inputs(s, profile: str):
     from launch.paths import resolve_config
     from xds_mpi.config.schema import load_config
     from xds_mpi.model.shapes import cost_shape
@@ -103,9 +107,10 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
     from xds_mpi.projection.imbalance import Imbalance, from_skew, kv_straggler
     from xds_mpi.projection.project import Execution
 
-    s = SCENARIOS[name]
     cfg = load_config(resolve_config(s.config), list(s.overrides))
     m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
+    if s.xccl_starts == "fig20 min":
+        hw = replace(hw, **xccl_starts_from_minima(profile))
     topo = Topology.from_config(cfg)
     groups = topo.num_dp_domains * topo.dp_groups_per_domain
     kv = kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups)
@@ -125,6 +130,30 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
                             stream0_aic=s.stream0_aic, scheduling_bubble=s.scheduling_bubble),
     )  # fmt: skip
     return cfg, m, hw, kwargs
+
+
+@cache
+def xccl_starts_from_minima(profile: str = "ascend910c") -> dict[str, float]:
+    """[000]'s XCCL kernel starts, set so that the "000 colocated" scenario's call that waits
+    for nobody (its mean die's intrinsic cost: start, flags and pulls, bytes in) takes Figure
+    20's fastest dispatch and combine (paper_data.FIG20_*_US); priced first with the profile's
+    Table 7 starts, and the cost is linear in the start."""
+    from xds_mpi.projection.paper_data import FIG20_COMBINE_US, FIG20_DISPATCH_US
+    from xds_mpi.projection.project import project
+
+    name = "000 colocated"
+    assert SCENARIOS[name].xccl_starts == "fig20 min"
+    table7 = replace(SCENARIOS[name], xccl_starts="table7")
+    cfg, m, hw, kwargs = _inputs(table7, profile)
+    prim = project(cfg, m, hw, **kwargs).primitives_s
+    return {
+        "dispatch_start_s": hw.dispatch_start_s
+        + FIG20_DISPATCH_US[0] * 1e-6
+        - prim["dispatch intrinsic"],
+        "combine_start_s": hw.combine_start_s
+        + FIG20_COMBINE_US[0] * 1e-6
+        - prim["combine intrinsic"],
+    }
 
 
 @cache
