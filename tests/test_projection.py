@@ -39,6 +39,18 @@ def test_a_gemm_is_a_roofline_of_int8_compute_and_weight_reads():
     assert cost.gemm(0, params) == 0.0
 
 
+def test_mla_prolog_prices_the_absorbed_weights_in_bf16():
+    """xDeepServe §4.7 quantizes W_q_a, W_kv_a, W_q_b and W_o to INT8; the absorbed per-head
+    W_UK and W_UV (128 x 128 x 512 each) stay BF16: at one row, reading them costs twice their
+    INT8 price."""
+    cost = CostModel(BIG, HW)
+    int8 = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 128 * 128 * 7168
+    absorbed = 2 * 128 * 128 * 512
+    memory = 1.6e12 * 0.841
+    assert cost.mla_prolog(1) == pytest.approx(int8 / memory + 2 * absorbed / memory)
+    assert cost.mla_prolog(0) == 0.0
+
+
 def test_attention_and_transfers_follow_their_formulas():
     cost = CostModel(BIG, HW)
     width = 512 + 64
