@@ -200,8 +200,10 @@ _LACKS_000_ITERATION = (
     "and MLA"
 )
 _LACKS_ATTENTION = (
-    "the attention path's operators beyond the GEMMs and MLA's core (norms, RoPE, KV-cache "
-    "writes, per-operator starts: [001] §4.2.2 calls them non-negligible, publishes no figure)"
+    "the attention path's time beyond its GEMMs and MLA's core at the whole-die efficiencies of "
+    "Tables 8-10 (norms, RoPE, Concat and Slice are fused and taken as hidden on the AIV, "
+    "[001] §4.2.2); no per-operator time on a stream's share of the cores is published "
+    "(Figure 20b's values are lost)"
 )
 _LACKS_SMALL_BATCH = (
     "priced slow at 4 requests per die: the dispatch/combine starts fitted at Table 7's 128 "
