@@ -184,3 +184,20 @@ def test_the_h800_profile_projects_the_same_deployment():
         HW, ascend.primitives_s["dispatch"]
     )
     assert ratio == pytest.approx(164 / 50 * (1 - 8 / 288), rel=1e-6)
+
+
+def test_the_emulators_mtp_pass_prices_eh_proj_as_the_projection_does():
+    """The die's Pricer adds an MTP module's eh_proj over its block's rows under "MTP eh_proj"
+    (the projection's MTP pass holds the same term)."""
+    from xccl.vclock import VirtualClock
+    from xds_mpi.config.schema import ModelConfig
+    from xds_mpi.engine.pricing import Pricer
+
+    cost = CostModel(BIG, HW)
+    pricer = Pricer(cost, ModelConfig(), VirtualClock(), num_routed_dies=4, use_int8=True)
+    with pricer.mtp_layer():
+        pricer.mtp_projection(114)
+    assert pricer.spent["MTP eh_proj"] == pytest.approx(cost.mtp_projection(114))
+    assert cost.mtp_projection(114) == pytest.approx(
+        max(2 * 114 * 2 * 7168**2 / (376e12 * 0.80), 2 * 7168**2 * 2 / (1.6e12 * 0.841))
+    )
