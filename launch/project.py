@@ -17,6 +17,8 @@ from launch.project_paper import (
 )
 from launch.project_skew import add_arguments as add_skew_arguments
 from launch.project_skew import print_skew
+from launch.project_sweep import add_arguments as add_sweep_arguments
+from launch.project_sweep import run_sweep
 from launch.report import format_table
 
 if TYPE_CHECKING:
@@ -43,6 +45,7 @@ def add_parser(sub) -> None:
     add_skew_arguments(p)
     add_paper_arguments(p)
     add_afd_arguments(p)
+    add_sweep_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -66,6 +69,10 @@ def cmd_project(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
             f"got {args.batch}, {args.kv_len}, {args.mtp}, {args.accept}"
+        )
+    if args.sweep:
+        return run_sweep(
+            args, resolve_config(args.config), load_model_preset(args.shape), model_inputs
         )
     cfg = load_config(resolve_config(args.config), args.set)
     hw = Hardware.from_profile(load_profile(cfg.hardware.profile))

@@ -99,14 +99,15 @@ def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def print_paper(args: argparse.Namespace) -> int:
-    from xds_mpi.projection.paper_table import MISS, calibration_table, validation_table
+    from xds_mpi.projection.paper_table import MISS, Counts, calibration_table, validation_table
 
     table = validation_table(args.profile)
     rows = [
         [
             r.source,
             r.conditions,
-            f"{r.metric} ({r.unit})",
+            f"{r.metric} ({r.unit})" if r.role != "derived" else f"  = {r.metric} ({r.unit})",
+            r.role,
             f"{r.published:g}",
             f"{r.projected:.1f}",
             f"{r.error:+.0%}",
@@ -117,12 +118,28 @@ def print_paper(args: argparse.Namespace) -> int:
         f"VALIDATION (end-to-end; no constant set from these), profile {args.profile}; what is "
         "not modelled: docs/design.md §5b"
     )
-    print(format_table(["source", "conditions", "metric", "published", "projected", "error"], rows))
+    header = ["source", "conditions", "metric", "role", "published", "projected", "error"]
+    print(format_table(header, rows))
+    n = Counts.of(table)
+    print(
+        f"independent validation rows: {n.validation}; within +-10 %: {n.within_10}, within "
+        f"+-15 %: {n.within_15}. Not counted: {n.derived} derived rows (arithmetic of the "
+        f"published numbers beside them), {n.calibration} calibration rows (a constant was set "
+        "from them; Table 7's fit below)"
+    )
+    derived = [r for r in table if r.role == "derived"]
+    print("\nDerived rows, what each published number is made of:")
+    for r in derived:
+        print(f"  {r.source} {r.metric} {r.published:g} = {r.derived_from}")
     misses = [r for r in table if r.why]
     if misses:
-        print(f"\nRows outside +-{MISS:.0%}, what the model's value is made of:")
+        print(
+            f"\nValidation rows outside +-{MISS:.0%}: the mechanism the model lacks, and what "
+            "its value is made of:"
+        )
         for r in misses:
-            print(f"  {r.source} {r.metric} ({r.error:+.0%}): {r.why}")
+            print(f"  {r.source} {r.metric} ({r.error:+.0%}): lacks {r.lacks}")
+            print(f"      made of: {r.why}")
     fit = calibration_table(args.profile)
     print(
         f"\nCALIBRATION: [001] Table 7 fit, dispatch/combine at 128 tokens per rank: "

@@ -39,6 +39,18 @@ def test_a_gemm_is_a_roofline_of_int8_compute_and_weight_reads():
     assert cost.gemm(0, params) == 0.0
 
 
+def test_mla_prolog_prices_the_absorbed_weights_in_bf16():
+    """xDeepServe §4.7 quantizes W_q_a, W_kv_a, W_q_b and W_o to INT8; the absorbed per-head
+    W_UK and W_UV (128 x 128 x 512 each) stay BF16: at one row, reading them costs twice their
+    INT8 price."""
+    cost = CostModel(BIG, HW)
+    int8 = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 128 * 128 * 7168
+    absorbed = 2 * 128 * 128 * 512
+    memory = 1.6e12 * 0.841
+    assert cost.mla_prolog(1) == pytest.approx(int8 / memory + 2 * absorbed / memory)
+    assert cost.mla_prolog(0) == 0.0
+
+
 def test_attention_and_transfers_follow_their_formulas():
     cost = CostModel(BIG, HW)
     width = 512 + 64
@@ -172,3 +184,20 @@ def test_the_h800_profile_projects_the_same_deployment():
         HW, ascend.primitives_s["dispatch"]
     )
     assert ratio == pytest.approx(164 / 50 * (1 - 8 / 288), rel=1e-6)
+
+
+def test_the_emulators_mtp_pass_prices_eh_proj_as_the_projection_does():
+    """The die's Pricer adds an MTP module's eh_proj over its block's rows under "MTP eh_proj"
+    (the projection's MTP pass holds the same term)."""
+    from xccl.vclock import VirtualClock
+    from xds_mpi.config.schema import ModelConfig
+    from xds_mpi.engine.pricing import Pricer
+
+    cost = CostModel(BIG, HW)
+    pricer = Pricer(cost, ModelConfig(), VirtualClock(), num_routed_dies=4, use_int8=True)
+    with pricer.mtp_layer():
+        pricer.mtp_projection(114)
+    assert pricer.spent["MTP eh_proj"] == pytest.approx(cost.mtp_projection(114))
+    assert cost.mtp_projection(114) == pytest.approx(
+        max(2 * 114 * 2 * 7168**2 / (376e12 * 0.80), 2 * 7168**2 * 2 / (1.6e12 * 0.841))
+    )

@@ -78,6 +78,7 @@ class AttentionExecutor(ColocatedExecutor):
         """MTP module `depth`'s block: microbatch by microbatch, attention then A2E; then E2A."""
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
         x, positions, chunks = self._mtp_rows(depth, active, inputs)
+        self.pricer.mtp_projection(len(x))
         counts = [w.stop - w.start for w in active]
         pending, row, first = [], 0, 0
         for mb, num_works in enumerate(split_counts(counts, self.num_microbatches)):

@@ -267,6 +267,7 @@ class ColocatedExecutor:
         block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
         with meter("attention", layer=layer_idx):
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
+            self.pricer.mtp_projection(len(x))
             if active:
                 x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
             self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)

@@ -115,6 +115,11 @@ class Pricer:
             self.moe_scale * self.cost.combine(rows * self.cost.m.top_k, peers=self.num_peers),
         )
 
+    def mtp_projection(self, rows: int) -> None:
+        """An MTP module's eh_proj over its block's rows (as xds_mpi/projection/project.py
+        prices the MTP pass)."""
+        self._add("eh_proj", self.cost.mtp_projection(rows))
+
     def mtp_head(self, rows: int) -> None:
         """An MTP pass's head and sampling; the pass is its own graph (CloudMatrix-Infer §4.2.4)."""
         self._add("head + sampling", self.cost.head(rows) + self.cost.sampling(rows))

@@ -114,17 +114,24 @@ class CostModel:
 
     # -- attention side -------------------------------------------------------------------------
     def mla_prolog(self, rows: int) -> float:
-        """MLAProlog (q/kv down and up projections, the absorbed W_UK) + W_UV and o_proj."""
+        """MLAProlog (q/kv down and up projections, the absorbed W_UK) + W_UV and o_proj. The
+        INT8 weights are those xDeepServe §4.7 names (W_q_a, W_kv_a, W_q_b, W_o); the absorbed
+        per-head W_UK and W_UV (W_kv_b's halves) are not among them: BF16 at the BF16 peak."""
         m = self.m
         qk = m.qk_nope_dim + m.qk_rope_dim
-        params = (
+        int8_params = (
             m.hidden * m.q_lora_rank
             + m.q_lora_rank * m.num_heads * qk
             + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-            + 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
             + m.num_heads * m.v_head_dim * m.hidden
         )
-        return self.gemm(rows, params)
+        absorbed = 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
+        bf16 = 0.0
+        if rows:
+            bf16 = self._roofline(
+                2.0 * rows * absorbed, absorbed * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
+            )
+        return self.gemm(rows, int8_params) + bf16
 
     def attention(self, seqs: list[tuple[int, int]]) -> float:
         """Absorbed MLA: seqs = (KV length, new rows) per sequence; each row scores and reads
@@ -155,6 +162,15 @@ class CostModel:
 
     def dense_ffn(self, rows: int) -> float:
         return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
+
+    def mtp_projection(self, rows: float) -> float:
+        """An MTP module's eh_proj: [normed embedding; normed hidden] (2 x hidden) -> hidden.
+        xDeepServe §4.7 quantizes MLA, MoE and MLP weights to INT8, not this one: BF16 weights
+        at the BF16 peak."""
+        params = 2.0 * self.m.hidden * self.m.hidden
+        return self._roofline(
+            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
+        )
 
     def head(self, rows: int) -> float:
         return self.gemm(rows, self.m.hidden * self.m.vocab_size)
@@ -202,6 +218,11 @@ class CostModel:
         nbytes = rows_back * self.row_bytes("combine")
         link = self.link("combine", persistent=persistent)
         return exchange_s(link, peers=peers, bytes_in=nbytes)
+
+    def start_wait(self, kind: str, *, peers: int) -> float:
+        """The part of a dispatch-like or combine-like call spent waiting for the last of
+        `peers` dies to start (stragglers: the fitted jitter), inside `dispatch`/`combine`."""
+        return wait_s(self.link(kind), peers)
 
     def expert_pull(self) -> float:
         """One routed expert's weights (SwiGLU, weight_bytes each) pulled over the UB from a

@@ -137,7 +137,21 @@ def _streams(x: LayerInputs, s0: CostModel, s1: CostModel) -> tuple[dict, float,
         "experts": typical_experts,
         "combine": combine + slowest_experts - typical_experts,  # waits for the hottest die
     }
-    primitives = {"dispatch": dispatch, "combine": combine}
+    # The waits, mean over dies minus the fastest call (a die's call lasts from its own start to
+    # the last peer's): the slowest DP group's attention over the mean's, the hottest expert
+    # die's experts over the typical die's, and the last die's start (stragglers).
+    mean_rows = tokens * m.top_k / n["routed_dies"]
+    intrinsic = s1.dispatch(mean_rows, peers=n["dies"], int8=cfg.xccl.use_int8)
+    primitives = {
+        "dispatch": dispatch,
+        "combine": combine,
+        "dispatch intrinsic": intrinsic - s1.start_wait("dispatch", peers=n["dies"]),
+        "combine intrinsic": combine - s1.start_wait("combine", peers=n["dies"]),
+        "dispatch wait": attn_max - attn_mean + s1.start_wait("dispatch", peers=n["dies"]),
+        "combine wait": slowest_experts
+        - typical_experts
+        + s1.start_wait("combine", peers=n["dies"]),
+    }
     return {**parts, "_primitives": primitives}, attn_max, sum(parts.values()) - attn_max
 
 

@@ -2,7 +2,9 @@
 
 An iteration is FlowServe's (xDeepServe §4.6, Figure 20): with MTP depth d, d MTP passes over
 the batch, then the main model over batch x (1 + d) rows, sampling after each, plus the scheduling
-bubble and one graph launch per pass unless the graphs are pipelined (CloudMatrix-Infer §4.2.4).
+bubble where the execution has one (xDeepServe §7.1: "the scheduling bubble between iterations
+adds around 2 ms"; CloudMatrix-Infer §4.2.4 runs its graphs back to back and states none) and
+one graph launch per pass unless the graphs are pipelined (CloudMatrix-Infer §4.2.4).
 Layers are sequential; within a layer the slowest die sets the pace (dispatch and combine are
 barriers): `imbalance` (xds_mpi/projection/imbalance.py) says how far the slowest attention and
 expert dies
@@ -36,11 +38,15 @@ class Execution:
     (CloudMatrix-Infer §4.2.3; afd deployments take their own microbatches); pipelined_graphs:
     graph launches hidden behind the previous graph (CloudMatrix-Infer §4.2.4); stream0_aic: the
     AIC of the attention stream where the paper states the split (§4.2.3: 16 of 24 at 4K, batch
-    96, MTP), None: the split that balances the two streams (§4.2.3: "adjusted adaptively")."""
+    96, MTP), None: the split that balances the two streams (§4.2.3: "adjusted adaptively");
+    scheduling_bubble: the host's gap between iterations is paid (the profile's
+    serving.scheduler_bubble_ms, xDeepServe §7.1); False where a source says the graphs run
+    back to back."""
 
     microbatches: int = 1
     pipelined_graphs: bool = False
     stream0_aic: int | None = None
+    scheduling_bubble: bool = True
 
 
 UNIFORM = Imbalance()
@@ -70,17 +76,30 @@ def project(
         cfg=cfg, cost=cost, n=n, batch=batch_per_die, kv_len=kv_len, imbalance=imbalance,
         microbatches=execution.microbatches, stream0_aic=execution.stream0_aic,
     )  # fmt: skip
-    spent = _passes_spent(cost, layer, inputs, mtp_depth=mtp_depth)
-    rows = slowest_batch(batch_per_die, imbalance) * (1 + mtp_depth)
-    spent["head + sampling"] = cost.head(rows) + cost.sampling(rows)
-    if not execution.pipelined_graphs:
-        spent["graph launch"] = hw.graph_launch_s * (1 + (mtp_depth if m.num_mtp_modules else 0))
-    spent["scheduling bubble"] = hw.bubble_s
+    batch = slowest_batch(batch_per_die, imbalance)
+    mtp = _mtp_pass(cost, layer, inputs, batch=batch, mtp_depth=mtp_depth, accept=accept_rate)
+    main = _pass_spent(
+        cost, layer, inputs, rows_per_seq=1 + mtp_depth,
+        num_moe=m.num_layers - m.num_dense_layers, num_dense=m.num_dense_layers,
+    )  # fmt: skip
+    rows = batch * (1 + mtp_depth)
+    main["head + sampling"] = cost.head(rows) + cost.sampling(rows)
+    spent = _merged(mtp, main)
+    num_mtp = mtp_depth if m.num_mtp_modules else 0
+    if not execution.pipelined_graphs:  # each pass is its own graph (CloudMatrix-Infer §4.2.4)
+        spent["graph launch"] = hw.graph_launch_s * (1 + num_mtp)
+        if num_mtp:
+            mtp["graph launch"] = hw.graph_launch_s * num_mtp
+    if execution.scheduling_bubble:
+        spent["scheduling bubble"] = hw.bubble_s
     iteration = sum(spent.values())
     tokens_per_step = 1 + mtp_depth * accept_rate
     num_chips = n["dies"] / cfg.hardware.dies_per_chip
     tokens = batch_per_die * n["attention"] * tokens_per_step
     _, primitives, parts = layer(LayerInputs(**inputs, rows_per_seq=1 + mtp_depth))
+    if num_mtp:  # one module's pass, all it pays
+        primitives["MTP pass"] = sum(mtp.values()) / num_mtp
+        parts["MTP pass"] = {k: v / num_mtp for k, v in mtp.items()}
     return Projection(
         iteration_s=iteration,
         tpot_s=iteration / tokens_per_step,
@@ -91,35 +110,59 @@ def project(
     )
 
 
-def _passes_spent(cost: CostModel, layer, inputs: dict, *, mtp_depth: int) -> dict[str, float]:
-    """Seconds per iteration of each operation in the layers of the MTP passes (one row per
-    sequence each) and of the main pass (1 + mtp_depth rows per sequence): MoE layers as the
-    deployment's `layer` prices them, dense layers alike in every deployment, at the slowest DP
+def _pass_spent(
+    cost: CostModel, layer, inputs: dict, *, rows_per_seq: float, num_moe: int, num_dense: int
+) -> dict[str, float]:
+    """Seconds of each operation in one pass over `rows_per_seq` rows per sequence: its MoE
+    layers as the deployment's `layer` prices them (and, where it has one, the last
+    microbatch's tail once), its dense layers alike in every deployment, at the slowest DP
     group's batch and KV length (the next MoE layer's dispatch waits for it)."""
-    m, imb = cost.m, inputs["imbalance"]
+    imb = inputs["imbalance"]
     batch, kv = slowest_batch(inputs["batch"], imb), inputs["kv_len"] * imb.kv
-    spent: dict[str, float] = {}
-    for kind, rows_per_seq, num_moe, num_dense in (
-        ("mtp", 1, m.num_mtp_modules and mtp_depth, 0),
-        ("main", 1 + mtp_depth, m.num_layers - m.num_dense_layers, m.num_dense_layers),
-    ):
+    parts, primitives, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
+    spent = {name: seconds * num_moe for name, seconds in parts.items()}
+    if num_moe and "tail" in primitives:  # once per pass: the last microbatch's way back
+        spent["last microbatch's tail"] = primitives["tail"]
+    if num_dense:
         rows = batch * rows_per_seq
-        parts, primitives, _ = layer(LayerInputs(**inputs, rows_per_seq=rows_per_seq))
-        for name, seconds in parts.items():
-            spent[name] = spent.get(name, 0.0) + seconds * num_moe
-        if num_moe and "tail" in primitives:  # once per pass: the last microbatch's way back
-            spent["last microbatch's tail"] = spent.get("last microbatch's tail", 0.0) + (
-                primitives["tail"] * (mtp_depth if kind == "mtp" else 1)
-            )
         dense = (
             cost.mla_prolog(rows)
             + cost.attention([(kv, rows_per_seq)] * batch)
             + cost.dense_ffn(rows)
         )
-        spent["dense layers"] = spent.get("dense layers", 0.0) + dense * num_dense
-        if kind == "mtp" and num_moe:
-            spent["MTP head"] = (cost.head(rows) + cost.sampling(rows)) * mtp_depth
+        spent["dense layers"] = dense * num_dense
     return spent
+
+
+def _mtp_pass(cost: CostModel, layer, inputs: dict, *, batch: int, mtp_depth: int,
+              accept: float) -> dict[str, float]:  # fmt: skip
+    """Seconds of each operation of the MTP passes (xDeepServe §4.6 steps 1-2, Figure 13): each
+    module runs its block over the tokens the previous step's verification committed, 1 +
+    the accepted drafts per sequence (CloudMatrix-Infer §4.2.4: an MTP module "requires the
+    sequence length determined after the previous LLM validation"; our engine's MTP does the
+    same, xds_mpi/engine/executor.py `_draft`), after its eh_proj over those rows; then it
+    drafts one token per sequence through the shared head and samples it."""
+    num_mtp = mtp_depth if cost.m.num_mtp_modules else 0
+    if not num_mtp:
+        return {}
+    rows_per_seq = 1 + mtp_depth * accept
+    spent = {
+        f"MTP {name}": seconds * num_mtp
+        for name, seconds in _pass_spent(
+            cost, layer, inputs, rows_per_seq=rows_per_seq, num_moe=1, num_dense=0
+        ).items()
+    }
+    spent["MTP eh_proj"] = cost.mtp_projection(batch * rows_per_seq) * num_mtp
+    spent["MTP head"] = (cost.head(batch) + cost.sampling(batch)) * num_mtp
+    return spent
+
+
+def _merged(*spent: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in spent:
+        for name, seconds in d.items():
+            out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def slowest_batch(batch: float, imbalance: Imbalance) -> int:
