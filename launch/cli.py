@@ -19,6 +19,7 @@ from launch import (
     hosts,
     project,
     run_report,
+    serve,
     submit,
     train,
 )
@@ -185,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_validate(sub)
     _add_run(sub)
+    serve.add_parser(sub, _add_config_args)
     bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     bench_cli.add_parsers(kinds)

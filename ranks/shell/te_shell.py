@@ -76,6 +76,28 @@ def run(ctx: RankContext) -> int:
     return 1 if serving and serving.mismatches else 0
 
 
+def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
+    """serve.enabled: the HTTP endpoint (ranks/shell/endpoint.py) listening, not ready yet,
+    fed by `frontend`; it shuts down on a signal or, at the latest, SHUTDOWN_MARGIN before
+    run.timeout_s (MPIEXEC_TIMEOUT) would kill the job."""
+    from ranks.shell.endpoint import Endpoint, EndpointFeed
+    from ranks.shell.openai_api import make_app
+    from ranks.shell.serve_metrics import ServeMetrics
+
+    metrics = ServeMetrics(ctx.cfg.serve.model)
+    dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
+    endpoint = Endpoint(
+        ctx.cfg.serve,
+        lambda e: make_app(e, ctx.cfg, metrics, dp_group_of),
+        ctx.log,
+    )
+    endpoint.start()
+    timeout_s = ctx.cfg.run.timeout_s
+    left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
+    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=time.monotonic() + left))
+    return endpoint
+
+
 def _write_trace(ctx: RankContext, path, traces: dict) -> None:
     """The shell's own events and the ranks' gathered `traces` beside the run file."""
     traces = {ctx.comm.rank: trace.take_events(), **traces}
@@ -137,8 +159,15 @@ class Serving:
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
+        endpoint = open_endpoint(ctx, frontend, started) if ctx.cfg.serve.enabled else None
         await_ready(ctx.comm, ctx.log, started=started, timeout_s=ctx.cfg.run.timeout_s)
-        frontend.serve()
+        if endpoint is not None:
+            endpoint.set_ready()  # GET /health: ok
+        try:
+            frontend.serve()
+        finally:
+            if endpoint is not None:
+                endpoint.close()
         if not frontend.has_failed_over():
             mem.free()  # collective over every rank: not after a failover (lost dies)
         alone.Free()

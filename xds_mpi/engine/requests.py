@@ -14,6 +14,7 @@ class Request:
     max_new_tokens: int
     arrival_s: float = 0.0  # seconds after the run starts
     problem: str = ""  # set when the request could not even be read
+    ignore_eos: bool = False  # generate max_new_tokens even past EOS (vLLM's extension)
 
 
 def kv_tokens_needed(req: Request, mtp_depth: int = 0) -> int:
