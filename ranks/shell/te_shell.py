@@ -11,6 +11,7 @@ that fails still writes one, with status "failed: <why>", before the error abort
 from __future__ import annotations
 
 import time
+from collections import Counter
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -122,6 +123,8 @@ class Serving:
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        if ctx.cfg.serve.enabled:
+            self._add_cancellations(ctx, frontend.reports)
         for record in self.failures:
             ctx.log.info(record.describe())
         self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
@@ -219,6 +222,29 @@ class Serving:
         )
         ctx.log.info(format_projection(self.summary))
 
+    def _add_cancellations(self, ctx: RankContext, die_reports: dict) -> None:
+        """serve: requests ended early (client gone, stop string, shutdown), and what the dies
+        say they dropped and freed."""
+        ended = [r for r in self.records.values() if r.cancelled and not r.rejected]
+        on_dies = {
+            key: sum(report.cancelled.get(key, 0) for report in die_reports.values())
+            for key in ("requests", "kv_blocks_freed")
+        }
+        self.summary.update(
+            num_cancelled=len(ended),
+            num_cancelled_on_dies=on_dies["requests"],
+            cancelled_kv_blocks_freed=on_dies["kv_blocks_freed"],
+        )
+        reasons = Counter(r.cancelled for r in ended)
+        ctx.log.info(
+            "serve: %d requests ended early (%s); the dies dropped %d of them and freed %d KV "
+            "blocks (the others had finished or not reached a die)",
+            len(ended),
+            ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())) or "none",
+            on_dies["requests"],
+            on_dies["kv_blocks_freed"],
+        )
+
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""
         from xds_mpi.engine.results import check_against_reference
@@ -230,6 +256,9 @@ class Serving:
             f"check: {num_requests} requests, {num_tokens} tokens, "
             f"{len(self.mismatches)} mismatches"
         )
+        cancelled = sum(1 for r in self.records.values() if r.cancelled and not r.rejected)
+        if cancelled:  # serve: ended early; their tokens are the reference's first ones
+            self.check_line += f"; {cancelled} of them ended early, compared as prefixes"
         lost = sorted(r for r, record in self.records.items() if record.lost)
         if lost:  # not checked: their KV went with a memory fault (ranks/recovery/memory.py)
             self.check_line += f"; {len(lost)} lost, not checked: {lost}"

@@ -197,6 +197,7 @@ def write_serving(
     group["reason"] = np.array(
         [r.rejected or r.lost or r.cancelled for r in ordered], dtype=h5py.string_dtype()
     )
+    group["arrival_s"] = np.array([r.req.arrival_s for r in ordered])  # after the run's start
     group["die_rank"] = np.array([r.die_rank for r in ordered], np.int64)
     group["prompt_len"] = np.array([len(r.req.prompt) for r in ordered], np.int64)
     group["num_tokens"] = np.array([len(r.tokens) for r in ordered], np.int64)
