@@ -14,6 +14,7 @@ import sys
 from launch import (
     bench_afd,
     bench_cli,
+    bench_endpoint,
     bench_serve,
     generate,
     hosts,
@@ -192,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parsers(kinds)
     bench_afd.add_parser(kinds)
     bench_serve.add_parser(kinds)
+    bench_endpoint.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

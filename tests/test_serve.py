@@ -12,6 +12,8 @@ import asyncio
 import http.client
 import json
 import re
+import shlex
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +21,7 @@ import h5py
 import numpy as np
 import openai
 import pytest
-from serve_harness import Server
+from serve_harness import ROOT, Server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -303,6 +305,19 @@ def test_client_disconnect_cancels_on_the_die(server):
     assert after == before + 1
     assert running == 0  # nothing left on a die: its KV reservation is back
     assert metric(server, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_docs_curl_example_streams(server):
+    """docs/serve.md's `curl -N` example, against this server (its address and key)."""
+    page = (ROOT / "docs/serve.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in page.splitlines() if ln.startswith("curl -N "))
+    argv = shlex.split(line.replace("http://127.0.0.1:8000", server.url))
+    argv += ["-H", f"Authorization: Bearer {KEY}", "--silent", "--max-time", "120"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=150, check=True).stdout
+    accepted()
+    events = [ln for ln in out.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_metrics_count_what_was_served(server):
