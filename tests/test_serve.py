@@ -328,9 +328,25 @@ def test_metrics_count_what_was_served(server):
 
 
 def test_shutdown_checks_every_request(server):
-    """SIGTERM: the TE-shell drains, stops every die, checks every request it took against the
-    single-process reference and writes them in the run file with their arrival times."""
-    output = server.stop()
+    """SIGTERM: the TE-shell drains (a stream open at the signal still gets all its tokens),
+    stops every die, checks every request it took against the single-process reference and
+    writes them in the run file with their arrival times."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), server.headers())
+    resp = conn.getresponse()
+    first = resp.readline()  # admitted, tokens flowing
+    with ThreadPoolExecutor(1) as pool:
+        stopping = pool.submit(server.stop)
+        rest = resp.read().decode()  # until the server ends the stream
+        output = stopping.result()
+    conn.close()
+    accepted()
+    events = [ln for ln in (first.decode() + rest).splitlines() if ln.startswith("data: {")]
+    assert json.loads(events[-1][6:])["usage"]["completion_tokens"] == 40
+    assert rest.rstrip().endswith("data: [DONE]")
+    assert "serve: no new requests; draining 1 open ones" in output
     assert server.proc.returncode == 0, output[-3000:]
     num_requests, num_tokens, mismatches = server.check_line()
     assert (num_requests, mismatches) == (ACCEPTED["requests"], 0)

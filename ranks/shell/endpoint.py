@@ -145,8 +145,9 @@ class Endpoint:
         if deltas and self.loop is not None:
             self.loop.call_soon_threadsafe(self._deliver, deltas)
 
-    def set_ready(self) -> None:
-        self.is_ready = True
+    def set_ready(self, is_ready: bool = True) -> None:
+        """Every die up (GET /health 200), or not (503: starting, failing over)."""
+        self.is_ready = is_ready
 
     def stop_accepting(self) -> None:
         self.is_accepting = False

@@ -105,7 +105,11 @@ class Frontend:
             ):
                 from ranks.recovery.scale_down import scale_down
 
+                if self.feed is not None:  # GET /health: 503 while failing over
+                    self.feed.endpoint.set_ready(False)
                 scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
+                if self.feed is not None:
+                    self.feed.endpoint.set_ready(True)
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline and self.feed is None:

@@ -164,7 +164,9 @@ class Api:
 
     async def health(self, _request: web.Request) -> web.Response:
         if not self.endpoint.is_ready:
-            return web.json_response({"status": "starting: not every die is up"}, status=503)
+            return web.json_response(
+                {"status": "not ready: dies starting, or a failover in progress"}, status=503
+            )
         if not self.endpoint.is_accepting:
             return web.json_response({"status": "shutting down"}, status=503)
         return web.json_response({"status": "ok"})
@@ -204,7 +206,7 @@ class Api:
     def _submit(self, job: Job) -> Stream:
         endpoint = self.endpoint
         if not endpoint.is_ready:
-            raise ApiError(503, "not ready: the dies are still starting (see GET /health)")
+            raise ApiError(503, "not ready: dies starting or failing over (see GET /health)")
         if not endpoint.is_accepting:
             raise ApiError(503, "shutting down: no new requests")
         if endpoint.num_open >= self.cfg.serve.max_queued:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ranks.core.context import RankContext
@@ -87,11 +88,8 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
 
     metrics = ServeMetrics(ctx.cfg.serve.model)
     dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
-    endpoint = Endpoint(
-        ctx.cfg.serve,
-        lambda e: make_app(e, ctx.cfg, metrics, dp_group_of),
-        ctx.log,
-    )
+    app = partial(make_app, cfg=ctx.cfg, metrics=metrics, dp_group_of=dp_group_of)
+    endpoint = Endpoint(ctx.cfg.serve, app, ctx.log)
     endpoint.start()
     timeout_s = ctx.cfg.run.timeout_s
     left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
