@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,11 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     path = resolve_config(args.config)
     plan = DeploymentPlan.build(load_config(path, sets), args.np)
     cfg = plan.cfg
-    if plan.pd is not None:
-        raise ConfigError(
-            "serve: a pd deployment (pd.enabled) is not served over HTTP yet; "
-            "serve a colocated or afd config"
-        )
+    _check_address(cfg.serve.host, cfg.serve.port)
     command = mpi_command(
         plan.topo.world_size,
         rank_program(path, sets),
@@ -62,6 +59,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S
         return _run(command.argv, env, Path(env[PID_FILE_ENV]), cfg.run.timeout_s, stop_after_s)
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuse before launch an address the TE-shell could not listen on."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"serve: cannot listen on {host}:{port} (serve.host, serve.port): {exc.strerror}"
+        ) from None
 
 
 def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float) -> int:
