@@ -4,6 +4,8 @@ its tokens and MTP steps with the reference's first ones."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from serve_harness import Server
 
@@ -34,3 +36,37 @@ def test_serve_and_check(tmp_path, args):
     assert server.check_line()[0::2] == (6, 0)
     assert "1 of them ended early, compared as prefixes" in output
     assert "the dies dropped 1 of them" in output
+
+
+DEAD_DIE = (
+    "faults.events=[{kind: dead, die: 2, iteration: 8}]",
+    "health.timeout_s=4",
+    "health.dp_interval_s=0.2",
+    "faults.on_timeout=recompute",
+    "xccl.poll_timeout_s=1",
+    "deployment.redundant_slots_per_die=4",
+    "health.replicas=ring",
+)
+
+
+@pytest.mark.timeout(600)
+def test_serve_through_a_dead_die(tmp_path):
+    """A die dies while the endpoint's requests run on it: the TE-shell scales down, re-prefills
+    its requests on the others, and every client still gets all its tokens, checked."""
+    server = Server(tmp_path, *(a for s in DEAD_DIE for a in ("--set", s)), timeout_s=400)
+    try:
+        server.wait_ready()
+
+        def one(i):
+            body = {"model": MODEL, "prompt": f"die {i}", "max_tokens": 24, "ignore_eos": True}
+            return server.post("/v1/completions", body)
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(one, range(12)))
+    finally:
+        output = server.stop()
+    assert [status for status, _ in answers] == [200] * 12
+    assert all(body["usage"]["completion_tokens"] == 24 for _, body in answers)
+    assert "failure dead on colocated die 2 at iteration 8: detected" in output
+    assert "vertical scaling: 4 -> 3 decode dies" in output
+    assert server.check_line() == (12, 12 * 24, 0)

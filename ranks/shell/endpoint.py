@@ -285,6 +285,14 @@ class EndpointFeed:
             m.failures.inc()
         self.num_detections = len(detections)
 
+    def took(self, batch) -> None:
+        """A TokenBatch the frontend took from a die (its timings go to /metrics)."""
+        self.batches.append(batch)
+
+    def failing_over(self, is_failing_over: bool) -> None:
+        """GET /health answers 503 while the dies rebuild without a lost one."""
+        self.endpoint.set_ready(not is_failing_over)
+
     def publish(self) -> None:
         touched, self.frontend.touched = self.frontend.touched, set()
         deltas = [self._delta(req_id) for req_id in sorted(touched)]

@@ -106,10 +106,10 @@ class Frontend:
                 from ranks.recovery.scale_down import scale_down
 
                 if self.feed is not None:  # GET /health: 503 while failing over
-                    self.feed.endpoint.set_ready(False)
+                    self.feed.failing_over(True)
                 scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
                 if self.feed is not None:
-                    self.feed.endpoint.set_ready(True)
+                    self.feed.failing_over(False)
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline and self.feed is None:
@@ -179,7 +179,7 @@ class Frontend:
             self.batches_from[batch.die_rank] += 1
             self.vclock_of[batch.die_rank] = batch.vclock_s
             if self.feed is not None:
-                self.feed.batches.append(batch)  # for /metrics
+                self.feed.took(batch)  # for /metrics
             for req_id, token, is_finished in batch.tokens:
                 record = self.records[req_id]
                 if record.cancelled:
@@ -267,8 +267,9 @@ class Frontend:
         record = self.records[req_id]
         if record.finished_at or record.rejected:
             return  # finished before the cancel came
-        if record.die_rank < 0:
-            self.queue.remove(record.req)
+        queued = next((req for req in self.queue if req.req_id == req_id), None)
+        if queued is not None:  # not dispatched (or readmitted after its die was lost)
+            self.queue.remove(queued)
         else:
             self.balancer.on_complete(req_id)
             self.sends.append(self.comm.isend(req_id, dest=record.die_rank, tag=TAG_CANCEL))
