@@ -221,7 +221,10 @@ class Endpoint:
         )
         try:
             self.loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+            # A burst of max_queued clients connecting at once must fit the accept queue
+            # (aiohttp's default is 128), even while the serving loop holds the GIL.
+            backlog = max(128, 2 * self.cfg.max_queued)
+            site = web.TCPSite(runner, self.cfg.host, self.cfg.port, backlog=backlog)
             self.loop.run_until_complete(site.start())
             self.port = runner.addresses[0][1]
         except OSError as exc:
