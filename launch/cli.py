@@ -14,12 +14,14 @@ import sys
 from launch import (
     bench_afd,
     bench_cli,
+    bench_endpoint,
     bench_serve,
     generate,
     hosts,
     project,
     quantize,
     run_report,
+    serve,
     submit,
     train,
 )
@@ -197,11 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_validate(sub)
     _add_run(sub)
+    serve.add_parser(sub, _add_config_args)
     bench = sub.add_parser("bench", help="benchmarks (ratios against raw MPI in the same run)")
     kinds = bench.add_subparsers(dest="kind", required=True, metavar="KIND")
     bench_cli.add_parsers(kinds)
     bench_afd.add_parser(kinds)
     bench_serve.add_parser(kinds)
+    bench_endpoint.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

@@ -9,6 +9,8 @@ TAG_HELLO, TAG_VERDICT = 101, 102
 TAG_READY = 103
 # TE-shell <-> dies (ranks/core/messages.py).
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
+# TE-shell -> die: drop a request and free its KV (serve: its client went away).
+TAG_CANCEL = 206
 # Prefill-decode disaggregation (ranks/core/pd_messages.py, ranks/pd/faults.py).
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
 TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216

@@ -65,7 +65,8 @@ class AttentionDie(AfdDieBase):
             return True
         sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
-        self.executor.commit({e.req_id for e in emitted if e.is_finished})
+        finished = {e.req_id for e in emitted if e.is_finished}
+        self.executor.commit(finished | self.inbox.take_cancelled())
         self.emit(emitted, timing)  # the output shortcut
         return True
 
@@ -102,4 +103,4 @@ class AttentionDie(AfdDieBase):
         self.outbox.drain()
 
     def totals(self) -> DieTotals:
-        return decode_totals(self.executor, self.pricer, self.recompute)
+        return decode_totals(self.executor, self.pricer, self.recompute, self.scheduler)

@@ -153,7 +153,8 @@ class ColocatedDie(DecodeDieLoop):
         )  # §4.5 Step 3: replica swap phases, at a boundary all agree on
         sampled, timing = self.iteration()  # re-executed after a transient fault
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
-        self.executor.commit({e.req_id for e in emitted if e.is_finished})
+        finished = {e.req_id for e in emitted if e.is_finished}
+        self.executor.commit(finished | self.inbox.take_cancelled())
         self.emit(emitted, timing)  # the output shortcut
         self.eplb.after_iteration()  # §4.5 Step 1: expert counts to the TE-shell every interval
         return True
@@ -190,7 +191,7 @@ class ColocatedDie(DecodeDieLoop):
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report
-        return decode_totals(self.executor, self.pricer, self.recompute)
+        return decode_totals(self.executor, self.pricer, self.recompute, self.scheduler)
 
     def drain(self) -> None:
         self.outbox.drain()

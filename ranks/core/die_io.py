@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from mpi4py import MPI
 
 from ranks.core.messages import (
     SHELL,
+    TAG_CANCEL,
     TAG_REPORT,
     TAG_REQUEST,
     TAG_STOP,
@@ -34,6 +35,7 @@ class DieTotals:
     num_iterations: int
     virtual_spent: dict[str, float]
     recovery: dict
+    cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed
 
 
 class DecodeDie(Protocol):
@@ -67,7 +69,9 @@ def serve(die: DecodeDie) -> None:
         die.leave()
         return
     totals = die.totals()
-    die.outbox.report(totals.num_iterations, totals.virtual_spent, totals.recovery)
+    die.outbox.report(
+        totals.num_iterations, totals.virtual_spent, totals.recovery, totals.cancelled
+    )
     send_trace(die.outbox.comm, timeout_s=die.outbox.timeout_s)
     die.close()
 
@@ -76,19 +80,34 @@ class Inbox:
     def __init__(self, comm: MPI.Comm, scheduler: DieScheduler) -> None:
         self.comm, self.scheduler = comm, scheduler
         self.is_stopped = False
+        self.cancelled: set[int] = set()  # dropped since the last `take_cancelled`
+        self.early_cancels: set[int] = set()  # cancels whose request has not been seen here
 
     def poll(self) -> None:
-        """Take every request that has arrived; note a stop."""
+        """Take every request that has arrived, drop the cancelled ones; note a stop."""
+        while (message := self.comm.improbe(source=SHELL, tag=TAG_CANCEL)) is not None:
+            self.early_cancels.add(message.recv())
         while (message := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
             req = message.recv()
             with trace.span("request", req_id=req.req_id):
                 trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell's dispatch
                 self.scheduler.add(req)
+        # MPI orders messages of one tag only: a cancel may be matched before its request.
+        # It waits for it here (one that came after its request finished waits for ever: an id).
+        for req_id in list(self.early_cancels):
+            if self.scheduler.cancel(req_id):
+                self.early_cancels.discard(req_id)
+                self.cancelled.add(req_id)
         if not self.is_stopped:
             message = self.comm.improbe(source=SHELL, tag=TAG_STOP)
             if message is not None:
                 message.recv()
                 self.is_stopped = True
+
+    def take_cancelled(self) -> set[int]:
+        """The requests dropped since the last call (the executor forgets their MTP state)."""
+        taken, self.cancelled = self.cancelled, set()
+        return taken
 
 
 class Outbox:
@@ -98,11 +117,13 @@ class Outbox:
         self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
         self.num_iterations = 0
         self.num_batches = 0  # token batches sent (vertical scaling waits for all of them)
+        self.vclock_s = 0.0  # the die's 910C virtual clock: its iterations' vtime_s summed
 
     def stream(self, emitted: list[Emitted], timing: IterationTiming) -> None:
         """Send this iteration's tokens, with the MTP drafts each decode step verified, straight
         to the TE-shell (the output shortcut)."""
         self.num_iterations += 1
+        self.vclock_s += timing.vtime_s
         for name in self.timings:
             self.timings[name].append(getattr(timing, name))
         if emitted:
@@ -112,13 +133,20 @@ class Outbox:
                 wall_time=time.time(),
                 tokens=tuple((e.req_id, e.token, e.is_finished) for e in emitted),
                 steps=tuple(e.step for e in emitted if e.step),
+                vclock_s=self.vclock_s,
+                iteration_s=timing.total_s,
+                xccl_s=timing.xccl_s,
             )
             self.pending.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
             self.num_batches += 1
         self.pending = [r for r in self.pending if not r.Test()]
 
     def report(
-        self, num_iterations: int, virtual_spent: dict[str, float], recovery: dict | None = None
+        self,
+        num_iterations: int,
+        virtual_spent: dict[str, float],
+        recovery: dict | None = None,
+        cancelled: dict | None = None,
     ) -> None:
         report = DieReport(
             die_rank=self.rank,
@@ -126,6 +154,7 @@ class Outbox:
             timings=self.timings,
             virtual_spent=virtual_spent,
             recovery=recovery or {},
+            cancelled=cancelled or {},
         )
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 

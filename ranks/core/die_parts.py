@@ -75,10 +75,14 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None, pro
     return AfdPricer(cost, cfg.model, clock, hops=hops, num_routed_slots_here=here, **args)
 
 
-def decode_totals(executor, pricer, recompute) -> DieTotals:
+def decode_totals(executor, pricer, recompute, scheduler) -> DieTotals:
     """A decode die's totals for its report (collective: the fault count sums over the dies)."""
     return DieTotals(
         num_iterations=executor.num_iterations,
         virtual_spent=pricer.snapshot(),
         recovery=recompute.report(),
+        cancelled={
+            "requests": scheduler.num_cancelled,
+            "kv_blocks_freed": scheduler.num_cancelled_blocks,
+        },
     )

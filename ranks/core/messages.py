@@ -1,6 +1,7 @@
 """Control-plane messages between the TE-shell and the dies (the VPC plane: two-sided MPI).
 
-TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle).
+TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle),
+TAG_CANCEL (a req_id: drop it and free its KV; serve's cancelled requests).
 die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_REPORT (DieReport, once at
 the end).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xds_mpi.engine.scheduler import VerifiedDrafts
-from xds_mpi.tags import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
+from xds_mpi.tags import TAG_CANCEL, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
 
 SHELL = 0  # the TE-shell's rank
 JE = SHELL  # PD: the job executor takes the TE-shell's place (the decode TE-shell is rank 1)
@@ -25,6 +26,9 @@ class TokenBatch:
     wall_time: float  # time.time() on the die when sampled
     tokens: tuple[tuple[int, int, bool], ...]
     steps: tuple[VerifiedDrafts, ...] = ()  # the decode steps that sampled them, in order
+    vclock_s: float = 0.0  # the die's 910C virtual clock after the iteration (sum of vtime_s)
+    iteration_s: float = 0.0  # the iteration's wall time (IterationTiming.total_s)
+    xccl_s: float = 0.0  # of which dispatch + combine, waiting for peers included
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,3 +42,4 @@ class DieReport:
     recovery: dict = field(
         default_factory=dict
     )  # token recomputation (ranks/recovery/recompute.py)
+    cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed

@@ -10,7 +10,14 @@ from mpi4py import MPI
 
 from ranks.afd.load_io import gather_loads
 from ranks.core.context import RankContext
-from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS, DieReport
+from ranks.core.messages import (
+    TAG_CANCEL,
+    TAG_REPORT,
+    TAG_REQUEST,
+    TAG_STOP,
+    TAG_TOKENS,
+    DieReport,
+)
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector
 from ranks.recovery.memory import MemoryLosses
@@ -49,7 +56,12 @@ class Frontend:
         self.groups = decode_groups(ctx.topo)
         self.records: dict[int, RequestRecord] = {}
         self.queue: deque = deque()
-        for req in load_workload(cfg):
+        # With serve.enabled the requests come from the HTTP endpoint (ranks/shell/endpoint.py)
+        # instead of the workload section, until shutdown.
+        self.feed = None
+        self.touched: set[int] = set()  # requests with news for the endpoint this turn
+        self.vclock_of: dict[int, float] = {}  # die rank -> its virtual clock, last batch
+        for req in () if cfg.serve.enabled else load_workload(cfg):
             reason = rejection(req, cfg)
             self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
             if reason:
@@ -85,18 +97,24 @@ class Frontend:
         self.started = time.time()
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         progress = Progress(self.log)
-        while self.num_open:
+        while self.num_open or (self.feed is not None and self.feed.is_open):
             did_work = self._dispatch_arrived() + self.take_tokens() + self.eplb.poll()
             did_work += self._end_lost()
+            if self.feed is not None:
+                did_work += self.feed.turn()  # endpoint requests in, their tokens out
             if self.detector is not None and (
                 loss := self.detector.poll(self.records, self.started)
             ):
                 from ranks.recovery.scale_down import scale_down
 
+                if self.feed is not None:  # GET /health: 503 while failing over
+                    self.feed.failing_over(True)
                 scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
+                if self.feed is not None:
+                    self.feed.failing_over(False)
             if progress.is_due():
                 progress.show(self.progress())
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and self.feed is None:
                 raise WaitTimeout(
                     f"TE-shell: {self.num_open} requests unfinished after "
                     f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})"
@@ -154,6 +172,7 @@ class Frontend:
             self.balancer.on_dispatch(group, req)
             record = self.records[req.req_id]
             record.die_rank, record.dispatched_at = group, time.time()
+            record.dispatched_vtime = self.vclock_of.get(group, 0.0)
             with trace.span("request", req_id=req.req_id, die=group):
                 trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
                 self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
@@ -165,11 +184,18 @@ class Frontend:
         while (message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_TOKENS)) is not None:
             batch = message.recv()
             for step in batch.steps:
-                self.records[step.req_id].add_step(step.drafts, step.num_accepted)
+                if not self.records[step.req_id].cancelled:
+                    self.records[step.req_id].add_step(step.drafts, step.num_accepted)
             self.batches_from[batch.die_rank] += 1
+            self.vclock_of[batch.die_rank] = batch.vclock_s
+            if self.feed is not None:
+                self.feed.took(batch)  # for /metrics
             for req_id, token, is_finished in batch.tokens:
                 record = self.records[req_id]
-                record.add_token(token, batch.wall_time)
+                if record.cancelled:
+                    continue  # sampled before the die took the cancel
+                record.add_token(token, batch.wall_time, batch.vclock_s)
+                self.touched.add(req_id)
                 if is_finished:
                     record.finished_at = batch.wall_time
                     self.balancer.on_complete(req_id)
@@ -191,7 +217,7 @@ class Frontend:
         while any(self.batches_from[g] < n for g, n in expected.items()):
             if not self.take_tokens():
                 time.sleep(0.0005)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and self.feed is None:
                 missing = {g: n - self.batches_from[g] for g, n in expected.items()}
                 raise WaitTimeout(
                     f"{type(self).__name__}: failover: token batches still missing after "
@@ -220,8 +246,57 @@ class Frontend:
         for req_id in req_ids:
             record = self.records[req_id]
             record.lost, record.finished_at = reason, time.time()
+            self.touched.add(req_id)
             self.balancer.on_complete(req_id)
             self.num_open -= 1
+
+    def attach(self, feed) -> None:
+        """Serve the endpoint's requests (ranks/shell/endpoint.py EndpointFeed) until it
+        closes."""
+        self.feed = feed
+
+    def admit(self, req, arrived_at: float) -> None:
+        """A request from the endpoint (ranks/shell/endpoint.py), arrived at wall time
+        `arrived_at`: queued like the workload's, or ended at once when it cannot be served."""
+        from dataclasses import replace
+
+        req = replace(req, arrival_s=arrived_at - self.started)
+        reason = rejection(req, self.ctx.cfg)
+        self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
+        if reason:  # the endpoint checks first; this one is the last word
+            self.records[req.req_id].cancelled = f"rejected: {reason}"
+            self.touched.add(req.req_id)
+            return
+        self.queue.append(req)  # arrivals come in order
+        self.num_open += 1
+
+    def cancel(self, req_id: int, reason: str) -> None:
+        """End an open request now (its client went away, a stop string, shutdown): out of the
+        queue, or its die told to drop it and free its KV blocks (TAG_CANCEL). Its tokens so far
+        stay in the record; --check compares them with the reference's first ones."""
+        record = self.records[req_id]
+        if record.finished_at or record.rejected:
+            return  # finished before the cancel came
+        queued = next((req for req in self.queue if req.req_id == req_id), None)
+        if queued is not None:  # not dispatched (or readmitted after its die was lost)
+            self.queue.remove(queued)
+        else:
+            self.balancer.on_complete(req_id)
+            self.sends.append(self.comm.isend(req_id, dest=record.die_rank, tag=TAG_CANCEL))
+        record.cancelled, record.finished_at = reason, time.time()
+        self.num_open -= 1
+        self.touched.add(req_id)
+
+    def open_requests(self) -> list[int]:
+        """Requests admitted and not finished, queued or on a die."""
+        return [
+            r for r, record in self.records.items() if not (record.finished_at or record.rejected)
+        ]
+
+    def projected_times(self, req_id: int) -> tuple[float, float]:
+        """(TTFT, TPOT) of `req_id` on the dies' 910C virtual clocks, seconds (nan: not yet)."""
+        record = self.records[req_id]
+        return record.projected_ttft_s(), record.projected_tpot_s()
 
     def progress(self) -> Snapshot:
         served = [r for r in self.records.values() if not r.rejected]

@@ -11,7 +11,9 @@ that fails still writes one, with status "failed: <why>", before the error abort
 from __future__ import annotations
 
 import time
+from collections import Counter
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ranks.core.context import RankContext
@@ -76,6 +78,25 @@ def run(ctx: RankContext) -> int:
     return 1 if serving and serving.mismatches else 0
 
 
+def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
+    """serve.enabled: the HTTP endpoint (ranks/shell/endpoint.py) listening, not ready yet,
+    fed by `frontend`; it shuts down on a signal or, at the latest, SHUTDOWN_MARGIN before
+    run.timeout_s (MPIEXEC_TIMEOUT) would kill the job."""
+    from ranks.shell.endpoint import Endpoint, EndpointFeed
+    from ranks.shell.openai_api import make_app
+    from ranks.shell.serve_metrics import ServeMetrics
+
+    metrics = ServeMetrics(ctx.cfg.serve.model)
+    dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
+    app = partial(make_app, cfg=ctx.cfg, metrics=metrics, dp_group_of=dp_group_of)
+    endpoint = Endpoint(ctx.cfg.serve, app, ctx.log)
+    endpoint.start()
+    timeout_s = ctx.cfg.run.timeout_s
+    left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
+    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=time.monotonic() + left))
+    return endpoint
+
+
 def _write_trace(ctx: RankContext, path, traces: dict) -> None:
     """The shell's own events and the ranks' gathered `traces` beside the run file."""
     traces = {ctx.comm.rank: trace.take_events(), **traces}
@@ -102,6 +123,8 @@ class Serving:
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
         self._add_slo(ctx)
+        if ctx.cfg.serve.enabled:
+            self._add_cancellations(ctx, frontend.reports)
         for record in self.failures:
             ctx.log.info(record.describe())
         self.eplb = frontend.eplb.report() if ctx.cfg.eplb.enabled else None
@@ -139,8 +162,15 @@ class Serving:
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
+        endpoint = open_endpoint(ctx, frontend, started) if ctx.cfg.serve.enabled else None
         await_ready(ctx.comm, ctx.log, started=started, timeout_s=ctx.cfg.run.timeout_s)
-        frontend.serve()
+        if endpoint is not None:
+            endpoint.set_ready()  # GET /health: ok
+        try:
+            frontend.serve()
+        finally:
+            if endpoint is not None:
+                endpoint.close()
         if not frontend.has_failed_over():
             mem.free()  # collective over every rank: not after a failover (lost dies)
         alone.Free()
@@ -237,6 +267,29 @@ class Serving:
         ub = planes(load_profile(ctx.cfg.hardware.profile))
         return request_times(self.records, self.started, pricer, cached=cached, pool=ub["UB"])
 
+    def _add_cancellations(self, ctx: RankContext, die_reports: dict) -> None:
+        """serve: requests ended early (client gone, stop string, shutdown), and what the dies
+        say they dropped and freed."""
+        ended = [r for r in self.records.values() if r.cancelled and not r.rejected]
+        on_dies = {
+            key: sum(report.cancelled.get(key, 0) for report in die_reports.values())
+            for key in ("requests", "kv_blocks_freed")
+        }
+        self.summary.update(
+            num_cancelled=len(ended),
+            num_cancelled_on_dies=on_dies["requests"],
+            cancelled_kv_blocks_freed=on_dies["kv_blocks_freed"],
+        )
+        reasons = Counter(r.cancelled for r in ended)
+        ctx.log.info(
+            "serve: %d requests ended early (%s); the dies dropped %d of them and freed %d KV "
+            "blocks (the others had finished or not reached a die)",
+            len(ended),
+            ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())) or "none",
+            on_dies["requests"],
+            on_dies["kv_blocks_freed"],
+        )
+
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""
         from xds_mpi.engine.results import check_against_reference
@@ -253,6 +306,9 @@ class Serving:
             f"check: {num_requests} requests, {num_tokens} tokens, "
             f"{len(self.mismatches)} mismatches"
         )
+        cancelled = sum(1 for r in self.records.values() if r.cancelled and not r.rejected)
+        if cancelled:  # serve: ended early; their tokens are the reference's first ones
+            self.check_line += f"; {cancelled} of them ended early, compared as prefixes"
         lost = sorted(r for r, record in self.records.items() if record.lost)
         if lost:  # not checked: their KV went with a memory fault (ranks/recovery/memory.py)
             self.check_line += f"; {len(lost)} lost, not checked: {lost}"

@@ -1,7 +1,7 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model`, `faults`, `health`, `eplb`, `pd` and `emulator` are declared in `xds_mpi.config_*`
+`model`, `faults`, `health`, `eplb`, `pd`, `emulator` and `serve` are declared in `xds_mpi.config_*`
 modules); each section checks its own constraints, naming the numbers involved. Reading YAML,
 `--set` overrides, unknown keys and value types are `xds_mpi.config.loader`'s. What a config
 implies across sections (rank map, layouts, window sizes) and whether it can run is
@@ -35,6 +35,7 @@ from xds_mpi.config.loader import (  # noqa: F401
 )
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.config.pd import PdConfig
+from xds_mpi.config.serve import ServeConfig
 from xds_mpi.config.trace import TraceConfig
 
 
@@ -294,6 +295,7 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -114,7 +114,7 @@ class PrefillScheduler(DieScheduler):
             seq = self.running.pop(req_id)
             token = out.tokens[0]
             is_finished = seq.req.max_new_tokens == 1 or (
-                token == self.eos_id and not self.ignore_eos
+                token == self.eos_id and not (self.ignore_eos or seq.req.ignore_eos)
             )
             seq.tokens.append(token)
             seq.num_generated = 1

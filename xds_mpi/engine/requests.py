@@ -14,6 +14,7 @@ class Request:
     max_new_tokens: int
     arrival_s: float = 0.0  # seconds after the run starts
     problem: str = ""  # set when the request could not even be read
+    ignore_eos: bool = False  # generate max_new_tokens even past EOS (vLLM's extension)
     # A trace replay's request (xds_mpi/engine/trace_replay.py; 0 and () otherwise): the trace's
     # own lengths, which the projection prices, the served ones being scaled down; its line; the
     # trace's id of each prompt block (equal ids: equal blocks, so a shared prefix).

@@ -23,19 +23,34 @@ class RequestRecord:
     req: Request
     rejected: str = ""  # the reason, for a rejected request
     lost: str = ""  # the reason, for a request a failure ended (its KV lost to a memory fault)
+    # the reason, for a request ended early (serve: its client went away, a stop string,
+    # shutdown): its tokens are the reference's first ones
+    cancelled: str = ""
     die_rank: int = -1
     dispatched_at: float = 0.0  # wall clock (time.time())
+    dispatched_vtime: float = 0.0  # its die's virtual clock (seconds) then, as last reported
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    token_vtimes: list[float] = field(default_factory=list)  # the die's virtual clock, seconds
     finished_at: float = 0.0
     # With MTP, per decode step (the first verifies the prefill's MTP drafts): the drafts it
     # verified and how many the main model accepted, before the cut at max_new_tokens or EOS.
     step_drafts: list[tuple[int, ...]] = field(default_factory=list)
     step_accepted: list[int] = field(default_factory=list)
 
-    def add_token(self, token: int, wall_time: float) -> None:
+    def add_token(self, token: int, wall_time: float, vtime: float = float("nan")) -> None:
         self.tokens.append(token)
         self.token_times.append(wall_time)
+        self.token_vtimes.append(vtime)
+
+    def projected_ttft_s(self) -> float:
+        """Dispatch to first token on its die's 910C virtual clock (nan before one)."""
+        return self.token_vtimes[0] - self.dispatched_vtime if self.token_vtimes else float("nan")
+
+    def projected_tpot_s(self) -> float:
+        if len(self.token_vtimes) < 2:
+            return float("nan")
+        return (self.token_vtimes[-1] - self.token_vtimes[0]) / (len(self.token_vtimes) - 1)
 
     def add_step(self, drafts: tuple[int, ...], num_accepted: int) -> None:
         self.step_drafts.append(tuple(drafts))
@@ -92,18 +107,19 @@ def check_against_reference(
     from xds_mpi.model.weights import build_model
 
     model = build_model(cfg.model)
-    by_length: dict[int, list[RequestRecord]] = defaultdict(list)
+    by_length: dict[tuple[int, bool], list[RequestRecord]] = defaultdict(list)
     for record in records.values():
         if not record.rejected and not record.lost:  # the lost are counted apart, by name
-            by_length[record.req.max_new_tokens].append(record)
+            ignore_eos = cfg.workload.ignore_eos or record.req.ignore_eos
+            by_length[record.req.max_new_tokens, ignore_eos].append(record)
     mismatches, num_requests, num_tokens = [], 0, 0
     wire = Wire.for_config(cfg)
-    for max_new, group in sorted(by_length.items()):
+    for (max_new, ignore_eos), group in sorted(by_length.items()):
         options = GenerateOptions(
             max_new_tokens=max_new,
             mtp_depth=cfg.scheduler.mtp_depth,
             use_int8=cfg.xccl.use_int8,
-            ignore_eos=cfg.workload.ignore_eos,
+            ignore_eos=ignore_eos,
             block_tokens=cfg.scheduler.kv_block_tokens,
             kv_int8=cfg.scheduler.kv_int8,
             row_dtype=wire.row_dtype,
@@ -112,6 +128,8 @@ def check_against_reference(
         outputs = ReferenceGenerator(model, options).generate([list(r.req.prompt) for r in group])
         for record, out in zip(group, outputs):
             num_requests += 1
+            if record.cancelled:  # ended early: its tokens are the reference's first ones
+                out = out.cut(len(record.tokens), len(record.step_drafts))
             num_tokens += len(out.tokens)
             found = (
                 token_mismatch(record, out),
@@ -174,10 +192,13 @@ def write_serving(
     group = f.create_group("requests")
     group["req_id"] = np.array([r.req.req_id for r in ordered], np.int64)
     group["status"] = np.array(
-        ["rejected" if r.rejected else "lost" if r.lost else "done" for r in ordered],
+        [request_status(r) for r in ordered],
         dtype=h5py.string_dtype(),
     )
-    group["reason"] = np.array([r.rejected or r.lost for r in ordered], dtype=h5py.string_dtype())
+    group["reason"] = np.array(
+        [r.rejected or r.lost or r.cancelled for r in ordered], dtype=h5py.string_dtype()
+    )
+    group["arrival_s"] = np.array([r.req.arrival_s for r in ordered])  # after the run's start
     group["die_rank"] = np.array([r.die_rank for r in ordered], np.int64)
     group["prompt_len"] = np.array([len(r.req.prompt) for r in ordered], np.int64)
     group["num_tokens"] = np.array([len(r.tokens) for r in ordered], np.int64)
@@ -196,6 +217,12 @@ def write_serving(
             die[name] = np.asarray(values)
         die.attrs.update((die_recovery or {}).get(rank, {}))
     f.create_group("summary").attrs.update(summary)
+
+
+def request_status(r: RequestRecord) -> str:
+    if r.rejected:
+        return "rejected"
+    return "lost" if r.lost else "cancelled" if r.cancelled else "done"
 
 
 def write_vlen(group: h5py.Group, name: str, rows: list[list[int]]) -> None:

@@ -98,6 +98,8 @@ class DieScheduler:
     waiting: deque = field(default_factory=deque)
     running: dict = field(default_factory=dict)  # req_id -> Sequence
     reserved_blocks: int = 0
+    num_cancelled: int = 0  # requests the TE-shell cancelled (serve)
+    num_cancelled_blocks: int = 0  # KV blocks they held, freed
 
     @property
     def num_active(self) -> int:
@@ -113,6 +115,19 @@ class DieScheduler:
         self.table.free(req_id)
         self.reserved_blocks -= self._blocks(seq.req)
         return seq
+
+    def cancel(self, req_id: int) -> bool:
+        """Drop a request the TE-shell cancelled, waiting or running (its KV blocks freed);
+        False when it is not here (not arrived yet, or finished)."""
+        if req_id in self.running:
+            self.num_cancelled_blocks += len(self.table.blocks(req_id))
+            self.drop(req_id)
+        elif any(req.req_id == req_id for req in self.waiting):
+            self.waiting = deque(req for req in self.waiting if req.req_id != req_id)
+        else:
+            return False
+        self.num_cancelled += 1
+        return True
 
     def _blocks(self, req: Request) -> int:
         return -(-kv_tokens_needed(req, self.mtp_depth) // self.table.block_tokens)
@@ -182,13 +197,14 @@ class DieScheduler:
             )
             self.table.truncate(req_id, len(seq.tokens) - 1 + len(out.tokens))
             tokens = out.tokens[: seq.req.max_new_tokens - seq.num_generated]
-            if not self.ignore_eos and self.eos_id in tokens:
+            ignore_eos = self.ignore_eos or seq.req.ignore_eos
+            if not ignore_eos and self.eos_id in tokens:
                 tokens = tokens[: tokens.index(self.eos_id) + 1]
             seq.tokens.extend(tokens)
             seq.num_generated += len(tokens)
             seq.drafts = out.drafts
             is_finished = seq.num_generated >= seq.req.max_new_tokens or (
-                tokens[-1] == self.eos_id and not self.ignore_eos
+                tokens[-1] == self.eos_id and not ignore_eos
             )
             if is_finished:
                 self.drop(req_id)

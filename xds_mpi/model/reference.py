@@ -12,6 +12,7 @@ only and are kept; entries past that were drafted from drafts and are recomputed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,16 @@ class RequestOutput:
     # it verified and how many were accepted, before the cut at max_new_tokens or EOS.
     step_drafts: tuple[tuple[int, ...], ...] = ()
     step_accepted: tuple[int, ...] = ()
+
+    def cut(self, num_tokens: int, num_steps: int) -> RequestOutput:
+        """The output as if it had ended after `num_tokens` tokens and `num_steps` decode
+        steps (a request cancelled part way: serve's client gone, a stop string)."""
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens[:num_tokens],
+            step_drafts=self.step_drafts[:num_steps],
+            step_accepted=self.step_accepted[:num_steps],
+        )
 
 
 @dataclass(kw_only=True)

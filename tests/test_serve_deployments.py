@@ -1,0 +1,72 @@
+"""`xds-mpi serve` on the other decode paths: afd (attention and expert dies) and colocated with
+MTP depth 2. A request a stop string ends early is dropped on its die, and --check compares
+its tokens and MTP steps with the reference's first ones."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from serve_harness import Server
+
+MODEL = "xds-tiny"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "args", [("afd",), ("--set", "scheduler.mtp_depth=2")], ids=["afd", "colocated-mtp2"]
+)
+def test_serve_and_check(tmp_path, args):
+    server = Server(tmp_path, *args, timeout_s=400)
+    try:
+        server.wait_ready()
+        body = {"model": MODEL, "prompt": "the pod", "max_tokens": 40, "ignore_eos": True}
+        status, whole = server.post("/v1/completions", body)
+        assert status == 200, whole
+        text = whole["choices"][0]["text"]
+        stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip())
+        status, cut = server.post("/v1/completions", {**body, "stop": stop})
+        assert status == 200 and cut["choices"][0]["text"] == text[: text.index(stop)]
+        for i in range(4):
+            prompt = {"model": MODEL, "prompt": f"request {i}", "max_tokens": 8 + i}
+            assert server.post("/v1/completions", prompt)[0] == 200
+    finally:
+        output = server.stop()
+    assert server.proc.returncode == 0, output[-3000:]
+    assert server.check_line()[0::2] == (6, 0)
+    assert "1 of them ended early, compared as prefixes" in output
+    assert "the dies dropped 1 of them" in output
+
+
+DEAD_DIE = (
+    "faults.events=[{kind: dead, die: 2, iteration: 8}]",
+    "health.timeout_s=4",
+    "health.dp_interval_s=0.2",
+    "faults.on_timeout=recompute",
+    "xccl.poll_timeout_s=1",
+    "deployment.redundant_slots_per_die=4",
+    "health.replicas=ring",
+)
+
+
+@pytest.mark.timeout(600)
+def test_serve_through_a_dead_die(tmp_path):
+    """A die dies while the endpoint's requests run on it: the TE-shell scales down, re-prefills
+    its requests on the others, and every client still gets all its tokens, checked."""
+    server = Server(tmp_path, *(a for s in DEAD_DIE for a in ("--set", s)), timeout_s=400)
+    try:
+        server.wait_ready()
+
+        def one(i):
+            body = {"model": MODEL, "prompt": f"die {i}", "max_tokens": 24, "ignore_eos": True}
+            return server.post("/v1/completions", body)
+
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(one, range(12)))
+    finally:
+        output = server.stop()
+    assert [status for status, _ in answers] == [200] * 12
+    assert all(body["usage"]["completion_tokens"] == 24 for _, body in answers)
+    assert "failure dead on colocated die 2 at iteration 8: detected" in output
+    assert "vertical scaling: 4 -> 3 decode dies" in output
+    assert server.check_line() == (12, 12 * 24, 0)
