@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -68,6 +69,12 @@ class PrefillDie:
         self.is_leader = rank == plan.pd.leaders[self.te]
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
+        self.ems = None  # the EMS context cache (ranks/pd/ems_client.py), with ems.enabled
+        if plan.ems is not None:
+            from ranks.pd.ems_client import EmsClient
+
+            self.ems = EmsClient(ctx, self.mem, self.cache)
+            self.scheduler.prefix_hits = {}
         self.pool: deque = deque()  # leader: requests shared by every prefill DP group
         self.pooled_v: dict[int, float] = {}  # leader: req -> its virtual time entering the pool
         self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, pooled virtual s)
@@ -196,9 +203,19 @@ class PrefillDie:
         for req, pooled_v in zip(mine.requests, mine.pooled_v):
             # Pooled on the leader's clock: a die behind it idles until the request is there.
             self.pricer.clock.arrive(pooled_v * 1e9)
+            if self.ems is not None:
+                self._pull_prefix(req)
             self.scheduler.add(req)
             self.assigned[req.req_id] = (time.time(), pooled_v)
         return mine.num_assigned
+
+    def _pull_prefix(self, req) -> None:
+        """EMS: the longest cached prefix of the prompt, written into its KV on admission."""
+        hit = self.ems.lookup(req)
+        if hit is not None:
+            self.pricer.pool_pull(self.ems.pull_s(hit))  # on this die's projected clock
+            num_tokens = hit.num_blocks * self.ems.ems.block_tokens
+            self.scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.ems.write, hit))
 
     def _iteration(self) -> None:
         start = (time.time(), self.pricer.clock.now_ns / 1e9)
@@ -206,6 +223,10 @@ class PrefillDie:
         for e in entries:
             self.started.setdefault(e.req_id, start)
         sampled, _ = self.executor.forward(entries)
+        if self.ems is not None:  # the prompts done: their computed full blocks to the pool
+            for req_id in sampled:
+                seq = self.scheduler.running[req_id]
+                self.ems.put(seq.req, self.scheduler.table.slots(req_id))
         done = self.scheduler.postprocess(sampled)
         self.executor.commit({p.seq.req.req_id for p in done if p.is_finished})
         for prefilled in done:
@@ -237,7 +258,8 @@ class PrefillDie:
         """The report to the JE, then the collective frees."""
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self.sends.append(self.sender.report(self.executor.num_iterations))
+        ems = self.ems.close() if self.ems is not None else {}
+        self.sends.append(self.sender.report(self.executor.num_iterations, ems=ems))
         MPI.Request.Waitall(self.sends)
         if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
             self.mem.free()

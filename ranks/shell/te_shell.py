@@ -111,10 +111,12 @@ class Serving:
             self.summary.update(self.eplb.summary())
         self.pd_book = frontend.pd_book  # PD: the TTFT split, KV transfers
         if self.pd_book is not None:
-            from xds_mpi.engine.pd_results import format_pd
+            from xds_mpi.engine.pd_results import format_ems, format_pd
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
+            if "ems_lookups" in self.summary:
+                ctx.log.info(format_ems(self.summary))
         roles = {info.rank: info.role for info in ctx.topo.ranks}
         memory = frontend.memory.records(
             self.records, roles, self.started, time.time()

@@ -1,0 +1,192 @@
+"""The EMS context cache (`ems.enabled`, docs/ems.md): block keys, consistent hashing, the pool's
+LRU and a reader's check, the refusals, and PD runs of a crafted trace whose hit pattern is known
+exactly, served with `--check` (one with room for every block, one with a tiny pool evicting)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import OrderedDict
+from pathlib import Path
+
+import h5py
+import pytest
+from harness import REPO_ROOT
+from test_serving import XDS_MPI, check_line
+
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.engine.ems import Directory, Record, Ring, block_keys, lookup_blocks, verified
+from xds_mpi.plan.deployment import DeploymentPlan
+
+NS = b"namespac"
+BT = 16  # configs/pd.yaml's scheduler.kv_block_tokens
+# The crafted trace: (timestamp ms, input_length, hash ids); a 512-token id serves 16 tokens
+# (trace.length_scale 1/32), one KV block. Two seconds apart: each request's puts land before
+# the next one looks up.
+CRAFTED = [
+    (0, 1536, [1, 2, 3]),  # nothing cached: puts 3 blocks
+    (2000, 2048, [1, 2, 3, 4]),  # 3 hits (block 4 holds the last token): puts block 4
+    (4000, 1536, [1, 2, 5]),  # 2 hits (block 3 holds the last token): puts block 5
+    (6000, 1500, [1, 2, 3]),  # 47 tokens: 2 full blocks, both hits; nothing to put
+    (8000, 1536, [6, 2, 3]),  # block 0 differs: the chain differs, 0 hits; puts 3
+    (10000, 2048, [1, 2, 3, 4]),  # 3 hits; its block 4 is already held
+]
+
+
+def served_len(n_in: int) -> int:
+    return round(n_in / 32)
+
+
+def test_block_keys_chain_over_the_prefix():
+    a = block_keys(list(range(40)), BT, NS)  # 2 full blocks: the partial third has no key
+    b = block_keys(list(range(32)) + [7] * 16, BT, NS)
+    assert len(a) == 2 and len(b) == 3 and a == b[:2]
+    c = block_keys([99] + list(range(1, 48)), BT, NS)  # one token of block 0 differs
+    assert all(x != y for x, y in zip(b, c))  # every later key differs: chained
+    assert block_keys(list(range(32)), BT, b"othermod") != a  # another namespace
+    assert (lookup_blocks(48, BT), lookup_blocks(47, BT), lookup_blocks(49, BT)) == (2, 2, 3)
+
+
+def test_ring_spreads_and_moves_only_the_new_members_keys():
+    keys = block_keys(list(range(16 * 2000)), BT, NS)
+    two, three = Ring([8, 9]), Ring([8, 9, 10])
+    owners = [two.owner(k) for k in keys]
+    assert 0.3 < owners.count(8) / len(keys) < 0.7
+    moved = [(two.owner(k), three.owner(k)) for k in keys if two.owner(k) != three.owner(k)]
+    assert moved and all(new == 10 for _, new in moved)  # consistent: only to the new member
+    assert 0.15 < len(moved) / len(keys) < 0.5
+
+
+def test_directory_evicts_the_least_recently_used():
+    d = Directory(2)
+    assert d.place(11).evicted == 0 and d.place(12).evicted == 0
+    d.touch(11)  # read: 12 is now the least recently used
+    placed = d.place(13)
+    assert placed.evicted == 12 and 12 not in d and 11 in d and len(d) == 2
+    with pytest.raises(ValueError, match="already in slot"):
+        d.place(11)
+
+
+def test_a_reader_checks_the_record_before_and_after():
+    good = Record(key=5, version=4, nbytes=100)
+    assert verified(5, 100, good, 4)
+    assert not verified(6, 100, good, 4)  # another block's slot
+    assert not verified(5, 99, good, 4)  # another size
+    assert not verified(5, 100, good, 6)  # rewritten during the pull (evicted)
+    assert not verified(5, 100, Record(key=5, version=5, nbytes=100), 5)  # being written
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (["pd.enabled=false"], "ems.enabled needs pd.enabled"),
+        (["scheduler.mtp_depth=1"], r"scheduler.mtp_depth\(1\)"),
+        (
+            ["faults.events=[{kind: dead, die: 6, iteration: 3}]"],
+            r"1 faults.events row\(s\)",
+        ),
+        (
+            ["faults.table=[{die: 8, layer: 1, op: dispatch, iteration: 1}]"],
+            r"faults.table\[0\].die\(8\) is an EMS pool rank",
+        ),
+        (["ems.capacity_blocks=0"], r"ems.capacity_blocks must be > 0"),
+    ],
+)
+def test_refused_before_launch(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg = load_config(REPO_ROOT / "configs" / "pd.yaml", ["ems.enabled=true", *sets])
+        DeploymentPlan.build(cfg)
+
+
+def test_pool_ranks_follow_the_dies():
+    cfg = load_config(REPO_ROOT / "configs" / "pd.yaml", ["ems.enabled=true", "ems.servers=2"])
+    plan = DeploymentPlan.build(cfg)
+    assert plan.topo.world_size == 10 and plan.ems.pool == (8, 9)
+    assert [plan.topo.ranks[r].role for r in (8, 9)] == ["pool", "pool"]
+    assert plan.window_bytes[8] == plan.ems.window_bytes == 256 * (32 + 20480)
+    with pytest.raises(ConfigError, match=r"ems pool ranks\(2\) = 10"):
+        DeploymentPlan.build(cfg, world_size=8)
+
+
+def expected(capacity: int) -> dict:
+    """The counts one pool rank of `capacity` blocks gives the crafted trace: a block's identity
+    is its chain of ids (ids give equal tokens); hits are looked up, then touched, then the
+    request's other full blocks put, least recently used evicted first."""
+    lru: OrderedDict = OrderedDict()
+    out = dict.fromkeys(("requests_hit", "blocks_hit", "blocks_put", "evictions", "held"), 0)
+    for _, n_in, ids in CRAFTED:
+        n = served_len(n_in)
+        chain = [tuple(ids[: i + 1]) for i in range(n // BT)]
+        hits = 0
+        for key in chain[: lookup_blocks(n, BT)]:
+            if key not in lru:
+                break
+            hits += 1
+        for key in chain[:hits]:
+            lru.move_to_end(key)
+        out["requests_hit"] += hits > 0
+        out["blocks_hit"] += hits
+        for key in chain[hits:]:
+            out["blocks_put"] += 1
+            if key in lru:
+                lru.move_to_end(key)
+                out["held"] += 1
+                continue
+            if len(lru) == capacity:
+                lru.popitem(last=False)
+                out["evictions"] += 1
+            lru[key] = True
+    return out
+
+
+def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
+    path = tmp_path / "crafted.jsonl"
+    rows = [
+        json.dumps({"timestamp": t, "input_length": n, "output_length": 64, "hash_ids": ids})
+        for t, n, ids in CRAFTED
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    sets = ("ems.enabled=true", "workload.source=trace", f"trace.path={path}",
+            "trace.length_scale=0.03125", "trace.output_scale=0.0625",
+            f"run.output_dir={tmp_path}", f"run.name={name}", *sets)  # fmt: skip
+    result = subprocess.run(
+        [str(XDS_MPI), "run", "pd", "--check", *[a for s in sets for a in ("--set", s)]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert check_line(result) == "check: 6 requests, 24 tokens, 0 mismatches"
+    with h5py.File(tmp_path / f"{name}.h5", "r") as f:
+        return {k: v for k, v in f["summary"].attrs.items() if k.startswith("ems_")}
+
+
+def test_crafted_trace_hits_exactly(tmp_path):
+    """Two pool ranks with room for every block: 4 requests hit, 10 blocks pulled (3 + 2 + 2 +
+    3), 9 put of which 1 was already held, no eviction, every token equal to the reference."""
+    s = serve_crafted(tmp_path, "hits", "ems.servers=2")
+    want = expected(capacity=1000)
+    assert (want["requests_hit"], want["blocks_hit"], want["blocks_put"]) == (4, 10, 9)
+    assert s["ems_lookups"] == 6
+    assert s["ems_requests_hit"] == want["requests_hit"]
+    assert s["ems_blocks_hit"] == want["blocks_hit"]
+    assert s["ems_bytes_pulled"] == 10 * BT * 1280  # 1280 B per token over the 4 layers
+    assert s["ems_tokens_skipped"] == 10 * BT
+    assert s["ems_blocks_put"] == want["blocks_put"]
+    assert (s["ems_blocks_stored"], s["ems_puts_already_held"]) == (8, want["held"])
+    assert (s["ems_evictions"], s["ems_fallbacks"], s["ems_blocks_held"]) == (0, 0, 8)
+
+
+def test_tiny_pool_evicts_and_stays_exact(tmp_path):
+    """One pool rank of 4 blocks: the LRU evicts, fewer hits, the same tokens. At this
+    capacity the reads' touches matter: first-in-first-out would give 2 requests hit, 5 blocks
+    and 10 evictions."""
+    s = serve_crafted(tmp_path, "evict", "ems.capacity_blocks=4")
+    want = expected(capacity=4)
+    assert (want["requests_hit"], want["blocks_hit"], want["evictions"]) == (3, 7, 8)
+    assert s["ems_requests_hit"] == want["requests_hit"]
+    assert s["ems_blocks_hit"] == want["blocks_hit"]
+    assert s["ems_blocks_put"] == want["blocks_put"]
+    assert s["ems_evictions"] == want["evictions"]
+    assert s["ems_blocks_held"] == 4 and s["ems_fallbacks"] == 0
