@@ -146,7 +146,9 @@ def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
         for t, n, ids in CRAFTED
     ]
     path.write_text("\n".join(rows) + "\n")
-    sets = ("ems.enabled=true", "workload.source=trace", f"trace.path={path}",
+    # 2 decode dies: 2 hosts + 2 decode + 2 prefill dies + the pool ranks stay within 8 ranks
+    sets = ("ems.enabled=true", "deployment.dp_groups_per_domain=2",
+            "workload.source=trace", f"trace.path={path}",
             "trace.length_scale=0.03125", "trace.output_scale=0.0625",
             f"run.output_dir={tmp_path}", f"run.name={name}", *sets)  # fmt: skip
     result = subprocess.run(
