@@ -8,14 +8,21 @@ import json
 import subprocess
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import h5py
+import numpy as np
 import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
+from ranks.core.ems_messages import EmsPut
+from ranks.pd.ems_client import EmsClient
+from ranks.pd.ems_pool import PoolServer
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.ems import Directory, Record, Ring, block_keys, lookup_blocks, verified
+from xds_mpi.engine.requests import Request
+from xds_mpi.model.mla import LatentCache
 from xds_mpi.plan.deployment import DeploymentPlan
 
 NS = b"namespac"
@@ -192,3 +199,97 @@ def test_tiny_pool_evicts_and_stays_exact(tmp_path):
     assert s["ems_blocks_put"] == want["blocks_put"]
     assert s["ems_evictions"] == want["evictions"]
     assert s["ems_blocks_held"] == 4 and s["ems_fallbacks"] == 0
+
+
+class FakeComm:
+    """Sends are kept: (destination, message)."""
+
+    rank = 6
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def isend(self, msg, dest, tag):
+        self.sent.append((dest, msg))
+
+
+class SharedWindows:
+    """Every pool rank's window as one local array, read by `get` and written by the pool rank:
+    DieMemory's load/store path without MPI. `on_payload_get(owner, offset)` runs before a
+    payload is copied out (to rewrite a slot in the middle of a pull)."""
+
+    def __init__(self, plan) -> None:
+        self.windows = {r: np.zeros(plan.window_bytes[r], np.uint8) for r in plan.ems.pool}
+        self.records_bytes = plan.ems.records_bytes
+        self.on_payload_get = None
+
+    def of(self, rank):
+        window = self.windows[rank]
+        return SimpleNamespace(local=window, words=window.view(np.uint64), sync=lambda: None)
+
+    def get(self, owner, offset, out):
+        if self.on_payload_get and offset >= self.records_bytes:
+            self.on_payload_get(owner, offset)
+        raw = out.reshape(-1).view(np.uint8)
+        raw[:] = self.windows[owner][offset : offset + raw.nbytes]
+
+    def flush(self, owner):
+        pass
+
+    def fetch_word(self, owner, offset):
+        return int(self.windows[owner][offset : offset + 8].view(np.uint64)[0])
+
+
+def pool_and_client(capacity: int = 8):
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd.yaml",
+        ["ems.enabled=true", "ems.servers=2", f"ems.capacity_blocks={capacity}"],
+    )
+    plan = DeploymentPlan.build(cfg)
+    shared = SharedWindows(plan)
+    pools = {
+        r: PoolServer(
+            SimpleNamespace(plan=plan, cfg=cfg, comm=SimpleNamespace(rank=r)), shared.of(r)
+        )
+        for r in plan.ems.pool
+    }
+    ctx = SimpleNamespace(plan=plan, cfg=cfg, comm=FakeComm())
+    source = LatentCache(num_layers=cfg.model.num_layers, num_slots=64,
+                         kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
+                         dtype=np.float64)  # fmt: skip
+    source.keys[:] = np.random.default_rng(0).standard_normal(source.keys.shape)
+    target = LatentCache(num_layers=cfg.model.num_layers, num_slots=64,
+                         kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
+                         dtype=np.float64)  # fmt: skip
+    return pools, EmsClient(ctx, shared, source), EmsClient(ctx, shared, target), shared
+
+
+def test_put_then_pull_is_bit_exact_and_a_moved_record_falls_back():
+    """A prompt's blocks put from one cache, the same prefix pulled into another at other slots:
+    equal bytes. A slot rewritten during its pull ends the prefix there (a fallback)."""
+    pools, writer, reader, shared = pool_and_client()
+    prompt = tuple(range(100, 150))  # 50 tokens: 3 full blocks, all 3 before the last token
+    writer.lookup(Request(req_id=0, prompt=prompt, max_new_tokens=1))  # empty pool: no hit
+    writer.put(Request(req_id=0, prompt=prompt, max_new_tokens=1), list(range(50)))
+    puts = [(dest, msg) for dest, msg in writer.comm.sent if isinstance(msg, EmsPut)]
+    assert sum(len(msg.keys) for _, msg in puts) == 3
+    for dest, msg in puts:
+        pools[dest]._put(msg)
+    hit = reader.lookup(Request(req_id=1, prompt=prompt, max_new_tokens=1))
+    assert hit is not None and hit.num_blocks == 3
+    slots = list(range(10, 58))
+    reader.write(hit, slots)
+    assert np.array_equal(reader.cache.keys[:, slots], writer.cache.keys[:, :48])
+    assert reader.stats["blocks_hit"] == 3 and reader.stats["fallbacks"] == 0
+
+    def rewrite_second_block(owner, offset):  # the pool rewrites slot of block 1 meanwhile
+        key = reader.keys[2][1]
+        if owner == reader.ring.owner(key):
+            slot = (offset - shared.records_bytes) // reader.ems.slot_stride
+            record = shared.windows[owner][reader.ems.record_offset(slot) :].view(np.uint64)
+            if record[0] == key:
+                record[1] += 2
+
+    shared.on_payload_get = rewrite_second_block
+    hit = reader.lookup(Request(req_id=2, prompt=prompt, max_new_tokens=1))
+    assert hit.num_blocks == 1 and reader.stats["fallbacks"] == 1
