@@ -168,7 +168,7 @@ def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert check_line(result) == "check: 6 requests, 24 tokens, 0 mismatches"
     with h5py.File(tmp_path / f"{name}.h5", "r") as f:
-        return {k: v for k, v in f["summary"].attrs.items() if k.startswith("ems_")}
+        return dict(f["summary"].attrs)
 
 
 def test_crafted_trace_hits_exactly(tmp_path):
@@ -185,6 +185,10 @@ def test_crafted_trace_hits_exactly(tmp_path):
     assert s["ems_blocks_put"] == want["blocks_put"]
     assert (s["ems_blocks_stored"], s["ems_puts_already_held"]) == (8, want["held"])
     assert (s["ems_evictions"], s["ems_fallbacks"], s["ems_blocks_held"]) == (0, 0, 8)
+    # priced with the pool's own hits: faster than none, at most what an unbounded cache
+    # would give (its request 4 keeps 1499 of 1500 trace tokens, the pool 1024: 2 blocks)
+    p50 = [s[f"{k}projected_ttft_ms_p50"] for k in ("", "ems_", "cache_")]
+    assert p50[0] > p50[1] > p50[2]
 
 
 def test_tiny_pool_evicts_and_stays_exact(tmp_path):

@@ -54,7 +54,8 @@ class EmsClient:
         self.ring = Ring(self.ems.pool)
         self.bases = {r: ctx.plan.p2p.window_bytes(r) for r in self.ems.pool}
         self.keys: dict[int, list[int]] = {}  # req_id -> its prompt's full blocks' keys
-        self.hit_blocks: dict[int, int] = {}  # req_id -> blocks pulled
+        self.hit_blocks: dict[int, int] = {}  # req_id -> blocks pulled (until its put)
+        self.hit_tokens: dict[int, int] = {}  # req_id -> prompt tokens pulled (the report)
         self.sends: list[MPI.Request] = []
         self.stats = {
             "lookups": 0,
@@ -94,6 +95,7 @@ class EmsClient:
             return None
         num = len(payloads)
         self.hit_blocks[req.req_id] = num
+        self.hit_tokens[req.req_id] = num * self.ems.block_tokens
         self.stats["requests_hit"] += 1
         self.stats["blocks_hit"] += num
         self.stats["bytes_pulled"] += num * self.ems.block_bytes
@@ -169,7 +171,7 @@ class EmsClient:
             done = EmsDone(rank=self.comm.rank)
             self.sends.append(self.comm.isend(done, dest=owner, tag=TAG_EMS))
         MPI.Request.Waitall(self.sends)
-        return dict(self.stats)
+        return {**self.stats, "hit_tokens": dict(self.hit_tokens)}
 
 
 def _ub_plane(cfg):

@@ -154,3 +154,29 @@ def format_ems(s: dict) -> str:
         f"{s['ems_blocks_stored']} stored, {s['ems_puts_already_held']} already held, "
         f"{s['ems_evictions']} evictions, {s['ems_blocks_held']} held at the end"
     )
+
+
+def ems_trace_cached(cfg, records: dict, prefill_reports) -> dict[int, int]:
+    """req_id -> the prompt tokens at the trace's lengths the EMS pool served each request: its
+    pulled served tokens in whole trace blocks (trace.block_tokens x trace.length_scale served
+    tokens each), at most all but the last token."""
+    from xds_mpi.engine.trace_replay import cached_tokens
+
+    hit: dict[int, int] = {}
+    for rep in prefill_reports:
+        hit.update(rep.ems.get("hit_tokens", {}))
+    per_block = max(1, round(cfg.trace.block_tokens * cfg.trace.length_scale))
+    served = [r.req for r in records.values() if not r.rejected]
+    return {
+        r.req_id: cached_tokens(r, hit.get(r.req_id, 0) // per_block, cfg.trace.block_tokens)
+        for r in served
+    }
+
+
+def format_ems_slo(s: dict) -> str:
+    ttft = "/".join(f"{s[f'ems_projected_ttft_ms_p{q}']:.1f}" for q in (50, 90, 99))
+    return (
+        f"with the EMS pool's own hits pulled over UB (served): goodput "
+        f"{s['ems_goodput_requests']} requests ({s['ems_goodput_fraction']:.0%}); TTFT "
+        f"p50/p90/p99 projected {ttft} ms"
+    )
