@@ -297,3 +297,11 @@ def test_put_then_pull_is_bit_exact_and_a_moved_record_falls_back():
     shared.on_payload_get = rewrite_second_block
     hit = reader.lookup(Request(req_id=2, prompt=prompt, max_new_tokens=1))
     assert hit.num_blocks == 1 and reader.stats["fallbacks"] == 1
+
+
+def test_a_slurm_job_places_the_pool_ranks_on_the_last_node():
+    from launch.jobscript import node_layout
+
+    cfg = load_config(REPO_ROOT / "configs" / "pd.yaml", ["ems.enabled=true", "ems.servers=2"])
+    layout = node_layout(DeploymentPlan.build(cfg).topo)
+    assert sum(layout.tasks_per_node) == 10 and "2 EMS pool rank(s) on the last" in layout.why

@@ -9,7 +9,9 @@ every group sends it its status and it assigns them (engine/pd_prefill.py `assig
 single-level collaborative scheduler); the dies prefill (main model + MTP modules over the
 prompt), and each finished prompt becomes a PD-transfer task (metadata and block addresses) sent
 to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
-(ranks/pd/send.py); a completed send frees the blocks.
+(ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
+assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
+there once the prompt is done (ranks/pd/ems_client.py, docs/ems.md).
 """
 
 from __future__ import annotations
