@@ -88,7 +88,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"{path}: valid")
     print(
         f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
-        f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
+        f"{format_bytes(max(windows[r] for r in topo.die_ranks))} "
+        f"(xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
     print(describe_memory_path(cfg.xccl.memory_path))
     print(describe_wait(cfg.xccl.wait))
