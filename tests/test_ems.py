@@ -305,3 +305,15 @@ def test_a_slurm_job_places_the_pool_ranks_on_the_last_node():
     cfg = load_config(REPO_ROOT / "configs" / "pd.yaml", ["ems.enabled=true", "ems.servers=2"])
     layout = node_layout(DeploymentPlan.build(cfg).topo)
     assert sum(layout.tasks_per_node) == 10 and "2 EMS pool rank(s) on the last" in layout.why
+
+
+def test_the_prefill_cost_counts_the_hit():
+    """§4.3: a busy group takes one more request within one step's rows only if the pool holds
+    enough of its prompt."""
+    from xds_mpi.engine.pd_prefill import PrefillStatus, assign
+
+    busy = PrefillStatus(free_blocks=100, room=8, queued_tokens=40, length_class=0)
+    req = Request(req_id=3, prompt=tuple(range(40)), max_new_tokens=4)
+    kwargs = dict(block_tokens=BT, long_prompt_tokens=48, step_tokens=64)
+    assert assign([req], [busy], **kwargs) == ([[]], [req])  # 40 + 40 > 64 rows
+    assert assign([req], [busy], **kwargs, cached={3: 32}) == ([[req]], [])  # 40 + 8

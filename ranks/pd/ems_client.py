@@ -103,6 +103,21 @@ class EmsClient:
         self._touch(keys[:num])
         return Hit(num_blocks=num, payloads=tuple(payloads))
 
+    def probe(self, req) -> int:
+        """Prompt tokens of the cached prefix the records name, nothing pulled or counted: the
+        prefill leader's cost estimate (§4.3), which a pull may later fall short of."""
+        keys = block_keys(req.prompt, self.ems.block_tokens, self.ems.namespace)
+        records: dict[int, dict] = {}
+        num = 0
+        for key in keys[: lookup_blocks(len(req.prompt), self.ems.block_tokens)]:
+            owner = self.ring.owner(key)
+            if owner not in records:
+                records[owner] = self._records(owner)
+            if key not in records[owner]:
+                break
+            num += 1
+        return num * self.ems.block_tokens
+
     def _records(self, owner: int) -> dict[int, tuple[int, Record]]:
         """key -> (slot, record) of every stable record of `owner`'s window (one Get)."""
         words = np.empty(self.ems.capacity * RECORD_WORDS, np.uint64)

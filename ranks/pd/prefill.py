@@ -79,6 +79,7 @@ class PrefillDie:
             self.scheduler.prefix_hits = {}
         self.pool: deque = deque()  # leader: requests shared by every prefill DP group
         self.pooled_v: dict[int, float] = {}  # leader: req -> its virtual time entering the pool
+        self.cached: dict[int, int] = {}  # leader, EMS: req -> prompt tokens the pool holds
         self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, pooled virtual s)
         self.started: dict[int, tuple[float, float]] = {}  # req -> first prefill step
         self.is_stopped = False
@@ -153,6 +154,8 @@ class PrefillDie:
                 req = msg.recv()
                 self.pool.append(req)
                 self.pooled_v[req.req_id] = self.pricer.clock.now_ns / 1e9
+                if self.ems is not None:  # §4.3: the cost counts the hit (records only)
+                    self.cached[req.req_id] = self.ems.probe(req)
         if not self.is_stopped:
             msg = self.comm.improbe(source=SHELL, tag=TAG_STOP)
             if msg is not None:
@@ -190,8 +193,11 @@ class PrefillDie:
                 block_tokens=cfg.scheduler.kv_block_tokens,
                 long_prompt_tokens=cfg.pd.long_prompt_tokens,
                 step_tokens=cfg.xccl.max_tokens_per_die,
+                cached=self.cached,
             )
             self.pool = deque(left)
+            for r in (r for b in batches for r in b):
+                self.cached.pop(r.req_id, None)
             num = sum(map(len, batches))
             batches = [
                 Assignment(
