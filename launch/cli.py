@@ -32,6 +32,7 @@ from launch.startup import StartupWatch
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.ems import describe_ems
 from xds_mpi.plan.fabric import format_bytes
 from xds_mpi.plan.kv_memory import describe_kv
 from xds_mpi.plan.pd import describe_pd
@@ -89,13 +90,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"{path}: valid")
     print(
         f"{cfg.deployment.kind} deployment, {topo.summary()}; largest die window "
-        f"{format_bytes(max(windows))} (xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
+        f"{format_bytes(max(windows[r] for r in topo.die_ranks))} "
+        f"(xccl.p2p_pairs: {cfg.xccl.p2p_pairs})"
     )
     print(describe_memory_path(cfg.xccl.memory_path))
     print(describe_wait(cfg.xccl.wait))
     print(describe_kv(cfg, cost_shape()))
     if plan.pd is not None:
         print(describe_pd(plan))
+    if plan.ems is not None:
+        print(describe_ems(plan.ems))
     if not args.brief:
         print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0

@@ -66,10 +66,12 @@ def node_layout(topo: Topology, num_nodes: int | None = None) -> NodeLayout:
         tasks.append(sum(servers[first : first + count]))
         first += count
     tasks[0] += topo.num_host_ranks
+    num_pool = len(topo.ranks_with_role("pool"))  # EMS pool ranks come last: the last node
+    tasks[-1] += num_pool
     why = (
         f"{len(servers)} server(s) of dies {servers}, whole servers per node, "
         f"{topo.num_host_ranks} host rank(s) on the first"
-    )
+    ) + (f", {num_pool} EMS pool rank(s) on the last" if num_pool else "")
     return NodeLayout(tasks_per_node=tuple(tasks), why=why)
 
 

@@ -9,7 +9,9 @@ every group sends it its status and it assigns them (engine/pd_prefill.py `assig
 single-level collaborative scheduler); the dies prefill (main model + MTP modules over the
 prompt), and each finished prompt becomes a PD-transfer task (metadata and block addresses) sent
 to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
-(ranks/pd/send.py); a completed send frees the blocks.
+(ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
+assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
+there once the prompt is done (ranks/pd/ems_client.py, docs/ems.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -68,8 +71,15 @@ class PrefillDie:
         self.is_leader = rank == plan.pd.leaders[self.te]
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
+        self.ems = None  # the EMS context cache (ranks/pd/ems_client.py), with ems.enabled
+        if plan.ems is not None:
+            from ranks.pd.ems_client import EmsClient
+
+            self.ems = EmsClient(ctx, self.mem, self.cache)
+            self.scheduler.prefix_hits = {}
         self.pool: deque = deque()  # leader: requests shared by every prefill DP group
         self.pooled_v: dict[int, float] = {}  # leader: req -> its virtual time entering the pool
+        self.cached: dict[int, int] = {}  # leader, EMS: req -> prompt tokens the pool holds
         self.assigned: dict[int, tuple[float, float]] = {}  # req -> (wall, pooled virtual s)
         self.started: dict[int, tuple[float, float]] = {}  # req -> first prefill step
         self.is_stopped = False
@@ -144,6 +154,8 @@ class PrefillDie:
                 req = msg.recv()
                 self.pool.append(req)
                 self.pooled_v[req.req_id] = self.pricer.clock.now_ns / 1e9
+                if self.ems is not None:  # §4.3: the cost counts the hit (records only)
+                    self.cached[req.req_id] = self.ems.probe(req)
         if not self.is_stopped:
             msg = self.comm.improbe(source=SHELL, tag=TAG_STOP)
             if msg is not None:
@@ -181,8 +193,11 @@ class PrefillDie:
                 block_tokens=cfg.scheduler.kv_block_tokens,
                 long_prompt_tokens=cfg.pd.long_prompt_tokens,
                 step_tokens=cfg.xccl.max_tokens_per_die,
+                cached=self.cached,
             )
             self.pool = deque(left)
+            for r in (r for b in batches for r in b):
+                self.cached.pop(r.req_id, None)
             num = sum(map(len, batches))
             batches = [
                 Assignment(
@@ -196,9 +211,19 @@ class PrefillDie:
         for req, pooled_v in zip(mine.requests, mine.pooled_v):
             # Pooled on the leader's clock: a die behind it idles until the request is there.
             self.pricer.clock.arrive(pooled_v * 1e9)
+            if self.ems is not None:
+                self._pull_prefix(req)
             self.scheduler.add(req)
             self.assigned[req.req_id] = (time.time(), pooled_v)
         return mine.num_assigned
+
+    def _pull_prefix(self, req) -> None:
+        """EMS: the longest cached prefix of the prompt, written into its KV on admission."""
+        hit = self.ems.lookup(req)
+        if hit is not None:
+            self.pricer.pool_pull(self.ems.pull_s(hit))  # on this die's projected clock
+            num_tokens = hit.num_blocks * self.ems.ems.block_tokens
+            self.scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.ems.write, hit))
 
     def _iteration(self) -> None:
         start = (time.time(), self.pricer.clock.now_ns / 1e9)
@@ -206,6 +231,10 @@ class PrefillDie:
         for e in entries:
             self.started.setdefault(e.req_id, start)
         sampled, _ = self.executor.forward(entries)
+        if self.ems is not None:  # the prompts done: their computed full blocks to the pool
+            for req_id in sampled:
+                seq = self.scheduler.running[req_id]
+                self.ems.put(seq.req, self.scheduler.table.slots(req_id))
         done = self.scheduler.postprocess(sampled)
         self.executor.commit({p.seq.req.req_id for p in done if p.is_finished})
         for prefilled in done:
@@ -237,7 +266,8 @@ class PrefillDie:
         """The report to the JE, then the collective frees."""
         if self.heartbeat is not None:
             self.heartbeat.close()
-        self.sends.append(self.sender.report(self.executor.num_iterations))
+        ems = self.ems.close() if self.ems is not None else {}
+        self.sends.append(self.sender.report(self.executor.num_iterations, ems=ems))
         MPI.Request.Waitall(self.sends)
         if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
             self.mem.free()

@@ -172,7 +172,7 @@ class KvSender:
         )
         self.sends.append(self.comm.isend(reply, dest=abort.dst, tag=TAG_PD_ABORT_ACK))
 
-    def report(self, num_iterations: int) -> MPI.Request:
+    def report(self, num_iterations: int, *, ems: dict | None = None) -> MPI.Request:
         MPI.Request.Waitall(self.sends)
         self.failover.close()
         report = PrefillReport(
@@ -184,5 +184,6 @@ class KvSender:
             send_wall_s=self.send_wall_s,
             num_send_retries=self.num_retries,
             num_faults=self.faults.num_faults,
+            ems=ems or {},
         )
         return self.comm.isend(report, dest=SHELL, tag=TAG_REPORT)

@@ -24,7 +24,7 @@ from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.engine.pd_results import PdBook
 from xds_mpi.engine.pd_route import PrefillRouter
-from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
+from xds_mpi.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 
 
 class LoadBalancer(DecodeBalancer):
@@ -176,6 +176,15 @@ class JobExecutor(Frontend):
         self.pd_book.reports = recv_from_each(
             self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
         )
+        if self.ctx.plan.ems is not None:  # the pool ranks report once every prefill die closed
+            self.pd_book.ems_reports = recv_from_each(
+                self.comm,
+                self.ctx.plan.ems.pool,
+                tag=TAG_EMS_REPORT,
+                timeout_s=timeout_s,
+                me="JE",
+                event="EMS pool report",
+            )
         self.watch.close()
         self._take_failover()
         self._record_failures()

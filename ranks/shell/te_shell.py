@@ -122,6 +122,7 @@ class Serving:
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
+        self.pd_book = frontend.pd_book  # PD: the TTFT split, KV transfers, EMS hits
         self._add_slo(ctx)
         if ctx.cfg.serve.enabled:
             self._add_cancellations(ctx, frontend.reports)
@@ -132,12 +133,13 @@ class Serving:
             for line in self.eplb.lines():
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
-        self.pd_book = frontend.pd_book  # PD: the TTFT split, KV transfers
         if self.pd_book is not None:
-            from xds_mpi.engine.pd_results import format_pd
+            from xds_mpi.engine.pd_results import format_ems, format_pd
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
+            if "ems_lookups" in self.summary:
+                ctx.log.info(format_ems(self.summary))
         roles = {info.rank: info.role for info in ctx.topo.ranks}
         memory = frontend.memory.records(
             self.records, roles, self.started, time.time()
@@ -254,6 +256,23 @@ class Serving:
             self.cached_times = self._cached_times(ctx, pricer)
             self.summary.update(cached_summary(ctx.cfg, self.cached_times))
             ctx.log.info(format_cached(self.summary))
+        if ctx.cfg.workload.source == "trace" and ctx.plan.ems is not None:
+            self._add_ems_slo(ctx, pricer)
+
+    def _add_ems_slo(self, ctx: RankContext, pricer) -> None:
+        """EMS on a trace: each request priced with the prefix the pool really served it (its
+        hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
+        from xds_mpi.engine.pd_results import ems_trace_cached, format_ems_slo
+        from xds_mpi.engine.request_pricing import planes
+        from xds_mpi.engine.slo import cached_summary, request_times
+        from xds_mpi.projection.hardware import load_profile
+
+        cached = ems_trace_cached(ctx.cfg, self.records, self.pd_book.reports.values())
+        ub = planes(load_profile(ctx.cfg.hardware.profile))["UB"]
+        times = request_times(self.records, self.started, pricer, cached=cached, pool=ub)
+        summary = cached_summary(ctx.cfg, times)
+        self.summary.update({"ems_" + k.removeprefix("cache_"): v for k, v in summary.items()})
+        ctx.log.info(format_ems_slo(self.summary))
 
     def _cached_times(self, ctx: RankContext, pricer) -> list:
         """Each request priced with its prefix hits (an unbounded cache of the window) pulled

@@ -1,7 +1,8 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model`, `faults`, `health`, `eplb`, `pd`, `emulator` and `serve` are declared in `xds_mpi.config_*`
+`model`, `faults`, `health`, `eplb`, `pd`, `trace`, `ems`, `emulator` and `serve` are declared
+in `xds_mpi/config/*.py`
 modules); each section checks its own constraints, naming the numbers involved. Reading YAML,
 `--set` overrides, unknown keys and value types are `xds_mpi.config.loader`'s. What a config
 implies across sections (rank map, layouts, window sizes) and whether it can run is
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from xds_mpi.config.ems import EmsConfig
 from xds_mpi.config.emulator import EmulatorConfig
 
 # FAULT_OPS, FaultSpec, ModelConfig, ConfigError, check_value and parse_override are
@@ -292,6 +294,7 @@ class Config:
     eplb: EplbConfig = field(default_factory=EplbConfig)
     pd: PdConfig = field(default_factory=PdConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    ems: EmsConfig = field(default_factory=EmsConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     run: RunConfig = field(default_factory=RunConfig)
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)

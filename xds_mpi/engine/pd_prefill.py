@@ -8,7 +8,8 @@ full stops admitting: the leader sees it in the die's status.
 `assign` is the single-level collaborative scheduler's decision at the leader (prefill DP-0):
 the pending requests are shared by every prefill DP group; each step the leader has every
 group's status and hands out requests with a cost model, the tokens each group still has to
-compute (no prefix cache here), never mixing long and short prompts on one group.
+compute (less what the EMS pool holds for it, when there is one), never mixing long and short
+prompts on one group.
 """
 
 from __future__ import annotations
@@ -57,12 +58,15 @@ def assign(
     block_tokens: int,
     long_prompt_tokens: int,
     step_tokens: int,
+    cached: dict[int, int] | None = None,
 ) -> tuple[list[list[Request]], list[Request]]:
     """Hand pending requests (in arrival order) to prefill DP groups: each to the group with the
     fewest tokens left to compute that has room and free blocks for its prompt, holds no
     request of the other length class, and has less than `step_tokens` (one step's rows) queued
     (an idle group always takes one): the rest stays shared for the next step, so a group that
-    frees up takes it. Returns (requests per group, still pending)."""
+    frees up takes it. cached: req_id -> prompt tokens the EMS pool holds for it (the leader's
+    probe, docs/ems.md): not to compute, so not in the cost. Returns (requests per group, still
+    pending)."""
     free = [s.free_blocks for s in statuses]
     room = [s.room for s in statuses]
     cost = [s.queued_tokens for s in statuses]
@@ -71,13 +75,14 @@ def assign(
     left = []
     for req in pending:
         need, cls = blocks_for_prompt(req, block_tokens), length_class(req, long_prompt_tokens)
+        tokens = len(req.prompt) - (cached or {}).get(req.req_id, 0)
         fits = [
             g
             for g in range(len(statuses))
             if room[g] > 0
             and free[g] >= need
             and kind[g] in (-1, cls)
-            and (cost[g] == 0 or cost[g] + len(req.prompt) <= step_tokens)
+            and (cost[g] == 0 or cost[g] + tokens <= step_tokens)
         ]
         if not fits:
             left.append(req)
@@ -85,12 +90,32 @@ def assign(
         g = min(fits, key=lambda g: (cost[g], g))
         batches[g].append(req)
         free[g], room[g], kind[g] = free[g] - need, room[g] - 1, cls
-        cost[g] += len(req.prompt)
+        cost[g] += tokens
     return batches, left
 
 
 class PrefillScheduler(DieScheduler):
-    """Prompts only; finished prompts keep their blocks until `release`."""
+    """Prompts only; finished prompts keep their blocks until `release`.
+
+    prefix_hits (EMS, ranks/pd/ems_client.py): req_id -> (cached tokens, write(slots)) of a
+    request whose leading blocks were pulled from the pool: on admission its first KV slots are
+    written with them and its prefill starts after them."""
+
+    prefix_hits = None
+
+    def _admit(self) -> None:
+        before = set(self.running)
+        super()._admit()
+        if not self.prefix_hits:
+            return
+        for req_id in self.running.keys() - before:
+            hit = self.prefix_hits.pop(req_id, None)
+            if hit is None:
+                continue
+            num_tokens, write = hit
+            self.table.append(req_id, num_tokens)
+            write(self.table.slots(req_id, 0, num_tokens))
+            self.running[req_id].num_prefilled = num_tokens
 
     def _blocks(self, req: Request) -> int:
         return blocks_for_prompt(req, self.table.block_tokens)

@@ -61,6 +61,10 @@ class Pricer:
         self.clock.advance(seconds * 1e9)
         self.spent[self._prefix + op] += seconds
 
+    def pool_pull(self, seconds: float) -> None:
+        """A prefix's KV pulled from the EMS pool (priced by the caller on its plane)."""
+        self._add("ems pull", seconds)
+
     @contextmanager
     def waiting(self, op: str):
         """Count the virtual time the block's XCCL operation waited for its peers (the clock's

@@ -20,6 +20,7 @@ from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.model.checkpoint import check_checkpoint
+from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.plan.failures import check_failures
@@ -34,7 +35,8 @@ class DeploymentPlan:
     a colocated deployment, else None; afd: A2E/E2A area of an afd one, else None;
     row_dtype: dtype of the rows XCCL moves without INT8 (the layouts size rows with its itemsize);
     window_bytes: [world_size] bytes of each rank's window (host ranks: 0);
-    pd: disaggregated prefill-decode (xds_mpi/plan/pd.py), None unless pd.enabled."""
+    pd: disaggregated prefill-decode (xds_mpi/plan/pd.py), None unless pd.enabled;
+    ems: the EMS context cache's pool (xds_mpi/plan/ems.py), None unless ems.enabled."""
 
     cfg: Config
     topo: Topology
@@ -44,12 +46,14 @@ class DeploymentPlan:
     row_dtype: np.dtype
     window_bytes: tuple[int, ...]
     pd: PdPlan | None = None
+    ems: EmsPlan | None = None
 
     @classmethod
     def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
         """Derive the plan; world_size: the communicator's size (None: what the config needs)."""
         check_checkpoint(cfg.model)  # before launch: every rank would die loading it
         topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
+        check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
         check_serving(cfg, topo)
         # The one source of the row dtype: a wire format (the model computes in its own dtype;
         # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
@@ -59,12 +63,16 @@ class DeploymentPlan:
             ep = ep_layout(cfg, topo, p2p, row_dtype.itemsize)
             afd = afd_layout(cfg, topo, p2p, row_dtype.itemsize)
             pd = build_pd(cfg, topo, p2p, row_dtype.itemsize)
+            ems = build_ems(cfg, topo)
         except ConfigError:
             raise
         except ValueError as exc:  # a layout's own refusal, e.g. slot_bytes not a multiple of 8
             raise ConfigError(f"xccl: {exc}") from None
         windows = window_bytes(cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
         windows = pd_window_bytes(cfg, pd, windows)
+        if ems is not None and any(windows[r] for r in ems.pool):
+            raise ConfigError(f"ems: pool ranks {list(ems.pool)} must hold no p2p ring")
+        windows = ems_window_bytes(ems, windows)
         check_workload(cfg, topo)
         return cls(
             cfg=cfg,
@@ -75,6 +83,7 @@ class DeploymentPlan:
             row_dtype=row_dtype,
             window_bytes=windows,
             pd=pd,
+            ems=ems,
         )
 
 

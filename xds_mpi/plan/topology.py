@@ -1,6 +1,7 @@
 """Topology: which rank plays which die, role, DP domain/group and expert slots.
 
-Rank order: the host ranks (TE-shell) first, then the dies. Dies are numbered from 0 in this
+Rank order: the host ranks (TE-shell) first, then the dies, then the EMS pool ranks (`ems.enabled`:
+no die, their windows stand for CPU DRAM; docs/ems.md). Dies are numbered from 0 in this
 order: attention (or colocated) dies domain by domain, then expert dies (afd), then prefill dies.
 Die `d` sits at server `d // dies_per_server`, chip `(d % dies_per_server) // dies_per_chip`,
 die-in-chip `d % dies_per_chip`, so a server's dies are consecutive ranks.
@@ -25,7 +26,7 @@ from typing import Literal
 
 from xds_mpi.config.schema import Config, ConfigError
 
-Role = Literal["host", "attention", "expert", "colocated", "prefill"]
+Role = Literal["host", "attention", "expert", "colocated", "prefill", "pool"]
 SlotKind = Literal["routed", "shared", "redundant"]
 
 
@@ -60,7 +61,7 @@ class RankInfo:
 
     @property
     def is_die(self) -> bool:
-        return self.role != "host"
+        return self.role not in ("host", "pool")
 
     @property
     def is_trampoline(self) -> bool:
@@ -89,8 +90,14 @@ class Topology:
         return counts
 
     @staticmethod
+    def pool_ranks_needed(cfg: Config) -> int:
+        """EMS pool ranks (no die; docs/ems.md): after the dies."""
+        return cfg.ems.servers if cfg.ems.enabled else 0
+
+    @staticmethod
     def world_size_needed(cfg: Config) -> int:
-        return cfg.deployment.num_host_ranks + sum(Topology.dies_needed(cfg).values())
+        dies = sum(Topology.dies_needed(cfg).values())
+        return cfg.deployment.num_host_ranks + dies + Topology.pool_ranks_needed(cfg)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int | None = None) -> Topology:
@@ -104,8 +111,11 @@ class Topology:
             _die_info(cfg, counts, die_idx, role, slots_of.get(die_idx, ()))
             for die_idx, role in enumerate(roles)
         ]
+        first_pool = dep.num_host_ranks + len(roles)
+        num_pool = cls.pool_ranks_needed(cfg)
+        ranks += [RankInfo(rank=first_pool + i, role="pool") for i in range(num_pool)]
         return cls(
-            world_size=dep.num_host_ranks + len(roles),
+            world_size=first_pool + num_pool,
             num_host_ranks=dep.num_host_ranks,
             num_dies=len(roles),
             dp_groups_per_domain=dep.dp_groups_per_domain,
@@ -162,9 +172,11 @@ def _refuse_misfit(cfg: Config, counts: dict[str, int], world_size: int | None) 
     """Refuse a launch whose world size is not the config's ranks, or dies that overflow a pod."""
     dep, hw = cfg.deployment, cfg.hardware
     num_dies = sum(counts.values())
-    needed = dep.num_host_ranks + num_dies
+    num_pool = Topology.pool_ranks_needed(cfg)
+    needed = dep.num_host_ranks + num_dies + num_pool
     if world_size is not None and world_size != needed:
         parts = " + ".join(f"{role} dies({n})" for role, n in counts.items() if n)
+        parts += f" + ems pool ranks({num_pool})" if num_pool else ""
         raise ConfigError(
             f"world size {world_size} != num_host_ranks({dep.num_host_ranks}) + {parts} = {needed}"
         )

@@ -1,0 +1,130 @@
+"""The EMS context cache's plan (docs/ems.md): the pool ranks, each one's window layout, and what
+the rest of the config must hold for it, refused before launch with the reason.
+
+A pool rank's window stands for the CPU DRAM its server gives the pool (CloudMatrix-Infer
+§4.4.1): `capacity` slots of one KV block each. It opens with the metadata records, one per slot
+(`RECORD_WORDS` words: the block key, a version, the payload bytes, spare), then the payloads. The
+pool rank alone writes it (puts reach it as messages: it owns the slots and the LRU order); the
+prefill dies read records and payloads one-sidedly and check a payload against its record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import yaml
+
+from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.kv_memory import token_layer_bytes
+from xds_mpi.plan.topology import Topology
+
+RECORD_WORDS = 4  # key, version (odd while the pool writes the slot), payload bytes, spare
+WORD_BYTES = 8
+MODEL_ITEMSIZE = 8  # the tiny model's cache is float64 (xds_mpi/model/mla.py LatentCache)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmsPlan:
+    """pool: the pool ranks; prefill: the dies that read and put; capacity: slots per pool rank;
+    block_tokens: tokens per block; block_bytes: one block's packed KV (every cache layer);
+    namespace: the seed of every key (the model and the cache's format: another config's blocks
+    never match)."""
+
+    pool: tuple[int, ...]
+    prefill: tuple[int, ...]
+    capacity: int
+    block_tokens: int
+    block_bytes: int
+    namespace: bytes
+
+    @property
+    def records_bytes(self) -> int:
+        return self.capacity * RECORD_WORDS * WORD_BYTES
+
+    @property
+    def slot_stride(self) -> int:
+        return -(-self.block_bytes // WORD_BYTES) * WORD_BYTES
+
+    @property
+    def window_bytes(self) -> int:
+        return self.records_bytes + self.capacity * self.slot_stride
+
+    def record_offset(self, slot: int) -> int:
+        return slot * RECORD_WORDS * WORD_BYTES
+
+    def payload_offset(self, slot: int) -> int:
+        return self.records_bytes + slot * self.slot_stride
+
+
+def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
+    """The EMS plan, None when `ems.enabled` is off; refuses what this version cannot serve."""
+    ems = cfg.ems
+    if not ems.enabled:
+        return None
+    check_ems(cfg, topo)
+    model, sched = cfg.model, cfg.scheduler
+    token_bytes = model.num_layers * token_layer_bytes(
+        model, itemsize=MODEL_ITEMSIZE, kv_int8=sched.kv_int8
+    )
+    identity = {"model": cfg.model.__dict__, "kv_int8": sched.kv_int8}
+    text = yaml.safe_dump(identity, sort_keys=True, default_flow_style=True)
+    return EmsPlan(
+        pool=topo.ranks_with_role("pool"),
+        prefill=topo.ranks_with_role("prefill"),
+        capacity=ems.capacity_blocks,
+        block_tokens=sched.kv_block_tokens,
+        block_bytes=sched.kv_block_tokens * token_bytes,
+        namespace=hashlib.blake2b(text.encode(), digest_size=8).digest(),
+    )
+
+
+def check_ems(cfg: Config, topo: Topology) -> None:
+    """What this version of the pool cannot serve (before the fault checks: a fault row naming a
+    pool rank is refused here with that reason)."""
+    if not cfg.ems.enabled:
+        return
+    if not cfg.pd.enabled:
+        raise ConfigError(
+            "ems.enabled needs pd.enabled: the pool serves the prefill dies' prefix hits "
+            f"(deployment.kind({cfg.deployment.kind}) without PD prefills on the decode dies, "
+            "which this version does not connect to the pool)"
+        )
+    if cfg.scheduler.mtp_depth:
+        raise ConfigError(
+            f"ems.enabled with scheduler.mtp_depth({cfg.scheduler.mtp_depth}): a cached prefix "
+            "would need the MTP modules' state at its last token, which the pool does not keep "
+            "in this version; set scheduler.mtp_depth=0"
+        )
+    if cfg.faults.events:
+        raise ConfigError(
+            f"ems.enabled with {len(cfg.faults.events)} faults.events row(s): a lost die or pool "
+            "rank ends the pool's run before its report, which this version does not emulate"
+        )
+    pool = set(topo.ranks_with_role("pool"))
+    for i, spec in enumerate(cfg.faults.table):
+        if spec.die in pool:
+            raise ConfigError(
+                f"faults.table[{i}].die({spec.die}) is an EMS pool rank (no die): "
+                "pool faults are not emulated in this version"
+            )
+
+
+def ems_window_bytes(plan: EmsPlan | None, windows: tuple[int, ...]) -> tuple[int, ...]:
+    """Each rank's window with the pool ranks' slots (their CPU DRAM). Not held to
+    xccl.max_window_bytes, a die's HBM cap: the pool is host memory."""
+    if plan is None:
+        return windows
+    sizes = list(windows)
+    for rank in plan.pool:
+        sizes[rank] += plan.window_bytes
+    return tuple(sizes)
+
+
+def describe_ems(plan: EmsPlan) -> str:
+    """`xds-mpi validate`'s EMS line."""
+    return (
+        f"EMS pool: ranks {list(plan.pool)} (no die; CPU DRAM over UB), {plan.capacity} "
+        f"blocks of {plan.block_tokens} tokens ({plan.block_bytes} B) each, "
+        f"{plan.window_bytes} B window per pool rank"
+    )
