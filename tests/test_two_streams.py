@@ -229,3 +229,39 @@ def test_two_streams_are_not_slower_where_every_price_halves_with_the_rows():
             assert two < 0.9 * one, (one_ns, two_ns)
         else:
             assert two == pytest.approx(one), (one_ns, two_ns)
+
+
+def test_a_lane_refuses_a_wait_out_of_order_and_sums_as_the_blocking_call():
+    # One die, two lanes: lane 1's dispatch in flight while lane 0 runs a blocking round trip;
+    # then lane 1 refuses the wait of a dispatch that is not its last one.
+    from xccl.errors import XcclError
+
+    layout = EpLayout(
+        members=(0,), base=(0,), hidden=4, max_tokens=3, num_columns=2, itemsize=8,
+        use_int8=False, num_lanes=2,
+    )  # fmt: skip
+    mem = DieMemory(MPI.COMM_SELF, layout.area_bytes())
+    lanes = [EpBuffer(mem, layout.lane(i), [0, 0, 0]) for i in range(2)]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4))
+    topk = np.array([[0, 1], [2, -1], [1, 2]])
+    weights = rng.random((3, 2))
+    log2phy = ((0,), (1,), (2,))
+    first = lanes[1].issue_dispatch(x, topk, weights, 7, log2phy=log2phy)
+    recv, _, handle = lanes[0].dispatch(x, topk, weights, 7, log2phy=log2phy)
+    blocking = lanes[0].combine(2 * recv, handle)
+    recv1, _, handle1 = lanes[1].wait_dispatch(first)
+    assert np.array_equal(recv1, recv)  # lane 0's round trip left lane 1's rows alone
+    assert np.array_equal(lanes[1].wait_combine(lanes[1].issue_combine(2 * recv1, handle1)),
+                          blocking)  # fmt: skip
+    stale = lanes[1].issue_dispatch(x, topk, weights, 8, log2phy=log2phy)
+    with pytest.raises(XcclError, match="combine with the handle of dispatch"):
+        lanes[1].issue_combine(2 * recv1, handle1)
+    lanes[1].issue_dispatch(
+        x, topk, weights, 9, log2phy=log2phy
+    )  # the stale dispatch can no longer be waited for
+    with pytest.raises(
+        XcclError, match=r"wait for dispatch 2 \(event 8\); the last one issued was 3"
+    ):
+        lanes[1].wait_dispatch(stale)
+    mem.free()
