@@ -7,7 +7,7 @@ xccl/records/record.py's ROWS_RECORD; wire rows are xccl/quant.py's (send_row_by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -40,6 +40,10 @@ class EpLayout:
     send_row_bytes = hidden x itemsize, or hidden + 4 (INT8 + float32 scale) rounded up to 8;
     out_row_bytes = hidden x itemsize. Combine has its own records and staging so a fast die's
     combine never overwrites what a slow die still pulls from dispatch.
+
+    num_lanes > 1 (colocated two-stream decode, CloudMatrix-Infer §4.2.3): the area above once
+    per microbatch, one after the other, so two microbatches in flight never share a slot or a
+    record; `lane(i)` is the layout of lane i alone (what one EpBuffer runs on).
     """
 
     members: tuple[int, ...]  # ranks taking part in dispatch/combine, in order
@@ -50,11 +54,22 @@ class EpLayout:
     itemsize: int
     use_int8: bool
     max_slots_per_die: int = 0  # expert slots on the die with the most; 0: as many as columns
+    num_lanes: int = 1  # microbatches with an area each (a lane's own layout: 1)
+    lane_index: int = 0  # which lane of its deployment this layout is
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "max_tokens", "num_columns", "itemsize"):
+        for name in ("hidden", "max_tokens", "num_columns", "itemsize", "num_lanes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EpLayout.{name} must be > 0, got {getattr(self, name)}")
+
+    def lane(self, index: int) -> EpLayout:
+        """Lane `index`'s area alone: this layout moved up by `index` lanes."""
+        if not 0 <= index < self.num_lanes:
+            raise ValueError(f"EpLayout: lane {index} outside 0..{self.num_lanes - 1}")
+        shift = index * self._area["end"]
+        return replace(
+            self, base=tuple(b + shift for b in self.base), num_lanes=1, lane_index=index
+        )
 
     @property
     def num_members(self) -> int:
@@ -95,8 +110,8 @@ class EpLayout:
         return offsets
 
     def area_bytes(self) -> int:
-        """Size hint: bytes of the EP area on each member die."""
-        return self._area["end"]
+        """Size hint: bytes of the EP area on each member die (every lane)."""
+        return self._area["end"] * self.num_lanes
 
     def offset(self, rank: int, region: str) -> int:
         """Byte offset of `region` in `rank`'s window."""
@@ -106,7 +121,11 @@ class EpLayout:
         """(offset, nbytes) of `rank`'s row staging (dispatch rows and index, combine rows):
         written before they are read, so they need no zeroing (DieMemory's `unzeroed`)."""
         names = ("dispatch_rows", "dispatch_index", "combine_rows")
-        return [(self.offset(rank, n), self._area[n + "_end"] - self._area[n]) for n in names]
+        return [
+            (self.offset(rank, n) + i * self._area["end"], self._area[n + "_end"] - self._area[n])
+            for i in range(self.num_lanes)
+            for n in names
+        ]
 
     def record_offset(self, rank: int, kind: str, peer_idx: int) -> int:
         """The record member `peer_idx` writes into `rank`'s window for `kind` (dispatch or

@@ -86,6 +86,11 @@ class VirtualClock:
         self.now_ns = max(self.now_ns, float(arrival_ns))
         return self.now_ns
 
+    def show(self, stream_ns: float) -> None:
+        """A die running two streams (xds_mpi/engine/two_streams.py): the clock shows the
+        stream about to run, which may be behind the other stream's time."""
+        self.now_ns = float(stream_ns)
+
     def snapshot(self) -> float:
         """The time now, for `restore` (token recomputation re-runs an iteration from it)."""
         return self.now_ns

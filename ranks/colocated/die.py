@@ -41,21 +41,25 @@ class ColocatedDie(DecodeDieLoop):
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
         self.clock = clock = VirtualClock()
-        ep = EpBuffer(
-            self.mem,
-            plan.ep,
-            slots.slot_owner,
-            dtype=plan.row_dtype,
-            clock=clock,
-            num_cores=cfg.xccl.num_cores,
-            timeout_s=cfg.xccl.poll_timeout_s,
-            wait_span=trace.span,
+        # One EP lane per microbatch (two: the two-stream decode, xds_mpi/engine/two_streams.py)
+        lanes = tuple(
+            EpBuffer(
+                self.mem,
+                plan.ep.lane(i),
+                slots.slot_owner,
+                dtype=plan.row_dtype,
+                clock=clock,
+                num_cores=cfg.xccl.num_cores,
+                timeout_s=cfg.xccl.poll_timeout_s,
+                wait_span=trace.span,
+            )
+            for i in range(plan.ep.num_lanes)
         )
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
-        self.executor = self._executor(ctx, model, ep, state, slots)
+        self.executor = self._executor(ctx, model, lanes, state, slots)
         self._failure_side(ctx, model)
-        self.recompute = self._recomputer(ctx, ep)
+        self.recompute = self._recomputer(ctx, lanes)
         self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
@@ -80,14 +84,14 @@ class ColocatedDie(DecodeDieLoop):
             # PD: the decode TE-shell watches
             self.health = DieHealth(cfg, ctx.comm, self, shell=watcher(ctx.plan))
 
-    def _recomputer(self, ctx: RankContext, ep) -> Recomputer:
-        """Token recomputation (§6.2 stage 3); with heartbeats, its abort-word window spans the
-        TE-shell too, which fences the waits through it (§6.1)."""
+    def _recomputer(self, ctx: RankContext, lanes) -> Recomputer:
+        """Token recomputation (§6.2 stage 3) over every EP lane; with heartbeats, its abort-word
+        window spans the TE-shell too, which fences the waits through it (§6.1)."""
         return Recomputer(
             ctx.cfg,
             self.dies,
             ctx.comm.rank,
-            [ep],
+            list(lanes),
             self.pricer,
             events=self.executor.events,
             log=ctx.log,
@@ -95,14 +99,15 @@ class ColocatedDie(DecodeDieLoop):
             stall=self.health.stall if self.health else None,
         )
 
-    def _executor(self, ctx: RankContext, model, ep, state, slots):
+    def _executor(self, ctx: RankContext, model, lanes, state, slots):
         from xds_mpi.engine.executor import ColocatedExecutor
 
         cfg, topo = ctx.cfg, ctx.topo
         is_dedicated = cfg.deployment.shared_experts == "dedicated"
         return ColocatedExecutor(
             model,
-            ep,
+            lanes[0],
+            lanes=lanes if len(lanes) > 1 else (),
             phy2log=topo.phy2log,
             log2phy=topo.log2phy(),
             table=state.table,

@@ -44,6 +44,26 @@ from xccl.wake import WaitSpan, no_span
 
 
 @dataclass(frozen=True, kw_only=True)
+class SentDispatch:
+    """A dispatch issued (staged and published) and not yet waited for: what its wait needs."""
+
+    event_id: int
+    seq: int
+    weights: np.ndarray
+    send_counts: np.ndarray
+    send_token: np.ndarray
+    send_column: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class SentCombine:
+    """A combine issued and not yet waited for."""
+
+    handle: DispatchHandle
+    seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class EpOptions:
     """What an EpBuffer is built with besides its window, layout and slots: dtype, the rows'
     wire dtype; clock, the die's virtual clock; link, the cost model's link (None: the clock's
@@ -80,7 +100,7 @@ class EpBuffer:
                 f"{np.dtype(dtype).itemsize} != the EP layout's itemsize "
                 f"{layout.itemsize}"
             )
-        mem.claim("ep")
+        mem.claim("ep" if layout.lane_index == 0 else f"ep lane {layout.lane_index}")
         if mem.nbytes < layout.offset(mem.rank, "end"):
             raise BufferTooSmall(
                 f"rank {mem.rank}: window of {mem.nbytes} B < the "
@@ -156,21 +176,55 @@ class EpBuffer:
         Returns recv_x [R, hidden] (self.dtype, dequantized), DispatchInfo, DispatchHandle.
         Every member must call it, with zero tokens if it has none.
         """
+        sent = self.issue_dispatch(
+            x, topk_idx, topk_weights, event_id, log2phy=log2phy, shared_slots=shared_slots
+        )
+        return self.wait_dispatch(sent)
+
+    def issue_dispatch(
+        self,
+        x: np.ndarray,
+        topk_idx: np.ndarray,
+        topk_weights: np.ndarray,
+        event_id: int,
+        *,
+        log2phy: Sequence[Sequence[int]],
+        shared_slots: Sequence[int] = (),
+    ) -> SentDispatch:
+        """Steps 1-4 of `dispatch` (same arguments): stage and publish, no wait. The die may
+        compute something else (the other microbatch's attention, CloudMatrix-Infer §4.2.3)
+        before `wait_dispatch`; it must not stage through this buffer again until then."""
         phy, weights = self._check_batch(x, topk_idx, topk_weights, event_id, log2phy, shared_slots)
         # Step 1-3 (Fig. 7): copy the rows (INT8 + per-token scale if enabled) into our own
         # managed area, partitioned by destination die.
         token, column, send_counts = self.rows.stage_dispatch(x, phy)
         # Step 4: write count + offset + event id + virtual time into every destination's record.
         seq = self._publish("dispatch", event_id, send_counts)
-        recv_x, perm, info, recv_counts = self._receive_dispatch(event_id, seq)  # steps 5-7
-        handle = DispatchHandle(
+        return SentDispatch(
             event_id=event_id,
             seq=seq,
-            buffer_id=id(self),
             weights=weights,
             send_counts=send_counts,
             send_token=token,
             send_column=column,
+        )
+
+    def wait_dispatch(self, sent: SentDispatch) -> tuple[np.ndarray, DispatchInfo, DispatchHandle]:
+        """Steps 5-7 of `dispatch`: what `dispatch` returns, for the issued `sent`."""
+        if sent.seq != self._seq["dispatch"]:
+            raise XcclError(
+                f"die rank {self.me}: wait for dispatch {sent.seq} (event {sent.event_id}); "
+                f"the last one issued was {self._seq['dispatch']}"
+            )
+        recv_x, perm, info, recv_counts = self._receive_dispatch(sent.event_id, sent.seq)
+        handle = DispatchHandle(
+            event_id=sent.event_id,
+            seq=sent.seq,
+            buffer_id=id(self),
+            weights=sent.weights,
+            send_counts=sent.send_counts,
+            send_token=sent.send_token,
+            send_column=sent.send_column,
             recv_counts=recv_counts,
             recv_perm=perm,
         )
@@ -223,12 +277,26 @@ class EpBuffer:
         Returns y: [T, hidden] float64 for this die's T dispatched tokens (summed in float64
         whatever the row dtype: the rows are a wire format).
         """
+        return self.wait_combine(self.issue_combine(expert_out, handle))
+
+    def issue_combine(self, expert_out: np.ndarray, handle: DispatchHandle) -> SentCombine:
+        """Steps 1-4 of `combine`: stage and publish, no wait (see `issue_dispatch`)."""
         self._check_handle(expert_out, handle)
         # Step 1-3 (mirror): stage outputs in our combine area, by source die, in the order
         # each source staged them.
         self.rows.stage_combine(expert_out, handle.recv_perm)
         # Step 4: tell each source where its outputs sit.
         seq = self._publish("combine", handle.event_id, handle.recv_counts)
+        return SentCombine(handle=handle, seq=seq)
+
+    def wait_combine(self, sent: SentCombine) -> np.ndarray:
+        """Steps 5-7 of `combine`: what `combine` returns, for the issued `sent`."""
+        handle, seq = sent.handle, sent.seq
+        if seq != self._seq["combine"]:
+            raise XcclError(
+                f"die rank {self.me}: wait for combine {seq} (event {handle.event_id}); "
+                f"the last one issued was {self._seq['combine']}"
+            )
         # Step 5: wait for every die's record; step 6-7: pull our rows' outputs back.
         bodies = self._wait_records("combine", handle.event_id, seq)
         counts = bodies["count"].astype(np.int64)

@@ -55,7 +55,7 @@ class DeploymentConfig:
     redundant_slots_per_die: int = 0  # EPLB replica slots on each routed-expert die
     max_routed_experts_per_die: int = 64
     num_prefill_dies: int = 0  # PD disaggregation: dies that only prefill
-    num_microbatches: int = 1  # afd: microbatches per DP domain
+    num_microbatches: int = 1  # afd: per DP domain; colocated: 2 = two-stream decode
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -96,10 +96,10 @@ class DeploymentConfig:
                 f"{self.num_expert_dies}",
             )
             require(
-                self.num_microbatches == 1,
-                "deployment.num_microbatches must be 1 for a "
-                "colocated deployment (microbatches overlap attention with the expert dies' "
-                f"work: afd only), got {self.num_microbatches}",
+                self.num_microbatches in (1, 2),
+                "deployment.num_microbatches must be 1 or 2 for a colocated deployment (2: the "
+                "two-stream decode of CloudMatrix-Infer §4.2.3, one microbatch per stream), got "
+                f"{self.num_microbatches}",
             )
         else:
             require(

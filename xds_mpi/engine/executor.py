@@ -26,6 +26,7 @@ from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.engine.timing import IterationTiming, Meter, iteration_timing
+from xds_mpi.engine.two_streams import TwoStreamPass, split_cores
 from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.faults import LayerEvents
 from xds_mpi.model.kv_blocks import BlockTable
@@ -50,8 +51,17 @@ class ColocatedExecutor:
         shared_slots: tuple[int, ...] = (),
         mtp_depth: int = 0,
         expert_map: ExpertMap | None = None,
+        lanes: tuple[EpBuffer, ...] = (),
+        stream_costs: tuple | None = None,
     ) -> None:
+        """lanes: one EP buffer per microbatch of the two-stream decode (the first is `ep`,
+        which the MTP blocks use); none: one stream. stream_costs: the (stream 0, stream 1)
+        cost models, by default §4.2.3's core split of the pricer's (two_streams.py)."""
         self.model, self.ep, self.table, self.cache = model, ep, table, cache
+        self.lanes = lanes
+        if lanes and stream_costs is None:
+            stream_costs = split_cores(pricer.cost)
+        self.stream_costs = stream_costs
         self.clock = pricer.clock  # the die's virtual clock
         self.phy2log, self.log2phy, self.pricer = phy2log, log2phy, pricer
         # Dedicated shared-expert dies (EP288: 256 routed + 32 shared): the shared expert is one
@@ -101,6 +111,10 @@ class ColocatedExecutor:
         self.expert_map.start_iteration(
             has_prefill=any(len(e.input_ids) > 1 + e.num_drafts for e in entries)
         )
+        if self.lanes:  # two microbatches on two streams (xds_mpi/engine/two_streams.py)
+            x = TwoStreamPass(self, meter, self.stream_costs).run(entries)
+            sampled, works = self._sample_and_draft(entries, x, meter)
+            return self.results(sampled, works), iteration_timing(entries, sampled, meter)
         x = self.model.embed(tokens)  # [n, hidden]
         for layer_idx, layer in enumerate(self.model.layers):
             with meter("attention", layer=layer_idx):

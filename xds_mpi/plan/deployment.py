@@ -106,9 +106,36 @@ def check_serving(cfg: Config, topo: Topology) -> None:
             "serve.enabled: a pd deployment (pd.enabled) is not served over HTTP yet; "
             "serve a colocated or afd config"
         )
+    check_two_streams(cfg)
     _check_fault_table(cfg, topo)
     check_failures(cfg, topo)  # faults.events (xds_mpi/plan/failures.py)
     check_eplb(cfg, len({info.rank for info in topo.ranks if _hosts_routed(info)}))
+
+
+def check_two_streams(cfg: Config) -> None:
+    """The colocated two-stream decode (deployment.num_microbatches 2, xds_mpi/engine/
+    two_streams.py) runs without what rebuilds or swaps its two EP lanes mid-run: no fault
+    rows (token recomputation restores one attempt of one lane's sequence), no vertical
+    scaling (a failover rebuilds one buffer), no EPLB (its swap phases assume one lane), no PD
+    (the decode dies' KV intake is not scheduled between the streams)."""
+    dep = cfg.deployment
+    if dep.kind != "colocated" or dep.num_microbatches == 1:
+        return
+    unsupported = {
+        "faults.table": bool(cfg.faults.table),
+        "faults.rate": cfg.faults.rate > 0,
+        "faults.events": bool(cfg.faults.events),
+        "health.replicas": cfg.health.replicas != "none",
+        "eplb.enabled": cfg.eplb.enabled,
+        "pd.enabled": cfg.pd.enabled or dep.num_prefill_dies > 0,
+    }
+    for key, is_set in unsupported.items():
+        if is_set:
+            raise ConfigError(
+                f"deployment.num_microbatches({dep.num_microbatches}) on a colocated deployment "
+                f"(the two-stream decode) does not support {key} yet; set "
+                "deployment.num_microbatches=1 or turn it off (docs/two_streams.md)"
+            )
 
 
 def _hosts_routed(info) -> bool:

@@ -33,7 +33,8 @@ def p2p_layout(cfg: Config, topo: Topology) -> P2PLayout:
 
 def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpLayout | None:
     """Dispatch/combine area of a colocated deployment, after each die's p2p area; rows of
-    `itemsize` bytes (xccl.row_dtype) when not INT8."""
+    `itemsize` bytes (xccl.row_dtype) when not INT8; one lane per microbatch (two-stream
+    decode, xds_mpi/engine/two_streams.py)."""
     if cfg.deployment.kind != "colocated":
         return None
     shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0
@@ -47,6 +48,7 @@ def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpL
         itemsize=itemsize,
         use_int8=cfg.xccl.use_int8,
         max_slots_per_die=max(len(topo.ranks[r].expert_slots) for r in members),
+        num_lanes=cfg.deployment.num_microbatches,
     )
 
 

@@ -97,14 +97,14 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
         return _layer(parts, stream0 + stream1, {}, stream0, stream1)
     aic = x.cost.hw.aic_cores
     splits = [x.stream0_aic] if x.stream0_aic else range(aic // 3, aic - aic // 6 + 1)
-    priced = {a: _streams(x, *_split(x.cost, a)) for a in splits}
+    priced = {a: _streams(x, *split_streams(x.cost, a)) for a in splits}
     best = min(priced, key=lambda a: max(priced[a][1:]))
     parts, stream0, stream1 = priced[best]
     streams = {"stream 0": stream0, "stream 1": stream1}
     return _layer(parts, 2 * max(stream0, stream1), streams, stream0, stream1, split=best)
 
 
-def _split(cost: CostModel, stream0_aic: int) -> tuple[CostModel, CostModel]:
+def split_streams(cost: CostModel, stream0_aic: int) -> tuple[CostModel, CostModel]:
     """Stream 0 on `stream0_aic` AIC and twice as many AIV, stream 1 on the rest (§4.2.3's
     16/32 and 8/16 of 24/48 keep that ratio)."""
     aic, aiv = cost.hw.aic_cores, cost.hw.aiv_cores
