@@ -91,8 +91,21 @@ def _expert_die(slot_expert: dict[int, int]):
         is_redundant=(False,) * len(row),
         num_experts=cfg.model.num_routed_experts,
     )
-    pricer = SimpleNamespace(expert_slot=lambda *a, **k: None, mtp_layer=nullcontext)
+    from xccl.vclock import VirtualClock
+    from xds_mpi.engine.afd_load import ExpertLoad
+
+    pricer = SimpleNamespace(expert_slot=lambda *a, **k: None, mtp_layer=nullcontext, moe_scale=1.0)
+    load = ExpertLoad(
+        rank=0,
+        slots=tuple(range(len(row))),
+        is_routed=(True,) * len(row),
+        topk_scale=1.0,
+        experts_per_slot=1.0,
+    )
     return SimpleNamespace(
+        clock=VirtualClock(),  # the die's clock and measured load (xds_mpi/engine/afd_load.py)
+        load=load,
+        iteration=0,
         model=model,
         placement=placement,
         plan=SimpleNamespace(moe_layers=moe_layers),
