@@ -263,28 +263,28 @@ class Serving:
         """EMS on a trace: each request priced with the prefix the pool really served it (its
         hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
         from xds_mpi.engine.pd_results import ems_trace_cached, format_ems_slo
-        from xds_mpi.engine.request_pricing import planes
-        from xds_mpi.engine.slo import cached_summary, request_times
-        from xds_mpi.projection.hardware import load_profile
+        from xds_mpi.engine.slo import cached_summary
 
         cached = ems_trace_cached(ctx.cfg, self.records, self.pd_book.reports.values())
-        ub = planes(load_profile(ctx.cfg.hardware.profile))["UB"]
-        times = request_times(self.records, self.started, pricer, cached=cached, pool=ub)
-        summary = cached_summary(ctx.cfg, times)
+        summary = cached_summary(ctx.cfg, self._pulled_times(ctx, pricer, cached))
         self.summary.update({"ems_" + k.removeprefix("cache_"): v for k, v in summary.items()})
         ctx.log.info(format_ems_slo(self.summary))
 
     def _cached_times(self, ctx: RankContext, pricer) -> list:
         """Each request priced with its prefix hits (an unbounded cache of the window) pulled
         over UB from a pool instead of computed."""
+        from xds_mpi.engine.trace_replay import cached_prefixes
+
+        return self._pulled_times(ctx, pricer, cached_prefixes(ctx.cfg, self.records))
+
+    def _pulled_times(self, ctx: RankContext, pricer, cached) -> list:
+        """Each request priced with its `cached` prefix pulled over UB instead of computed."""
         from xds_mpi.engine.request_pricing import planes
         from xds_mpi.engine.slo import request_times
-        from xds_mpi.engine.trace_replay import cached_prefixes
         from xds_mpi.projection.hardware import load_profile
 
-        cached = cached_prefixes(ctx.cfg, self.records)
-        ub = planes(load_profile(ctx.cfg.hardware.profile))
-        return request_times(self.records, self.started, pricer, cached=cached, pool=ub["UB"])
+        ub = planes(load_profile(ctx.cfg.hardware.profile))["UB"]
+        return request_times(self.records, self.started, pricer, cached=cached, pool=ub)
 
     def _add_cancellations(self, ctx: RankContext, die_reports: dict) -> None:
         """serve: requests ended early (client gone, stop string, shutdown), and what the dies
