@@ -10,7 +10,7 @@ import pytest
 from ranks.recovery.recompute import IterationAttempts
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import FaultsConfig, ModelConfig
-from xds_mpi.engine import timing
+from xds_mpi.engine import pricing
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.pricing import Pricer
 from xds_mpi.engine.scheduler import Entry
@@ -151,9 +151,9 @@ def test_iteration_attempts_restore_the_die_and_tell_the_plan_the_attempt():
 
 def test_the_meter_sums_wall_time_by_kind_and_keeps_the_total_and_virtual_time(monkeypatch):
     ticks = iter(range(100))  # perf_counter: 0, 1, 2, ... seconds
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(ticks)))
+    monkeypatch.setattr(pricing.time, "perf_counter", lambda: float(next(ticks)))
     clock = VirtualClock(500.0)
-    meter = timing.Meter(clock)  # started at 0
+    meter = pricing.Meter(clock)  # started at 0
     with meter("attention"):  # 1 .. 2
         clock.advance(2e9)
     with meter("xccl"):  # 3 .. 4

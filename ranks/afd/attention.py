@@ -10,7 +10,7 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals
 from ranks.core.handshake import handshake
-from xds_mpi.engine.timing import IterationTiming
+from xds_mpi.engine.pricing import IterationTiming
 
 IDLE = IterationTiming(
     num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0, total_s=0.0, vtime_s=0.0

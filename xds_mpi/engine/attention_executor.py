@@ -19,8 +19,8 @@ from xccl.afd.buffer import AfdBuffer
 from xds_mpi.engine.afd_plan import PlannedCall, split_counts, split_microbatches
 from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.mtp import MtpWork
+from xds_mpi.engine.pricing import IterationTiming, Meter, iteration_timing
 from xds_mpi.engine.scheduler import Entry, Sampled
-from xds_mpi.engine.timing import IterationTiming, Meter, iteration_timing
 
 
 class AttentionExecutor(ColocatedExecutor):

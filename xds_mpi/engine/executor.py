@@ -22,10 +22,9 @@ import numpy as np
 from xccl.ep.buffer import EpBuffer
 from xds_mpi import emulator_runtime
 from xds_mpi.engine.mtp import MtpBook, MtpWork
-from xds_mpi.engine.pricing import Pricer
+from xds_mpi.engine.pricing import IterationTiming, Meter, Pricer, iteration_timing
 from xds_mpi.engine.scheduler import Entry, Sampled
 from xds_mpi.engine.slots import ExpertSlots
-from xds_mpi.engine.timing import IterationTiming, Meter, iteration_timing
 from xds_mpi.engine.two_streams import TwoStreamPass, split_cores
 from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.faults import LayerEvents

@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from xccl.vclock import VirtualClock
+from xds_mpi.engine.pricing import Meter
 from xds_mpi.engine.scheduler import Entry
-from xds_mpi.engine.timing import Meter
 
 STREAM0_AIC_SHARE = 2 / 3  # §4.2.3: stream 0 on 16 of 24 AIC (and 32 of 48 AIV)
 
