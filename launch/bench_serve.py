@@ -23,7 +23,8 @@ import numpy as np
 
 from launch.bench_report import report
 from launch.paths import DEFAULT_CONFIG, resolve_config
-from launch.serve_stats import RANK_STATS_ENV, ServeStats, summarize
+from launch.serve_stats import ServeStats, summarize
+from launch.startup import RANK_STATS_ENV
 from xccl.wake import TIME_MPI_ENV
 from xds_mpi.config.schema import ConfigError
 

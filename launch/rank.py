@@ -18,11 +18,10 @@ from pathlib import Path
 from mpi4py import MPI
 
 from launch.log import setup_logging
-from launch.serve_stats import RANK_STATS_ENV
-from launch.startup import mark_loaded
+from launch.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path
-from xccl.wake import MPI_TIME, set_wait_mode
+from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi import emulator_runtime
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -55,11 +54,15 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     mark_loaded(comm.rank)  # the launcher counts these during a long start-up
     cfg = load_config(args.config, args.set)
-    plan = DeploymentPlan.build(cfg, comm.size)
+    plan = DeploymentPlan.build(cfg, comm.size, check_files=False)  # checked before launch
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
+    # The ranks finish importing at different times; MPICH's blocking collectives poll, so the
+    # early ones would burn the cores the late ones still import on. They meet dozing first.
+    quiet_barrier(comm, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_leader = node.allreduce(comm.rank, op=MPI.MIN)
     set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
     core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
     node.Free()
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
     program = role_program(info.role, is_pd=plan.pd is not None)
-    exit_code = program(RankContext(plan=plan, comm=comm, log=log))
+    exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
     faulthandler.cancel_dump_traceback_later()
     write_rank_stats(comm.rank, info.role, core)
     if exit_code:

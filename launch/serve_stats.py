@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-RANK_STATS_ENV = "XDS_RANK_STATS"  # launch/rank.py writes each rank's MPI time there
 LAYER_SPANS = ("gate", "dispatch", "experts", "combine")
 WAIT_SPANS = ("dispatch wait", "combine wait")
 SUMMARY = re.compile(r"(\d+) tokens in ([\d.]+) s = ([\d.]+) tok/s")

@@ -68,11 +68,17 @@ def peer_views(
     return tuple(views)
 
 
-def same_node_table(comm: MPI.Comm) -> tuple[bool, ...]:
-    """For each rank of `comm`: does it share this rank's node (and so its memory)?"""
+def node_leader(comm: MPI.Comm) -> int:
+    """Collective: the lowest rank of `comm` that shares this rank's node (and so its memory)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     leader = node.allreduce(comm.rank, op=MPI.MIN)
     node.Free()
+    return leader
+
+
+def same_node_table(comm: MPI.Comm) -> tuple[bool, ...]:
+    """For each rank of `comm`: does it share this rank's node (and so its memory)?"""
+    leader = node_leader(comm)
     leaders = comm.allgather(leader)
     return tuple(other == leader for other in leaders)
 

@@ -4,10 +4,10 @@ sizes), its own entry, the communicator."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 
-import yaml
 from mpi4py import MPI
 
 from xds_mpi.config.schema import Config
@@ -20,6 +20,7 @@ class RankContext:
     plan: DeploymentPlan  # built for comm.size: every rank derives the same one
     comm: MPI.Comm
     log: logging.Logger
+    node_leader: int  # the lowest world rank sharing this rank's memory node
 
     @property
     def cfg(self) -> Config:
@@ -43,5 +44,5 @@ class RankContext:
 
     def config_digest(self) -> str:
         """Identifies the config a rank loaded, so ranks that read different files are caught."""
-        text = yaml.safe_dump(self.cfg.to_dict(), sort_keys=True)
+        text = json.dumps(self.cfg.to_dict(), sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]

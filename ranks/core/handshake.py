@@ -8,8 +8,6 @@ import os
 import socket
 from dataclasses import dataclass
 
-from mpi4py import MPI
-
 from ranks.core.context import RankContext
 from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.tags import TAG_HELLO, TAG_VERDICT
@@ -25,20 +23,13 @@ class Placement:
 
 def handshake(ctx: RankContext) -> tuple[Placement, ...] | None:
     """Collective. Rank 0 returns every rank's placement; the other ranks None."""
-    hello = (ctx.config_digest(), ctx.info, _placement(ctx.comm))
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    hello = (ctx.config_digest(), ctx.info, Placement(host=host, node=ctx.node_leader))
     if ctx.comm.rank != 0:
         _await_verdict(ctx, hello)
         return None
     hellos = _give_verdict(ctx, hello)
     return (hello[2], *(hellos[r][2] for r in range(1, ctx.comm.size)))
-
-
-def _placement(comm: MPI.Comm) -> Placement:
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = node.allreduce(comm.rank, op=MPI.MIN)
-    node.Free()
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    return Placement(host=host, node=leader)
 
 
 def _await_verdict(ctx: RankContext, hello: tuple) -> None:

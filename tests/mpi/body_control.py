@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
+from xccl.gmem_paths import node_leader
 from xds_mpi.config.schema import config_from_dict
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -29,7 +30,10 @@ def context(overrides=()) -> RankContext:
         overrides,
     )
     return RankContext(
-        plan=DeploymentPlan.build(cfg, comm.size), comm=comm, log=logging.getLogger("test")
+        plan=DeploymentPlan.build(cfg, comm.size),
+        comm=comm,
+        log=logging.getLogger("test"),
+        node_leader=node_leader(comm),
     )
 
 

@@ -151,6 +151,12 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
     )
 
 
+def parse_yaml(text: str):
+    """yaml.safe_load through libyaml when PyYAML has it (~8x faster; every rank reads its config,
+    model preset and hardware profile at start-up), else PyYAML's own loader: the same values."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def read_root(root: type, path: str | Path, overrides: typing.Sequence[str] = ()):
     """Read a YAML file into dataclass `root` and apply `--set` overrides; errors name the file."""
     path = Path(path)
@@ -159,7 +165,7 @@ def read_root(root: type, path: str | Path, overrides: typing.Sequence[str] = ()
     except OSError as exc:
         raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     try:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
-
+from xds_mpi.config.loader import parse_yaml
 from xds_mpi.config.schema import ConfigError, ModelConfig, config_from_dict
 
 MODEL_PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
@@ -36,7 +35,7 @@ def load_model_preset(name_or_path: str | Path) -> ModelConfig:
             f"model preset {str(name_or_path)!r} is neither a file nor a name in "
             f"{presets_dir()} (known: {', '.join(available_presets())})"
         )
-    data = yaml.safe_load(path.read_text())
+    data = parse_yaml(path.read_text())
     if not isinstance(data, dict) or set(data) != {"model"}:
         raise ConfigError(
             f"{path}: a model preset holds exactly one section 'model', "

@@ -49,9 +49,15 @@ class DeploymentPlan:
     ems: EmsPlan | None = None
 
     @classmethod
-    def build(cls, cfg: Config, world_size: int | None = None) -> DeploymentPlan:
-        """Derive the plan; world_size: the communicator's size (None: what the config needs)."""
-        check_checkpoint(cfg.model)  # before launch: every rank would die loading it
+    def build(
+        cls, cfg: Config, world_size: int | None = None, *, check_files: bool = True
+    ) -> DeploymentPlan:
+        """Derive the plan; world_size: the communicator's size (None: what the config needs).
+        check_files: open the checkpoint to check its tensors' shapes. The launcher does (before
+        launch: every rank would die loading it); the ranks do not (each would open the file and
+        walk its tensors again, and a die's own load checks the shapes it reads)."""
+        if check_files:
+            check_checkpoint(cfg.model)
         topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
         check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
         check_serving(cfg, topo)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from xds_mpi.config.loader import parse_yaml
 from xds_mpi.config.schema import ConfigError
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
@@ -17,7 +16,7 @@ def load_profile(name: str) -> dict:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
         raise ConfigError(f"hardware.profile {name!r}: no such profile (known: {known})")
-    profile = yaml.safe_load(path.read_text())
+    profile = parse_yaml(path.read_text())
     for section, keys in REQUIRED.items():
         missing = [k for k in keys if k not in profile.get(section, {})]
         if missing:
