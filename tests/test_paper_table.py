@@ -50,12 +50,20 @@ def _recompute(pub, hw: Hardware) -> float:
         else 1.0,
         kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
     )
-    p = project(
-        cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
-        accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
-        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
-                            stream0_aic=s.stream0_aic, scheduling_bubble=s.scheduling_bubble),
-    )  # fmt: skip
+
+    def projected(microbatches, stream0_aic):
+        return project(
+            cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
+            accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
+            int8_attention=s.int8_attention,
+            execution=Execution(microbatches=microbatches, pipelined_graphs=s.pipelined_graphs,
+                                stream0_aic=stream0_aic, scheduling_bubble=s.scheduling_bubble),
+        )  # fmt: skip
+
+    p = projected(s.microbatches, s.stream0_aic)
+    if pub.metric == "two-stream gain":  # [001] Figure 20a: two streams over one
+        one = projected(1, None)
+        return 100 * (one.iteration_s / p.iteration_s - 1)
     bubble_ms = hw.bubble_s * 1e3 if s.scheduling_bubble else 0.0
     forward_ms = p.iteration_s * 1e3 - bubble_ms
     b = {k: v * 1e3 for k, v in p.breakdown_s.items()}
@@ -84,7 +92,7 @@ def _mtp_pass_s(cfg, hw: Hardware, s, imbalance) -> float:
     rows, the shared head and sampling over one row per sequence, the graph's launch."""
     from xds_mpi.projection.layers import LayerInputs, afd_layer, colocated_layer
 
-    cost = CostModel(BIG, hw)
+    cost = CostModel(BIG, hw, kv_int8=cfg.scheduler.kv_int8, int8_attention=s.int8_attention)
     rows_per_seq = 1 + s.mtp_depth * s.accept
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     n = counts(cfg, Topology.from_config(cfg), redundant_dies=s.redundant_dies)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -66,6 +67,47 @@ def test_attention_and_transfers_follow_their_formulas():
     assert cost.combine(1024, peers=1) == pytest.approx(
         HW.combine_start_s + 4.0e-6 + 1024 * 7168 * 2 / 164e9
     )
+
+
+def test_int8_attention_and_the_int8_kv_cache_price_what_000_section_4_7_says():
+    """[000] §4.7: the non-RoPE latent in INT8 (+ a 4-byte scale per token) and, on a share of
+    the layers, the attention core on the INT8 peak. Crafted cases: one row per sequence over a
+    long cache is memory-bound, so the INT8 KV reads fewer bytes and is faster; 64 rows per
+    sequence are compute-bound, so INT8 attention on every layer halves the core's time and on
+    half of them takes the mean of the two. (DeepSeek-V3's 128 heads keep even one row per
+    sequence compute-bound on the 910C, so the memory-bound case has 16.)"""
+    few = replace(BIG, num_heads=16)
+    bf16, int8_kv = CostModel(few, HW), CostModel(few, HW, kv_int8=True)
+    memory = 1.6e12 * 0.841
+    long = [(8192, 1)] * 4
+    assert int8_kv.attention(long) == pytest.approx(4 * 8192 * (512 + 4 + 64 * 2) / memory)
+    assert (
+        int8_kv.attention(long)
+        < bf16.attention(long)
+        == pytest.approx(4 * 8192 * (512 + 64) * 2 / memory)
+    )
+    bf16 = CostModel(BIG, HW)
+    wide = [(4096, 64)] * 4
+    flops = 4 * 2 * 64 * 128 * 4096 * (576 + 512)
+    assert bf16.attention(wide) == pytest.approx(flops / (376e12 * 0.654))
+    every = CostModel(BIG, HW, kv_int8=True, int8_attention=1.0)
+    assert every.attention(wide) == pytest.approx(flops / (752e12 * 0.654))
+    half = CostModel(BIG, HW, kv_int8=True, int8_attention=0.5)
+    assert half.attention(wide) == pytest.approx((bf16.attention(wide) + every.attention(wide)) / 2)
+    with pytest.raises(ValueError, match="share of the layers"):
+        CostModel(BIG, HW, int8_attention=1.5)
+
+
+def test_the_gate_and_the_head_keep_bf16_weights():
+    """[000] §4.7 quantizes the MLA, MoE and MLP modules, not the router or the LM head
+    ([001] §4.5 keeps "critical gating mechanisms" in BF16 or FP32): at a few rows reading
+    them costs 2 bytes per weight, twice an INT8 GEMM of the same shape."""
+    cost = CostModel(BIG, HW)
+    memory = 1.6e12 * 0.841
+    head, gate = 7168 * 129280, 7168 * 256
+    assert cost.head(8) == pytest.approx(2 * head / memory)
+    assert cost.gate(8) == pytest.approx(2 * gate / memory)
+    assert cost.head(8) == pytest.approx(2 * cost.gemm(8, head))
 
 
 @pytest.mark.parametrize("config, batch", [("ep288", 60), ("afd_pod", 96)])
