@@ -235,15 +235,15 @@ _LACKS_000_ITERATION = (
     "and MLA"
 )
 _LACKS_ATTENTION = (
-    "the attention path's time beyond its GEMMs and MLA's core at the whole-die efficiencies of "
-    "Tables 8-10 (norms, RoPE, Concat and Slice are fused and taken as hidden on the AIV, "
-    "[001] §4.2.2); no per-operator time on a stream's share of the cores is published "
-    "(Figure 20b's values are lost)"
+    "a time on the attention path that grows with the rows and the stream's cores, about "
+    "0.7-1.7 us per row on the whole die beyond MLAProlog's weight reads and MLA's core at "
+    "Tables 8-10; every operator's shape was checked against the papers and none names it "
+    "(design.md §5b, the attention-path audit)"
 )
 _LACKS_OVERLAP = (
     "the single-stream layer's time: one stream prices the attention path and the MoE path "
     "back to back at the whole die, which [001] puts near 1,380 us at batch 96 (1,260 us after "
-    "a 10 % reduction, Figure 20b / 22b) and the model near 1,090; its attention path misses "
+    "a 10 % reduction, Figure 20b / 22b) and the model near 1,080; its attention path misses "
     "a per-row time that no paper names (docs/design.md §5b, the attention-path audit)"
 )
 _LACKS_SMALL_BATCH = (
@@ -270,8 +270,9 @@ VALIDATION = [
     # [000] §7.1 / Figure 20: attention 21.8 %, dispatch + combine "about 36 %" of the iteration.
     Published(source="000 Fig. 20", scenario="000 colocated", metric="share attention",
               value=21.8, unit="%",
-              lacks="INT8 attention on some layers and the INT8 non-RoPE KV cache ([000] §4.7, "
-              "no share published): the model's MLA runs in BF16 at Table 8's efficiency"),
+              lacks="the share of the layers running INT8 attention ([000] §4.7 says "
+              "\"some\"; taken as half, an assumption: the rows at none and at all are printed "
+              "below) and the attention path's per-row time (design.md §5b)"),
     Published(source="000 Fig. 20", scenario="000 colocated", metric="share dispatch+combine",
               value=36.0, unit="%", lacks=_LACKS_000_ITERATION),
     # [000] Figure 20 via seed 004: the fastest dispatch / combine set the [000] XCCL starts
