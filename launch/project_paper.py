@@ -99,7 +99,14 @@ def batch_imbalance(args: argparse.Namespace) -> tuple[float, str]:
 
 
 def print_paper(args: argparse.Namespace) -> int:
-    from xds_mpi.projection.paper_table import MISS, Counts, calibration_table, validation_table
+    from xds_mpi.projection.paper_data import INT8_ATTENTION_000, INT8_ATTENTION_BRACKET
+    from xds_mpi.projection.paper_table import (
+        MISS,
+        Counts,
+        calibration_table,
+        int8_attention_bracket,
+        validation_table,
+    )
 
     table = validation_table(args.profile)
     rows = [
@@ -140,6 +147,17 @@ def print_paper(args: argparse.Namespace) -> int:
         for r in misses:
             print(f"  {r.source} {r.metric} ({r.error:+.0%}): lacks {r.lacks}")
             print(f"      made of: {r.why}")
+    bracket = int8_attention_bracket(args.profile)
+    if bracket:
+        shares = " / ".join(f"{v:g}" for v in INT8_ATTENTION_BRACKET)
+        print(
+            f'\n[000] §4.7 runs attention in INT8 on "some" layers, a share it does not give: '
+            f"the table takes {INT8_ATTENTION_000:g} (an assumption, not fitted); each [000] "
+            f"validation row at a share of {shares}:"
+        )
+        for r, values in bracket:
+            at = " / ".join(f"{v:.1f} ({v / r.published - 1:+.0%})" for v in values)
+            print(f"  {r.source} {r.metric} (published {r.published:g}): {at}")
     fit = calibration_table(args.profile)
     print(
         f"\nCALIBRATION: [001] Table 7 fit, dispatch/combine at 128 tokens per rank: "

@@ -50,12 +50,20 @@ def _recompute(pub, hw: Hardware) -> float:
         else 1.0,
         kv=kv_straggler(batch=s.batch, spread=s.kv_spread, groups=groups),
     )
-    p = project(
-        cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
-        accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
-        execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
-                            stream0_aic=s.stream0_aic, scheduling_bubble=s.scheduling_bubble),
-    )  # fmt: skip
+
+    def projected(microbatches, stream0_aic):
+        return project(
+            cfg, BIG, hw, batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth,
+            accept_rate=s.accept, imbalance=imbalance, redundant_dies=s.redundant_dies,
+            int8_attention=s.int8_attention,
+            execution=Execution(microbatches=microbatches, pipelined_graphs=s.pipelined_graphs,
+                                stream0_aic=stream0_aic, scheduling_bubble=s.scheduling_bubble),
+        )  # fmt: skip
+
+    p = projected(s.microbatches, s.stream0_aic)
+    if pub.metric == "two-stream gain":  # [001] Figure 20a: two streams over one
+        one = projected(1, None)
+        return 100 * (one.iteration_s / p.iteration_s - 1)
     bubble_ms = hw.bubble_s * 1e3 if s.scheduling_bubble else 0.0
     forward_ms = p.iteration_s * 1e3 - bubble_ms
     b = {k: v * 1e3 for k, v in p.breakdown_s.items()}
@@ -84,7 +92,7 @@ def _mtp_pass_s(cfg, hw: Hardware, s, imbalance) -> float:
     rows, the shared head and sampling over one row per sequence, the graph's launch."""
     from xds_mpi.projection.layers import LayerInputs, afd_layer, colocated_layer
 
-    cost = CostModel(BIG, hw)
+    cost = CostModel(BIG, hw, kv_int8=cfg.scheduler.kv_int8, int8_attention=s.int8_attention)
     rows_per_seq = 1 + s.mtp_depth * s.accept
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     n = counts(cfg, Topology.from_config(cfg), redundant_dies=s.redundant_dies)
@@ -139,11 +147,22 @@ def test_rows_that_miss_carry_what_they_lack_and_what_the_model_made_them_of():
     """A validation row outside MISS names the mechanism it lacks and carries `why_text` of its
     own scenario's projection (the model's parts and the imbalance it was priced at); a row
     within, a derived row or a calibration row carries neither."""
-    from xds_mpi.projection.paper_table import MISS, scenario_inputs, scenario_projection, why_text
+    from xds_mpi.projection.paper_table import (
+        MISS,
+        gain_text,
+        scenario_inputs,
+        scenario_projection,
+        why_text,
+    )
 
     for row, pub in zip(validation_table(), VALIDATION, strict=True):
         if abs(row.error) <= MISS or pub.role != "validation":
             assert row.why == row.lacks == ""
+            continue
+        if pub.metric == "two-stream gain":  # the layer with one stream and with two
+            one = scenario_projection(pub.scenario, one_stream=True).primitives_s["layer"]
+            assert row.why == gain_text(pub.scenario) and f"{one * 1e6:.0f} us" in row.why
+            assert row.lacks == pub.lacks != ""
             continue
         _, _, _, kwargs = scenario_inputs(pub.scenario)
         p = scenario_projection(pub.scenario)
@@ -501,3 +520,33 @@ def test_h800_traffic_leaving_the_node_sets_the_growth_with_ep():
     assert times == sorted(times) and times[-1] / times[0] > 2
     one_tier = CostModel(BIG, replace(hw, node_dies=0))
     assert one_tier.dispatch(rows, peers=8) > cost.dispatch(rows, peers=8)
+
+
+def test_int8_attention_applies_to_000_only_and_its_bracket_is_the_models():
+    """[000] §4.7's INT8 facts on [000]'s scenarios only ([001] states neither); the bracket
+    printed beside the table is each moved [000] row projected at none and at all of the
+    layers in INT8, recomputed here, and a row the share cannot move (A2E) is left out."""
+    from xds_mpi.projection.paper_data import INT8_ATTENTION_000
+    from xds_mpi.projection.paper_table import int8_attention_bracket, scenario_inputs
+
+    for name, s in SCENARIOS.items():
+        cfg = scenario_inputs(name)[0]
+        is_000 = name.startswith("000")
+        assert cfg.scheduler.kv_int8 == is_000, name
+        assert s.int8_attention == (INT8_ATTENTION_000 if is_000 else 0.0), name
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    bracket = int8_attention_bracket()
+    assert {r.metric for r, _ in bracket} >= {"forward", "share attention", "attention side"}
+    assert "A2E" not in {r.metric for r, _ in bracket}
+    by_metric = {(p.source, p.metric): p for p in VALIDATION}
+    for row, values in bracket:
+        pub = by_metric[(row.source, row.metric)]
+        s = SCENARIOS[pub.scenario]
+        for share, value in zip((0.0, 1.0), values, strict=True):
+            SCENARIOS[pub.scenario] = replace(s, int8_attention=share)
+            try:
+                assert value == pytest.approx(_recompute(pub, hw), rel=1e-9), (row, share)
+            finally:
+                SCENARIOS[pub.scenario] = s
+        if row.metric == "attention side":  # more layers in INT8: a faster attention side
+            assert values[1] < row.projected < values[0]

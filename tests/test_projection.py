@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -68,6 +69,47 @@ def test_attention_and_transfers_follow_their_formulas():
     )
 
 
+def test_int8_attention_and_the_int8_kv_cache_price_what_000_section_4_7_says():
+    """[000] §4.7: the non-RoPE latent in INT8 (+ a 4-byte scale per token) and, on a share of
+    the layers, the attention core on the INT8 peak. Crafted cases: one row per sequence over a
+    long cache is memory-bound, so the INT8 KV reads fewer bytes and is faster; 64 rows per
+    sequence are compute-bound, so INT8 attention on every layer halves the core's time and on
+    half of them takes the mean of the two. (DeepSeek-V3's 128 heads keep even one row per
+    sequence compute-bound on the 910C, so the memory-bound case has 16.)"""
+    few = replace(BIG, num_heads=16)
+    bf16, int8_kv = CostModel(few, HW), CostModel(few, HW, kv_int8=True)
+    memory = 1.6e12 * 0.841
+    long = [(8192, 1)] * 4
+    assert int8_kv.attention(long) == pytest.approx(4 * 8192 * (512 + 4 + 64 * 2) / memory)
+    assert (
+        int8_kv.attention(long)
+        < bf16.attention(long)
+        == pytest.approx(4 * 8192 * (512 + 64) * 2 / memory)
+    )
+    bf16 = CostModel(BIG, HW)
+    wide = [(4096, 64)] * 4
+    flops = 4 * 2 * 64 * 128 * 4096 * (576 + 512)
+    assert bf16.attention(wide) == pytest.approx(flops / (376e12 * 0.654))
+    every = CostModel(BIG, HW, kv_int8=True, int8_attention=1.0)
+    assert every.attention(wide) == pytest.approx(flops / (752e12 * 0.654))
+    half = CostModel(BIG, HW, kv_int8=True, int8_attention=0.5)
+    assert half.attention(wide) == pytest.approx((bf16.attention(wide) + every.attention(wide)) / 2)
+    with pytest.raises(ValueError, match="share of the layers"):
+        CostModel(BIG, HW, int8_attention=1.5)
+
+
+def test_the_gate_and_the_head_keep_bf16_weights():
+    """[000] §4.7 quantizes the MLA, MoE and MLP modules, not the router or the LM head
+    ([001] §4.5 keeps "critical gating mechanisms" in BF16 or FP32): at a few rows reading
+    them costs 2 bytes per weight, twice an INT8 GEMM of the same shape."""
+    cost = CostModel(BIG, HW)
+    memory = 1.6e12 * 0.841
+    head, gate = 7168 * 129280, 7168 * 256
+    assert cost.head(8) == pytest.approx(2 * head / memory)
+    assert cost.gate(8) == pytest.approx(2 * gate / memory)
+    assert cost.head(8) == pytest.approx(2 * cost.gemm(8, head))
+
+
 @pytest.mark.parametrize("config, batch", [("ep288", 60), ("afd_pod", 96)])
 def test_the_projection_adds_up(config, batch):
     cfg = load_config(REPO_ROOT / "configs" / f"{config}.yaml")
@@ -106,11 +148,12 @@ PROBE_SETTINGS = [
 ]
 
 
-def _probe_run(tmp_path):
+def _probe_run(tmp_path, *, mtp_depth: int = 0):
     """(each die's batch per iteration [dies, iterations], decode-only iterations, the slowest
-    die's virtual seconds of each decode iteration) of a colocated run on the probe profile."""
-    settings = [x for kv in PROBE_SETTINGS + [f"run.output_dir={tmp_path}", "run.name=p"]
-                for x in ("--set", kv)]  # fmt: skip
+    die's virtual seconds of each decode iteration) of a colocated run on the probe profile;
+    with MTP a decode iteration verifies 1 + depth rows per sequence."""
+    extra = [f"run.output_dir={tmp_path}", "run.name=p", f"scheduler.mtp_depth={mtp_depth}"]
+    settings = [x for kv in PROBE_SETTINGS + extra for x in ("--set", kv)]
     run = subprocess.run(
         [str(XDS_MPI), "run", "colocated", *settings],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
@@ -121,7 +164,8 @@ def _probe_run(tmp_path):
         # Dies that got their requests an iteration apart finish apart too: the DP groups'
         # batches differ, and the emulated iteration is the slowest die's.
         batch = np.array([d["num_sampled"][:] for d in dies])
-        decode = np.all([d["num_rows"][:] == d["num_sampled"][:] for d in dies], axis=0)
+        rows = np.array([d["num_rows"][:] for d in dies])
+        decode = np.all(rows == (1 + mtp_depth) * batch, axis=0) & (batch.sum(axis=0) > 0)
         emulated = np.max([d["vtime_s"][:] for d in dies], axis=0)[decode]
         summary_ms = f["summary"].attrs["projected_iteration_ms"]
     assert emulated.mean() * 1e3 == pytest.approx(summary_ms)
@@ -163,6 +207,54 @@ def test_the_emulated_clock_on_skewed_routing_agrees_with_the_projection_of_its_
         1 - even.iteration_s / full.iteration_s,
     ):
         assert share >= 0.10
+
+
+def test_with_mtp_the_emulated_clock_agrees_with_the_projection_where_each_part_matters(
+    tmp_path,
+):
+    """The same skewed run with MTP depth 1 (the trained checkpoint's drafts, acceptance
+    measured): each iteration an MTP pass over the tokens the last verification committed,
+    then the main pass over 2 rows per sequence. The emulated clocks price every die's own rows
+    and wait at the barriers; the analytic projection takes the measured acceptance, max/mean
+    expert load and per-iteration DP batches. Over the decode iterations (time-weighted, from
+    the projection): attention, the dispatch/combine calls, the waits in them and the expert
+    imbalance each take >= 10 % of the time (recomputed here; docs/projection.md states them),
+    and the two clocks agree within 5 %."""
+    batches, decode, emulated = _probe_run(tmp_path, mtp_depth=1)
+    with h5py.File(tmp_path / "p.h5") as f:
+        accept = float(f["summary"].attrs["mtp_acceptance"])
+    assert 0.2 < accept < 0.9  # drafts of the trained checkpoint: some accepted, not all
+    mean, largest = batches.mean(axis=0)[decode], batches.max(axis=0)[decode]
+    moe = from_run_file(tmp_path / "p.h5")
+    cfg = load_config(REPO_ROOT / "configs" / "colocated.yaml", PROBE_SETTINGS[1:2])
+    probe = Hardware.from_profile(load_profile(str(PROBE)))
+    kv = 64 + 8 / 2
+
+    def analytic(moe_load):
+        return [
+            project(cfg, BIG, probe, batch_per_die=b, kv_len=kv, mtp_depth=1,
+                    accept_rate=accept, imbalance=Imbalance(moe=moe_load, batch=top / b,
+                                                            noise=False))
+            for b, top in zip(mean, largest, strict=True)
+        ]  # fmt: skip
+
+    skewed, uniform = analytic(moe), analytic(1.0)
+    total = sum(p.iteration_s for p in skewed)
+    assert emulated.mean() == pytest.approx(total / len(skewed), rel=0.05)
+    calls = BIG.num_layers - BIG.num_dense_layers + 1  # the main pass's MoE layers + MTP's
+    prim = [p.primitives_s for p in skewed]
+    shares = {
+        "attention": sum(p.breakdown_s["attention"] + p.breakdown_s["MTP attention"]
+                         for p in skewed),
+        "dispatch/combine calls": calls * sum(q["dispatch"] + q["combine"] for q in prim),
+        "waits": calls * sum(q["dispatch wait"] + q["combine wait"] for q in prim),
+        "expert imbalance": total - sum(p.iteration_s for p in uniform),
+        "MTP pass": sum(q["MTP pass"] for q in prim),
+    }  # fmt: skip
+    shares = {k: v / total for k, v in shares.items()}
+    for part in ("attention", "dispatch/combine calls", "waits", "expert imbalance"):
+        assert shares[part] >= 0.10, shares
+    assert shares["MTP pass"] > 0
 
 
 def test_the_h800_profile_projects_the_same_deployment():

@@ -92,10 +92,18 @@ class Hardware:
 class CostModel:
     """Seconds per operation for one die at shape `m` on hardware `hw`."""
 
-    def __init__(self, m: ModelConfig, hw: Hardware, *, kv_int8: bool = False) -> None:
+    def __init__(
+        self, m: ModelConfig, hw: Hardware, *, kv_int8: bool = False, int8_attention: float = 0.0
+    ) -> None:
         """kv_int8: the latent KV's non-RoPE part is read as INT8 + a per-token scale
-        (scheduler.kv_int8); otherwise all of it in hw.kv_bytes per value."""
+        (scheduler.kv_int8); otherwise all of it in hw.kv_bytes per value. int8_attention: the
+        share of the layers whose attention core runs entirely in INT8 (xDeepServe §4.7: "For
+        attention layers with lower sensitivity to precision, we further optimize by performing
+        the attention computation entirely in INT8"; the paper does not say how many)."""
+        if not 0.0 <= int8_attention <= 1.0:
+            raise ValueError(f"int8_attention is a share of the layers, got {int8_attention}")
         self.m, self.hw, self.kv_int8 = m, hw, kv_int8
+        self.int8_attention = int8_attention
         self.kv_token_bytes = token_layer_bytes(m, itemsize=hw.kv_bytes, kv_int8=kv_int8)
 
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
@@ -126,23 +134,41 @@ class CostModel:
             + m.num_heads * m.v_head_dim * m.hidden
         )
         absorbed = 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
-        bf16 = 0.0
-        if rows:
-            bf16 = self._roofline(
-                2.0 * rows * absorbed, absorbed * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
-            )
-        return self.gemm(rows, int8_params) + bf16
+        return self.gemm(rows, int8_params) + self.bf16_gemm(rows, absorbed)
 
     def attention(self, seqs: list[tuple[int, int]]) -> float:
         """Absorbed MLA: seqs = (KV length, new rows) per sequence; each row scores and reads
-        its sequence's latent cache (read once per sequence)."""
+        its sequence's latent cache (read once per sequence). A layer's mean over the layers:
+        the `int8_attention` share of them runs the core on the INT8 peak (at Table 8's
+        utilization, the only MLA utilization published) reading the non-RoPE latent as INT8
+        + a scale, the rest in BF16 reading the cache as it is kept."""
         m, width = self.m, self.m.kv_lora_rank + self.m.qk_rope_dim
         flops = sum(2.0 * rows * m.num_heads * n * (width + m.kv_lora_rank) for n, rows in seqs)
-        nbytes = sum(n * self.kv_token_bytes for n, _ in seqs)
-        return self._roofline(flops, nbytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff)
+        tokens = sum(n for n, _ in seqs)
+        bf16 = self._roofline(
+            flops, tokens * self.kv_token_bytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff
+        )
+        if not self.int8_attention:
+            return bf16
+        int8_bytes = token_layer_bytes(m, itemsize=self.hw.kv_bytes, kv_int8=True)
+        int8 = self._roofline(
+            flops, tokens * int8_bytes, peak=self.hw.int8_ops, eff=self.hw.mla_eff
+        )
+        return (1 - self.int8_attention) * bf16 + self.int8_attention * int8
+
+    def bf16_gemm(self, rows: float, params: float) -> float:
+        """rows x [in -> out] with `params` BF16 weights, at the BF16 peak: a weight INT8
+        quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only)."""
+        if rows == 0:
+            return 0.0
+        return self._roofline(
+            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
+        )
 
     def gate(self, rows: int) -> float:
-        return self.gemm(rows, self.m.hidden * self.m.num_routed_experts)
+        """The router: BF16 weights (CloudMatrix-Infer §4.5: "critical gating mechanisms retain
+        higher precision using BF16 or FP32"; xDeepServe §4.7 does not list it)."""
+        return self.bf16_gemm(rows, self.m.hidden * self.m.num_routed_experts)
 
     # -- FFN side -------------------------------------------------------------------------------
     def experts(self, rows_per_expert: list[float]) -> float:
@@ -167,13 +193,13 @@ class CostModel:
         """An MTP module's eh_proj: [normed embedding; normed hidden] (2 x hidden) -> hidden.
         xDeepServe §4.7 quantizes MLA, MoE and MLP weights to INT8, not this one: BF16 weights
         at the BF16 peak."""
-        params = 2.0 * self.m.hidden * self.m.hidden
-        return self._roofline(
-            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
-        )
+        return self.bf16_gemm(rows, 2.0 * self.m.hidden * self.m.hidden)
 
     def head(self, rows: int) -> float:
-        return self.gemm(rows, self.m.hidden * self.m.vocab_size)
+        """The LM head (shared by the MTP modules): BF16 weights, as xDeepServe §4.7 lists the
+        MLA, MoE and MLP modules and not the head (CloudMatrix-Infer §4.5 quantizes "large
+        matrix multiplications in feed-forward networks (FFNs) and attention mechanisms")."""
+        return self.bf16_gemm(rows, self.m.hidden * self.m.vocab_size)
 
     def sampling(self, rows: int) -> float:
         """Reading the logits once (argmax / top-p), memory-bound."""

@@ -63,7 +63,7 @@ def _share(cost: CostModel, cores: tuple[int, int]) -> CostModel:
     hw = replace(
         cost.hw, int8_ops=cost.hw.int8_ops * f, bf16_flops=cost.hw.bf16_flops * f, aiv_cores=aiv
     )
-    return CostModel(cost.m, hw, kv_int8=cost.kv_int8)
+    return CostModel(cost.m, hw, kv_int8=cost.kv_int8, int8_attention=cost.int8_attention)
 
 
 def _attention(cost: CostModel, x: LayerInputs, batch: float, *, slowest: bool) -> float:

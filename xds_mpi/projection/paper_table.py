@@ -125,7 +125,7 @@ def _inputs(s, profile: str):
         )  # fmt: skip
     kwargs = dict(
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
-        imbalance=imbalance, redundant_dies=s.redundant_dies,
+        imbalance=imbalance, redundant_dies=s.redundant_dies, int8_attention=s.int8_attention,
         execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
                             stream0_aic=s.stream0_aic, scheduling_bubble=s.scheduling_bubble),
     )  # fmt: skip
@@ -157,11 +157,36 @@ def xccl_starts_from_minima(profile: str = "ascend910c") -> dict[str, float]:
 
 
 @cache
-def scenario_projection(name: str, profile: str = "ascend910c"):
+def scenario_projection(name: str, profile: str = "ascend910c", *, one_stream: bool = False):
+    """The projection of a published scenario; one_stream: the same without the two-stream
+    overlap (the baseline of [001] Figure 20a's gains)."""
     from xds_mpi.projection.project import project
 
     cfg, m, hw, kwargs = scenario_inputs(name, profile)
+    if one_stream:
+        kwargs = {**kwargs, "execution": replace(kwargs["execution"], microbatches=1,
+                                                 stream0_aic=None)}  # fmt: skip
     return project(cfg, m, hw, **kwargs)
+
+
+def gain_text(name: str, profile: str = "ascend910c") -> str:
+    """What a two-stream gain is made of: the layer with one stream and with two, and the two
+    streams (each runs both microbatches, so the layer is 2 x the longer)."""
+    two = scenario_projection(name, profile)
+    one = scenario_projection(name, profile, one_stream=True)
+    q = two.primitives_s
+    return (
+        f"layer with one stream {one.primitives_s['layer'] * 1e6:.0f} us, with two "
+        f"{q['layer'] * 1e6:.0f} us (stream 0 {q['stream 0'] * 1e6:.0f} us on "
+        f"{two.parts_s['stream 0 AIC']} AIC, stream 1 {q['stream 1'] * 1e6:.0f} us)"
+    )
+
+
+def two_stream_gain(name: str, profile: str = "ascend910c") -> float:
+    """Tokens/s with the scenario's two streams over tokens/s with one, minus 1, in %."""
+    two = scenario_projection(name, profile).tokens_per_s_per_chip
+    one = scenario_projection(name, profile, one_stream=True).tokens_per_s_per_chip
+    return 100 * (two / one - 1)
 
 
 def metric_value(p, metric: str, *, dies_per_chip: int) -> float:
@@ -190,7 +215,10 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
     for pub in VALIDATION:
         cfg, _, _, kwargs = scenario_inputs(pub.scenario, profile)
         p = scenario_projection(pub.scenario, profile)
-        value = metric_value(p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip)
+        if pub.metric == "two-stream gain":
+            value = two_stream_gain(pub.scenario, profile)
+        else:
+            value = metric_value(p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip)
         off = pub.role == "validation" and abs(value / pub.value - 1) > MISS
         rows.append(
             Row(
@@ -203,10 +231,38 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
                 role=pub.role,
                 derived_from=pub.derived_from,
                 lacks=pub.lacks if off else "",
-                why=why_text(p, pub.metric, kwargs["imbalance"]) if off else "",
+                why=(
+                    gain_text(pub.scenario, profile)
+                    if pub.metric == "two-stream gain"
+                    else why_text(p, pub.metric, kwargs["imbalance"])
+                )
+                if off
+                else "",  # fmt: skip
             )
         )
     return rows
+
+
+def int8_attention_bracket(profile: str = "ascend910c") -> list[tuple[Row, tuple[float, ...]]]:
+    """Each validation row of a scenario with INT8 attention ([000] §4.7, "some" layers: a
+    share the paper does not give), with its projected value at each share of
+    paper_data.INT8_ATTENTION_BRACKET: what the unpublished share moves."""
+    from xds_mpi.projection.paper_data import INT8_ATTENTION_BRACKET
+    from xds_mpi.projection.project import project
+
+    out = []
+    for row, pub in zip(validation_table(profile), VALIDATION, strict=True):
+        s = SCENARIOS[pub.scenario]
+        if pub.role != "validation" or not s.int8_attention:
+            continue
+        values = []
+        for share in INT8_ATTENTION_BRACKET:
+            cfg, m, hw, kwargs = _inputs(replace(s, int8_attention=share), profile)
+            p = project(cfg, m, hw, **kwargs)
+            values.append(metric_value(p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip))
+        if max(values) - min(values) > 1e-3 * abs(row.published):  # rows the share moves
+            out.append((row, tuple(values)))
+    return out
 
 
 def calibration_table(profile: str = "ascend910c"):

@@ -65,11 +65,14 @@ def project(
     imbalance: Imbalance = UNIFORM,
     execution: Execution = SEQUENTIAL,
     redundant_dies: int = 0,
+    int8_attention: float = 0.0,
 ) -> Projection:
     """batch_per_die: mean requests per DP group; kv_len: mean KV length; accept_rate: MTP;
-    redundant_dies: as xds_mpi/projection/layers.py `counts` takes them."""
+    redundant_dies: as xds_mpi/projection/layers.py `counts` takes them; int8_attention: the
+    share of the layers whose attention core runs in INT8 (CostModel; the KV cache's non-RoPE
+    part is INT8 where cfg.scheduler.kv_int8 says so)."""
     topo = Topology.from_config(cfg)
-    cost = CostModel(m, hw, kv_int8=cfg.scheduler.kv_int8)
+    cost = CostModel(m, hw, kv_int8=cfg.scheduler.kv_int8, int8_attention=int8_attention)
     n = counts(cfg, topo, redundant_dies=redundant_dies)
     layer = afd_layer if cfg.deployment.kind == "afd" else colocated_layer
     inputs = dict(
