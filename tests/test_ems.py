@@ -219,6 +219,17 @@ def test_a_dead_pool_rank_falls_back_to_recompute(tmp_path):
     assert s["ems_blocks_held"] == 0  # its DRAM is gone
 
 
+def test_a_dead_pool_rank_of_two_is_declared_lost_and_the_survivor_keeps_serving(tmp_path):
+    """Pool rank 6 of two is dead from the start: the die that reads it first (a lookup, or the
+    leader's probe) declares it lost; a lookup that ends at a key placed on it falls back, and
+    from then on every key is placed on rank 7, which still serves hits (the prefix recomputed
+    after the fallback is put there); every token equals the reference."""
+    s = serve_crafted(tmp_path, "dead2", "ems.servers=2", "ems.faults=[{kind: dead, server: 6}]")
+    assert s["ems_pool_ranks_lost"] == 1 and s["ems_lost_fallbacks"] >= 1
+    assert s["ems_fallbacks"] == s["ems_lost_fallbacks"]
+    assert s["ems_requests_hit"] >= 1 and s["ems_blocks_held"] == s["ems_blocks_stored"]
+
+
 def test_a_block_evicted_mid_lookup_falls_back_to_recompute(tmp_path):
     """Each prefill die's first lookup that finds a block has that block evicted between the
     record read and the pull (the slot's bytes overwritten): the pull does not verify, the
@@ -404,5 +415,14 @@ def test_a_pool_rank_dying_during_a_pull_is_declared_lost_and_its_bytes_never_us
     assert reader.stats["fallbacks"] == reader.stats["lost_fallbacks"] == 1
     (survivor,) = set(pools) - {dying}
     assert {reader.ring.owner(k) for k in keys} == {survivor}
-    reader.lookup(Request(req_id=2, prompt=prompt, max_new_tokens=1))  # a miss, no fallback
-    assert reader.stats["fallbacks"] == 1
+    # Its first key was placed on the lost rank and is on no survivor yet: a fallback again;
+    # the recomputed prompt's put goes to the survivor, and then the prefix hits there.
+    assert reader.lookup(Request(req_id=2, prompt=prompt, max_new_tokens=1)) is None
+    assert reader.stats["fallbacks"] == reader.stats["lost_fallbacks"] == 2
+    reader.comm.sent.clear()
+    reader.put(Request(req_id=2, prompt=prompt, max_new_tokens=1), list(range(10, 60)))
+    assert {dest for dest, _ in reader.comm.sent} == {survivor}
+    for dest, msg in reader.comm.sent:
+        pools[dest]._put(msg)
+    hit = reader.lookup(Request(req_id=3, prompt=prompt, max_new_tokens=1))
+    assert hit is not None and hit.num_blocks == 3 and reader.stats["fallbacks"] == 2

@@ -59,7 +59,8 @@ class EmsClient:
         self.ub = _ub_plane(ctx.cfg)
         self.big = cost_shape()
         self.kv_int8 = ctx.cfg.scheduler.kv_int8
-        self.ring: Ring | None = Ring(self.ems.pool)  # None: every pool rank lost
+        self.first_ring = Ring(self.ems.pool)  # every pool rank: where a key was placed
+        self.ring: Ring | None = self.first_ring  # the ranks not lost; None: every one lost
         self.lost: set[int] = set()  # pool ranks this die declared lost
         self.evict_at = self.ems.evict_lookups(ctx.comm.rank)  # ems.faults evict rows
         self.num_finding = 0  # lookups that found a block (an evict row's count)
@@ -100,8 +101,8 @@ class EmsClient:
             if owner not in records:
                 records[owner] = self._records(owner, "records read")
             found = records[owner].find(key) if records[owner] is not None else None
-            if found is None:  # absent: a miss; a lost pool rank's records: a fallback
-                if owner in self.lost:
+            if found is None:  # absent: a miss; at a key placed on a lost pool rank: a fallback
+                if owner in self.lost or self.first_ring.owner(key) in self.lost:
                     self._fell_back(is_lost=True)
                 break
             if not payloads:
