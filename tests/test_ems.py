@@ -426,3 +426,18 @@ def test_a_pool_rank_dying_during_a_pull_is_declared_lost_and_its_bytes_never_us
         pools[dest]._put(msg)
     hit = reader.lookup(Request(req_id=3, prompt=prompt, max_new_tokens=1))
     assert hit is not None and hit.num_blocks == 3 and reader.stats["fallbacks"] == 2
+
+
+def test_validate_names_the_pool_faults():
+    from xds_mpi.plan.ems import describe_ems
+
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd.yaml",
+        ["ems.enabled=true", "ems.servers=2", "deployment.dp_groups_per_domain=2",
+         "ems.faults=[{kind: dead, server: 7, after_puts: 3}, {kind: evict, die: 5, lookup: 2}]"],
+    )  # fmt: skip
+    line = describe_ems(DeploymentPlan.build(cfg).ems)
+    assert line.endswith(
+        "; pool rank 7 dies after 3 put message(s)"
+        "; prefill die rank 5: a block evicted at its finding lookup 2"
+    )

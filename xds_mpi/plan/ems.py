@@ -169,4 +169,12 @@ def describe_ems(plan: EmsPlan) -> str:
         f"EMS pool: ranks {list(plan.pool)} (no die; CPU DRAM over UB), {plan.capacity} "
         f"blocks of {plan.block_tokens} tokens ({plan.block_bytes} B) each, "
         f"{plan.window_bytes} B window per pool rank"
+        + "".join(f"; {describe_fault(f)}" for f in plan.faults)
     )
+
+
+def describe_fault(spec) -> str:
+    """An ems.faults row as `xds-mpi validate` prints it."""
+    if spec.kind == "dead":
+        return f"pool rank {spec.server} dies after {spec.after_puts} put message(s)"
+    return f"prefill die rank {spec.die}: a block evicted at its finding lookup {spec.lookup}"
