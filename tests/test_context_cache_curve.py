@@ -13,6 +13,7 @@ from xds_mpi.engine.context_cache_curve import (
     PROMPTS_PER_DIE,
     REUSE_RATES,
     cache_curve,
+    cached_prefix,
     planes,
     validation_rows,
 )
@@ -36,10 +37,17 @@ def test_a_cached_prefix_is_read_not_computed():
         assert all(kv - rows >= cached for kv, rows in chunks)  # and none recomputes the prefix
 
 
+def test_the_cached_prefix_is_whole_ems_blocks():
+    """[001] §4.4.2's blocks (128-512 tokens): the rates on a block boundary keep their tokens,
+    90 % of 4K (3,686) keeps 28 blocks of 128 (and 7 of 512 would keep the same)."""
+    assert [cached_prefix(r) for r in REUSE_RATES] == [0, 512, 1024, 2048, 3072, 3584]
+    assert 3686 // 512 * 512 == 3584
+
+
 def test_the_pull_is_the_cached_kv_over_the_plane(points):
     plane = planes(load_profile("ascend910c"))
     for reuse in REUSE_RATES:
-        cached = round(reuse * PROMPT_TOKENS)
+        cached = cached_prefix(reuse)
         nbytes = PROMPTS_PER_DIE * projected_kv_bytes(cached, cost_shape())
         for name in ("UB", "VPC"):
             expected = plane[name].latency_s + nbytes / plane[name].bytes_per_s if cached else 0.0

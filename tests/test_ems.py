@@ -5,6 +5,7 @@ exactly, served with `--check` (one with room for every block, one with a tiny p
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 from collections import OrderedDict
 from pathlib import Path
@@ -110,7 +111,7 @@ def test_pool_ranks_follow_the_dies():
     plan = DeploymentPlan.build(cfg)
     assert plan.topo.world_size == 10 and plan.ems.pool == (8, 9)
     assert [plan.topo.ranks[r].role for r in (8, 9)] == ["pool", "pool"]
-    assert plan.window_bytes[8] == plan.ems.window_bytes == 256 * (32 + 20480)
+    assert plan.window_bytes[8] == plan.ems.window_bytes == 8 + 256 * (32 + 20480)  # status word
     with pytest.raises(ConfigError, match=r"ems pool ranks\(2\) = 10"):
         DeploymentPlan.build(cfg, world_size=8)
 
@@ -205,6 +206,77 @@ def test_tiny_pool_evicts_and_stays_exact(tmp_path):
     assert s["ems_blocks_held"] == 4 and s["ems_fallbacks"] == 0
 
 
+def test_a_dead_pool_rank_falls_back_to_recompute(tmp_path):
+    """The only pool rank dies once it has taken request 0's put (its 3 blocks): every later
+    lookup falls back to recompute (the die that reads it first declares it lost; with no pool
+    rank left the others fall back at once), nothing more is put, and every token equals the
+    reference."""
+    s = serve_crafted(tmp_path, "dead", "ems.faults=[{kind: dead, server: 6, after_puts: 1}]")
+    assert s["ems_pool_ranks_lost"] == 1 and s["ems_lookups"] == 6
+    assert (s["ems_requests_hit"], s["ems_blocks_hit"]) == (0, 0)
+    assert s["ems_fallbacks"] == s["ems_lost_fallbacks"] == 5  # requests 1-5
+    assert (s["ems_blocks_put"], s["ems_blocks_stored"], s["ems_puts_dropped"]) == (3, 3, 0)
+    assert s["ems_blocks_held"] == 0  # its DRAM is gone
+
+
+def test_a_dead_pool_rank_of_two_is_declared_lost_and_the_survivor_keeps_serving(tmp_path):
+    """Pool rank 6 of two is dead from the start: the die that reads it first (a lookup, or the
+    leader's probe) declares it lost; a lookup that ends at a key placed on it falls back, and
+    from then on every key is placed on rank 7, which still serves hits (the prefix recomputed
+    after the fallback is put there); every token equals the reference."""
+    s = serve_crafted(tmp_path, "dead2", "ems.servers=2", "ems.faults=[{kind: dead, server: 6}]")
+    assert s["ems_pool_ranks_lost"] == 1 and s["ems_lost_fallbacks"] >= 1
+    assert s["ems_fallbacks"] == s["ems_lost_fallbacks"]
+    assert s["ems_requests_hit"] >= 1 and s["ems_blocks_held"] == s["ems_blocks_stored"]
+
+
+def test_a_block_evicted_mid_lookup_falls_back_to_recompute(tmp_path):
+    """Each prefill die's first lookup that finds a block has that block evicted between the
+    record read and the pull (the slot's bytes overwritten): the pull does not verify, the
+    prefix is recomputed from there (one fallback per eviction), and the tokens are exact."""
+    s = serve_crafted(
+        tmp_path,
+        "evict",
+        "ems.servers=2",
+        "ems.faults=[{kind: evict, die: 4}, {kind: evict, die: 5}]",
+    )
+    assert s["ems_evicts_injected"] >= 1
+    assert s["ems_fallbacks"] == s["ems_evicts_injected"] and s["ems_lost_fallbacks"] == 0
+    assert s["ems_blocks_hit"] < 10  # the fault-free run's (test_crafted_trace_hits_exactly)
+    assert s["ems_pool_ranks_lost"] == 0
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ("{kind: dead, server: 5}", r"ems.faults\[0\].server\(5\) is not an EMS pool rank"),
+        ("{kind: evict, die: 6}", r"ems.faults\[0\].die\(6\) is not a prefill die"),
+        ("{kind: dead, die: 4}", r"a dead row takes server and after_puts, not \['die'\]"),
+        ("{kind: evict, die: 4, after_puts: 2}", r"takes die and lookup, not \['after_puts'\]"),
+        ("{kind: dead}", r"a dead row needs server \(a rank\), got -1"),
+        ("{kind: lost, server: 6}", r"unknown kind 'lost'"),
+        ("{kind: dead, server: 6, after_puts: -1}", r"after_puts must be >= 0, got -1"),
+    ],
+)
+def test_pool_fault_rows_refused_before_launch(row, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg = load_config(
+            REPO_ROOT / "configs" / "pd.yaml",
+            ["ems.enabled=true", "deployment.dp_groups_per_domain=2", f"ems.faults=[{row}]"],
+        )
+        DeploymentPlan.build(cfg)
+
+
+def test_a_repeated_pool_fault_row_is_refused():
+    rows = "[{kind: dead, server: 6}, {kind: dead, server: 6, after_puts: 3}]"
+    with pytest.raises(ConfigError, match=r"ems.faults\[1\] repeats ems.faults\[0\]"):
+        cfg = load_config(
+            REPO_ROOT / "configs" / "pd.yaml",
+            ["ems.enabled=true", "deployment.dp_groups_per_domain=2", f"ems.faults={rows}"],
+        )
+        DeploymentPlan.build(cfg)
+
+
 class FakeComm:
     """Sends are kept: (destination, message)."""
 
@@ -224,7 +296,7 @@ class SharedWindows:
 
     def __init__(self, plan) -> None:
         self.windows = {r: np.zeros(plan.window_bytes[r], np.uint8) for r in plan.ems.pool}
-        self.records_bytes = plan.ems.records_bytes
+        self.payloads_at = plan.ems.payloads_at
         self.on_payload_get = None
 
     def of(self, rank):
@@ -232,7 +304,7 @@ class SharedWindows:
         return SimpleNamespace(local=window, words=window.view(np.uint64), sync=lambda: None)
 
     def get(self, owner, offset, out):
-        if self.on_payload_get and offset >= self.records_bytes:
+        if self.on_payload_get and offset >= self.payloads_at:
             self.on_payload_get(owner, offset)
         raw = out.reshape(-1).view(np.uint8)
         raw[:] = self.windows[owner][offset : offset + raw.nbytes]
@@ -257,7 +329,7 @@ def pool_and_client(capacity: int = 8):
         )
         for r in plan.ems.pool
     }
-    ctx = SimpleNamespace(plan=plan, cfg=cfg, comm=FakeComm())
+    ctx = SimpleNamespace(plan=plan, cfg=cfg, comm=FakeComm(), log=logging.getLogger("test_ems"))
     source = LatentCache(num_layers=cfg.model.num_layers, num_slots=64,
                          kv_lora_rank=cfg.model.kv_lora_rank, rope_dim=cfg.model.qk_rope_dim,
                          dtype=np.float64)  # fmt: skip
@@ -289,7 +361,7 @@ def test_put_then_pull_is_bit_exact_and_a_moved_record_falls_back():
     def rewrite_second_block(owner, offset):  # the pool rewrites slot of block 1 meanwhile
         key = reader.keys[2][1]
         if owner == reader.ring.owner(key):
-            slot = (offset - shared.records_bytes) // reader.ems.slot_stride
+            slot = (offset - shared.payloads_at) // reader.ems.slot_stride
             record = shared.windows[owner][reader.ems.record_offset(slot) :].view(np.uint64)
             if record[0] == key:
                 record[1] += 2
@@ -317,3 +389,55 @@ def test_the_prefill_cost_counts_the_hit():
     kwargs = dict(block_tokens=BT, long_prompt_tokens=48, step_tokens=64)
     assert assign([req], [busy], **kwargs) == ([[]], [req])  # 40 + 40 > 64 rows
     assert assign([req], [busy], **kwargs, cached={3: 32}) == ([[req]], [])  # 40 + 8
+
+
+def test_a_pool_rank_dying_during_a_pull_is_declared_lost_and_its_bytes_never_used():
+    """The first block's pool rank dies between the record read and the payload's copy (status
+    LOST, then its DRAM overwritten): the pull is thrown away, the pool rank declared lost once,
+    and the ring places every key on the survivor from then on."""
+    pools, writer, reader, shared = pool_and_client()
+    prompt = tuple(range(100, 150))
+    writer.lookup(Request(req_id=0, prompt=prompt, max_new_tokens=1))
+    writer.put(Request(req_id=0, prompt=prompt, max_new_tokens=1), list(range(50)))
+    for dest, msg in writer.comm.sent:
+        pools[dest]._put(msg)
+    keys = block_keys(prompt, BT, reader.ems.namespace)
+    dying = reader.ring.owner(keys[0])
+
+    def die_now(owner, offset):
+        if owner == dying:
+            pools[owner].dies_after = 0
+            pools[owner]._die_if_due()
+
+    shared.on_payload_get = die_now
+    assert reader.lookup(Request(req_id=1, prompt=prompt, max_new_tokens=1)) is None
+    assert reader.lost == {dying} and pools[dying].is_lost
+    assert reader.stats["fallbacks"] == reader.stats["lost_fallbacks"] == 1
+    (survivor,) = set(pools) - {dying}
+    assert {reader.ring.owner(k) for k in keys} == {survivor}
+    # Its first key was placed on the lost rank and is on no survivor yet: a fallback again;
+    # the recomputed prompt's put goes to the survivor, and then the prefix hits there.
+    assert reader.lookup(Request(req_id=2, prompt=prompt, max_new_tokens=1)) is None
+    assert reader.stats["fallbacks"] == reader.stats["lost_fallbacks"] == 2
+    reader.comm.sent.clear()
+    reader.put(Request(req_id=2, prompt=prompt, max_new_tokens=1), list(range(10, 60)))
+    assert {dest for dest, _ in reader.comm.sent} == {survivor}
+    for dest, msg in reader.comm.sent:
+        pools[dest]._put(msg)
+    hit = reader.lookup(Request(req_id=3, prompt=prompt, max_new_tokens=1))
+    assert hit is not None and hit.num_blocks == 3 and reader.stats["fallbacks"] == 2
+
+
+def test_validate_names_the_pool_faults():
+    from xds_mpi.plan.ems import describe_ems
+
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd.yaml",
+        ["ems.enabled=true", "ems.servers=2", "deployment.dp_groups_per_domain=2",
+         "ems.faults=[{kind: dead, server: 7, after_puts: 3}, {kind: evict, die: 5, lookup: 2}]"],
+    )  # fmt: skip
+    line = describe_ems(DeploymentPlan.build(cfg).ems)
+    assert line.endswith(
+        "; pool rank 7 dies after 3 put message(s)"
+        "; prefill die rank 5: a block evicted at its finding lookup 2"
+    )

@@ -43,8 +43,8 @@ TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
 TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
 # EMS context cache (ranks/pd/ems_client.py, ranks/pd/ems_pool.py): a prefill die's puts, reads
 # (for the LRU) and end of run to a pool rank, on one tag so they arrive in the order sent; the
-# pool ranks' reports to the JE.
-TAG_EMS, TAG_EMS_REPORT = 271, 272
+# pool ranks' reports to the JE; a pool rank's answer to an ems.faults evict row.
+TAG_EMS, TAG_EMS_REPORT, TAG_EMS_EVICTED = 271, 272, 273
 # Trace events, once per rank at the end (ranks/core/trace_io.py).
 TAG_TRACE = 241
 # An afd expert die's measured load, once at the end (ranks/afd/load_io.py).

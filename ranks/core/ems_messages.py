@@ -24,6 +24,23 @@ class EmsTouch:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EmsEvict:
+    """An `ems.faults` evict row: evict `key` now, and answer `EmsEvicted` to prefill die
+    `rank` (it waits for the answer)."""
+
+    key: int
+    rank: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmsEvicted:
+    """The pool rank's answer: whether it held `key` (and evicted it)."""
+
+    key: int
+    was_held: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class EmsDone:
     """A prefill die sends nothing more (its last message to each pool rank)."""
 
@@ -33,7 +50,8 @@ class EmsDone:
 @dataclass(frozen=True, kw_only=True)
 class EmsPoolReport:
     """A pool rank's run: blocks put (new) and already held, evictions, blocks held at the end,
-    reads reported."""
+    reads reported; is_lost: it died (an ems.faults dead row), num_dropped: put messages that
+    reached it dead, dropped unread."""
 
     rank: int
     num_put: int = 0
@@ -41,4 +59,6 @@ class EmsPoolReport:
     num_evicted: int = 0
     num_held: int = 0
     num_touched: int = 0
+    is_lost: bool = False
+    num_dropped: int = 0
     stats: dict = field(default_factory=dict)

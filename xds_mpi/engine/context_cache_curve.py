@@ -3,8 +3,9 @@ throughput and TTFT against the token reuse rate, the cached KV pulled from the 
 plane or the VPC plane, held against the numbers §5.4.3 publishes.
 
 The scenario is §5.4.3's: 4K-token prompts, 16K tokens per NPU (two prompts per die), a prefill
-instance of EP32 (§5.1). At reuse r a prompt's first r x 4K tokens are cached: their latent KV
-(every layer, BF16) is pulled from the pool, then one prefill pass computes the rest, reading
+instance of EP32 (§5.1). At reuse r a prompt's first r x 4K tokens are reused, counted in whole
+EMS blocks (§4.4.2: paged blocks of 128-512 tokens; a partial block is recomputed): their latent
+KV (every layer, BF16) is pulled from the pool, then one prefill pass computes the rest, reading
 the whole KV (`RequestPricer.pass_s`, causal at 512-token grain). Pull and pass run one after
 the other (no layer-wise overlap). The planes: UB at the NPU-NPU read bandwidth and latency of
 [001] Table 1 (the pool's DRAM reached like a peer die); VPC at [001] §3.2's 400 Gbps per node
@@ -23,6 +24,9 @@ from xds_mpi.projection.paper_data import CONTEXT_CACHING
 PROMPT_TOKENS = 4096  # [001] §5.4.3: "inputs with a 4K token length"
 PROMPTS_PER_DIE = 2  # [001] §5.4.3: "16K total tokens per NPU" = 2 dies x 2 x 4K
 PREFILL_EP = 32  # [001] §5.1: each prefill instance employs EP32
+# [001] §4.4.2: KV blocks of "128-512 tokens per block"; at these reuse rates both ends cache the
+# same prefix (90 % of 4,096 = 3,686 tokens: 28 blocks of 128 or 7 of 512 = 3,584 cached).
+CACHE_BLOCK_TOKENS = 128
 REUSE_RATES = (0.0, 0.125, 0.25, 0.5, 0.75, 0.9)
 
 
@@ -45,8 +49,13 @@ class CachePoint:
         return PROMPT_TOKENS * PROMPTS_PER_DIE / self.ttft_s
 
 
+def cached_prefix(reuse: float) -> int:
+    """The tokens of a prompt the pool serves at token reuse rate `reuse`: whole blocks only."""
+    return round(reuse * PROMPT_TOKENS) // CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS
+
+
 def cache_point(pricer: RequestPricer, plane: Plane, reuse: float) -> CachePoint:
-    cached = round(reuse * PROMPT_TOKENS)
+    cached = cached_prefix(reuse)
     nbytes = PROMPTS_PER_DIE * projected_kv_bytes(cached, pricer.cost.m)
     seqs = causal_chunks(PROMPT_TOKENS, cached) * PROMPTS_PER_DIE
     compute = pricer.pass_s(seqs, PREFILL_EP, sampled=PROMPTS_PER_DIE)

@@ -127,6 +127,8 @@ EMS_DIE_COUNTS = (
     "bytes_pulled",
     "tokens_skipped",
     "fallbacks",
+    "lost_fallbacks",
+    "evicts_injected",
     "blocks_put",
     "bytes_put",
 )
@@ -142,6 +144,8 @@ def ems_summary(prefill_reports, pool_reports) -> dict:
     out["ems_puts_already_held"] = sum(rep.num_put_held for rep in pool_reports)
     out["ems_evictions"] = sum(rep.num_evicted for rep in pool_reports)
     out["ems_blocks_held"] = sum(rep.num_held for rep in pool_reports)
+    out["ems_pool_ranks_lost"] = sum(rep.is_lost for rep in pool_reports)
+    out["ems_puts_dropped"] = sum(rep.num_dropped for rep in pool_reports)
     return out
 
 
@@ -153,6 +157,13 @@ def format_ems(s: dict) -> str:
         f"to recompute; {s['ems_blocks_put']} blocks put ({s['ems_bytes_put']} B): "
         f"{s['ems_blocks_stored']} stored, {s['ems_puts_already_held']} already held, "
         f"{s['ems_evictions']} evictions, {s['ems_blocks_held']} held at the end"
+        + (
+            f"; faults: {s['ems_pool_ranks_lost']} pool rank(s) lost ({s['ems_puts_dropped']} "
+            f"put messages dropped, {s['ems_lost_fallbacks']} of the fallbacks), "
+            f"{s['ems_evicts_injected']} blocks evicted mid-lookup"
+            if s["ems_pool_ranks_lost"] or s["ems_evicts_injected"]
+            else ""
+        )
     )
 
 

@@ -2,7 +2,9 @@
 the rest of the config must hold for it, refused before launch with the reason.
 
 A pool rank's window stands for the CPU DRAM its server gives the pool (CloudMatrix-Infer
-§4.4.1): `capacity` slots of one KV block each. It opens with the metadata records, one per slot
+§4.4.1): `capacity` slots of one KV block each. It opens with a status word (`LOST` once the
+pool rank is dead: it stands for the error a UB read of a dead server's DRAM completes with,
+which an MPI Get from a live process cannot give), then the metadata records, one per slot
 (`RECORD_WORDS` words: the block key, a version, the payload bytes, spare), then the payloads. The
 pool rank alone writes it (puts reach it as messages: it owns the slots and the LRU order); the
 prefill dies read records and payloads one-sidedly and check a payload against its record.
@@ -21,6 +23,8 @@ from xds_mpi.plan.topology import Topology
 
 RECORD_WORDS = 4  # key, version (odd while the pool writes the slot), payload bytes, spare
 WORD_BYTES = 8
+STATUS_OFFSET = 0  # the status word: SERVING, or LOST once the pool rank is dead
+SERVING, LOST = 0, 1
 MODEL_ITEMSIZE = 8  # the tiny model's cache is float64 (xds_mpi/model/mla.py LatentCache)
 
 
@@ -29,7 +33,7 @@ class EmsPlan:
     """pool: the pool ranks; prefill: the dies that read and put; capacity: slots per pool rank;
     block_tokens: tokens per block; block_bytes: one block's packed KV (every cache layer);
     namespace: the seed of every key (the model and the cache's format: another config's blocks
-    never match)."""
+    never match). faults: the `ems.faults` rows (xds_mpi/config/ems.py PoolFault)."""
 
     pool: tuple[int, ...]
     prefill: tuple[int, ...]
@@ -37,10 +41,16 @@ class EmsPlan:
     block_tokens: int
     block_bytes: int
     namespace: bytes
+    faults: tuple = ()
 
     @property
     def records_bytes(self) -> int:
         return self.capacity * RECORD_WORDS * WORD_BYTES
+
+    @property
+    def payloads_at(self) -> int:
+        """Where the payloads begin: after the status word and the records."""
+        return WORD_BYTES + self.records_bytes
 
     @property
     def slot_stride(self) -> int:
@@ -48,13 +58,22 @@ class EmsPlan:
 
     @property
     def window_bytes(self) -> int:
-        return self.records_bytes + self.capacity * self.slot_stride
+        return self.payloads_at + self.capacity * self.slot_stride
 
     def record_offset(self, slot: int) -> int:
-        return slot * RECORD_WORDS * WORD_BYTES
+        return WORD_BYTES + slot * RECORD_WORDS * WORD_BYTES
 
     def payload_offset(self, slot: int) -> int:
-        return self.records_bytes + slot * self.slot_stride
+        return self.payloads_at + slot * self.slot_stride
+
+    def dead_after(self, server: int) -> int | None:
+        """The put messages pool rank `server` takes before it dies; None: it does not."""
+        rows = [f.after_puts for f in self.faults if f.kind == "dead" and f.server == server]
+        return rows[0] if rows else None
+
+    def evict_lookups(self, die: int) -> frozenset[int]:
+        """Which of prefill die `die`'s lookups that find a block have it evicted mid-lookup."""
+        return frozenset(f.lookup for f in self.faults if f.kind == "evict" and f.die == die)
 
 
 def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
@@ -76,6 +95,7 @@ def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
         block_tokens=sched.kv_block_tokens,
         block_bytes=sched.kv_block_tokens * token_bytes,
         namespace=hashlib.blake2b(text.encode(), digest_size=8).digest(),
+        faults=tuple(ems.faults),
     )
 
 
@@ -106,8 +126,30 @@ def check_ems(cfg: Config, topo: Topology) -> None:
         if spec.die in pool:
             raise ConfigError(
                 f"faults.table[{i}].die({spec.die}) is an EMS pool rank (no die): "
-                "pool faults are not emulated in this version"
+                "a pool rank's faults are ems.faults rows (docs/ems.md#pool-faults)"
             )
+    _check_pool_faults(cfg, topo)
+
+
+def _check_pool_faults(cfg: Config, topo: Topology) -> None:
+    """`ems.faults` rows against the ranks: a dead row names a pool rank, an evict row a
+    prefill die, and no two rows the same event."""
+    pool, prefill = topo.ranks_with_role("pool"), topo.ranks_with_role("prefill")
+    seen: dict[tuple, int] = {}
+    for i, spec in enumerate(cfg.ems.faults):
+        where = f"ems.faults[{i}]"
+        if spec.kind == "dead" and spec.server not in pool:
+            raise ConfigError(
+                f"{where}.server({spec.server}) is not an EMS pool rank: {list(pool)}"
+            )
+        if spec.kind == "evict" and spec.die not in prefill:
+            raise ConfigError(f"{where}.die({spec.die}) is not a prefill die: {list(prefill)}")
+        event = (
+            (spec.kind, spec.server) if spec.kind == "dead" else (spec.kind, spec.die, spec.lookup)
+        )
+        if event in seen:
+            raise ConfigError(f"{where} repeats ems.faults[{seen[event]}] ({spec.kind})")
+        seen[event] = i
 
 
 def ems_window_bytes(plan: EmsPlan | None, windows: tuple[int, ...]) -> tuple[int, ...]:
@@ -127,4 +169,12 @@ def describe_ems(plan: EmsPlan) -> str:
         f"EMS pool: ranks {list(plan.pool)} (no die; CPU DRAM over UB), {plan.capacity} "
         f"blocks of {plan.block_tokens} tokens ({plan.block_bytes} B) each, "
         f"{plan.window_bytes} B window per pool rank"
+        + "".join(f"; {describe_fault(f)}" for f in plan.faults)
     )
+
+
+def describe_fault(spec) -> str:
+    """An ems.faults row as `xds-mpi validate` prints it."""
+    if spec.kind == "dead":
+        return f"pool rank {spec.server} dies after {spec.after_puts} put message(s)"
+    return f"prefill die rank {spec.die}: a block evicted at its finding lookup {spec.lookup}"
