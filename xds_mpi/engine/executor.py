@@ -118,7 +118,7 @@ class ColocatedExecutor:
         for layer_idx, layer in enumerate(self.model.layers):
             with meter("attention", layer=layer_idx):
                 if entries:
-                    x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
+                    x = self._attention(layer, x, positions, chunks, layer_idx)
                 self.pricer.attention(entries, is_moe=layer.is_moe)
             if layer.is_moe:
                 x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
@@ -146,6 +146,11 @@ class ColocatedExecutor:
             r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works else ())
             for r, tokens in sampled.items()
         }
+
+    def _attention(self, block, x: np.ndarray, positions, chunks, layer_idx: int) -> np.ndarray:
+        """A block's attention over this die's rows: x [n, hidden] -> [n, hidden] after the
+        residual (a prefill TP die splits it by heads: xds_mpi/engine/prefill_tp.py)."""
+        return block.attention_part(x, positions, chunks, self.cache, layer_idx)
 
     def _moe(self, moe, h: np.ndarray, layer_idx: int, meter: Meter) -> np.ndarray:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
@@ -282,7 +287,7 @@ class ColocatedExecutor:
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
             self.pricer.mtp_projection(len(x))
             if active:
-                x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
+                x = self._attention(block, x, positions, chunks, layer_idx)
             self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
         return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
 

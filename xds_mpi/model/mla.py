@@ -163,18 +163,28 @@ class MLA:
         the INT8 path does; calibration records their inputs this way)."""
         self.wq_absorbed = self.wo_absorbed = None
 
-    def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
+    def project_q(
+        self, x: np.ndarray, positions: np.ndarray, heads: slice | None = None
+    ) -> np.ndarray:
+        """x: [n, hidden] -> [n, h, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope, of
+        the heads `heads` (all by default; a prefill TP die's share, xds_mpi/engine/
+        prefill_tp.py). The absorbed query's columns are whole heads: a head's columns come out
+        of the product bit for bit the same whether the others are computed or not (the dgemm
+        accumulates each output over the same k in the same order; tests/test_prefill_tp.py)."""
+        heads = heads or slice(0, self.num_heads)
+        num_heads = heads.stop - heads.start
         q_lora = self.q_norm(self.wq_a(x))
         if self.wq_absorbed is not None:
-            q = matmul(q_lora, self.wq_absorbed)
-            q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
-        else:
-            q_heads = self.wq_b(q_lora).reshape(x.shape[0], self.num_heads, -1)
-            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, heads, nope]
+            width = self.wq_absorbed.shape[1] // self.num_heads
+            q = matmul(q_lora, self.wq_absorbed[:, heads.start * width : heads.stop * width])
+            q = q.reshape(x.shape[0], num_heads, width)  # 0 rows too
+        else:  # INT8 Wq_b: one projection over every head, this die keeps its own
+            q_heads = self.wq_b(q_lora).reshape(x.shape[0], self.num_heads, -1)[:, heads]
+            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, h, nope]
+            w_uk = self.w_uk[heads]
             q_latent = np.stack(
-                [matmul(q_nope[:, h], w) for h, w in enumerate(self.w_uk)], axis=1
-            )  # [n, heads, c]
+                [matmul(q_nope[:, i], w) for i, w in enumerate(w_uk)], axis=1
+            )  # [n, h, c]
             q = np.concatenate([q_latent, q_heads[..., self.qk_nope_dim :]], axis=-1)
         q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
         return q
@@ -213,11 +223,26 @@ class MLA:
         Writes the rows' latents into `cache` layer `layer_idx`, then each row attends causally
         to its own sequence's cached positions.
         """
-        q = self.project_q(x, positions)  # [n, heads, c + rope]
+        return self.project_out(self.attend_heads(x, positions, chunks, cache, layer_idx))
+
+    def attend_heads(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        layer_idx: int,
+        heads: slice | None = None,
+    ) -> np.ndarray:
+        """`__call__` up to the output projection, for the heads `heads` (all by default): the
+        rows' latents written into `cache`, then [n, h, kv_lora_rank] attention-weighted latents.
+        A head's rows are rows of the batched score and value products (token x head), so a
+        subset of heads gives those heads' values bit for bit (the batch-invariant matmul)."""
+        q = self.project_q(x, positions, heads)  # [n, h, c + rope]
         c_kv, k_rope = self.project_latent(x, positions)
         slots = [c.write_slots for c in chunks]
         cache.write(layer_idx, slots[0] if len(slots) == 1 else np.concatenate(slots), c_kv, k_rope)
-        num_heads, lora = self.num_heads, self.kv_lora_rank
+        num_heads, lora = q.shape[1], self.kv_lora_rank
         o_latent = np.empty((x.shape[0], num_heads, lora), x.dtype)
         row = 0
         for chunk in chunks:
@@ -230,7 +255,7 @@ class MLA:
             probs = softmax(scores).reshape(num * num_heads, -1)
             o_latent[row : row + num] = matmul(probs, cached[:, :lora]).reshape(num, num_heads, -1)
             row += num
-        return self.project_out(o_latent)
+        return o_latent
 
     def naive_forward(self, x: np.ndarray) -> np.ndarray:
         """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->
