@@ -67,6 +67,11 @@ class PdPlan:
 def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPlan | None:
     """The PD plan, None when `pd.enabled` is off; refuses what PD cannot run."""
     if not cfg.pd.enabled:
+        if cfg.deployment.prefill_tp > 1:
+            raise ConfigError(
+                f"deployment.prefill_tp({cfg.deployment.prefill_tp}) needs pd.enabled: without "
+                "PD the decode dies prefill, one die per DP group"
+            )
         return None
     prefill = topo.ranks_with_role("prefill")
     decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
