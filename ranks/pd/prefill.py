@@ -112,14 +112,18 @@ class PrefillDie:
         num_experts = len(slot_owner)
         slots = ExpertSlots(slot_owner=slot_owner, num_routed_slots=num_experts, shared_slot_of={})
         clock = VirtualClock()
-        ep = EpBuffer(
-            self.mem,
-            pd.eps[self.te],
-            slots.slot_owner,
-            dtype=ctx.plan.row_dtype,
-            clock=clock,
-            num_cores=cfg.xccl.num_cores,
-            timeout_s=cfg.xccl.poll_timeout_s,
+        # One EP lane per microbatch (two: the prefill pipeline, xds_mpi/engine/two_streams.py)
+        lanes = tuple(
+            EpBuffer(
+                self.mem,
+                pd.eps[self.te].lane(i),
+                slots.slot_owner,
+                dtype=ctx.plan.row_dtype,
+                clock=clock,
+                num_cores=cfg.xccl.num_cores,
+                timeout_s=cfg.xccl.poll_timeout_s,
+            )
+            for i in range(pd.eps[self.te].num_lanes)
         )
         self.pricer = make_pricer(cfg, clock, slots, profile=cfg.pd.prefill_profile)
         self.scheduler, self.cache, self.hidden = state.scheduler, state.cache, cfg.model.hidden
@@ -128,7 +132,8 @@ class PrefillDie:
             executor, tp = self._tp_parts(ctx, clock)
         self.executor = executor(
             model,
-            ep,
+            lanes[0],
+            lanes=lanes if len(lanes) > 1 else (),
             phy2log=tuple(range(num_experts)),
             log2phy=tuple((e,) for e in range(num_experts)),
             table=state.table,

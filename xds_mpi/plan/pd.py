@@ -89,6 +89,7 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
             num_columns=cfg.model.top_k,
             itemsize=itemsize,
             use_int8=cfg.xccl.use_int8,
+            num_lanes=cfg.pd.prefill_microbatches,  # a lane per microbatch (two_streams.py)
         )
         for te in tes
     )
@@ -199,6 +200,12 @@ def _refuse_tp(cfg: Config, prefill: tuple[int, ...]) -> None:
             f"deployment.num_prefill_dies({len(prefill)}) / pd.num_prefill_tes"
             f"({cfg.pd.num_prefill_tes}) gives TEs of {sizes} dies; use a multiple of "
             f"{tp * cfg.pd.num_prefill_tes} prefill dies"
+        )
+    if cfg.pd.prefill_microbatches > 1:
+        raise ConfigError(
+            f"deployment.prefill_tp({tp}) with pd.prefill_microbatches"
+            f"({cfg.pd.prefill_microbatches}): the two-stream pass does not split heads or "
+            "gather rows yet; use one of them"
         )
     if cfg.ems.enabled:
         raise ConfigError(
