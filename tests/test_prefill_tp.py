@@ -1,6 +1,7 @@
-"""Prefill TP groups (`deployment.prefill_tp`, xds_mpi/engine/prefill_tp.py): the head split
-gives every head's values bit for bit, the gather area's layout, the refusals before launch, and
-a pd run with TP=2 token-exact against the single-process reference."""
+"""Prefill TP groups (`deployment.prefill_tp`, xds_mpi/engine/prefill_tp.py) and the microbatch
+prefill pipeline (`pd.prefill_microbatches`): the head split gives every head's values bit for
+bit, the gather area's layout, the refusals before launch, and pd runs with TP=2 and with the
+pipeline token-exact against the single-process reference."""
 
 from __future__ import annotations
 
@@ -126,6 +127,9 @@ def test_plan_groups_and_windows():
          r"deployment.prefill_tp\(4\) must divide model.num_heads\(2\)"),
         (("deployment.prefill_tp=2", "pd.enabled=false"),
          r"deployment.prefill_tp\(2\) needs pd.enabled"),
+        (("pd.prefill_microbatches=3",), r"pd.prefill_microbatches must be 1 or 2 .* got 3"),
+        (("deployment.prefill_tp=2", "pd.prefill_microbatches=2"),
+         r"deployment.prefill_tp\(2\) with pd.prefill_microbatches\(2\)"),
     ],
 )  # fmt: skip
 def test_refusals(sets, message):
@@ -146,14 +150,24 @@ def test_cli_names_the_key(capsys):
     assert "deployment.prefill_tp(4) must divide" in capsys.readouterr().err
 
 
+def test_pipeline_plan_has_two_lanes():
+    plan = _plan("pd.prefill_microbatches=2")
+    one = _plan()
+    assert plan.pd.eps[0].num_lanes == 2
+    area = one.pd.eps[0].area_bytes()
+    assert plan.window_bytes[6] == one.window_bytes[6] + area  # a second dispatch/combine area
+
+
 @pytest.mark.timeout(300)
-def test_tp2_run_is_token_exact(tmp_path):
-    """`xds-mpi run pd --check` with one prefill DP group of 2 dies: every token the
-    reference's, and the JE's report shows KV sent by the group's leader only."""
+@pytest.mark.parametrize("sets", [("deployment.prefill_tp=2",), ("pd.prefill_microbatches=2",)])
+def test_run_is_token_exact(tmp_path, sets):
+    """`xds-mpi run pd --check` with one prefill DP group of 2 dies, or with the two-microbatch
+    prefill pipeline: every token the reference's; with TP only the group's leader sends KV."""
+    extra = [arg for s in sets for arg in ("--set", s)]
     result = subprocess.run(
         [str(XDS_MPI), "run", "pd", "--check", "--set", f"run.output_dir={tmp_path}",
-         "--set", "run.name=tp2", "--set", "run.trace=false",
-         "--set", "deployment.prefill_tp=2", "--set", "workload.num_requests=4"],
+         "--set", "run.name=pd", "--set", "run.trace=false",
+         "--set", "workload.num_requests=4", *extra],
         capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -162,6 +176,9 @@ def test_tp2_run_is_token_exact(tmp_path):
     )
     import h5py
 
-    with h5py.File(tmp_path / "tp2.h5", "r") as f:
+    with h5py.File(tmp_path / "pd.h5", "r") as f:
         senders = set(f["pd"]["prefill_rank"][()].tolist())
-    assert senders == {6}
+    if "deployment.prefill_tp=2" in sets:
+        assert senders == {6}  # the TP group's leader
+    else:
+        assert senders and senders <= {6, 7}
