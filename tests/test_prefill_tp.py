@@ -6,6 +6,7 @@ pipeline token-exact against the single-process reference."""
 from __future__ import annotations
 
 import subprocess
+from functools import partial
 
 import numpy as np
 import pytest
@@ -48,32 +49,47 @@ def _cache(model_cfg, num_slots):
     )
 
 
+def _sp_tp_sp(attn, x, positions, chunks, tp, cache):
+    """MLA as a TP group of `tp` dies computes it (xds_mpi/engine/prefill_tp.py), every die
+    played here in turn: stage 1 on each die's rows, stage 2 on each die's heads over every
+    row, stage 3 on each die's rows with every head -> [n, hidden]."""
+    bounds = row_bounds(len(x), tp)
+    rows = [slice(bounds[i], bounds[i + 1]) for i in range(tp)]
+    down = [(attn.q_down(x[r]), *attn.project_latent(x[r], positions[r])) for r in rows]
+    q_lora, c_kv, k_rope = (np.concatenate([d[k] for d in down]) for k in range(3))
+    per_die = attn.num_heads // tp
+    heads = [
+        attn.attend_latents(
+            q_lora,
+            c_kv,
+            k_rope,
+            positions,
+            chunks,
+            cache(),
+            0,
+            slice(i * per_die, (i + 1) * per_die),
+        )
+        for i in range(tp)
+    ]
+    return np.concatenate(
+        [attn.project_out(np.concatenate([o[r] for o in heads], axis=1)) for r in rows]
+    )
+
+
 @pytest.mark.parametrize("absorbed", [True, False])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_head_split_is_bit_exact(tp, absorbed):
-    """Each die's heads, concatenated, through the whole W_o: the reference's attention output
-    bit for bit, at odd and even row counts and several prompts in one batch."""
+def test_sp_tp_sp_is_bit_exact(tp, absorbed):
+    """The three stages over the group's dies: the reference's attention output bit for bit,
+    at odd and even row counts, several prompts in one batch, fewer rows than dies."""
     model_cfg, model = _model()
     attn = model.layers[1].attn
     if not absorbed:
         attn.use_projections()
     rng = np.random.default_rng(tp)
-    per_die = attn.num_heads // tp
     for lengths in ([1], [3], [5, 2], [7, 16, 1], [33, 6]):
         x, positions, chunks = _batch(model_cfg, rng, lengths)
         whole = attn(x, positions, chunks, _cache(model_cfg, len(x)), 0)
-        pieces = [
-            attn.attend_heads(
-                x,
-                positions,
-                chunks,
-                _cache(model_cfg, len(x)),
-                0,
-                slice(i * per_die, (i + 1) * per_die),
-            )
-            for i in range(tp)
-        ]
-        split = attn.project_out(np.concatenate(pieces, axis=1))
+        split = _sp_tp_sp(attn, x, positions, chunks, tp, partial(_cache, model_cfg, len(x)))
         assert split.tobytes() == whole.tobytes(), (lengths, tp)
 
 

@@ -1,11 +1,13 @@
-"""All-gather within a tensor-parallel group by one-sided writes (a prefill DP group of several
-dies, xDeepServe §5.1's prefill TEs with TP=4; CloudMatrix-Infer §4.3's hybrid parallelism).
+"""All-gather and all-to-all within a tensor-parallel group by one-sided writes (a prefill DP
+group of several dies, xDeepServe §5.1's prefill TEs with TP=4; CloudMatrix-Infer §4.3.1's
+hybrid parallelism).
 
-Every member holds one piece of an array (its attention heads' outputs, or its share of the
-rows); after `all_gather` every member holds every piece, in member order. The writer's end is
-the record pattern of xccl/records/record.py: each member
+Every member holds one piece of an array (its share of the rows); after `all_gather` every member
+holds every piece, in member order. `exchange` is the all-to-all: member i sends piece j to
+member j (its heads' outputs of member j's rows). The writer's end is the record pattern of
+xccl/records/record.py: each member
 
-    1. Puts its piece into its slot of every other member's window,
+    1. Puts its piece for each other member into its slot of that member's window,
     2. Puts a ROWS_RECORD body (event id, bytes, its virtual time) into its record there,
        flushes, then rings each record's doorbell with the call's publication number (`publish`),
     3. waits for every other member's doorbell in its own window (a bounded FanIn wait: its
@@ -106,24 +108,38 @@ class TpGather:
     def all_gather(
         self, piece: np.ndarray, shapes: list[tuple[int, ...]], event_id: int, what: str
     ) -> Gathered:
-        """piece: this member's array (C-contiguous, shape shapes[me]); shapes: every member's
-        piece shape (the same dtype); what: the call in errors ("attention layer 3")."""
+        """piece: this member's array (shape shapes[me]); shapes: every member's piece shape
+        (the same dtype); what: the call in errors ("attention layer 3"). Every member gets
+        every piece."""
+        return self.exchange([piece] * len(self.layout.members), shapes, event_id, what)
+
+    def exchange(
+        self, outgoing: list[np.ndarray], shapes: list[tuple[int, ...]], event_id: int, what: str
+    ) -> Gathered:
+        """The all-to-all: outgoing[i] goes to member i (ours stays here); shapes[i]: the
+        shape of the piece member i sends us (the dtype of ours). Returns the pieces for us,
+        in member order."""
         layout, mem = self.layout, self.mem
-        piece = np.ascontiguousarray(piece)
-        if piece.shape != tuple(shapes[self.me_idx]) or piece.nbytes > layout.slot_bytes:
-            raise ValueError(
-                f"die rank {self.me}: tp gather {what}: piece {piece.shape} of {piece.nbytes} B, "
-                f"expected {tuple(shapes[self.me_idx])} within slot_bytes({layout.slot_bytes})"
-            )
+        outgoing = [np.ascontiguousarray(p) for p in outgoing]
+        for i, piece in enumerate(outgoing):
+            if piece.nbytes > layout.slot_bytes or (
+                i == self.me_idx and piece.shape != tuple(shapes[i])
+            ):
+                raise ValueError(
+                    f"die rank {self.me}: tp gather {what}: piece {piece.shape} of {piece.nbytes}"
+                    f" B for member {i}, expected {tuple(shapes[i])} within slot_bytes"
+                    f"({layout.slot_bytes})"
+                )
         self.seq += 1
         parity = self.seq % NUM_PARITIES
-        # Step 1: our piece into our slot of every peer's window.
-        raw = piece.reshape(-1).view(np.uint8)
-        for _, peer in self.peers:
+        # Step 1: each peer's piece into our slot of its window.
+        for i, peer in self.peers:
+            raw = outgoing[i].reshape(-1).view(np.uint8)
             mem.put(peer, layout.slot_offset(peer, parity, self.me_idx), raw)
         # Step 2: the records' bodies, a flush (pieces and bodies complete), the doorbells.
         bodies = np.zeros(len(self.peers), ROWS_RECORD)
-        bodies["event_id"], bodies["count"] = event_id, piece.nbytes
+        bodies["event_id"] = event_id
+        bodies["count"] = [outgoing[i].nbytes for i, _ in self.peers]
         bodies["vtime_ns"] = self.clock.now_ns
         if self.peers:
             publish(mem, self._out[parity], bodies, self.seq)
@@ -132,14 +148,12 @@ class TpGather:
             stage="tp gather", event_id=event_id, doorbell=self.seq, call=f"{what}, call {self.seq}"
         )
         got = self._in[parity].wait(expected, timeout_s=self.timeout_s, interrupt=None)
-        pieces: list[np.ndarray] = []
-        for i, rank in enumerate(layout.members):
-            if rank == self.me:
-                pieces.append(piece)
-                continue
-            pieces.append(
-                self._read(got[self._index(i)], i, rank, parity, piece.dtype, shapes[i], what)
-            )
+        dtype = outgoing[self.me_idx].dtype
+        pieces = [
+            outgoing[i] if rank == self.me
+            else self._read(got[self._index(i)], i, rank, parity, dtype, shapes[i], what)
+            for i, rank in enumerate(layout.members)
+        ]  # fmt: skip
         sent = float(got["vtime_ns"].max(initial=0.0)) if len(got) else 0.0
         return Gathered(pieces=pieces, sent_ns=sent)
 

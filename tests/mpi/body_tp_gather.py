@@ -1,6 +1,6 @@
-"""A prefill TP group's all-gather by one-sided writes (xccl/tp_gather.py), on both memory paths:
-every member gets every member's piece of the call, the virtual time the peers stamped, and a
-silent member named after the bounded wait."""
+"""A prefill TP group's all-gather and all-to-all by one-sided writes (xccl/tp_gather.py), on
+both memory paths: every member gets every member's piece (for it) of the call, the virtual time
+the peers stamped, and a silent member named after the bounded wait."""
 
 from __future__ import annotations
 
@@ -53,6 +53,24 @@ def test_every_member_gets_every_piece_of_the_call(gather):
             np.testing.assert_array_equal(value, piece(p, r), err_msg=f"round {r} from {p}")
 
 
+def test_the_all_to_all_delivers_each_members_piece_for_us(gather):
+    """Member p sends member q piece(p * size + q, r): q gets exactly those, call after call,
+    gathers and exchanges interleaved as a prefill layer makes them."""
+    tp, size = gather(30.0), comm.size
+    for r in range(1, ROUNDS // 2 + 1):
+        if r % (size + 2) == comm.rank:
+            time.sleep(0.002)
+        outgoing = [piece(comm.rank * size + q, r) for q in range(size)]
+        shapes = [piece(p * size + comm.rank, r).shape for p in range(size)]
+        got = tp.exchange(outgoing, shapes, event_id=r, what=f"round {r}")
+        for p, value in enumerate(got.pieces):
+            np.testing.assert_array_equal(value, piece(p * size + comm.rank, r), err_msg=f"{r}")
+        gathered = tp.all_gather(
+            piece(comm.rank, r), [piece(p, r).shape for p in range(size)], r, ""
+        )
+        assert all((g == piece(p, r)).all() for p, g in enumerate(gathered.pieces))
+
+
 def test_the_peers_stamps_come_back(gather):
     """sent_ns is the latest clock a peer stamped (the gather cannot end before it)."""
     tp = gather(30.0)
@@ -78,5 +96,7 @@ def test_a_silent_member_is_named_after_the_timeout(gather):
 def test_a_piece_over_the_slot_is_refused(gather):
     tp = gather(30.0)
     big = np.zeros((MAX_ROWS + 1, WIDTH))
-    with pytest.raises(ValueError, match=r"piece \(6, 3\) of 144 B, expected .* slot_bytes\(120\)"):
+    with pytest.raises(
+        ValueError, match=r"piece \(6, 3\) of 144 B for member 0, expected .* slot_bytes\(120\)"
+    ):
         tp.all_gather(big, [big.shape] * comm.size, 1, "MoE layer 1")

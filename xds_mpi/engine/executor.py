@@ -114,19 +114,25 @@ class ColocatedExecutor:
             x = TwoStreamPass(self, meter, self.stream_costs).run(entries)
             sampled, works = self._sample_and_draft(entries, x, meter)
             return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+        x = self._main_layers(entries, tokens, positions, chunks, meter)
+        sampled, works = self._sample_and_draft(entries, x, meter)
+        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+
+    def _main_layers(self, entries, tokens, positions, chunks, meter: Meter) -> np.ndarray:
+        """The main layers over the batch: the last layer's rows [n, hidden] (a prefill TP
+        group splits them: xds_mpi/engine/prefill_tp.py)."""
         x = self.model.embed(tokens)  # [n, hidden]
         for layer_idx, layer in enumerate(self.model.layers):
             with meter("attention", layer=layer_idx):
                 if entries:
-                    x = self._attention(layer, x, positions, chunks, layer_idx)
+                    x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
                 self.pricer.attention(entries, is_moe=layer.is_moe)
             if layer.is_moe:
                 x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
             elif entries:
                 x = layer.ffn_part(x)
                 self.pricer.dense_ffn(len(tokens))
-        sampled, works = self._sample_and_draft(entries, x, meter)
-        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+        return x
 
     def _sample_and_draft(self, entries: list[Entry], x: np.ndarray, meter: Meter):
         """The main model's tokens (verifying drafts), then with MTP the next drafts; x: the last
@@ -146,11 +152,6 @@ class ColocatedExecutor:
             r: Sampled(tokens=tuple(tokens), drafts=tuple(works[r].drafts) if r in works else ())
             for r, tokens in sampled.items()
         }
-
-    def _attention(self, block, x: np.ndarray, positions, chunks, layer_idx: int) -> np.ndarray:
-        """A block's attention over this die's rows: x [n, hidden] -> [n, hidden] after the
-        residual (a prefill TP die splits it by heads: xds_mpi/engine/prefill_tp.py)."""
-        return block.attention_part(x, positions, chunks, self.cache, layer_idx)
 
     def _moe(self, moe, h: np.ndarray, layer_idx: int, meter: Meter) -> np.ndarray:
         """h: [n, hidden] normalized rows -> [n, hidden] routed + shared expert output."""
@@ -287,7 +288,7 @@ class ColocatedExecutor:
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
             self.pricer.mtp_projection(len(x))
             if active:
-                x = self._attention(block, x, positions, chunks, layer_idx)
+                x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
             self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
         return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
 

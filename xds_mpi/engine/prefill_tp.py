@@ -1,29 +1,34 @@
 """A prefill DP group of several dies (`deployment.prefill_tp`: xDeepServe §5.1's prefill TEs run
-TP=4; CloudMatrix-Infer §4.3's hybrid parallelism: TP attention, EP MoE).
+TP=4), with CloudMatrix-Infer §4.3.1's staged hybrid parallelism (SP-TP-SP) for MLA.
 
-Every die of the group holds the group's whole batch (the same requests, the same latent KV:
-MLA's latent is shared by every head, so each die keeps all of it and the leader sends it to
-decode). Per layer:
+The group's batch is one packed sequence of rows; die i owns the rows [b_i, b_i+1) (`row_bounds`,
+sizes within one): its share of the residual stream. Per layer:
 
-    attention  die i computes heads [i H/tp, (i+1) H/tp): its query columns, scores and
-               attention-weighted latents o_i [n, H/tp, kv_lora_rank]; the o_i are all-gathered
-               (xccl/tp_gather.py, one-sided writes into the peers' windows) and every die
-               applies the whole output projection to [o_0 | ... | o_tp-1] itself.
-    MoE        die i dispatches rows [i n/tp, (i+1) n/tp) (its share, as many rows as the
-               others within one), runs its experts, combines, adds the shared expert; the
-               shares' outputs are all-gathered by rows.
-    dense FFN  every die over every row (the tiny model's one dense layer; not split).
+    stage 1 (SP)  die i down-projects its rows: the query latent q_lora, the KV latent c_kv and
+                  the RoPE key (`MLA.q_down`, `MLA.project_latent`); the three are all-gathered
+                  by rows (xccl/tp_gather.py, one-sided writes into the peers' windows), so every
+                  die writes every row's latent into its cache (MLA's latent is every head's:
+                  each die holds the whole KV, and the group's leader sends it to decode).
+    stage 2 (TP)  die i computes heads [i H/tp, (i+1) H/tp) over every row: its query columns,
+                  the scores and the attention-weighted latents o_i [n, H/tp, kv_lora_rank]
+                  (`MLA.attend_latents`); an all-to-all sends die j the rows of o_i it owns.
+    stage 3 (SP)  die i applies the whole output projection to its rows' [o_0 | ... | o_tp-1],
+                  adds the residual, then runs the MoE (dispatch/combine with the TE's dies) or
+                  the dense FFN over its rows only.
 
-Why gather the heads' outputs, not all-reduce partial sums (Megatron's row-parallel o_proj):
-the partial sums o_i W_o,i added across dies sum each output in another float order than one
-product over all heads does, so TP=2 or 4 would move the last bits of the hidden state and,
-through the argmax, tokens. Here every value a die computes is one the single-process reference
-computes too: a head's query columns and its score and value rows come out of the batch-invariant
-matmul bit for bit the same whatever other heads or rows are beside them
-(tests/test_prefill_tp.py), the output projection is the reference's own product over all heads,
-and a row's MoE never sees the other rows. The price: each die applies all of W_o (not 1/tp),
-and the gather moves kv_lora_rank values per head and row (DeepSeek-V3: 512) where an
-all-reduce moves hidden (7168) per row; both are on the virtual clock (`TpPricer`).
+After the last layer (and after each MTP block) the rows are all-gathered once, so every die
+of the group samples the same tokens and keeps the same scheduler state.
+
+Token-exact: every value a die computes is one the single-process reference computes too, by the
+same operations in the same order. Projections and norms are per row and the matmul is batch
+invariant (a row's result does not depend on the other rows); a head's query columns come out of
+the product bit for bit the same whatever other columns are computed beside them, and a head's
+score and value rows are rows of the batched (token x head) products
+(tests/test_prefill_tp.py checks the stages against the whole MLA at TP 2 and 4). Megatron's
+split instead (a row-parallel W_o, its partial products all-reduced across the dies) would sum
+each output in another float order than the reference's one product over all heads, moving the
+hidden state's last bits and, through the argmax, tokens: here the sum over heads stays inside
+one die's W_o product. The exchanges move only what a die cannot compute itself.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from xds_mpi.engine.executor import ColocatedExecutor
 from xds_mpi.engine.pricing import Meter, Pricer
 from xds_mpi.projection.cost import CostModel
 
-WIRE_BYTES = 2  # the gathered values travel as BF16 at the cost shape
+WIRE_BYTES = 2  # the exchanged values travel as BF16 at the cost shape
 
 
 def row_bounds(num_rows: int, tp: int) -> list[int]:
@@ -49,9 +54,9 @@ def row_bounds(num_rows: int, tp: int) -> list[int]:
 
 
 class TpPricer(Pricer):
-    """A TP die's pricer: attention at H/tp heads (the query up-projection, absorbed W_UK and the
-    scores; the latent cache is still read whole, it is every head's), the whole W_o, and the
-    gathers on the UB link."""
+    """A TP die's pricer: MLA by stages at the cost shape (the terms of `CostModel.mla_prolog`,
+    each on the rows its stage runs over), the attention core at H/tp heads (the latent cache is
+    still read whole: it is every head's), and the exchanges on the UB link."""
 
     def __init__(self, *args, tp: int, link: LinkModel, same_server: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -60,73 +65,163 @@ class TpPricer(Pricer):
         self.cost_tp = CostModel(
             replace(m, num_heads=m.num_heads // tp), self.cost.hw, kv_int8=self.cost.kv_int8
         )
-        self.wo_rest = (m.num_heads - m.num_heads // tp) * m.v_head_dim * m.hidden
-        self.sent_ns: float | None = None  # the attention gather's peers, priced with it
 
-    def attention_rows(self, seqs: list[tuple[int, int]], *, is_moe: bool) -> None:
-        """This die's heads, then the gather of every die's (the peers stamped their records
-        at the attention's start: every member computes the same rows, so waiting for that
-        stamp before the compute is waiting for their end after it)."""
-        scale = self.moe_scale if is_moe else self.dense_scale
-        rows = sum(num for _, num in seqs)
-        if self.sent_ns is not None:
-            with self.waiting("tp gather"):
-                self.clock.arrive(self.sent_ns)
-            self.sent_ns = None
-        self._add(
-            "MLAProlog",
-            scale * (self.cost_tp.mla_prolog(rows) + self.cost.gemm(rows, self.wo_rest)),
-        )
-        self._add("attention", scale * self.cost_tp.attention(seqs))
+    def _scale(self, is_moe: bool) -> float:
+        return self.moe_scale if is_moe else self.dense_scale
+
+    def mla_down(self, rows: int, *, is_moe: bool) -> None:
+        """Stage 1 over this die's rows: W_q_a and W_kv_a (INT8)."""
         m = self.cost.m
-        self._gather_writes(scale, rows * (m.num_heads // self.tp) * m.kv_lora_rank)
+        params = m.hidden * m.q_lora_rank + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+        self._add("MLAProlog", self._scale(is_moe) * self.cost.gemm(rows, params))
 
-    def rows_gathered(self, rows: int, sent_ns: float) -> None:
-        """The MoE outputs' gather: this die's `rows` share, after the peers' stamps."""
+    def mla_heads(self, seqs: list[tuple[int, int]], *, is_moe: bool) -> None:
+        """Stage 2 over every row, this die's heads: W_q_b's columns (INT8), the absorbed W_UK
+        (BF16) and the attention core."""
+        m, cost_tp = self.cost.m, self.cost_tp
+        rows, heads = sum(num for _, num in seqs), cost_tp.m.num_heads
+        up = cost_tp.gemm(rows, m.q_lora_rank * heads * (m.qk_nope_dim + m.qk_rope_dim))
+        absorbed = 2 * heads * m.qk_nope_dim * m.kv_lora_rank
+        if rows:
+            hw = cost_tp.hw
+            up += cost_tp._roofline(
+                2.0 * rows * absorbed, absorbed * 2, peak=hw.bf16_flops, eff=hw.gemm_eff
+            )
+        scale = self._scale(is_moe)
+        self._add("MLAProlog", scale * up)
+        self._add("attention", scale * cost_tp.attention(seqs))
+
+    def mla_out(self, rows: int, *, is_moe: bool) -> None:
+        """Stage 3 over this die's rows: W_UV and W_o over every head (INT8)."""
+        m = self.cost.m
+        params = m.num_heads * m.v_head_dim * m.hidden
+        self._add("MLAProlog", self._scale(is_moe) * self.cost.gemm(rows, params))
+
+    def exchanged(self, values_out: int, sent_ns: float, *, is_moe: bool | None) -> None:
+        """An exchange: wait for the peers' stamps (they published when their stage ended),
+        then this die's `values_out` values written to its peers; is_moe: which layers the
+        emulated one stands for (None: once per pass, not per layer)."""
         with self.waiting("tp gather"):
             self.clock.arrive(sent_ns)
-        self._gather_writes(self.moe_scale, rows * self.cost.m.hidden)
-
-    def _gather_writes(self, scale: float, values: int) -> None:
-        """This die's piece of `values` written to each of the tp - 1 peers."""
-        nbytes = (self.tp - 1) * values * WIRE_BYTES
+        nbytes = values_out * WIRE_BYTES
         if nbytes:
             ns = self.link.transfer_ns(nbytes, same_server=self.same_server)
+            scale = 1.0 if is_moe is None else self._scale(is_moe)
             self._add("tp gather", scale * ns / 1e9)
+
+    # -- what one layer's exchanges move, at the cost shape ----------------------------------
+    def down_values(self, rows: int) -> int:
+        """Stage 1's all-gather: this die's rows' latents to each of the tp - 1 peers."""
+        m = self.cost.m
+        return (self.tp - 1) * rows * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim)
+
+    def heads_values(self, rows: int) -> int:
+        """Stage 2's all-to-all: this die's heads of every other die's rows (`rows` in all)."""
+        m = self.cost.m
+        return rows * (m.num_heads // self.tp) * m.kv_lora_rank
+
+    def rows_values(self, rows: int) -> int:
+        """The last layer's rows to each peer."""
+        return (self.tp - 1) * rows * self.cost.m.hidden
+
+    def mla_layer(self, seqs: list[tuple[int, int]], rows: int, *, is_moe: bool) -> None:
+        """A whole MLA layer of a die owning `rows` of the batch, its peers in step (the
+        per-request projection, xds_mpi/engine/request_pricing.py)."""
+        num_rows = sum(num for _, num in seqs)
+        self.mla_down(rows, is_moe=is_moe)
+        self.exchanged(self.down_values(rows), 0.0, is_moe=is_moe)
+        self.mla_heads(seqs, is_moe=is_moe)
+        self.exchanged(self.heads_values(num_rows - rows), 0.0, is_moe=is_moe)
+        self.mla_out(rows, is_moe=is_moe)
 
 
 class TpPrefillExecutor(ColocatedExecutor):
-    """A ColocatedExecutor whose attention and MoE are split over its TP group (module doc)."""
+    """A ColocatedExecutor whose layers run SP-TP-SP over its TP group (module doc)."""
 
     def __init__(self, *args, gather: TpGather, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.gather = gather
         self.tp, self.tp_idx = gather.layout.num_members, gather.me_idx
 
-    def _attention(self, block, x: np.ndarray, positions, chunks, layer_idx: int) -> np.ndarray:
-        attn = block.attn
-        per_die = attn.num_heads // self.tp
-        heads = slice(self.tp_idx * per_die, (self.tp_idx + 1) * per_die)
-        o = attn.attend_heads(block.attn_norm(x), positions, chunks, self.cache, layer_idx, heads)
-        got = self.gather.all_gather(
-            o,
-            [o.shape] * self.tp,
-            self.events.event_id(self.num_iterations, layer_idx),
-            f"attention layer {layer_idx}",
-        )
-        self.pricer.sent_ns = got.sent_ns
-        return x + attn.project_out(np.concatenate(got.pieces, axis=1))  # [n, H, c] -> [n, hidden]
+    def _main_layers(self, entries, tokens, positions, chunks, meter: Meter) -> np.ndarray:
+        seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries]
+        bounds = row_bounds(len(tokens), self.tp)
+        x = self.model.embed(tokens[bounds[self.tp_idx] : bounds[self.tp_idx + 1]])
+        for layer_idx, layer in enumerate(self.model.layers):
+            x = self._block(layer, x, positions, chunks, seqs, layer_idx, meter)
+        return self._gather_rows(x, bounds, len(self.model.layers) - 1, meter)
 
-    def _moe(self, moe, h: np.ndarray, layer_idx: int, meter: Meter) -> np.ndarray:
-        bounds = row_bounds(len(h), self.tp)
-        lo, hi = bounds[self.tp_idx], bounds[self.tp_idx + 1]
-        out = np.ascontiguousarray(super()._moe(moe, h[lo:hi], layer_idx, meter))
+    def _mtp_block(self, depth: int, active, inputs, meter: Meter) -> np.ndarray:
+        block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
+        with meter("attention", layer=layer_idx):
+            x, positions, chunks = self._mtp_rows(depth, active, inputs)
+            self.pricer.mtp_projection(len(x))  # every row: each die has them (one gather)
+        seqs = [(w.stop, w.stop - w.start) for w in active]
+        bounds = row_bounds(len(x), self.tp)
+        mine = x[bounds[self.tp_idx] : bounds[self.tp_idx + 1]]
+        mine = self._block(block, mine, positions, chunks, seqs, layer_idx, meter)
+        return self._gather_rows(mine, bounds, layer_idx, meter)
+
+    def _block(self, block, x: np.ndarray, positions, chunks, seqs, layer_idx, meter) -> np.ndarray:
+        """One transformer block over this die's rows x [share, hidden]."""
+        with meter("attention", layer=layer_idx):
+            if seqs:
+                x = x + self._attention(block, x, positions, chunks, seqs, layer_idx)
+        if block.is_moe:
+            return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
+        if seqs:
+            x = block.ffn_part(x)
+            self.pricer.dense_ffn(len(x))
+        return x
+
+    def _attention(self, block, x, positions, chunks, seqs, layer_idx: int) -> np.ndarray:
+        """MLA's three stages: x [share, hidden] -> [share, hidden] (before the residual)."""
+        attn, pricer, is_moe = block.attn, self.pricer, block.is_moe
+        n, me = sum(num for _, num in seqs), self.tp_idx
+        bounds = row_bounds(n, self.tp)
+        lo, hi = bounds[me], bounds[me + 1]
+        event = self.events.event_id(self.num_iterations, layer_idx)
+        # Stage 1 (SP): this die's rows down-projected, then every row's.
+        h = block.attn_norm(x)
+        c_kv, k_rope = attn.project_latent(h, positions[lo:hi])
+        down = np.concatenate([attn.q_down(h), c_kv, k_rope], axis=1)  # [share, q + c + rope]
+        pricer.mla_down(hi - lo, is_moe=is_moe)
+        shapes = [(bounds[i + 1] - bounds[i], down.shape[1]) for i in range(self.tp)]
+        got = self.gather.all_gather(down, shapes, event, f"MLA down layer {layer_idx}")
+        pricer.exchanged(pricer.down_values(hi - lo), got.sent_ns, is_moe=is_moe)
+        every = np.concatenate(got.pieces)  # [n, q + c + rope]
+        q_width = down.shape[1] - c_kv.shape[1] - k_rope.shape[1]
+        q_lora, c_kv, k_rope = (
+            np.ascontiguousarray(a)
+            for a in np.split(every, [q_width, q_width + c_kv.shape[1]], axis=1)
+        )
+        # Stage 2 (TP): this die's heads over every row; each die gets its rows of them.
+        per_die = attn.num_heads // self.tp
+        heads = slice(me * per_die, (me + 1) * per_die)
+        o = attn.attend_latents(
+            q_lora, c_kv, k_rope, positions, chunks, self.cache, layer_idx, heads
+        )
+        pricer.mla_heads(seqs, is_moe=is_moe)
+        outgoing = [o[bounds[j] : bounds[j + 1]] for j in range(self.tp)]
+        got = self.gather.exchange(
+            outgoing,
+            [(hi - lo, per_die, o.shape[2])] * self.tp,
+            event,
+            f"MLA heads layer {layer_idx}",
+        )
+        pricer.exchanged(pricer.heads_values(n - (hi - lo)), got.sent_ns, is_moe=is_moe)
+        # Stage 3 (SP): the whole W_o over this die's rows, every head.
+        out = attn.project_out(
+            np.concatenate(got.pieces, axis=1)
+        )  # [share, H, c] -> [share, hidden]
+        pricer.mla_out(hi - lo, is_moe=is_moe)
+        return out
+
+    def _gather_rows(self, x: np.ndarray, bounds: list[int], layer_idx: int, meter) -> np.ndarray:
+        """Every row of the batch on every die of the group: [n, hidden]."""
         with meter("xccl", "tp gather", layer=layer_idx):
-            got = self.gather.all_gather(
-                out,
-                [(bounds[i + 1] - bounds[i], h.shape[1]) for i in range(self.tp)],
-                self.events.event_id(self.num_iterations, layer_idx),
-                f"MoE layer {layer_idx}",
-            )
-            self.pricer.rows_gathered(hi - lo, got.sent_ns)
+            shapes = [(bounds[i + 1] - bounds[i], x.shape[1]) for i in range(self.tp)]
+            event = self.events.event_id(self.num_iterations, layer_idx)
+            got = self.gather.all_gather(x, shapes, event, f"rows after layer {layer_idx}")
+            self.pricer.exchanged(self.pricer.rows_values(len(x)), got.sent_ns, is_moe=None)
         return np.concatenate(got.pieces)

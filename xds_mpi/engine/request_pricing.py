@@ -130,8 +130,8 @@ class RequestPricer:
     ) -> float:
         """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)
         on a die of an EP group of `num_dies`, layer by layer as the executor prices it. tp: the
-        dies of a prefill TP group (xds_mpi/engine/prefill_tp.py): this die's heads and its share
-        of the MoE rows, and both gathers."""
+        dies of a prefill TP group (xds_mpi/engine/prefill_tp.py): MLA by stages over its share of
+        the rows and its heads, the MoE over its share, and the exchanges."""
         clock = VirtualClock()
         args = dict(num_routed_dies=num_dies, use_int8=self.cfg.xccl.use_int8)
         if tp > 1:
@@ -142,21 +142,23 @@ class RequestPricer:
                               **args)  # fmt: skip
         else:
             pricer = Pricer(self.cost, self.tiny, clock, **args)
-        rows = sum(n for _, n in seqs)
-        share = -(-rows // tp)  # the largest share of the rows: the group waits for it
+        share = -(-sum(n for _, n in seqs) // tp)  # the largest share of the rows (all at TP1)
         for layer_idx in range(self.tiny.num_layers):
             is_moe = layer_idx >= self.tiny.num_dense_layers
-            pricer.attention_rows(seqs, is_moe=is_moe)
+            if tp > 1:
+                pricer.mla_layer(seqs, share, is_moe=is_moe)
+            else:
+                pricer.attention_rows(seqs, is_moe=is_moe)
             if not is_moe:
-                pricer.dense_ffn(rows)
+                pricer.dense_ffn(share)
                 continue
             rows_in = share * self.tiny.top_k  # every die of the group as busy as this one
             pricer.gate(share)
             pricer.dispatch(rows_in)
             pricer.experts(rows_in, share)
             pricer.combine(share)
-            if tp > 1:
-                pricer.rows_gathered(share, 0.0)
+        if tp > 1:  # the last layer's rows, once
+            pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
         pricer.finish(sampled)
         return clock.now_ns / 1e9
 

@@ -12,10 +12,10 @@ lockstep dispatch every decode iteration (that would tie the two phases' step ti
 which is what disaggregation removes).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is that many consecutive dies of one TE (a
-TP group): attention heads split among them, gathered with xccl/tp_gather.py, whose area follows
-the dispatch/combine area in each of their windows (xds_mpi/engine/prefill_tp.py). The group's
-first die is its leader: it reports the group's status to the TE's scheduler and sends its KV to
-decode.
+TP group): rows and attention heads split among them, exchanged with xccl/tp_gather.py, whose
+area follows the dispatch/combine area in each of their windows (xds_mpi/engine/prefill_tp.py).
+The group's first die is its leader: it reports the group's status to the TE's scheduler and
+sends its KV to decode.
 """
 
 from __future__ import annotations
@@ -106,17 +106,18 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
 
 
 def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[TpLayout, ...]:
-    """Each TP group's gather area, after the p2p and dispatch/combine areas of its windows.
-    A slot holds the larger piece: a die's heads of the attention output for a step's rows
-    ([max_tokens, heads / tp, kv_lora_rank]) or its share of the rows ([max_tokens / tp,
-    hidden]), in float64 (the model's widest dtype)."""
+    """Each TP group's exchange area, after the p2p and dispatch/combine areas of its windows.
+    A slot holds the largest piece of a die's share of a step's rows (max_tokens / tp): their
+    down-projected latents (q_lora_rank + kv_lora_rank + qk_rope_dim), a die's heads of their
+    attention output (heads / tp x kv_lora_rank) or the rows themselves (hidden), in float64
+    (the model's widest dtype; xds_mpi/engine/prefill_tp.py)."""
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
-    max_tokens = cfg.xccl.max_tokens_per_die
-    heads = max_tokens * (model.num_heads // tp) * model.kv_lora_rank
-    rows = -(-max_tokens // tp) * model.hidden
-    slot_bytes = 8 * max(heads, rows)
+    share = -(-cfg.xccl.max_tokens_per_die // tp)
+    down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim
+    heads = (model.num_heads // tp) * model.kv_lora_rank
+    slot_bytes = 8 * share * max(down, heads, model.hidden)
     layouts = []
     for te, ep in zip(tes, eps):
         base = tuple(
