@@ -179,9 +179,29 @@ class TpPrefillExecutor(ColocatedExecutor):
         attn, pricer, is_moe = block.attn, self.pricer, block.is_moe
         n, me = sum(num for _, num in seqs), self.tp_idx
         bounds = row_bounds(n, self.tp)
-        lo, hi = bounds[me], bounds[me + 1]
+        share = bounds[me + 1] - bounds[me]
         event = self.events.event_id(self.num_iterations, layer_idx)
-        # Stage 1 (SP): this die's rows down-projected, then every row's.
+        q_lora, c_kv, k_rope = self._down(block, x, positions, bounds, event, layer_idx)
+        # Stage 2 (TP): this die's heads over every row; each die gets its rows of them.
+        per_die = attn.num_heads // self.tp
+        heads = slice(me * per_die, (me + 1) * per_die)
+        cache = self.cache
+        o = attn.attend_latents(q_lora, c_kv, k_rope, positions, chunks, cache, layer_idx, heads)
+        pricer.mla_heads(seqs, is_moe=is_moe)
+        outgoing = [o[bounds[j] : bounds[j + 1]] for j in range(self.tp)]
+        shapes = [(share, per_die, o.shape[2])] * self.tp  # our rows of each die's heads
+        got = self.gather.exchange(outgoing, shapes, event, f"MLA heads layer {layer_idx}")
+        pricer.exchanged(pricer.heads_values(n - share), got.sent_ns, is_moe=is_moe)
+        # Stage 3 (SP): the whole W_o over this die's rows, every head.
+        out = attn.project_out(np.concatenate(got.pieces, axis=1))  # [share, H, c] -> hidden
+        pricer.mla_out(share, is_moe=is_moe)
+        return out
+
+    def _down(self, block, x, positions, bounds, event: int, layer_idx: int):
+        """Stage 1 (SP): this die's rows x [share, hidden] down-projected, then every row's:
+        (q_lora [n, q_lora_rank], c_kv [n, kv_lora_rank], k_rope [n, qk_rope_dim])."""
+        attn, pricer, is_moe = block.attn, self.pricer, block.is_moe
+        lo, hi = bounds[self.tp_idx], bounds[self.tp_idx + 1]
         h = block.attn_norm(x)
         c_kv, k_rope = attn.project_latent(h, positions[lo:hi])
         down = np.concatenate([attn.q_down(h), c_kv, k_rope], axis=1)  # [share, q + c + rope]
@@ -191,31 +211,8 @@ class TpPrefillExecutor(ColocatedExecutor):
         pricer.exchanged(pricer.down_values(hi - lo), got.sent_ns, is_moe=is_moe)
         every = np.concatenate(got.pieces)  # [n, q + c + rope]
         q_width = down.shape[1] - c_kv.shape[1] - k_rope.shape[1]
-        q_lora, c_kv, k_rope = (
-            np.ascontiguousarray(a)
-            for a in np.split(every, [q_width, q_width + c_kv.shape[1]], axis=1)
-        )
-        # Stage 2 (TP): this die's heads over every row; each die gets its rows of them.
-        per_die = attn.num_heads // self.tp
-        heads = slice(me * per_die, (me + 1) * per_die)
-        o = attn.attend_latents(
-            q_lora, c_kv, k_rope, positions, chunks, self.cache, layer_idx, heads
-        )
-        pricer.mla_heads(seqs, is_moe=is_moe)
-        outgoing = [o[bounds[j] : bounds[j + 1]] for j in range(self.tp)]
-        got = self.gather.exchange(
-            outgoing,
-            [(hi - lo, per_die, o.shape[2])] * self.tp,
-            event,
-            f"MLA heads layer {layer_idx}",
-        )
-        pricer.exchanged(pricer.heads_values(n - (hi - lo)), got.sent_ns, is_moe=is_moe)
-        # Stage 3 (SP): the whole W_o over this die's rows, every head.
-        out = attn.project_out(
-            np.concatenate(got.pieces, axis=1)
-        )  # [share, H, c] -> [share, hidden]
-        pricer.mla_out(hi - lo, is_moe=is_moe)
-        return out
+        cuts = [q_width, q_width + c_kv.shape[1]]
+        return tuple(np.ascontiguousarray(a) for a in np.split(every, cuts, axis=1))
 
     def _gather_rows(self, x: np.ndarray, bounds: list[int], layer_idx: int, meter) -> np.ndarray:
         """Every row of the batch on every die of the group: [n, hidden]."""
