@@ -15,9 +15,9 @@ there once the prompt is done (ranks/pd/ems_client.py, docs/ems.md).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is a TP group of that many dies
 (xds_mpi/engine/prefill_tp.py): the leader schedules per group (one status per group, every die
-of a group handed the same requests), every die of the group runs the same batch with its share
-of the attention heads and of the MoE rows, and only the group's leader hands finished prompts
-over and sends their KV; the others free their copy of the blocks at once.
+of a group handed the same requests), every die of the group runs the same batch, its share of
+the rows and of the attention heads (SP-TP-SP), and only the group's leader hands finished
+prompts over and sends their KV; the others free their copy of the blocks at once.
 """
 
 from __future__ import annotations
