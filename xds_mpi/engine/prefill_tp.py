@@ -40,7 +40,7 @@ import numpy as np
 from xccl.tp_gather import TpGather
 from xccl.vclock import LinkModel
 from xds_mpi.engine.executor import ColocatedExecutor
-from xds_mpi.engine.pricing import Meter, Pricer
+from xds_mpi.engine.pricing import Pricer
 from xds_mpi.projection.cost import CostModel
 
 WIRE_BYTES = 2  # the exchanged values travel as BF16 at the cost shape
@@ -61,10 +61,21 @@ class TpPricer(Pricer):
     def __init__(self, *args, tp: int, link: LinkModel, same_server: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tp, self.link, self.same_server = tp, link, same_server
-        m = self.cost.m
-        self.cost_tp = CostModel(
-            replace(m, num_heads=m.num_heads // tp), self.cost.hw, kv_int8=self.cost.kv_int8
-        )
+        self._cost_tp: tuple[CostModel, CostModel] | None = None  # (cost, its H/tp twin)
+
+    @property
+    def cost_tp(self) -> CostModel:
+        """The cost model at H/tp heads, on the hardware of the current one (a stream of the
+        prefill pipeline prices on its share of the cores: xds_mpi/engine/two_streams.py)."""
+        if self._cost_tp is None or self._cost_tp[0] is not self.cost:
+            m = self.cost.m
+            twin = CostModel(
+                replace(m, num_heads=m.num_heads // self.tp),
+                self.cost.hw,
+                kv_int8=self.cost.kv_int8,
+            )
+            self._cost_tp = (self.cost, twin)
+        return self._cost_tp[1]
 
     def _scale(self, is_moe: bool) -> float:
         return self.moe_scale if is_moe else self.dense_scale
@@ -143,35 +154,13 @@ class TpPrefillExecutor(ColocatedExecutor):
         self.gather = gather
         self.tp, self.tp_idx = gather.layout.num_members, gather.me_idx
 
-    def _main_layers(self, entries, tokens, positions, chunks, meter: Meter) -> np.ndarray:
-        seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries]
-        bounds = row_bounds(len(tokens), self.tp)
-        x = self.model.embed(tokens[bounds[self.tp_idx] : bounds[self.tp_idx + 1]])
-        for layer_idx, layer in enumerate(self.model.layers):
-            x = self._block(layer, x, positions, chunks, seqs, layer_idx, meter)
-        return self._gather_rows(x, bounds, len(self.model.layers) - 1, meter)
+    def _own_rows(self, num_rows: int) -> slice:
+        bounds = row_bounds(num_rows, self.tp)
+        return slice(bounds[self.tp_idx], bounds[self.tp_idx + 1])
 
-    def _mtp_block(self, depth: int, active, inputs, meter: Meter) -> np.ndarray:
-        block, layer_idx = self.model.mtp_module(depth).block, self.num_layers + depth - 1
-        with meter("attention", layer=layer_idx):
-            x, positions, chunks = self._mtp_rows(depth, active, inputs)
-            self.pricer.mtp_projection(len(x))  # every row: each die has them (one gather)
-        seqs = [(w.stop, w.stop - w.start) for w in active]
-        bounds = row_bounds(len(x), self.tp)
-        mine = x[bounds[self.tp_idx] : bounds[self.tp_idx + 1]]
-        mine = self._block(block, mine, positions, chunks, seqs, layer_idx, meter)
-        return self._gather_rows(mine, bounds, layer_idx, meter)
-
-    def _block(self, block, x: np.ndarray, positions, chunks, seqs, layer_idx, meter) -> np.ndarray:
-        """One transformer block over this die's rows x [share, hidden]."""
-        with meter("attention", layer=layer_idx):
-            if seqs:
-                x = x + self._attention(block, x, positions, chunks, seqs, layer_idx)
-        if block.is_moe:
-            return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
+    def _attend(self, block, x, positions, chunks, seqs, layer_idx: int) -> np.ndarray:
         if seqs:
-            x = block.ffn_part(x)
-            self.pricer.dense_ffn(len(x))
+            x = x + self._attention(block, x, positions, chunks, seqs, layer_idx)
         return x
 
     def _attention(self, block, x, positions, chunks, seqs, layer_idx: int) -> np.ndarray:
@@ -214,8 +203,9 @@ class TpPrefillExecutor(ColocatedExecutor):
         cuts = [q_width, q_width + c_kv.shape[1]]
         return tuple(np.ascontiguousarray(a) for a in np.split(every, cuts, axis=1))
 
-    def _gather_rows(self, x: np.ndarray, bounds: list[int], layer_idx: int, meter) -> np.ndarray:
-        """Every row of the batch on every die of the group: [n, hidden]."""
+    def _all_rows(self, x: np.ndarray, num_rows: int, layer_idx: int, meter) -> np.ndarray:
+        """Every row of the batch on every die of the group: [num_rows, hidden]."""
+        bounds = row_bounds(num_rows, self.tp)
         with meter("xccl", "tp gather", layer=layer_idx):
             shapes = [(bounds[i + 1] - bounds[i], x.shape[1]) for i in range(self.tp)]
             event = self.events.event_id(self.num_iterations, layer_idx)

@@ -202,12 +202,6 @@ def _refuse_tp(cfg: Config, prefill: tuple[int, ...]) -> None:
             f"({cfg.pd.num_prefill_tes}) gives TEs of {sizes} dies; use a multiple of "
             f"{tp * cfg.pd.num_prefill_tes} prefill dies"
         )
-    if cfg.pd.prefill_microbatches > 1:
-        raise ConfigError(
-            f"deployment.prefill_tp({tp}) with pd.prefill_microbatches"
-            f"({cfg.pd.prefill_microbatches}): the two-stream pass does not split heads or "
-            "gather rows yet; use one of them"
-        )
     if cfg.ems.enabled:
         raise ConfigError(
             f"deployment.prefill_tp({tp}) with ems.enabled: the EMS prefix pull is per die, "
