@@ -12,6 +12,12 @@ to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends 
 (ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
 assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
 there once the prompt is done (ranks/pd/ems_client.py, docs/ems.md).
+
+With `deployment.prefill_tp` > 1 a prefill DP group is a TP group of that many dies
+(xds_mpi/engine/prefill_tp.py): the leader schedules per group (one status per group, every die
+of a group handed the same requests), every die of the group runs the same batch, its share of
+the rows and of the attention heads (SP-TP-SP), and only the group's leader hands finished
+prompts over and sends their KV; the others free their copy of the blocks at once.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class PrefillDie:
         # this TE's dies (decode dies use color 1, hosts 0)
         self.group = ctx.comm.Split(2 + self.te, rank)
         self.is_leader = rank == plan.pd.leaders[self.te]
+        self.tp = plan.pd.tp
+        self.is_tp_leader = rank == plan.pd.tp_group_of(rank)[0]  # sends its group's KV
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
         self.ems = None  # the EMS context cache (ranks/pd/ems_client.py), with ems.enabled
@@ -104,20 +112,28 @@ class PrefillDie:
         num_experts = len(slot_owner)
         slots = ExpertSlots(slot_owner=slot_owner, num_routed_slots=num_experts, shared_slot_of={})
         clock = VirtualClock()
-        ep = EpBuffer(
-            self.mem,
-            pd.eps[self.te],
-            slots.slot_owner,
-            dtype=ctx.plan.row_dtype,
-            clock=clock,
-            num_cores=cfg.xccl.num_cores,
-            timeout_s=cfg.xccl.poll_timeout_s,
+        # One EP lane per microbatch (two: the prefill pipeline, xds_mpi/engine/two_streams.py)
+        lanes = tuple(
+            EpBuffer(
+                self.mem,
+                pd.eps[self.te].lane(i),
+                slots.slot_owner,
+                dtype=ctx.plan.row_dtype,
+                clock=clock,
+                num_cores=cfg.xccl.num_cores,
+                timeout_s=cfg.xccl.poll_timeout_s,
+            )
+            for i in range(pd.eps[self.te].num_lanes)
         )
         self.pricer = make_pricer(cfg, clock, slots, profile=cfg.pd.prefill_profile)
         self.scheduler, self.cache, self.hidden = state.scheduler, state.cache, cfg.model.hidden
-        self.executor = ColocatedExecutor(
+        executor, tp = ColocatedExecutor, {}
+        if pd.tp > 1:
+            executor, tp = self._tp_parts(ctx, clock)
+        self.executor = executor(
             model,
-            ep,
+            lanes[0],
+            lanes=lanes if len(lanes) > 1 else (),
             phy2log=tuple(range(num_experts)),
             log2phy=tuple((e,) for e in range(num_experts)),
             table=state.table,
@@ -125,7 +141,34 @@ class PrefillDie:
             pricer=self.pricer,
             slots=slots,
             mtp_depth=cfg.scheduler.mtp_depth,
+            **tp,
         )
+
+    def _tp_parts(self, ctx: RankContext, clock):
+        """A TP group's die (xds_mpi/engine/prefill_tp.py): its executor class and gather, and
+        its pricer (replacing `self.pricer`)."""
+        from xccl.tp_gather import TpGather
+        from xccl.vclock import LinkModel
+        from xds_mpi.engine.prefill_tp import TpPrefillExecutor, TpPricer
+        from xds_mpi.projection.hardware import load_profile
+
+        cfg, pd, topo = ctx.cfg, ctx.plan.pd, ctx.plan.topo
+        layout = pd.tp_layout_of(self.rank)
+        servers = {topo.ranks[r].server for r in layout.members}
+        profile = cfg.pd.prefill_profile or cfg.hardware.profile
+        base = self.pricer
+        self.pricer = TpPricer(
+            base.cost,
+            cfg.model,
+            clock,
+            num_routed_dies=base.num_peers,
+            use_int8=base.use_int8,
+            tp=pd.tp,
+            link=LinkModel.from_profile(load_profile(profile)),
+            same_server=len(servers) == 1,
+        )
+        gather = TpGather(self.mem, layout, clock=clock, timeout_s=cfg.xccl.poll_timeout_s)
+        return TpPrefillExecutor, {"gather": gather}
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -189,7 +232,7 @@ class PrefillDie:
         if self.is_leader:
             batches, left = assign(
                 list(self.pool),
-                statuses,
+                statuses[:: self.tp],  # one prefill DP group: its TP leader's status
                 block_tokens=cfg.scheduler.kv_block_tokens,
                 long_prompt_tokens=cfg.pd.long_prompt_tokens,
                 step_tokens=cfg.xccl.max_tokens_per_die,
@@ -199,7 +242,7 @@ class PrefillDie:
             for r in (r for b in batches for r in b):
                 self.cached.pop(r.req_id, None)
             num = sum(map(len, batches))
-            batches = [
+            groups = [
                 Assignment(
                     requests=tuple(b),
                     pooled_v=tuple(self.pooled_v.pop(r.req_id) for r in b),
@@ -207,6 +250,7 @@ class PrefillDie:
                 )
                 for b in batches
             ]
+            batches = [a for a in groups for _ in range(self.tp)]  # each die of a TP group
         mine: Assignment = self.group.scatter(batches, root=0)
         for req, pooled_v in zip(mine.requests, mine.pooled_v):
             # Pooled on the leader's clock: a die behind it idles until the request is there.
@@ -244,6 +288,13 @@ class PrefillDie:
         """Step 3: a finished prompt becomes a PD-transfer task the JE learns about (or, when
         its first token ends it, the token goes straight to the JE)."""
         req = prefilled.seq.req
+        if not self.is_tp_leader:  # the group's leader hands it over; our KV copy is not needed
+            self.assigned.pop(req.req_id)
+            self.started.pop(req.req_id)
+            self.executor.mtp.states.pop(req.req_id, None)
+            if not prefilled.is_finished:
+                self.scheduler.release(req)
+            return
         if prefilled.is_finished:
             batch = TokenBatch(
                 die_rank=self.rank,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from xds_mpi.config.loader import non_negative
+from xds_mpi.config.loader import non_negative, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,10 @@ class PdConfig:
     prefill_profile: the prefill dies' hardware profile (configs/hardware/; "" = hardware.profile);
     a prefill die of another hardware than the decode dies sits outside their UB domain
     (xDeepServe §5.1: 910B prefill, 910C decode), so its KV crosses `kv_fabric`.
-    kv_fabric: the fabric of such a pair (§5.1: "RoCE or VPC"; xds_mpi/plan/kv_link.py)."""
+    kv_fabric: the fabric of such a pair (§5.1: "RoCE or VPC"; xds_mpi/plan/kv_link.py).
+    prefill_microbatches: 2 splits each prefill step's batch into two microbatches pipelined on
+    two streams, one's dispatch/combine overlapping the other's attention (CloudMatrix-Infer
+    §4.3.2; the mechanism is the two-stream decode's, xds_mpi/engine/two_streams.py)."""
 
     enabled: bool = False
     long_prompt_tokens: int = 48
@@ -34,10 +37,16 @@ class PdConfig:
     max_transfer_retries: int = 3
     prefill_profile: str = ""
     kv_fabric: Literal["roce", "vpc"] = "roce"
+    prefill_microbatches: int = 1
 
     def __post_init__(self) -> None:
         non_negative(
             "pd",
             long_prompt_tokens=self.long_prompt_tokens,
             max_transfer_retries=self.max_transfer_retries,
+        )
+        require(
+            self.prefill_microbatches in (1, 2),
+            "pd.prefill_microbatches must be 1 or 2 (2: CloudMatrix-Infer §4.3.2's microbatch "
+            f"prefill pipeline, a microbatch per stream), got {self.prefill_microbatches}",
         )

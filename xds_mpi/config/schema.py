@@ -56,6 +56,8 @@ class DeploymentConfig:
     max_routed_experts_per_die: int = 64
     num_prefill_dies: int = 0  # PD disaggregation: dies that only prefill
     num_microbatches: int = 1  # afd: per DP domain; colocated: 2 = two-stream decode
+    # PD: dies per prefill DP group, attention heads split among them (xds_mpi/plan/pd.py)
+    prefill_tp: int = 1
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -78,6 +80,11 @@ class DeploymentConfig:
             dp_groups_per_domain=self.dp_groups_per_domain,
             max_routed_experts_per_die=self.max_routed_experts_per_die,
             num_microbatches=self.num_microbatches,
+        )
+        require(
+            self.prefill_tp in (1, 2, 4),
+            "deployment.prefill_tp must be 1, 2 or 4 (dies per prefill DP group, xDeepServe "
+            f"§5.1's prefill TEs run TP=4), got {self.prefill_tp}",
         )
 
     def _check_kind(self) -> None:

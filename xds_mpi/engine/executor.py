@@ -114,19 +114,41 @@ class ColocatedExecutor:
             x = TwoStreamPass(self, meter, self.stream_costs).run(entries)
             sampled, works = self._sample_and_draft(entries, x, meter)
             return self.results(sampled, works), iteration_timing(entries, sampled, meter)
-        x = self.model.embed(tokens)  # [n, hidden]
+        x = self._main_layers(entries, tokens, positions, chunks, meter)
+        sampled, works = self._sample_and_draft(entries, x, meter)
+        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+
+    def _main_layers(self, entries, tokens, positions, chunks, meter: Meter) -> np.ndarray:
+        """The main layers over the batch: the last layer's rows [n, hidden]."""
+        seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries]
+        x = self.model.embed(tokens[self._own_rows(len(tokens))])  # [rows here, hidden]
         for layer_idx, layer in enumerate(self.model.layers):
             with meter("attention", layer=layer_idx):
-                if entries:
-                    x = layer.attention_part(x, positions, chunks, self.cache, layer_idx)
-                self.pricer.attention(entries, is_moe=layer.is_moe)
+                x = self._attend(layer, x, positions, chunks, seqs, layer_idx)
             if layer.is_moe:
                 x = x + self._moe(layer.ffn, layer.ffn_norm(x), layer_idx, meter)
             elif entries:
                 x = layer.ffn_part(x)
-                self.pricer.dense_ffn(len(tokens))
-        sampled, works = self._sample_and_draft(entries, x, meter)
-        return self.results(sampled, works), iteration_timing(entries, sampled, meter)
+                self.pricer.dense_ffn(len(x))
+        return self._all_rows(x, len(tokens), len(self.model.layers) - 1, meter)
+
+    # A prefill TP group's die holds a share of the rows between its layers and splits MLA over
+    # the group (xds_mpi/engine/prefill_tp.py); here a die holds every row of its batch.
+    def _own_rows(self, num_rows: int) -> slice:
+        """Which of the batch's rows this die carries through the layers."""
+        return slice(0, num_rows)
+
+    def _attend(self, block, x, positions, chunks, seqs, layer_idx: int) -> np.ndarray:
+        """A block's attention over this die's rows x, priced (seqs: (KV length, new rows) per
+        sequence of the batch): x after the attention residual."""
+        if seqs:
+            x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
+        self.pricer.attention_rows(seqs, is_moe=block.is_moe)
+        return x
+
+    def _all_rows(self, x: np.ndarray, num_rows: int, layer_idx: int, meter: Meter) -> np.ndarray:
+        """Every row of the batch [num_rows, hidden] from this die's rows x."""
+        return x
 
     def _sample_and_draft(self, entries: list[Entry], x: np.ndarray, meter: Meter):
         """The main model's tokens (verifying drafts), then with MTP the next drafts; x: the last
@@ -281,10 +303,11 @@ class ColocatedExecutor:
         with meter("attention", layer=layer_idx):
             x, positions, chunks = self._mtp_rows(depth, active, inputs)
             self.pricer.mtp_projection(len(x))
-            if active:
-                x = block.attention_part(x, positions, chunks, self.cache, layer_idx)
-            self.pricer.attention_rows([(w.stop, w.stop - w.start) for w in active], is_moe=True)
-        return x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
+            num_rows, x = len(x), x[self._own_rows(len(x))]
+            seqs = [(w.stop, w.stop - w.start) for w in active]
+            x = self._attend(block, x, positions, chunks, seqs, layer_idx)
+        x = x + self._moe(block.ffn, block.ffn_norm(x), layer_idx, meter)
+        return self._all_rows(x, num_rows, layer_idx, meter)
 
     # -- commit / rollback ----------------------------------------------------------------------
     def commit(self, finished: set[int]) -> None:

@@ -101,7 +101,7 @@ class RequestPricer:
         from xds_mpi.projection.cost import CostModel, Hardware
         from xds_mpi.projection.hardware import load_profile
 
-        profile = load_profile(cfg.hardware.profile)
+        profile = self.profile = load_profile(cfg.hardware.profile)
         self.cost = CostModel(cost_shape(), Hardware.from_profile(profile))
         self.cfg, self.tiny = cfg, cfg.model
         self.num_prefill_dies, self.num_decode_dies = num_prefill_dies, num_decode_dies
@@ -112,7 +112,10 @@ class RequestPricer:
         """num_cached: leading prompt tokens whose KV is pulled from a pool over `pool` (the
         plane) instead of computed."""
         prompt, output = req.priced_prompt_len, req.priced_output_len
-        prefill = self.pass_s(causal_chunks(prompt, num_cached), self.num_prefill_dies, sampled=1)
+        tp = self.cfg.deployment.prefill_tp if self.link is not None else 1
+        prefill = self.pass_s(
+            causal_chunks(prompt, num_cached), self.num_prefill_dies, sampled=1, tp=tp
+        )
         pull = pool.pull_s(projected_kv_bytes(num_cached, self.cost.m)) if pool else 0.0
         mean_kv = prompt + output // 2
         step = self.pass_s([(mean_kv, 1)] * self.batch, self.num_decode_dies, sampled=self.batch)
@@ -122,29 +125,40 @@ class RequestPricer:
             transfer = self.link.transfer_ns(nbytes, num_cores=self.cfg.xccl.num_cores) / 1e9
         return PricedRequest(prefill_s=prefill, transfer_s=transfer, step_s=step, pull_s=pull)
 
-    def pass_s(self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int) -> float:
+    def pass_s(
+        self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int, tp: int = 1
+    ) -> float:
         """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)
-        on a die of an EP group of `num_dies`, layer by layer as the executor prices it."""
+        on a die of an EP group of `num_dies`, layer by layer as the executor prices it. tp: the
+        dies of a prefill TP group (xds_mpi/engine/prefill_tp.py): MLA by stages over its share of
+        the rows and its heads, the MoE over its share, and the exchanges."""
         clock = VirtualClock()
-        pricer = Pricer(
-            self.cost,
-            self.tiny,
-            clock,
-            num_routed_dies=num_dies,
-            use_int8=self.cfg.xccl.use_int8,
-        )
-        rows = sum(n for _, n in seqs)
+        args = dict(num_routed_dies=num_dies, use_int8=self.cfg.xccl.use_int8)
+        if tp > 1:
+            from xds_mpi.engine.prefill_tp import TpPricer
+
+            link = LinkModel.from_profile(self.profile)
+            pricer = TpPricer(self.cost, self.tiny, clock, tp=tp, link=link, same_server=True,
+                              **args)  # fmt: skip
+        else:
+            pricer = Pricer(self.cost, self.tiny, clock, **args)
+        share = -(-sum(n for _, n in seqs) // tp)  # the largest share of the rows (all at TP1)
         for layer_idx in range(self.tiny.num_layers):
             is_moe = layer_idx >= self.tiny.num_dense_layers
-            pricer.attention_rows(seqs, is_moe=is_moe)
+            if tp > 1:
+                pricer.mla_layer(seqs, share, is_moe=is_moe)
+            else:
+                pricer.attention_rows(seqs, is_moe=is_moe)
             if not is_moe:
-                pricer.dense_ffn(rows)
+                pricer.dense_ffn(share)
                 continue
-            rows_in = rows * self.tiny.top_k  # every die of the group as busy as this one
-            pricer.gate(rows)
+            rows_in = share * self.tiny.top_k  # every die of the group as busy as this one
+            pricer.gate(share)
             pricer.dispatch(rows_in)
-            pricer.experts(rows_in, rows)
-            pricer.combine(rows)
+            pricer.experts(rows_in, share)
+            pricer.combine(share)
+        if tp > 1:  # the last layer's rows, once
+            pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
         pricer.finish(sampled)
         return clock.now_ns / 1e9
 

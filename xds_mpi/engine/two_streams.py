@@ -130,7 +130,8 @@ class TwoStreamPass:
         micro = []
         for i, half in enumerate(split_entries(entries)):
             tokens, positions, chunks = ex._inputs(half)
-            micro.append(Micro(i, half, ex.model.embed(tokens), positions, chunks))
+            rows = ex._own_rows(len(tokens))  # all of them but on a prefill TP group's die
+            micro.append(Micro(i, half, ex.model.embed(tokens[rows]), positions, chunks))
         a, b = micro
         for layer_idx, layer in enumerate(ex.model.layers):
             self.attend(a, layer, layer_idx)  # 1
@@ -149,14 +150,15 @@ class TwoStreamPass:
             self.experts(b)  # 8
         self.finish(b)
         self.streams.join()
-        return np.concatenate([a.x, b.x])
+        layer_idx = len(ex.model.layers) - 1
+        return np.concatenate([ex._all_rows(m.x, len(m.positions), layer_idx, self.meter)
+                               for m in (a, b)])  # fmt: skip
 
     # -- steps ----------------------------------------------------------------------------------
     def attend(self, m: Micro, layer, layer_idx: int) -> None:
         with self.on(0, m), self.meter("attention", layer=layer_idx, microbatch=m.index):
-            if m.entries:
-                m.x = layer.attention_part(m.x, m.positions, m.chunks, self.ex.cache, layer_idx)
-            self.pricer.attention(m.entries, is_moe=layer.is_moe)
+            seqs = [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in m.entries]
+            m.x = self.ex._attend(layer, m.x, m.positions, m.chunks, seqs, layer_idx)
 
     def dense(self, m: Micro, layer) -> None:
         with self.on(0, m):

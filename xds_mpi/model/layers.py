@@ -140,7 +140,7 @@ class Rotary:
 
     def __call__(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x: [rows, ..., dim], positions: [rows] int64 -> x rotated by each row's position."""
-        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (-1,)
+        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (self.cos.shape[1],)  # 0 rows too
         cos, sin = self._rows(positions)
         cos, sin = cos.reshape(shape), sin.reshape(shape)
         half = x.shape[-1] // 2

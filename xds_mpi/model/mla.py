@@ -163,31 +163,50 @@ class MLA:
         the INT8 path does; calibration records their inputs this way)."""
         self.wq_absorbed = self.wo_absorbed = None
 
-    def project_q(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x: [n, hidden] -> [n, heads, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope"""
-        q_lora = self.q_norm(self.wq_a(x))
+    def project_q(
+        self, x: np.ndarray, positions: np.ndarray, heads: slice | None = None
+    ) -> np.ndarray:
+        """x: [n, hidden] -> [n, h, kv_lora_rank + qk_rope_dim]: q_nope W_UK, rotated q_rope, of
+        the heads `heads` (all by default)."""
+        return self.q_up(self.q_down(x), positions, heads)
+
+    def q_down(self, x: np.ndarray) -> np.ndarray:
+        """x: [n, hidden] -> the normalized query latent [n, q_lora_rank] (stage 1 of a prefill
+        TP group, on its rows)."""
+        return self.q_norm(self.wq_a(x))
+
+    def q_up(self, q_lora: np.ndarray, positions: np.ndarray, heads: slice | None) -> np.ndarray:
+        """q_lora: [n, q_lora_rank] -> [n, h, kv_lora_rank + qk_rope_dim] of the heads `heads`
+        (all with None; a prefill TP die's share, xds_mpi/engine/prefill_tp.py). The absorbed
+        query's columns are whole heads: a head's columns come out of the product bit for bit
+        the same whether the others are computed or not (the dgemm accumulates each output over
+        the same k in the same order; tests/test_prefill_tp.py)."""
+        heads = heads or slice(0, self.num_heads)
+        num_rows, num_heads = q_lora.shape[0], heads.stop - heads.start
         if self.wq_absorbed is not None:
-            q = matmul(q_lora, self.wq_absorbed)
-            q = q.reshape(x.shape[0], self.num_heads, q.shape[1] // self.num_heads)  # 0 rows too
-        else:
-            q_heads = self.wq_b(q_lora).reshape(x.shape[0], self.num_heads, -1)
-            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, heads, nope]
+            width = self.wq_absorbed.shape[1] // self.num_heads
+            q = matmul(q_lora, self.wq_absorbed[:, heads.start * width : heads.stop * width])
+            q = q.reshape(num_rows, num_heads, width)  # 0 rows too
+        else:  # INT8 Wq_b: one projection over every head, this die keeps its own
+            q_heads = self.wq_b(q_lora).reshape(num_rows, self.num_heads, -1)[:, heads]
+            q_nope = q_heads[..., : self.qk_nope_dim]  # [n, h, nope]
+            w_uk = self.w_uk[heads]
             q_latent = np.stack(
-                [matmul(q_nope[:, h], w) for h, w in enumerate(self.w_uk)], axis=1
-            )  # [n, heads, c]
+                [matmul(q_nope[:, i], w) for i, w in enumerate(w_uk)], axis=1
+            )  # [n, h, c]
             q = np.concatenate([q_latent, q_heads[..., self.qk_nope_dim :]], axis=-1)
         q[..., self.kv_lora_rank :] = self.rotary(q[..., self.kv_lora_rank :], positions)
         return q
 
     def project_out(self, o_latent: np.ndarray) -> np.ndarray:
         """o_latent: [n, heads, kv_lora_rank] attention-weighted latents -> [n, hidden]"""
-        num_rows = o_latent.shape[0]
+        num_rows, width = o_latent.shape[0], o_latent.shape[1] * o_latent.shape[2]
         if self.wo_absorbed is not None:
-            return matmul(o_latent.reshape(num_rows, -1), self.wo_absorbed)
+            return matmul(o_latent.reshape(num_rows, width), self.wo_absorbed)  # 0 rows too
         o = np.stack(
             [matmul(o_latent[:, h], w) for h, w in enumerate(self.w_uv_t)], axis=1
         )  # [n, heads, v]
-        return self.wo(o.reshape(num_rows, -1))
+        return self.wo(o.reshape(num_rows, self.num_heads * self.v_head_dim))
 
     def project_latent(self, x: np.ndarray, positions: np.ndarray):
         """x: [n, hidden] -> what the cache keeps: (c_kv [n, kv_lora_rank], k_rope [n, rope])"""
@@ -213,12 +232,45 @@ class MLA:
         Writes the rows' latents into `cache` layer `layer_idx`, then each row attends causally
         to its own sequence's cached positions.
         """
-        q = self.project_q(x, positions)  # [n, heads, c + rope]
+        return self.project_out(self.attend_heads(x, positions, chunks, cache, layer_idx))
+
+    def attend_heads(
+        self,
+        x: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        layer_idx: int,
+        heads: slice | None = None,
+    ) -> np.ndarray:
+        """`__call__` up to the output projection, for the heads `heads` (all by default): the
+        rows' latents written into `cache`, then [n, h, kv_lora_rank] attention-weighted latents."""
         c_kv, k_rope = self.project_latent(x, positions)
+        return self.attend_latents(
+            self.q_down(x), c_kv, k_rope, positions, chunks, cache, layer_idx, heads
+        )
+
+    def attend_latents(
+        self,
+        q_lora: np.ndarray,
+        c_kv: np.ndarray,
+        k_rope: np.ndarray,
+        positions: np.ndarray,
+        chunks: list[AttnChunk],
+        cache: LatentCache,
+        layer_idx: int,
+        heads: slice | None = None,
+    ) -> np.ndarray:
+        """From the rows' down-projections (`q_down`, `project_latent`): their latents written
+        into `cache`, then each row attends causally to its sequence's cached positions ->
+        [n, h, kv_lora_rank] attention-weighted latents of the heads `heads`. A head's rows are
+        rows of the batched score and value products (token x head), so a subset of heads gives
+        those heads' values bit for bit (the batch-invariant matmul)."""
+        q = self.q_up(q_lora, positions, heads)  # [n, h, c + rope]
         slots = [c.write_slots for c in chunks]
         cache.write(layer_idx, slots[0] if len(slots) == 1 else np.concatenate(slots), c_kv, k_rope)
-        num_heads, lora = self.num_heads, self.kv_lora_rank
-        o_latent = np.empty((x.shape[0], num_heads, lora), x.dtype)
+        num_rows, num_heads, lora = q.shape[0], q.shape[1], self.kv_lora_rank
+        o_latent = np.empty((num_rows, num_heads, lora), q.dtype)
         row = 0
         for chunk in chunks:
             num = chunk.num_tokens
@@ -230,7 +282,7 @@ class MLA:
             probs = softmax(scores).reshape(num * num_heads, -1)
             o_latent[row : row + num] = matmul(probs, cached[:, :lora]).reshape(num, num_heads, -1)
             row += num
-        return self.project_out(o_latent)
+        return o_latent
 
     def naive_forward(self, x: np.ndarray) -> np.ndarray:
         """Un-absorbed MLA over one whole sequence x: [t, hidden] at positions 0..t-1 ->

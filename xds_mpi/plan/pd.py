@@ -10,6 +10,12 @@ expert spread over them, the shared expert on every prefill die): prefill is com
 and batches many rows per step, so it keeps its own experts instead of joining the decode dies'
 lockstep dispatch every decode iteration (that would tie the two phases' step times together,
 which is what disaggregation removes).
+
+With `deployment.prefill_tp` > 1 a prefill DP group is that many consecutive dies of one TE (a
+TP group): rows and attention heads split among them, exchanged with xccl/tp_gather.py, whose
+area follows the dispatch/combine area in each of their windows (xds_mpi/engine/prefill_tp.py).
+The group's first die is its leader: it reports the group's status to the TE's scheduler and
+sends its KV to decode.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 from xccl.layout import P2PLayout
 from xccl.moe_layout import EpLayout
+from xccl.tp_gather import TpLayout
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.kv_link import check_kv_links
 from xds_mpi.plan.topology import Topology
@@ -36,6 +43,8 @@ class PdPlan:
     eps: tuple[EpLayout, ...]
     slot_owners: tuple[tuple[int, ...], ...]
     decode_shell: int = 0  # the decode TE-shell's rank: 1 with two host ranks, else the JE (0)
+    tp: int = 1
+    tp_layouts: tuple[TpLayout, ...] = ()
 
     @property
     def leaders(self) -> tuple[int, ...]:
@@ -45,14 +54,29 @@ class PdPlan:
     def te_of(self, rank: int) -> int:
         return next(t for t, te in enumerate(self.tes) if rank in te)
 
+    def tp_group_of(self, rank: int) -> tuple[int, ...]:
+        """The prefill DP group (TP group) of prefill die `rank`: its dies, leader first."""
+        te = self.tes[self.te_of(rank)]
+        start = te.index(rank) // self.tp * self.tp
+        return te[start : start + self.tp]
+
+    def tp_layout_of(self, rank: int) -> TpLayout:
+        return next(t for t in self.tp_layouts if rank in t.members)
+
 
 def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPlan | None:
     """The PD plan, None when `pd.enabled` is off; refuses what PD cannot run."""
     if not cfg.pd.enabled:
+        if cfg.deployment.prefill_tp > 1:
+            raise ConfigError(
+                f"deployment.prefill_tp({cfg.deployment.prefill_tp}) needs pd.enabled: without "
+                "PD the decode dies prefill, one die per DP group"
+            )
         return None
     prefill = topo.ranks_with_role("prefill")
     decode = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
     _refuse(cfg, prefill)
+    _refuse_tp(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
     check_kv_links(cfg, topo, prefill, decode)
     tes = split(prefill, cfg.pd.num_prefill_tes)
@@ -65,6 +89,7 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
             num_columns=cfg.model.top_k,
             itemsize=itemsize,
             use_int8=cfg.xccl.use_int8,
+            num_lanes=cfg.pd.prefill_microbatches,  # a lane per microbatch (two_streams.py)
         )
         for te in tes
     )
@@ -75,7 +100,35 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
         eps=eps,
         slot_owners=tuple(split_experts(cfg.model.num_routed_experts, te) for te in tes),
         decode_shell=1 if cfg.deployment.num_host_ranks == 2 else 0,
+        tp=cfg.deployment.prefill_tp,
+        tp_layouts=tp_layouts(cfg, topo, p2p, tes, eps),
     )
+
+
+def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[TpLayout, ...]:
+    """Each TP group's exchange area, after the p2p and dispatch/combine areas of its windows.
+    A slot holds the largest piece of a die's share of a step's rows (max_tokens / tp): their
+    down-projected latents (q_lora_rank + kv_lora_rank + qk_rope_dim), a die's heads of their
+    attention output (heads / tp x kv_lora_rank) or the rows themselves (hidden), in float64
+    (the model's widest dtype; xds_mpi/engine/prefill_tp.py)."""
+    tp, model = cfg.deployment.prefill_tp, cfg.model
+    if tp == 1:
+        return ()
+    share = -(-cfg.xccl.max_tokens_per_die // tp)
+    down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim
+    heads = (model.num_heads // tp) * model.kv_lora_rank
+    slot_bytes = 8 * share * max(down, heads, model.hidden)
+    layouts = []
+    for te, ep in zip(tes, eps):
+        base = tuple(
+            p2p.window_bytes(r) + (ep.area_bytes() if r in te else 0)
+            for r in range(topo.world_size)
+        )
+        for start in range(0, len(te), tp):
+            layouts.append(
+                TpLayout(members=te[start : start + tp], base=base, slot_bytes=slot_bytes)
+            )
+    return tuple(layouts)
 
 
 def split(ranks: tuple[int, ...], num: int) -> tuple[tuple[int, ...], ...]:
@@ -131,6 +184,45 @@ def _refuse(cfg: Config, prefill: tuple[int, ...]) -> None:
         )
 
 
+def _refuse_tp(cfg: Config, prefill: tuple[int, ...]) -> None:
+    """What prefill TP groups (deployment.prefill_tp dies each) need, with the numbers."""
+    tp, model = cfg.deployment.prefill_tp, cfg.model
+    if tp == 1:
+        return
+    if model.num_heads % tp:
+        raise ConfigError(
+            f"deployment.prefill_tp({tp}) must divide model.num_heads({model.num_heads}): "
+            "each die of a prefill DP group computes the same number of attention heads"
+        )
+    sizes = [len(te) for te in split(prefill, cfg.pd.num_prefill_tes)]
+    if any(size % tp for size in sizes):
+        raise ConfigError(
+            f"deployment.prefill_tp({tp}) must divide every prefill TE's dies: "
+            f"deployment.num_prefill_dies({len(prefill)}) / pd.num_prefill_tes"
+            f"({cfg.pd.num_prefill_tes}) gives TEs of {sizes} dies; use a multiple of "
+            f"{tp * cfg.pd.num_prefill_tes} prefill dies"
+        )
+    if cfg.ems.enabled:
+        raise ConfigError(
+            f"deployment.prefill_tp({tp}) with ems.enabled: the EMS prefix pull is per die, "
+            "not per TP group, here; use prefill_tp 1 with the EMS pool"
+        )
+    lost = [i for i, s in enumerate(cfg.faults.events) if s.die in prefill]
+    if lost:
+        raise ConfigError(
+            f"faults.events[{lost[0]}] hits prefill die rank {cfg.faults.events[lost[0]].die}: "
+            f"losing one die of a prefill TP group (deployment.prefill_tp({tp})) is not "
+            "handled; use prefill_tp 1"
+        )
+    leaders = prefill[::tp]
+    for i, spec in enumerate(cfg.faults.table):
+        if spec.op == "p2p_send" and spec.die in prefill and spec.die not in leaders:
+            raise ConfigError(
+                f"faults.table[{i}].die({spec.die}) sends no KV: with deployment.prefill_tp"
+                f"({tp}) only each TP group's leader does (ranks {list(leaders)})"
+            )
+
+
 def _refuse_unpaired(cfg: Config, p2p: P2PLayout, prefill, decode) -> None:
     """Every prefill die needs a ring into every decode die (any request may go anywhere)."""
     missing = [(p, d) for p in prefill for d in decode if (p, d) not in p2p.pairs]
@@ -180,11 +272,12 @@ def pd_window_bytes(cfg: Config, pd: PdPlan | None, windows: tuple[int, ...]) ->
     sizes = list(windows)
     for rank in pd.prefill:
         area = pd.eps[pd.te_of(rank)].area_bytes()
-        sizes[rank] += area
+        gather = pd.tp_layout_of(rank).area_bytes() if pd.tp > 1 else 0
+        sizes[rank] += area + gather
         if sizes[rank] > cfg.xccl.max_window_bytes:
             raise ConfigError(
                 f"prefill die rank {rank}'s window needs {sizes[rank]} B = p2p "
-                f"{windows[rank]} B + dispatch/combine {area} B, over "
+                f"{windows[rank]} B + dispatch/combine {area} B + tp gather {gather} B, over "
                 f"xccl.max_window_bytes({cfg.xccl.max_window_bytes})"
             )
     return tuple(sizes)
@@ -197,7 +290,8 @@ def describe_pd(plan) -> str:
         f"P/D: JE rank 0; decode TE-shell rank {pd.decode_shell}"
         + (" (the JE)" if pd.decode_shell == 0 else "")
         + f"; prefill DP groups "
-        f"{len(pd.prefill)} (ranks {list(pd.prefill)}, "
+        f"{len(pd.prefill) // pd.tp} (ranks {list(pd.prefill)}, "
+        + (f"TP{pd.tp} groups {[list(t.members) for t in pd.tp_layouts]}, " if pd.tp > 1 else "")
         + (f"leader {pd.leaders[0]}" if len(pd.tes) == 1 else f"{len(pd.tes)} prefill TEs")
         + f"); decode "
         f"{plan.cfg.deployment.kind} DP groups ranks {list(pd.decode)}",
