@@ -1,11 +1,11 @@
-"""Load generators from the ecosystem against a live `xds-mpi serve`: aiperf and guidellm each
-sweep three concurrency levels (a few hundred streaming requests in all); their own report must
-show every request served without error, and the TE-shell's --check at shutdown must count
-exactly the requests they sent, with 0 mismatches.
+"""Load generators from the ecosystem against a live `xds-mpi serve`: aiperf, guidellm and
+inference-perf each sweep three concurrency levels (a few hundred streaming requests in all);
+their own report must show every request served without error, and the TE-shell's --check at
+shutdown must count exactly the requests they sent, with 0 mismatches.
 
-Both are heavy (each in its own environment, docs/serve.md "Load generators"): each test runs
-only when $XDS_AIPERF / $XDS_GUIDELLM names its executable (the Python beside it writes the
-tokenizer directory).
+Each is heavy (its own environment, docs/serve.md "Load generators"): each test runs only when
+$XDS_AIPERF / $XDS_GUIDELLM / $XDS_INFERENCE_PERF names its executable (the Python beside it
+writes the tokenizer directory).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from serve_harness import ROOT, Server
 
 AIPERF = os.environ.get("XDS_AIPERF", "")
 GUIDELLM = os.environ.get("XDS_GUIDELLM", "")
+INFERENCE_PERF = os.environ.get("XDS_INFERENCE_PERF", "")
 CONCURRENCY = (1, 4, 16)
 REQUESTS_PER_LEVEL = 80
 OUTPUT_TOKENS = 8
@@ -136,3 +137,51 @@ def test_guidellm_sweep(tmp_path):
         created += bench["scheduler_state"]["created_requests"]
     num_requests, _, mismatches = server.check_line()
     assert (num_requests, mismatches) == (created, 0), output[-3000:]
+
+
+@pytest.mark.skipif(not INFERENCE_PERF, reason="set $XDS_INFERENCE_PERF to its executable")
+def test_inference_perf_sweep(tmp_path):
+    """inference-perf's `synthetic` prompts (cut from a text corpus it ships, so they round-trip
+    through the byte tokenizer; its `random` token ids do not), one stage per concurrency."""
+    tokenizer = write_tokenizer(tmp_path, INFERENCE_PERF)
+    reports = tmp_path / "reports"
+    stages = [{"concurrency_level": c, "num_requests": REQUESTS_PER_LEVEL} for c in CONCURRENCY]
+    lengths = {"input": (16, 48, 32, 4), "output": (OUTPUT_TOKENS,) * 3 + (0,)}
+    data = []
+    for kind, (low, high, mean, std_dev) in lengths.items():
+        prefix = f"--data.{kind}_distribution."
+        data += [prefix + "min", str(low), prefix + "max", str(high), prefix + "mean", str(mean)]
+        data += [prefix + "std_dev", str(std_dev), prefix + "total_count", str(len(stages) * 100)]
+    server = Server(tmp_path, timeout_s=3000)
+    try:
+        server.wait_ready()
+        subprocess.run(
+            [
+                INFERENCE_PERF,
+                *("--server.type", "vllm", "--server.base_url", server.url),
+                *("--server.model_name", "xds-tiny", "--server.ignore_eos", "true"),
+                *("--api.type", "completion", "--api.streaming", "true"),
+                *("--data.type", "synthetic", *data),
+                *("--load.type", "concurrent", "--load.stages", json.dumps(stages)),
+                *("--tokenizer.pretrained_model_name_or_path", str(tokenizer)),
+                *("--storage.local_storage.path", str(reports)),
+            ],
+            check=True,
+            timeout=3000,
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+        )
+    finally:
+        output = server.stop()
+    total = 0
+    for i, level in enumerate(CONCURRENCY):
+        report = json.loads((reports / f"stage_{i}_lifecycle_metrics.json").read_text())
+        assert report["load_summary"]["concurrency"] == level
+        ok = report["successes"]
+        assert report["failures"]["count"] == 0 and ok["count"] == REQUESTS_PER_LEVEL
+        assert ok["output_tokens"]["min"] == ok["output_tokens"]["max"] == OUTPUT_TOKENS
+        ttft, itl = ok["latency"]["time_to_first_token"], ok["latency"]["inter_token_latency"]
+        assert 0 < ttft["median"] <= ttft["p99"] and 0 < itl["median"] <= itl["p99"]
+        total += ok["count"]
+    num_requests, num_tokens, mismatches = server.check_line()
+    assert (num_requests, num_tokens, mismatches) == (total, total * OUTPUT_TOKENS, 0), output
