@@ -4,6 +4,8 @@ its tokens and MTP steps with the reference's first ones."""
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,21 +54,47 @@ DEAD_DIE = (
 @pytest.mark.timeout(600)
 def test_serve_through_a_dead_die(tmp_path):
     """A die dies while the endpoint's requests run on it: the TE-shell scales down, re-prefills
-    its requests on the others, and every client still gets all its tokens, checked."""
+    its requests on the others, and every client still gets all its tokens, checked. GET /health
+    answers 503 from the fence until the survivors serve again, 200 after; a request sent while
+    it answers 503 is still taken, and served once they do."""
     server = Server(tmp_path, *(a for s in DEAD_DIE for a in ("--set", s)), timeout_s=400)
+    health: list[tuple[int, str]] = []  # every answer of GET /health, in order
+    during: list = []  # the answer to the request sent while failing over
+    done = threading.Event()
+
+    def one(i):
+        body = {"model": MODEL, "prompt": f"die {i}", "max_tokens": 24, "ignore_eos": True}
+        return server.post("/v1/completions", body)
+
+    def watch_health():
+        while not done.is_set():
+            health.append(server.get("/health"))
+            if health[-1][0] == 503 and not during:
+                during.append(one(99))  # blocks until served, after the failover
+            time.sleep(0.05)
+
     try:
         server.wait_ready()
-
-        def one(i):
-            body = {"model": MODEL, "prompt": f"die {i}", "max_tokens": 24, "ignore_eos": True}
-            return server.post("/v1/completions", body)
-
+        watcher = threading.Thread(target=watch_health)
+        watcher.start()
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(one, range(12)))
+        while not during and watcher.is_alive() and len(health) < 400:
+            time.sleep(0.1)  # the request sent during the failover is not among the 12
+        done.set()
+        watcher.join(120)
+        after = server.get("/health")
     finally:
         output = server.stop()
     assert [status for status, _ in answers] == [200] * 12
     assert all(body["usage"]["completion_tokens"] == 24 for _, body in answers)
+    failing = [body for status, body in health if status == 503]
+    assert failing and all("failing over" in body for body in failing), health
+    first = next(i for i, (status, _) in enumerate(health) if status == 503)
+    assert health[0][0] == 200 and any(status == 200 for status, _ in health[first:])
+    assert after == (200, '{"status": "ok"}')
+    assert len(during) == 1 and during[0][0] == 200
+    assert during[0][1]["usage"]["completion_tokens"] == 24
     assert "failure dead on colocated die 2 at iteration 8: detected" in output
     assert "vertical scaling: 4 -> 3 decode dies" in output
-    assert server.check_line() == (12, 12 * 24, 0)
+    assert server.check_line() == (13, 13 * 24, 0)

@@ -11,11 +11,6 @@ from launch.cli import main
 from ranks.shell.openai_api import TextOut
 
 
-def test_serve_refuses_pd_before_launch(capsys):
-    assert main(["serve", "pd", "--port", "0"]) == 2
-    assert "a pd deployment (pd.enabled) is not served over HTTP yet" in capsys.readouterr().err
-
-
 def test_serve_refuses_a_busy_port_before_launch(capsys):
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]

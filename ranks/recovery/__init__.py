@@ -10,7 +10,7 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       or in the agreement between iterations.
   Step 2 (§6.1): a die silent for health.timeout_s (or 3x the dies' slowest gap between two
       answers, when longer: `watch.HeartbeatSender.patience_s`) is suspected; the TE-shell
-      fences: one word into every die's abort-word window (`detector.Detector._fence` ->
+      fences: one word into every die's abort-word window (`detector.Detector.fence` ->
       `xccl.recovery.rollback.fence`). Every wait checks it and raises Released; the die turns
       out of the iterations (`DieHealth.released`, `DecodeDieLoop.out_turn`) and answers again.
       With faults.on_timeout recompute a wait may time out first: the die votes
@@ -18,7 +18,7 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       fence ends the vote too.
   Step 3 (§6.1): a die still silent after the grace is lost ("dead"; answering later: "stuck");
       with none lost, the stuck die came back and every die rebuilds anyway
-      (`detector.Detector._fence` -> `Loss`). If an expert would lose its last replica the run
+      (`detector.Detector.fence` -> `Loss`). If an expert would lose its last replica the run
       stops naming die and experts (`detector.Detector._why_not_scale` -> DecodeDieLost).
   Step 4 (§6.2 stage 2): the TE-shell tells every survivor which dies are lost, with EPLB its
       newest placement without their slots (`scale_down.scale_down` -> `scale_down.rebuild`).

@@ -110,12 +110,16 @@ class Detector:
         """A turn of the TE-shell's loop: pings out, answers and notes in; on silence, steps 2-3,
         and the dies to go on without (raises DecodeDieLost when the run cannot go on).
         requests: the frontend's records; started: serving's start (wall)."""
+        silent = self.silent_dies()
+        return self.fence(silent, requests, started) if silent else None
+
+    def silent_dies(self) -> list[int]:
+        """Step 1: pings out, answers and notes in; the dies silent past the patience."""
         now = time.monotonic()
         self.sender.tick(now)
         self._take_notes()
         self._tell_patience()
-        silent = self.sender.silent(now)
-        return self._fence(silent, requests, started) if silent else None
+        return self.sender.silent(now)
 
     def _tell_patience(self) -> None:
         """Log when the dies' pace makes the detector wait longer than health.timeout_s (and
@@ -171,7 +175,9 @@ class Detector:
             note: FaultBegan = msg.recv()
             self.began[note.die] = note
 
-    def _fence(self, silent: list[int], requests: dict, started: float) -> Loss:
+    def fence(self, silent: list[int], requests: dict, started: float) -> Loss:
+        """Steps 2-3 on `silent` (from `silent_dies`): fence, judge; the dies to go on without
+        (raises DecodeDieLost when the run cannot go on)."""
         detected_at, fenced = time.time(), time.monotonic()
         # Step 2: release every die from its waits.
         fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)

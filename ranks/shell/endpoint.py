@@ -66,6 +66,7 @@ class Delta:
     finish_reason: "" while running; "length" (max_tokens), "stop" (EOS) or "abort" (cancelled
     at shutdown, or its KV lost to a memory fault: `abort_reason` says which).
     die_rank: the DP group (its die's rank) serving it; -1 before dispatch.
+    prefill_rank: PD: the prefill die that prefilled it (-1 before, and off PD).
     projected_ttft_s / projected_tpot_s: the request on the 910C virtual clock (nan until known).
     """
 
@@ -74,6 +75,7 @@ class Delta:
     finish_reason: str = ""
     abort_reason: str = ""
     die_rank: int = -1
+    prefill_rank: int = -1
     projected_ttft_s: float = float("nan")
     projected_tpot_s: float = float("nan")
 
@@ -92,8 +94,10 @@ class Stream:
 class Endpoint:
     """The HTTP server's thread and the two queues between it and the serving loop.
 
-    Serving-loop side: `start`, `take`, `publish`, `set_ready`, `stop_accepting`, `close`.
-    HTTP side (on the event loop): `submit`, `cancel`, `num_open`, `is_ready`, `is_accepting`.
+    Serving-loop side: `start`, `take`, `publish`, `set_ready`, `set_failing_over`,
+    `stop_accepting`, `close`.
+    HTTP side (on the event loop): `submit`, `cancel`, `num_open`, `is_ready`,
+    `is_failing_over`, `is_accepting`.
     """
 
     def __init__(self, cfg: ServeConfig, make_app, log) -> None:
@@ -104,6 +108,7 @@ class Endpoint:
         self.streams: dict[int, Stream] = {}  # HTTP side only
         self.next_id = itertools.count()
         self.is_ready = False  # every die up (GET /health)
+        self.is_failing_over = False  # a die silent: fenced, judged, scaled away (GET /health)
         self.is_accepting = True  # False once shutting down: new requests get 503
         self.shutdown_requested = False  # set by SIGINT/SIGTERM
         self.port = cfg.port
@@ -145,9 +150,14 @@ class Endpoint:
         if deltas and self.loop is not None:
             self.loop.call_soon_threadsafe(self._deliver, deltas)
 
-    def set_ready(self, is_ready: bool = True) -> None:
-        """Every die up (GET /health 200), or not (503: starting, failing over)."""
-        self.is_ready = is_ready
+    def set_ready(self) -> None:
+        """Every die up: GET /health 200, requests taken."""
+        self.is_ready = True
+
+    def set_failing_over(self, is_failing_over: bool) -> None:
+        """GET /health 503 while true; requests are still taken (queued until the survivors
+        serve again)."""
+        self.is_failing_over = is_failing_over
 
     def stop_accepting(self) -> None:
         self.is_accepting = False
@@ -271,7 +281,8 @@ class EndpointFeed:
         """/metrics from the serving loop's side: queue and KV gauges, the dies' batches."""
         frontend, m = self.frontend, self.metrics
         balancer = frontend.balancer
-        m.running.set(sum(balancer.num_pending.values()))
+        # dispatched, not finished (PD: at a prefill die, their KV on the way, or decoding)
+        m.running.set(frontend.num_open - len(frontend.queue))
         m.waiting.set(len(frontend.queue))
         capacity = balancer.capacity * max(len(balancer.groups), 1)
         m.kv_usage.set(sum(balancer.reserved.values()) / capacity)
@@ -292,9 +303,13 @@ class EndpointFeed:
         """A TokenBatch the frontend took from a die (its timings go to /metrics)."""
         self.batches.append(batch)
 
+    def ready(self) -> None:
+        """Every die up, the serving loop turning: GET /health 200."""
+        self.endpoint.set_ready()
+
     def failing_over(self, is_failing_over: bool) -> None:
-        """GET /health answers 503 while the dies rebuild without a lost one."""
-        self.endpoint.set_ready(not is_failing_over)
+        """GET /health answers 503 from the fence until the survivors serve again."""
+        self.endpoint.set_failing_over(is_failing_over)
 
     def publish(self) -> None:
         touched, self.frontend.touched = self.frontend.touched, set()
@@ -316,6 +331,7 @@ class EndpointFeed:
             finish_reason=finish,
             abort_reason=record.cancelled or record.lost,
             die_rank=record.die_rank,
+            prefill_rank=self.frontend.prefill_rank(req_id),
             projected_ttft_s=ttft,
             projected_tpot_s=tpot,
         )

@@ -97,21 +97,15 @@ class Frontend:
         self.started = time.time()
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         progress = Progress(self.log)
+        if self.feed is not None:
+            self.feed.ready()  # every die up (PD: the prefill dies too): GET /health ok
         while self.num_open or (self.feed is not None and self.feed.is_open):
             did_work = self._dispatch_arrived() + self.take_tokens() + self.eplb.poll()
             did_work += self._end_lost()
             if self.feed is not None:
                 did_work += self.feed.turn()  # endpoint requests in, their tokens out
-            if self.detector is not None and (
-                loss := self.detector.poll(self.records, self.started)
-            ):
-                from ranks.recovery.scale_down import scale_down
-
-                if self.feed is not None:  # GET /health: 503 while failing over
-                    self.feed.failing_over(True)
-                scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
-                if self.feed is not None:
-                    self.feed.failing_over(False)
+            if self.detector is not None:
+                did_work += self._watch_dies()
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline and self.feed is None:
@@ -123,6 +117,22 @@ class Frontend:
                 time.sleep(0.0005)
         progress.close()
         self._finish()
+
+    def _watch_dies(self) -> int:
+        """§6.1-6.2: heartbeats; on silence, fence, judge and scale down. GET /health answers
+        503 from the fence until the survivors serve again."""
+        from ranks.recovery.scale_down import scale_down
+
+        silent = self.detector.silent_dies()
+        if not silent:
+            return 0
+        if self.feed is not None:
+            self.feed.failing_over(True)
+        loss = self.detector.fence(silent, self.records, self.started)
+        scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
+        if self.feed is not None:
+            self.feed.failing_over(False)
+        return 1
 
     def _finish(self) -> None:
         """Stop every die (the lost ones too, so that they leave), take the reports, traces and
@@ -297,6 +307,10 @@ class Frontend:
         """(TTFT, TPOT) of `req_id` on the dies' 910C virtual clocks, seconds (nan: not yet)."""
         record = self.records[req_id]
         return record.projected_ttft_s(), record.projected_tpot_s()
+
+    def prefill_rank(self, req_id: int) -> int:
+        """The die that prefilled `req_id` apart from its decode die (PD only; -1: none)."""
+        return -1
 
     def progress(self) -> Snapshot:
         served = [r for r in self.records.values() if not r.rejected]

@@ -53,6 +53,8 @@ class JobExecutor(Frontend):
             block_tokens=sched.kv_block_tokens,
             mtp_depth=sched.mtp_depth,
         )
+        # serve: req_id -> why, for requests cancelled at prefill or with their KV on the way
+        self.cancel_at_decode: dict[int, str] = {}
 
     def _dispatch_arrived(self) -> int:
         """Step 1 for arrived requests, step 4 for prefilled ones, and the transfers' numbers."""
@@ -145,8 +147,40 @@ class JobExecutor(Frontend):
             # the TTFT split and the /pd group keep its first transfer
             self.pd_book.transfers.setdefault(done.req_id, done)
             self.records[done.req_id].die_rank = done.decode_rank
+            if (reason := self.cancel_at_decode.pop(done.req_id, None)) is not None:
+                self.cancel(done.req_id, reason)
             num += 1
         return num
+
+    def cancel(self, req_id: int, reason: str) -> None:
+        """serve: a request at prefill, or with its KV on the way, has no decode die to drop it
+        yet. It stays open (its tokens recorded, the JE's loop and shutdown wait for it) until
+        its transfer is done, and is cancelled on its decode die then; or it ends at prefill."""
+        record = self.records[req_id]
+        if record.dispatched_at and record.die_rank < 0 and not record.finished_at:
+            if req_id not in self.cancel_at_decode:
+                self.log.info(
+                    "serve: request %d (%s) cancelled at prefill: dropped on its "
+                    "decode die once its KV is there",
+                    req_id,
+                    reason,
+                )
+            self.cancel_at_decode[req_id] = reason
+            return
+        super().cancel(req_id, reason)
+
+    def projected_times(self, req_id: int) -> tuple[float, float]:
+        """TTFT as the PD split projects it (queueing and prefill on the prefill die's clock,
+        the KV transfer on the UB link model, the first decode step on the decode die's); TPOT on
+        the decode die's clock. nan until the request's KV reached its decode die."""
+        _, tpot = super().projected_times(req_id)
+        if req_id not in self.pd_book.tasks or req_id not in self.pd_book.transfers:
+            return float("nan"), tpot
+        return sum(self.pd_book.split_virtual(req_id).values()), tpot
+
+    def prefill_rank(self, req_id: int) -> int:
+        task = self.pd_book.tasks.get(req_id)
+        return -1 if task is None else task.prefill_rank
 
     def serve(self) -> None:
         """Once every prefill and decode die is built, the decode groups' run (Frontend.serve,

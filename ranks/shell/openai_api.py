@@ -1,11 +1,12 @@
 """The HTTP routes of `xds-mpi serve` (aiohttp), on the endpoint's event loop.
 
 POST /v1/completions, POST /v1/chat/completions (with `stream: true`: server-sent events ending
-in `data: [DONE]`), GET /v1/models, GET /health (503 until every die is up, and while shutting
-down), GET /metrics (ranks/shell/serve_metrics.py). With an API key ($XDS_SERVE_API_KEY) every
-/v1/ route wants `Authorization: Bearer KEY` (401 without). Each response carries, beside the
-OpenAI fields, `xds`: the request's id in the run file, the die (DP group) that served it, and
-its TTFT and TPOT projected on the 910C.
+in `data: [DONE]`), GET /v1/models, GET /health (503 until every die is up, while a failover
+is in progress, and while shutting down), GET /metrics (ranks/shell/serve_metrics.py). With an
+API key ($XDS_SERVE_API_KEY) every /v1/ route wants `Authorization: Bearer KEY` (401 without).
+Each response carries, beside the OpenAI fields, `xds`: the request's id in the run file, the
+die (DP group) that served it (PD: the prefill die too), and its TTFT and TPOT projected on
+the 910C.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from xds_mpi.model.tokenizer import NUM_BYTES
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
-def make_app(endpoint: Endpoint, cfg, metrics: ServeMetrics, dp_group_of: dict[int, int]):
-    """The aiohttp application of `endpoint` (its factory: Endpoint runs it in its thread)."""
-    api = Api(endpoint, cfg, metrics, dp_group_of)
+def make_app(
+    endpoint: Endpoint,
+    cfg,
+    metrics: ServeMetrics,
+    dp_group_of: dict[int, int],
+    prefill_group_of: dict[int, int],
+):
+    """The aiohttp application of `endpoint` (its factory: Endpoint runs it in its thread).
+    dp_group_of: decode die rank -> its DP group; prefill_group_of: PD's prefill die rank -> its
+    prefill DP group ({} off PD)."""
+    api = Api(endpoint, cfg, metrics, Groups(decode=dp_group_of, prefill=prefill_group_of))
     app = web.Application(
         middlewares=[api.errors, api.auth], client_max_size=cfg.serve.max_body_bytes
     )
@@ -72,6 +81,15 @@ class TextOut:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class Groups:
+    """Die rank -> DP group: `decode` the groups requests decode on, `prefill` PD's prefill
+    groups ({} off PD: no prefill fields in `xds`)."""
+
+    decode: dict[int, int]
+    prefill: dict[int, int]
+
+
 @dataclass(kw_only=True)
 class Served:
     """What a request got so far, for its response."""
@@ -84,17 +102,23 @@ class Served:
     last: Delta | None = None
     last_token_at: float = 0.0
 
-    def extension(self, dp_group_of: dict[int, int]) -> dict:
-        """The `xds` field: where it was served and its projected 910C times."""
+    def extension(self, groups: Groups) -> dict:
+        """The `xds` field: where it was served (PD: where it was prefilled too) and its
+        projected 910C times."""
         last = self.last
         die = last.die_rank if last else -1
-        return {
+        out = {
             "req_id": self.req_id,
             "die_rank": die,
-            "dp_group": dp_group_of.get(die, -1),
-            "projected_ttft_ms": _ms(last.projected_ttft_s) if last else None,
-            "projected_tpot_ms": _ms(last.projected_tpot_s) if last else None,
+            "dp_group": groups.decode.get(die, -1),
         }
+        if groups.prefill:
+            prefill = last.prefill_rank if last else -1
+            out["prefill_die_rank"] = prefill
+            out["prefill_dp_group"] = groups.prefill.get(prefill, -1)
+        out["projected_ttft_ms"] = _ms(last.projected_ttft_s) if last else None
+        out["projected_tpot_ms"] = _ms(last.projected_tpot_s) if last else None
+        return out
 
     def usage(self) -> dict:
         prompt = len(self.job.prompt)
@@ -110,10 +134,10 @@ def _ms(seconds: float) -> float | None:
 
 
 class Api:
-    def __init__(self, endpoint: Endpoint, cfg, metrics: ServeMetrics, dp_group_of) -> None:
+    def __init__(self, endpoint: Endpoint, cfg, metrics: ServeMetrics, groups: Groups) -> None:
         self.endpoint, self.cfg, self.metrics = endpoint, cfg, metrics
         self.model = cfg.serve.model
-        self.dp_group_of = dp_group_of
+        self.groups = groups
         self.created = int(time.time())
 
     # -- middlewares ----------------------------------------------------------------------------
@@ -164,8 +188,10 @@ class Api:
 
     async def health(self, _request: web.Request) -> web.Response:
         if not self.endpoint.is_ready:
+            return web.json_response({"status": "not ready: dies starting"}, status=503)
+        if self.endpoint.is_failing_over:
             return web.json_response(
-                {"status": "not ready: dies starting, or a failover in progress"}, status=503
+                {"status": "failing over: a die was lost; the others rebuild"}, status=503
             )
         if not self.endpoint.is_accepting:
             return web.json_response({"status": "shutting down"}, status=503)
@@ -206,7 +232,7 @@ class Api:
     def _submit(self, job: Job) -> Stream:
         endpoint = self.endpoint
         if not endpoint.is_ready:
-            raise ApiError(503, "not ready: dies starting or failing over (see GET /health)")
+            raise ApiError(503, "not ready: dies starting (see GET /health)")
         if not endpoint.is_accepting:
             raise ApiError(503, "shutting down: no new requests")
         if endpoint.num_open >= self.cfg.serve.max_queued:
@@ -271,7 +297,7 @@ class Api:
             choice = {"index": 0, "text": content, "logprobs": None}
         choice["finish_reason"] = served.finish_reason
         body = self._head(served, chunk=False)
-        body.update(choices=[choice], usage=served.usage(), xds=served.extension(self.dp_group_of))
+        body.update(choices=[choice], usage=served.usage(), xds=served.extension(self.groups))
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, stream: Stream, served: Served):
@@ -287,7 +313,7 @@ class Api:
                 await self._send(response, served, content, served.finish_reason or None)
         if job.include_usage:
             chunk = self._head(served, chunk=True)
-            chunk.update(choices=[], usage=served.usage(), xds=served.extension(self.dp_group_of))
+            chunk.update(choices=[], usage=served.usage(), xds=served.extension(self.groups))
             await _event(response, chunk)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -302,7 +328,7 @@ class Api:
         choice["finish_reason"] = finish_reason
         chunk["choices"] = [choice]
         if finish_reason:
-            chunk["xds"] = served.extension(self.dp_group_of)
+            chunk["xds"] = served.extension(self.groups)
         await _event(response, chunk)
 
     def _head(self, served: Served, *, chunk: bool) -> dict:

@@ -88,7 +88,15 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
 
     metrics = ServeMetrics(ctx.cfg.serve.model)
     dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
-    app = partial(make_app, cfg=ctx.cfg, metrics=metrics, dp_group_of=dp_group_of)
+    pd = ctx.plan.pd  # PD: the prefill die's DP group too
+    prefill_group_of = {rank: i for i, rank in enumerate(pd.prefill)} if pd else {}
+    app = partial(
+        make_app,
+        cfg=ctx.cfg,
+        metrics=metrics,
+        dp_group_of=dp_group_of,
+        prefill_group_of=prefill_group_of,
+    )
     endpoint = Endpoint(ctx.cfg.serve, app, ctx.log)
     endpoint.start()
     timeout_s = ctx.cfg.run.timeout_s
@@ -166,9 +174,7 @@ class Serving:
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
         endpoint = open_endpoint(ctx, frontend, started) if ctx.cfg.serve.enabled else None
         await_ready(ctx.comm, ctx.log, started=started, timeout_s=ctx.cfg.run.timeout_s)
-        if endpoint is not None:
-            endpoint.set_ready()  # GET /health: ok
-        try:
+        try:  # GET /health is ok once the serving loop starts (Frontend.serve)
             frontend.serve()
         finally:
             if endpoint is not None:

@@ -107,11 +107,6 @@ def check_serving(cfg: Config, topo: Topology) -> None:
             f"one verify step at scheduler.mtp_depth({depth}): needs >= {2 * depth} "
             f"(1 + {depth} drafts + {depth - 1} rows for the deeper MTP passes)"
         )
-    if cfg.serve.enabled and cfg.pd.enabled:
-        raise ConfigError(
-            "serve.enabled: a pd deployment (pd.enabled) is not served over HTTP yet; "
-            "serve a colocated or afd config"
-        )
     check_two_streams(cfg)
     _check_fault_table(cfg, topo)
     check_failures(cfg, topo)  # faults.events (xds_mpi/plan/failures.py)
