@@ -8,6 +8,7 @@ replica (health.replicas ring), else the run stops naming die and experts."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -106,6 +107,40 @@ def test_lost_dies_early_stuck_for_good_or_trampolines(
     [record] = records
     assert_detected(record, die, "dead")
     assert record.recovery.startswith(recovery), record.describe()
+
+
+# Requests 0 and 1 go to dies 1 and 2 (DP domain 0) and end after 2 tokens; 2 and 3 keep dies 3
+# and 4 (domain 1) busy for 24 (prompts alike: the balancer places them in order).
+DOMAIN_0_DONE_EARLY = [(2, "The quick brown fox"), (2, "jumps over the lazy")] + [
+    (24, "A long request keeps"),
+    (24, "its domain busy for"),
+]
+
+
+@pytest.mark.long
+def test_a_die_lost_while_another_domain_sits_the_iteration_out_numbers_events_alike(tmp_path):
+    """Die 3 sticks for good inside its A2E at iteration 6, when domain 0 has no work left: the
+    dies of domain 0 take their (empty) turn, count iteration 6 and wait in the agreement,
+    while the fence undoes iteration 6 on domain 1 and the expert dies. The survivors rebuild
+    on the highest count (AfdDieBase.rebuild), so that die 3's request, re-prefilled on domain
+    0, meets the expert dies at the same event ids (without it: EventMismatch, domain 0 one
+    iteration ahead)."""
+    path = tmp_path / "requests.jsonl"
+    path.write_text(
+        "".join(json.dumps({"prompt": p, "max_tokens": n}) + "\n" for n, p in DOMAIN_0_DONE_EARLY)
+    )
+    workload = ["workload.source=jsonl", f"workload.path={path}"]
+    row = "{kind: stuck, die: 3, iteration: 6}"
+    result, _, records = afd_served(tmp_path, [row], *workload)
+    out = result.stdout + result.stderr
+    assert "EventMismatch" not in out, out[-3000:]
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == "check: 4 requests, 52 tokens, 0 mismatches"
+    # A slow first iteration may draw a fence of its own (nobody lost): not this test's row.
+    [record] = [r for r in records if r.die == 3]
+    assert_detected(record, 3, "dead", timeout_s=8)
+    assert record.recovery.startswith("vertical scaling: 4 -> 3 attention"), record.describe()
+    assert record.requests_affected  # re-prefilled on domain 0, idle until then
 
 
 # faults.on_timeout recompute: the dies' waits give up on the lost die after 1 s and vote; the

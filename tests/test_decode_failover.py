@@ -121,3 +121,22 @@ def test_dies_slower_than_the_timeout_are_not_fenced(tmp_path):
     assert "fenced" not in out
     assert "a die is now suspected after" in out  # the log says why it waits longer
     assert read_failures(run_file) == []
+
+
+def test_a_silence_a_fence_found_harmless_becomes_the_pace():
+    """A fence after which every die answered (ranks/recovery/detector.py): the silence it
+    ended (the first busy iteration's, no answer had shown it) counts as pace, so the
+    recomputed iteration is not fenced again for the same slowness; up to the ceiling."""
+    from mpi4py import MPI
+
+    from ranks.recovery.watch import HeartbeatSender
+
+    sender = HeartbeatSender(MPI.COMM_SELF, [0], interval_s=0.2, timeout_s=10, ceiling_s=45)
+    sender.started_at, sender.last_answer[0] = 0.0, 0.0
+    assert sender.silent(now=11) == [0]  # no pace yet: health.timeout_s
+    assert sender.silence_s(0, now=11) == 11
+    sender.count_silence(11)
+    assert sender.patience_s == 33
+    assert sender.silent(now=30) == [] and sender.silent(now=34) == [0]
+    sender.count_silence(20)
+    assert sender.patience_s == 45  # 3 x 20, capped before the peers' XCCL waits time out

@@ -85,6 +85,12 @@ class AttentionDie(AfdDieBase):
         mine = [c for c in planned if c.call.domain == self.domain]
         return self.executor.forward(entries, mine)  # attention, A2E ... E2A
 
+    def skip_iterations(self, num: int) -> None:
+        """One idle row per iteration number skipped, like an idle domain's (one row per
+        iteration on every die: the TE-shell lines the dies' rows up)."""
+        for _ in range(num):
+            self.outbox.stream([], IDLE)
+
     def install(self, afd, routing) -> None:
         """A rebuilt A2E/E2A buffer and routing, after a failover
         (ranks/recovery/scale_down.py)."""

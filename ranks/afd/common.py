@@ -134,8 +134,19 @@ class AfdDieBase(DecodeDieLoop):
         self.placement, routing = scale_down.rerouted(self, failover.lost)  # Step 3
         self.install(afd, routing)
         self.plan.renumber(self.dies.allreduce(self.plan.num_calls, op=MPI.MAX))
+        # No vote ends an iteration here: a die whose part of it was done (an idle domain's,
+        # one whose last E2A came back, an expert die that sent its last E2A') has counted it
+        # and waits in the next agreement, while the fence undid it on the others (Step 1).
+        # Every survivor takes the highest count, as for the calls, so that all of them number
+        # the events of the next iteration alike (the undone work runs again under it).
+        agreed = self.dies.allreduce(self.iteration, op=MPI.MAX)
+        self.skip_iterations(agreed - self.iteration)
+        self.iteration = agreed
         self.is_scaled = True
         scale_down.send_ready(self.world, SHELL, self.num_batches_sent())  # Step 4
+
+    def skip_iterations(self, num: int) -> None:
+        """`num` iteration numbers this die takes no part in (a failover's, `rebuild`)."""
 
     def install(self, afd: AfdBuffer, routing: scale_down.Routing) -> None:
         """The rebuilt A2E/E2A buffer and routing, after a failover."""

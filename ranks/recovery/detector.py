@@ -179,6 +179,7 @@ class Detector:
         """Steps 2-3 on `silent` (from `silent_dies`): fence, judge; the dies to go on without
         (raises DecodeDieLost when the run cannot go on)."""
         detected_at, fenced = time.time(), time.monotonic()
+        silence = max(self.sender.silence_s(d, fenced) for d in silent)
         # Step 2: release every die from its waits.
         fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)
         self.sender.restart_pace(fenced)
@@ -191,6 +192,8 @@ class Detector:
         # Step 3: who answers again once released, and who only later.
         back = self._answers_after(fenced, 2 * self.grace_s)
         lost = [d for d in self.groups if back.get(d, float("inf")) > fenced + self.grace_s]
+        if not lost:  # every die answered again: slow, not lost; the recompute is as slow
+            self.sender.count_silence(silence)
         # The peers were silent too, waiting for the lost die, and answer at once when
         # released; with none lost, the die that answered last was the stuck one.
         judged = lost or [max(back, key=back.get)]

@@ -27,6 +27,9 @@ A die (`rebuild` on ColocatedDie, ranks/colocated/die.py, and AfdDieBase, ranks/
      place in the A2E/E2A layout as rank -1 (its trampoline forwards nothing for it), a lost
      expert die leaves it, and the trampolines are the first G expert dies left (`rerouted`).
   4. The die tells the TE-shell how many token batches it has sent (`send_ready`) and serves on.
+     afd: before that the survivors take the highest iteration count among them, as they take
+     the highest call count (a die whose part of the fenced iteration was done had counted it;
+     AfdDieBase.rebuild).
 With no die lost (a stuck die that answered again after the fence), the same steps rebuild the
 buffers on every die: the interrupted iteration is recomputed, as after a transient error.
 """

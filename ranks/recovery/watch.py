@@ -121,6 +121,15 @@ class HeartbeatSender:
             return []
         return [t for t in self.targets if now - self._since(t) > self.patience_s]
 
+    def silence_s(self, target: int, now: float | None = None) -> float:
+        """How long `target` has not answered (counted from the first ping at most)."""
+        return (time.monotonic() if now is None else now) - self._since(target)
+
+    def count_silence(self, silence_s: float) -> None:
+        """A fence that found every target alive: the silence it ended was their pace (an
+        iteration no answer had shown yet, the first one's above all), not a fault."""
+        self.pace_s = max(self.pace_s, silence_s)
+
     def restart_pace(self, now: float | None = None) -> None:
         """After a fence: the silence it ended was a fault's, not the targets' pace."""
         self.counted_from = time.monotonic() if now is None else now
