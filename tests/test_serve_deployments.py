@@ -90,8 +90,9 @@ def test_serve_through_a_dead_die(tmp_path):
     assert all(body["usage"]["completion_tokens"] == 24 for _, body in answers)
     failing = [body for status, body in health if status == 503]
     assert failing and all("failing over" in body for body in failing), health
-    first = next(i for i, (status, _) in enumerate(health) if status == 503)
-    assert health[0][0] == 200 and any(status == 200 for status, _ in health[first:])
+    assert health[0][0] == 200
+    # 200 again after the failover: `after`, asked once the watcher stopped (the watcher itself
+    # may stop before it polls again: it waits in the request it sent during the 503).
     assert after == (200, '{"status": "ok"}')
     assert len(during) == 1 and during[0][0] == 200
     assert during[0][1]["usage"]["completion_tokens"] == 24
