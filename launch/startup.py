@@ -10,9 +10,9 @@ EVERY_S seconds until all have loaded, then one line with the total. A start-up 
 EVERY_S prints nothing.
 
 Before launching, the launcher compiles the project's modules to bytecode once
-(`compile_rank_code`): otherwise, wherever Python does not write bytecode itself (a read-only
-tree, or PYTHONDONTWRITEBYTECODE set, as in many containers), every rank compiles the same ~150
-modules from source, about 0.15 CPU-s per rank.
+(`compile_rank_code`): otherwise, wherever Python does not write bytecode itself
+(PYTHONDONTWRITEBYTECODE set, as in many containers), every rank compiles the same ~150 modules
+from source, about 0.15 CPU-s per rank. A read-only tree stays as it was: the ranks compile.
 """
 
 from __future__ import annotations
