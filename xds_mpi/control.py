@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
@@ -80,5 +80,40 @@ def send_to_each(
             if time.monotonic() > deadline:
                 raise WaitTimeout(
                     f"{me}: {event} not taken by rank(s) {sorted(requests)} after {timeout_s:g} s"
+                )
+            doze.pause()
+
+
+def wait_all(
+    requests: Sequence[MPI.Request],
+    *,
+    timeout_s: float,
+    me: str,
+    event: str,
+    peers: Sequence[int] | None = None,
+) -> None:
+    """Complete every request within `timeout_s`, dozing between polls (MPI's Waitall spins at
+    full speed, taking the cores the peers need to take the messages). `peers`: each request's
+    peer, in the same order, named on timeout with `event`; without it the requests are named
+    by their place in the list."""
+    if peers is not None and len(peers) != len(requests):
+        raise ValueError(f"wait_all: {len(peers)} peers for {len(requests)} requests")
+    left = list(range(len(requests)))
+    deadline, doze = time.monotonic() + timeout_s, Doze()
+    while left:
+        still = [i for i in left if not requests[i].Test()]
+        if len(still) < len(left):
+            doze.reset()
+        left = still
+        if left:
+            if time.monotonic() > deadline:
+                who = (
+                    f"rank(s) {sorted({peers[i] for i in left})}"
+                    if peers is not None
+                    else f"request(s) {left} of {len(requests)}"
+                )
+                raise WaitTimeout(
+                    f"{me}: {event}: {len(left)} of {len(requests)} not complete after "
+                    f"{timeout_s:g} s ({who})"
                 )
             doze.pause()

@@ -53,7 +53,7 @@ class PdDecode:
         comm = self.outbox.comm
         while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)) is not None:
             message.recv()
-        MPI.Request.Waitall(self.kv.sends)
+        self.kv.drain()
 
 
 class PdColocatedDie(PdDecode, ColocatedDie):

@@ -39,6 +39,7 @@ from ranks.core.ready import report_ready
 from ranks.pd.send import KvSender
 from ranks.recovery.prefill_loss import PrefillLoss
 from ranks.recovery.watch import HeartbeatResponder
+from xds_mpi.control import wait_all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,11 +316,15 @@ class PrefillDie:
 
     def close(self) -> None:
         """The report to the JE, then the collective frees."""
+        timeout_s = self.ctx.cfg.xccl.poll_timeout_s  # the bound of every wait on the way out
         if self.heartbeat is not None:
-            self.heartbeat.close()
+            self.heartbeat.close(timeout_s=timeout_s)
         ems = self.ems.close() if self.ems is not None else {}
         self.sends.append(self.sender.report(self.executor.num_iterations, ems=ems))
-        MPI.Request.Waitall(self.sends)
+        # Tokens and prefilled tasks, then the report: the JE takes them all before its stop ends.
+        wait_all(
+            self.sends, timeout_s=timeout_s, me=f"die rank {self.rank}", event="messages to the JE"
+        )
         if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
             self.mem.free()
         self.group.Free()

@@ -40,6 +40,7 @@ from ranks.pd.faults import (
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
 from xccl.p2p import pair_state, resync_pair
+from xds_mpi.control import wait_all
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
@@ -286,4 +287,8 @@ class KvReceiver:
 
     def drain(self) -> None:
         self.failover.close()
-        MPI.Request.Waitall(self.sends)
+        # Pulls, aborts and news to the prefill dies, the JE and the decode TE-shell: each
+        # takes them before its own end (the bound of the KV transfer's waits).
+        wait_all(
+            self.sends, timeout_s=self.timeout_s, me=f"die rank {self.rank}", event="KV messages"
+        )

@@ -28,6 +28,7 @@ from ranks.pd.faults import (
 )
 from ranks.recovery.pd_send_failover import SendFailover
 from xccl.p2p import pair_state, resync_pair
+from xds_mpi.control import wait_all
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
@@ -173,7 +174,11 @@ class KvSender:
         self.sends.append(self.comm.isend(reply, dest=abort.dst, tag=TAG_PD_ABORT_ACK))
 
     def report(self, num_iterations: int, *, ems: dict | None = None) -> MPI.Request:
-        MPI.Request.Waitall(self.sends)
+        # Ready, aborts and their answers (the decode dies take them in their KV turns); the
+        # bound of the KV transfer's waits.
+        wait_all(
+            self.sends, timeout_s=self.timeout_s, me=f"die rank {self.rank}", event="KV messages"
+        )
         self.failover.close()
         report = PrefillReport(
             die_rank=self.rank,

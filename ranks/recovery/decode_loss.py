@@ -27,6 +27,7 @@ from ranks.recovery.detector import Detector, Loss
 from ranks.recovery.scale_down import rebuild
 from ranks.recovery.watch import is_watched, watch_comm
 from ranks.shell.frontend import static_placement
+from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 
 
@@ -58,6 +59,7 @@ class DecodeWatch:
         ctx = shell.ctx
         self.shell, self.comm, self.detector = shell, ctx.comm, None
         self.sends: list = []
+        self.timeout_s = ctx.cfg.xccl.poll_timeout_s  # completing the sends at the end
         if is_watched(ctx.cfg, ctx.plan):
             groups = ctx.plan.pd.decode
             self.detector = Detector(ctx, groups, self.placement, watch_comm(ctx))
@@ -107,10 +109,14 @@ class DecodeWatch:
 
     def close(self) -> None:
         """At the JE's stop (the dies' responders closed): the book to the JE, the pings done."""
-        from mpi4py import MPI
-
         if self.detector is not None:
             self.detector.close()
             book = DecodeBook(began=self.detector.began, detections=self.detector.detections)
             self.sends.append(self.comm.isend(book, dest=JE, tag=TAG_PD_DECODE_BOOK))
-        MPI.Request.Waitall(self.sends)
+        # The losses and the book: the JE takes them before its own stop (the stop path's bound).
+        wait_all(
+            self.sends,
+            timeout_s=self.timeout_s,
+            me="decode TE-shell",
+            event=f"decode losses to the JE (rank {JE})",
+        )

@@ -168,7 +168,7 @@ class Detector:
         self._take_notes()
         if not self.detections:
             self.fence_mem.free()
-        self.sender.close()
+        self.sender.close(timeout_s=self.ctx.cfg.xccl.poll_timeout_s)
 
     def _take_notes(self) -> None:
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_FAILURE_BEGAN)) is not None:

@@ -97,5 +97,5 @@ class PrefillWatch:
         return next((loss for loss in self.losses if die in loss.ranks), None)
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        if self.sender is not None:  # the stop path's bound, as the JE's other waits there
+            self.sender.close(timeout_s=self.je.ctx.cfg.xccl.poll_timeout_s)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.core.die_io import SHELL
+from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_ECHO, TAG_PD_PROBE, TAG_PD_VERDICT
 
 
@@ -139,8 +140,10 @@ class LinkProber:
     def tell(self, report: LinkReport) -> None:
         self.sends.append(self.comm.isend(report, dest=SHELL, tag=TAG_PD_VERDICT))
 
-    def close(self) -> None:
-        MPI.Request.Waitall(self.sends)
+    def close(self, *, timeout_s: float) -> None:
+        """Probes to the decode dies (which take them until their own end) and verdicts to the
+        JE, complete within `timeout_s`."""
+        wait_all(self.sends, timeout_s=timeout_s, me=f"die rank {self.rank}", event="link probes")
 
 
 def _after_echo(verdict: str, *, is_late: bool) -> str:
@@ -170,8 +173,11 @@ class ProbeEchoer:
         self.held = [h for h in self.held if h[0] > now]
         self.sends = [r for r in self.sends if not r.Test()]
 
-    def close(self) -> None:
-        """Dummies still held are dropped (the run is over); the echoes sent complete."""
+    def close(self, *, timeout_s: float) -> None:
+        """Dummies still held are dropped (the run is over); the echoes sent complete within
+        `timeout_s`."""
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_PROBE)) is not None:
             msg.recv()
-        MPI.Request.Waitall(self.sends)
+        wait_all(
+            self.sends, timeout_s=timeout_s, me=f"die rank {self.comm.rank}", event="probe echoes"
+        )

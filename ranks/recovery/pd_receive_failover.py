@@ -22,6 +22,7 @@ from ranks.core.die_io import SHELL
 from ranks.pd.channel import ChannelFaults
 from ranks.recovery.link_probe import ProbeEchoer
 from xccl.errors import XcclError
+from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 
@@ -32,6 +33,7 @@ class ReceiveFailover:
         self.channel = ChannelFaults(ctx.cfg, self.rank, "saturated")
         self.echoer = ProbeEchoer(self.comm, self.channel)
         self.sends: list = []
+        self.timeout_s = ctx.cfg.xccl.poll_timeout_s  # completing the sends at the end
         self.num_cancelled = 0
         self.lost: set[int] = set()  # prefill dies of lost TEs
 
@@ -91,7 +93,8 @@ class ReceiveFailover:
             self.sends.append(self.comm.isend(ids, dest=SHELL, tag=TAG_PD_WITHDRAWN))
 
     def close(self) -> None:
-        import mpi4py.MPI as MPI
-
-        self.echoer.close()
-        MPI.Request.Waitall(self.sends)
+        """The echoes and the withdrawn requests' news to the JE complete (the bound of every
+        wait on the way out)."""
+        self.echoer.close(timeout_s=self.timeout_s)
+        me = f"die rank {self.comm.rank}"
+        wait_all(self.sends, timeout_s=self.timeout_s, me=me, event="withdrawals to the JE")

@@ -24,6 +24,7 @@ from dataclasses import replace
 from ranks.core.die_io import SHELL
 from ranks.pd.channel import ChannelFaults
 from ranks.recovery.link_probe import LinkProber, LinkReport
+from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 
 
@@ -36,6 +37,7 @@ class SendFailover:
         self.clock = clock
         self.held: dict[int, tuple[object, float]] = {}  # req -> (its KvPull, held since)
         self.sends: list = []
+        self.timeout_s = ctx.cfg.xccl.poll_timeout_s  # completing the sends at the end
         self.num_withdrawn = 0
         self.lost_decode: set[int] = set()  # decode dies lost (ranks/recovery/je_decode_loss.py)
         self.num_decode_failovers = 0  # the dies rebuilt: the world window is never freed
@@ -118,7 +120,8 @@ class SendFailover:
         self.prober.tell(report)
 
     def close(self) -> None:
-        import mpi4py.MPI as MPI
-
-        self.prober.close()
-        MPI.Request.Waitall(self.sends)
+        """The probes and the held news to the JE complete (the bound of every wait on the way
+        out)."""
+        self.prober.close(timeout_s=self.timeout_s)
+        me = f"die rank {self.prober.rank}"
+        wait_all(self.sends, timeout_s=self.timeout_s, me=me, event="held requests to the JE")

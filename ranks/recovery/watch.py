@@ -34,6 +34,7 @@ from mpi4py import MPI
 from ranks.core.messages import SHELL
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import Config
+from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_HEARTBEAT, TAG_HEARTBEAT_ACK, TAG_STOP
 
 
@@ -142,13 +143,15 @@ class HeartbeatSender:
         if self.counted_from is None or began >= self.counted_from:
             self.pace_s = max(self.pace_s, now - began)
 
-    def close(self) -> None:
+    def close(self, *, timeout_s: float) -> None:
         """After the responders stopped answering (the caller's last collective): take the
-        answers still queued and complete the pings, so nothing is left pending at finalize."""
+        answers still queued and complete the pings within `timeout_s`, so nothing is left
+        pending at finalize."""
         for target in self.targets + tuple(self.last_answer):
             while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
                 msg.recv()
-        MPI.Request.Waitall(self.pending)
+        me = f"rank {self.comm.rank}"
+        wait_all(self.pending, timeout_s=timeout_s, me=me, event="heartbeat pings")
         self.pending = []
 
     def forget(self, target: int) -> None:
@@ -172,12 +175,18 @@ class HeartbeatResponder:
             self.answered += 1
         self.pending = [r for r in self.pending if not r.Test()]
 
-    def close(self) -> None:
-        """Take the pings still queued unanswered and complete the answers sent (call before the
-        owner's last collective, so the sender's `close` after it finds every answer)."""
+    def close(self, *, timeout_s: float) -> None:
+        """Take the pings still queued unanswered and complete the answers sent within
+        `timeout_s` (call before the owner's last collective, so the sender's `close` after it
+        finds every answer)."""
         while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
             msg.recv()
-        MPI.Request.Waitall(self.pending)
+        wait_all(
+            self.pending,
+            timeout_s=timeout_s,
+            me=f"rank {self.comm.rank}",
+            event=f"heartbeat answers to rank {self.source}",
+        )
         self.pending = []
 
 
@@ -254,6 +263,7 @@ class DieHealth:
         self.rows = {e.kind: e for e in mine if e.kind in ("stuck", "dead")}
         self.is_dead = self.is_released = self.has_stalled = False
         self.pending: list[MPI.Request] = []
+        self.close_timeout_s = cfg.xccl.poll_timeout_s  # the bound of every wait on the way out
 
     @property
     def is_out(self) -> bool:
@@ -304,8 +314,10 @@ class DieHealth:
 
     def close(self) -> None:
         """Before the dies' last collective with the TE-shell."""
-        self.responder.close()
-        MPI.Request.Waitall(self.pending)
+        timeout_s = self.close_timeout_s
+        self.responder.close(timeout_s=timeout_s)
+        event = f"fault notes to rank {self.shell}"
+        wait_all(self.pending, timeout_s=timeout_s, me=f"die rank {self.rank}", event=event)
         self.pending = []
 
     def _began(self, kind: str) -> None:

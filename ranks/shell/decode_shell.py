@@ -21,7 +21,7 @@ from ranks.core.messages import JE, TAG_STOP
 from ranks.core.pd_messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.core.ready import report_ready
 from ranks.recovery.decode_loss import DecodeWatch
-from xds_mpi.control import WaitTimeout
+from xds_mpi.control import WaitTimeout, wait_all
 from xds_mpi.engine.pd_failover import Routed, pick_decode
 
 
@@ -71,7 +71,13 @@ class DecodeShell:
         stop.recv()
         self.watch.close()  # watched: the JE stopped us first; the dies have closed after it
         self._take_completions()
-        MPI.Request.Waitall(self.sends)
+        # The tasks routed to the decode dies, which took them all before the JE's stop came.
+        wait_all(
+            self.sends,
+            timeout_s=self.ctx.cfg.xccl.poll_timeout_s,
+            me="decode TE-shell",
+            event="tasks to the decode dies",
+        )
 
     def _route(self) -> int:
         num = 0

@@ -23,7 +23,7 @@ from ranks.recovery.detector import Detector
 from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.watch import is_watched, watcher
 from ranks.shell.eplb import make_eplb_shell
-from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.results import RequestRecord
@@ -168,7 +168,8 @@ class Frontend:
         # A slot masked in a die's last iteration: its message left before the die's report.
         self._end_lost()
         self.eplb.finish()
-        MPI.Request.Waitall(self.sends)
+        # The requests and cancels sent to the dies: every die has reported, so all were taken.
+        wait_all(self.sends, timeout_s=timeout_s, me="TE-shell", event="requests and cancels")
         if self.detector is not None:
             self.detector.close()
 

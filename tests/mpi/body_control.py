@@ -12,7 +12,7 @@ from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from xccl.gmem_paths import node_leader
 from xds_mpi.config.schema import config_from_dict
-from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each
+from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.plan.deployment import DeploymentPlan
 
 comm = MPI.COMM_WORLD
@@ -71,7 +71,7 @@ def test_control_messages_arrive_from_every_peer():
     received = recv_from_each(
         comm, peers, tag=7, timeout_s=20, me=f"rank {comm.rank}", event="test message"
     )
-    MPI.Request.Waitall(send_requests)
+    wait_all(send_requests, timeout_s=20, me=f"rank {comm.rank}", event="test message")
     assert {p: m[:4] for p, m in received.items()} == {
         p: ("from", p, "to", comm.rank) for p in peers
     }
@@ -104,6 +104,32 @@ def test_an_unreceived_send_ends_in_a_named_timeout():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_sends_a_peer_never_takes_end_in_a_timeout_naming_it():
+    """Rank 0 sends each peer more than the eager size (so a send completes only once taken);
+    the last rank takes its message only after rank 0's wait gave up."""
+    late = comm.size - 1
+    if comm.rank == 0:
+        peers = list(range(1, comm.size))
+        sends = [comm.isend(("from", 0, "to", p, bytes(70_000)), dest=p, tag=97) for p in peers]
+        started = time.monotonic()
+        with pytest.raises(WaitTimeout) as raised:
+            wait_all(sends[:-1], timeout_s=20, me="rank 0", event="early", peers=peers[:-1])
+            wait_all(sends, timeout_s=0.5, me="rank 0", event="big message", peers=peers)
+        assert str(raised.value) == (
+            f"rank 0: big message: 1 of {len(peers)} not complete after 0.5 s (rank(s) [{late}])"
+        )
+        assert time.monotonic() - started < 20
+        comm.Barrier()
+        wait_all(sends, timeout_s=20, me="rank 0", event="big message", peers=peers)
+    else:
+        if comm.rank != late:
+            assert comm.recv(source=0, tag=97)[:4] == ("from", 0, "to", comm.rank)
+        comm.Barrier()
+        if comm.rank == late:
+            assert comm.recv(source=0, tag=97)[:4] == ("from", 0, "to", late)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_heartbeats_name_the_rank_whose_loop_stopped():
     from ranks.recovery.watch import HeartbeatResponder, HeartbeatSender
 
@@ -118,7 +144,7 @@ def test_heartbeats_name_the_rank_whose_loop_stopped():
         suspects = sender.silent()
         comm.Ibcast(done, root=0).Wait()  # everyone may stop answering now
         comm.Barrier()  # every responder closed: its answers are all sent
-        sender.close()
+        sender.close(timeout_s=20)
         assert suspects == [quiet]
         assert all(sender.status[t] == ("alive", t) for t in range(1, comm.size))
     else:
@@ -130,5 +156,5 @@ def test_heartbeats_name_the_rank_whose_loop_stopped():
             if comm.rank != quiet or responder.answered < 3:
                 responder.answer(("alive", comm.rank))
             time.sleep(0.005)
-        responder.close()
+        responder.close(timeout_s=20)
         comm.Barrier()
