@@ -29,7 +29,7 @@ from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.results import RequestRecord
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.report import trace
-from xds_mpi.report.progress import Progress, Snapshot
+from xds_mpi.report.progress import Phases, Progress, Snapshot
 
 
 def decode_groups(topo) -> tuple[int, ...]:
@@ -136,10 +136,11 @@ class Frontend:
 
     def _finish(self) -> None:
         """Stop every die (the lost ones too, so that they leave), take the reports, traces and
-        last tokens."""
+        last tokens; `stop_phases` says how long each took."""
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
         lost = self.lost_dies()  # told too, so that they leave (without a collective)
         self.ctx.log.info("serving done: stopping %d dies, taking their reports", len(self.groups))
+        phases = self.stop_phases = Phases()
         send_to_each(
             self.comm,
             {g: None for g in self.groups + lost},
@@ -148,6 +149,7 @@ class Frontend:
             me="TE-shell",
             event="stop",
         )
+        phases.end("stop taken")
         self.reports = recv_from_each(
             self.comm,
             self.groups,
@@ -157,6 +159,7 @@ class Frontend:
             event="die report",
             log=self.ctx.log,  # a line every 2 s: at pod width the reports take a while
         )
+        phases.end("reports")
         self.traces = gather_traces(
             self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost, log=self.ctx.log
         )
@@ -164,6 +167,7 @@ class Frontend:
             self.expert_loads = gather_loads(
                 self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost
             )
+        phases.end("traces")
         self.take_tokens()
         # A slot masked in a die's last iteration: its message left before the die's report.
         self._end_lost()
@@ -172,6 +176,7 @@ class Frontend:
         wait_all(self.sends, timeout_s=timeout_s, me="TE-shell", event="requests and cancels")
         if self.detector is not None:
             self.detector.close()
+        phases.end("detector closed")
 
     def _dispatch_arrived(self) -> int:
         now, num = time.time() - self.started, 0

@@ -220,6 +220,7 @@ class JobExecutor(Frontend):
                 event="EMS pool report",
             )
         self.watch.close()
+        self.stop_phases.end("prefill dies stopped")
         self._take_failover()
         self._record_failures()
 

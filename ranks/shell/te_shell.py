@@ -182,6 +182,8 @@ class Serving:
         if not frontend.has_failed_over():
             mem.free()  # collective over every rank: not after a failover (lost dies)
         alone.Free()
+        frontend.stop_phases.end("window freed")
+        ctx.log.info("stop: %s", frontend.stop_phases.describe())
         total = Traffic()
         for traffic in mem.world_traffic or ():
             total.add(traffic)

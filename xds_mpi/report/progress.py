@@ -91,3 +91,22 @@ class Progress:
         if self.shown:
             self.out.write("\n")
             self.out.flush()
+
+
+class Phases:
+    """Wall seconds of consecutive phases (the stop: the dies taking it, their reports, ...):
+    `end(name)` closes the phase that began where the previous one ended."""
+
+    def __init__(self) -> None:
+        self.began = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def end(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def describe(self) -> str:
+        """"a 0.12 s, b 1.50 s (1.62 s)"."""
+        parts = ", ".join(f"{name} {s:.2f} s" for name, s in self.seconds.items())
+        return f"{parts} ({self.last - self.began:.2f} s)"
