@@ -107,6 +107,6 @@ class Phases:
         self.last = now
 
     def describe(self) -> str:
-        """"a 0.12 s, b 1.50 s (1.62 s)"."""
+        """One line: each phase with its seconds, then their sum in brackets."""
         parts = ", ".join(f"{name} {s:.2f} s" for name, s in self.seconds.items())
         return f"{parts} ({self.last - self.began:.2f} s)"
