@@ -6,6 +6,12 @@ control plane -> each TE-shell, and a TE-shell -> the master of each DP group. A
 sequence number; the answer echoes it with a small status object of the responder's choosing.
 Nothing here blocks: sends are `isend`s completed later, receives are probes.
 
+At most one ping per target and one answer per responder are in flight: a target that has not
+taken its last ping gets no new one, and a responder answers the newest of the pings it found
+in a turn, once. Pinging every interval whatever was taken piled up ~3000 undelivered pings at
+43 ranks on 2 cores (the dies answer once per iteration, an iteration took 1.3 s, the interval
+is 0.2 s); the TE-shell's stop waited behind them for 4-5 s, and its close waited for them.
+
 A decode die's side (`DieHealth`: colocated dies, afd attention and expert dies, through the
 decode-die loop of ranks/core/decode_die.py): it answers the TE-shell's heartbeats from its
 event loop only, plays the `stuck` and `dead` rows of `faults.events` that name it, and once the
@@ -82,7 +88,7 @@ class HeartbeatSender:
         self.started_at: float | None = None
         self.last_answer: dict[int, float] = {}
         self.status: dict[int, object] = {}
-        self.pending: list[MPI.Request] = []
+        self.in_flight: dict[int, MPI.Request] = {}  # target -> its last ping, until complete
         self.pace_s = 0.0  # the longest gap seen between two answers of a target
         self.counted_from: float | None = None  # gaps that began before this are not counted
 
@@ -94,10 +100,11 @@ class HeartbeatSender:
         if now >= self.next_at:
             self.seq += 1
             self.next_at = now + self.interval_s
-            self.pending = [r for r in self.pending if not r.Test()]
+            self.in_flight = {t: r for t, r in self.in_flight.items() if not r.Test()}
             ping = Ping(seq=self.seq, sent_at=now)
             for target in self.targets:
-                self.pending.append(self.comm.isend(ping, dest=target, tag=TAG_HEARTBEAT))
+                if target not in self.in_flight:  # its last ping not taken: no second one
+                    self.in_flight[target] = self.comm.isend(ping, dest=target, tag=TAG_HEARTBEAT)
         # One probe for any answer, not one per target: the TE-shell ticks every turn of its
         # loop, and 288 probes a turn took most of a core at ep288.
         status = MPI.Status()
@@ -150,9 +157,10 @@ class HeartbeatSender:
         for target in self.targets + tuple(self.last_answer):
             while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
                 msg.recv()
+        targets, pings = list(self.in_flight), list(self.in_flight.values())
         me = f"rank {self.comm.rank}"
-        wait_all(self.pending, timeout_s=timeout_s, me=me, event="heartbeat pings")
-        self.pending = []
+        wait_all(pings, timeout_s=timeout_s, me=me, event="heartbeat pings", peers=targets)
+        self.in_flight = {}
 
     def forget(self, target: int) -> None:
         """Stop pinging a target the caller has declared lost."""
@@ -160,7 +168,8 @@ class HeartbeatSender:
 
 
 class HeartbeatResponder:
-    """Answers pings from `source`; call `answer()` once per turn of the owner's event loop."""
+    """Answers pings from `source`; call `answer()` once per turn of the owner's event loop: the
+    newest ping found, once, unless the last answer is still in flight (it shows life too)."""
 
     def __init__(self, comm: MPI.Comm, source: int) -> None:
         self.comm, self.source = comm, source
@@ -168,12 +177,14 @@ class HeartbeatResponder:
         self.answered = 0
 
     def answer(self, status: object = None) -> None:
+        newest: Ping | None = None
         while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
-            ping: Ping = msg.recv()
-            pong = Pong(seq=ping.seq, status=status)
+            newest = msg.recv()
+        self.pending = [r for r in self.pending if not r.Test()]
+        if newest is not None and not self.pending:
+            pong = Pong(seq=newest.seq, status=status)
             self.pending.append(self.comm.isend(pong, dest=self.source, tag=TAG_HEARTBEAT_ACK))
             self.answered += 1
-        self.pending = [r for r in self.pending if not r.Test()]
 
     def close(self, *, timeout_s: float) -> None:
         """Take the pings still queued unanswered and complete the answers sent within
