@@ -154,9 +154,9 @@ class HeartbeatSender:
         """After the responders stopped answering (the caller's last collective): take the
         answers still queued and complete the pings within `timeout_s`, so nothing is left
         pending at finalize."""
-        for target in self.targets + tuple(self.last_answer):
-            while (msg := self.comm.improbe(source=target, tag=TAG_HEARTBEAT_ACK)) is not None:
-                msg.recv()
+        # One probe for any answer, as in `tick` (lost targets' answers too).
+        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_HEARTBEAT_ACK)) is not None:
+            msg.recv()
         targets, pings = list(self.in_flight), list(self.in_flight.values())
         me = f"rank {self.comm.rank}"
         wait_all(pings, timeout_s=timeout_s, me=me, event="heartbeat pings", peers=targets)
