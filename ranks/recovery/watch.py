@@ -174,16 +174,17 @@ class HeartbeatResponder:
     def __init__(self, comm: MPI.Comm, source: int) -> None:
         self.comm, self.source = comm, source
         self.pending: list[MPI.Request] = []
+        self.unanswered: Ping | None = None  # the newest ping taken and not answered yet
         self.answered = 0
 
     def answer(self, status: object = None) -> None:
-        newest: Ping | None = None
         while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
-            newest = msg.recv()
+            self.unanswered = msg.recv()
         self.pending = [r for r in self.pending if not r.Test()]
-        if newest is not None and not self.pending:
-            pong = Pong(seq=newest.seq, status=status)
+        if self.unanswered is not None and not self.pending:
+            pong = Pong(seq=self.unanswered.seq, status=status)
             self.pending.append(self.comm.isend(pong, dest=self.source, tag=TAG_HEARTBEAT_ACK))
+            self.unanswered = None
             self.answered += 1
 
     def close(self, *, timeout_s: float) -> None:

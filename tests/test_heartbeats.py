@@ -1,0 +1,71 @@
+"""Heartbeats keep one ping in flight per target and one answer per responder turn
+(ranks/recovery/watch.py), on one rank (COMM_SELF: the rank pings itself; a send to oneself
+completes only once received, as a send to a die that has not taken it yet)."""
+
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+
+from ranks.recovery.watch import HeartbeatResponder, HeartbeatSender
+from xds_mpi.tags import TAG_HEARTBEAT, TAG_HEARTBEAT_ACK
+
+
+@pytest.fixture
+def comm():
+    comm = MPI.COMM_SELF.Dup()
+    yield comm
+    for tag in (TAG_HEARTBEAT, TAG_HEARTBEAT_ACK):
+        while (message := comm.improbe(source=0, tag=tag)) is not None:
+            message.recv()
+    comm.Free()
+
+
+def pings_queued(comm) -> list[int]:
+    """The sequence numbers of the pings waiting for rank 0, taken."""
+    seqs = []
+    while (message := comm.improbe(source=0, tag=TAG_HEARTBEAT)) is not None:
+        seqs.append(message.recv().seq)
+    return seqs
+
+
+def answers_queued(comm) -> list:
+    """The answers waiting for rank 0, taken."""
+    answers = []
+    while (message := comm.improbe(source=0, tag=TAG_HEARTBEAT_ACK)) is not None:
+        answers.append(message.recv())
+    return answers
+
+
+def test_a_target_that_has_not_taken_its_ping_gets_no_second_one(comm):
+    sender = HeartbeatSender(comm, [0], interval_s=1.0, timeout_s=10)
+    for now in (0.0, 1.0, 2.0, 3.0):  # four intervals, the ping never taken
+        sender.tick(now)
+    assert sender.seq == 4
+    assert pings_queued(comm) == [1]
+    sender.tick(4.0)  # taken: the next interval sends again
+    assert pings_queued(comm) == [5]
+    sender.close(timeout_s=5)
+
+
+def test_a_responder_answers_the_newest_ping_once_a_turn(comm):
+    pings = [comm.isend(_ping(seq), dest=0, tag=TAG_HEARTBEAT) for seq in (1, 2, 3)]
+    responder = HeartbeatResponder(comm, 0)
+    responder.answer("alive")
+    responder.answer("alive")  # its answer not taken yet: none more
+    pings.append(comm.isend(_ping(4), dest=0, tag=TAG_HEARTBEAT))
+    responder.answer("alive")
+    assert [(a.seq, a.status) for a in answers_queued(comm)] == [(3, "alive")]
+    assert responder.answered == 1
+    responder.answer("busy")  # taken: the next turn answers the ping that came meanwhile
+    assert [(a.seq, a.status) for a in answers_queued(comm)] == [(4, "busy")]
+    responder.answer("alive")  # no ping since: no answer
+    assert answers_queued(comm) == [] and responder.answered == 2
+    responder.close(timeout_s=5)
+    assert MPI.Request.Testall(pings)  # every ping was taken
+
+
+def _ping(seq: int):
+    from ranks.recovery.watch import Ping
+
+    return Ping(seq=seq, sent_at=0.0)
