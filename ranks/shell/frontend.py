@@ -172,7 +172,8 @@ class Frontend:
         # A slot masked in a die's last iteration: its message left before the die's report.
         self._end_lost()
         self.eplb.finish()
-        # The requests and cancels sent to the dies: every die has reported, so all were taken.
+        # The requests and cancels sent to the dies: taken before their reports (a lost die's as
+        # it leaves).
         wait_all(self.sends, timeout_s=timeout_s, me="TE-shell", event="requests and cancels")
         if self.detector is not None:
             self.detector.close()
