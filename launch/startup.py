@@ -38,6 +38,21 @@ def compile_rank_code() -> None:
         compileall.compile_dir(root / package, quiet=2)
 
 
+def unpack_weights(weights: str, output_dir: str) -> None:
+    """The checkpoint's tensors as .npy files under `output_dir` for the dies to read without
+    h5py (xds_mpi/model/unpacked.py), written once per version of the file. Where that cannot
+    be written the dies read the HDF5 file, as before: a line says so."""
+    if weights == "random":
+        return
+    from xds_mpi.model.checkpoint import weights_path
+    from xds_mpi.model.unpacked import unpack
+
+    try:
+        unpack(output_dir, weights_path(weights))
+    except OSError as exc:
+        print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
+
+
 def mark_loaded(rank: int) -> None:
     """A rank's imports are done (called by launch/rank.py)."""
     where = os.environ.get(STARTUP_ENV)

@@ -37,7 +37,7 @@ class ColocatedDie(DecodeDieLoop):
         rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
         self.clock = clock = VirtualClock()

@@ -106,7 +106,7 @@ class PrefillDie:
         from xds_mpi.model.weights import build_model
 
         cfg, pd = ctx.cfg, ctx.plan.pd
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
         state = decode_state(cfg, model, PrefillScheduler)
         slot_owner = pd.slot_owners[self.te]
         num_experts = len(slot_owner)
