@@ -17,9 +17,9 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
+from ranks.core.ems_client import EmsClient
 from ranks.core.ems_messages import EmsPut
-from ranks.pd.ems_client import EmsClient
-from ranks.pd.ems_pool import PoolServer
+from ranks.core.ems_pool import PoolServer
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.ems import Directory, Record, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.engine.requests import Request
@@ -147,7 +147,9 @@ def expected(capacity: int) -> dict:
     return out
 
 
-def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
+def serve_crafted(tmp_path: Path, name: str, *sets: str, config: str = "pd") -> dict:
+    """The crafted trace served on `config` (pd, or colocated: the colocated dies use the pool)
+    with `--check`; the run's summary."""
     path = tmp_path / "crafted.jsonl"
     rows = [
         json.dumps({"timestamp": t, "input_length": n, "output_length": 64, "hash_ids": ids})
@@ -155,12 +157,13 @@ def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
     ]
     path.write_text("\n".join(rows) + "\n")
     # 2 decode dies: 2 hosts + 2 decode + 2 prefill dies + the pool ranks stay within 8 ranks
+    # (colocated: 1 host + 2 dies + the pool ranks)
     sets = ("ems.enabled=true", "deployment.dp_groups_per_domain=2",
             "workload.source=trace", f"trace.path={path}",
             "trace.length_scale=0.03125", "trace.output_scale=0.0625",
             f"run.output_dir={tmp_path}", f"run.name={name}", *sets)  # fmt: skip
     result = subprocess.run(
-        [str(XDS_MPI), "run", "pd", "--check", *[a for s in sets for a in ("--set", s)]],
+        [str(XDS_MPI), "run", config, "--check", *[a for s in sets for a in ("--set", s)]],
         capture_output=True,
         text=True,
         timeout=600,
@@ -439,5 +442,5 @@ def test_validate_names_the_pool_faults():
     line = describe_ems(DeploymentPlan.build(cfg).ems)
     assert line.endswith(
         "; pool rank 7 dies after 3 put message(s)"
-        "; prefill die rank 5: a block evicted at its finding lookup 2"
+        "; die rank 5: a block evicted at its finding lookup 2"
     )
