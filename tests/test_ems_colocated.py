@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness import REPO_ROOT
-from test_ems import BT, expected, serve_crafted
+from test_ems import BT, assert_pool_within_the_what_if, expected, serve_crafted
 
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -54,3 +54,4 @@ def test_crafted_trace_hits_exactly_on_colocated_dies(tmp_path):
     assert s["ems_blocks_put"] == want["blocks_put"] == 9
     assert (s["ems_blocks_stored"], s["ems_puts_already_held"]) == (8, want["held"])
     assert (s["ems_evictions"], s["ems_fallbacks"], s["ems_blocks_held"]) == (0, 0, 8)
+    assert_pool_within_the_what_if(tmp_path, "colocated")
