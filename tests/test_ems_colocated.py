@@ -55,3 +55,19 @@ def test_crafted_trace_hits_exactly_on_colocated_dies(tmp_path):
     assert (s["ems_blocks_stored"], s["ems_puts_already_held"]) == (8, want["held"])
     assert (s["ems_evictions"], s["ems_fallbacks"], s["ems_blocks_held"]) == (0, 0, 8)
     assert_pool_within_the_what_if(tmp_path, "colocated")
+
+
+def test_a_block_evicted_mid_lookup_on_a_colocated_die_falls_back(tmp_path):
+    """An ems.faults evict row names a colocated die: each die's first finding lookup has its
+    block evicted between the record read and the pull; the prefix is recomputed from there
+    (one fallback per eviction) and every token equals the reference."""
+    s = serve_crafted(
+        tmp_path,
+        "evict",
+        "ems.servers=2",
+        "ems.faults=[{kind: evict, die: 1}, {kind: evict, die: 2}]",
+        config="colocated",
+    )
+    assert s["ems_evicts_injected"] >= 1
+    assert s["ems_fallbacks"] == s["ems_evicts_injected"] and s["ems_lost_fallbacks"] == 0
+    assert s["ems_blocks_hit"] < 10  # the fault-free run's
