@@ -17,9 +17,7 @@ from source, about 0.15 CPU-s per rank. A read-only tree stays as it was: the ra
 
 from __future__ import annotations
 
-import compileall
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -33,6 +31,8 @@ def compile_rank_code() -> None:
     """Write the bytecode of every project module a rank may import, where it is missing or
     stale, once for all ranks. Quiet; a module that cannot be written (a read-only tree) is left
     to the ranks, as before."""
+    import compileall  # the launcher's alone: a rank imports this module for mark_loaded
+
     root = Path(__file__).resolve().parents[1]
     for package in RANK_PACKAGES:
         compileall.compile_dir(root / package, quiet=2)
@@ -103,4 +103,6 @@ class StartupWatch:
             )
 
     def close(self) -> None:
+        import shutil
+
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -14,8 +14,6 @@ half of one, and two launchers at once both end with the same copy.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -39,7 +37,10 @@ def unpack(output_dir: str | Path, source: str | Path) -> Path:
     target = unpacked_dir(output_dir, source)
     if (target / "meta.json").is_file():
         return target
-    import h5py  # the launcher's: it has read the file already to check its shape
+    import shutil  # the launcher's alone, as h5py: a die imports this module to read
+    import tempfile
+
+    import h5py
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
