@@ -28,7 +28,7 @@ from launch import (
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
-from launch.startup import StartupWatch, compile_rank_code
+from launch.startup import StartupWatch, compile_rank_code, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -123,6 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
     compile_rank_code()  # once here, not once per rank
+    unpack_weights(cfg.model.weights, cfg.run.output_dir)
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     startup = StartupWatch(topo.world_size)  # the ranks' imports: silent before the TE-shell
     os.environ.update(startup.env)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
-from launch.startup import compile_rank_code
+from launch.startup import compile_rank_code, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
@@ -54,6 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     compile_rank_code()  # once here, not once per rank
+    unpack_weights(cfg.model.weights, cfg.run.output_dir)
     with tempfile.TemporaryDirectory(prefix="xds-serve-") as tmp:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards

@@ -17,9 +17,7 @@ from source, about 0.15 CPU-s per rank. A read-only tree stays as it was: the ra
 
 from __future__ import annotations
 
-import compileall
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -33,9 +31,26 @@ def compile_rank_code() -> None:
     """Write the bytecode of every project module a rank may import, where it is missing or
     stale, once for all ranks. Quiet; a module that cannot be written (a read-only tree) is left
     to the ranks, as before."""
+    import compileall  # the launcher's alone: a rank imports this module for mark_loaded
+
     root = Path(__file__).resolve().parents[1]
     for package in RANK_PACKAGES:
         compileall.compile_dir(root / package, quiet=2)
+
+
+def unpack_weights(weights: str, output_dir: str) -> None:
+    """The checkpoint's tensors as .npy files under `output_dir` for the dies to read without
+    h5py (xds_mpi/model/unpacked.py), written once per version of the file. Where that cannot
+    be written the dies read the HDF5 file, as before: a line says so."""
+    if weights == "random":
+        return
+    from xds_mpi.model.checkpoint import weights_path
+    from xds_mpi.model.unpacked import unpack
+
+    try:
+        unpack(output_dir, weights_path(weights))
+    except OSError as exc:
+        print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
 
 
 def mark_loaded(rank: int) -> None:
@@ -88,4 +103,6 @@ class StartupWatch:
             )
 
     def close(self) -> None:
+        import shutil
+
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -27,7 +27,7 @@ from launch.jobscript import (
     render,
 )
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
-from launch.startup import compile_rank_code
+from launch.startup import compile_rank_code, unpack_weights
 from xds_mpi.config.schema import Config, ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 
@@ -124,6 +124,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec.job_dir.mkdir(parents=True)
     spec.script_path.write_text(script)
     compile_rank_code()  # on the shared tree, once: not once per rank on the compute nodes
+    weights = load_config(spec.config_path, spec.overrides).model.weights  # a sweep's first
+    unpack_weights(weights, str(spec.workdir / spec.output_dir))
     out = subprocess.run(
         [sbatch, "--parsable", str(spec.script_path)], capture_output=True, text=True
     )

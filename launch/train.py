@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from xds_mpi.config.schema import ConfigError
 
 if TYPE_CHECKING:
+    from xds_mpi.config.schema import ModelConfig
     from xds_mpi.train.corpus import Corpus
     from xds_mpi.train.options import TrainConfig
     from xds_mpi.train.trainer import TrainResult
@@ -48,6 +49,16 @@ def _add_train_parser(subparsers) -> None:
     p.add_argument(
         "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
     )
+    routing = p.add_argument_group(
+        "routing",
+        "the routed experts of the compute shape (default: tiny's 16 experts, top-2, 1 group); "
+        "the pod shapes' routing, e.g. configs/ep288.yaml's: --experts 256 --top-k 8 "
+        "--expert-groups 8 --topk-groups 4 (docs/scale.md)",
+    )
+    routing.add_argument("--experts", type=int, default=None, help="model.num_routed_experts")
+    routing.add_argument("--top-k", type=int, default=None, help="model.top_k")
+    routing.add_argument("--expert-groups", type=int, default=None, help="model.num_expert_groups")
+    routing.add_argument("--topk-groups", type=int, default=None, help="model.topk_groups")
     p.set_defaults(func=cmd_train_tiny)
 
 
@@ -145,6 +156,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     from xds_mpi.train.trainer import train_tiny
 
     tc = _train_config(args)
+    shape = _shape(compute_shape(), args)
     corpus = _training_corpus(args)
     print(
         f"xds-mpi: training on {corpus.num_train_files} files of {stdlib_root()} "
@@ -154,7 +166,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.perf_counter()
-    result = train_tiny(compute_shape(), corpus, tc, progress=_progress_printer(tc.steps))
+    result = train_tiny(shape, corpus, tc, progress=_progress_printer(tc.steps))
     _write_checkpoint(args.out, tc, result)
     mtp = ", ".join(f"{m:.4f}" for m in result.heldout_mtp_losses)
     print(
@@ -165,6 +177,23 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - start:.1f} s in all; wrote {args.out}"
     )
     return 0
+
+
+def _shape(shape: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """The compute shape with the routing the options give; ConfigError (before any training)
+    when the model's checks refuse it."""
+    import dataclasses
+
+    routing = {
+        "num_routed_experts": args.experts,
+        "top_k": args.top_k,
+        "num_expert_groups": args.expert_groups,
+        "topk_groups": args.topk_groups,
+    }
+    try:
+        return dataclasses.replace(shape, **{k: v for k, v in routing.items() if v is not None})
+    except ValueError as exc:
+        raise ConfigError(f"train-tiny: {exc}") from None
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:

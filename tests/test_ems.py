@@ -17,9 +17,9 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
+from ranks.core.ems_client import EmsClient
 from ranks.core.ems_messages import EmsPut
-from ranks.pd.ems_client import EmsClient
-from ranks.pd.ems_pool import PoolServer
+from ranks.core.ems_pool import PoolServer
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.ems import Directory, Record, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.engine.requests import Request
@@ -87,7 +87,6 @@ def test_a_reader_checks_the_record_before_and_after():
 @pytest.mark.parametrize(
     ("sets", "match"),
     [
-        (["pd.enabled=false"], "ems.enabled needs pd.enabled"),
         (["scheduler.mtp_depth=1"], r"scheduler.mtp_depth\(1\)"),
         (
             ["faults.events=[{kind: dead, die: 6, iteration: 3}]"],
@@ -147,7 +146,9 @@ def expected(capacity: int) -> dict:
     return out
 
 
-def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
+def serve_crafted(tmp_path: Path, name: str, *sets: str, config: str = "pd") -> dict:
+    """The crafted trace served on `config` (pd, or colocated: the colocated dies use the pool)
+    with `--check`; the run's summary."""
     path = tmp_path / "crafted.jsonl"
     rows = [
         json.dumps({"timestamp": t, "input_length": n, "output_length": 64, "hash_ids": ids})
@@ -155,12 +156,13 @@ def serve_crafted(tmp_path: Path, name: str, *sets: str) -> dict:
     ]
     path.write_text("\n".join(rows) + "\n")
     # 2 decode dies: 2 hosts + 2 decode + 2 prefill dies + the pool ranks stay within 8 ranks
+    # (colocated: 1 host + 2 dies + the pool ranks)
     sets = ("ems.enabled=true", "deployment.dp_groups_per_domain=2",
             "workload.source=trace", f"trace.path={path}",
             "trace.length_scale=0.03125", "trace.output_scale=0.0625",
             f"run.output_dir={tmp_path}", f"run.name={name}", *sets)  # fmt: skip
     result = subprocess.run(
-        [str(XDS_MPI), "run", "pd", "--check", *[a for s in sets for a in ("--set", s)]],
+        [str(XDS_MPI), "run", config, "--check", *[a for s in sets for a in ("--set", s)]],
         capture_output=True,
         text=True,
         timeout=600,
@@ -190,6 +192,23 @@ def test_crafted_trace_hits_exactly(tmp_path):
     # would give (its request 4 keeps 1499 of 1500 trace tokens, the pool 1024: 2 blocks)
     p50 = [s[f"{k}projected_ttft_ms_p50"] for k in ("", "ems_", "cache_")]
     assert p50[0] > p50[1] > p50[2]
+    assert_pool_within_the_what_if(tmp_path, "hits")
+
+
+def assert_pool_within_the_what_if(tmp_path: Path, name: str) -> None:
+    """Per request (/slo): the prefix the pool served, priced at the trace's lengths, is at most
+    the unbounded what-if's and its TTFT at least the what-if's. Here it holds: each prompt's
+    lookup comes after every earlier prompt's put (2 s apart) and no two hash ids of the crafted
+    trace serve equal tokens (docs/ems.md#the-pool-against-the-unbounded-what-if says when it
+    does not)."""
+    with h5py.File(tmp_path / f"{name}.h5", "r") as f:
+        slo = {k: f["slo"][k][()] for k in f["slo"]}
+    # requests 3 and 5: the what-if keeps all but the last token, the pool the full blocks before
+    # the block that holds it (its row samples the first token)
+    assert list(slo["cache_cached_tokens"]) == [0, 1536, 1024, 1499, 0, 2047]
+    assert list(slo["ems_cached_tokens"]) == [0, 1536, 1024, 1024, 0, 1536]
+    assert (slo["ems_ttft_v_s"] >= slo["cache_ttft_v_s"]).all()
+    assert (slo["ems_ttft_v_s"] <= slo["ttft_v_s"]).all()
 
 
 def test_tiny_pool_evicts_and_stays_exact(tmp_path):
@@ -439,5 +458,67 @@ def test_validate_names_the_pool_faults():
     line = describe_ems(DeploymentPlan.build(cfg).ems)
     assert line.endswith(
         "; pool rank 7 dies after 3 put message(s)"
-        "; prefill die rank 5: a block evicted at its finding lookup 2"
+        "; die rank 5: a block evicted at its finding lookup 2"
     )
+
+
+def test_two_hash_ids_serving_equal_tokens_let_the_pool_beat_the_what_if(tmp_path):
+    """Why the unbounded what-if is no per-request bound of the pool at 2 served tokens per hash
+    id (docs/ems.md#the-pool-against-the-unbounded-what-if): with seed 0 hash ids 227 and 473
+    serve the same 2 tokens (the tiny vocabulary has 260 x 260 blocks), so a prompt [0, 473, ..]
+    after [0, 227, ..] really shares 2 served blocks, which the pool keys on and pulls, while
+    the what-if, keyed on the trace's ids, counts 1: priced at the trace's lengths, the pool's
+    TTFT is the lower one."""
+    from xds_mpi.engine.request_pricing import RequestPricer, planes
+    from xds_mpi.engine.trace_replay import cached_tokens, hit_blocks, trace_requests
+    from xds_mpi.projection.hardware import load_profile
+
+    path = tmp_path / "pair.jsonl"
+    rows = [(0, [0, 227, 5]), (2000, [0, 473, 6])]
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": 1536, "output_length": 64, "hash_ids": ids})
+            + "\n"
+            for t, ids in rows
+        )
+    )
+    cfg = load_config(
+        REPO_ROOT / "configs" / "pd.yaml",
+        ["workload.source=trace", f"trace.path={path}", "trace.length_scale=0.00390625",
+         "scheduler.kv_block_tokens=2", "workload.seed=0"],
+    )  # fmt: skip
+    a, b = trace_requests(cfg)
+    assert len(b.prompt) == 6 and b.prompt[2:4] == a.prompt[2:4]  # ids 227, 473: equal tokens
+    assert hit_blocks([a, b]) == {0: 0, 1: 1}  # the what-if: id 0 only
+    keys_a, keys_b = block_keys(a.prompt, 2, NS), block_keys(b.prompt, 2, NS)
+    pool_blocks = lookup_blocks(len(b.prompt), 2)  # the full blocks before the last token
+    assert pool_blocks == 2 and keys_b[:2] == keys_a[:2] and keys_b[2] != keys_a[2]
+    pricer = RequestPricer(cfg, num_prefill_dies=2, num_decode_dies=4, batch_per_die=1, is_pd=True)
+    ub = planes(load_profile(cfg.hardware.profile))["UB"]
+    what_if, pool = (cached_tokens(b, n, cfg.trace.block_tokens) for n in (1, pool_blocks))
+    assert (what_if, pool) == (512, 1024)
+    assert pricer.price(b, pool, ub).ttft_s < pricer.price(b, what_if, ub).ttft_s
+
+
+def test_a_prompt_looked_up_after_a_later_arrivals_put_pulls_what_the_what_if_never_counts():
+    """The other reason the what-if is no per-request bound (docs/ems.md#the-pool-against-the-
+    unbounded-what-if): it counts, for each request, the blocks of the requests that arrived
+    before it; the pool is read when the request is assigned to a die. Prompt A waits in the
+    prefill leader's queue while B, a later turn of A's conversation (A's prompt and more),
+    arrives, is assigned, prefilled and put: A's lookup then pulls B's blocks, 3 of them, where
+    the what-if gives A none."""
+    from xds_mpi.engine.trace_replay import hit_blocks
+
+    pools, writer, reader, _ = pool_and_client()
+    a = Request(req_id=0, prompt=tuple(range(100, 150)), max_new_tokens=1, arrival_s=0.0,
+                block_ids=(1, 2, 3, 4))  # fmt: skip
+    b = Request(req_id=1, prompt=a.prompt + tuple(range(10)), max_new_tokens=1, arrival_s=1.0,
+                block_ids=(1, 2, 3, 4, 5))  # fmt: skip
+    assert hit_blocks([a, b]) == {0: 0, 1: 4}  # the what-if: in arrival order
+    assert writer.lookup(b) is None  # B first: nothing cached yet
+    writer.put(b, list(range(len(b.prompt))))
+    for dest, msg in writer.comm.sent:
+        if isinstance(msg, EmsPut):
+            pools[dest]._put(msg)
+    hit = reader.lookup(a)  # A assigned after B's put landed
+    assert hit is not None and hit.num_blocks == 3  # its 3 full blocks before the last token

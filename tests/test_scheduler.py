@@ -91,3 +91,22 @@ def test_restore_undoes_schedule():
     ) == before
     assert 1 not in s.running
     assert s.schedule() == first  # the same batch again
+
+
+def test_a_prefix_hit_is_written_on_admission_and_again_after_a_rollback():
+    """EMS (DieScheduler.prefix_hits): a request whose first 8 tokens were pulled from the pool
+    starts its prefill after them, its KV slots written once admitted; a rolled-back iteration
+    (restore) undoes the admission and keeps the hit, so the next schedule writes it again."""
+    s = scheduler(mtp_depth=0)
+    written = []
+    s.prefix_hits = {0: (8, written.append)}
+    s.add(request(0, prompt_len=10))
+    cp = s.checkpoint()
+    (entry,) = s.schedule()
+    assert (entry.start_pos, len(entry.input_ids)) == (8, 2) and len(written) == 1
+    assert list(written[0]) == s.table.slots(0, 0, 8)
+    s.restore(cp)
+    assert s.prefix_hits and not s.running
+    (entry,) = s.schedule()
+    assert (entry.start_pos, len(entry.input_ids)) == (8, 2) and len(written) == 2
+    assert not s.prefix_hits  # taken by the admission

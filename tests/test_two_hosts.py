@@ -35,6 +35,7 @@ def hosts(tmp_path_factory):
         pytest.param("body_p2p.py", marks=pytest.mark.long),
         pytest.param("body_ep.py", marks=pytest.mark.long),  # the served run below crosses too
         pytest.param("body_afd.py", marks=pytest.mark.long),
+        "body_far_pull.py",  # A and B on one host, C on the other: the afd_pod deadlock
     ],
 )
 def test_a_protocol_body_passes_across_two_hosts(hosts, tmp_path, body):
@@ -83,9 +84,6 @@ AFD_POD_REDUCED = [
             marks=[
                 pytest.mark.long,
                 pytest.mark.timeout(1500),
-                # Known open (docs/scale.md): across the two namespaces this shape served no
-                # token in 10 minutes, twice, while it serves 0 mismatches on one host.
-                pytest.mark.xfail(reason="afd_pod reduced makes no progress across two hosts"),
             ],
             id="afd_pod-reduced",
         ),

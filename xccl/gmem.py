@@ -100,6 +100,7 @@ class DieMemory:
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
         self._view_words = tuple(None if v is None else v.view(WORD) for v in self.views)
         self._has_rma_peer = any(v is None for v in self.views)
+        self._has_far_peer = not all(self.is_same_node)
         # Sleeping waits on this node (xccl/wake.py): every rank's wake words, their own
         # window;
         # writers call wake_words.wake after ringing doorbells, waits park in wake_words.sleeper.
@@ -233,6 +234,21 @@ class DieMemory:
         )
         self._win.Flush(peer)
         return int(self._fetch_buf[0])
+
+    def serve_far_peers(self) -> None:
+        """Step into MPI once so that dies on other nodes can finish their RMA on this window;
+        nothing when every peer is on this node.
+
+        Across nodes a window moves only while its owner is inside MPI (docs/mpi.md). A die
+        whose wait polls by local loads (every writer it waits for is on its node) or sleeps
+        is outside MPI, so a far die pulling from its window (a Get and its Flush) or writing a
+        record it does not poll yet waits on it; when that far die is what the local writers
+        wait for, nobody moves (afd_pod on two hosts: attention dies waiting for their E2A
+        from a trampoline on their node, while the expert dies on the other host waited in
+        the Flush of their A2E pulls from those same attention dies). Every wait calls this
+        between tries: one Fetch_and_op on oneself and its Flush, the far poll's idiom."""
+        if self._has_far_peer:
+            self._rma_fetch(self.rank, 0)
 
     def load_word(self, offset: int, writer: int) -> int:
         """Read one word of this die's own window that `writer` writes."""

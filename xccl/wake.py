@@ -85,12 +85,15 @@ def poll_until(
     describe: Callable[[], str],
     interrupt: Callable[[], None] | None = None,
     park: Callable[[], None] | None = None,
+    serve: Callable[[], None] | None = None,
 ) -> None:
     """Spin on `ready()` yielding the CPU between tries, or with `park` sleeping in it
     (`WakeWords.sleeper`, a bounded sleep until a writer wakes us); raise XcclTimeout after
     `deadline`.
 
-    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf.
+    `interrupt` is called between tries (e.g. to raise a rollback signal) so no wait is deaf;
+    `serve` too (`DieMemory.serve_far_peers`: a die waiting on its own node still lets dies on
+    other nodes finish their RMA on its window).
     A condition that holds at the first try is no wait: it returns before any of the set-up.
     """
     if ready():
@@ -99,6 +102,8 @@ def poll_until(
         while not ready():
             if interrupt is not None:
                 interrupt()
+            if serve is not None:
+                serve()
             if time.monotonic() > deadline:
                 raise XcclTimeout(describe())
             if park is None:

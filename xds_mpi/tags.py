@@ -41,7 +41,7 @@ TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
 # sends to the lost die and name the tasks it still holds.
 TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
 TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
-# EMS context cache (ranks/pd/ems_client.py, ranks/pd/ems_pool.py): a prefill die's puts, reads
+# EMS context cache (ranks/core/ems_client.py, ranks/core/ems_pool.py): a prefill die's puts, reads
 # (for the LRU) and end of run to a pool rank, on one tag so they arrive in the order sent; the
 # pool ranks' reports to the JE; a pool rank's answer to an ems.faults evict row.
 TAG_EMS, TAG_EMS_REPORT, TAG_EMS_EVICTED = 271, 272, 273

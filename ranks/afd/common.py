@@ -49,7 +49,7 @@ class AfdDieBase(DecodeDieLoop):
         self.ctx, self.cfg, self.topo, self.world = ctx, cfg, topo, ctx.comm
         self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
-        self.model = build_model(cfg.model)
+        self.model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
         self.slots = ExpertSlots.from_topology(topo)
         self.placement = expert_placement(cfg, topo)  # who hosts which expert, every layer alike
         self.clock = VirtualClock()

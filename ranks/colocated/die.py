@@ -1,6 +1,12 @@
 """A colocated die (xDeepServe §4.1-4.3, Figure 10): one DP group (TP=1) that also hosts expert
 slots. Each iteration every die runs attention on its own requests and meets all the others at
-every MoE layer's dispatch and combine, even with nothing to send."""
+every MoE layer's dispatch and combine, even with nothing to send.
+
+With `ems.enabled` (no PD) the colocated dies are the EMS pool's clients (docs/ems.md): a
+request's longest cached prefix is pulled when it reaches the die and written into its first KV
+slots on admission (its chunked prefill starts after them); when its prompt is done, its
+computed full blocks are put, sent without waiting (ranks/core/ems_client.py).
+"""
 
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ class ColocatedDie(DecodeDieLoop):
         rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
         self.clock = clock = VirtualClock()
@@ -58,6 +64,7 @@ class ColocatedDie(DecodeDieLoop):
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, lanes, state, slots)
+        self.ems = self._ems_client(ctx, state.cache)
         self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, lanes)
         self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
@@ -66,6 +73,40 @@ class ColocatedDie(DecodeDieLoop):
         self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
+
+    def _ems_client(self, ctx: RankContext, cache):
+        """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
+        if ctx.plan.ems is None or ctx.comm.rank not in ctx.plan.ems.clients:
+            return None
+        from ranks.core.ems_client import EmsClient
+
+        self.scheduler.prefix_hits = {}
+        self.looked_up: set[int] = set()  # requests whose prefix was looked up
+        return EmsClient(ctx, self.mem, cache)
+
+    def _pull_prefixes(self) -> None:
+        """EMS: each request that reached the die since the last call, its longest cached
+        prefix pulled (priced on this die's projected clock) and held for its admission."""
+        from functools import partial
+
+        for req in self.scheduler.waiting:
+            if req.req_id in self.looked_up:
+                continue
+            self.looked_up.add(req.req_id)
+            hit = self.ems.lookup(req)
+            if hit is not None:
+                self.pricer.pool_pull(self.ems.pull_s(hit))
+                num_tokens = hit.num_blocks * self.ems.ems.block_tokens
+                self.scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.ems.write, hit))
+
+    def _put_prompts(self, sampled) -> None:
+        """EMS: the prompts this iteration finished (their first token sampled): their computed
+        full blocks to the pool, before a request that ends here frees its blocks."""
+        for req_id in sampled:
+            seq = self.scheduler.running[req_id]
+            if seq.num_generated == 0:
+                self.looked_up.discard(req_id)
+                self.ems.put(seq.req, self.scheduler.table.slots(req_id))
 
     def _failure_side(self, ctx: RankContext, model) -> None:
         """Ring replicas (§6.2: a replica of every expert on another die) and the heartbeats
@@ -147,6 +188,8 @@ class ColocatedDie(DecodeDieLoop):
     def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
+        if self.ems is not None:
+            self._pull_prefixes()
         self.before_agree()
         busy, all_stopped = self.agree()  # all dies run the same iterations
         if not busy:  # idle polling backs off
@@ -157,6 +200,8 @@ class ColocatedDie(DecodeDieLoop):
             self.eplb_agreed
         )  # §4.5 Step 3: replica swap phases, at a boundary all agree on
         sampled, timing = self.iteration()  # re-executed after a transient fault
+        if self.ems is not None:
+            self._put_prompts(sampled)
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
         finished = {e.req_id for e in emitted if e.is_finished}
         self.executor.commit(finished | self.inbox.take_cancelled())
@@ -196,7 +241,10 @@ class ColocatedDie(DecodeDieLoop):
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report
-        return decode_totals(self.executor, self.pricer, self.recompute, self.scheduler)
+        totals = decode_totals(self.executor, self.pricer, self.recompute, self.scheduler)
+        if self.ems is not None:  # every put sent (bounded) and the pool ranks told done
+            totals.ems.update(self.ems.close())
+        return totals
 
     def drain(self) -> None:
         self.outbox.drain()

@@ -36,6 +36,7 @@ class DieTotals:
     virtual_spent: dict[str, float]
     recovery: dict
     cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed
+    ems: dict = field(default_factory=dict)  # the EMS client's counts (colocated, no PD)
 
 
 class DecodeDie(Protocol):
@@ -70,7 +71,7 @@ def serve(die: DecodeDie) -> None:
         return
     totals = die.totals()
     die.outbox.report(
-        totals.num_iterations, totals.virtual_spent, totals.recovery, totals.cancelled
+        totals.num_iterations, totals.virtual_spent, totals.recovery, totals.cancelled, totals.ems
     )
     send_trace(die.outbox.comm, timeout_s=die.outbox.timeout_s)
     die.close()
@@ -147,6 +148,7 @@ class Outbox:
         virtual_spent: dict[str, float],
         recovery: dict | None = None,
         cancelled: dict | None = None,
+        ems: dict | None = None,
     ) -> None:
         report = DieReport(
             die_rank=self.rank,
@@ -155,6 +157,7 @@ class Outbox:
             virtual_spent=virtual_spent,
             recovery=recovery or {},
             cancelled=cancelled or {},
+            ems=ems or {},
         )
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 

@@ -5,7 +5,6 @@ learns where every rank runs (host name and MPI node), for the run file's rank t
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 from ranks.core.context import RankContext
@@ -23,7 +22,7 @@ class Placement:
 
 def handshake(ctx: RankContext) -> tuple[Placement, ...] | None:
     """Collective. Rank 0 returns every rank's placement; the other ranks None."""
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
     hello = (ctx.config_digest(), ctx.info, Placement(host=host, node=ctx.node_leader))
     if ctx.comm.rank != 0:
         _await_verdict(ctx, hello)

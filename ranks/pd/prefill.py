@@ -11,7 +11,7 @@ prompt), and each finished prompt becomes a PD-transfer task (metadata and block
 to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
 (ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
 assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
-there once the prompt is done (ranks/pd/ems_client.py, docs/ems.md).
+there once the prompt is done (ranks/core/ems_client.py, docs/ems.md).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is a TP group of that many dies
 (xds_mpi/engine/prefill_tp.py): the leader schedules per group (one status per group, every die
@@ -80,9 +80,9 @@ class PrefillDie:
         self.is_tp_leader = rank == plan.pd.tp_group_of(rank)[0]  # sends its group's KV
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
-        self.ems = None  # the EMS context cache (ranks/pd/ems_client.py), with ems.enabled
+        self.ems = None  # the EMS context cache (ranks/core/ems_client.py), with ems.enabled
         if plan.ems is not None:
-            from ranks.pd.ems_client import EmsClient
+            from ranks.core.ems_client import EmsClient
 
             self.ems = EmsClient(ctx, self.mem, self.cache)
             self.scheduler.prefix_hits = {}
@@ -107,7 +107,7 @@ class PrefillDie:
         from xds_mpi.model.weights import build_model
 
         cfg, pd = ctx.cfg, ctx.plan.pd
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
         state = decode_state(cfg, model, PrefillScheduler)
         slot_owner = pd.slot_owners[self.te]
         num_experts = len(slot_owner)

@@ -235,11 +235,15 @@ def watcher(plan) -> int:
 def watch_comm(ctx) -> MPI.Comm:
     """The communicator the fence window spans: the world, or in PD the decode TE-shell and the
     decode dies only (Create_group: collective over them alone, the JE and prefill dies never
-    join). Called once by the watcher and every decode die, in the same order."""
+    join), or with an EMS pool the TE-shell and the colocated dies (the pool ranks never join).
+    Called once by the watcher and every decode die, in the same order."""
     plan = ctx.plan
-    if plan.pd is None:
+    if plan.pd is not None:
+        members = [plan.pd.decode_shell, *plan.pd.decode]
+    elif plan.ems is not None:
+        members = [SHELL, *plan.ems.clients]
+    else:
         return ctx.comm
-    members = [plan.pd.decode_shell, *plan.pd.decode]
     return ctx.comm.Create_group(ctx.comm.group.Incl(members))
 
 

@@ -21,7 +21,7 @@ from ranks.core.messages import (
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector
 from ranks.recovery.memory import MemoryLosses
-from ranks.recovery.watch import is_watched, watcher
+from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.engine.balancer import DecodeBalancer
@@ -30,6 +30,7 @@ from xds_mpi.engine.results import RequestRecord
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.report import trace
 from xds_mpi.report.progress import Phases, Progress, Snapshot
+from xds_mpi.tags import TAG_EMS_REPORT
 
 
 def decode_groups(topo) -> tuple[int, ...]:
@@ -83,7 +84,7 @@ class Frontend:
         # §6.1: heartbeats to every DP master (before the EPLB side: the same order as the dies)
         self.detector = None
         if is_watched(cfg, ctx.plan) and watcher(ctx.plan) == ctx.comm.rank:  # PD: rank 1 watches
-            self.detector = Detector(ctx, self.groups, self._placement)
+            self.detector = Detector(ctx, self.groups, self._placement, watch_comm(ctx))
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
@@ -91,6 +92,7 @@ class Frontend:
         self.expert_loads: dict = {}  # afd: expert rank -> ExpertLoad (ranks/afd/load_io.py)
         self.memory = MemoryLosses(ctx.comm, ctx.log)  # KV memory faults (§6.2 stage 3)
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
+        self.ems_reports: dict = {}  # colocated with ems.enabled: pool rank -> EmsPoolReport
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -159,6 +161,16 @@ class Frontend:
             event="die report",
             log=self.ctx.log,  # a line every 2 s: at pod width the reports take a while
         )
+        ems = self.ctx.plan.ems
+        if ems is not None and not self.ctx.plan.pd:  # once every colocated die closed its client
+            self.ems_reports = recv_from_each(
+                self.comm,
+                ems.pool,
+                tag=TAG_EMS_REPORT,
+                timeout_s=timeout_s,
+                me="TE-shell",
+                event="EMS pool report",
+            )
         phases.end("reports")
         self.traces = gather_traces(
             self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost, log=self.ctx.log

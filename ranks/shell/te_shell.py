@@ -131,6 +131,14 @@ class Serving:
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)
         self.pd_book = frontend.pd_book  # PD: the TTFT split, KV transfers, EMS hits
+        # EMS: the reports of the dies that used the pool (prefill dies with PD, else colocated)
+        self.ems_dies = list(self.pd_book.reports.values()) if self.pd_book else []
+        if ctx.plan.ems is not None and self.pd_book is None:
+            from xds_mpi.engine.ems_results import ems_summary, format_ems
+
+            self.ems_dies = list(frontend.reports.values())
+            self.summary.update(ems_summary(self.ems_dies, frontend.ems_reports.values()))
+            ctx.log.info(format_ems(self.summary))
         self._add_slo(ctx)
         if ctx.cfg.serve.enabled:
             self._add_cancellations(ctx, frontend.reports)
@@ -142,7 +150,8 @@ class Serving:
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
         if self.pd_book is not None:
-            from xds_mpi.engine.pd_results import format_ems, format_pd
+            from xds_mpi.engine.ems_results import format_ems
+            from xds_mpi.engine.pd_results import format_pd
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
@@ -259,7 +268,7 @@ class Serving:
         self.slo_times = request_times(self.records, self.started, pricer)
         self.summary.update(slo_summary(ctx.cfg, self.slo_times))
         ctx.log.info(format_slo(self.summary))
-        self.cached_times = []
+        self.cached_times, self.ems_times = [], []
         if ctx.cfg.workload.source == "trace":  # what an EMS pool would make of the hits
             self.cached_times = self._cached_times(ctx, pricer)
             self.summary.update(cached_summary(ctx.cfg, self.cached_times))
@@ -270,11 +279,12 @@ class Serving:
     def _add_ems_slo(self, ctx: RankContext, pricer) -> None:
         """EMS on a trace: each request priced with the prefix the pool really served it (its
         hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
-        from xds_mpi.engine.pd_results import ems_trace_cached, format_ems_slo
+        from xds_mpi.engine.ems_results import ems_trace_cached, format_ems_slo
         from xds_mpi.engine.slo import cached_summary
 
-        cached = ems_trace_cached(ctx.cfg, self.records, self.pd_book.reports.values())
-        summary = cached_summary(ctx.cfg, self._pulled_times(ctx, pricer, cached))
+        cached = ems_trace_cached(ctx.cfg, self.records, self.ems_dies)
+        self.ems_times = self._pulled_times(ctx, pricer, cached)
+        summary = cached_summary(ctx.cfg, self.ems_times)
         self.summary.update({"ems_" + k.removeprefix("cache_"): v for k, v in summary.items()})
         ctx.log.info(format_ems_slo(self.summary))
 
@@ -349,7 +359,7 @@ class Serving:
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
         from xds_mpi.engine.slo import write_slo
 
-        write_slo(f, self.slo_times, self.cached_times)
+        write_slo(f, self.slo_times, self.cached_times, self.ems_times)
         if self.eplb:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])

@@ -98,6 +98,7 @@ class ExpertLoop:
                 since = time.time() - (time.monotonic() - last_progress)
                 raise self._timeout(done, n, waits, since)
             else:
+                buf.mem.serve_far_peers()
                 os.sched_yield()
         return LoopStats(
             num_calls=n,

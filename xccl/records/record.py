@@ -336,6 +336,7 @@ def await_doorbells(
             all_rang,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
+            serve=mem.serve_far_peers,
             park=mem.wake_words.sleeper(
                 (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
             ),

@@ -95,27 +95,8 @@ def assign(
 
 
 class PrefillScheduler(DieScheduler):
-    """Prompts only; finished prompts keep their blocks until `release`.
-
-    prefix_hits (EMS, ranks/pd/ems_client.py): req_id -> (cached tokens, write(slots)) of a
-    request whose leading blocks were pulled from the pool: on admission its first KV slots are
-    written with them and its prefill starts after them."""
-
-    prefix_hits = None
-
-    def _admit(self) -> None:
-        before = set(self.running)
-        super()._admit()
-        if not self.prefix_hits:
-            return
-        for req_id in self.running.keys() - before:
-            hit = self.prefix_hits.pop(req_id, None)
-            if hit is None:
-                continue
-            num_tokens, write = hit
-            self.table.append(req_id, num_tokens)
-            write(self.table.slots(req_id, 0, num_tokens))
-            self.running[req_id].num_prefilled = num_tokens
+    """Prompts only; finished prompts keep their blocks until `release`. A request whose leading
+    blocks were pulled from the EMS pool starts after them (`DieScheduler.prefix_hits`)."""
 
     def _blocks(self, req: Request) -> int:
         return blocks_for_prompt(req, self.table.block_tokens)

@@ -65,6 +65,7 @@ class Checkpoint:
     num_prefilled: dict
     reserved_blocks: int
     table: object
+    prefix_hits: dict | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +89,11 @@ class Emitted:
 
 @dataclass(kw_only=True)
 class DieScheduler:
+    """prefix_hits (the EMS context cache, ranks/core/ems_client.py; None without it): req_id ->
+    (cached tokens, write(slots)) of a request whose leading blocks were pulled from the pool:
+    on admission its first KV slots are written with them and its prefill starts after them
+    (chunked prefill's path: a chunk on top of earlier KV)."""
+
     table: BlockTable
     max_batch: int
     max_tokens: int  # rows per iteration (dispatch buffer limit)
@@ -100,6 +106,7 @@ class DieScheduler:
     reserved_blocks: int = 0
     num_cancelled: int = 0  # requests the TE-shell cancelled (serve)
     num_cancelled_blocks: int = 0  # KV blocks they held, freed
+    prefix_hits: dict | None = None
 
     @property
     def num_active(self) -> int:
@@ -140,7 +147,13 @@ class DieScheduler:
             req = self.waiting.popleft()
             self.reserved_blocks += need
             self.table.allocate(req.req_id, 0)
-            self.running[req.req_id] = Sequence(req=req, tokens=list(req.prompt))
+            seq = self.running[req.req_id] = Sequence(req=req, tokens=list(req.prompt))
+            hit = self.prefix_hits.pop(req.req_id, None) if self.prefix_hits else None
+            if hit is not None:
+                num_tokens, write = hit
+                self.table.append(req.req_id, num_tokens)
+                write(self.table.slots(req.req_id, 0, num_tokens))
+                seq.num_prefilled = num_tokens
 
     def schedule(self) -> list[Entry]:
         """The next iteration's batch: decode rows first, then prompt chunks."""
@@ -226,6 +239,7 @@ class DieScheduler:
             num_prefilled={r: s.num_prefilled for r, s in self.running.items()},
             reserved_blocks=self.reserved_blocks,
             table=self.table.snapshot(),
+            prefix_hits=None if self.prefix_hits is None else dict(self.prefix_hits),
         )
 
     def restore(self, cp: Checkpoint) -> None:
@@ -236,3 +250,5 @@ class DieScheduler:
             seq.num_prefilled = cp.num_prefilled[req_id]
         self.reserved_blocks = cp.reserved_blocks
         self.table.restore(cp.table)
+        if cp.prefix_hits is not None:  # an undone admission writes its pulled blocks again
+            self.prefix_hits = dict(cp.prefix_hits)

@@ -18,13 +18,14 @@ QUANTILES = (50, 90, 99)
 @dataclass(frozen=True, kw_only=True)
 class RequestTimes:
     """One served request's seconds: TTFT and TPOT on the wall and the projected clock (TPOT
-    nan with one token)."""
+    nan with one token), and the leading prompt tokens priced as pulled from a pool."""
 
     req_id: int
     ttft_s: float
     tpot_s: float
     ttft_v_s: float
     tpot_v_s: float
+    cached_tokens: int = 0
 
     def meets(self, cfg: Config, *, projected: bool = True) -> bool:
         ttft, tpot = (self.ttft_v_s, self.tpot_v_s) if projected else (self.ttft_s, self.tpot_s)
@@ -52,6 +53,7 @@ def request_times(
                 tpot_s=record.tpot_s(),
                 ttft_v_s=priced.ttft_s,
                 tpot_v_s=priced.tpot_s if record.req.priced_output_len > 1 else float("nan"),
+                cached_tokens=num_cached,
             )
         )
     return out
@@ -110,15 +112,23 @@ def format_slo(s: dict) -> str:
     )
 
 
-def write_slo(f, times: list[RequestTimes], cached: list[RequestTimes] = ()) -> None:
+def write_slo(
+    f, times: list[RequestTimes], cached: list[RequestTimes] = (), ems: list[RequestTimes] = ()
+) -> None:
     """/slo: per request that produced a token (req_id order), TTFT and TPOT on both clocks;
     with `cached` (a trace replay) also the projected TTFT with its prefix hits pulled from a
-    pool (`cache_ttft_v_s`)."""
+    pool (`cache_ttft_v_s`) and those hits' prompt tokens at the trace's lengths
+    (`cache_cached_tokens`); with `ems` (a trace replay on the EMS pool) the same for the
+    prefix the pool really served (`ems_ttft_v_s`, `ems_cached_tokens`)."""
     ordered = sorted(times, key=lambda t: t.req_id)
     group = f.create_group("slo")
     group["req_id"] = np.array([t.req_id for t in ordered], np.int64)
     for name in ("ttft_s", "tpot_s", "ttft_v_s", "tpot_v_s"):
         group[name] = np.array([getattr(t, name) for t in ordered])
-    if cached:
-        by_id = {t.req_id: t.ttft_v_s for t in cached}
-        group["cache_ttft_v_s"] = np.array([by_id[t.req_id] for t in ordered])
+    for prefix, priced in (("cache", cached), ("ems", ems)):
+        if priced:
+            by_id = {t.req_id: t for t in priced}
+            group[f"{prefix}_ttft_v_s"] = np.array([by_id[t.req_id].ttft_v_s for t in ordered])
+            group[f"{prefix}_cached_tokens"] = np.array(
+                [by_id[t.req_id].cached_tokens for t in ordered], np.int64
+            )

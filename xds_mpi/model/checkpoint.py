@@ -42,12 +42,17 @@ def read_checkpoint_config(path: str | Path) -> ModelConfig:
     import h5py  # here, not at the top: a die with random weights never reads a file (0.1 s)
 
     with h5py.File(path, "r") as f:
-        if f.attrs.get("format") != FORMAT:
-            raise ConfigError(
-                f"{path}: not an xds-mpi weights file (format "
-                f"{f.attrs.get('format')!r}, expected {FORMAT!r})"
-            )
-        values = json.loads(f.attrs["model_config"])
+        return config_from_attrs(f.attrs, path)
+
+
+def config_from_attrs(attrs, path: str | Path) -> ModelConfig:
+    """The ModelConfig in a weights file's attributes (the file's, or its unpacked copy's)."""
+    if attrs.get("format") != FORMAT:
+        raise ConfigError(
+            f"{path}: not an xds-mpi weights file (format "
+            f"{attrs.get('format')!r}, expected {FORMAT!r})"
+        )
+    values = json.loads(attrs["model_config"])
     return ModelConfig(**{**values, "weights": str(path)})
 
 
@@ -57,7 +62,11 @@ def read_quant_info(path: str | Path) -> dict | None:
     import h5py
 
     with h5py.File(path, "r") as f:
-        info = f.attrs.get("quant")
+        return quant_from_attrs(f.attrs)
+
+
+def quant_from_attrs(attrs) -> dict | None:
+    info = attrs.get("quant")
     return None if info is None else json.loads(info)
 
 

@@ -22,12 +22,14 @@ from xds_mpi.model.checkpoint import (
     FORMAT,
     check_same_shape,
     checkpoint_shapes,
+    config_from_attrs,
+    quant_from_attrs,
     read_checkpoint_config,
-    read_quant_info,
     weights_path,
 )
 from xds_mpi.model.params import LazyParams
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
+from xds_mpi.model.unpacked import find_unpacked
 
 GATE_BIAS_STD = 0.02
 
@@ -96,29 +98,48 @@ class FileWeights:
         import h5py
 
         self.file = h5py.File(path, "r")
+        self.attrs = self.file.attrs
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file.keys())
 
     def value(self, name: str) -> np.ndarray:
         return self.file[name][()]
 
 
 def load_model(
-    path: str | Path, *, dtype=np.float64, expected: ModelConfig | None = None
+    path: str | Path,
+    *,
+    dtype=np.float64,
+    expected: ModelConfig | None = None,
+    unpacked_under: str | Path | None = None,
 ) -> DeepSeekModel:
     """A model built from the file's own config; `expected` (if given) must match its shape.
-    Tensors are read when first used (a die reads only the experts it hosts)."""
-    cfg = read_checkpoint_config(path)
+    Tensors are read when first used (a die reads only the experts it hosts), from the file's
+    unpacked copy under `unpacked_under` when the launcher made a current one
+    (xds_mpi/model/unpacked.py: numpy alone, no h5py), else from the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    source = find_unpacked(unpacked_under, path) or FileWeights(path)
+    cfg = config_from_attrs(source.attrs, path)
     if expected is not None:
         check_same_shape(expected, cfg)
-    source = FileWeights(path)
-    shapes = checkpoint_shapes(cfg, read_quant_info(path), str(path))
-    check_names(cfg, source.file.keys(), str(path), shapes)
+    shapes = checkpoint_shapes(cfg, quant_from_attrs(source.attrs), str(path))
+    check_names(cfg, source.names, str(path), shapes)
     return DeepSeekModel(cfg, LazyParams(shapes, source, dtype), dtype=dtype)
 
 
-def build_model(cfg: ModelConfig, *, dtype=np.float64) -> DeepSeekModel:
-    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file.
-    Either way a tensor is made when first used, so a die holds only what it touches."""
+def build_model(
+    cfg: ModelConfig, *, dtype=np.float64, unpacked_under: str | Path | None = None
+) -> DeepSeekModel:
+    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file
+    (its unpacked copy under `unpacked_under` when there is a current one: the dies pass their
+    run.output_dir). Either way a tensor is made when first used, so a die holds only what it
+    touches."""
     if cfg.weights != "random":
-        return load_model(weights_path(cfg.weights), dtype=dtype, expected=cfg)
+        return load_model(
+            weights_path(cfg.weights), dtype=dtype, expected=cfg, unpacked_under=unpacked_under
+        )
     source = RandomWeights(cfg, cfg.seed)
     return DeepSeekModel(cfg, LazyParams(source.shapes, source, dtype), dtype=dtype)

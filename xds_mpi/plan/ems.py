@@ -7,7 +7,8 @@ pool rank is dead: it stands for the error a UB read of a dead server's DRAM com
 which an MPI Get from a live process cannot give), then the metadata records, one per slot
 (`RECORD_WORDS` words: the block key, a version, the payload bytes, spare), then the payloads. The
 pool rank alone writes it (puts reach it as messages: it owns the slots and the LRU order); the
-prefill dies read records and payloads one-sidedly and check a payload against its record.
+dies that prefill (the prefill dies with PD, else the colocated dies) read records and payloads
+one-sidedly and check a payload against its record.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ MODEL_ITEMSIZE = 8  # the tiny model's cache is float64 (xds_mpi/model/mla.py La
 
 @dataclass(frozen=True, kw_only=True)
 class EmsPlan:
-    """pool: the pool ranks; prefill: the dies that read and put; capacity: slots per pool rank;
+    """pool: the pool ranks; clients: the dies that read and put (the prefill dies with PD, the
+    colocated dies without); capacity: slots per pool rank;
     block_tokens: tokens per block; block_bytes: one block's packed KV (every cache layer);
     namespace: the seed of every key (the model and the cache's format: another config's blocks
     never match). faults: the `ems.faults` rows (xds_mpi/config/ems.py PoolFault)."""
 
     pool: tuple[int, ...]
-    prefill: tuple[int, ...]
+    clients: tuple[int, ...]
     capacity: int
     block_tokens: int
     block_bytes: int
@@ -72,7 +74,7 @@ class EmsPlan:
         return rows[0] if rows else None
 
     def evict_lookups(self, die: int) -> frozenset[int]:
-        """Which of prefill die `die`'s lookups that find a block have it evicted mid-lookup."""
+        """Which of client die `die`'s lookups that find a block have it evicted mid-lookup."""
         return frozenset(f.lookup for f in self.faults if f.kind == "evict" and f.die == die)
 
 
@@ -90,7 +92,7 @@ def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
     text = yaml.safe_dump(identity, sort_keys=True, default_flow_style=True)
     return EmsPlan(
         pool=topo.ranks_with_role("pool"),
-        prefill=topo.ranks_with_role("prefill"),
+        clients=client_dies(cfg, topo),
         capacity=ems.capacity_blocks,
         block_tokens=sched.kv_block_tokens,
         block_bytes=sched.kv_block_tokens * token_bytes,
@@ -99,16 +101,23 @@ def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
     )
 
 
+def client_dies(cfg: Config, topo: Topology) -> tuple[int, ...]:
+    """The dies that prefill prompts and so use the pool: the prefill dies with PD, the
+    colocated dies without (they prefill new requests in chunks between decode rows)."""
+    return topo.ranks_with_role("prefill" if cfg.pd.enabled else "colocated")
+
+
 def check_ems(cfg: Config, topo: Topology) -> None:
     """What this version of the pool cannot serve (before the fault checks: a fault row naming a
     pool rank is refused here with that reason)."""
     if not cfg.ems.enabled:
         return
-    if not cfg.pd.enabled:
+    if not cfg.pd.enabled and cfg.deployment.kind != "colocated":
         raise ConfigError(
-            "ems.enabled needs pd.enabled: the pool serves the prefill dies' prefix hits "
-            f"(deployment.kind({cfg.deployment.kind}) without PD prefills on the decode dies, "
-            "which this version does not connect to the pool)"
+            "ems.enabled needs pd.enabled or deployment.kind colocated: the pool serves the "
+            "prefill dies' or the colocated dies' prefix hits (deployment.kind"
+            f"({cfg.deployment.kind}) without PD prefills on its attention dies, which this "
+            "version does not connect to the pool)"
         )
     if cfg.scheduler.mtp_depth:
         raise ConfigError(
@@ -132,9 +141,10 @@ def check_ems(cfg: Config, topo: Topology) -> None:
 
 
 def _check_pool_faults(cfg: Config, topo: Topology) -> None:
-    """`ems.faults` rows against the ranks: a dead row names a pool rank, an evict row a
-    prefill die, and no two rows the same event."""
-    pool, prefill = topo.ranks_with_role("pool"), topo.ranks_with_role("prefill")
+    """`ems.faults` rows against the ranks: a dead row names a pool rank, an evict row a die
+    that uses the pool, and no two rows the same event."""
+    pool, clients = topo.ranks_with_role("pool"), client_dies(cfg, topo)
+    kind = "prefill" if cfg.pd.enabled else "colocated"
     seen: dict[tuple, int] = {}
     for i, spec in enumerate(cfg.ems.faults):
         where = f"ems.faults[{i}]"
@@ -142,8 +152,11 @@ def _check_pool_faults(cfg: Config, topo: Topology) -> None:
             raise ConfigError(
                 f"{where}.server({spec.server}) is not an EMS pool rank: {list(pool)}"
             )
-        if spec.kind == "evict" and spec.die not in prefill:
-            raise ConfigError(f"{where}.die({spec.die}) is not a prefill die: {list(prefill)}")
+        if spec.kind == "evict" and spec.die not in clients:
+            raise ConfigError(
+                f"{where}.die({spec.die}) is not a {kind} die (the dies that use the pool): "
+                f"{list(clients)}"
+            )
         event = (
             (spec.kind, spec.server) if spec.kind == "dead" else (spec.kind, spec.die, spec.lookup)
         )
@@ -177,4 +190,4 @@ def describe_fault(spec) -> str:
     """An ems.faults row as `xds-mpi validate` prints it."""
     if spec.kind == "dead":
         return f"pool rank {spec.server} dies after {spec.after_puts} put message(s)"
-    return f"prefill die rank {spec.die}: a block evicted at its finding lookup {spec.lookup}"
+    return f"die rank {spec.die}: a block evicted at its finding lookup {spec.lookup}"

@@ -4,9 +4,8 @@ Every compute operation is a roofline: max(FLOPs / (peak x compute efficiency), 
 (HBM bandwidth x memory efficiency)); the efficiencies are the achieved/peak ratios of the papers'
 operator tables (configs/hardware/ascend910c.yaml cites each). GEMMs use INT8 weights and the
 INT8 peak; MLA's attention core uses the BF16 peak. Transfers: dispatch/combine and the A2E/E2A
-stages are priced by their mechanism (xds_mpi/projection/cost.py): kernel start, per-peer flags
-and
-pulls, the bytes taken in, the wait for the slowest peer. The only fitted constants (kernel
+stages are priced by their mechanism (below): kernel start, the flags and pulls to the peers,
+the bytes taken in, the wait for the slowest peer. The only fitted constants (kernel
 starts, die jitter) are fitted to a primitive latency table; nothing is fitted to a published
 end-to-end number.
 
@@ -14,16 +13,20 @@ The cost of one die's part in an all-to-all primitive (dispatch, combine, A2E, E
 mechanism (xDeepServe §3.3, Figure 7): a kernel start, one count/offset flag written to every
 peer, one pull from every peer plus the bytes this die takes in at its own read bandwidth (the
 incast), and the wait for the slowest of the peers (each die starts with its own jitter; the
-barrier waits for the maximum). Growth with EP size comes from the per-peer flags and pulls (spread
-over the die's AIV cores) and from the maximum of more dies' jitter.
+barrier waits for the maximum). The cores issue their flags and pulls back to back, each core's
+sends pipelined (CloudMatrix-Infer §4.2.1 ④: the next token is staged while the previous one's
+write is in flight, "hiding both computation and communication latency"; xDeepServe §3.1: each
+unified buffer runs "in a ping-pong fashion"), so a call pays the link's latency once, not once
+per peer: growth with EP size comes from the maximum of more dies' jitter (and, on a two-tier
+network, from the bytes leaving the node). Table 7 agrees: given a per-peer round latency as a
+free weight, its fit sets it to 0 (tests/test_paper_table.py).
 
 The kernel starts and the jitter's spread are the only fitted constants; `fit_table7` fits them
 to the primitive latency table (CloudMatrix-Infer Table 7), a calibration table, never to an
-end-to-end number (docs/design.md, "Calibration and validation")."""
+end-to-end number (docs/design.md, "Calibration and validation")"""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -216,7 +219,6 @@ class CostModel:
             read_bytes_per_s=hw.read_bytes_per_s,
             write_latency_s=hw.write_latency_s,
             read_latency_s=hw.read_latency_s,
-            aiv_cores=hw.aiv_cores,
             start_s=0.0 if persistent else start,
             jitter_s=hw.jitter_s,
             node_dies=hw.node_dies,
@@ -271,7 +273,6 @@ class LinkCosts:
     read_bytes_per_s: float  # from a peer outside the die's node
     write_latency_s: float
     read_latency_s: float
-    aiv_cores: int
     start_s: float  # kernel start (and quantization, for dispatch): fitted
     jitter_s: float  # spread of a die's start: fitted
     node_dies: int = 0  # dies in a node, reached over the inner tier (0: one tier)
@@ -287,21 +288,20 @@ class LinkCosts:
 def exchange_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
     """Seconds of one die's dispatch-like exchange with `peers` dies (itself included) taking in
     `bytes_in` bytes."""
-    return link.start_s + per_peer_s(link, peers=peers, bytes_in=bytes_in) + wait_s(link, peers)
+    return link.start_s + transfer_s(link, peers=peers, bytes_in=bytes_in) + wait_s(link, peers)
 
 
-def per_peer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
-    """Step 1 (flags to every peer) and Step 2 (a pull from every peer), each core serving
-    peers / cores of them one after another, plus the bytes in. Two tiers (a node's inner
-    links, the network between nodes): with uniform routing a share inside / peers of the bytes
-    comes from the die's node and the rest from outside, both links at once; a round pays the
-    outer tier's latency once any of its peers is outside the node."""
-    rounds = math.ceil(peers / link.aiv_cores)
+def transfer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
+    """Step 1 (flags to every peer) and Step 2 (a pull from every peer), then the bytes in. The
+    cores' sends are pipelined (module docstring), so the call pays one write and one read
+    latency however many peers each core serves: a stream with fewer AIV cores
+    (CloudMatrix-Infer §4.2.3's stream 1: 16 of 48) is not slower for it. Two tiers (a node's
+    inner links, the network between nodes): with uniform routing a share inside / peers of the
+    bytes comes from the die's node and the rest from outside, both links at once; the call
+    pays the outer tier's latency once any of its peers is outside the node."""
     inside = link.inside(peers)
     if not link.node_dies:  # one tier
-        return rounds * (link.write_latency_s + link.read_latency_s) + (
-            bytes_in / link.read_bytes_per_s
-        )
+        return link.write_latency_s + link.read_latency_s + bytes_in / link.read_bytes_per_s
     outer = inside < peers
     latency = (
         link.write_latency_s + link.read_latency_s
@@ -312,7 +312,7 @@ def per_peer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
     moving = max(
         (bytes_in - bytes_out) / link.intra_read_bytes_per_s, bytes_out / link.read_bytes_per_s
     )
-    return rounds * latency + moving
+    return latency + moving
 
 
 def wait_s(link: LinkCosts, peers: int) -> float:
@@ -334,11 +334,11 @@ def fit_table7(
     link: LinkCosts, table: list[tuple[str, int, float]], *, tokens: int, row_bytes: dict
 ) -> Table7Fit:
     """Least squares (no negative constant) of published = start(op) + jitter x z(EP) +
-    per-peer terms over the rows (op, EP, latency us) of a primitive table measured at `tokens`
+    transfer terms over the rows (op, EP, latency us) of a primitive table measured at `tokens`
     x top-8 rows per rank; row_bytes: op -> bytes of one row."""
     z = np.array([expected_max_z(ep) for _, ep, _ in table])
     known = np.array(
-        [per_peer_s(link, peers=ep, bytes_in=tokens * 8 * row_bytes[op]) for op, ep, _ in table]
+        [transfer_s(link, peers=ep, bytes_in=tokens * 8 * row_bytes[op]) for op, ep, _ in table]
     )
     published = np.array([us * 1e-6 for _, _, us in table])
     design = np.stack(

@@ -57,7 +57,9 @@ def counts(cfg: Config, topo, *, redundant_dies: int = 0) -> dict:
 
 def _share(cost: CostModel, cores: tuple[int, int]) -> CostModel:
     """The cost model of a stream given (AIC, AIV) of the die's cores: the cube cores set its
-    compute, the vector cores how many peers its dispatch/combine serve at once."""
+    compute. Its dispatch/combine cost the same on fewer vector cores: their sends are pipelined
+    (cost.py `transfer_s`), and the bytes stay under the link's rate (16 AIV x the profile's
+    per-core MTE rate is over 2x the UB read)."""
     aic, aiv = cores
     f = aic / cost.hw.aic_cores
     hw = replace(

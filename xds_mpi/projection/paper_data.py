@@ -241,10 +241,17 @@ _LACKS_ATTENTION = (
     "(design.md §5b, the attention-path audit)"
 )
 _LACKS_OVERLAP = (
-    "the single-stream layer's time: one stream prices the attention path and the MoE path "
-    "back to back at the whole die, which [001] puts near 1,380 us at batch 96 (1,260 us after "
-    "a 10 % reduction, Figure 20b / 22b) and the model near 1,080; its attention path misses "
-    "a per-row time that no paper names (docs/design.md §5b, the attention-path audit)"
+    "the size, not the sign: both streams are priced about 20 % under §4.2.3's 600 us (the "
+    "stream rows below); the time each path misses (the attention path's per-row time of the "
+    "audit; on the MoE path, work Figure 20b finds only marginally longer per microbatch than "
+    "for the whole batch on one stream) is paid by one stream too and sets how much two hide "
+    "(docs/design.md §5b, the overlap's sign)"
+)
+_LACKS_MOE_PATH = (
+    "the MoE path's work beside the gate, the experts' GEMMs and the transfers (as [000] AFD's "
+    "MoE row, -34 %): [001] Figure 20b finds Gating, Dispatch and MoE per microbatch only "
+    "marginally longer than for the whole batch on one stream, so that work is paid by both; "
+    "no operator figure published"
 )
 _LACKS_SMALL_BATCH = (
     "priced slow at 4 requests per die: the dispatch/combine starts fitted at Table 7's 128 "
@@ -283,19 +290,25 @@ VALIDATION = [
               value=FIG20_COMBINE_US[0], unit="us", role="calibration"),
     Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric="dispatch wait",
               value=FIG20_DISPATCH_US[1] - FIG20_DISPATCH_US[0], unit="us",
-              lacks="the dies' compute variance [000] §7.1 names (MLA and MoE time varying "
-              "between dies: up to 6.6x on dispatch); the scenario's KV lengths and batches are "
-              "even, so the wait is the start jitter alone"),
+              lacks="a start spread of [000]'s own dies: the scenario's KV lengths and batches "
+              "are even, so the wait is the start jitter alone, at the spread fitted to [001] "
+              "Table 7's CANN kernels (which carries all of Table 7's growth with EP); [000] "
+              "§7.1's compute variance (MLA and MoE time varying between dies) is not priced "
+              "either"),
     Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric="combine wait",
               value=FIG20_COMBINE_US[1] - FIG20_COMBINE_US[0], unit="us",
               lacks="the expert dies' compute variance beyond the expected hottest die (up to "
               "17.8x on combine: stragglers the model has no source for)"),
     # [000] §3.3: "A2E achieves a latency of 172 us, while E2A completes in 193 us".
     Published(source="000 §3.3", scenario="000 afd", metric="A2E", value=172.0, unit="us",
-              lacks="the wait for the slowest trampoline and expert die from the model's own "
-              "imbalance (only Table 7's start jitter is priced)"),
+              lacks="a start of its own: stage 1 (to the die's trampoline) pays the whole "
+              "dispatch start set on Figure 20's fastest EP288 dispatch, and stage 2 waits for "
+              "the slowest of 160 trampolines at Table 7's start spread; [000] gives neither "
+              "for the A2E kernels"),
     Published(source="000 §3.3", scenario="000 afd", metric="E2A", value=193.0, unit="us",
-              lacks="the wait for the slowest expert die from the model's own imbalance"),
+              lacks="a start of its own: stage 1 waits for the slowest of the expert dies at "
+              "Table 7's start spread and stage 2 pays the whole combine start set on Figure "
+              "20's fastest EP288 combine; [000] gives neither for the E2A kernels"),
     # [000] §7.1 (disaggregated MoE-attention): "MLAProlog, MLA, Gating, and the first stage of
     # A2E each take approximately 700 [us] per layer" (the text's "ns" read by its own sum,
     # 0.7 x 2 x 61 ms): the attention side of one microbatch.
@@ -359,7 +372,7 @@ VALIDATION = [
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream 0", value=600.0,
               unit="us", lacks=_LACKS_ATTENTION),
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream 1", value=600.0,
-              unit="us"),
+              unit="us", lacks=_LACKS_MOE_PATH),
 ]  # fmt: skip
 
 

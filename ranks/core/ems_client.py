@@ -1,4 +1,5 @@
-"""A prefill die's side of the EMS context cache (docs/ems.md; CloudMatrix-Infer §4.4.2).
+"""A die's side of the EMS context cache (docs/ems.md; CloudMatrix-Infer §4.4.2): the prefill
+dies with PD, the colocated dies without.
 
 Lookup, when a request is assigned to this die: the keys of the prompt's full blocks before its
 last token (xds_mpi/engine/ems.py), each key's pool rank by consistent hashing; the die Gets the
@@ -10,7 +11,7 @@ scheduler admits it, and prefill starts after them (chunked prefill's path: a ch
 earlier KV). The pool rank learns what was read (a touch message, for its LRU order).
 
 Put, when a prompt is done: the full blocks it computed (never decode-generated ones) go to their
-pool ranks as messages, sent without waiting (ranks/pd/ems_pool.py says why two-sided).
+pool ranks as messages, sent without waiting (ranks/core/ems_pool.py says why two-sided).
 
 A pool rank lost (an ems.faults dead row): its status word, read after every record table and
 every pull, says LOST (what a UB read of a dead server completes with). The die declares it
@@ -174,7 +175,7 @@ class EmsClient:
         survivors = [r for r in self.ems.pool if r not in self.lost]
         self.ring = Ring(survivors) if survivors else None
         self.log.warning(
-            f"prefill die rank {self.comm.rank}: EMS pool rank {owner} lost (event: {event}); "
+            f"die rank {self.comm.rank}: EMS pool rank {owner} lost (event: {event}); "
             f"what it held is recomputed, keys placed on pool ranks {survivors} from now on"
         )
         return True
@@ -198,7 +199,7 @@ class EmsClient:
                 return
             if time.monotonic() > deadline:
                 raise WaitTimeout(
-                    f"prefill die rank {self.comm.rank}: no answer from EMS pool rank {owner} "
+                    f"die rank {self.comm.rank}: no answer from EMS pool rank {owner} "
                     f"to evict {key:#x} (event: evict answer) within "
                     f"run.timeout_s({self.timeout_s:g})"
                 )
@@ -261,7 +262,7 @@ class EmsClient:
             if time.monotonic() > deadline:
                 pending = sorted({(o, e) for o, e, r in self.sends if not r.Test()})
                 raise WaitTimeout(
-                    f"prefill die rank {self.comm.rank}: sends to EMS pool ranks not completed "
+                    f"die rank {self.comm.rank}: sends to EMS pool ranks not completed "
                     f"within run.timeout_s({self.timeout_s:g}): (pool rank, event) {pending}"
                 )
             time.sleep(0.001)

@@ -1,7 +1,7 @@
 """An EMS pool rank (docs/ems.md; CloudMatrix-Infer §4.4.1): no die; its window stands for the
 CPU DRAM a server gives the pool, reached by every die over UB.
 
-The prefill dies read it one-sidedly (records, then payloads: ranks/pd/ems_client.py). Puts
+The dies that prefill read it one-sidedly (records, then payloads: ranks/core/ems_client.py). Puts
 arrive as messages: this rank owns the slots and the LRU order, so it alone writes the window;
 a put through RMA would need the writer to take a slot it does not own (a remote lock or an
 atomic on a shared free list and LRU) and still tell this rank so it can keep the LRU order. A
@@ -67,9 +67,9 @@ class PoolServer:
         return self.mem.words[at : at + RECORD_WORDS]
 
     def serve(self) -> None:
-        """Take puts and touches until every prefill die said it is done (bounded by
+        """Take puts and touches until every die using the pool said it is done (bounded by
         run.timeout_s: a die that never says so ends the run naming it)."""
-        waiting = set(self.ems.prefill)
+        waiting = set(self.ems.clients)
         self._die_if_due()  # after_puts 0: dead from the start
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         while waiting:
@@ -77,7 +77,7 @@ class PoolServer:
             if msg is None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"EMS pool rank {self.comm.rank}: prefill dies {sorted(waiting)} never "
+                        f"EMS pool rank {self.comm.rank}: dies {sorted(waiting)} never "
                         f"said they were done within run.timeout_s({self.ctx.cfg.run.timeout_s})"
                     )
                 time.sleep(0.0005)
