@@ -167,7 +167,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     result = train_tiny(shape, corpus, tc, progress=_progress_printer(tc.steps))
-    _write_checkpoint(args.out, tc, result)
+    _write_checkpoint(args.out, tc, result, args.max_files)
     mtp = ", ".join(f"{m:.4f}" for m in result.heldout_mtp_losses)
     print(
         f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
@@ -220,7 +220,7 @@ def _training_corpus(args: argparse.Namespace) -> Corpus:
         raise ConfigError(str(exc)) from None
 
 
-def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
+def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult, max_files: int | None):
     """The model's weights plus, as file attributes, how it was trained and how well."""
     import h5py
 
@@ -230,8 +230,37 @@ def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
     with h5py.File(path, "a") as f:
         for name in TRAIN_ATTRS:
             f.attrs[f"train_{name}"] = getattr(tc, name)
+        if max_files is not None:
+            f.attrs["train_max_files"] = max_files
         f.attrs["train_heldout_loss"] = result.heldout_loss
         f.attrs["train_wall_s"] = result.wall_s
+
+
+def describe_weights(model: ModelConfig) -> str:
+    """`xds-mpi run`'s line on what the dies serve: seeded random weights (no learned expert
+    skew), or a checkpoint and how `train-tiny` made it (the attributes `_write_checkpoint`
+    stores)."""
+    if model.weights == "random":
+        return (
+            f"weights: random (seed {model.seed}), untrained: the routed-expert load has no "
+            "learned skew (a trained checkpoint: `xds-mpi train-tiny`, docs/scale.md)"
+        )
+    import h5py
+
+    from xds_mpi.model.weights import weights_path
+
+    path = weights_path(model.weights)
+    with h5py.File(path, "r") as f:
+        attrs = dict(f.attrs)
+    where = model.weights if str(path) == model.weights else f"{model.weights} ({path})"
+    if "train_steps" not in attrs:
+        return f"weights: {where}" + (", INT8" if "quant" in attrs else "")
+    files = f" on {attrs['train_max_files']} files" if "train_max_files" in attrs else ""
+    return (
+        f"weights: {where}, trained {attrs['train_steps']} steps x {attrs['train_batch_size']} x "
+        f"{attrs['train_seq_len']} tokens{files} (seed {attrs['train_seed']}), held-out loss "
+        f"{attrs['train_heldout_loss']:.3f}"
+    )
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
