@@ -39,26 +39,37 @@ def _add_train_parser(subparsers) -> None:
         "xds_mpi/data/tiny.h5.",
     )
     defaults = _add_schedule_options(p)
-    p.add_argument("--seed", type=int, default=defaults.seed, help="init and data order seed")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        metavar="N",
+        help=f"init and data order seed (default {defaults.seed})",
+    )
     p.add_argument(
         "--max-files",
         type=int,
         default=None,
-        help="train on the first N stdlib files only (quick trials)",
+        metavar="N",
+        help="train on the first N stdlib files only (quick trials; stored in the file)",
     )
     p.add_argument(
         "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
     )
     routing = p.add_argument_group(
         "routing",
-        "the routed experts of the compute shape (default: tiny's 16 experts, top-2, 1 group); "
-        "the pod shapes' routing, e.g. configs/ep288.yaml's: --experts 256 --top-k 8 "
-        "--expert-groups 8 --topk-groups 4 (docs/scale.md)",
+        "the routed experts of the compute shape (default: tiny's 16 experts, top-2, 1 group). "
+        "configs/ep288.yaml's routing: --experts 256 --top-k 8 --expert-groups 8 --topk-groups "
+        "4 --out ep288.h5, then run ep288 --set model.weights=ep288.h5 (a ~104 MB file; "
+        "about a third of tiny's speed: docs/scale.md)",
     )
-    routing.add_argument("--experts", type=int, default=None, help="model.num_routed_experts")
-    routing.add_argument("--top-k", type=int, default=None, help="model.top_k")
-    routing.add_argument("--expert-groups", type=int, default=None, help="model.num_expert_groups")
-    routing.add_argument("--topk-groups", type=int, default=None, help="model.topk_groups")
+    for flag, field in (
+        ("--experts", "num_routed_experts"),
+        ("--top-k", "top_k"),
+        ("--expert-groups", "num_expert_groups"),
+        ("--topk-groups", "topk_groups"),
+    ):
+        routing.add_argument(flag, type=int, default=None, metavar="N", help=f"model.{field}")
     p.set_defaults(func=cmd_train_tiny)
 
 
@@ -71,18 +82,21 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> TrainConfig:
     p.add_argument(
         "--steps",
         type=int,
+        metavar="N",
         default=defaults.steps,
         help=f"optimizer steps (default {defaults.steps})",
     )
     p.add_argument(
         "--batch-size",
         type=int,
+        metavar="N",
         default=defaults.batch_size,
         help=f"windows per step (default {defaults.batch_size})",
     )
     p.add_argument(
         "--seq-len",
         type=int,
+        metavar="N",
         default=defaults.seq_len,
         help=f"tokens per window (default {defaults.seq_len})",
     )
