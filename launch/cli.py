@@ -121,7 +121,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(command.shell_line())
         return 0
-    print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})", flush=True)
+    print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
+    print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model.weights, cfg.run.output_dir)
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them

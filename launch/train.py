@@ -39,26 +39,37 @@ def _add_train_parser(subparsers) -> None:
         "xds_mpi/data/tiny.h5.",
     )
     defaults = _add_schedule_options(p)
-    p.add_argument("--seed", type=int, default=defaults.seed, help="init and data order seed")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=defaults.seed,
+        metavar="N",
+        help=f"init and data order seed (default {defaults.seed})",
+    )
     p.add_argument(
         "--max-files",
         type=int,
         default=None,
-        help="train on the first N stdlib files only (quick trials)",
+        metavar="N",
+        help="train on the first N stdlib files only (quick trials; stored in the file)",
     )
     p.add_argument(
         "--out", default="tiny.h5", metavar="FILE", help="checkpoint to write (default tiny.h5)"
     )
     routing = p.add_argument_group(
         "routing",
-        "the routed experts of the compute shape (default: tiny's 16 experts, top-2, 1 group); "
-        "the pod shapes' routing, e.g. configs/ep288.yaml's: --experts 256 --top-k 8 "
-        "--expert-groups 8 --topk-groups 4 (docs/scale.md)",
+        "the routed experts of the compute shape (default: tiny's 16 experts, top-2, 1 group). "
+        "configs/ep288.yaml's routing: --experts 256 --top-k 8 --expert-groups 8 --topk-groups "
+        "4 --out ep288.h5, then run ep288 --set model.weights=ep288.h5 (a ~104 MB file; "
+        "about a third of tiny's speed: docs/scale.md)",
     )
-    routing.add_argument("--experts", type=int, default=None, help="model.num_routed_experts")
-    routing.add_argument("--top-k", type=int, default=None, help="model.top_k")
-    routing.add_argument("--expert-groups", type=int, default=None, help="model.num_expert_groups")
-    routing.add_argument("--topk-groups", type=int, default=None, help="model.topk_groups")
+    for flag, field in (
+        ("--experts", "num_routed_experts"),
+        ("--top-k", "top_k"),
+        ("--expert-groups", "num_expert_groups"),
+        ("--topk-groups", "topk_groups"),
+    ):
+        routing.add_argument(flag, type=int, default=None, metavar="N", help=f"model.{field}")
     p.set_defaults(func=cmd_train_tiny)
 
 
@@ -71,18 +82,21 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> TrainConfig:
     p.add_argument(
         "--steps",
         type=int,
+        metavar="N",
         default=defaults.steps,
         help=f"optimizer steps (default {defaults.steps})",
     )
     p.add_argument(
         "--batch-size",
         type=int,
+        metavar="N",
         default=defaults.batch_size,
         help=f"windows per step (default {defaults.batch_size})",
     )
     p.add_argument(
         "--seq-len",
         type=int,
+        metavar="N",
         default=defaults.seq_len,
         help=f"tokens per window (default {defaults.seq_len})",
     )
@@ -167,7 +181,7 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     result = train_tiny(shape, corpus, tc, progress=_progress_printer(tc.steps))
-    _write_checkpoint(args.out, tc, result)
+    _write_checkpoint(args.out, tc, result, args.max_files)
     mtp = ", ".join(f"{m:.4f}" for m in result.heldout_mtp_losses)
     print(
         f"xds-mpi: trained in {_format_duration(result.wall_s)} ({result.wall_s:.1f} s, "
@@ -220,7 +234,7 @@ def _training_corpus(args: argparse.Namespace) -> Corpus:
         raise ConfigError(str(exc)) from None
 
 
-def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
+def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult, max_files: int | None):
     """The model's weights plus, as file attributes, how it was trained and how well."""
     import h5py
 
@@ -230,8 +244,37 @@ def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult) -> None:
     with h5py.File(path, "a") as f:
         for name in TRAIN_ATTRS:
             f.attrs[f"train_{name}"] = getattr(tc, name)
+        if max_files is not None:
+            f.attrs["train_max_files"] = max_files
         f.attrs["train_heldout_loss"] = result.heldout_loss
         f.attrs["train_wall_s"] = result.wall_s
+
+
+def describe_weights(model: ModelConfig) -> str:
+    """`xds-mpi run`'s line on what the dies serve: seeded random weights (no learned expert
+    skew), or a checkpoint and how `train-tiny` made it (the attributes `_write_checkpoint`
+    stores)."""
+    if model.weights == "random":
+        return (
+            f"weights: random (seed {model.seed}), untrained: the routed-expert load has no "
+            "learned skew (a trained checkpoint: `xds-mpi train-tiny`, docs/scale.md)"
+        )
+    import h5py
+
+    from xds_mpi.model.weights import weights_path
+
+    path = weights_path(model.weights)
+    with h5py.File(path, "r") as f:
+        attrs = dict(f.attrs)
+    where = model.weights if str(path) == model.weights else f"{model.weights} ({path})"
+    if "train_steps" not in attrs:
+        return f"weights: {where}" + (", INT8" if "quant" in attrs else "")
+    files = f" on {attrs['train_max_files']} files" if "train_max_files" in attrs else ""
+    return (
+        f"weights: {where}, trained {attrs['train_steps']} steps x {attrs['train_batch_size']} x "
+        f"{attrs['train_seq_len']} tokens{files} (seed {attrs['train_seed']}), held-out loss "
+        f"{attrs['train_heldout_loss']:.3f}"
+    )
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.model.layers import NORM_EPS
 from xds_mpi.model.weights import check_names, init_state, read_weights
+from xds_mpi.train.grouped import grouped_swiglu
 
 
 class RMSNorm(nn.Module):
@@ -137,10 +138,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for expert in self.shared_experts:
             out = out + expert(x)
-        routed = x.new_zeros(*topk_idx.shape, x.shape[1])
-        for expert_idx in topk_idx.unique().tolist():
-            row_idx, k_idx = (topk_idx == expert_idx).nonzero(as_tuple=True)
-            routed[row_idx, k_idx] = self.experts[expert_idx](x[row_idx])
+        routed = grouped_swiglu(x, topk_idx, self.experts)  # [rows, top_k, hidden]
         return out + (topk_weight[..., None] * routed).sum(1)
 
 
