@@ -87,17 +87,10 @@ class ColocatedDie(DecodeDieLoop):
     def _pull_prefixes(self) -> None:
         """EMS: each request that reached the die since the last call, its longest cached
         prefix pulled (priced on this die's projected clock) and held for its admission."""
-        from functools import partial
-
         for req in self.scheduler.waiting:
-            if req.req_id in self.looked_up:
-                continue
-            self.looked_up.add(req.req_id)
-            hit = self.ems.lookup(req)
-            if hit is not None:
-                self.pricer.pool_pull(self.ems.pull_s(hit))
-                num_tokens = hit.num_blocks * self.ems.ems.block_tokens
-                self.scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.ems.write, hit))
+            if req.req_id not in self.looked_up:
+                self.looked_up.add(req.req_id)
+                self.ems.hold_prefix(req, self.scheduler, self.pricer)
 
     def _put_prompts(self, sampled) -> None:
         """EMS: the prompts this iteration finished (their first token sampled): their computed

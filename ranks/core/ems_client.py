@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -213,6 +214,15 @@ class EmsClient:
             by_owner.setdefault(self.ring.owner(key), []).append(key)
         for owner, owned in by_owner.items():
             self._send(EmsTouch(keys=tuple(owned)), owner, "touch")
+
+    def hold_prefix(self, req, scheduler, pricer) -> None:
+        """`lookup`, the pull priced on the die's projected clock (`pricer`), and the hit held
+        for `scheduler`'s admission (`DieScheduler.prefix_hits`): prefill and colocated dies."""
+        hit = self.lookup(req)
+        if hit is not None:
+            pricer.pool_pull(self.pull_s(hit))
+            num_tokens = hit.num_blocks * self.ems.block_tokens
+            scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.write, hit))
 
     def pull_s(self, hit: Hit) -> float:
         """The projected seconds of the pull: the prefix's latent KV at the cost shape (every

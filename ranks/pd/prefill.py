@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 from mpi4py import MPI
@@ -256,19 +255,11 @@ class PrefillDie:
         for req, pooled_v in zip(mine.requests, mine.pooled_v):
             # Pooled on the leader's clock: a die behind it idles until the request is there.
             self.pricer.clock.arrive(pooled_v * 1e9)
-            if self.ems is not None:
-                self._pull_prefix(req)
+            if self.ems is not None:  # its cached prefix, written into its KV on admission
+                self.ems.hold_prefix(req, self.scheduler, self.pricer)
             self.scheduler.add(req)
             self.assigned[req.req_id] = (time.time(), pooled_v)
         return mine.num_assigned
-
-    def _pull_prefix(self, req) -> None:
-        """EMS: the longest cached prefix of the prompt, written into its KV on admission."""
-        hit = self.ems.lookup(req)
-        if hit is not None:
-            self.pricer.pool_pull(self.ems.pull_s(hit))  # on this die's projected clock
-            num_tokens = hit.num_blocks * self.ems.ems.block_tokens
-            self.scheduler.prefix_hits[req.req_id] = (num_tokens, partial(self.ems.write, hit))
 
     def _iteration(self) -> None:
         start = (time.time(), self.pricer.clock.now_ns / 1e9)
