@@ -39,7 +39,7 @@ def compile_rank_code() -> None:
 
 
 def unpack_weights(weights: str, output_dir: str) -> None:
-    """The checkpoint's tensors as .npy files under `output_dir` for the dies to read without
+    """The checkpoint's tensors as one flat file under `output_dir` for the dies to read without
     h5py (xds_mpi/model/unpacked.py), written once per version of the file. Where that cannot
     be written the dies read the HDF5 file, as before: a line says so."""
     if weights == "random":
