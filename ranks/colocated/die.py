@@ -189,6 +189,11 @@ class ColocatedDie(DecodeDieLoop):
             self.idle.idle()
             return not all_stopped
         self.idle.busy()
+        if self.ems is None:  # (with EMS a request's prefix is looked up before the agreement)
+            # Requests that reached this die during the agreement join this iteration, not the
+            # next: at a burst of arrivals a die that polled just before its requests came
+            # otherwise ran its first busy iteration empty, which doubled their TTFT.
+            self.inbox.poll()
         self.eplb.at_boundary(
             self.eplb_agreed
         )  # §4.5 Step 3: replica swap phases, at a boundary all agree on

@@ -89,10 +89,10 @@ class Inbox:
         while (message := self.comm.improbe(source=SHELL, tag=TAG_CANCEL)) is not None:
             self.early_cancels.add(message.recv())
         while (message := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
-            req = message.recv()
-            with trace.span("request", req_id=req.req_id):
-                trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell's dispatch
-                self.scheduler.add(req)
+            for req in message.recv():  # the TE-shell's turn: one message per die
+                with trace.span("request", req_id=req.req_id):
+                    trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell
+                    self.scheduler.add(req)
         # MPI orders messages of one tag only: a cancel may be matched before its request.
         # It waits for it here (one that came after its request finished waits for ever: an id).
         for req_id in list(self.early_cancels):

@@ -1,7 +1,8 @@
 """Control-plane messages between the TE-shell and the dies (the VPC plane: two-sided MPI).
 
-TE-shell -> die: TAG_REQUEST (a Request), TAG_STOP (None: finish when every die is idle),
-TAG_CANCEL (a req_id: drop it and free its KV; serve's cancelled requests).
+TE-shell -> die: TAG_REQUEST (a list of Requests: those of one TE-shell turn), TAG_STOP (None:
+finish when every die is idle), TAG_CANCEL (a req_id: drop it and free its KV; serve's
+cancelled requests).
 die -> TE-shell: TAG_TOKENS (TokenBatch, the output shortcut), TAG_REPORT (DieReport, once at
 the end).
 """

@@ -192,7 +192,12 @@ class Frontend:
         phases.end("detector closed")
 
     def _dispatch_arrived(self) -> int:
+        """Hand the requests that have arrived to DP groups: one message per die per turn, so
+        that a die takes a burst of arrivals in one poll (one request per message let a die
+        start an iteration between two of its requests, and the second waited a whole
+        iteration for its prefill)."""
         now, num = time.time() - self.started, 0
+        to: dict[int, list] = {}
         while self.queue and self.queue[0].arrival_s <= now:
             group = self.balancer.pick(self.queue[0])
             if group is None:
@@ -202,10 +207,13 @@ class Frontend:
             record = self.records[req.req_id]
             record.die_rank, record.dispatched_at = group, time.time()
             record.dispatched_vtime = self.vclock_of.get(group, 0.0)
-            with trace.span("request", req_id=req.req_id, die=group):
-                trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
-                self.sends.append(self.comm.isend(req, dest=group, tag=TAG_REQUEST))
+            to.setdefault(group, []).append(req)
             num += 1
+        for group, reqs in to.items():
+            for req in reqs:
+                with trace.span("request", req_id=req.req_id, die=group):
+                    trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
+            self.sends.append(self.comm.isend(reqs, dest=group, tag=TAG_REQUEST))
         return num
 
     def take_tokens(self) -> int:
