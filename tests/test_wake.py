@@ -39,3 +39,16 @@ def test_without_a_decision_the_environment_decides(monkeypatch):
 def test_an_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"xccl.wait must be one of \['auto', 'sleep', 'spin'\]"):
         wake.set_wait_mode("nap", local_ranks=1)
+
+
+def test_a_doze_sleeps_longer_the_more_ranks_share_a_core(monkeypatch):
+    from xccl.wake import Doze, doze_cap_s
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert doze_cap_s(1) == 0.001  # never under 1 ms
+    assert doze_cap_s(5) == 0.0005 * 5 / 2  # the main job: 1.25 ms, not 20
+    assert doze_cap_s(65) == 0.0005 * 65 / 2
+    assert doze_cap_s(289) == Doze.LAST_S  # pod width: 20 ms at most
+    monkeypatch.setattr("xccl.wake._doze_cap", None)
+    monkeypatch.setenv("MPI_LOCALNRANKS", "9")
+    assert Doze().last_s == 0.0005 * 9 / 2  # unset by set_wait_mode: MPI's local rank count

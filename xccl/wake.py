@@ -115,15 +115,18 @@ def poll_until(
 class Doze:
     """The pause between two polls of a wait that is not on a die's critical path (the control
     plane, the ranks meeting at start and end): yield for the first YIELD_S, then sleep, from
-    0.5 ms doubling to 20 ms, until `reset` (progress was made). With 289 ranks on 2 cores, ranks
+    0.5 ms doubling to `doze_cap_s` (1-20 ms, by how many ranks share a core), until `reset`
+    (progress was made). With 289 ranks on 2 cores, ranks
     that yield-spin while they wait for the TE-shell (or sit in one of MPICH's blocking
     collectives, which poll at full speed) take most of the CPU the others need: ep288 spent over
     5 minutes between its last token and its summary."""
 
     YIELD_S = 0.001
     FIRST_S, LAST_S = 0.0005, 0.02
+    PER_RANK_S = 0.0005  # the longest sleep per rank a core runs (between 1 ms and LAST_S)
 
     def __init__(self) -> None:
+        self.last_s = _doze_cap if _doze_cap is not None else doze_cap_s()
         self.reset()
 
     def reset(self) -> None:
@@ -133,8 +136,22 @@ class Doze:
         if time.monotonic() - self.since < self.YIELD_S:
             os.sched_yield()
             return
-        self.sleep_s = min(2 * self.sleep_s, self.LAST_S) if self.sleep_s else self.FIRST_S
+        self.sleep_s = min(2 * self.sleep_s, self.last_s) if self.sleep_s else self.FIRST_S
         time.sleep(self.sleep_s)
+
+
+def doze_cap_s(local_ranks: int | None = None) -> float:
+    """A doze's longest sleep: 0.5 ms per rank a core of this node runs, from 1 ms to 20 ms.
+    A rank wakes up to one sleep late, and a meeting (an Ibarrier) takes a few rounds of
+    messages that each wait for a rank to wake and test: at 20 ms the main job's 5 ranks on 2
+    cores took about 45 ms to free a window they had all reached within 11 ms. At 289 ranks
+    on 2 cores the sleeps stay long, where they keep the waiters off the cores."""
+    if local_ranks is None:
+        local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+        local_ranks = int(local or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_core = local_ranks / max(1, cores or 1)
+    return min(Doze.LAST_S, max(0.001, Doze.PER_RANK_S * per_core))
 
 
 def quiet_barrier(comm: MPI.Comm, *, what: str, timeout_s: float = 600.0) -> None:
@@ -174,6 +191,7 @@ def _libc():
 
 _LIBC = _libc()
 _sleeps: bool | None = None  # set_wait_mode's decision for this process
+_doze_cap: float | None = None  # set_wait_mode's longest doze (doze_cap_s) for this process
 
 
 def futex_available() -> bool:
@@ -184,8 +202,9 @@ def futex_available() -> bool:
 def set_wait_mode(mode: str, *, local_ranks: int) -> bool:
     """Decide once per process (launch/rank.py, before any window) whether waits may sleep;
     local_ranks: ranks on this node. Returns the decision."""
-    global _sleeps
+    global _sleeps, _doze_cap
     _sleeps = _resolve(check_wait_mode(mode), local_ranks)
+    _doze_cap = doze_cap_s(local_ranks)  # before pinning narrows the cores, as the decision
     return _sleeps
 
 
