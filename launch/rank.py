@@ -1,9 +1,9 @@
 """Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]`.
 
-Every rank loads the config, builds the deployment plan for the communicator's size (the same
-checks as `xds-mpi validate`), and runs the program ranks/ registers for its role. Run it under
-`python -m mpi4py` so that an exception on one rank aborts the whole job instead of leaving the
-others waiting.
+Every rank loads the config, builds the deployment plan for the communicator's size (the checks
+of `xds-mpi validate` but the checkpoint's and the workload's, which the launcher made), and runs
+the program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception
+on one rank aborts the whole job instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     mark_loaded(comm.rank)  # the launcher counts these during a long start-up
     cfg = load_config(args.config, args.set)
-    plan = DeploymentPlan.build(cfg, comm.size, check_files=False)  # checked before launch
+    plan = DeploymentPlan.build(cfg, comm.size, launcher_checks=False)  # made before launch
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
