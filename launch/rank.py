@@ -20,7 +20,7 @@ from mpi4py import MPI
 from launch.log import setup_logging
 from launch.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
-from xccl.gmem_paths import set_memory_path
+from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi import emulator_runtime
 from xds_mpi.config.schema import load_config
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     quiet_barrier(comm, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     node_leader = node.allreduce(comm.rank, op=MPI.MIN)
+    set_node_leader(node_leader)  # every window this rank makes learns its peers' nodes from it
     set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
     core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
     node.Free()
