@@ -28,8 +28,16 @@ BUILT_BY_DIES = (
 # hashlib: OpenSSL's load, ~5 ms (the config digest is a CRC-32; the EMS namespace imports it
 # where EMS runs). numpy.random: ~10-15 ms (only the TE-shell reads the workload; a die draws
 # random numbers only for random weights, sampling temperature or a fault rate). argparse: ~9 ms
-# with its parser (launch/rank.py parses its two kinds of argument by hand).
-KEPT_OUT = ("argparse", "hashlib", "numpy.random")
+# with its parser (launch/rank.py parses its two kinds of argument by hand). A colocated die's
+# EPLB side and its count records: ~5 ms, imported only with eplb.enabled
+# (ranks/colocated/eplb_hooks.py).
+KEPT_OUT = (
+    "argparse",
+    "hashlib",
+    "numpy.random",
+    "ranks.colocated.eplb",
+    "xds_mpi.eplb.records",
+)
 
 
 def test_a_die_imports_plans_and_greets_without_what_it_does_not_use():
