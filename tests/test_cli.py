@@ -143,6 +143,27 @@ def test_the_rank_entry_refuses_other_arguments_with_its_usage(argv, message):
     assert str(stop.value) == f"{USAGE}\nlaunch.rank: {message}"
 
 
+def test_the_handshake_digest_tells_configs_that_differ_in_one_value_apart():
+    """ranks/core/context.py config_digest (a CRC-32 of the config as JSON): equal for equal
+    configs, different for each single changed value."""
+    import logging
+
+    from ranks.core.context import RankContext
+    from xds_mpi.config.schema import config_from_dict
+    from xds_mpi.plan.deployment import DeploymentPlan
+
+    def digest(*sets: str) -> str:
+        plan = DeploymentPlan.build(config_from_dict({}, sets), launcher_checks=False)
+        return RankContext(
+            plan=plan, comm=None, log=logging.getLogger(), node_leader=0
+        ).config_digest()
+
+    changed = ["model.seed=1", "run.name=other", "xccl.poll_timeout_s=31", "workload.seed=1"]
+    digests = [digest(), digest(), *(digest(one) for one in changed)]
+    assert digests[0] == digests[1]
+    assert len(set(digests)) == 1 + len(changed)
+
+
 def test_the_rank_entry_refuses_a_wrong_world_size_on_every_rank():
     from harness import run_mpi
 
