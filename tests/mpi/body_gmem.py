@@ -120,12 +120,15 @@ def _no_node_split(comm):
 def test_a_window_learns_its_peers_nodes_from_the_known_leaders(monkeypatch, memory_path):
     """With every rank's node leader known (launch/rank.py: set_node_leader) a window takes its
     peers' nodes from its one allgather, without a node split. Here the ranks pretend to sit two
-    to a node, so a wrong table shows: load/store to the partner only, RMA to the rest, and a
-    word written by every rank still reaches every other one."""
-    monkeypatch.setattr(gmem_paths, "_world_node_leader", comm.rank // 2 * 2)
+    to a node (within their real node: a pretended node never spans two), so a wrong table
+    shows: load/store to the partner only, RMA to the rest, and a word written by every rank
+    still reaches every other one."""
+    real = gmem_paths.same_node_table(comm, [None] * comm.size)
+    pretended = gmem_paths.node_leader(comm) * comm.size + comm.rank // 2
+    monkeypatch.setattr(gmem_paths, "_world_node_leader", pretended)
     monkeypatch.setattr(gmem_paths, "node_leader", _no_node_split)
     window = DieMemory(comm, 8 * comm.size, memory_path=memory_path)
-    expected = tuple(peer // 2 == comm.rank // 2 for peer in range(comm.size))
+    expected = tuple(real[peer] and peer // 2 == comm.rank // 2 for peer in range(comm.size))
     assert window.is_same_node == expected
     if memory_path == "auto" and "MPICH" in MPI.Get_library_version():
         assert tuple(v is not None for v in window.views) == expected, window.describe_paths()
