@@ -1,14 +1,13 @@
 """Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]`.
 
-Every rank loads the config, builds the deployment plan for the communicator's size (the same
-checks as `xds-mpi validate`), and runs the program ranks/ registers for its role. Run it under
-`python -m mpi4py` so that an exception on one rank aborts the whole job instead of leaving the
-others waiting.
+Every rank loads the config, builds the deployment plan for the communicator's size (the checks
+of `xds-mpi validate` but the checkpoint's and the workload's, which the launcher made), and runs
+the program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception
+on one rank aborts the whole job instead of leaving the others waiting.
 """
 
 from __future__ import annotations
 
-import argparse
 import faulthandler
 import json
 import os
@@ -20,12 +19,14 @@ from mpi4py import MPI
 from launch.log import setup_logging
 from launch.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
-from xccl.gmem_paths import set_memory_path
+from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi import emulator_runtime
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report import trace
+
+USAGE = "usage: python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]"
 
 
 def write_rank_stats(rank: int, role: str, core: int | None) -> None:
@@ -46,15 +47,38 @@ def write_rank_stats(rank: int, role: str, core: int | None) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(stats))
 
 
+def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+    """(CONFIG, the --set values) from the arguments launch/mpiexec.py `rank_program` writes.
+    By hand, not argparse: its import and parser cost every rank ~9 ms of start-up CPU (gettext
+    looks up a translation for each of its messages)."""
+    config, overrides = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            sys.exit(0)
+        if arg.startswith("--set="):
+            overrides.append(arg.removeprefix("--set="))
+        elif arg == "--set":
+            value = next(args, None)
+            if value is None:
+                sys.exit(f"{USAGE}\nlaunch.rank: --set needs SECTION.KEY=VALUE")
+            overrides.append(value)
+        elif arg.startswith("-") or config is not None:
+            sys.exit(f"{USAGE}\nlaunch.rank: unrecognized argument {arg!r}")
+        else:
+            config = arg
+    if config is None:
+        sys.exit(f"{USAGE}\nlaunch.rank: a CONFIG is required")
+    return config, overrides
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="launch.rank", description=__doc__)
-    parser.add_argument("config")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    args = parser.parse_args(argv)
+    config, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD
     mark_loaded(comm.rank)  # the launcher counts these during a long start-up
-    cfg = load_config(args.config, args.set)
-    plan = DeploymentPlan.build(cfg, comm.size, check_files=False)  # checked before launch
+    cfg = load_config(config, overrides)
+    plan = DeploymentPlan.build(cfg, comm.size, launcher_checks=False)  # made before launch
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
@@ -63,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     quiet_barrier(comm, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     node_leader = node.allreduce(comm.rank, op=MPI.MIN)
+    set_node_leader(node_leader)  # every window this rank makes learns its peers' nodes from it
     set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
     core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
     node.Free()

@@ -114,6 +114,56 @@ def test_the_rank_entry_runs_under_plain_mpiexec():
     assert "all 5 ranks agree" in result.output
 
 
+@pytest.mark.parametrize("overrides", [[], ["run.name=a b", "model.top_k=2"], ["x.y=--set"]])
+def test_the_rank_entry_reads_back_what_the_launcher_writes(overrides):
+    """launch/mpiexec.py rank_program -> launch/rank.py parse_args is a round trip."""
+    from launch.mpiexec import rank_program
+    from launch.rank import parse_args
+
+    program = rank_program("configs/colocated.yaml", overrides)
+    assert program[:5] == [sys.executable, "-m", "mpi4py", "-m", "launch.rank"]
+    assert parse_args(program[5:]) == ("configs/colocated.yaml", overrides)
+    assert parse_args(["c.yaml", "--set=a.b=1"]) == ("c.yaml", ["a.b=1"])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "a CONFIG is required"),
+        (["c.yaml", "--set"], "--set needs SECTION.KEY=VALUE"),
+        (["c.yaml", "d.yaml"], "unrecognized argument 'd.yaml'"),
+        (["c.yaml", "--sett", "a.b=1"], "unrecognized argument '--sett'"),
+    ],
+)
+def test_the_rank_entry_refuses_other_arguments_with_its_usage(argv, message):
+    from launch.rank import USAGE, parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(argv)
+    assert str(stop.value) == f"{USAGE}\nlaunch.rank: {message}"
+
+
+def test_the_handshake_digest_tells_configs_that_differ_in_one_value_apart():
+    """ranks/core/context.py config_digest (a CRC-32 of the config as JSON): equal for equal
+    configs, different for each single changed value."""
+    import logging
+
+    from ranks.core.context import RankContext
+    from xds_mpi.config.schema import config_from_dict
+    from xds_mpi.plan.deployment import DeploymentPlan
+
+    def digest(*sets: str) -> str:
+        plan = DeploymentPlan.build(config_from_dict({}, sets), launcher_checks=False)
+        return RankContext(
+            plan=plan, comm=None, log=logging.getLogger(), node_leader=0
+        ).config_digest()
+
+    changed = ["model.seed=1", "run.name=other", "xccl.poll_timeout_s=31", "workload.seed=1"]
+    digests = [digest(), digest(), *(digest(one) for one in changed)]
+    assert digests[0] == digests[1]
+    assert len(set(digests)) == 1 + len(changed)
+
+
 def test_the_rank_entry_refuses_a_wrong_world_size_on_every_rank():
     from harness import run_mpi
 

@@ -37,6 +37,7 @@ from xccl.gmem_paths import (
     check_memory_path,
     default_memory_path,
     describe_paths,
+    known_node_leader,
     peer_views,
     same_node_table,
 )
@@ -84,7 +85,8 @@ class DieMemory:
         self.rank = comm.rank
         self.nbytes = nbytes
         quiet_barrier(comm, what="window allocation")  # the ranks built at different times
-        self.sizes = tuple(comm.allgather(nbytes))
+        peers = comm.allgather((nbytes, known_node_leader()))
+        self.sizes = tuple(size for size, _ in peers)
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
         self._win = timed(self.win)  # every data, flag and sync call goes through it
@@ -94,7 +96,7 @@ class DieMemory:
         self._zero_except(unzeroed)
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
-        self.is_same_node = same_node_table(comm)
+        self.is_same_node = same_node_table(comm, [node for _, node in peers])
         self.memory_path = check_memory_path(memory_path or default_memory_path())
         # Per peer: its window as a load/store array, or None (RMA); and its words.
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)

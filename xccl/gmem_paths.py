@@ -27,12 +27,28 @@ MEMORY_PATH_ENV = "XDS_MEMORY_PATH"
 LOAD_STORE, RMA = "load/store", "rma"
 
 _default_path: MemoryPath | None = None
+# The lowest world rank on this process's memory node, once the rank's entry has found it
+# (set_node_leader). A window then learns its peers' nodes from the allgather it makes anyway
+# instead of a node split of its own: three collectives fewer per window, each a few ms of CPU
+# spent polling at start-up while the ranks share the cores.
+_world_node_leader: int | None = None
 
 
 def set_memory_path(path: MemoryPath) -> None:
     """The path every window this process creates later uses unless told otherwise."""
     global _default_path
     _default_path = check_memory_path(path)
+
+
+def set_node_leader(world_rank: int) -> None:
+    """This process's node, as the lowest world rank sharing it (MPI_COMM_TYPE_SHARED)."""
+    global _world_node_leader
+    _world_node_leader = world_rank
+
+
+def known_node_leader() -> int | None:
+    """What set_node_leader was told, None until then."""
+    return _world_node_leader
 
 
 def default_memory_path() -> MemoryPath:
@@ -76,11 +92,17 @@ def node_leader(comm: MPI.Comm) -> int:
     return leader
 
 
-def same_node_table(comm: MPI.Comm) -> tuple[bool, ...]:
-    """For each rank of `comm`: does it share this rank's node (and so its memory)?"""
-    leader = node_leader(comm)
-    leaders = comm.allgather(leader)
-    return tuple(other == leader for other in leaders)
+def same_node_table(comm: MPI.Comm, known: list[int | None]) -> tuple[bool, ...]:
+    """Collective. For each rank of `comm`: does it share this rank's node (and so its memory)?
+    known: every rank's known_node_leader(), as the caller allgathered them; where one is
+    missing (a process that never called set_node_leader) the ranks find the nodes with a node
+    split, all of them alike since they all see the same list."""
+    if None in known:
+        leader = node_leader(comm)
+        known = comm.allgather(leader)
+    else:
+        leader = known[comm.rank]
+    return tuple(other == leader for other in known)
 
 
 def describe_paths(views: tuple[np.ndarray | None, ...]) -> str:

@@ -10,7 +10,7 @@ computed full blocks are put, sent without waiting (ranks/core/ems_client.py).
 
 from __future__ import annotations
 
-from ranks.colocated.eplb import make_eplb_die
+from ranks.colocated.eplb_hooks import make_eplb_die
 from ranks.core.context import RankContext
 from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve

@@ -230,29 +230,3 @@ class EplbDie:
             time.sleep(0.0005)
         while (message := self.comm.improbe(source=SHELL, tag=TAG_EPLB_PLACEMENT)) is not None:
             message.recv()
-
-
-class NoEplb:
-    """EPLB disabled: the die's hooks do nothing."""
-
-    def boundary_values(self) -> tuple[int, int]:
-        return (0, 1)
-
-    def at_boundary(self, agreed: tuple[int, int]) -> None:
-        pass
-
-    def after_iteration(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def take_over(self, placement, version: int) -> None:
-        raise AssertionError("no EPLB: a failover carries no EPLB placement")
-
-
-def make_eplb_die(cfg, comm: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:
-    return EplbDie(cfg, comm, executor, pricer) if cfg.eplb.enabled else NoEplb()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from xccl import records
+from xccl import gmem_paths, records
 from xccl.gmem import DieMemory
 from xccl.gmem_paths import LOAD_STORE
 from xccl.records import ROWS_RECORD, Expected, RecordAt
@@ -110,3 +110,45 @@ def test_get_and_fetch_see_a_peers_stores(mem):
         deadline=time.monotonic() + 10,
         describe=lambda: "ack word",
     )
+
+
+def _no_node_split(comm):
+    raise AssertionError("a window made a node split although every rank's node was known")
+
+
+@pytest.mark.parametrize("memory_path", ["auto", "rma"])
+def test_a_window_learns_its_peers_nodes_from_the_known_leaders(monkeypatch, memory_path):
+    """With every rank's node leader known (launch/rank.py: set_node_leader) a window takes its
+    peers' nodes from its one allgather, without a node split. Here the ranks pretend to sit two
+    to a node (within their real node: a pretended node never spans two), so a wrong table
+    shows: load/store to the partner only, RMA to the rest, and a word written by every rank
+    still reaches every other one."""
+    real = gmem_paths.same_node_table(comm, [None] * comm.size)
+    pretended = gmem_paths.node_leader(comm) * comm.size + comm.rank // 2
+    monkeypatch.setattr(gmem_paths, "_world_node_leader", pretended)
+    monkeypatch.setattr(gmem_paths, "node_leader", _no_node_split)
+    window = DieMemory(comm, 8 * comm.size, memory_path=memory_path)
+    expected = tuple(real[peer] and peer // 2 == comm.rank // 2 for peer in range(comm.size))
+    assert window.is_same_node == expected
+    if memory_path == "auto" and "MPICH" in MPI.Get_library_version():
+        assert tuple(v is not None for v in window.views) == expected, window.describe_paths()
+    for peer in range(comm.size):
+        window.store_word(peer, 8 * comm.rank, 100 + comm.rank)
+    window.flush_all()
+    comm.Barrier()
+    for writer in range(comm.size):
+        assert window.load_word(8 * writer, writer) == 100 + writer
+    comm.Barrier()
+    window.free()
+
+
+def test_a_rank_that_knows_no_node_makes_every_rank_split(monkeypatch):
+    """One rank without a known node leader (rank 1; e.g. a process that did not start through
+    launch/rank.py): all ranks fall back to the node split alike, none waits for the others."""
+    leader = gmem_paths.node_leader(comm)
+    known = None if comm.rank == 1 else leader
+    monkeypatch.setattr(gmem_paths, "_world_node_leader", known)
+    window = DieMemory(comm, 8)
+    assert window.is_same_node == tuple(gmem_paths.same_node_table(comm, [None] * comm.size))
+    comm.Barrier()
+    window.free()

@@ -50,13 +50,16 @@ class DeploymentPlan:
 
     @classmethod
     def build(
-        cls, cfg: Config, world_size: int | None = None, *, check_files: bool = True
+        cls, cfg: Config, world_size: int | None = None, *, launcher_checks: bool = True
     ) -> DeploymentPlan:
         """Derive the plan; world_size: the communicator's size (None: what the config needs).
-        check_files: open the checkpoint to check its tensors' shapes. The launcher does (before
-        launch: every rank would die loading it); the ranks do not (each would open the file and
-        walk its tensors again, and a die's own load checks the shapes it reads)."""
-        if check_files:
+        launcher_checks: open the checkpoint to check its tensors' shapes, and make or read the
+        workload to refuse one of which no request can be served. The launcher does (before
+        launch: every rank would die loading the checkpoint, the job would serve nothing); the
+        ranks do not (each would open the file and walk its tensors again, a die's own load
+        checks the shapes it reads, and only the TE-shell reads the workload: every rank
+        generating it cost numpy.random's import and a pass over the requests)."""
+        if launcher_checks:
             check_checkpoint(cfg.model)
         topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
         check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
@@ -79,7 +82,8 @@ class DeploymentPlan:
         if ems is not None and any(windows[r] for r in ems.pool):
             raise ConfigError(f"ems: pool ranks {list(ems.pool)} must hold no p2p ring")
         windows = ems_window_bytes(ems, windows)
-        check_workload(cfg, topo)
+        if launcher_checks:
+            check_workload(cfg, topo)
         return cls(
             cfg=cfg,
             topo=topo,

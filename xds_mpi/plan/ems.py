@@ -13,10 +13,7 @@ one-sidedly and check a payload against its record.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-
-import yaml
 
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.kv_memory import token_layer_bytes
@@ -84,6 +81,10 @@ def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
     if not ems.enabled:
         return None
     check_ems(cfg, topo)
+    import hashlib  # the namespace's digest: every rank builds the plan, few run the EMS
+
+    import yaml
+
     model, sched = cfg.model, cfg.scheduler
     token_bytes = model.num_layers * token_layer_bytes(
         model, itemsize=MODEL_ITEMSIZE, kv_int8=sched.kv_int8

@@ -21,13 +21,15 @@ sends its KV to decode.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from xccl.layout import P2PLayout
 from xccl.moe_layout import EpLayout
-from xccl.tp_gather import TpLayout
 from xds_mpi.config.schema import Config, ConfigError
-from xds_mpi.plan.kv_link import check_kv_links
 from xds_mpi.plan.topology import Topology
+
+if TYPE_CHECKING:  # imported where PD runs: every rank builds the plan, most without PD
+    from xccl.tp_gather import TpLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +80,8 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     _refuse(cfg, prefill)
     _refuse_tp(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
+    from xds_mpi.plan.kv_link import check_kv_links  # PD runs (see TYPE_CHECKING above)
+
     check_kv_links(cfg, topo, prefill, decode)
     tes = split(prefill, cfg.pd.num_prefill_tes)
     eps = tuple(
@@ -114,6 +118,8 @@ def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[T
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
+    from xccl.tp_gather import TpLayout  # prefill TP groups run (see TYPE_CHECKING above)
+
     share = -(-cfg.xccl.max_tokens_per_die // tp)
     down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim
     heads = (model.num_heads // tp) * model.kv_lora_rank
