@@ -19,12 +19,15 @@ BUILT_BY_DIES = (
     "xds_mpi.engine.attention_executor",
     "xds_mpi.engine.slots",
     "xds_mpi.model.weights",
+    "xds_mpi.projection.cost",
 )
 # Out of every die: hashlib, OpenSSL's load, ~5 ms (the config digest is a CRC-32; the EMS
 # namespace imports it where EMS runs); numpy.random, ~10-15 ms (only the TE-shell reads the
 # workload; a die draws random numbers only for random weights, sampling temperature or a fault
-# rate); argparse, ~9 ms with its parser (launch/rank.py parses its two arguments by hand).
-NEVER = ("argparse", "hashlib", "numpy.random")
+# rate); argparse, ~9 ms with its parser (launch/rank.py parses its two arguments by hand);
+# statistics, ~5 ms with fractions and decimal (the pricer's normal quantile is
+# xds_mpi/projection/normal.py; only the TE-shell's start-up line takes a median).
+NEVER = ("argparse", "hashlib", "numpy.random", "statistics")
 # Out of a colocated die without EPLB or PD: its EPLB side and count records, ~5 ms
 # (ranks/colocated/eplb_hooks.py); a prefill TP group's layout and the KV links' check, ~3 ms
 # (xds_mpi/plan/pd.py imports them where PD runs).

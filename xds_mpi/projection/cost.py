@@ -28,12 +28,12 @@ end-to-end number (docs/design.md, "Calibration and validation")"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import NormalDist
 
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
+from xds_mpi.projection.normal import normal_quantile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -263,7 +263,7 @@ def expected_max_z(n: int) -> float:
     """E[max of n standard normal draws] (Blom's approximation); 0 for a single die."""
     if n <= 1:
         return 0.0
-    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+    return normal_quantile((n - 0.375) / (n + 0.25))
 
 
 @dataclass(frozen=True, kw_only=True)
