@@ -21,7 +21,7 @@ from pathlib import Path
 
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
-from launch.startup import compile_rank_code, unpack_weights
+from launch.startup import compile_rank_code, rank_config, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
@@ -42,12 +42,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan = DeploymentPlan.build(load_config(path, sets), args.np)
     cfg = plan.cfg
     _check_address(cfg.serve.host, cfg.serve.port)
-    command = mpi_command(
-        plan.topo.world_size,
-        rank_program(path, sets),
-        timeout_s=cfg.run.timeout_s,
-        mpiexec=args.mpiexec,
-    )
     print(
         f"xds-mpi: serving {cfg.serve.model} on {plan.topo.world_size} ranks "
         f"({plan.topo.summary()}) until SIGINT/SIGTERM",
@@ -55,6 +49,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model.weights, cfg.run.output_dir)
+    command = mpi_command(
+        plan.topo.world_size,
+        rank_program(*rank_config(path, sets, cfg)),  # the ranks read it without PyYAML
+        timeout_s=cfg.run.timeout_s,
+        mpiexec=args.mpiexec,
+    )
     with tempfile.TemporaryDirectory(prefix="xds-serve-") as tmp:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards

@@ -53,6 +53,24 @@ def unpack_weights(weights: str, output_dir: str) -> None:
         print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
 
 
+def rank_config(path: Path, overrides: list[str], cfg) -> tuple[str, list[str]]:
+    """What each rank is handed: (the config resolved for the ranks, no --set values)
+    (xds_mpi/config/resolved.py), or the YAML file and its --set values where that cannot be
+    written or holds a value JSON cannot (a line says which)."""
+    from xds_mpi.config.resolved import write_resolved
+
+    try:
+        resolved = write_resolved(cfg.run.output_dir, path, overrides, cfg)
+    except OSError as exc:
+        resolved, why = None, str(exc)
+    else:
+        why = "a value JSON cannot hold"
+    if resolved is None:
+        print(f"xds-mpi: the ranks read {path} with PyYAML (no resolved copy: {why})")
+        return str(path), list(overrides)
+    return str(resolved), []
+
+
 def mark_loaded(rank: int) -> None:
     """A rank's imports are done (called by launch/rank.py)."""
     where = os.environ.get(STARTUP_ENV)

@@ -3,17 +3,23 @@
 Schema-agnostic: `xds_mpi.config.schema` declares the sections and binds these functions to its root
 `Config`. Every mapping that becomes a dataclass (a section, a `--set` key, a fault-table row)
 passes the same unknown-key check, and every value the same type check.
+
+PyYAML is imported where a text is parsed, not here: its import costs ~25 ms of CPU, and a rank
+the launcher handed its config resolved (xds_mpi/config/resolved.py) parses no YAML at all.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
 from pathlib import Path
 from typing import Literal
 
-import yaml
+# YAML texts already parsed, text -> value: what the launcher parsed for the ranks
+# (xds_mpi/config/resolved.py `read_resolved` fills it). The same text parses to the same value.
+_PARSED: dict[str, object] = {}
 
 
 class ConfigError(ValueError):
@@ -103,8 +109,8 @@ def parse_override(text: str) -> tuple[str, str, object]:
     if not sep or not dot or not section or not key:
         raise ConfigError(f"--set expects section.key=value, got {text!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except yaml_module().YAMLError as exc:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
     return section, key, value
 
@@ -129,9 +135,9 @@ def _apply_overrides(
             merged[section][key] = value
 
 
-def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = ()):
-    """Dataclass `root` (one field per section) from a parsed YAML mapping plus
-    `section.key=value` overrides."""
+def merge_overrides(root: type, data: dict | None, overrides: typing.Sequence[str] = ()) -> dict:
+    """A parsed YAML mapping with `section.key=value` overrides applied (a new mapping), its
+    sections and overridden keys checked against dataclass `root`."""
     sections: dict[str, type] = typing.get_type_hints(root)
     data = {} if data is None else data
     if not isinstance(data, dict):
@@ -143,6 +149,14 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
     _apply_overrides(sections, merged, overrides)
     for name in merged:
         _check_section(sections, name)
+    return merged
+
+
+def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = ()):
+    """Dataclass `root` (one field per section) from a parsed YAML mapping plus
+    `section.key=value` overrides."""
+    sections: dict[str, type] = typing.get_type_hints(root)
+    merged = merge_overrides(root, data, overrides)
     return root(
         **{
             name: build_record(sections[name], values, name, f"section {name!r}")
@@ -151,23 +165,47 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
     )
 
 
+def yaml_module():
+    """PyYAML, imported when first needed (also by an `except` clause, evaluated only when an
+    exception is raised)."""
+    import yaml
+
+    return yaml
+
+
+def remember_parsed(parsed: dict[str, object]) -> None:
+    """Texts and the values they parse to (the launcher's, xds_mpi/config/resolved.py):
+    `parse_yaml` returns a copy of the value for such a text instead of parsing it."""
+    _PARSED.update(parsed)
+
+
 def parse_yaml(text: str):
     """yaml.safe_load through libyaml when PyYAML has it (~8x faster; every rank reads its config,
-    model preset and hardware profile at start-up), else PyYAML's own loader: the same values."""
+    model preset and hardware profile at start-up), else PyYAML's own loader: the same values.
+    A text `remember_parsed` was given is not parsed again: a copy of its value."""
+    if text in _PARSED:
+        return copy.deepcopy(_PARSED[text])
+    yaml = yaml_module()
     return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
-def read_root(root: type, path: str | Path, overrides: typing.Sequence[str] = ()):
-    """Read a YAML file into dataclass `root` and apply `--set` overrides; errors name the file."""
-    path = Path(path)
+def read_yaml(path: Path) -> tuple[str, object]:
+    """A YAML file's text and value; ConfigError names the file when it cannot be read or is not
+    YAML."""
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config {str(path)!r}: {exc.strerror}") from None
     try:
-        data = parse_yaml(text)
-    except yaml.YAMLError as exc:
+        return text, parse_yaml(text)
+    except yaml_module().YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+
+
+def read_root(root: type, path: str | Path, overrides: typing.Sequence[str] = ()):
+    """Read a YAML file into dataclass `root` and apply `--set` overrides; errors name the file."""
+    path = Path(path)
+    _, data = read_yaml(path)
     try:
         return build_root(root, data, overrides)
     except ConfigError as exc:

@@ -25,8 +25,9 @@ def available_presets() -> list[str]:
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
-def load_model_preset(name_or_path: str | Path) -> ModelConfig:
-    """A preset name in configs/model/ (e.g. "tiny", "deepseek_v3") or a YAML file path."""
+def preset_path(name_or_path: str | Path) -> Path:
+    """The file of a preset name in configs/model/ (e.g. "tiny", "deepseek_v3") or a YAML file
+    path."""
     path = Path(name_or_path)
     if not path.is_file():
         path = presets_dir() / f"{str(name_or_path).removesuffix('.yaml')}.yaml"
@@ -35,6 +36,12 @@ def load_model_preset(name_or_path: str | Path) -> ModelConfig:
             f"model preset {str(name_or_path)!r} is neither a file nor a name in "
             f"{presets_dir()} (known: {', '.join(available_presets())})"
         )
+    return path
+
+
+def load_model_preset(name_or_path: str | Path) -> ModelConfig:
+    """A preset name in configs/model/ (e.g. "tiny", "deepseek_v3") or a YAML file path."""
+    path = preset_path(name_or_path)
     data = parse_yaml(path.read_text())
     if not isinstance(data, dict) or set(data) != {"model"}:
         raise ConfigError(

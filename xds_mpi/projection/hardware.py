@@ -10,12 +10,18 @@ from xds_mpi.config.schema import ConfigError
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "configs" / "hardware"
 
 
-def load_profile(name: str) -> dict:
-    """A profile by name (configs/hardware/<name>.yaml) or by path."""
+def profile_path(name: str) -> Path:
+    """The file of a profile name (configs/hardware/<name>.yaml) or path."""
     path = Path(name) if name.endswith(".yaml") else PROFILE_DIR / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in PROFILE_DIR.glob("*.yaml")))
         raise ConfigError(f"hardware.profile {name!r}: no such profile (known: {known})")
+    return path
+
+
+def load_profile(name: str) -> dict:
+    """A profile by name (configs/hardware/<name>.yaml) or by path."""
+    path = profile_path(name)
     profile = parse_yaml(path.read_text())
     for section, keys in REQUIRED.items():
         missing = [k for k in keys if k not in profile.get(section, {})]
