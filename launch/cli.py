@@ -29,7 +29,7 @@ from launch import (
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.report import rank_map
-from launch.startup import StartupWatch, compile_rank_code, rank_config, unpack_weights
+from launch.startup import StartupWatch, compile_rank_code, resolve_for_ranks, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -119,14 +119,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         placement=hosts.placement_flags(args.hosts, plan, args.mpiexec, dry_run=args.dry_run),
         can_fail_over=any(e.kind in ("stuck", "dead") for e in cfg.faults.events),
     )
-    if args.dry_run:  # the line with the YAML and its --set values: a dry run writes nothing
+    if args.dry_run:  # the line without --resolved: a dry run writes nothing
         print(command_for(rank_program(path, args.set)).shell_line())
         return 0
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model.weights, cfg.run.output_dir)
-    command = command_for(rank_program(*rank_config(path, args.set, cfg)))  # without PyYAML
+    resolved = resolve_for_ranks(path, args.set, cfg)  # the ranks read it without PyYAML
+    command = command_for(rank_program(path, args.set, resolved))
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     startup = StartupWatch(topo.world_size)  # the ranks' imports: silent before the TE-shell
     os.environ.update(startup.env)

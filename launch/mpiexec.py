@@ -115,11 +115,17 @@ def mpi_command(
     return MpiCommand(argv=tuple(argv) + tuple(program), env=env)
 
 
-def rank_program(config_path: str | Path, overrides: Sequence[str] = ()) -> list[str]:
-    """The per-rank command: mpi4py's runner aborts the whole job on any rank's exception."""
+def rank_program(
+    config_path: str | Path, overrides: Sequence[str] = (), resolved: Path | None = None
+) -> list[str]:
+    """The per-rank command: mpi4py's runner aborts the whole job on any rank's exception.
+    resolved: the launcher's JSON copy of the config and overrides, which the ranks read instead
+    when they find it (xds_mpi/config/resolved.py)."""
     program = [sys.executable, "-m", "mpi4py", "-m", "launch.rank", str(config_path)]
     for text in overrides:
         program += ["--set", text]
+    if resolved is not None:
+        program += ["--resolved", str(resolved)]
     return program
 
 

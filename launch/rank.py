@@ -1,4 +1,5 @@
-"""Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]`.
+"""Per-rank entry point: `python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]
+[--resolved FILE]` (FILE: the launcher's copy of CONFIG and its --set values as JSON).
 
 Every rank loads the config, builds the deployment plan for the communicator's size (the checks
 of `xds-mpi validate` but the checkpoint's and the workload's, which the launcher made), and runs
@@ -12,6 +13,7 @@ import faulthandler
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpi4py import MPI
@@ -22,12 +24,14 @@ from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi import emulator_runtime
-from xds_mpi.config.resolved import is_resolved, read_resolved
+from xds_mpi.config.resolved import read_resolved
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report import trace
 
-USAGE = "usage: python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...]"
+USAGE = (
+    "usage: python -m mpi4py -m launch.rank CONFIG [--set SECTION.KEY=VALUE ...] [--resolved FILE]"
+)
 
 
 def write_rank_stats(rank: int, role: str, core: int | None) -> None:
@@ -48,11 +52,18 @@ def write_rank_stats(rank: int, role: str, core: int | None) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(stats))
 
 
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
-    """(CONFIG, the --set values) from the arguments launch/mpiexec.py `rank_program` writes.
+@dataclass(frozen=True, kw_only=True)
+class RankArgs:
+    config: str  # the YAML file
+    overrides: list[str]  # its --set values
+    resolved: str | None = None  # the launcher's resolved copy of both (xds_mpi/config/resolved.py)
+
+
+def parse_args(argv: list[str]) -> RankArgs:
+    """The arguments launch/mpiexec.py `rank_program` writes.
     By hand, not argparse: its import and parser cost every rank ~9 ms of start-up CPU (gettext
     looks up a translation for each of its messages)."""
-    config, overrides = None, []
+    config, overrides, resolved = None, [], None
     args = iter(argv)
     for arg in args:
         if arg in ("-h", "--help"):
@@ -60,29 +71,40 @@ def parse_args(argv: list[str]) -> tuple[str, list[str]]:
             sys.exit(0)
         if arg.startswith("--set="):
             overrides.append(arg.removeprefix("--set="))
-        elif arg == "--set":
+        elif arg in ("--set", "--resolved"):
             value = next(args, None)
             if value is None:
-                sys.exit(f"{USAGE}\nlaunch.rank: --set needs SECTION.KEY=VALUE")
-            overrides.append(value)
+                what = "SECTION.KEY=VALUE" if arg == "--set" else "a FILE"
+                sys.exit(f"{USAGE}\nlaunch.rank: {arg} needs {what}")
+            if arg == "--set":
+                overrides.append(value)
+            else:
+                resolved = value
         elif arg.startswith("-") or config is not None:
             sys.exit(f"{USAGE}\nlaunch.rank: unrecognized argument {arg!r}")
         else:
             config = arg
     if config is None:
         sys.exit(f"{USAGE}\nlaunch.rank: a CONFIG is required")
-    return config, overrides
+    return RankArgs(config=config, overrides=overrides, resolved=resolved)
+
+
+def read_config(args: RankArgs):
+    """The launcher's resolved copy when it is there and was made of this CONFIG and these --set
+    values (read without PyYAML's ~25 ms), else the YAML file (a test body, a hand-written
+    line, a Slurm job, a host that does not see the copy)."""
+    if args.resolved is not None:
+        cfg = read_resolved(args.resolved, args.config, args.overrides)
+        if cfg is not None:
+            return cfg
+    return load_config(args.config, args.overrides)
 
 
 def main(argv: list[str] | None = None) -> None:
-    config, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD
     mark_loaded(comm.rank)  # the launcher counts these during a long start-up
-    # The launcher hands a config resolved into JSON (read without PyYAML's ~25 ms); a YAML
-    # file (a test body, a hand-written line, a Slurm job) is parsed here.
-    cfg = (
-        read_resolved(config, overrides) if is_resolved(config) else load_config(config, overrides)
-    )
+    cfg = read_config(args)
     plan = DeploymentPlan.build(cfg, comm.size, launcher_checks=False)  # made before launch
     info = plan.topo.ranks[comm.rank]
     log = setup_logging(comm.rank, info.role, cfg.run.log_level)

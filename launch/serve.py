@@ -21,7 +21,7 @@ from pathlib import Path
 
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
-from launch.startup import compile_rank_code, rank_config, unpack_weights
+from launch.startup import compile_rank_code, resolve_for_ranks, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
@@ -51,7 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     unpack_weights(cfg.model.weights, cfg.run.output_dir)
     command = mpi_command(
         plan.topo.world_size,
-        rank_program(*rank_config(path, sets, cfg)),  # the ranks read it without PyYAML
+        rank_program(path, sets, resolve_for_ranks(path, sets, cfg)),  # read without PyYAML
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
     )

@@ -53,10 +53,10 @@ def unpack_weights(weights: str, output_dir: str) -> None:
         print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
 
 
-def rank_config(path: Path, overrides: list[str], cfg) -> tuple[str, list[str]]:
-    """What each rank is handed: (the config resolved for the ranks, no --set values)
-    (xds_mpi/config/resolved.py), or the YAML file and its --set values where that cannot be
-    written or holds a value JSON cannot (a line says which)."""
+def resolve_for_ranks(path: Path, overrides: list[str], cfg) -> Path | None:
+    """The config and its --set values resolved for the ranks (xds_mpi/config/resolved.py),
+    written once per content under run.output_dir; None where that cannot be written or holds a
+    value JSON cannot (a line says which): the ranks then parse the YAML."""
     from xds_mpi.config.resolved import write_resolved
 
     try:
@@ -67,8 +67,7 @@ def rank_config(path: Path, overrides: list[str], cfg) -> tuple[str, list[str]]:
         why = "a value JSON cannot hold"
     if resolved is None:
         print(f"xds-mpi: the ranks read {path} with PyYAML (no resolved copy: {why})")
-        return str(path), list(overrides)
-    return str(resolved), []
+    return resolved
 
 
 def mark_loaded(rank: int) -> None:

@@ -118,12 +118,17 @@ def test_the_rank_entry_runs_under_plain_mpiexec():
 def test_the_rank_entry_reads_back_what_the_launcher_writes(overrides):
     """launch/mpiexec.py rank_program -> launch/rank.py parse_args is a round trip."""
     from launch.mpiexec import rank_program
-    from launch.rank import parse_args
+    from launch.rank import RankArgs, parse_args
 
     program = rank_program("configs/colocated.yaml", overrides)
     assert program[:5] == [sys.executable, "-m", "mpi4py", "-m", "launch.rank"]
-    assert parse_args(program[5:]) == ("configs/colocated.yaml", overrides)
-    assert parse_args(["c.yaml", "--set=a.b=1"]) == ("c.yaml", ["a.b=1"])
+    assert parse_args(program[5:]) == RankArgs(config="configs/colocated.yaml", overrides=overrides)
+    resolved = Path("runs/.config/c-0.resolved.json")
+    program = rank_program("configs/colocated.yaml", overrides, resolved)
+    assert parse_args(program[5:]) == RankArgs(
+        config="configs/colocated.yaml", overrides=overrides, resolved=str(resolved)
+    )
+    assert parse_args(["c.yaml", "--set=a.b=1"]) == RankArgs(config="c.yaml", overrides=["a.b=1"])
 
 
 @pytest.mark.parametrize(
@@ -131,6 +136,7 @@ def test_the_rank_entry_reads_back_what_the_launcher_writes(overrides):
     [
         ([], "a CONFIG is required"),
         (["c.yaml", "--set"], "--set needs SECTION.KEY=VALUE"),
+        (["c.yaml", "--resolved"], "--resolved needs a FILE"),
         (["c.yaml", "d.yaml"], "unrecognized argument 'd.yaml'"),
         (["c.yaml", "--sett", "a.b=1"], "unrecognized argument '--sett'"),
     ],

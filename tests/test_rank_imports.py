@@ -99,7 +99,7 @@ def test_a_rank_given_the_resolved_file_reads_its_preset_and_profiles_without_py
         "from xds_mpi.config.resolved import read_resolved\n"
         "from xds_mpi.model.shapes import cost_shape\n"
         "from xds_mpi.projection.hardware import load_profile\n"
-        f"cfg = read_resolved({str(resolved)!r})\n"
+        f"cfg = read_resolved({str(resolved)!r}, {str(path)!r}, {overrides!r})\n"
         "values = [dataclasses.asdict(cost_shape()), load_profile(cfg.hardware.profile), "
         "load_profile(cfg.pd.prefill_profile)]\n"
         "print(json.dumps({'yaml': 'yaml' in sys.modules, 'values': values}))\n"

@@ -8,7 +8,6 @@ import json
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi.config.loader import ConfigError
 from xds_mpi.config.resolved import SUFFIX, read_resolved, write_resolved
 from xds_mpi.config.schema import load_config
 
@@ -28,10 +27,18 @@ def test_a_resolved_config_is_the_yaml_with_its_overrides(tmp_path, name, overri
     cfg = load_config(path, overrides)
     resolved = write_resolved(tmp_path, path, overrides, cfg)
     assert resolved is not None and resolved.name.endswith(SUFFIX)
-    assert read_resolved(resolved) == cfg
-    # Further --set values apply on top, as on a YAML file.
-    more = ["run.log_level=debug"]
-    assert read_resolved(resolved, more) == load_config(path, [*overrides, *more])
+    assert read_resolved(resolved, path, overrides) == cfg
+
+
+def test_a_copy_made_of_another_config_or_other_overrides_or_missing_is_not_read(tmp_path):
+    """The rank then reads the YAML (launch/rank.py read_config)."""
+    path, overrides = CONFIGS / "colocated.yaml", ["run.check=true"]
+    resolved = write_resolved(tmp_path, path, overrides, load_config(path, overrides))
+    assert read_resolved(resolved, path, overrides) is not None
+    assert read_resolved(resolved, path, []) is None
+    assert read_resolved(resolved, path, [*overrides, "run.log_level=debug"]) is None
+    assert read_resolved(resolved, CONFIGS / "afd.yaml", overrides) is None
+    assert read_resolved(tmp_path / f"missing{SUFFIX}", path, overrides) is None
 
 
 def test_one_file_per_content_written_once(tmp_path):
@@ -52,21 +59,28 @@ def test_a_value_json_cannot_hold_leaves_the_ranks_the_yaml(tmp_path):
     assert write_resolved(tmp_path, path, [], load_config(CONFIGS / "colocated.yaml")) is None
 
 
-def test_a_file_that_is_not_a_resolved_config_is_refused(tmp_path):
+def test_a_file_of_another_format_is_not_read(tmp_path):
     path = tmp_path / f"x{SUFFIX}"
     path.write_text(json.dumps({"format": "something else"}))
-    with pytest.raises(ConfigError, match="not a resolved config"):
-        read_resolved(path)
+    assert read_resolved(path, CONFIGS / "colocated.yaml", []) is None
 
 
-def test_the_launcher_hands_the_ranks_the_resolved_file_or_else_the_yaml(tmp_path, capsys):
-    from launch.startup import rank_config
+def test_the_rank_reads_the_copy_it_is_named_or_else_the_yaml(tmp_path, capsys):
+    """launch/startup.py resolve_for_ranks -> launch/mpiexec.py rank_program -> launch/rank.py
+    parse_args and read_config."""
+    from launch.mpiexec import rank_program
+    from launch.rank import parse_args, read_config
+    from launch.startup import resolve_for_ranks
 
     path, overrides = CONFIGS / "colocated.yaml", ["run.check=true"]
-    out = tmp_path / "out"
-    config, sets = rank_config(path, overrides, load_config(path, [f"run.output_dir={out}"]))
-    assert config.endswith(SUFFIX) and config.startswith(str(out)) and sets == []
+    cfg = load_config(path, [*overrides, f"run.output_dir={tmp_path / 'out'}"])
+    resolved = resolve_for_ranks(path, overrides, cfg)
+    assert resolved is not None and resolved.is_relative_to(tmp_path / "out")
+    args = parse_args(rank_program(path, overrides, resolved)[5:])
+    assert args.resolved == str(resolved) and read_config(args) == load_config(path, overrides)
+    resolved.unlink()  # e.g. a host that does not see the output dir: the YAML
+    assert read_config(args) == load_config(path, overrides)
     (tmp_path / "file").write_text("")  # an output_dir that cannot be made
     cfg = load_config(path, [f"run.output_dir={tmp_path / 'file' / 'out'}"])
-    assert rank_config(path, overrides, cfg) == (str(path), overrides)
+    assert resolve_for_ranks(path, overrides, cfg) is None
     assert "the ranks read" in capsys.readouterr().out

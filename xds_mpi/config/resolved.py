@@ -2,15 +2,16 @@
 
 PyYAML's import costs every rank ~25 ms of start-up CPU (issue 33), to read small files the
 launcher has read already: the config with its `--set` values, the cost preset and the hardware
-profiles. So the launcher (`xds-mpi run`, `serve`: launch/startup.py `rank_config`) writes what
-they hold into one JSON file under run.output_dir/.config/, once per content (the file's name
-carries a CRC-32 of it), and hands each rank that file instead of the YAML and its `--set`
-values; the rank reads it with the json module (`read_resolved`). The preset's and the
-profiles' values go in keyed by their YAML text: a rank that reads a file of that very text
-takes the value (xds_mpi/config/loader.py `remember_parsed`), any other text it parses itself.
-Values that would not come back from JSON as they are (e.g. a YAML date) are not written: the
-ranks then read the YAML. A rank given a YAML file (a test body, a hand-written mpiexec line, a
-Slurm job, `xds-mpi run --dry-run`'s line) parses it with PyYAML, as before.
+profiles. So the launcher (`xds-mpi run`, `serve`: launch/startup.py `resolve_for_ranks`)
+writes what they hold into one JSON file under run.output_dir/.config/, once per content (the
+file's name carries a CRC-32 of it), and names it on each rank's line (`--resolved`, after the
+YAML and its `--set` values); the rank reads it with the json module (`read_resolved`) when it
+finds it and it was made of that YAML file and those values, else it reads the YAML. The
+preset's and the profiles' values go in keyed by their YAML text: a rank that reads a file of
+that very text takes the value (xds_mpi/config/loader.py `remember_parsed`), any other text it
+parses itself. Values that would not come back from JSON as they are (e.g. a YAML date) are not
+written: the ranks then read the YAML. A rank given no resolved file (a test body, a hand-written
+mpiexec line, a Slurm job, `xds-mpi run --dry-run`'s line) parses the YAML with PyYAML.
 """
 
 from __future__ import annotations
@@ -26,10 +27,6 @@ from xds_mpi.config.loader import ConfigError, build_root, remember_parsed
 FORMAT = "xds-mpi-resolved/1"
 CACHE_DIR = ".config"  # under run.output_dir
 SUFFIX = ".resolved.json"
-
-
-def is_resolved(path: str | Path) -> bool:
-    return str(path).endswith(SUFFIX)
 
 
 def rank_yaml_files(cfg) -> list[Path]:
@@ -83,20 +80,23 @@ def write_resolved(
     return target
 
 
-def read_resolved(path: str | Path, overrides: typing.Sequence[str] = ()):
-    """The Config of a resolved file (plus any further `--set` overrides, parsed as YAML);
-    errors name the file and the config it came from."""
+def read_resolved(path: str | Path, config_path: str | Path, overrides: typing.Sequence[str]):
+    """The Config of a resolved file made of `config_path` and `overrides`, or None when there is
+    no such file here (another host's output dir, another format) or it was made of another
+    config or other overrides: the caller then reads the YAML."""
     from xds_mpi.config.schema import Config
 
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the resolved config {str(path)!r}: {exc}") from None
+    except (OSError, ValueError):
+        return None
+    made_of = (str(Path(config_path).resolve()), list(overrides))
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ConfigError(f"{path}: not a resolved config of format {FORMAT} (found {found!r})")
+        return None
+    if (data["source"], data["overrides"]) != made_of:
+        return None
     remember_parsed(data["parsed"])
     try:
-        return build_root(Config, data["config"], overrides)
+        return build_root(Config, data["config"])
     except ConfigError as exc:
         raise ConfigError(f"{path} (resolved from {data['source']}): {exc}") from None
