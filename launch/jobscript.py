@@ -11,6 +11,7 @@ import re
 import shlex
 import string
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -139,6 +140,11 @@ class JobSpec:
     def script_path(self) -> Path:
         return self.job_dir / "job.sbatch"
 
+    def element_overrides(self, idx: int) -> list[str]:
+        """The --set values the script adds for array element idx: its sweep value, its run name."""
+        sweep = [self.sweep.override(idx)] if self.sweep else []
+        return [*sweep, f"run.name={self.run_names[idx]}"]
+
     def run_file(self, idx: int) -> Path:
         return self.workdir / self.output_dir / f"{self.run_names[idx]}.h5"
 
@@ -147,12 +153,14 @@ class _Template(string.Template):
     delimiter = "@"  # bash owns `$`
 
 
-def render(spec: JobSpec) -> str:
+def render(spec: JobSpec, resolved: Sequence[Path] = ()) -> str:
+    """The job script; resolved: each element's config resolved for its ranks
+    (xds_mpi/config/resolved.py), named on its line with --resolved (none on a dry run)."""
     program = rank_program(spec.config_path, spec.overrides)
     command = mpi_command(
         spec.topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec
     )
-    fields = {**_header_fields(spec), **_launch_fields(spec, command, program)}
+    fields = {**_header_fields(spec), **_launch_fields(spec, command, program, resolved)}
     text = _Template(TEMPLATE.read_text()).safe_substitute(fields)
     leftover = re.findall(r"@\{\w+\}", text)
     assert not leftover, f"template fields not filled: {leftover}"
@@ -187,7 +195,9 @@ def _header_fields(spec: JobSpec) -> dict:
     )
 
 
-def _launch_fields(spec: JobSpec, command: MpiCommand, program: list[str]) -> dict:
+def _launch_fields(
+    spec: JobSpec, command: MpiCommand, program: list[str], resolved: Sequence[Path]
+) -> dict:
     """The #SBATCH lines, the sweep's case, the environment, the hostfile and the launch line."""
     prefix, loop, extra, env = _launcher_parts(
         spec, command.argv[: len(command.argv) - len(program)]
@@ -195,7 +205,7 @@ def _launch_fields(spec: JobSpec, command: MpiCommand, program: list[str]) -> di
     launch = " \\\n    ".join([shlex.join(prefix) + extra, shlex.join(program), '"${RUN_ARGS[@]}"'])
     return dict(
         sbatch_lines="\n".join(_sbatch_lines(spec)),
-        run_args=_run_args(spec),
+        run_args=_run_args(spec, resolved),
         env_lines="\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(command.env.items())),
         job_dir=shlex.quote(str(spec.job_dir)),
         hostfile_loop=loop,
@@ -244,14 +254,15 @@ def _sbatch_lines(spec: JobSpec) -> list[str]:
     return lines
 
 
-def _run_args(spec: JobSpec) -> str:
+def _run_args(spec: JobSpec, resolved: Sequence[Path]) -> str:
+    def args(idx: int) -> str:
+        sets = [f"--set {shlex.quote(text)}" for text in spec.element_overrides(idx)]
+        more = [f"--resolved {shlex.quote(str(resolved[idx]))}"] if resolved else []
+        return f"RUN_ARGS=({' '.join(sets + more)})"
+
     if not spec.sweep:
-        return f"RUN_ARGS=(--set {shlex.quote('run.name=' + spec.run_names[0])})"
-    cases = [
-        f"    {i}) RUN_ARGS=(--set {shlex.quote(spec.sweep.override(i))} "
-        f"--set {shlex.quote('run.name=' + name)}) ;;"
-        for i, name in enumerate(spec.run_names)
-    ]
+        return args(0)
+    cases = [f"    {i}) {args(i)} ;;" for i in range(len(spec.run_names))]
     return "\n".join(
         [
             'case "${SLURM_ARRAY_TASK_ID:-0}" in',

@@ -92,7 +92,7 @@ def parse_args(argv: list[str]) -> RankArgs:
 def read_config(args: RankArgs):
     """The launcher's resolved copy when it is there and was made of this CONFIG and these --set
     values (read without PyYAML's ~25 ms), else the YAML file (a test body, a hand-written
-    line, a Slurm job, a host that does not see the copy)."""
+    line, a dry run's line, a host that does not see the copy)."""
     if args.resolved is not None:
         cfg = read_resolved(args.resolved, args.config, args.overrides)
         if cfg is not None:

@@ -53,14 +53,18 @@ def unpack_weights(weights: str, output_dir: str) -> None:
         print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
 
 
-def resolve_for_ranks(path: Path, overrides: list[str], cfg) -> Path | None:
+def resolve_for_ranks(
+    path: Path, overrides: list[str], cfg, workdir: Path | None = None
+) -> Path | None:
     """The config and its --set values resolved for the ranks (xds_mpi/config/resolved.py),
-    written once per content under run.output_dir; None where that cannot be written or holds a
-    value JSON cannot (a line says which): the ranks then parse the YAML."""
+    written once per content under run.output_dir (relative to `workdir`, default: here); None
+    where that cannot be written or holds a value JSON cannot (a line says which): the ranks
+    then parse the YAML."""
     from xds_mpi.config.resolved import write_resolved
 
+    output_dir = Path(workdir or ".", cfg.run.output_dir)
     try:
-        resolved = write_resolved(cfg.run.output_dir, path, overrides, cfg)
+        resolved = write_resolved(output_dir, path, overrides, cfg)
     except OSError as exc:
         resolved, why = None, str(exc)
     else:

@@ -27,7 +27,7 @@ from launch.jobscript import (
     render,
 )
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
-from launch.startup import compile_rank_code, unpack_weights
+from launch.startup import compile_rank_code, resolve_for_ranks, unpack_weights
 from xds_mpi.config.schema import Config, ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 
@@ -111,9 +111,8 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = build_spec(args)
-    script = render(spec)
     if args.dry_run:
-        print(script, end="")
+        print(render(spec), end="")  # without --resolved: a dry run writes nothing
         return 0
     sbatch = shutil.which("sbatch")
     if sbatch is None:
@@ -122,10 +121,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
             "load slurm`), or start a local one with hpc/local_slurm.sh start"
         )
     spec.job_dir.mkdir(parents=True)
-    spec.script_path.write_text(script)
     compile_rank_code()  # on the shared tree, once: not once per rank on the compute nodes
     weights = load_config(spec.config_path, spec.overrides).model.weights  # a sweep's first
     unpack_weights(weights, str(spec.workdir / spec.output_dir))
+    spec.script_path.write_text(render(spec, resolve_elements(spec)))
     out = subprocess.run(
         [sbatch, "--parsable", str(spec.script_path)], capture_output=True, text=True
     )
@@ -196,6 +195,20 @@ def plan_elements(
             "array job has one shape, submit them separately"
         )
     return plans
+
+
+def resolve_elements(spec: JobSpec) -> list[Path]:
+    """Each array element's config and --set values resolved for its ranks, which then read no
+    YAML (xds_mpi/config/resolved.py); none when one cannot be written (the ranks read the YAML)."""
+    resolved = []
+    for idx in range(len(spec.run_names)):
+        overrides = [*spec.overrides, *spec.element_overrides(idx)]
+        cfg = load_config(spec.config_path, overrides)
+        path = resolve_for_ranks(spec.config_path, overrides, cfg, spec.workdir)
+        if path is None:
+            return []
+        resolved.append(path)
+    return resolved
 
 
 def new_job_dir(jobs_dir: Path, base: str) -> Path:

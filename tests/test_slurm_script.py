@@ -169,3 +169,32 @@ def test_dry_run_of_a_sweep_with_srun(tmp_path):
     assert "srun --mpi=pmi2 --distribution=arbitrary -n 5 \\\n" in script
     assert "export SLURM_HOSTFILE=$HOSTFILE\n" in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, monkeypatch):
+    """A submitted (not dry-run) script: each element's line ends with --resolved FILE, made of
+    the config and exactly the --set values that line gives, so its ranks read no YAML."""
+    import shlex
+
+    from launch import submit
+    from launch.cli import build_parser
+    from launch.jobscript import render
+    from launch.rank import parse_args, read_config
+    from xds_mpi.config.resolved import read_resolved
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", "--set", "run.name=s", "--sweep", "xccl.ring_slots=4,8"]
+    spec = submit.build_spec(build_parser().parse_args(argv))
+    resolved = submit.resolve_elements(spec)
+    assert len(resolved) == 2 and all(p.is_relative_to(tmp_path / "runs") for p in resolved)
+    script = render(spec, resolved)
+    program = shlex.split(re.search(r"-m launch\.rank (.*) \\\n", script).group(1))
+    for i, slots in enumerate([4, 8]):
+        run_args = re.search(rf"    {i}\) RUN_ARGS=\((.*)\) ;;", script).group(1)
+        assert run_args.endswith(f"--resolved {resolved[i]}")
+        args = parse_args([*program, *shlex.split(run_args)])
+        overrides = ["run.name=s", f"xccl.ring_slots={slots}", f"run.name=s-{i}"]
+        assert args.overrides == overrides
+        assert read_resolved(args.resolved, args.config, args.overrides) is not None
+        assert read_config(args) == load_config(COLOCATED, overrides)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

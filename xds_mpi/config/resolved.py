@@ -2,16 +2,16 @@
 
 PyYAML's import costs every rank ~25 ms of start-up CPU (issue 33), to read small files the
 launcher has read already: the config with its `--set` values, the cost preset and the hardware
-profiles. So the launcher (`xds-mpi run`, `serve`: launch/startup.py `resolve_for_ranks`)
-writes what they hold into one JSON file under run.output_dir/.config/, once per content (the
-file's name carries a CRC-32 of it), and names it on each rank's line (`--resolved`, after the
-YAML and its `--set` values); the rank reads it with the json module (`read_resolved`) when it
-finds it and it was made of that YAML file and those values, else it reads the YAML. The
-preset's and the profiles' values go in keyed by their YAML text: a rank that reads a file of
-that very text takes the value (xds_mpi/config/loader.py `remember_parsed`), any other text it
-parses itself. Values that would not come back from JSON as they are (e.g. a YAML date) are not
-written: the ranks then read the YAML. A rank given no resolved file (a test body, a hand-written
-mpiexec line, a Slurm job, `xds-mpi run --dry-run`'s line) parses the YAML with PyYAML.
+profiles. So the launcher (`xds-mpi run`, `serve`, `submit`: launch/startup.py
+`resolve_for_ranks`) writes what they hold into one JSON file under run.output_dir/.config/,
+once per content (the file's name carries a CRC-32 of it), and names it on each rank's line
+(`--resolved`, after the YAML and its `--set` values). A rank reads it with the json module
+(`read_resolved`) when it finds it and it was made of that YAML file and those values, else it
+reads the YAML. The preset's and the profiles' values go in keyed by their YAML text: a rank
+that reads a file of that very text takes the value (xds_mpi/config/loader.py
+`remember_parsed`), any other text it parses itself. Values that would not come back from JSON
+as they are (e.g. a YAML date) are not written: the ranks then read the YAML. A rank given no
+resolved file (a test body, a hand-written mpiexec line, a dry run's line) parses the YAML.
 """
 
 from __future__ import annotations
