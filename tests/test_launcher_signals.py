@@ -57,6 +57,14 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> list[s
     raise AssertionError(f"no {text!r} within {timeout_s:g} s:\n{''.join(lines)}")
 
 
+def _default_sigint() -> None:
+    """The launcher as a terminal would start it. A test run started in the background by a
+    shell without job control (`cmd &` in a script) ignores SIGINT, a child inherits that, and
+    Python keeps an inherited ignore: the launcher would never see the Ctrl-C this test sends
+    (a CI run started that way failed here with every process of the job still running)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the job through /proc")
 @pytest.mark.parametrize("signo", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_a_signal_to_the_launcher_ends_mpiexec_and_every_rank(tmp_path, signo):
@@ -70,6 +78,7 @@ def test_a_signal_to_the_launcher_ends_mpiexec_and_every_rank(tmp_path, signo):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_default_sigint,
     )
     try:
         wait_for_line(launcher, "ranks agree", timeout_s=120)
