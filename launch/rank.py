@@ -18,6 +18,10 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from launch.dataclass_cache import use_cache
+
+use_cache()  # before the project's dataclasses are defined: their methods compiled once, not here
+
 from launch.log import setup_logging
 from launch.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
