@@ -13,7 +13,7 @@ from xccl import wake
 @pytest.fixture(autouse=True)
 def _forget_the_decision():
     yield
-    wake._sleeps = None
+    wake._sleeps = wake._mode = None
 
 
 def test_auto_sleeps_only_with_more_ranks_than_cores():
@@ -34,6 +34,25 @@ def test_without_a_decision_the_environment_decides(monkeypatch):
     assert wake.sleeps() is True
     monkeypatch.setenv(wake.WAIT_ENV, "spin")
     assert wake.sleeps() is False
+
+
+@pytest.mark.parametrize("mode", ["spin", "auto", "sleep"])
+def test_wake_words_only_where_some_rank_may_sleep(mode):
+    """xccl.wait "spin" (the config's default): no rank sleeps, so none makes the wake words'
+    window (a collective per DieMemory) or stores into a peer's word after each doorbell."""
+    from mpi4py import MPI
+
+    wake.set_wait_mode(mode, local_ranks=1)
+    words = wake.WakeWords(MPI.COMM_SELF, lambda win, sizes: (None,) * len(sizes))
+    try:
+        made = words.win is not None
+        assert made is (wake.futex_available() and mode != "spin")
+        assert wake.nobody_sleeps() is not made
+        words.wake([0])  # one rank: nobody to wake either way
+        assert words.sleeper([0], lambda: True, lambda: [0]) is None
+    finally:
+        words.free()
+    assert words.win is None
 
 
 def test_an_unknown_mode_is_refused_with_the_choices():

@@ -32,8 +32,9 @@ waiter has just replaced; that waiter then sleeps out PARK_S and looks again. Wr
 another node (RMA) cannot reach the futex, so a wait that includes one keeps spinning.
 
 `xccl.wait` (config; XDS_WAIT for the test bodies): "spin" (the config's default) never
-sleeps, "sleep" sleeps whenever every awaited writer can wake it, "auto" (the test bodies'
-default) sleeps only when the node runs more ranks than this process may use cores
+sleeps (and makes no wake words: no window, no stores after each doorbell), "sleep" sleeps
+whenever every awaited writer can wake it, "auto" (the test bodies' default) sleeps only when the
+node runs more ranks than this process may use cores
 (docs/mpi.md §4 has the measurements).
 
 Where the time goes: every window call is timed when XDS_TIME_MPI=1 (`xds-mpi bench serve` reads
@@ -191,6 +192,7 @@ def _libc():
 
 _LIBC = _libc()
 _sleeps: bool | None = None  # set_wait_mode's decision for this process
+_mode: WaitMode | None = None  # set_wait_mode's mode: the config's, alike on every rank
 _doze_cap: float | None = None  # set_wait_mode's longest doze (doze_cap_s) for this process
 
 
@@ -202,8 +204,9 @@ def futex_available() -> bool:
 def set_wait_mode(mode: str, *, local_ranks: int) -> bool:
     """Decide once per process (launch/rank.py, before any window) whether waits may sleep;
     local_ranks: ranks on this node. Returns the decision."""
-    global _sleeps, _doze_cap
-    _sleeps = _resolve(check_wait_mode(mode), local_ranks)
+    global _sleeps, _doze_cap, _mode
+    _mode = check_wait_mode(mode)
+    _sleeps = _resolve(_mode, local_ranks)
     _doze_cap = doze_cap_s(local_ranks)  # before pinning narrows the cores, as the decision
     return _sleeps
 
@@ -213,6 +216,13 @@ def sleeps() -> bool:
         local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
         return _resolve(check_wait_mode(os.environ.get(WAIT_ENV, "auto")), int(local or 1))
     return _sleeps
+
+
+def nobody_sleeps() -> bool:
+    """Can no rank's wait sleep, so that no rank needs the others' wake words? xccl.wait "spin"
+    (one config for all ranks, or the test bodies' environment), or no futex here."""
+    mode = _mode if _mode is not None else os.environ.get(WAIT_ENV, "auto")
+    return _LIBC is None or mode == "spin"
 
 
 def check_wait_mode(mode: str) -> WaitMode:
@@ -228,10 +238,20 @@ def _resolve(mode: WaitMode, local_ranks: int) -> bool:
 
 
 class WakeWords:
-    """Every rank's wake word, in a window of their own (collective, like the data window's)."""
+    """Every rank's wake word, in a window of their own (collective, like the data window's).
+    Where no rank sleeps (`nobody_sleeps`: xccl.wait "spin", the config's default) there is no
+    window and a wake stores nothing."""
 
     def __init__(self, comm: MPI.Comm, peer_views: Callable[[MPI.Win, tuple], tuple]) -> None:
         self.rank = comm.rank
+        self.sleeps = sleeps()
+        self._stores = 0  # this rank's wake count: with its rank, the unique value it stores
+        self._draw = random.Random(comm.rank)  # which missing writer a sleep names
+        self.win: MPI.Win | None = None
+        self.local = np.zeros(2, np.uint32)
+        self.words: tuple = (None,) * comm.size
+        if nobody_sleeps():  # every rank decides alike: none makes the collective window
+            return
         self.win = MPI.Win.Allocate(_WORD_BYTES, 1, comm=comm)
         self.win.Lock_all()
         self.local = np.frombuffer(self.win.tomemory(), np.uint32)
@@ -239,9 +259,6 @@ class WakeWords:
         views = peer_views(self.win, (_WORD_BYTES,) * comm.size)
         # Per rank: its words when this process can store into them (same node), else None.
         self.words = tuple(None if v is None else v.view(np.uint32) for v in views)
-        self.sleeps = sleeps()
-        self._stores = 0  # this rank's wake count: with its rank, the unique value it stores
-        self._draw = random.Random(comm.rank)  # which missing writer a sleep names
         comm.Barrier()  # every word zeroed before anyone wakes
 
     def sleeper(
@@ -253,7 +270,7 @@ class WakeWords:
         """For `poll_until(park=...)`: a sleep until one of `missing()` (the writers the wait
         still misses; one drawn at random) wakes this rank, or None when the wait must spin
         (xccl.wait, or one of `writers` cannot reach this rank's word)."""
-        if not self.sleeps or any(self.words[w] is None for w in writers):
+        if not self.sleeps or self.win is None or any(self.words[w] is None for w in writers):
             return None
         return lambda: self.park(is_ready, self._draw.choice(missing()))
 
@@ -273,7 +290,7 @@ class WakeWords:
     def wake(self, peers: Sequence[int]) -> None:
         """After doorbells rang in `peers`' windows (and the flush that follows them): change
         each one's word and wake it if it sleeps."""
-        if _LIBC is None:
+        if self.win is None:
             return
         self._stores = (self._stores + 1) & 0xFFFF
         value = np.uint32(((self.rank & 0xFFFF) << 16) | self._stores)
@@ -287,8 +304,10 @@ class WakeWords:
     def free(self) -> None:
         self.words = (None,) * len(self.words)
         self.local = np.zeros(2, np.uint32)
-        self.win.Unlock_all()
-        self.win.Free()
+        if self.win is not None:
+            self.win.Unlock_all()
+            self.win.Free()
+            self.win = None
 
 
 def _futex(word: np.ndarray, op: int, value, timeout) -> None:
