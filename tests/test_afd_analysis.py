@@ -154,7 +154,7 @@ def test_cli_prints_the_curve_and_plot(tmp_path, capsys):
 @pytest.mark.timeout(300)
 def test_measured_beside_analytic(tmp_path, capsys):
     """One emulated afd run: its expert dies' calls in /afd_load; Eq. 1 on the run's projection
-    and the stage period its virtual clock measured agree within 10 %; the tokens the run's
+    and the stage period its virtual clock measured agree within 15 %; the tokens the run's
     expert dies took are far below what the link could bring in that budget."""
     from xds_mpi.projection.afd_measured import compare
     from xds_mpi.report.runfile import read_run_file
@@ -171,7 +171,10 @@ def test_measured_beside_analytic(tmp_path, capsys):
     rows, measured = compare(path, moe_shape("deepseek_v3"), hw, cfg)
     by = {r.quantity: r for r in rows}
     t_b = by["t_B per stage"]
-    assert abs(t_b.measured / t_b.analytic - 1) < 0.10, t_b
+    # The measured period is a median over (die, iteration) of how the run's batches formed in
+    # real time; 11 runs on 2026-11-26 gave 0.88-0.99 of Eq. 1 (0.88 under CI's load), so 15 %.
+    # Eq. 1 with N_BO 3 or 5 instead of 4 failed it (ratios 0.68 and 1.17, one run each).
+    assert abs(t_b.measured / t_b.analytic - 1) < 0.15, t_b
     tokens = by["tokens per expert per stage (link bound vs run)"]
     assert 0 < tokens.measured < 0.1 * tokens.analytic
     assert 1 <= measured.calls_per_layer <= 4
