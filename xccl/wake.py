@@ -211,18 +211,22 @@ def set_wait_mode(mode: str, *, local_ranks: int) -> bool:
     return _sleeps
 
 
+def wait_mode() -> WaitMode:
+    """set_wait_mode's mode; in a test body (no decision made), the environment's."""
+    return _mode if _mode is not None else check_wait_mode(os.environ.get(WAIT_ENV, "auto"))
+
+
 def sleeps() -> bool:
     if _sleeps is None:  # a test body: the environment, "auto" against MPI's local rank count
         local = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-        return _resolve(check_wait_mode(os.environ.get(WAIT_ENV, "auto")), int(local or 1))
+        return _resolve(wait_mode(), int(local or 1))
     return _sleeps
 
 
 def nobody_sleeps() -> bool:
     """Can no rank's wait sleep, so that no rank needs the others' wake words? xccl.wait "spin"
     (one config for all ranks, or the test bodies' environment), or no futex here."""
-    mode = _mode if _mode is not None else os.environ.get(WAIT_ENV, "auto")
-    return _LIBC is None or mode == "spin"
+    return _LIBC is None or wait_mode() == "spin"
 
 
 def check_wait_mode(mode: str) -> WaitMode:
@@ -270,7 +274,7 @@ class WakeWords:
         """For `poll_until(park=...)`: a sleep until one of `missing()` (the writers the wait
         still misses; one drawn at random) wakes this rank, or None when the wait must spin
         (xccl.wait, or one of `writers` cannot reach this rank's word)."""
-        if not self.sleeps or self.win is None or any(self.words[w] is None for w in writers):
+        if not self.sleeps or any(self.words[w] is None for w in writers):
             return None
         return lambda: self.park(is_ready, self._draw.choice(missing()))
 
