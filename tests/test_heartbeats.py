@@ -65,6 +65,20 @@ def test_a_responder_answers_the_newest_ping_once_a_turn(comm):
     assert MPI.Request.Testall(pings)  # every ping was taken
 
 
+def test_silent_names_the_targets_unheard_for_longer_than_the_patience(comm):
+    """Counted from the later of the first ping and a target's last answer; none before any
+    answer; the pace stretches the patience."""
+    sender = HeartbeatSender(comm, [1, 2, 3], interval_s=1.0, timeout_s=10)
+    sender.started_at = 100.0  # the first ping (no MPI: targets 1-3 are not on COMM_SELF)
+    assert sender.silent(200.0) == []  # no answer yet: all still starting
+    sender.last_answer = {1: 105.0, 2: 95.0}  # 3 never answered; 2 before the first ping
+    assert sender.silent(110.0) == []  # 10 s: not longer than the patience
+    assert sender.silent(110.5) == [2, 3]  # from the first ping
+    assert sender.silent(115.5) == [1, 2, 3]
+    sender.count_silence(20.0)  # a pace of 20 s: patience 3 x 20 s
+    assert sender.silent(160.0) == [] and sender.silent(160.5) == [2, 3]
+
+
 def _ping(seq: int):
     from ranks.recovery.watch import Ping
 
