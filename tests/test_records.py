@@ -147,6 +147,23 @@ def test_combine_weights_and_the_column_sum_follow_the_longhand_sum():
     assert y.dtype == np.float64 and np.array_equal(y, want)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 17, 40])  # one block (<= 16) and several
+def test_the_column_sum_adds_each_tokens_columns_in_order_whatever_the_arrival(num_tokens):
+    rng = np.random.default_rng(num_tokens)
+    num_columns = 3
+    present = rng.random((num_tokens, num_columns)) < 0.7  # some columns without a row
+    token, column = np.nonzero(present)
+    order = rng.permutation(len(token))
+    token, column = token[order], column[order]
+    outs = rng.standard_normal((len(token), 8)).astype(np.float32)
+    weights = rng.random((num_tokens, num_columns))
+    want = np.zeros((num_tokens, 8))
+    for c in range(num_columns):  # longhand: column by column from zero
+        for r in np.flatnonzero(column == c):
+            want[token[r]] = want[token[r]] + weights[token[r], c] * outs[r].astype(np.float64)
+    assert np.array_equal(weighted_column_sum(outs, token, column, weights), want)
+
+
 def test_an_ep_buffer_refuses_rows_of_another_itemsize():
     layout = EpLayout(
         members=(0,), base=(0,), hidden=4, max_tokens=2, num_columns=1, itemsize=8, use_int8=False

@@ -87,6 +87,8 @@ def weighted_column_sum(
     it is the same on every run whatever order rows arrived in, and the reference can repeat it.
     """
     num_tokens, num_columns = weights.shape
+    if num_tokens <= SUM_BLOCK_TOKENS:
+        return _column_sum_one_block(outs, token, column, weights)
     y = np.zeros((num_tokens, outs.shape[1]), np.float64)
     by_column = []  # per column: its rows sorted by token, and those tokens
     for c in range(num_columns):
@@ -107,4 +109,24 @@ def weighted_column_sum(
                 y[t0:t1] += part
             else:
                 y[part_token] += part
+    return y
+
+
+def _column_sum_one_block(
+    outs: np.ndarray, token: np.ndarray, column: np.ndarray, weights: np.ndarray
+) -> np.ndarray:
+    """`weighted_column_sum` of a batch that fits one block (a decode step's few tokens): every
+    row weighted at once, then the columns added in order from zero, as the blocked sum adds
+    them (a quarter of its numpy calls at 2 tokens x 3 columns: 19 against 80 us)."""
+    num_tokens, num_columns = weights.shape
+    y = np.zeros((num_tokens, outs.shape[1]), np.float64)
+    order = np.lexsort((token, column))  # by column, then token
+    rows_token, rows_column = token[order], column[order]
+    terms = outs[order] * weights[rows_token, rows_column, None]  # float64, as in the blocks
+    bounds = np.searchsorted(rows_column, np.arange(num_columns + 1)).tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):  # column by column; a token once per column
+        if hi - lo == num_tokens:  # every token, in order: a slice
+            y += terms[lo:hi]
+        else:
+            y[rows_token[lo:hi]] += terms[lo:hi]
     return y
