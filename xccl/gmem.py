@@ -60,12 +60,6 @@ class Traffic:
             setattr(self, name, getattr(self, name) + value)
 
 
-# The assert of every window's one Lock_all: no rank ever takes a lock that conflicts with it
-# (they are all shared), so no lock or unlock message goes to each target. Without it MPICH's
-# Unlock_all exchanges one with every target the rank reached: 0.03 s at 32 ranks, 0.2 s at 96,
-# about 11 s for a data window at ep288's 289 ranks on 2 cores (docs/mpi.md).
-SHARED_EPOCH = MPI.MODE_NOCHECK
-
 # Every window this process freed, summed: what a test body reports after its windows are gone.
 PROCESS_TRAFFIC = Traffic()
 
@@ -94,7 +88,7 @@ class DieMemory:
         peers = comm.allgather((nbytes, known_node_leader()))
         self.sizes = tuple(size for size, _ in peers)
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
-        self.win.Lock_all(SHARED_EPOCH)
+        self.win.Lock_all()
         self._win = timed(self.win)  # every data, flag and sync call goes through it
         self.local = (
             np.frombuffer(self.win.tomemory(), dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)

@@ -257,7 +257,7 @@ class WakeWords:
         if nobody_sleeps():  # every rank decides alike: none makes the collective window
             return
         self.win = MPI.Win.Allocate(_WORD_BYTES, 1, comm=comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)  # shared locks only, as the data window's (gmem.py)
+        self.win.Lock_all()
         self.local = np.frombuffer(self.win.tomemory(), np.uint32)
         self.local[_WAKE], self.local[_TARGET] = 0, _NOBODY
         views = peer_views(self.win, (_WORD_BYTES,) * comm.size)
