@@ -45,13 +45,18 @@ def test_controlled_gc_freezes_once_then_collects_every_n(restore_gc):
     assert emulator_runtime.collections() == 2
 
 
-def test_default_gc_is_left_alone(restore_gc):
+def test_default_gc_collects_on_its_own_after_start_up_is_frozen(restore_gc):
     emulator_runtime.start(
         EmulatorConfig(pin_cores="never", gc="default"), local_rank=0, local_size=1
     )
-    assert gc.isenabled()
-    emulator_runtime.between_iterations()
-    assert gc.get_freeze_count() == 0 and emulator_runtime.collections() == 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    emulator_runtime.between_iterations()  # start-up over: frozen
+    frozen = gc.get_freeze_count()
+    assert frozen > 0
+    for _ in range(3):
+        emulator_runtime.between_iterations()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    assert emulator_runtime.collections() == 0
 
 
 def test_poll_until_returns_once_ready_and_times_out_naming_the_wait():

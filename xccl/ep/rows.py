@@ -75,7 +75,7 @@ class EpRows:
         member = np.repeat(np.arange(len(self.members)), counts)
         first = np.cumsum(counts) - counts  # [members] each member's first pulled row
         source_row = np.arange(num_rows) + np.repeat(np.asarray(offsets, np.int64) - first, counts)
-        cut = np.flatnonzero((np.diff(dest) != 1) | (np.diff(member) != 0)) + 1
+        cut = np.flatnonzero((dest[1:] - dest[:-1] != 1) | (member[1:] != member[:-1])) + 1
         starts, ends = np.concatenate(([0], cut)), np.concatenate((cut, [num_rows]))
         for a, b, m, src, dst in zip(
             starts.tolist(),
