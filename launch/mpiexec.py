@@ -101,6 +101,11 @@ def mpi_command(
     argv = [mpiexec, "-n", str(num_procs), *placement]
     # One BLAS thread per rank: the ranks share the cores (xds_mpi/model/blas.py).
     env = {"PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1"}
+    # numpy asks for transparent huge pages on every array of 4 MiB or more: the first store
+    # into a page of a die's KV cache then zeroes 2 MiB, and a die touches its cache a few slots
+    # at a time (docs/mpi.md §3). A user's own setting wins.
+    if "NUMPY_MADVISE_HUGEPAGE" not in os.environ:
+        env["NUMPY_MADVISE_HUGEPAGE"] = "0"
     if flavor == "openmpi":
         argv.append("--oversubscribe")
         env.update(OPENMPI_ENV)

@@ -81,6 +81,15 @@ def test_run_dry_run_prints_the_mpiexec_line_with_mpi_environment():
     assert "MPIEXEC_TIMEOUT=77" in line and "--set run.timeout_s=77" in line
 
 
+def test_ranks_get_small_pages_from_numpy_unless_the_user_chose(monkeypatch):
+    from launch.mpiexec import mpi_command
+
+    monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
+    assert mpi_command(2, ["true"]).env["NUMPY_MADVISE_HUGEPAGE"] == "0"
+    monkeypatch.setenv("NUMPY_MADVISE_HUGEPAGE", "1")
+    assert "NUMPY_MADVISE_HUGEPAGE" not in mpi_command(2, ["true"]).env
+
+
 def test_run_refuses_a_wrong_np_before_launching():
     result = xds_mpi("run", "--np", "3")
     assert result.returncode == 2 and "world size 3 != " in result.stderr
