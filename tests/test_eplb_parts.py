@@ -94,3 +94,18 @@ def test_moe_time_grows_with_the_busiest_die_only():
     skewed[:, 0], skewed[:, 1] = 1200.0, 0.0  # one die 3x the mean, another idle
     assert pricing.ms(skewed, 4.0) > pricing.ms(even, 4.0)
     assert pricing.ms(even) == pytest.approx(pricing.ms(even[:, ::-1]))
+
+
+def test_a_die_builds_the_experts_its_routed_slots_hold_not_its_redundant_ones():
+    # Slots 0-3 routed (experts 2, 0, 3, 1), slot 4 redundant holding a copy of expert 2 in layer
+    # 7 only, slot 5 a removed die's (empty).
+    placement = Placement(
+        phy2log=((2, 0, 3, 1, -1, -1), (2, 0, 3, 1, 2, -1)),
+        slot_die=(0, 0, 1, 1, 1, 2),
+        is_redundant=(False, False, False, False, True, False),
+        num_experts=4,
+    )
+    expert_map = ExpertMap(placement, moe_layers=(5, 7))
+    assert expert_map.hosted(5, [2, 3, 4]) == [3, 1]
+    assert expert_map.hosted(7, [2, 3, 4, 5]) == [3, 1]  # the copy is loaded, not built
+    assert expert_map.hosted(7, [0]) == [2]

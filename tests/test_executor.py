@@ -56,3 +56,26 @@ def test_verify_rows_accept_the_agreeing_drafts_then_one_main_model_token():
         req_id=2, start_pos=9, input_ids=(5, greedy[0], other), is_sampled=True, num_drafts=2
     )
     assert ex._verify([reject], x)[0] == {2: greedy[:2]}  # draft 2 rejected: correction
+
+
+def test_a_die_makes_the_experts_its_slots_hold_at_start_up_and_no_others():
+    model = build_model(ModelConfig())
+    num_experts = model.cfg.num_routed_experts
+    ex = ColocatedExecutor(
+        model,
+        SimpleNamespace(local_slots=(4, 5, 6, 7, num_experts)),  # 4 routed slots, a shared one
+        phy2log=tuple(range(num_experts)),
+        log2phy=tuple((e,) for e in range(num_experts)),
+        table=None,
+        cache=None,
+        pricer=SimpleNamespace(clock=VirtualClock()),
+        slots=SimpleNamespace(is_routed=lambda slot: slot < num_experts),
+    )
+    moe_layers = ex.moe_layers()
+    assert moe_layers and all(
+        item is None for layer in moe_layers for item in model.moe_of(layer).experts.items
+    )
+    ex.build_hosted_experts()
+    for layer in moe_layers:
+        made = [e for e, item in enumerate(model.moe_of(layer).experts.items) if item is not None]
+        assert made == [4, 5, 6, 7]

@@ -64,6 +64,7 @@ class ColocatedDie(DecodeDieLoop):
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, lanes, state, slots)
+        self.executor.build_hosted_experts()
         self.ems = self._ems_client(ctx, state.cache)
         self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, lanes)

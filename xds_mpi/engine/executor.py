@@ -74,6 +74,17 @@ class ColocatedExecutor:
         # Per-layer log2phy, redundant slots' weights, the gate's counts (§4.5; xds_mpi/eplb).
         self.expert_map = expert_map or ExpertMap.static(phy2log, self.moe_layers())
 
+    def build_hosted_experts(self) -> None:
+        """Make the routed experts this die's slots compute with now (the die calls it at
+        start-up). The model makes an expert when it is first used (xds_mpi/model/params.py),
+        which put 4-5 ms of weight building per die into the main job's first iteration, its
+        first token's time, while the other dies waited for the slowest in the combine."""
+        routed = [slot for slot in self.ep.local_slots if self.slots.is_routed(slot)]
+        for layer_idx in self.moe_layers():
+            moe = self.model.moe_of(layer_idx)
+            for expert in self.expert_map.hosted(layer_idx, routed):
+                moe.experts[expert]  # noqa: B018 (made on first access, kept)
+
     def use_buffer(self, ep: EpBuffer) -> None:
         """Dispatch/combine through `ep` from now on (the survivors' buffer after a failover,
         ranks/recovery/scale_down.py)."""

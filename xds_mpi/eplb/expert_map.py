@@ -44,6 +44,13 @@ class ExpertMap:
         self.placement = placement
         self._log2phy = [placement.log2phy(r) for r in range(len(self.moe_layers))]
 
+    def hosted(self, layer_idx: int, slots) -> list[int]:
+        """The logical experts whose own weights `slots` (routed slots of this die) compute
+        with at MoE layer `layer_idx`: redundant slots hold loaded copies, empty ones none."""
+        row = self.row_of[layer_idx]
+        phy2log, is_redundant = self.placement.phy2log[row], self.placement.is_redundant
+        return [phy2log[s] for s in slots if not is_redundant[s] and phy2log[s] >= 0]
+
     def log2phy(self, layer_idx: int) -> tuple[tuple[int, ...], ...]:
         return self._log2phy[self.row_of[layer_idx]]
 
