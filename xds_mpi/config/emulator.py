@@ -19,7 +19,8 @@ class EmulatorConfig:
     ranks on it, "always" pins round-robin even when it has fewer, "never" does not pin (not
     on/off: YAML reads those as booleans).
     gc: "controlled" freezes the objects of start-up and collects only between iterations,
-    every gc_every iterations (never inside dispatch / combine); "default" leaves Python's GC.
+    every gc_every iterations (never inside dispatch / combine); "default" leaves Python's GC
+    (start-up's objects are frozen at the first iteration with either).
     """
 
     pin_cores: Literal["auto", "always", "never"] = "auto"
