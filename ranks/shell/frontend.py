@@ -132,9 +132,10 @@ class Frontend:
         self._finish()
 
     def _until_next_arrival(self) -> float:
-        """Seconds until the next queued request arrives (0 when one waits already)."""
+        """Seconds until the next queued request arrives (0 when one waits already, inf when
+        none is queued)."""
         if not self.queue:
-            return IDLE_LAST_S
+            return float("inf")
         return max(0.0, self.queue[0].arrival_s - (time.time() - self.started))
 
     def _watch_dies(self) -> int:
