@@ -95,7 +95,7 @@ class WindowAgreement:
             all_arrived,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
-            serve=self.mem.serve_far_peers,
+            serve=self.mem.far_server,
             park=self.mem.wake_words.sleeper(
                 self.members, all_arrived, lambda: [self.members[i] for i in pending]
             ),

@@ -252,6 +252,12 @@ class DieMemory:
         if self._has_far_peer:
             self._rma_fetch(self.rank, 0)
 
+    @property
+    def far_server(self) -> Callable[[], None] | None:
+        """`serve_far_peers` for a wait's `serve`, or None when every peer is on this node (a
+        call less per try of every wait)."""
+        return self.serve_far_peers if self._has_far_peer else None
+
     def load_word(self, offset: int, writer: int) -> int:
         """Read one word of this die's own window that `writer` writes."""
         if self.poll_by_rma[writer]:

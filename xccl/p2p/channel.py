@@ -245,7 +245,7 @@ class Handle:
             self.test,
             deadline=time.monotonic() + timeout_s,
             interrupt=p2p.interrupt,
-            serve=p2p.mem.serve_far_peers,
+            serve=p2p.mem.far_server,
             describe=lambda: p2p.describe(op, f"no progress after {timeout_s:g} s"),
         )
         if op.error is not None:
