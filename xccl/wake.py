@@ -53,7 +53,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -99,7 +99,7 @@ def poll_until(
     """
     if ready():
         return
-    with waiting():
+    with InWait():
         while not ready():
             if interrupt is not None:
                 interrupt()
@@ -365,11 +365,14 @@ def timed(win):
     return _TimedWin(win) if is_timing_mpi() else win
 
 
-@contextmanager
-def waiting():
-    """Marks a wait for a peer (nested waits keep the outer mark)."""
-    outer, MPI_TIME.in_wait = MPI_TIME.in_wait, True
-    try:
-        yield
-    finally:
-        MPI_TIME.in_wait = outer
+class InWait:
+    """`with InWait():` marks a wait for a peer (nested waits keep the outer mark). A class, not
+    @contextmanager: every wait that does not hold at once enters one."""
+
+    __slots__ = ("outer",)
+
+    def __enter__(self) -> None:
+        self.outer, MPI_TIME.in_wait = MPI_TIME.in_wait, True
+
+    def __exit__(self, *exc) -> None:
+        MPI_TIME.in_wait = self.outer
