@@ -28,6 +28,7 @@ end-to-end number (docs/design.md, "Calibration and validation")"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -108,6 +109,7 @@ class CostModel:
         self.m, self.hw, self.kv_int8 = m, hw, kv_int8
         self.int8_attention = int8_attention
         self.kv_token_bytes = token_layer_bytes(m, itemsize=hw.kv_bytes, kv_int8=kv_int8)
+        self._links: dict[tuple[str, bool], LinkCosts] = {}  # `link`'s, made once each
 
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
         return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
@@ -213,6 +215,12 @@ class CostModel:
         """The mechanism's constants for a dispatch-like (A2E) or combine-like (E2A) exchange;
         persistent: run by a kernel already polling (xDeepServe §5.2: the MoE dies' persistent
         kernels), so without the kernel start."""
+        link = self._links.get((kind, persistent))
+        if link is None:
+            link = self._links[kind, persistent] = self._link(kind, persistent)
+        return link
+
+    def _link(self, kind: str, persistent: bool) -> LinkCosts:
         hw = self.hw
         start = hw.dispatch_start_s if kind == "dispatch" else hw.combine_start_s
         return LinkCosts(
@@ -259,6 +267,7 @@ class CostModel:
         return self.hw.write_latency_s + self.hw.read_latency_s + nbytes / self.hw.read_bytes_per_s
 
 
+@cache  # a die prices two exchanges a MoE layer, always with the same n
 def expected_max_z(n: int) -> float:
     """E[max of n standard normal draws] (Blom's approximation); 0 for a single die."""
     if n <= 1:
