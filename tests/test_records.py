@@ -177,3 +177,21 @@ def test_an_ep_buffer_refuses_rows_of_another_itemsize():
         EpBuffer(mem, layout, [0], dtype=np.float32)
     assert EpBuffer(mem, layout, [0], dtype=np.float64).dtype == np.float64
     mem.free()
+
+
+@pytest.mark.parametrize("few_words", [32, 0])
+def test_a_poll_names_the_words_not_rung_the_same_on_either_path(mem, monkeypatch, few_words):
+    """WordPoll compares a few words as a Python list and many with numpy: the same indices."""
+    from xccl.records import record
+
+    monkeypatch.setattr(record, "FEW_WORDS", few_words)
+    offsets = [0, RECORD_BYTES, 2 * RECORD_BYTES]
+    poll = record.WordPoll(mem, offsets, [0, 0, 0])
+    assert poll.missing(3) == [0, 1, 2]
+    mem.store_word(0, RECORD_BYTES, 3)
+    assert poll.missing(3) == [0, 2]
+    mem.store_word(0, 0, 3)
+    mem.store_word(0, 2 * RECORD_BYTES, 4)  # another value is not the one waited for
+    assert poll.missing(3) == [2]
+    mem.store_word(0, 2 * RECORD_BYTES, 3)
+    assert poll.missing(3) == []
