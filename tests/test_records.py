@@ -181,7 +181,7 @@ def test_an_ep_buffer_refuses_rows_of_another_itemsize():
 
 @pytest.mark.parametrize("few_words", [32, 0])
 def test_a_poll_names_the_words_not_rung_the_same_on_either_path(mem, monkeypatch, few_words):
-    """WordPoll compares a few words as a Python list and many with numpy: the same indices."""
+    """WordPoll reads a few words one by one and many with numpy: the same indices."""
     from xccl.records import record
 
     monkeypatch.setattr(record, "FEW_WORDS", few_words)
@@ -195,3 +195,11 @@ def test_a_poll_names_the_words_not_rung_the_same_on_either_path(mem, monkeypatc
     assert poll.missing(3) == [2]
     mem.store_word(0, 2 * RECORD_BYTES, 3)
     assert poll.missing(3) == []
+    # Within a wait only the words the last try missed are read again (a rung word stays rung).
+    assert poll.missing(5, [0, 1, 2]) == [0, 1, 2]
+    mem.store_word(0, 0, 5)
+    assert poll.missing(5, [0, 1, 2]) == [1, 2]
+    mem.store_word(0, RECORD_BYTES, 5)
+    assert poll.missing(5, [1, 2]) == [2]
+    if few_words:  # the list path reads word 0 no more: it rang; numpy's reads all words
+        assert poll.missing(5, [0]) == []
