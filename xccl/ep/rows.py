@@ -113,12 +113,12 @@ class EpRows:
     def _pull(self, out: np.ndarray, region: str, counts, offsets, row_bytes: int) -> None:
         """Get counts[i] rows of `row_bytes` from member i's `region` at row offsets[i]."""
         at = 0
-        for i, rank in enumerate(self.members):
-            if counts[i]:
+        for rank, count, offset in zip(self.members, counts.tolist(), offsets.tolist()):
+            if count:  # Python ints: a numpy scalar a member cost more than its Get at 64 dies
                 self.mem.get(
                     rank,
-                    self.layout.offset(rank, region) + int(offsets[i]) * row_bytes,
-                    out[at : at + counts[i]].reshape(-1),
+                    self.layout.offset(rank, region) + offset * row_bytes,
+                    out[at : at + count].reshape(-1),
                 )
-                at += counts[i]
+                at += count
         self.mem.flush_all()
