@@ -294,7 +294,6 @@ class WordPoll:
         self.mem, self.writers = mem, list(writers)
         near = [i for i, w in enumerate(self.writers) if not mem.poll_by_rma[w]]
         self._near = np.array(near, np.intp)
-        self._near_list = near
         self._near_words = np.array([offsets[i] // WORD.itemsize for i in near], np.intp)
         self._far = [(i, offsets[i], w) for i, w in enumerate(self.writers) if mem.poll_by_rma[w]]
         # Word i's index in the window (near), or -1 (far: polled through MPI).
@@ -306,15 +305,11 @@ class WordPoll:
         """Indices of the words that do not hold `value` yet (near writers first). pending: the
         indices the last call returned, if this wait made one: a rung word stays rung until
         the wait ends, so only those words are read again (a far one is one MPI call)."""
-        if pending is not None and len(pending) <= FEW_WORDS:
-            return self._still_missing(value, pending)
+        to_read = range(len(self.writers)) if pending is None else pending
+        if len(to_read) <= FEW_WORDS:
+            return self._still_missing(value, to_read)
         mem, missing = self.mem, []
-        if len(self._near_list) <= FEW_WORDS:  # a wait's every try: Python on a short list
-            if self._near_list:
-                mem.sync()
-                words = mem.words[self._near_words].tolist()
-                missing = [i for i, w in zip(self._near_list, words) if w != value]
-        else:
+        if len(self._near_words):
             mem.sync()
             differs = mem.words[self._near_words] != np.uint64(value)
             if np.count_nonzero(differs):  # a C call: `any` wraps a Python method (2 us a poll)
@@ -326,7 +321,7 @@ class WordPoll:
         return missing
 
     def _still_missing(self, value: int, pending: Sequence[int]) -> list[int]:
-        """`missing` over the few words of `pending` only, one by one."""
+        """`missing` over the few words of `pending` only, one by one (near ones first)."""
         mem, word_of, missing, far = self.mem, self._word_of, [], []
         words, synced = mem.words, False
         for i in pending:
