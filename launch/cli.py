@@ -19,6 +19,7 @@ from launch import (
     bench_serve,
     generate,
     hosts,
+    memory_guard,
     project,
     quantize,
     run_report,
@@ -122,6 +123,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:  # the line without --resolved: a dry run writes nothing
         print(command_for(rank_program(path, args.set)).shell_line())
         return 0
+    if not args.hosts and args.memory_check:  # with --hosts the ranks' nodes are elsewhere
+        warning = memory_guard.check_fits(
+            topo.world_size, sum(plan.window_bytes), memory_guard.read_node_memory()
+        )
+        if warning:
+            print(warning, file=sys.stderr)
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
@@ -131,10 +138,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
     startup = StartupWatch(topo.world_size)  # the ranks' imports: silent before the TE-shell
     os.environ.update(startup.env)
+    memory = memory_guard.MemoryWatch(stops=args.memory_check)
+
+    def while_waiting() -> None:
+        startup.poll()
+        memory.poll()
+
     try:
         result = run_job(
-            command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S, while_waiting=startup.poll
+            command, timeout_s=cfg.run.timeout_s + LAUNCH_GRACE_S, while_waiting=while_waiting
         )
+    except memory_guard.NodeOutOfMemory as low:  # run_job has ended mpiexec and its ranks
+        print(f"xds-mpi: error: {low}", file=sys.stderr)
+        return memory_guard.EXIT_OUT_OF_MEMORY
     finally:
         startup.close()
     if result.stopped_by is not None:
@@ -149,6 +165,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 124
     if result.returncode != 0:
         print(f"xds-mpi: error: job failed with exit code {result.returncode}", file=sys.stderr)
+        killed = memory.after()
+        if killed:
+            print(killed, file=sys.stderr)
     return result.returncode
 
 
@@ -198,6 +217,14 @@ def _add_run(sub) -> None:
         action="store_true",
         help="re-run the single-process reference on the same requests; exit non-zero "
         "on any token mismatch (same as --set run.check=true)",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="launch even when the ranks cannot fit in this node's available memory, and do "
+        "not stop the job when the node runs low (by default: refused before launch, exit 2; "
+        f"stopped while running, exit {memory_guard.EXIT_OUT_OF_MEMORY}; launch/memory_guard.py)",
     )
     p.set_defaults(func=cmd_run)
 

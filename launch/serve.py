@@ -19,6 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch.memory_guard import (
+    EXIT_OUT_OF_MEMORY,
+    MemoryWatch,
+    NodeOutOfMemory,
+    check_fits,
+    read_node_memory,
+)
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
 from launch.startup import compile_rank_code, resolve_for_ranks, unpack_weights
@@ -42,6 +49,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan = DeploymentPlan.build(load_config(path, sets), args.np)
     cfg = plan.cfg
     _check_address(cfg.serve.host, cfg.serve.port)
+    if args.memory_check:
+        memory = read_node_memory()
+        warning = check_fits(plan.topo.world_size, sum(plan.window_bytes), memory)
+        if warning:
+            print(warning, file=sys.stderr)
     print(
         f"xds-mpi: serving {cfg.serve.model} on {plan.topo.world_size} ranks "
         f"({plan.topo.summary()}) until SIGINT/SIGTERM",
@@ -61,7 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.api_key:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S
-        return _run(command.argv, env, Path(env[PID_FILE_ENV]), cfg.run.timeout_s, stop_after_s)
+        watch = MemoryWatch(stops=args.memory_check)
+        pid_file = Path(env[PID_FILE_ENV])
+        return _run(command.argv, env, pid_file, cfg.run.timeout_s, stop_after_s, watch)
 
 
 def _check_address(host: str, port: int) -> None:
@@ -75,9 +89,10 @@ def _check_address(host: str, port: int) -> None:
         ) from None
 
 
-def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float) -> int:
+def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch) -> int:
     """Run the job; the first signal goes to the TE-shell, a second (or a job still alive
-    `stop_after_s` after the first, or past its timeout) ends it all."""
+    `stop_after_s` after the first, or past its timeout) ends it all, as does the node running
+    out of memory (`watch`, a MemoryWatch, looked at every second)."""
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     signals: list[int] = []
 
@@ -89,6 +104,7 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float) -> in
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {signo: signal.signal(signo, on_signal) for signo in handled}
     deadline = time.monotonic() + timeout_s + LAUNCH_GRACE_S
+    looked = time.monotonic()
     try:
         while proc.poll() is None:
             if signals:
@@ -97,7 +113,14 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float) -> in
                 stop_job(proc)
                 print("xds-mpi: job stopped", file=sys.stderr)
                 return 128 + (signals[-1] if signals else signal.SIGKILL)
+            if time.monotonic() - looked >= 1.0:
+                looked = time.monotonic()
+                watch.poll()
             time.sleep(0.1)
+    except NodeOutOfMemory as low:
+        stop_job(proc)
+        print(f"xds-mpi: error: {low}", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except BaseException:
         stop_job(proc)
         raise
@@ -106,6 +129,9 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float) -> in
             signal.signal(signo, handler)
     if proc.returncode != 0:
         print(f"xds-mpi: error: job failed with exit code {proc.returncode}", file=sys.stderr)
+        killed = watch.after()
+        if killed:
+            print(killed, file=sys.stderr)
     return proc.returncode
 
 
@@ -151,5 +177,12 @@ def add_parser(sub, add_config_args) -> None:
         action="store_true",
         help="at shutdown compare every completed request with the single-process reference; "
         "exit non-zero on a mismatch",
+    )
+    p.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="launch even when the ranks cannot fit in this node's available memory, and do "
+        "not stop the job when the node runs low (as for run)",
     )
     p.set_defaults(func=cmd_serve)
