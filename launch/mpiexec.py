@@ -20,6 +20,8 @@ from functools import cache
 from pathlib import Path
 from typing import Literal
 
+from launch.shm_leftovers import ShmLeftovers
+
 MpiFlavor = Literal["mpich", "openmpi", "unknown"]
 # How long the launcher waits beyond MPIEXEC_TIMEOUT before killing the group.
 LAUNCH_GRACE_S = 30
@@ -169,7 +171,8 @@ def run_job(
     out = subprocess.PIPE if capture else None
     mpi_timeout_s = float(command.env.get("MPIEXEC_TIMEOUT", "inf"))
     started = time.monotonic()
-    with _signals_stop_the_job():
+    leftovers = ShmLeftovers()  # a job stopped or failed may leave its windows in /dev/shm
+    with _signals_stop_the_job(), _removing(leftovers):
         proc = subprocess.Popen(
             command.argv,
             env=env,
@@ -210,6 +213,15 @@ def _wait(proc: subprocess.Popen, deadline: float, while_waiting) -> str:
                 raise
             if while_waiting is not None:
                 while_waiting()
+
+
+@contextmanager
+def _removing(leftovers: ShmLeftovers):
+    """Once the job is gone, however it ended: the shared memory it left, removed."""
+    try:
+        yield
+    finally:
+        leftovers.remove_and_say(lambda line: print(line, file=sys.stderr, flush=True))
 
 
 @contextmanager

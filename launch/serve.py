@@ -28,6 +28,7 @@ from launch.memory_guard import (
 )
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
+from launch.shm_leftovers import ShmLeftovers
 from launch.startup import compile_rank_code, resolve_for_ranks, unpack_weights
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -93,6 +94,14 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch
     """Run the job; the first signal goes to the TE-shell, a second (or a job still alive
     `stop_after_s` after the first, or past its timeout) ends it all, as does the node running
     out of memory (`watch`, a MemoryWatch, looked at every second)."""
+    leftovers = ShmLeftovers()  # a job stopped or failed may leave its windows in /dev/shm
+    try:
+        return _serve(argv, env, pid_file, timeout_s, stop_after_s, watch)
+    finally:
+        leftovers.remove_and_say(lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def _serve(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch) -> int:
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     signals: list[int] = []
 

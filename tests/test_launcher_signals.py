@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from harness import REPO_ROOT
 
+from launch.shm_leftovers import ShmLeftovers
+
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 MARKER_ENV = "XDS_TEST_JOB_MARKER"
 # The job must be gone this many seconds after the signal (the launcher allows mpiexec 5 s).
@@ -35,6 +37,11 @@ def job_pids(marker: str) -> list[int]:
         except OSError:
             continue  # gone meanwhile, or not ours
     return [pid for pid in pids if not is_zombie(pid)]
+
+
+def mpi_segments() -> set[str]:
+    """The MPI shared-memory segments in /dev/shm (launch/shm_leftovers.py)."""
+    return ShmLeftovers().before
 
 
 def is_zombie(pid: int) -> bool:
@@ -70,6 +77,7 @@ def _default_sigint() -> None:
 def test_a_signal_to_the_launcher_ends_mpiexec_and_every_rank(tmp_path, signo):
     marker = uuid.uuid4().hex
     env = {**os.environ, MARKER_ENV: marker}
+    segments_before = mpi_segments()
     launcher = subprocess.Popen(
         [str(XDS_MPI), "run", "--set", "workload.num_requests=400"]
         + ["--set", f"run.output_dir={tmp_path}"],
@@ -94,6 +102,7 @@ def test_a_signal_to_the_launcher_ends_mpiexec_and_every_rank(tmp_path, signo):
         output = launcher.communicate(timeout=5)[0]
         assert launcher.returncode == 128 + signo, output
         assert f"stopped by {signo.name}" in output
+        assert mpi_segments() <= segments_before, "the job's windows were left in /dev/shm"
     finally:
         for pid in job_pids(marker):
             os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from harness import REPO_ROOT
-from test_launcher_signals import MARKER_ENV, job_pids
+from test_launcher_signals import MARKER_ENV, job_pids, mpi_segments
 
 from launch import cli, memory_guard, serve
 from launch.memory_guard import MemoryWatch, NodeMemory, NodeOutOfMemory, check_fits
@@ -138,15 +138,17 @@ def test_the_main_job_is_stopped_when_the_node_runs_low(monkeypatch, capfd, tmp_
     and mpiexec and every rank are gone."""
     marker = uuid.uuid4().hex
     monkeypatch.setenv(MARKER_ENV, marker)
+    segments_before = mpi_segments()
     readings = {"calls": 0}
 
     def read():
-        readings["calls"] += 1  # the check before launch, then every second
-        return node_with(20 * GIB if readings["calls"] <= 3 else 100)
+        readings["calls"] += 1  # the check before launch, then every second from launch
+        return node_with(20 * GIB if readings["calls"] <= 2 else 100)
 
     monkeypatch.setattr(memory_guard, "read_node_memory", read)
     monkeypatch.chdir(REPO_ROOT)
-    code = cli.main(["run", "--set", f"run.output_dir={tmp_path}"])
+    sets = [f"run.output_dir={tmp_path}", "workload.num_requests=64"]  # runs for seconds
+    code = cli.main(["run", *[arg for value in sets for arg in ("--set", value)]])
     err = capfd.readouterr().err
     assert code == memory_guard.EXIT_OUT_OF_MEMORY, err[-3000:]
     assert "xds-mpi: error: the node is running out of memory (0.1 GiB available" in err
@@ -154,6 +156,8 @@ def test_the_main_job_is_stopped_when_the_node_runs_low(monkeypatch, capfd, tmp_
     while job_pids(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert job_pids(marker) == []
+    assert mpi_segments() <= segments_before, "the job's windows were left in /dev/shm"
+    assert "shared-memory segment(s) the job left in /dev/shm" in err
 
 
 def test_serve_stops_the_job_when_the_node_runs_low(tmp_path, capsys):

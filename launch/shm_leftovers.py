@@ -1,0 +1,81 @@
+"""The shared memory a job that did not end well leaves on its node, removed by the launcher.
+
+The dies' windows on a node live in the MPI's shared-memory segments (MPICH:
+/dev/shm/mpich_shm_*, one per window, as large as the node's windows together; Open MPI:
+sm_segment.*). A job that ends normally frees them. One ended by a signal, a timeout, the memory
+watch (launch/memory_guard.py) or a rank's crash leaves them behind, holding their pages until
+someone removes them: ep288's windows are up to 10 GiB, which the next job then lacks. So after
+such an end the launcher removes the segments that appeared while the job ran, belong to this
+user and that no process has open or mapped (a concurrent job's segments are mapped by its ranks,
+so they stay).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+PREFIXES = ("mpich_", "sm_segment.", "vader_segment.")  # MPICH's and Open MPI's segments
+
+
+class ShmLeftovers:
+    """The MPI segments present when the job starts; `remove` takes away the new ones that no
+    process uses any more."""
+
+    def __init__(self, where: Path = SHM_DIR) -> None:
+        self.where = where
+        self.before = self._names()
+
+    def _names(self) -> set[str]:
+        try:
+            return {p.name for p in self.where.iterdir() if p.name.startswith(PREFIXES)}
+        except OSError:
+            return set()
+
+    def remove(self) -> tuple[int, int]:
+        """(segments removed, bytes they held)."""
+        new = self._names() - self.before
+        if not new:
+            return 0, 0
+        in_use = paths_in_use(self.where)
+        removed = held = 0
+        for name in sorted(new):
+            path = self.where / name
+            try:
+                stat = path.stat()
+                if stat.st_uid != os.getuid() or str(path) in in_use:
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            removed, held = removed + 1, held + stat.st_blocks * 512
+        return removed, held
+
+    def remove_and_say(self, say) -> None:
+        """remove(), and one line through `say` when something was removed."""
+        removed, held = self.remove()
+        if removed:
+            say(
+                f"xds-mpi: removed {removed} shared-memory segment(s) the job left in "
+                f"{self.where} ({held / (1 << 20):.1f} MiB)"
+            )
+
+
+def paths_in_use(where: Path, proc: Path = Path("/proc")) -> set[str]:
+    """Files under `where` that a process (one /proc lets us read) has mapped or open."""
+    prefix = f"{where}/"
+    used: set[str] = set()
+    for pid in proc.glob("[0-9]*"):
+        try:
+            for line in (pid / "maps").read_text().splitlines():
+                at = line.find(prefix)
+                if at >= 0:
+                    used.add(line[at:].removesuffix(" (deleted)"))
+            for fd in (pid / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    used.add(target)
+        except OSError:
+            continue  # gone meanwhile, or not ours
+    return used

@@ -1,0 +1,48 @@
+"""What a job that did not end well leaves in shared memory is removed (launch/shm_leftovers.py):
+only MPI segments that appeared while the job ran and that no process has open or mapped."""
+
+from __future__ import annotations
+
+import mmap
+
+from launch.shm_leftovers import ShmLeftovers, paths_in_use
+
+
+def test_only_new_unused_mpi_segments_are_removed(tmp_path):
+    (tmp_path / "mpich_shm_old_0").write_bytes(b"x" * 4096)  # there before the job: kept
+    leftovers = ShmLeftovers(tmp_path)
+    (tmp_path / "mpich_shm_left_0").write_bytes(b"x" * 8192)  # the job's, unused: removed
+    (tmp_path / "sm_segment.host.1000.0").write_bytes(b"x")  # Open MPI's, unused: removed
+    (tmp_path / "someone_else").write_bytes(b"x")  # not an MPI segment: kept
+    (tmp_path / "mpich_shm_open_0").write_bytes(b"x" * 4096)  # open by a process: kept
+    (tmp_path / "mpich_shm_mapped_0").write_bytes(b"x" * 4096)  # mapped by a process: kept
+    with (
+        open(tmp_path / "mpich_shm_open_0", "rb"),
+        open(tmp_path / "mpich_shm_mapped_0", "r+b") as f,
+    ):
+        mapped = mmap.mmap(f.fileno(), 4096)
+        f.close()  # the mapping alone holds it now
+        try:
+            assert {str(tmp_path / n) for n in ("mpich_shm_open_0", "mpich_shm_mapped_0")} <= (
+                paths_in_use(tmp_path)
+            )
+            removed, held = leftovers.remove()
+        finally:
+            mapped.close()
+    assert removed == 2 and held >= 8192
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mpich_shm_mapped_0",
+        "mpich_shm_old_0",
+        "mpich_shm_open_0",
+        "someone_else",
+    ]
+
+
+def test_nothing_new_nothing_said(tmp_path):
+    lines: list[str] = []
+    ShmLeftovers(tmp_path).remove_and_say(lines.append)
+    assert lines == []
+    leftovers = ShmLeftovers(tmp_path)
+    (tmp_path / "mpich_shm_left_0").write_bytes(b"x" * 4096)
+    leftovers.remove_and_say(lines.append)
+    assert len(lines) == 1 and lines[0].startswith("xds-mpi: removed 1 shared-memory segment(s)")
