@@ -51,8 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = plan.cfg
     _check_address(cfg.serve.host, cfg.serve.port)
     if args.memory_check:
-        memory = read_node_memory()
-        warning = check_fits(plan.topo.world_size, sum(plan.window_bytes), memory)
+        warning = check_fits(plan.topo.world_size, sum(plan.window_bytes), read_node_memory())
         if warning:
             print(warning, file=sys.stderr)
     print(
@@ -96,12 +95,12 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch
     out of memory (`watch`, a MemoryWatch, looked at every second)."""
     leftovers = ShmLeftovers()  # a job stopped or failed may leave its windows in /dev/shm
     try:
-        return _serve(argv, env, pid_file, timeout_s, stop_after_s, watch)
+        return _until_stopped(argv, env, pid_file, timeout_s, stop_after_s, watch)
     finally:
         leftovers.remove_and_say(lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def _serve(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch) -> int:
+def _until_stopped(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch):
     proc = subprocess.Popen(argv, env=env, start_new_session=True)
     signals: list[int] = []
 
