@@ -6,17 +6,20 @@ sm_segment.*). A job that ends normally frees them. One ended by a signal, a tim
 watch (launch/memory_guard.py) or a rank's crash leaves them behind, holding their pages until
 someone removes them: ep288's windows are up to 10 GiB, which the next job then lacks. So after
 such an end the launcher removes the segments that appeared while the job ran, belong to this
-user and that no process has open or mapped (a concurrent job's segments are mapped by its ranks,
-so they stay).
+user and that no process has open or mapped, looking again for up to SETTLE_S at those still in
+use (a rank mpiexec killed may still be exiting; a concurrent job's segments are mapped by its
+ranks, so they stay).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 PREFIXES = ("mpich_", "sm_segment.", "vader_segment.")  # MPICH's and Open MPI's segments
+SETTLE_S = 2.0  # how long a new segment still in use is looked at again
 
 
 class ShmLeftovers:
@@ -33,23 +36,32 @@ class ShmLeftovers:
         except OSError:
             return set()
 
-    def remove(self) -> tuple[int, int]:
-        """(segments removed, bytes they held)."""
-        new = self._names() - self.before
-        if not new:
-            return 0, 0
-        in_use = paths_in_use(self.where)
+    def remove(self, settle_s: float = SETTLE_S) -> tuple[int, int]:
+        """(segments removed, bytes they held). A new segment still in use is looked at again
+        for up to `settle_s`: a rank that mpiexec has killed may still be exiting."""
         removed = held = 0
-        for name in sorted(new):
-            path = self.where / name
-            try:
-                stat = path.stat()
-                if stat.st_uid != os.getuid() or str(path) in in_use:
+        deadline = time.monotonic() + settle_s
+        while True:
+            new = self._names() - self.before
+            if not new:
+                break
+            in_use = paths_in_use(self.where)
+            for name in sorted(new):
+                path = self.where / name
+                try:
+                    stat = path.stat()
+                    if stat.st_uid != os.getuid():
+                        self.before.add(name)  # not ours: never ours to remove
+                        continue
+                    if str(path) in in_use:
+                        continue
+                    path.unlink()
+                except OSError:
                     continue
-                path.unlink()
-            except OSError:
-                continue
-            removed, held = removed + 1, held + stat.st_blocks * 512
+                removed, held = removed + 1, held + stat.st_blocks * 512
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         return removed, held
 
     def remove_and_say(self, say) -> None:

@@ -4,6 +4,8 @@ only MPI segments that appeared while the job ran and that no process has open o
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
 
 from launch.shm_leftovers import ShmLeftovers, paths_in_use
 
@@ -26,7 +28,7 @@ def test_only_new_unused_mpi_segments_are_removed(tmp_path):
             assert {str(tmp_path / n) for n in ("mpich_shm_open_0", "mpich_shm_mapped_0")} <= (
                 paths_in_use(tmp_path)
             )
-            removed, held = leftovers.remove()
+            removed, held = leftovers.remove(settle_s=0.3)
         finally:
             mapped.close()
     assert removed == 2 and held >= 8192
@@ -46,3 +48,31 @@ def test_nothing_new_nothing_said(tmp_path):
     (tmp_path / "mpich_shm_left_0").write_bytes(b"x" * 4096)
     leftovers.remove_and_say(lines.append)
     assert len(lines) == 1 and lines[0].startswith("xds-mpi: removed 1 shared-memory segment(s)")
+
+
+def test_a_segment_held_by_an_exiting_rank_is_removed_once_it_is_gone(tmp_path):
+    """mpiexec has exited, a rank it killed still maps the segment for a moment."""
+    leftovers = ShmLeftovers(tmp_path)
+    segment = tmp_path / "mpich_shm_late_0"
+    segment.write_bytes(b"x" * 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(path=str(segment))], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert leftovers.remove(settle_s=0.0) == (0, 0)  # still mapped: kept
+        assert leftovers.remove(settle_s=10.0)[0] == 1  # the holder exits after 0.5 s
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not segment.exists()
+
+
+HOLD = """
+import mmap, time
+f = open({path!r}, "r+b")
+m = mmap.mmap(f.fileno(), 4096)
+f.close()
+print("mapped", flush=True)
+time.sleep(0.5)
+"""
