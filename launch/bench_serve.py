@@ -25,7 +25,6 @@ from launch.bench_report import report
 from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve_stats import ServeStats, summarize
 from launch.startup import RANK_STATS_ENV
-from xccl.wake import TIME_MPI_ENV
 from xds_mpi.config.schema import ConfigError
 
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]
@@ -49,6 +48,8 @@ def serve(args, dies: int, source: Path | None, extra: list[str]) -> ServeStats:
         ]
         command = [sys.executable, "-m", "launch.cli", "run", str(args.config)]
         command += [a for s in sets for a in ("--set", s)]
+        from xccl.wake import TIME_MPI_ENV  # here: xccl imports mpi4py.MPI, which starts MPI
+
         env = dict(os.environ, **{TIME_MPI_ENV: "1", RANK_STATS_ENV: tmp})
         cwd = Path.cwd()
         if source is not None:
