@@ -22,6 +22,17 @@ RANK_COUNTS = (2, 4, 8)
 KILL_GRACE_S = 10
 
 
+def fresh_python(code: str) -> str:
+    """What `python -c code` prints, run in the repository by a fresh interpreter (so that
+    what it imports is its own, not the test process's)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+    )
+    return out.stdout.strip()
+
+
 def run_mpi(num_procs: int, args: Sequence[str], *, timeout_s: float = 60) -> JobResult:
     """`mpiexec -n N python -m mpi4py ARGS...`, output captured, never outliving the timeout."""
     program = [sys.executable, "-m", "mpi4py", *args]

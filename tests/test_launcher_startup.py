@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from harness import REPO_ROOT
+from harness import REPO_ROOT, fresh_python
 
 from launch import cli, startup
 from launch.startup import StartupWatch
@@ -76,7 +73,4 @@ def test_the_launcher_does_not_start_mpi():
         "    _load(argparse.Namespace(config=config, set=[], np=None))\n"
         "print('mpi4py.MPI' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True
-    )
-    assert out.stdout.strip() == "False", out.stderr
+    assert fresh_python(code) == "False"

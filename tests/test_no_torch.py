@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from harness import REPO_ROOT
+from harness import REPO_ROOT, fresh_python
 
 ROLE_MODULES = (
     "ranks.colocated.die",
@@ -30,10 +30,7 @@ def test_role_modules_and_the_model_import_no_torch():
         " mtp_depth=1)).generate([[256, 1, 2]])\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True
-    )
-    assert out.stdout.strip() == "False"
+    assert fresh_python(code) == "False"
 
 
 def test_a_served_run_checks_out_with_torch_unimportable(tmp_path):
