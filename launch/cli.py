@@ -124,11 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(command_for(rank_program(path, args.set)).shell_line())
         return 0
     if not args.hosts and args.memory_check:  # with --hosts the ranks' nodes are elsewhere
-        warning = memory_guard.check_fits(
-            topo.world_size, sum(plan.window_bytes), memory_guard.read_node_memory()
-        )
-        if warning:
-            print(warning, file=sys.stderr)
+        memory_guard.check_node(topo.world_size, sum(plan.window_bytes))
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank

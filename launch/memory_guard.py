@@ -21,6 +21,7 @@ the launch check is skipped there and the watch guards the launcher's node alone
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,13 @@ def check_fits(num_ranks: int, window_bytes: int, memory: NodeMemory | None) -> 
             f"{memory.describe()}; the job is stopped if the node runs low"
         )
     return None
+
+
+def check_node(num_ranks: int, window_bytes: int) -> None:
+    """check_fits against this node's memory now; its warning, if any, to stderr."""
+    warning = check_fits(num_ranks, window_bytes, read_node_memory())
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 class MemoryWatch:

@@ -221,7 +221,7 @@ def _removing(leftovers: ShmLeftovers):
     try:
         yield
     finally:
-        leftovers.remove_and_say(lambda line: print(line, file=sys.stderr, flush=True))
+        leftovers.remove_and_say()
 
 
 @contextmanager

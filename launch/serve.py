@@ -23,8 +23,7 @@ from launch.memory_guard import (
     EXIT_OUT_OF_MEMORY,
     MemoryWatch,
     NodeOutOfMemory,
-    check_fits,
-    read_node_memory,
+    check_node,
 )
 from launch.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.paths import resolve_config
@@ -51,9 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = plan.cfg
     _check_address(cfg.serve.host, cfg.serve.port)
     if args.memory_check:
-        warning = check_fits(plan.topo.world_size, sum(plan.window_bytes), read_node_memory())
-        if warning:
-            print(warning, file=sys.stderr)
+        check_node(plan.topo.world_size, sum(plan.window_bytes))
     print(
         f"xds-mpi: serving {cfg.serve.model} on {plan.topo.world_size} ranks "
         f"({plan.topo.summary()}) until SIGINT/SIGTERM",
@@ -97,7 +94,7 @@ def _run(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch
     try:
         return _until_stopped(argv, env, pid_file, timeout_s, stop_after_s, watch)
     finally:
-        leftovers.remove_and_say(lambda line: print(line, file=sys.stderr, flush=True))
+        leftovers.remove_and_say()
 
 
 def _until_stopped(argv, env, pid_file: Path, timeout_s: float, stop_after_s: float, watch):

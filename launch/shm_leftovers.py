@@ -14,6 +14,7 @@ ranks, so they stay).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -64,10 +65,11 @@ class ShmLeftovers:
             time.sleep(0.1)
         return removed, held
 
-    def remove_and_say(self, say) -> None:
-        """remove(), and one line through `say` when something was removed."""
+    def remove_and_say(self, say=None) -> None:
+        """remove(), and one line through `say` (default: stderr) when something was removed."""
         removed, held = self.remove()
         if removed:
+            say = say or (lambda line: print(line, file=sys.stderr, flush=True))
             say(
                 f"xds-mpi: removed {removed} shared-memory segment(s) the job left in "
                 f"{self.where} ({held / (1 << 20):.1f} MiB)"
