@@ -4,7 +4,9 @@ Every rank dispatches `tokens` rows of `hidden` float32 values to top-k of `expe
 (spread evenly over the ranks, random routing from a fixed seed), the experts are the identity, and
 combine brings the rows home. In the same run, a two-sided baseline moves the same rows:
 Alltoall of the counts + Alltoallv of the rows there, Alltoallv of the outputs back. The
-projected column is one dispatch + combine on the 910C virtual clock.
+projected column is one dispatch + combine on the 910C virtual clock. The floor column is two
+bare meetings of every rank (launch/bench_ep_floor.py): what any protocol in which every die
+meets every die pays on these cores before it moves a row.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from launch.bench_ep_floor import Meetings
 from launch.bench_report import rank_parser
 from xccl.ep.buffer import EpBuffer, select_slots
 from xccl.gmem import DieMemory
@@ -24,7 +27,18 @@ from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.projection.hardware import load_profile
 
 comm = MPI.COMM_WORLD
-COLUMNS = ["tokens", "hidden", "topk", "int8", "xccl_us", "alltoallv_us", "speedup", "proj_910c_us"]
+COLUMNS = [
+    "tokens",
+    "hidden",
+    "topk",
+    "int8",
+    "xccl_us",
+    "alltoallv_us",
+    "floor_us",
+    "speedup",
+    "vs_floor",
+    "proj_910c_us",
+]
 
 
 class Bench:
@@ -56,10 +70,12 @@ class Bench:
             timeout_s=300,
         )
         self.event = 0
+        self.meetings = Meetings(comm)
 
     def close(self) -> None:
         comm.Barrier()
         self.mem.free()
+        self.meetings.free()
 
     def inputs(self, num_tokens: int):
         rng = np.random.default_rng((7, comm.rank))
@@ -113,6 +129,7 @@ class Bench:
             raise SystemExit(f"rank {comm.rank}: dispatch/combine and Alltoallv disagree")
         xccl = self.timed(lambda: self.xccl_round(x, topk, w))
         base = self.timed(lambda: self.alltoallv_round(x, topk, w))
+        floor = self.timed(self.meetings.round) if self.meetings.available else float("nan")
         comm.Barrier()
         start = self.clock.now_ns
         self.xccl_round(x, topk, w)
@@ -124,7 +141,9 @@ class Bench:
             "int8": int(self.args.int8),
             "xccl_us": xccl * 1e6,
             "alltoallv_us": base * 1e6,
+            "floor_us": floor * 1e6,
             "speedup": base / xccl,
+            "vs_floor": xccl / floor,
             "proj_910c_us": projected / 1e3,
         }
 
@@ -152,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             args,
             title=title,
             legend="speedup: Alltoallv round / dispatch+combine round (higher is better); "
+            "floor_us: two bare meetings of every rank (a doorbell each, a poll; "
+            "launch/bench_ep_floor.py), nan across nodes; vs_floor: xccl_us / floor_us; "
             "proj_910c_us: one dispatch + combine on the virtual clock (slowest die).",
         )
 

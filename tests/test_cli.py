@@ -290,6 +290,8 @@ def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
     rows = list(csv.DictReader(out.open()))
     assert [int(r["tokens"]) for r in rows] == [3, 8]
     assert all(float(r["speedup"]) > 0 and float(r["proj_910c_us"]) > 0 for r in rows)
+    # the meeting floor ran on the load/store path (one node): a time, and xccl's ratio to it
+    assert all(0 < float(r["floor_us"]) < math.inf and float(r["vs_floor"]) > 0 for r in rows)
     bad = xds_mpi("bench", "ep", "--np", "3", "--experts", "256")
     assert bad.returncode == 2 and "--experts(256) must be a multiple of --np(3)" in bad.stderr
 
