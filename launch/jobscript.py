@@ -10,6 +10,7 @@ import math
 import re
 import shlex
 import string
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ def _launch_fields(
         hostfile_loop=loop,
         hostfile_env=env,
         launch_line=launch,
+        python=shlex.quote(sys.executable),
     )
 
 

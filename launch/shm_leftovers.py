@@ -9,11 +9,17 @@ such an end the launcher removes the segments that appeared while the job ran, b
 user and that no process has open or mapped, looking again for up to SETTLE_S at those still in
 use (a rank mpiexec killed may still be exiting; a concurrent job's segments are mapped by its
 ranks, so they stay).
+
+A Slurm job (`xds-mpi submit`) has no launcher on its nodes: its script runs
+`python -m launch.shm_leftovers --since START` on every node once the ranks are gone, however
+they ended, and "appeared while the job ran" is then "changed at or after START".
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -30,6 +36,14 @@ class ShmLeftovers:
     def __init__(self, where: Path = SHM_DIR) -> None:
         self.where = where
         self.before = self._names()
+
+    @classmethod
+    def since(cls, started_s: float, where: Path = SHM_DIR) -> ShmLeftovers:
+        """The leftovers of a job that started at `started_s` (seconds since the epoch) with no
+        launcher there to list the segments before it: those changed earlier count as before."""
+        leftovers = cls(where)
+        leftovers.before = {n for n in leftovers.before if _changed_s(where / n) < started_s}
+        return leftovers
 
     def _names(self) -> set[str]:
         try:
@@ -93,3 +107,37 @@ def paths_in_use(where: Path, proc: Path = Path("/proc")) -> set[str]:
         except OSError:
             continue  # gone meanwhile, or not ours
     return used
+
+
+def _changed_s(path: Path) -> float:
+    try:
+        return path.stat().st_ctime
+    except OSError:
+        return 0.0  # gone: never removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.shm_leftovers",
+        description="Remove the MPI shared-memory segments in /dev/shm that a job which started "
+        "at --since left on this node: ours, changed since then, and open or mapped by no "
+        "process (a Slurm job script runs this on each of its nodes after its ranks).",
+    )
+    parser.add_argument(
+        "--since",
+        type=float,
+        required=True,
+        metavar="SECONDS",
+        help="when the job started, in seconds since the epoch (`date +%%s`)",
+    )
+    parser.add_argument("--dir", type=Path, default=SHM_DIR, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    host = socket.gethostname()
+    ShmLeftovers.since(args.since, args.dir).remove_and_say(
+        lambda line: print(f"{line} on {host}", flush=True)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

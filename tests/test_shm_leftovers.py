@@ -76,3 +76,37 @@ f.close()
 print("mapped", flush=True)
 time.sleep(0.5)
 """
+
+
+def test_a_slurm_node_removes_what_changed_since_the_job_started(tmp_path):
+    """`python -m launch.shm_leftovers --since START` (a job script on each node): no launcher
+    listed the segments before the job, so a segment changed before START counts as before."""
+    import time
+
+    (tmp_path / "mpich_shm_earlier_0").write_bytes(b"x" * 4096)  # before the job: kept
+    time.sleep(0.05)
+    started = time.time()  # between the two (a ctime cannot be set back)
+    time.sleep(0.05)
+    (tmp_path / "mpich_shm_job_0").write_bytes(b"x" * 8192)  # the job's, unused: removed
+    (tmp_path / "not_mpi").write_bytes(b"x")  # not an MPI segment: kept
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.shm_leftovers",
+            "--since",
+            str(started),
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "removed 1 shared-memory segment(s)" in result.stdout, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_earlier_0", "not_mpi"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "launch.shm_leftovers"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--since" in bad.stderr

@@ -133,6 +133,34 @@ def test_a_job_runs_to_completion_and_writes_its_run_file(timeout_job, tmp_path)
     print(f"single job: {time.monotonic() - started:.1f} s")
 
 
+@pytest.mark.timeout(2 * JOB_TIMEOUT_S)
+def test_a_failed_job_leaves_no_shared_memory_on_its_node(timeout_job, tmp_path):
+    """The job script removes what the ranks left in /dev/shm once they are gone, however they
+    ended (launch/shm_leftovers.py on every node): here a launcher that leaves a segment, as a
+    crashed rank's window does, and fails."""
+    segment = Path("/dev/shm") / f"mpich_shm_xds_test_{os.getpid()}"
+    crash = tmp_path / "crashing-mpiexec"
+    real = Path(sys.executable).parent / "mpiexec"
+    crash.write_text(
+        f'#!/bin/bash\n[ "$1" = --version ] && exec {real} --version\n'
+        f"head -c 8192 /dev/zero >{segment}\nexit 3\n"
+    )
+    crash.chmod(0o755)
+    try:
+        result = xds_mpi(
+            "submit", "--wait", "--mpiexec", str(crash), "--set", "run.name=crashed",
+            cwd=tmp_path, timeout=JOB_TIMEOUT_S,
+        )  # fmt: skip
+        assert result.returncode != 0, result.stdout + result.stderr
+        job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+        assert f"job {job_id}: FAILED (exit 3:0" in result.stdout, result.stdout
+        log = (tmp_path / "runs" / "jobs" / "crashed" / f"slurm-{job_id}.out").read_text()
+        assert "removed 1 shared-memory segment(s) the job left in /dev/shm" in log, log
+        assert not segment.exists()
+    finally:
+        segment.unlink(missing_ok=True)
+
+
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S)
 def test_a_three_element_sweep_writes_three_run_files(slurm, tmp_path):
     started = time.monotonic()
