@@ -77,6 +77,16 @@ def node_layout(topo: Topology, num_nodes: int | None = None) -> NodeLayout:
     return NodeLayout(tasks_per_node=tuple(tasks), why=why)
 
 
+def window_mib_per_node(layout: NodeLayout, window_bytes: Sequence[int]) -> tuple[int, ...]:
+    """The windows (bytes per rank, in rank order) of the ranks each node runs, in MiB rounded
+    up: node i runs the next layout.tasks_per_node[i] ranks."""
+    sums, first = [], 0
+    for count in layout.tasks_per_node:
+        sums.append(-(-sum(window_bytes[first : first + count]) // (1 << 20)))
+        first += count
+    return tuple(sums)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sweep:
     """`--sweep section.key=v1,v2,...`: one array element per value."""
@@ -136,6 +146,9 @@ class JobSpec:
     cpus_per_node: int | None  # None: unknown, ask for --overcommit to be safe
     launcher: Launcher
     mpiexec: str | None
+    # Per node: the windows of its ranks in MiB (the largest over a sweep's elements), which the
+    # check before launch weighs with the ranks (launch/memory_guard.py); () counts none.
+    window_mib_per_node: tuple[int, ...] = ()
 
     @property
     def script_path(self) -> Path:
@@ -213,6 +226,8 @@ def _launch_fields(
         hostfile_env=env,
         launch_line=launch,
         python=shlex.quote(sys.executable),
+        window_mib=" ".join(map(str, spec.window_mib_per_node))
+        or " ".join("0" for _ in spec.layout.tasks_per_node),
     )
 
 

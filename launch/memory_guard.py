@@ -21,6 +21,9 @@ the launch check is skipped there and the watch guards the launcher's node alone
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +124,23 @@ def oom_kills(proc: Path = Path("/proc")) -> int | None:
         return None
 
 
-def check_fits(num_ranks: int, window_bytes: int, memory: NodeMemory | None) -> str | None:
+LAUNCH_ADVICE = (
+    "Run fewer ranks, spread them (--hosts, or Slurm: xds-mpi submit), or launch anyway with "
+    "--no-memory-check"
+)
+SLURM_ADVICE = (
+    "Spread the ranks over more nodes (xds-mpi submit --nodes N) or ask for nodes with more memory"
+)
+
+
+def check_fits(
+    num_ranks: int,
+    window_bytes: int,
+    memory: NodeMemory | None,
+    *,
+    node: str = "this node",
+    advice: str = LAUNCH_ADVICE,
+) -> str | None:
     """Before launch: ConfigError when `num_ranks` processes alone exceed what the node has;
     a warning (returned) when they would with every window page touched too; else None."""
     if memory is None:
@@ -130,14 +149,13 @@ def check_fits(num_ranks: int, window_bytes: int, memory: NodeMemory | None) -> 
     most = least + window_bytes / MIB
     if least > memory.available_mib:
         raise ConfigError(
-            f"{num_ranks} ranks need at least {gib(least)} on this node ({RANK_FLOOR_MIB} MiB "
+            f"{num_ranks} ranks need at least {gib(least)} on {node} ({RANK_FLOOR_MIB} MiB "
             f"a rank; a die measured 38-44 MiB) and it has {memory.describe()}: nothing was "
-            "launched. Run fewer ranks, spread them (--hosts, or Slurm: xds-mpi submit), or "
-            "launch anyway with --no-memory-check"
+            f"launched. {advice}"
         )
     if most > memory.available_mib:
         return (
-            f"xds-mpi: warning: {num_ranks} ranks need {gib(least)} to {gib(most)} on this node "
+            f"xds-mpi: warning: {num_ranks} ranks need {gib(least)} to {gib(most)} on {node} "
             f"(up to {gib(window_bytes / MIB)} if every window page is touched) and it has "
             f"{memory.describe()}; the job is stopped if the node runs low"
         )
@@ -187,3 +205,52 @@ class MemoryWatch:
             f"xds-mpi: error: the kernel's OOM killer ended {now - self.kills_before} "
             f"process(es) on this node during the job: the node ran out of memory{low}"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """A Slurm job's check before launch (hpc/xds-mpi.sbatch.in), one task on each node."""
+    parser = argparse.ArgumentParser(
+        prog="python -m launch.memory_guard",
+        description="Before a Slurm job launches its ranks, on each node of its allocation (one "
+        "task per node; SLURM_NODEID picks the node's entry): the ranks the node will run "
+        "against what it and the job's cgroup leave. Exit 2 with both numbers when they cannot "
+        "fit; a warning when they fit only while their windows are not touched to the last page.",
+    )
+    parser.add_argument(
+        "--ranks-per-node", required=True, metavar='"N ..."', help="ranks on each node, in order"
+    )
+    parser.add_argument(
+        "--window-mib-per-node",
+        required=True,
+        metavar='"MIB ..."',
+        help="the windows of those ranks, in MiB, in the same order",
+    )
+    args = parser.parse_args(argv)
+    host = socket.gethostname()
+    try:
+        ranks = [int(v) for v in args.ranks_per_node.split()]
+        windows = [float(v) for v in args.window_mib_per_node.split()]
+        index = int(os.environ.get("SLURM_NODEID", "0"))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len(ranks) != len(windows) or not 0 <= index < len(ranks):
+        parser.error(
+            f"node {index} of {len(ranks)} ranks and {len(windows)} window entries: the lists "
+            "need one entry per node of the allocation"
+        )
+    node = f"node {host}"
+    try:
+        warning = check_fits(
+            ranks[index], int(windows[index] * MIB), read_node_memory(), node=node,
+            advice=SLURM_ADVICE,
+        )  # fmt: skip
+    except ConfigError as exc:
+        print(f"xds-mpi job: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if warning:
+        print(warning.replace("xds-mpi:", "xds-mpi job:", 1), file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from launch.jobscript import (
     node_layout,
     parse_sweep,
     render,
+    window_mib_per_node,
 )
 from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.startup import compile_rank_code, resolve_for_ranks, unpack_weights
@@ -159,11 +160,13 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     names = tuple(f"{base}-{i}" for i in range(len(plans))) if sweep else (base,)
     timeout_s = max(plan.cfg.run.timeout_s for plan in plans)
     topo = plans[0].topo
+    layout = node_layout(topo, args.nodes)
+    windows = [window_mib_per_node(layout, plan.window_bytes) for plan in plans]
     return JobSpec(
         config_path=path,
         overrides=tuple(args.set),
         topo=topo,
-        layout=node_layout(topo, args.nodes),
+        layout=layout,
         job_name=f"xds-{path.stem}",
         job_dir=job_dir,
         workdir=workdir,
@@ -176,6 +179,7 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         cpus_per_node=cpus_per_node(args.partition),
         launcher=args.launcher,
         mpiexec=args.mpiexec,
+        window_mib_per_node=tuple(max(per_node) for per_node in zip(*windows)),
     )
 
 
@@ -289,6 +293,9 @@ def report(spec: JobSpec, job_id: str, jobs: list[dict[str, str]]) -> int:
         if state != "COMPLETED" or not run_file.exists():
             bad.append((name, state))
         print(line + ("" if state == "COMPLETED" else f"; output {job.get('StdOut')}"))
+        if state != "COMPLETED":
+            for said in _script_errors(job.get("StdOut")):  # e.g. a node without the memory
+                print(f"  {said}")
     if not bad:
         return 0
     listed = ", ".join(f"{name} {state}" for name, state in bad)
@@ -297,3 +304,12 @@ def report(spec: JobSpec, job_id: str, jobs: list[dict[str, str]]) -> int:
         file=sys.stderr,
     )
     return TIMEOUT_EXIT if all(state == "TIMEOUT" for _, state in bad) else 1
+
+
+def _script_errors(output: str | None) -> list[str]:
+    """The job script's own error lines (`xds-mpi job: error: ...`) in the job's output."""
+    try:
+        text = Path(output).read_text(errors="replace") if output else ""
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith("xds-mpi job: error:")]

@@ -14,6 +14,7 @@ from harness import REPO_ROOT
 
 from launch.jobscript import default_time_limit, node_layout, parse_sweep
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
+from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.topology import Topology
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
@@ -147,6 +148,50 @@ def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def test_the_script_checks_each_nodes_memory_before_launch_and_cleans_up_after(tmp_path):
+    """Two nodes of a 64-die deployment: the check step names each node's ranks and windows
+    (launch/memory_guard.py), the leftovers' trap is set before the launch line."""
+    args = ["--set", "deployment.dp_groups_per_domain=20", "--set", "model.num_routed_experts=64"]
+    args += ["--set", "model.weights=random"]
+    result = xds_mpi("submit", "--dry-run", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    plan = DeploymentPlan.build(load_config(COLOCATED, args[1::2]))
+    windows = [sum(plan.window_bytes[:17]), sum(plan.window_bytes[17:])]  # (17, 4) ranks
+    expected = " ".join(str(-(-w // (1 << 20))) for w in windows)
+    check = script.index('--ranks-per-node "${TASKS_PER_NODE[*]}"')
+    assert f'--window-mib-per-node "{expected}"' in script[check:]
+    assert "TASKS_PER_NODE=(17 4)\n" in script
+    trap = script.index("trap remove_leftovers EXIT")
+    assert check < trap < script.index("# Launch every rank")
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_the_memory_check_step_refuses_a_node_that_cannot_hold_its_ranks():
+    """`python -m launch.memory_guard` as the job script runs it on each node: SLURM_NODEID
+    picks the node's entry; its ranks against what the node has (a million ranks fit nowhere)."""
+
+    def check(node_id: str, ranks: str, windows: str):
+        env = {**os.environ, "SLURM_NODEID": node_id}
+        return subprocess.run(
+            [sys.executable, "-m", "launch.memory_guard", "--ranks-per-node", ranks,
+             "--window-mib-per-node", windows],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+
+    fits = check("0", "5 1000000", "3 1")  # node 0: 5 ranks
+    assert fits.returncode == 0 and not fits.stderr, fits.stderr
+    refused = check("1", "5 1000000", "3 1")  # node 1: a million
+    assert refused.returncode == 2, refused.stderr
+    assert re.search(
+        r"^xds-mpi job: error: 1000000 ranks need at least 31250\.0 GiB on node \S+ .* and it "
+        r"has [\d.]+ GiB available of [\d.]+ GiB .*: nothing was launched\. Spread the ranks",
+        refused.stderr,
+    ), refused.stderr
+    bad = check("2", "5 1000000", "3 1")  # no entry for node 2
+    assert bad.returncode == 2 and "one entry per node" in bad.stderr
+
+
 def test_dry_run_of_a_sweep_with_srun(tmp_path):
     result = xds_mpi(
         "submit",
@@ -198,3 +243,26 @@ def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, m
         assert read_resolved(args.resolved, args.config, args.overrides) is not None
         assert read_config(args) == load_config(COLOCATED, overrides)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_failed_jobs_report_repeats_the_scripts_own_errors(tmp_path, capsys):
+    """`submit --wait` after a FAILED job: its state line, then the script's own error lines from
+    the job's output (a node without the memory for its ranks), not the whole output."""
+    from types import SimpleNamespace
+
+    from launch.submit import report
+
+    output = tmp_path / "slurm-7.out"
+    output.write_text(
+        "xds-mpi job 7 on n1: 5 ranks\n"
+        "xds-mpi job: error: 5 ranks need at least 0.2 GiB on node n1 ...: nothing was launched\n"
+        "srun: error: n1: task 0: Exited with exit code 2\n"
+    )
+    spec = SimpleNamespace(sweep=None, run_file=lambda idx: tmp_path / "none.h5")
+    job = {"JobState": "FAILED", "ExitCode": "2:0", "RunTime": "00:00:01", "StdOut": str(output)}
+    assert report(spec, "7", [job]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("job 7: FAILED (exit 2:0") and out[0].endswith(f"output {output}")
+    assert out[1:] == [
+        "  xds-mpi job: error: 5 ranks need at least 0.2 GiB on node n1 ...: nothing was launched"
+    ]
