@@ -44,7 +44,10 @@ def add_parser(subparsers) -> None:
         help="submit a deployment to Slurm (sbatch)",
         description="Write a Slurm job script for the deployment (one task per rank, nodes from "
         "the server layout) into run.output_dir/jobs/NAME/ and submit it with sbatch. "
-        "Exit 2 with a one-line error on bad input or when sbatch is missing.",
+        "Exit 2 with a one-line error on bad input or when sbatch is missing. The job checks "
+        "each node's memory against its ranks before they start (a node that cannot hold them "
+        "fails the job with both numbers) and removes the MPI shared memory they leave in "
+        "/dev/shm, however they end (docs/hpc.md).",
     )
     _add_deployment_options(p)
     _add_slurm_options(p)
