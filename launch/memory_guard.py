@@ -1,6 +1,7 @@
 """The node's memory against the job (`xds-mpi run`, `xds-mpi serve`): refuse before launch a
 job whose ranks cannot fit on this node, stop a running job before the node runs out, and say
-so when the kernel's OOM killer ended a process during the job.
+so when the kernel's OOM killer ended a process during the job. A Slurm job's script runs the
+check before launch on each of its nodes (`python -m launch.memory_guard`, `main` below).
 
 Hundreds of ranks on one node fail badly when memory runs out: the OOM killer ends one process
 (a rank, mpiexec, or anything else on the node), and what the user sees is a rank "KILLED BY
@@ -131,6 +132,8 @@ LAUNCH_ADVICE = (
 SLURM_ADVICE = (
     "Spread the ranks over more nodes (xds-mpi submit --nodes N) or ask for nodes with more memory"
 )
+LAUNCH_IF_LOW = "the job is stopped if the node runs low"  # the launcher's watch
+SLURM_IF_LOW = "the job's cgroup ends a rank if they are"  # a Slurm job has no watch
 
 
 def check_fits(
@@ -140,6 +143,7 @@ def check_fits(
     *,
     node: str = "this node",
     advice: str = LAUNCH_ADVICE,
+    if_low: str = LAUNCH_IF_LOW,
 ) -> str | None:
     """Before launch: ConfigError when `num_ranks` processes alone exceed what the node has;
     a warning (returned) when they would with every window page touched too; else None."""
@@ -157,7 +161,7 @@ def check_fits(
         return (
             f"xds-mpi: warning: {num_ranks} ranks need {gib(least)} to {gib(most)} on {node} "
             f"(up to {gib(window_bytes / MIB)} if every window page is touched) and it has "
-            f"{memory.describe()}; the job is stopped if the node runs low"
+            f"{memory.describe()}; {if_low}"
         )
     return None
 
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         warning = check_fits(
             ranks[index], int(windows[index] * MIB), read_node_memory(), node=node,
-            advice=SLURM_ADVICE,
+            advice=SLURM_ADVICE, if_low=SLURM_IF_LOW,
         )  # fmt: skip
     except ConfigError as exc:
         print(f"xds-mpi job: error: {exc}", file=sys.stderr, flush=True)

@@ -188,6 +188,10 @@ def test_the_memory_check_step_refuses_a_node_that_cannot_hold_its_ranks():
         r"has [\d.]+ GiB available of [\d.]+ GiB .*: nothing was launched\. Spread the ranks",
         refused.stderr,
     ), refused.stderr
+    tight = check("0", "5", "100000000")  # 5 ranks fit, not with 95 TiB of windows touched
+    assert tight.returncode == 0, tight.stderr
+    assert tight.stderr.startswith("xds-mpi job: warning: 5 ranks need 0.2 GiB to ")
+    assert tight.stderr.rstrip().endswith("; the job's cgroup ends a rank if they are")
     bad = check("2", "5 1000000", "3 1")  # no entry for node 2
     assert bad.returncode == 2 and "one entry per node" in bad.stderr
 
