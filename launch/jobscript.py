@@ -147,8 +147,8 @@ class JobSpec:
     launcher: Launcher
     mpiexec: str | None
     # Per node: the windows of its ranks in MiB (the largest over a sweep's elements), which the
-    # check before launch weighs with the ranks (launch/memory_guard.py); () counts none.
-    window_mib_per_node: tuple[int, ...] = ()
+    # check before launch weighs with the ranks (launch/memory_guard.py).
+    window_mib_per_node: tuple[int, ...]
 
     @property
     def script_path(self) -> Path:
@@ -226,8 +226,7 @@ def _launch_fields(
         hostfile_env=env,
         launch_line=launch,
         python=shlex.quote(sys.executable),
-        window_mib=" ".join(map(str, spec.window_mib_per_node))
-        or " ".join("0" for _ in spec.layout.tasks_per_node),
+        window_mib=" ".join(map(str, spec.window_mib_per_node)),
     )
 
 
