@@ -80,9 +80,12 @@ def describe_memory_path(path: str) -> str:
 def describe_wait(mode: str) -> str:
     """validate's line on how dies wait for their peers' doorbells (xccl/wake.py)."""
     return {
-        "auto": "waits: auto: sleep on a futex when a node runs more ranks than cores, else spin",
-        "sleep": "waits: sleep (forced) on a futex, woken by the writer waited for",
-        "spin": "waits: spin (the default), yielding the CPU between polls",
+        "auto": (
+            "waits: auto (the default): sleep on a futex when a node runs more ranks than "
+            "cores, else spin"
+        ),
+        "sleep": "waits: sleep (forced) on a futex, woken by the last die to meet or the writer",
+        "spin": "waits: spin, yielding the CPU between polls",
     }[mode]
 
 

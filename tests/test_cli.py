@@ -43,7 +43,7 @@ def test_validate_without_config_uses_the_default_and_prints_the_rank_map():
     assert lines[0].endswith("configs/colocated.yaml: valid")
     assert any(line.split()[:4] == ["1", "colocated", "0", "0/0/0"] for line in lines)
     assert "routed 12-15; shared 0" in lines[-1]
-    assert "waits: spin (the default), yielding the CPU between polls" in result.stdout
+    assert "waits: auto (the default): sleep on a futex when a node runs" in result.stdout
 
 
 @pytest.mark.parametrize(

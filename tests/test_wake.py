@@ -38,7 +38,7 @@ def test_without_a_decision_the_environment_decides(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["spin", "auto", "sleep"])
 def test_wake_words_only_where_some_rank_may_sleep(mode):
-    """xccl.wait "spin" (the config's default): no rank sleeps, so none makes the wake words'
+    """xccl.wait "spin": no rank sleeps, so none makes the wake words'
     window (a collective per DieMemory) or stores into a peer's word after each doorbell."""
     from mpi4py import MPI
 

@@ -41,6 +41,7 @@ class WindowAgreement:
         self._payload = np.zeros(AGREE_WORDS, WORD)
         self._polls: dict[int, WordPoll] = {}  # bank -> the round words of that bank, settled
         self._fans: dict[int, FanOut] = {}  # bank -> our slot of that bank in every member
+        self._meeting = mem.wake_words.meeting(self.members)  # every member waits for every one
 
     def agree(
         self,
@@ -75,6 +76,7 @@ class WindowAgreement:
                 body_at=0,
                 body_bytes=AGREE_WORDS * WORD.itemsize,
                 bell_at=_ROUND_AT,
+                wakes=self._meeting is None,
             )
         return fan
 
@@ -91,19 +93,25 @@ class WindowAgreement:
             pending[:] = poll.missing(word, pending)
             return not pending
 
+        if self._meeting is not None:
+            park = self._meeting.sleeper(all_arrived)
+        else:
+            park = self.mem.wake_words.sleeper(
+                self.members, all_arrived, lambda: [self.members[i] for i in pending]
+            )
         poll_until(
             all_arrived,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             serve=self.mem.far_server,
-            park=self.mem.wake_words.sleeper(
-                self.members, all_arrived, lambda: [self.members[i] for i in pending]
-            ),
+            park=park,
             describe=lambda: (
                 f"die rank {self.mem.rank}: agreement round {self.round}: no word from "
                 f"rank(s) {[self.members[i] for i in pending]} after {timeout_s:g} s"
             ),
         )
+        if self._meeting is not None:
+            self._meeting.arrived()
         self.mem.sync()  # the payloads, flushed before their doorbells, become visible
 
     def _slot(self, rank: int, bank: int, member_idx: int) -> int:

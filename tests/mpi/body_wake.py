@@ -1,5 +1,6 @@
-"""Sleeping waits (xccl/wake.py): the writer a waiter names wakes it; the records and the
-agreement still deliver every round when every wait sleeps."""
+"""Sleeping waits (xccl/wake.py): the writer a waiter names wakes it; the last die to arrive at
+a meeting wakes every sleeper; the records, the dispatch/combine meetings and the agreement still
+deliver every round when every wait sleeps."""
 
 from __future__ import annotations
 
@@ -56,6 +57,40 @@ def test_the_named_writer_wakes_a_sleeper_long_before_its_sleep_ends(sleeping_me
             park=mem.wake_words.sleeper([1], rang, lambda: [1]),
         )
         assert time.monotonic() - start < 10
+
+
+def test_the_last_to_arrive_wakes_every_sleeper_of_a_meeting(sleeping_mem, monkeypatch):
+    """Meetings of every rank (the records of dispatch/combine: each die's record in every
+    die's window), one rank 0.2 s late each round. With each sleep 30 s long, only the last
+    arrival's wake ends the others' waits in time: a lost wake would take 30 s."""
+    mem = sleeping_mem
+    if not wake.futex_available():
+        pytest.skip("no futex on this platform: waits spin")
+    monkeypatch.setattr(wake, "MEETING_PARK_S", 30.0)
+    me, size = comm.rank, comm.size
+    meeting = mem.wake_words.meeting(range(size))
+    if mem.views[0] is None:  # the RMA path: the wake words are out of reach, the waits spin
+        assert meeting is None
+        return
+    at = lambda writer: RecordAt(writer, writer * records.RECORD_BYTES)  # noqa: E731
+    fan_out = records.FanOut.records(
+        mem, [RecordAt(peer, me * records.RECORD_BYTES) for peer in range(size)], ROWS_RECORD,
+        wakes=False,
+    )  # fmt: skip
+    fan_in = records.FanIn(mem, [at(w) for w in range(size)], ROWS_RECORD, meeting=meeting)
+    for round_ in range(1, 4):
+        comm.Barrier()
+        if me == round_ % size:
+            time.sleep(0.2)  # the others are asleep when this one rings
+        start = time.monotonic()
+        bodies = np.zeros(size, ROWS_RECORD)
+        bodies["event_id"], bodies["count"] = round_, me
+        fan_out.publish(bodies.view(np.uint8).reshape(size, -1), round_)
+        expected = Expected(stage="test", event_id=round_, doorbell=round_, call=f"round {round_}")
+        got = fan_in.wait(expected, timeout_s=60, interrupt=None)
+        assert time.monotonic() - start < 10, f"round {round_}: woken by the sleep's end"
+        assert got["count"].tolist() == list(range(size))
+    comm.Barrier()
 
 
 def test_records_deliver_every_round_while_every_wait_sleeps(sleeping_mem):

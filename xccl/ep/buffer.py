@@ -391,7 +391,11 @@ class EpBuffer:
         at = self.layout.record_offset
         out = [RecordAt(r, at(r, kind, self.me_idx)) for r in self.members]
         into = [RecordAt(r, at(self.me, kind, i)) for i, r in enumerate(self.members)]
-        return FanOut.records(self.mem, out, ROWS_RECORD), FanIn(self.mem, into, ROWS_RECORD)
+        meeting = self.mem.wake_words.meeting(self.members)  # every member waits for every one
+        return (
+            FanOut.records(self.mem, out, ROWS_RECORD, wakes=meeting is None),
+            FanIn(self.mem, into, ROWS_RECORD, meeting=meeting),
+        )
 
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""

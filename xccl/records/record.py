@@ -53,7 +53,7 @@ from xccl.errors import EventMismatch, PeerTimeout, RollbackRequested, XcclTimeo
 from xccl.gmem import WORD, DieMemory
 from xccl.layout import RECORD_BYTES
 from xccl.recovery.faults import Interrupt
-from xccl.wake import poll_until
+from xccl.wake import Meeting, poll_until
 
 
 def _record_dtype(fields: list[tuple[str, str]]) -> np.dtype:
@@ -187,9 +187,11 @@ class FanOut:
         body_at: int,
         body_bytes: int,
         bell_at: int,
+        wakes: bool = True,
     ) -> None:
         self.mem, self.targets = mem, list(targets)
-        self.peers = [at.peer for at in self.targets]
+        # wakes: readers may sleep naming this die (False: they sleep in a meeting, xccl/wake.py)
+        self.peers = [at.peer for at in self.targets] if wakes else []
         self._body = slice(body_at, body_at + body_bytes)
         self._bell_at = bell_at
         self._near: list[tuple[int, np.ndarray]] = []  # (i, the body's bytes in reader i)
@@ -208,7 +210,9 @@ class FanOut:
             self._near_rows = np.array([i for i, _ in self._near], np.intp)
 
     @classmethod
-    def records(cls, mem: DieMemory, targets: Sequence[RecordAt], dtype: np.dtype) -> FanOut:
+    def records(
+        cls, mem: DieMemory, targets: Sequence[RecordAt], dtype: np.dtype, *, wakes: bool = True
+    ) -> FanOut:
         """A record of `dtype` in each of `targets`: its fields after the doorbell, then it."""
         body_bytes = put_bytes(dtype) - BODY_OFFSET
         return cls(
@@ -218,6 +222,7 @@ class FanOut:
             body_at=BODY_OFFSET,
             body_bytes=body_bytes,
             bell_at=DOORBELL_OFFSET,
+            wakes=wakes,
         )
 
     def publish(self, slots: np.ndarray, doorbell: int) -> None:
@@ -362,9 +367,11 @@ def await_doorbells(
     *,
     timeout_s: float,
     interrupt: Interrupt | None,
+    meeting: Meeting | None = None,
 ) -> None:
     """Poll `records`' doorbells (`poll`: over the same records, in order) until every one
-    rang; PeerTimeout after `timeout_s` naming die, stage, event and the missing peers."""
+    rang; PeerTimeout after `timeout_s` naming die, stage, event and the missing peers.
+    meeting: the records are a meeting's (xccl/wake.py), whose sleeps this wait takes part in."""
     pending = list(range(len(records)))  # indices of the records whose doorbell is missing
     since = time.time()
 
@@ -372,15 +379,19 @@ def await_doorbells(
         pending[:] = poll.missing(expected.doorbell, pending)
         return not pending
 
+    if meeting is not None:
+        park = meeting.sleeper(all_rang)
+    else:
+        park = mem.wake_words.sleeper(
+            (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
+        )
     try:
         poll_until(
             all_rang,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             serve=mem.far_server,
-            park=mem.wake_words.sleeper(
-                (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
-            ),
+            park=park,
             describe=lambda: (
                 f"{no_record(mem, expected, [records[i].peer for i in pending])} after "
                 f"{timeout_s:g} s"
@@ -400,13 +411,23 @@ def await_doorbells(
         if pending:
             exc.waiting = (mem.rank, min(records[i].peer for i in pending), since)
         raise
+    if meeting is not None:
+        meeting.arrived()
 
 
 class FanIn:
     """The records `sources` in this die's window, each written by its peer."""
 
-    def __init__(self, mem: DieMemory, sources: Sequence[RecordAt], dtype: np.dtype) -> None:
+    def __init__(
+        self,
+        mem: DieMemory,
+        sources: Sequence[RecordAt],
+        dtype: np.dtype,
+        *,
+        meeting: Meeting | None = None,
+    ) -> None:
         self.mem, self.sources, self.dtype = mem, list(sources), dtype
+        self.meeting = meeting  # the sources are a meeting's (FanIn.meeting_of)
         self.poll = WordPoll(
             mem,
             [at.offset + DOORBELL_OFFSET for at in self.sources],
@@ -426,7 +447,13 @@ class FanIn:
         rang; PeerTimeout naming the missing peers, EventMismatch on a foreign event."""
         mem = self.mem
         await_doorbells(
-            mem, self.sources, self.poll, expected, timeout_s=timeout_s, interrupt=interrupt
+            mem,
+            self.sources,
+            self.poll,
+            expected,
+            timeout_s=timeout_s,
+            interrupt=interrupt,
+            meeting=self.meeting,
         )
         if self._block is None:
             return read(mem, self.sources, expected, self.dtype)

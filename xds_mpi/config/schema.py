@@ -220,7 +220,7 @@ class XcclConfig:
     max_window_bytes: int = 1 << 30  # per-die cap on the RMA window
     # "auto": load/store to the same-node peers MPI exposes, else RMA; "rma": RMA (gmem_paths)
     memory_path: Literal["auto", "rma"] = "auto"
-    wait: Literal["auto", "sleep", "spin"] = "spin"  # xccl/wake.py; why spin: docs/mpi.md §4
+    wait: Literal["auto", "sleep", "spin"] = "auto"  # xccl/wake.py; why auto: docs/mpi.md §4
 
     def __post_init__(self) -> None:
         positive(
