@@ -45,8 +45,8 @@ first look is the last to arrive, and nobody needs to be named:
 A waiter reads v before it looks at the doorbells, and every die rings its own doorbells (and
 `Win.Sync`s) before it looks, so of any two dies the later one sees the other's doorbell: no
 meeting ends with everyone asleep (a wake missed all the same costs one MEETING_PARK_S).
-Two meetings on one word (two lanes of one group) only wake
-each other early. At 64 dies on 2 cores a bare meeting took 3.7 ms so against 13 ms yielding.
+Two meetings on one word (two lanes of one group) only wake each other early. At 64 dies on 2
+cores a bare meeting took 3.7 ms against 13 ms yielding.
 
 `xccl.wait` (config; XDS_WAIT for the test bodies): "auto" (the default) sleeps only when the
 node runs more ranks than this process may use cores, "sleep" sleeps whenever every awaited

@@ -427,7 +427,7 @@ class FanIn:
         meeting: Meeting | None = None,
     ) -> None:
         self.mem, self.sources, self.dtype = mem, list(sources), dtype
-        self.meeting = meeting  # the sources are a meeting's (FanIn.meeting_of)
+        self.meeting = meeting  # the sources are a meeting's: its sleeps (xccl/wake.py)
         self.poll = WordPoll(
             mem,
             [at.offset + DOORBELL_OFFSET for at in self.sources],
