@@ -72,6 +72,7 @@ def test_the_last_to_arrive_wakes_every_sleeper_of_a_meeting(sleeping_mem, monke
     if mem.views[0] is None:  # the RMA path: the wake words are out of reach, the waits spin
         assert meeting is None
         return
+    assert meeting is not None, "one node, every rank may sleep: the meeting must sleep"
     at = lambda writer: RecordAt(writer, writer * records.RECORD_BYTES)  # noqa: E731
     fan_out = records.FanOut.records(
         mem, [RecordAt(peer, me * records.RECORD_BYTES) for peer in range(size)], ROWS_RECORD,
