@@ -93,18 +93,17 @@ class WindowAgreement:
             pending[:] = poll.missing(word, pending)
             return not pending
 
-        if self._meeting is not None:
-            park = self._meeting.sleeper(all_arrived)
-        else:
-            park = self.mem.wake_words.sleeper(
-                self.members, all_arrived, lambda: [self.members[i] for i in pending]
-            )
         poll_until(
             all_arrived,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             serve=self.mem.far_server,
-            park=park,
+            park=self.mem.wake_words.sleeper(
+                self.members,
+                all_arrived,
+                lambda: [self.members[i] for i in pending],
+                self._meeting,
+            ),
             describe=lambda: (
                 f"die rank {self.mem.rank}: agreement round {self.round}: no word from "
                 f"rank(s) {[self.members[i] for i in pending]} after {timeout_s:g} s"

@@ -288,10 +288,14 @@ class WakeWords:
         writers: Iterable[int],
         is_ready: Callable[[], bool],
         missing: Callable[[], Sequence[int]],
+        meeting: Meeting | None = None,
     ) -> Callable[[], None] | None:
         """For `poll_until(park=...)`: a sleep until one of `missing()` (the writers the wait
         still misses; one drawn at random) wakes this rank, or None when the wait must spin
-        (xccl.wait, or one of `writers` cannot reach this rank's word)."""
+        (xccl.wait, or one of `writers` cannot reach this rank's word). With `meeting` (the
+        wait is one, `meeting(writers)`): its sleep instead; `meeting.arrived()` after the wait."""
+        if meeting is not None:
+            return meeting.sleeper(is_ready)
         if not self.sleeps or any(self.words[w] is None for w in writers):
             return None
         return lambda: self.park(is_ready, self._draw.choice(missing()))

@@ -379,19 +379,18 @@ def await_doorbells(
         pending[:] = poll.missing(expected.doorbell, pending)
         return not pending
 
-    if meeting is not None:
-        park = meeting.sleeper(all_rang)
-    else:
-        park = mem.wake_words.sleeper(
-            (r.peer for r in records), all_rang, lambda: [records[i].peer for i in pending]
-        )
     try:
         poll_until(
             all_rang,
             deadline=time.monotonic() + timeout_s,
             interrupt=interrupt,
             serve=mem.far_server,
-            park=park,
+            park=mem.wake_words.sleeper(
+                (r.peer for r in records),
+                all_rang,
+                lambda: [records[i].peer for i in pending],
+                meeting,
+            ),
             describe=lambda: (
                 f"{no_record(mem, expected, [records[i].peer for i in pending])} after "
                 f"{timeout_s:g} s"
