@@ -181,8 +181,9 @@ class AfdDieBase(DecodeDieLoop):
         )
         domains = afd.layout.member_domains  # expert dies bring 0 requests
         busy = sorted({domains[i] for i in np.flatnonzero(rows[:, 0])})
+        all_stopped = not rows[:, 1].any()
         if busy:
             self.idle.busy()
-        else:
+        elif not all_stopped:  # every die leaves now, without an idle round's sleep first
             self.idle.idle()
-        return tuple(busy), not rows[:, 1].any()
+        return tuple(busy), all_stopped
