@@ -71,6 +71,23 @@ class SpanRecord:  # through object.__setattr__ (3.8 against 1.4 us, ~35 records
     flow_id: int = -1
     rolled_back: bool = False
 
+    def __reduce__(self):
+        """Pickled as its values in field order: a die's events reach the TE-shell at the stop
+        in about a third of the time the generic reduction of a slotted class takes."""
+        return _span_record, (
+            self.name, self.phase, self.wall_start_us, self.wall_end_us, self.vstart_us,
+            self.vend_us, self.args, self.flow_id, self.rolled_back,
+        )  # fmt: skip
+
+
+def _span_record(
+    name, phase, wall_start_us, wall_end_us, vstart_us, vend_us, args, flow_id, rolled_back
+) -> SpanRecord:
+    return SpanRecord(
+        name=name, phase=phase, wall_start_us=wall_start_us, wall_end_us=wall_end_us,
+        vstart_us=vstart_us, vend_us=vend_us, args=args, flow_id=flow_id, rolled_back=rolled_back,
+    )  # fmt: skip
+
 
 class Tracer:
     def __init__(self, clock: Clock | None = None) -> None:
