@@ -92,7 +92,7 @@ def _span_record(
 class Tracer:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock = clock
-        self.events: list[SpanRecord] = []
+        self.events: list[SpanRecord | tuple] = []  # spans as tuples (`_record`)
         self.attempt_start = 0  # index of the first event of the attempt running now
         self._offset_us = time.time() * 1e6 - time.perf_counter() * 1e6
 
@@ -107,18 +107,13 @@ class Tracer:
 
     def record(self, name: str, wall_s: tuple[float, float], vtime_ns: tuple, args: dict) -> None:
         """A span timed by someone else: wall_s = perf_counter() at start/end, vtime_ns = the
-        virtual clock at start/end."""
+        virtual clock at start/end. Kept as a tuple (`_Span` too: ~35 spans a die-iteration)
+        until `take_events` makes the SpanRecord."""
+        offset = self._offset_us
         self.events.append(
-            SpanRecord(
-                name=name,
-                phase="X",
-                wall_start_us=wall_s[0] * 1e6 + self._offset_us,
-                wall_end_us=wall_s[1] * 1e6 + self._offset_us,
-                vstart_us=vtime_ns[0] / 1e3,
-                vend_us=vtime_ns[1] / 1e3,
-                args=args,
-            )
-        )
+            (name, wall_s[0] * 1e6 + offset, wall_s[1] * 1e6 + offset,
+             vtime_ns[0] / 1e3, vtime_ns[1] / 1e3, args)
+        )  # fmt: skip
 
     def point(self, name: str, phase: str, args: dict, flow_id: int = -1) -> None:
         wall, vnow = self.now_us(), self.vnow_us()
@@ -138,8 +133,7 @@ class Tracer:
     def mark_rolled_back(self) -> None:
         """The attempt running now failed: flag its events (their virtual times will repeat)."""
         for i in range(self.attempt_start, len(self.events)):
-            e = self.events[i]
-            self.events[i] = replace(e, rolled_back=True)
+            self.events[i] = replace(_record(self.events[i]), rolled_back=True)
 
     def begin_attempt(self) -> None:
         self.attempt_start = len(self.events)
@@ -160,16 +154,19 @@ class _Span:
     def __exit__(self, *exc) -> None:
         tracer = self.tracer
         tracer.events.append(
-            SpanRecord(
-                name=self.name,
-                phase="X",
-                wall_start_us=self.wall,
-                wall_end_us=tracer.now_us(),
-                vstart_us=self.vstart,
-                vend_us=tracer.vnow_us(),
-                args=self.args,
-            )
+            (self.name, self.wall, tracer.now_us(), self.vstart, tracer.vnow_us(), self.args)
         )
+
+
+def _record(event: SpanRecord | tuple) -> SpanRecord:
+    """An event as kept (a span's tuple: name, wall start/end, virtual start/end, args)."""
+    if type(event) is SpanRecord:
+        return event
+    name, wall_start, wall_end, vstart, vend, args = event
+    return SpanRecord(
+        name=name, phase="X", wall_start_us=wall_start, wall_end_us=wall_end, vstart_us=vstart,
+        vend_us=vend, args=args,
+    )  # fmt: skip
 
 
 _tracer: Tracer | None = None  # None: tracing off
@@ -238,4 +235,4 @@ def take_events() -> list[SpanRecord]:
         return []
     events, _tracer.events = _tracer.events, []
     _tracer.attempt_start = 0
-    return events
+    return [_record(e) for e in events]
