@@ -41,6 +41,9 @@ class Pricer:
         self.moe_scale = (big.num_layers - big.num_dense_layers) / tiny_moe
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
+        # Seconds of an operation by its row count (and the scale it was priced at): the cost
+        # model's arithmetic is pure, and a decode step prices the same few counts each layer.
+        self._priced: dict[tuple, float] = {}
         self.rescale(num_routed_dies)
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
@@ -51,6 +54,7 @@ class Pricer:
         scaling left fewer (ranks/recovery/scale_down.py)."""
         self.experts_per_die = max(1, round(self.cost.m.num_routed_experts / num_routed_dies))
         self.num_peers = num_routed_dies
+        self._priced.clear()
 
     @contextmanager
     def mtp_layer(self):
@@ -93,34 +97,53 @@ class Pricer:
         """seqs: (KV length, new rows) per sequence."""
         scale = self.moe_scale if is_moe else self.dense_scale
         rows = sum(num for _, num in seqs)
-        self._add("MLAProlog", scale * self.cost.mla_prolog(rows))
+        key = ("MLAProlog", rows, scale)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = scale * self.cost.mla_prolog(rows)
+        self._add("MLAProlog", seconds)
         self._add("attention", scale * self.cost.attention(seqs))
 
     def dense_ffn(self, rows: int) -> None:
-        self._add("dense FFN", self.dense_scale * self.cost.dense_ffn(rows))
+        key = ("dense FFN", rows)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = self.dense_scale * self.cost.dense_ffn(rows)
+        self._add("dense FFN", seconds)
 
     def gate(self, rows: int) -> None:
-        self._add("gate", self.moe_scale * self.cost.gate(rows))
+        key = ("gate", rows, self.moe_scale)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = self.moe_scale * self.cost.gate(rows)
+        self._add("gate", seconds)
 
     def dispatch(self, rows_in: int) -> None:
-        self._add(
-            "dispatch",
-            self.moe_scale
-            * self.cost.dispatch(
+        key = ("dispatch", rows_in, self.moe_scale)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = self.moe_scale * self.cost.dispatch(
                 rows_in * self.topk_scale, peers=self.num_peers, int8=self.use_int8
-            ),
-        )
+            )
+        self._add("dispatch", seconds)
 
     def experts(self, rows_in: int, rows: int) -> None:
-        routed = self.cost.routed(rows_in * self.topk_scale, self.experts_per_die)
-        shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
-        self._add("experts", self.moe_scale * (routed + shared))
+        key = ("experts", rows_in, rows, self.moe_scale)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            routed = self.cost.routed(rows_in * self.topk_scale, self.experts_per_die)
+            shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
+            seconds = self._priced[key] = self.moe_scale * (routed + shared)
+        self._add("experts", seconds)
 
     def combine(self, rows: int) -> None:
-        self._add(
-            "combine",
-            self.moe_scale * self.cost.combine(rows * self.cost.m.top_k, peers=self.num_peers),
-        )
+        key = ("combine", rows, self.moe_scale)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = self.moe_scale * self.cost.combine(
+                rows * self.cost.m.top_k, peers=self.num_peers
+            )
+        self._add("combine", seconds)
 
     def mtp_projection(self, rows: int) -> None:
         """An MTP module's eh_proj over its block's rows (as xds_mpi/projection/project.py
