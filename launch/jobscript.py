@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from launch.memory_guard import RANK_FLOOR_MIB, gib
 from launch.mpiexec import MpiCommand, mpi_command, mpi_flavor, rank_program
 from launch.paths import REPO_ROOT
 from xds_mpi.config.schema import ConfigError
@@ -120,6 +121,13 @@ def default_time_limit(timeout_s: float) -> str:
     return (f"{days}-" if days else "") + f"{hours:02d}:{minutes:02d}:00"
 
 
+def check_mem(text: str) -> str:
+    """Slurm's --mem: a size in MB, or with a K, M, G or T suffix (0: all of a node's)."""
+    if not re.fullmatch(r"\d+[KMGTkmgt]?", text):
+        raise ConfigError(f"--mem expects Slurm's size, e.g. 24G or 16000M, got {text!r}")
+    return text
+
+
 def check_time_limit(text: str) -> str:
     if not re.fullmatch(r"(\d+-)?\d+(:\d+){0,2}", text):
         raise ConfigError(f"--time expects Slurm's MM, HH:MM:SS or D-HH:MM:SS, got {text!r}")
@@ -143,6 +151,7 @@ class JobSpec:
     time_limit: str
     timeout_s: float  # MPIEXEC_TIMEOUT: the largest run.timeout_s of the sweep
     partition: str | None
+    mem: str | None  # --mem per node; None: the site's default
     cpus_per_node: int | None  # None: unknown, ask for --overcommit to be safe
     launcher: Launcher
     mpiexec: str | None
@@ -255,6 +264,9 @@ def _sbatch_lines(spec: JobSpec) -> list[str]:
     lines += [f"# Wall-clock limit: {why}", f"#SBATCH --time={spec.time_limit}"]
     if spec.partition:
         lines.append(f"#SBATCH --partition={spec.partition}")
+    lines.append(_memory_line(spec))
+    if spec.mem:
+        lines.append(f"#SBATCH --mem={spec.mem}")
     output = "slurm-%j.out"
     if spec.sweep:
         lines += [
@@ -268,6 +280,21 @@ def _sbatch_lines(spec: JobSpec) -> list[str]:
         f"#SBATCH --output={spec.job_dir / output}",
     ]
     return lines
+
+
+def _memory_line(spec: JobSpec) -> str:
+    """What the fullest node's ranks need (memory_guard's numbers), and where its memory comes
+    from: --mem, or the site's default."""
+    need = [
+        (tasks * RANK_FLOOR_MIB, tasks * RANK_FLOOR_MIB + window)
+        for tasks, window in zip(spec.layout.tasks_per_node, spec.window_mib_per_node)
+    ]
+    least, most = max(need, key=lambda pair: pair[1])
+    source = "as given by --mem" if spec.mem else "the site's default (xds-mpi submit --mem asks)"
+    return (
+        f"# Memory per node: {source}; the fullest node's ranks need {gib(least)} at least, "
+        f"{gib(most)} with every window page touched (checked on each node before launch)"
+    )
 
 
 def _run_args(spec: JobSpec, resolved: Sequence[Path]) -> str:

@@ -130,7 +130,8 @@ LAUNCH_ADVICE = (
     "--no-memory-check"
 )
 SLURM_ADVICE = (
-    "Spread the ranks over more nodes (xds-mpi submit --nodes N) or ask for nodes with more memory"
+    "Spread the ranks over more nodes (xds-mpi submit --nodes N) or ask for more memory per "
+    "node (xds-mpi submit --mem SIZE)"
 )
 LAUNCH_IF_LOW = "the job is stopped if the node runs low"  # the launcher's watch
 SLURM_IF_LOW = "the job's cgroup ends a rank if they are"  # a Slurm job has no watch

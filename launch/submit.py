@@ -20,6 +20,7 @@ from pathlib import Path
 from launch.jobscript import (
     JobSpec,
     Sweep,
+    check_mem,
     check_time_limit,
     default_time_limit,
     node_layout,
@@ -79,6 +80,12 @@ def _add_slurm_options(p: argparse.ArgumentParser) -> None:
         "--nodes", type=int, default=None, help="nodes to use (default: one per server of 16 dies)"
     )
     p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
+    p.add_argument(
+        "--mem",
+        default=None,
+        help="memory per node, as Slurm's --mem, e.g. 24G (default: the site's; the script "
+        "says what the fullest node's ranks need, and each node is checked before launch)",
+    )
     p.add_argument(
         "--time",
         default=None,
@@ -179,6 +186,7 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         time_limit=check_time_limit(args.time) if args.time else default_time_limit(timeout_s),
         timeout_s=timeout_s,
         partition=args.partition,
+        mem=check_mem(args.mem) if args.mem else None,
         cpus_per_node=cpus_per_node(args.partition),
         launcher=args.launcher,
         mpiexec=args.mpiexec,

@@ -13,6 +13,7 @@ import pytest
 from harness import REPO_ROOT
 
 from launch.jobscript import default_time_limit, node_layout, parse_sweep
+from launch.memory_guard import RANK_FLOOR_MIB, gib
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.topology import Topology
@@ -101,6 +102,7 @@ def test_default_time_limit_is_run_timeout_plus_a_minute_rounded_up():
             "elements need different world sizes [3, 5]",
         ),
         (["--time", "ten"], "--time expects Slurm's MM, HH:MM:SS or D-HH:MM:SS, got 'ten'"),
+        (["--mem", "24 GB"], "--mem expects Slurm's size, e.g. 24G or 16000M, got '24 GB'"),
         (["--nodes", "9"], "--nodes must be between 1 and the 5 ranks of the deployment, got 9"),
     ],
 )
@@ -120,8 +122,9 @@ def test_submit_without_sbatch_is_one_line_and_exit_2(tmp_path):
 
 def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
     result = xds_mpi(
-        "submit", "--dry-run", "--time", "00:05:00", "--partition", "debug", cwd=tmp_path
-    )
+        "submit", "--dry-run", "--time", "00:05:00", "--partition", "debug", "--mem", "24G",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     script = result.stdout
     assert f"#   config     {COLOCATED}\n" in script
@@ -132,6 +135,7 @@ def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
         "#SBATCH --ntasks=5",
         "#SBATCH --time=00:05:00",
         "#SBATCH --partition=debug",
+        "#SBATCH --mem=24G",
         f"#SBATCH --chdir={tmp_path}",
         "export MPIR_CVAR_CH4_RMA_ENABLE_DYNAMIC_AM_PROGRESS=1",
         "export MPIEXEC_TIMEOUT=600",
@@ -146,6 +150,24 @@ def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
     ), launch
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_without_mem_the_script_asks_slurm_for_none_and_says_what_the_ranks_need(tmp_path):
+    """Two nodes of 17 and 4 ranks: the fullest node's need, at least its ranks' floor
+    (launch/memory_guard.py RANK_FLOOR_MIB) and at most that plus its ranks' windows."""
+    args = ["--set", "deployment.dp_groups_per_domain=20", "--set", "model.num_routed_experts=64"]
+    args += ["--set", "model.weights=random"]
+    result = xds_mpi("submit", "--dry-run", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --mem" not in result.stdout
+    plan = DeploymentPlan.build(load_config(COLOCATED, args[1::2]))
+    least = 17 * RANK_FLOOR_MIB
+    most = least + -(-sum(plan.window_bytes[:17]) // (1 << 20))
+    line = (
+        "# Memory per node: the site's default (xds-mpi submit --mem asks); the fullest node's "
+        f"ranks need {gib(least)} at least, {gib(most)} with every window page touched"
+    )
+    assert line in result.stdout, result.stdout
 
 
 def test_the_script_checks_each_nodes_memory_before_launch_and_cleans_up_after(tmp_path):
