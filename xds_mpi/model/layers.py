@@ -33,27 +33,31 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     pad = -num_rows % ROW_BLOCK
     if not pad:
         return np.dot(x, w)
-    padded = _padded(num_rows + pad, x.shape[1], x.dtype)
+    padded = _padded(num_rows, num_rows + pad, x.shape[1], x.dtype)
     padded[:num_rows] = x
     return np.dot(padded, w)[:num_rows]
 
 
-# Padded inputs of the few rows a decode step has, one buffer per shape, reused: a zeroed
-# buffer per call cost a calloc and its memset, 60 calls a forward. Rows past the ones written
-# keep what an earlier call left there (finite values): a product's row depends on its own row
-# of the input only, and the padding rows' results are dropped.
-_PADDED: dict[tuple, np.ndarray] = {}
+# Padded inputs of the few rows a decode step has, one zeroed buffer per shape, reused: a fresh
+# np.zeros per call cost a calloc and its memset, 60 calls a forward. Each buffer remembers how
+# many rows were last written, so the padding rows are zero again before a call with fewer
+# (zeros as before: no row of an earlier call reaches dgemm, whose overflow numpy reports).
+_PADDED: dict[tuple, list] = {}  # (rows, width, dtype) -> [buffer, rows written last]
 MAX_PADDED_ROWS = 64  # more rows (a prefill's): a buffer of their own each time
 
 
-def _padded(num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
-    if num_rows > MAX_PADDED_ROWS:
-        return np.zeros((num_rows, width), dtype)
-    key = (num_rows, width, dtype)
-    buffer = _PADDED.get(key)
-    if buffer is None:
-        buffer = _PADDED[key] = np.zeros((num_rows, width), dtype)
-    return buffer
+def _padded(num_rows: int, padded_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
+    """A zeroed [padded_rows, width] buffer whose first num_rows rows the caller fills."""
+    if padded_rows > MAX_PADDED_ROWS:
+        return np.zeros((padded_rows, width), dtype)
+    key = (padded_rows, width, dtype)
+    entry = _PADDED.get(key)
+    if entry is None:
+        entry = _PADDED[key] = [np.zeros((padded_rows, width), dtype), num_rows]
+    elif entry[1] > num_rows:
+        entry[0][num_rows : entry[1]] = 0
+    entry[1] = num_rows
+    return entry[0]
 
 
 def silu(x: np.ndarray) -> np.ndarray:
