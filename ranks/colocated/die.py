@@ -73,7 +73,6 @@ class ColocatedDie(DecodeDieLoop):
         self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
         self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
-        self.stopping = False  # some die has been told to stop (the last agreement said)
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
 
     def _ems_client(self, ctx: RankContext, cache):
@@ -186,11 +185,11 @@ class ColocatedDie(DecodeDieLoop):
         if self.ems is not None:
             self._pull_prefixes()
         self.before_agree()
-        busy, all_stopped = self.agree()  # all dies run the same iterations
+        busy, all_stopped, stopping = self.agree()  # all dies run the same iterations
         if not busy:
             if all_stopped:  # every die leaves now, without an idle round's sleep first
                 return False
-            if not self.stopping:  # (once one die has the stop, the others have it on their way)
+            if not stopping:  # (once one die has the stop, the others have it on their way)
                 self.idle.idle()  # idle polling backs off
             return True
         self.idle.busy()
@@ -230,9 +229,9 @@ class ColocatedDie(DecodeDieLoop):
         entries = self.scheduler.schedule()  # continuous batching, chunked prefill
         return self.executor.forward(entries)  # MLA, gate, dispatch, experts, combine
 
-    def agree(self) -> tuple[bool, bool]:
-        """(does any die have work, has every die been told to stop), whether some die has
-        (`stopping`: the TE-shell tells every die at once), and EPLB's boundary
+    def agree(self) -> tuple[bool, bool, bool]:
+        """(does any die have work, has every die been told to stop, has some die: the TE-shell
+        tells every die at once), and EPLB's boundary
         (ranks/colocated/eplb.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
         collective in the die loop (§4.2)."""
         mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
@@ -242,8 +241,7 @@ class ColocatedDie(DecodeDieLoop):
         )
         self.eplb_agreed = (int(rows[:, 2].min()), int(rows[:, 3].min()))
         running = rows[:, 1]
-        self.stopping = not running.all()
-        return bool(rows[:, 0].sum()), not running.any()
+        return bool(rows[:, 0].sum()), not running.any(), not running.all()
 
     def totals(self) -> DieTotals:
         self.eplb.flush()  # the last count slice goes before the die's report

@@ -41,9 +41,7 @@ class Pricer:
         self.moe_scale = (big.num_layers - big.num_dense_layers) / tiny_moe
         self.dense_scale = big.num_dense_layers / max(tiny.num_dense_layers, 1)
         self.topk_scale = big.top_k / tiny.top_k
-        # Seconds of an operation by its row count (and the scale it was priced at): the cost
-        # model's arithmetic is pure, and a decode step prices the same few counts each layer.
-        self._priced: dict[tuple, float] = {}
+        self._priced: dict[tuple, float] = {}  # `_priced_once`'s, until `rescale`
         self.rescale(num_routed_dies)
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
         self._prefix = ""
@@ -93,57 +91,56 @@ class Pricer:
             [(e.start_pos + len(e.input_ids), len(e.input_ids)) for e in entries], is_moe=is_moe
         )
 
+    def _priced_once(self, key: tuple, price, *args, **kwargs) -> float:
+        """price(*args, **kwargs), the cost model's seconds, computed once per `key` (the cost
+        model is pure; a decode step prices the same few row counts each layer)."""
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = price(*args, **kwargs)
+        return seconds
+
     def attention_rows(self, seqs: list[tuple[int, int]], *, is_moe: bool) -> None:
         """seqs: (KV length, new rows) per sequence."""
         scale = self.moe_scale if is_moe else self.dense_scale
         rows = sum(num for _, num in seqs)
-        key = ("MLAProlog", rows, scale)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            seconds = self._priced[key] = scale * self.cost.mla_prolog(rows)
-        self._add("MLAProlog", seconds)
+        self._add(
+            "MLAProlog", scale * self._priced_once(("MLAProlog", rows), self.cost.mla_prolog, rows)
+        )
         self._add("attention", scale * self.cost.attention(seqs))
 
     def dense_ffn(self, rows: int) -> None:
-        key = ("dense FFN", rows)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            seconds = self._priced[key] = self.dense_scale * self.cost.dense_ffn(rows)
-        self._add("dense FFN", seconds)
+        self._add(
+            "dense FFN",
+            self.dense_scale * self._priced_once(("dense FFN", rows), self.cost.dense_ffn, rows),
+        )
 
     def gate(self, rows: int) -> None:
-        key = ("gate", rows, self.moe_scale)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            seconds = self._priced[key] = self.moe_scale * self.cost.gate(rows)
-        self._add("gate", seconds)
+        self._add("gate", self.moe_scale * self._priced_once(("gate", rows), self.cost.gate, rows))
 
     def dispatch(self, rows_in: int) -> None:
-        key = ("dispatch", rows_in, self.moe_scale)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            seconds = self._priced[key] = self.moe_scale * self.cost.dispatch(
-                rows_in * self.topk_scale, peers=self.num_peers, int8=self.use_int8
-            )
-        self._add("dispatch", seconds)
+        seconds = self._priced_once(
+            ("dispatch", rows_in),
+            self.cost.dispatch,
+            rows_in * self.topk_scale,
+            peers=self.num_peers,
+            int8=self.use_int8,
+        )
+        self._add("dispatch", self.moe_scale * seconds)
 
     def experts(self, rows_in: int, rows: int) -> None:
-        key = ("experts", rows_in, rows, self.moe_scale)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            routed = self.cost.routed(rows_in * self.topk_scale, self.experts_per_die)
-            shared = self.cost.experts([rows] * self.cost.m.num_shared_experts)
-            seconds = self._priced[key] = self.moe_scale * (routed + shared)
-        self._add("experts", seconds)
+        routed = self._priced_once(
+            ("routed", rows_in), self.cost.routed, rows_in * self.topk_scale, self.experts_per_die
+        )
+        shared = self._priced_once(
+            ("shared", rows), self.cost.experts, [rows] * self.cost.m.num_shared_experts
+        )
+        self._add("experts", self.moe_scale * (routed + shared))
 
     def combine(self, rows: int) -> None:
-        key = ("combine", rows, self.moe_scale)
-        seconds = self._priced.get(key)
-        if seconds is None:
-            seconds = self._priced[key] = self.moe_scale * self.cost.combine(
-                rows * self.cost.m.top_k, peers=self.num_peers
-            )
-        self._add("combine", seconds)
+        seconds = self._priced_once(
+            ("combine", rows), self.cost.combine, rows * self.cost.m.top_k, peers=self.num_peers
+        )
+        self._add("combine", self.moe_scale * seconds)
 
     def mtp_projection(self, rows: int) -> None:
         """An MTP module's eh_proj over its block's rows (as xds_mpi/projection/project.py

@@ -163,10 +163,7 @@ def _record(event: SpanRecord | tuple) -> SpanRecord:
     if type(event) is SpanRecord:
         return event
     name, wall_start, wall_end, vstart, vend, args = event
-    return SpanRecord(
-        name=name, phase="X", wall_start_us=wall_start, wall_end_us=wall_end, vstart_us=vstart,
-        vend_us=vend, args=args,
-    )  # fmt: skip
+    return _span_record(name, "X", wall_start, wall_end, vstart, vend, args, -1, False)
 
 
 _tracer: Tracer | None = None  # None: tracing off
