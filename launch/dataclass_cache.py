@@ -57,8 +57,8 @@ def use_cache(path: Path = CACHE) -> CachedExec | None:
     if isinstance(getattr(dataclasses, "exec", None), CachedExec):
         return dataclasses.exec
     try:
-        with open(path, "rb") as f:
-            codes = marshal.load(f)
+        with open(path, "rb") as f:  # loads(read()): marshal.load reads a file in small
+            codes = marshal.loads(f.read())  # pieces, 8x slower (40 ms a rank, ~760 methods)
     except (OSError, EOFError, ValueError, TypeError):
         return None
     if not isinstance(codes, dict):
