@@ -71,3 +71,24 @@ def test_a_doze_sleeps_longer_the_more_ranks_share_a_core(monkeypatch):
     monkeypatch.setattr("xccl.wake._doze_cap", None)
     monkeypatch.setenv("MPI_LOCALNRANKS", "9")
     assert Doze().last_s == 0.0005 * 9 / 2  # unset by set_wait_mode: MPI's local rank count
+
+
+def test_no_wake_words_where_no_wait_sleeps_on_the_window():
+    """The abort words' window (xccl/recovery/rollback.py) is polled, never slept on: no wake
+    words' window beside it (a collective at start-up), even where waits sleep."""
+    from mpi4py import MPI
+
+    from xccl.gmem import DieMemory
+    from xccl.recovery.rollback import Recovery
+
+    if not wake.futex_available():
+        pytest.skip("no futex here: no rank makes wake words")
+    wake.set_wait_mode("sleep", local_ranks=1)
+    data, recovery = DieMemory(MPI.COMM_SELF, 64), Recovery(MPI.COMM_SELF, timeout_s=1.0)
+    try:
+        assert data.wake_words.win is not None
+        assert recovery.mem.wake_words.win is None
+        assert recovery.mem.wake_words.sleeper([0], lambda: True, lambda: [0]) is None
+    finally:
+        recovery.free()
+        data.free()

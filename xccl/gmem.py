@@ -75,10 +75,14 @@ class DieMemory:
         poll_idiom: PollIdiom = "auto",
         memory_path: MemoryPath | None = None,
         unzeroed: Sequence[tuple[int, int]] = (),
+        wakes: bool = True,
     ) -> None:
         """unzeroed: (offset, nbytes) regions always written before they are read (row
         staging): left as the MPI gave them, so that their pages are not touched at start (at
-        ep288, zeroing every window committed 10 GiB of shared memory before the first token)."""
+        ep288, zeroing every window committed 10 GiB of shared memory before the first token).
+        wakes: waits on this window may sleep until a writer wakes them (xccl/wake.py); False
+        for words no wait of xccl/wake.py reads (the abort words of xccl/recovery/rollback.py):
+        no wake words' window is made (the same on every rank: it is collective)."""
         if nbytes < 0 or nbytes % WORD.itemsize:
             raise ValueError(f"window size must be a non-negative multiple of 8, got {nbytes}")
         self.comm = comm
@@ -107,7 +111,9 @@ class DieMemory:
         # window;
         # writers call wake_words.wake after ringing doorbells, waits park in wake_words.sleeper.
         self.wake_words = WakeWords(
-            comm, lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path)
+            comm,
+            lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path),
+            needed=wakes,
         )
         if poll_idiom == "load" and not all(self.is_same_node):
             # A local load never sees a write from another node (docs/mpi.md): it would hang.

@@ -261,10 +261,16 @@ def _resolve(mode: WaitMode, local_ranks: int) -> bool:
 
 class WakeWords:
     """Every rank's wake word, in a window of their own (collective, like the data window's).
-    Where no rank sleeps (`nobody_sleeps`: xccl.wait "spin") there is no
-    window and a wake stores nothing."""
+    Where no rank sleeps (`nobody_sleeps`: xccl.wait "spin") or no wait needs them (`needed`
+    False on every rank) there is no window: a wake stores nothing and every wait spins."""
 
-    def __init__(self, comm: MPI.Comm, peer_views: Callable[[MPI.Win, tuple], tuple]) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        peer_views: Callable[[MPI.Win, tuple], tuple],
+        *,
+        needed: bool = True,
+    ) -> None:
         self.rank = comm.rank
         self.sleeps = sleeps()
         self._stores = 0  # this rank's wake count: with its rank, the unique value it stores
@@ -272,7 +278,7 @@ class WakeWords:
         self.win: MPI.Win | None = None
         self.local = np.zeros(2, np.uint32)
         self.words: tuple = (None,) * comm.size
-        if nobody_sleeps():  # every rank decides alike: none makes the collective window
+        if not needed or nobody_sleeps():  # every rank decides alike: none makes the window
             return
         self.win = MPI.Win.Allocate(_WORD_BYTES, 1, comm=comm)
         self.win.Lock_all()

@@ -100,7 +100,7 @@ class Recovery:
         fault, instead of ending the run. vote_timeout_s: how long a vote waits for every die
         (default timeout_s); a fence ends the wait earlier (Released)."""
         window_comm = comm if window_comm is None else window_comm
-        self.mem = DieMemory(window_comm, 16)
+        self.mem = DieMemory(window_comm, 16, wakes=False)  # polled by interrupt(), never slept on
         self.window_comm, self.me = window_comm, window_comm.rank
         # A writer on another node needs the RMA idiom; one node: a local load sees every write.
         self.is_one_node = all(self.mem.is_same_node)
@@ -266,7 +266,7 @@ class Recovery:
 def fence_window(comm: MPI.Comm) -> DieMemory:
     """The TE-shell's side of the dies' abort-word window over the world `comm` (collective with
     the dies' Recovery(window_comm=comm)); it holds no words."""
-    return DieMemory(comm, 0)
+    return DieMemory(comm, 0, wakes=False)  # as the dies' Recovery window
 
 
 def fence(mem: DieMemory, dies: Sequence[int], value: int) -> None:
