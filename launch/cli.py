@@ -131,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
-    unpack_weights(cfg.model.weights, cfg.run.output_dir)
+    unpack_weights(cfg.model, cfg.run.output_dir)
     resolved = resolve_for_ranks(path, args.set, cfg)  # the ranks read it without PyYAML
     command = command_for(rank_program(path, args.set, resolved))
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them

@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     compile_rank_code()  # once here, not once per rank
-    unpack_weights(cfg.model.weights, cfg.run.output_dir)
+    unpack_weights(cfg.model, cfg.run.output_dir)
     command = mpi_command(
         plan.topo.world_size,
         rank_program(path, sets, resolve_for_ranks(path, sets, cfg)),  # read without PyYAML

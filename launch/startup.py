@@ -53,19 +53,25 @@ def compile_rank_code() -> None:
             pass  # the ranks compile them, as before
 
 
-def unpack_weights(weights: str, output_dir: str) -> None:
-    """The checkpoint's tensors as one flat file under `output_dir` for the dies to read without
-    h5py (xds_mpi/model/unpacked.py), written once per version of the file. Where that cannot
-    be written the dies read the HDF5 file, as before: a line says so."""
-    if weights == "random":
-        return
+def unpack_weights(model, output_dir: str) -> None:
+    """The tensors of `model` (its ModelConfig) as one flat file under `output_dir` for the dies
+    to map (xds_mpi/model/unpacked.py), written once per version: a checkpoint's, which the
+    dies then read without h5py, or random weights drawn once here instead of in every die.
+    Where that cannot be written the dies read the HDF5 file or draw the weights, as before: a
+    line says so."""
     from xds_mpi.model.checkpoint import weights_path
     from xds_mpi.model.unpacked import unpack
+    from xds_mpi.model.weights import unpack_random
 
+    is_random = model.weights == "random"
     try:
-        unpack(output_dir, weights_path(weights))
+        if is_random:
+            unpack_random(model, output_dir)
+        else:
+            unpack(output_dir, weights_path(model.weights))
     except OSError as exc:
-        print(f"xds-mpi: the dies read {weights} through h5py (no unpacked copy: {exc})")
+        how = "draw the random weights" if is_random else f"read {model.weights} through h5py"
+        print(f"xds-mpi: the dies {how} (no unpacked copy: {exc})")
 
 
 def resolve_for_ranks(

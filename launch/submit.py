@@ -133,8 +133,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         )
     spec.job_dir.mkdir(parents=True)
     compile_rank_code()  # on the shared tree, once: not once per rank on the compute nodes
-    weights = load_config(spec.config_path, spec.overrides).model.weights  # a sweep's first
-    unpack_weights(weights, str(spec.workdir / spec.output_dir))
+    model = load_config(spec.config_path, spec.overrides).model  # a sweep's first
+    unpack_weights(model, str(spec.workdir / spec.output_dir))
     spec.script_path.write_text(render(spec, resolve_elements(spec)))
     out = subprocess.run(
         [sbatch, "--parsable", str(spec.script_path)], capture_output=True, text=True

@@ -71,3 +71,69 @@ def test_a_die_built_from_the_copy_imports_no_h5py_and_decodes_the_same_tokens(t
     assert from_copy.startswith("False "), from_copy
     assert from_file.startswith("True "), from_file  # the file itself: through h5py
     assert from_copy.split(" ", 1)[1] == from_file.split(" ", 1)[1]
+
+
+def _random_tiny(**changes):
+    import dataclasses
+
+    from xds_mpi.model.shapes import load_model_preset
+
+    return dataclasses.replace(load_model_preset("tiny"), weights="random", **changes)
+
+
+def test_random_weights_are_drawn_once_and_the_copy_holds_the_drawn_values(tmp_path):
+    from xds_mpi.model.weights import RandomWeights, unpack_random
+
+    cfg = _random_tiny()
+    drawn = RandomWeights(cfg, cfg.seed)
+    assert drawn.drawn(tmp_path) is None  # nothing drawn yet
+    directory = unpack_random(cfg, tmp_path)
+    written = (directory / "tensors.bin").stat().st_mtime_ns
+    assert unpack_random(cfg, tmp_path) == directory  # once per seed and shape
+    assert (directory / "tensors.bin").stat().st_mtime_ns == written
+    copy = drawn.drawn(tmp_path)
+    assert sorted(copy.names) == sorted(drawn.shapes)
+    for name in drawn.shapes:
+        want, got = drawn.value(name), copy.value(name)
+        assert got.dtype == want.dtype and np.array_equal(got, want), name
+
+
+def test_random_weights_of_another_seed_or_shape_are_not_read_from_a_copy(tmp_path):
+    from xds_mpi.model.weights import RandomWeights, unpack_random
+
+    cfg = _random_tiny()
+    unpack_random(cfg, tmp_path)
+    for other in (_random_tiny(seed=cfg.seed + 1), _random_tiny(num_routed_experts=32)):
+        assert RandomWeights(other, other.seed).drawn(tmp_path) is None
+
+
+def test_a_die_built_from_drawn_random_weights_imports_no_generator_and_holds_alike(tmp_path):
+    """numpy.random's import and the drawing were ~50 ms of every die's start-up at 64 dies."""
+    from xds_mpi.model.weights import unpack_random
+
+    unpack_random(_random_tiny(), tmp_path)
+    code = (
+        "import dataclasses, sys, zlib\n"
+        "from xds_mpi.model.shapes import load_model_preset\n"
+        "from xds_mpi.model.weights import build_model\n"
+        "cfg = dataclasses.replace(load_model_preset('tiny'), weights='random')\n"
+        f"model = build_model(cfg, unpacked_under={str(tmp_path)!r})\n"
+        "crc = 0\n"
+        "for name in sorted(model.params):\n"
+        "    crc = zlib.crc32(model.params[name].tobytes(), crc)\n"
+        "print('numpy.random' in sys.modules, len(model.params), crc)\n"
+    )
+    outputs = []
+    for source in (code, code.replace(f"unpacked_under={str(tmp_path)!r}", "")):
+        run = subprocess.run(
+            [sys.executable, "-c", source],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            check=True,
+        )
+        outputs.append(run.stdout.strip())
+    from_copy, drawn_here = outputs
+    assert from_copy.startswith("False "), from_copy
+    assert drawn_here.startswith("True "), drawn_here  # drawn in the process: its generators
+    assert from_copy.split(" ", 1)[1] == drawn_here.split(" ", 1)[1]  # every tensor, every bit

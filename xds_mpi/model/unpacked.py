@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -45,24 +46,34 @@ def unpack(output_dir: str | Path, source: str | Path) -> Path:
     target = unpacked_dir(output_dir, source)
     if (target / "meta.json").is_file():
         return target
-    import shutil  # the launcher's alone, as h5py: a die imports this module to read
-    import tempfile
+    import h5py  # the launcher's alone: a die imports this module to read
 
-    import h5py
+    with h5py.File(source, "r") as f:
+        attrs = {k: str(f.attrs[k]) for k in ATTRS if k in f.attrs}
+        tensors = ((name, f[name][()]) for name in f.keys())
+        return write_unpacked(target, tensors, attrs, str(Path(source).resolve()))
+
+
+def write_unpacked(
+    target: Path, tensors: Iterable[tuple[str, np.ndarray]], attrs: dict, source: str
+) -> Path:
+    """`tensors` (name, array) back to back into `target` (made under a temporary name and
+    renamed into place), with `attrs` and the name of their `source` in its meta.json."""
+    import shutil  # the launcher's alone
+    import tempfile
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        tensors: dict[str, list] = {}  # name -> [offset, dtype, shape]
-        with h5py.File(source, "r") as f, open(staging / DATA, "wb") as out:
-            for name in f.keys():
-                value = np.ascontiguousarray(f[name][()])
+        layout: dict[str, list] = {}  # name -> [offset, dtype, shape]
+        with open(staging / DATA, "wb") as out:
+            for name, value in tensors:
+                value = np.ascontiguousarray(value)
                 out.write(bytes(-out.tell() % ALIGN))
-                tensors[name] = [out.tell(), value.dtype.str, list(value.shape)]
+                layout[name] = [out.tell(), value.dtype.str, list(value.shape)]
                 out.write(value.tobytes())
-            attrs = {k: str(f.attrs[k]) for k in ATTRS if k in f.attrs}
-        meta = {"format": FORMAT, "source": str(Path(source).resolve()), "tensors": tensors}
-        (staging / "meta.json").write_text(json.dumps({**meta, "attrs": attrs}))
+        meta = {"format": FORMAT, "source": source, "tensors": layout, "attrs": attrs}
+        (staging / "meta.json").write_text(json.dumps(meta))
         try:
             staging.rename(target)
         except OSError:  # another launcher renamed its copy first: the same tensors
@@ -109,6 +120,11 @@ def find_unpacked(output_dir: str | Path | None, source: str | Path) -> Unpacked
         directory = unpacked_dir(output_dir, source)
     except OSError:
         return None
+    return open_unpacked(directory)
+
+
+def open_unpacked(directory: Path) -> UnpackedWeights | None:
+    """The unpacked weights in `directory`, or None where there are none."""
     if not (directory / "meta.json").is_file():
         return None
     return UnpackedWeights(directory)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from xds_mpi.config.schema import ConfigError, ModelConfig
+from xds_mpi.model import unpacked
 from xds_mpi.model.checkpoint import (
     FORMAT,
     check_same_shape,
@@ -29,7 +30,6 @@ from xds_mpi.model.checkpoint import (
 )
 from xds_mpi.model.params import LazyParams
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
-from xds_mpi.model.unpacked import find_unpacked
 
 GATE_BIAS_STD = 0.02
 
@@ -90,6 +90,46 @@ class RandomWeights:
     def value(self, name: str) -> np.ndarray:
         return _init_value(name, self.shapes[name], self.seed)
 
+    def unpacked_dir(self, output_dir: str | Path) -> Path:
+        """Where `unpack_random` puts these weights: named by the seed, every tensor's shape,
+        how a value is drawn (_init_value's code) and numpy's version (its generators' streams
+        may change between versions), so a copy is never of other values."""
+        init = _init_value.__code__
+        key = "|".join(
+            (
+                unpacked.FORMAT,
+                str(self.seed),
+                repr(sorted(self.shapes.items())),
+                np.__version__,
+                repr(init.co_code),
+                repr(init.co_consts),
+                str(GATE_BIAS_STD),
+            )
+        )
+        return Path(output_dir) / unpacked.CACHE_DIR / f"random-{zlib.crc32(key.encode()):08x}"
+
+    def drawn(self, output_dir: str | Path | None) -> unpacked.UnpackedWeights | None:
+        """The launcher's copy of these weights under `output_dir` (`unpack_random`), if any:
+        the same values, mapped instead of drawn."""
+        if output_dir is None:
+            return None
+        try:
+            return unpacked.open_unpacked(self.unpacked_dir(output_dir))
+        except OSError:
+            return None
+
+
+def unpack_random(cfg: ModelConfig, output_dir: str | Path) -> Path:
+    """The launcher: `cfg`'s random weights drawn once and written for the dies to map
+    (xds_mpi/model/unpacked.py), unless they are there. Importing numpy's generators and drawing
+    the tensors cost every die of a 64-die run ~50 ms of start-up CPU."""
+    source = RandomWeights(cfg, cfg.seed)
+    target = source.unpacked_dir(output_dir)
+    if source.drawn(output_dir) is None:
+        tensors = ((name, source.value(name)) for name in source.shapes)
+        unpacked.write_unpacked(target, tensors, {}, f"random, seed {cfg.seed}")
+    return target
+
 
 class FileWeights:
     """The tensors of an HDF5 weights file, one at a time; the file stays open for reading."""
@@ -121,7 +161,7 @@ def load_model(
     (xds_mpi/model/unpacked.py: numpy alone, no h5py), else from the file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
-    source = find_unpacked(unpacked_under, path) or FileWeights(path)
+    source = unpacked.find_unpacked(unpacked_under, path) or FileWeights(path)
     cfg = config_from_attrs(source.attrs, path)
     if expected is not None:
         check_same_shape(expected, cfg)
@@ -133,13 +173,14 @@ def load_model(
 def build_model(
     cfg: ModelConfig, *, dtype=np.float64, unpacked_under: str | Path | None = None
 ) -> DeepSeekModel:
-    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file
-    (its unpacked copy under `unpacked_under` when there is a current one: the dies pass their
-    run.output_dir). Either way a tensor is made when first used, so a die holds only what it
-    touches."""
+    """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file.
+    Either from the launcher's unpacked copy under `unpacked_under` when there is a current one
+    (the dies pass their run.output_dir). Either way a tensor is made when first used, so a
+    die holds only what it touches."""
     if cfg.weights != "random":
         return load_model(
             weights_path(cfg.weights), dtype=dtype, expected=cfg, unpacked_under=unpacked_under
         )
     source = RandomWeights(cfg, cfg.seed)
-    return DeepSeekModel(cfg, LazyParams(source.shapes, source, dtype), dtype=dtype)
+    drawn = source.drawn(unpacked_under)
+    return DeepSeekModel(cfg, LazyParams(source.shapes, drawn or source, dtype), dtype=dtype)
