@@ -24,7 +24,7 @@ TRACED_ROLES = ("colocated", "attention", "expert")
 @dataclass(frozen=True, kw_only=True)
 class RankTrace:
     rank: int
-    events: list[SpanRecord]
+    events: list[SpanRecord | tuple]  # as the rank kept them (trace.take_kept)
 
 
 def send_trace(comm: MPI.Comm, *, timeout_s: float) -> None:
@@ -33,7 +33,7 @@ def send_trace(comm: MPI.Comm, *, timeout_s: float) -> None:
         return
     send_to_each(
         comm,
-        {SHELL: RankTrace(rank=comm.rank, events=trace.take_events())},
+        {SHELL: RankTrace(rank=comm.rank, events=trace.take_kept())},
         tag=TAG_TRACE,
         timeout_s=timeout_s,
         me=f"rank {comm.rank}",
@@ -52,9 +52,10 @@ def gather_traces(
     timeout_s: float,
     skip: tuple[int, ...] = (),
     log: logging.Logger | None = None,
-) -> dict[int, list[SpanRecord]]:
+) -> dict[int, list[SpanRecord | tuple]]:
     """Every traced rank's events but those of `skip` (lost dies), by rank ({} with tracing
-    off); with `log`, a progress line every 2 s."""
+    off), as each rank kept them (`trace.as_records` makes them SpanRecords); with `log`, a
+    progress line every 2 s."""
     if not trace.is_enabled():
         return {}
     received = recv_from_each(

@@ -106,8 +106,10 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
 
 
 def _write_trace(ctx: RankContext, path, traces: dict) -> None:
-    """The shell's own events and the ranks' gathered `traces` beside the run file."""
-    traces = {ctx.comm.rank: trace.take_events(), **traces}
+    """The shell's own events and the ranks' gathered `traces` (as kept) beside the run file."""
+    traces = {ctx.comm.rank: trace.take_events()} | {
+        rank: trace.as_records(events) for rank, events in traces.items()
+    }
     ctx.log.info("trace %s", write_trace(trace_path(path), traces, ctx.topo).resolve())
 
 
