@@ -55,6 +55,11 @@ def static_placement(ctx):
 # so taking its tokens up to 2 ms late costs nothing (they carry the die's time), while a fixed
 # 0.5 ms pause took 60 of the 950 ms of CPU the main job's 5 ranks have in its 0.47 s of serving.
 IDLE_FIRST_S, IDLE_LAST_S = 0.0005, 0.002
+# The heartbeats (§6.1) are looked after WATCH_SHARE times per heartbeat interval, not every
+# turn: a ping due or an answer taken a twentieth of the interval late changes nothing (a die is
+# suspected after seconds), while a look each of the ~340 turns of the main job cost the
+# TE-shell ~25 us each.
+WATCH_SHARE = 20
 
 
 class Frontend:
@@ -92,6 +97,7 @@ class Frontend:
         self.detector = None
         if is_watched(cfg, ctx.plan) and watcher(ctx.plan) == ctx.comm.rank:  # PD: rank 1 watches
             self.detector = Detector(ctx, self.groups, self._placement, watch_comm(ctx))
+        self.watch_every_s = cfg.health.dp_interval_s / WATCH_SHARE
         self.sends: list[MPI.Request] = []
         self.reports: dict[int, DieReport] = {}
         self.eplb = make_eplb_shell(ctx, self.groups)  # §4.5: counts in, placements out
@@ -107,6 +113,7 @@ class Frontend:
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
         progress = Progress(self.log)
         idle_s = 0.0  # the loop's pause while no work comes (IDLE_FIRST_S ... IDLE_LAST_S)
+        watch_at = 0.0  # time.monotonic() of the next look at the heartbeats
         if self.feed is not None:
             self.feed.ready()  # every die up (PD: the prefill dies too): GET /health ok
         while self.num_open or (self.feed is not None and self.feed.is_open):
@@ -114,8 +121,9 @@ class Frontend:
             did_work += self._end_lost()
             if self.feed is not None:
                 did_work += self.feed.turn()  # endpoint requests in, their tokens out
-            if self.detector is not None:
+            if self.detector is not None and time.monotonic() >= watch_at:
                 did_work += self._watch_dies()
+                watch_at = time.monotonic() + self.watch_every_s
             if progress.is_due():
                 progress.show(self.progress())
             if time.monotonic() > deadline and self.feed is None:
