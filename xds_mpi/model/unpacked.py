@@ -15,6 +15,9 @@ retrained checkpoint gets a directory of its own. The arrays are the file's own 
 token changes.
 The directory is written under a temporary name and renamed into place, so a die never sees
 half of one, and two launchers at once both end with the same copy.
+Random weights (`model.weights: random`) are drawn once by the launcher into the same format
+(`write_unpacked`, from xds_mpi/model/weights.py `unpack_random`), so a die neither imports
+numpy's generators nor draws.
 """
 
 from __future__ import annotations
