@@ -125,7 +125,7 @@ def unpack_random(cfg: ModelConfig, output_dir: str | Path) -> Path:
     the tensors cost every die of a 64-die run ~50 ms of start-up CPU."""
     source = RandomWeights(cfg, cfg.seed)
     target = source.unpacked_dir(output_dir)
-    if source.drawn(output_dir) is None:
+    if unpacked.open_unpacked(target) is None:
         tensors = ((name, source.value(name)) for name in source.shapes)
         unpacked.write_unpacked(target, tensors, {}, f"random, seed {cfg.seed}")
     return target
