@@ -14,6 +14,7 @@ from xccl.gmem import DieMemory
 from xccl.layout import RECORD_BYTES
 from xccl.moe_layout import EpLayout
 from xccl.records import P2P_RECORD, ROWS_RECORD, Expected, RecordAt
+from xccl.records.record import evenly_spaced
 from xccl.routing import combine_weights, weighted_column_sum
 
 SENTINEL = 0xA5
@@ -68,6 +69,43 @@ def test_publish_then_ready_returns_the_bodies_field_by_field(mem):
     pad = np.arange(records.put_bytes(ROWS_RECORD), RECORD_BYTES)
     assert (mem.local[pad] == SENTINEL).all() and (mem.local[RECORD_BYTES + pad] == SENTINEL).all()
     assert (mem.local[2 * RECORD_BYTES + 8 :] == SENTINEL).all()
+
+
+@pytest.mark.parametrize("spaced", [True, False])
+def test_a_fan_out_writes_each_readers_body_and_doorbell_and_nothing_else(mem, spaced):
+    """Readers' records side by side are written through one strided view, else one by one;
+    either way each reader gets its own body, then the doorbell, and no other byte changes."""
+    at = [RecordAt(0, 0), RecordAt(0, RECORD_BYTES), RecordAt(0, 2 * RECORD_BYTES)]
+    if not spaced:
+        at = [at[0], at[2], at[1]]  # out of order: no one stride
+    fan = records.FanOut.records(mem, at, ROWS_RECORD)
+    assert (fan._near_block is not None) == spaced and (fan._bell_block is not None) == spaced
+    expected = Expected(stage="dispatch", event_id=9, doorbell=5, call="call 5")
+    bodies = rows_bodies(9, [4, 2, 7])
+    fan.publish(bodies.view(np.uint8).reshape(3, RECORD_BYTES), 5)
+    got = records.ready(mem, at, expected, ROWS_RECORD)
+    assert got["doorbell"].tolist() == [5, 5, 5] and got["count"].tolist() == [4, 2, 7]
+    pad = np.arange(records.put_bytes(ROWS_RECORD), RECORD_BYTES)
+    for record in range(3):
+        assert (mem.local[record * RECORD_BYTES + pad] == SENTINEL).all()
+    fan.publish(bodies.view(np.uint8).reshape(3, RECORD_BYTES)[1], 6)  # one body for all
+    again = Expected(stage="dispatch", event_id=9, doorbell=6, call="call 6")
+    got = records.ready(mem, at, again, ROWS_RECORD)
+    assert got["count"].tolist() == [2, 2, 2]
+
+
+def test_evenly_spaced_views_only_when_one_stride_reaches_them_all():
+    block = np.zeros((4, 16), np.uint8)
+    rows = [block[i, 2:10] for i in range(4)]
+    view = evenly_spaced(rows)
+    view[:] = np.arange(4)[:, None] + 1
+    assert view.shape == (4, 8) and (block[:, 2:10] == np.arange(1, 5)[:, None]).all()
+    assert (block[:, :2] == 0).all() and (block[:, 10:] == 0).all()
+    uneven = [block[0, :8], block[1, :8], block[3, :8]]
+    assert evenly_spaced(uneven) is None
+    assert evenly_spaced(rows[::-1]) is None  # descending: left to the loop
+    assert evenly_spaced([block[0, :8], block[0, 4:12]]) is None  # overlapping
+    assert evenly_spaced(rows[:1]) is None
 
 
 def test_an_old_doorbell_is_not_ready_and_a_foreign_event_is_named(mem):
