@@ -310,12 +310,20 @@ class DieMemory:
             self.traffic.remote_rma += 1
             self.traffic.remote_bytes += nbytes
 
+    def meet(self, *, what: str, timeout_s: float = 600.0) -> None:
+        """Every rank of the window's communicator here, none polling meanwhile (collective):
+        on the wake words where every rank reaches them (`WakeWords.gather`), else a dozing
+        Ibarrier (`quiet_barrier`). Before a blocking collective the ranks reach at different
+        times (MPICH polls those at full speed)."""
+        if not self.wake_words.gather(what=what, timeout_s=timeout_s):
+            quiet_barrier(self.comm, what=what, timeout_s=timeout_s)
+
     def free(self) -> None:
         """Release the window (collective); safe to call twice. Rank 0 of the window's
         communicator gets every rank's traffic in `world_traffic` first."""
         if self.win == MPI.WIN_NULL:
             return
-        quiet_barrier(self.comm, what="window free")  # the ranks end at different times
+        self.meet(what="window free")  # the ranks end at different times
         self.world_traffic = self.comm.gather(self.traffic, root=0)
         PROCESS_TRAFFIC.add(self.traffic)
         self.win.Unlock_all()
@@ -324,7 +332,7 @@ class DieMemory:
         # is another blocking collective that MPICH polls at full speed: they meet dozing
         # first (43 ranks on 2 cores: the two frees 4.8 -> 1.9 s, the stop 6.2 -> 4.0 s).
         if self.wake_words.win is not None:  # alike on every rank (WakeWords)
-            quiet_barrier(self.comm, what="wake words free")
+            self.meet(what="wake words free")
         self.wake_words.free()
         self.views = (None,) * len(self.sizes)  # the peers' memory is gone with the window
         self._view_words = self.views

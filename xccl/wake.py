@@ -82,8 +82,11 @@ WaitMode = Literal["auto", "sleep", "spin"]
 WAIT_MODES: tuple[str, ...] = get_args(WaitMode)
 WAIT_ENV = "XDS_WAIT"
 PARK_S = 0.002  # longest sleep before a parked waiter looks again
-_WORD_BYTES = 12  # one rank's words, as uint32: [0] wake word (a futex), [1] target, [2] meeting
-_WAKE, _TARGET, _MEETING = 0, 1, 2
+# One rank's words, as uint32: [0] wake word (a futex), [1] target, [2] meeting, [3] the last
+# `WakeWords.gather` it arrived at, [4] (the first rank's) the last gather it released.
+_WORD_BYTES = 20
+_WAKE, _TARGET, _MEETING, _ARRIVED, _RELEASED = 0, 1, 2, 3, 4
+GATHER_PARK_S = 0.1  # longest sleep in a gather before the deadline is looked at again
 MEETING_PARK_S = 0.1  # longest sleep of a meeting's waiter (woken by the last to arrive)
 _NOBODY = np.uint32(0xFFFFFFFF)  # target while the rank is not asleep
 
@@ -274,6 +277,7 @@ class WakeWords:
         self.rank = comm.rank
         self.sleeps = sleeps()
         self._stores = 0  # this rank's wake count: with its rank, the unique value it stores
+        self._gathers = 0  # `gather`s so far, alike on every rank
         self._draw = random.Random(comm.rank)  # which missing writer a sleep names
         self.win: MPI.Win | None = None
         self.local = np.zeros(2, np.uint32)
@@ -283,7 +287,8 @@ class WakeWords:
         self.win = MPI.Win.Allocate(_WORD_BYTES, 1, comm=comm)
         self.win.Lock_all()
         self.local = np.frombuffer(self.win.tomemory(), np.uint32)
-        self.local[_WAKE], self.local[_TARGET], self.local[_MEETING] = 0, _NOBODY, 0
+        self.local[:] = 0
+        self.local[_TARGET] = _NOBODY
         views = peer_views(self.win, (_WORD_BYTES,) * comm.size)
         # Per rank: its words when this process can store into them (same node), else None.
         self.words = tuple(None if v is None else v.view(np.uint32) for v in views)
@@ -341,6 +346,49 @@ class WakeWords:
                 if words[_TARGET] == self.rank:
                     _futex(words, _FUTEX_WAKE, 1, None)
 
+    def gather(self, *, what: str, timeout_s: float) -> bool:
+        """A barrier of every rank of the communicator that sleeps on the words: each rank
+        marks its arrival word and wakes the first rank, which sleeps on its wake word until
+        every rank has arrived, then marks its release word and wakes every sleeper at once.
+        For the ranks' way out together (a window's free): a dozing Ibarrier (quiet_barrier)
+        lets each rank notice the end only at its next look, hop after hop (64 dies: 0.2-1.2 s).
+        False, having done nothing, when a rank's words are out of reach (another node, or no
+        window: the caller meets otherwise); the same answer on every rank (set at start)."""
+        if self.win is None or any(w is None for w in self.words):
+            return False
+        self._gathers = (self._gathers + 1) & 0xFFFFFFFF
+        count, own, first = np.uint32(self._gathers), self.local, self.words[0]
+        deadline = time.monotonic() + timeout_s
+        own[_ARRIVED] = count
+        if self.rank != 0:  # arrived; wake the first rank, then sleep until it releases
+            self._stores = (self._stores + 1) & 0xFFFF
+            first[_WAKE] = np.uint32(((self.rank & 0xFFFF) << 16) | self._stores)
+            _futex(first[_WAKE:], _FUTEX_WAKE, 1, None)
+            released = first[_RELEASED:]
+            while (seen := int(released[0])) != count:
+                if time.monotonic() > deadline:
+                    raise XcclTimeout(
+                        f"rank {self.rank} of {len(self.words)}: {what}: rank 0 has not seen "
+                        f"every rank arrive after {timeout_s:g} s"
+                    )
+                _futex(released, _FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(_GATHER_PARK))
+            return True
+        pending = list(range(1, len(self.words)))
+        while True:  # the wake word read before looking: an arrival after the look changes it
+            seen = int(own[_WAKE])
+            pending = [r for r in pending if self.words[r][_ARRIVED] != count]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                raise XcclTimeout(
+                    f"rank 0 of {len(self.words)}: {what}: ranks {pending[:16]} did not arrive "
+                    f"after {timeout_s:g} s"
+                )
+            _futex(own[_WAKE:], _FUTEX_WAIT, ctypes.c_uint32(seen), ctypes.byref(_GATHER_PARK))
+        own[_RELEASED] = count
+        _futex(own[_RELEASED:], _FUTEX_WAKE, _WAKE_ALL, None)
+        return True
+
     def free(self) -> None:
         self.words = (None,) * len(self.words)
         self.local = np.zeros(2, np.uint32)
@@ -378,6 +426,9 @@ class Meeting:
             self.word[0] = (int(self.word[0]) + 1) & 0xFFFFFFFF
             _futex(self.word, _FUTEX_WAKE, _WAKE_ALL, None)
         self._woken = False
+
+
+_GATHER_PARK = _Timespec(int(GATHER_PARK_S), int(GATHER_PARK_S % 1 * 1e9))
 
 
 def _futex(word: np.ndarray, op: int, value, timeout) -> None:

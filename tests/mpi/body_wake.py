@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from xccl import records, wake
 from xccl.agreement import WindowAgreement
+from xccl.errors import XcclTimeout
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.records import ROWS_RECORD, Expected, RecordAt
@@ -135,3 +136,48 @@ def test_the_agreement_agrees_every_round_while_every_wait_sleeps():
         assert (rows[:, 1] == round_ % 3).all()
     comm.Barrier()
     mem.free()
+
+
+def test_a_gather_lets_nobody_go_before_the_last_arrives_and_wakes_them_at_once(
+    sleeping_mem, monkeypatch
+):
+    """WakeWords.gather, the window frees' barrier: one rank 0.3 s late each round (rank 0, the
+    one that releases, among them). Nobody leaves before the late one arrived, and with each
+    sleep 30 s long only the wakes end the waits in time: a lost wake would take 30 s."""
+    mem = sleeping_mem
+    words = mem.wake_words
+    if words.win is None or any(w is None for w in words.words):  # spin, or another node
+        assert not words.gather(what="test", timeout_s=5)
+        return
+    monkeypatch.setattr(wake, "_GATHER_PARK", wake._Timespec(30, 0))
+    for round_ in range(comm.size):
+        comm.Barrier()
+        late = comm.rank == round_
+        if late:
+            time.sleep(0.3)
+        arrived = time.time()
+        assert words.gather(what=f"round {round_}", timeout_s=60)
+        left = time.time()
+        arrivals = comm.allgather(arrived)
+        assert left >= max(arrivals), f"round {round_}: left before rank {round_} arrived"
+        assert left - max(arrivals) < 10, f"round {round_}: woken by the sleep's end"
+    comm.Barrier()
+
+
+def test_a_gather_names_the_ranks_that_never_came(sleeping_mem):
+    """Rank 0 waits for a rank that does not come: a bounded wait naming it, not a hang."""
+    mem = sleeping_mem
+    words = mem.wake_words
+    if words.win is None or any(w is None for w in words.words) or comm.size < 2:
+        pytest.skip("the gather needs every rank's words on this node")
+    comm.Barrier()
+    absent = comm.size - 1
+    if comm.rank == 0:
+        with pytest.raises(XcclTimeout, match=rf"ranks \[{absent}\] did not arrive"):
+            words.gather(what="test", timeout_s=0.5)
+    elif comm.rank != absent:
+        with pytest.raises(XcclTimeout, match="rank 0 has not seen every rank arrive"):
+            words.gather(what="test", timeout_s=1.5)
+    else:
+        words._gathers += 1  # counted as if it came: the window's free gathers them all again
+    comm.Barrier()
