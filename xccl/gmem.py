@@ -24,6 +24,7 @@ multi-node pod takes, so the tests that run on two hosts check it was really tak
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -89,8 +90,12 @@ class DieMemory:
         self.rank = comm.rank
         self.nbytes = nbytes
         quiet_barrier(comm, what="window allocation")  # the ranks built at different times
-        peers = comm.allgather((nbytes, known_node_leader()))
-        self.sizes = tuple(size for size, _ in peers)
+        # Without wake words of its own (wakes False), the window meets at its free on those of
+        # another live window over the same ranks, when every rank has one (`meet`).
+        other = None if wakes else _wake_words_over(comm)
+        peers = comm.allgather((nbytes, known_node_leader(), other is not None))
+        self.sizes = tuple(size for size, _, _ in peers)
+        self._meets_on = other if all(has for _, _, has in peers) else None
         self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         self.win.Lock_all()
         self._win = timed(self.win)  # every data, flag and sync call goes through it
@@ -100,7 +105,7 @@ class DieMemory:
         self._zero_except(unzeroed)
         self.words = self.local.view(WORD)
         self.floats = self.local.view(np.float64)
-        self.is_same_node = same_node_table(comm, [node for _, node in peers])
+        self.is_same_node = same_node_table(comm, [node for _, node, _ in peers])
         self.memory_path = check_memory_path(memory_path or default_memory_path())
         # Per peer: its window as a load/store array, or None (RMA); and its words.
         self.views = peer_views(self.win, self.sizes, self.is_same_node, self.memory_path)
@@ -115,6 +120,8 @@ class DieMemory:
             lambda win, sizes: peer_views(win, sizes, self.is_same_node, self.memory_path),
             needed=wakes,
         )
+        if self.wake_words.win is not None:
+            _WITH_WAKE_WORDS.append(weakref.ref(self))
         if poll_idiom == "load" and not all(self.is_same_node):
             # A local load never sees a write from another node (docs/mpi.md): it would hang.
             far = [r for r, same in enumerate(self.is_same_node) if not same]
@@ -315,7 +322,8 @@ class DieMemory:
         on the wake words where every rank reaches them (`WakeWords.gather`), else a dozing
         Ibarrier (`quiet_barrier`). Before a blocking collective the ranks reach at different
         times (MPICH polls those at full speed)."""
-        if not self.wake_words.gather(what=what, timeout_s=timeout_s):
+        words = self.wake_words if self._meets_on is None else self._meets_on.wake_words
+        if not words.gather(what=what, timeout_s=timeout_s):
             quiet_barrier(self.comm, what=what, timeout_s=timeout_s)
 
     def free(self) -> None:
@@ -338,6 +346,27 @@ class DieMemory:
         self._view_words = self.views
         self.local = np.zeros(0, np.uint8)
         self.words, self.floats = self.local.view(WORD), self.local.view(np.float64)
+
+
+# The live windows with wake words of this process, in the order they were made (the same on
+# every rank: windows are made collectively).
+_WITH_WAKE_WORDS: list[weakref.ref] = []
+
+
+def _wake_words_over(comm: MPI.Comm) -> DieMemory | None:
+    """The first live window with wake words over the ranks of `comm`, in their order, whose
+    every rank's words this process reaches, or None. A window freed later than the one that
+    borrows it (a die frees its abort words before its data window; the TE-shell its fence
+    window before its own)."""
+    _WITH_WAKE_WORDS[:] = [ref for ref in _WITH_WAKE_WORDS if ref() is not None]
+    for ref in _WITH_WAKE_WORDS:
+        mem = ref()
+        words = None if mem is None else mem.wake_words
+        if words is None or words.win is None or any(w is None for w in words.words):
+            continue
+        if MPI.Group.Compare(mem.comm.group, comm.group) == MPI.IDENT:
+            return mem
+    return None
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:

@@ -181,3 +181,20 @@ def test_a_gather_names_the_ranks_that_never_came(sleeping_mem):
     else:
         words._gathers += 1  # counted as if it came: the window's free gathers them all again
     comm.Barrier()
+
+
+def test_a_window_without_wake_words_meets_on_a_live_ones_over_the_same_ranks(sleeping_mem):
+    """The abort words' window (wakes=False) frees after a gather on the data window's words
+    when both span the same ranks in the same order; over other ranks it keeps the dozing
+    barrier. Either way every rank decides alike and the frees return."""
+    words = sleeping_mem.wake_words
+    reachable = words.win is not None and all(w is not None for w in words.words)
+    same = DieMemory(comm, 16, wakes=False)
+    assert same.wake_words.win is None
+    assert (same._meets_on is sleeping_mem) == reachable
+    reordered_comm = comm.Split(0, comm.size - comm.rank)  # the same ranks, reversed
+    reordered = DieMemory(reordered_comm, 16, wakes=False)
+    assert reordered._meets_on is None or comm.size == 1
+    reordered.free()
+    same.free()
+    reordered_comm.Free()
