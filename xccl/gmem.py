@@ -361,11 +361,9 @@ def _wake_words_over(comm: MPI.Comm) -> DieMemory | None:
     _WITH_WAKE_WORDS[:] = [ref for ref in _WITH_WAKE_WORDS if ref() is not None]
     for ref in _WITH_WAKE_WORDS:
         mem = ref()
-        words = None if mem is None else mem.wake_words
-        if words is None or words.win is None or any(w is None for w in words.words):
-            continue
-        if MPI.Group.Compare(mem.comm.group, comm.group) == MPI.IDENT:
-            return mem
+        if mem is not None and mem.wake_words.reach_every_rank:
+            if MPI.Group.Compare(mem.comm.group, comm.group) == MPI.IDENT:
+                return mem
     return None
 
 

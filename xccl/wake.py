@@ -346,6 +346,11 @@ class WakeWords:
                 if words[_TARGET] == self.rank:
                     _futex(words, _FUTEX_WAKE, 1, None)
 
+    @property
+    def reach_every_rank(self) -> bool:
+        """Is there a window, and can this process store into every rank's words (one node)?"""
+        return self.win is not None and all(w is not None for w in self.words)
+
     def gather(self, *, what: str, timeout_s: float) -> bool:
         """A barrier of every rank of the communicator that sleeps on the words: each rank
         marks its arrival word and wakes the first rank, which sleeps on its wake word until
@@ -354,7 +359,7 @@ class WakeWords:
         lets each rank notice the end only at its next look, hop after hop (64 dies: 0.2-1.2 s).
         False, having done nothing, when a rank's words are out of reach (another node, or no
         window: the caller meets otherwise); the same answer on every rank (set at start)."""
-        if self.win is None or any(w is None for w in self.words):
+        if not self.reach_every_rank:
             return False
         self._gathers = (self._gathers + 1) & 0xFFFFFFFF
         count, own, first = np.uint32(self._gathers), self.local, self.words[0]

@@ -146,7 +146,7 @@ def test_a_gather_lets_nobody_go_before_the_last_arrives_and_wakes_them_at_once(
     sleep 30 s long only the wakes end the waits in time: a lost wake would take 30 s."""
     mem = sleeping_mem
     words = mem.wake_words
-    if words.win is None or any(w is None for w in words.words):  # spin, or another node
+    if not words.reach_every_rank:  # spin, or another node
         assert not words.gather(what="test", timeout_s=5)
         return
     monkeypatch.setattr(wake, "_GATHER_PARK", wake._Timespec(30, 0))
@@ -168,7 +168,7 @@ def test_a_gather_names_the_ranks_that_never_came(sleeping_mem):
     """Rank 0 waits for a rank that does not come: a bounded wait naming it, not a hang."""
     mem = sleeping_mem
     words = mem.wake_words
-    if words.win is None or any(w is None for w in words.words) or comm.size < 2:
+    if not words.reach_every_rank or comm.size < 2:
         pytest.skip("the gather needs every rank's words on this node")
     comm.Barrier()
     absent = comm.size - 1
@@ -188,7 +188,7 @@ def test_a_window_without_wake_words_meets_on_a_live_ones_over_the_same_ranks(sl
     when both span the same ranks in the same order; over other ranks it keeps the dozing
     barrier. Either way every rank decides alike and the frees return."""
     words = sleeping_mem.wake_words
-    reachable = words.win is not None and all(w is not None for w in words.words)
+    reachable = words.reach_every_rank
     same = DieMemory(comm, 16, wakes=False)
     assert same.wake_words.win is None
     assert (same._meets_on is sleeping_mem) == reachable
