@@ -14,7 +14,7 @@ import re
 import pytest
 import yaml
 from harness import REPO_ROOT
-from test_decode_failover import assert_detected, served
+from test_decode_failover import CEILING_S, EARLY, assert_detected, served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
@@ -91,10 +91,10 @@ def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
         # Stuck for good inside its A2E: never answers again, lost as dead
         # (ranks/recovery/detector.py).
         ("{kind: stuck, die: 4, iteration: 3}", 4, [], "vertical scaling: 4 -> 3 attention"),
-        ("{kind: dead, die: 1, iteration: 0}", 1, [], "vertical scaling: 4 -> 3 attention"),
+        ("{kind: dead, die: 1, iteration: 0}", 1, EARLY, "vertical scaling: 4 -> 3 attention"),
         # Trampolines: their attention groups move to the expert dies left (experts[g]).
         ("{kind: stuck, die: 6, iteration: 3}", 6, RING, "vertical scaling: 3 -> 2 expert"),
-        ("{kind: dead, die: 5, iteration: 0}", 5, RING, "vertical scaling: 3 -> 2 expert"),
+        ("{kind: dead, die: 5, iteration: 0}", 5, RING + EARLY, "vertical scaling: 3 -> 2 expert"),
     ],
 )
 def test_lost_dies_early_stuck_for_good_or_trampolines(
@@ -105,7 +105,7 @@ def test_lost_dies_early_stuck_for_good_or_trampolines(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == SERVED
     [record] = records
-    assert_detected(record, die, "dead")
+    assert_detected(record, die, "dead", CEILING_S if "iteration: 0" in row else 4)
     assert record.recovery.startswith(recovery), record.describe()
 
 

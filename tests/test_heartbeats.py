@@ -66,11 +66,15 @@ def test_a_responder_answers_the_newest_ping_once_a_turn(comm):
 
 
 def test_silent_names_the_targets_unheard_for_longer_than_the_patience(comm):
-    """Counted from the later of the first ping and a target's last answer; none before any
-    answer; the pace stretches the patience."""
+    """Counted from the later of the first ping and a target's last answer; before any answer
+    only past the ceiling (none without one); the pace stretches the patience."""
     sender = HeartbeatSender(comm, [1, 2, 3], interval_s=1.0, timeout_s=10)
+    assert sender.silent(50.0) == []  # no ping yet
     sender.started_at = 100.0  # the first ping (no MPI: targets 1-3 are not on COMM_SELF)
-    assert sender.silent(200.0) == []  # no answer yet: all still starting
+    assert sender.silent(200.0) == []  # no answer yet, no ceiling: all still starting
+    sender.ceiling_s = 45.0  # the detector's: before the peers' XCCL waits time out
+    assert sender.silent(145.0) == [] and sender.silent(145.5) == [1, 2, 3]
+    sender.ceiling_s = float("inf")
     sender.last_answer = {1: 105.0, 2: 95.0}  # 3 never answered; 2 before the first ping
     assert sender.silent(110.0) == []  # 10 s: not longer than the patience
     assert sender.silent(110.5) == [2, 3]  # from the first ping

@@ -13,7 +13,7 @@ import re
 
 import pytest
 from harness import REPO_ROOT
-from test_decode_failover import RING, assert_detected, served
+from test_decode_failover import CEILING_S, EARLY, RING, assert_detected, served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
@@ -31,8 +31,8 @@ PD = [
 SERVED = "check: 6 requests, 60 tokens, 0 mismatches"  # 6 x 10: none lost, none twice
 
 
-def lost_die(tmp_path, row: str):
-    result, run_file, records = served(tmp_path, [row], *RING, *PD, config="pd")
+def lost_die(tmp_path, row: str, *settings: str):
+    result, run_file, records = served(tmp_path, [row], *RING, *PD, *settings, config="pd")
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert check_line(result) == SERVED, out[-3000:]
@@ -64,8 +64,8 @@ def test_a_dead_decode_die_mid_run_is_scaled_away_its_requests_prefilled_again(t
 
 @pytest.mark.failure_matrix
 def test_a_decode_die_dead_at_its_first_iteration_gets_its_tasks_re_routed(tmp_path):
-    record, out = lost_die(tmp_path, "{kind: dead, die: 2, iteration: 0}")
-    assert_detected(record, 2, "dead")
+    record, out = lost_die(tmp_path, "{kind: dead, die: 2, iteration: 0}", *EARLY)
+    assert_detected(record, 2, "dead", CEILING_S)  # no die answered before: the ceiling
     assert record.injected_iteration == 0 and record.requests_affected
     # It never pulled a KV: every task sent to it is re-routed, its KV still at prefill.
     assert moved(record) == (0, len(record.requests_affected)), out[-3000:]

@@ -57,6 +57,10 @@ def stopped(why_not: str) -> str:
     return f"none, the run stops: {why_not}"
 
 
+# The fence's note when no die had answered yet (HeartbeatSender.patience_s).
+NO_PACE_YET = "; no die had answered yet: the ceiling, the longest the peers' XCCL waits allow"
+
+
 class DecodeDieLost(RuntimeError):
     """A decode die was lost (or stuck past health.timeout_s); the run stops. records: the
     failure records, for the run file."""
@@ -125,7 +129,8 @@ class Detector:
         """Log when the dies' pace makes the detector wait longer than health.timeout_s (and
         again at every doubling): an emulated iteration can outlast the timeout."""
         patience = self.sender.patience_s
-        if patience > self.patience_told * (2.0 if self.patience_told > self.timeout_s else 1.0):
+        doubled = 2.0 if self.patience_told > self.timeout_s else 1.0
+        if self.sender.has_pace and patience > self.patience_told * doubled:
             self.patience_told = patience
             self.log.info(
                 "heartbeat: a die answered %.1f s after its last answer; a die is now suspected "
@@ -184,10 +189,11 @@ class Detector:
         fence(self.fence_mem, [self.window_rank[g] for g in self.groups], len(self.detections) + 1)
         self.sender.restart_pace(fenced)
         self.log.warning(
-            "dies %s silent for more than %g s (health.timeout_s %g); fenced every die",
+            "dies %s silent for more than %g s (health.timeout_s %g%s); fenced every die",
             silent,
             self.sender.patience_s,
             self.timeout_s,
+            "" if self.sender.has_pace else NO_PACE_YET,
         )
         # Step 3: who answers again once released, and who only later.
         back = self._answers_after(fenced, 2 * self.grace_s)

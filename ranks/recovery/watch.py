@@ -61,9 +61,11 @@ class Pong:
 # a 910C (ep288 puts 289 ranks on the cores of one workstation: an iteration takes seconds), and
 # a die answers only between iterations: a fixed wall-clock timeout shorter than an iteration
 # fenced healthy dies. The pace is what the targets show they need; gaps across a fence (the
-# waits it released) are not counted. Until some target has answered, none is silent: at 289
-# ranks the first answers come seconds after the first ping, and a fault strikes one die while
-# the others answer their first turn.
+# waits it released) are not counted. Until some target has answered, no pace is known (ep288's
+# first iteration took 54 s on 2 cores): the patience is then the ceiling, the longest the
+# detector can wait and still fence before the peers' own XCCL waits time out, so that a die
+# lost before any die answered (dead at the first iteration: its peers wait for it in the
+# agreement and never take a turn) is still found and the run goes on without it.
 PACE_FACTOR = 3.0
 
 
@@ -71,7 +73,8 @@ class HeartbeatSender:
     """Pings `targets` every `interval_s`; `silent()` names those with no answer for
     `patience_s` (counted from the later of the first ping and their last answer):
     timeout_s, or PACE_FACTOR x `pace_s` when the targets answer slower than that, up to
-    ceiling_s (the detector's: before the peers' own XCCL waits time out)."""
+    ceiling_s (the detector's: before the peers' own XCCL waits time out); ceiling_s itself
+    until some target has answered (none is silent then when it is infinite)."""
 
     def __init__(
         self,
@@ -118,20 +121,25 @@ class HeartbeatSender:
                 self.last_answer[target], self.status[target] = now, pong.status
 
     @property
+    def has_pace(self) -> bool:
+        """Has some target answered (so that the pace, not the ceiling, sets the patience)?"""
+        return bool(self.last_answer)
+
+    @property
     def patience_s(self) -> float:
         """How long a target may stay silent before `silent` names it."""
+        if not self.has_pace:  # the targets may all be in their first iteration still
+            return max(self.timeout_s, self.ceiling_s)
         return max(self.timeout_s, min(PACE_FACTOR * self.pace_s, self.ceiling_s))
 
     def silent(self, now: float | None = None) -> list[int]:
         """Targets that have not answered for longer than `patience_s`."""
         now = time.monotonic() if now is None else now
-        if not self.last_answer:  # no pace yet: the targets are still starting (all of them)
-            return []
         # Silent: the last answer (or the first ping, if later) before `heard_by`. The TE-shell
         # asks every turn of its loop; with patience and the first ping checked once, a turn
         # costs a dict lookup per target (at 288 targets 330 us a turn was 20 us).
         heard_by = now - self.patience_s
-        if self.started_at >= heard_by:
+        if self.started_at is None or self.started_at >= heard_by:
             return []
         last, first = self.last_answer, self.started_at
         return [t for t in self.targets if last.get(t, first) < heard_by]
