@@ -86,8 +86,7 @@ def test_a_stuck_die_back_before_the_timeout_is_a_transient(tmp_path):
 EARLY = ["xccl.poll_timeout_s=12"]
 CEILING_S = 12 - 0.2 - 2 * 2
 REBUILT_ON_4 = "buffers rebuilt on all 4"
-MATRIX = [
-    ("{kind: dead, die: 1, iteration: 0}", 1, "dead", "vertical scaling: 4 -> 3", EARLY),
+MATRIX = [  # dead at iteration 0: test_a_die_dead_at_its_first_iteration_is_found_at_the_ceiling
     ("{kind: stuck, die: 4, iteration: 1}", 4, "dead", "vertical scaling: 4 -> 3", EARLY),
     ("{kind: stuck, die: 2, iteration: 6, duration_s: 7}", 2, "stuck", "vertical scaling", []),
     ("{kind: stuck, die: 3, iteration: 4, duration_s: 5}", 3, "stuck", REBUILT_ON_4, []),
@@ -100,6 +99,18 @@ def test_failure_matrix(tmp_path, request, row, die, verdict, recovery, settings
         pytest.skip("the {stuck, dead} x {early, mid-run} matrix runs with --failure-matrix")
     result, _, records = served(tmp_path, [row], *RING, *settings)
     assert_scaled(result, records, die, verdict, recovery, patience_s=CEILING_S if settings else 4)
+
+
+def test_a_die_dead_at_its_first_iteration_is_found_at_the_ceiling_and_scaled_away(tmp_path):
+    """In the default suite (the rest of the matrix runs with --failure-matrix): no die answers
+    before the first iteration, so only the ceiling finds this one; without it the run ended
+    on the peers' XCCL timeout."""
+    result, _, records = served(tmp_path, ["{kind: dead, die: 1, iteration: 0}"], *RING, *EARLY)
+    record = assert_scaled(
+        result, records, 1, "dead", "vertical scaling: 4 -> 3", patience_s=CEILING_S
+    )
+    assert record.injected_iteration == 0
+    assert "no die had answered yet" in result.stdout + result.stderr
 
 
 def test_eight_dies_lose_one_mid_run(tmp_path, request):
