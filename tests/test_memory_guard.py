@@ -147,7 +147,14 @@ def test_the_main_job_is_stopped_when_the_node_runs_low(monkeypatch, capfd, tmp_
 
     monkeypatch.setattr(memory_guard, "read_node_memory", read)
     monkeypatch.chdir(REPO_ROOT)
-    sets = [f"run.output_dir={tmp_path}", "workload.num_requests=64"]  # runs for seconds
+    # 8192 tokens: ~15 s of serving at today's ~550 tok/s, well past the watch's first low
+    # reading (1-2 s after launch); 64 requests of 16 tokens ended before it once the job got fast.
+    long_run = [
+        "workload.num_requests=64",
+        "workload.output_len=128",
+        "workload.max_output_len=128",
+    ]
+    sets = [f"run.output_dir={tmp_path}", *long_run]
     code = cli.main(["run", *[arg for value in sets for arg in ("--set", value)]])
     err = capfd.readouterr().err
     assert code == memory_guard.EXIT_OUT_OF_MEMORY, err[-3000:]
