@@ -86,7 +86,7 @@ def test_a_stuck_die_back_before_the_timeout_is_a_transient(tmp_path):
 EARLY = ["xccl.poll_timeout_s=12"]
 CEILING_S = 12 - 0.2 - 2 * 2
 REBUILT_ON_4 = "buffers rebuilt on all 4"
-MATRIX = [  # dead at iteration 0: test_a_die_dead_at_its_first_iteration_is_found_at_the_ceiling
+MATRIX = [  # dead at iteration 0: the default-suite test after this one
     ("{kind: stuck, die: 4, iteration: 1}", 4, "dead", "vertical scaling: 4 -> 3", EARLY),
     ("{kind: stuck, die: 2, iteration: 6, duration_s: 7}", 2, "stuck", "vertical scaling", []),
     ("{kind: stuck, die: 3, iteration: 4, duration_s: 5}", 3, "stuck", REBUILT_ON_4, []),
