@@ -105,7 +105,7 @@ def test_lost_dies_early_stuck_for_good_or_trampolines(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == SERVED
     [record] = records
-    assert_detected(record, die, "dead", CEILING_S if "iteration: 0" in row else 4)
+    assert_detected(record, die, "dead", CEILING_S if EARLY[0] in settings else 4)
     assert record.recovery.startswith(recovery), record.describe()
 
 
