@@ -1,11 +1,17 @@
 """Building blocks shared by attention, MoE and MTP: the batch-invariant matmul, RMSNorm, rotary
 embedding, SwiGLU FFN. numpy only: a die imports no torch (DESIGN.md §7).
 
-Batch invariance: a request's tokens must not depend on what it is batched with. OpenBLAS's
-dgemm computes a row with another accumulation order when it falls into the kernel's row
-remainder (measured: every odd row count moves the last row's last bits), so `matmul` pads the
-rows to a multiple of ROW_BLOCK: every row then goes through the full-tile kernel, and a row's
-result is the same whatever the row count (tests/test_model_layers.py checks 1..130 rows).
+Batch invariance: a request's tokens must not depend on what it is batched with. A BLAS
+library picks its kernel, tiling and small-matrix path from a product's shape (OpenBLAS's AVX-512
+kernels switch paths with M x N x K, its AVX2 kernels treat a row remainder apart), so the same
+row can come out with other last bits when the row count changes. `matmul` therefore never
+hands BLAS a row count of its own: it pads the rows to a multiple of ROWS_PER_CALL and makes
+one gemm call per ROWS_PER_CALL rows (numpy's stacked matmul loops over the stack, one gemm
+each), so every call has the same shape, layout and dtype and takes the same path on any BLAS.
+What that construction leaves open is whether a row's place inside its call matters; it does not
+on any OpenBLAS kernel family measured (tests/test_blas_kernels.py runs the invariance and the
+reference tests under every family the CPU can run: Haswell, Zen, SkylakeX, Cooperlake,
+SapphireRapids). docs/design.md, "Batch invariance", has the numbers.
 
 Speed at a decode step's few rows is numpy's per-call overhead, so the reductions call the ufuncs
 (`np.add.reduce`, `np.maximum.reduce`) that `mean`, `sum` and `max` wrap in Python: the same
@@ -21,21 +27,24 @@ from xds_mpi.model.qlinear import SCALE_SUFFIX, QuantLinear, base_name
 
 blas.single_thread()  # one BLAS thread: see xds_mpi/model/blas.py
 NORM_EPS = 1e-6
-ROW_BLOCK = 4  # the x86 dgemm kernels' row tile (Haswell / Zen: 4; a remainder of 1 differs)
+ROWS_PER_CALL = 4  # every gemm call's row count (a decode step's rows per die fit one call)
 
 
 def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x: [n, k] @ w: [k, m] -> [n, m], each row's value independent of n.
 
-    `np.dot` makes the same dgemm call as `@` with less dispatch around it (the products are
-    equal bit for bit; 2 us less a call at a decode step's few rows, 60 calls a forward)."""
-    num_rows = x.shape[0]
-    pad = -num_rows % ROW_BLOCK
-    if not pad:
-        return np.dot(x, w)
-    padded = _padded(num_rows, num_rows + pad, x.shape[1], x.dtype)
-    padded[:num_rows] = x
-    return np.dot(padded, w)[:num_rows]
+    The rows, padded with zero rows to a multiple of ROWS_PER_CALL, go to BLAS as a stack of
+    [ROWS_PER_CALL, k] matrices: one call of one shape per stack entry, whatever n is."""
+    num_rows, width = x.shape
+    pad = -num_rows % ROWS_PER_CALL
+    if pad:
+        padded = _padded(num_rows, num_rows + pad, width, x.dtype)
+        padded[:num_rows] = x
+        x = padded
+    else:
+        x = np.ascontiguousarray(x)  # a strided view would leave BLAS for numpy's own loop
+    out = np.matmul(x.reshape(-1, ROWS_PER_CALL, width), w)
+    return out.reshape(-1, w.shape[1])[:num_rows]
 
 
 # Padded inputs of the few rows a decode step has, one zeroed buffer per shape, reused: a fresh
