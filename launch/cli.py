@@ -251,12 +251,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# torch is the `train` extra (pyproject.toml): train-tiny, stats and quantize's corpus need it.
+MISSING_TORCH = (
+    "`xds-mpi {command}` needs torch, which is not installed (the dies and `xds-mpi run` do "
+    "not use it): pip install -e '.[train]' in a checkout, or pip install 'xds-mpi[train]'"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"xds-mpi: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print(f"xds-mpi: error: {MISSING_TORCH.format(command=args.command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # run_job has ended mpiexec and its ranks already
         print("xds-mpi: stopped by SIGINT", file=sys.stderr)

@@ -35,7 +35,9 @@ def test_a_known_drift_is_recovered_through_the_noise():
 
 
 def test_the_published_constants_are_the_checkpoints_measure():
-    torch = pytest.importorskip("torch")
+    torch = pytest.importorskip(
+        "torch", reason="torch is the train extra: pip install -e '.[train]'"
+    )
     from xds_mpi.model.weights import weights_path
     from xds_mpi.train.corpus import load_corpus
     from xds_mpi.train.torch_model import load_torch_model

@@ -12,15 +12,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.shapes import compute_shape
 from xds_mpi.model.tokenizer import ByteTokenizer
 from xds_mpi.model.transformer import param_shapes
 from xds_mpi.model.weights import build_model, weights_path
-from xds_mpi.train.forward import sequence_logits
-from xds_mpi.train.torch_model import load_torch_model, random_torch_model
+
+torch = pytest.importorskip("torch", reason="torch is the train extra: pip install -e '.[train]'")
+
+from xds_mpi.train.forward import sequence_logits  # noqa: E402
+from xds_mpi.train.torch_model import load_torch_model, random_torch_model  # noqa: E402
 
 torch.set_num_threads(1)
 MAX_LOGIT_DIFF = 1e-9

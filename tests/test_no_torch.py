@@ -1,5 +1,7 @@
 """A die process imports numpy and mpi4py, never torch (DESIGN.md §7: torch costs 2.1 s and
-~190 MiB per process): the role modules at import, and every rank of a served run."""
+~190 MiB per process): the role modules at import, and every rank of a served run. So torch is an
+extra (`train`, and the test extra for the oracle tests), and the commands that need it say which
+extra to install when it is missing."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from harness import REPO_ROOT, fresh_python
 
 ROLE_MODULES = (
@@ -51,3 +54,41 @@ def test_a_served_run_checks_out_with_torch_unimportable(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "0 mismatches" in out.stdout + out.stderr
+
+
+def test_torch_is_an_extra_and_the_test_extra_has_it():
+    """`pip install -e .` brings no torch; `train` does, and `test` (the README's install line)
+    repeats train's requirement for the oracle tests."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def torch_lines(requirements):
+        return [r for r in requirements if r.split(">")[0].split("<")[0].strip() == "torch"]
+
+    assert torch_lines(project["dependencies"]) == []
+    assert len(torch_lines(extras["train"])) == 1
+    assert torch_lines(extras["test"]) == torch_lines(extras["train"])
+
+
+@pytest.mark.parametrize("command", [["train-tiny", "--steps", "1"], ["stats"]])
+def test_a_command_that_needs_torch_names_the_extra_when_torch_is_missing(command):
+    """torch hidden from a fresh interpreter (None in sys.modules: `import torch` raises
+    ModuleNotFoundError, as without the package): one line naming the extra, exit 2, no
+    traceback."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from launch.cli import main\n"
+        f"sys.exit(main({command!r}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    line = out.stderr.strip()
+    assert "\n" not in line and line.startswith(
+        f"xds-mpi: error: `xds-mpi {command[0]}` needs torch"
+    )
+    assert "pip install -e '.[train]'" in line and "pip install 'xds-mpi[train]'" in line

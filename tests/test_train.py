@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.train.corpus import is_heldout, load_corpus, stdlib_files
-from xds_mpi.train.options import TrainConfig
-from xds_mpi.train.trainer import train_tiny
+
+torch = pytest.importorskip("torch", reason="torch is the train extra: pip install -e '.[train]'")
+
+from xds_mpi.train.corpus import is_heldout, load_corpus, stdlib_files  # noqa: E402
+from xds_mpi.train.options import TrainConfig  # noqa: E402
+from xds_mpi.train.trainer import train_tiny  # noqa: E402
 
 torch.set_num_threads(1)
 NUM_FILES = 40  # the first 40 sorted stdlib files hold one held-out file

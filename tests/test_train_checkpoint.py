@@ -11,16 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from harness import REPO_ROOT
 
 from launch.paths import resolve_config
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import compute_shape
 from xds_mpi.model.weights import build_model, weights_path
-from xds_mpi.train.corpus import load_corpus, spread_windows
-from xds_mpi.train.stats import text_stats
-from xds_mpi.train.torch_model import load_torch_model
+
+torch = pytest.importorskip("torch", reason="torch is the train extra: pip install -e '.[train]'")
+
+from xds_mpi.train.corpus import load_corpus, spread_windows  # noqa: E402
+from xds_mpi.train.stats import text_stats  # noqa: E402
+from xds_mpi.train.torch_model import load_torch_model  # noqa: E402
 
 torch.set_num_threads(1)
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"

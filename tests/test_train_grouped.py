@@ -12,11 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from xds_mpi.model.shapes import compute_shape
-from xds_mpi.train.grouped import bucket_capacity, grouped_swiglu, plan_buckets
-from xds_mpi.train.torch_model import MoE
+
+torch = pytest.importorskip("torch", reason="torch is the train extra: pip install -e '.[train]'")
+
+from xds_mpi.train.grouped import bucket_capacity, grouped_swiglu, plan_buckets  # noqa: E402
+from xds_mpi.train.torch_model import MoE  # noqa: E402
 
 torch.set_num_threads(1)
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}

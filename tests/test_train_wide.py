@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from harness import REPO_ROOT
 
 from launch.train import describe_weights
@@ -22,8 +21,11 @@ from xds_mpi.model.checkpoint import read_checkpoint_config
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.tokenizer import ByteTokenizer
 from xds_mpi.model.weights import build_model
-from xds_mpi.train.forward import sequence_logits
-from xds_mpi.train.torch_model import load_torch_model
+
+torch = pytest.importorskip("torch", reason="torch is the train extra: pip install -e '.[train]'")
+
+from xds_mpi.train.forward import sequence_logits  # noqa: E402
+from xds_mpi.train.torch_model import load_torch_model  # noqa: E402
 
 torch.set_num_threads(1)
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
