@@ -17,11 +17,11 @@ import pytest
 import yaml
 from harness import REPO_ROOT
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
 from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.imbalance import (
     Imbalance,
     batch_from_run_file,

@@ -39,7 +39,7 @@ def kv_link_model(
     cfg: Config, topo: Topology, prefill_rank: int, decode_rank: int, profiles=None
 ) -> LinkModel:
     """The link model of the pair's class; `profiles`: name -> loaded profile (loads if None)."""
-    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.config.hardware import load_profile
 
     names = (die_profile(cfg, topo, prefill_rank), die_profile(cfg, topo, decode_rank))
     loaded = [profiles[n] if profiles else load_profile(n) for n in names]
@@ -72,7 +72,7 @@ def kv_link_model(
 def check_kv_links(cfg: Config, topo: Topology, prefill, decode) -> None:
     """Before launch: every pair's link model can be built (profiles exist and, across hardware
     types, carry the fabric's figures)."""
-    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.config.hardware import load_profile
 
     profiles = {cfg.hardware.profile: load_profile(cfg.hardware.profile)}
     name = cfg.pd.prefill_profile

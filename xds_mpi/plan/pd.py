@@ -13,7 +13,7 @@ which is what disaggregation removes).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is that many consecutive dies of one TE (a
 TP group): rows and attention heads split among them, exchanged with xccl/tp_gather.py, whose
-area follows the dispatch/combine area in each of their windows (xds_mpi/engine/prefill_tp.py).
+area follows the dispatch/combine area in each of their windows (xds_mpi/execution/prefill_tp.py).
 The group's first die is its leader: it reports the group's status to the TE's scheduler and
 sends its KV to decode.
 """
@@ -114,7 +114,7 @@ def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[T
     A slot holds the largest piece of a die's share of a step's rows (max_tokens / tp): their
     down-projected latents (q_lora_rank + kv_lora_rank + qk_rope_dim), a die's heads of their
     attention output (heads / tp x kv_lora_rank) or the rows themselves (hidden), in float64
-    (the model's widest dtype; xds_mpi/engine/prefill_tp.py)."""
+    (the model's widest dtype; xds_mpi/execution/prefill_tp.py)."""
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
@@ -329,7 +329,7 @@ def describe_tes(cfg: Config, pd: PdPlan) -> list[str]:
     """One line per prefill TE when there are several: its dies, leader and length class."""
     if len(pd.tes) < 2:
         return []
-    from xds_mpi.engine.pd_route import serves_long
+    from xds_mpi.pd.route import serves_long
 
     long_tokens = cfg.pd.long_prompt_tokens
     return [

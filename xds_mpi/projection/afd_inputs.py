@@ -66,7 +66,7 @@ def platform(name: str, *, ranks_per_node: int = 0) -> Platform:
 
 
 def _from_profile(name: str) -> Platform:
-    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.config.hardware import load_profile
 
     p = load_profile(name)
     die, ub = p["die"], p["ub"]

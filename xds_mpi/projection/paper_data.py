@@ -377,7 +377,7 @@ VALIDATION = [
 
 
 # [001] §5.4.3 (Figure 23), EMS context caching, 4K prompts, 16K tokens per NPU; on the UB plane
-# unless named: (what, published value). xds_mpi/engine/context_cache_curve.py projects each.
+# unless named: (what, published value). xds_mpi/ems/context_cache_curve.py projects each.
 CONTEXT_CACHING = (
     ("prefill throughput, reuse 50 % / 12.5 %", 1.42),
     ("prefill throughput, reuse 90 % / no caching", 2.28),

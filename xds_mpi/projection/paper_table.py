@@ -99,11 +99,11 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
 
 def _inputs(s, profile: str):
     from launch.paths import resolve_config
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.config.schema import load_config
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.plan.topology import Topology
     from xds_mpi.projection.cost import Hardware
-    from xds_mpi.projection.hardware import load_profile
     from xds_mpi.projection.imbalance import Imbalance, from_skew, kv_straggler
     from xds_mpi.projection.project import Execution
 
@@ -268,9 +268,9 @@ def int8_attention_bracket(profile: str = "ascend910c") -> list[tuple[Row, tuple
 def calibration_table(profile: str = "ascend910c"):
     """The Table 7 fit of `profile`'s XCCL constants (the profile's values, rounded, are what
     the fit returns)."""
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.projection.cost import CostModel, Hardware, fit_table7
-    from xds_mpi.projection.hardware import load_profile
 
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
     table = TABLE7_H800 if profile == "h800" else TABLE7_CM384
