@@ -279,7 +279,7 @@ def test_the_scheduling_bubble_is_paid_where_its_source_says():
 def test_the_drift_the_skewed_scenarios_use_is_the_measured_one():
     """No scenario carries a drift of its own: the papers' benchmarks are fixed sets of
     requests, priced at the drift measured on the checkpoint for that case."""
-    from xds_mpi.projection.paper_data import DRIFT_SAME_REQUESTS
+    from xds_mpi.eplb.drift import DRIFT_SAME_REQUESTS
 
     assert all(s.drift_sigma == DRIFT_SAME_REQUESTS for s in SCENARIOS.values() if s.skew)
 

@@ -19,7 +19,7 @@ from test_serving import XDS_MPI, check_line
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
-from xds_mpi.pd.kv import projected_kv_bytes
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.results.request_pricing import RequestPricer, planes
 from xds_mpi.results.slo import RequestTimes, slo_summary
 from xds_mpi.workload.requests import Request, rejection

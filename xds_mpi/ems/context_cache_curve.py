@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xds_mpi.config.schema import Config
-from xds_mpi.pd.kv import projected_kv_bytes
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
 from xds_mpi.results.request_pricing import Plane, RequestPricer, causal_chunks, planes
 

@@ -16,7 +16,6 @@ import numpy as np
 from xds_mpi.execution.mtp import MtpState
 from xds_mpi.model.mla import LatentCache
 from xds_mpi.pd.task import PdTask
-from xds_mpi.plan.kv_memory import token_layer_bytes
 
 
 def kv_nbytes(task: PdTask, cache: LatentCache, hidden: int) -> int:
@@ -48,11 +47,3 @@ def unpack_kv(
         rows.append(list(block))
         at += count * hidden
     return MtpState(next_pos=list(task.mtp_next_pos), rows=rows)
-
-
-def projected_kv_bytes(prompt_len: int, big, *, kv_int8: bool = False) -> int:
-    """Bytes of a prompt's latent cache at the cost shape, MTP layers included: every layer's
-    kv_lora_rank + qk_rope_dim per token in BF16, or (kv_int8) the latent as INT8 + a float32
-    scale and the RoPE key in BF16."""
-    per_token = token_layer_bytes(big, itemsize=2, kv_int8=kv_int8)
-    return (big.num_layers + big.num_mtp_modules) * prompt_len * per_token

@@ -20,10 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def serves_long(te: int, num_tes: int) -> bool:
-    return te >= num_tes - num_tes // 2
-
-
 def tes_for(prompt_tokens: int, num_tes: int, long_prompt_tokens: int) -> range:
     """The TEs a prompt of this length may go to."""
     if num_tes < 2 or not long_prompt_tokens:

@@ -325,12 +325,14 @@ def describe_kv_links(plan) -> str:
     )
 
 
+def serves_long(te: int, num_tes: int) -> bool:
+    return te >= num_tes - num_tes // 2
+
+
 def describe_tes(cfg: Config, pd: PdPlan) -> list[str]:
     """One line per prefill TE when there are several: its dies, leader and length class."""
     if len(pd.tes) < 2:
         return []
-    from xds_mpi.pd.route import serves_long
-
     long_tokens = cfg.pd.long_prompt_tokens
     return [
         f"prefill TE {t}: ranks {list(te)}, leader (its TE-shell) {te[0]}, EP{len(te)}, "

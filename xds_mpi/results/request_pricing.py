@@ -26,7 +26,7 @@ import numpy as np
 from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.execution.pricing import Pricer
-from xds_mpi.pd.kv import projected_kv_bytes
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.workload.requests import Request
 
 CAUSAL_CHUNK_TOKENS = 512  # a prompt's rows see the KV up to the end of their chunk
