@@ -168,7 +168,7 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
 def yaml_module():
     """PyYAML, imported when first needed (also by an `except` clause, evaluated only when an
     exception is raised)."""
-    import yaml
+    import yaml  # start-up: PyYAML only where YAML is read (docs/scale.md)
 
     return yaml
 

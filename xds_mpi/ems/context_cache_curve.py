@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config
 from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
@@ -64,8 +65,6 @@ def cache_point(pricer: RequestPricer, plane: Plane, reuse: float) -> CachePoint
 
 def cache_curve(cfg: Config) -> list[CachePoint]:
     """Every reuse rate on both planes (reuse 0: no context caching, nothing pulled)."""
-    from xds_mpi.config.hardware import load_profile
-
     pricer = RequestPricer(
         cfg, num_prefill_dies=PREFILL_EP, num_decode_dies=PREFILL_EP, batch_per_die=1, is_pd=False
     )

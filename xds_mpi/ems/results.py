@@ -5,6 +5,8 @@ the pool really served at the trace's lengths."""
 
 from __future__ import annotations
 
+from xds_mpi.workload.trace_replay import cached_tokens
+
 EMS_DIE_COUNTS = (
     "lookups",
     "requests_hit",
@@ -56,8 +58,6 @@ def ems_trace_cached(cfg, records: dict, die_reports) -> dict[int, int]:
     """req_id -> the prompt tokens at the trace's lengths the EMS pool served each request: its
     pulled served tokens in whole trace blocks (trace.block_tokens x trace.length_scale served
     tokens each), at most all but the last token."""
-    from xds_mpi.workload.trace_replay import cached_tokens
-
     hit: dict[int, int] = {}
     for rep in die_reports:
         hit.update(rep.ems.get("hit_tokens", {}))

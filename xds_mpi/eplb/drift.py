@@ -77,7 +77,7 @@ def measure_drift(
     """model: the torch twin (xds_mpi/train/torch_model.py); stream: [tokens] held-out token
     ids; the slices as the module docstring reads them (window_len: the checkpoint's trained
     window, 128 tokens)."""
-    import torch
+    import torch  # start-up: torch only when measuring (docs/design.md, Layers inside xds_mpi)
 
     from xds_mpi.train.corpus import spread_windows
     from xds_mpi.train.forward import main_hidden

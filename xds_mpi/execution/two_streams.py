@@ -55,6 +55,7 @@ STREAM0_AIC_SHARE = 2 / 3  # §4.2.3: stream 0 on 16 of 24 AIC (and 32 of 48 AIV
 
 def split_cores(cost):
     """(stream 0's, stream 1's) cost model: §4.2.3's core split, as the projection prices it."""
+    # start-up: the projection's layer model only in a two-stream die (docs/design.md, Layers)
     from xds_mpi.projection.layers import split_streams
 
     return split_streams(cost, round(cost.hw.aic_cores * STREAM0_AIC_SHARE))

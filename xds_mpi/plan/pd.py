@@ -20,6 +20,7 @@ sends its KV to decode.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,7 +81,9 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     _refuse(cfg, prefill)
     _refuse_tp(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
-    from xds_mpi.plan.kv_link import check_kv_links  # PD runs (see TYPE_CHECKING above)
+    from xds_mpi.plan.kv_link import (
+        check_kv_links,  # start-up: only PD runs (tests/test_rank_imports.py)
+    )
 
     check_kv_links(cfg, topo, prefill, decode)
     tes = split(prefill, cfg.pd.num_prefill_tes)
@@ -118,7 +121,7 @@ def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[T
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
-    from xccl.tp_gather import TpLayout  # prefill TP groups run (see TYPE_CHECKING above)
+    from xccl.tp_gather import TpLayout  # start-up: only prefill TP (tests/test_rank_imports.py)
 
     share = -(-cfg.xccl.max_tokens_per_die // tp)
     down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim
@@ -312,9 +315,7 @@ def describe_pd(plan) -> str:
 
 def describe_kv_links(plan) -> str:
     """The KV fabric of the prefill->decode pairs (xds_mpi/plan/kv_link.py), by class."""
-    from collections import Counter
-
-    from xds_mpi.plan.kv_link import die_profile, kv_link_class
+    from xds_mpi.plan.kv_link import die_profile, kv_link_class  # start-up, as in build_pd
 
     cfg, topo, pd = plan.cfg, plan.topo, plan.pd
     classes = Counter(kv_link_class(cfg, topo, p, d) for p in pd.prefill for d in pd.decode)

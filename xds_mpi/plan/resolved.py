@@ -22,7 +22,16 @@ import typing
 import zlib
 from pathlib import Path
 
-from xds_mpi.config.loader import ConfigError, build_root, remember_parsed
+from xds_mpi.config.hardware import profile_path
+from xds_mpi.config.loader import (
+    ConfigError,
+    build_root,
+    merge_overrides,
+    read_yaml,
+    remember_parsed,
+)
+from xds_mpi.config.schema import Config
+from xds_mpi.model.shapes import COST_PRESET, preset_path
 
 FORMAT = "xds-mpi-resolved/1"
 CACHE_DIR = ".config"  # under run.output_dir
@@ -32,9 +41,6 @@ SUFFIX = ".resolved.json"
 def rank_yaml_files(cfg) -> list[Path]:
     """The YAML files a rank of `cfg` reads besides its config: the cost preset and the hardware
     profiles (the main one, a PD prefill die's)."""
-    from xds_mpi.config.hardware import profile_path
-    from xds_mpi.model.shapes import COST_PRESET, preset_path
-
     profiles = dict.fromkeys(p for p in (cfg.hardware.profile, cfg.pd.prefill_profile) if p)
     return [preset_path(COST_PRESET), *(profile_path(name) for name in profiles)]
 
@@ -42,9 +48,6 @@ def rank_yaml_files(cfg) -> list[Path]:
 def resolve(config_path: str | Path, overrides: typing.Sequence[str], files: list[Path]) -> dict:
     """What a rank reads: the config's mapping with `overrides` applied, and each of `files`'
     text with its value."""
-    from xds_mpi.config.loader import merge_overrides, read_yaml
-    from xds_mpi.config.schema import Config
-
     _, data = read_yaml(Path(config_path))
     parsed = dict(read_yaml(path) for path in files)
     return {
@@ -84,8 +87,6 @@ def read_resolved(path: str | Path, config_path: str | Path, overrides: typing.S
     """The Config of a resolved file made of `config_path` and `overrides`, or None when there is
     no such file here (another host's output dir, another format) or it was made of another
     config or other overrides: the caller then reads the YAML."""
-    from xds_mpi.config.schema import Config
-
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):

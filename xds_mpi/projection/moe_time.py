@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xds_mpi.projection.cost import CostModel
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.projection.cost import CostModel, Hardware
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,10 +30,6 @@ class MoePricing:
 
     @classmethod
     def from_config(cls, cfg, num_routed_dies: int) -> MoePricing:
-        from xds_mpi.config.hardware import load_profile
-        from xds_mpi.model.shapes import cost_shape
-        from xds_mpi.projection.cost import Hardware
-
         big, tiny = cost_shape(), cfg.model
         scale = (big.num_layers - big.num_dense_layers) / (tiny.num_layers - tiny.num_dense_layers)
         num_main = tiny.num_layers - tiny.num_dense_layers

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # h5py is imported where the run file is written: dies never need it
-    import h5py
+    import h5py  # start-up: the dies import this module, only the host writes (docs/design.md)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +72,7 @@ _LISTS = ("requests_affected", "requests_lost")
 def write_failures(f: h5py.File, records: list[FailureRecord]) -> None:
     """The run file's `failures` group: one dataset per field, one entry per record (the two
     request lists as variable-length int arrays)."""
-    import h5py
+    import h5py  # start-up: the dies import this module, only the host writes (docs/design.md)
 
     group = f.create_group("failures")
     for field in fields(FailureRecord):

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from xccl.vclock import LinkModel, VirtualClock
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.execution.pricing import Pricer
+from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.projection.cost import CostModel, Hardware
 from xds_mpi.workload.requests import Request
 
 CAUSAL_CHUNK_TOKENS = 512  # a prompt's rows see the KV up to the end of their chunk
@@ -97,10 +100,6 @@ class RequestPricer:
         batch_per_die: float,
         is_pd: bool,
     ) -> None:
-        from xds_mpi.config.hardware import load_profile
-        from xds_mpi.model.shapes import cost_shape
-        from xds_mpi.projection.cost import CostModel, Hardware
-
         profile = self.profile = load_profile(cfg.hardware.profile)
         self.cost = CostModel(cost_shape(), Hardware.from_profile(profile))
         self.cfg, self.tiny = cfg, cfg.model
@@ -135,6 +134,7 @@ class RequestPricer:
         clock = VirtualClock()
         args = dict(num_routed_dies=num_dies, use_int8=self.cfg.xccl.use_int8)
         if tp > 1:
+            # start-up: a TP group's pricer and gather only where prefill TP runs (docs/design.md)
             from xds_mpi.execution.prefill_tp import TpPricer
 
             link = LinkModel.from_profile(self.profile)

@@ -103,6 +103,7 @@ def check_against_reference(
     """Re-run the single-process reference, with the run's MTP depth and XCCL's wire format,
     on the served requests (grouped by max_new_tokens) and compare tokens and, with MTP, every
     decode step's drafts and accepted count. Returns (requests, tokens, mismatch descriptions)."""
+    # start-up: the reference model only in a --check run's host (docs/design.md, Layers)
     from xds_mpi.model.moe import Wire
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from xds_mpi.config.schema import Config, ConfigError, WorkloadConfig
+from xds_mpi.model.tokenizer import ByteTokenizer
 from xds_mpi.workload.requests import Request
 
 NUM_BYTES = 256  # synthetic prompts are byte tokens
@@ -17,6 +18,7 @@ NUM_BYTES = 256  # synthetic prompts are byte tokens
 def load_workload(cfg: Config) -> list[Request]:
     w = cfg.workload
     if w.source == "trace":
+        # start-up: every rank builds the plan, only the TE-shell reads a trace (docs/design.md)
         from xds_mpi.workload.trace_replay import trace_requests
 
         return trace_requests(cfg)
@@ -55,8 +57,6 @@ def jsonl_requests(w: WorkloadConfig) -> list[Request]:
     """One JSON object per line: {"prompt": text} or {"prompt_ids": [ids]}, optional
     "max_tokens" (default workload.output_len) and "arrival_s". A line that cannot be read
     becomes a request with a problem, rejected with that reason; the others are served."""
-    from xds_mpi.model.tokenizer import ByteTokenizer
-
     path = Path(w.path)
     try:
         lines = path.read_text().splitlines()
