@@ -29,7 +29,7 @@ from xccl.ep.buffer import EpBuffer
 from xccl.gmem import DieMemory
 from xccl.moe_layout import AfdLayout, EpLayout
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.config.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = [

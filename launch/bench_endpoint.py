@@ -28,7 +28,7 @@ from launch.bench_serve import run_launcher
 from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve_stats import SUMMARY
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.workload import synthetic_requests
+from xds_mpi.workload.stream import synthetic_requests
 
 COLUMNS = ["requests", "streams", "tokens", "yaml_tokens_s", "endpoint_tokens_s", "ratio"]
 COLUMNS += ["endpoint_errors"]

@@ -24,7 +24,7 @@ from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.quant import quant_dequant
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.config.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = [

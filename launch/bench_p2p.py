@@ -32,7 +32,7 @@ from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
 from xccl.p2p import P2P
 from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.config.hardware import load_profile
 
 comm = MPI.COMM_WORLD
 COLUMNS = (

@@ -1,5 +1,5 @@
 """`python -m launch.eplb_compare CONFIG BASE.h5 EPLB.h5`: a collect-only run and an EPLB run of
-CONFIG compared over the same time slices (xds_mpi/eplb/ab.py)."""
+CONFIG compared over the same time slices (xds_mpi/projection/eplb_ab.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ def main(argv=None) -> int:
 
     from launch.paths import resolve_config
     from xds_mpi.config.schema import load_config
-    from xds_mpi.eplb.ab import compare_run_files, format_comparison
-    from xds_mpi.eplb.moe_time import MoePricing
     from xds_mpi.eplb.report import SCALED_BATCH
     from xds_mpi.plan.deployment import DeploymentPlan
+    from xds_mpi.projection.eplb_ab import compare_run_files, format_comparison
+    from xds_mpi.projection.moe_time import MoePricing
 
     cfg = load_config(resolve_config(args.config), args.set)
     topo = DeploymentPlan.build(cfg).topo

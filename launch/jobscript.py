@@ -178,7 +178,7 @@ class _Template(string.Template):
 
 def render(spec: JobSpec, resolved: Sequence[Path] = ()) -> str:
     """The job script; resolved: each element's config resolved for its ranks
-    (xds_mpi/config/resolved.py), named on its line with --resolved (none on a dry run)."""
+    (xds_mpi/plan/resolved.py), named on its line with --resolved (none on a dry run)."""
     program = rank_program(spec.config_path, spec.overrides)
     command = mpi_command(
         spec.topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec

@@ -127,7 +127,7 @@ def rank_program(
 ) -> list[str]:
     """The per-rank command: mpi4py's runner aborts the whole job on any rank's exception.
     resolved: the launcher's JSON copy of the config and overrides, which the ranks read instead
-    when they find it (xds_mpi/config/resolved.py)."""
+    when they find it (xds_mpi/plan/resolved.py)."""
     program = [sys.executable, "-m", "mpi4py", "-m", "launch.rank", str(config_path)]
     for text in overrides:
         program += ["--set", text]

@@ -51,10 +51,10 @@ def add_parser(sub) -> None:
 
 def cmd_project(args: argparse.Namespace) -> int:
     from launch.paths import resolve_config
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.config.schema import ConfigError, load_config
     from xds_mpi.model.shapes import load_model_preset
     from xds_mpi.projection.cost import Hardware
-    from xds_mpi.projection.hardware import load_profile
     from xds_mpi.projection.project import project
 
     if args.afd_analysis:

@@ -151,9 +151,9 @@ def print_stated(scenario) -> None:
 
 
 def print_measured(path: str, model, node_ranks: int) -> None:
+    from xds_mpi.afd.measured import compare
     from xds_mpi.config.schema import ConfigError
     from xds_mpi.projection.afd_inputs import platform
-    from xds_mpi.projection.afd_measured import compare
     from xds_mpi.report.runfile import read_run_file
 
     cfg = read_run_file(path).config

@@ -173,10 +173,10 @@ def print_paper(args: argparse.Namespace) -> int:
 
 def print_primitive(args: argparse.Namespace) -> int:
     """Latency of one call at each EP size: `tokens` per rank x top-k rows, uniform routing."""
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.config.schema import ConfigError
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.projection.cost import CostModel, Hardware
-    from xds_mpi.projection.hardware import load_profile
 
     try:
         sizes = [int(v) for v in args.ep.split(",")]
@@ -209,7 +209,7 @@ def print_context_cache(args: argparse.Namespace) -> int:
     """The projected context-caching curve and its validation table ([001] §5.4.3)."""
     from launch.report import format_table
     from xds_mpi.config.schema import config_from_dict
-    from xds_mpi.engine.context_cache_curve import cache_curve, validation_rows
+    from xds_mpi.ems.context_cache_curve import cache_curve, validation_rows
 
     cfg = config_from_dict({"hardware": {"profile": args.profile}})
     points = cache_curve(cfg)

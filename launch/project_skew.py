@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launch.report import format_table
-from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
+from xds_mpi.eplb.drift import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -97,8 +97,8 @@ def _ep_override(sweep: Sweep, value, cfg) -> list[str]:
 
 
 def _project_one(args, cfg, m, model_inputs, sweep: Sweep, value):
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.projection.cost import Hardware
-    from xds_mpi.projection.hardware import load_profile
     from xds_mpi.projection.project import project
 
     profile = value if sweep.key == "profile" else cfg.hardware.profile

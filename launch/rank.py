@@ -27,10 +27,10 @@ from launch.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
 from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
-from xds_mpi import emulator_runtime
-from xds_mpi.config.resolved import read_resolved
 from xds_mpi.config.schema import load_config
+from xds_mpi.execution import emulator_runtime
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.resolved import read_resolved
 from xds_mpi.report import trace
 
 USAGE = (
@@ -60,7 +60,7 @@ def write_rank_stats(rank: int, role: str, core: int | None) -> None:
 class RankArgs:
     config: str  # the YAML file
     overrides: list[str]  # its --set values
-    resolved: str | None = None  # the launcher's resolved copy of both (xds_mpi/config/resolved.py)
+    resolved: str | None = None  # the launcher's resolved copy of both (xds_mpi/plan/resolved.py)
 
 
 def parse_args(argv: list[str]) -> RankArgs:

@@ -2,7 +2,7 @@
 the ranks' MPI time (launch/rank.py write_rank_stats) and the TE-shell's summary line.
 
 Per die, a MoE layer's wall time is the sum of its spans (gate, dispatch, experts, combine:
-the executor's meter, xds_mpi/engine/executor.py); its waiting is the "dispatch wait" and
+the executor's meter, xds_mpi/execution/executor.py); its waiting is the "dispatch wait" and
 "combine wait" spans inside them (xccl's wait_span); its MPI time is the rank's MPI window calls
 outside waits (xccl/wake.py) spread over its MoE layers; Python is the rest.
 The jitter sample is each die's wait in the first dispatch of each iteration.

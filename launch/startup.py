@@ -77,11 +77,11 @@ def unpack_weights(model, output_dir: str) -> None:
 def resolve_for_ranks(
     path: Path, overrides: list[str], cfg, workdir: Path | None = None
 ) -> Path | None:
-    """The config and its --set values resolved for the ranks (xds_mpi/config/resolved.py),
+    """The config and its --set values resolved for the ranks (xds_mpi/plan/resolved.py),
     written once per content under run.output_dir (relative to `workdir`, default: here); None
     where that cannot be written or holds a value JSON cannot (a line says which): the ranks
     then parse the YAML."""
-    from xds_mpi.config.resolved import write_resolved
+    from xds_mpi.plan.resolved import write_resolved
 
     output_dir = Path(workdir or ".", cfg.run.output_dir)
     try:

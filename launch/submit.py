@@ -214,7 +214,7 @@ def plan_elements(
 
 def resolve_elements(spec: JobSpec) -> list[Path]:
     """Each array element's config and --set values resolved for its ranks, which then read no
-    YAML (xds_mpi/config/resolved.py); none when one cannot be written (the ranks read the YAML)."""
+    YAML (xds_mpi/plan/resolved.py); none when one cannot be written (the ranks read the YAML)."""
     resolved = []
     for idx in range(len(spec.run_names)):
         overrides = [*spec.overrides, *spec.element_overrides(idx)]

@@ -14,7 +14,7 @@ import sys
 from mpi4py import MPI
 
 from launch.rank import main
-from xds_mpi.engine.executor import ColocatedExecutor
+from xds_mpi.execution.executor import ColocatedExecutor
 
 PERTURBED_RANK = 1
 

@@ -156,7 +156,7 @@ def test_measured_beside_analytic(tmp_path, capsys):
     """One emulated afd run: its expert dies' calls in /afd_load; Eq. 1 on the run's projection
     and the stage period its virtual clock measured agree within 15 %; the tokens the run's
     expert dies took are far below what the link could bring in that budget."""
-    from xds_mpi.projection.afd_measured import compare
+    from xds_mpi.afd.measured import compare
     from xds_mpi.report.runfile import read_run_file
 
     result = subprocess.run(

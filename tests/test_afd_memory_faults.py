@@ -92,7 +92,7 @@ def _expert_die(slot_expert: dict[int, int]):
         num_experts=cfg.model.num_routed_experts,
     )
     from xccl.vclock import VirtualClock
-    from xds_mpi.engine.afd_load import ExpertLoad
+    from xds_mpi.afd.load import ExpertLoad
 
     pricer = SimpleNamespace(expert_slot=lambda *a, **k: None, mtp_layer=nullcontext, moe_scale=1.0)
     load = ExpertLoad(
@@ -103,7 +103,7 @@ def _expert_die(slot_expert: dict[int, int]):
         experts_per_slot=1.0,
     )
     return SimpleNamespace(
-        clock=VirtualClock(),  # the die's clock and measured load (xds_mpi/engine/afd_load.py)
+        clock=VirtualClock(),  # the die's clock and measured load (xds_mpi/afd/load.py)
         load=load,
         iteration=0,
         model=model,

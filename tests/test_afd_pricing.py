@@ -7,12 +7,12 @@ import pytest
 from harness import REPO_ROOT
 
 from xccl.vclock import VirtualClock
+from xds_mpi.afd.pricing import AfdPricer
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import load_config
-from xds_mpi.engine.afd_pricing import AfdPricer
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
 from xds_mpi.projection.cost import CostModel, Hardware
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.layers import AfdHops, counts
 
 

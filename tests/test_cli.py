@@ -248,7 +248,7 @@ def test_bench_p2p_reports_ratios_and_the_projected_latency(tmp_path):
 def projected_send_ns(nbytes: int, *, ring_bytes: int, num_cores: int) -> float:
     """One sync send on the 910C profile's virtual clock, dies on two servers."""
     from xccl.vclock import LinkModel
-    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.config.hardware import load_profile
 
     link = LinkModel.from_profile(load_profile("ascend910c"))
     # Two publications of at most half a ring each serialize on the link (no flow-control wait

@@ -1,4 +1,4 @@
-"""The projected context-caching curve (xds_mpi/engine/context_cache_curve.py) against its own
+"""The projected context-caching curve (xds_mpi/ems/context_cache_curve.py) against its own
 parts: what a reuse rate pulls and computes, the planes' order, and the CLI's validation table
 against [001] §5.4.3 (docs/trace.md)."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from launch.cli import main
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config
-from xds_mpi.engine.context_cache_curve import (
+from xds_mpi.ems.context_cache_curve import (
     PROMPT_TOKENS,
     PROMPTS_PER_DIE,
     REUSE_RATES,
@@ -17,11 +18,10 @@ from xds_mpi.engine.context_cache_curve import (
     planes,
     validation_rows,
 )
-from xds_mpi.engine.pd_kv import projected_kv_bytes
-from xds_mpi.engine.request_pricing import causal_chunks
 from xds_mpi.model.shapes import cost_shape
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
+from xds_mpi.results.request_pricing import causal_chunks
 
 
 @pytest.fixture(scope="module")

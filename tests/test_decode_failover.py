@@ -10,7 +10,7 @@ import pytest
 from test_recompute import serve
 from test_serving import check_line
 
-from xds_mpi.failures import read_failures
+from xds_mpi.results.failures import read_failures
 
 # Generous against false verdicts on a loaded machine; release grace = timeout_s / 2.
 HEALTH = ["health.timeout_s=4", "health.dp_interval_s=0.2"]

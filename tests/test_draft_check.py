@@ -14,15 +14,15 @@ from harness import REPO_ROOT, TESTS_DIR, explain, run_mpi
 from test_serving import XDS_MPI, check_line
 
 from xds_mpi.config.schema import load_config
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.results import RequestRecord, check_against_reference
-from xds_mpi.engine.scheduler import DieScheduler, Sampled, VerifiedDrafts
-from xds_mpi.engine.workload import load_workload
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.tokenizer import EOS_ID
 from xds_mpi.model.weights import build_model
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.results import RequestRecord, check_against_reference
+from xds_mpi.scheduling.scheduler import DieScheduler, Sampled, VerifiedDrafts
+from xds_mpi.workload.requests import Request
+from xds_mpi.workload.stream import load_workload
 
 PROMPTS = [[1, 72, 101, 108, 108, 111], [1, 100, 101, 102, 32, 102, 105, 98], [1, 77, 111, 69]]
 MAX_NEW = 7

@@ -21,10 +21,10 @@ from ranks.core.ems_client import EmsClient
 from ranks.core.ems_messages import EmsPut
 from ranks.core.ems_pool import PoolServer
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.ems import Directory, Record, Ring, block_keys, lookup_blocks, verified
-from xds_mpi.engine.requests import Request
+from xds_mpi.ems.cache import Directory, Record, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.model.mla import LatentCache
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.workload.requests import Request
 
 NS = b"namespac"
 BT = 16  # configs/pd.yaml's scheduler.kv_block_tokens
@@ -401,7 +401,7 @@ def test_a_slurm_job_places_the_pool_ranks_on_the_last_node():
 def test_the_prefill_cost_counts_the_hit():
     """§4.3: a busy group takes one more request within one step's rows only if the pool holds
     enough of its prompt."""
-    from xds_mpi.engine.pd_prefill import PrefillStatus, assign
+    from xds_mpi.pd.prefill import PrefillStatus, assign
 
     busy = PrefillStatus(free_blocks=100, room=8, queued_tokens=40, length_class=0)
     req = Request(req_id=3, prompt=tuple(range(40)), max_new_tokens=4)
@@ -469,9 +469,9 @@ def test_two_hash_ids_serving_equal_tokens_let_the_pool_beat_the_what_if(tmp_pat
     after [0, 227, ..] really shares 2 served blocks, which the pool keys on and pulls, while
     the what-if, keyed on the trace's ids, counts 1: priced at the trace's lengths, the pool's
     TTFT is the lower one."""
-    from xds_mpi.engine.request_pricing import RequestPricer, planes
-    from xds_mpi.engine.trace_replay import cached_tokens, hit_blocks, trace_requests
-    from xds_mpi.projection.hardware import load_profile
+    from xds_mpi.config.hardware import load_profile
+    from xds_mpi.results.request_pricing import RequestPricer, planes
+    from xds_mpi.workload.trace_replay import cached_tokens, hit_blocks, trace_requests
 
     path = tmp_path / "pair.jsonl"
     rows = [(0, [0, 227, 5]), (2000, [0, 473, 6])]
@@ -507,7 +507,7 @@ def test_a_prompt_looked_up_after_a_later_arrivals_put_pulls_what_the_what_if_ne
     prefill leader's queue while B, a later turn of A's conversation (A's prompt and more),
     arrives, is assigned, prefilled and put: A's lookup then pulls B's blocks, 3 of them, where
     the what-if gives A none."""
-    from xds_mpi.engine.trace_replay import hit_blocks
+    from xds_mpi.workload.trace_replay import hit_blocks
 
     pools, writer, reader, _ = pool_and_client()
     a = Request(req_id=0, prompt=tuple(range(100, 150)), max_new_tokens=1, arrival_s=0.0,

@@ -1,15 +1,13 @@
 """The expert-load drift between EPLB time slices (xds_mpi/eplb/drift.py): the estimator takes
-the window noise out, and the two constants of xds_mpi/projection/paper_data.py are what it measures
-on
-the trained checkpoint."""
+the window noise out, and its two constants (DRIFT_SAME_REQUESTS, DRIFT_OTHER_TRAFFIC) are what it
+measures on the trained checkpoint."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from xds_mpi.eplb.drift import measure_drift, slice_drift
-from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
+from xds_mpi.eplb.drift import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS, measure_drift, slice_drift
 
 
 def _counts(shares: np.ndarray, rows_per_half: int, rng) -> np.ndarray:

@@ -8,9 +8,9 @@ import copy
 import numpy as np
 import pytest
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ModelConfig, load_config
 from xds_mpi.eplb.expert_map import ExpertMap
-from xds_mpi.eplb.moe_time import MoePricing
 from xds_mpi.eplb.placement import Placement
 from xds_mpi.eplb.skew import Skew, skew_loads, skew_slices
 from xds_mpi.model.shapes import load_model_preset
@@ -18,7 +18,7 @@ from xds_mpi.model.transformer import DeepSeekModel
 from xds_mpi.model.weights import init_state
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.eplb_pod import compare
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.projection.moe_time import MoePricing
 
 TINY = ModelConfig(hidden=32, num_routed_experts=4, num_shared_experts=1, top_k=2)
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import ModelConfig
-from xds_mpi.engine.executor import ColocatedExecutor
-from xds_mpi.engine.scheduler import Entry
+from xds_mpi.execution.executor import ColocatedExecutor
 from xds_mpi.model.weights import build_model
+from xds_mpi.scheduling.scheduler import Entry
 
 
 def executor() -> ColocatedExecutor:

@@ -8,12 +8,12 @@ import pytest
 from ranks.recovery.records import tokens_per_s
 from ranks.recovery.scale_down import resumed
 from xds_mpi.config.schema import config_from_dict
-from xds_mpi.engine.balancer import DecodeBalancer
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.results import RequestRecord
 from xds_mpi.eplb.placement import from_topology, remove_die
 from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.results import RequestRecord
+from xds_mpi.scheduling.balancer import DecodeBalancer
+from xds_mpi.workload.requests import Request
 
 
 @pytest.mark.parametrize("num_dies, redundant", [(4, 4), (8, 2)])

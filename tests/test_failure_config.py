@@ -7,9 +7,9 @@ import h5py
 import pytest
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.failures import FailureRecord, read_failures, write_failures
 from xds_mpi.plan.failures import EMULATED, check_failures
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.failures import FailureRecord, read_failures, write_failures
 
 
 def _check(events, **sections):

@@ -6,9 +6,9 @@ import pytest
 
 from xccl.errors import InjectedFault
 from xccl.recovery.faults import OPS
+from xds_mpi.afd.plan import AfdPlan
 from xds_mpi.config.schema import FAULT_OPS, FaultsConfig
-from xds_mpi.engine.afd_plan import AfdPlan
-from xds_mpi.faults import RANDOM_CODE, FaultPlan, LayerEvents
+from xds_mpi.execution.faults import RANDOM_CODE, FaultPlan, LayerEvents
 
 TABLE = [
     {"die": 1, "op": "dispatch", "layer": 2, "iteration": 5, "code": 7},

@@ -16,9 +16,9 @@ from test_serving import XDS_MPI
 from launch.cli import main
 from launch.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.pd_kv import projected_kv_bytes
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.kv_link import kv_link_class, kv_link_model
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.plan.topology import Topology
 
 PREFILL, DECODE = 6, 2  # configs/pd.yaml: ranks 2-5 decode, 6-7 prefill

@@ -12,10 +12,10 @@ import pytest
 from test_serving_pd import explain, serve
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.engine.pd_failover import PdFailover
-from xds_mpi.failures import read_failures
+from xds_mpi.pd.failover import PdFailover
 from xds_mpi.plan.failures import check_failures
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.failures import read_failures
 
 PROBES = (
     "health.probe_interval_s=1",

@@ -12,12 +12,12 @@ from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.results import RequestRecord, check_against_reference
-from xds_mpi.failures import read_failures
 from xds_mpi.model.kv_blocks import BlockTable
 from xds_mpi.plan.failures import check_failures
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.failures import read_failures
+from xds_mpi.results.results import RequestRecord, check_against_reference
+from xds_mpi.workload.requests import Request
 
 
 def test_masked_blocks_are_never_handed_out_again():

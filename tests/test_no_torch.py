@@ -25,7 +25,9 @@ def test_role_modules_and_the_model_import_no_torch():
     code = (
         "import sys\n"
         f"for name in {ROLE_MODULES!r}: __import__(name)\n"
-        "from xds_mpi.engine import executor, attention_executor, pd_kv\n"
+        "from xds_mpi.execution import executor\n"
+        "from xds_mpi.afd import attention_executor\n"
+        "from xds_mpi.pd import kv\n"
         "from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator\n"
         "from xds_mpi.model.shapes import compute_shape\n"
         "from xds_mpi.model.weights import build_model\n"

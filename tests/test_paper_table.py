@@ -17,11 +17,11 @@ import pytest
 import yaml
 from harness import REPO_ROOT
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
 from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.imbalance import (
     Imbalance,
     batch_from_run_file,
@@ -279,7 +279,7 @@ def test_the_scheduling_bubble_is_paid_where_its_source_says():
 def test_the_drift_the_skewed_scenarios_use_is_the_measured_one():
     """No scenario carries a drift of its own: the papers' benchmarks are fixed sets of
     requests, priced at the drift measured on the checkpoint for that case."""
-    from xds_mpi.projection.paper_data import DRIFT_SAME_REQUESTS
+    from xds_mpi.eplb.drift import DRIFT_SAME_REQUESTS
 
     assert all(s.drift_sigma == DRIFT_SAME_REQUESTS for s in SCENARIOS.values() if s.skew)
 

@@ -160,7 +160,7 @@ def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
     from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
     from ranks.recovery.je_decode_loss import DecodeLossWatch, Moved
     from ranks.recovery.watch import FaultBegan
-    from xds_mpi.failures import FailureRecord
+    from xds_mpi.results.failures import FailureRecord
 
     health = SimpleNamespace(probe_timeout_s=12)
     watch = DecodeLossWatch.__new__(DecodeLossWatch)  # the JE's side, without a JE

@@ -7,7 +7,7 @@ from __future__ import annotations
 from harness import REPO_ROOT
 
 from xds_mpi.config.schema import load_config
-from xds_mpi.engine.pd_route import PrefillRouter, pick_prefill_te, tes_for
+from xds_mpi.pd.route import PrefillRouter, pick_prefill_te, tes_for
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.pd import describe_pd, split, split_experts
 

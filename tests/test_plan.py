@@ -8,10 +8,10 @@ import pytest
 from harness import REPO_ROOT
 
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
-from xds_mpi.engine.requests import rejection
-from xds_mpi.engine.workload import load_workload
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.fabric import p2p_pairs
+from xds_mpi.workload.requests import rejection
+from xds_mpi.workload.stream import load_workload
 
 SHIPPED = {"colocated": 5, "afd": 8, "ep288": 289, "afd_pod": 769}
 

@@ -1,4 +1,4 @@
-"""Prefill TP groups (`deployment.prefill_tp`, xds_mpi/engine/prefill_tp.py) and the microbatch
+"""Prefill TP groups (`deployment.prefill_tp`, xds_mpi/execution/prefill_tp.py) and the microbatch
 prefill pipeline (`pd.prefill_microbatches`): the head split gives every head's values bit for
 bit, the gather area's layout, the refusals before launch, and pd runs with TP=2 and with the
 pipeline token-exact against the single-process reference."""
@@ -17,7 +17,7 @@ from launch.paths import resolve_config
 from xccl.layout import RECORD_BYTES
 from xccl.tp_gather import TpLayout
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.prefill_tp import row_bounds
+from xds_mpi.execution.prefill_tp import row_bounds
 from xds_mpi.model.mla import AttnChunk, LatentCache
 from xds_mpi.model.weights import build_model
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -50,7 +50,7 @@ def _cache(model_cfg, num_slots):
 
 
 def _sp_tp_sp(attn, x, positions, chunks, tp, cache):
-    """MLA as a TP group of `tp` dies computes it (xds_mpi/engine/prefill_tp.py), every die
+    """MLA as a TP group of `tp` dies computes it (xds_mpi/execution/prefill_tp.py), every die
     played here in turn: stage 1 on each die's rows, stage 2 on each die's heads over every
     row, stage 3 on each die's rows with every head -> [n, hidden]."""
     bounds = row_bounds(len(x), tp)

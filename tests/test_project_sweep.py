@@ -11,10 +11,10 @@ import pytest
 from harness import REPO_ROOT
 
 from launch.project_sweep import Sweep
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.projection.cost import Hardware
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.imbalance import Imbalance
 from xds_mpi.projection.project import Execution, project
 

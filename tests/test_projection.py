@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.imbalance import Imbalance, from_run_file
 from xds_mpi.projection.project import project
 
@@ -282,7 +282,7 @@ def test_the_emulators_mtp_pass_prices_eh_proj_as_the_projection_does():
     (the projection's MTP pass holds the same term)."""
     from xccl.vclock import VirtualClock
     from xds_mpi.config.schema import ModelConfig
-    from xds_mpi.engine.pricing import Pricer
+    from xds_mpi.execution.pricing import Pricer
 
     cost = CostModel(BIG, HW)
     pricer = Pricer(cost, ModelConfig(), VirtualClock(), num_routed_dies=4, use_int8=True)

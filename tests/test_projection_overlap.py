@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.projection.cost import (
@@ -21,7 +22,6 @@ from xds_mpi.projection.cost import (
     expected_max_z,
     transfer_s,
 )
-from xds_mpi.projection.hardware import load_profile
 from xds_mpi.projection.layers import split_streams
 from xds_mpi.projection.paper_data import SCENARIOS, TABLE7_CM384, TABLE7_H800, TABLE7_TOKENS
 from xds_mpi.projection.project import Execution, project

@@ -338,10 +338,10 @@ def test_calibration_grows_until_every_expert_has_its_minimum_or_the_cap(min_tok
 
 
 def test_kv_memory_counts_the_int8_latent_and_its_scale_per_token_and_layer():
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.plan.kv_memory import KvMemory
     from xds_mpi.projection.cost import CostModel, Hardware
-    from xds_mpi.projection.hardware import load_profile
 
     cfg = _colocated(["scheduler.kv_int8=false"])
     m, big = cfg.model, cost_shape()

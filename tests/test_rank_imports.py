@@ -11,16 +11,16 @@ import sys
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi.config.resolved import write_resolved
 from xds_mpi.config.schema import load_config
+from xds_mpi.plan.resolved import write_resolved
 
 # What the die constructors import when they run (their lazy imports).
 BUILT_BY_DIES = (
     "xccl.ep.buffer",
     "xccl.vclock",
-    "xds_mpi.engine.executor",
-    "xds_mpi.engine.attention_executor",
-    "xds_mpi.engine.slots",
+    "xds_mpi.execution.executor",
+    "xds_mpi.afd.attention_executor",
+    "xds_mpi.execution.slots",
     "xds_mpi.model.weights",
     "xds_mpi.projection.cost",
 )
@@ -86,7 +86,7 @@ def test_no_die_imports_what_no_die_uses(roles, config):
 
 def test_a_rank_given_the_resolved_file_reads_its_preset_and_profiles_without_pyyaml(tmp_path):
     """PyYAML, ~25 ms: a rank the launcher handed its config resolved into JSON
-    (xds_mpi/config/resolved.py) reads it, the cost preset and the hardware profiles (here a PD
+    (xds_mpi/plan/resolved.py) reads it, the cost preset and the hardware profiles (here a PD
     rank's, with a 910B prefill profile) without it, and gets the YAML's values."""
     path, overrides = REPO_ROOT / "configs" / "pd.yaml", ["pd.prefill_profile=ascend910b"]
     cfg = load_config(path, overrides)
@@ -96,9 +96,9 @@ def test_a_rank_given_the_resolved_file_reads_its_preset_and_profiles_without_py
         "import launch.rank, ranks.colocated.die, ranks.afd.attention, ranks.afd.expert\n"
         "import ranks.pd.prefill, ranks.pd.decode\n"
         f"for name in {BUILT_BY_DIES!r}: __import__(name)\n"
-        "from xds_mpi.config.resolved import read_resolved\n"
+        "from xds_mpi.plan.resolved import read_resolved\n"
         "from xds_mpi.model.shapes import cost_shape\n"
-        "from xds_mpi.projection.hardware import load_profile\n"
+        "from xds_mpi.config.hardware import load_profile\n"
         f"cfg = read_resolved({str(resolved)!r}, {str(path)!r}, {overrides!r})\n"
         "values = [dataclasses.asdict(cost_shape()), load_profile(cfg.hardware.profile), "
         "load_profile(cfg.pd.prefill_profile)]\n"
@@ -110,8 +110,8 @@ def test_a_rank_given_the_resolved_file_reads_its_preset_and_profiles_without_py
     got = json.loads(out.stdout)
     from dataclasses import asdict
 
+    from xds_mpi.config.hardware import load_profile
     from xds_mpi.model.shapes import cost_shape
-    from xds_mpi.projection.hardware import load_profile
 
     assert got["yaml"] is False
     expected = [asdict(cost_shape()), load_profile("ascend910c"), load_profile("ascend910b")]

@@ -9,16 +9,16 @@ import pytest
 
 from ranks.recovery.recompute import IterationAttempts
 from xccl.vclock import VirtualClock
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import FaultsConfig, ModelConfig
-from xds_mpi.engine import pricing
-from xds_mpi.engine.executor import ColocatedExecutor
-from xds_mpi.engine.pricing import Pricer
-from xds_mpi.engine.scheduler import Entry
-from xds_mpi.faults import FaultPlan, LayerEvents
+from xds_mpi.execution import pricing
+from xds_mpi.execution.executor import ColocatedExecutor
+from xds_mpi.execution.faults import FaultPlan, LayerEvents
+from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.model.weights import build_model
 from xds_mpi.projection.cost import CostModel, Hardware
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.scheduling.scheduler import Entry
 
 
 def pricer() -> Pricer:

@@ -11,9 +11,9 @@ from collections import deque
 
 from ranks.core.messages import TAG_REQUEST
 from ranks.shell.frontend import Frontend
-from xds_mpi.engine.balancer import DecodeBalancer
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.results import RequestRecord
+from xds_mpi.results.results import RequestRecord
+from xds_mpi.scheduling.balancer import DecodeBalancer
+from xds_mpi.workload.requests import Request
 
 
 class _Comm:

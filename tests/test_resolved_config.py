@@ -1,4 +1,4 @@
-"""The config the launcher resolves for its ranks (xds_mpi/config/resolved.py) gives them the
+"""The config the launcher resolves for its ranks (xds_mpi/plan/resolved.py) gives them the
 Config, cost preset and hardware profiles the YAML gives, without PyYAML."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 from harness import REPO_ROOT
 
-from xds_mpi.config.resolved import SUFFIX, read_resolved, write_resolved
 from xds_mpi.config.schema import load_config
+from xds_mpi.plan.resolved import SUFFIX, read_resolved, write_resolved
 
 CONFIGS = REPO_ROOT / "configs"
 CASES = [

@@ -4,9 +4,9 @@ a failed iteration is restored to."""
 
 from __future__ import annotations
 
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.scheduler import DieScheduler, Sampled
 from xds_mpi.model.kv_blocks import BlockTable
+from xds_mpi.scheduling.scheduler import DieScheduler, Sampled
+from xds_mpi.workload.requests import Request
 
 EOS = 257
 

@@ -158,10 +158,10 @@ def test_a_workload_nobody_can_serve_is_refused_before_launch(tmp_path):
 
 def test_the_check_reports_a_token_that_differs():
     from xds_mpi.config.schema import config_from_dict
-    from xds_mpi.engine.requests import Request
-    from xds_mpi.engine.results import RequestRecord, check_against_reference
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
+    from xds_mpi.results.results import RequestRecord, check_against_reference
+    from xds_mpi.workload.requests import Request
 
     cfg = config_from_dict({})
     prompts = [[1, 2, 3, 4], [9, 8, 7]]
@@ -186,9 +186,9 @@ def reference_acceptance(
 ) -> tuple[int, int]:
     """(drafted, accepted) of the single-process reference's MTP loop on the run's workload."""
     from xds_mpi.config.schema import load_config
-    from xds_mpi.engine.workload import load_workload
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
+    from xds_mpi.workload.stream import load_workload
 
     cfg = load_config(REPO_ROOT / "configs" / f"{config}.yaml", overrides)
     requests = load_workload(cfg)

@@ -17,9 +17,9 @@ from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.pd_prefill import PrefillStatus, assign
-from xds_mpi.engine.requests import Request
+from xds_mpi.pd.prefill import PrefillStatus, assign
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.workload.requests import Request
 
 PARTS = ("queue", "prefill", "kv_wait", "kv_transfer", "first_step")
 

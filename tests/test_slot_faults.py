@@ -10,9 +10,9 @@ from test_recompute import serve
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.failures import read_failures
 from xds_mpi.plan.failures import check_failures
 from xds_mpi.plan.topology import Topology
+from xds_mpi.results.failures import read_failures
 
 RING = {"deployment": {"redundant_slots_per_die": 4}, "health": {"replicas": "ring"}}
 # configs/colocated.yaml with RING: die rank 2's slots 0-3 are routed experts 4-7 (physical 8-11),

@@ -251,7 +251,7 @@ def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, m
     from launch.cli import build_parser
     from launch.jobscript import render
     from launch.rank import parse_args, read_config
-    from xds_mpi.config.resolved import read_resolved
+    from xds_mpi.plan.resolved import read_resolved
 
     monkeypatch.chdir(tmp_path)
     argv = ["submit", "--set", "run.name=s", "--sweep", "xccl.ring_slots=4,8"]

@@ -9,7 +9,7 @@ import numpy as np
 from ranks.recovery.records import with_timeouts
 from xccl.errors import InjectedFault, PeerTimeout
 from xccl.recovery.vote import HEADER, decode, encode
-from xds_mpi.failures import FailureRecord
+from xds_mpi.results.failures import FailureRecord
 
 
 def words(fault, notified=False, states=(3, 4), waiting=None):

@@ -16,14 +16,14 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.pd_kv import projected_kv_bytes
-from xds_mpi.engine.request_pricing import RequestPricer, planes
-from xds_mpi.engine.requests import Request, rejection
-from xds_mpi.engine.slo import RequestTimes, slo_summary
-from xds_mpi.engine.trace_replay import hit_blocks, prefix_hits, trace_requests
 from xds_mpi.model.shapes import cost_shape
-from xds_mpi.projection.hardware import load_profile
+from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.results.request_pricing import RequestPricer, planes
+from xds_mpi.results.slo import RequestTimes, slo_summary
+from xds_mpi.workload.requests import Request, rejection
+from xds_mpi.workload.trace_replay import hit_blocks, prefix_hits, trace_requests
 
 SHARED_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 SCALE = 1 / 64  # 512-token blocks -> 8 served tokens

@@ -1,4 +1,4 @@
-"""The colocated two-stream decode (xds_mpi/engine/two_streams.py): served token-exact at one and
+"""The colocated two-stream decode (xds_mpi/execution/two_streams.py): served token-exact at one and
 two microbatches, refused with what it does not support, and on the virtual clock never slower
 than one stream where it cannot be (every price linear in rows, both streams on the whole die)."""
 
@@ -19,13 +19,13 @@ from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.engine.executor import ColocatedExecutor
-from xds_mpi.engine.pricing import Pricer
-from xds_mpi.engine.requests import Request
-from xds_mpi.engine.slots import ExpertSlots
-from xds_mpi.engine.two_streams import Streams, split_entries
+from xds_mpi.execution.executor import ColocatedExecutor
+from xds_mpi.execution.pricing import Pricer
+from xds_mpi.execution.slots import ExpertSlots
+from xds_mpi.execution.two_streams import Streams, split_entries
 from xds_mpi.model.weights import build_model
 from xds_mpi.plan.deployment import check_two_streams
+from xds_mpi.workload.requests import Request
 
 COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
 

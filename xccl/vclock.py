@@ -87,7 +87,7 @@ class VirtualClock:
         return self.now_ns
 
     def show(self, stream_ns: float) -> None:
-        """A die running two streams (xds_mpi/engine/two_streams.py): the clock shows the
+        """A die running two streams (xds_mpi/execution/two_streams.py): the clock shows the
         stream about to run, which may be behind the other stream's time."""
         self.now_ns = float(stream_ns)
 

@@ -10,7 +10,7 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals
 from ranks.core.handshake import handshake
-from xds_mpi.engine.pricing import IterationTiming
+from xds_mpi.execution.pricing import IterationTiming
 
 IDLE = IterationTiming(
     num_rows=0, num_sampled=0, attention_s=0.0, xccl_s=0.0, experts_s=0.0, total_s=0.0, vtime_s=0.0
@@ -25,7 +25,7 @@ def run(ctx: RankContext) -> None:
 class AttentionDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
-        from xds_mpi.engine.attention_executor import AttentionExecutor
+        from xds_mpi.afd.attention_executor import AttentionExecutor
 
         cfg, topo = self.cfg, self.topo
         state = decode_state(cfg, self.model)

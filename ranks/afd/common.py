@@ -23,7 +23,7 @@ from xds_mpi.report import trace
 if TYPE_CHECKING:
     from ranks.recovery.recompute import Recoverable
     from xccl.afd.buffer import AfdBuffer
-    from xds_mpi.engine.afd_plan import AfdPlan
+    from xds_mpi.afd.plan import AfdPlan
 
 
 def expert_placement(cfg, topo):
@@ -42,7 +42,7 @@ class AfdDieBase(DecodeDieLoop):
         from ranks.recovery.recompute import Recomputer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
-        from xds_mpi.engine.slots import ExpertSlots
+        from xds_mpi.execution.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
 
         cfg, topo = ctx.cfg, ctx.topo
@@ -97,7 +97,7 @@ class AfdDieBase(DecodeDieLoop):
     def _call_plan(self) -> AfdPlan:
         """Which A2E/E2A calls an iteration makes: one per MoE layer (the MTP blocks' included),
         DP domain and microbatch."""
-        from xds_mpi.engine.afd_plan import AfdPlan
+        from xds_mpi.afd.plan import AfdPlan
 
         depth, num_layers = self.cfg.scheduler.mtp_depth, len(self.model.layers)
         moe_layers = tuple(i for i, layer in enumerate(self.model.layers) if layer.is_moe)

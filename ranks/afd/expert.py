@@ -103,7 +103,7 @@ class ExpertDie(AfdDieBase):
         return out
 
     def _expert_load(self):
-        from xds_mpi.engine.afd_load import ExpertLoad
+        from xds_mpi.afd.load import ExpertLoad
 
         me, slots = self.world.rank, self.slots
         mine = tuple(s for s, owner in enumerate(slots.slot_owner) if owner == me)

@@ -34,7 +34,7 @@ class ColocatedDie(DecodeDieLoop):
         from xccl.ep.buffer import EpBuffer
         from xccl.gmem import DieMemory
         from xccl.vclock import VirtualClock
-        from xds_mpi.engine.slots import ExpertSlots
+        from xds_mpi.execution.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
 
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
@@ -135,7 +135,7 @@ class ColocatedDie(DecodeDieLoop):
         )
 
     def _executor(self, ctx: RankContext, model, lanes, state, slots):
-        from xds_mpi.engine.executor import ColocatedExecutor
+        from xds_mpi.execution.executor import ColocatedExecutor
 
         cfg, topo = ctx.cfg, ctx.topo
         is_dedicated = cfg.deployment.shared_experts == "dedicated"

@@ -21,9 +21,9 @@ from ranks.core.messages import (
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
 from xds_mpi.control import WaitTimeout
-from xds_mpi.engine.pricing import IterationTiming
-from xds_mpi.engine.scheduler import DieScheduler, Emitted
+from xds_mpi.execution.pricing import IterationTiming
 from xds_mpi.report import trace
+from xds_mpi.scheduling.scheduler import DieScheduler, Emitted
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,7 @@ from ranks.core.die_io import SHELL
 from ranks.core.ems_messages import EmsDone, EmsEvict, EmsEvicted, EmsPoolReport, EmsPut, EmsTouch
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
-from xds_mpi.engine.ems import Directory
+from xds_mpi.ems.cache import Directory
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
 from xds_mpi.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xds_mpi.engine.scheduler import VerifiedDrafts
+from xds_mpi.scheduling.scheduler import VerifiedDrafts
 from xds_mpi.tags import TAG_CANCEL, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
 
 SHELL = 0  # the TE-shell's rank

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from xccl.errors import InjectedFault, XcclError
 from xds_mpi.control import WaitTimeout
-from xds_mpi.faults import FaultPlan, LayerEvents
+from xds_mpi.execution.faults import FaultPlan, LayerEvents
 
 MAX_ATTEMPTS = 64  # event id = req_id x MAX_ATTEMPTS + attempt
 

@@ -100,10 +100,10 @@ class PrefillDie:
         from ranks.core.die_parts import decode_state, make_pricer
         from xccl.ep.buffer import EpBuffer
         from xccl.vclock import VirtualClock
-        from xds_mpi.engine.executor import ColocatedExecutor
-        from xds_mpi.engine.pd_prefill import PrefillScheduler
-        from xds_mpi.engine.slots import ExpertSlots
+        from xds_mpi.execution.executor import ColocatedExecutor
+        from xds_mpi.execution.slots import ExpertSlots
         from xds_mpi.model.weights import build_model
+        from xds_mpi.pd.prefill import PrefillScheduler
 
         cfg, pd = ctx.cfg, ctx.plan.pd
         model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
@@ -149,8 +149,8 @@ class PrefillDie:
         its pricer (replacing `self.pricer`)."""
         from xccl.tp_gather import TpGather
         from xccl.vclock import LinkModel
-        from xds_mpi.engine.prefill_tp import TpPrefillExecutor, TpPricer
-        from xds_mpi.projection.hardware import load_profile
+        from xds_mpi.config.hardware import load_profile
+        from xds_mpi.execution.prefill_tp import TpPrefillExecutor, TpPricer
 
         cfg, pd, topo = ctx.cfg, ctx.plan.pd, ctx.plan.topo
         layout = pd.tp_layout_of(self.rank)
@@ -224,7 +224,7 @@ class PrefillDie:
     def _assign(self) -> int:
         """The leader gathers every group's status and hands out pending requests (only called
         while requests are pending); returns how many were assigned in all."""
-        from xds_mpi.engine.pd_prefill import assign
+        from xds_mpi.pd.prefill import assign
 
         cfg = self.ctx.cfg
         statuses = self.group.gather(self.scheduler.status(cfg.pd.long_prompt_tokens), root=0)

@@ -41,9 +41,10 @@ from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
 from xccl.p2p import pair_state, resync_pair
 from xds_mpi.control import wait_all
-from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
-from xds_mpi.engine.pd_task import PdTask
-from xds_mpi.engine.scheduler import Emitted, Sequence
+from xds_mpi.pd.kv import kv_nbytes, unpack_kv
+from xds_mpi.pd.task import PdTask
+from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.scheduling.scheduler import Emitted, Sequence
 from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 

@@ -29,8 +29,8 @@ from ranks.pd.faults import (
 from ranks.recovery.pd_send_failover import SendFailover
 from xccl.p2p import pair_state, resync_pair
 from xds_mpi.control import wait_all
-from xds_mpi.engine.pd_kv import pack_kv
-from xds_mpi.engine.pd_task import PdTask
+from xds_mpi.pd.kv import pack_kv
+from xds_mpi.pd.task import PdTask
 from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 

@@ -36,7 +36,7 @@ from ranks.recovery.records import Detection, failure_records, with_timeouts
 from ranks.recovery.watch import PACE_FACTOR, FaultBegan, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
 from xds_mpi.eplb.placement import Placement, remove_die
-from xds_mpi.failures import FailureRecord, write_failures
+from xds_mpi.results.failures import FailureRecord, write_failures
 from xds_mpi.tags import TAG_FAILURE_BEGAN
 
 

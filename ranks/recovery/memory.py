@@ -54,7 +54,7 @@ from mpi4py import MPI
 
 from ranks.core.messages import SHELL
 from xds_mpi.eplb.placement import Placement, disable
-from xds_mpi.failures import FailureRecord
+from xds_mpi.results.failures import FailureRecord
 from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 
 

@@ -28,8 +28,8 @@ from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery.rollback import Outcome, Recovery
 from xccl.recovery.vote import FaultReport
 from xds_mpi.config.schema import Config
-from xds_mpi.engine.pricing import Pricer
-from xds_mpi.faults import EventMap, FaultPlan
+from xds_mpi.execution.faults import EventMap, FaultPlan
+from xds_mpi.execution.pricing import Pricer
 from xds_mpi.plan.failures import release_bound_s
 from xds_mpi.report import trace
 

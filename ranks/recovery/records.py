@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 
 from ranks.recovery.watch import FaultBegan
 from xds_mpi.config.schema import Config
-from xds_mpi.engine.results import RequestRecord
-from xds_mpi.failures import FailureRecord
+from xds_mpi.results.failures import FailureRecord
+from xds_mpi.results.results import RequestRecord
 
 # tokens/s before a fault (from serving's start at the earliest) and after it, or after the
 # dies resumed: over this many wall seconds.

@@ -42,8 +42,8 @@ from mpi4py import MPI
 
 from ranks.core.messages import SHELL
 from xds_mpi.control import recv_from_each, send_to_each
-from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
+from xds_mpi.execution.slots import ExpertSlots
 from xds_mpi.plan.failures import release_bound_s
 from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 

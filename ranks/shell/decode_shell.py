@@ -22,7 +22,7 @@ from ranks.core.pd_messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.core.ready import report_ready
 from ranks.recovery.decode_loss import DecodeWatch
 from xds_mpi.control import WaitTimeout, wait_all
-from xds_mpi.engine.pd_failover import Routed, pick_decode
+from xds_mpi.pd.failover import Routed, pick_decode
 
 
 def run(ctx: RankContext) -> None:

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 from xds_mpi.config.serve import ServeConfig
-from xds_mpi.engine.requests import Request
+from xds_mpi.workload.requests import Request
 
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # the key is never on the mpiexec line (it lists the config)
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # where launch/serve.py reads this rank's pid

@@ -24,13 +24,13 @@ from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
 from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
-from xds_mpi.engine.balancer import DecodeBalancer
-from xds_mpi.engine.requests import rejection
-from xds_mpi.engine.results import RequestRecord
-from xds_mpi.engine.workload import load_workload
 from xds_mpi.report import trace
 from xds_mpi.report.progress import Phases, Progress, Snapshot
+from xds_mpi.results.results import RequestRecord
+from xds_mpi.scheduling.balancer import DecodeBalancer
 from xds_mpi.tags import TAG_EMS_REPORT
+from xds_mpi.workload.requests import rejection
+from xds_mpi.workload.stream import load_workload
 
 
 def decode_groups(topo) -> tuple[int, ...]:

@@ -20,10 +20,10 @@ from ranks.recovery.je_decode_loss import DecodeLossWatch
 from ranks.recovery.je_prefill_loss import PrefillWatch
 from ranks.shell.frontend import Frontend
 from xds_mpi.control import recv_from_each, send_to_each
-from xds_mpi.engine.balancer import DecodeBalancer
-from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
-from xds_mpi.engine.pd_results import PdBook
-from xds_mpi.engine.pd_route import PrefillRouter
+from xds_mpi.pd.failover import PdFailover, Routed, loss_record, pick_decode
+from xds_mpi.pd.results import PdBook
+from xds_mpi.pd.route import PrefillRouter
+from xds_mpi.scheduling.balancer import DecodeBalancer
 from xds_mpi.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xds_mpi.config.schema import Config
-from xds_mpi.engine.requests import Request, rejection
 from xds_mpi.model.tokenizer import ByteTokenizer
+from xds_mpi.workload.requests import Request, rejection
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default, used for chat too
 MAX_STOP = 4  # stop strings per request, as the OpenAI API

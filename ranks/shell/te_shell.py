@@ -118,7 +118,7 @@ class Serving:
     against the reference."""
 
     def __init__(self, ctx: RankContext, *, started: float) -> None:
-        from xds_mpi.engine.results import format_summary, summarize
+        from xds_mpi.results.results import format_summary, summarize
 
         with trace.span("serve"):
             frontend = self._serve(ctx, started)
@@ -136,7 +136,7 @@ class Serving:
         # EMS: the reports of the dies that used the pool (prefill dies with PD, else colocated)
         self.ems_dies = list(self.pd_book.reports.values()) if self.pd_book else []
         if ctx.plan.ems is not None and self.pd_book is None:
-            from xds_mpi.engine.ems_results import ems_summary, format_ems
+            from xds_mpi.ems.results import ems_summary, format_ems
 
             self.ems_dies = list(frontend.reports.values())
             self.summary.update(ems_summary(self.ems_dies, frontend.ems_reports.values()))
@@ -152,8 +152,8 @@ class Serving:
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
         if self.pd_book is not None:
-            from xds_mpi.engine.ems_results import format_ems
-            from xds_mpi.engine.pd_results import format_pd
+            from xds_mpi.ems.results import format_ems
+            from xds_mpi.pd.results import format_pd
 
             self.summary.update(self.pd_book.summary(self.records, self.started))
             ctx.log.info(format_pd(self.summary))
@@ -215,7 +215,8 @@ class Serving:
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
         there was any) and the 910C projection."""
-        from xds_mpi.engine.die_summaries import (
+        from xds_mpi.model.shapes import cost_shape
+        from xds_mpi.results.die_summaries import (
             format_mtp,
             format_projection,
             format_recovery,
@@ -223,7 +224,6 @@ class Serving:
             projected_summary,
             recovery_summary,
         )
-        from xds_mpi.model.shapes import cost_shape
 
         mtp = mtp_summary(ctx.cfg.scheduler.mtp_depth, self.die_timings)
         if mtp:
@@ -246,15 +246,15 @@ class Serving:
     def _add_slo(self, ctx: RankContext) -> None:
         """Log and add the trace replay's numbers (when the workload is a trace) and the SLOs:
         each request priced at its own lengths on the projected clock, and the goodput."""
-        from xds_mpi.engine.request_pricing import RequestPricer, mean_decode_batch
-        from xds_mpi.engine.slo import (
+        from xds_mpi.results.request_pricing import RequestPricer, mean_decode_batch
+        from xds_mpi.results.slo import (
             cached_summary,
             format_cached,
             format_slo,
             request_times,
             slo_summary,
         )
-        from xds_mpi.engine.trace_replay import format_trace, trace_summary
+        from xds_mpi.workload.trace_replay import format_trace, trace_summary
 
         if ctx.cfg.workload.source == "trace":
             self.summary.update(trace_summary(ctx.cfg, self.records))
@@ -281,8 +281,8 @@ class Serving:
     def _add_ems_slo(self, ctx: RankContext, pricer) -> None:
         """EMS on a trace: each request priced with the prefix the pool really served it (its
         hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
-        from xds_mpi.engine.ems_results import ems_trace_cached, format_ems_slo
-        from xds_mpi.engine.slo import cached_summary
+        from xds_mpi.ems.results import ems_trace_cached, format_ems_slo
+        from xds_mpi.results.slo import cached_summary
 
         cached = ems_trace_cached(ctx.cfg, self.records, self.ems_dies)
         self.ems_times = self._pulled_times(ctx, pricer, cached)
@@ -293,15 +293,15 @@ class Serving:
     def _cached_times(self, ctx: RankContext, pricer) -> list:
         """Each request priced with its prefix hits (an unbounded cache of the window) pulled
         over UB from a pool instead of computed."""
-        from xds_mpi.engine.trace_replay import cached_prefixes
+        from xds_mpi.workload.trace_replay import cached_prefixes
 
         return self._pulled_times(ctx, pricer, cached_prefixes(ctx.cfg, self.records))
 
     def _pulled_times(self, ctx: RankContext, pricer, cached) -> list:
         """Each request priced with its `cached` prefix pulled over UB instead of computed."""
-        from xds_mpi.engine.request_pricing import planes
-        from xds_mpi.engine.slo import request_times
-        from xds_mpi.projection.hardware import load_profile
+        from xds_mpi.config.hardware import load_profile
+        from xds_mpi.results.request_pricing import planes
+        from xds_mpi.results.slo import request_times
 
         ub = planes(load_profile(ctx.cfg.hardware.profile))["UB"]
         return request_times(self.records, self.started, pricer, cached=cached, pool=ub)
@@ -331,7 +331,7 @@ class Serving:
 
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""
-        from xds_mpi.engine.results import check_against_reference
+        from xds_mpi.results.results import check_against_reference
 
         ctx.log.info(
             "check: running the single-process reference on %d requests", len(self.records)
@@ -353,25 +353,25 @@ class Serving:
             self.check_line += f"; {len(lost)} lost, not checked: {lost}"
 
     def write(self, f) -> None:
-        from xds_mpi.engine.results import write_serving
+        from xds_mpi.results.results import write_serving
 
         write_serving(
             f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
         )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
-        from xds_mpi.engine.slo import write_slo
+        from xds_mpi.results.slo import write_slo
 
         write_slo(f, self.slo_times, self.cached_times, self.ems_times)
         if self.eplb:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])
         if failures:
-            from xds_mpi.failures import write_failures
+            from xds_mpi.results.failures import write_failures
 
             write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)
         if self.expert_loads:
-            from xds_mpi.engine.afd_load import write_loads
+            from xds_mpi.afd.load import write_loads
 
             write_loads(f, self.expert_loads)

@@ -28,7 +28,7 @@ from xccl.moe_layout import AfdLayout
 from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import e2a_reference
 from xds_mpi.config.schema import FaultsConfig
-from xds_mpi.faults import FaultPlan
+from xds_mpi.execution.faults import FaultPlan
 
 NUM_AFD_ITERATIONS, NUM_AFD_LAYERS, NUM_MICROBATCHES = 7, 2, 2
 

@@ -28,7 +28,7 @@ from xccl.moe_layout import EpLayout
 from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import combine_reference
 from xds_mpi.config.schema import FaultsConfig
-from xds_mpi.faults import FaultPlan, LayerEvents
+from xds_mpi.execution.faults import FaultPlan, LayerEvents
 
 NUM_ITERATIONS, NUM_LAYERS = 20, 3
 EP_TABLE = [

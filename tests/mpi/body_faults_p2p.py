@@ -14,7 +14,7 @@ from xccl.p2p import P2P
 from xccl.recovery.faults import RecoveryHooks
 from xccl.reference import tagged_payload
 from xds_mpi.config.schema import FaultsConfig
-from xds_mpi.faults import FaultPlan, LayerEvents
+from xds_mpi.execution.faults import FaultPlan, LayerEvents
 
 SLOTS, SLOT = 4, 64
 P2P_TABLE = [

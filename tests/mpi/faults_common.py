@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from xccl.errors import InjectedFault
 from xccl.recovery.rollback import Recovery
-from xds_mpi.faults import FaultPlan
+from xds_mpi.execution.faults import FaultPlan
 
 comm = MPI.COMM_WORLD
 LAST = comm.size - 1

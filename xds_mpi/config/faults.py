@@ -1,8 +1,8 @@
 """The `faults` section: injected transient XCCL errors and the table that declares them.
 
-Part of the config schema (`xds_mpi.config.schema` re-exports it); `xds_mpi.faults.FaultPlan` turns
-it
-into per-die decisions. Rows are read with the loader's key and type checks like any section.
+Part of the config schema (`xds_mpi.config.schema` re-exports it);
+`xds_mpi.execution.faults.FaultPlan` turns it into per-die decisions. Rows are read with the
+loader's key and type checks like any section.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Schema-agnostic: `xds_mpi.config.schema` declares the sections and binds these f
 passes the same unknown-key check, and every value the same type check.
 
 PyYAML is imported where a text is parsed, not here: its import costs ~25 ms of CPU, and a rank
-the launcher handed its config resolved (xds_mpi/config/resolved.py) parses no YAML at all.
+the launcher handed its config resolved (xds_mpi/plan/resolved.py) parses no YAML at all.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 # YAML texts already parsed, text -> value: what the launcher parsed for the ranks
-# (xds_mpi/config/resolved.py `read_resolved` fills it). The same text parses to the same value.
+# (xds_mpi/plan/resolved.py `read_resolved` fills it). The same text parses to the same value.
 _PARSED: dict[str, object] = {}
 
 
@@ -168,13 +168,13 @@ def build_root(root: type, data: dict | None, overrides: typing.Sequence[str] = 
 def yaml_module():
     """PyYAML, imported when first needed (also by an `except` clause, evaluated only when an
     exception is raised)."""
-    import yaml
+    import yaml  # start-up: PyYAML only where YAML is read (docs/scale.md)
 
     return yaml
 
 
 def remember_parsed(parsed: dict[str, object]) -> None:
-    """Texts and the values they parse to (the launcher's, xds_mpi/config/resolved.py):
+    """Texts and the values they parse to (the launcher's, xds_mpi/plan/resolved.py):
     `parse_yaml` returns a copy of the value for such a text instead of parsing it."""
     _PARSED.update(parsed)
 

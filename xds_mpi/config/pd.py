@@ -29,7 +29,7 @@ class PdConfig:
     kv_fabric: the fabric of such a pair (§5.1: "RoCE or VPC"; xds_mpi/plan/kv_link.py).
     prefill_microbatches: 2 splits each prefill step's batch into two microbatches pipelined on
     two streams, one's dispatch/combine overlapping the other's attention (CloudMatrix-Infer
-    §4.3.2; the mechanism is the two-stream decode's, xds_mpi/engine/two_streams.py)."""
+    §4.3.2; the mechanism is the two-stream decode's, xds_mpi/execution/two_streams.py)."""
 
     enabled: bool = False
     long_prompt_tokens: int = 48

@@ -272,7 +272,7 @@ class RunConfig:
     trace: bool = True  # write <run name>.trace.json beside the run file (xds_mpi/report/trace.py)
     seed: int = 0
     # The SLOs a request must meet to count in the goodput, on the projected clock (xDeepServe:
-    # "a TTFT SLA under 2 s and a TPOT SLA of 35 ms"; xds_mpi/engine/slo.py)
+    # "a TTFT SLA under 2 s and a TPOT SLA of 35 ms"; xds_mpi/results/slo.py)
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 35.0
 

@@ -2,7 +2,7 @@
 docs/trace.md).
 
 Part of the config schema (`xds_mpi.config.schema` re-exports it). Reading the file, making the
-prompts and rejecting bad lines is `xds_mpi.engine.trace_replay`'s.
+prompts and rejecting bad lines is `xds_mpi.workload.trace_replay`'s.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from xds_mpi.eplb.drift import DRIFT_SAME_REQUESTS
 from xds_mpi.eplb.placement import Placement
-from xds_mpi.projection.paper_data import DRIFT_SAME_REQUESTS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +19,7 @@ class Skew:
     evaluate on) each expert's log load moves by `drift_sigma` x a normal draw per slice and the
     experts take Figure 11a's loads again in their new order, so every slice keeps the published
     shape; the default is the drift measured on the trained checkpoint for a fixed set of requests
-    (xds_mpi/projection/paper_data.py DRIFT_SAME_REQUESTS, xds_mpi/eplb/drift.py). `seed` fixes the
+    (xds_mpi/eplb/drift.py DRIFT_SAME_REQUESTS). `seed` fixes the
     draw."""
 
     hottest_over_mean: float = 30.0

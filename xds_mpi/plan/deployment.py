@@ -17,8 +17,6 @@ import numpy as np
 from xccl.layout import P2PLayout
 from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config.schema import Config, ConfigError
-from xds_mpi.engine.requests import rejection
-from xds_mpi.engine.workload import load_workload
 from xds_mpi.model.checkpoint import check_checkpoint
 from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
@@ -26,6 +24,8 @@ from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
 from xds_mpi.plan.failures import check_failures
 from xds_mpi.plan.pd import PdPlan, build_pd, check_pd_fault, pd_window_bytes
 from xds_mpi.plan.topology import Topology
+from xds_mpi.workload.requests import rejection
+from xds_mpi.workload.stream import load_workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,11 +118,11 @@ def check_serving(cfg: Config, topo: Topology) -> None:
 
 
 def check_two_streams(cfg: Config) -> None:
-    """The colocated two-stream decode (deployment.num_microbatches 2, xds_mpi/engine/
-    two_streams.py) runs without what rebuilds or swaps its two EP lanes mid-run: no fault
-    rows (token recomputation restores one attempt of one lane's sequence), no vertical
-    scaling (a failover rebuilds one buffer), no EPLB (its swap phases assume one lane), no PD
-    (the decode dies' KV intake is not scheduled between the streams)."""
+    """The colocated two-stream decode (deployment.num_microbatches 2,
+    xds_mpi/execution/two_streams.py) runs without what rebuilds or swaps its two EP lanes
+    mid-run: no fault rows (token recomputation restores one attempt of one lane's sequence), no
+    vertical scaling (a failover rebuilds one buffer), no EPLB (its swap phases assume one lane),
+    no PD (the decode dies' KV intake is not scheduled between the streams)."""
     dep = cfg.deployment
     if dep.kind != "colocated" or dep.num_microbatches == 1:
         return

@@ -83,7 +83,7 @@ def build_ems(cfg: Config, topo: Topology) -> EmsPlan | None:
     check_ems(cfg, topo)
     import hashlib  # the namespace's digest: every rank builds the plan, few run the EMS
 
-    import yaml
+    import yaml  # start-up: PyYAML only where EMS runs (docs/scale.md)
 
     model, sched = cfg.model, cfg.scheduler
     token_bytes = model.num_layers * token_layer_bytes(

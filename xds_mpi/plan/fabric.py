@@ -34,7 +34,7 @@ def p2p_layout(cfg: Config, topo: Topology) -> P2PLayout:
 def ep_layout(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> EpLayout | None:
     """Dispatch/combine area of a colocated deployment, after each die's p2p area; rows of
     `itemsize` bytes (xccl.row_dtype) when not INT8; one lane per microbatch (two-stream
-    decode, xds_mpi/engine/two_streams.py)."""
+    decode, xds_mpi/execution/two_streams.py)."""
     if cfg.deployment.kind != "colocated":
         return None
     shared_column = 1 if cfg.deployment.shared_experts == "dedicated" else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from xds_mpi.config.failures import FailureSpec
 from xds_mpi.config.schema import Config
+from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.plan.topology import Topology
 
 
@@ -46,15 +47,12 @@ def _ring_expert(cfg: Config, topo: Topology, phy: int) -> int:
     """The routed expert physical slot `phy` holds from the start (-1: none)."""
     if cfg.health.replicas != "ring":
         return -1  # redundant slots start empty (EPLB, which fills them, is refused above)
-    from xds_mpi.eplb.ring import ring_placement
 
     return ring_placement(topo, 1).phy2log[0][phy]
 
 
 def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
     """With every slot row masked, does each expert keep a replica in the ring placement?"""
-    from xds_mpi.eplb.ring import ring_placement  # pure: the placement the dies build
-
     placement = ring_placement(topo, 1)
     masked = [
         topo.ranks[e.die].expert_slots[e.slot].phy_idx

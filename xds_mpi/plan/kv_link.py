@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 from xccl.vclock import LinkModel
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.topology import Topology
 
@@ -39,8 +40,6 @@ def kv_link_model(
     cfg: Config, topo: Topology, prefill_rank: int, decode_rank: int, profiles=None
 ) -> LinkModel:
     """The link model of the pair's class; `profiles`: name -> loaded profile (loads if None)."""
-    from xds_mpi.projection.hardware import load_profile
-
     names = (die_profile(cfg, topo, prefill_rank), die_profile(cfg, topo, decode_rank))
     loaded = [profiles[n] if profiles else load_profile(n) for n in names]
     link = kv_link_class(cfg, topo, prefill_rank, decode_rank)
@@ -72,8 +71,6 @@ def kv_link_model(
 def check_kv_links(cfg: Config, topo: Topology, prefill, decode) -> None:
     """Before launch: every pair's link model can be built (profiles exist and, across hardware
     types, carry the fabric's figures)."""
-    from xds_mpi.projection.hardware import load_profile
-
     profiles = {cfg.hardware.profile: load_profile(cfg.hardware.profile)}
     name = cfg.pd.prefill_profile
     if name and name not in profiles:

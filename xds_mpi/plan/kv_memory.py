@@ -21,6 +21,14 @@ def token_layer_bytes(model: ModelConfig, *, itemsize: int, kv_int8: bool) -> in
     return latent + model.qk_rope_dim * itemsize
 
 
+def projected_kv_bytes(prompt_len: int, big, *, kv_int8: bool = False) -> int:
+    """Bytes of a prompt's latent cache at the cost shape, MTP layers included: every layer's
+    kv_lora_rank + qk_rope_dim per token in BF16, or (kv_int8) the latent as INT8 + a float32
+    scale and the RoPE key in BF16."""
+    per_token = token_layer_bytes(big, itemsize=2, kv_int8=kv_int8)
+    return (big.num_layers + big.num_mtp_modules) * prompt_len * per_token
+
+
 @dataclass(frozen=True, kw_only=True)
 class KvMemory:
     """A die's KV pool with float and with INT8 latents."""

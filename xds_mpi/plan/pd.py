@@ -13,13 +13,14 @@ which is what disaggregation removes).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is that many consecutive dies of one TE (a
 TP group): rows and attention heads split among them, exchanged with xccl/tp_gather.py, whose
-area follows the dispatch/combine area in each of their windows (xds_mpi/engine/prefill_tp.py).
+area follows the dispatch/combine area in each of their windows (xds_mpi/execution/prefill_tp.py).
 The group's first die is its leader: it reports the group's status to the TE's scheduler and
 sends its KV to decode.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,7 +81,9 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     _refuse(cfg, prefill)
     _refuse_tp(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
-    from xds_mpi.plan.kv_link import check_kv_links  # PD runs (see TYPE_CHECKING above)
+    from xds_mpi.plan.kv_link import (
+        check_kv_links,  # start-up: only PD runs (tests/test_rank_imports.py)
+    )
 
     check_kv_links(cfg, topo, prefill, decode)
     tes = split(prefill, cfg.pd.num_prefill_tes)
@@ -114,11 +117,11 @@ def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[T
     A slot holds the largest piece of a die's share of a step's rows (max_tokens / tp): their
     down-projected latents (q_lora_rank + kv_lora_rank + qk_rope_dim), a die's heads of their
     attention output (heads / tp x kv_lora_rank) or the rows themselves (hidden), in float64
-    (the model's widest dtype; xds_mpi/engine/prefill_tp.py)."""
+    (the model's widest dtype; xds_mpi/execution/prefill_tp.py)."""
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
-    from xccl.tp_gather import TpLayout  # prefill TP groups run (see TYPE_CHECKING above)
+    from xccl.tp_gather import TpLayout  # start-up: only prefill TP (tests/test_rank_imports.py)
 
     share = -(-cfg.xccl.max_tokens_per_die // tp)
     down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim
@@ -312,9 +315,7 @@ def describe_pd(plan) -> str:
 
 def describe_kv_links(plan) -> str:
     """The KV fabric of the prefill->decode pairs (xds_mpi/plan/kv_link.py), by class."""
-    from collections import Counter
-
-    from xds_mpi.plan.kv_link import die_profile, kv_link_class
+    from xds_mpi.plan.kv_link import die_profile, kv_link_class  # start-up, as in build_pd
 
     cfg, topo, pd = plan.cfg, plan.topo, plan.pd
     classes = Counter(kv_link_class(cfg, topo, p, d) for p in pd.prefill for d in pd.decode)
@@ -325,12 +326,14 @@ def describe_kv_links(plan) -> str:
     )
 
 
+def serves_long(te: int, num_tes: int) -> bool:
+    return te >= num_tes - num_tes // 2
+
+
 def describe_tes(cfg: Config, pd: PdPlan) -> list[str]:
     """One line per prefill TE when there are several: its dies, leader and length class."""
     if len(pd.tes) < 2:
         return []
-    from xds_mpi.engine.pd_route import serves_long
-
     long_tokens = cfg.pd.long_prompt_tokens
     return [
         f"prefill TE {t}: ranks {list(te)}, leader (its TE-shell) {te[0]}, EP{len(te)}, "

@@ -10,7 +10,11 @@ scale-out link and a node of `node_dies` ranks; `node_dies` 0 means one fabric a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError
+from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.projection.afd_budget import MoeShape, Platform
 from xds_mpi.projection.afd_paper import GPUS_PER_NODE, MODELS, PLATFORMS
 
@@ -24,7 +28,6 @@ def moe_shape(name: str) -> MoeShape:
         if key not in MODELS:
             raise ConfigError(f"model {name!r}: 003's Table 4 has {_names(MODELS)}")
         return MODELS[key]
-    from xds_mpi.model.shapes import load_model_preset
 
     m = load_model_preset(name)
     shape = MoeShape(
@@ -59,15 +62,11 @@ def platform(name: str, *, ranks_per_node: int = 0) -> Platform:
     else:
         hw = _from_profile(name)
     if ranks_per_node:
-        from dataclasses import replace
-
         hw = replace(hw, ranks_per_node=ranks_per_node)
     return hw
 
 
 def _from_profile(name: str) -> Platform:
-    from xds_mpi.projection.hardware import load_profile
-
     p = load_profile(name)
     die, ub = p["die"], p["ub"]
     for section, key in (("ub", "read_gb_per_s_intra"), ("ub", "read_gb_per_s_inter")):

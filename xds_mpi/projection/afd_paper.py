@@ -18,6 +18,7 @@ from xds_mpi.projection.afd_budget import (
     Scenario,
     alpha_ep,
     curve,
+    dead_zone,
     hfu_ceiling,
     rank_tokens,
 )
@@ -140,8 +141,6 @@ def figure4_grid(scenario: Scenario, max_ffn_nodes: int = 32) -> list[dict]:
     """Figure 4's configurations (Tables 4 x 5): per platform and model, Eq. 19's ceiling, the
     best HFU over N_F = 1..max_ffn_nodes at `scenario`'s TPOT, where it is reached, and the dead
     zone."""
-    from xds_mpi.projection.afd_budget import dead_zone
-
     grid = []
     for hw_key, hw in PLATFORMS.items():
         for model_key, model in MODELS.items():

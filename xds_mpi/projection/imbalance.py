@@ -46,6 +46,7 @@ def from_skew(cfg, m, *, hottest: float, share: float, drift_sigma: float, seed:
     """Max / mean routed-die load of a Figure-11a skew after FlowServe's EPLB, the placement
     computed from earlier slices and priced on the next, the loads drifting by `drift_sigma`
     per slice (as xds_mpi/projection/eplb_pod.py compares)."""
+    # start-up: EPLB's policies stay out of the dies that price layers (docs/design.md, Layers)
     from xds_mpi.eplb.placement import from_topology
     from xds_mpi.eplb.policy import max_over_mean, rebalance
     from xds_mpi.eplb.skew import Skew, die_loads, skew_slices
@@ -73,9 +74,9 @@ def from_run_file(path) -> float:
     """Max / mean die load of a MoE layer measured in a run (its `eplb/slice_die_rows`, the rows
     each die received per time slice), averaged over the layers and the decode-only slices (all
     slices if none is): with one iteration per slice, the straggler of an average iteration."""
-    import h5py
+    import h5py  # start-up: h5py only where a run file is read (docs/design.md, Layers)
 
-    from xds_mpi.eplb.policy import max_over_mean
+    from xds_mpi.eplb.policy import max_over_mean  # start-up, as in from_skew
 
     with h5py.File(path, "r") as f:
         g = f["eplb"]
@@ -90,7 +91,7 @@ def batch_from_run_file(path) -> float:
     (every die's rows are its sampled entries and drafts), averaged over those iterations:
     what `Imbalance.batch` prices at the slowest DP group. Dies that never sample (expert dies)
     are no DP group."""
-    import h5py
+    import h5py  # start-up: h5py only where a run file is read (docs/design.md, Layers)
 
     with h5py.File(path, "r") as f:
         dies = [f["dies"][d] for d in f["dies"] if f["dies"][d]["num_sampled"][:].sum() > 0]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from xds_mpi.eplb.drift import DRIFT_SAME_REQUESTS
+
 # -- CALIBRATION --------------------------------------------------------------------------------
 # [001] Table 7: dispatch / combine latency (us) per rank, 128 tokens per rank, top-8.
 TABLE7_TOKENS = 128
@@ -36,14 +38,6 @@ FIG20_DISPATCH_US = (185.0, 234.0)
 FIG20_COMBINE_US = (165.0, 312.0)
 # [001] §4.2.4: "Each graph dispatch introduces a startup latency of 0.6 - 0.8 ms".
 GRAPH_LAUNCH_MS = (0.6, 0.8)
-# Measured on our own trained checkpoint (xds_mpi/data/tiny.h5), not published: the drift of an
-# expert's log share of the routed rows from one EPLB time slice to the next, window noise taken
-# out (xds_mpi/eplb/drift.py measure_drift, 5 slices x 256 windows of 128 held-out tokens, mean
-# over the 3 MoE layers; tests/test_eplb_drift.py recomputes both). For a fixed set of requests
-# decoding on (the papers' benchmarks) the drift is within the noise; between blocks of other
-# files (a workload that changes) it is large. [000] publishes none (Figure 11a is one slice).
-DRIFT_SAME_REQUESTS = 0.004
-DRIFT_OTHER_TRAFFIC = 0.56
 
 
 # -- VALIDATION ---------------------------------------------------------------------------------
@@ -377,7 +371,7 @@ VALIDATION = [
 
 
 # [001] §5.4.3 (Figure 23), EMS context caching, 4K prompts, 16K tokens per NPU; on the UB plane
-# unless named: (what, published value). xds_mpi/engine/context_cache_curve.py projects each.
+# unless named: (what, published value). xds_mpi/ems/context_cache_curve.py projects each.
 CONTEXT_CACHING = (
     ("prefill throughput, reuse 50 % / 12.5 %", 1.42),
     ("prefill throughput, reuse 90 % / no caching", 2.28),

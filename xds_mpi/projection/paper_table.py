@@ -8,13 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cache
 
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.schema import load_config
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.plan.topology import Topology
+from xds_mpi.projection.cost import CostModel, Hardware, fit_table7
+from xds_mpi.projection.imbalance import Imbalance, from_skew, kv_straggler
 from xds_mpi.projection.paper_data import (
+    FIG20_COMBINE_US,
+    FIG20_DISPATCH_US,
+    INT8_ATTENTION_BRACKET,
     SCENARIOS,
     TABLE7_CM384,
     TABLE7_H800,
     TABLE7_TOKENS,
     VALIDATION,
 )
+from xds_mpi.projection.project import Execution, project
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,14 +108,7 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
 
 
 def _inputs(s, profile: str):
-    from launch.paths import resolve_config
-    from xds_mpi.config.schema import load_config
-    from xds_mpi.model.shapes import cost_shape
-    from xds_mpi.plan.topology import Topology
-    from xds_mpi.projection.cost import Hardware
-    from xds_mpi.projection.hardware import load_profile
-    from xds_mpi.projection.imbalance import Imbalance, from_skew, kv_straggler
-    from xds_mpi.projection.project import Execution
+    from launch.paths import resolve_config  # runs up a layer: left for the launch/ layout work
 
     cfg = load_config(resolve_config(s.config), list(s.overrides))
     m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
@@ -138,9 +141,6 @@ def xccl_starts_from_minima(profile: str = "ascend910c") -> dict[str, float]:
     for nobody (its mean die's intrinsic cost: start, flags and pulls, bytes in) takes Figure
     20's fastest dispatch and combine (paper_data.FIG20_*_US); priced first with the profile's
     Table 7 starts, and the cost is linear in the start."""
-    from xds_mpi.projection.paper_data import FIG20_COMBINE_US, FIG20_DISPATCH_US
-    from xds_mpi.projection.project import project
-
     name = "000 colocated"
     assert SCENARIOS[name].xccl_starts == "fig20 min"
     table7 = replace(SCENARIOS[name], xccl_starts="table7")
@@ -160,8 +160,6 @@ def xccl_starts_from_minima(profile: str = "ascend910c") -> dict[str, float]:
 def scenario_projection(name: str, profile: str = "ascend910c", *, one_stream: bool = False):
     """The projection of a published scenario; one_stream: the same without the two-stream
     overlap (the baseline of [001] Figure 20a's gains)."""
-    from xds_mpi.projection.project import project
-
     cfg, m, hw, kwargs = scenario_inputs(name, profile)
     if one_stream:
         kwargs = {**kwargs, "execution": replace(kwargs["execution"], microbatches=1,
@@ -247,9 +245,6 @@ def int8_attention_bracket(profile: str = "ascend910c") -> list[tuple[Row, tuple
     """Each validation row of a scenario with INT8 attention ([000] §4.7, "some" layers: a
     share the paper does not give), with its projected value at each share of
     paper_data.INT8_ATTENTION_BRACKET: what the unpublished share moves."""
-    from xds_mpi.projection.paper_data import INT8_ATTENTION_BRACKET
-    from xds_mpi.projection.project import project
-
     out = []
     for row, pub in zip(validation_table(profile), VALIDATION, strict=True):
         s = SCENARIOS[pub.scenario]
@@ -268,10 +263,6 @@ def int8_attention_bracket(profile: str = "ascend910c") -> list[tuple[Row, tuple
 def calibration_table(profile: str = "ascend910c"):
     """The Table 7 fit of `profile`'s XCCL constants (the profile's values, rounded, are what
     the fit returns)."""
-    from xds_mpi.model.shapes import cost_shape
-    from xds_mpi.projection.cost import CostModel, Hardware, fit_table7
-    from xds_mpi.projection.hardware import load_profile
-
     cost = CostModel(cost_shape(), Hardware.from_profile(load_profile(profile)))
     table = TABLE7_H800 if profile == "h800" else TABLE7_CM384
     row_bytes = {k: cost.row_bytes(k) for k in ("dispatch", "combine")}

@@ -143,7 +143,7 @@ def _mtp_pass(cost: CostModel, layer, inputs: dict, *, batch: int, mtp_depth: in
     module runs its block over the tokens the previous step's verification committed, 1 +
     the accepted drafts per sequence (CloudMatrix-Infer §4.2.4: an MTP module "requires the
     sequence length determined after the previous LLM validation"; our engine's MTP does the
-    same, xds_mpi/engine/executor.py `_draft`), after its eh_proj over those rows; then it
+    same, xds_mpi/execution/executor.py `_draft`), after its eh_proj over those rows; then it
     drafts one token per sequence through the shared head and samples it."""
     num_mtp = mtp_depth if cost.m.num_mtp_modules else 0
     if not num_mtp:

@@ -193,7 +193,8 @@ def span(name: str, **args):
 
 
 def record(name: str, wall_s: tuple[float, float], vtime_ns: tuple[float, float], **args) -> None:
-    """A span its caller already timed (engine/pricing.py Meter: one measurement, two uses)."""
+    """A span its caller already timed (xds_mpi/execution/pricing.py Meter: one measurement,
+    two uses)."""
     if _tracer is not None:
         _tracer.record(name, wall_s, vtime_ns, args)
 
