@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.cli import main
+from launch.cli.main import main
 from xds_mpi.config.schema import Config
 from xds_mpi.engine.context_cache_curve import (
     PROMPT_TOKENS,

@@ -13,7 +13,7 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
-from launch.cli import main
+from launch.cli.main import main
 from launch.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.pd_kv import projected_kv_bytes

@@ -158,7 +158,7 @@ def test_refuses_faults_a_tp_group_does_not_handle():
 
 
 def test_cli_names_the_key(capsys):
-    from launch.cli import main
+    from launch.cli.main import main
 
     assert main(["validate", "pd", "--set", "deployment.prefill_tp=4"]) == 2
     assert "deployment.prefill_tp(4) must divide" in capsys.readouterr().err
