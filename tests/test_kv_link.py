@@ -14,7 +14,7 @@ from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
 from launch.cli.main import main
-from launch.paths import resolve_config
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.pd_kv import projected_kv_bytes
 from xds_mpi.model.shapes import cost_shape

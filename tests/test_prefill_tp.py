@@ -13,9 +13,9 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
-from launch.paths import resolve_config
 from xccl.layout import RECORD_BYTES
 from xccl.tp_gather import TpLayout
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.prefill_tp import row_bounds
 from xds_mpi.model.mla import AttnChunk, LatentCache

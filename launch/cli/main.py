@@ -18,7 +18,6 @@ from launch.job import hosts, memory_guard
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.job.startup import StartupWatch, compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.model import generate, quantize, train
-from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.project import command as project
 from launch.report import run_page
 from launch.report.tables import rank_map
@@ -26,6 +25,7 @@ from launch.serve import bench as bench_serve
 from launch.serve import bench_endpoint
 from launch.serve import command as serve
 from launch.slurm import submit
+from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan

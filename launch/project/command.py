@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from launch.paths import resolve_config
+    from xds_mpi.config.paths import resolve_config
     from xds_mpi.config.schema import ConfigError, load_config
     from xds_mpi.model.shapes import load_model_preset
     from xds_mpi.projection.cost import Hardware

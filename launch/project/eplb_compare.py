@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
 
-    from launch.paths import resolve_config
+    from xds_mpi.config.paths import resolve_config
     from xds_mpi.config.schema import load_config
     from xds_mpi.eplb.ab import compare_run_files, format_comparison
     from xds_mpi.eplb.moe_time import MoePricing

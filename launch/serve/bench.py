@@ -23,8 +23,8 @@ import numpy as np
 
 from launch.bench.results import report
 from launch.job.startup import RANK_STATS_ENV
-from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve.stats import ServeStats, summarize
+from xds_mpi.config.paths import DEFAULT_CONFIG, resolve_config
 from xds_mpi.config.schema import ConfigError
 
 COLUMNS = ["dies", "source", "tokens_s", "vs_against", "iter_ms", "moe_layer_ms", "python_ms"]

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from launch.bench.results import report
-from launch.paths import DEFAULT_CONFIG, resolve_config
 from launch.serve.bench import run_launcher
 from launch.serve.stats import SUMMARY
+from xds_mpi.config.paths import DEFAULT_CONFIG, resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.engine.workload import synthetic_requests
 

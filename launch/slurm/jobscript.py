@@ -19,7 +19,7 @@ from typing import Literal
 
 from launch.job.memory_guard import RANK_FLOOR_MIB, gib
 from launch.job.mpiexec import MpiCommand, mpi_command, mpi_flavor, rank_program
-from launch.paths import REPO_ROOT
+from xds_mpi.config.paths import REPO_ROOT
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.plan.topology import Topology
 

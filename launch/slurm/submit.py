@@ -19,7 +19,6 @@ from datetime import datetime
 from pathlib import Path
 
 from launch.job.startup import compile_rank_code, resolve_for_ranks, unpack_weights
-from launch.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from launch.slurm.jobscript import (
     JobSpec,
     Sweep,
@@ -31,6 +30,7 @@ from launch.slurm.jobscript import (
     render,
     window_mib_per_node,
 )
+from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import Config, ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 

@@ -98,7 +98,7 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
 
 
 def _inputs(s, profile: str):
-    from launch.paths import resolve_config
+    from xds_mpi.config.paths import resolve_config
     from xds_mpi.config.schema import load_config
     from xds_mpi.model.shapes import cost_shape
     from xds_mpi.plan.topology import Topology

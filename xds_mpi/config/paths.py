@@ -7,7 +7,7 @@ from pathlib import Path
 
 from xds_mpi.config.schema import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "colocated"
 
 
