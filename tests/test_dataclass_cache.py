@@ -1,7 +1,7 @@
 """The launcher's cache of the dataclass methods every rank would compile
-(launch/job/dataclass_cache.py): a rank given it compiles none of the project's, its classes behave
-as compiled ones, and a class the cache does not hold, or a cache that cannot be read, is
-compiled as before."""
+(launch/job/dataclass_cache.py writes it, xds_mpi/config/dataclass_cache.py reads it): a rank
+given it compiles none of the project's, its classes behave as compiled ones, and a class the
+cache does not hold, or a cache that cannot be read, is compiled as before."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 from harness import REPO_ROOT
 
 from launch.job import dataclass_cache
-from launch.job.dataclass_cache import CachedExec, use_cache
+from xds_mpi.config.dataclass_cache import CachedExec, release, use_cache
 
 # A rank's imports, the cache (PATH or none) turned on first as launch/job/rank.py does, then what a
 # die's constructor imports and what a rank's config looks like through the cached methods.
 RANK = """
 import collections, dataclasses, json, sys
-from launch.job import dataclass_cache
+from xds_mpi.config import dataclass_cache
 cached = dataclass_cache.use_cache(dataclass_cache.Path(sys.argv[1])) if sys.argv[1] else None
 import launch.job.rank, ranks.colocated.die, ranks.shell.te_shell, xccl.ep.buffer
 from xds_mpi.config.schema import load_config
@@ -125,6 +125,6 @@ def test_a_source_newer_than_the_cache_makes_it_stale(tmp_path):
 def test_release_ends_the_cache(cache_file, restore_exec):
     cached = use_cache(cache_file)
     assert cached is not None and cached.codes
-    dataclass_cache.release()
+    release()
     assert "exec" not in vars(dataclasses) and not cached.codes
-    dataclass_cache.release()  # nothing to release: nothing happens
+    release()  # nothing to release: nothing happens

@@ -1,79 +1,19 @@
-"""The compiled methods of the project's dataclasses, kept once for every rank.
-
-`@dataclass` writes the source text of each class's __init__, __repr__, __eq__, __hash__ (and,
-frozen, __setattr__ and __delattr__) and compiles it with `exec`, in every process, every time
-the class is defined: bytecode caching does not reach it. A die defines about 80 dataclasses
-while importing, and compiling their ~440 methods was about half of its import CPU (~0.1 s of
-~0.2 s on a quiet machine). So the launcher compiles them once (`write_cache`, in a child that
-imports what every role imports) and a rank's `use_cache` lets `dataclasses` exec the cached
-code objects instead.
-
-The cache is keyed by the whole generated text, so it cannot hand a class another class's code:
-a dataclass changed since the cache was written (or one the launcher's child never imported)
-finds no entry and is compiled as before. A missing, unreadable or foreign file means no cache
-at all. The file sits beside the package's bytecode, named by the interpreter's cache tag
-(marshal's format is the interpreter's), and is rewritten when a project source is newer.
+"""The launcher's side of the dataclass cache (xds_mpi/config/dataclass_cache.py, which a rank
+turns on): written once for every rank, in a child process that imports what the ranks import,
+and rewritten when a project source is newer than it.
 """
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import marshal
 import os
 import sys
 from pathlib import Path
 
+from xds_mpi.config.dataclass_cache import CACHE, CachedExec
+
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / "launch" / "__pycache__" / f"dataclasses.{sys.implementation.cache_tag}.marshal"
-
-
-class CachedExec:
-    """`exec` for the dataclasses module: source texts found in `codes` run their cached code
-    object; any other text is compiled as `exec` would and, recording, kept in `codes`."""
-
-    def __init__(self, codes: dict[str, object], *, record: bool = False) -> None:
-        self.codes, self.record = codes, record
-        self.hits = 0
-        self.missed: list[str] = []  # the modules of the texts compiled here, one per method
-
-    def __call__(self, source, globals=None, locals=None, /):
-        if isinstance(source, str):
-            code = self.codes.get(source)
-            if code is None:
-                self.missed.append((globals or {}).get("__name__", "?"))
-                code = compile(source, "<string>", "exec", dont_inherit=True)
-                if self.record:
-                    self.codes[source] = code
-            else:
-                self.hits += 1
-            source = code
-        return builtins.exec(source, globals, locals)
-
-
-def use_cache(path: Path = CACHE) -> CachedExec | None:
-    """Define dataclasses from here on with the methods cached in `path`; None (nothing
-    changed) where there is no readable cache. Under `write_cache`, its recording stays."""
-    if isinstance(getattr(dataclasses, "exec", None), CachedExec):
-        return dataclasses.exec
-    try:
-        with open(path, "rb") as f:  # loads(read()): marshal.load reads a file in small
-            codes = marshal.loads(f.read())  # pieces, 8x slower (40 ms a rank, ~760 methods)
-    except (OSError, EOFError, ValueError, TypeError):
-        return None
-    if not isinstance(codes, dict):
-        return None
-    cached = CachedExec(codes)
-    dataclasses.exec = cached  # the module's `exec` lookups find this before the builtin
-    return cached
-
-
-def release() -> None:
-    """Start-up is over (the rank is built): back to the builtin `exec`, and the cache's code
-    objects that no class uses freed (kept, the main job's ranks held ~2 MiB more PSS)."""
-    cached = vars(dataclasses).pop("exec", None)
-    if isinstance(cached, CachedExec):
-        cached.codes.clear()
 
 
 def stale(path: Path = CACHE, packages: tuple[str, ...] = ()) -> bool:
@@ -125,7 +65,5 @@ def write_cache(path: Path = CACHE) -> None:
     os.replace(partial, path)
 
 
-if __name__ == "__main__":  # through the module's own name, so that `use_cache` sees its class
-    from launch.job.dataclass_cache import write_cache as write
-
-    write(Path(sys.argv[1]) if len(sys.argv) > 1 else CACHE)
+if __name__ == "__main__":
+    write_cache(Path(sys.argv[1]) if len(sys.argv) > 1 else CACHE)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from launch.job.dataclass_cache import use_cache
+from xds_mpi.config.dataclass_cache import use_cache
 
 use_cache()  # before the project's dataclasses are defined: their methods compiled once, not here
 
