@@ -66,11 +66,11 @@ def test_a_file_of_another_format_is_not_read(tmp_path):
 
 
 def test_the_rank_reads_the_copy_it_is_named_or_else_the_yaml(tmp_path, capsys):
-    """launch/job/startup.py resolve_for_ranks -> launch/job/mpiexec.py rank_program ->
+    """launch/job/prepare.py resolve_for_ranks -> launch/job/mpiexec.py rank_program ->
     launch/job/rank.py parse_args and read_config."""
     from launch.job.mpiexec import rank_program
+    from launch.job.prepare import resolve_for_ranks
     from launch.job.rank import parse_args, read_config
-    from launch.job.startup import resolve_for_ranks
 
     path, overrides = CONFIGS / "colocated.yaml", ["run.check=true"]
     cfg = load_config(path, [*overrides, f"run.output_dir={tmp_path / 'out'}"])

@@ -16,7 +16,8 @@ from launch.bench import afd_command as bench_afd
 from launch.bench import command as bench_cli
 from launch.job import hosts, memory_guard
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
-from launch.job.startup import StartupWatch, compile_rank_code, resolve_for_ranks, unpack_weights
+from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
+from launch.job.startup import StartupWatch
 from launch.model import generate, quantize, train
 from launch.project import command as project
 from launch.report import run_page

@@ -14,12 +14,11 @@ from pathlib import Path
 from xds_mpi.config.dataclass_cache import CACHE, CachedExec
 
 ROOT = Path(__file__).resolve().parents[2]
+RANK_PACKAGES = ("launch", "ranks", "xccl", "xds_mpi")  # what a rank imports from the project
 
 
 def stale(path: Path = CACHE, packages: tuple[str, ...] = ()) -> bool:
     """Is `path` missing or older than a source file of `packages` (default: a rank's)?"""
-    from launch.job.startup import RANK_PACKAGES
-
     try:
         written = path.stat().st_mtime
     except OSError:

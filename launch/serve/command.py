@@ -26,8 +26,8 @@ from launch.job.memory_guard import (
     check_node,
 )
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
+from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.job.shm_leftovers import ShmLeftovers
-from launch.job.startup import compile_rank_code, resolve_for_ranks, unpack_weights
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan

@@ -18,7 +18,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from launch.job.startup import compile_rank_code, resolve_for_ranks, unpack_weights
+from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.slurm.jobscript import (
     JobSpec,
     Sweep,
