@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from launch.bench.results import rank_parser
+from launch.bench.results import _fmt, rank_parser, write
+from launch.report.tables import format_table
 from xccl.afd.buffer import AfdBuffer, AfdCall
 from xccl.ep.buffer import EpBuffer
 from xccl.gmem import DieMemory
@@ -244,9 +245,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _report(args: argparse.Namespace, rows: list[dict]) -> None:
     """Rank 0: print the table with its legend and write --out."""
-    from launch.bench.results import _fmt, write
-    from launch.report.tables import format_table
-
     print(
         f"\nxds-mpi bench afd: {comm.size} ranks = {args.groups} attention dies (1 DP "
         f"domain) + {comm.size - args.groups} expert dies, {args.experts} experts, top-"

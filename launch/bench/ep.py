@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from launch.bench.ep_floor import Meetings
-from launch.bench.results import rank_parser
+from launch.bench.results import rank_parser, report
 from xccl.ep.buffer import EpBuffer, select_slots
 from xccl.gmem import DieMemory
 from xccl.moe_layout import EpLayout
@@ -159,8 +159,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  measured {num_tokens} tokens per die", flush=True)
     bench.close()
     if comm.rank == 0:
-        from launch.bench.results import report
-
         title = (
             f"xds-mpi bench ep: {comm.size} ranks, {args.experts} experts, identity experts,"
             f" float32 rows{' (INT8 on the wire)' if args.int8 else ''}"

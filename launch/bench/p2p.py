@@ -28,6 +28,7 @@ from mpi4py import MPI
 
 from launch.bench.p2p_floor import FloorPair
 from launch.bench.p2p_raw import RawPair
+from launch.bench.results import report
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout
 from xccl.p2p import P2P
@@ -207,8 +208,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  measured {nbytes} B x {cores} cores", flush=True)
     bench.close()
     if comm.rank == 0:
-        from launch.bench.results import report
-
         report(
             rows,
             COLUMNS,

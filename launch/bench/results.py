@@ -58,7 +58,7 @@ def report(
 def write(rows: list[dict], columns: list[str], path: Path, args: argparse.Namespace) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix in (".h5", ".hdf5"):
-        import h5py
+        import h5py  # here: a measured start-up cost of every bench rank
 
         with h5py.File(path, "w") as f:
             for c in columns:

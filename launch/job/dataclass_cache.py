@@ -6,10 +6,13 @@ and rewritten when a project source is newer than it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import marshal
 import os
 import sys
 from pathlib import Path
+
+import mpi4py
 
 from xds_mpi.config.dataclass_cache import CACHE, CachedExec
 
@@ -32,11 +35,13 @@ def stale(path: Path = CACHE, packages: tuple[str, ...] = ()) -> bool:
 
 
 def rank_modules() -> list[str]:
-    """What the ranks import: every role's program (ranks/__init__.py) and every module of
-    xccl/, most of which a die imports while it builds its buffers."""
+    """What the ranks import: the rank entry, every role's program (ranks/__init__.py) and every
+    module of xccl/, most of which a die imports while it builds its buffers."""
+    # here, in the child alone: ranks/ starts MPI and defines the dataclasses it records
     from ranks import ROLE_PROGRAMS
 
-    names = [program.split(":")[0] for programs in ROLE_PROGRAMS.values() for program in programs]
+    names = ["launch.job.rank"]
+    names += [program.split(":")[0] for programs in ROLE_PROGRAMS.values() for program in programs]
     for file in sorted((ROOT / "xccl").rglob("*.py")):
         parts = file.relative_to(ROOT).with_suffix("").parts
         names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
@@ -47,15 +52,9 @@ def write_cache(path: Path = CACHE) -> None:
     """In a child process (`python -m launch.job.dataclass_cache [PATH]`): import what the ranks
     import (`rank_modules`), recording each dataclass method compiled, and write them
     to `path` (through a temporary file, so that a rank never reads half of one)."""
-    import importlib
-
-    import mpi4py
-
     mpi4py.rc.initialize = False  # only the imports: no MPI job here
     recording = CachedExec({}, record=True)
     dataclasses.exec = recording
-    import launch.job.rank  # noqa: F401
-
     for name in rank_modules():
         importlib.import_module(name)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ hydra's mpiexec in the venv's bin/), else the first on PATH (a site MPI loaded w
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -80,8 +81,6 @@ class MpiCommand:
     env: dict[str, str]  # only the variables this launch adds or changes
 
     def shell_line(self) -> str:
-        import shlex
-
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return f"{env} {shlex.join(self.argv)}".strip()
 

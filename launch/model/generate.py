@@ -9,6 +9,10 @@ import argparse
 import time
 
 from xds_mpi.config.schema import ConfigError
+from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
+from xds_mpi.model.shapes import load_model_preset
+from xds_mpi.model.tokenizer import ByteTokenizer
+from xds_mpi.model.weights import build_model, load_model, save_weights
 
 DTYPES = ("float64", "float32")
 
@@ -58,8 +62,6 @@ def _printable(text: str) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     _check_options(args)
-    from xds_mpi.model.reference import ReferenceGenerator
-    from xds_mpi.model.tokenizer import ByteTokenizer
 
     model = _load_model(args, args.dtype)
     tokenizer = ByteTokenizer(model.cfg.vocab_size)
@@ -89,9 +91,6 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def _load_model(args: argparse.Namespace, dtype):
     """--weights if given, else the preset's own weights; --save-weights writes them out."""
-    from xds_mpi.model.shapes import load_model_preset
-    from xds_mpi.model.weights import build_model, load_model, save_weights
-
     model = (
         load_model(args.weights, dtype=dtype)
         if args.weights
@@ -103,8 +102,6 @@ def _load_model(args: argparse.Namespace, dtype):
 
 
 def _generate_options(args: argparse.Namespace):
-    from xds_mpi.model.reference import GenerateOptions
-
     return GenerateOptions(
         max_new_tokens=args.max_new_tokens,
         mtp_depth=args.mtp,

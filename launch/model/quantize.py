@@ -8,14 +8,23 @@ import argparse
 import time
 from pathlib import Path
 
+import numpy as np
+
 from xds_mpi.config.schema import ConfigError
+from xds_mpi.model.checkpoint import read_quant_info, weights_path
+from xds_mpi.model.params import LazyParams
+from xds_mpi.model.qlinear import SCALE_SUFFIX, SMOOTH_SUFFIX, base_name
+from xds_mpi.model.tokenizer import BOS_ID, EOS_ID
+from xds_mpi.model.transformer import DeepSeekModel
+from xds_mpi.model.weights import load_model, read_weights
+from xds_mpi.quant.calibrate import calibrate
+from xds_mpi.quant.quantize import METHODS, QuantOptions, quantize_state, save_quantized
+from xds_mpi.quant.text import corpus_streams, spread_windows
 
 ABLATION = ("rtn", "smooth", "gptq", "smooth+gptq")
 
 
 def add_parser(subparsers) -> None:
-    from xds_mpi.quant.quantize import METHODS
-
     p = subparsers.add_parser(
         "quantize",
         help="INT8 post-training quantization of a checkpoint (SmoothQuant + GPTQ)",
@@ -61,8 +70,6 @@ def add_parser(subparsers) -> None:
 
 def check_args(args: argparse.Namespace, cfg) -> None:
     """Refuse what cannot work before reading any text (every number in the message)."""
-    from xds_mpi.model.checkpoint import read_quant_info, weights_path
-
     for flag in ("min_tokens_per_expert", "max_calib_windows", "window", "eval_windows"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -92,11 +99,6 @@ def check_args(args: argparse.Namespace, cfg) -> None:
 
 
 def _calibration_stream(args: argparse.Namespace):
-    import numpy as np
-
-    from xds_mpi.model.tokenizer import BOS_ID, EOS_ID
-    from xds_mpi.quant.text import corpus_streams
-
     if args.calib_text:
         ids = [t for p in args.calib_text for t in (BOS_ID, *Path(p).read_bytes(), EOS_ID)]
         return np.array(ids, np.int64), None
@@ -104,11 +106,6 @@ def _calibration_stream(args: argparse.Namespace):
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from xds_mpi.model.checkpoint import weights_path
-    from xds_mpi.model.weights import load_model, read_weights
-    from xds_mpi.quant.calibrate import calibrate
-    from xds_mpi.quant.quantize import QuantOptions, quantize_state, save_quantized
-
     cfg, state = read_weights(weights_path(args.weights))
     check_args(args, cfg)
     start = time.perf_counter()
@@ -132,8 +129,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     )
     if args.eval:
         if heldout is None:
-            from xds_mpi.quant.text import corpus_streams
-
             heldout = corpus_streams(max_files=args.max_files)[1]
         print(ablation(args, cfg, state, cal, heldout))
     return 0
@@ -158,8 +153,6 @@ def describe_calibration(cal) -> str:
 
 
 def describe_bytes(info: dict, out: dict) -> str:
-    from xds_mpi.model.qlinear import SCALE_SUFFIX, SMOOTH_SUFFIX, base_name
-
     num_params = sum(out[n].size for n in info["projections"])
     extra = sum(
         out[k].size * 4
@@ -176,15 +169,10 @@ def describe_bytes(info: dict, out: dict) -> str:
 
 
 def ablation(args, cfg, state, cal, heldout) -> str:
-    from xds_mpi.model.params import LazyParams
-    from xds_mpi.model.transformer import DeepSeekModel
+    # here: a measured start-up cost of every command
     from xds_mpi.quant.evaluate import evaluate, format_table
-    from xds_mpi.quant.quantize import QuantOptions, quantize_state
-    from xds_mpi.quant.text import spread_windows
 
     def model_of(tensors):
-        import numpy as np
-
         return DeepSeekModel(cfg, LazyParams.of_arrays(tensors, np.float64))
 
     models, weight_errors = {"float": (model_of(state), False)}, []

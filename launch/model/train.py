@@ -4,17 +4,23 @@ router and MTP module do on held-out text. Torch is imported inside the commands
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from typing import TYPE_CHECKING
 
+import h5py
+
 from xds_mpi.config.schema import ConfigError
+from xds_mpi.model.shapes import compute_shape
+from xds_mpi.model.tokenizer import ByteTokenizer
+from xds_mpi.model.weights import save_weights, weights_path
+from xds_mpi.train.options import TrainConfig
 
 if TYPE_CHECKING:
     from xds_mpi.config.schema import ModelConfig
     from xds_mpi.train.corpus import Corpus
-    from xds_mpi.train.options import TrainConfig
     from xds_mpi.train.trainer import TrainResult
 
 TRAIN_ATTRS = ("steps", "batch_size", "seq_len", "lr", "mtp_weight", "seed")
@@ -76,8 +82,6 @@ def _add_train_parser(subparsers) -> None:
 def _add_schedule_options(p: argparse.ArgumentParser) -> TrainConfig:
     """Steps, batch, window length and learning rate, defaulting to TrainConfig's; returns those
     defaults."""
-    from xds_mpi.train.options import TrainConfig
-
     defaults = TrainConfig()
     p.add_argument(
         "--steps",
@@ -165,7 +169,7 @@ def _progress_printer(num_steps: int):
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    from xds_mpi.model.shapes import compute_shape
+    # here: these import torch, a measured start-up cost of every other command
     from xds_mpi.train.corpus import stdlib_root
     from xds_mpi.train.trainer import train_tiny
 
@@ -196,8 +200,6 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
 def _shape(shape: ModelConfig, args: argparse.Namespace) -> ModelConfig:
     """The compute shape with the routing the options give; ConfigError (before any training)
     when the model's checks refuse it."""
-    import dataclasses
-
     routing = {
         "num_routed_experts": args.experts,
         "top_k": args.top_k,
@@ -211,8 +213,6 @@ def _shape(shape: ModelConfig, args: argparse.Namespace) -> ModelConfig:
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    from xds_mpi.train.options import TrainConfig
-
     try:
         return TrainConfig(
             steps=args.steps,
@@ -226,7 +226,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _training_corpus(args: argparse.Namespace) -> Corpus:
-    from xds_mpi.train.corpus import load_corpus
+    from xds_mpi.train.corpus import load_corpus  # here: imports torch
 
     try:
         return load_corpus(max_files=args.max_files)
@@ -236,10 +236,6 @@ def _training_corpus(args: argparse.Namespace) -> Corpus:
 
 def _write_checkpoint(path: str, tc: TrainConfig, result: TrainResult, max_files: int | None):
     """The model's weights plus, as file attributes, how it was trained and how well."""
-    import h5py
-
-    from xds_mpi.model.weights import save_weights
-
     save_weights(result.model.cfg, result.model.arrays(), path)
     with h5py.File(path, "a") as f:
         for name in TRAIN_ATTRS:
@@ -259,9 +255,6 @@ def describe_weights(model: ModelConfig) -> str:
             f"weights: random (seed {model.seed}), untrained: the routed-expert load has no "
             "learned skew (a trained checkpoint: `xds-mpi train-tiny`, docs/scale.md)"
         )
-    import h5py
-
-    from xds_mpi.model.weights import weights_path
 
     path = weights_path(model.weights)
     with h5py.File(path, "r") as f:
@@ -282,9 +275,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"need --windows >= 1 and --prompts >= 0, got {args.windows} and {args.prompts}"
         )
+    # here: torch, a measured start-up cost of every other command
     import torch
 
-    from xds_mpi.model.weights import weights_path
     from xds_mpi.train.corpus import spread_windows
     from xds_mpi.train.stats import text_stats
     from xds_mpi.train.torch_model import load_torch_model
@@ -310,13 +303,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def _stats_stream(args: argparse.Namespace, model):
     """(token stream, where it came from): the --text files, else the held-out stdlib files."""
+    # here: torch, a measured start-up cost of every other command
     import torch
 
     from xds_mpi.train.corpus import load_corpus
 
     if args.text:
-        from xds_mpi.model.tokenizer import ByteTokenizer
-
         tokenizer = ByteTokenizer(model.cfg.vocab_size)
         stream = torch.tensor([t for path in args.text for t in tokenizer.encode(_read(path))])
         return stream, f"{len(args.text)} file(s)"
@@ -326,7 +318,7 @@ def _stats_stream(args: argparse.Namespace, model):
 
 def _print_decode_acceptance(model, prompts: list[list[int]]) -> None:
     """MTP acceptance of greedy decoding at each depth, one past the modules trained."""
-    from xds_mpi.train.stats import decode_acceptance
+    from xds_mpi.train.stats import decode_acceptance  # here: imports torch
 
     for depth in range(1, model.cfg.num_mtp_modules + 2) if prompts else ():
         acc = decode_acceptance(model, prompts, mtp_depth=depth, max_new_tokens=DECODE_TOKENS)

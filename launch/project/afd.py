@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from launch.report.tables import format_table
+from xds_mpi.config.schema import ConfigError
 
 SIGMAS = (0.7, 0.75, 0.8, 0.85)  # 003 Figure 6
 FIGURE6_FFN_NODES = (2, 4, 6)
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def print_afd(args: argparse.Namespace) -> int:
-    from xds_mpi.config.schema import ConfigError
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection import afd_budget as ab
     from xds_mpi.projection.afd_inputs import moe_shape, platform
 
@@ -58,6 +59,7 @@ def print_afd(args: argparse.Namespace) -> int:
     if args.afd_run:
         print_measured(args.afd_run, model, args.afd_node_ranks)
     if args.afd_plot:
+        # here: matplotlib, a measured start-up cost of every command
         from xds_mpi.report.afd_plot import plot_afd
 
         print(f"plot {plot_afd(args.afd_plot, model, hw, three, two)}")
@@ -65,6 +67,7 @@ def print_afd(args: argparse.Namespace) -> int:
 
 
 def print_curve(model, hw, scenario, three, two) -> None:
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.afd_budget import dead_zone, hfu_ceiling
 
     link = "Superpod (one scale-up fabric)" if hw.is_superpod else (
@@ -107,6 +110,7 @@ def print_curve(model, hw, scenario, three, two) -> None:
 def print_penalty() -> None:
     """003 Figure 6: AFD's discrete-scaling penalty (Eq. 13-16) against large EP's (Eq. 12) at
     the same lambda (AFD: N_A / N_F, whole attention instances)."""
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.afd_budget import alpha_afd, alpha_ep
 
     lams = (1, 2, 3, 4, 5)
@@ -122,6 +126,7 @@ def print_penalty() -> None:
 
 
 def print_stated(scenario) -> None:
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.afd_paper import figure4_grid, large_ep_reference, stated_rows
 
     rows = [
@@ -151,7 +156,7 @@ def print_stated(scenario) -> None:
 
 
 def print_measured(path: str, model, node_ranks: int) -> None:
-    from xds_mpi.config.schema import ConfigError
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.afd_inputs import platform
     from xds_mpi.projection.afd_measured import compare
     from xds_mpi.report.runfile import read_run_file

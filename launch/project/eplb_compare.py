@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import argparse
 
+from xds_mpi.config.paths import resolve_config
+from xds_mpi.config.schema import load_config
+from xds_mpi.eplb.ab import compare_run_files, format_comparison
+from xds_mpi.eplb.moe_time import MoePricing
+from xds_mpi.eplb.report import SCALED_BATCH
+from xds_mpi.plan.deployment import DeploymentPlan
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.project.eplb_compare", description=__doc__)
@@ -13,13 +20,6 @@ def main(argv=None) -> int:
     p.add_argument("eplb", help="run file of the run with EPLB")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args(argv)
-
-    from xds_mpi.config.paths import resolve_config
-    from xds_mpi.config.schema import load_config
-    from xds_mpi.eplb.ab import compare_run_files, format_comparison
-    from xds_mpi.eplb.moe_time import MoePricing
-    from xds_mpi.eplb.report import SCALED_BATCH
-    from xds_mpi.plan.deployment import DeploymentPlan
 
     cfg = load_config(resolve_config(args.config), args.set)
     topo = DeploymentPlan.build(cfg).topo

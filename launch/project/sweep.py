@@ -8,6 +8,7 @@ import argparse
 from dataclasses import dataclass, replace
 
 from launch.report.tables import format_table
+from xds_mpi.config.schema import ConfigError, load_config
 
 SWEEP_KEYS = {
     "batch": "requests per DP group",
@@ -39,8 +40,6 @@ class Sweep:
 
     @classmethod
     def parse(cls, text: str) -> Sweep:
-        from xds_mpi.config.schema import ConfigError
-
         key, sep, raw = text.partition("=")
         if not sep or key not in SWEEP_KEYS or not raw:
             raise ConfigError(
@@ -64,8 +63,6 @@ class Sweep:
 
 def run_sweep(args: argparse.Namespace, cfg_path, m, model_inputs) -> int:
     """Project each value of the sweep; print the table and write the plot."""
-    from xds_mpi.config.schema import load_config
-
     sweep = Sweep.parse(args.sweep)
     rows, points = [], []
     for value in sweep.values:
@@ -97,6 +94,7 @@ def _ep_override(sweep: Sweep, value, cfg) -> list[str]:
 
 
 def _project_one(args, cfg, m, model_inputs, sweep: Sweep, value):
+    # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.cost import Hardware
     from xds_mpi.projection.hardware import load_profile
     from xds_mpi.projection.project import project
@@ -119,6 +117,7 @@ def replace_args(args: argparse.Namespace, **changes) -> argparse.Namespace:
 
 def _plot(sweep: Sweep, points, path) -> None:
     """TPOT and tokens/s per chip against the swept value (Agg: no display needed)."""
+    # here: matplotlib, a measured start-up cost of every command
     import matplotlib
 
     matplotlib.use("Agg")
