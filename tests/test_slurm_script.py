@@ -259,7 +259,7 @@ def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, m
     resolved = submit.resolve_elements(spec)
     assert len(resolved) == 2 and all(p.is_relative_to(tmp_path / "runs") for p in resolved)
     script = render(spec, resolved)
-    program = shlex.split(re.search(r"-m launch\.rank (.*) \\\n", script).group(1))
+    program = shlex.split(re.search(r"-m launch\.job\.rank (.*) \\\n", script).group(1))
     for i, slots in enumerate([4, 8]):
         run_args = re.search(rf"    {i}\) RUN_ARGS=\((.*)\) ;;", script).group(1)
         assert run_args.endswith(f"--resolved {resolved[i]}")
