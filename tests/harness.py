@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from launch.mpiexec import JobResult, mpi_command, run_job
+from launch.job.mpiexec import JobResult, mpi_command, run_job
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent

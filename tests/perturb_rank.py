@@ -1,4 +1,4 @@
-"""A test-only rank entry: `launch.rank` with one die's MTP drafting perturbed once.
+"""A test-only rank entry: `launch.job.rank` with one die's MTP drafting perturbed once.
 
 Run as `python -m mpi4py tests/perturb_rank.py CONFIG [--set section.key=value ...]` on a
 colocated deployment. On die rank PERTURBED_RANK the first draft of the first request the die
@@ -13,7 +13,7 @@ import sys
 
 from mpi4py import MPI
 
-from launch.rank import main
+from launch.job.rank import main
 from xds_mpi.execution.executor import ColocatedExecutor
 
 PERTURBED_RANK = 1

@@ -13,7 +13,7 @@ import yaml
 from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
-from launch.cli import main
+from launch.cli.main import main
 from xds_mpi.projection import afd_budget as ab
 from xds_mpi.projection.afd_inputs import moe_shape, platform
 from xds_mpi.projection.afd_paper import MODELS, PLATFORMS, stated_rows

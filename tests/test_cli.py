@@ -77,12 +77,12 @@ def test_run_dry_run_prints_the_mpiexec_line_with_mpi_environment():
     result = xds_mpi("run", "afd", "--dry-run", "--set", "run.timeout_s=77")
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
-    assert " -n 8 " in line and "-m mpi4py -m launch.rank" in line
+    assert " -n 8 " in line and "-m mpi4py -m launch.job.rank" in line
     assert "MPIEXEC_TIMEOUT=77" in line and "--set run.timeout_s=77" in line
 
 
 def test_ranks_get_small_pages_from_numpy_unless_the_user_chose(monkeypatch):
-    from launch.mpiexec import mpi_command
+    from launch.job.mpiexec import mpi_command
 
     monkeypatch.delenv("NUMPY_MADVISE_HUGEPAGE", raising=False)
     assert mpi_command(2, ["true"]).env["NUMPY_MADVISE_HUGEPAGE"] == "0"
@@ -118,19 +118,19 @@ def test_the_rank_entry_runs_under_plain_mpiexec():
     # What a user types by hand, without the launcher (the launcher adds only env and flags).
     from harness import run_mpi
 
-    result = run_mpi(5, ["-m", "launch.rank", "configs/colocated.yaml"], timeout_s=60)
+    result = run_mpi(5, ["-m", "launch.job.rank", "configs/colocated.yaml"], timeout_s=60)
     assert result.returncode == 0, result.output
     assert "all 5 ranks agree" in result.output
 
 
 @pytest.mark.parametrize("overrides", [[], ["run.name=a b", "model.top_k=2"], ["x.y=--set"]])
 def test_the_rank_entry_reads_back_what_the_launcher_writes(overrides):
-    """launch/mpiexec.py rank_program -> launch/rank.py parse_args is a round trip."""
-    from launch.mpiexec import rank_program
-    from launch.rank import RankArgs, parse_args
+    """launch/job/mpiexec.py rank_program -> launch/job/rank.py parse_args is a round trip."""
+    from launch.job.mpiexec import rank_program
+    from launch.job.rank import RankArgs, parse_args
 
     program = rank_program("configs/colocated.yaml", overrides)
-    assert program[:5] == [sys.executable, "-m", "mpi4py", "-m", "launch.rank"]
+    assert program[:5] == [sys.executable, "-m", "mpi4py", "-m", "launch.job.rank"]
     assert parse_args(program[5:]) == RankArgs(config="configs/colocated.yaml", overrides=overrides)
     resolved = Path("runs/.config/c-0.resolved.json")
     program = rank_program("configs/colocated.yaml", overrides, resolved)
@@ -151,7 +151,7 @@ def test_the_rank_entry_reads_back_what_the_launcher_writes(overrides):
     ],
 )
 def test_the_rank_entry_refuses_other_arguments_with_its_usage(argv, message):
-    from launch.rank import USAGE, parse_args
+    from launch.job.rank import USAGE, parse_args
 
     with pytest.raises(SystemExit) as stop:
         parse_args(argv)
@@ -182,7 +182,7 @@ def test_the_handshake_digest_tells_configs_that_differ_in_one_value_apart():
 def test_the_rank_entry_refuses_a_wrong_world_size_on_every_rank():
     from harness import run_mpi
 
-    result = run_mpi(3, ["-m", "launch.rank", "configs/colocated.yaml"], timeout_s=60)
+    result = run_mpi(3, ["-m", "launch.job.rank", "configs/colocated.yaml"], timeout_s=60)
     assert result.returncode != 0 and not result.timed_out
     assert "world size 3 != num_host_ranks(1) + colocated dies(4) = 5" in result.output
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch.cli import main
+from launch.cli.main import main
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config
 from xds_mpi.ems.context_cache_curve import (
@@ -19,7 +19,7 @@ from xds_mpi.ems.context_cache_curve import (
     validation_rows,
 )
 from xds_mpi.model.shapes import cost_shape
-from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.pd.kv import projected_kv_bytes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
 from xds_mpi.results.request_pricing import causal_chunks
 

@@ -1,7 +1,7 @@
 """The launcher's cache of the dataclass methods every rank would compile
-(launch/dataclass_cache.py): a rank given it compiles none of the project's, its classes behave
-as compiled ones, and a class the cache does not hold, or a cache that cannot be read, is
-compiled as before."""
+(launch/job/dataclass_cache.py writes it, xds_mpi/config/dataclass_cache.py reads it): a rank
+given it compiles none of the project's, its classes behave as compiled ones, and a class the
+cache does not hold, or a cache that cannot be read, is compiled as before."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import sys
 import pytest
 from harness import REPO_ROOT
 
-from launch import dataclass_cache
-from launch.dataclass_cache import CachedExec, use_cache
+from launch.job import dataclass_cache
+from xds_mpi.config.dataclass_cache import CachedExec, release, use_cache
 
-# A rank's imports, the cache (PATH or none) turned on first as launch/rank.py does, then what a
+# A rank's imports, the cache (PATH or none) turned on first as launch/job/rank.py does, then what a
 # die's constructor imports and what a rank's config looks like through the cached methods.
 RANK = """
 import collections, dataclasses, json, sys
-from launch import dataclass_cache
+from xds_mpi.config import dataclass_cache
 cached = dataclass_cache.use_cache(dataclass_cache.Path(sys.argv[1])) if sys.argv[1] else None
-import launch.rank, ranks.colocated.die, ranks.shell.te_shell, xccl.ep.buffer
+import launch.job.rank, ranks.colocated.die, ranks.shell.te_shell, xccl.ep.buffer
 from xds_mpi.config.schema import load_config
 cfg = load_config("configs/colocated.yaml", ["deployment.dp_groups_per_domain=3"])
 other = load_config("configs/colocated.yaml")
@@ -57,7 +57,7 @@ def rank_imports(cache: str) -> dict:
 def cache_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("dataclasses") / "cache.marshal"
     subprocess.run(
-        [sys.executable, "-m", "launch.dataclass_cache", str(path)], cwd=REPO_ROOT, check=True
+        [sys.executable, "-m", "launch.job.dataclass_cache", str(path)], cwd=REPO_ROOT, check=True
     )
     return path
 
@@ -86,7 +86,7 @@ def restore_exec():
 def test_a_class_the_cache_does_not_hold_is_compiled(tmp_path, restore_exec):
     path = tmp_path / "cache.marshal"
     subprocess.run(
-        [sys.executable, "-m", "launch.dataclass_cache", str(path)], cwd=REPO_ROOT, check=True
+        [sys.executable, "-m", "launch.job.dataclass_cache", str(path)], cwd=REPO_ROOT, check=True
     )
     cached = use_cache(path)
     assert isinstance(cached, CachedExec)
@@ -125,6 +125,6 @@ def test_a_source_newer_than_the_cache_makes_it_stale(tmp_path):
 def test_release_ends_the_cache(cache_file, restore_exec):
     cached = use_cache(cache_file)
     assert cached is not None and cached.codes
-    dataclass_cache.release()
+    release()
     assert "exec" not in vars(dataclasses) and not cached.codes
-    dataclass_cache.release()  # nothing to release: nothing happens
+    release()  # nothing to release: nothing happens

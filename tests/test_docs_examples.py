@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import REPO_ROOT
 
-from launch.cli import main
+from launch.cli.main import main
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)

@@ -391,7 +391,7 @@ def test_put_then_pull_is_bit_exact_and_a_moved_record_falls_back():
 
 
 def test_a_slurm_job_places_the_pool_ranks_on_the_last_node():
-    from launch.jobscript import node_layout
+    from launch.slurm.jobscript import node_layout
 
     cfg = load_config(REPO_ROOT / "configs" / "pd.yaml", ["ems.enabled=true", "ems.servers=2"])
     layout = node_layout(DeploymentPlan.build(cfg).topo)

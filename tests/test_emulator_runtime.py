@@ -1,6 +1,6 @@
 """The emulator's pinning and GC control (xds_mpi/execution/emulator_runtime.py), the bounded
 wait every poll uses (xccl/wake.py poll_until) and what `bench serve` reads from a run's trace
-(launch/serve_stats.py), on crafted inputs."""
+(launch/serve/stats.py), on crafted inputs."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from launch.serve_stats import first_dispatch_waits, parse_output, summarize
+from launch.serve.stats import first_dispatch_waits, parse_output, summarize
+from xds_mpi import emulator_runtime
 from xds_mpi.config.emulator import EmulatorConfig
-from xds_mpi.execution import emulator_runtime
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """A failover run ends with its check line and nothing after it: no UCX warnings about the windows
-the lost die leaves allocated (launch/mpiexec.py FAILOVER_ENV says why they are left)."""
+the lost die leaves allocated (launch/job/mpiexec.py FAILOVER_ENV says why they are left)."""
 
 from __future__ import annotations
 

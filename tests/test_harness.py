@@ -57,7 +57,7 @@ def _alive(pid: int) -> bool:
 
 def test_the_process_group_is_killed_when_mpi_timeout_does_not_fire(tmp_path):
     # A launcher that ignores MPIEXEC_TIMEOUT: the outer kill must still end it and its children.
-    from launch.mpiexec import MpiCommand, run_job
+    from launch.job.mpiexec import MpiCommand, run_job
 
     pid_file = tmp_path / "pid"
     script = f"sleep 3600 & echo $! > {pid_file}; wait"

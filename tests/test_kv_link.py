@@ -13,8 +13,8 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
-from launch.cli import main
-from launch.paths import resolve_config
+from launch.cli.main import main
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.kv_link import kv_link_class, kv_link_model

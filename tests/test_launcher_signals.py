@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from harness import REPO_ROOT
 
-from launch.shm_leftovers import ShmLeftovers
+from launch.job.shm_leftovers import ShmLeftovers
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 MARKER_ENV = "XDS_TEST_JOB_MARKER"
@@ -40,7 +40,7 @@ def job_pids(marker: str) -> list[int]:
 
 
 def mpi_segments() -> set[str]:
-    """The MPI shared-memory segments in /dev/shm (launch/shm_leftovers.py)."""
+    """The MPI shared-memory segments in /dev/shm (launch/job/shm_leftovers.py)."""
     return ShmLeftovers().before
 
 

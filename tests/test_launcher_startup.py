@@ -1,12 +1,13 @@
 """The launcher counts the ranks that have loaded their code while the TE-shell cannot log yet
-(launch/startup.py): each rank drops a mark once its imports are done."""
+(launch/job/startup.py): each rank drops a mark once its imports are done."""
 
 from __future__ import annotations
 
 from harness import REPO_ROOT, fresh_python
 
-from launch import cli, startup
-from launch.startup import StartupWatch
+from launch.cli import main as cli
+from launch.job import startup
+from launch.job.startup import StartupWatch
 
 
 def test_the_count_is_printed_until_every_rank_has_loaded():
@@ -67,7 +68,7 @@ def test_the_launcher_does_not_start_mpi():
     launcher and the plans it builds import no mpi4py.MPI; only the ranks do."""
     code = (
         "import argparse, sys\n"
-        "from launch.cli import _load, build_parser\n"
+        "from launch.cli.main import _load, build_parser\n"
         "build_parser()\n"
         "for config in ('colocated', 'afd', 'pd', 'ep288'):\n"
         "    _load(argparse.Namespace(config=config, set=[], np=None))\n"

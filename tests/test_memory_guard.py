@@ -1,4 +1,4 @@
-"""The node's memory against the job (launch/memory_guard.py): a job that cannot fit is refused
+"""The node's memory against the job (launch/job/memory_guard.py): a job that cannot fit is refused
 before anything starts, a running job is stopped before the node runs out (mpiexec and every
 rank gone), and OOM kills during a failed job are named."""
 
@@ -12,9 +12,11 @@ import pytest
 from harness import REPO_ROOT
 from test_launcher_signals import MARKER_ENV, job_pids, mpi_segments
 
-from launch import cli, memory_guard, serve
-from launch.memory_guard import MemoryWatch, NodeMemory, NodeOutOfMemory, check_fits
-from launch.mpiexec import MpiCommand, run_job
+from launch.cli import main as cli
+from launch.job import memory_guard
+from launch.job.memory_guard import MemoryWatch, NodeMemory, NodeOutOfMemory, check_fits
+from launch.job.mpiexec import MpiCommand, run_job
+from launch.serve import command as serve
 from xds_mpi.config.schema import ConfigError
 
 GIB = 1024  # MiB

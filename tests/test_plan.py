@@ -109,7 +109,7 @@ def test_what_cannot_run_is_refused_with_the_reason(settings, world_size, messag
 
 
 def test_the_ranks_leave_the_workload_to_the_launcher():
-    """A rank's plan (launch/rank.py: launcher_checks=False) skips the workload check the
+    """A rank's plan (launch/job/rank.py: launcher_checks=False) skips the workload check the
     launcher made; the launcher's refuses the same config."""
     cfg = config_from_dict({}, ["model.max_seq_len=40"])
     assert DeploymentPlan.build(cfg, 5, launcher_checks=False).topo.world_size == 5

@@ -13,9 +13,9 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
-from launch.paths import resolve_config
 from xccl.layout import RECORD_BYTES
 from xccl.tp_gather import TpLayout
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.execution.prefill_tp import row_bounds
 from xds_mpi.model.mla import AttnChunk, LatentCache
@@ -158,7 +158,7 @@ def test_refuses_faults_a_tp_group_does_not_handle():
 
 
 def test_cli_names_the_key(capsys):
-    from launch.cli import main
+    from launch.cli.main import main
 
     assert main(["validate", "pd", "--set", "deployment.prefill_tp=4"]) == 2
     assert "deployment.prefill_tp(4) must divide" in capsys.readouterr().err

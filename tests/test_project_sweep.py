@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import REPO_ROOT
 
-from launch.project_sweep import Sweep
+from launch.project.sweep import Sweep
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.model.shapes import load_model_preset
@@ -22,7 +22,7 @@ XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
 
 def _sweep(tmp_path, capsys, text: str) -> list[list[str]]:
-    from launch.cli import main
+    from launch.cli.main import main
 
     plot = tmp_path / "s.png"
     assert main(["project", "ep288", "--sweep", text, "--sweep-plot", str(plot)]) == 0

@@ -307,7 +307,7 @@ def test_an_int8_checkpoint_missing_a_scale_is_refused_before_launch(quantized_f
     ],
 )
 def test_quantize_refuses_bad_inputs_before_reading_any_text(argv, message, capsys, tmp_path):
-    from launch.cli import main
+    from launch.cli.main import main
 
     assert main(["quantize", "--out", str(tmp_path / "x.h5"), *argv]) == 2
     assert re.search(message, capsys.readouterr().err)

@@ -27,7 +27,7 @@ BUILT_BY_DIES = (
 # Out of every die: hashlib, OpenSSL's load, ~5 ms (the config digest is a CRC-32; the EMS
 # namespace imports it where EMS runs); numpy.random, ~10-15 ms (only the TE-shell reads the
 # workload; a die draws random numbers only for random weights, sampling temperature or a fault
-# rate); argparse, ~9 ms with its parser (launch/rank.py parses its two arguments by hand);
+# rate); argparse, ~9 ms with its parser (launch/job/rank.py parses its two arguments by hand);
 # statistics, ~5 ms with fractions and decimal (the pricer's normal quantile is
 # xds_mpi/projection/normal.py; only the TE-shell's start-up line takes a median).
 NEVER = ("argparse", "hashlib", "numpy.random", "statistics")
@@ -44,12 +44,12 @@ ONLY_WITH_EPLB_OR_PD = (
 
 def imported(roles: tuple[str, ...], configs: tuple[str, ...]) -> list[str]:
     """Which of NEVER + ONLY_WITH_EPLB_OR_PD a process holds after importing what a rank
-    imports for `roles`, building each config's plan as a rank does (launch/rank.py:
+    imports for `roles`, building each config's plan as a rank does (launch/job/rank.py:
     launcher_checks=False) and the handshake's config digest."""
     code = (
         "import json, logging, sys\n"
         "from mpi4py import MPI\n"
-        "import launch.rank\n"
+        "import launch.job.rank\n"
         f"for name in {roles + BUILT_BY_DIES!r}: __import__(name)\n"
         "from ranks.core.context import RankContext\n"
         "from xds_mpi.config.schema import load_config\n"
@@ -93,7 +93,7 @@ def test_a_rank_given_the_resolved_file_reads_its_preset_and_profiles_without_py
     resolved = write_resolved(tmp_path, path, overrides, cfg)
     code = (
         "import dataclasses, json, sys\n"
-        "import launch.rank, ranks.colocated.die, ranks.afd.attention, ranks.afd.expert\n"
+        "import launch.job.rank, ranks.colocated.die, ranks.afd.attention, ranks.afd.expert\n"
         "import ranks.pd.prefill, ranks.pd.decode\n"
         f"for name in {BUILT_BY_DIES!r}: __import__(name)\n"
         "from xds_mpi.plan.resolved import read_resolved\n"

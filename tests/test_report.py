@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
-from launch.run_report import write_report
+from launch.report.run_page import write_report
 from xds_mpi.report.data import BREAKDOWN, load_run
 from xds_mpi.report.plots import FIGURES
 from xds_mpi.report.runfile import read_run_file

@@ -31,7 +31,7 @@ def test_a_resolved_config_is_the_yaml_with_its_overrides(tmp_path, name, overri
 
 
 def test_a_copy_made_of_another_config_or_other_overrides_or_missing_is_not_read(tmp_path):
-    """The rank then reads the YAML (launch/rank.py read_config)."""
+    """The rank then reads the YAML (launch/job/rank.py read_config)."""
     path, overrides = CONFIGS / "colocated.yaml", ["run.check=true"]
     resolved = write_resolved(tmp_path, path, overrides, load_config(path, overrides))
     assert read_resolved(resolved, path, overrides) is not None
@@ -66,11 +66,11 @@ def test_a_file_of_another_format_is_not_read(tmp_path):
 
 
 def test_the_rank_reads_the_copy_it_is_named_or_else_the_yaml(tmp_path, capsys):
-    """launch/startup.py resolve_for_ranks -> launch/mpiexec.py rank_program -> launch/rank.py
-    parse_args and read_config."""
-    from launch.mpiexec import rank_program
-    from launch.rank import parse_args, read_config
-    from launch.startup import resolve_for_ranks
+    """launch/job/prepare.py resolve_for_ranks -> launch/job/mpiexec.py rank_program ->
+    launch/job/rank.py parse_args and read_config."""
+    from launch.job.mpiexec import rank_program
+    from launch.job.prepare import resolve_for_ranks
+    from launch.job.rank import parse_args, read_config
 
     path, overrides = CONFIGS / "colocated.yaml", ["run.check=true"]
     cfg = load_config(path, [*overrides, f"run.output_dir={tmp_path / 'out'}"])

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from launch.cli import main
+from launch.cli.main import main
 from ranks.shell.openai_api import TextOut
 
 

@@ -1,5 +1,6 @@
-"""What a job that did not end well leaves in shared memory is removed (launch/shm_leftovers.py):
-only MPI segments that appeared while the job ran and that no process has open or mapped."""
+"""What a job that did not end well leaves in shared memory is removed
+(launch/job/shm_leftovers.py): only MPI segments that appeared while the job ran and that no
+process has open or mapped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import mmap
 import subprocess
 import sys
 
-from launch.shm_leftovers import ShmLeftovers, paths_in_use
+from launch.job.shm_leftovers import ShmLeftovers, paths_in_use
 
 
 def test_only_new_unused_mpi_segments_are_removed(tmp_path):
@@ -79,7 +80,7 @@ time.sleep(0.5)
 
 
 def test_a_slurm_node_removes_what_changed_since_the_job_started(tmp_path):
-    """`python -m launch.shm_leftovers --since START` (a job script on each node): no launcher
+    """`python -m launch.job.shm_leftovers --since START` (a job script on each node): no launcher
     listed the segments before the job, so a segment changed before START counts as before."""
     import time
 
@@ -93,7 +94,7 @@ def test_a_slurm_node_removes_what_changed_since_the_job_started(tmp_path):
         [
             sys.executable,
             "-m",
-            "launch.shm_leftovers",
+            "launch.job.shm_leftovers",
             "--since",
             str(started),
             "--dir",
@@ -107,6 +108,9 @@ def test_a_slurm_node_removes_what_changed_since_the_job_started(tmp_path):
     assert "removed 1 shared-memory segment(s)" in result.stdout, result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mpich_shm_earlier_0", "not_mpi"]
     bad = subprocess.run(
-        [sys.executable, "-m", "launch.shm_leftovers"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "launch.job.shm_leftovers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert bad.returncode == 2 and "--since" in bad.stderr

@@ -136,7 +136,7 @@ def test_a_job_runs_to_completion_and_writes_its_run_file(timeout_job, tmp_path)
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 def test_a_failed_job_leaves_no_shared_memory_on_its_node(timeout_job, tmp_path):
     """The job script removes what the ranks left in /dev/shm once they are gone, however they
-    ended (launch/shm_leftovers.py on every node): here a launcher that leaves a segment, as a
+    ended (launch/job/shm_leftovers.py on every node): here a launcher that leaves a segment, as a
     crashed rank's window does, and fails."""
     segment = Path("/dev/shm") / f"mpich_shm_xds_test_{os.getpid()}"
     crash = tmp_path / "crashing-mpiexec"

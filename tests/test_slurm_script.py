@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from harness import REPO_ROOT
 
-from launch.jobscript import default_time_limit, node_layout, parse_sweep
-from launch.memory_guard import RANK_FLOOR_MIB, gib
+from launch.job.memory_guard import RANK_FLOOR_MIB, gib
+from launch.slurm.jobscript import default_time_limit, node_layout, parse_sweep
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.topology import Topology
@@ -145,7 +145,7 @@ def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
     launch = script[script.index("# Launch every rank") :]
     assert re.search(
         r"/mpiexec -n 5 -f \"\$HOSTFILE\" \\\n +\S+python\S* -m mpi4py -m "
-        rf"launch.rank {re.escape(str(COLOCATED))} \\\n +\"\$\{{RUN_ARGS\[@\]\}}\"",
+        rf"launch.job.rank {re.escape(str(COLOCATED))} \\\n +\"\$\{{RUN_ARGS\[@\]\}}\"",
         launch,
     ), launch
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
@@ -154,7 +154,7 @@ def test_dry_run_names_config_ranks_nodes_and_launch_line(tmp_path):
 
 def test_without_mem_the_script_asks_slurm_for_none_and_says_what_the_ranks_need(tmp_path):
     """Two nodes of 17 and 4 ranks: the fullest node's need, at least its ranks' floor
-    (launch/memory_guard.py RANK_FLOOR_MIB) and at most that plus its ranks' windows."""
+    (launch/job/memory_guard.py RANK_FLOOR_MIB) and at most that plus its ranks' windows."""
     args = ["--set", "deployment.dp_groups_per_domain=20", "--set", "model.num_routed_experts=64"]
     args += ["--set", "model.weights=random"]
     result = xds_mpi("submit", "--dry-run", *args, cwd=tmp_path)
@@ -172,7 +172,7 @@ def test_without_mem_the_script_asks_slurm_for_none_and_says_what_the_ranks_need
 
 def test_the_script_checks_each_nodes_memory_before_launch_and_cleans_up_after(tmp_path):
     """Two nodes of a 64-die deployment: the check step names each node's ranks and windows
-    (launch/memory_guard.py), the leftovers' trap is set before the launch line."""
+    (launch/job/memory_guard.py), the leftovers' trap is set before the launch line."""
     args = ["--set", "deployment.dp_groups_per_domain=20", "--set", "model.num_routed_experts=64"]
     args += ["--set", "model.weights=random"]
     result = xds_mpi("submit", "--dry-run", *args, cwd=tmp_path)
@@ -190,13 +190,13 @@ def test_the_script_checks_each_nodes_memory_before_launch_and_cleans_up_after(t
 
 
 def test_the_memory_check_step_refuses_a_node_that_cannot_hold_its_ranks():
-    """`python -m launch.memory_guard` as the job script runs it on each node: SLURM_NODEID
+    """`python -m launch.job.memory_guard` as the job script runs it on each node: SLURM_NODEID
     picks the node's entry; its ranks against what the node has (a million ranks fit nowhere)."""
 
     def check(node_id: str, ranks: str, windows: str):
         env = {**os.environ, "SLURM_NODEID": node_id}
         return subprocess.run(
-            [sys.executable, "-m", "launch.memory_guard", "--ranks-per-node", ranks,
+            [sys.executable, "-m", "launch.job.memory_guard", "--ranks-per-node", ranks,
              "--window-mib-per-node", windows],
             capture_output=True, text=True, timeout=60, env=env,
         )  # fmt: skip
@@ -247,10 +247,10 @@ def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, m
     the config and exactly the --set values that line gives, so its ranks read no YAML."""
     import shlex
 
-    from launch import submit
-    from launch.cli import build_parser
-    from launch.jobscript import render
-    from launch.rank import parse_args, read_config
+    from launch.cli.main import build_parser
+    from launch.job.rank import parse_args, read_config
+    from launch.slurm import submit
+    from launch.slurm.jobscript import render
     from xds_mpi.plan.resolved import read_resolved
 
     monkeypatch.chdir(tmp_path)
@@ -259,7 +259,7 @@ def test_each_element_names_its_resolved_config_which_its_ranks_read(tmp_path, m
     resolved = submit.resolve_elements(spec)
     assert len(resolved) == 2 and all(p.is_relative_to(tmp_path / "runs") for p in resolved)
     script = render(spec, resolved)
-    program = shlex.split(re.search(r"-m launch\.rank (.*) \\\n", script).group(1))
+    program = shlex.split(re.search(r"-m launch\.job\.rank (.*) \\\n", script).group(1))
     for i, slots in enumerate([4, 8]):
         run_args = re.search(rf"    {i}\) RUN_ARGS=\((.*)\) ;;", script).group(1)
         assert run_args.endswith(f"--resolved {resolved[i]}")
@@ -276,7 +276,7 @@ def test_a_failed_jobs_report_repeats_the_scripts_own_errors(tmp_path, capsys):
     the job's output (a node without the memory for its ranks), not the whole output."""
     from types import SimpleNamespace
 
-    from launch.submit import report
+    from launch.slurm.submit import report
 
     output = tmp_path / "slurm-7.out"
     output.write_text(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
-from launch.paths import resolve_config
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import compute_shape
 from xds_mpi.model.weights import build_model, weights_path

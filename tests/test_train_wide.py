@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from harness import REPO_ROOT
 
-from launch.train import describe_weights
+from launch.model.train import describe_weights
 from xds_mpi.model.checkpoint import read_checkpoint_config
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.tokenizer import ByteTokenizer

@@ -15,7 +15,7 @@ import pytest
 from harness import KILL_GRACE_S, MPI_DIR, REPO_ROOT, body_args, explain
 from two_hosts import can_make_hosts, two_hosts
 
-from launch.mpiexec import mpi_command, run_job
+from launch.job.mpiexec import mpi_command, run_job
 from xds_mpi.report.runfile import read_run_file
 
 pytestmark = pytest.mark.skipif(bool(can_make_hosts()), reason=can_make_hosts() or "n/a")

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch.mpiexec import MpiCommand
+from launch.job.mpiexec import MpiCommand
 
 ADDRESSES = ("10.77.0.1", "10.77.0.2")
 # `on NS HOST CMD...`: run CMD as host HOST. `ip netns exec` is not enough: it mounts a fresh

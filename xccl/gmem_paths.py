@@ -10,7 +10,8 @@ The path is chosen per peer when the window is created:
   "auto" - load/store for every peer whose memory `Shared_query` exposes, RMA for the rest;
   "rma"  - RMA for every peer (the previous behaviour; the test suite runs both).
 The default is "auto"; `set_memory_path` (from the config's `xccl.memory_path`, in
-launch/rank.py) or the environment variable XDS_MEMORY_PATH (what the test bodies read) change it.
+launch/job/rank.py) or the environment variable XDS_MEMORY_PATH (what the test bodies read) change
+it.
 """
 
 from __future__ import annotations

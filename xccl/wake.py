@@ -223,7 +223,7 @@ def futex_available() -> bool:
 
 
 def set_wait_mode(mode: str, *, local_ranks: int) -> bool:
-    """Decide once per process (launch/rank.py, before any window) whether waits may sleep;
+    """Decide once per process (launch/job/rank.py, before any window) whether waits may sleep;
     local_ranks: ranks on this node. Returns the decision."""
     global _sleeps, _doze_cap, _mode
     _mode = check_wait_mode(mode)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from launch.dataclass_cache import release as release_dataclass_cache
+from xds_mpi.config.dataclass_cache import release as release_dataclass_cache
 from xds_mpi.control import recv_from_each
 from xds_mpi.tags import TAG_READY
 
@@ -41,7 +41,7 @@ def pss_mib() -> float | None:
 
 def report_ready(comm: MPI.Comm) -> None:
     """Any rank but 0, once built: tell rank 0 (a small message: the send returns at once).
-    Start-up is over, so the dataclass cache goes (launch/dataclass_cache.py)."""
+    Start-up is over, so the dataclass cache goes (xds_mpi/config/dataclass_cache.py)."""
     release_dataclass_cache()
     times = os.times()
     comm.send(Ready(cpu_s=times.user + times.system, pss_mib=pss_mib()), dest=0, tag=TAG_READY)

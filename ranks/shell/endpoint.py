@@ -38,7 +38,7 @@ from xds_mpi.config.serve import ServeConfig
 from xds_mpi.workload.requests import Request
 
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # the key is never on the mpiexec line (it lists the config)
-PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # where launch/serve.py reads this rank's pid
+PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # where launch/serve/command.py reads this rank's pid
 START_TIMEOUT_S = 30.0  # the HTTP thread binds its socket within this
 
 
@@ -130,10 +130,10 @@ class Endpoint:
             ) from self._error
         for signo in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signo, self._on_signal)
-        if os.environ.get(PID_FILE_ENV):  # launch/serve.py signals this rank alone
+        if os.environ.get(PID_FILE_ENV):  # launch/serve/command.py signals this rank alone
             with open(os.environ[PID_FILE_ENV], "w") as f:
                 f.write(str(os.getpid()))
-        # The launcher (launch/serve.py) and the tests read this line for the address.
+        # The launcher (launch/serve/command.py) and the tests read this line for the address.
         print(f"serving on http://{self.cfg.host}:{self.port}", flush=True)
 
     def take(self) -> list[Submit | Cancel]:

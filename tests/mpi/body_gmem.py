@@ -118,7 +118,7 @@ def _no_node_split(comm):
 
 @pytest.mark.parametrize("memory_path", ["auto", "rma"])
 def test_a_window_learns_its_peers_nodes_from_the_known_leaders(monkeypatch, memory_path):
-    """With every rank's node leader known (launch/rank.py: set_node_leader) a window takes its
+    """With every rank's node leader known (launch/job/rank.py: set_node_leader) a window takes its
     peers' nodes from its one allgather, without a node split. Here the ranks pretend to sit two
     to a node (within their real node: a pretended node never spans two), so a wrong table
     shows: load/store to the partner only, RMA to the rest, and a word written by every rank
@@ -144,7 +144,7 @@ def test_a_window_learns_its_peers_nodes_from_the_known_leaders(monkeypatch, mem
 
 def test_a_rank_that_knows_no_node_makes_every_rank_split(monkeypatch):
     """One rank without a known node leader (rank 1; e.g. a process that did not start through
-    launch/rank.py): all ranks fall back to the node split alike, none waits for the others."""
+    launch/job/rank.py): all ranks fall back to the node split alike, none waits for the others."""
     leader = gmem_paths.node_leader(comm)
     known = None if comm.rank == 1 else leader
     monkeypatch.setattr(gmem_paths, "_world_node_leader", known)

@@ -3,7 +3,7 @@
 xDeepServe pins its CPU-side processes and keeps them free of stalls so that a die is never late
 to a collective (§4.4). The emulator has the same problem in Python: a rank that the OS moves or
 the garbage collector stops delays every die waiting in the next dispatch. `start` (called by
-launch/rank.py before the role program) pins the rank and turns automatic collection off;
+launch/job/rank.py before the role program) pins the rank and turns automatic collection off;
 `between_iterations` (called by the executor before each forward pass, a point outside every
 dispatch and combine) freezes what start-up built on its first call, with either GC; when
 controlled, it then collects every `gc_every` iterations (only what was made since: frozen

@@ -4,7 +4,7 @@ slower on 2 cores), and OpenBLAS splits a product's rows among its threads, whic
 bits of a row with the batch's row count (tests/test_model_layers.py).
 
 `OPENBLAS_NUM_THREADS=1` in the environment does it before numpy loads (the launcher sets it for
-the ranks, launch/mpiexec.py); `single_thread()` does it in a process that imported numpy first
+the ranks, launch/job/mpiexec.py); `single_thread()` does it in a process that imported numpy first
 (pytest, the CLI's check), through the loaded OpenBLAS's own setter. numpy builds on another BLAS
 keep their threads; their batch invariance is what the tests measure.
 """

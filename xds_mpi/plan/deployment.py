@@ -1,7 +1,7 @@
 """DeploymentPlan: everything derived from a config, in one place, refused when it cannot run.
 
 `DeploymentPlan.build(cfg, world_size)` is what `xds-mpi validate`, `run` and `submit` and every
-rank (launch/rank.py) call: the topology (rank map, expert placement), the XCCL layouts and each
+rank (launch/job/rank.py) call: the topology (rank map, expert placement), the XCCL layouts and each
 die's window size, the row dtype of dispatch/combine and A2E/E2A. It refuses, with the reason and
 the numbers, a checkpoint saved for another model shape, a world size or pod that does not fit,
 MTP or fault settings that cannot work, a window over the per-die cap, and a workload in which no

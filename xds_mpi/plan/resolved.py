@@ -2,7 +2,7 @@
 
 PyYAML's import costs every rank ~25 ms of start-up CPU (issue 33), to read small files the
 launcher has read already: the config with its `--set` values, the cost preset and the hardware
-profiles. So the launcher (`xds-mpi run`, `serve`, `submit`: launch/startup.py
+profiles. So the launcher (`xds-mpi run`, `serve`, `submit`: launch/job/prepare.py
 `resolve_for_ranks`) writes what they hold into one JSON file under run.output_dir/.config/,
 once per content (the file's name carries a CRC-32 of it), and names it on each rank's line
 (`--resolved`, after the YAML and its `--set` values). A rank reads it with the json module

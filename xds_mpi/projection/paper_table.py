@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
@@ -108,8 +109,6 @@ def scenario_inputs(name: str, profile: str = "ascend910c"):
 
 
 def _inputs(s, profile: str):
-    from launch.paths import resolve_config  # runs up a layer: left for the launch/ layout work
-
     cfg = load_config(resolve_config(s.config), list(s.overrides))
     m, hw = cost_shape(), Hardware.from_profile(load_profile(profile))
     if s.xccl_starts == "fig20 min":

@@ -1,0 +1,140 @@
+"""Per-rank entry point: `python -m mpi4py -m launch.job.rank CONFIG [--set SECTION.KEY=VALUE ...]
+[--resolved FILE]` (FILE: the launcher's copy of CONFIG and its --set values as JSON).
+
+Every rank loads the config, builds the deployment plan for the communicator's size (the checks
+of `xds-mpi validate` but the checkpoint's and the workload's, which the launcher made), and runs
+the program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception
+on one rank aborts the whole job instead of leaving the others waiting.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpi4py import MPI
+
+from xds_mpi.config.dataclass_cache import use_cache
+
+use_cache()  # before the project's dataclasses are defined: their methods compiled once, not here
+
+from launch.job.log import setup_logging
+from launch.job.startup import RANK_STATS_ENV, mark_loaded
+from ranks import RankContext, role_program
+from xccl.gmem_paths import set_memory_path, set_node_leader
+from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
+from xds_mpi.config.schema import load_config
+from xds_mpi.execution import emulator_runtime
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.plan.resolved import read_resolved
+from xds_mpi.report import trace
+
+USAGE = (
+    "usage: python -m mpi4py -m launch.job.rank CONFIG [--set SECTION.KEY=VALUE ...]"
+    " [--resolved FILE]"
+)
+
+
+def write_rank_stats(rank: int, role: str, core: int | None) -> None:
+    """With $XDS_RANK_STATS=DIR (set by `xds-mpi bench serve`): this rank's MPI time and GC
+    collections as DIR/rank<N>.json."""
+    out = os.environ.get(RANK_STATS_ENV)
+    if not out:
+        return
+    stats = {
+        "rank": rank,
+        "role": role,
+        "core": core,
+        "mpi_work_s": MPI_TIME.work_s,
+        "mpi_wait_s": MPI_TIME.wait_s,
+        "mpi_calls": MPI_TIME.calls,
+        "gc_collections": emulator_runtime.collections(),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(stats))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankArgs:
+    config: str  # the YAML file
+    overrides: list[str]  # its --set values
+    resolved: str | None = None  # the launcher's resolved copy of both (xds_mpi/plan/resolved.py)
+
+
+def parse_args(argv: list[str]) -> RankArgs:
+    """The arguments launch/job/mpiexec.py `rank_program` writes.
+    By hand, not argparse: its import and parser cost every rank ~9 ms of start-up CPU (gettext
+    looks up a translation for each of its messages)."""
+    config, overrides, resolved = None, [], None
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-h", "--help"):
+            print(__doc__)
+            sys.exit(0)
+        if arg.startswith("--set="):
+            overrides.append(arg.removeprefix("--set="))
+        elif arg in ("--set", "--resolved"):
+            value = next(args, None)
+            if value is None:
+                what = "SECTION.KEY=VALUE" if arg == "--set" else "a FILE"
+                sys.exit(f"{USAGE}\nlaunch.rank: {arg} needs {what}")
+            if arg == "--set":
+                overrides.append(value)
+            else:
+                resolved = value
+        elif arg.startswith("-") or config is not None:
+            sys.exit(f"{USAGE}\nlaunch.rank: unrecognized argument {arg!r}")
+        else:
+            config = arg
+    if config is None:
+        sys.exit(f"{USAGE}\nlaunch.rank: a CONFIG is required")
+    return RankArgs(config=config, overrides=overrides, resolved=resolved)
+
+
+def read_config(args: RankArgs):
+    """The launcher's resolved copy when it is there and was made of this CONFIG and these --set
+    values (read without PyYAML's ~25 ms), else the YAML file (a test body, a hand-written
+    line, a dry run's line, a host that does not see the copy)."""
+    if args.resolved is not None:
+        cfg = read_resolved(args.resolved, args.config, args.overrides)
+        if cfg is not None:
+            return cfg
+    return load_config(args.config, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    comm = MPI.COMM_WORLD
+    mark_loaded(comm.rank)  # the launcher counts these during a long start-up
+    cfg = read_config(args)
+    plan = DeploymentPlan.build(cfg, comm.size, launcher_checks=False)  # made before launch
+    info = plan.topo.ranks[comm.rank]
+    log = setup_logging(comm.rank, info.role, cfg.run.log_level)
+    set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
+    # The ranks finish importing at different times; MPICH's blocking collectives poll, so the
+    # early ones would burn the cores the late ones still import on. They meet dozing first.
+    quiet_barrier(comm, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node_leader = node.allreduce(comm.rank, op=MPI.MIN)
+    set_node_leader(node_leader)  # every window this rank makes learns its peers' nodes from it
+    set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
+    core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
+    node.Free()
+    if core is not None:
+        log.debug("pinned to core %d", core)
+    trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
+    # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
+    faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
+    program = role_program(info.role, is_pd=plan.pd is not None)
+    exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
+    faulthandler.cancel_dump_traceback_later()
+    write_rank_stats(comm.rank, info.role, core)
+    if exit_code:
+        sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code
+
+
+if __name__ == "__main__":
+    main()

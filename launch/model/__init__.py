@@ -1,0 +1,2 @@
+"""Model tools: `xds-mpi train-tiny` and `stats` (train.py), `quantize` (quantize.py), `generate`
+(generate.py)."""

@@ -1,0 +1,129 @@
+"""`xds-mpi project`: the analytic projection of a deployment's decode iteration on the pod."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from launch.project.afd import add_arguments as add_afd_arguments
+from launch.project.afd import print_afd
+from launch.project.paper import add_arguments as add_paper_arguments
+from launch.project.paper import (
+    add_model_arguments,
+    model_inputs,
+    print_context_cache,
+    print_paper,
+    print_primitive,
+)
+from launch.project.skew import add_arguments as add_skew_arguments
+from launch.project.skew import print_skew
+from launch.project.sweep import add_arguments as add_sweep_arguments
+from launch.project.sweep import run_sweep
+from launch.report.tables import format_table
+from xds_mpi.config.paths import resolve_config
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.model.shapes import load_model_preset
+
+if TYPE_CHECKING:
+    from xds_mpi.config.schema import Config
+    from xds_mpi.projection.project import Projection
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "project",
+        help="project a decode iteration onto the pod (no launch)",
+        description="Price one decode iteration of CONFIG at the cost shape "
+        "(DeepSeek-V3) on the hardware profile, analytically: works "
+        "for pod-scale deployments (768 dies) that do not fit here.",
+    )
+    p.add_argument("config", nargs="?", default="colocated")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--batch", type=int, default=60, help="requests per DP group (default 60)")
+    p.add_argument("--kv-len", type=int, default=3072, help="mean KV length (default 3072)")
+    p.add_argument("--mtp", type=int, default=1, help="MTP depth (default 1)")
+    p.add_argument("--accept", type=float, default=0.9, help="MTP acceptance (default 0.9)")
+    p.add_argument("--shape", default="deepseek_v3", help="cost shape preset (configs/model/)")
+    add_model_arguments(p)
+    add_skew_arguments(p)
+    add_paper_arguments(p)
+    add_afd_arguments(p)
+    add_sweep_arguments(p)
+    p.set_defaults(func=cmd_project)
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    # here: xds_mpi.projection, a measured start-up cost of every command
+    from xds_mpi.config.hardware import load_profile
+    from xds_mpi.projection.cost import Hardware
+    from xds_mpi.projection.project import project
+
+    if args.afd_analysis:
+        return print_afd(args)
+    if args.paper:
+        return print_paper(args)
+    if args.primitive:
+        return print_primitive(args)
+    if args.context_cache:
+        return print_context_cache(args)
+    if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
+        raise ConfigError(
+            f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "
+            f"got {args.batch}, {args.kv_len}, {args.mtp}, {args.accept}"
+        )
+    if args.sweep:
+        return run_sweep(
+            args, resolve_config(args.config), load_model_preset(args.shape), model_inputs
+        )
+    cfg = load_config(resolve_config(args.config), args.set)
+    hw = Hardware.from_profile(load_profile(cfg.hardware.profile))
+    m = load_model_preset(args.shape)
+    inputs = model_inputs(args, cfg, m)
+    p = project(
+        cfg,
+        m,
+        hw,
+        batch_per_die=args.batch,
+        kv_len=args.kv_len,
+        mtp_depth=args.mtp,
+        accept_rate=args.accept,
+        **inputs,
+    )
+    _print_imbalance(inputs["imbalance"])
+    _print_projection(args, cfg, p)
+    if args.skew:
+        workload = dict(
+            batch_per_die=args.batch,
+            kv_len=args.kv_len,
+            mtp_depth=args.mtp,
+            accept_rate=args.accept,
+        )
+        print_skew(args, cfg, load_model_preset(args.shape), hw, workload)
+    return 0
+
+
+def _print_imbalance(imb) -> None:
+    print(f"slowest die: expert load {imb.moe:.2f}x, KV {imb.kv:.3f}x the mean ({imb.source})")
+
+
+def _print_projection(args: argparse.Namespace, cfg: Config, p: Projection) -> None:
+    """The deployment and workload, the iteration's totals, then the two breakdown tables."""
+    print(
+        f"{args.config}: {cfg.deployment.kind}, batch {args.batch} per DP group, KV length "
+        f"{args.kv_len}, MTP depth {args.mtp} at {args.accept:.0%} acceptance, "
+        f"shape {args.shape}, profile {cfg.hardware.profile}"
+    )
+    print(
+        f"iteration {p.iteration_s * 1e3:.1f} ms, TPOT {p.tpot_s * 1e3:.1f} ms, "
+        f"{p.tokens_per_s_per_chip:.0f} tokens/s per chip"
+    )
+    rows = [
+        [name, f"{s * 1e3:.2f}", f"{s / p.iteration_s:.0%}"] for name, s in p.breakdown_s.items()
+    ]
+    print(format_table(["operation (per iteration)", "ms", "share"], rows))
+    print(
+        format_table(
+            ["primitive (one call)", "us"],
+            [[name, f"{s * 1e6:.1f}"] for name, s in p.primitives_s.items()],
+        )
+    )
