@@ -19,7 +19,7 @@ from xds_mpi.ems.context_cache_curve import (
     validation_rows,
 )
 from xds_mpi.model.shapes import cost_shape
-from xds_mpi.pd.kv import projected_kv_bytes
+from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.projection.paper_data import CONTEXT_CACHING
 from xds_mpi.results.request_pricing import causal_chunks
 

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from launch.serve.stats import first_dispatch_waits, parse_output, summarize
-from xds_mpi import emulator_runtime
 from xds_mpi.config.emulator import EmulatorConfig
+from xds_mpi.execution import emulator_runtime
 
 
 @pytest.fixture

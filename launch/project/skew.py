@@ -7,7 +7,7 @@ import argparse
 
 from launch.report.tables import format_table
 from xds_mpi.config.schema import ConfigError
-from xds_mpi.projection.paper_data import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
+from xds_mpi.eplb.drift import DRIFT_OTHER_TRAFFIC, DRIFT_SAME_REQUESTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
