@@ -30,6 +30,7 @@ from ranks.core.pd_messages import (
     KvPull,
     KvTransferDone,
 )
+from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
     check_deadline,
@@ -87,7 +88,8 @@ class KvReceiver:
         }
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.decode_shell = ctx.plan.pd.decode_shell
-        self.failover = ReceiveFailover(ctx, self, clock=executor.pricer.clock)
+        saturated = ChannelFaults(ctx.cfg, self.rank, "saturated")  # its injected rows
+        self.failover = ReceiveFailover(ctx, self, saturated, clock=executor.pricer.clock)
         self.deferred: deque[Incoming] = deque()
         self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens

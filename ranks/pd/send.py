@@ -19,6 +19,7 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
 from ranks.core.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
+from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
     check_deadline,
@@ -54,7 +55,8 @@ class KvSender:
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
         self.faults = install(self.p2p, cfg, self.rank)
-        self.failover = SendFailover(ctx, clock=lambda: pricer.clock.now_ns / 1e9)
+        link = ChannelFaults(cfg, self.rank, "link")  # this die's injected link rows
+        self.failover = SendFailover(ctx, link, clock=lambda: pricer.clock.now_ns / 1e9)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
         self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
         self.outgoing: dict[int, Outgoing] = {}  # req -> its send in flight

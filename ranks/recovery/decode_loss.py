@@ -23,10 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ranks.core.messages import JE
-from ranks.recovery.detector import Detector, Loss
+from ranks.recovery.detector import Detector, Loss, static_placement
 from ranks.recovery.scale_down import rebuild
 from ranks.recovery.watch import is_watched, watch_comm
-from ranks.shell.frontend import static_placement
 from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 

@@ -19,7 +19,7 @@ from ranks.core.messages import (
     DieReport,
 )
 from ranks.core.trace_io import gather_traces
-from ranks.recovery.detector import Detector
+from ranks.recovery.detector import Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
@@ -36,18 +36,6 @@ from xds_mpi.tags import TAG_EMS_REPORT
 def decode_groups(topo) -> tuple[int, ...]:
     """The DP groups requests go to: the colocated dies, or the attention dies (afd)."""
     return topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
-
-
-def static_placement(ctx):
-    """The expert placement without EPLB: the ring replicas' (health.replicas ring), else the
-    topology's."""
-    from xds_mpi.eplb.placement import from_topology
-    from xds_mpi.eplb.ring import ring_placement
-
-    cfg = ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
-    num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
-    place = ring_placement if cfg.health.replicas == "ring" else from_topology
-    return place(ctx.topo, num_moe_layers)
 
 
 # The TE-shell's pause while no work comes: from IDLE_FIRST_S doubling to IDLE_LAST_S, none after
