@@ -35,8 +35,8 @@ from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
 from ranks.core.pd_messages import TAG_PD_PREFILLED
 from ranks.core.ready import report_ready
+from ranks.pd.prefill_loss import PrefillLoss
 from ranks.pd.send import KvSender
-from ranks.recovery.prefill_loss import PrefillLoss
 from ranks.recovery.watch import HeartbeatResponder
 from xds_mpi.control import wait_all
 

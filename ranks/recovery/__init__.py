@@ -48,6 +48,7 @@ or an expert slot masked while a replica serves (`memory.SlotMask.check`; afd:
 
 PD (§6.2 "P/D separate failover"): a decode die's loss is found by the decode TE-shell
 (`decode_loss.DecodeWatch`) and its requests moved by the JE (`je_decode_loss`); a lost prefill
-die (`prefill_loss`, `je_prefill_loss`); a KV link or a saturated die (`link_probe`,
-`pd_send_failover`, `pd_receive_failover`).
+die (`je_prefill_loss`); a KV link or a saturated die (`link_probe`, `pd_send_failover`,
+`pd_receive_failover`). The faults themselves are emulated on their dies, in ranks/pd/
+(`prefill_loss.py`, `channel.py`), which recovery never imports.
 """
