@@ -5,7 +5,7 @@ every MoE layer's dispatch and combine, even with nothing to send.
 With `ems.enabled` (no PD) the colocated dies are the EMS pool's clients (docs/ems.md): a
 request's longest cached prefix is pulled when it reaches the die and written into its first KV
 slots on admission (its chunked prefill starts after them); when its prompt is done, its
-computed full blocks are put, sent without waiting (ranks/core/ems_client.py).
+computed full blocks are put, sent without waiting (ranks/ems/client.py).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class ColocatedDie(DecodeDieLoop):
         """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
         if ctx.plan.ems is None or ctx.comm.rank not in ctx.plan.ems.clients:
             return None
-        from ranks.core.ems_client import EmsClient
+        from ranks.ems.client import EmsClient
 
         self.scheduler.prefix_hits = {}
         self.looked_up: set[int] = set()  # requests whose prefix was looked up

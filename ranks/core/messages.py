@@ -44,4 +44,4 @@ class DieReport:
         default_factory=dict
     )  # token recomputation (ranks/recovery/recompute.py)
     cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed
-    ems: dict = field(default_factory=dict)  # the EMS client's counts (ranks/core/ems_client.py)
+    ems: dict = field(default_factory=dict)  # the EMS client's counts (ranks/ems/client.py)

@@ -11,7 +11,7 @@ prompt), and each finished prompt becomes a PD-transfer task (metadata and block
 to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
 (ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
 assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
-there once the prompt is done (ranks/core/ems_client.py, docs/ems.md).
+there once the prompt is done (ranks/ems/client.py, docs/ems.md).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is a TP group of that many dies
 (xds_mpi/engine/prefill_tp.py): the leader schedules per group (one status per group, every die
@@ -33,8 +33,8 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
 from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
-from ranks.core.pd_messages import TAG_PD_PREFILLED
 from ranks.core.ready import report_ready
+from ranks.pd.messages import TAG_PD_PREFILLED
 from ranks.pd.prefill_loss import PrefillLoss
 from ranks.pd.send import KvSender
 from ranks.recovery.watch import HeartbeatResponder
@@ -79,9 +79,9 @@ class PrefillDie:
         self.is_tp_leader = rank == plan.pd.tp_group_of(rank)[0]  # sends its group's KV
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
-        self.ems = None  # the EMS context cache (ranks/core/ems_client.py), with ems.enabled
+        self.ems = None  # the EMS context cache (ranks/ems/client.py), with ems.enabled
         if plan.ems is not None:
-            from ranks.core.ems_client import EmsClient
+            from ranks.ems.client import EmsClient
 
             self.ems = EmsClient(ctx, self.mem, self.cache)
             self.scheduler.prefix_hits = {}

@@ -21,15 +21,6 @@ from mpi4py import MPI
 
 from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
-from ranks.core.pd_messages import (
-    TAG_PD_DONE,
-    TAG_PD_PULL,
-    TAG_PD_READY,
-    TAG_PD_TASK,
-    TAG_PD_TRANSFER,
-    KvPull,
-    KvTransferDone,
-)
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
@@ -37,6 +28,15 @@ from ranks.pd.faults import (
     install,
     kv_event_id,
     poll_transfer,
+)
+from ranks.pd.messages import (
+    TAG_PD_DONE,
+    TAG_PD_PULL,
+    TAG_PD_READY,
+    TAG_PD_TASK,
+    TAG_PD_TRANSFER,
+    KvPull,
+    KvTransferDone,
 )
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError

@@ -18,7 +18,6 @@ from mpi4py import MPI
 from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
-from ranks.core.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
@@ -27,6 +26,7 @@ from ranks.pd.faults import (
     kv_event_id,
     poll_transfer,
 )
+from ranks.pd.messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from ranks.recovery.pd_send_failover import SendFailover
 from xccl.p2p import pair_state, resync_pair
 from xds_mpi.control import wait_all

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
-from ranks.core.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
+from ranks.pd.messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from ranks.recovery.je_decode_loss import DecodeLossWatch
 from ranks.recovery.je_prefill_loss import PrefillWatch
 from ranks.shell.frontend import Frontend

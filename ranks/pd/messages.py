@@ -70,4 +70,4 @@ class PrefillReport:
     send_wall_s: float = 0.0
     num_send_retries: int = 0
     num_faults: int = 0
-    ems: dict = field(default_factory=dict)  # the EMS context cache's counts (ems_client.py)
+    ems: dict = field(default_factory=dict)  # the EMS context cache's counts (ranks/ems/client.py)

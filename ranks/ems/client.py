@@ -11,7 +11,7 @@ scheduler admits it, and prefill starts after them (chunked prefill's path: a ch
 earlier KV). The pool rank learns what was read (a touch message, for its LRU order).
 
 Put, when a prompt is done: the full blocks it computed (never decode-generated ones) go to their
-pool ranks as messages, sent without waiting (ranks/core/ems_pool.py says why two-sided).
+pool ranks as messages, sent without waiting (ranks/ems/pool.py says why two-sided).
 
 A pool rank lost (an ems.faults dead row): its status word, read after every record table and
 every pull, says LOST (what a UB read of a dead server completes with). The die declares it
@@ -29,7 +29,7 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from ranks.core.ems_messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
+from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.ems import Record, RecordTable, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.engine.pd_kv import projected_kv_bytes
