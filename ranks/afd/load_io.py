@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import SHELL
-from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.afd_load import ExpertLoad
 from xds_mpi.tags import TAG_AFD_LOAD
 

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.core.messages import (
     SHELL,
     TAG_CANCEL,
@@ -20,7 +21,6 @@ from ranks.core.messages import (
 )
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
-from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.pricing import IterationTiming
 from xds_mpi.engine.scheduler import DieScheduler, Emitted
 from xds_mpi.report import trace

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from launch.dataclass_cache import release as release_dataclass_cache
-from xds_mpi.control import recv_from_each
+from ranks.core.control import recv_from_each
 from xds_mpi.tags import TAG_READY
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import SHELL
-from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.report import trace
 from xds_mpi.report.trace import SpanRecord
 from xds_mpi.tags import TAG_TRACE

@@ -29,8 +29,8 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
-from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.ems import Record, RecordTable, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.engine.pd_kv import projected_kv_bytes
 from xds_mpi.engine.request_pricing import planes

@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
@@ -38,7 +39,6 @@ from ranks.pd.messages import TAG_PD_PREFILLED
 from ranks.pd.prefill_loss import PrefillLoss
 from ranks.pd.send import KvSender
 from ranks.recovery.watch import HeartbeatResponder
-from xds_mpi.control import wait_all
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
@@ -41,7 +42,6 @@ from ranks.pd.messages import (
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
 from xccl.p2p import pair_state, resync_pair
-from xds_mpi.control import wait_all
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence

@@ -16,6 +16,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
 from ranks.pd.channel import ChannelFaults
@@ -29,7 +30,6 @@ from ranks.pd.faults import (
 from ranks.pd.messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from ranks.recovery.pd_send_failover import SendFailover
 from xccl.p2p import pair_state, resync_pair
-from xds_mpi.control import wait_all
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import time
 
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.recovery.link_probe import ProbeEchoer
 from xccl.errors import XcclError
-from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 

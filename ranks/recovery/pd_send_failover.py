@@ -21,9 +21,9 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.recovery.link_probe import LinkProber, LinkReport
-from xds_mpi.control import wait_all
 from xds_mpi.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 
 

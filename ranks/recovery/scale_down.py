@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from mpi4py import MPI
 
-from xds_mpi.control import recv_from_each, send_to_each
+from ranks.core.control import recv_from_each, send_to_each
 from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.plan.failures import release_bound_s

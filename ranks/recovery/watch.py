@@ -37,10 +37,10 @@ from typing import Protocol
 
 from mpi4py import MPI
 
+from ranks.core.control import wait_all
 from ranks.core.messages import SHELL
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import Config
-from xds_mpi.control import wait_all
 from xds_mpi.tags import (
     TAG_FAILOVER,
     TAG_FAILURE_BEGAN,

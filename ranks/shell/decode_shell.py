@@ -16,12 +16,12 @@ import time
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import WaitTimeout, wait_all
 from ranks.core.handshake import handshake
 from ranks.core.messages import JE, TAG_STOP
 from ranks.core.ready import report_ready
 from ranks.pd.messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.recovery.decode_loss import DecodeWatch
-from xds_mpi.control import WaitTimeout, wait_all
 from xds_mpi.engine.pd_failover import Routed, pick_decode
 
 

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from ranks.afd.load_io import gather_loads
 from ranks.core.context import RankContext
+from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from ranks.core.messages import (
     TAG_CANCEL,
     TAG_REPORT,
@@ -23,7 +24,6 @@ from ranks.recovery.detector import Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
-from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.requests import rejection
 from xds_mpi.engine.results import RequestRecord

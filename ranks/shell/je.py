@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import time
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
 from ranks.pd.messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from ranks.recovery.je_decode_loss import DecodeLossWatch
 from ranks.recovery.je_prefill_loss import PrefillWatch
 from ranks.shell.frontend import Frontend
-from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.engine.pd_results import PdBook
