@@ -8,8 +8,8 @@ from mpi4py import MPI
 
 from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import SHELL
+from ranks.core.tags import TAG_AFD_LOAD
 from xds_mpi.engine.afd_load import ExpertLoad
-from xds_mpi.tags import TAG_AFD_LOAD
 
 
 def send_load(comm: MPI.Comm, load: ExpertLoad, *, timeout_s: float) -> None:

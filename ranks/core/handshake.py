@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ranks.core.context import RankContext
 from ranks.core.control import recv_from_each, send_to_each
-from xds_mpi.tags import TAG_HELLO, TAG_VERDICT
+from ranks.core.tags import TAG_HELLO, TAG_VERDICT
 
 
 @dataclass(frozen=True, kw_only=True)

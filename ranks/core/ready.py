@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from launch.dataclass_cache import release as release_dataclass_cache
 from ranks.core.control import recv_from_each
-from xds_mpi.tags import TAG_READY
+from ranks.core.tags import TAG_READY
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.control import WaitTimeout
+from ranks.core.tags import TAG_EMS, TAG_EMS_EVICTED
 from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
 from xds_mpi.engine.ems import Record, RecordTable, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.engine.pd_kv import projected_kv_bytes
@@ -37,7 +38,6 @@ from xds_mpi.engine.request_pricing import planes
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
 from xds_mpi.projection.hardware import load_profile
-from xds_mpi.tags import TAG_EMS, TAG_EMS_EVICTED
 
 
 @dataclass(frozen=True, kw_only=True)

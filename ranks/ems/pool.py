@@ -29,10 +29,10 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
+from ranks.core.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
 from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPoolReport, EmsPut, EmsTouch
 from xds_mpi.engine.ems import Directory
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
-from xds_mpi.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
 
 POISON = 0xFF  # a dead pool rank's DRAM, and an evicted slot's bytes
 

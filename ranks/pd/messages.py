@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xds_mpi.tags import (  # noqa: F401
+from ranks.core.tags import (  # noqa: F401
     TAG_PD_DONE,
     TAG_PD_PREFILLED,
     TAG_PD_PULL,

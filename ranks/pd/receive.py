@@ -22,6 +22,7 @@ from mpi4py import MPI
 from ranks.core.context import RankContext
 from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
+from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
@@ -45,7 +46,6 @@ from xccl.p2p import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
-from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(kw_only=True)

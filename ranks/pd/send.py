@@ -19,6 +19,7 @@ from ranks.core.context import RankContext
 from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
+from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
@@ -32,7 +33,6 @@ from ranks.recovery.pd_send_failover import SendFailover
 from xccl.p2p import pair_state, resync_pair
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
-from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 from ranks.core.control import wait_all
 from ranks.core.messages import JE
+from ranks.core.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 from ranks.recovery.detector import Detector, Loss, static_placement
 from ranks.recovery.scale_down import rebuild
 from ranks.recovery.watch import is_watched, watch_comm
-from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 
 
 @dataclass(frozen=True, kw_only=True)

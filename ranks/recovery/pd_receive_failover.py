@@ -20,9 +20,9 @@ import time
 
 from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
+from ranks.core.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 from ranks.recovery.link_probe import ProbeEchoer
 from xccl.errors import XcclError
-from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 
 class ReceiveFailover:

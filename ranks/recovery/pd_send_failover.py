@@ -23,8 +23,8 @@ from dataclasses import replace
 
 from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
+from ranks.core.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 from ranks.recovery.link_probe import LinkProber, LinkReport
-from xds_mpi.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 
 
 class SendFailover:

@@ -41,10 +41,10 @@ from dataclasses import dataclass, replace
 from mpi4py import MPI
 
 from ranks.core.control import recv_from_each, send_to_each
+from ranks.core.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 from xds_mpi.engine.slots import ExpertSlots
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.plan.failures import release_bound_s
-from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 
 
 @dataclass(frozen=True, kw_only=True)

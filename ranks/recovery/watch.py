@@ -39,15 +39,15 @@ from mpi4py import MPI
 
 from ranks.core.control import wait_all
 from ranks.core.messages import SHELL
-from xccl.vclock import VirtualClock
-from xds_mpi.config.schema import Config
-from xds_mpi.tags import (
+from ranks.core.tags import (
     TAG_FAILOVER,
     TAG_FAILURE_BEGAN,
     TAG_HEARTBEAT,
     TAG_HEARTBEAT_ACK,
     TAG_STOP,
 )
+from xccl.vclock import VirtualClock
+from xds_mpi.config.schema import Config
 
 
 @dataclass(frozen=True, kw_only=True)

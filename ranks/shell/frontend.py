@@ -19,6 +19,7 @@ from ranks.core.messages import (
     TAG_TOKENS,
     DieReport,
 )
+from ranks.core.tags import TAG_EMS_REPORT
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
@@ -30,7 +31,6 @@ from xds_mpi.engine.results import RequestRecord
 from xds_mpi.engine.workload import load_workload
 from xds_mpi.report import trace
 from xds_mpi.report.progress import Phases, Progress, Snapshot
-from xds_mpi.tags import TAG_EMS_REPORT
 
 
 def decode_groups(topo) -> tuple[int, ...]:

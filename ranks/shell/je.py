@@ -16,6 +16,7 @@ import time
 
 from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
+from ranks.core.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 from ranks.pd.messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from ranks.recovery.je_decode_loss import DecodeLossWatch
 from ranks.recovery.je_prefill_loss import PrefillWatch
@@ -24,7 +25,6 @@ from xds_mpi.engine.balancer import DecodeBalancer
 from xds_mpi.engine.pd_failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.engine.pd_results import PdBook
 from xds_mpi.engine.pd_route import PrefillRouter
-from xds_mpi.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 
 
 class LoadBalancer(DecodeBalancer):
