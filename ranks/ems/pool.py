@@ -31,6 +31,7 @@ from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
 from ranks.core.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
 from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPoolReport, EmsPut, EmsTouch
+from xccl.gmem import DieMemory
 from xds_mpi.engine.ems import Directory
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
 
@@ -38,8 +39,6 @@ POISON = 0xFF  # a dead pool rank's DRAM, and an evicted slot's bytes
 
 
 def run(ctx: RankContext) -> None:
-    from xccl.gmem import DieMemory
-
     handshake(ctx)
     rank, plan = ctx.comm.rank, ctx.plan
     mem = DieMemory(ctx.comm, plan.window_bytes[rank])  # collective, as every rank

@@ -42,10 +42,12 @@ from ranks.pd.messages import (
 )
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
-from xccl.p2p import pair_state, resync_pair
+from xccl.p2p import P2P, pair_state, resync_pair
 from xds_mpi.engine.pd_kv import kv_nbytes, projected_kv_bytes, unpack_kv
 from xds_mpi.engine.pd_task import PdTask
 from xds_mpi.engine.scheduler import Emitted, Sequence
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.plan.kv_link import kv_link_model
 
 
 @dataclass(kw_only=True)
@@ -70,10 +72,6 @@ class Incoming:
 
 class KvReceiver:
     def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
-        from xccl.p2p import P2P
-        from xds_mpi.model.shapes import cost_shape
-        from xds_mpi.plan.kv_link import kv_link_model
-
         cfg = ctx.cfg
         self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
         self.scheduler, self.executor = scheduler, executor

@@ -30,7 +30,7 @@ from ranks.pd.faults import (
 )
 from ranks.pd.messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from ranks.recovery.pd_send_failover import SendFailover
-from xccl.p2p import pair_state, resync_pair
+from xccl.p2p import P2P, pair_state, resync_pair
 from xds_mpi.engine.pd_kv import pack_kv
 from xds_mpi.engine.pd_task import PdTask
 
@@ -48,8 +48,6 @@ class Outgoing:
 
 class KvSender:
     def __init__(self, ctx: RankContext, mem, cache, scheduler, pricer) -> None:
-        from xccl.p2p import P2P
-
         cfg = ctx.cfg
         self.comm, self.rank, self.timeout_s = ctx.comm, ctx.comm.rank, cfg.xccl.poll_timeout_s
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from dataclasses import replace
 
 from mpi4py import MPI
 
@@ -23,6 +24,7 @@ from ranks.core.tags import TAG_EMS_REPORT
 from ranks.core.trace_io import gather_traces
 from ranks.recovery.detector import Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
+from ranks.recovery.scale_down import scale_down
 from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
 from xds_mpi.engine.balancer import DecodeBalancer
@@ -137,8 +139,6 @@ class Frontend:
     def _watch_dies(self) -> int:
         """§6.1-6.2: heartbeats; on silence, fence, judge and scale down. GET /health answers
         503 from the fence until the survivors serve again."""
-        from ranks.recovery.scale_down import scale_down
-
         silent = self.detector.silent_dies()
         if not silent:
             return 0
@@ -309,8 +309,6 @@ class Frontend:
     def admit(self, req, arrived_at: float) -> None:
         """A request from the endpoint (ranks/shell/endpoint.py), arrived at wall time
         `arrived_at`: queued like the workload's, or ended at once when it cannot be served."""
-        from dataclasses import replace
-
         req = replace(req, arrival_s=arrived_at - self.started)
         reason = rejection(req, self.ctx.cfg)
         self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
