@@ -16,7 +16,7 @@ from ranks.core.die_parts import make_pricer
 from ranks.core.messages import SHELL
 from ranks.recovery import scale_down
 from ranks.recovery.memory import afd_memory_check
-from ranks.recovery.recompute import Recomputer
+from ranks.recovery.recompute import Recomputer, Recoverable
 from ranks.recovery.watch import DieHealth, is_watched
 from xccl.agreement import IdleBackoff
 from xccl.gmem import DieMemory
@@ -28,7 +28,6 @@ from xds_mpi.model.weights import build_model
 from xds_mpi.report import trace
 
 if TYPE_CHECKING:
-    from ranks.recovery.recompute import Recoverable
     from xccl.afd.buffer import AfdBuffer
     from xds_mpi.engine.afd_plan import AfdPlan
 
