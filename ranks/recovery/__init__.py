@@ -22,7 +22,8 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       stops naming die and experts (`detector.Detector._why_not_scale` -> DecodeDieLost).
   Step 4 (§6.2 stage 2): the TE-shell tells every survivor which dies are lost, with EPLB its
       newest placement without their slots (`scale_down.scale_down` -> `scale_down.rebuild`).
-  Step 5 (§6.2 stage 2): each survivor rebuilds itself (`ColocatedDie.rebuild`,
+  Step 5 (§6.2 stage 2): each survivor takes the word in its loop (`DecodeDieLoop.out_turn`
+      -> `watch.DieHealth.take_failover`) and rebuilds itself (`ColocatedDie.rebuild`,
       `AfdDieBase.rebuild`): the interrupted iteration undone
       (`recompute.Recomputer.restore_interrupted`), a communicator of the survivors
       (`scale_down.survivors`), its XCCL buffer rebuilt on it (`EpBuffer.rebuilt`,
