@@ -7,7 +7,7 @@ Every program starts with the startup handshake (all ranks agree on config and t
 - attention, expert (ranks/afd/): disaggregated MoE-attention (§5.2).
 - prefill (ranks/pd/prefill.py): prefill dies, idle without PD; with PD the decode dies receive
   the KV cache (ranks/pd/decode.py) instead of prefilling in chunks.
-- pool (ranks/core/ems_pool.py): an EMS pool rank (`ems.enabled`, PD only): no die, its window
+- pool (ranks/ems/pool.py): an EMS pool rank (`ems.enabled`, PD only): no die, its window
   stands for CPU DRAM holding KV blocks the prefill dies pull (docs/ems.md).
 """
 
@@ -26,7 +26,7 @@ ROLE_PROGRAMS = {
     "attention": ("ranks.afd.attention:run", "ranks.pd.decode:run_attention"),
     "expert": ("ranks.afd.expert:run", "ranks.afd.expert:run"),
     "prefill": ("ranks.pd.prefill:run", "ranks.pd.prefill:run"),
-    "pool": ("ranks.core.ems_pool:run", "ranks.core.ems_pool:run"),
+    "pool": ("ranks.ems.pool:run", "ranks.ems.pool:run"),
 }
 
 

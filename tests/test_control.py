@@ -1,4 +1,4 @@
-"""The control plane's bounded completion of sends (xds_mpi/control.py `wait_all`), on one rank
+"""The control plane's bounded completion of sends (ranks/core/control.py `wait_all`), on one rank
 (COMM_SELF, where a send to oneself completes only once received): a send nobody receives
 stands for a peer that never takes its message."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 from mpi4py import MPI
 
-from xds_mpi.control import WaitTimeout, wait_all
+from ranks.core.control import WaitTimeout, wait_all
 
 TAG = 4711
 

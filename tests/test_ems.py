@@ -17,9 +17,9 @@ import pytest
 from harness import REPO_ROOT
 from test_serving import XDS_MPI, check_line
 
-from ranks.core.ems_client import EmsClient
-from ranks.core.ems_messages import EmsPut
-from ranks.core.ems_pool import PoolServer
+from ranks.ems.client import EmsClient
+from ranks.ems.messages import EmsPut
+from ranks.ems.pool import PoolServer
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.ems.cache import Directory, Record, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.model.mla import LatentCache

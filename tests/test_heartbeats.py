@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
+from ranks.core.tags import TAG_HEARTBEAT, TAG_HEARTBEAT_ACK
 from ranks.recovery.watch import HeartbeatResponder, HeartbeatSender
-from xds_mpi.tags import TAG_HEARTBEAT, TAG_HEARTBEAT_ACK
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Message tags: one registry (xds_mpi/tags.py), no value used twice, none defined elsewhere (two
+"""Message tags: one registry (ranks/core/tags.py), no value used twice, none defined elsewhere (two
 features once shared tag 231, and the trace gather received an EPLB count slice)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 from harness import REPO_ROOT
 
-from xds_mpi.tags import all_tags
+from ranks.core.tags import all_tags
 
 DEFINITION = re.compile(r"^\s*(TAG_\w+(?:\s*,\s*TAG_\w+)*)\s*=\s*\d", re.M)
 
@@ -23,7 +23,7 @@ def test_no_module_defines_its_own_tag():
         p
         for folder in ("xccl", "xds_mpi", "ranks", "launch")
         for p in (REPO_ROOT / folder).rglob("*.py")
-        if p != REPO_ROOT / "xds_mpi" / "tags.py"
+        if p != REPO_ROOT / "ranks" / "core" / "tags.py"
     ]
     found = {str(p.relative_to(REPO_ROOT)): DEFINITION.findall(p.read_text()) for p in sources}
     assert {p: names for p, names in found.items() if names} == {}

@@ -16,12 +16,18 @@ from ranks.core.die_parts import make_pricer
 from ranks.core.messages import SHELL
 from ranks.recovery import scale_down
 from ranks.recovery.memory import afd_memory_check
+from ranks.recovery.recompute import Recomputer, Recoverable
 from ranks.recovery.watch import DieHealth, is_watched
 from xccl.agreement import IdleBackoff
+from xccl.gmem import DieMemory
+from xccl.vclock import VirtualClock
+from xds_mpi.eplb.placement import from_topology
+from xds_mpi.eplb.ring import ring_placement
+from xds_mpi.execution.slots import ExpertSlots
+from xds_mpi.model.weights import build_model
 from xds_mpi.report import trace
 
 if TYPE_CHECKING:
-    from ranks.recovery.recompute import Recoverable
     from xccl.afd.buffer import AfdBuffer
     from xds_mpi.afd.plan import AfdPlan
 
@@ -30,21 +36,12 @@ def expert_placement(cfg, topo):
     """The expert dies' slots as placed for every MoE layer (one row): the topology's, or with
     health.replicas "ring" each expert die's redundant slots holding the next one's experts
     (xds_mpi/eplb/ring.py), so that an expert die can be lost (ranks/recovery/scale_down.py)."""
-    from xds_mpi.eplb.placement import from_topology
-    from xds_mpi.eplb.ring import ring_placement
-
     place = ring_placement if cfg.health.replicas == "ring" else from_topology
     return place(topo, 1)
 
 
 class AfdDieBase(DecodeDieLoop):
     def __init__(self, ctx: RankContext) -> None:
-        from ranks.recovery.recompute import Recomputer
-        from xccl.gmem import DieMemory
-        from xccl.vclock import VirtualClock
-        from xds_mpi.execution.slots import ExpertSlots
-        from xds_mpi.model.weights import build_model
-
         cfg, topo = ctx.cfg, ctx.topo
         self.ctx, self.cfg, self.topo, self.world = ctx, cfg, topo, ctx.comm
         self.mem = DieMemory(ctx.comm, ctx.plan.window_bytes[ctx.comm.rank])
@@ -79,6 +76,7 @@ class AfdDieBase(DecodeDieLoop):
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
+        # Lazy import, PD's colocated decode dies import this module, never build it: ~1 ms.
         from xccl.afd.buffer import AfdBuffer
 
         plan, xccl = self.ctx.plan, self.cfg.xccl
@@ -97,6 +95,7 @@ class AfdDieBase(DecodeDieLoop):
     def _call_plan(self) -> AfdPlan:
         """Which A2E/E2A calls an iteration makes: one per MoE layer (the MTP blocks' included),
         DP domain and microbatch."""
+        # Lazy import, PD's colocated decode dies import this module, never build it: ~2 ms.
         from xds_mpi.afd.plan import AfdPlan
 
         depth, num_layers = self.cfg.scheduler.mtp_depth, len(self.model.layers)

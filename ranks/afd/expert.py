@@ -16,6 +16,8 @@ from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
+from xccl.afd.loop import ExpertLoop
+from xds_mpi.afd.load import ExpertLoad
 from xds_mpi.report import trace
 
 
@@ -45,13 +47,12 @@ def run(ctx: RankContext) -> None:
 class ExpertDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
-        from xccl.afd.loop import ExpertLoop
 
         self.loop = ExpertLoop(self.afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
         self.layer_of: dict[int, int] = {}
         self.faulty: dict[tuple[int, int], object] = {}  # (layer, slot) -> NaN expert copy
         self.num_iterations = self.num_rows = 0
-        self.load = self._expert_load()  # what each call brought (xds_mpi/engine/afd_load.py)
+        self.load = self._expert_load()  # what each call brought (xds_mpi/afd/load.py)
 
     def iterate(self) -> bool:
         self.memory.check(self)  # expert slots gone bad (ranks/recovery/memory.py)
@@ -73,8 +74,6 @@ class ExpertDie(AfdDieBase):
     def install(self, afd, routing) -> None:
         """A rebuilt A2E/E2A buffer, after a failover (ranks/recovery/scale_down.py): a loop on
         it; its own slots hold what they held (routing: the attention dies')."""
-        from xccl.afd.loop import ExpertLoop
-
         self.loop = ExpertLoop(afd, self._compute, timeout_s=self.cfg.xccl.poll_timeout_s)
 
     def _compute(self, call, slot: int, rows: np.ndarray) -> np.ndarray:
@@ -103,8 +102,6 @@ class ExpertDie(AfdDieBase):
         return out
 
     def _expert_load(self):
-        from xds_mpi.afd.load import ExpertLoad
-
         me, slots = self.world.rank, self.slots
         mine = tuple(s for s, owner in enumerate(slots.slot_owner) if owner == me)
         return ExpertLoad(

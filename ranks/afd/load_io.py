@@ -1,4 +1,4 @@
-"""The expert dies' measured load (xds_mpi/engine/afd_load.py) on its way to the TE-shell: each
+"""The expert dies' measured load (xds_mpi/afd/load.py) on its way to the TE-shell: each
 expert die sends its `ExpertLoad` once at the end, after its trace; the TE-shell takes them after
 the traces and writes /afd_load in the run file (docs/afd_analysis.md reads it)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import SHELL
+from ranks.core.tags import TAG_AFD_LOAD
 from xds_mpi.afd.load import ExpertLoad
-from xds_mpi.control import recv_from_each, send_to_each
-from xds_mpi.tags import TAG_AFD_LOAD
 
 
 def send_load(comm: MPI.Comm, load: ExpertLoad, *, timeout_s: float) -> None:

@@ -5,12 +5,13 @@ every MoE layer's dispatch and combine, even with nothing to send.
 With `ems.enabled` (no PD) the colocated dies are the EMS pool's clients (docs/ems.md): a
 request's longest cached prefix is pulled when it reaches the die and written into its first KV
 slots on admission (its chunked prefill starts after them); when its prompt is done, its
-computed full blocks are put, sent without waiting (ranks/core/ems_client.py).
+computed full blocks are put, sent without waiting (ranks/ems/client.py).
 """
 
 from __future__ import annotations
 
 from ranks.colocated.eplb_hooks import make_eplb_die
+from ranks.colocated.replicas import ring_expert_map
 from ranks.core.context import RankContext
 from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
@@ -21,6 +22,12 @@ from ranks.recovery.memory import MemoryCheck
 from ranks.recovery.recompute import Recomputer
 from ranks.recovery.watch import DieHealth, is_watched, watch_comm, watcher
 from xccl.agreement import IdleBackoff
+from xccl.ep.buffer import EpBuffer
+from xccl.gmem import DieMemory
+from xccl.vclock import VirtualClock
+from xds_mpi.execution.executor import ColocatedExecutor
+from xds_mpi.execution.slots import ExpertSlots
+from xds_mpi.model.weights import build_model
 from xds_mpi.report import trace
 
 
@@ -31,12 +38,6 @@ def run(ctx: RankContext) -> None:
 
 class ColocatedDie(DecodeDieLoop):
     def __init__(self, ctx: RankContext) -> None:
-        from xccl.ep.buffer import EpBuffer
-        from xccl.gmem import DieMemory
-        from xccl.vclock import VirtualClock
-        from xds_mpi.execution.slots import ExpertSlots
-        from xds_mpi.model.weights import build_model
-
         cfg, topo, plan = ctx.cfg, ctx.topo, ctx.plan
         self.world = ctx.comm
         rank = ctx.comm.rank
@@ -47,7 +48,7 @@ class ColocatedDie(DecodeDieLoop):
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
         self.clock = clock = VirtualClock()
-        # One EP lane per microbatch (two: the two-stream decode, xds_mpi/engine/two_streams.py)
+        # One EP lane per microbatch (two: the two-stream decode, xds_mpi/execution/two_streams.py)
         lanes = tuple(
             EpBuffer(
                 self.mem,
@@ -79,7 +80,8 @@ class ColocatedDie(DecodeDieLoop):
         """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
         if ctx.plan.ems is None or ctx.comm.rank not in ctx.plan.ems.clients:
             return None
-        from ranks.core.ems_client import EmsClient
+        # Lazy import, with EMS only: hashlib and the client, ~6 ms of every other die's start-up.
+        from ranks.ems.client import EmsClient
 
         self.scheduler.prefix_hits = {}
         self.looked_up: set[int] = set()  # requests whose prefix was looked up
@@ -107,8 +109,6 @@ class ColocatedDie(DecodeDieLoop):
         answered from this loop (§6.1, ranks/recovery/watch.py)."""
         cfg, topo = ctx.cfg, ctx.topo
         if cfg.health.replicas == "ring":
-            from ranks.colocated.replicas import ring_expert_map
-
             moe_layers = self.executor.moe_layers()
             fixed = cfg.eplb.enabled  # EPLB balances the other redundant slots
             self.executor.expert_map = ring_expert_map(topo, model, moe_layers, fixed=fixed)
@@ -135,8 +135,6 @@ class ColocatedDie(DecodeDieLoop):
         )
 
     def _executor(self, ctx: RankContext, model, lanes, state, slots):
-        from xds_mpi.execution.executor import ColocatedExecutor
-
         cfg, topo = ctx.cfg, ctx.topo
         is_dedicated = cfg.deployment.shared_experts == "dedicated"
         return ColocatedExecutor(

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.core.messages import SHELL
-from xds_mpi.control import WaitTimeout
+from ranks.core.tags import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT
 from xds_mpi.eplb.placement import changed_slots, disable
-from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, CountSlice, PlacementUpdate
+from xds_mpi.eplb.records import CountSlice, PlacementUpdate
 from xds_mpi.report import trace
 
 MOE_OPS = ("gate", "dispatch", "experts", "combine")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from xds_mpi.eplb.expert_map import ExpertMap
 from xds_mpi.eplb.ring import ring_placement
 
 
@@ -9,8 +10,6 @@ def ring_expert_map(topo, model, moe_layers: tuple[int, ...], *, fixed: bool = F
     """A die's expert map with the ring's replicas in, their weights loaded from the model
     (fixed, with EPLB: the ring's slots are not redundant and compute with the model's own
     weights, xds_mpi/eplb/ring.py)."""
-    from xds_mpi.eplb.expert_map import ExpertMap
-
     expert_map = ExpertMap(ring_placement(topo, len(moe_layers), fixed=fixed), moe_layers)
     placement = expert_map.placement
     for row, layer_idx in enumerate(moe_layers):

@@ -3,29 +3,84 @@ an afd attention or expert die (ranks/afd/common.py). A turn answers the TE-shel
 (§6.1) and runs one iteration; a die the TE-shell's fence released, or a dead one, turns out of
 the iterations until it is told to rebuild without the lost dies (ranks/recovery/scale_down.py)
 or to stop. What differs between the dies (their iteration, their XCCL buffer, how they
-rebuild) each die says itself."""
+rebuild) each die says itself.
+
+The loop calls failure handling through the hooks declared here, never by importing it
+(ranks/recovery/ sits above core/): `DieWatch` (ranks/recovery/watch.py DieHealth implements
+it), `DieRecompute` (ranks/recovery/recompute.py Recomputer) and `Failover`
+(ranks/recovery/scale_down.py Failover). The role program installs them when it builds its die
+(ColocatedDie, AfdDieBase)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from mpi4py import MPI
 
 from ranks.core.messages import SHELL, TAG_STOP
-from ranks.recovery.scale_down import Failover, take_failover
-from ranks.recovery.watch import DieHealth
-from xccl.recovery.rollback import Released
+from xccl.recovery.rollback import Recovery, Released
+
+
+class Failover(Protocol):
+    """The watcher's word to a released die: go on without the dies `lost` (world ranks)."""
+
+    lost: tuple[int, ...]
+
+
+class DieWatch(Protocol):
+    """A watched die's side of the heartbeats (§6.1), as the loop calls it. shell: the
+    watcher's rank; is_dead: a dead row took effect (the die answers nothing); is_out: dead, or
+    released by the watcher's fence (the die runs no iteration)."""
+
+    shell: int
+    is_dead: bool
+
+    @property
+    def is_out(self) -> bool: ...
+
+    def check_dead(self) -> None:
+        """At the start of a turn: a dead row of this die's iteration takes effect."""
+
+    def answer(self) -> None:
+        """Between iterations: answer the heartbeats that arrived."""
+
+    def released(self) -> None:
+        """The fence released the die from a wait: out of the iterations."""
+
+    def take_failover(self) -> Failover | None:
+        """The watcher's Failover, if it arrived."""
+
+    def rejoined(self) -> None:
+        """The die rebuilt without the lost dies: it runs iterations again."""
+
+    def idle(self) -> None:
+        """A turn of a die that is out of the iterations."""
+
+    def close(self) -> None:
+        """Before the dies' last collective with the watcher."""
+
+
+class DieRecompute(Protocol):
+    """Token recomputation (§6.2 stage 3) as the loop reads it: recovery, the abort-word
+    window's rollback (None without faults or heartbeats), whose fence the agreement checks."""
+
+    recovery: Recovery | None
+
+    def free(self) -> None:
+        """The collective end of the abort-word window."""
 
 
 class DecodeDieLoop:
     """Attributes a die sets: world (the world communicator), dies (the dies' communicator),
-    mem (its first window), health (DieHealth, None when unwatched), recompute (Recomputer),
+    mem (its first window), health (DieWatch, None when unwatched), recompute (DieRecompute),
     is_scaled (rebuilt without lost dies), is_lost (lost itself: it leaves without a
     collective)."""
 
     world: MPI.Comm
     dies: MPI.Comm
-    health: DieHealth | None
+    health: DieWatch | None
+    recompute: DieRecompute
     is_scaled: bool = False
     is_lost: bool = False
 
@@ -65,7 +120,7 @@ class DecodeDieLoop:
         """A turn out of the iterations: a released survivor rebuilds once told which dies are
         lost; a lost die idles until the TE-shell's stop (then `leave`)."""
         health = self.health
-        failover = None if health.is_dead else take_failover(self.world, health.shell)
+        failover = None if health.is_dead else health.take_failover()
         if failover is not None:
             self.rebuild(failover)
             health.rejoined()

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.core.messages import (
     SHELL,
     TAG_CANCEL,
@@ -20,7 +21,6 @@ from ranks.core.messages import (
 )
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
-from xds_mpi.control import WaitTimeout
 from xds_mpi.execution.pricing import IterationTiming
 from xds_mpi.report import trace
 from xds_mpi.scheduling.scheduler import DieScheduler, Emitted
@@ -29,7 +29,7 @@ from xds_mpi.scheduling.scheduler import DieScheduler, Emitted
 @dataclass(frozen=True, kw_only=True)
 class DieTotals:
     """A decode die's run, for its report to the TE-shell. virtual_spent: operation -> virtual
-    seconds (xds_mpi/engine/pricing.py); recovery: the token recomputation counters
+    seconds (xds_mpi/execution/pricing.py); recovery: the token recomputation counters
     (ranks/recovery/recompute.py, faults_injected summed over every die)."""
 
     num_iterations: int

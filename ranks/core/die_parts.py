@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ranks.core.die_io import DieTotals
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config
+from xds_mpi.execution.pricing import Pricer
+from xds_mpi.model.kv_blocks import BlockTable
+from xds_mpi.model.mla import LatentCache
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.model.tokenizer import EOS_ID
+from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.report import trace
+from xds_mpi.scheduling.scheduler import DieScheduler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,11 +30,6 @@ class DecodeState:
 
 def decode_state(cfg: Config, model, scheduler_class=None) -> DecodeState:
     """scheduler_class: DieScheduler or a subclass (the prefill dies' PrefillScheduler)."""
-    from xds_mpi.model.kv_blocks import BlockTable
-    from xds_mpi.model.mla import LatentCache
-    from xds_mpi.model.tokenizer import EOS_ID
-    from xds_mpi.scheduling.scheduler import DieScheduler
-
     sched = cfg.scheduler
     table = BlockTable(num_blocks=sched.num_kv_blocks_per_die, block_tokens=sched.kv_block_tokens)
     cache = LatentCache(
@@ -52,21 +56,16 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None, pro
     """The die's pricer: the cost model at the target shape on the configured hardware profile,
     advancing `clock` (which the die's trace reads too); routed experts spread over the dies
     that host routed slots. The attention and expert dies of an afd deployment (`rank`: this
-    die, `afd_topo`: the plan's topology) also price A2E/E2A (xds_mpi/engine/afd_pricing.py);
+    die, `afd_topo`: the plan's topology) also price A2E/E2A (xds_mpi/afd/pricing.py);
     colocated and prefill dies (no afd_topo) price dispatch/combine. profile: this die's hardware
     profile when it is not hardware.profile (a 910B prefill die: pd.prefill_profile)."""
-    from xds_mpi.config.hardware import load_profile
-    from xds_mpi.execution.pricing import Pricer
-    from xds_mpi.model.shapes import cost_shape
-    from xds_mpi.projection.cost import CostModel, Hardware
-    from xds_mpi.report import trace
-
     hardware = Hardware.from_profile(load_profile(profile or cfg.hardware.profile))
     cost = CostModel(cost_shape(), hardware, kv_int8=cfg.scheduler.kv_int8)
     trace.set_clock(clock)
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:
         return Pricer(cost, cfg.model, clock, **args)
+    # Lazy import, afd dies only: ~2 ms of every colocated die's start-up otherwise.
     from xds_mpi.afd.pricing import AfdPricer
     from xds_mpi.projection.layers import AfdHops, counts
 

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 
 from ranks.core.context import RankContext
-from xds_mpi.control import recv_from_each, send_to_each
-from xds_mpi.tags import TAG_HELLO, TAG_VERDICT
+from ranks.core.control import recv_from_each, send_to_each
+from ranks.core.tags import TAG_HELLO, TAG_VERDICT
 
 
 @dataclass(frozen=True, kw_only=True)

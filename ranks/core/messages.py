@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ranks.core.tags import TAG_CANCEL, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
 from xds_mpi.scheduling.scheduler import VerifiedDrafts
-from xds_mpi.tags import TAG_CANCEL, TAG_REPORT, TAG_REQUEST, TAG_STOP, TAG_TOKENS  # noqa: F401
 
 SHELL = 0  # the TE-shell's rank
 JE = SHELL  # PD: the job executor takes the TE-shell's place (the decode TE-shell is rank 1)
@@ -44,4 +44,4 @@ class DieReport:
         default_factory=dict
     )  # token recomputation (ranks/recovery/recompute.py)
     cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed
-    ems: dict = field(default_factory=dict)  # the EMS client's counts (ranks/core/ems_client.py)
+    ems: dict = field(default_factory=dict)  # the EMS client's counts (ranks/ems/client.py)

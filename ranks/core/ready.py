@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ranks.core.control import recv_from_each
+from ranks.core.tags import TAG_READY
 from xds_mpi.config.dataclass_cache import release as release_dataclass_cache
-from xds_mpi.control import recv_from_each
-from xds_mpi.tags import TAG_READY
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import SHELL
-from xds_mpi.control import recv_from_each, send_to_each
+from ranks.core.tags import TAG_TRACE
 from xds_mpi.report import trace
 from xds_mpi.report.trace import SpanRecord
-from xds_mpi.tags import TAG_TRACE
 
 # The roles whose ranks send a trace. A role added later (prefill dies under PD) adds its name
 # here and calls send_trace at the end of its program.

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from ranks.core.die_io import SHELL
-from xds_mpi.tags import TAG_PD_FAULT_BEGAN
+from ranks.core.tags import TAG_PD_FAULT_BEGAN
 
 
 @dataclass(frozen=True, kw_only=True)

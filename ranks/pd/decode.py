@@ -7,6 +7,8 @@ its first decode step."""
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from ranks.afd.attention import AttentionDie
 from ranks.colocated.die import ColocatedDie
 from ranks.core.context import RankContext
@@ -47,8 +49,6 @@ class PdDecode:
         """A lost decode die at the job's end (ranks/recovery/decode_loss.py): what the decode
         TE-shell
         and the prefill dies sent it meanwhile (tasks, pings, probes) taken too."""
-        from mpi4py import MPI
-
         super().leave()
         comm = self.outbox.comm
         while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)) is not None:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ranks.core.control import WaitTimeout
 from xccl.errors import InjectedFault, XcclError
-from xds_mpi.control import WaitTimeout
 from xds_mpi.execution.faults import FaultPlan, LayerEvents
 
 MAX_ATTEMPTS = 64  # event id = req_id x MAX_ATTEMPTS + attempt

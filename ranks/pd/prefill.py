@@ -11,10 +11,10 @@ prompt), and each finished prompt becomes a PD-transfer task (metadata and block
 to the JE. When a decode die asks (KvPull: its irecv is posted), the die isends the latent KV
 (ranks/pd/send.py); a completed send frees the blocks. With ems.enabled a die pulls each
 assigned prompt's longest cached prefix from the EMS pool and puts its computed full blocks
-there once the prompt is done (ranks/core/ems_client.py, docs/ems.md).
+there once the prompt is done (ranks/ems/client.py, docs/ems.md).
 
 With `deployment.prefill_tp` > 1 a prefill DP group is a TP group of that many dies
-(xds_mpi/engine/prefill_tp.py): the leader schedules per group (one status per group, every die
+(xds_mpi/execution/prefill_tp.py): the leader schedules per group (one status per group, every die
 of a group handed the same requests), every die of the group runs the same batch, its share of
 the rows and of the attention heads (SP-TP-SP), and only the group's leader hands finished
 prompts over and sends their KV; the others free their copy of the blocks at once.
@@ -30,15 +30,20 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.handshake import handshake
 from ranks.core.messages import TAG_REQUEST, TAG_STOP, TAG_TOKENS, TokenBatch
-from ranks.core.pd_messages import TAG_PD_PREFILLED
 from ranks.core.ready import report_ready
+from ranks.pd.messages import TAG_PD_PREFILLED
+from ranks.pd.prefill_loss import PrefillLoss
 from ranks.pd.send import KvSender
-from ranks.recovery.prefill_loss import PrefillLoss
 from ranks.recovery.watch import HeartbeatResponder
-from xds_mpi.control import wait_all
+from xccl.gmem import DieMemory
+from xccl.tp_gather import TpGather
+from xccl.vclock import LinkModel
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.execution.prefill_tp import TpPrefillExecutor, TpPricer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +71,6 @@ def run(ctx: RankContext) -> None:
 
 class PrefillDie:
     def __init__(self, ctx: RankContext) -> None:
-        from xccl.gmem import DieMemory
-
         plan, rank = ctx.plan, ctx.comm.rank
         self.ctx, self.comm, self.rank = ctx, ctx.comm, rank
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank])
@@ -79,9 +82,10 @@ class PrefillDie:
         self.is_tp_leader = rank == plan.pd.tp_group_of(rank)[0]  # sends its group's KV
         self._build(ctx)
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
-        self.ems = None  # the EMS context cache (ranks/core/ems_client.py), with ems.enabled
+        self.ems = None  # the EMS context cache (ranks/ems/client.py), with ems.enabled
         if plan.ems is not None:
-            from ranks.core.ems_client import EmsClient
+            # Lazy import, with EMS only: hashlib and the client, ~6 ms of start-up otherwise.
+            from ranks.ems.client import EmsClient
 
             self.ems = EmsClient(ctx, self.mem, self.cache)
             self.scheduler.prefix_hits = {}
@@ -97,6 +101,7 @@ class PrefillDie:
         self.loss = PrefillLoss(ctx.cfg, rank)  # an injected dead / stuck die (emulated)
 
     def _build(self, ctx: RankContext) -> None:
+        # Lazy import, an idle prefill die (pd off) never builds: ~4 ms of its start-up.
         from ranks.core.die_parts import decode_state, make_pricer
         from xccl.ep.buffer import EpBuffer
         from xccl.vclock import VirtualClock
@@ -112,7 +117,7 @@ class PrefillDie:
         num_experts = len(slot_owner)
         slots = ExpertSlots(slot_owner=slot_owner, num_routed_slots=num_experts, shared_slot_of={})
         clock = VirtualClock()
-        # One EP lane per microbatch (two: the prefill pipeline, xds_mpi/engine/two_streams.py)
+        # One EP lane per microbatch (two: the prefill pipeline, xds_mpi/execution/two_streams.py)
         lanes = tuple(
             EpBuffer(
                 self.mem,
@@ -145,13 +150,8 @@ class PrefillDie:
         )
 
     def _tp_parts(self, ctx: RankContext, clock):
-        """A TP group's die (xds_mpi/engine/prefill_tp.py): its executor class and gather, and
+        """A TP group's die (xds_mpi/execution/prefill_tp.py): its executor class and gather, and
         its pricer (replacing `self.pricer`)."""
-        from xccl.tp_gather import TpGather
-        from xccl.vclock import LinkModel
-        from xds_mpi.config.hardware import load_profile
-        from xds_mpi.execution.prefill_tp import TpPrefillExecutor, TpPricer
-
         cfg, pd, topo = ctx.cfg, ctx.plan.pd, ctx.plan.topo
         layout = pd.tp_layout_of(self.rank)
         servers = {topo.ranks[r].server for r in layout.members}
@@ -224,6 +224,7 @@ class PrefillDie:
     def _assign(self) -> int:
         """The leader gathers every group's status and hands out pending requests (only called
         while requests are pending); returns how many were assigned in all."""
+        # Lazy import, as in _build: an idle prefill die (pd off) never assigns.
         from xds_mpi.pd.prefill import assign
 
         cfg = self.ctx.cfg

@@ -20,8 +20,18 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
-from ranks.core.pd_messages import (
+from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
+from ranks.pd.channel import ChannelFaults
+from ranks.pd.faults import (
+    KvAbort,
+    check_deadline,
+    install,
+    kv_event_id,
+    poll_transfer,
+)
+from ranks.pd.messages import (
     TAG_PD_DONE,
     TAG_PD_PULL,
     TAG_PD_READY,
@@ -30,22 +40,15 @@ from ranks.core.pd_messages import (
     KvPull,
     KvTransferDone,
 )
-from ranks.pd.faults import (
-    KvAbort,
-    check_deadline,
-    install,
-    kv_event_id,
-    poll_transfer,
-)
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
-from xccl.p2p import pair_state, resync_pair
-from xds_mpi.control import wait_all
+from xccl.p2p import P2P, pair_state, resync_pair
+from xds_mpi.model.shapes import cost_shape
 from xds_mpi.pd.kv import kv_nbytes, unpack_kv
 from xds_mpi.pd.task import PdTask
+from xds_mpi.plan.kv_link import kv_link_model
 from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.scheduling.scheduler import Emitted, Sequence
-from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(kw_only=True)
@@ -70,10 +73,6 @@ class Incoming:
 
 class KvReceiver:
     def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
-        from xccl.p2p import P2P
-        from xds_mpi.model.shapes import cost_shape
-        from xds_mpi.plan.kv_link import kv_link_model
-
         cfg = ctx.cfg
         self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
         self.scheduler, self.executor = scheduler, executor
@@ -88,7 +87,8 @@ class KvReceiver:
         }
         self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
         self.decode_shell = ctx.plan.pd.decode_shell
-        self.failover = ReceiveFailover(ctx, self, clock=executor.pricer.clock)
+        saturated = ChannelFaults(ctx.cfg, self.rank, "saturated")  # its injected rows
+        self.failover = ReceiveFailover(ctx, self, saturated, clock=executor.pricer.clock)
         self.deferred: deque[Incoming] = deque()
         self.posted: dict[int, Incoming] = {}  # receives in flight (or being retried)
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens

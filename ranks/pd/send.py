@@ -16,9 +16,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
-from ranks.core.pd_messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
+from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
+from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
     KvAbort,
     check_deadline,
@@ -26,12 +28,11 @@ from ranks.pd.faults import (
     kv_event_id,
     poll_transfer,
 )
+from ranks.pd.messages import TAG_PD_PULL, TAG_PD_READY, KvPull, PrefillReport
 from ranks.recovery.pd_send_failover import SendFailover
-from xccl.p2p import pair_state, resync_pair
-from xds_mpi.control import wait_all
+from xccl.p2p import P2P, pair_state, resync_pair
 from xds_mpi.pd.kv import pack_kv
 from xds_mpi.pd.task import PdTask
-from xds_mpi.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,14 +48,13 @@ class Outgoing:
 
 class KvSender:
     def __init__(self, ctx: RankContext, mem, cache, scheduler, pricer) -> None:
-        from xccl.p2p import P2P
-
         cfg = ctx.cfg
         self.comm, self.rank, self.timeout_s = ctx.comm, ctx.comm.rank, cfg.xccl.poll_timeout_s
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
         self.faults = install(self.p2p, cfg, self.rank)
-        self.failover = SendFailover(ctx, clock=lambda: pricer.clock.now_ns / 1e9)
+        link = ChannelFaults(cfg, self.rank, "link")  # this die's injected link rows
+        self.failover = SendFailover(ctx, link, clock=lambda: pricer.clock.now_ns / 1e9)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
         self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
         self.outgoing: dict[int, Outgoing] = {}  # req -> its send in flight

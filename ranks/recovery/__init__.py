@@ -22,7 +22,8 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       stops naming die and experts (`detector.Detector._why_not_scale` -> DecodeDieLost).
   Step 4 (§6.2 stage 2): the TE-shell tells every survivor which dies are lost, with EPLB its
       newest placement without their slots (`scale_down.scale_down` -> `scale_down.rebuild`).
-  Step 5 (§6.2 stage 2): each survivor rebuilds itself (`ColocatedDie.rebuild`,
+  Step 5 (§6.2 stage 2): each survivor takes the word in its loop (`DecodeDieLoop.out_turn`
+      -> `watch.DieHealth.take_failover`) and rebuilds itself (`ColocatedDie.rebuild`,
       `AfdDieBase.rebuild`): the interrupted iteration undone
       (`recompute.Recomputer.restore_interrupted`), a communicator of the survivors
       (`scale_down.survivors`), its XCCL buffer rebuilt on it (`EpBuffer.rebuilt`,
@@ -48,6 +49,7 @@ or an expert slot masked while a replica serves (`memory.SlotMask.check`; afd:
 
 PD (§6.2 "P/D separate failover"): a decode die's loss is found by the decode TE-shell
 (`decode_loss.DecodeWatch`) and its requests moved by the JE (`je_decode_loss`); a lost prefill
-die (`prefill_loss`, `je_prefill_loss`); a KV link or a saturated die (`link_probe`,
-`pd_send_failover`, `pd_receive_failover`).
+die (`je_prefill_loss`); a KV link or a saturated die (`link_probe`, `pd_send_failover`,
+`pd_receive_failover`). The faults themselves are emulated on their dies, in ranks/pd/
+(`prefill_loss.py`, `channel.py`), which recovery never imports.
 """

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ranks.core.control import wait_all
 from ranks.core.messages import JE
-from ranks.recovery.detector import Detector, Loss
+from ranks.core.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
+from ranks.recovery.detector import Detector, Loss, static_placement
 from ranks.recovery.scale_down import rebuild
 from ranks.recovery.watch import is_watched, watch_comm
-from ranks.shell.frontend import static_placement
-from xds_mpi.control import wait_all
-from xds_mpi.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 
 
 @dataclass(frozen=True, kw_only=True)

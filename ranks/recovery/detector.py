@@ -32,12 +32,22 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.tags import TAG_FAILURE_BEGAN
 from ranks.recovery.records import Detection, failure_records, with_timeouts
 from ranks.recovery.watch import PACE_FACTOR, FaultBegan, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
-from xds_mpi.eplb.placement import Placement, remove_die
+from xds_mpi.eplb.placement import Placement, from_topology, remove_die
+from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.results.failures import FailureRecord, write_failures
-from xds_mpi.tags import TAG_FAILURE_BEGAN
+
+
+def static_placement(ctx) -> Placement:
+    """The expert placement without EPLB, the one a loss is checked against then: the ring
+    replicas' (health.replicas ring), else the topology's."""
+    cfg = ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
+    num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
+    place = ring_placement if cfg.health.replicas == "ring" else from_topology
+    return place(ctx.topo, num_moe_layers)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,19 +24,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
-from ranks.recovery.records import failure_records, with_timeouts
-from ranks.recovery.scale_down import resumed
-from ranks.recovery.watch import is_watched
-from xds_mpi.control import recv_from_each, send_to_each
-from xds_mpi.plan.failures import release_bound_s
-from xds_mpi.tags import (
+from ranks.core.control import recv_from_each, send_to_each
+from ranks.core.tags import (
     TAG_PD_DECODE_BOOK,
     TAG_PD_DECODE_HELD,
     TAG_PD_DECODE_LOST,
     TAG_PD_DECODE_WITHDRAW,
     TAG_STOP,
 )
+from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
+from ranks.recovery.records import failure_records, with_timeouts
+from ranks.recovery.scale_down import resumed
+from ranks.recovery.watch import is_watched
+from xds_mpi.plan.failures import release_bound_s
 
 
 @dataclass(kw_only=True)

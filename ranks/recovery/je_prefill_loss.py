@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from ranks.core.messages import TAG_REQUEST
+from ranks.core.tags import TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 from ranks.recovery.watch import HeartbeatSender
-from xds_mpi.tags import TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 
 @dataclass(kw_only=True)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
-from xds_mpi.control import wait_all
-from xds_mpi.tags import TAG_PD_ECHO, TAG_PD_PROBE, TAG_PD_VERDICT
+from ranks.core.tags import TAG_PD_ECHO, TAG_PD_PROBE, TAG_PD_VERDICT
 
 
 @dataclass(frozen=True, kw_only=True)

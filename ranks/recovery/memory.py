@@ -53,9 +53,9 @@ from typing import Protocol
 from mpi4py import MPI
 
 from ranks.core.messages import SHELL
+from ranks.core.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 from xds_mpi.eplb.placement import Placement, disable
 from xds_mpi.results.failures import FailureRecord
-from xds_mpi.tags import TAG_MEMORY_FAULT, TAG_PD_DONE
 
 
 @dataclass(frozen=True, kw_only=True)

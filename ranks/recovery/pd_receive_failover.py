@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import time
 
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
-from ranks.pd.channel import ChannelFaults
+from ranks.core.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 from ranks.recovery.link_probe import ProbeEchoer
 from xccl.errors import XcclError
-from xds_mpi.control import wait_all
-from xds_mpi.tags import TAG_PD_CANCEL, TAG_PD_PREFILL_LOST, TAG_PD_WITHDRAWN
 
 
 class ReceiveFailover:
-    def __init__(self, ctx, receiver, clock) -> None:
-        """clock: the die's virtual clock (its seconds go into the channel's records)."""
+    def __init__(self, ctx, receiver, channel, clock) -> None:
+        """channel: the die's injected `saturated` rows (ranks/pd/channel.py ChannelFaults, built
+        by the die); clock: the die's virtual clock (its seconds go into the channel's
+        records)."""
         self.comm, self.rank, self.receiver, self.clock = ctx.comm, ctx.comm.rank, receiver, clock
-        self.channel = ChannelFaults(ctx.cfg, self.rank, "saturated")
+        self.channel = channel
         self.echoer = ProbeEchoer(self.comm, self.channel)
         self.sends: list = []
         self.timeout_s = ctx.cfg.xccl.poll_timeout_s  # completing the sends at the end

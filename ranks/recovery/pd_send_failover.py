@@ -21,18 +21,19 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
-from ranks.pd.channel import ChannelFaults
+from ranks.core.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 from ranks.recovery.link_probe import LinkProber, LinkReport
-from xds_mpi.control import wait_all
-from xds_mpi.tags import TAG_PD_DECODE_HELD, TAG_PD_DECODE_WITHDRAW
 
 
 class SendFailover:
-    def __init__(self, ctx, clock) -> None:
+    def __init__(self, ctx, channel, clock) -> None:
+        """channel: the die's injected `link` rows (ranks/pd/channel.py ChannelFaults, built by
+        the die: recovery reads the injection only through it)."""
         comm, rank = ctx.comm, ctx.comm.rank
         self.comm = comm
-        self.channel = ChannelFaults(ctx.cfg, rank, "link")
+        self.channel = channel
         self.prober = LinkProber(comm, rank, ctx.cfg.health, clock, self.channel.is_link_down)
         self.clock = clock
         self.held: dict[int, tuple[object, float]] = {}  # req -> (its KvPull, held since)

@@ -159,6 +159,9 @@ class IterationAttempts:
 
 
 class Recomputer:
+    """A die's token recomputation; the die installs it as its `recompute` (the hook the
+    decode-die loop reads, ranks/core/decode_die.py DieRecompute)."""
+
     def __init__(
         self,
         cfg: Config,

@@ -40,12 +40,11 @@ from dataclasses import dataclass, replace
 
 from mpi4py import MPI
 
-from ranks.core.messages import SHELL
-from xds_mpi.control import recv_from_each, send_to_each
+from ranks.core.control import recv_from_each, send_to_each
+from ranks.core.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.execution.slots import ExpertSlots
 from xds_mpi.plan.failures import release_bound_s
-from xds_mpi.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,13 +138,6 @@ def resumed(record):
 
 
 # -- a die's side -----------------------------------------------------------------------------
-def take_failover(comm: MPI.Comm, shell: int = SHELL) -> Failover | None:
-    """The TE-shell's Failover, if it arrived. shell: the watcher's rank (PD: the decode
-    TE-shell, ranks/recovery/watch.py watcher)."""
-    message = comm.improbe(source=shell, tag=TAG_FAILOVER)
-    return None if message is None else message.recv()
-
-
 def survivors(dies: MPI.Comm, world: MPI.Comm, lost: tuple[int, ...]) -> MPI.Comm:
     """Step 2: the dies of `dies` but the `lost` world ranks, as a communicator of their own
     (collective over the survivors only)."""

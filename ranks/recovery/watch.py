@@ -37,11 +37,17 @@ from typing import Protocol
 
 from mpi4py import MPI
 
+from ranks.core.control import wait_all
 from ranks.core.messages import SHELL
+from ranks.core.tags import (
+    TAG_FAILOVER,
+    TAG_FAILURE_BEGAN,
+    TAG_HEARTBEAT,
+    TAG_HEARTBEAT_ACK,
+    TAG_STOP,
+)
 from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import Config
-from xds_mpi.control import wait_all
-from xds_mpi.tags import TAG_FAILURE_BEGAN, TAG_HEARTBEAT, TAG_HEARTBEAT_ACK, TAG_STOP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +291,8 @@ class WatchedDie(Protocol):
 
 class DieHealth:
     """A die's side of the heartbeats: rank, the die's world rank; die, what it reads of the die
-    (WatchedDie); shell, the watcher's rank (`watcher`)."""
+    (WatchedDie); shell, the watcher's rank (`watcher`). The hook the decode-die loop calls
+    (ranks/core/decode_die.py DieWatch), installed as the die's `health` when it is built."""
 
     def __init__(self, cfg: Config, comm: MPI.Comm, die: WatchedDie, *, shell: int = SHELL) -> None:
         self.comm, self.rank, self.shell, self.die = comm, comm.rank, shell, die
@@ -331,6 +338,11 @@ class DieHealth:
     def released(self) -> None:
         """The fence released this die from a wait or the agreement: out of the iterations."""
         self.is_released = True
+
+    def take_failover(self):
+        """The watcher's Failover (ranks/recovery/scale_down.py), if it arrived."""
+        message = self.comm.improbe(source=self.shell, tag=TAG_FAILOVER)
+        return None if message is None else message.recv()
 
     def rejoined(self) -> None:
         """The die rebuilt without the lost dies (ranks/recovery/scale_down.py): it runs

@@ -16,18 +16,17 @@ import time
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import WaitTimeout, wait_all
 from ranks.core.handshake import handshake
 from ranks.core.messages import JE, TAG_STOP
-from ranks.core.pd_messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.core.ready import report_ready
+from ranks.pd.messages import TAG_PD_DONE, TAG_PD_TASK
 from ranks.recovery.decode_loss import DecodeWatch
-from xds_mpi.control import WaitTimeout, wait_all
+from xccl.gmem import DieMemory
 from xds_mpi.pd.failover import Routed, pick_decode
 
 
 def run(ctx: RankContext) -> None:
-    from xccl.gmem import DieMemory
-
     handshake(ctx)
     mem = DieMemory(ctx.comm, 0)  # joins the window collective, holds no die memory
     alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -41,6 +40,7 @@ def run(ctx: RankContext) -> None:
 
 class DecodeShell:
     def __init__(self, ctx: RankContext) -> None:
+        # Lazy import, PD only: ~2 ms of a TE-shell's start-up without PD.
         from ranks.shell.je import LoadBalancer
 
         sched = ctx.cfg.scheduler

@@ -34,6 +34,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from xds_mpi.config.serve import ServeConfig
 from xds_mpi.workload.requests import Request
 
@@ -220,8 +222,6 @@ class Endpoint:
         )
 
     def _run(self) -> None:
-        from aiohttp import web
-
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         self._stopped = asyncio.Event()

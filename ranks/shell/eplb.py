@@ -22,9 +22,10 @@ from collections import deque
 import numpy as np
 from mpi4py import MPI
 
+from ranks.core.tags import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT
 from xds_mpi.eplb.placement import Placement, changed_slots, from_topology, remove_die
 from xds_mpi.eplb.policy import keep_improvements, predicted_max_over_mean, rebalance
-from xds_mpi.eplb.records import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT, PlacementUpdate
+from xds_mpi.eplb.records import PlacementUpdate
 from xds_mpi.eplb.report import SCALED_BATCH, EplbReport, Reconfig, SliceTotals
 from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.plan.eplb import budget

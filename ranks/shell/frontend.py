@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from dataclasses import replace
 
 from mpi4py import MPI
 
 from ranks.afd.load_io import gather_loads
 from ranks.core.context import RankContext
+from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from ranks.core.messages import (
     TAG_CANCEL,
     TAG_REPORT,
@@ -18,17 +20,17 @@ from ranks.core.messages import (
     TAG_TOKENS,
     DieReport,
 )
+from ranks.core.tags import TAG_EMS_REPORT
 from ranks.core.trace_io import gather_traces
-from ranks.recovery.detector import Detector
+from ranks.recovery.detector import Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
+from ranks.recovery.scale_down import scale_down
 from ranks.recovery.watch import is_watched, watch_comm, watcher
 from ranks.shell.eplb import make_eplb_shell
-from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.report import trace
 from xds_mpi.report.progress import Phases, Progress, Snapshot
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.scheduling.balancer import DecodeBalancer
-from xds_mpi.tags import TAG_EMS_REPORT
 from xds_mpi.workload.requests import rejection
 from xds_mpi.workload.stream import load_workload
 
@@ -36,18 +38,6 @@ from xds_mpi.workload.stream import load_workload
 def decode_groups(topo) -> tuple[int, ...]:
     """The DP groups requests go to: the colocated dies, or the attention dies (afd)."""
     return topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
-
-
-def static_placement(ctx):
-    """The expert placement without EPLB: the ring replicas' (health.replicas ring), else the
-    topology's."""
-    from xds_mpi.eplb.placement import from_topology
-    from xds_mpi.eplb.ring import ring_placement
-
-    cfg = ctx.cfg  # the MoE layers EPLB would place: main ones, then the MTP layers
-    num_moe_layers = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.scheduler.mtp_depth
-    place = ring_placement if cfg.health.replicas == "ring" else from_topology
-    return place(ctx.topo, num_moe_layers)
 
 
 # The TE-shell's pause while no work comes: from IDLE_FIRST_S doubling to IDLE_LAST_S, none after
@@ -149,8 +139,6 @@ class Frontend:
     def _watch_dies(self) -> int:
         """§6.1-6.2: heartbeats; on silence, fence, judge and scale down. GET /health answers
         503 from the fence until the survivors serve again."""
-        from ranks.recovery.scale_down import scale_down
-
         silent = self.detector.silent_dies()
         if not silent:
             return 0
@@ -321,8 +309,6 @@ class Frontend:
     def admit(self, req, arrived_at: float) -> None:
         """A request from the endpoint (ranks/shell/endpoint.py), arrived at wall time
         `arrived_at`: queued like the workload's, or ended at once when it cannot be served."""
-        from dataclasses import replace
-
         req = replace(req, arrival_s=arrived_at - self.started)
         reason = rejection(req, self.ctx.cfg)
         self.records[req.req_id] = RequestRecord(req=req, rejected=reason)

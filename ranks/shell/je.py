@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import time
 
+from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.messages import TAG_REPORT, TAG_REQUEST, TAG_STOP
-from ranks.core.pd_messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
+from ranks.core.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
+from ranks.pd.messages import TAG_PD_PREFILLED, TAG_PD_READY, TAG_PD_TASK, TAG_PD_TRANSFER
 from ranks.recovery.je_decode_loss import DecodeLossWatch
 from ranks.recovery.je_prefill_loss import PrefillWatch
 from ranks.shell.frontend import Frontend
-from xds_mpi.control import recv_from_each, send_to_each
 from xds_mpi.pd.failover import PdFailover, Routed, loss_record, pick_decode
 from xds_mpi.pd.results import PdBook
 from xds_mpi.pd.route import PrefillRouter
 from xds_mpi.scheduling.balancer import DecodeBalancer
-from xds_mpi.tags import TAG_EMS_REPORT, TAG_PD_CANCEL, TAG_PD_FAULT_BEGAN, TAG_PD_VERDICT
 
 
 class LoadBalancer(DecodeBalancer):

@@ -21,9 +21,17 @@ from ranks.core.handshake import handshake
 from ranks.core.ready import await_ready
 from ranks.recovery.detector import DecodeDieLost
 from ranks.shell import decode_shell
+from xccl.gmem import DieMemory, Traffic
 from xds_mpi.report import trace
 from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.report.trace_writer import trace_path, write_trace
+from xds_mpi.results.failures import write_failures
+from xds_mpi.results.results import (
+    check_against_reference,
+    format_summary,
+    summarize,
+    write_serving,
+)
 
 if TYPE_CHECKING:  # imported when serving starts, after the handshake
     from ranks.shell.frontend import Frontend
@@ -45,6 +53,7 @@ def run(ctx: RankContext) -> int:
             handshake_s,
             ctx.topo.summary(),
         )
+        # Lazy import, after the handshake: rank 0's imports before it delay every rank (~8 ms).
         from ranks.shell.frontend import decode_groups
 
         if decode_groups(ctx.topo):
@@ -82,6 +91,7 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     """serve.enabled: the HTTP endpoint (ranks/shell/endpoint.py) listening, not ready yet,
     fed by `frontend`; it shuts down on a signal or, at the latest, SHUTDOWN_MARGIN before
     run.timeout_s (MPIEXEC_TIMEOUT) would kill the job."""
+    # Lazy import, serve only: aiohttp and the API, ~160 ms of start-up otherwise.
     from ranks.shell.endpoint import Endpoint, EndpointFeed
     from ranks.shell.openai_api import make_app
     from ranks.shell.serve_metrics import ServeMetrics
@@ -118,8 +128,6 @@ class Serving:
     against the reference."""
 
     def __init__(self, ctx: RankContext, *, started: float) -> None:
-        from xds_mpi.results.results import format_summary, summarize
-
         with trace.span("serve"):
             frontend = self._serve(ctx, started)
         self.records, self.started = frontend.records, frontend.started
@@ -136,6 +144,7 @@ class Serving:
         # EMS: the reports of the dies that used the pool (prefill dies with PD, else colocated)
         self.ems_dies = list(self.pd_book.reports.values()) if self.pd_book else []
         if ctx.plan.ems is not None and self.pd_book is None:
+            # Lazy import, after the handshake (rank 0's start-up delays every rank); EMS only.
             from xds_mpi.ems.results import ems_summary, format_ems
 
             self.ems_dies = list(frontend.reports.values())
@@ -152,6 +161,7 @@ class Serving:
                 ctx.log.info(line)
             self.summary.update(self.eplb.summary())
         if self.pd_book is not None:
+            # Lazy import, after the handshake (rank 0's start-up delays every rank); PD only.
             from xds_mpi.ems.results import format_ems
             from xds_mpi.pd.results import format_pd
 
@@ -176,9 +186,9 @@ class Serving:
     def _serve(self, ctx: RankContext, started: float) -> Frontend:
         """Serve the whole workload; the Frontend (its records and die reports) once done.
         Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
+        # Lazy import, after the handshake: rank 0's imports before it delay every rank (~8 ms).
         from ranks.shell.frontend import Frontend
         from ranks.shell.je import JobExecutor
-        from xccl.gmem import DieMemory, Traffic
 
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
@@ -215,6 +225,7 @@ class Serving:
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
         there was any) and the 910C projection."""
+        # Lazy import, after the handshake: rank 0's imports before it delay every rank (~4 ms).
         from xds_mpi.model.shapes import cost_shape
         from xds_mpi.results.die_summaries import (
             format_mtp,
@@ -246,6 +257,7 @@ class Serving:
     def _add_slo(self, ctx: RankContext) -> None:
         """Log and add the trace replay's numbers (when the workload is a trace) and the SLOs:
         each request priced at its own lengths on the projected clock, and the goodput."""
+        # Lazy import, after the handshake: rank 0's imports before it delay every rank (~4 ms).
         from xds_mpi.results.request_pricing import RequestPricer, mean_decode_batch
         from xds_mpi.results.slo import (
             cached_summary,
@@ -281,6 +293,7 @@ class Serving:
     def _add_ems_slo(self, ctx: RankContext, pricer) -> None:
         """EMS on a trace: each request priced with the prefix the pool really served it (its
         hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
+        # Lazy import, after the handshake (rank 0's start-up delays every rank); EMS only.
         from xds_mpi.ems.results import ems_trace_cached, format_ems_slo
         from xds_mpi.results.slo import cached_summary
 
@@ -293,12 +306,14 @@ class Serving:
     def _cached_times(self, ctx: RankContext, pricer) -> list:
         """Each request priced with its prefix hits (an unbounded cache of the window) pulled
         over UB from a pool instead of computed."""
+        # Lazy import, after the handshake (rank 0's start-up delays every rank); traces only.
         from xds_mpi.workload.trace_replay import cached_prefixes
 
         return self._pulled_times(ctx, pricer, cached_prefixes(ctx.cfg, self.records))
 
     def _pulled_times(self, ctx: RankContext, pricer, cached) -> list:
         """Each request priced with its `cached` prefix pulled over UB instead of computed."""
+        # Lazy import, after the handshake (rank 0's start-up delays every rank); traces only.
         from xds_mpi.config.hardware import load_profile
         from xds_mpi.results.request_pricing import planes
         from xds_mpi.results.slo import request_times
@@ -331,8 +346,6 @@ class Serving:
 
     def _check(self, ctx: RankContext) -> None:
         """Compare every served request with the single-process reference; log each mismatch."""
-        from xds_mpi.results.results import check_against_reference
-
         ctx.log.info(
             "check: running the single-process reference on %d requests", len(self.records)
         )
@@ -353,12 +366,11 @@ class Serving:
             self.check_line += f"; {len(lost)} lost, not checked: {lost}"
 
     def write(self, f) -> None:
-        from xds_mpi.results.results import write_serving
-
         write_serving(
             f, self.records, self.started, self.summary, self.die_timings, self.die_recovery
         )
         f["summary"].attrs["check_mismatches"] = len(self.mismatches) if self.is_checked else -1
+        # Lazy import, after the handshake: rank 0's imports before it delay every rank.
         from xds_mpi.results.slo import write_slo
 
         write_slo(f, self.slo_times, self.cached_times, self.ems_times)
@@ -366,12 +378,11 @@ class Serving:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])
         if failures:
-            from xds_mpi.results.failures import write_failures
-
             write_failures(f, failures)
         if self.pd_book is not None:
             self.pd_book.write(f, self.records, self.started)
         if self.expert_loads:
+            # Lazy import, after the handshake (rank 0's start-up delays every rank); afd only.
             from xds_mpi.afd.load import write_loads
 
             write_loads(f, self.expert_loads)

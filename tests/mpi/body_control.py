@@ -9,10 +9,10 @@ import pytest
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from ranks.core.handshake import handshake
 from xccl.gmem_paths import node_leader
 from xds_mpi.config.schema import config_from_dict
-from xds_mpi.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.plan.deployment import DeploymentPlan
 
 comm = MPI.COMM_WORLD

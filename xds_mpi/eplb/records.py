@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from xds_mpi.eplb.placement import Placement
-from xds_mpi.tags import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT  # noqa: F401
 
 
 @dataclass(frozen=True, kw_only=True)

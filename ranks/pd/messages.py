@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from xds_mpi.tags import (  # noqa: F401
+from ranks.core.tags import (  # noqa: F401
     TAG_PD_DONE,
     TAG_PD_PREFILLED,
     TAG_PD_PULL,
@@ -70,4 +70,4 @@ class PrefillReport:
     send_wall_s: float = 0.0
     num_send_retries: int = 0
     num_faults: int = 0
-    ems: dict = field(default_factory=dict)  # the EMS context cache's counts (ems_client.py)
+    ems: dict = field(default_factory=dict)  # the EMS context cache's counts (ranks/ems/client.py)

@@ -11,11 +11,12 @@ TAG_READY = 103
 TAG_REQUEST, TAG_STOP, TAG_TOKENS, TAG_REPORT = 201, 202, 203, 205
 # TE-shell -> die: drop a request and free its KV (serve: its client went away).
 TAG_CANCEL = 206
-# Prefill-decode disaggregation (ranks/core/pd_messages.py, ranks/pd/faults.py).
+# Prefill-decode disaggregation (ranks/pd/messages.py, ranks/pd/faults.py).
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
 TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
-# Expert load balancing: count slices in, placements out (xds_mpi/eplb/records.py).
+# Expert load balancing: count slices in, placements out (ranks/colocated/eplb.py,
+# ranks/shell/eplb.py; the records: xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
 # Heartbeats, both tiers (ranks/recovery/watch.py); 253-259 decode failover, 261-269 PD
 # failover.
@@ -41,7 +42,7 @@ TAG_FAILOVER, TAG_FAILOVER_READY = 254, 255
 # sends to the lost die and name the tasks it still holds.
 TAG_PD_DECODE_LOST, TAG_PD_DECODE_BOOK = 269, 256
 TAG_PD_DECODE_WITHDRAW, TAG_PD_DECODE_HELD = 257, 258
-# EMS context cache (ranks/core/ems_client.py, ranks/core/ems_pool.py): a prefill die's puts, reads
+# EMS context cache (ranks/ems/client.py, ranks/ems/pool.py): a prefill die's puts, reads
 # (for the LRU) and end of run to a pool rank, on one tag so they arrive in the order sent; the
 # pool ranks' reports to the JE; a pool rank's answer to an ems.faults evict row.
 TAG_EMS, TAG_EMS_REPORT, TAG_EMS_EVICTED = 271, 272, 273

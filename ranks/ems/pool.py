@@ -1,7 +1,7 @@
 """An EMS pool rank (docs/ems.md; CloudMatrix-Infer §4.4.1): no die; its window stands for the
 CPU DRAM a server gives the pool, reached by every die over UB.
 
-The dies that prefill read it one-sidedly (records, then payloads: ranks/core/ems_client.py). Puts
+The dies that prefill read it one-sidedly (records, then payloads: ranks/ems/client.py). Puts
 arrive as messages: this rank owns the slots and the LRU order, so it alone writes the window;
 a put through RMA would need the writer to take a slot it does not own (a remote lock or an
 atomic on a shared free list and LRU) and still tell this rank so it can keep the LRU order. A
@@ -9,7 +9,7 @@ put is off the prefill's critical path (the die isends and goes on), a read is o
 one-sided, puts two-sided. Reads are reported as small touch messages for the LRU.
 
 A slot is rewritten as: version odd, payload and record written, version even; a reader that
-saw another version, or an odd one, recomputes (ems_client.py `verified`).
+saw another version, or an odd one, recomputes (client.py `verified`).
 
 An `ems.faults` dead row: once the rank has taken `after_puts` put messages it dies. Its status
 word turns LOST, then its DRAM is gone (every payload overwritten with 0xFF bytes, NaN as
@@ -27,19 +27,18 @@ import numpy as np
 
 from ranks.core.context import RankContext
 from ranks.core.die_io import SHELL
-from ranks.core.ems_messages import EmsDone, EmsEvict, EmsEvicted, EmsPoolReport, EmsPut, EmsTouch
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
+from ranks.core.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
+from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPoolReport, EmsPut, EmsTouch
+from xccl.gmem import DieMemory
 from xds_mpi.ems.cache import Directory
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
-from xds_mpi.tags import TAG_EMS, TAG_EMS_EVICTED, TAG_EMS_REPORT
 
 POISON = 0xFF  # a dead pool rank's DRAM, and an evicted slot's bytes
 
 
 def run(ctx: RankContext) -> None:
-    from xccl.gmem import DieMemory
-
     handshake(ctx)
     rank, plan = ctx.comm.rank, ctx.plan
     mem = DieMemory(ctx.comm, plan.window_bytes[rank])  # collective, as every rank

@@ -12,11 +12,11 @@ import time
 
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_STOP
+from ranks.core.tags import TAG_PD_FAULT_BEGAN
 from ranks.pd.channel import FaultBegan
-from xds_mpi.control import WaitTimeout
-from xds_mpi.tags import TAG_PD_FAULT_BEGAN
 
 
 class PrefillLoss:

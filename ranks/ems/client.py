@@ -2,7 +2,7 @@
 dies with PD, the colocated dies without.
 
 Lookup, when a request is assigned to this die: the keys of the prompt's full blocks before its
-last token (xds_mpi/engine/ems.py), each key's pool rank by consistent hashing; the die Gets the
+last token (xds_mpi/ems/cache.py), each key's pool rank by consistent hashing; the die Gets the
 owners' metadata records, then for each key in order pulls the payload of the slot whose record
 names it and reads that record's version again (`verified`). The first key not found, or a
 payload whose record moved (evicted or rewritten meanwhile: a fallback), ends the prefix: those
@@ -11,7 +11,7 @@ scheduler admits it, and prefill starts after them (chunked prefill's path: a ch
 earlier KV). The pool rank learns what was read (a touch message, for its LRU order).
 
 Put, when a prompt is done: the full blocks it computed (never decode-generated ones) go to their
-pool ranks as messages, sent without waiting (ranks/core/ems_pool.py says why two-sided).
+pool ranks as messages, sent without waiting (ranks/ems/pool.py says why two-sided).
 
 A pool rank lost (an ems.faults dead row): its status word, read after every record table and
 every pull, says LOST (what a UB read of a dead server completes with). The die declares it
@@ -29,15 +29,15 @@ from functools import partial
 import numpy as np
 from mpi4py import MPI
 
-from ranks.core.ems_messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
+from ranks.core.control import WaitTimeout
+from ranks.core.tags import TAG_EMS, TAG_EMS_EVICTED
+from ranks.ems.messages import EmsDone, EmsEvict, EmsEvicted, EmsPut, EmsTouch
 from xds_mpi.config.hardware import load_profile
-from xds_mpi.control import WaitTimeout
 from xds_mpi.ems.cache import Record, RecordTable, Ring, block_keys, lookup_blocks, verified
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.ems import LOST, RECORD_WORDS, STATUS_OFFSET, WORD_BYTES
 from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.results.request_pricing import planes
-from xds_mpi.tags import TAG_EMS, TAG_EMS_EVICTED
 
 
 @dataclass(frozen=True, kw_only=True)
