@@ -81,7 +81,7 @@ def test_a_command_that_needs_torch_names_the_extra_when_torch_is_missing(comman
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"
-        "from launch.cli import main\n"
+        "from launch.cli.main import main\n"
         f"sys.exit(main({command!r}))\n"
     )
     out = subprocess.run(
