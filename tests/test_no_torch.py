@@ -1,4 +1,4 @@
-"""A die process imports numpy and mpi4py, never torch (DESIGN.md §7: torch costs 2.1 s and
+"""A die process imports numpy and mpi4py, never torch (docs/design.md: torch costs 2.1 s and
 ~190 MiB per process): the role modules at import, and every rank of a served run. So torch is an
 extra (`train`, and the test extra for the oracle tests), and the commands that need it say which
 extra to install when it is missing."""

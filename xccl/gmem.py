@@ -4,7 +4,7 @@ Every rank allocates its window once (`MPI.Win.Allocate`; host ranks with 0 byte
 passive-target epoch (`Lock_all`) for the window's life. Put = a write to a peer (MTE3 / DMA),
 Get = a pull (MTE2), one-word Accumulate / Fetch_and_op = a flag, Flush = completion.
 Bounds are checked here before every RMA call: MPICH does not catch an out-of-window Put, it
-corrupts itself (shared/MPI_NOTES.md).
+corrupts itself (docs/mpi.md §2).
 
 Each peer is reached by plain loads and stores into its memory when `Shared_query` exposes it
 (same node), else by RMA; xccl/gmem_paths.py chooses per peer at creation. The ordering rules

@@ -2,7 +2,7 @@
 
 Wall time says what MPI on this machine took; virtual time says what a 910C die would take.
 Senders stamp their clock into XCCL records; a receiver's clock becomes max(own, arrival) where
-arrival = send time + the link's cost of the bytes (DESIGN.md §5).
+arrival = send time + the link's cost of the bytes (docs/projection.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every wait in XCCL (records, the agreement, p2p handles) is `poll_until`: try `ready()`, then
 between tries check `interrupt` (a rollback signal, so no wait is deaf) and the deadline, and
-either yield the CPU (`os.sched_yield()`, the best spin on oversubscribed cores: shared/
-MPI_NOTES.md) or, given `park`, sleep on a futex until a writer wakes this die.
+either yield the CPU (`os.sched_yield()`, the best spin on oversubscribed cores:
+docs/mpi.md §4) or, given `park`, sleep on a futex until a writer wakes this die.
 
 Sleeping on one node: a die whose peers have not rung yet sleeps instead of spinning.
 

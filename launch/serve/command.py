@@ -150,7 +150,7 @@ def _signal_te_shell(pid_file: Path) -> bool:
 
 
 def add_parser(sub, add_config_args) -> None:
-    """`add_config_args`: cli.py's CONFIG, --set and --np."""
+    """`add_config_args`: launch/cli/main.py's CONFIG, --set and --np."""
     p = sub.add_parser(
         "serve",
         help="serve the deployment over an OpenAI-compatible HTTP endpoint",

@@ -125,7 +125,7 @@ class DecodeLossWatch:
         return {d for m in self.moved for d in m.loss.lost}
 
     def records(self, requests: dict, started: float, recovery: dict) -> list:
-        """One failure record per decode die's stuck/dead row (xds_mpi/failures.py)."""
+        """One failure record per decode die's stuck/dead row (xds_mpi/results/failures.py)."""
         if self.book is None:
             return []
         by_time = {m.loss.detected_at: m for m in self.moved}

@@ -1,6 +1,6 @@
 """The TE-shell's failure records for the decode dies' `stuck` and `dead` rows (xDeepServe §6):
-one xds_mpi/failures.py FailureRecord per row, from what the dies noted (when their fault began)
-and what the detector concluded (ranks/recovery/detector.py).
+one xds_mpi/results/failures.py FailureRecord per row, from what the dies noted (when their
+fault began) and what the detector concluded (ranks/recovery/detector.py).
 
 XCCL waits that timed out and were recomputed (faults.on_timeout recompute, §6.2 stage 3,
 `with_timeouts`): the dies' recomputation counters name the first timeout (the waiting die, the

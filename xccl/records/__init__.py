@@ -1,5 +1,5 @@
-"""Metadata records in a die's window: the writer's end (record.py: the format, `publish`,
-`OutRecord`, `FanOut`) and the reader's end (wait.py: the doorbell waits and body reads, `wait`,
+"""Metadata records in a die's window, both ends in record.py: the writer's (the format,
+`publish`, `OutRecord`, `FanOut`) and the reader's (the doorbell waits and body reads, `wait`,
 `InRecord`, `FanIn`). How a wait spins or sleeps is xccl/wake.py."""
 
 from xccl.layout import RECORD_BYTES

@@ -9,7 +9,7 @@ doorbell, the writer's virtual time and sizes):
     ROWS_RECORD  dispatch/combine and A2E/E2A (xccl/ep/buffer.py, xccl/afd/buffer.py): rows and
     where they sit
 Publishing: Put every body, flush, then ring each doorbell with the publication number and flush,
-so a reader that sees the number never acts on a half-written body (shared/MPI_NOTES.md); then
+so a reader that sees the number never acts on a half-written body (docs/mpi.md §2); then
 wake the readers asleep in their wait (xccl/wake.py).
 
 Three writers keep that order (docs/mpi.md §2):

@@ -1,5 +1,5 @@
 """Building blocks shared by attention, MoE and MTP: the batch-invariant matmul, RMSNorm, rotary
-embedding, SwiGLU FFN. numpy only: a die imports no torch (DESIGN.md §7).
+embedding, SwiGLU FFN. numpy only: a die imports no torch (tests/test_no_torch.py).
 
 Batch invariance: a request's tokens must not depend on what it is batched with. A BLAS
 library picks its kernel, tiling and small-matrix path from a product's shape (OpenBLAS's AVX-512

@@ -177,7 +177,7 @@ class MLA:
 
     def q_up(self, q_lora: np.ndarray, positions: np.ndarray, heads: slice | None) -> np.ndarray:
         """q_lora: [n, q_lora_rank] -> [n, h, kv_lora_rank + qk_rope_dim] of the heads `heads`
-        (all with None; a prefill TP die's share, xds_mpi/engine/prefill_tp.py). The absorbed
+        (all with None; a prefill TP die's share, xds_mpi/execution/prefill_tp.py). The absorbed
         query's columns are whole heads: a head's columns come out of the product bit for bit
         the same whether the others are computed or not (the dgemm accumulates each output over
         the same k in the same order; tests/test_prefill_tp.py)."""

@@ -23,7 +23,7 @@ EMULATED: set[tuple[str, str, str]] = {
         "dead",
         "prefill",
         "pd",
-    ),  # ranks/recovery/prefill_loss.py, detected by ranks/recovery/je_prefill_loss.py
+    ),  # ranks/pd/prefill_loss.py, detected by ranks/recovery/je_prefill_loss.py
     ("stuck", "prefill", "pd"),  # for good only (_check_prefill_loss)
     (
         "memory",
@@ -39,13 +39,13 @@ EMULATED: set[tuple[str, str, str]] = {
         "colocated",
     ),  # ranks/recovery/watch.py, detected by ranks/recovery/detector.py
     ("dead", "colocated", "colocated"),
-    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failure_plan_pd.py)
+    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failures_pd.py)
     ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/recovery/decode_loss.py
     (
         "stuck",
         "attention",
         "afd",
-    ),  # ranks/core/decode_die.py, afd_failover.py (_check_afd_loss)
+    ),  # ranks/core/decode_die.py, ranks/afd/common.py (_check_afd_loss)
     ("dead", "attention", "afd"),
     ("stuck", "expert", "afd"),  # lost: slots removed with ring replicas, else the run stops
     ("dead", "expert", "afd"),

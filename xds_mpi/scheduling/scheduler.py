@@ -89,7 +89,7 @@ class Emitted:
 
 @dataclass(kw_only=True)
 class DieScheduler:
-    """prefix_hits (the EMS context cache, ranks/core/ems_client.py; None without it): req_id ->
+    """prefix_hits (the EMS context cache, ranks/ems/client.py; None without it): req_id ->
     (cached tokens, write(slots)) of a request whose leading blocks were pulled from the pool:
     on admission its first KV slots are written with them and its prefill starts after them
     (chunked prefill's path: a chunk on top of earlier KV)."""
