@@ -1,5 +1,5 @@
-"""Seed 003's AFD budget method (xds_mpi/projection/afd_budget.py): the numbers its text states,
-the dead zone on a two-tier platform and none on a Superpod, 2BO against 3BO, the imbalance
+"""Seed 003's AFD budget method (xds_mpi/projection/afd_analysis/budget.py): the numbers its text
+states, the dead zone on a two-tier platform and none on a Superpod, 2BO against 3BO, the imbalance
 penalties, the CLI's refusals, and one emulated afd run measured beside the analysis."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from harness import REPO_ROOT
 from test_serving import XDS_MPI
 
 from launch.cli.main import main
-from xds_mpi.projection import afd_budget as ab
-from xds_mpi.projection.afd_inputs import moe_shape, platform
-from xds_mpi.projection.afd_paper import MODELS, PLATFORMS, stated_rows
+from xds_mpi.projection.afd_analysis import budget as ab
+from xds_mpi.projection.afd_analysis.inputs import moe_shape, platform
+from xds_mpi.projection.afd_analysis.paper import MODELS, PLATFORMS, stated_rows
 
 DSV3 = MODELS["deepseek_v3"]
 
@@ -192,7 +192,7 @@ def test_measured_beside_analytic(tmp_path, capsys):
 def test_figure4_coarse_experts():
     """§3.2 on Figure 4: ERNIE-4.5 at or above DeepSeek-V3's best HFU on every platform; Step3
     too but on B200, where Eq. 9's overlap factor TopK (3 against 8) outweighs M."""
-    from xds_mpi.projection.afd_paper import figure4_grid
+    from xds_mpi.projection.afd_analysis.paper import figure4_grid
 
     best = {(g["platform"], g["model"]): g["best_hfu"] for g in figure4_grid(ab.Scenario())}
     for hw in PLATFORMS:

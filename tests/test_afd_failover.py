@@ -18,7 +18,7 @@ from test_decode_failover import CEILING_S, EARLY, assert_detected, served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # One request per attention die keeps each run short; dying at iteration 5 of 16 is mid-run.

@@ -16,7 +16,7 @@ from test_decode_failover import served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # One request per attention die keeps each run short (request i goes to attention die i + 1).

@@ -14,7 +14,7 @@ from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.eplb.policy import rebalance
 from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.plan.deployment import DeploymentPlan
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # The ring's 4 replicas per die stay put (every expert survives one lost die); EPLB fills the

@@ -7,7 +7,7 @@ import h5py
 import pytest
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.plan.failures import EMULATED, check_failures
+from xds_mpi.plan.failures.checks import EMULATED, check_failures
 from xds_mpi.plan.topology import Topology
 from xds_mpi.results.failures import FailureRecord, read_failures, write_failures
 
@@ -49,14 +49,14 @@ def test_bad_rows_are_refused_with_a_reason(events, reason):
 
 
 def test_a_row_no_die_emulates_is_refused(monkeypatch):
-    monkeypatch.setattr("xds_mpi.plan.failures.EMULATED", set())
+    monkeypatch.setattr("xds_mpi.plan.failures.checks.EMULATED", set())
     with pytest.raises(ConfigError, match="is not emulated"):
         _check([{"kind": "dead", "die": 2, "iteration": 3}])
 
 
 def test_disjoint_memory_ranges_on_one_die_are_accepted_when_emulated(monkeypatch):
     row = ("memory", "colocated", "colocated")
-    monkeypatch.setattr("xds_mpi.plan.failures.EMULATED", EMULATED | {row})
+    monkeypatch.setattr("xds_mpi.plan.failures.checks.EMULATED", EMULATED | {row})
     _check(
         [
             {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 8},

@@ -13,7 +13,7 @@ from test_serving import XDS_MPI
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
 from xds_mpi.model.kv_blocks import BlockTable
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 from xds_mpi.results.failures import read_failures
 from xds_mpi.results.results import RequestRecord, check_against_reference

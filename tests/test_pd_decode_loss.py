@@ -17,7 +17,7 @@ from test_decode_failover import CEILING_S, EARLY, RING, assert_detected, served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # Probes past detection and release (the survivors echo none until released); a small workload.

@@ -13,7 +13,7 @@ import pytest
 from test_serving_pd import explain, serve
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 from xds_mpi.results.failures import read_failures
 

@@ -10,7 +10,7 @@ from test_recompute import serve
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 from xds_mpi.results.failures import read_failures
 

@@ -13,7 +13,7 @@ from test_decode_failover import RING, SERVED, assert_scaled, served
 from test_serving import check_line
 
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # 1 s, not less: the TE-shell's own end-of-run waits take xccl.poll_timeout_s too.

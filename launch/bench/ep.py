@@ -5,7 +5,7 @@ Every rank dispatches `tokens` rows of `hidden` float32 values to top-k of `expe
 combine brings the rows home. In the same run, a two-sided baseline moves the same rows:
 Alltoall of the counts + Alltoallv of the rows there, Alltoallv of the outputs back. The
 projected column is one dispatch + combine on the 910C virtual clock. The floor column is two
-bare meetings of every rank (launch/bench/ep_floor.py): what any protocol in which every die
+bare meetings of every rank (launch/bench/floor_meetings.py): what any protocol in which every die
 meets every die pays on these cores before it moves a row.
 """
 
@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from launch.bench.ep_floor import Meetings
+from launch.bench.floor_meetings import Meetings
 from launch.bench.results import rank_parser, report
 from xccl.ep.buffer import EpBuffer, select_slots
 from xccl.gmem import DieMemory
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             title=title,
             legend="speedup: Alltoallv round / dispatch+combine round (higher is better); "
             "floor_us: two bare meetings of every rank (a doorbell each, a poll; "
-            "launch/bench/ep_floor.py), nan across nodes; vs_floor: xccl_us / floor_us; "
+            "launch/bench/floor_meetings.py), nan across nodes; vs_floor: xccl_us / floor_us; "
             "proj_910c_us: one dispatch + combine on the virtual clock (slowest die).",
         )
 

@@ -13,7 +13,7 @@ oversubscription. For each size and core count, in the same run:
   ls     - the raw load/store baseline: numpy stores into the peer's window (Shared_query),
            Win.Sync, a one-word flag store; the peer polls Win.Sync + a load of the flag
   sendrecv - two-sided MPI Send/Recv ping-pong of the same bytes
-  floor  - the protocol floor (launch/bench/p2p_floor.py): the ring steps alone, in plain numpy
+  floor  - the protocol floor (launch/bench/floor_pair.py): the ring steps alone, in plain numpy
   projected - what one sync send costs a 910C die on the virtual clock (dies on two servers)
 Medians over iterations, then the median over pairs.
 """
@@ -26,8 +26,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from launch.bench.p2p_floor import FloorPair
-from launch.bench.p2p_raw import RawPair
+from launch.bench.floor_pair import FloorPair
+from launch.bench.raw_pair import RawPair
 from launch.bench.results import report
 from xccl.gmem import DieMemory
 from xccl.layout import P2PLayout

@@ -1,6 +1,6 @@
 """`xds-mpi project --afd-analysis`: seed 003's budget method for attention-FFN disaggregation
-(xds_mpi/projection/afd_budget.py) on a model (--shape) and a hardware profile (--profile); with
---paper the numbers 003's text states beside the method's; with --afd-run a run file's measured
+(xds_mpi/projection/afd_analysis/budget.py) on a model (--shape) and a hardware profile (--profile);
+with --paper the numbers 003's text states beside the method's; with --afd-run a run file's measured
 quantities beside the analytic ones. docs/afd_analysis.md."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def print_afd(args: argparse.Namespace) -> int:
     # here: xds_mpi.projection, a measured start-up cost of every command
-    from xds_mpi.projection import afd_budget as ab
-    from xds_mpi.projection.afd_inputs import moe_shape, platform
+    from xds_mpi.projection.afd_analysis import budget as ab
+    from xds_mpi.projection.afd_analysis.inputs import moe_shape, platform
 
     if args.max_ffn_nodes < 1 or args.tpot_ms <= 0 or args.accept_len < 1 or args.gap_ms < 0:
         raise ConfigError(
@@ -68,7 +68,7 @@ def print_afd(args: argparse.Namespace) -> int:
 
 def print_curve(model, hw, scenario, three, two) -> None:
     # here: xds_mpi.projection, a measured start-up cost of every command
-    from xds_mpi.projection.afd_budget import dead_zone, hfu_ceiling
+    from xds_mpi.projection.afd_analysis.budget import dead_zone, hfu_ceiling
 
     link = "Superpod (one scale-up fabric)" if hw.is_superpod else (
         f"scale-out {hw.scale_out_bytes_per_s / 1e9:g} GB/s"
@@ -111,7 +111,7 @@ def print_penalty() -> None:
     """003 Figure 6: AFD's discrete-scaling penalty (Eq. 13-16) against large EP's (Eq. 12) at
     the same lambda (AFD: N_A / N_F, whole attention instances)."""
     # here: xds_mpi.projection, a measured start-up cost of every command
-    from xds_mpi.projection.afd_budget import alpha_afd, alpha_ep
+    from xds_mpi.projection.afd_analysis.budget import alpha_afd, alpha_ep
 
     lams = (1, 2, 3, 4, 5)
     rows = []
@@ -127,7 +127,7 @@ def print_penalty() -> None:
 
 def print_stated(scenario) -> None:
     # here: xds_mpi.projection, a measured start-up cost of every command
-    from xds_mpi.projection.afd_paper import figure4_grid, large_ep_reference, stated_rows
+    from xds_mpi.projection.afd_analysis.paper import figure4_grid, large_ep_reference, stated_rows
 
     rows = [
         [r.source, r.quantity, f"{r.stated:g}", f"{r.computed:.4g}", f"{r.error:+.2%}",
@@ -158,7 +158,7 @@ def print_stated(scenario) -> None:
 def print_measured(path: str, model, node_ranks: int) -> None:
     # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.afd.measured import compare
-    from xds_mpi.projection.afd_inputs import platform
+    from xds_mpi.projection.afd_analysis.inputs import platform
     from xds_mpi.report.runfile import read_run_file
 
     cfg = read_run_file(path).config

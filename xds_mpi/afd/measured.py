@@ -16,8 +16,8 @@ Analytic, at the run's deployment (its expert dies as N_F ranks of one) and hard
 - t_B by Eq. 1 from the run's projected iteration: (iteration - t_g) / (MoE layers x N_BO) with
   t_g the parts outside the MoE layers' stages (dense FFN, head + sampling, graph launch,
   scheduling bubble) and N_BO the calls a layer makes (DP domains x microbatches);
-- Steps 2-4 of xds_mpi/projection/afd_budget.py at the measured t_B: the tokens the link could
-  bring, and the roofline t_G, OFU, S_t, HFU at the measured tokens per expert.
+- Steps 2-4 of xds_mpi/projection/afd_analysis/budget.py at the measured t_B: the tokens the
+  link could bring, and the roofline t_G, OFU, S_t, HFU at the measured tokens per expert.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 
 from xds_mpi.afd.load import MeasuredLoad, read_loads
-from xds_mpi.projection.afd_budget import (
+from xds_mpi.projection.afd_analysis.budget import (
     FLOPS_PER_TOKEN_PER_HM,
     MoeShape,
     Platform,

@@ -17,7 +17,7 @@ from xds_mpi.eplb.placement import Placement, from_topology
 def ring_placement(topo, num_moe_layers: int, *, fixed: bool = False) -> Placement:
     """The topology's placement with every redundant slot filled by the ring (at least as many
     redundant slots per die as routed experts on the next die: checked in
-    xds_mpi/plan/failures.py). fixed: the filled slots are no longer redundant (EPLB leaves
+    xds_mpi/plan/failures/checks.py). fixed: the filled slots are no longer redundant (EPLB leaves
     them alone; a die computes them with the model's own weights)."""
     static = from_topology(topo, num_moe_layers)
     routed, row = static.phy2log[0], list(static.phy2log[0])

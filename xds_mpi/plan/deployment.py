@@ -21,7 +21,7 @@ from xds_mpi.model.checkpoint import check_checkpoint
 from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
-from xds_mpi.plan.failures import check_failures
+from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.pd import PdPlan, build_pd, check_pd_fault, pd_window_bytes
 from xds_mpi.plan.topology import Topology
 from xds_mpi.workload.requests import rejection
@@ -113,7 +113,7 @@ def check_serving(cfg: Config, topo: Topology) -> None:
         )
     check_two_streams(cfg)
     _check_fault_table(cfg, topo)
-    check_failures(cfg, topo)  # faults.events (xds_mpi/plan/failures.py)
+    check_failures(cfg, topo)  # faults.events (xds_mpi/plan/failures/checks.py)
     check_eplb(cfg, len({info.rank for info in topo.ranks if _hosts_routed(info)}))
 
 

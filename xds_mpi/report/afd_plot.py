@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from xds_mpi.projection.afd_budget import (  # noqa: E402
+from xds_mpi.projection.afd_analysis.budget import (  # noqa: E402
     FfnPoint,
     MoeShape,
     Platform,

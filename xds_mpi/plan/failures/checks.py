@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from xds_mpi.config.failures import KIND_ROLES, FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
-from xds_mpi.plan.failure_loss import RELEASE_GRACES, check_decode_loss, release_bound_s
-from xds_mpi.plan.failure_slots import afd_memory_refusal, slot_refusal
-from xds_mpi.plan.failures_pd import check_decode_loss as check_pd_decode_loss
+from xds_mpi.plan.failures.loss import RELEASE_GRACES, check_decode_loss, release_bound_s
+from xds_mpi.plan.failures.pd import check_decode_loss as check_pd_decode_loss
+from xds_mpi.plan.failures.slots import afd_memory_refusal, slot_refusal
 from xds_mpi.plan.topology import Topology
 
 # (kind, role, deployment kind) the dies emulate today; any other row is refused before launch,
@@ -39,7 +39,7 @@ EMULATED: set[tuple[str, str, str]] = {
         "colocated",
     ),  # ranks/recovery/watch.py, detected by ranks/recovery/detector.py
     ("dead", "colocated", "colocated"),
-    ("stuck", "colocated", "pd"),  # for good only, ring replicas (failures_pd.py)
+    ("stuck", "colocated", "pd"),  # for good only, ring replicas (pd.py)
     ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/recovery/decode_loss.py
     (
         "stuck",
@@ -65,7 +65,7 @@ def check_failures(cfg: Config, topo: Topology) -> None:
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
             if cfg.pd.enabled:
                 check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
-    check_decode_loss(cfg, topo)  # xds_mpi/plan/failure_loss.py
+    check_decode_loss(cfg, topo)  # xds_mpi/plan/failures/loss.py
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -236,14 +236,14 @@ def _check_ring(cfg: Config, topo: Topology) -> None:
 
 def _check_memory(cfg: Config, topo: Topology, where: str, spec: FailureSpec, role: str) -> None:
     if cfg.deployment.kind == "afd" and (refusal := afd_memory_refusal(cfg, where, spec)):
-        raise ConfigError(refusal)  # xds_mpi/plan/failure_slots.py
+        raise ConfigError(refusal)  # xds_mpi/plan/failures/slots.py
     if spec.slot >= 0:
         slots = topo.ranks[spec.die].expert_slots
         if spec.slot >= len(slots):
             raise ConfigError(
                 f"{where}.slot({spec.slot}): rank {spec.die} ({role}) has {len(slots)} expert slots"
             )
-        refusal = slot_refusal(cfg, topo, where, spec)  # xds_mpi/plan/failure_slots.py
+        refusal = slot_refusal(cfg, topo, where, spec)  # xds_mpi/plan/failures/slots.py
         if refusal:
             raise ConfigError(refusal)
         return

@@ -1,13 +1,12 @@
-"""The `stuck` / `dead` rows on a PD run's decode dies (xds_mpi/plan/failures.py calls this): what
-runs (ranks/recovery/decode_loss.py, ranks/recovery/je_decode_loss.py) and, refused before launch
-with a reason,
-what does not."""
+"""The `stuck` / `dead` rows on a PD run's decode dies (xds_mpi/plan/failures/checks.py calls this):
+what runs (ranks/recovery/decode_loss.py, ranks/recovery/je_decode_loss.py) and, refused before
+launch with a reason, what does not."""
 
 from __future__ import annotations
 
 from xds_mpi.config.failures import FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
-from xds_mpi.plan.failure_loss import release_bound_s
+from xds_mpi.plan.failures.loss import release_bound_s
 from xds_mpi.plan.topology import Topology
 
 # Rows that share a PD run with a lost decode die: none (their recoveries are not emulated

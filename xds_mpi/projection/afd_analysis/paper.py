@@ -4,15 +4,15 @@ Models: Table 4 (Appendix B). Platforms: Table 5 (Appendix B), per GPU, 8 GPUs a
 caption: "a fixed deployment unit of 8 GPUs per node regardless of the physical Superpod scale");
 "Superpod" in Table 5's scale-out row means the scale-up network spans the deployment.
 
-`stated_rows()` evaluates the method (xds_mpi/projection/afd_budget.py) where the text gives a
-number, for `xds-mpi project --afd-analysis --paper` and tests/test_afd_analysis.py.
+`stated_rows()` evaluates the method (xds_mpi/projection/afd_analysis/budget.py) where the text
+gives a number, for `xds-mpi project --afd-analysis --paper` and tests/test_afd_analysis.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds_mpi.projection.afd_budget import (
+from xds_mpi.projection.afd_analysis.budget import (
     MoeShape,
     Platform,
     Scenario,

@@ -19,7 +19,7 @@ Step 7 (§3.3, Eq. 11-16): the throughput penalty of EP imbalance sigma: continu
     discrete (whole attention instances) for AFD.
 
 Everything here is a pure function of the model, the platform and the scenario; the paper's own
-numbers to check it against are in xds_mpi/projection/afd_paper.py.
+numbers to check it against are in xds_mpi/projection/afd_analysis/paper.py.
 """
 
 from __future__ import annotations

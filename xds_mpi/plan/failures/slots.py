@@ -1,9 +1,8 @@
-"""Memory faults in expert slots, checked before launch (xds_mpi/plan/failures.py): a slot row
-runs when the slot's expert keeps a replica elsewhere once every slot row is masked
+"""Memory faults in expert slots, checked before launch (xds_mpi/plan/failures/checks.py): a slot
+row runs when the slot's expert keeps a replica elsewhere once every slot row is masked
 (ranks/recovery/memory.py); replicas come from health.replicas ring. Every other slot row is
-refused, naming
-why. On an afd deployment (ranks/recovery/memory.py) a memory row, KV blocks or slot, is refused
-beside a stuck/dead row."""
+refused, naming why. On an afd deployment (ranks/recovery/memory.py) a memory row, KV blocks or
+slot, is refused beside a stuck/dead row."""
 
 from __future__ import annotations
 

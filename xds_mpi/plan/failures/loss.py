@@ -1,8 +1,7 @@
-"""Losing a decode die (a stuck or dead row on a colocated, attention or expert die), checked
-before launch (xds_mpi/plan/failures.py): what the TE-shell's vertical scaling
-(ranks/recovery/detector.py,
-ranks/recovery/scale_down.py) cannot go on with is refused here, naming why, so that no accepted
-config stops at run time for it."""
+"""Losing a decode die (a stuck or dead row on a colocated, attention or expert die), checked before
+launch (xds_mpi/plan/failures/checks.py): what the TE-shell's vertical scaling
+(ranks/recovery/detector.py, ranks/recovery/scale_down.py) cannot go on with is refused here, naming
+why, so that no accepted config stops at run time for it."""
 
 from __future__ import annotations
 

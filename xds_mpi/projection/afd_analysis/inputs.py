@@ -15,8 +15,8 @@ from dataclasses import replace
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.model.shapes import load_model_preset
-from xds_mpi.projection.afd_budget import MoeShape, Platform
-from xds_mpi.projection.afd_paper import GPUS_PER_NODE, MODELS, PLATFORMS
+from xds_mpi.projection.afd_analysis.budget import MoeShape, Platform
+from xds_mpi.projection.afd_analysis.paper import GPUS_PER_NODE, MODELS, PLATFORMS
 
 PAPER_PREFIX = "003:"
 

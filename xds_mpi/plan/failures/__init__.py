@@ -1,0 +1,3 @@
+"""Failure rows checked before launch: every `faults.events` row against the deployment
+(`checks.py`), a lost decode die's scaling (`loss.py`), memory faults in expert slots
+(`slots.py`) and the rows on a PD run's decode dies (`pd.py`)."""
