@@ -105,7 +105,7 @@ class Detector:
         in_window = MPI.Group.Translate_ranks(ctx.comm.group, list(groups), window_comm.group)
         self.window_rank = dict(zip(groups, in_window))  # world rank -> its rank in the window
         # The pace may stretch the patience only while the peers' XCCL waits outlast detection
-        # and release (the bound xds_mpi/plan/failures.py checks for timeout_s itself).
+        # and release (the bound xds_mpi/plan/failures/checks.py checks for timeout_s itself).
         ceiling = ctx.cfg.xccl.poll_timeout_s - health.dp_interval_s - 2 * self.grace_s
         self.sender = HeartbeatSender(
             ctx.comm,
@@ -245,7 +245,7 @@ class Detector:
         if expert_loss:
             return expert_loss
         cfg = self.ctx.cfg
-        if cfg.faults.is_enabled:  # refused before launch (xds_mpi/plan/failure_loss.py): a guard
+        if cfg.faults.is_enabled:  # refused before launch (xds_mpi/plan/failures/loss.py): a guard
             return (
                 "every expert keeps a replica, but vertical scaling is not emulated with a "
                 "faults.table or faults.rate (transient faults are not carried over to the "

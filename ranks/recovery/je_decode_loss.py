@@ -36,7 +36,7 @@ from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
 from ranks.recovery.records import failure_records, with_timeouts
 from ranks.recovery.scale_down import resumed
 from ranks.recovery.watch import is_watched
-from xds_mpi.plan.failures import release_bound_s
+from xds_mpi.plan.failures.checks import release_bound_s
 
 
 @dataclass(kw_only=True)

@@ -3,7 +3,7 @@
 Who pings whom in PD: the JE is the control plane; it pings each prefill TE's leader (its DP-0,
 which plays the TE's TE-shell) every health.control_interval_s, and the leader answers from its
 event loop only (ranks/pd/prefill.py). The TE-shell -> DP-master tier inside a prefill TE is not
-run: a prefill TE whose loss is emulated has one die (xds_mpi/plan/failures.py refuses the
+run: a prefill TE whose loss is emulated has one die (xds_mpi/plan/failures/checks.py refuses the
 others, whose surviving dies would hang in the TE's collectives), so its leader is its only DP
 master. A leader silent for health.timeout_s is declared lost with its whole TE ("prefill
 instance lost"): the JE routes nothing more there; the requests it had sent there and not seen

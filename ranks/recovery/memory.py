@@ -24,7 +24,7 @@ boundary: the emulator's stand-in for the runtime's memory check report reaching
 (detection is immediate, as for KV blocks). On the faulty die the slot's weights become garbage
 (NaN) from then on: a row that still reached the slot would break the reference check.
 The die owning the slot tells the TE-shell (SlotLoss), which keeps one FailureRecord per row.
-The validator (xds_mpi/plan/failures.py) refuses a slot whose expert would keep no replica.
+The validator (xds_mpi/plan/failures/checks.py) refuses a slot whose expert would keep no replica.
 
 Where a die keeps the placement it routes with and its slots' weights is its `SlotSite`: a
 colocated die's expert map (ColocatedSlots, here), an afd die's placement and an expert die's

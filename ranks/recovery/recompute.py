@@ -30,7 +30,7 @@ from xccl.recovery.vote import FaultReport
 from xds_mpi.config.schema import Config
 from xds_mpi.execution.faults import EventMap, FaultPlan
 from xds_mpi.execution.pricing import Pricer
-from xds_mpi.plan.failures import release_bound_s
+from xds_mpi.plan.failures.checks import release_bound_s
 from xds_mpi.report import trace
 
 T = TypeVar("T")
@@ -342,7 +342,7 @@ def _recovery(cfg: Config, comm: MPI.Comm, window_comm: MPI.Comm | None) -> Reco
 
 def _vote_timeout_s(cfg: Config, recover_timeouts: bool) -> float:
     """How long a vote waits for every die. With timeouts recomputed, a die whose wait timed out
-    votes while its peer may still be lost: the vote outlasts the heartbeats' detection and
-    release (xds_mpi/plan/failures.py), so the fence, not a vote timeout, ends it (§6.1 wins)."""
+    votes while its peer may still be lost: the vote outlasts the heartbeats' detection and release
+    (xds_mpi/plan/failures/checks.py), so the fence, not a vote timeout, ends it (§6.1 wins)."""
     poll_s = cfg.xccl.poll_timeout_s
     return poll_s + release_bound_s(cfg.health) if recover_timeouts else poll_s

@@ -44,7 +44,7 @@ from ranks.core.control import recv_from_each, send_to_each
 from ranks.core.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.execution.slots import ExpertSlots
-from xds_mpi.plan.failures import release_bound_s
+from xds_mpi.plan.failures.checks import release_bound_s
 
 
 @dataclass(frozen=True, kw_only=True)

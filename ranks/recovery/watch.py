@@ -231,9 +231,8 @@ STUCK_OPS = ("dispatch", "a2e")
 def is_watched(cfg: Config, plan) -> bool:
     """Does a TE-shell watch the decode dies with heartbeats and fence them? Colocated and afd
     deployments without PD; in PD the decode TE-shell (host rank 1) watches colocated decode dies
-    when a stuck/dead row names one (ranks/recovery/decode_loss.py; xds_mpi/plan/failures.py refuses
-    the
-    rest)."""
+    when a stuck/dead row names one (ranks/recovery/decode_loss.py; xds_mpi/plan/failures/checks.py
+    refuses the rest)."""
     kind = cfg.deployment.kind
     if plan.pd is not None:
         return cfg.health.enabled and kind == "colocated" and has_decode_loss(cfg, plan)
