@@ -1,5 +1,5 @@
-"""The axes of the config matrix (tests/test_config_matrix.py): what the validator must either
-run token-exact or refuse before launch with a reason.
+"""The axes of the config matrix (tests/e2e/serving/test_config_matrix.py): what the validator
+must either run token-exact or refuse before launch with a reason.
 
 A combination is a tuple of value indices, one per axis. `overrides` turns it into `--set`
 lines on top of configs/<kind>.yaml; `pairwise` picks a few accepted combinations that together

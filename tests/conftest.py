@@ -3,8 +3,17 @@ from pathlib import Path
 
 import pytest
 
-# tests/harness.py is imported as `harness` by the test modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+TESTS = Path(__file__).resolve().parent
+# tests/harness.py and the other helpers here are imported by name (`from harness import ...`),
+# and so are test modules by other test modules in any folder (`from test_serving import
+# check_line`, `from test_decode_failover import served`): tests/ and every folder holding test
+# modules go on the path, whatever file or folder pytest is given. (tests/unit/ and tests/e2e/
+# hold no test module themselves: tests/unit/xds_mpi/ and tests/unit/xccl/ must not shadow the
+# packages.)
+sys.path[:0] = [
+    str(TESTS),
+    *sorted({str(p.parent) for p in TESTS.glob("*/**/test_*.py") if "__pycache__" not in p.parts}),
+]
 
 
 def pytest_addoption(parser):
@@ -12,7 +21,7 @@ def pytest_addoption(parser):
         "--config-matrix",
         choices=("pairwise", "full"),
         default="pairwise",
-        help="which accepted configs tests/test_config_matrix.py serves with --check:"
+        help="which accepted configs tests/e2e/serving/test_config_matrix.py serves with --check:"
         " a pairwise cover of the axes (default, ~20 runs) or every accepted "
         "combination (thousands of runs: a nightly-style job)",
     )

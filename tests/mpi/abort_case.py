@@ -1,5 +1,5 @@
 """One rank fails an assertion while the others wait in a barrier; the harness must end the job.
-Not a body of the regular suite: tests/test_harness.py runs it on purpose."""
+Not a body of the regular suite: tests/e2e/bodies/test_harness.py runs it on purpose."""
 
 import pytest
 from mpi4py import MPI

@@ -1,4 +1,5 @@
-"""Control plane and startup handshake at any rank count (run by tests/test_mpi_bodies.py)."""
+"""Control plane and startup handshake at any rank count (run by
+tests/e2e/bodies/test_mpi_bodies.py)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ polls by local loads or sleeps); B waits for a record from C; C publishes it onl
 from A's window has completed. When C is on the other node, C's Flush of that Get needs A
 inside MPI; a wait that never steps into MPI leaves all three waiting until A's timeout
 (DieMemory.serve_far_peers is what every wait calls to prevent it). On one node, and at two
-ranks (where B is C), every step is local and the body passes trivially; tests/test_two_hosts.py
-runs it with A and B on one host and C on the other.
+ranks (where B is C), every step is local and the body passes trivially;
+tests/e2e/hosts/test_two_hosts.py runs it with A and B on one host and C on the other.
 """
 
 from __future__ import annotations

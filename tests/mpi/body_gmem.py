@@ -1,7 +1,7 @@
 """DieMemory's two paths (load/store and RMA) and their ordering rules, under torture.
 
-Run by tests/test_mpi_bodies.py under the default path and with XDS_MEMORY_PATH=rma; each test
-here also builds its windows with both paths explicitly.
+Run by tests/e2e/bodies/test_mpi_bodies.py under the default path and with XDS_MEMORY_PATH=rma;
+each test here also builds its windows with both paths explicitly.
 """
 
 from __future__ import annotations

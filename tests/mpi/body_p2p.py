@@ -1,4 +1,5 @@
-"""XCCL point-to-point send/receive at any rank count (run by tests/test_mpi_bodies.py)."""
+"""XCCL point-to-point send/receive at any rank count (run by
+tests/e2e/bodies/test_mpi_bodies.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""XCCL p2p's rendezvous (xccl/p2p/send.py) at any rank count (run by tests/test_mpi_bodies.py):
-a message larger than one publication, received into window memory, lands with one copy."""
+"""XCCL p2p's rendezvous (xccl/p2p/send.py) at any rank count (run by
+tests/e2e/bodies/test_mpi_bodies.py): a message larger than one publication, received into
+window memory, lands with one copy."""
 
 from __future__ import annotations
 

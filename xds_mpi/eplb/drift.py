@@ -31,9 +31,10 @@ import numpy as np
 # Measured on our own trained checkpoint (xds_mpi/data/tiny.h5), not published: the drift of an
 # expert's log share of the routed rows from one EPLB time slice to the next, window noise taken
 # out (`measure_drift` below, 5 slices x 256 windows of 128 held-out tokens, mean
-# over the 3 MoE layers; tests/test_eplb_drift.py recomputes both). For a fixed set of requests
-# decoding on (the papers' benchmarks) the drift is within the noise; between blocks of other
-# files (a workload that changes) it is large. [000] publishes none (Figure 11a is one slice).
+# over the 3 MoE layers; tests/unit/xds_mpi/eplb/test_eplb_drift.py recomputes both). For a
+# fixed set of requests decoding on (the papers' benchmarks) the drift is within the noise;
+# between blocks of other files (a workload that changes) it is large. [000] publishes none
+# (Figure 11a is one slice).
 DRIFT_SAME_REQUESTS = 0.004
 DRIFT_OTHER_TRAFFIC = 0.56
 

@@ -24,7 +24,7 @@ same operations in the same order. Projections and norms are per row and the mat
 invariant (a row's result does not depend on the other rows); a head's query columns come out of
 the product bit for bit the same whatever other columns are computed beside them, and a head's
 score and value rows are rows of the batched (token x head) products
-(tests/test_prefill_tp.py checks the stages against the whole MLA at TP 2 and 4). Megatron's
+(tests/e2e/pd/test_prefill_tp.py checks the stages against the whole MLA at TP 2 and 4). Megatron's
 split instead (a row-parallel W_o, its partial products all-reduced across the dies) would sum
 each output in another float order than the reference's one product over all heads, moving the
 hidden state's last bits and, through the argmax, tokens: here the sum over heads stays inside

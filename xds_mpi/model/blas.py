@@ -1,7 +1,7 @@
 """One BLAS thread per process: every rank of a job shares the machine's cores, the tiny model's
 matrices are far too small to gain from threads (measured: 2 threads made the reference 6x
 slower on 2 cores), and OpenBLAS splits a product's rows among its threads, which moves the last
-bits of a row with the batch's row count (tests/test_model_layers.py).
+bits of a row with the batch's row count (tests/unit/xds_mpi/model/test_model_layers.py).
 
 `OPENBLAS_NUM_THREADS=1` in the environment does it before numpy loads (the launcher sets it for
 the ranks, launch/job/mpiexec.py); `single_thread()` does it in a process that imported numpy first

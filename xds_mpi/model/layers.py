@@ -1,5 +1,5 @@
 """Building blocks shared by attention, MoE and MTP: the batch-invariant matmul, RMSNorm, rotary
-embedding, SwiGLU FFN. numpy only: a die imports no torch (tests/test_no_torch.py).
+embedding, SwiGLU FFN. numpy only: a die imports no torch (tests/e2e/cli/test_no_torch.py).
 
 Batch invariance: a request's tokens must not depend on what it is batched with. A BLAS
 library picks its kernel, tiling and small-matrix path from a product's shape (OpenBLAS's AVX-512
@@ -9,9 +9,9 @@ hands BLAS a row count of its own: it pads the rows to a multiple of ROWS_PER_CA
 one gemm call per ROWS_PER_CALL rows (numpy's stacked matmul loops over the stack, one gemm
 each), so every call has the same shape, layout and dtype and takes the same path on any BLAS.
 What that construction leaves open is whether a row's place inside its call matters; it does not
-on any OpenBLAS kernel family measured (tests/test_blas_kernels.py runs the invariance and the
-reference tests under every family the CPU can run: Haswell, Zen, SkylakeX, Cooperlake,
-SapphireRapids). docs/design.md, "Batch invariance", has the numbers.
+on any OpenBLAS kernel family measured (tests/unit/xds_mpi/model/test_blas_kernels.py runs the
+invariance and the reference tests under every family the CPU can run: Haswell, Zen, SkylakeX,
+Cooperlake, SapphireRapids). docs/design.md, "Batch invariance", has the numbers.
 
 Speed at a decode step's few rows is numpy's per-call overhead, so the reductions call the ufuncs
 (`np.add.reduce`, `np.maximum.reduce`) that `mean`, `sum` and `max` wrap in Python: the same

@@ -180,7 +180,7 @@ class MLA:
         (all with None; a prefill TP die's share, xds_mpi/execution/prefill_tp.py). The absorbed
         query's columns are whole heads: a head's columns come out of the product bit for bit
         the same whether the others are computed or not (the dgemm accumulates each output over
-        the same k in the same order; tests/test_prefill_tp.py)."""
+        the same k in the same order; tests/e2e/pd/test_prefill_tp.py)."""
         heads = heads or slice(0, self.num_heads)
         num_rows, num_heads = q_lora.shape[0], heads.stop - heads.start
         if self.wq_absorbed is not None:

@@ -82,7 +82,7 @@ def build_pd(cfg: Config, topo: Topology, p2p: P2PLayout, itemsize: int) -> PdPl
     _refuse_tp(cfg, prefill)
     _refuse_unpaired(cfg, p2p, prefill, decode)
     from xds_mpi.plan.kv_link import (
-        check_kv_links,  # start-up: only PD runs (tests/test_rank_imports.py)
+        check_kv_links,  # start-up: only PD runs (tests/unit/launch/test_rank_imports.py)
     )
 
     check_kv_links(cfg, topo, prefill, decode)
@@ -121,7 +121,8 @@ def tp_layouts(cfg: Config, topo: Topology, p2p: P2PLayout, tes, eps) -> tuple[T
     tp, model = cfg.deployment.prefill_tp, cfg.model
     if tp == 1:
         return ()
-    from xccl.tp_gather import TpLayout  # start-up: only prefill TP (tests/test_rank_imports.py)
+    # start-up: only prefill TP (tests/unit/launch/test_rank_imports.py)
+    from xccl.tp_gather import TpLayout
 
     share = -(-cfg.xccl.max_tokens_per_die // tp)
     down = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_dim

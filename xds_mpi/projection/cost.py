@@ -19,7 +19,7 @@ write is in flight, "hiding both computation and communication latency"; xDeepSe
 unified buffer runs "in a ping-pong fashion"), so a call pays the link's latency once, not once
 per peer: growth with EP size comes from the maximum of more dies' jitter (and, on a two-tier
 network, from the bytes leaving the node). Table 7 agrees: given a per-peer round latency as a
-free weight, its fit sets it to 0 (tests/test_paper_table.py).
+free weight, its fit sets it to 0 (tests/unit/xds_mpi/projection/test_paper_table.py).
 
 The kernel starts and the jitter's spread are the only fitted constants; `fit_table7` fits them
 to the primitive latency table (CloudMatrix-Infer Table 7), a calibration table, never to an

@@ -5,7 +5,8 @@ brings `fractions`, `decimal` and `random`, which no die uses otherwise (issue 3
 pricer needs only the quantile (xds_mpi/projection/cost.py `expected_max_z`), so here it is: the
 rational approximation NormalDist evaluates, Wichura's AS241 (Applied Statistics 37 (3),
 477-484, 1988), with its coefficients and its order of operations, so the values are the same
-floats (tests/test_normal_quantile.py compares them with NormalDist's, bit for bit).
+floats (tests/unit/xds_mpi/projection/test_normal_quantile.py compares them with NormalDist's,
+bit for bit).
 """
 
 from __future__ import annotations

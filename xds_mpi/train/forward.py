@@ -4,7 +4,8 @@ Inference (the numpy model) attends from a paged latent cache with W_UK absorbed
 training has no cache, so attention takes MLA's un-absorbed form (keys and values expanded per
 head from the same c_kv and k_rope) over the full sequence. Everything else is the same formula:
 norms, projections, rotary, the dense FFN, and the MoE (DeepSeek-V3 sigmoid gate, the routed
-experts, the shared expert, combine). tests/test_model_oracle.py checks the two models agree.
+experts, the shared expert, combine). tests/unit/xds_mpi/model/test_model_oracle.py checks the two
+models agree.
 """
 
 from __future__ import annotations

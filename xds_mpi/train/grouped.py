@@ -13,7 +13,8 @@ Step 2: experts whose row count rounds up to the same capacity (`bucket_capacity
 Step 3: each assignment's output goes back to its (row, k) place (`grouped_swiglu`).
 
 The module's parameters stay one SwiGLU per expert, so the checkpoint's names and shapes do not
-change; tests/test_train_grouped.py checks values and gradients against the per-expert loop.
+change; tests/unit/xds_mpi/train/test_train_grouped.py checks values and gradients against the
+per-expert loop.
 """
 
 from __future__ import annotations

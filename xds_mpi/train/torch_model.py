@@ -1,7 +1,7 @@
 """The torch twin of the numpy model (xds_mpi/model/): what `xds-mpi train-tiny` trains, and the
 tests' independent oracle. Same tensor names as the checkpoint (`param_shapes`), same formulas;
 no cache and no XCCL wire: the training forward (xds_mpi/train/forward.py) runs whole sequences
-with MLA un-absorbed. The dies never import this module (tests/test_no_torch.py).
+with MLA un-absorbed. The dies never import this module (tests/e2e/cli/test_no_torch.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ caption: "a fixed deployment unit of 8 GPUs per node regardless of the physical 
 "Superpod" in Table 5's scale-out row means the scale-up network spans the deployment.
 
 `stated_rows()` evaluates the method (xds_mpi/projection/afd_analysis/budget.py) where the text
-gives a number, for `xds-mpi project --afd-analysis --paper` and tests/test_afd_analysis.py.
+gives a number, for `xds-mpi project --afd-analysis --paper` and
+tests/e2e/afd/test_afd_analysis.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Training: a few steps on a slice of the stdlib lower the loss and repeat bit for bit from the
-seed (the training forward against the served numpy model: tests/test_model_oracle.py)."""
+seed (the training forward against the served numpy model:
+tests/unit/xds_mpi/model/test_model_oracle.py)."""
 
 from __future__ import annotations
 

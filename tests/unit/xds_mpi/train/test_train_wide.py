@@ -2,7 +2,7 @@
 `xds-mpi train-tiny` in a few steps: the numpy model serves it as its torch twin computes it, and
 `xds-mpi run ep288` at five dies loads it, says so, and matches the single-process reference.
 
-Tolerance as tests/test_model_oracle.py: logits to 1e-9 absolute in float64.
+Tolerance as tests/unit/xds_mpi/model/test_model_oracle.py: logits to 1e-9 absolute in float64.
 """
 
 from __future__ import annotations

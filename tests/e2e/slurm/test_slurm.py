@@ -1,5 +1,5 @@
 """`xds-mpi submit` against a real Slurm: a job, an array job of a sweep, a job over its time
-limit. The job script itself, without Slurm: tests/test_slurm_script.py.
+limit. The job script itself, without Slurm: tests/unit/launch/test_slurm_script.py.
 
 These tests need a running Slurm (SLURM_CONF set, sbatch on PATH): `hpc/local_slurm.sh
 run-tests python -m pytest tests` brings one up on this machine. Without one they skip, unless

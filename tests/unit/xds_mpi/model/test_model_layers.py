@@ -1,6 +1,7 @@
 """The batch-invariant matmul (xds_mpi/model/layers.py): a row's result does not depend on how
 many rows it is computed with, so a request's tokens do not depend on its batch.
-tests/test_blas_kernels.py runs this file again under every BLAS kernel family the CPU can run."""
+tests/unit/xds_mpi/model/test_blas_kernels.py runs this file again under every BLAS kernel family
+the CPU can run."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The EMS context cache on the colocated deployment (docs/ems.md#colocated-dies): the colocated
 dies are the pool's clients (no PD), the plan places the pool ranks after them, and the crafted
-trace of tests/test_ems.py gives the same hits, blocks moved and tokens as on PD."""
+trace of tests/e2e/ems/test_ems.py gives the same hits, blocks moved and tokens as on PD."""
 
 from __future__ import annotations
 

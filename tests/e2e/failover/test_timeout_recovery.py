@@ -51,7 +51,7 @@ def test_a_wait_timed_out_on_a_slow_peer_is_recomputed_and_recorded(tmp_path):
 def test_a_lost_peer_is_left_to_the_heartbeats(tmp_path, row, die, verdict):
     """The peers' waits time out within 1 s, but the lost die never votes: the vote outlasts
     detection and release, the fence ends it, and vertical scaling runs as without timeouts
-    (afd: tests/test_afd_failover.py)."""
+    (afd: tests/e2e/failover/test_afd_failover.py)."""
     result, run_file, records = served(tmp_path, [row], *RECOMPUTE, *RING)
     assert_scaled(result, records, die, verdict, "vertical scaling: 4 -> 3")
     assert run_file["summary"].attrs["xccl_timeouts"] == 0  # no recomputation: the fence won

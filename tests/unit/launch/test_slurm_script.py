@@ -1,5 +1,5 @@
 """`xds-mpi submit` without Slurm: node layout, sweep and time-limit parsing, refusals of bad
-input, and the job script `--dry-run` prints. tests/test_slurm.py submits real jobs."""
+input, and the job script `--dry-run` prints. tests/e2e/slurm/test_slurm.py submits real jobs."""
 
 from __future__ import annotations
 

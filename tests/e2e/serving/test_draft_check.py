@@ -165,8 +165,9 @@ def test_one_wrong_draft_on_one_die_fails_the_check_though_every_token_is_right(
     assert step_drafts[0] == new  # the run file keeps the drafted token
 
 
-# colocated depth 1 and afd depth 2 repeat tests/test_serving.py and tests/test_serving_afd.py's
-# MTP runs (--check compares every draft there too): they run with --long.
+# colocated depth 1 and afd depth 2 repeat tests/e2e/serving/test_serving.py and
+# tests/e2e/afd/test_serving_afd.py's MTP runs (--check compares every draft there too): they
+# run with --long.
 @pytest.mark.parametrize(
     "config,depth",
     [

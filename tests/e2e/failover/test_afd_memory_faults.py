@@ -48,7 +48,8 @@ def test_a_kv_memory_fault_on_an_attention_die_ends_its_request_and_nothing_else
     )
 
 
-@pytest.mark.failure_matrix  # the colocated case runs by default (tests/test_slot_faults.py)
+# the colocated case runs by default (tests/e2e/failover/test_slot_faults.py)
+@pytest.mark.failure_matrix
 def test_a_routed_and_a_redundant_expert_slot_are_masked_and_the_tokens_equal_the_reference(
     tmp_path,
 ):

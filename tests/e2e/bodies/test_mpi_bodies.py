@@ -13,7 +13,7 @@ BODIES = sorted(MPI_DIR.glob("body_*.py"))
 
 
 # Every body runs at 2 and 4 ranks by default; at 8 ranks with --long (the default suite serves
-# 8 dies in tests/test_serving.py and the config matrix).
+# 8 dies in tests/e2e/serving/test_serving.py and the config matrix).
 
 
 @pytest.mark.parametrize(

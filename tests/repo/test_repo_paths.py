@@ -12,7 +12,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOP = ("xds_mpi", "xccl", "ranks", "launch", "tests", "configs", "hpc", "docs", ".ci")
 # a path from the repository's root: a top-level folder, then path characters (globs and brace
 # alternatives included: `tests/mpi/body_faults_{ep,afd}.py`, `configs/hardware/*.yaml`)

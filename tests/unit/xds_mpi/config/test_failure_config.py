@@ -146,6 +146,6 @@ def test_a_decode_die_that_may_be_lost_with_mtp_is_refused(row):
 
 
 def test_ring_replicas_without_their_slots_are_refused():
-    # With EPLB the ring needs one slot more: tests/test_eplb_failover.py.
+    # With EPLB the ring needs one slot more: tests/e2e/failover/test_eplb_failover.py.
     with pytest.raises(ConfigError, match=r"deployment.redundant_slots_per_die\(0\) must be >= 4"):
         _check([], health={"replicas": "ring"})

@@ -1,6 +1,6 @@
 """Prefill TEs (xDeepServe §5.1 step 1): the JE's choice of a TE by length and load on crafted
 loads, and how the plan splits the prefill dies into TEs (no MPI; the MPI run with two TEs is in
-tests/test_serving_pd.py)."""
+tests/e2e/pd/test_serving_pd.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 
 from xds_mpi.model import blas
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[4]
 # family -> the CPU flags (/proc/cpuinfo) its kernels need
 FAMILIES = {
     "Haswell": {"avx2", "fma"},
@@ -34,9 +34,9 @@ FAMILIES = {
 REPORTED_AS = {"Zen": {"Zen", "Haswell"}, "Cooperlake": {"Cooperlake", "SkylakeX"}}
 REPORTED_AS["SapphireRapids"] = {"SapphireRapids", "Cooperlake", "SkylakeX"}
 TESTS = [
-    "tests/test_model_layers.py",
-    "tests/test_model_reference.py::test_batched_decode_equals_each_request_alone",
-    "tests/test_prefill_tp.py",
+    "tests/unit/xds_mpi/model/test_model_layers.py",
+    "tests/unit/xds_mpi/model/test_model_reference.py::test_batched_decode_equals_each_request_alone",
+    "tests/e2e/pd/test_prefill_tp.py",
 ]
 
 
@@ -75,7 +75,8 @@ def test_batch_invariance_under_every_kernel_family(family):
         [
             sys.executable,
             "-c",
-            "from tests.test_blas_kernels import _openblas_core as c; print(c())",
+            "from tests.unit.xds_mpi.model.test_blas_kernels import _openblas_core as c;"
+            " print(c())",
         ],
         cwd=REPO,
         env=_forced_env(family),
