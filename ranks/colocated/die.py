@@ -213,7 +213,7 @@ class ColocatedDie(DecodeDieLoop):
             if not stopping:  # (once one die has the stop, the others have it on their way)
                 self.idle.idle()  # idle polling backs off
             return True
-        if self.vtime is not None and not self.vtime.may_start():
+        if self.vtime is not None and not self.vtime.can_start():
             self.idle.idle()  # parked at the horizon until the TE-shell's next grant
             return True
         self.idle.busy()

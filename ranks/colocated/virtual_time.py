@@ -71,7 +71,7 @@ class DieVirtualTime:
         """The virtual start of the dies' next iteration, seconds."""
         return self.start_ns / 1e9
 
-    def may_start(self) -> bool:
+    def can_start(self) -> bool:
         """May the dies run the next iteration? Parked ones wait, bounded, for the next grant."""
         if may_start(self.start_s, self.agreed_horizon_s):
             return True
