@@ -201,20 +201,22 @@ class ColocatedDie(DecodeDieLoop):
         self.inbox.poll()  # requests / stop from the TE-shell
         if self.vtime is not None:
             self.vtime.take_grants()  # requests and the horizon (virtual time)
+            if self.vtime.is_held(self.inbox.is_stopped):  # parked: out of the agreement
+                self.agreement_fence()  # a fence still releases it (decode_die.py)
+                return True
         if self.ems is not None:
             self._pull_prefixes()
         self.before_agree()
         busy, all_stopped, stopping = self.agree()  # all dies run the same iterations
-        if self.vtime is not None:  # at the horizon or out of work: where this die stands
-            self.vtime.report(self.outbox.num_batches)
+        # Virtual time: where this die stands, to the TE-shell; held at the horizon?
+        is_held = self.vtime is not None and self.vtime.after_agree(busy, self.outbox.num_batches)
         if not busy:
             if all_stopped:  # every die leaves now, without an idle round's sleep first
                 return False
             if not stopping:  # (once one die has the stop, the others have it on their way)
                 self.idle.idle()  # idle polling backs off
             return True
-        if self.vtime is not None and not self.vtime.can_start():
-            self.idle.idle()  # parked at the horizon until the TE-shell's next grant
+        if is_held:  # parked at the horizon until the TE-shell's next grant
             return True
         self.idle.busy()
         if self.vtime is not None:

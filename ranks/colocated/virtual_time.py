@@ -9,6 +9,11 @@ iteration only when it starts before that horizon (xds_mpi/vtime/admission.py `m
 that start; otherwise they are parked, and each tells the TE-shell once per grant where it stands
 (`report`), until the next grant raises the horizon. A die with no request of its own reports at
 once: it emits nothing until it is given work, so the TE-shell need not wait for its clock.
+
+A parked die, or one that saw every die idle, waits for its next grant out of the agreement
+(`is_held`): no die can start an iteration before it has taken that grant (its horizon, or its
+lack of work, holds every die back), so the others lose nothing, and it answers heartbeats and
+checks the fence every turn instead of waiting in agreement rounds for peers that sleep.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mpi4py import MPI
 
 from ranks.core.messages import SHELL
 from ranks.core.vtime_messages import TAG_VTIME_CLOCK, TAG_VTIME_GRANT, ClockReport
+from xccl.agreement import IdleBackoff
 from xccl.vclock import VirtualClock
 from xds_mpi.control import WaitTimeout
 from xds_mpi.engine.scheduler import DieScheduler
@@ -38,8 +44,9 @@ class DieVirtualTime:
         self.reported_seq = -1
         self.admitted: list[tuple[int, float]] = []  # since the last report
         self.waiting_ids: list[int] = []  # before the running iteration
-        self.parked_since: float | None = None  # time.monotonic()
+        self.held_since: float | None = None  # time.monotonic(); None: not held
         self.pending: list[MPI.Request] = []
+        self.pause = IdleBackoff(first_s=0.0005, last_s=0.004)  # while held
 
     def take_grants(self) -> None:
         """The TE-shell's grants: their requests join the waiting queue, the horizon moves on, an
@@ -54,7 +61,7 @@ class DieVirtualTime:
             self.seq, self.horizon_s = grant.seq, grant.horizon_s
             if grant.warp_s > -math.inf:
                 self.clock.arrive(grant.warp_s * 1e9)
-            self.parked_since = None
+            self.held_since = None
 
     def words(self) -> tuple[int, int]:
         """This die's part of the agreement: its clock (ns) and its horizon (s), as words."""
@@ -71,20 +78,32 @@ class DieVirtualTime:
         """The virtual start of the dies' next iteration, seconds."""
         return self.start_ns / 1e9
 
-    def can_start(self) -> bool:
-        """May the dies run the next iteration? Parked ones wait, bounded, for the next grant."""
-        if may_start(self.start_s, self.agreed_horizon_s):
-            return True
-        now = time.monotonic()
-        if self.parked_since is None:
-            self.parked_since = now
-        elif now - self.parked_since > self.timeout_s:
+    def after_agree(self, is_busy: bool, num_batches: int) -> bool:
+        """After the agreement: report where this die stands (once per grant); True when the
+        dies may not start an iteration now (no die has work, or the start is not before the
+        horizon): this die is then held until its next grant."""
+        self.report(num_batches)
+        if is_busy and may_start(self.start_s, self.agreed_horizon_s):
+            return False
+        self.held_since = time.monotonic()
+        return True
+
+    def is_held(self, is_stopped: bool) -> bool:
+        """Still waiting for the next grant (called after `take_grants`)? A stop releases the
+        die into the agreement, where the dies leave together. Bounded while a request is
+        still to come (a finite horizon)."""
+        if self.held_since is None or is_stopped:
+            self.held_since = None
+            self.pause.busy()
+            return False
+        if self.horizon_s < math.inf and time.monotonic() - self.held_since > self.timeout_s:
             raise WaitTimeout(
-                f"die rank {self.rank}: parked at virtual {self.start_s:.6f} s before the "
-                f"horizon {self.agreed_horizon_s:.6f} s (own grant {self.seq}): no grant from "
-                f"the TE-shell (rank {SHELL}) after {self.timeout_s:g} s"
+                f"die rank {self.rank}: held at virtual {self.start_s:.6f} s (horizon "
+                f"{self.agreed_horizon_s:.6f} s, own grant {self.seq}): no grant from the "
+                f"TE-shell (rank {SHELL}) after {self.timeout_s:g} s"
             )
-        return False
+        self.pause.idle()
+        return True
 
     def report(self, num_batches: int) -> None:
         """After the agreement, once per grant: tell the TE-shell where this die stands when it
@@ -108,7 +127,6 @@ class DieVirtualTime:
         """The iteration about to run starts at the dies' common virtual start."""
         self.clock.arrive(self.start_ns)
         self.waiting_ids = [req.req_id for req in self.scheduler.waiting]
-        self.parked_since = None
 
     def end(self) -> None:
         """After the iteration: the requests it admitted, admitted at its start."""

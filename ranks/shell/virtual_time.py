@@ -37,7 +37,12 @@ class VirtualPacer:
         self.frontend = frontend
         self.seq = 0  # the grant the dies hold (0: none yet)
         self.horizon_s = 0.0
-        self.reports: dict[int, ClockReport] = {}  # die rank -> its report for grant `seq`
+        # die rank -> its report for grant `seq`. At the start every die is idle at virtual 0
+        # with nothing sent: known without a report, so the first grant goes out at once.
+        self.reports: dict[int, ClockReport] = {
+            g: ClockReport(die_rank=g, seq=0, start_s=0.0, is_idle=True, num_batches=0)
+            for g in frontend.groups
+        }
         self.completions = Completions()  # finishes not yet applied to the balancer
         self.decided_s = 0.0  # the last decision's virtual time
         self.admitted: dict[int, float] = {}  # req_id -> virtual admission (the dies' reports)
@@ -92,6 +97,7 @@ class VirtualPacer:
                         f"{self.seq} after {timeout_s:g} s (the end of the run)"
                     )
                 time.sleep(0.0005)
+        self._take_reports()  # the first reports when no grant went out (all taken by now)
 
     def _take_reports(self) -> int:
         num = 0
