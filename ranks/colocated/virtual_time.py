@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
@@ -28,9 +29,11 @@ from ranks.core.vtime_messages import TAG_VTIME_CLOCK, TAG_VTIME_GRANT, ClockRep
 from xccl.agreement import IdleBackoff
 from xccl.vclock import VirtualClock
 from xds_mpi.control import WaitTimeout
-from xds_mpi.engine.scheduler import DieScheduler
 from xds_mpi.report import trace
 from xds_mpi.vtime.admission import from_words, may_start, to_word
+
+if TYPE_CHECKING:
+    from xds_mpi.engine.scheduler import DieScheduler
 
 
 class DieVirtualTime:
