@@ -18,8 +18,10 @@ from xccl.quant import send_row_bytes
 # Per staged row, next to the rows: its token index, top-k column and physical slot.
 INDEX_DTYPE = np.dtype([("token", "<i4"), ("column", "<i4"), ("slot", "<i8")])
 INDEX_BYTES = INDEX_DTYPE.itemsize
-# Payload words of one member's slot in the between-iterations agreement (xccl/agreement.py).
-AGREE_WORDS = 4
+# Payload words of one member's slot in the between-iterations agreement (xccl/agreement.py):
+# a colocated die's work, running flag, EPLB's two boundary words, and with run.clock virtual
+# its clock and horizon (ranks/colocated/virtual_time.py).
+AGREE_WORDS = 6
 
 
 @dataclass(frozen=True, kw_only=True)

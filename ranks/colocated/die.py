@@ -71,10 +71,27 @@ class ColocatedDie(DecodeDieLoop):
         self.recompute = self._recomputer(ctx, lanes)
         self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
         self.inbox = Inbox(ctx.comm, self.scheduler)
-        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+        self.vtime = self._virtual_time(ctx)  # run.clock virtual: None on the wall clock
+        self.outbox = Outbox(
+            ctx.comm,
+            ctx.comm.rank,
+            timeout_s=cfg.xccl.poll_timeout_s,
+            clock=clock if self.vtime is not None else None,
+        )
         self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
+
+    def _virtual_time(self, ctx: RankContext):
+        """Virtual-time serving's side of this die (ranks/colocated/virtual_time.py), or None."""
+        if not ctx.plan.clock.is_virtual:
+            return None
+        from ranks.colocated.virtual_time import DieVirtualTime
+        from xds_mpi.plan.failures import release_bound_s
+
+        # The TE-shell's next grant may wait out a failover: detection, fence and rebuild.
+        timeout_s = ctx.cfg.xccl.poll_timeout_s + release_bound_s(ctx.cfg.health)
+        return DieVirtualTime(ctx.comm, self.clock, self.scheduler, timeout_s=timeout_s)
 
     def _ems_client(self, ctx: RankContext, cache):
         """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
@@ -180,17 +197,28 @@ class ColocatedDie(DecodeDieLoop):
     def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
+        if self.vtime is not None:
+            self.vtime.take_grants()  # requests and the horizon (virtual time)
+            if self.vtime.is_held(self.inbox.is_stopped):  # parked: out of the agreement
+                self.agreement_fence()  # a fence still releases it (decode_die.py)
+                return True
         if self.ems is not None:
             self._pull_prefixes()
         self.before_agree()
         busy, all_stopped, stopping = self.agree()  # all dies run the same iterations
+        # Virtual time: where this die stands, to the TE-shell; held at the horizon?
+        is_held = self.vtime is not None and self.vtime.after_agree(busy, self.outbox.num_batches)
         if not busy:
             if all_stopped:  # every die leaves now, without an idle round's sleep first
                 return False
             if not stopping:  # (once one die has the stop, the others have it on their way)
                 self.idle.idle()  # idle polling backs off
             return True
+        if is_held:  # parked at the horizon until the TE-shell's next grant
+            return True
         self.idle.busy()
+        if self.vtime is not None:
+            self.vtime.begin()  # at the dies' common virtual start
         if self.ems is None:  # (with EMS a request's prefix is looked up before the agreement)
             # Requests that reached this die during the agreement join this iteration, not the
             # next: at a burst of arrivals a die that polled just before its requests came
@@ -203,6 +231,8 @@ class ColocatedDie(DecodeDieLoop):
         if self.ems is not None:
             self._put_prompts(sampled)
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
+        if self.vtime is not None:
+            self.vtime.end()
         finished = {e.req_id for e in emitted if e.is_finished}
         self.executor.commit(finished | self.inbox.take_cancelled())
         self.emit(emitted, timing)  # the output shortcut
@@ -233,10 +263,15 @@ class ColocatedDie(DecodeDieLoop):
         (ranks/colocated/eplb.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
         collective in the die loop (§4.2)."""
         mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
+        clock_words = self.vtime.words() if self.vtime is not None else ()
         fence, timeout_s = self.agreement_fence()  # a lost die never writes (decode_die.py)
         rows = self.executor.ep.agreement.agree(
-            (*mine, *self.eplb.boundary_values()), interrupt=fence, timeout_s=timeout_s
+            (*mine, *self.eplb.boundary_values(), *clock_words),
+            interrupt=fence,
+            timeout_s=timeout_s,
         )
+        if self.vtime is not None:
+            self.vtime.agreed(rows[:, 4:6])
         self.eplb_agreed = (int(rows[:, 2].min()), int(rows[:, 3].min()))
         running = rows[:, 1]
         return bool(rows[:, 0].sum()), not running.any(), not running.all()
@@ -250,6 +285,8 @@ class ColocatedDie(DecodeDieLoop):
 
     def drain(self) -> None:
         self.outbox.drain()
+        if self.vtime is not None:
+            self.vtime.drain()
 
     def close(self) -> None:
         self.eplb.close()

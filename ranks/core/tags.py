@@ -50,6 +50,9 @@ TAG_EMS, TAG_EMS_REPORT, TAG_EMS_EVICTED = 271, 272, 273
 TAG_TRACE = 241
 # An afd expert die's measured load, once at the end (ranks/afd/load_io.py).
 TAG_AFD_LOAD = 242
+# Virtual-time serving (ranks/core/vtime_messages.py): TE-shell -> die, a grant (requests, the
+# horizon, the warp); die -> TE-shell, where its clock stands.
+TAG_VTIME_GRANT, TAG_VTIME_CLOCK = 281, 282
 
 
 def all_tags() -> dict[str, int]:

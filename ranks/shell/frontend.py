@@ -53,6 +53,8 @@ WATCH_SHARE = 20
 
 
 class Frontend:
+    virtual = None  # run.clock virtual: the VirtualPacer (ranks/shell/virtual_time.py)
+
     def __init__(self, ctx: RankContext) -> None:
         cfg = ctx.cfg
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
@@ -96,6 +98,11 @@ class Frontend:
         self.memory = MemoryLosses(ctx.comm, ctx.log)  # KV memory faults (§6.2 stage 3)
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
         self.ems_reports: dict = {}  # colocated with ems.enabled: pool rank -> EmsPoolReport
+        ctx.log.info("serving clock: %s (%s)", ctx.plan.clock.kind, ctx.plan.clock.why)
+        if ctx.plan.clock.is_virtual:
+            from ranks.shell.virtual_time import VirtualPacer
+
+            self.virtual = VirtualPacer(self)
 
     def serve(self) -> None:
         """Until every accepted request is finished; then tell the dies to stop."""
@@ -132,7 +139,7 @@ class Frontend:
     def _until_next_arrival(self) -> float:
         """Seconds until the next queued request arrives (0 when one waits already, inf when
         none is queued)."""
-        if not self.queue:
+        if not self.queue or self.virtual is not None:  # virtual: no wall time to wait for
             return float("inf")
         return max(0.0, self.queue[0].arrival_s - (time.time() - self.started))
 
@@ -185,6 +192,8 @@ class Frontend:
                 me="TE-shell",
                 event="EMS pool report",
             )
+        if self.virtual is not None:  # the admissions the dies' last clock reports carry
+            self.virtual.finish(timeout_s)
         phases.end("reports")
         self.traces = gather_traces(
             self.comm, self.ctx.topo, timeout_s=timeout_s, skip=lost, log=self.ctx.log
@@ -209,7 +218,9 @@ class Frontend:
         """Hand the requests that have arrived to DP groups: one message per die per turn, so
         that a die takes a burst of arrivals in one poll (one request per message let a die
         start an iteration between two of its requests, and the second waited a whole
-        iteration for its prefill)."""
+        iteration for its prefill). With run.clock virtual, at virtual arrivals instead."""
+        if self.virtual is not None:
+            return self.virtual.turn()
         now, num = time.time() - self.started, 0
         to: dict[int, list] = {}
         while self.queue and self.queue[0].arrival_s <= now:
@@ -249,7 +260,10 @@ class Frontend:
                 self.touched.add(req_id)
                 if is_finished:
                     record.finished_at = batch.wall_time
-                    self.balancer.on_complete(req_id)
+                    if self.virtual is not None:  # the balancer sees it at its virtual time
+                        self.virtual.finished(req_id, batch.vclock_s)
+                    else:
+                        self.balancer.on_complete(req_id)
                     self.num_open -= 1
             num += 1
         return num
@@ -279,6 +293,8 @@ class Frontend:
         """Go on without the DP groups `lost` (an afd expert die is none: ignored); the
         requests they held unfinished (the orphans), which the caller places again."""
         orphans: list[int] = []
+        if self.virtual is not None:  # finished ones are no orphans
+            self.virtual.apply_finishes()
         for die in lost:
             if die in self.groups:
                 orphans += self.balancer.remove_group(die)
@@ -361,6 +377,7 @@ class Frontend:
             running=sum(self.balancer.num_pending.values()),
             queued=len(self.queue),
             elapsed_s=time.time() - self.started,
+            vtime_s=max(self.vclock_of.values(), default=0.0) if self.virtual is not None else -1.0,
         )
 
     def lost_dies(self) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ serving loop. What is refused and why:
 - sampling other than greedy (temperature, top_p, top_k, min_p, penalties): 400, because every
   served token is checked against the greedy single-process reference (`--check`);
 - a prompt or max_tokens that does not fit the model's length or a die's KV capacity: 400,
-  with `xds_mpi.engine.requests.rejection`'s numbers.
+  with `xds_mpi.workload.requests.rejection`'s numbers.
 
 The chat template over the byte tokenizer (docs/serve.md): BOS, then for each message
 `<|role|>\\n` + its content + `\\n`, then `<|assistant|>\\n`; the reply is the bytes generated.

@@ -136,6 +136,7 @@ class Serving:
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
+        self.summary["serving_clock"] = ctx.plan.clock.kind
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
@@ -151,6 +152,7 @@ class Serving:
             self.summary.update(ems_summary(self.ems_dies, frontend.ems_reports.values()))
             ctx.log.info(format_ems(self.summary))
         self._add_slo(ctx)
+        self.virtual_times = self._add_virtual(ctx, frontend) if frontend.virtual else None
         if ctx.cfg.serve.enabled:
             self._add_cancellations(ctx, frontend.reports)
         for record in self.failures:
@@ -290,6 +292,17 @@ class Serving:
         if ctx.cfg.workload.source == "trace" and ctx.plan.ems is not None:
             self._add_ems_slo(ctx, pricer)
 
+    def _add_virtual(self, ctx: RankContext, frontend) -> list:
+        """run.clock virtual: each request's times on the virtual clock, queueing included, and
+        their percentiles and goodput (xds_mpi/results/virtual.py); wall time is the emulator's
+        own cost beside them."""
+        from xds_mpi.results.virtual import format_virtual, virtual_summary, virtual_times
+
+        times = virtual_times(self.records, frontend.virtual.admitted)
+        self.summary.update(virtual_summary(ctx.cfg, times, self.summary["wall_s"]))
+        ctx.log.info(format_virtual(self.summary, self.summary["wall_s"]))
+        return times
+
     def _add_ems_slo(self, ctx: RankContext, pricer) -> None:
         """EMS on a trace: each request priced with the prefix the pool really served it (its
         hit blocks at the trace's lengths, pulled over UB), the `ems_` goodput and TTFT keys."""
@@ -374,6 +387,10 @@ class Serving:
         from xds_mpi.results.slo import write_slo
 
         write_slo(f, self.slo_times, self.cached_times, self.ems_times)
+        if self.virtual_times is not None:
+            from xds_mpi.results.virtual import write_virtual
+
+            write_virtual(f, self.virtual_times)
         if self.eplb:
             self.eplb.write(f)
         failures = self.failures + (self.pd_book.failures if self.pd_book is not None else [])

@@ -275,6 +275,11 @@ class RunConfig:
     # "a TTFT SLA under 2 s and a TPOT SLA of 35 ms"; xds_mpi/results/slo.py)
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 35.0
+    # Which clock drives serving (arrivals, queueing, admission, the DP balancer): "virtual",
+    # the dies' 910C clock with idle time skipped (docs/virtual_time.md); "wall", this machine's;
+    # "auto", virtual where it is built (a colocated `xds-mpi run`), else wall
+    # (xds_mpi/plan/clock.py)
+    clock: Literal["auto", "virtual", "wall"] = "auto"
 
     def __post_init__(self) -> None:
         positive(

@@ -18,6 +18,7 @@ from xccl.layout import P2PLayout
 from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.model.checkpoint import check_checkpoint
+from xds_mpi.plan.clock import ServingClock, serving_clock
 from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
@@ -36,7 +37,8 @@ class DeploymentPlan:
     row_dtype: dtype of the rows XCCL moves without INT8 (the layouts size rows with its itemsize);
     window_bytes: [world_size] bytes of each rank's window (host ranks: 0);
     pd: disaggregated prefill-decode (xds_mpi/plan/pd.py), None unless pd.enabled;
-    ems: the EMS context cache's pool (xds_mpi/plan/ems.py), None unless ems.enabled."""
+    ems: the EMS context cache's pool (xds_mpi/plan/ems.py), None unless ems.enabled;
+    clock: which clock drives serving (run.clock, xds_mpi/plan/clock.py)."""
 
     cfg: Config
     topo: Topology
@@ -47,6 +49,7 @@ class DeploymentPlan:
     window_bytes: tuple[int, ...]
     pd: PdPlan | None = None
     ems: EmsPlan | None = None
+    clock: ServingClock = ServingClock(kind="wall", why="run.clock=wall")
 
     @classmethod
     def build(
@@ -64,6 +67,7 @@ class DeploymentPlan:
         topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
         check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
         check_serving(cfg, topo)
+        clock = serving_clock(cfg)
         # The one source of the row dtype: a wire format (the model computes in its own dtype;
         # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
         row_dtype = np.dtype(cfg.xccl.row_dtype)
@@ -94,6 +98,7 @@ class DeploymentPlan:
             window_bytes=windows,
             pd=pd,
             ems=ems,
+            clock=clock,
         )
 
 

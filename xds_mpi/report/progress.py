@@ -28,7 +28,8 @@ def progress_mode(stdout=None) -> str:
 class Snapshot:
     """Where serving stands: requests done of total, tokens out of at most max_tokens (the
     accepted requests' max_new_tokens: EOS can end them earlier), running and queued requests,
-    wall seconds since serving started."""
+    wall seconds since serving started; with run.clock virtual, vtime_s: the dies' virtual
+    time reached (the latest token's; -1 on the wall clock)."""
 
     done: int
     total: int
@@ -37,6 +38,7 @@ class Snapshot:
     running: int
     queued: int
     elapsed_s: float
+    vtime_s: float = -1.0
 
     def tokens_per_s(self) -> float:
         return self.tokens / max(self.elapsed_s, 1e-9)
@@ -51,8 +53,16 @@ def format_line(s: Snapshot) -> str:
     return (
         f"progress: {s.done}/{s.total} requests done, {s.tokens} tokens, "
         f"{s.tokens_per_s():.1f} tok/s, {s.running} running, {s.queued} queued, "
-        f"{s.elapsed_s:.1f} s, ETA {_eta(s)}"
+        f"{s.elapsed_s:.1f} s, ETA {_eta(s)}{_virtual(s)}"
     )
+
+
+def _virtual(s: Snapshot) -> str:
+    """Virtual time, wall time and their ratio (run.clock virtual), else nothing."""
+    if s.vtime_s < 0:
+        return ""
+    ratio = s.vtime_s / max(s.elapsed_s, 1e-9)
+    return f"; virtual {s.vtime_s:.3f} s in {s.elapsed_s:.1f} s wall ({ratio:.2f}x)"
 
 
 def _eta(s: Snapshot) -> str:
@@ -63,7 +73,10 @@ def _eta(s: Snapshot) -> str:
 def format_bar(s: Snapshot) -> str:
     filled = round(BAR_WIDTH * s.tokens / max(s.max_tokens, 1))
     bar = "#" * filled + "." * (BAR_WIDTH - filled)
-    return f"[{bar}] {s.done}/{s.total} requests, {s.tokens_per_s():.1f} tok/s, ETA {_eta(s)}"
+    return (
+        f"[{bar}] {s.done}/{s.total} requests, {s.tokens_per_s():.1f} tok/s, ETA {_eta(s)}"
+        f"{_virtual(s)}"
+    )
 
 
 class Progress:

@@ -30,6 +30,9 @@ class RequestRecord:
     die_rank: int = -1
     dispatched_at: float = 0.0  # wall clock (time.time())
     dispatched_vtime: float = 0.0  # its die's virtual clock (seconds) then, as last reported
+    # run.clock virtual: arrival_s is a virtual time; on the wall clock the request arrived
+    # when the TE-shell handed it to a die (time.time(); 0: the wall clock drives serving)
+    wall_arrival: float = 0.0
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     token_vtimes: list[float] = field(default_factory=list)  # the die's virtual clock, seconds
@@ -58,6 +61,7 @@ class RequestRecord:
         self.step_accepted.append(num_accepted)
 
     def ttft_s(self, arrival_wall: float) -> float:
+        arrival_wall = self.wall_arrival or arrival_wall
         return self.token_times[0] - arrival_wall if self.token_times else float("nan")
 
     def tpot_s(self) -> float:

@@ -198,7 +198,7 @@ def test_validate_prints_window_sizes_and_refuses_a_layout_over_the_cap():
     )
     assert over.returncode == 2
     assert (
-        "rank 1's window needs 2642496 B = p2p 2097920 B + dispatch/combine 544576 B, over "
+        "rank 1's window needs 2642624 B = p2p 2097920 B + dispatch/combine 544704 B, over "
         "the per-die cap xccl.max_window_bytes(100000)"
     ) in over.stderr
 

@@ -110,8 +110,8 @@ def test_ep_area_follows_its_formula():
     )
     assert ep.send_row_bytes == 16 and ep.out_row_bytes == 80  # 10 + 4 -> 16; 10 x 8
     assert ep.max_send_rows == 12 and ep.max_recv_rows == 36
-    # records, records, staging, index, combine rows, agreement (2 banks x 3 slots x 5 words)
-    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80, 2 * 3 * 5 * 8]  # each rounded up to 64 B
+    # records, records, staging, index, combine rows, agreement (2 banks x 3 slots x 7 words)
+    sizes = [3 * 64, 3 * 64, 12 * 16, 12 * 16, 36 * 80, 2 * 3 * 7 * 8]  # each rounded up to 64 B
     assert ep.area_bytes() == sum((s + 63) // 64 * 64 for s in sizes)
     assert ep.offset(1, "dispatch_records") == 6400
     assert ep.record_offset(3, "combine", 2) == 64 + 3 * 64 + 2 * 64
@@ -175,8 +175,8 @@ def test_afd_agreement_area_follows_the_lanes_and_skips_a_lost_die():
             slot_bytes = (AGREE_WORDS + 1) * 8
             assert at == lanes_end  # after every lane, none overlapped
             assert at + 2 * len(afd.members) * slot_bytes <= afd.base[rank] + afd.area_bytes(role)
-    # 2 banks x 6 vs 5 slots x 40 B: 480 vs 400 B, each rounded up to 64 B
-    assert whole.area_bytes("attention") - lost.area_bytes("attention") == 512 - 448
+    # 2 banks x 6 vs 5 slots x 56 B: 672 vs 560 B, each rounded up to 64 B
+    assert whole.area_bytes("attention") - lost.area_bytes("attention") == 704 - 576
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def test_mtp_and_fault_settings_that_cannot_work_are_refused(settings, message):
         (
             ["xccl.p2p_pairs=all", "xccl.max_window_bytes=100000"],
             None,
-            r"rank 1's window needs 2642496 B = p2p 2097920 B \+ dispatch/combine 544576 B, "
+            r"rank 1's window needs 2642624 B = p2p 2097920 B \+ dispatch/combine 544704 B, "
             r"over the per-die cap xccl.max_window_bytes\(100000\)",
         ),
         (["xccl.slot_bytes=12"], None, r"xccl: .*slot_bytes\(12\) a positive multiple of 8"),

@@ -1,0 +1,147 @@
+"""The TE-shell's side of virtual-time serving (run.clock virtual, docs/virtual_time.md).
+
+The TE-shell hands a die work only at virtual times the dies have not passed. Each grant it sends
+every die carries the requests decided for that die and a horizon, the next virtual time at which it
+may hand work again: the next undecided arrival (inf when none is left). The dies run the iterations
+that start before the horizon, then park there (ranks/colocated/virtual_time.py). Once every die has
+reported for the current grant (parked at the horizon, or with no work of its own), the TE-shell
+takes every token batch they sent (the finishes they carry), decides the queued requests up to the
+dies' common virtual start, each at its own virtual time from the state then
+(xds_mpi/scheduling/admission.py `decide`), and sends the next grant. When every die is idle the
+next grant warps their clocks to the next arrival: idle time costs no wall time.
+
+Every wait is bounded: a grant waits for the dies' reports at most `timeout_s` without news
+(a report or a token batch), then raises naming the dies, the grant and the horizon.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from mpi4py import MPI
+
+from ranks.core.control import WaitTimeout
+from ranks.core.vtime_messages import TAG_VTIME_CLOCK, TAG_VTIME_GRANT, ClockReport, Grant
+from xds_mpi.plan.failures.checks import release_bound_s
+from xds_mpi.report import trace
+from xds_mpi.scheduling.admission import Completions, NextGrant, decide
+
+
+class VirtualPacer:
+    """On the TE-shell's Frontend (ranks/shell/frontend.py): its queue, balancer, records and
+    DP groups; `turn` in place of the wall clock's dispatch."""
+
+    def __init__(self, frontend) -> None:
+        cfg = frontend.ctx.cfg
+        self.frontend = frontend
+        self.seq = 0  # the grant the dies hold (0: none yet)
+        self.horizon_s = 0.0
+        # die rank -> its report for grant `seq`. At the start every die is idle at virtual 0
+        # with nothing sent: known without a report, so the first grant goes out at once.
+        self.reports: dict[int, ClockReport] = {
+            g: ClockReport(die_rank=g, seq=0, start_s=0.0, is_idle=True, num_batches=0)
+            for g in frontend.groups
+        }
+        self.completions = Completions()  # finishes not yet applied to the balancer
+        self.decided_s = 0.0  # the last decision's virtual time
+        self.admitted: dict[int, float] = {}  # req_id -> virtual admission (the dies' reports)
+        # A grant may wait out a failover (detection, fence, rebuild) besides the XCCL waits.
+        self.timeout_s = cfg.xccl.poll_timeout_s + release_bound_s(cfg.health)
+        self.news_at, self.news = time.monotonic(), -1
+
+    def turn(self) -> int:
+        """Take the dies' clock reports; once every die reported, decide and grant. The work
+        done (reports taken, grants sent)."""
+        num = self._take_reports()
+        frontend = self.frontend
+        if not frontend.queue:
+            return num
+        missing = [g for g in frontend.groups if g not in self.reports]
+        if missing:
+            self._check_waiting(missing)
+            return num
+        reports = [self.reports[g] for g in frontend.groups]
+        timeout_s = frontend.ctx.cfg.xccl.poll_timeout_s
+        frontend.take_batches({r.die_rank: r.num_batches for r in reports}, timeout_s)
+        busy = [r.start_s for r in reports if not r.is_idle]
+        grant = decide(
+            frontend.queue,
+            frontend.balancer,
+            self.completions,
+            now_s=min(busy) if busy else None,
+            after_s=self.decided_s,
+            idle_s=max(r.start_s for r in reports),
+        )
+        self._send(grant)
+        return num + 1
+
+    def finished(self, req_id: int, vtime_s: float) -> None:
+        """A request's last token, sampled at virtual `vtime_s` on its die."""
+        self.completions.add(req_id, vtime_s)
+
+    def apply_finishes(self) -> None:
+        """Every known finish applied now (a failover: the lost dies' unfinished requests are
+        the balancer's, so finished ones must not count among them)."""
+        self.completions.apply_until(math.inf, self.frontend.balancer)
+
+    def finish(self, timeout_s: float) -> None:
+        """At the end: every live die's report for the last grant (the admissions it carries),
+        bounded."""
+        deadline = time.monotonic() + timeout_s
+        while missing := [g for g in self.frontend.groups if g not in self.reports]:
+            if not self._take_reports():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"TE-shell: no clock report from die rank(s) {missing} for grant "
+                        f"{self.seq} after {timeout_s:g} s (the end of the run)"
+                    )
+                time.sleep(0.0005)
+        self._take_reports()  # the first reports when no grant went out (all taken by now)
+
+    def _take_reports(self) -> int:
+        num = 0
+        comm = self.frontend.comm
+        while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_VTIME_CLOCK)) is not None:
+            report: ClockReport = message.recv()
+            self.admitted.update(report.admitted)
+            if report.seq == self.seq:
+                self.reports[report.die_rank] = report
+            num += 1
+        return num
+
+    def _send(self, grant: NextGrant) -> None:
+        frontend = self.frontend
+        to: dict[int, list] = {g: [] for g in frontend.groups}
+        for decision in grant.decisions:
+            req = decision.req
+            record = frontend.records[req.req_id]
+            record.die_rank, record.dispatched_at = decision.group, time.time()
+            record.wall_arrival = record.dispatched_at  # its arrival on the wall clock
+            record.dispatched_vtime = decision.vtime_s
+            to[decision.group].append(req)
+            with trace.span("request", req_id=req.req_id, die=decision.group):
+                trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
+            self.decided_s = decision.vtime_s
+        self.seq += 1
+        self.horizon_s = grant.horizon_s
+        for group, reqs in to.items():
+            message = Grant(
+                seq=self.seq, requests=tuple(reqs), horizon_s=grant.horizon_s, warp_s=grant.warp_s
+            )
+            frontend.sends.append(frontend.comm.isend(message, dest=group, tag=TAG_VTIME_GRANT))
+        self.reports = {}
+        self.news_at = time.monotonic()
+
+    def _check_waiting(self, missing: list[int]) -> None:
+        """Bounded: news (a report, a token batch) restarts the wait."""
+        news = len(self.reports) + sum(self.frontend.batches_from.values())
+        now = time.monotonic()
+        if news != self.news:
+            self.news, self.news_at = news, now
+        elif now - self.news_at > self.timeout_s:
+            raise WaitTimeout(
+                f"TE-shell: no clock report from die rank(s) {missing} for grant {self.seq} "
+                f"(horizon {self.horizon_s:.6f} s virtual) and no token from any die after "
+                f"{self.timeout_s:g} s"
+            )

@@ -1,0 +1,61 @@
+"""Which clock drives serving (`run.clock`, docs/virtual_time.md): the dies' 910C virtual clock,
+or this machine's wall clock.
+
+Virtual time is built for the colocated deployment's `xds-mpi run` (phase 1 of issue 58): the
+TE-shell grants the dies a horizon and decides each arrival at its virtual time
+(ranks/shell/virtual_time.py, ranks/colocated/virtual_time.py). afd and PD decode still take
+their requests when they arrive on the wall clock (phase 2), and `xds-mpi serve` stays paced by
+the wall clock for good: its HTTP clients live in it. `auto` picks virtual where it is built; an
+explicit `virtual` anywhere else is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xds_mpi.config.schema import Config, ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingClock:
+    """kind: "virtual" or "wall"; why: the reason, for the run log."""
+
+    kind: str
+    why: str
+
+    @property
+    def is_virtual(self) -> bool:
+        return self.kind == "virtual"
+
+
+def serving_clock(cfg: Config) -> ServingClock:
+    """The clock `run.clock` asks for on this deployment; refused where virtual is not built."""
+    wanted = cfg.run.clock
+    missing = _why_wall(cfg)
+    if wanted == "virtual" and missing:
+        raise ConfigError(
+            f"run.clock(virtual) is not built for {missing} yet (issue 58, phase 2); set "
+            "run.clock=wall or auto"
+        )
+    if wanted == "wall":
+        return ServingClock(kind="wall", why="run.clock=wall")
+    if missing:
+        return ServingClock(
+            kind="wall", why=f"run.clock={wanted}: virtual time is not built for {missing} yet"
+        )
+    return ServingClock(
+        kind="virtual",
+        why=f"run.clock={wanted}: arrivals, admission and the DP balancer at the dies' 910C "
+        "virtual times, idle time skipped",
+    )
+
+
+def _why_wall(cfg: Config) -> str:
+    """What in `cfg` virtual time does not cover yet ("" when it covers all)."""
+    if cfg.serve.enabled:
+        return "xds-mpi serve (its HTTP clients live on the wall clock: serve.enabled)"
+    if cfg.pd.enabled or cfg.deployment.num_prefill_dies:
+        return "prefill-decode disaggregation (pd.enabled)"
+    if cfg.deployment.kind != "colocated":
+        return f"deployment.kind({cfg.deployment.kind})"
+    return ""
