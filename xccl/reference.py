@@ -6,6 +6,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from xccl.quant import quant_dequant
+
 
 def p2p_deliveries(
     messages: Iterable[tuple[int, int, int, bytes]],
@@ -50,8 +52,6 @@ def dispatch_reference(
     """What every member receives, from all-gathered inputs: rows grouped by local slot
     (ascending), then by source rank, token and column. xs[i] / topk_idxs[i] belong to
     members[i]. Returns per rank: x [R, hidden], slot, src_rank, src_token, src_column [R]."""
-    from xccl.quant import quant_dequant
-
     arrivals: dict[int, list] = {rank: [] for rank in members}
     for src, x, topk_idx in zip(members, xs, topk_idxs):
         rows = quant_dequant(x) if use_int8 and len(x) else x
@@ -85,8 +85,6 @@ def combine_reference(
     """y[t] = sum over the token's columns, in column order, of weight x expert_fn(slot, row);
     the shared column has weight 1. expert_fn(slot, rows [n, hidden]) -> [n, hidden]. Sums in
     float64 whatever x's dtype, as combine does."""
-    from xccl.quant import quant_dequant
-
     ys = []
     for src, x, topk_idx, w in zip(members, xs, topk_idxs, topk_weights):
         rows = quant_dequant(x) if use_int8 and len(x) else x
@@ -107,8 +105,6 @@ def a2e_reference(
     attention[i]; routed rows go through INT8 when enabled, shared-column rows never do (the
     reference model quantizes the routed experts' input only). Returns per expert rank: x [R,
     hidden], slot, src_rank, src_token, src_column [R]."""
-    from xccl.quant import quant_dequant
-
     arrivals: dict[int, list] = {rank: [] for rank in experts}
     for src, x, topk_idx in zip(attention, xs, topk_idxs):
         routed = quant_dequant(x) if use_int8 and len(x) else x
@@ -142,8 +138,6 @@ def e2a_reference(
     """y[t] of every attention die after E2A: its columns' expert outputs, weighted, summed in
     column order from zero in float64 (the shared column last, weight 1, on the unquantized
     row)."""
-    from xccl.quant import quant_dequant
-
     ys = []
     for src, x, topk_idx, w in zip(attention, xs, topk_idxs, topk_weights):
         routed = quant_dequant(x) if use_int8 and len(x) else x

@@ -59,7 +59,7 @@ def config_from_attrs(attrs, path: str | Path) -> ModelConfig:
 def read_quant_info(path: str | Path) -> dict | None:
     """An INT8 checkpoint's description (`xds-mpi quantize`, xds_mpi/quant/): method, the
     quantized and smoothed projections, calibration counts; None for a float checkpoint."""
-    import h5py
+    import h5py  # only where a file is read or written (see above)
 
     with h5py.File(path, "r") as f:
         return quant_from_attrs(f.attrs)
@@ -114,7 +114,7 @@ def check_tensors(cfg: ModelConfig, path: Path) -> None:
     quant = read_quant_info(path)
     shapes = checkpoint_shapes(cfg, quant, str(path))
     quantized = set((quant or {}).get("projections", ()))
-    import h5py
+    import h5py  # only where a file is read or written (see above)
 
     with h5py.File(path, "r") as f:
         wrong = sorted(set(shapes) ^ set(f.keys()))

@@ -66,7 +66,7 @@ def save_weights(cfg: ModelConfig, state: dict[str, np.ndarray], path: str | Pat
 def read_weights(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """The file's ModelConfig (weights = the path) and its tensors by name."""
     cfg = read_checkpoint_config(path)
-    import h5py
+    import h5py  # only where a file is read or written (see above)
 
     with h5py.File(path, "r") as f:
         tensors = {name: f[name][()] for name in f.keys()}
@@ -135,7 +135,7 @@ class FileWeights:
     """The tensors of an HDF5 weights file, one at a time; the file stays open for reading."""
 
     def __init__(self, path: str | Path) -> None:
-        import h5py
+        import h5py  # only where a file is read or written (see above)
 
         self.file = h5py.File(path, "r")
         self.attrs = self.file.attrs
