@@ -338,7 +338,7 @@ class DieMemory:
         self.win.Free()
         # The ranks leave the data window's Free at different times, and the wake words' Free
         # is another blocking collective that MPICH polls at full speed: they meet first
-        # (43 ranks on 2 cores, dozing: the two frees 4.8 -> 1.9 s, the stop 6.2 -> 4.0 s).
+        # (docs/scale.md, the stop).
         if self.wake_words.win is not None:  # alike on every rank (WakeWords)
             self.meet(what="wake words free")
         self.wake_words.free()

@@ -32,7 +32,7 @@ from pathlib import Path
 from xds_mpi.config.schema import ConfigError
 
 MIB = 1 << 20
-RANK_FLOOR_MIB = 32  # below any rank measured (numpy + mpi4py alone: 25 MiB; a die: 38-44 MiB)
+RANK_FLOOR_MIB = 32  # below any rank measured (docs/scale.md)
 FLOOR_MIB = 256  # a running job is stopped when less than this is left ...
 FLOOR_SHARE = 0.02  # ... or less than this share of the node's memory, whichever is larger
 _UNLIMITED = 1 << 60  # a cgroup limit at least this large is no limit

@@ -21,7 +21,7 @@ from xds_mpi.model.unpacked import unpack
 from xds_mpi.model.weights import unpack_random
 from xds_mpi.plan.resolved import write_resolved
 
-CACHE_TIMEOUT_S = 120.0  # the dataclass cache's child: imports only, ~1 s
+CACHE_TIMEOUT_S = 120.0  # the dataclass cache's child: imports only, far below (docs/scale.md)
 
 
 def compile_rank_code() -> None:

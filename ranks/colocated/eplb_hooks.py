@@ -37,7 +37,7 @@ class NoEplb:
 def make_eplb_die(cfg, comm: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:
     if not cfg.eplb.enabled:
         return NoEplb()
-    # Lazy import, with EPLB only: ~2-5 ms of every other colocated die's start-up.
+    # Lazy import, with EPLB only: a start-up cost of every other colocated die (docs/scale.md).
     from ranks.colocated.eplb import EplbDie
 
     return EplbDie(cfg, comm, executor, pricer)

@@ -65,7 +65,7 @@ def make_pricer(cfg: Config, clock, slots, *, rank: int = -1, afd_topo=None, pro
     args = dict(use_int8=cfg.xccl.use_int8, num_routed_dies=len(slots.routed_dies))
     if afd_topo is None:
         return Pricer(cost, cfg.model, clock, **args)
-    # Lazy import, afd dies only: ~2 ms of every colocated die's start-up otherwise.
+    # Lazy import, afd dies only: a start-up cost of every colocated die otherwise (docs/scale.md).
     from xds_mpi.afd.pricing import AfdPricer
     from xds_mpi.projection.layers import AfdHops, counts
 

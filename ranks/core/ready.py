@@ -67,7 +67,7 @@ def await_ready(comm: MPI.Comm, log: logging.Logger, *, started: float, timeout_
 
 def describe(ready: dict, elapsed_s: float) -> str:
     """The start-up line: ranks, seconds, CPU seconds and PSS per rank (median, max), in all."""
-    import statistics  # the TE-shell's alone: ~5 ms of every die's start-up CPU otherwise
+    import statistics  # the TE-shell's alone: a start-up cost of every die otherwise
 
     cpu = [r.cpu_s for r in ready.values()]
     line = f"start-up: all {len(ready)} ranks ready in {elapsed_s:.1f} s"

@@ -84,7 +84,7 @@ class PrefillDie:
         self.sender = KvSender(ctx, self.mem, self.cache, self.scheduler, self.pricer)
         self.ems = None  # the EMS context cache (ranks/ems/client.py), with ems.enabled
         if plan.ems is not None:
-            # Lazy import, with EMS only: hashlib and the client, ~6 ms of start-up otherwise.
+            # Lazy import, with EMS only: hashlib and the client, a start-up cost otherwise.
             from ranks.ems.client import EmsClient
 
             self.ems = EmsClient(ctx, self.mem, self.cache)
@@ -101,7 +101,7 @@ class PrefillDie:
         self.loss = PrefillLoss(ctx.cfg, rank)  # an injected dead / stuck die (emulated)
 
     def _build(self, ctx: RankContext) -> None:
-        # Lazy import, an idle prefill die (pd off) never builds: ~4 ms of its start-up.
+        # Lazy import, an idle prefill die (pd off) never builds: a start-up cost otherwise.
         from ranks.core.die_parts import decode_state, make_pricer
         from xccl.ep.buffer import EpBuffer
         from xccl.vclock import VirtualClock

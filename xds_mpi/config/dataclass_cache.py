@@ -62,7 +62,7 @@ def use_cache(path: Path = CACHE) -> CachedExec | None:
         return dataclasses.exec
     try:
         with open(path, "rb") as f:  # loads(read()): marshal.load reads a file in small
-            codes = marshal.loads(f.read())  # pieces, 8x slower (40 ms a rank, ~760 methods)
+            codes = marshal.loads(f.read())  # pieces, far slower (docs/scale.md)
     except (OSError, EOFError, ValueError, TypeError):
         return None
     if not isinstance(codes, dict):

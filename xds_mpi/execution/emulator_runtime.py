@@ -61,9 +61,9 @@ def between_iterations() -> None:
     if _state.iterations == 1:
         # Start-up is over (model, windows, caches built): move every object to the permanent
         # generation so no later collection walks it, whichever GC runs. No collection first: a
-        # full one over the model's objects (torch's, measured then) took ~0.3 s here, inside
-        # the first request's time to first token. With Python's own GC, a collection of
-        # start-up's objects otherwise fell into the first iteration (4.3 ms of its 55 ms).
+        # full one over the model's objects would fall inside the first request's time to
+        # first token. With Python's own GC, a collection of start-up's objects otherwise fell
+        # into the first iteration (docs/scale.md).
         gc.freeze()
     elif not _state.controlled:
         return

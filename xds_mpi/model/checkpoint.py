@@ -39,7 +39,7 @@ def read_checkpoint_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
-    import h5py  # here, not at the top: a die with random weights never reads a file (0.1 s)
+    import h5py  # here, not at the top: a die with random weights never reads a file
 
     with h5py.File(path, "r") as f:
         return config_from_attrs(f.attrs, path)

@@ -36,7 +36,7 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     The rows, padded with zero rows to a multiple of ROWS_PER_CALL, go to BLAS as a stack of
     [ROWS_PER_CALL, k] matrices: one call of one shape per stack entry, whatever n is. A decode
     step's few rows are one such matrix, which `np.dot` hands to the same gemm call with less
-    dispatch around it (2-4 us less a call, 60 calls a forward)."""
+    dispatch around it (docs/design.md, invariant 5)."""
     num_rows, width = x.shape
     pad = -num_rows % ROWS_PER_CALL
     if pad:

@@ -54,7 +54,7 @@ def init_state(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
 
 def save_weights(cfg: ModelConfig, state: dict[str, np.ndarray], path: str | Path) -> None:
     """state: tensor name -> array (any float dtype; stored as float32)."""
-    import h5py  # where a file is read or written: random weights need none (0.1 s a die)
+    import h5py  # where a file is read or written: random weights need none
 
     with h5py.File(path, "w") as f:
         f.attrs["format"] = FORMAT
