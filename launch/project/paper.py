@@ -137,6 +137,9 @@ def print_paper(args: argparse.Namespace) -> int:
         f"published numbers beside them), {n.calibration} calibration rows (a constant was set "
         "from them; Table 7's fit below)"
     )
+    print(f"by experiment ({len(n.by_experiment)}; rows of one run share its setup and errors):")
+    for name, (rows_n, in10, in15) in n.by_experiment.items():
+        print(f"  {name}: {rows_n} rows, {in10} within +-10 %, {in15} within +-15 %")
     derived = [r for r in table if r.role == "derived"]
     print("\nDerived rows, what each published number is made of:")
     for r in derived:

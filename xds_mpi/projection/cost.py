@@ -51,6 +51,7 @@ class Hardware:
     intra_read_latency_s: float
     aiv_cores: int
     aic_cores: int
+    dies_per_chip: int  # dies a "per chip" figure counts together (910C: 2, H800: 1)
     dispatch_start_s: float  # fitted to a primitive latency table (the profile names it)
     combine_start_s: float
     jitter_s: float
@@ -79,6 +80,7 @@ class Hardware:
             intra_read_latency_s=ub["read_latency_us_intra"] * 1e-6,
             aiv_cores=die["aiv_cores"],
             aic_cores=die["aic_cores"],
+            dies_per_chip=die.get("dies_per_chip", 1),
             dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
             combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
             jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,

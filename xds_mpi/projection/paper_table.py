@@ -5,7 +5,7 @@ What `xds-mpi project --paper` prints; tests recompute each projected value from
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 from xds_mpi.config.hardware import load_profile
@@ -40,6 +40,7 @@ class Row:
     derived_from: str = ""
     lacks: str = ""  # validation rows outside MISS: the mechanism the model lacks
     why: str = ""  # validation rows outside MISS: what the projected value is made of
+    experiment: str = ""  # validation rows: the measurement (paper_data.EXPERIMENTS)
 
     @property
     def error(self) -> float:
@@ -49,23 +50,36 @@ class Row:
 @dataclass(frozen=True, kw_only=True)
 class Counts:
     """What the table holds: independent validation rows and how many are within 10 % and
-    15 %; derived and calibration rows are shown and not counted."""
+    15 %, and the same by experiment (rows of one measurement share its errors: experiment ->
+    (rows, within 10 %, within 15 %)); derived and calibration rows are shown and not counted."""
 
     validation: int
     within_10: int
     within_15: int
     derived: int
     calibration: int
+    by_experiment: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, rows: list[Row]) -> Counts:
         valid = [r for r in rows if r.role == "validation"]
+        groups: dict[str, list[Row]] = {}
+        for r in valid:
+            groups.setdefault(r.experiment, []).append(r)
         return cls(
             validation=len(valid),
             within_10=sum(abs(r.error) <= 0.10 for r in valid),
             within_15=sum(abs(r.error) <= 0.15 for r in valid),
             derived=sum(r.role == "derived" for r in rows),
             calibration=sum(r.role == "calibration" for r in rows),
+            by_experiment={
+                name: (
+                    len(g),
+                    sum(abs(r.error) <= 0.10 for r in g),
+                    sum(abs(r.error) <= 0.15 for r in g),
+                )
+                for name, g in groups.items()
+            },  # fmt: skip
         )
 
 
@@ -210,12 +224,12 @@ def metric_value(p, metric: str, *, dies_per_chip: int) -> float:
 def validation_table(profile: str = "ascend910c") -> list[Row]:
     rows = []
     for pub in VALIDATION:
-        cfg, _, _, kwargs = scenario_inputs(pub.scenario, profile)
+        _, _, hw, kwargs = scenario_inputs(pub.scenario, profile)
         p = scenario_projection(pub.scenario, profile)
         if pub.metric == "two-stream gain":
             value = two_stream_gain(pub.scenario, profile)
         else:
-            value = metric_value(p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip)
+            value = metric_value(p, pub.metric, dies_per_chip=hw.dies_per_chip)
         off = pub.role == "validation" and abs(value / pub.value - 1) > MISS
         rows.append(
             Row(
@@ -227,6 +241,7 @@ def validation_table(profile: str = "ascend910c") -> list[Row]:
                 projected=value,
                 role=pub.role,
                 derived_from=pub.derived_from,
+                experiment=pub.experiment,
                 lacks=pub.lacks if off else "",
                 why=(
                     gain_text(pub.scenario, profile)
@@ -253,7 +268,7 @@ def int8_attention_bracket(profile: str = "ascend910c") -> list[tuple[Row, tuple
         for share in INT8_ATTENTION_BRACKET:
             cfg, m, hw, kwargs = _inputs(replace(s, int8_attention=share), profile)
             p = project(cfg, m, hw, **kwargs)
-            values.append(metric_value(p, pub.metric, dies_per_chip=cfg.hardware.dies_per_chip))
+            values.append(metric_value(p, pub.metric, dies_per_chip=hw.dies_per_chip))
         if max(values) - min(values) > 1e-3 * abs(row.published):  # rows the share moves
             out.append((row, tuple(values)))
     return out
