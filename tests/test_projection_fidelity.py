@@ -58,3 +58,74 @@ def test_rows_are_counted_by_row_and_by_experiment():
     assert role["000 Fig. 20", "share dispatch+combine"] == "derived"
     with pytest.raises(ValueError, match="experiment"):
         Published(source="x", scenario="x", metric="tpot", value=1.0, unit="ms")
+
+
+def _costs(profile):
+    hw = Hardware.from_profile(load_profile(profile))
+    return hw, hw.ops
+
+
+def test_smaller_m_has_lower_compute_efficiency_and_pays_more_per_flop():
+    """The H800's fit (DeepGEMM's rows): compute(M) rises with M over the grouped rows, and at
+    each measured shape a GEMM of 64 rows does fewer FLOPs per second than one of 128."""
+    hw, ops = _costs("h800")
+    points = [v for m, v in ops.compute.points if m <= 1024]
+    assert points == sorted(points) and len(points) >= 3
+    for n, k in ops.memory:
+        per_flop = [
+            (ops.fixed_s + ops.gemm_s(m=m, params=n * k, n=n, peak=hw.int8_ops,
+                                      hbm=hw.hbm_bytes_per_s, weight_bytes=1)) / (2 * m * n * k)
+            for m in (64, 128)
+        ]  # fmt: skip
+        assert per_flop[0] > per_flop[1]
+
+
+def test_the_h800_fit_reproduces_the_rows_it_was_fitted_to_within_its_spread():
+    """Each DeepGEMM row's measured time over the model's, recomputed: the spread the carried
+    910C ratio takes with it is exactly these ratios' range, and the fixed cost is positive."""
+    from xds_mpi.projection.kernels import gemm_rows, spread
+
+    hw, ops = _costs("h800")
+    rows = gemm_rows(load_profile("h800"))
+    peak = load_profile("h800")["operators"]["gemm_peak_tops"] * 1e12
+    ratios = [
+        r.seconds / (ops.fixed_s + ops.gemm_s(m=r.m, params=r.n * r.k, n=r.n, groups=r.groups,
+                                               peak=peak, hbm=hw.hbm_bytes_per_s, weight_bytes=1))
+        for r in rows
+    ]  # fmt: skip
+    assert spread(rows, ops, peak=peak, hbm=hw.hbm_bytes_per_s) == (min(ratios), max(ratios))
+    assert ops.fixed_s > 0
+    small = [x for r, x in zip(rows, ratios, strict=True) if r.m <= 128]
+    assert sum(small) / len(small) == pytest.approx(1.0, abs=0.05)  # least squares: unbiased
+
+
+def test_the_910c_carries_the_h800s_small_m_ratio_onto_table_10():
+    """At decode M the 910C's compute efficiency is Table 10's large-M utilization times the
+    H800's compute(M) / compute(large M); its GEMM bandwidth Table 9's MLA bandwidth times the
+    H800's GEMM / MLA ratio; its fixed cost the H800's."""
+    from statistics import median
+
+    _, h800 = _costs("h800")
+    hw, ops = _costs("ascend910c")
+    rows = load_profile("ascend910c")["operators"]["gemm_rows"]
+    large = median(t / 752 for *_, t, _ in rows)
+    for m in (64, 256, 512, 1024):
+        assert ops.compute.at(m) == pytest.approx(large * h800.compute_ratio(m))
+    assert ops.compute.at(256) < ops.compute.at(1024)
+    assert ops.memory_default == pytest.approx(h800.memory_default * 0.841 / 0.896)
+    assert ops.fixed_s == h800.fixed_s
+
+
+@pytest.mark.parametrize("profile", ["ascend910c", "h800"])
+def test_more_kernels_pay_more_fixed_time(profile):
+    """Each kernel an operation launches pays the fixed cost: one more kernel in MLAProlog adds
+    exactly that, a stream on fewer cores pays the same, and a fixed cost of 0 removes it."""
+    from xds_mpi.projection.cost import CostModel
+
+    hw = Hardware.from_profile(load_profile(profile))
+    more = replace(hw, kernels={**hw.kernels, "mla_prolog": hw.kernels["mla_prolog"] + 1})
+    base, extra = CostModel(BIG, hw).mla_prolog(48), CostModel(BIG, more).mla_prolog(48)
+    assert extra - base == pytest.approx(hw.ops.fixed_s)
+    free = replace(hw, ops=hw.ops.with_fixed(0.0))
+    kernels = hw.kernels["mla_prolog"] + hw.kernels["o_proj"]
+    assert base - CostModel(BIG, free).mla_prolog(48) == pytest.approx(kernels * hw.ops.fixed_s)

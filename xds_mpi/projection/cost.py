@@ -27,13 +27,14 @@ end-to-end number (docs/design.md, "Calibration and validation")"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
+from xds_mpi.projection.kernels import KernelCosts, operator_costs
 from xds_mpi.projection.normal import normal_quantile
 
 
@@ -63,6 +64,8 @@ class Hardware:
     weight_bytes: int
     kv_bytes: int
     act_bytes: int
+    ops: KernelCosts  # GEMM efficiency by shape and the per-kernel fixed cost (kernels.py)
+    kernels: dict = field(default_factory=dict)  # operation -> kernels it launches
 
     @classmethod
     def from_profile(cls, p: dict) -> Hardware:
@@ -92,6 +95,8 @@ class Hardware:
             weight_bytes=srv["weight_bytes"],
             kv_bytes=srv["kv_bytes"],
             act_bytes=srv["activation_bytes"],
+            ops=operator_costs(p),
+            kernels=dict(p.get("kernels", {})),
         )
 
 
@@ -116,16 +121,18 @@ class CostModel:
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
         return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
 
-    def gemm(self, rows: int, params: float) -> float:
-        """rows x [in -> out] with `params` = in x out INT8 weights read once."""
-        if rows == 0:
-            return 0.0
-        return self._roofline(
-            2.0 * rows * params,
-            params * self.hw.weight_bytes,
-            peak=self.hw.int8_ops,
-            eff=self.hw.gemm_eff,
-        )
+    def gemm(self, rows: float, params: float, *, n: int | None = None, groups: float = 1) -> float:
+        """rows x [in -> out] with `params` = in x out INT8 weights read once (n: out, which
+        names the shape's measured bandwidth; groups: a grouped kernel's groups, `rows` each),
+        at the efficiencies its shape reaches (kernels.py); its fixed cost is the caller's."""
+        hw = self.hw
+        return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.int8_ops,
+                             hbm=hw.hbm_bytes_per_s, weight_bytes=hw.weight_bytes)  # fmt: skip
+
+    def fixed(self, operation: str) -> float:
+        """The fixed cost of the kernels `operation` launches (the profile's `kernels` counts;
+        a stream pays its own, whatever its share of the cores)."""
+        return self.hw.kernels.get(operation, 0) * self.hw.ops.fixed_s
 
     # -- attention side -------------------------------------------------------------------------
     def mla_prolog(self, rows: int) -> float:
@@ -133,15 +140,22 @@ class CostModel:
         INT8 weights are those xDeepServe §4.7 names (W_q_a, W_kv_a, W_q_b, W_o); the absorbed
         per-head W_UK and W_UV (W_kv_b's halves) are not among them: BF16 at the BF16 peak."""
         m = self.m
+        if rows <= 0:
+            return 0.0
         qk = m.qk_nope_dim + m.qk_rope_dim
-        int8_params = (
-            m.hidden * m.q_lora_rank
-            + m.q_lora_rank * m.num_heads * qk
-            + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-            + m.num_heads * m.v_head_dim * m.hidden
+        down = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim  # q_a and kv_a, one GEMM
+        up = m.num_heads * qk
+        o_in = m.num_heads * m.v_head_dim
+        per_head = m.qk_nope_dim * m.kv_lora_rank
+        return (
+            self.gemm(rows, m.hidden * down, n=down)
+            + self.gemm(rows, m.q_lora_rank * up, n=up)
+            + self.bf16_gemm(rows, per_head, n=m.kv_lora_rank, groups=m.num_heads)  # W_UK
+            + self.bf16_gemm(rows, per_head, n=m.v_head_dim, groups=m.num_heads)  # W_UV
+            + self.gemm(rows, o_in * m.hidden, n=m.hidden)
+            + self.fixed("mla_prolog")
+            + self.fixed("o_proj")
         )
-        absorbed = 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
-        return self.gemm(rows, int8_params) + self.bf16_gemm(rows, absorbed)
 
     def attention(self, seqs: list[tuple[int, int]]) -> float:
         """Absorbed MLA: seqs = (KV length, new rows) per sequence; each row scores and reads
@@ -155,33 +169,48 @@ class CostModel:
         bf16 = self._roofline(
             flops, tokens * self.kv_token_bytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff
         )
+        bf16 += self.fixed("attention")
         if not self.int8_attention:
             return bf16
         int8_bytes = token_layer_bytes(m, itemsize=self.hw.kv_bytes, kv_int8=True)
         int8 = self._roofline(
             flops, tokens * int8_bytes, peak=self.hw.int8_ops, eff=self.hw.mla_eff
         )
+        int8 += self.fixed("attention")
         return (1 - self.int8_attention) * bf16 + self.int8_attention * int8
 
-    def bf16_gemm(self, rows: float, params: float) -> float:
+    def bf16_gemm(
+        self, rows: float, params: float, *, n: int | None = None, groups: float = 1
+    ) -> float:
         """rows x [in -> out] with `params` BF16 weights, at the BF16 peak: a weight INT8
-        quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only)."""
-        if rows == 0:
-            return 0.0
-        return self._roofline(
-            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
-        )
+        quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only).
+        The efficiencies are the INT8/FP8 table's (assumption: no BF16 table is published)."""
+        hw = self.hw
+        return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.bf16_flops,
+                             hbm=hw.hbm_bytes_per_s, weight_bytes=2, act_bytes=2)  # fmt: skip
 
     def gate(self, rows: int) -> float:
         """The router: BF16 weights (CloudMatrix-Infer §4.5: "critical gating mechanisms retain
         higher precision using BF16 or FP32"; xDeepServe §4.7 does not list it)."""
-        return self.bf16_gemm(rows, self.m.hidden * self.m.num_routed_experts)
+        if rows <= 0:
+            return 0.0
+        e = self.m.num_routed_experts
+        return self.bf16_gemm(rows, self.m.hidden * e, n=e) + self.fixed("gate")
 
     # -- FFN side -------------------------------------------------------------------------------
     def experts(self, rows_per_expert: list[float]) -> float:
-        """SwiGLU experts run one after another on the die, each over its own rows."""
-        params = 3.0 * self.m.hidden * self.m.moe_intermediate
-        return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
+        """SwiGLU experts (the shared expert) run one after another on the die, each over its
+        own rows: up/gate and down GEMMs and their kernels each."""
+        return sum(self.swiglu(rows) + self.fixed("shared_expert")
+                   for rows in rows_per_expert if rows > 0)  # fmt: skip
+
+    def swiglu(self, rows: float, *, groups: float = 1, inner: int | None = None) -> float:
+        """One SwiGLU FFN's GEMMs (`groups` of them, `rows` each): up/gate hidden -> 2 x inner,
+        down inner -> hidden."""
+        h, inner = self.m.hidden, inner or self.m.moe_intermediate
+        return self.gemm(rows, h * 2 * inner, n=2 * inner, groups=groups) + self.gemm(
+            rows, inner * h, n=h, groups=groups
+        )
 
     def routed(self, rows: float, num_experts: float) -> float:
         """A die's `rows` routed rows over its `num_experts` experts, each row to one of them at
@@ -190,27 +219,32 @@ class CostModel:
         if rows <= 0 or num_experts <= 0:
             return 0.0
         touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
-        params = 3.0 * self.m.hidden * self.m.moe_intermediate
-        return touched * self.gemm(rows / touched, params)
+        # one grouped kernel per GEMM over the touched experts (DeepGEMM's masked layout)
+        return self.swiglu(rows / touched, groups=touched) + self.fixed("experts")
 
     def dense_ffn(self, rows: int) -> float:
-        return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
+        if rows <= 0:
+            return 0.0
+        return self.swiglu(rows, inner=self.m.intermediate) + self.fixed("dense_ffn")
 
     def mtp_projection(self, rows: float) -> float:
         """An MTP module's eh_proj: [normed embedding; normed hidden] (2 x hidden) -> hidden.
         xDeepServe §4.7 quantizes MLA, MoE and MLP weights to INT8, not this one: BF16 weights
         at the BF16 peak."""
-        return self.bf16_gemm(rows, 2.0 * self.m.hidden * self.m.hidden)
+        h = self.m.hidden
+        return self.bf16_gemm(rows, 2.0 * h * h, n=h) + self.fixed("mtp_projection")
 
     def head(self, rows: int) -> float:
         """The LM head (shared by the MTP modules): BF16 weights, as xDeepServe §4.7 lists the
         MLA, MoE and MLP modules and not the head (CloudMatrix-Infer §4.5 quantizes "large
         matrix multiplications in feed-forward networks (FFNs) and attention mechanisms")."""
-        return self.bf16_gemm(rows, self.m.hidden * self.m.vocab_size)
+        v = self.m.vocab_size
+        return self.bf16_gemm(rows, self.m.hidden * v, n=v) + self.fixed("head")
 
     def sampling(self, rows: int) -> float:
         """Reading the logits once (argmax / top-p), memory-bound."""
-        return rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
+        read = rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
+        return read + self.fixed("sampling")
 
     # -- transfers ------------------------------------------------------------------------------
     def link(self, kind: str, *, persistent: bool = False) -> LinkCosts:
