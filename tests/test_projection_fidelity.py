@@ -129,3 +129,35 @@ def test_more_kernels_pay_more_fixed_time(profile):
     free = replace(hw, ops=hw.ops.with_fixed(0.0))
     kernels = hw.kernels["mla_prolog"] + hw.kernels["o_proj"]
     assert base - CostModel(BIG, free).mla_prolog(48) == pytest.approx(kernels * hw.ops.fixed_s)
+
+
+def test_the_h800_harness_recomputes_each_row_from_the_model():
+    """Each harness row is the model's: the attention side is MLAProlog + FlashMLA at 64
+    requests x 2 rows, the layer max(2 C, C + M), and no published time of the profile or of
+    Table 4 is among the H800 profile's constants (calibration and validation kept apart)."""
+    import yaml
+
+    from xds_mpi.projection import h800_harness as h
+
+    cost = h.h800_cost()
+    rows = {r.what: r for r in h.harness_rows()}
+    layer = h.decode_layer(cost)
+    seqs = [(4096, 2)] * 64
+    assert rows["attention side"].projected == pytest.approx(
+        (cost.mla_prolog(128) + cost.attention(seqs)) * 1e6
+    )
+    assert rows["FlashMLA"].projected == pytest.approx(cost.attention(seqs) * 1e6)
+    c, comm = layer["compute"], layer["communication"]
+    assert layer["moe layer"] == max(2 * c, c + comm)
+    assert rows["dispatch"].projected == pytest.approx(cost.dispatch(1024, peers=128) * 1e6)
+    profile = yaml.safe_load((REPO_ROOT / "configs/hardware/h800.yaml").read_text())
+    # the fitted and chosen sections (the die and link sections are vendor figures: the NIC's
+    # 50 GB/s is not o_proj's 50 us)
+    constants = {v for name in ("xccl", "efficiency", "operators", "serving", "kernels")
+                 for v in profile[name].values() if not isinstance(v, list)}  # fmt: skip
+    published = {r.published for r in rows.values()}
+    assert not constants & published
+    # a slower HBM moves every memory-bound row: the rows come from the hardware
+    slow = replace(cost.hw, hbm_bytes_per_s=cost.hw.hbm_bytes_per_s / 2)
+    slower = {r.what: r.projected for r in h.harness_rows(slow)}
+    assert slower["o_proj GEMM"] > rows["o_proj GEMM"].projected

@@ -111,6 +111,10 @@ def print_paper(args: argparse.Namespace) -> int:
         validation_table,
     )
 
+    if args.profile == "h800":
+        print_h800_harness()
+        _print_calibration(calibration_table(args.profile))
+        return 0
     table = validation_table(args.profile)
     rows = [
         [
@@ -164,7 +168,11 @@ def print_paper(args: argparse.Namespace) -> int:
         for r, values in bracket:
             at = " / ".join(f"{v:.1f} ({v / r.published - 1:+.0%})" for v in values)
             print(f"  {r.source} {r.metric} (published {r.published:g}): {at}")
-    fit = calibration_table(args.profile)
+    _print_calibration(calibration_table(args.profile))
+    return 0
+
+
+def _print_calibration(fit) -> None:
     print(
         f"\nCALIBRATION: [001] Table 7 fit, dispatch/combine at 128 tokens per rank: "
         f"dispatch start {fit.dispatch_start_us:.1f} us, combine start "
@@ -174,7 +182,45 @@ def print_paper(args: argparse.Namespace) -> int:
         [op, str(ep), f"{us:g}", f"{f:.1f}", f"{f / us - 1:+.0%}"] for op, ep, us, f in fit.rows
     ]
     print(format_table(["primitive", "EP", "published us", "fit us", "residual"], fits))
-    return 0
+
+
+# what each level of the H800 harness is held to (issue 61): kernels 15 %, the rest 10 %
+H800_TOLERANCE = {"kernel": 0.15, "group": 0.10, "layer": 0.10, "end to end": 0.10,
+                  "Table 4": 0.10}  # fmt: skip
+
+
+def print_h800_harness() -> None:
+    """The H800 profile against DeepSeek's decode profile (xds_mpi/projection/h800_harness.py):
+    kernel by kernel, the attention side and gate, the mean layer, end to end, Table 4."""
+    # here: xds_mpi.projection, a measured start-up cost of every command
+    from xds_mpi.projection.h800_harness import h800_cost, harness_rows
+
+    rows = harness_rows()
+    print(
+        "VALIDATION, profile h800: DeepSeek's decode profile (EP128, 128 requests per GPU in two "
+        "microbatches, 4K, MTP), one microbatch; calibration: DeepGEMM's and FlashMLA's READMEs "
+        "and [001] Table 7 only"
+    )
+    table = [
+        [r.level, r.what if r.role != "derived" else f"  = {r.what}", r.role, f"{r.published:g}",
+         f"{r.projected:.1f}", r.unit, f"{r.error:+.0%}",
+         "yes" if abs(r.error) <= H800_TOLERANCE[r.level] else "no"]
+        for r in rows
+    ]  # fmt: skip
+    header = ["level", "what", "role", "published", "projected", "unit", "error", "within"]
+    print(format_table(header, table))
+    for level, tol in H800_TOLERANCE.items():
+        mine = [r for r in rows if r.level == level]
+        inside = sum(abs(r.error) <= tol for r in mine)
+        print(f"  {level}: {inside} of {len(mine)} within +-{tol:.0%}")
+    for r in rows:
+        if r.derived_from:
+            print(f"  Table 4's {r.what} {r.published:g} = {r.derived_from}")
+    ops = h800_cost().hw.ops
+    print(
+        f"  per-kernel fixed cost {ops.fixed_s * 1e6:.2f} us, GEMM bandwidth "
+        f"{ops.memory_default:.1%} of HBM ({ops.source})"
+    )
 
 
 def print_primitive(args: argparse.Namespace) -> int:
