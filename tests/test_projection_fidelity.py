@@ -161,3 +161,35 @@ def test_the_h800_harness_recomputes_each_row_from_the_model():
     slow = replace(cost.hw, hbm_bytes_per_s=cost.hw.hbm_bytes_per_s / 2)
     slower = {r.what: r.projected for r in h.harness_rows(slow)}
     assert slower["o_proj GEMM"] > rows["o_proj GEMM"].projected
+
+
+def test_a_rows_band_is_the_quadrature_of_its_inputs_swings():
+    """Table 5's b24 TPOT: each input projected at its two ends (recomputed here), the band
+    their quadrature around the point; more fixed cost per kernel and less GEMM efficiency
+    give a longer TPOT; two streams apply to b24 and b8 only."""
+    import math
+
+    from xds_mpi.projection import bands
+    from xds_mpi.projection.paper_data import SCENARIOS
+
+    pub = next(p for p in VALIDATION if p.scenario == "001 b24 4096+256" and p.metric == "tpot")
+    band = bands.row_band(pub)
+    s = SCENARIOS[pub.scenario]
+    point = bands.row_value(pub, s, lambda s, hw: (s, hw))
+    assert band.point == point
+    down = up = 0.0
+    for inp in bands.band_inputs():
+        if not inp.applies(s):
+            assert inp.name not in band.swings
+            continue
+        values = [bands.row_value(pub, s, v) for v in inp.variants]
+        assert band.swings[inp.name] == (min(values), max(values))
+        down += max(0.0, point - min(values)) ** 2
+        up += max(0.0, max(values) - point) ** 2
+        if inp.name in ("per-kernel fixed cost", "GEMM efficiency at decode M (carried)"):
+            assert values[1] > values[0] if inp.name.startswith("per-kernel") else (
+                values[0] > values[1])  # fmt: skip
+    assert (band.low, band.high) == (point - math.sqrt(down), point + math.sqrt(up))
+    assert band.half_width == (band.high - band.low) / 2 / point
+    assert "[001] b24/b8 on one stream or two" in band.swings
+    assert band.holds(point) and not band.holds(band.high * 1.01)

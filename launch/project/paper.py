@@ -144,6 +144,7 @@ def print_paper(args: argparse.Namespace) -> int:
     print(f"by experiment ({len(n.by_experiment)}; rows of one run share its setup and errors):")
     for name, (rows_n, in10, in15) in n.by_experiment.items():
         print(f"  {name}: {rows_n} rows, {in10} within +-10 %, {in15} within +-15 %")
+    print_bands(args.profile)
     derived = [r for r in table if r.role == "derived"]
     print("\nDerived rows, what each published number is made of:")
     for r in derived:
@@ -170,6 +171,50 @@ def print_paper(args: argparse.Namespace) -> int:
             print(f"  {r.source} {r.metric} (published {r.published:g}): {at}")
     _print_calibration(calibration_table(args.profile))
     return 0
+
+
+GAIN_GUARD = 0.25  # Figure 20a's gains within 25 % of the published ones (issue 61's guard)
+
+
+def print_bands(profile: str) -> None:
+    """Every validation row as `published in [low, high]?` from the unpublished inputs
+    (xds_mpi/projection/bands.py), the band's half-width, the counts inside by row and by
+    experiment, and Figure 20a's gains against the guard."""
+    # here: xds_mpi.projection, a measured start-up cost of every command
+    from xds_mpi.projection.bands import band_inputs, band_table
+    from xds_mpi.projection.paper_data import SCENARIOS
+
+    bands = band_table(profile)
+    names = [b.name for b in band_inputs(profile)]
+    print(f"\nBANDS (quadrature of the swings of: {'; '.join(names)}):")
+    rows = [
+        [pub.source, pub.metric, SCENARIOS[pub.scenario].conditions.split(", ")[1],
+         f"{pub.value:g}", f"[{b.low:.1f}, {b.high:.1f}]", "yes" if b.holds(pub.value) else "no",
+         f"+-{b.half_width:.0%}", f"{b.point / pub.value - 1:+.0%}"]
+        for pub, b in bands
+    ]  # fmt: skip
+    header = ["source", "metric", "batch", "published", "band", "inside", "half-width", "point"]
+    print(format_table(header, rows))
+    inside = sum(b.holds(pub.value) for pub, b in bands)
+    print(f"validation rows inside their band: {inside} of {len(bands)}")
+    for name in dict.fromkeys(pub.experiment for pub, _ in bands):
+        mine = [(pub, b) for pub, b in bands if pub.experiment == name]
+        print(f"  {name}: {sum(b.holds(p.value) for p, b in mine)} of {len(mine)} inside")
+    wide = [b.half_width for pub, b in bands if _batch(SCENARIOS[pub.scenario]) >= 24
+            and pub.metric != "two-stream gain"]  # fmt: skip
+    print(f"half-widths at batch >= 24 (gains apart): largest +-{max(wide):.0%}, "
+          f"{sum(w <= 0.15 for w in wide)} of {len(wide)} at most +-15 %")  # fmt: skip
+    gains = [(pub, b) for pub, b in bands if pub.metric == "two-stream gain"]
+    held = sum(abs(b.point / pub.value - 1) <= GAIN_GUARD for pub, b in gains)
+    print(
+        f"Figure 20a guard: {held} of {len(gains)} gains within +-{GAIN_GUARD:.0%} of the "
+        "published: " + ", ".join(f"{b.point:+.1f} vs {pub.value:+.1f} %" for pub, b in gains)
+    )
+
+
+def _batch(scenario) -> int:
+    """Requests per NPU where the paper states it so ([001]), else per die."""
+    return scenario.published_batch or scenario.batch
 
 
 def _print_calibration(fit) -> None:
