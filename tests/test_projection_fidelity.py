@@ -193,3 +193,43 @@ def test_a_rows_band_is_the_quadrature_of_its_inputs_swings():
     assert band.half_width == (band.high - band.low) / 2 / point
     assert "[001] b24/b8 on one stream or two" in band.swings
     assert band.holds(point) and not band.holds(band.high * 1.01)
+
+
+def test_the_wait_models_expected_maximum_is_the_sampled_one():
+    """E[max of n starts] integrated numerically agrees with draws of the same body + tail
+    (seeded), and without a tail it is sigma x E[max of n normals]."""
+    import numpy as np
+
+    from xds_mpi.projection.cost import expected_max_z
+    from xds_mpi.projection.waits import Tail, expected_max_s
+
+    sigma, tail, n = 20e-6, Tail(p=0.02, min_s=20e-6, alpha=1.8), 288
+    rng = np.random.default_rng(61)
+    draws = rng.normal(0, sigma, (20000, n))
+    late = rng.random((20000, n)) < tail.p
+    draws += late * tail.min_s * (1 - rng.random((20000, n))) ** (-1 / tail.alpha)
+    sampled = draws.max(axis=1).mean()
+    assert expected_max_s(sigma, tail, n) == pytest.approx(sampled, rel=0.05)
+    assert expected_max_s(sigma, None, n) == pytest.approx(sigma * expected_max_z(n))
+
+
+@pytest.mark.parametrize("heavier", [dict(p=0.05), dict(alpha=1.2)])
+def test_a_heavier_tail_makes_a_larger_max_over_min(heavier):
+    """The slowest call over the run against the waitless one (Figure 20's max / min), as the
+    table prices it (slowest_call_of): a more frequent or a heavier straggler tail raises it,
+    and the [000] scenario pays the profile's tail while [001]'s pay the body alone."""
+    from xds_mpi.projection.paper_table import scenario_inputs, slowest_call_of
+    from xds_mpi.projection.waits import stragglers
+
+    cfg, m, hw, kwargs = scenario_inputs("000 colocated")
+    assert hw.tail == stragglers(load_profile("ascend910c"))
+    assert scenario_inputs("001 b96 4096+256")[2].tail is None
+
+    def max_over_min(tail_hw):
+        p = project(cfg, m, tail_hw, **kwargs)
+        return slowest_call_of(p, cfg, m, tail_hw, kwargs, "combine") / (
+            p.primitives_s["combine intrinsic"] * 1e6
+        )
+
+    heavy = replace(hw, tail=stragglers(load_profile("ascend910c"), **heavier))
+    assert max_over_min(heavy) > max_over_min(hw) > max_over_min(replace(hw, tail=None))

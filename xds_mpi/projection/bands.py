@@ -14,7 +14,8 @@ The inputs (`band_inputs`):
 - the MLA core's compute efficiency (efficiency.mla_compute_band: [001] Table 8's 65.4 % or
   AMLA's 86.8 % on CM384, arXiv 2509.25224; [001] does not say which kernel its runs used);
 - [000] §4.7's share of the layers running attention in INT8 ("some": none to all);
-- [001]'s b24 and b8 runs on one stream or two (§5.4.1 evaluates the pipeline at 64-128 only).
+- [001]'s b24 and b8 runs on one stream or two (§5.4.1 evaluates the pipeline at 64-128 only);
+- the straggler tail's probability and shape ([000]'s scenarios, waits.py: assumptions).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from xds_mpi.config.hardware import load_profile
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.kernels import LARGE_M, gemm_rows, spread
 from xds_mpi.projection.paper_data import INT8_ATTENTION_BRACKET, SCENARIOS, VALIDATION
-from xds_mpi.projection.paper_table import _inputs, metric_value
+from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_of
 from xds_mpi.projection.project import project
+from xds_mpi.projection.waits import stragglers
 
 # a variant: (scenario, hardware) -> (scenario, hardware)
 Variant = Callable
@@ -84,6 +86,17 @@ def band_inputs(profile: str = "ascend910c") -> list[BandInput]:
             (lambda s, hw, e=e: (s, replace(hw, mla_eff=e)))
             for e in p["efficiency"]["mla_compute_band"]
         )))  # fmt: skip
+    tail = p.get("stragglers")
+    if tail:
+        for key, name in (("probability", "p"), ("alpha", "alpha")):
+            inputs.append(BandInput(
+                name=f"straggler tail {name}",
+                variants=tuple(
+                    (lambda s, hw, kw={name: v}: (s, replace(hw, tail=stragglers(p, **kw))))
+                    for v in tail[f"{key}_band"]
+                ),
+                applies=lambda s: s.straggler_tail,
+            ))  # fmt: skip
     inputs.append(BandInput(
         name="[000] §4.7 INT8 attention share",
         variants=tuple((lambda s, hw, x=x: (replace(s, int8_attention=x), hw))
@@ -112,7 +125,10 @@ def row_value(pub, scenario, hw_map: Variant, profile: str = "ascend910c") -> fl
         two = project(cfg, m, hw, **kwargs).tokens_per_s_per_chip
         base = project(cfg, m, hw, **{**kwargs, "execution": one}).tokens_per_s_per_chip
         return 100 * (two / base - 1)
-    return metric_value(project(cfg, m, hw, **kwargs), pub.metric, dies_per_chip=hw.dies_per_chip)
+    projection = project(cfg, m, hw, **kwargs)
+    if pub.metric.endswith(" max"):
+        return slowest_call_of(projection, cfg, m, hw, kwargs, pub.metric.split()[0])
+    return metric_value(projection, pub.metric, dies_per_chip=hw.dies_per_chip)
 
 
 def row_band(pub, profile: str = "ascend910c") -> Band:

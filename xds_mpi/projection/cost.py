@@ -36,6 +36,8 @@ from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
 from xds_mpi.projection.kernels import KernelCosts, operator_costs
 from xds_mpi.projection.normal import normal_quantile
+from xds_mpi.projection.waits import Tail
+from xds_mpi.projection.waits import wait_s as tail_wait_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +68,7 @@ class Hardware:
     act_bytes: int
     ops: KernelCosts  # GEMM efficiency by shape and the per-kernel fixed cost (kernels.py)
     kernels: dict = field(default_factory=dict)  # operation -> kernels it launches
+    tail: Tail | None = None  # the straggler tail a scenario pays (waits.py; None: the body only)
 
     @classmethod
     def from_profile(cls, p: dict) -> Hardware:
@@ -269,6 +272,7 @@ class CostModel:
             intra_read_bytes_per_s=hw.intra_read_bytes_per_s,
             intra_write_latency_s=hw.intra_write_latency_s,
             intra_read_latency_s=hw.intra_read_latency_s,
+            tail=hw.tail,
         )
 
     def row_bytes(self, kind: str, *, int8: bool = True) -> int:
@@ -324,6 +328,7 @@ class LinkCosts:
     intra_read_bytes_per_s: float = 0.0
     intra_write_latency_s: float = 0.0
     intra_read_latency_s: float = 0.0
+    tail: Tail | None = None  # stragglers beyond the jitter (waits.py)
 
     def inside(self, peers: int) -> int:
         """How many of `peers` (the die included) sit in the die's node."""
@@ -361,8 +366,11 @@ def transfer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
 
 
 def wait_s(link: LinkCosts, peers: int) -> float:
-    """The barrier waits for the slowest of `peers` dies' starts."""
-    return link.jitter_s * expected_max_z(peers)
+    """The barrier waits for the slowest of `peers` dies' starts: the jitter's normal body and,
+    where the link carries one, the straggler tail (waits.py)."""
+    if link.tail is None:
+        return link.jitter_s * expected_max_z(peers)
+    return tail_wait_s(link.jitter_s, link.tail, peers)
 
 
 @dataclass(frozen=True, kw_only=True)
