@@ -27,14 +27,17 @@ end-to-end number (docs/design.md, "Calibration and validation")"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
 
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
+from xds_mpi.projection.kernels import KernelCosts, operator_costs
 from xds_mpi.projection.normal import normal_quantile
+from xds_mpi.projection.waits import Tail
+from xds_mpi.projection.waits import wait_s as tail_wait_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,7 @@ class Hardware:
     intra_read_latency_s: float
     aiv_cores: int
     aic_cores: int
+    dies_per_chip: int  # dies a "per chip" figure counts together (910C: 2, H800: 1)
     dispatch_start_s: float  # fitted to a primitive latency table (the profile names it)
     combine_start_s: float
     jitter_s: float
@@ -62,6 +66,9 @@ class Hardware:
     weight_bytes: int
     kv_bytes: int
     act_bytes: int
+    ops: KernelCosts  # GEMM efficiency by shape and the per-kernel fixed cost (kernels.py)
+    kernels: dict = field(default_factory=dict)  # operation -> kernels it launches
+    tail: Tail | None = None  # the straggler tail a scenario pays (waits.py; None: the body only)
 
     @classmethod
     def from_profile(cls, p: dict) -> Hardware:
@@ -79,6 +86,7 @@ class Hardware:
             intra_read_latency_s=ub["read_latency_us_intra"] * 1e-6,
             aiv_cores=die["aiv_cores"],
             aic_cores=die["aic_cores"],
+            dies_per_chip=die.get("dies_per_chip", 1),
             dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
             combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
             jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,
@@ -90,6 +98,8 @@ class Hardware:
             weight_bytes=srv["weight_bytes"],
             kv_bytes=srv["kv_bytes"],
             act_bytes=srv["activation_bytes"],
+            ops=operator_costs(p),
+            kernels=dict(p.get("kernels", {})),
         )
 
 
@@ -114,16 +124,18 @@ class CostModel:
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
         return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
 
-    def gemm(self, rows: int, params: float) -> float:
-        """rows x [in -> out] with `params` = in x out INT8 weights read once."""
-        if rows == 0:
-            return 0.0
-        return self._roofline(
-            2.0 * rows * params,
-            params * self.hw.weight_bytes,
-            peak=self.hw.int8_ops,
-            eff=self.hw.gemm_eff,
-        )
+    def gemm(self, rows: float, params: float, *, n: int | None = None, groups: float = 1) -> float:
+        """rows x [in -> out] with `params` = in x out INT8 weights read once (n: out, which
+        names the shape's measured bandwidth; groups: a grouped kernel's groups, `rows` each),
+        at the efficiencies its shape reaches (kernels.py); its fixed cost is the caller's."""
+        hw = self.hw
+        return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.int8_ops,
+                             hbm=hw.hbm_bytes_per_s, weight_bytes=hw.weight_bytes)  # fmt: skip
+
+    def fixed(self, operation: str) -> float:
+        """The fixed cost of the kernels `operation` launches (the profile's `kernels` counts;
+        a stream pays its own, whatever its share of the cores)."""
+        return self.hw.kernels.get(operation, 0) * self.hw.ops.fixed_s
 
     # -- attention side -------------------------------------------------------------------------
     def mla_prolog(self, rows: int) -> float:
@@ -131,15 +143,22 @@ class CostModel:
         INT8 weights are those xDeepServe §4.7 names (W_q_a, W_kv_a, W_q_b, W_o); the absorbed
         per-head W_UK and W_UV (W_kv_b's halves) are not among them: BF16 at the BF16 peak."""
         m = self.m
+        if rows <= 0:
+            return 0.0
         qk = m.qk_nope_dim + m.qk_rope_dim
-        int8_params = (
-            m.hidden * m.q_lora_rank
-            + m.q_lora_rank * m.num_heads * qk
-            + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
-            + m.num_heads * m.v_head_dim * m.hidden
+        down = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim  # q_a and kv_a, one GEMM
+        up = m.num_heads * qk
+        o_in = m.num_heads * m.v_head_dim
+        per_head = m.qk_nope_dim * m.kv_lora_rank
+        return (
+            self.gemm(rows, m.hidden * down, n=down)
+            + self.gemm(rows, m.q_lora_rank * up, n=up)
+            + self.bf16_gemm(rows, per_head, n=m.kv_lora_rank, groups=m.num_heads)  # W_UK
+            + self.bf16_gemm(rows, per_head, n=m.v_head_dim, groups=m.num_heads)  # W_UV
+            + self.gemm(rows, o_in * m.hidden, n=m.hidden)
+            + self.fixed("mla_prolog")
+            + self.fixed("o_proj")
         )
-        absorbed = 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
-        return self.gemm(rows, int8_params) + self.bf16_gemm(rows, absorbed)
 
     def attention(self, seqs: list[tuple[int, int]]) -> float:
         """Absorbed MLA: seqs = (KV length, new rows) per sequence; each row scores and reads
@@ -153,33 +172,48 @@ class CostModel:
         bf16 = self._roofline(
             flops, tokens * self.kv_token_bytes, peak=self.hw.bf16_flops, eff=self.hw.mla_eff
         )
+        bf16 += self.fixed("attention")
         if not self.int8_attention:
             return bf16
         int8_bytes = token_layer_bytes(m, itemsize=self.hw.kv_bytes, kv_int8=True)
         int8 = self._roofline(
             flops, tokens * int8_bytes, peak=self.hw.int8_ops, eff=self.hw.mla_eff
         )
+        int8 += self.fixed("attention")
         return (1 - self.int8_attention) * bf16 + self.int8_attention * int8
 
-    def bf16_gemm(self, rows: float, params: float) -> float:
+    def bf16_gemm(
+        self, rows: float, params: float, *, n: int | None = None, groups: float = 1
+    ) -> float:
         """rows x [in -> out] with `params` BF16 weights, at the BF16 peak: a weight INT8
-        quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only)."""
-        if rows == 0:
-            return 0.0
-        return self._roofline(
-            2.0 * rows * params, params * 2, peak=self.hw.bf16_flops, eff=self.hw.gemm_eff
-        )
+        quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only).
+        The efficiencies are the INT8/FP8 table's (assumption: no BF16 table is published)."""
+        hw = self.hw
+        return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.bf16_flops,
+                             hbm=hw.hbm_bytes_per_s, weight_bytes=2, act_bytes=2)  # fmt: skip
 
     def gate(self, rows: int) -> float:
         """The router: BF16 weights (CloudMatrix-Infer §4.5: "critical gating mechanisms retain
         higher precision using BF16 or FP32"; xDeepServe §4.7 does not list it)."""
-        return self.bf16_gemm(rows, self.m.hidden * self.m.num_routed_experts)
+        if rows <= 0:
+            return 0.0
+        e = self.m.num_routed_experts
+        return self.bf16_gemm(rows, self.m.hidden * e, n=e) + self.fixed("gate")
 
     # -- FFN side -------------------------------------------------------------------------------
     def experts(self, rows_per_expert: list[float]) -> float:
-        """SwiGLU experts run one after another on the die, each over its own rows."""
-        params = 3.0 * self.m.hidden * self.m.moe_intermediate
-        return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
+        """SwiGLU experts (the shared expert) run one after another on the die, each over its
+        own rows: up/gate and down GEMMs and their kernels each."""
+        return sum(self.swiglu(rows) + self.fixed("shared_expert")
+                   for rows in rows_per_expert if rows > 0)  # fmt: skip
+
+    def swiglu(self, rows: float, *, groups: float = 1, inner: int | None = None) -> float:
+        """One SwiGLU FFN's GEMMs (`groups` of them, `rows` each): up/gate hidden -> 2 x inner,
+        down inner -> hidden."""
+        h, inner = self.m.hidden, inner or self.m.moe_intermediate
+        return self.gemm(rows, h * 2 * inner, n=2 * inner, groups=groups) + self.gemm(
+            rows, inner * h, n=h, groups=groups
+        )
 
     def routed(self, rows: float, num_experts: float) -> float:
         """A die's `rows` routed rows over its `num_experts` experts, each row to one of them at
@@ -188,27 +222,32 @@ class CostModel:
         if rows <= 0 or num_experts <= 0:
             return 0.0
         touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
-        params = 3.0 * self.m.hidden * self.m.moe_intermediate
-        return touched * self.gemm(rows / touched, params)
+        # one grouped kernel per GEMM over the touched experts (DeepGEMM's masked layout)
+        return self.swiglu(rows / touched, groups=touched) + self.fixed("experts")
 
     def dense_ffn(self, rows: int) -> float:
-        return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
+        if rows <= 0:
+            return 0.0
+        return self.swiglu(rows, inner=self.m.intermediate) + self.fixed("dense_ffn")
 
     def mtp_projection(self, rows: float) -> float:
         """An MTP module's eh_proj: [normed embedding; normed hidden] (2 x hidden) -> hidden.
         xDeepServe §4.7 quantizes MLA, MoE and MLP weights to INT8, not this one: BF16 weights
         at the BF16 peak."""
-        return self.bf16_gemm(rows, 2.0 * self.m.hidden * self.m.hidden)
+        h = self.m.hidden
+        return self.bf16_gemm(rows, 2.0 * h * h, n=h) + self.fixed("mtp_projection")
 
     def head(self, rows: int) -> float:
         """The LM head (shared by the MTP modules): BF16 weights, as xDeepServe §4.7 lists the
         MLA, MoE and MLP modules and not the head (CloudMatrix-Infer §4.5 quantizes "large
         matrix multiplications in feed-forward networks (FFNs) and attention mechanisms")."""
-        return self.bf16_gemm(rows, self.m.hidden * self.m.vocab_size)
+        v = self.m.vocab_size
+        return self.bf16_gemm(rows, self.m.hidden * v, n=v) + self.fixed("head")
 
     def sampling(self, rows: int) -> float:
         """Reading the logits once (argmax / top-p), memory-bound."""
-        return rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
+        read = rows * self.m.vocab_size * 4 / (self.hw.hbm_bytes_per_s * self.hw.mem_eff)
+        return read + self.fixed("sampling")
 
     # -- transfers ------------------------------------------------------------------------------
     def link(self, kind: str, *, persistent: bool = False) -> LinkCosts:
@@ -233,6 +272,7 @@ class CostModel:
             intra_read_bytes_per_s=hw.intra_read_bytes_per_s,
             intra_write_latency_s=hw.intra_write_latency_s,
             intra_read_latency_s=hw.intra_read_latency_s,
+            tail=hw.tail,
         )
 
     def row_bytes(self, kind: str, *, int8: bool = True) -> int:
@@ -288,6 +328,7 @@ class LinkCosts:
     intra_read_bytes_per_s: float = 0.0
     intra_write_latency_s: float = 0.0
     intra_read_latency_s: float = 0.0
+    tail: Tail | None = None  # stragglers beyond the jitter (waits.py)
 
     def inside(self, peers: int) -> int:
         """How many of `peers` (the die included) sit in the die's node."""
@@ -325,8 +366,11 @@ def transfer_s(link: LinkCosts, *, peers: int, bytes_in: float) -> float:
 
 
 def wait_s(link: LinkCosts, peers: int) -> float:
-    """The barrier waits for the slowest of `peers` dies' starts."""
-    return link.jitter_s * expected_max_z(peers)
+    """The barrier waits for the slowest of `peers` dies' starts: the jitter's normal body and,
+    where the link carries one, the straggler tail (waits.py)."""
+    if link.tail is None:
+        return link.jitter_s * expected_max_z(peers)
+    return tail_wait_s(link.jitter_s, link.tail, peers)
 
 
 @dataclass(frozen=True, kw_only=True)

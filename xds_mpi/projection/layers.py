@@ -153,6 +153,9 @@ def _streams(x: LayerInputs, s0: CostModel, s1: CostModel) -> tuple[dict, float,
         "combine wait": slowest_experts
         - typical_experts
         + s1.start_wait("combine", peers=n["dies"]),
+        # the compute imbalance part of the waits (the same in every call of the layer)
+        "dispatch imbalance": attn_max - attn_mean,
+        "combine imbalance": slowest_experts - typical_experts,
     }
     return {**parts, "_primitives": primitives}, attn_max, sum(parts.values()) - attn_max
 

@@ -36,6 +36,9 @@ TABLE7_H800 = [  # "DeepSeek DeepEP on H800"
 # The mean minus the minimum is what the calls waited: a validation row of the wait model.
 FIG20_DISPATCH_US = (185.0, 234.0)
 FIG20_COMBINE_US = (165.0, 312.0)
+# The same calls' maxima (seed 004): the slowest call of the run, a validation row of the wait
+# model's tail (waits.py), never a constant.
+FIG20_MAX_US = {"dispatch": 1231.0, "combine": 2939.0}
 # [001] §4.2.4: "Each graph dispatch introduces a startup latency of 0.6 - 0.8 ms".
 GRAPH_LAUNCH_MS = (0.6, 0.8)
 
@@ -63,7 +66,9 @@ class Scenario:
     come from, "table7" (the profile's fit to [001] Table 7, CANN's EP kernels) or "fig20 min"
     ([000]'s own XCCL kernels: Figure 20's fastest dispatch and combine, FIG20_*_US);
     int8_attention: the share of the layers whose attention core runs in INT8 (project());
-    the INT8 KV cache is the override scheduler.kv_int8=true."""
+    the INT8 KV cache is the override scheduler.kv_int8=true; straggler_tail: the dies' starts
+    have the heavy tail [000] §4.4 describes for FlowServe (waits.py, the profile's
+    `stragglers`), paid by [000]'s scenarios."""
 
     name: str
     setup: str
@@ -84,6 +89,7 @@ class Scenario:
     scheduling_bubble: bool = True
     xccl_starts: str = "table7"
     int8_attention: float = 0.0
+    straggler_tail: bool = False
 
     @property
     def conditions(self) -> str:
@@ -169,6 +175,7 @@ SCENARIOS = {
         accept=0.9,
         xccl_starts="fig20 min",
         int8_attention=INT8_ATTENTION_000,
+        straggler_tail=True,
     ),
     # [000] §7.1 AFD / §3.3 (the §5.2 deployment): 3 DP domains x 160 attention dies + EP288,
     # batch 96, 2K+2K workload.
@@ -184,6 +191,7 @@ SCENARIOS = {
         accept=0.9,
         xccl_starts="fig20 min",  # A2E/E2A are XCCL kernels of the same library ([000] §3.3)
         int8_attention=INT8_ATTENTION_000,
+        straggler_tail=True,
     ),
     "001 b128 1024+1024": _cmi(128, 1024, 1024),
     "001 b112 2048+256": _cmi(112, 2048, 256),
@@ -196,6 +204,14 @@ SCENARIOS = {
 
 
 ROLES = ("validation", "derived", "calibration")
+# The measurements the validation rows come from: one run (or one sweep of one setup) each.
+E000_COLOCATED = "000 §7.1 colocated run"
+E000_AFD = "000 §7.1 AFD run"
+E000_A2E = "000 §3.3 A2E/E2A"
+E001_TABLE5 = "001 Table 5 sweep"
+E001_LAYER = "001 b96 4K layer (Fig. 22b, §4.2.3)"
+E001_FIG20A = "001 Fig. 20a ablation"
+EXPERIMENTS = (E000_COLOCATED, E000_AFD, E000_A2E, E001_TABLE5, E001_LAYER, E001_FIG20A)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,7 +220,9 @@ class Published:
     independent published point, counted), "derived" (arithmetic of other published numbers,
     shown and not counted; `derived_from` says which) or "calibration" (a number a constant was
     set from, shown beside the sentence it shares with a validation row). lacks: the mechanism
-    the model does not have that the row would need, printed when the row misses."""
+    the model does not have that the row would need, printed when the row misses. experiment:
+    the measurement a validation row comes from (EXPERIMENTS): rows of one experiment share its
+    setup and its errors, so the table counts them by row and by experiment."""
 
     source: str
     scenario: str
@@ -214,12 +232,18 @@ class Published:
     role: str = "validation"
     derived_from: str = ""
     lacks: str = ""
+    experiment: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES or (self.role == "derived") != bool(self.derived_from):
             raise ValueError(
                 f"{self.source} {self.metric}: role {self.role!r} with derived_from "
                 f"{self.derived_from!r}; a derived row names what it is made of"
+            )
+        if self.role == "validation" and self.experiment not in EXPERIMENTS:
+            raise ValueError(
+                f"{self.source} {self.metric}: a validation row names its experiment, one of "
+                f"{EXPERIMENTS}; got {self.experiment!r}"
             )
 
 
@@ -241,12 +265,6 @@ _LACKS_OVERLAP = (
     "for the whole batch on one stream) is paid by one stream too and sets how much two hide "
     "(docs/design.md §5b, the overlap's sign)"
 )
-_LACKS_MOE_PATH = (
-    "the MoE path's work beside the gate, the experts' GEMMs and the transfers (as [000] AFD's "
-    "MoE row, -34 %): [001] Figure 20b finds Gating, Dispatch and MoE per microbatch only "
-    "marginally longer than for the whole batch on one stream, so that work is paid by both; "
-    "no operator figure published"
-)
 _LACKS_SMALL_BATCH = (
     "priced slow at 4 requests per die: the dispatch/combine starts fitted at Table 7's 128 "
     "tokens per rank (quantization included) are paid whole at 8 rows; no small-batch primitive "
@@ -259,7 +277,7 @@ VALIDATION = [
     # the profile's serving.scheduler_bubble_ms: a calibration number from the same sentence, so
     # the independent point is the 93 ms forward; 95, 50 and 2400 are its arithmetic.
     Published(source="000 §7.1", scenario="000 colocated", metric="forward", value=93.0,
-              unit="ms", lacks=_LACKS_000_ITERATION),
+              unit="ms", lacks=_LACKS_000_ITERATION, experiment=E000_COLOCATED),
     Published(source="000 §7.1", scenario="000 colocated", metric="scheduling bubble", value=2.0,
               unit="ms", role="calibration"),
     Published(source="000 §7.1", scenario="000 colocated", metric="iteration", value=95.0,
@@ -273,9 +291,14 @@ VALIDATION = [
               value=21.8, unit="%",
               lacks="the share of the layers running INT8 attention ([000] §4.7 says "
               "\"some\"; taken as half, an assumption: the rows at none and at all are printed "
-              "below) and the attention path's per-row time (design.md §5b)"),
+              "below) and the attention path's per-row time (design.md §5b)",
+              experiment=E000_COLOCATED),
+    # "about 36 %": Figure 20's mean calls over the forward, (234 + 312) us x 59 MoE layer
+    # passes / 93 ms = 35 %; the calls' minima set constants and their waits are the rows below.
     Published(source="000 Fig. 20", scenario="000 colocated", metric="share dispatch+combine",
-              value=36.0, unit="%", lacks=_LACKS_000_ITERATION),
+              value=36.0, unit="%", role="derived",
+              derived_from="(234 + 312) us x 59 MoE layers / 93 ms: the calls' minima "
+              "(calibration) and waits (the wait rows) over the forward"),
     # [000] Figure 20 via seed 004: the fastest dispatch / combine set the [000] XCCL starts
     # (calibration); mean - min is the calls' wait (validation of the wait model).
     Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric="dispatch intrinsic",
@@ -284,47 +307,61 @@ VALIDATION = [
               value=FIG20_COMBINE_US[0], unit="us", role="calibration"),
     Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric="dispatch wait",
               value=FIG20_DISPATCH_US[1] - FIG20_DISPATCH_US[0], unit="us",
-              lacks="a start spread of [000]'s own dies: the scenario's KV lengths and batches "
-              "are even, so the wait is the start jitter alone, at the spread fitted to [001] "
-              "Table 7's CANN kernels (which carries all of Table 7's growth with EP); [000] "
-              "§7.1's compute variance (MLA and MoE time varying between dies) is not priced "
-              "either"),
+              lacks="a start spread of [000]'s own dies: the body is the spread fitted to [001] "
+              "Table 7's CANN kernels (which carries all of Table 7's growth with EP) and the "
+              "straggler tail is assumed (waits.py); [000]'s dies start closer together than "
+              "both give, and [000] §7.1's compute variance between dies is not priced",
+              experiment=E000_COLOCATED),
     Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric="combine wait",
               value=FIG20_COMBINE_US[1] - FIG20_COMBINE_US[0], unit="us",
               lacks="the expert dies' compute variance beyond the expected hottest die (up to "
-              "17.8x on combine: stragglers the model has no source for)"),
+              "17.8x on combine: stragglers the model has no source for)",
+              experiment=E000_COLOCATED),
+    # seed 004's maxima of the same calls: the slowest call over the run (the tail's rows)
+    *[
+        Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric=f"{op} max",
+                  value=us, unit="us", experiment=E000_COLOCATED,
+                  lacks="one tail for both calls (waits.py, assumed: [000] §4.4 gives no "
+                  "distribution): the run's combine maximum is 2.4x its dispatch one, the expert "
+                  "dies' compute variance adding to combine's; the model's two are equal")
+        for op, us in FIG20_MAX_US.items()
+    ],
     # [000] §3.3: "A2E achieves a latency of 172 us, while E2A completes in 193 us".
     Published(source="000 §3.3", scenario="000 afd", metric="A2E", value=172.0, unit="us",
               lacks="a start of its own: stage 1 (to the die's trampoline) pays the whole "
               "dispatch start set on Figure 20's fastest EP288 dispatch, and stage 2 waits for "
               "the slowest of 160 trampolines at Table 7's start spread; [000] gives neither "
-              "for the A2E kernels"),
+              "for the A2E kernels", experiment=E000_A2E),
     Published(source="000 §3.3", scenario="000 afd", metric="E2A", value=193.0, unit="us",
               lacks="a start of its own: stage 1 waits for the slowest of the expert dies at "
               "Table 7's start spread and stage 2 pays the whole combine start set on Figure "
-              "20's fastest EP288 combine; [000] gives neither for the E2A kernels"),
+              "20's fastest EP288 combine; [000] gives neither for the E2A kernels",
+              experiment=E000_A2E),
     # [000] §7.1 (disaggregated MoE-attention): "MLAProlog, MLA, Gating, and the first stage of
     # A2E each take approximately 700 [us] per layer" (the text's "ns" read by its own sum,
     # 0.7 x 2 x 61 ms): the attention side of one microbatch.
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="attention side", value=700.0,
-              unit="us", lacks=_LACKS_ATTENTION),
+              unit="us", lacks=_LACKS_ATTENTION, experiment=E000_AFD),
     # [000] §7.1 (disaggregated MoE-attention, the §5.2 deployment): MoE 0.12 ms per layer.
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="MoE", value=120.0, unit="us",
               lacks="the expert dies' work beside the GEMMs (the persistent kernel's polling, "
-              "token reordering, the shared expert's scheduling); no operator figure published"),
+              "token reordering, the shared expert's scheduling); no operator figure published",
+              experiment=E000_AFD),
     # "we achieve a per-chip throughput of 2400 tokens/second with a 50 ms TPOT" (one measured
     # point: 46,080 x 1000 / 50 / 384 chips = 2400); then "2 ms scheduler overhead, 5 ms for the
     # MTP layer, 0.7 x 2 x 61 ms, A2E 0.17, MoE 0.12, E2A 0.19: forward ~93 ms, TPOT 93 / 1.9 ~
-    # 49 ms": arithmetic of the rows above.
+    # 49 ms": arithmetic of the rows above. The 2400 and the rows above are one run: counted once.
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="tokens/s/chip", value=2400.0,
-              unit="tok/s", lacks=_LACKS_ATTENTION),
+              unit="tok/s", role="derived",
+              derived_from="the AFD run's 50 ms TPOT: 46,080 x 1000 / 50 / 384 chips (the run "
+              "the attention-side row counts)"),
     # "5 ms for the MTP layer": the MTP pass (its block over the committed tokens, eh_proj,
     # the shared head and sampling, its graph's launch).
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="MTP pass", value=5.0,
               unit="ms",
               lacks="what the 5 ms holds beyond the MTP block, eh_proj, the shared head, "
               "sampling and the graph launch is not described; the block's attention side is "
-              "priced about 20 % fast, as in the attention-side row"),
+              "priced about 20 % fast, as in the attention-side row", experiment=E000_AFD),
     Published(source="000 §7.1 AFD", scenario="000 afd", metric="tpot", value=49.0, unit="ms",
               role="derived",
               derived_from="(2 + 5 + 0.7 x 2 x 61 + 0.17 + 0.12 + 0.19) / 1.9 of the rows above"),
@@ -341,32 +378,36 @@ VALIDATION = [
             ("b8 4096+256", 14.9, 538.0),
         )
         for metric, value, unit, extra in (
-            ("tpot", tpot, "ms", {"lacks": _LACKS_SMALL_BATCH if tpot < 20 else _LACKS_ATTENTION}),
+            ("tpot", tpot, "ms", {"lacks": _LACKS_SMALL_BATCH if tpot < 20 else _LACKS_ATTENTION,
+                                  "experiment": E001_TABLE5}),
             ("tokens/s/chip", tput, "tok/s",
              {"role": "derived", "derived_from": f"{cond.split()[0][1:]} x 1000 / {tpot}"}),
         )
     ],
-    # [001] Figure 22b: per-layer latency with MTP, batch 96, 4K: 1,260 us, about 2 x the
-    # §4.2.3 streams' 600 us (each stream runs both microbatches).
+    # [001] Figure 22b: per-layer latency with MTP, batch 96, 4K: 1,260 us, measured (a bar of
+    # the figure, not arithmetic of §4.2.3's "about 600 us" streams, which it agrees with).
     Published(source="001 Fig. 22b", scenario="001 b96 4096+256", metric="layer", value=1260.0,
-              unit="us", role="derived", derived_from="about 2 x the §4.2.3 stream (600 us)"),
+              unit="us", lacks=_LACKS_ATTENTION, experiment=E001_LAYER),
     # [001] Figure 22b: without MTP, 874 us.
     Published(source="001 Fig. 22b", scenario="001 b96 4096+256 no MTP", metric="layer",
-              value=874.0, unit="us", lacks=_LACKS_ATTENTION),
+              value=874.0, unit="us", lacks=_LACKS_ATTENTION, experiment=E001_LAYER),
     # [001] §5.4.1 / Figure 20a: "enabling the microbatch-based pipeline improves decode
     # throughput by 5.8%, 9.4%, and 6.9% for batch sizes of 64, 96, and 128": tokens/s with the
     # two streams over tokens/s with one, the same scenario otherwise. Figure 20b's "approximate
     # 10% reduction in overall per-layer latency" at batch 96 is the same measurement.
     *[
         Published(source="001 Fig. 20a", scenario=f"001 Fig. 20a b{b}",
-                  metric="two-stream gain", value=gain, unit="%", lacks=_LACKS_OVERLAP)
+                  metric="two-stream gain", value=gain, unit="%", lacks=_LACKS_OVERLAP,
+                  experiment=E001_FIG20A)
         for b, gain in ((64, 5.8), (96, 9.4), (128, 6.9))
     ],
-    # [001] §4.2.3: each stream ~600 us per microbatch (4K, batch 96, MTP): both are rows.
+    # [001] §4.2.3: each stream ~600 us per microbatch (4K, batch 96, MTP). Stream 1's
+    # "comparable latency" restates the balance: stream 0 is the row, stream 1 derived.
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream 0", value=600.0,
-              unit="us", lacks=_LACKS_ATTENTION),
+              unit="us", lacks=_LACKS_ATTENTION, experiment=E001_LAYER),
     Published(source="001 §4.2.3", scenario="001 b96 4096+256", metric="stream 1", value=600.0,
-              unit="us", lacks=_LACKS_MOE_PATH),
+              unit="us", role="derived",
+              derived_from="§4.2.3's 'comparable latency' of the two streams: stream 0's 600 us"),
 ]  # fmt: skip
 
 

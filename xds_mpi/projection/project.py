@@ -97,7 +97,8 @@ def project(
         spent["scheduling bubble"] = hw.bubble_s
     iteration = sum(spent.values())
     tokens_per_step = 1 + mtp_depth * accept_rate
-    num_chips = n["dies"] / cfg.hardware.dies_per_chip
+    # the profile's chip, not the emulated pod's layout (cfg.hardware): an H800 is one die a chip
+    num_chips = n["dies"] / hw.dies_per_chip
     tokens = batch_per_die * n["attention"] * tokens_per_step
     _, primitives, parts = layer(LayerInputs(**inputs, rows_per_seq=1 + mtp_depth))
     if num_mtp:  # one module's pass, all it pays

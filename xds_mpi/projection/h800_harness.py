@@ -1,0 +1,162 @@
+"""The H800 profile against DeepSeek's own published decode profile, kernel by kernel.
+
+DeepSeek's decode profile (deepseek-ai/profile-data, decode.json): EP128, TP1, 4K prompts, 128
+requests per GPU in two microbatches of 64, MTP (two rows per request: FlashMLA's 255 us is
+2 x 64 x 128 heads x 4K x 1,088 FLOPs at ~580 TFLOPS), computation on all SMs while the
+low-latency all-to-all runs on none ("after RDMA messages are issued, all GPU SMs are freed").
+The trace file itself was out of reach here; its kernel times are taken from a public
+transcription (docs/projection.md, sources: flagged), per microbatch, and none sets a constant:
+the H800 profile is calibrated on DeepGEMM's and FlashMLA's READMEs and [001] Table 7 only.
+
+The schedule priced (`decode_layer`): per microbatch the compute C (attention side, gate,
+shared expert, routed experts) and the communication M (dispatch + combine, DeepEP's
+low-latency kernels: pure RDMA, priced on one tier as the Table 7 fit is); two microbatches
+alternate, so a layer takes max(2 C, C + M): the compute stream is busy with both, unless one
+microbatch's own chain is longer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.projection.cost import CostModel, Hardware
+
+REQUESTS_PER_MB = 64  # 128 requests per GPU, two microbatches
+ROWS_PER_REQUEST = 2  # MTP: the token and one draft
+KV_LEN = 4096
+EP = 128
+LOCAL_EXPERTS = 2  # 256 routed experts over EP128, balanced ("absolutely balanced" routing)
+
+# VALIDATION: the public transcription of decode.json's H800 kernel times, us per microbatch.
+PROFILE_KERNEL_US = {
+    "q_a/kv_a GEMM": 13.0,
+    "q_b GEMM": 19.0,
+    "W_UK bmm": 16.0,
+    "FlashMLA": 255.0,
+    "W_UV bmm": 15.0,
+    "o_proj GEMM": 50.0,
+    "up/gate grouped GEMM": 81.0,
+    "down grouped GEMM": 39.0,
+    "dispatch": 187.0,
+    "combine": 394.0,
+}
+PROFILE_GROUP_US = {"attention side": 388.0, "gate": 19.0}
+PROFILE_LAYERS_MS = 87.32  # the 61 layers
+PROFILE_END_TO_END_MS = 96.0
+# [001] Table 4, "DeepSeek (Profile) on H800": batch 128, KV 4,096, TPOT ~50.2 ms, 2,325 tokens/s.
+# Pinned: 128 / 50.2 ms is 2,550, not 2,325; the two use different step times: 50.2 = the 61
+# layers' 87.3 ms / 1.74 and 2,325 = 128 x 1.74 / 95.8 ms (end to end). Both are the profile's
+# own times with an acceptance (0.74 fits both; the table states 70 % for its MTP rows):
+# derived rows of the profile's, priced here at [001]'s 70 %.
+TABLE4_TPOT_MS = 50.2
+TABLE4_TOKENS_PER_S = 2325.0
+TABLE4_ACCEPT = 0.7
+
+
+@dataclass(frozen=True, kw_only=True)
+class HarnessRow:
+    what: str
+    level: str  # kernel, group, layer, end to end, Table 4
+    published: float
+    projected: float
+    unit: str
+    role: str = "validation"
+    derived_from: str = ""
+
+    @property
+    def error(self) -> float:
+        return self.projected / self.published - 1.0
+
+
+def h800_cost(hw: Hardware | None = None) -> CostModel:
+    """The H800 profile's cost model, its links on one tier (DeepEP's low-latency kernels
+    reach every peer over RDMA, as the Table 7 fit takes them)."""
+    hw = hw or Hardware.from_profile(load_profile("h800"))
+    return CostModel(cost_shape(), replace(hw, node_dies=0))
+
+
+def kernel_us(cost: CostModel) -> dict[str, float]:
+    """Each profiled kernel as the model prices it, one microbatch (us)."""
+    m, rows = cost.m, REQUESTS_PER_MB * ROWS_PER_REQUEST
+    fixed = cost.hw.ops.fixed_s
+    down = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim
+    up = m.num_heads * (m.qk_nope_dim + m.qk_rope_dim)
+    per_head = m.qk_nope_dim * m.kv_lora_rank
+    expert_rows = rows * EP * m.top_k / (EP * LOCAL_EXPERTS)  # per local expert
+    inner = m.moe_intermediate
+    seconds = {
+        "q_a/kv_a GEMM": fixed + cost.gemm(rows, m.hidden * down, n=down),
+        "q_b GEMM": fixed + cost.gemm(rows, m.q_lora_rank * up, n=up),
+        "W_UK bmm": fixed + cost.bf16_gemm(rows, per_head, n=m.kv_lora_rank, groups=m.num_heads),
+        "FlashMLA": cost.attention([(KV_LEN, ROWS_PER_REQUEST)] * REQUESTS_PER_MB),
+        "W_UV bmm": fixed + cost.bf16_gemm(rows, per_head, n=m.v_head_dim, groups=m.num_heads),
+        "o_proj GEMM": fixed + cost.gemm(rows, m.num_heads * m.v_head_dim * m.hidden, n=m.hidden),
+        "up/gate grouped GEMM": fixed
+        + cost.gemm(expert_rows, m.hidden * 2 * inner, n=2 * inner, groups=LOCAL_EXPERTS),
+        "down grouped GEMM": fixed
+        + cost.gemm(expert_rows, inner * m.hidden, n=m.hidden, groups=LOCAL_EXPERTS),
+        "dispatch": cost.dispatch(rows * m.top_k, peers=EP),
+        "combine": cost.combine(rows * m.top_k, peers=EP),
+    }
+    return {k: v * 1e6 for k, v in seconds.items()}
+
+
+def decode_layer(cost: CostModel, rows_per_request: int = ROWS_PER_REQUEST) -> dict[str, float]:
+    """One microbatch's compute and communication and the layer they make (seconds)."""
+    m, rows = cost.m, REQUESTS_PER_MB * rows_per_request
+    attention = cost.mla_prolog(rows) + cost.attention(
+        [(KV_LEN, rows_per_request)] * REQUESTS_PER_MB
+    )
+    # each GPU takes in rows x top-k from the EP peers (balanced), over its local experts
+    experts = cost.routed(rows * m.top_k, LOCAL_EXPERTS)
+    compute = attention + cost.gate(rows) + cost.experts([rows]) + experts
+    comm = cost.dispatch(rows * m.top_k, peers=EP) + cost.combine(rows * m.top_k, peers=EP)
+    dense = attention + cost.dense_ffn(rows)
+    return {
+        "attention side": attention,
+        "gate": cost.gate(rows),
+        "compute": compute,
+        "communication": comm,
+        "moe layer": max(2 * compute, compute + comm),
+        "dense layer": 2 * dense,
+    }
+
+
+def harness_rows(hw: Hardware | None = None) -> list[HarnessRow]:
+    """The validation rows: each kernel, the two groups, the mean layer, end to end, and
+    Table 4's row (derived from the profile's own times)."""
+    cost = h800_cost(hw)
+    m = cost.m
+    mine = kernel_us(cost)
+    rows = [HarnessRow(what=k, level="kernel", published=v, projected=mine[k], unit="us")
+            for k, v in PROFILE_KERNEL_US.items()]  # fmt: skip
+    layer = decode_layer(cost)
+    for k, v in PROFILE_GROUP_US.items():
+        rows.append(HarnessRow(what=k, level="group", published=v, projected=layer[k] * 1e6,
+                               unit="us"))  # fmt: skip
+    num_moe = m.num_layers - m.num_dense_layers
+    layers = num_moe * layer["moe layer"] + m.num_dense_layers * layer["dense layer"]
+    rows.append(HarnessRow(what="61 layers / 61", level="layer",
+                           published=PROFILE_LAYERS_MS * 1e3 / m.num_layers,
+                           projected=layers / m.num_layers * 1e6, unit="us"))  # fmt: skip
+    # end to end: the layers, the MTP module's layer (one row per request) and eh_proj, the
+    # head over both rows and the draft's row, sampling
+    batch = 2 * REQUESTS_PER_MB
+    mtp = decode_layer(cost, 1)["moe layer"] + cost.mtp_projection(batch)
+    tail = cost.head(batch * (ROWS_PER_REQUEST + 1)) + cost.sampling(batch * ROWS_PER_REQUEST)
+    end_to_end = layers + mtp + tail
+    rows.append(HarnessRow(what="end to end", level="end to end",
+                           published=PROFILE_END_TO_END_MS, projected=end_to_end * 1e3,
+                           unit="ms"))  # fmt: skip
+    tokens = 1 + TABLE4_ACCEPT
+    rows += [
+        HarnessRow(what="TPOT", level="Table 4", published=TABLE4_TPOT_MS,
+                   projected=layers / tokens * 1e3, unit="ms", role="derived",
+                   derived_from="the 61 layers' 87.3 ms / 1.74"),
+        HarnessRow(what="tokens/s per GPU", level="Table 4", published=TABLE4_TOKENS_PER_S,
+                   projected=batch * tokens / end_to_end, unit="tok/s", role="derived",
+                   derived_from="128 x 1.74 / 95.8 ms end to end"),
+    ]  # fmt: skip
+    return rows
