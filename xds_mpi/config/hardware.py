@@ -20,9 +20,19 @@ def profile_path(name: str) -> Path:
 
 
 def load_profile(name: str) -> dict:
-    """A profile by name (configs/hardware/<name>.yaml) or by path."""
+    """A profile by name (configs/hardware/<name>.yaml) or by path. A profile with `base: <name>`
+    is that profile with each of its own sections updating the base's (a section's keys replace
+    the base's, its other keys stay): ascend910c_kernels is ascend910c with issue 61's sections."""
     path = profile_path(name)
     profile = parse_yaml(path.read_text())
+    if "base" in profile:
+        base = load_profile(profile.pop("base"))
+        for key, value in profile.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
+        profile = base
     for section, keys in REQUIRED.items():
         missing = [k for k in keys if k not in profile.get(section, {})]
         if missing:
