@@ -1,4 +1,5 @@
-"""Uncertainty bands on the 910C validation rows, from the inputs the papers do not publish.
+"""Uncertainty bands on the 910C validation rows, from the inputs the papers do not publish
+(the opt-in profile ascend910c_kernels: `xds-mpi project --paper --profile ascend910c_kernels`).
 
 Each input below is an unpublished choice that moves rows; instead of picking it, each row is
 projected at both ends of the input's range (the rest at the point values) and the swings
@@ -32,6 +33,9 @@ from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_o
 from xds_mpi.projection.project import project
 from xds_mpi.projection.waits import stragglers
 
+# the profile the bands are drawn for: the 910C with issue 61's mechanisms (opt-in; their inputs
+# are its `operators`, `stragglers` and efficiency.mla_compute_band)
+BANDED = "ascend910c_kernels"
 # a variant: (scenario, hardware) -> (scenario, hardware)
 Variant = Callable
 
@@ -62,7 +66,7 @@ class Band:
         return self.low <= value <= self.high
 
 
-def band_inputs(profile: str = "ascend910c") -> list[BandInput]:
+def band_inputs(profile: str = BANDED) -> list[BandInput]:
     p = load_profile(profile)
     ops = p.get("operators", {})
     inputs = []
@@ -115,7 +119,7 @@ def _hardware(profile: dict) -> Hardware:
     return Hardware.from_profile(profile)
 
 
-def row_value(pub, scenario, hw_map: Variant, profile: str = "ascend910c") -> float:
+def row_value(pub, scenario, hw_map: Variant, profile: str = BANDED) -> float:
     """A validation row's projected value with the scenario and hardware a variant gives."""
     # the point's hardware (with [000]'s XCCL starts where the scenario takes them), varied
     s, hw = hw_map(scenario, _inputs(scenario, profile)[2])
@@ -131,7 +135,7 @@ def row_value(pub, scenario, hw_map: Variant, profile: str = "ascend910c") -> fl
     return metric_value(projection, pub.metric, dies_per_chip=hw.dies_per_chip)
 
 
-def row_band(pub, profile: str = "ascend910c") -> Band:
+def row_band(pub, profile: str = BANDED) -> Band:
     s = SCENARIOS[pub.scenario]
     point = row_value(pub, s, lambda s, hw: (s, hw), profile)
     swings, down, up = {}, 0.0, 0.0
@@ -147,6 +151,6 @@ def row_band(pub, profile: str = "ascend910c") -> Band:
                 swings=swings)  # fmt: skip
 
 
-def band_table(profile: str = "ascend910c") -> list[tuple]:
+def band_table(profile: str = BANDED) -> list[tuple]:
     """(the published row, its band) for every validation row."""
     return [(pub, row_band(pub, profile)) for pub in VALIDATION if pub.role == "validation"]

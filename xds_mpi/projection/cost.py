@@ -66,7 +66,10 @@ class Hardware:
     weight_bytes: int
     kv_bytes: int
     act_bytes: int
-    ops: KernelCosts  # GEMM efficiency by shape and the per-kernel fixed cost (kernels.py)
+    # GEMM efficiency by shape and the per-kernel fixed cost (kernels.py), for a profile with an
+    # `operators` section (opt-in: ascend910c_kernels, h800); None: the flat path, one
+    # efficiency per class of operator and no fixed cost (the default profile, ascend910c)
+    ops: KernelCosts | None = None
     kernels: dict = field(default_factory=dict)  # operation -> kernels it launches
     tail: Tail | None = None  # the straggler tail a scenario pays (waits.py; None: the body only)
 
@@ -124,17 +127,32 @@ class CostModel:
     def _roofline(self, flops: float, nbytes: float, *, peak: float, eff: float) -> float:
         return max(flops / (peak * eff), nbytes / (self.hw.hbm_bytes_per_s * self.hw.mem_eff))
 
+    @property
+    def shaped(self) -> bool:
+        """Shape-aware GEMMs and per-kernel fixed costs (the profile's `operators` section,
+        kernels.py); False: the flat path, every formula as before issue 61 (the default)."""
+        return self.hw.ops is not None
+
     def gemm(self, rows: float, params: float, *, n: int | None = None, groups: float = 1) -> float:
         """rows x [in -> out] with `params` = in x out INT8 weights read once (n: out, which
         names the shape's measured bandwidth; groups: a grouped kernel's groups, `rows` each),
-        at the efficiencies its shape reaches (kernels.py); its fixed cost is the caller's."""
+        at the efficiencies its shape reaches (kernels.py); its fixed cost is the caller's.
+        Flat path: a roofline at the profile's one GEMM efficiency (n unused)."""
         hw = self.hw
+        if hw.ops is None:
+            if rows == 0:
+                return 0.0
+            return groups * self._roofline(
+                2.0 * rows * params, params * hw.weight_bytes, peak=hw.int8_ops, eff=hw.gemm_eff
+            )
         return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.int8_ops,
                              hbm=hw.hbm_bytes_per_s, weight_bytes=hw.weight_bytes)  # fmt: skip
 
     def fixed(self, operation: str) -> float:
         """The fixed cost of the kernels `operation` launches (the profile's `kernels` counts;
-        a stream pays its own, whatever its share of the cores)."""
+        a stream pays its own, whatever its share of the cores); 0 on the flat path."""
+        if self.hw.ops is None:
+            return 0.0
         return self.hw.kernels.get(operation, 0) * self.hw.ops.fixed_s
 
     # -- attention side -------------------------------------------------------------------------
@@ -143,9 +161,18 @@ class CostModel:
         INT8 weights are those xDeepServe §4.7 names (W_q_a, W_kv_a, W_q_b, W_o); the absorbed
         per-head W_UK and W_UV (W_kv_b's halves) are not among them: BF16 at the BF16 peak."""
         m = self.m
+        qk = m.qk_nope_dim + m.qk_rope_dim
+        if not self.shaped:  # the flat path: one roofline per weight precision
+            int8_params = (
+                m.hidden * m.q_lora_rank
+                + m.q_lora_rank * m.num_heads * qk
+                + m.hidden * (m.kv_lora_rank + m.qk_rope_dim)
+                + m.num_heads * m.v_head_dim * m.hidden
+            )
+            absorbed = 2 * m.num_heads * m.qk_nope_dim * m.kv_lora_rank
+            return self.gemm(rows, int8_params) + self.bf16_gemm(rows, absorbed)
         if rows <= 0:
             return 0.0
-        qk = m.qk_nope_dim + m.qk_rope_dim
         down = m.q_lora_rank + m.kv_lora_rank + m.qk_rope_dim  # q_a and kv_a, one GEMM
         up = m.num_heads * qk
         o_in = m.num_heads * m.v_head_dim
@@ -189,6 +216,12 @@ class CostModel:
         quantization leaves out (xDeepServe §4.7 quantizes the MLA, MoE and MLP modules only).
         The efficiencies are the INT8/FP8 table's (assumption: no BF16 table is published)."""
         hw = self.hw
+        if hw.ops is None:  # the flat path
+            if rows == 0:
+                return 0.0
+            return groups * self._roofline(
+                2.0 * rows * params, params * 2, peak=hw.bf16_flops, eff=hw.gemm_eff
+            )
         return hw.ops.gemm_s(m=rows, params=params, n=n, groups=groups, peak=hw.bf16_flops,
                              hbm=hw.hbm_bytes_per_s, weight_bytes=2, act_bytes=2)  # fmt: skip
 
@@ -203,7 +236,10 @@ class CostModel:
     # -- FFN side -------------------------------------------------------------------------------
     def experts(self, rows_per_expert: list[float]) -> float:
         """SwiGLU experts (the shared expert) run one after another on the die, each over its
-        own rows: up/gate and down GEMMs and their kernels each."""
+        own rows: up/gate and down GEMMs and their kernels each (flat path: one roofline)."""
+        if not self.shaped:
+            params = 3.0 * self.m.hidden * self.m.moe_intermediate
+            return sum(self.gemm(rows, params) for rows in rows_per_expert if rows > 0)
         return sum(self.swiglu(rows) + self.fixed("shared_expert")
                    for rows in rows_per_expert if rows > 0)  # fmt: skip
 
@@ -222,10 +258,15 @@ class CostModel:
         if rows <= 0 or num_experts <= 0:
             return 0.0
         touched = num_experts * (1 - (1 - 1 / num_experts) ** rows) if num_experts > 1 else 1.0
+        if not self.shaped:  # the flat path: each touched expert one roofline
+            params = 3.0 * self.m.hidden * self.m.moe_intermediate
+            return touched * self.gemm(rows / touched, params)
         # one grouped kernel per GEMM over the touched experts (DeepGEMM's masked layout)
         return self.swiglu(rows / touched, groups=touched) + self.fixed("experts")
 
     def dense_ffn(self, rows: int) -> float:
+        if not self.shaped:  # the flat path
+            return self.gemm(rows, 3.0 * self.m.hidden * self.m.intermediate)
         if rows <= 0:
             return 0.0
         return self.swiglu(rows, inner=self.m.intermediate) + self.fixed("dense_ffn")

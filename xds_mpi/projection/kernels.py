@@ -181,19 +181,15 @@ def spread(rows: list[GemmRow], costs: KernelCosts, *, peak: float, hbm: float,
     return min(ratios), max(ratios)
 
 
-def operator_costs(profile: dict) -> KernelCosts:
+def operator_costs(profile: dict) -> KernelCosts | None:
     """A hardware profile's GEMM costs: fitted to its `operators.gemm_rows` (Step 1), carried
     from `operators.carried_from`'s where its rows are large-M only (Step 2), or, for a profile
-    without a GEMM table, one efficiency for every GEMM and no fixed cost (the profile's
-    `efficiency` section, as before issue 61)."""
+    without a GEMM table (the default ascend910c), None: cost.py's flat path, one efficiency per
+    class of operator and no fixed cost (the profile's `efficiency` section, as before issue 61)."""
     eff, die, ops = profile["efficiency"], profile["die"], profile.get("operators")
     hbm = die["hbm_tb_per_s"] * 1e12
     if not ops:
-        return KernelCosts(
-            fixed_s=0.0, compute=Curve(((1.0, eff["gemm_int8"]),)),
-            memory_default=eff["memory"], tile_m=1,
-            source="one efficiency per class (the profile's efficiency section)",
-        )  # fmt: skip
+        return None
     rows = gemm_rows(profile)
     peak = ops["gemm_peak_tops"] * 1e12
     if "carried_from" not in ops:

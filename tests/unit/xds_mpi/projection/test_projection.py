@@ -17,18 +17,9 @@ from xds_mpi.config.schema import load_config
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
 from xds_mpi.projection.imbalance import Imbalance, from_run_file
-from xds_mpi.projection.kernels import Curve, KernelCosts
 from xds_mpi.projection.project import project
 
 HW = Hardware.from_profile(load_profile("ascend910c"))
-# The one-efficiency-per-class limit of the shape-aware costs (no fixed cost, no tile, every
-# GEMM at Table 10's 80 % and Table 9's 84.1 %): the formulas below hold exactly in it;
-# tests/test_projection_fidelity.py checks the shape-aware costs themselves.
-FLAT = replace(
-    HW,
-    ops=KernelCosts(fixed_s=0.0, compute=Curve(((1.0, 0.80),)), memory_default=0.841, tile_m=1),
-    kernels={},
-)
 BIG = cost_shape()
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
@@ -40,7 +31,7 @@ def test_the_profile_numbers_come_from_the_papers_tables():
 
 
 def test_a_gemm_is_a_roofline_of_int8_compute_and_weight_reads():
-    cost = CostModel(BIG, FLAT)
+    cost = CostModel(BIG, HW)
     params = 7168 * 2048 * 3
     # One row: reading the INT8 weights dominates.
     assert cost.gemm(1, params) == pytest.approx(params / (1.6e12 * 0.841))
@@ -53,19 +44,16 @@ def test_mla_prolog_prices_the_absorbed_weights_in_bf16():
     """xDeepServe §4.7 quantizes W_q_a, W_kv_a, W_q_b and W_o to INT8; the absorbed per-head
     W_UK and W_UV (128 x 128 x 512 each) stay BF16: at one row, reading them costs twice their
     INT8 price."""
-    cost = CostModel(BIG, FLAT)
+    cost = CostModel(BIG, HW)
     int8 = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 128 * 128 * 7168
     absorbed = 2 * 128 * 128 * 512
     memory = 1.6e12 * 0.841
-    # one row of activations in (INT8, or BF16 for the absorbed) and out (BF16) of each GEMM
-    acts = (7168 + 2 * 2112) + (1536 + 2 * 24576) + (16384 + 2 * 7168)
-    acts += 128 * (128 * 2 + 2 * 512) + 128 * (512 * 2 + 2 * 128)
-    assert cost.mla_prolog(1) == pytest.approx((int8 + 2 * absorbed + acts) / memory)
+    assert cost.mla_prolog(1) == pytest.approx(int8 / memory + 2 * absorbed / memory)
     assert cost.mla_prolog(0) == 0.0
 
 
 def test_attention_and_transfers_follow_their_formulas():
-    cost = CostModel(BIG, FLAT)
+    cost = CostModel(BIG, HW)
     width = 512 + 64
     flops = 2 * 128 * 3000 * (width + 512)
     assert cost.attention([(3000, 1)]) == pytest.approx(
@@ -89,7 +77,7 @@ def test_int8_attention_and_the_int8_kv_cache_price_what_000_section_4_7_says():
     half of them takes the mean of the two. (DeepSeek-V3's 128 heads keep even one row per
     sequence compute-bound on the 910C, so the memory-bound case has 16.)"""
     few = replace(BIG, num_heads=16)
-    bf16, int8_kv = CostModel(few, FLAT), CostModel(few, FLAT, kv_int8=True)
+    bf16, int8_kv = CostModel(few, HW), CostModel(few, HW, kv_int8=True)
     memory = 1.6e12 * 0.841
     long = [(8192, 1)] * 4
     assert int8_kv.attention(long) == pytest.approx(4 * 8192 * (512 + 4 + 64 * 2) / memory)
@@ -98,13 +86,13 @@ def test_int8_attention_and_the_int8_kv_cache_price_what_000_section_4_7_says():
         < bf16.attention(long)
         == pytest.approx(4 * 8192 * (512 + 64) * 2 / memory)
     )
-    bf16 = CostModel(BIG, FLAT)
+    bf16 = CostModel(BIG, HW)
     wide = [(4096, 64)] * 4
     flops = 4 * 2 * 64 * 128 * 4096 * (576 + 512)
     assert bf16.attention(wide) == pytest.approx(flops / (376e12 * 0.654))
-    every = CostModel(BIG, FLAT, kv_int8=True, int8_attention=1.0)
+    every = CostModel(BIG, HW, kv_int8=True, int8_attention=1.0)
     assert every.attention(wide) == pytest.approx(flops / (752e12 * 0.654))
-    half = CostModel(BIG, FLAT, kv_int8=True, int8_attention=0.5)
+    half = CostModel(BIG, HW, kv_int8=True, int8_attention=0.5)
     assert half.attention(wide) == pytest.approx((bf16.attention(wide) + every.attention(wide)) / 2)
     with pytest.raises(ValueError, match="share of the layers"):
         CostModel(BIG, HW, int8_attention=1.5)
@@ -114,14 +102,12 @@ def test_the_gate_and_the_head_keep_bf16_weights():
     """[000] §4.7 quantizes the MLA, MoE and MLP modules, not the router or the LM head
     ([001] §4.5 keeps "critical gating mechanisms" in BF16 or FP32): at a few rows reading
     them costs 2 bytes per weight, twice an INT8 GEMM of the same shape."""
-    cost = CostModel(BIG, FLAT)
+    cost = CostModel(BIG, HW)
     memory = 1.6e12 * 0.841
     head, gate = 7168 * 129280, 7168 * 256
-    # 8 rows of BF16 activations in and out
-    assert cost.head(8) == pytest.approx(2 * (head + 8 * (7168 + 129280)) / memory)
-    assert cost.gate(8) == pytest.approx(2 * (gate + 8 * (7168 + 256)) / memory)
-    assert cost.head(8) == pytest.approx(cost.bf16_gemm(8, head, n=129280))
-    assert cost.bf16_gemm(8, head) == pytest.approx(2 * cost.gemm(8, head))
+    assert cost.head(8) == pytest.approx(2 * head / memory)
+    assert cost.gate(8) == pytest.approx(2 * gate / memory)
+    assert cost.head(8) == pytest.approx(2 * cost.gemm(8, head))
 
 
 @pytest.mark.parametrize("config, batch", [("ep288", 60), ("afd_pod", 96)])
@@ -299,12 +285,11 @@ def test_the_emulators_mtp_pass_prices_eh_proj_as_the_projection_does():
     from xds_mpi.config.schema import ModelConfig
     from xds_mpi.execution.pricing import Pricer
 
-    cost = CostModel(BIG, FLAT)
+    cost = CostModel(BIG, HW)
     pricer = Pricer(cost, ModelConfig(), VirtualClock(), num_routed_dies=4, use_int8=True)
     with pricer.mtp_layer():
         pricer.mtp_projection(114)
     assert pricer.spent["MTP eh_proj"] == pytest.approx(cost.mtp_projection(114))
-    acts = 114 * (2 * 7168 * 2 + 2 * 7168)
     assert cost.mtp_projection(114) == pytest.approx(
-        max(2 * 114 * 2 * 7168**2 / (376e12 * 0.80), (2 * 7168**2 * 2 + acts) / (1.6e12 * 0.841))
+        max(2 * 114 * 2 * 7168**2 / (376e12 * 0.80), 2 * 7168**2 * 2 / (1.6e12 * 0.841))
     )

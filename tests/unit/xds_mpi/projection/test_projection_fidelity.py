@@ -1,5 +1,8 @@
 """Issue 61: the per-chip count follows the hardware profile, and the validation table's rows are
-counted by row and by experiment, each recomputed here from the model."""
+counted by row and by experiment, each recomputed here from the model; its opt-in mechanisms
+(shape-aware GEMMs, per-kernel fixed costs, bands, the straggler tail) on the profiles that
+choose them (ascend910c_kernels, h800; the default ascend910c takes none:
+test_default_pricing.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from xds_mpi.projection.paper_table import Counts, validation_table
 from xds_mpi.projection.project import project
 
 BIG = cost_shape()
+KERNELS = "ascend910c_kernels"  # the 910C with issue 61's mechanisms (opt-in)
 WORK = dict(batch_per_die=60, kv_len=3072, mtp_depth=1, accept_rate=0.9)
 
 
-@pytest.mark.parametrize("profile", ["ascend910c", "h800"])
+@pytest.mark.parametrize("profile", ["ascend910c", KERNELS, "h800"])
 def test_tokens_per_chip_count_the_profiles_dies_per_chip(profile):
     """An H800 is one die a chip, a 910C package two: tokens/s per chip is the iteration's
     tokens over the iteration over (dies / the profile's dies per chip), whatever the emulated
@@ -33,7 +37,7 @@ def test_tokens_per_chip_count_the_profiles_dies_per_chip(profile):
     tokens = WORK["batch_per_die"] * topo.num_dp_domains * topo.dp_groups_per_domain * 1.9
     chips = topo.num_dies / hw.dies_per_chip
     assert p.tokens_per_s_per_chip == pytest.approx(tokens / p.iteration_s / chips)
-    assert hw.dies_per_chip == {"ascend910c": 2, "h800": 1}[profile]
+    assert hw.dies_per_chip == {"ascend910c": 2, KERNELS: 2, "h800": 1}[profile]
     doubled = project(cfg, BIG, replace(hw, dies_per_chip=2 * hw.dies_per_chip), **WORK)
     assert doubled.tokens_per_s_per_chip == pytest.approx(2 * p.tokens_per_s_per_chip)
 
@@ -106,8 +110,8 @@ def test_the_910c_carries_the_h800s_small_m_ratio_onto_table_10():
     from statistics import median
 
     _, h800 = _costs("h800")
-    hw, ops = _costs("ascend910c")
-    rows = load_profile("ascend910c")["operators"]["gemm_rows"]
+    hw, ops = _costs(KERNELS)
+    rows = load_profile(KERNELS)["operators"]["gemm_rows"]
     large = median(t / 752 for *_, t, _ in rows)
     for m in (64, 256, 512, 1024):
         assert ops.compute.at(m) == pytest.approx(large * h800.compute_ratio(m))
@@ -116,7 +120,7 @@ def test_the_910c_carries_the_h800s_small_m_ratio_onto_table_10():
     assert ops.fixed_s == h800.fixed_s
 
 
-@pytest.mark.parametrize("profile", ["ascend910c", "h800"])
+@pytest.mark.parametrize("profile", [KERNELS, "h800"])
 def test_more_kernels_pay_more_fixed_time(profile):
     """Each kernel an operation launches pays the fixed cost: one more kernel in MLAProlog adds
     exactly that, a stream on fewer cores pays the same, and a fixed cost of 0 removes it."""
@@ -217,13 +221,15 @@ def test_the_wait_models_expected_maximum_is_the_sampled_one():
 def test_a_heavier_tail_makes_a_larger_max_over_min(heavier):
     """The slowest call over the run against the waitless one (Figure 20's max / min), as the
     table prices it (slowest_call_of): a more frequent or a heavier straggler tail raises it,
-    and the [000] scenario pays the profile's tail while [001]'s pay the body alone."""
+    and the [000] scenario pays the profile's tail while [001]'s pay the body alone; the default
+    profile has no tail (its [000] scenario pays the body alone too)."""
     from xds_mpi.projection.paper_table import scenario_inputs, slowest_call_of
     from xds_mpi.projection.waits import stragglers
 
-    cfg, m, hw, kwargs = scenario_inputs("000 colocated")
-    assert hw.tail == stragglers(load_profile("ascend910c"))
-    assert scenario_inputs("001 b96 4096+256")[2].tail is None
+    cfg, m, hw, kwargs = scenario_inputs("000 colocated", KERNELS)
+    assert hw.tail == stragglers(load_profile(KERNELS)) is not None
+    assert scenario_inputs("001 b96 4096+256", KERNELS)[2].tail is None
+    assert scenario_inputs("000 colocated")[2].tail is None
 
     def max_over_min(tail_hw):
         p = project(cfg, m, tail_hw, **kwargs)
@@ -231,5 +237,5 @@ def test_a_heavier_tail_makes_a_larger_max_over_min(heavier):
             p.primitives_s["combine intrinsic"] * 1e6
         )
 
-    heavy = replace(hw, tail=stragglers(load_profile("ascend910c"), **heavier))
+    heavy = replace(hw, tail=stragglers(load_profile(KERNELS), **heavier))
     assert max_over_min(heavy) > max_over_min(hw) > max_over_min(replace(hw, tail=None))
