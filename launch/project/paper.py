@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from launch.report.tables import format_table
+from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError, config_from_dict
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
@@ -144,7 +145,14 @@ def print_paper(args: argparse.Namespace) -> int:
     print(f"by experiment ({len(n.by_experiment)}; rows of one run share its setup and errors):")
     for name, (rows_n, in10, in15) in n.by_experiment.items():
         print(f"  {name}: {rows_n} rows, {in10} within +-10 %, {in15} within +-15 %")
-    print_bands(args.profile)
+    if _shaped(args.profile):  # the bands' inputs are the opt-in profile's (bands.py)
+        print_bands(args.profile)
+    else:
+        print(
+            f"profile {args.profile}: one efficiency per class of operator (the default); issue "
+            "61's shape-aware kernels, fixed costs, straggler tail and bands: --profile "
+            "ascend910c_kernels (docs/projection.md)"
+        )
     derived = [r for r in table if r.role == "derived"]
     print("\nDerived rows, what each published number is made of:")
     for r in derived:
@@ -171,6 +179,11 @@ def print_paper(args: argparse.Namespace) -> int:
             print(f"  {r.source} {r.metric} (published {r.published:g}): {at}")
     _print_calibration(calibration_table(args.profile))
     return 0
+
+
+def _shaped(profile: str) -> bool:
+    """The profile prices GEMMs by shape with per-kernel fixed costs (its `operators` section)."""
+    return "operators" in load_profile(profile)
 
 
 GAIN_GUARD = 0.25  # Figure 20a's gains within 25 % of the published ones (issue 61's guard)
