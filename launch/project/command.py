@@ -92,7 +92,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     _print_imbalance(inputs["imbalance"])
     _print_projection(args, cfg, p)
     if args.config == "ep288":
-        _print_against_000(p)
+        _print_against_000(p, cfg.hardware.profile)
     if args.skew:
         workload = dict(
             batch_per_die=args.batch,
@@ -131,16 +131,16 @@ def _print_projection(args: argparse.Namespace, cfg: Config, p: Projection) -> N
     )
 
 
-def _print_against_000(p: Projection) -> None:
+def _print_against_000(p: Projection, profile: str) -> None:
     """[000] §7.1's TPOT for its DP288/EP288 run beside this projection and beside the paper
-    scenario as `--paper` prices it (the command's defaults are the run's batch, KV length and
-    MTP; the scenario adds what §4.7 and Figures 11a/20 say of the run)."""
+    scenario as `--paper --profile <profile>` prices it (the command's defaults are the run's
+    batch, KV length and MTP; the scenario adds what §4.7 and Figures 11a/20 say of the run)."""
     # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.projection.paper_data import VALIDATION
     from xds_mpi.projection.paper_table import scenario_projection
 
     pub = next(r for r in VALIDATION if (r.scenario, r.metric) == ("000 colocated", "tpot"))
-    paper = scenario_projection(pub.scenario).tpot_s * 1e3
+    paper = scenario_projection(pub.scenario, profile).tpot_s * 1e3
     mine = p.tpot_s * 1e3
     print(
         f"against [000] §7.1 (DP288/EP288, batch 60, ~3K, MTP 90 %): TPOT ~{pub.value:g} ms "
