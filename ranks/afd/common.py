@@ -4,7 +4,6 @@ with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreeme
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -108,13 +107,19 @@ class AfdDieBase(DecodeDieLoop):
         )
 
     def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
-        """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to
-        the iteration's start, then the calls planned afresh, with new call numbers and the same
-        events)."""
-        iteration = self.iteration
-        result = self.recompute.run(
-            iteration, partial(self._planned_attempt, busy, iteration), state=state
-        )
+        """This die's part of the iteration (`attempt`), re-executed after a fault as a colocated
+        die's (ranks/colocated/die.py `iteration`): `state` back to the iteration's start, then
+        the calls planned afresh, with new call numbers and the same events."""
+        iteration, recompute = self.iteration, self.recompute
+        with recompute.checkpoint(iteration, state):
+            while True:
+                try:
+                    result = self.attempt(busy, self.plan.iteration(busy, iteration))
+                except recompute.failures as exc:  # () without faults configured
+                    recompute.fail(exc)  # the abort word, the vote, the die restored
+                    continue
+                if not recompute.is_voting or recompute.vote():  # every die completed it
+                    break
         self.iteration += 1  # not before: a fence's Released leaves the iteration to redo
         return result
 
@@ -161,9 +166,6 @@ class AfdDieBase(DecodeDieLoop):
 
     def xccl_buffer(self):
         return self.afd
-
-    def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
-        return self.attempt(busy, self.plan.iteration(busy, iteration))
 
     def attempt(self, busy: tuple[int, ...], planned: list):
         """This die's part of the iteration over its `planned` calls (AfdPlan.iteration)."""

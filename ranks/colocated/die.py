@@ -218,10 +218,19 @@ class ColocatedDie(DecodeDieLoop):
         self.outbox.stream(emitted, timing)
 
     def iteration(self):
-        """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
-        return self.recompute.run(
-            self.executor.num_iterations, self.attempt, state=(self.scheduler, self.executor)
-        )
+        """Schedule and run one iteration; after a fault anywhere (§6.2 stage 3: an injected
+        XCCL error, another die's abort word, a timed-out wait with faults.on_timeout
+        recompute) every die votes, is restored to the iteration's start and runs it again."""
+        recompute = self.recompute
+        with recompute.checkpoint(self.executor.num_iterations, (self.scheduler, self.executor)):
+            while True:
+                try:
+                    result = self.attempt()
+                except recompute.failures as exc:  # () without faults configured
+                    recompute.fail(exc)  # the abort word, the vote, the die restored
+                    continue
+                if not recompute.is_voting or recompute.vote():  # every die completed it
+                    return result
 
     def attempt(self):
         entries = self.scheduler.schedule()  # continuous batching, chunked prefill
