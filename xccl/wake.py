@@ -58,7 +58,8 @@ it; off by default, so default runs pay nothing), split by whether `poll_until` 
 DieMemory makes its calls through `timed(win)`, the window itself when timing is off, else a
 proxy that adds each call's duration to MPI_TIME.work_s, or to MPI_TIME.wait_s while a wait is
 in progress. `WaitSpan` is the hook around a buffer's waits through which the caller's tracer sees
-how long each took (xccl imports nothing of the project: the hook is passed in).
+how long each took (xccl imports nothing of the project: the hook is passed in, or None when
+tracing is off, and then no wait makes a call for it).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -189,11 +190,6 @@ def quiet_barrier(comm: MPI.Comm, *, what: str, timeout_s: float = 600.0) -> Non
                 f"{timeout_s:g} s"
             )
         doze.pause()
-
-
-def no_span(name: str, **args) -> AbstractContextManager:
-    """The default WaitSpan: nothing recorded."""
-    return nullcontext()
 
 
 # -- sleeping on a futex

@@ -88,7 +88,7 @@ class AfdDieBase(DecodeDieLoop):
             clock=self.clock,
             num_cores=xccl.num_cores,
             timeout_s=xccl.poll_timeout_s,
-            wait_span=trace.span,
+            wait_span=trace.span if trace.is_enabled() else None,
         )
 
     def _call_plan(self) -> AfdPlan:

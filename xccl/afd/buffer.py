@@ -59,7 +59,7 @@ from xccl.moe_layout import AfdLayout
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-from xccl.wake import WaitSpan, no_span
+from xccl.wake import WaitSpan
 
 
 def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:
@@ -79,7 +79,7 @@ class AfdOptions:
     the slots before the shared ones; use_trampolines, A2E through the trampolines (else
     direct); dtype, the rows' wire dtype; clock, the die's virtual clock; link, the cost
     model's link; num_cores, AIV cores per transfer; timeout_s, every wait's deadline;
-    wait_span, the tracer's span around the attention side's E2A wait."""
+    wait_span, the tracer's span around the attention side's E2A wait (None: no call)."""
 
     num_routed_slots: int
     use_trampolines: bool
@@ -88,7 +88,7 @@ class AfdOptions:
     link: LinkModel | None
     num_cores: int
     timeout_s: float
-    wait_span: WaitSpan
+    wait_span: WaitSpan | None
 
 
 class AfdBuffer(AfdExpertSide):
@@ -107,10 +107,10 @@ class AfdBuffer(AfdExpertSide):
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
-        wait_span: WaitSpan = no_span,
+        wait_span: WaitSpan | None = None,
     ) -> None:
         """wait_span(name, **args): a context manager around the attention side's E2A wait (the
-        caller's tracer; no-op by default)."""
+        caller's tracer; None, the default: tracing off, no call at all)."""
         mem.claim("afd")
         self.role = layout.role_of(mem.rank)
         _check_window(mem, layout, self.role, dtype)
@@ -283,8 +283,12 @@ class AfdBuffer(AfdExpertSide):
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
             tramp = layout.experts[self.group]
-            with self.wait_span("e2a wait", event=call.event_id):
-                bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
+            back = [(tramp, self.group)]
+            if self.wait_span is None:
+                bodies = self.records.wait(call, "back_records", back, "E2A")
+            else:
+                with self.wait_span("e2a wait", event=call.event_id):
+                    bodies = self.records.wait(call, "back_records", back, "E2A")
             if int(bodies["count"][0]) != num_rows:
                 raise XcclError(
                     f"die rank {self.me}: E2A event {call.event_id} returns "
@@ -292,8 +296,11 @@ class AfdBuffer(AfdExpertSide):
                 )
             outs = self.rows.pull_outputs("ret_rows", call.lane, [tramp], bodies)
         else:
-            with self.wait_span("e2a wait", event=call.event_id):
+            if self.wait_span is None:
                 staged = self._gather_back(call, handle.scatter, blocking=True)
+            else:
+                with self.wait_span("e2a wait", event=call.event_id):
+                    staged = self._gather_back(call, handle.scatter, blocking=True)
             outs = np.empty_like(staged)
             outs[handle.scatter.order] = staged
         return weighted_column_sum(outs, handle.row_token, handle.row_column, handle.weights)

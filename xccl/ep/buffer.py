@@ -40,7 +40,7 @@ from xccl.records import ROWS_RECORD, Expected, FanIn, FanOut, RecordAt
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-from xccl.wake import WaitSpan, no_span
+from xccl.wake import WaitSpan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,14 +68,14 @@ class EpOptions:
     """What an EpBuffer is built with besides its window, layout and slots: dtype, the rows'
     wire dtype; clock, the die's virtual clock; link, the cost model's link (None: the clock's
     default); num_cores, AIV cores per transfer; timeout_s, every wait's deadline; wait_span,
-    the tracer's span around each wait for peers' records."""
+    the tracer's span around each wait for peers' records (None: tracing off, no call)."""
 
     dtype: np.dtype
     clock: VirtualClock
     link: LinkModel | None
     num_cores: int
     timeout_s: float
-    wait_span: WaitSpan
+    wait_span: WaitSpan | None
 
 
 class EpBuffer:
@@ -92,7 +92,7 @@ class EpBuffer:
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
-        wait_span: WaitSpan = no_span,
+        wait_span: WaitSpan | None = None,
     ) -> None:
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(
@@ -119,7 +119,7 @@ class EpBuffer:
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
-        # wait_span: around each wait for peers' records (xccl/wake.py)
+        # wait_span: around each wait for peers' records (xccl/wake.py); None: no call at all
         self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
         self.options = EpOptions(
             dtype=self.dtype,
@@ -400,13 +400,20 @@ class EpBuffer:
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""
         expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
-        opts = {"timeout_s": self.timeout_s, "interrupt": self.interrupt}
-        with self.wait_span(f"{kind} wait", event=event_id):
-            bodies = self._fans[kind][1].wait(expected, **opts)
-            # Virtual time: the last peer's record lands (with a link model, after its latency).
-            latency_ns = 0.0 if self.link is None else self.link.latency_ns()
-            self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)
+        fan_in, span = self._fans[kind][1], self.wait_span
+        if span is None:
+            bodies = fan_in.wait(expected, timeout_s=self.timeout_s, interrupt=self.interrupt)
+            self._arrive(bodies)
+            return bodies
+        with span(f"{kind} wait", event=event_id):
+            bodies = fan_in.wait(expected, timeout_s=self.timeout_s, interrupt=self.interrupt)
+            self._arrive(bodies)
         return bodies
+
+    def _arrive(self, bodies: np.ndarray) -> None:
+        """Virtual time: the last peer's record lands (with a link model, after its latency)."""
+        latency_ns = 0.0 if self.link is None else self.link.latency_ns()
+        self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)
 
     def _pull_time(self, nbytes: int) -> None:
         """Virtual time our link takes to pull the bytes (none: the caller prices them)."""
