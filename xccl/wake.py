@@ -72,6 +72,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, get_args
 
 import numpy as np
@@ -412,7 +413,7 @@ class Meeting:
     def sleeper(self, is_ready: Callable[[], bool]) -> Callable[[], None]:
         """For `poll_until(park=...)` in one wait; `arrived` after it."""
         self._woken = False
-        return lambda: self._park(is_ready)
+        return partial(self._park, is_ready)  # not a lambda: one frame fewer in every wait
 
     def _park(self, is_ready: Callable[[], bool]) -> None:
         word = self.word
