@@ -9,7 +9,9 @@ The loop calls failure handling through the hooks declared here, never by import
 (ranks/recovery/ sits above core/): `DieWatch` (ranks/recovery/watch.py DieHealth implements
 it), `DieRecompute` (ranks/recovery/recompute.py Recomputer) and `Failover`
 (ranks/recovery/scale_down.py Failover). The role program installs them when it builds its die
-(ColocatedDie, AfdDieBase)."""
+(ColocatedDie, AfdDieBase). Fault injection (ranks/faults/) is no hook of the loop: a die a row
+names plays it itself (a dead die falls silent through DieWatch.fall_silent), and the loop of a
+die no row names runs nothing of it."""
 
 from __future__ import annotations
 
