@@ -57,9 +57,8 @@ Where the time goes: every window call is timed when XDS_TIME_MPI=1 (`xds-mpi be
 it; off by default, so default runs pay nothing), split by whether `poll_until` was waiting:
 DieMemory makes its calls through `timed(win)`, the window itself when timing is off, else a
 proxy that adds each call's duration to MPI_TIME.work_s, or to MPI_TIME.wait_s while a wait is
-in progress. `WaitSpan` is the hook around a buffer's waits through which the caller's tracer sees
-how long each took (xccl imports nothing of the project: the hook is passed in, or None when
-tracing is off, and then no wait makes a call for it).
+in progress. A buffer's waits reach the caller's trace through the `WaitLog` it was built with
+(xccl/wait_log.py: a list the waits append to, no call back into the caller).
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ import platform
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal, get_args
@@ -98,8 +96,6 @@ _WAKE_ALL = 0x7FFFFFFF
 
 
 TIME_MPI_ENV = "XDS_TIME_MPI"
-# wait_span(name, **args) -> a context manager around one wait ("dispatch wait", event=...).
-WaitSpan = Callable[..., AbstractContextManager]
 
 
 def poll_until(

@@ -92,7 +92,7 @@ class AfdDieBase(DecodeDieLoop):
             clock=self.clock,
             num_cores=xccl.num_cores,
             timeout_s=xccl.poll_timeout_s,
-            wait_span=trace.span if trace.is_enabled() else None,
+            wait_log=trace.wait_log(),  # None while tracing is off
         )
 
     def _call_plan(self) -> AfdPlan:

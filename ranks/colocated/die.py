@@ -60,7 +60,7 @@ class ColocatedDie(DecodeDieLoop):
                 clock=clock,
                 num_cores=cfg.xccl.num_cores,
                 timeout_s=cfg.xccl.poll_timeout_s,
-                wait_span=trace.span if trace.is_enabled() else None,
+                wait_log=trace.wait_log(),  # None while tracing is off
             )
             for i in range(plan.ep.num_lanes)
         )
