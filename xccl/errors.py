@@ -11,12 +11,10 @@ class XcclTimeout(XcclError, TimeoutError):
 
 class PeerTimeout(XcclTimeout):
     """A wait for peers' records passed xccl.poll_timeout_s (xccl/records/record.py): die, the
-    waiting
-    die's rank; op, the stage ("dispatch", "combine", ...); event_id; peers, the ranks whose
+    waiting die's rank; op, the stage ("dispatch", "combine", ...); event_id; peers, the ranks whose
     records are missing; since: when the wait began (time.time(), -1 unknown). With recovery on
     (xccl/recovery/rollback.py, recover_timeouts) it is a fault of the attempt like an injected one:
-    the
-    iteration is recomputed."""
+    the iteration is recomputed."""
 
     def __init__(
         self, message: str, *, die: int, op: str, event_id: int, peers: tuple, since: float = -1.0

@@ -142,9 +142,9 @@ class AfdLayout:
     Every region exists once per lane; a lane is one (DP domain, microbatch) pair, so a domain's
     next layer reuses its lane only after that lane's E2A completed (the reuse argument in
     xccl/afd/buffer.py). "scatter" regions hold rows a die sends to expert dies, staged dest-major
-    in its
-    own window (trampolines for A2E', attention dies in the direct variant); routed rows may be
-    INT8, shared-expert rows are always full precision (the reference quantizes routed rows only).
+    in its own window (trampolines for A2E', attention dies in the direct variant); routed rows may
+    be INT8, shared-expert rows are always full precision (the reference quantizes routed rows
+    only).
 
     attention die, per lane:
         back_records  E x RECORD_BYTES                  (written by expert dies: E2A / E2A')

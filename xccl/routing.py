@@ -1,6 +1,6 @@
 """What dispatch/combine (xccl/ep/buffer.py) and A2E/E2A (xccl/afd/buffer.py) share: which physical
-slot each
-column of a token goes to, the combine weights, and the weighted sum of the returned columns."""
+slot each column of a token goes to, the combine weights, and the weighted sum of the returned
+columns."""
 
 from __future__ import annotations
 

@@ -57,8 +57,8 @@ Where the time goes: every window call is timed when XDS_TIME_MPI=1 (`xds-mpi be
 it; off by default, so default runs pay nothing), split by whether `poll_until` was waiting:
 DieMemory makes its calls through `timed(win)`, the window itself when timing is off, else a
 proxy that adds each call's duration to MPI_TIME.work_s, or to MPI_TIME.wait_s while a wait is
-in progress. `WaitSpan` is the hook around a buffer's waits through which the caller's tracer sees
-how long each took (xccl imports nothing of the project: the hook is passed in).
+in progress. A buffer's waits reach the caller's trace through the `WaitLog` it was built with
+(xccl/wait_log.py: a list the waits append to, no call back into the caller).
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ import platform
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal, get_args
 
 import numpy as np
@@ -96,8 +96,6 @@ _WAKE_ALL = 0x7FFFFFFF
 
 
 TIME_MPI_ENV = "XDS_TIME_MPI"
-# wait_span(name, **args) -> a context manager around one wait ("dispatch wait", event=...).
-WaitSpan = Callable[..., AbstractContextManager]
 
 
 def poll_until(
@@ -189,11 +187,6 @@ def quiet_barrier(comm: MPI.Comm, *, what: str, timeout_s: float = 600.0) -> Non
                 f"{timeout_s:g} s"
             )
         doze.pause()
-
-
-def no_span(name: str, **args) -> AbstractContextManager:
-    """The default WaitSpan: nothing recorded."""
-    return nullcontext()
 
 
 # -- sleeping on a futex
@@ -416,7 +409,7 @@ class Meeting:
     def sleeper(self, is_ready: Callable[[], bool]) -> Callable[[], None]:
         """For `poll_until(park=...)` in one wait; `arrived` after it."""
         self._woken = False
-        return lambda: self._park(is_ready)
+        return partial(self._park, is_ready)  # not a lambda: one frame fewer in every wait
 
     def _park(self, is_ready: Callable[[], bool]) -> None:
         word = self.word

@@ -46,7 +46,7 @@ def serve(args, dies: int, source: Path | None, extra: list[str]) -> ServeStats:
             *args.set,
             *extra,
         ]
-        command = [sys.executable, "-m", "launch.cli.main", "run", str(args.config)]
+        command = [sys.executable, "-m", "launch.cli", "run", str(args.config)]
         command += [a for s in sets for a in ("--set", s)]
         from xccl.wake import TIME_MPI_ENV  # here: xccl imports mpi4py.MPI, which starts MPI
 

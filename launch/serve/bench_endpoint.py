@@ -50,7 +50,7 @@ def workload_sets(args) -> list[str]:
 
 def from_yaml(args, tmp: str) -> tuple[int, float]:
     """(tokens, tokens/s) of `xds-mpi run` on the workload."""
-    command = [sys.executable, "-m", "launch.cli.main", "run", str(args.config)]
+    command = [sys.executable, "-m", "launch.cli", "run", str(args.config)]
     for text in [*workload_sets(args), f"run.output_dir={tmp}"]:
         command += ["--set", text]
     done = run_launcher(command, cwd=Path.cwd(), env=dict(os.environ), timeout_s=args.timeout)

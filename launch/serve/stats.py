@@ -3,7 +3,7 @@ the ranks' MPI time (launch/job/rank.py write_rank_stats) and the TE-shell's sum
 
 Per die, a MoE layer's wall time is the sum of its spans (gate, dispatch, experts, combine:
 the executor's meter, xds_mpi/execution/executor.py); its waiting is the "dispatch wait" and
-"combine wait" spans inside them (xccl's wait_span); its MPI time is the rank's MPI window calls
+"combine wait" spans inside them (xccl's WaitLog); its MPI time is the rank's MPI window calls
 outside waits (xccl/wake.py) spread over its MoE layers; Python is the rest.
 The jitter sample is each die's wait in the first dispatch of each iteration.
 """

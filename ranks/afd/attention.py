@@ -55,7 +55,8 @@ class AttentionDie(AfdDieBase):
     def iterate(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
-        self.memory.check(self)  # KV blocks and expert slots gone bad
+        if self.memory is not None:  # KV blocks and expert slots gone bad
+            self.memory.check(self, self.iteration)
         self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
         if not busy:  # agree backed off

@@ -4,7 +4,6 @@ with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreeme
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,6 +13,8 @@ from ranks.core.context import RankContext
 from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_parts import make_pricer
 from ranks.core.messages import SHELL
+from ranks.faults.dead import dead_die
+from ranks.faults.stuck import stall
 from ranks.recovery import scale_down
 from ranks.recovery.memory import afd_memory_check
 from ranks.recovery.recompute import Recomputer, Recoverable
@@ -59,7 +60,9 @@ class AfdDieBase(DecodeDieLoop):
         # then span the TE-shell too, which fences the waits through them.
         self.iteration = 0  # busy iterations completed, the same on every die
         self.idle = IdleBackoff()  # between agreement rounds while no domain has work
-        self.health = DieHealth(cfg, ctx.comm, self) if is_watched(cfg, ctx.plan) else None
+        self.health = DieHealth(cfg, ctx.comm) if is_watched(cfg, ctx.plan) else None
+        # Fault injection (ranks/faults/), only on a die a dead row names: None elsewhere
+        self.dead = dead_die(cfg, ctx.comm.rank, self.health, self.clock)
         self.recompute = Recomputer(
             cfg,
             self.dies,
@@ -69,10 +72,10 @@ class AfdDieBase(DecodeDieLoop):
             events=self.plan,
             log=ctx.log,
             window_comm=ctx.comm if self.health else None,
-            stall=self.health.stall if self.health else None,
+            stall=stall(cfg, ctx.comm, self, self.health),  # None but on a stuck row's die
         )
         self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
-        self.memory = afd_memory_check(ctx)  # §6.2 stage 3: memory faults
+        self.memory = afd_memory_check(ctx)  # §6.2 stage 3: None without a memory row for the die
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
@@ -89,7 +92,7 @@ class AfdDieBase(DecodeDieLoop):
             clock=self.clock,
             num_cores=xccl.num_cores,
             timeout_s=xccl.poll_timeout_s,
-            wait_span=trace.span,
+            wait_log=trace.wait_log(),  # None while tracing is off
         )
 
     def _call_plan(self) -> AfdPlan:
@@ -108,14 +111,22 @@ class AfdDieBase(DecodeDieLoop):
         )
 
     def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
-        """Run `attempt` as this iteration (re-executed after a transient fault: `state` back to
-        the iteration's start, then the calls planned afresh, with new call numbers and the same
-        events)."""
-        iteration = self.iteration
-        result = self.recompute.run(
-            iteration, partial(self._planned_attempt, busy, iteration), state=state
-        )
+        """This die's part of the iteration (`attempt`), re-executed after a fault as a colocated
+        die's (ranks/colocated/die.py `iteration`): `state` back to the iteration's start, then
+        the calls planned afresh, with new call numbers and the same events."""
+        iteration, recompute = self.iteration, self.recompute
+        with recompute.checkpoint(iteration, state):
+            while True:
+                try:
+                    result = self.attempt(busy, self.plan.iteration(busy, iteration))
+                except recompute.failures as exc:  # () without faults configured
+                    recompute.fail(exc)  # the abort word, the vote, the die restored
+                    continue
+                if not recompute.is_voting or recompute.vote():  # every die completed it
+                    break
         self.iteration += 1  # not before: a fence's Released leaves the iteration to redo
+        if self.dead is not None:  # a dead row of this die (ranks/faults/dead.py)
+            self.dead = self.dead.after(self.iteration)
         return result
 
     @property
@@ -161,9 +172,6 @@ class AfdDieBase(DecodeDieLoop):
 
     def xccl_buffer(self):
         return self.afd
-
-    def _planned_attempt(self, busy: tuple[int, ...], iteration: int):
-        return self.attempt(busy, self.plan.iteration(busy, iteration))
 
     def attempt(self, busy: tuple[int, ...], planned: list):
         """This die's part of the iteration over its `planned` calls (AfdPlan.iteration)."""

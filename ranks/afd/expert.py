@@ -55,7 +55,8 @@ class ExpertDie(AfdDieBase):
         self.load = self._expert_load()  # what each call brought (xds_mpi/afd/load.py)
 
     def iterate(self) -> bool:
-        self.memory.check(self)  # expert slots gone bad (ranks/recovery/memory.py)
+        if self.memory is not None:  # expert slots gone bad (ranks/recovery/memory.py)
+            self.memory.check(self, self.iteration)
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:  # agree backed off
             return not all_stopped

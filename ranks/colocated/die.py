@@ -17,8 +17,10 @@ from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals, make_pricer
 from ranks.core.handshake import handshake
+from ranks.faults.dead import dead_die
+from ranks.faults.stuck import stall
 from ranks.recovery import scale_down
-from ranks.recovery.memory import MemoryCheck
+from ranks.recovery.memory import memory_check
 from ranks.recovery.recompute import Recomputer
 from ranks.recovery.watch import DieHealth, is_watched, watch_comm, watcher
 from xccl.agreement import IdleBackoff
@@ -58,7 +60,7 @@ class ColocatedDie(DecodeDieLoop):
                 clock=clock,
                 num_cores=cfg.xccl.num_cores,
                 timeout_s=cfg.xccl.poll_timeout_s,
-                wait_span=trace.span,
+                wait_log=trace.wait_log(),  # None while tracing is off
             )
             for i in range(plan.ep.num_lanes)
         )
@@ -78,7 +80,7 @@ class ColocatedDie(DecodeDieLoop):
             timeout_s=cfg.xccl.poll_timeout_s,
             clock=clock if self.vtime is not None else None,
         )
-        self.memory = MemoryCheck(ctx)  # §6.2 stage 3: KV memory faults
+        self.memory = memory_check(ctx)  # §6.2 stage 3: None without a memory row for the die
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
 
@@ -134,7 +136,9 @@ class ColocatedDie(DecodeDieLoop):
         self.health = None
         if is_watched(cfg, ctx.plan):
             # PD: the decode TE-shell watches
-            self.health = DieHealth(cfg, ctx.comm, self, shell=watcher(ctx.plan))
+            self.health = DieHealth(cfg, ctx.comm, shell=watcher(ctx.plan))
+        # Fault injection (ranks/faults/), only on a die a dead row names: None elsewhere
+        self.dead = dead_die(cfg, ctx.comm.rank, self.health, self.clock)
 
     def _recomputer(self, ctx: RankContext, lanes) -> Recomputer:
         """Token recomputation (§6.2 stage 3) over every EP lane; with heartbeats, its abort-word
@@ -148,7 +152,7 @@ class ColocatedDie(DecodeDieLoop):
             events=self.executor.events,
             log=ctx.log,
             window_comm=watch_comm(ctx) if self.health else None,
-            stall=self.health.stall if self.health else None,
+            stall=stall(ctx.cfg, ctx.comm, self, self.health),  # None but on a stuck row's die
         )
 
     def _executor(self, ctx: RankContext, model, lanes, state, slots):
@@ -228,6 +232,8 @@ class ColocatedDie(DecodeDieLoop):
             self.eplb_agreed
         )  # §4.5 Step 3: replica swap phases, at a boundary all agree on
         sampled, timing = self.iteration()  # re-executed after a transient fault
+        if self.dead is not None:  # a dead row of this die (ranks/faults/dead.py)
+            self.dead = self.dead.after(self.busy_iterations)
         if self.ems is not None:
             self._put_prompts(sampled)
         emitted = self.scheduler.postprocess(sampled)  # finished requests free their blocks
@@ -241,17 +247,27 @@ class ColocatedDie(DecodeDieLoop):
 
     def before_agree(self) -> None:
         """Work between iterations before the dies agree (PD: KV transfers, ranks/pd/decode.py)."""
-        self.memory.check(self)
+        if self.memory is not None:
+            self.memory.check(self, self.busy_iterations)
 
     def emit(self, emitted, timing) -> None:
         """Stream the iteration's tokens to the TE-shell (PD adds the prefill's first tokens)."""
         self.outbox.stream(emitted, timing)
 
     def iteration(self):
-        """Schedule and run one iteration; on an injected fault anywhere, restore and again."""
-        return self.recompute.run(
-            self.executor.num_iterations, self.attempt, state=(self.scheduler, self.executor)
-        )
+        """Schedule and run one iteration; after a fault anywhere (§6.2 stage 3: an injected
+        XCCL error, another die's abort word, a timed-out wait with faults.on_timeout
+        recompute) every die votes, is restored to the iteration's start and runs it again."""
+        recompute = self.recompute
+        with recompute.checkpoint(self.executor.num_iterations, (self.scheduler, self.executor)):
+            while True:
+                try:
+                    result = self.attempt()
+                except recompute.failures as exc:  # () without faults configured
+                    recompute.fail(exc)  # the abort word, the vote, the die restored
+                    continue
+                if not recompute.is_voting or recompute.vote():  # every die completed it
+                    return result
 
     def attempt(self):
         entries = self.scheduler.schedule()  # continuous batching, chunked prefill

@@ -9,7 +9,9 @@ The loop calls failure handling through the hooks declared here, never by import
 (ranks/recovery/ sits above core/): `DieWatch` (ranks/recovery/watch.py DieHealth implements
 it), `DieRecompute` (ranks/recovery/recompute.py Recomputer) and `Failover`
 (ranks/recovery/scale_down.py Failover). The role program installs them when it builds its die
-(ColocatedDie, AfdDieBase)."""
+(ColocatedDie, AfdDieBase). Fault injection (ranks/faults/) is no hook of the loop: a die a row
+names plays it itself (a dead die falls silent through DieWatch.fall_silent), and the loop of a
+die no row names runs nothing of it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from mpi4py import MPI
 
-from ranks.core.messages import SHELL, TAG_STOP
+from ranks.core.messages import SHELL, TAG_STOP, FaultBegan
 from xccl.recovery.rollback import Recovery, Released
 
 
@@ -31,7 +33,8 @@ class Failover(Protocol):
 class DieWatch(Protocol):
     """A watched die's side of the heartbeats (§6.1), as the loop calls it. shell: the
     watcher's rank; is_dead: a dead row took effect (the die answers nothing); is_out: dead, or
-    released by the watcher's fence (the die runs no iteration)."""
+    released by the watcher's fence (the die runs no iteration). `fall_silent` and `tell` are
+    what fault injection (ranks/faults/) uses of it."""
 
     shell: int
     is_dead: bool
@@ -39,8 +42,11 @@ class DieWatch(Protocol):
     @property
     def is_out(self) -> bool: ...
 
-    def check_dead(self) -> None:
-        """At the start of a turn: a dead row of this die's iteration takes effect."""
+    def fall_silent(self) -> None:
+        """A dead row took effect: the die answers nothing and runs no iteration from now on."""
+
+    def tell(self, note: FaultBegan) -> None:
+        """An injected fault's note to the watcher (for the failure record)."""
 
     def answer(self) -> None:
         """Between iterations: answer the heartbeats that arrived."""
@@ -106,7 +112,6 @@ class DecodeDieLoop:
         health = self.health
         if health is None:
             return self.iterate()
-        health.check_dead()
         if health.is_out:
             return self.out_turn()
         health.answer()

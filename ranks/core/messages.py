@@ -19,6 +19,19 @@ JE = SHELL  # PD: the job executor takes the TE-shell's place (the decode TE-she
 
 
 @dataclass(frozen=True, kw_only=True)
+class FaultBegan:
+    """A die's note to its watcher (TAG_FAILURE_BEGAN): its injected `kind` fault
+    (ranks/faults/) began at its iteration `iteration`, at wall time `wall_time` (time.time())
+    and virtual second `virtual_s`. For the failure record only: detection never reads it."""
+
+    die: int
+    kind: str
+    iteration: int
+    wall_time: float
+    virtual_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenBatch:
     """Tokens one die produced in one iteration: (req_id, token, is_finished) each."""
 

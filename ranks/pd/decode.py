@@ -62,7 +62,8 @@ class PdColocatedDie(PdDecode, ColocatedDie):
         self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
 
     def before_agree(self) -> None:
-        self.memory.check(self)  # §6.2 stage 3 (ranks/recovery/memory.py), before KV moves
+        if self.memory is not None:  # §6.2 stage 3 (ranks/recovery/memory.py), before KV moves
+            self.memory.check(self, self.busy_iterations)
         super().before_agree()
 
 

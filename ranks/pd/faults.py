@@ -1,4 +1,6 @@
-"""Faults in KV transfers and their retry (xDeepServe §6.2 applied to §5.1's transfer).
+"""Faults in KV transfers and their retry (xDeepServe §6.2 applied to §5.1's transfer). The
+faults themselves are injected by ranks/faults/kv_transfer.py (`KvFaults`, the P2P's fault hook
+where a row can fire); this module holds the transfer's side of a retry.
 
 The fault table's `p2p_send` rows name a prefill die, `p2p_recv` rows a decode die; `iteration`
 is that die's n-th KV transfer (from 0, in the order its first attempts start) and `times` how
@@ -21,8 +23,7 @@ import time
 from dataclasses import dataclass
 
 from ranks.core.control import WaitTimeout
-from xccl.errors import InjectedFault, XcclError
-from xds_mpi.execution.faults import FaultPlan, LayerEvents
+from xccl.errors import InjectedFault
 
 MAX_ATTEMPTS = 64  # event id = req_id x MAX_ATTEMPTS + attempt
 
@@ -43,44 +44,6 @@ class KvAbort:
     src: int
     dst: int
     state: tuple[int, int]
-
-
-class KvFaults:
-    """The fault hook of a die's P2P for KV transfers, and the count of faults it raised."""
-
-    def __init__(self, cfg, rank: int) -> None:
-        self.plan = FaultPlan(cfg.faults, rank, LayerEvents(events_per_iteration=1))
-        self.rank, self.transfer_no, self.num_faults = rank, {}, 0
-        self.max_retries = cfg.pd.max_transfer_retries
-        self.max_in_flight = 1 << 30  # KV transfers a die runs at once (1 when faults can fire)
-
-    def check(self, op: str, event_id: int) -> None:
-        req_id, attempt = divmod(event_id, MAX_ATTEMPTS)
-        number = self.transfer_no.setdefault(req_id, len(self.transfer_no))
-        code = self.plan.decide(op, iteration=number, layer=0, attempt=attempt)
-        if code is not None:
-            self.num_faults += 1
-            raise InjectedFault(self.rank, op, event_id, code)
-
-    def check_retry(self, req_id: int, attempt: int, src: int, dst: int) -> None:
-        """Refuse a retry past pd.max_transfer_retries, naming both dies and the request."""
-        if attempt > self.max_retries:
-            raise XcclError(
-                f"KV transfer of request {req_id} from prefill die rank {src} to decode die "
-                f"rank {dst} failed {attempt} times, over pd.max_transfer_retries"
-                f"({self.max_retries})"
-            )
-
-
-def install(p2p, cfg, rank: int) -> KvFaults:
-    """A KvFaults for this die, hooked into its P2P when the config can fail p2p at all."""
-    faults = KvFaults(cfg, rank)
-    has_rows = any(row.op.startswith("p2p") for row in cfg.faults.table)
-    is_drawn = cfg.faults.rate > 0 and any(op.startswith("p2p") for op in cfg.faults.ops)
-    if has_rows or is_drawn:
-        p2p.fault_hook = faults.check
-        faults.max_in_flight = 1  # abandon() fails every transfer of the die: keep it to one
-    return faults
 
 
 def check_deadline(started: float, timeout_s: float, me: int, peer: int, req_id: int) -> None:

@@ -23,11 +23,12 @@ from ranks.core.context import RankContext
 from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
+from ranks.faults.kv_transfer import install
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
+    MAX_ATTEMPTS,
     KvAbort,
     check_deadline,
-    install,
     kv_event_id,
     poll_transfer,
 )
@@ -78,7 +79,7 @@ class KvReceiver:
         self.scheduler, self.executor = scheduler, executor
         self.timeout_s = cfg.xccl.poll_timeout_s
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
-        self.faults = install(self.p2p, cfg, self.rank)
+        self.faults = install(self.p2p, cfg, self.rank, attempts_per_transfer=MAX_ATTEMPTS)
         self.big = cost_shape()
         # Each prefill die's fabric to this die (xds_mpi/plan/kv_link.py): UB, RoCE or VPC.
         self.links = {

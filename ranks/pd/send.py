@@ -20,11 +20,12 @@ from ranks.core.control import wait_all
 from ranks.core.die_io import SHELL
 from ranks.core.messages import TAG_REPORT
 from ranks.core.tags import TAG_PD_ABORT, TAG_PD_ABORT_ACK
+from ranks.faults.kv_transfer import install
 from ranks.pd.channel import ChannelFaults
 from ranks.pd.faults import (
+    MAX_ATTEMPTS,
     KvAbort,
     check_deadline,
-    install,
     kv_event_id,
     poll_transfer,
 )
@@ -52,7 +53,7 @@ class KvSender:
         self.comm, self.rank, self.timeout_s = ctx.comm, ctx.comm.rank, cfg.xccl.poll_timeout_s
         self.cache, self.scheduler, self.pricer = cache, scheduler, pricer
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
-        self.faults = install(self.p2p, cfg, self.rank)
+        self.faults = install(self.p2p, cfg, self.rank, attempts_per_transfer=MAX_ATTEMPTS)
         link = ChannelFaults(cfg, self.rank, "link")  # this die's injected link rows
         self.failover = SendFailover(ctx, link, clock=lambda: pricer.clock.now_ns / 1e9)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)

@@ -5,8 +5,9 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       health.dp_interval_s; a die answers from its event loop only, between iterations
       (`detector.Detector.poll` -> `watch.HeartbeatSender.tick`; the die's side
       `ranks/core/decode_die.DecodeDieLoop.step` -> `watch.DieHealth.answer`). A dead die
-      answers nothing (`watch.DieHealth.check_dead`); a stuck one blocks inside its first
-      dispatch / A2E (`watch.DieHealth.stall`), and its peers wait for it in their XCCL waits
+      answers nothing (`watch.DieHealth.fall_silent`, played by ranks/faults/dead.py); a stuck
+      one blocks inside its first dispatch / A2E (ranks/faults/stuck.py), and its peers wait for
+      it in their XCCL waits
       or in the agreement between iterations.
   Step 2 (§6.1): a die silent for health.timeout_s (or 3x the dies' slowest gap between two
       answers, when longer: `watch.HeartbeatSender.patience_s`) is suspected; the TE-shell
@@ -14,7 +15,7 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
       `xccl.recovery.rollback.fence`). Every wait checks it and raises Released; the die turns
       out of the iterations (`DieHealth.released`, `DecodeDieLoop.out_turn`) and answers again.
       With faults.on_timeout recompute a wait may time out first: the die votes
-      (`recompute.Recomputer.run`), and the lost die's missing vote outlasts detection, so the
+      (`recompute.Recomputer.vote`), and the lost die's missing vote outlasts detection, so the
       fence ends the vote too.
   Step 3 (§6.1): a die still silent after the grace is lost ("dead"; answering later: "stuck");
       with none lost, the stuck die came back and every die rebuilds anyway
@@ -40,7 +41,8 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
 
 A transient XCCL error or a timed-out wait (§6.2 stage 3, faults.table / faults.rate /
 faults.on_timeout recompute): every die votes once per attempt and all re-execute a failed
-iteration (`recompute.Recomputer.run` -> xccl/recovery/rollback.py).
+iteration (the die's own loop calls `recompute.Recomputer.fail` / `vote` ->
+xccl/recovery/rollback.py `Recovery.failed` / `settle`).
 
 A memory fault (§6.2 stage 3, `memory` rows): KV blocks masked and their requests ended
 (`memory.MemoryCheck.check` -> the request ids; the TE-shell's `Frontend.end_requests`),
@@ -50,6 +52,7 @@ or an expert slot masked while a replica serves (`memory.SlotMask.check`; afd:
 PD (§6.2 "P/D separate failover"): a decode die's loss is found by the decode TE-shell
 (`decode_loss.DecodeWatch`) and its requests moved by the JE (`je_decode_loss`); a lost prefill
 die (`je_prefill_loss`); a KV link or a saturated die (`link_probe`, `pd_send_failover`,
-`pd_receive_failover`). The faults themselves are emulated on their dies, in ranks/pd/
-(`prefill_loss.py`, `channel.py`), which recovery never imports.
+`pd_receive_failover`). The faults themselves are emulated on their dies, in ranks/faults/
+(dead, stuck, KV-transfer errors) and ranks/pd/ (`prefill_loss.py`, `channel.py`), which
+recovery never imports.
 """

@@ -3,8 +3,7 @@ separate failover": the decode side recovers on its own, prefill goes on).
 
 The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/detector.py) over its
 decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
-decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same
-verdicts. On
+decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts. On
 a loss:
   1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py,
   via

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from ranks.core.context import RankContext
+from ranks.core.messages import FaultBegan
 from ranks.core.tags import TAG_FAILURE_BEGAN
 from ranks.recovery.records import Detection, failure_records, with_timeouts
-from ranks.recovery.watch import PACE_FACTOR, FaultBegan, HeartbeatSender
+from ranks.recovery.watch import PACE_FACTOR, HeartbeatSender
 from xccl.recovery.rollback import fence, fence_window
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.eplb.ring import ring_placement

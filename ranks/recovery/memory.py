@@ -79,9 +79,9 @@ class MemoryLoss:
 
 
 class MemoryCheck:
-    """A die's side; `check(die)` reads die.busy_iterations, the iterations the die has run,
-    the same count on every die (a row's `iteration` is one). site: where the die keeps its
-    slots (ranks/recovery/memory.py)."""
+    """A die's side; `check(die, iteration)` with the busy iterations the die has run, the same
+    count on every die (a row's `iteration` is one). site: where the die keeps its slots
+    (ranks/recovery/memory.py). Built only where a row applies (`memory_check`)."""
 
     def __init__(self, ctx, *, site: SlotSite | None = None) -> None:
         self.comm, self.rank = ctx.comm, ctx.comm.rank
@@ -96,9 +96,10 @@ class MemoryCheck:
         # expert slots with a replica elsewhere (ranks/recovery/memory.py)
         self.slots = SlotMask(ctx, site or ColocatedSlots())
 
-    def check(self, die) -> list[int]:
-        """Between iterations: apply the rows now due; the requests they ended."""
-        iteration, ended = die.busy_iterations, []
+    def check(self, die, iteration: int) -> list[int]:
+        """Between iterations (`iteration`: the busy iterations the die has run): apply the rows
+        now due; the requests they ended."""
+        ended = []
         for loss in self.slots.check(die, iteration):
             self.sends.append(self.comm.isend(loss, dest=SHELL, tag=TAG_MEMORY_FAULT))
         for row, spec in [r for r in self.rows if iteration >= r[1].iteration]:
@@ -305,8 +306,19 @@ def _corrupt(die, expert_map, phy: int) -> None:
         module.break_in_place()
 
 
-def afd_memory_check(ctx) -> MemoryCheck:
-    return MemoryCheck(ctx, site=AfdSlots())
+def memory_check(ctx, site: SlotSite | None = None) -> MemoryCheck | None:
+    """A colocated die's memory check, or None (no call between its iterations) when no row
+    applies to it: no KV block row names the die and no slot row is in the run (every die drops
+    a faulty slot from its routing)."""
+    rank, rows = ctx.comm.rank, [r for r in ctx.cfg.faults.events if r.kind == "memory"]
+    if not any(r.slot >= 0 or (r.die == rank and r.first_block >= 0) for r in rows):
+        return None
+    return MemoryCheck(ctx, site=site)
+
+
+def afd_memory_check(ctx) -> MemoryCheck | None:
+    """An afd die's memory check (`memory_check`), or None."""
+    return memory_check(ctx, AfdSlots())
 
 
 class AfdSlots:

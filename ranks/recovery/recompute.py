@@ -17,23 +17,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from mpi4py import MPI
 
-from xccl.errors import RetriesExhausted, XcclError
+from xccl.errors import XcclError
 from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery.rollback import Outcome, Recovery
-from xccl.recovery.vote import FaultReport
+from xccl.recovery.vote import Fault, FaultReport
 from xds_mpi.config.schema import Config
 from xds_mpi.execution.faults import EventMap, FaultPlan
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.plan.failures.checks import release_bound_s
 from xds_mpi.report import trace
 
-T = TypeVar("T")
+_UNKEPT = nullcontext()  # an iteration with nothing to keep and no trace span
 
 
 @dataclass
@@ -115,32 +116,59 @@ class Recoverable(Protocol):
 
 class IterationAttempts:
     """One iteration's attempts on one die: where the iteration started (the die's state, the
-    virtual clock, the priced time), and the attempt running now."""
+    virtual clock, the priced time), and the attempt running now. The with-block of the
+    iteration (`Recomputer.checkpoint`): it begins attempt 0, and once the block ends without
+    an error the iteration is done (a later fence undoes nothing of it)."""
 
     def __init__(
         self,
         iteration: int,
-        body: Callable[[], T],
         *,
         plan: FaultPlan,
         pricer: Pricer,
         state: Sequence[Recoverable],
+        is_tracing: bool = False,
     ) -> None:
-        self.iteration, self.body, self.plan, self.pricer = iteration, body, plan, pricer
-        self.state = tuple(state)
+        self.iteration, self.plan, self.pricer = iteration, plan, pricer
+        self.state, self.is_tracing = tuple(state), is_tracing
         self.checkpoints = tuple(part.checkpoint() for part in self.state)
         self.clock_start, self.priced_start = pricer.clock.snapshot(), pricer.snapshot()
-        self.attempt, self.started_s = 0, time.perf_counter()
+        self.attempt, self.started_s, self.vstarted_ns = 0, time.perf_counter(), 0.0
+        self.is_done = False
+        self.iteration_started_s, self.iteration_vstart_ns = self.started_s, pricer.clock.now_ns
 
-    def run(self, attempt: int) -> T:
-        """Attempt `attempt` (0 = the first execution) of the iteration."""
+    def __enter__(self) -> IterationAttempts:
+        self.begin(0)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.is_tracing:  # the whole iteration, all its attempts (a fence's Released too)
+            trace.record(
+                "iteration",
+                (self.iteration_started_s, time.perf_counter()),
+                (self.iteration_vstart_ns, self.pricer.clock.now_ns),
+                iteration=self.iteration,
+            )
+        self.is_done = exc_type is None  # else a fence's Released: restore_interrupted undoes it
+
+    def begin(self, attempt: int) -> None:
+        """Attempt `attempt` (0 = the first execution) of the iteration starts."""
         self.attempt, self.started_s = attempt, time.perf_counter()
+        self.vstarted_ns = self.pricer.clock.now_ns
         self.plan.begin(iteration=self.iteration, attempt=attempt)
-        trace.begin_attempt()
-        if attempt == 0:
-            return self.body()
-        with trace.span("recompute", iteration=self.iteration, attempt=attempt):
-            return self.body()
+        if self.is_tracing:
+            trace.begin_attempt()
+
+    def ended(self) -> None:
+        """A re-executed attempt ended (completed or failed): its trace span."""
+        if self.is_tracing and self.attempt > 0:
+            trace.record(
+                "recompute",
+                (self.started_s, time.perf_counter()),
+                (self.vstarted_ns, self.pricer.clock.now_ns),
+                iteration=self.iteration,
+                attempt=self.attempt,
+            )
 
     def wall_s(self) -> float:
         """Wall seconds of the attempt so far."""
@@ -160,7 +188,19 @@ class IterationAttempts:
 
 class Recomputer:
     """A die's token recomputation; the die installs it as its `recompute` (the hook the
-    decode-die loop reads, ranks/core/decode_die.py DieRecompute)."""
+    decode-die loop reads, ranks/core/decode_die.py DieRecompute) and runs each iteration with
+    it, in the open (ranks/colocated/die.py `iteration`):
+
+        with recompute.checkpoint(iteration, state):     # the iteration's start kept
+            while True:
+                try:
+                    result = attempt()
+                except recompute.failures as exc:        # () without faults configured
+                    recompute.fail(exc)                  # abort word, vote, state restored
+                    continue
+                if not recompute.is_voting or recompute.vote():
+                    break                                # every die completed the attempt
+    """
 
     def __init__(
         self,
@@ -177,14 +217,15 @@ class Recomputer:
     ) -> None:
         """events: how the die's XCCL operations number their events (the fault plan's layers).
         window_comm: the world communicator when the TE-shell fences these dies
-        (ranks/recovery/detector.py):
-        the abort words' window then spans it, and the waits check the fence even with no fault
-        table. stall: the die's stuck-fault hook (ranks/recovery/watch.py), called inside each
-        operation before the fault plan's."""
+        (ranks/recovery/detector.py): the abort words' window then spans it, and the waits
+        check the fence even with no fault table. stall: the die's stuck-fault hook, given
+        only to a die a stuck row names (ranks/faults/stuck.py), called inside each operation
+        before the fault plan's."""
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
         self.log = log if comm.rank == 0 else None  # one die tells the story
+        self.is_tracing = trace.is_enabled()  # chosen once: no span call when off
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
@@ -192,63 +233,63 @@ class Recomputer:
         # Transient errors or recomputed timeouts: every iteration is an attempt, and votes.
         self.is_voting = cfg.faults.is_enabled or cfg.faults.on_timeout == "recompute"
         self.recovery = None
+        self.failures: tuple[type[XcclError], ...] = ()  # what fails an attempt (none)
         if self.is_voting or window_comm is not None:
             self.recovery = _recovery(cfg, comm, window_comm)
-            check = self.plan.check if self.is_voting else None
-            hook = _chain(stall, check)
+            # The fault plan's check only where a row or the random mode can hit this die.
+            check = self.plan.check if self.plan.rows or self.plan.random_ops else None
+            hook = stall if check is None else check if stall is None else _chain(stall, check)
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
             for b in self.buffers:
                 b.set_recovery(hooks)
+        if self.is_voting:
+            self.failures = self.recovery.failures
 
-    def run(
-        self, iteration: int, attempt: Callable[[], T], *, state: Sequence[Recoverable] = ()
-    ) -> T:
-        """attempt() until every die completed one; between attempts the virtual clock, the
-        priced time and each part of `state` go back to where this call found them."""
-        with trace.span("iteration", iteration=iteration):
-            return self._run(iteration, attempt, state)
-
-    def _run(self, iteration: int, attempt: Callable[[], T], state: Sequence[Recoverable]) -> T:
-        if not self.is_voting:
-            return self._run_once(iteration, attempt, state)
+    def checkpoint(
+        self, iteration: int, state: Sequence[Recoverable] = ()
+    ) -> AbstractContextManager:
+        """The with-block of one iteration: its start (the die's `state`, the virtual clock, the
+        priced time) kept while an attempt can fail or the TE-shell's fence interrupt it, so
+        that `fail` and `restore_interrupted` go back to it; nothing to keep without either."""
+        if self.recovery is None:
+            return trace.span("iteration", iteration=iteration) if self.is_tracing else _UNKEPT
         self._attempts = IterationAttempts(
-            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
+            iteration, plan=self.plan, pricer=self.pricer, state=state, is_tracing=self.is_tracing
         )
+        return self._attempts
+
+    def fail(self, exc: XcclError) -> None:
+        """The attempt raised one of `failures`: every die told (the abort word), the vote, the
+        die restored to the iteration's start and the next attempt begun."""
+        self.vote(self.recovery.failed(exc, self.buffers))
+
+    def vote(self, fault: Fault | None = None) -> bool:
+        """Every die, once per attempt (faults configured): did every die complete it? After a
+        failed vote the die is back at the iteration's start and the next attempt begun; past
+        faults.max_retries re-executions RecomputationFailed names the last attempt's faults."""
+        attempts = self._attempts
+        attempts.ended()
         try:
-            result = self.recovery.run(
-                self._attempts.run,
-                self.buffers,
-                max_retries=self.faults.max_retries,
-                what=f"iteration {iteration}",
-                on_rollback=self._rolled_back,
-            )
-            self._attempts = None  # done: a later fence interrupts no iteration of this one
-            return result
-        except RetriesExhausted as exc:
-            raise RecomputationFailed(
-                f"die rank {self.rank}: iteration {iteration} failed {self.faults.max_retries + 1}"
-                f" times in a row (faults.max_retries={self.faults.max_retries}); the last "
-                f"attempt's faults: {describe(self._outcome, self.plan.events)}"
-            ) from exc
+            outcome = self.recovery.settle(fault, self.buffers)
         finally:
             self.counters.faults_injected = self.plan.num_fired
-
-    def _run_once(self, iteration: int, attempt: Callable[[], T], state) -> T:
-        """No fault table: one attempt; with a TE-shell that may fence the dies, its start kept
-        so that restore_interrupted can undo it (ranks/recovery/scale_down.py)."""
-        if self.recovery is None:
-            return attempt()
-        self._attempts = IterationAttempts(
-            iteration, attempt, plan=self.plan, pricer=self.pricer, state=state
-        )
-        result = self._attempts.run(0)
-        self._attempts = None
-        return result
+        if not outcome.failed:
+            return True
+        self._rolled_back(outcome)
+        if attempts.attempt >= self.faults.max_retries:
+            raise RecomputationFailed(
+                f"die rank {self.rank}: iteration {attempts.iteration} failed "
+                f"{self.faults.max_retries + 1} times in a row (faults.max_retries="
+                f"{self.faults.max_retries}); the last attempt's faults: "
+                f"{describe(self._outcome, self.plan.events)}"
+            )
+        attempts.begin(attempts.attempt + 1)
+        return False
 
     def restore_interrupted(self) -> None:
         """The die back to the start of the iteration a fence interrupted (none: nothing)."""
         attempts, c = self._attempts, self.counters
-        if attempts is not None:
+        if attempts is not None and not attempts.is_done:
             c.rollbacks += 1
             c.recomputed_iterations += 1
             c.wall_lost_s += attempts.wall_s()

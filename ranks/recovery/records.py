@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ranks.recovery.watch import FaultBegan
+from ranks.core.messages import FaultBegan
 from xds_mpi.config.schema import Config
 from xds_mpi.results.failures import FailureRecord
 from xds_mpi.results.results import RequestRecord

@@ -14,18 +14,12 @@ is 0.2 s); the TE-shell's stop waited behind them for 4-5 s, and its close waite
 
 A decode die's side (`DieHealth`: colocated dies, afd attention and expert dies, through the
 decode-die loop of ranks/core/decode_die.py): it answers the TE-shell's heartbeats from its
-event loop only, plays the `stuck` and `dead` rows of `faults.events` that name it, and once the
-TE-shell's fence released it (xccl/recovery/rollback.py Released), idles answering until it is
-told to rebuild (ranks/recovery/scale_down.py) or the run ends.
-
-Faults as emulated (docs/design.md, Failures):
-  stuck  the die blocks inside its first dispatch (afd: A2E) of iteration `iteration` or later
-         (staged, not yet published: every peer waits for it) for duration_s wall seconds, 0 =
-         for good; the process is alive and answers nothing meanwhile.
-  dead   at iteration `iteration` the die stops taking part: it joins no collective and no
-         XCCL operation and answers no heartbeat, an idle live process until the job ends.
-The die tells the TE-shell when its fault began (TAG_FAILURE_BEGAN), for the failure record
-only: detection never reads it.
+event loop only, and once the TE-shell's fence released it (xccl/recovery/rollback.py
+Released), idles answering until it is told to rebuild (ranks/recovery/scale_down.py) or the run
+ends. The `stuck` and `dead` rows are played by ranks/faults/ (which this package never
+imports): a dead die falls silent here (`fall_silent`), and an injected fault's note to the
+TE-shell (when it began, TAG_FAILURE_BEGAN, for the failure record only: detection never reads
+it) goes out with the die's answers (`tell`).
 """
 
 from __future__ import annotations
@@ -33,20 +27,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from mpi4py import MPI
 
 from ranks.core.control import wait_all
-from ranks.core.messages import SHELL
+from ranks.core.messages import SHELL, FaultBegan
 from ranks.core.tags import (
     TAG_FAILOVER,
     TAG_FAILURE_BEGAN,
     TAG_HEARTBEAT,
     TAG_HEARTBEAT_ACK,
-    TAG_STOP,
 )
-from xccl.vclock import VirtualClock
 from xds_mpi.config.schema import Config
 
 
@@ -223,11 +214,6 @@ class HeartbeatResponder:
         self.pending = []
 
 
-# Where a stuck die blocks: a colocated die's dispatch; an afd die's A2E (the attention die's
-# tokens, or a trampoline's / expert die's forwarded rows).
-STUCK_OPS = ("dispatch", "a2e")
-
-
 def is_watched(cfg: Config, plan) -> bool:
     """Does a TE-shell watch the decode dies with heartbeats and fence them? Colocated and afd
     deployments without PD; in PD the decode TE-shell (host rank 1) watches colocated decode dies
@@ -267,38 +253,15 @@ def watch_comm(ctx) -> MPI.Comm:
     return ctx.comm.Create_group(ctx.comm.group.Incl(members))
 
 
-@dataclass(frozen=True, kw_only=True)
-class FaultBegan:
-    """A die's note to the TE-shell: its injected `kind` fault began at its iteration
-    `iteration`, at wall time `wall_time` (time.time()) and virtual second `virtual_s`."""
-
-    die: int
-    kind: str
-    iteration: int
-    wall_time: float
-    virtual_s: float
-
-
-class WatchedDie(Protocol):
-    """What the heartbeat side reads of its die: `busy_iterations`, the iterations with work it
-    has run (the same count on every die: a fault row's `iteration` is one), and its virtual
-    `clock`."""
-
-    busy_iterations: int
-    clock: VirtualClock
-
-
 class DieHealth:
-    """A die's side of the heartbeats: rank, the die's world rank; die, what it reads of the die
-    (WatchedDie); shell, the watcher's rank (`watcher`). The hook the decode-die loop calls
-    (ranks/core/decode_die.py DieWatch), installed as the die's `health` when it is built."""
+    """A die's side of the heartbeats: rank, the die's world rank; shell, the watcher's rank
+    (`watcher`). The hook the decode-die loop calls (ranks/core/decode_die.py DieWatch),
+    installed as the die's `health` when it is built."""
 
-    def __init__(self, cfg: Config, comm: MPI.Comm, die: WatchedDie, *, shell: int = SHELL) -> None:
-        self.comm, self.rank, self.shell, self.die = comm, comm.rank, shell, die
+    def __init__(self, cfg: Config, comm: MPI.Comm, *, shell: int = SHELL) -> None:
+        self.comm, self.rank, self.shell = comm, comm.rank, shell
         self.responder = HeartbeatResponder(comm, shell)
-        mine = [e for e in cfg.faults.events if e.die == comm.rank]
-        self.rows = {e.kind: e for e in mine if e.kind in ("stuck", "dead")}
-        self.is_dead = self.is_released = self.has_stalled = False
+        self.is_dead = self.is_released = False
         self.pending: list[MPI.Request] = []
         self.close_timeout_s = cfg.xccl.poll_timeout_s  # the bound of every wait on the way out
 
@@ -312,27 +275,13 @@ class DieHealth:
         if not self.is_dead:
             self.responder.answer()
 
-    def check_dead(self) -> None:
-        """At the start of a turn: a dead row of this die's iteration now takes effect."""
-        row = self.rows.get("dead")
-        if row is not None and not self.is_dead and self.die.busy_iterations >= row.iteration:
-            self.is_dead = True
-            self._began("dead")
+    def fall_silent(self) -> None:
+        """A dead row took effect (ranks/faults/dead.py): from now on the die answers nothing."""
+        self.is_dead = True
 
-    def stall(self, op: str, event_id: int) -> None:
-        """The fault hook inside each XCCL operation: a stuck row blocks here, once."""
-        row = self.rows.get("stuck")
-        if row is None or self.has_stalled or op not in STUCK_OPS:
-            return
-        if self.die.busy_iterations < row.iteration:  # afd: an idle domain's die skips iterations
-            return
-        self.has_stalled = True
-        self._began("stuck")
-        until = time.monotonic() + row.duration_s if row.duration_s > 0 else float("inf")
-        # Blocked: no loop, no answers. The job's end (the TE-shell's or JE's stop) unblocks it, so
-        # that a die stuck for good still exits (the emulator's need, not the fault's).
-        while time.monotonic() < until and not self.comm.iprobe(source=SHELL, tag=TAG_STOP):
-            time.sleep(min(0.05, max(until - time.monotonic(), 0.0)))
+    def tell(self, note: FaultBegan) -> None:
+        """An injected fault's note to the watcher (ranks/faults/), completed by `close`."""
+        self.pending.append(self.comm.isend(note, dest=self.shell, tag=TAG_FAILURE_BEGAN))
 
     def released(self) -> None:
         """The fence released this die from a wait or the agreement: out of the iterations."""
@@ -361,13 +310,3 @@ class DieHealth:
         event = f"fault notes to rank {self.shell}"
         wait_all(self.pending, timeout_s=timeout_s, me=f"die rank {self.rank}", event=event)
         self.pending = []
-
-    def _began(self, kind: str) -> None:
-        note = FaultBegan(
-            die=self.rank,
-            kind=kind,
-            iteration=self.die.busy_iterations,
-            wall_time=time.time(),
-            virtual_s=self.die.clock.now_ns / 1e9,
-        )
-        self.pending.append(self.comm.isend(note, dest=self.shell, tag=TAG_FAILURE_BEGAN))

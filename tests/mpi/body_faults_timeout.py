@@ -1,8 +1,7 @@
-"""A wait that times out on a slow peer (not a lost one) fails the attempt like an injected
-fault when recovery asks for it (xccl/recovery/rollback.py recover_timeouts, faults.on_timeout
-recompute):
-every die rolls back and the re-execution serves the oracle's outputs; a peer late in every
-attempt exhausts the retries with an error naming die, peer and event."""
+"""A wait that times out on a slow peer (not a lost one) fails the attempt like an injected fault
+when recovery asks for it (xccl/recovery/rollback.py recover_timeouts, faults.on_timeout recompute):
+every die rolls back and the re-execution serves the oracle's outputs; a peer late in every attempt
+exhausts the retries with an error naming die, peer and event."""
 
 from __future__ import annotations
 

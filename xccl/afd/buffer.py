@@ -43,6 +43,7 @@ staging, before the records), on an attention die in e2a before waiting.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -59,7 +60,7 @@ from xccl.moe_layout import AfdLayout
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-from xccl.wake import WaitSpan, no_span
+from xccl.wait_log import WaitLog
 
 
 def _check_window(mem: DieMemory, layout: AfdLayout, role: str, dtype) -> None:
@@ -79,7 +80,7 @@ class AfdOptions:
     the slots before the shared ones; use_trampolines, A2E through the trampolines (else
     direct); dtype, the rows' wire dtype; clock, the die's virtual clock; link, the cost
     model's link; num_cores, AIV cores per transfer; timeout_s, every wait's deadline;
-    wait_span, the tracer's span around the attention side's E2A wait."""
+    wait_log, where the attention side's E2A wait is logged for the trace (None: tracing off)."""
 
     num_routed_slots: int
     use_trampolines: bool
@@ -88,7 +89,7 @@ class AfdOptions:
     link: LinkModel | None
     num_cores: int
     timeout_s: float
-    wait_span: WaitSpan
+    wait_log: WaitLog | None
 
 
 class AfdBuffer(AfdExpertSide):
@@ -107,10 +108,10 @@ class AfdBuffer(AfdExpertSide):
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
-        wait_span: WaitSpan = no_span,
+        wait_log: WaitLog | None = None,
     ) -> None:
-        """wait_span(name, **args): a context manager around the attention side's E2A wait (the
-        caller's tracer; no-op by default)."""
+        """wait_log: where the attention side's E2A wait is logged for the caller's trace
+        (xccl/wait_log.py; None, the default: tracing off, nothing logged)."""
         mem.claim("afd")
         self.role = layout.role_of(mem.rank)
         _check_window(mem, layout, self.role, dtype)
@@ -128,7 +129,7 @@ class AfdBuffer(AfdExpertSide):
         self._place_in_group()
         self._forwarded: dict[int, tuple[np.ndarray, np.ndarray, ScatterPlan]] = {}
         self.fault_hook: FaultHook | None = None  # (op, event_id), may raise InjectedFault
-        self.wait_span = wait_span
+        self.wait_log = wait_log
         self.options = AfdOptions(
             num_routed_slots=num_routed_slots,
             use_trampolines=use_trampolines,
@@ -137,7 +138,7 @@ class AfdBuffer(AfdExpertSide):
             link=link,
             num_cores=num_cores,
             timeout_s=timeout_s,
-            wait_span=wait_span,
+            wait_log=wait_log,
         )
 
     def _map_slots(self, slot_owner: Sequence[int], num_routed_slots: int) -> None:
@@ -283,8 +284,16 @@ class AfdBuffer(AfdExpertSide):
         if self.use_trampolines:
             # Step 8-9 (Fig. 8 E2A): one record from our trampoline, then pull our rows' outputs.
             tramp = layout.experts[self.group]
-            with self.wait_span("e2a wait", event=call.event_id):
-                bodies = self.records.wait(call, "back_records", [(tramp, self.group)], "E2A")
+            back, log = [(tramp, self.group)], self.wait_log
+            if log is None:
+                bodies = self.records.wait(call, "back_records", back, "E2A")
+            else:
+                started_s, vstarted_ns = time.perf_counter(), self.clock.now_ns
+                try:  # logged however the wait ends
+                    bodies = self.records.wait(call, "back_records", back, "E2A")
+                finally:
+                    now_ns = self.clock.now_ns
+                    log.add("e2a wait", started_s, vstarted_ns, now_ns, event=call.event_id)
             if int(bodies["count"][0]) != num_rows:
                 raise XcclError(
                     f"die rank {self.me}: E2A event {call.event_id} returns "
@@ -292,8 +301,16 @@ class AfdBuffer(AfdExpertSide):
                 )
             outs = self.rows.pull_outputs("ret_rows", call.lane, [tramp], bodies)
         else:
-            with self.wait_span("e2a wait", event=call.event_id):
+            log = self.wait_log
+            if log is None:
                 staged = self._gather_back(call, handle.scatter, blocking=True)
+            else:
+                started_s, vstarted_ns = time.perf_counter(), self.clock.now_ns
+                try:  # logged however the wait ends
+                    staged = self._gather_back(call, handle.scatter, blocking=True)
+                finally:
+                    now_ns = self.clock.now_ns
+                    log.add("e2a wait", started_s, vstarted_ns, now_ns, event=call.event_id)
             outs = np.empty_like(staged)
             outs[handle.scatter.order] = staged
         return weighted_column_sum(outs, handle.row_token, handle.row_column, handle.weights)

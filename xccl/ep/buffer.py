@@ -23,6 +23,7 @@ Fault hooks fire after staging, before the records: "dispatch" between steps 3 a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -40,7 +41,7 @@ from xccl.records import ROWS_RECORD, Expected, FanIn, FanOut, RecordAt
 from xccl.recovery.faults import FaultHook, Interrupt, RecoveryHooks
 from xccl.routing import combine_weights, select_slots, weighted_column_sum
 from xccl.vclock import LinkModel, VirtualClock
-from xccl.wake import WaitSpan, no_span
+from xccl.wait_log import WaitLog
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,15 +68,15 @@ class SentCombine:
 class EpOptions:
     """What an EpBuffer is built with besides its window, layout and slots: dtype, the rows'
     wire dtype; clock, the die's virtual clock; link, the cost model's link (None: the clock's
-    default); num_cores, AIV cores per transfer; timeout_s, every wait's deadline; wait_span,
-    the tracer's span around each wait for peers' records."""
+    default); num_cores, AIV cores per transfer; timeout_s, every wait's deadline; wait_log,
+    where each wait for peers' records is logged for the trace (None: tracing off)."""
 
     dtype: np.dtype
     clock: VirtualClock
     link: LinkModel | None
     num_cores: int
     timeout_s: float
-    wait_span: WaitSpan
+    wait_log: WaitLog | None
 
 
 class EpBuffer:
@@ -92,7 +93,7 @@ class EpBuffer:
         link: LinkModel | None = None,
         num_cores: int = 2,
         timeout_s: float = 60.0,
-        wait_span: WaitSpan = no_span,
+        wait_log: WaitLog | None = None,
     ) -> None:
         if np.dtype(dtype).itemsize != layout.itemsize:
             raise ValueError(
@@ -119,15 +120,15 @@ class EpBuffer:
         self.dtype = np.dtype(dtype)
         self.rows = EpRows(mem, layout, dtype, self.slot_owner, self.member_of_rank)
         self.clock, self.link = clock or VirtualClock(), link
-        # wait_span: around each wait for peers' records (xccl/wake.py)
-        self.num_cores, self.timeout_s, self.wait_span = num_cores, timeout_s, wait_span
+        # wait_log: each wait for peers' records, for the trace (xccl/wait_log.py); None: off
+        self.num_cores, self.timeout_s, self.wait_log = num_cores, timeout_s, wait_log
         self.options = EpOptions(
             dtype=self.dtype,
             clock=self.clock,
             link=link,
             num_cores=num_cores,
             timeout_s=timeout_s,
-            wait_span=wait_span,
+            wait_log=wait_log,
         )
         self._seq = {"dispatch": 0, "combine": 0}
         # xccl/records/record.py
@@ -400,13 +401,23 @@ class EpBuffer:
     def _wait_records(self, kind: str, event_id: int, seq: int) -> np.ndarray:
         """Every member's record of call `seq`: [num_members] ROWS_RECORD."""
         expected = Expected(stage=kind, event_id=event_id, doorbell=seq, call=f"call {seq}")
-        opts = {"timeout_s": self.timeout_s, "interrupt": self.interrupt}
-        with self.wait_span(f"{kind} wait", event=event_id):
-            bodies = self._fans[kind][1].wait(expected, **opts)
-            # Virtual time: the last peer's record lands (with a link model, after its latency).
-            latency_ns = 0.0 if self.link is None else self.link.latency_ns()
-            self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)
+        fan_in, log = self._fans[kind][1], self.wait_log
+        if log is None:
+            bodies = fan_in.wait(expected, timeout_s=self.timeout_s, interrupt=self.interrupt)
+            self._arrive(bodies)
+            return bodies
+        started_s, vstarted_ns = time.perf_counter(), self.clock.now_ns
+        try:  # logged however the wait ends (a rollback's or the fence's exception too)
+            bodies = fan_in.wait(expected, timeout_s=self.timeout_s, interrupt=self.interrupt)
+            self._arrive(bodies)
+        finally:
+            log.add(f"{kind} wait", started_s, vstarted_ns, self.clock.now_ns, event=event_id)
         return bodies
+
+    def _arrive(self, bodies: np.ndarray) -> None:
+        """Virtual time: the last peer's record lands (with a link model, after its latency)."""
+        latency_ns = 0.0 if self.link is None else self.link.latency_ns()
+        self.clock.arrive(float(bodies["vtime_ns"].max(initial=0.0)) + latency_ns)
 
     def _pull_time(self, nbytes: int) -> None:
         """Virtual time our link takes to pull the bytes (none: the caller prices them)."""

@@ -351,7 +351,7 @@ class WordPoll:
         the wait ends, so only those words are read again (a far one is one MPI call)."""
         to_read = range(len(self.writers)) if pending is None else pending
         if len(to_read) <= FEW_WORDS:
-            return self._still_missing(value, to_read)
+            return self.missing_among(value, to_read)
         mem, missing = self.mem, []
         if len(self._near_words):
             mem.sync()
@@ -364,8 +364,9 @@ class WordPoll:
                 missing.append(i)
         return missing
 
-    def _still_missing(self, value: int, pending: Sequence[int]) -> list[int]:
-        """`missing` over the few words of `pending` only, one by one (near ones first)."""
+    def missing_among(self, value: int, pending: Sequence[int]) -> list[int]:
+        """`missing` over the few words (at most FEW_WORDS) of `pending` only, one by one (near
+        ones first)."""
         mem, word_of, missing, far = self.mem, self._word_of, [], []
         words, synced = mem.words, False
         for i in pending:
@@ -414,8 +415,12 @@ def await_doorbells(
     pending = list(range(len(records)))  # indices of the records whose doorbell is missing
     since = time.time()
 
+    # A wait on few words reads them one by one from the start (`missing` would pick the same
+    # and cost one more frame on every try).
+    missing = poll.missing_among if len(records) <= FEW_WORDS else poll.missing
+
     def all_rang() -> bool:
-        pending[:] = poll.missing(expected.doorbell, pending)
+        pending[:] = missing(expected.doorbell, pending)
         return not pending
 
     try:

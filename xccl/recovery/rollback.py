@@ -208,15 +208,13 @@ class Recovery:
         if max_retries < 0:
             raise ValueError(f"die rank {self.rank}: max_retries must be >= 0, got {max_retries}")
         for k in range(max_retries + 1):
-            fault, result = self._attempt(attempt, k, buffers)
-            outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
+            try:
+                fault, result = None, attempt(k)
+            except self.failures as exc:
+                fault, result = self.failed(exc, buffers), None
+            outcome = self.settle(fault, buffers)
             if not outcome.failed:
                 return result
-            at = 0
-            for b in buffers:
-                n = len(b.publication_state())
-                b.resync(outcome.states[at : at + n])
-                at += n
             if on_rollback is not None:
                 on_rollback(outcome)
         raise RetriesExhausted(
@@ -224,25 +222,40 @@ class Recovery:
             f"(max_retries {max_retries}); the last: " + "; ".join(str(f) for f in outcome.faults)
         )
 
-    def _attempt(
-        self, attempt: Callable[[int], T], k: int, buffers: Sequence[Realignable]
-    ) -> tuple[Fault | None, T | None]:
-        """Steps 1-2 of attempt k: (this die's fault or None, the attempt's result or None)."""
-        try:
-            return None, attempt(k)
-        except InjectedFault as exc:
-            fault = exc
-        except PeerTimeout as exc:
-            if not self.recover_timeouts:
-                raise
-            fault, self.timed_out_at = exc, time.time()  # a late peer: like a fault
-        except RollbackRequested as exc:
+    @property
+    def failures(self) -> tuple[type[XcclError], ...]:
+        """What fails an attempt instead of ending the run: an injected fault, another die's
+        rollback signal, and with recover_timeouts a wait that timed out."""
+        if self.recover_timeouts:
+            return (InjectedFault, PeerTimeout, RollbackRequested)
+        return (InjectedFault, RollbackRequested)
+
+    def failed(self, exc: XcclError, buffers: Sequence[Realignable]) -> Fault | None:
+        """Steps 1-2 of an attempt that raised `exc` (one of `failures`): the other dies told
+        (unless `exc` is their signal), this die's RMA abandoned; its fault for the vote (None:
+        another die's)."""
+        if isinstance(exc, RollbackRequested):
             self._waiting = exc.waiting  # voted: whom this die was waiting for
             _abandon(buffers)
-            return None, None
+            return None
+        if isinstance(exc, PeerTimeout):
+            self.timed_out_at = time.time()  # a late peer: like a fault
         self.notify()
         _abandon(buffers)
-        return fault, None
+        return exc
+
+    def settle(self, fault: Fault | None, buffers: Sequence[Realignable]) -> Outcome:
+        """Steps 3-4 of an attempt, on every die once it completed or failed: the vote, and
+        after a failed one every buffer resynced to the dies' max (the caller restores its own
+        state and attempts again)."""
+        outcome = self.vote(fault, [v for b in buffers for v in b.publication_state()])
+        if outcome.failed:
+            at = 0
+            for b in buffers:
+                n = len(b.publication_state())
+                b.resync(outcome.states[at : at + n])
+                at += n
+        return outcome
 
     def free(self) -> None:
         """Release the window; safe to call twice."""

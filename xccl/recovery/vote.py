@@ -1,6 +1,5 @@
 """The vote's message (xccl/recovery/rollback.py step 3): what one die says about an attempt, as
-int64
-words, and what every die reads back from all of them.
+int64 words, and what every die reads back from all of them.
 
 Per die: notified, has fault, fault die, op index, event id, code, peer, then what the die was
 waiting for when its attempt ended (waiting die, peer, since in microseconds of time.time(); -1:

@@ -2,8 +2,7 @@
 `health` section (heartbeats, link probing, what to do when an expert has no replica left).
 
 Part of the config schema (`xds_mpi.config.schema` re-exports it). The rows are checked here one by
-one
-(types, ranges, which fields a kind takes); against the deployment (does the die exist, does the
+one (types, ranges, which fields a kind takes); against the deployment (does the die exist, does the
 kind apply to its role, do two rows overlap) in `xds_mpi/plan/deployment.py` `check_failures`.
 """
 

@@ -4,9 +4,8 @@ tokens per logical expert its gate chose (§4.5 Step 1, the Collect kernel after
 
 Without EPLB the map is the topology's, the same in every layer. With EPLB the die's agent
 (ranks/colocated/eplb.py) swaps placements in at iteration boundaries every die agrees on; a
-redundant
-slot computes with the weights loaded into it, never with the model's own copy, so a slot enabled
-before its load would compute with no weights at all and fail loudly.
+redundant slot computes with the weights loaded into it, never with the model's own copy, so a slot
+enabled before its load would compute with no weights at all and fail loudly.
 """
 
 from __future__ import annotations

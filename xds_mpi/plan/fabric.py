@@ -1,8 +1,7 @@
 """The deployment's XCCL memory: which die pairs talk p2p, and how big each die's window is.
 
 Helpers of `xds_mpi.plan.deployment.DeploymentPlan.build`, the one place that calls them: role
-programs and
-the launcher take the layouts and window sizes from the plan.
+programs and the launcher take the layouts and window sizes from the plan.
 """
 
 from __future__ import annotations

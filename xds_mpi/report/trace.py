@@ -21,6 +21,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from xccl.wait_log import WaitLog
+
 # Every span name, and what it covers. Those marked "not emitted yet" wait for their code
 # (heartbeats; KV transfers once prefill dies send a trace): one line each emits them.
 SPAN_NAMES: dict[str, str] = {
@@ -185,6 +187,13 @@ def is_enabled() -> bool:
     return _tracer is not None
 
 
+def wait_log() -> WaitLog | None:
+    """Where an XCCL buffer logs its waits for peers into this rank's events (xccl/wait_log.py:
+    the same tuples as a span's, appended in place, no call into the tracer), or None while
+    tracing is off; a buffer takes it when it is built."""
+    return None if _tracer is None else WaitLog(_tracer.events, _tracer._offset_us)
+
+
 def span(name: str, **args):
     """A context manager recording `name` with wall and virtual start/end; no-op when off."""
     if _tracer is None:
@@ -239,7 +248,8 @@ def take_kept() -> list[SpanRecord | tuple]:
     trace, after the summary, instead of ~1,700 calls in the stop of the main job."""
     if _tracer is None:
         return []
-    events, _tracer.events = _tracer.events, []
+    events = _tracer.events[:]  # the list itself stays: the buffers' WaitLogs append to it
+    _tracer.events.clear()
     _tracer.attempt_start = 0
     return events
 

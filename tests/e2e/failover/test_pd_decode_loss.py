@@ -157,9 +157,9 @@ def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_n
 def test_verdicts_a_decode_loss_explains_are_no_false_verdict():
     from types import SimpleNamespace
 
+    from ranks.core.messages import FaultBegan
     from ranks.recovery.decode_loss import DecodeBook, DecodeLoss
     from ranks.recovery.je_decode_loss import DecodeLossWatch, Moved
-    from ranks.recovery.watch import FaultBegan
     from xds_mpi.results.failures import FailureRecord
 
     health = SimpleNamespace(probe_timeout_s=12)

@@ -1,6 +1,5 @@
 """The run's trace (xds_mpi/report/trace.py, xds_mpi/report/trace_writer.py): the API on its own,
-then real runs'
-traces read back and checked against their run files."""
+then real runs' traces read back and checked against their run files."""
 
 from __future__ import annotations
 

@@ -140,13 +140,15 @@ def test_iteration_attempts_restore_the_die_and_tell_the_plan_the_attempt():
             part.value += 10
         return f"iteration {plan.iteration} attempt {plan.attempt}"
 
-    attempts = IterationAttempts(6, body, plan=plan, pricer=p, state=parts)
-    assert attempts.run(0) == "iteration 6 attempt 0"
+    attempts = IterationAttempts(6, plan=plan, pricer=p, state=parts)
+    attempts.begin(0)
+    assert body() == "iteration 6 attempt 0"
     assert attempts.vtime_s() == pytest.approx((p.clock.now_ns - before_ns) / 1e9)
     attempts.restore()
     assert [part.value for part in parts] == [1, 2]
     assert p.snapshot() == before and p.clock.now_ns == before_ns
-    assert attempts.run(1) == "iteration 6 attempt 1" and attempts.attempt == 1
+    attempts.begin(1)
+    assert body() == "iteration 6 attempt 1" and attempts.attempt == 1
 
 
 def test_the_meter_sums_wall_time_by_kind_and_keeps_the_total_and_virtual_time(monkeypatch):

@@ -135,9 +135,8 @@ def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -
 
 def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
     """A lost prefill die takes its TE out (ranks/recovery/je_prefill_loss.py): the TE must be that
-    die
-    alone (others would hang in the TE's collectives), another TE must be left, and someone
-    must be listening."""
+    die alone (others would hang in the TE's collectives), another TE must be left, and someone must
+    be listening."""
     dies, tes = cfg.deployment.num_prefill_dies, cfg.pd.num_prefill_tes
     if spec.kind == "stuck" and spec.duration_s:
         raise ConfigError(

@@ -14,8 +14,7 @@ from xds_mpi.plan.topology import Topology
 
 def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> str:
     """Why an expert-slot memory fault cannot run ("" when it can: ranks/recovery/memory.py masks
-    the
-    slot and the expert's other replica serves it; replicas come from health.replicas ring)."""
+    the slot and the expert's other replica serves it; replicas come from health.replicas ring)."""
     slot = topo.ranks[spec.die].expert_slots[spec.slot]
     if slot.kind == "shared":
         return f"{where}: slot {spec.slot} of die {spec.die} holds shared expert " + (

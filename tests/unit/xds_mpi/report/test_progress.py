@@ -1,6 +1,5 @@
 """The TE-shell's progress (xds_mpi/report/progress.py): a bar rewritten in place on a terminal,
-plain
-log lines otherwise."""
+plain log lines otherwise."""
 
 from __future__ import annotations
 
