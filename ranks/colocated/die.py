@@ -87,7 +87,7 @@ class ColocatedDie(DecodeDieLoop):
         if not ctx.plan.clock.is_virtual:
             return None
         from ranks.colocated.virtual_time import DieVirtualTime
-        from xds_mpi.plan.failures.checks import release_bound_s
+        from xds_mpi.plan.failures.loss import release_bound_s
 
         # The TE-shell's next grant may wait out a failover: detection, fence and rebuild.
         timeout_s = ctx.cfg.xccl.poll_timeout_s + release_bound_s(ctx.cfg.health)
