@@ -36,10 +36,11 @@ KNEE_SHARE = 0.95  # of the saturation throughput
 @dataclass(frozen=True, kw_only=True)
 class Capacity:
     """`project`'s decode-only ceiling: requests/s at every DP group full (batch_per_die
-    requests), iteration_s per decode step at kv_len, one request out every output_len steps."""
+    requests), tpot_s per token at kv_len (the decode iteration, less MTP's accepted drafts),
+    one request out every output_len tokens."""
 
     requests_per_s: float
-    iteration_s: float
+    tpot_s: float
     batch_per_die: int
     kv_len: float
     output_len: float
@@ -103,9 +104,11 @@ def knee(rows: list[dict]) -> tuple[float, float]:
     return best, rate
 
 
-def capacity(config: Path, sets: list[str], rows: list[dict]) -> Capacity:
-    """`xds-mpi project`'s decode iteration for this deployment at full batches and the served
-    runs' mean lengths, as a request rate."""
+def capacity(
+    config: Path, sets: list[str], rows: list[dict], *, accept_rate: float = 0.9
+) -> Capacity:
+    """`xds-mpi project`'s decode TPOT for this deployment at full batches and the served runs'
+    mean lengths (with MTP, at `accept_rate`), as a request rate."""
     # here: xds_mpi.projection, a measured start-up cost of every command
     from xds_mpi.config.hardware import load_profile
     from xds_mpi.model.shapes import cost_shape
@@ -118,12 +121,21 @@ def capacity(config: Path, sets: list[str], rows: list[dict]) -> Capacity:
     kv_len = sum(r["mean_prompt"] for r in rows) / len(rows) + output / 2
     batch = cfg.scheduler.max_batch_per_die
     hw = Hardware.from_profile(load_profile(cfg.hardware.profile))
-    p = project(cfg, cost_shape(), hw, batch_per_die=batch, kv_len=kv_len)
+    depth = cfg.scheduler.mtp_depth
+    p = project(
+        cfg,
+        cost_shape(),
+        hw,
+        batch_per_die=batch,
+        kv_len=kv_len,
+        mtp_depth=depth,
+        accept_rate=accept_rate if depth else 0.0,
+    )
     topo = Topology.from_config(cfg)
     groups = topo.num_dp_domains * topo.dp_groups_per_domain
     return Capacity(
-        requests_per_s=groups * batch / (p.iteration_s * output),
-        iteration_s=p.iteration_s,
+        requests_per_s=groups * batch / (p.tpot_s * output),
+        tpot_s=p.tpot_s,
         batch_per_die=batch,
         kv_len=kv_len,
         output_len=output,
@@ -172,7 +184,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
         rows.append(serve_at(args, rate))
         print(f"  served {rate:g} requests/s", flush=True)
     best, knee_rate = knee(rows)
-    cap = capacity(args.config, args.set, rows)
+    cap = capacity(args.config, args.set, rows, accept_rate=args.accept)
     args.profile = load_config(args.config, args.set).hardware.profile
     title = f"xds-mpi bench load: {args.config.name}, virtual clock"
     legend = (
@@ -186,7 +198,7 @@ def cmd_bench_load(args: argparse.Namespace) -> int:
         f"saturation {best:.2f} requests/s served; knee at {knee_rate:g} requests/s offered "
         f"(the lowest rate served at >= {KNEE_SHARE:.0%} of it); xds-mpi project's decode "
         f"ceiling {cap.requests_per_s:.2f} requests/s ({cap.batch_per_die} requests per DP "
-        f"group, iteration {cap.iteration_s * 1e3:.1f} ms at KV length {cap.kv_len:.0f}, "
+        f"group, TPOT {cap.tpot_s * 1e3:.1f} ms at KV length {cap.kv_len:.0f}, "
         f"{cap.output_len:.1f} output tokens per request): served/ceiling "
         f"{best / cap.requests_per_s:.2f}"
     )
@@ -206,6 +218,9 @@ def add_parser(kinds) -> None:
         "--rates", type=float, nargs="+", default=[10, 20, 40, 80, 160], help="requests/s"
     )
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--accept", type=float, default=0.9, help="MTP acceptance for the ceiling (mtp_depth > 0)"
+    )
     p.add_argument("--plot", default="bench_load.png", help="where the plot goes (PNG)")
     p.add_argument("--out", default="", help="write the table to FILE.csv or FILE.h5")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
