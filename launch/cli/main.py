@@ -14,6 +14,7 @@ from functools import partial
 
 from launch.bench import afd_command as bench_afd
 from launch.bench import command as bench_cli
+from launch.bench import load as bench_load
 from launch.job import hosts, memory_guard
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parsers(kinds)
     bench_afd.add_parser(kinds)
     bench_serve.add_parser(kinds)
+    bench_load.add_parser(kinds)
     bench_endpoint.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)

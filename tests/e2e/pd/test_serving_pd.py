@@ -190,7 +190,7 @@ def pd_config(*sets: str):
                 "xccl.ring_slots=2",
                 "xccl.max_window_bytes=300000",
             ],
-            ["prefill die rank 3's window needs 544640 B", "(300000)"],
+            ["prefill die rank 3's window needs 544768 B", "(300000)"],
         ),
         (["deployment.num_host_ranks=3"], ["num_host_ranks(3) must be 1", "or 2"]),
         (["pd.num_prefill_tes=3"], ["pd.num_prefill_tes(3) must be between 1", "dies(2)"]),
