@@ -39,7 +39,10 @@ def agreement(request):
 
 
 def values(rank: int, round_: int) -> tuple[int, ...]:
-    return (rank * round_, (rank + round_) % 2, 1000 + rank, round_ % 7)[:AGREE_WORDS]
+    words = (rank * round_, (rank + round_) % 2, 1000 + rank, round_ % 7, 3 * rank + round_)
+    words += (1 << 40,)  # a word above 32 bits
+    assert len(words) >= AGREE_WORDS  # every word the agreement carries, written and read back
+    return words[:AGREE_WORDS]
 
 
 def test_every_member_sees_every_members_values_of_the_round(agreement):
