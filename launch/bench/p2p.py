@@ -5,8 +5,7 @@ oversubscription. For each size and core count, in the same run:
   xccl   - round trip: A sends (sync: returns after the ack), B receives and sends back;
            one way: a sync send of the whole message (until the ack), for bandwidth, received
            into a private buffer (through the ring: two copies) and into window memory
-           ("direct": a message of more than one publication lands with one copy,
-           xccl/p2p/send.py).
+           ("direct": a message of more than one publication lands with one copy, xccl/p2p/send.py).
            On both memory paths (xccl/gmem_paths.py): "ls" (load/store into the peer's window,
            what the default config uses on one node) and "rma" (Put/Get/atomics, as across nodes)
   put    - the raw-MPI baseline: Put data + Flush + one-word flag + Flush, peer polls the flag

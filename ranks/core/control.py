@@ -2,8 +2,7 @@
 
 Control messages are the VPC plane, not UB, so they use ordinary pickled send/receive; but like
 every wait in the project they poll with a deadline, yield the CPU between polls and then sleep
-(xccl/wake.py Doze: ranks are oversubscribed), and on timeout name who waited for what from
-whom.
+(xccl/wake.py Doze: ranks are oversubscribed), and on timeout name who waited for what from whom.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The KV-transfer channel's injected faults (`faults.events` rows `link` and `saturated`,
 xDeepServe §6.1), emulated at the die that owns them; the detector (ranks/recovery/link_probe.py)
-never
-reads this state, it only sees transfers and dummies arrive late or not at all.
+never reads this state, it only sees transfers and dummies arrive late or not at all.
 
 link (prefill die `die`, decode die `peer`): while it lasts, a KV send the prefill die starts
 to `peer`, and a dummy it sends there, is dropped: nothing reaches the decode die. The send is

@@ -47,8 +47,7 @@ class PdDecode:
 
     def leave(self) -> None:
         """A lost decode die at the job's end (ranks/recovery/decode_loss.py): what the decode
-        TE-shell
-        and the prefill dies sent it meanwhile (tasks, pings, probes) taken too."""
+        TE-shell and the prefill dies sent it meanwhile (tasks, pings, probes) taken too."""
         super().leave()
         comm = self.outbox.comm
         while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)) is not None:

@@ -46,8 +46,7 @@ xccl/recovery/rollback.py `Recovery.failed` / `settle`).
 
 A memory fault (§6.2 stage 3, `memory` rows): KV blocks masked and their requests ended
 (`memory.MemoryCheck.check` -> the request ids; the TE-shell's `Frontend.end_requests`),
-or an expert slot masked while a replica serves (`memory.SlotMask.check`; afd:
-`memory.AfdSlots`).
+or an expert slot masked while a replica serves (`memory.SlotMask.check`; afd: `memory.AfdSlots`).
 
 PD (§6.2 "P/D separate failover"): a decode die's loss is found by the decode TE-shell
 (`decode_loss.DecodeWatch`) and its requests moved by the JE (`je_decode_loss`); a lost prefill

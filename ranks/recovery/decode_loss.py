@@ -5,8 +5,7 @@ The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/d
 decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
 decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts. On
 a loss:
-  1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py,
-  via
+  1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py, via
      ranks/recovery/scale_down.py rebuild) and say how many token batches they sent;
   2. the lost die leaves the decode balancer: no task goes there any more; the requests routed
      to it and not finished (the decode TE-shell's view) are named to the JE (DecodeLoss), with

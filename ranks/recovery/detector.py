@@ -16,8 +16,7 @@
    grace: answering again then makes it "stuck", else "dead".
 4. If every expert keeps a replica without the lost dies, the survivors go on without them
    (vertical scaling, ranks/recovery/scale_down.py and ranks/recovery/scale_down.py; with EPLB
-   its newest
-   placement is checked, the one the survivors install without the lost slots). Otherwise
+   its newest placement is checked, the one the survivors install without the lost slots). Otherwise
    (health.on_expert_lost "stop") the run stops with an error naming the dies, their verdicts
    and, per MoE layer, the experts whose last replica they held, after writing the failure
    records (DecodeDieLost.write_failures).

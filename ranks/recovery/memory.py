@@ -15,8 +15,7 @@ FailureRecord per row.
 A memory fault in an expert slot that has a replica elsewhere (xDeepServe §6.2 stage 3): the
 slot is masked, the other replica serves its expert.
 
-Every die, between iterations (ranks/recovery/memory.py): at a slot row's iteration the slot
-leaves
+Every die, between iterations (ranks/recovery/memory.py): at a slot row's iteration the slot leaves
 the placement used for routing (eplb/placement.py `disable`, in every MoE layer), so no die sends
 it rows again; its expert's other replicas take them. The row names a physical slot that every
 die's routing knows, and every die runs the same iterations, so all dies drop it at the same
@@ -31,8 +30,7 @@ colocated die's expert map (ColocatedSlots, here), an afd die's placement and an
 slots (ranks/recovery/memory.py AfdSlots).
 
 Memory faults on the dies of disaggregated MoE-attention (xDeepServe §6.2 stage 3): the
-colocated die's memory check (ranks/recovery/memory.py) with an afd die's iteration count and
-slots.
+colocated die's memory check (ranks/recovery/memory.py) with an afd die's iteration count and slots.
 
   - An attention die holds the KV cache: a KV block row masks the blocks and ends the requests
     whose KV had a block there, as on a colocated die.

@@ -1,15 +1,13 @@
 """The TE-shell's side of expert load balancing (xDeepServe §4.5; the TE-shell triggers it, §4.2).
 
 Step 1: every DP group's count slices arrive (ranks/colocated/eplb.py); a slice that every group
-sent
-is summed into one time slice, and the last `eplb.slices` of them are kept.
+sent is summed into one time slice, and the last `eplb.slices` of them are kept.
 Step 2: after every `eplb.slices` new time slices, with no swap in flight, the policy computes a
 new placement from the kept slices; the layers where it lowers the predicted max/mean die load
 change, and if any does, it goes to every die with the next version number (Step 3 swaps it in).
 It also keeps, per slice, what each die measured (routed rows received, MoE virtual time), so the
 summary and the run file show the per-layer and per-die load before and after each swap.
-Vertical scaling (ranks/recovery/scale_down.py, xDeepServe §6.2 stage 2 "EPLB removes its
-slots"):
+Vertical scaling (ranks/recovery/scale_down.py, xDeepServe §6.2 stage 2 "EPLB removes its slots"):
 scale_down takes the lost dies out of the groups and the count slices, and makes the newest
 placement without their slots the next version, which the survivors install at once
 (ranks/colocated/eplb.py take_over); later rebalancing plans over the survivors' slots only.

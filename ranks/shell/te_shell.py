@@ -4,8 +4,7 @@ In a colocated or afd deployment it serves the workload (ranks/shell/frontend.py
 line and a summary, and with run.check compares every served request with the single-process
 reference.
 At the end it writes the run file (xds_mpi/report/runfile.py) and names it on its last log line; a
-run
-that fails still writes one, with status "failed: <why>", before the error aborts the job.
+run that fails still writes one, with status "failed: <why>", before the error aborts the job.
 """
 
 from __future__ import annotations

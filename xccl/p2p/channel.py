@@ -19,8 +19,7 @@ lands it with one copy when the receive buffer is window memory) lives in xccl/p
 receiving end (steps 5-7) in xccl/p2p/recv.py.
 
 Restarting after an abandoned attempt (xccl/recovery/rollback.py): a pair may stop anywhere in a
-message:
-the sender n publications in, the receiver m <= n consumed, an ack unwritten. The rule:
+message: the sender n publications in, the receiver m <= n consumed, an ack unwritten. The rule:
   1. abandon(): complete this die's outstanding RMA and fail every queued transfer (a transfer
      belongs to the attempt that started it; the caller starts it again, from its first byte);
   2. every die agrees on P >= every publication number and T >= every ring position any die has

@@ -29,8 +29,7 @@ class RecoveryHooks:
 
     interrupt()               on every turn of every wait; raises RollbackRequested when
                               another die signalled a failed attempt (xccl/recovery/rollback.py), so
-                              no
-                              die stays deaf in a wait for a record that will never come.
+                              no die stays deaf in a wait for a record that will never come.
     fault_hook(op, event_id)  once per operation, inside it, at a point where peers are left
                               waiting (after staging, before publishing); it raises
                               InjectedFault to emulate a transient error of that operation.

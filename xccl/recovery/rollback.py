@@ -30,8 +30,7 @@ and votes like one whose operation raised, and the iteration is recomputed. A lo
 votes: the vote waits up to vote_timeout_s, and the TE-shell's fence (below) ends that wait first.
 
 The TE-shell's release (xDeepServe §6.1, ranks/recovery/detector.py) rides the same window: word 1
-of each
-die's window is the fence, which only the TE-shell writes (the window then spans the world
+of each die's window is the fence, which only the TE-shell writes (the window then spans the world
 communicator, the TE-shell holding no words). interrupt() checks it first; a fence above the
 last one seen raises Released, so a die waiting for a lost peer leaves its wait, returns to its
 event loop and answers heartbeats again. No vote follows a release: the lost die would never

@@ -1,8 +1,7 @@
 """The `emulator` section: how the emulator's own processes run (xDeepServe §4.4 applied to the
 emulation: a rank pinned to a core, the garbage collector kept out of dispatch and combine).
 
-Part of the config schema (`xds_mpi.config.schema` re-exports it); launch/job/rank.py applies
-it.
+Part of the config schema (`xds_mpi.config.schema` re-exports it); launch/job/rank.py applies it.
 """
 
 from __future__ import annotations

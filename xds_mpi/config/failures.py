@@ -64,8 +64,7 @@ class HealthConfig:
     iteration at pod width outlasts any fixed timeout: ranks/recovery/watch.py PACE_FACTOR).
     probe_interval_s / probe_timeout_s: link probing of the KV-transfer path with dummy payloads
     (ranks/recovery/link_probe.py): a pair whose KV send has made no progress for probe_interval_s
-    gets a
-    dummy; no echo within probe_timeout_s is a link fault, an echo later than probe_slow_s a
+    gets a dummy; no echo within probe_timeout_s is a link fault, an echo later than probe_slow_s a
     saturated decode die (probe_slow_s must exceed a decode iteration, the echo waits for one).
     on_expert_lost: when a lost die held the last replica of an expert, "restart" the decode side
     from the config on the remaining dies (stage 1) or "stop" with an error naming expert and die.

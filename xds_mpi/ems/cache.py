@@ -5,8 +5,7 @@
 - `Ring`: consistent hashing of keys over the pool ranks (virtual points per rank), so adding a
   pool rank moves only the keys of its arcs;
 - `Directory`: a pool rank's slots and LRU order (the pool rank alone decides them);
-- `Record`, `RecordTable` and `verified`: what a reader checks before and after pulling a
-  payload.
+- `Record`, `RecordTable` and `verified`: what a reader checks before and after pulling a payload.
 """
 
 from __future__ import annotations

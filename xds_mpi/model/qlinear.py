@@ -10,8 +10,7 @@ The operator emulated is Ascend's dynamic quant + quant matmul pair:
 3. INT8 x INT8 -> INT32: q_x @ q_w^T. The integers are held as float64 and multiplied by BLAS:
    every partial sum is an integer below 127 * 127 * in_features (4.1e6 for 256 inputs, far below
    2^53), so the float64 sums are the exact INT32 results in any order: a row's result does not
-   depend on the batch whatever the BLAS kernel does (no row padding needed, unlike
-   layers.matmul);
+   depend on the batch whatever the BLAS kernel does (no row padding needed, unlike layers.matmul);
 4. dequantization: acc * scale_x[row] * scale_w[channel] in float64, then the model's dtype.
 
 Weights: one float32 scale per output channel, scale_w = max|w_row| / 127, q_w = clip(rint(w /

@@ -2,8 +2,7 @@
 
 A task holds only metadata: the request, the first token and MTP drafts the prefill produced,
 where the prompt's latent KV sits on the prefill die (its cache slots, "the addresses of the KV
-blocks") and the shape of the MTP state decode continues from (xds_mpi/pd/kv.py moves
-the bytes).
+blocks") and the shape of the MTP state decode continues from (xds_mpi/pd/kv.py moves the bytes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """One MoE layer of the projection (xds_mpi/projection/project.py), colocated or disaggregated,
-priced
-at the slowest dies.
+priced at the slowest dies.
 
 Colocated (DP x EP, xDeepServe §7.1): attention side, gate, dispatch, routed experts, combine.
 Dispatch waits for the slowest DP group's attention (it absorbs MLA variance, xDeepServe §7.1)

@@ -7,8 +7,7 @@ adds around 2 ms"; CloudMatrix-Infer §4.2.4 runs its graphs back to back and st
 one graph launch per pass unless the graphs are pipelined (CloudMatrix-Infer §4.2.4).
 Layers are sequential; within a layer the slowest die sets the pace (dispatch and combine are
 barriers): `imbalance` (xds_mpi/projection/imbalance.py) says how far the slowest attention and
-expert dies
-are above the mean. The layers themselves are priced in xds_mpi/projection/layers.py.
+expert dies are above the mean. The layers themselves are priced in xds_mpi/projection/layers.py.
 """
 
 from __future__ import annotations

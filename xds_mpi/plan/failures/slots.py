@@ -70,8 +70,7 @@ def _masked_experts_left(cfg: Config, topo: Topology, where: str) -> str:
 
 def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
     """Why a memory row cannot run on an afd deployment ("" when it can): not beside a stuck or
-    dead row (ranks/recovery/scale_down.py). A masked slot: the TE-shell's check that a lost
-    expert
+    dead row (ranks/recovery/scale_down.py). A masked slot: the TE-shell's check that a lost expert
     die leaves every expert a replica uses the start's placement, blind to the mask. KV blocks:
     the memory loss and a failover both take requests off a die, and which the TE-shell hears
     first is left to chance (a victim could be re-prefilled as an orphan); not emulated."""
