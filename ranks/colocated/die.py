@@ -99,7 +99,7 @@ class ColocatedDie(DecodeDieLoop):
         """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
         if ctx.plan.ems is None or ctx.comm.rank not in ctx.plan.ems.clients:
             return None
-        # Lazy import, with EMS only: hashlib and the client, ~6 ms of every other die's start-up.
+        # Lazy import, with EMS only: hashlib and the client (docs/scale.md).
         from ranks.ems.client import EmsClient
 
         self.scheduler.prefix_hits = {}

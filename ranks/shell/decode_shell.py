@@ -40,7 +40,7 @@ def run(ctx: RankContext) -> None:
 
 class DecodeShell:
     def __init__(self, ctx: RankContext) -> None:
-        # Lazy import, PD only: ~2 ms of a TE-shell's start-up without PD.
+        # Lazy import, PD only (docs/scale.md).
         from ranks.shell.je import LoadBalancer
 
         sched = ctx.cfg.scheduler

@@ -356,7 +356,7 @@ class WordPoll:
         if len(self._near_words):
             mem.sync()
             differs = mem.words[self._near_words] != np.uint64(value)
-            if np.count_nonzero(differs):  # a C call: `any` wraps a Python method (2 us a poll)
+            if np.count_nonzero(differs):  # a C call: `any` wraps a Python method (docs/scale.md)
                 missing = self._near[differs].tolist()
         still = None if pending is None else set(pending)
         for i, offset, writer in self._far:
