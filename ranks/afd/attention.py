@@ -25,7 +25,7 @@ def run(ctx: RankContext) -> None:
 class AttentionDie(AfdDieBase):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
-        # Lazy import, a PD colocated decode die imports this module and never builds it (docs/scale.md).
+        # Lazy import: PD colocated decode dies import this module, never build it (docs/scale.md).
         from xds_mpi.afd.attention_executor import AttentionExecutor
 
         cfg, topo = self.cfg, self.topo

@@ -79,7 +79,7 @@ class AfdDieBase(DecodeDieLoop):
 
     def _afd_buffer(self) -> AfdBuffer:
         """The A2E/E2A buffer in this die's window, at the plan's layout and row dtype."""
-        # Lazy import, PD's colocated decode dies import this module, never build it (docs/scale.md).
+        # Lazy import: PD colocated decode dies import this module, never build it (docs/scale.md).
         from xccl.afd.buffer import AfdBuffer
 
         plan, xccl = self.ctx.plan, self.cfg.xccl
@@ -98,7 +98,7 @@ class AfdDieBase(DecodeDieLoop):
     def _call_plan(self) -> AfdPlan:
         """Which A2E/E2A calls an iteration makes: one per MoE layer (the MTP blocks' included),
         DP domain and microbatch."""
-        # Lazy import, PD's colocated decode dies import this module, never build it (docs/scale.md).
+        # Lazy import: PD colocated decode dies import this module, never build it (docs/scale.md).
         from xds_mpi.afd.plan import AfdPlan
 
         depth, num_layers = self.cfg.scheduler.mtp_depth, len(self.model.layers)

@@ -52,7 +52,7 @@ def run(ctx: RankContext) -> int:
             handshake_s,
             ctx.topo.summary(),
         )
-        # Lazy import, after the handshake: rank 0's imports before it delay every rank (docs/scale.md).
+        # Lazy import, after the handshake: rank 0's imports delay every rank (docs/scale.md).
         from ranks.shell.frontend import decode_groups
 
         if decode_groups(ctx.topo):
@@ -187,7 +187,7 @@ class Serving:
     def _serve(self, ctx: RankContext, started: float) -> Frontend:
         """Serve the whole workload; the Frontend (its records and die reports) once done.
         Freeing the window brings every rank's cross-node traffic (`self.cross_node`)."""
-        # Lazy import, after the handshake: rank 0's imports before it delay every rank (docs/scale.md).
+        # Lazy import, after the handshake: rank 0's imports delay every rank (docs/scale.md).
         from ranks.shell.frontend import Frontend
         from ranks.shell.je import JobExecutor
 
@@ -226,7 +226,7 @@ class Serving:
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
         there was any) and the 910C projection."""
-        # Lazy import, after the handshake: rank 0's imports before it delay every rank (docs/scale.md).
+        # Lazy import, after the handshake: rank 0's imports delay every rank (docs/scale.md).
         from xds_mpi.model.shapes import cost_shape
         from xds_mpi.results.die_summaries import (
             format_mtp,
@@ -258,7 +258,7 @@ class Serving:
     def _add_slo(self, ctx: RankContext) -> None:
         """Log and add the trace replay's numbers (when the workload is a trace) and the SLOs:
         each request priced at its own lengths on the projected clock, and the goodput."""
-        # Lazy import, after the handshake: rank 0's imports before it delay every rank (docs/scale.md).
+        # Lazy import, after the handshake: rank 0's imports delay every rank (docs/scale.md).
         from xds_mpi.results.request_pricing import RequestPricer, mean_decode_batch
         from xds_mpi.results.slo import (
             cached_summary,
