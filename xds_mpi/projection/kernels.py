@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from statistics import median
 
 import numpy as np
 
@@ -127,7 +126,7 @@ class KernelCosts:
         for r in rows:
             if r.m > SMALL_M:
                 by_m.setdefault(r.m, []).append(r.flops / ((r.seconds - fixed) * peak))
-        compute = Curve(tuple((m, median(v)) for m, v in sorted(by_m.items())))
+        compute = Curve(tuple((m, _median(v)) for m, v in sorted(by_m.items())))
         return cls(fixed_s=fixed, compute=compute, memory=memory,
                    memory_default=1.0 / (float(coef[1]) * hbm), tile_m=tile_m,
                    source=source)  # fmt: skip
@@ -137,7 +136,7 @@ class KernelCosts:
         return self.compute.at(m) / self.large_m_compute()
 
     def large_m_compute(self) -> float:
-        return median(v for m, v in self.compute.points if m >= LARGE_M)
+        return _median([v for m, v in self.compute.points if m >= LARGE_M])
 
     @classmethod
     def carried(cls, other: KernelCosts, *, rows: list[GemmRow], peak: float, tile_m: int,
@@ -147,7 +146,7 @@ class KernelCosts:
         against `peak`) times the other device's small-M compute ratio; its MLA bandwidth
         efficiency times the other's GEMM / MLA bandwidth ratio, shape by shape; the fixed
         cost given (the other's, or a band's end)."""
-        large = median(r.tflops * 1e12 / peak for r in rows)
+        large = _median([r.tflops * 1e12 / peak for r in rows])
         compute = other.compute.scaled(large / other.large_m_compute())
         ratio = mla_mem / other_mla_mem
         memory = {s: e * ratio for s, e in other.memory.items()}
@@ -210,3 +209,11 @@ def gemm_rows(profile: dict) -> list[GemmRow]:
     """The profile's measured GEMM rows (operators.gemm_rows: groups, M, N, K, TFLOPS, GB/s)."""
     return [GemmRow(groups=g, m=m, n=n, k=k, tflops=t, gb_per_s=b)
             for g, m, n, k, t, b in profile["operators"]["gemm_rows"]]  # fmt: skip
+
+
+def _median(values) -> float:
+    """statistics.median's value (the middle one, or the mean of the middle two), without importing
+    statistics into every die (tests/unit/launch/test_rank_imports.py)."""
+    ordered = sorted(values)
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
