@@ -278,7 +278,9 @@ class ColocatedDie(DecodeDieLoop):
         tells every die at once), and EPLB's boundary
         (ranks/colocated/eplb.py): one-sided, over the dies' windows (xccl/agreement.py), no MPI
         collective in the die loop (§4.2)."""
-        mine = (self.scheduler.num_active, 0 if self.inbox.is_stopped else 1)
+        # word 1: running (bit 0) and, on the virtual clock, the newest grant taken (the rest)
+        grant = self.vtime.seq if self.vtime is not None else 0
+        mine = (self.scheduler.num_active, (grant << 1) | (0 if self.inbox.is_stopped else 1))
         clock_words = self.vtime.words() if self.vtime is not None else ()
         fence, timeout_s = self.agreement_fence()  # a lost die never writes (decode_die.py)
         rows = self.executor.ep.agreement.agree(
@@ -287,9 +289,9 @@ class ColocatedDie(DecodeDieLoop):
             timeout_s=timeout_s,
         )
         if self.vtime is not None:
-            self.vtime.agreed(rows[:, 4:6])
+            self.vtime.agreed(rows[:, 4:6], grants=rows[:, 1] >> 1)
         self.eplb_agreed = (int(rows[:, 2].min()), int(rows[:, 3].min()))
-        running = rows[:, 1]
+        running = rows[:, 1] & 1
         return bool(rows[:, 0].sum()), not running.any(), not running.all()
 
     def totals(self) -> DieTotals:

@@ -45,6 +45,7 @@ class DieVirtualTime:
         self.seq, self.horizon_s = 0, 0.0  # grant 0: nothing granted before the first report
         self.start_ns, self.agreed_horizon_s = 0.0, 0.0  # from the last agreement
         self.reported_seq = -1
+        self.one_grant = True  # every die had taken the same grant at the last agreement
         self.admitted: list[tuple[int, float]] = []  # since the last report
         self.waiting_ids: list[int] = []  # before the running iteration
         self.held_since: float | None = None  # time.monotonic(); None: not held
@@ -70,11 +71,13 @@ class DieVirtualTime:
         """This die's part of the agreement: its clock (ns) and its horizon (s), as words."""
         return to_word(self.clock.now_ns), to_word(self.horizon_s)
 
-    def agreed(self, words) -> None:
-        """words: [num_dies, 2] every die's `words` of this round."""
+    def agreed(self, words, *, grants) -> None:
+        """words: [num_dies, 2] every die's `words` of this round; grants: [num_dies] the newest
+        grant each die had taken."""
         values = from_words(words)
         self.start_ns = float(values[:, 0].max())
         self.agreed_horizon_s = float(values[:, 1].min())
+        self.one_grant = bool(grants.min() == grants.max())
 
     @property
     def start_s(self) -> float:
@@ -88,6 +91,11 @@ class DieVirtualTime:
         self.report(num_batches)
         if is_busy and may_start(self.start_s, self.agreed_horizon_s):
             return False
+        if not self.one_grant:
+            # Some die has not taken the newest grant yet: it is on its way to that die, and the
+            # TE-shell sends the next one only once that die has reported, so no die waits for a
+            # grant of its own: all meet again in the next agreement, the late die with its grant.
+            return True
         self.held_since = time.monotonic()
         return True
 
