@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from mpi4py import MPI
 
-from ranks.core.control import WaitTimeout
+from ranks.core.control import WaitTimeout, wait_all
 from ranks.core.messages import SHELL
 from ranks.core.vtime_messages import TAG_VTIME_CLOCK, TAG_VTIME_GRANT, ClockReport
 from xccl.agreement import IdleBackoff
@@ -146,12 +146,6 @@ class DieVirtualTime:
 
     def drain(self) -> None:
         """Complete the reports sent (bounded)."""
-        deadline = time.monotonic() + self.timeout_s
-        while self.pending:
-            self.pending = [r for r in self.pending if not r.Test()]
-            if self.pending and time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"die rank {self.rank}: {len(self.pending)} clock reports to the TE-shell "
-                    f"(rank {SHELL}) not taken after {self.timeout_s:g} s"
-                )
-            time.sleep(0.0005)
+        me, event = f"die rank {self.rank}", f"clock reports to the TE-shell (rank {SHELL})"
+        wait_all(self.pending, timeout_s=self.timeout_s, me=me, event=event)
+        self.pending = []

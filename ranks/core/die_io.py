@@ -8,7 +8,7 @@ from typing import Protocol
 
 from mpi4py import MPI
 
-from ranks.core.control import WaitTimeout
+from ranks.core.control import wait_all
 from ranks.core.messages import (
     SHELL,
     TAG_CANCEL,
@@ -169,12 +169,6 @@ class Outbox:
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 
     def drain(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while self.pending:
-            self.pending = [r for r in self.pending if not r.Test()]
-            if self.pending and time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"die rank {self.rank}: {len(self.pending)} messages to the "
-                    f"TE-shell not taken after {self.timeout_s:g} s"
-                )
-            time.sleep(0.0005)
+        me, event = f"die rank {self.rank}", f"messages to the TE-shell (rank {SHELL})"
+        wait_all(self.pending, timeout_s=self.timeout_s, me=me, event=event)
+        self.pending = []
