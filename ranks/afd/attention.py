@@ -1,7 +1,14 @@
 """An attention die of disaggregated MoE-attention (xDeepServe §5.2, Figures 18-19): one DP group
 (TP=1) of a DP domain. Each iteration the dies agree which domains have work; a busy domain's dies
 run attention on their own requests and meet the expert dies through A2E/E2A at every MoE layer,
-microbatch by microbatch, even with nothing to send; an idle domain sits the iteration out."""
+microbatch by microbatch, even with nothing to send; an idle domain sits the iteration out.
+
+On the virtual clock (docs/virtual_time.md#afd) an attention die takes its requests in the
+TE-shell's grants and keeps the colocated dies' rule (ranks/core/virtual_time.py
+`DieVirtualTime`): its clock and horizon in the agreement, every iteration started at the common
+start (an idle domain's dies too, so that their clocks follow the busy ones), none started at or
+past the horizon; parked there, it reports once per grant and waits for the next grant out of
+the agreement, answering heartbeats."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from ranks.core.context import RankContext
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals
 from ranks.core.handshake import handshake
+from ranks.core.virtual_time import DieVirtualTime
 from xds_mpi.execution.pricing import IterationTiming
 
 IDLE = IterationTiming(
@@ -50,23 +58,44 @@ class AttentionDie(AfdDieBase):
             mtp_depth=cfg.scheduler.mtp_depth,
         )
         self.inbox = Inbox(ctx.comm, self.scheduler)
-        self.outbox = Outbox(ctx.comm, ctx.comm.rank, timeout_s=cfg.xccl.poll_timeout_s)
+        if ctx.plan.clock.is_virtual:
+            self.vtime = DieVirtualTime(
+                ctx.comm, self.clock, self.scheduler, timeout_s=self.held_bound_s()
+            )
+        self.outbox = Outbox(
+            ctx.comm,
+            ctx.comm.rank,
+            timeout_s=cfg.xccl.poll_timeout_s,
+            clock=self.clock if self.vtime is not None else None,
+        )
 
     def iterate(self) -> bool:
         """One iteration, as Figure 19: policy (scheduler, plan) and execution apart."""
         self.inbox.poll()  # requests / stop from the TE-shell
+        vtime = self.vtime
+        if vtime is not None:
+            vtime.take_grants()  # requests and the horizon (virtual time)
+            if vtime.is_held(self.inbox.is_stopped):  # parked: out of the agreement
+                self.agreement_fence()  # a fence still releases it (decode_die.py)
+                return True
         if self.memory is not None:  # KV blocks and expert slots gone bad
             self.memory.check(self, self.iteration)
         self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
-        if not busy:  # agree backed off
+        if vtime is not None:  # where this die stands, to the TE-shell; held until its grant?
+            vtime.after_agree(bool(busy), self.outbox.num_batches)
+        if not busy:  # agree backed off, or parked at the horizon
             return not all_stopped
+        if vtime is not None:
+            vtime.begin()  # at the dies' common virtual start
         result = self.run_iteration(busy, state=(self.scheduler, self.executor))
         if result is None:  # the other domains took their turn
             self.outbox.stream([], IDLE)  # one row per iteration
             return True
         sampled, timing = result
         emitted = self.scheduler.postprocess(sampled)
+        if vtime is not None:
+            vtime.end()  # the requests this iteration admitted, at its start
         finished = {e.req_id for e in emitted if e.is_finished}
         self.executor.commit(finished | self.inbox.take_cancelled())
         self.emit(emitted, timing)  # the output shortcut
@@ -109,6 +138,8 @@ class AttentionDie(AfdDieBase):
 
     def drain(self) -> None:
         self.outbox.drain()
+        if self.vtime is not None:
+            self.vtime.drain()
 
     def totals(self) -> DieTotals:
         return decode_totals(self.executor, self.pricer, self.recompute, self.scheduler)

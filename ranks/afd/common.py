@@ -1,5 +1,12 @@
 """What attention and expert dies of a disaggregated MoE-attention deployment share: the window
-with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement."""
+with its A2E/E2A buffer, the model, the call plan, and the per-iteration agreement.
+
+On the virtual clock (run.clock virtual, docs/virtual_time.md#afd) the agreement also carries
+every die's clock and horizon (ranks/core/virtual_time.py `AgreedClock`): every die, attention
+and expert, computes from the same rows the same common start (the latest clock) and horizon
+(the earliest, an attention die's: an expert die brings inf), and the dies run an iteration only
+when it starts before that horizon, each at that start; a busy round that may not start is no
+iteration for any die (parked)."""
 
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from xds_mpi.model.weights import build_model
 from xds_mpi.report import trace
 
 if TYPE_CHECKING:
+    from ranks.core.virtual_time import AgreedClock
     from xccl.afd.buffer import AfdBuffer
     from xds_mpi.afd.plan import AfdPlan
 
@@ -42,6 +50,8 @@ def expert_placement(cfg, topo):
 
 
 class AfdDieBase(DecodeDieLoop):
+    vtime: AgreedClock | None = None  # run.clock virtual: the die's clock in the agreement
+
     def __init__(self, ctx: RankContext) -> None:
         cfg, topo = ctx.cfg, ctx.topo
         self.ctx, self.cfg, self.topo, self.world = ctx, cfg, topo, ctx.comm
@@ -109,6 +119,14 @@ class AfdDieBase(DecodeDieLoop):
             num_domains=self.topo.num_dp_domains,
             num_microbatches=self.cfg.deployment.num_microbatches,
         )
+
+    def held_bound_s(self) -> float:
+        """How long a die may wait for the TE-shell's next grant on the virtual clock: an XCCL
+        wait, and a failover's detection, fence and rebuild (as a colocated die's)."""
+        # Lazy import, on the virtual clock only (as ranks/colocated/die.py's).
+        from xds_mpi.plan.failures.loss import release_bound_s
+
+        return self.cfg.xccl.poll_timeout_s + release_bound_s(self.cfg.health)
 
     def run_iteration(self, busy: tuple[int, ...], *, state: Sequence[Recoverable] = ()):
         """This die's part of the iteration (`attempt`), re-executed after a fault as a colocated
@@ -180,17 +198,31 @@ class AfdDieBase(DecodeDieLoop):
     def agree(self, num_active: int, is_running: bool) -> tuple[tuple[int, ...], bool]:
         """(the DP domains with work this iteration, has every attention die been told to stop)
         — one-sided, over the dies' windows (xccl/agreement.py), no MPI collective in the die
-        loop (§4.2); expert dies bring zeros. Idle rounds back off (self.idle)."""
-        fence, timeout_s = self.agreement_fence()  # a lost die never writes (decode_die.py)
+        loop (§4.2); expert dies bring zeros. Idle rounds back off (self.idle). On the virtual
+        clock, no domain when the dies may not start the iteration before the horizon (parked:
+        no back-off, the attention dies wait for their grant out of the agreement)."""
+        vtime = self.vtime
+        # word 1: running (bit 0) and, on the virtual clock, the newest grant taken (the rest)
+        grant = vtime.seq if vtime is not None else 0
+        mine = (num_active, (grant << 1) | (1 if is_running else 0))
+        clock_words = vtime.words() if vtime is not None else ()
+        interrupt, timeout_s = self.agreement_wait()
         afd = self.afd
-        rows = afd.agreement.agree(
-            (num_active, 1 if is_running else 0), interrupt=fence, timeout_s=timeout_s
-        )
+        rows = afd.agreement.agree((*mine, *clock_words), interrupt=interrupt, timeout_s=timeout_s)
         domains = afd.layout.member_domains  # expert dies bring 0 requests
         busy = sorted({domains[i] for i in np.flatnonzero(rows[:, 0])})
-        all_stopped = not rows[:, 1].any()
+        all_stopped = not (rows[:, 1] & 1).any()
+        if vtime is not None:
+            takes_grants = np.asarray(domains) >= 0  # the attention dies (experts take none)
+            vtime.agreed(rows[:, 2:4], grants=rows[takes_grants, 1] >> 1)
+            if busy and not vtime.may_run():  # parked at the horizon
+                return (), all_stopped
         if busy:
             self.idle.busy()
         elif not all_stopped:  # every die leaves now, without an idle round's sleep first
             self.idle.idle()
         return tuple(busy), all_stopped
+
+    def agreement_wait(self):
+        """(interrupt, timeout_s) the agreement waits with: the fence (decode_die.py)."""
+        return self.agreement_fence()  # a lost die never writes

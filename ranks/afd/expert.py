@@ -2,10 +2,22 @@
 slots (and, for attention group g, is its trampoline when it is expert die g). Each iteration it
 learns from the dies' agreement which DP domains are busy, then runs the persistent loop
 (xccl/afd/loop.py: receive A2E / compute / send E2A) over every MoE layer, domain and microbatch
-of the iteration without coming back here in between. It ends when the attention dies do."""
+of the iteration without coming back here in between. It ends when the attention dies do.
+
+On the virtual clock (docs/virtual_time.md#afd) an expert die keeps its clock in step with the
+attention dies': it brings its clock to the agreement (ranks/core/virtual_time.py `AgreedClock`)
+and starts every iteration it runs at the common start, as they do. It takes no grant. A grant
+carries requests and a horizon; an expert die holds no request, and its horizon would only
+repeat the attention dies' (it brings inf, so the earliest horizon is theirs, and every die
+learns from the same rows whether the iteration may start); an idle expert die warps with the
+grant through the agreement: the attention dies' warped clocks are the common start of the next
+iteration it runs. So the TE-shell grants and waits for the attention dies only. Held without a
+grant to release it, an expert die waits for the parked attention dies in the next agreement,
+and answers the TE-shell's heartbeats from that wait as they do from theirs."""
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import numpy as np
@@ -16,6 +28,7 @@ from ranks.core.context import RankContext
 from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
+from ranks.core.virtual_time import AgreedClock
 from xccl.afd.loop import ExpertLoop
 from xds_mpi.afd.load import ExpertLoad
 from xds_mpi.report import trace
@@ -53,6 +66,8 @@ class ExpertDie(AfdDieBase):
         self.faulty: dict[tuple[int, int], object] = {}  # (layer, slot) -> NaN expert copy
         self.num_iterations = self.num_rows = 0
         self.load = self._expert_load()  # what each call brought (xds_mpi/afd/load.py)
+        if ctx.plan.clock.is_virtual:  # no request, no grant: its horizon never holds back
+            self.vtime = AgreedClock(self.clock, horizon_s=math.inf)
 
     def iterate(self) -> bool:
         if self.memory is not None:  # expert slots gone bad (ranks/recovery/memory.py)
@@ -60,10 +75,29 @@ class ExpertDie(AfdDieBase):
         busy, all_stopped = self.agree(0, False)  # which domains take turns now
         if not busy:  # agree backed off
             return not all_stopped
+        if self.vtime is not None:
+            self.vtime.begin()  # at the dies' common virtual start
         stats = self.run_iteration(busy)
         self.num_iterations += 1
         self.num_rows += stats.num_rows
         return True
+
+    def agreement_wait(self):
+        """The fence; on the virtual clock also the heartbeats answered while the attention dies
+        are parked for their grant, and the wait as long as theirs may be."""
+        fence, timeout_s = self.agreement_fence()
+        if self.vtime is None:
+            return fence, timeout_s
+        bound_s = max(timeout_s or 0.0, self.held_bound_s())
+        health = self.health
+        if health is None:
+            return None, bound_s
+
+        def answer_and_fence() -> None:
+            health.answer()
+            fence()
+
+        return answer_and_fence, bound_s
 
     def attempt(self, busy, planned):
         """The expert dies' part of the iteration: every planned call, whatever the domain."""

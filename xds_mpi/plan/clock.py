@@ -1,12 +1,13 @@
 """Which clock drives serving (`run.clock`, docs/virtual_time.md): the dies' 910C virtual clock,
 or this machine's wall clock.
 
-Virtual time is built for the colocated deployment's `xds-mpi run` (phase 1 of issue 58): the
+Virtual time is built for the colocated and afd deployments' `xds-mpi run` (issue 58): the
 TE-shell grants the dies a horizon and decides each arrival at its virtual time
-(ranks/shell/virtual_time.py, ranks/colocated/virtual_time.py). afd and PD decode still take
-their requests when they arrive on the wall clock (phase 2), and `xds-mpi serve` stays paced by
-the wall clock for good: its HTTP clients live in it. `auto` picks virtual where it is built; an
-explicit `virtual` anywhere else is refused, naming the key.
+(ranks/shell/virtual_time.py, ranks/core/virtual_time.py; afd's attention and expert dies agree
+on the common start as the colocated dies do, ranks/afd/common.py). PD decode, afd's included,
+still takes its requests when they arrive on the wall clock (phase 2), and `xds-mpi serve` stays
+paced by the wall clock for good: its HTTP clients live in it. `auto` picks virtual where it is
+built; an explicit `virtual` anywhere else is refused, naming the key.
 """
 
 from __future__ import annotations
@@ -56,6 +57,4 @@ def _why_wall(cfg: Config) -> str:
         return "xds-mpi serve (its HTTP clients live on the wall clock: serve.enabled)"
     if cfg.pd.enabled or cfg.deployment.num_prefill_dies:
         return "prefill-decode disaggregation (pd.enabled)"
-    if cfg.deployment.kind != "colocated":
-        return f"deployment.kind({cfg.deployment.kind})"
     return ""
