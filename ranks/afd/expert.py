@@ -29,7 +29,7 @@ from ranks.core.handshake import handshake
 from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
 from ranks.core.virtual_time import AgreedClock
-from xccl.afd.loop import ExpertLoop
+from xccl.afd.loop import ExpertLoop, LoopStats
 from xds_mpi.afd.load import ExpertLoad
 from xds_mpi.report import trace
 
@@ -103,8 +103,27 @@ class ExpertDie(AfdDieBase):
         """The expert dies' part of the iteration: every planned call, whatever the domain."""
         self.layer_of = {p.call.call: p.layer_idx for p in planned}
         self.load.begin(self.iteration)
+        calls = [p.call for p in planned]
         with trace.span("expert loop", calls=len(planned)):
-            return self.loop.run([p.call for p in planned])  # persistent: every layer
+            if self.vtime is None:
+                return self.loop.run(calls)  # persistent: every layer
+            return self._call_by_call(calls)
+
+    def _call_by_call(self, calls) -> LoopStats:
+        """The virtual clock's loop: the calls one at a time, each through its stages in order
+        (forward, receive, compute and send, return), so that this die's one clock prices the
+        same steps in the same order whatever the wall time. The persistent loop takes a step
+        of call k+1 (a trampoline's forward, a receive) as soon as its rows land in wall time,
+        before or after call k's compute: its clock, and with it every die's, would depend on
+        this machine's speed. Nothing waits on a later call, so no die waits for ever."""
+        runs = [self.loop.run([call]) for call in calls]
+        return LoopStats(
+            num_calls=len(calls),
+            num_rows=sum(r.num_rows for r in runs),
+            num_turns=sum(r.num_turns for r in runs),
+            num_overlapped=0,
+            wall_s=sum(r.wall_s for r in runs),
+        )
 
     def install(self, afd, routing) -> None:
         """A rebuilt A2E/E2A buffer, after a failover (ranks/recovery/scale_down.py): a loop on
