@@ -112,10 +112,9 @@ def test_virtual_is_the_colocated_run_s_default_and_refused_where_not_built():
     assert clock("colocated", "run.clock=wall").kind == "wall"
     serve_clock = clock("colocated", "serve.enabled=true")
     assert serve_clock.kind == "wall" and "xds-mpi serve" in serve_clock.why
-    assert clock("afd").kind == "wall" and clock("pd").kind == "wall"
+    assert clock("pd").kind == "wall"  # afd: tests/e2e/afd/test_afd_virtual_time.py
     for config, sets, named in (
         ("pd", [], "pd.enabled"),
-        ("afd", [], "deployment.kind(afd)"),
         ("colocated", ["serve.enabled=true"], "serve.enabled"),
     ):
         with pytest.raises(ConfigError, match=r"run\.clock\(virtual\)") as refused:
