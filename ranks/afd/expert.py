@@ -13,7 +13,9 @@ learns from the same rows whether the iteration may start); an idle expert die w
 grant through the agreement: the attention dies' warped clocks are the common start of the next
 iteration it runs. So the TE-shell grants and waits for the attention dies only. Held without a
 grant to release it, an expert die waits for the parked attention dies in the next agreement,
-and answers the TE-shell's heartbeats from that wait as they do from theirs."""
+and answers the TE-shell's heartbeats from that wait as they do from theirs. It serves the
+iteration's calls one at a time (`_call_by_call`), so that its clock is the same whatever the
+wall time."""
 
 from __future__ import annotations
 
