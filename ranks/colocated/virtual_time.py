@@ -38,10 +38,21 @@ if TYPE_CHECKING:
 
 class DieVirtualTime:
     def __init__(
-        self, comm: MPI.Comm, clock: VirtualClock, scheduler: DieScheduler, *, timeout_s: float
+        self,
+        comm: MPI.Comm,
+        clock: VirtualClock,
+        scheduler: DieScheduler,
+        *,
+        timeout_s: float,
+        shell: int = SHELL,
+        take=None,
     ) -> None:
+        """shell: the rank that grants (PD's decode dies: the decode TE-shell); take: what a
+        granted request becomes on this die (default: the scheduler's waiting queue; PD: a KV
+        transfer to post, ranks/pd/decode.py)."""
         self.comm, self.clock, self.scheduler = comm, clock, scheduler
-        self.rank, self.timeout_s = comm.rank, timeout_s
+        self.rank, self.timeout_s, self.shell = comm.rank, timeout_s, shell
+        self.take = take or scheduler.add
         self.seq, self.horizon_s = 0, 0.0  # grant 0: nothing granted before the first report
         self.start_ns, self.agreed_horizon_s = 0.0, 0.0  # from the last agreement
         self.reported_seq = -1
@@ -56,12 +67,12 @@ class DieVirtualTime:
         """The TE-shell's grants: their requests join the waiting queue, the horizon moves on, an
         idle die's clock warps. Taken before the agreement only: what the dies agree on is the
         horizon each holds then."""
-        while (message := self.comm.improbe(source=SHELL, tag=TAG_VTIME_GRANT)) is not None:
+        while (message := self.comm.improbe(source=self.shell, tag=TAG_VTIME_GRANT)) is not None:
             grant = message.recv()
-            for req in grant.requests:
+            for req in grant.requests:  # (PD: PdTasks)
                 with trace.span("request", req_id=req.req_id):
                     trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell
-                    self.scheduler.add(req)
+                    self.take(req)
             self.seq, self.horizon_s = grant.seq, grant.horizon_s
             if grant.warp_s > -math.inf:
                 self.clock.arrive(grant.warp_s * 1e9)
@@ -111,7 +122,7 @@ class DieVirtualTime:
             raise WaitTimeout(
                 f"die rank {self.rank}: held at virtual {self.start_s:.6f} s (horizon "
                 f"{self.agreed_horizon_s:.6f} s, own grant {self.seq}): no grant from the "
-                f"TE-shell (rank {SHELL}) after {self.timeout_s:g} s"
+                f"TE-shell (rank {self.shell}) after {self.timeout_s:g} s"
             )
         self.pause.idle()
         return True
@@ -130,7 +141,7 @@ class DieVirtualTime:
             num_batches=num_batches,
             admitted=tuple(self.admitted),
         )
-        self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_VTIME_CLOCK))
+        self.pending.append(self.comm.isend(report, dest=self.shell, tag=TAG_VTIME_CLOCK))
         self.pending = [r for r in self.pending if not r.Test()]
         self.reported_seq, self.admitted = self.seq, []
 
@@ -146,6 +157,6 @@ class DieVirtualTime:
 
     def drain(self) -> None:
         """Complete the reports sent (bounded)."""
-        me, event = f"die rank {self.rank}", f"clock reports to the TE-shell (rank {SHELL})"
+        me, event = f"die rank {self.rank}", f"clock reports to the TE-shell (rank {self.shell})"
         wait_all(self.pending, timeout_s=self.timeout_s, me=me, event=event)
         self.pending = []
