@@ -379,7 +379,9 @@ class Frontend:
             running=sum(self.balancer.num_pending.values()),
             queued=len(self.queue),
             elapsed_s=time.time() - self.started,
-            vtime_s=max(self.vclock_of.values(), default=0.0) if self.virtual is not None else -1.0,
+            vtime_s=max((self.vclock_of.get(g, 0.0) for g in self.groups), default=0.0)
+            if self.virtual is not None
+            else -1.0,
         )
 
     def lost_dies(self) -> tuple[int, ...]:
