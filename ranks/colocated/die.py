@@ -93,7 +93,19 @@ class ColocatedDie(DecodeDieLoop):
 
         # The TE-shell's next grant may wait out a failover: detection, fence and rebuild.
         timeout_s = ctx.cfg.xccl.poll_timeout_s + release_bound_s(ctx.cfg.health)
-        return DieVirtualTime(ctx.comm, self.clock, self.scheduler, timeout_s=timeout_s)
+        return DieVirtualTime(
+            ctx.comm, self.clock, self.scheduler, timeout_s=timeout_s, **self.granted_by(ctx)
+        )
+
+    def granted_by(self, ctx: RankContext) -> dict:
+        """Who grants this die its requests on the virtual clock, and what they become here
+        (DieVirtualTime's defaults: the TE-shell, the scheduler's waiting queue)."""
+        return {}
+
+    def news_sent(self) -> int:
+        """Messages the granting shell takes before it decides: the token batches (they carry
+        the finishes)."""
+        return self.outbox.num_batches
 
     def _ems_client(self, ctx: RankContext, cache):
         """The EMS pool's client when this die uses the pool (colocated without PD), else None."""
@@ -211,7 +223,7 @@ class ColocatedDie(DecodeDieLoop):
         self.before_agree()
         busy, all_stopped, stopping = self.agree()  # all dies run the same iterations
         # Virtual time: where this die stands, to the TE-shell; held at the horizon?
-        is_held = self.vtime is not None and self.vtime.after_agree(busy, self.outbox.num_batches)
+        is_held = self.vtime is not None and self.vtime.after_agree(busy, self.news_sent())
         if not busy:
             if all_stopped:  # every die leaves now, without an idle round's sleep first
                 return False

@@ -43,6 +43,7 @@ class TokenBatch:
     vclock_s: float = 0.0  # the die's 910C virtual clock after the iteration (sum of vtime_s)
     iteration_s: float = 0.0  # the iteration's wall time (IterationTiming.total_s)
     xccl_s: float = 0.0  # of which dispatch + combine, waiting for peers included
+    admitted_s: float = -1.0  # PD, virtual clock: a prefill's only token: its first step's start
 
 
 @dataclass(frozen=True, kw_only=True)

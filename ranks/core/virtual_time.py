@@ -79,11 +79,22 @@ class DieVirtualTime(AgreedClock):
     """A die that takes requests, in grants from the TE-shell (ranks/shell/virtual_time.py)."""
 
     def __init__(
-        self, comm: MPI.Comm, clock: VirtualClock, scheduler: DieScheduler, *, timeout_s: float
+        self,
+        comm: MPI.Comm,
+        clock: VirtualClock,
+        scheduler: DieScheduler,
+        *,
+        timeout_s: float,
+        shell: int = SHELL,
+        take=None,
     ) -> None:
+        """shell: the rank that grants (PD's decode dies: the decode TE-shell); take: what a
+        granted request becomes on this die (default: the scheduler's waiting queue; PD: a KV
+        transfer to post, ranks/pd/decode.py)."""
         super().__init__(clock)
         self.comm, self.scheduler = comm, scheduler
-        self.rank, self.timeout_s = comm.rank, timeout_s
+        self.rank, self.timeout_s, self.shell = comm.rank, timeout_s, shell
+        self.take = take or scheduler.add
         self.seq, self.horizon_s = 0, 0.0  # grant 0: nothing granted before the first report
         self.reported_seq = -1
         self.admitted: list[tuple[int, float]] = []  # since the last report
@@ -96,12 +107,12 @@ class DieVirtualTime(AgreedClock):
         """The TE-shell's grants: their requests join the waiting queue, the horizon moves on, an
         idle die's clock warps. Taken before the agreement only: what the dies agree on is the
         horizon each holds then."""
-        while (message := self.comm.improbe(source=SHELL, tag=TAG_VTIME_GRANT)) is not None:
+        while (message := self.comm.improbe(source=self.shell, tag=TAG_VTIME_GRANT)) is not None:
             grant = message.recv()
-            for req in grant.requests:
+            for req in grant.requests:  # (PD: PdTasks)
                 with trace.span("request", req_id=req.req_id):
                     trace.flow_end(req.req_id, "request")  # the arrow from the TE-shell
-                    self.scheduler.add(req)
+                    self.take(req)
             self.seq, self.horizon_s = grant.seq, grant.horizon_s
             if grant.warp_s > -math.inf:
                 self.clock.arrive(grant.warp_s * 1e9)
@@ -134,7 +145,7 @@ class DieVirtualTime(AgreedClock):
             raise WaitTimeout(
                 f"die rank {self.rank}: held at virtual {self.start_s:.6f} s (horizon "
                 f"{self.agreed_horizon_s:.6f} s, own grant {self.seq}): no grant from the "
-                f"TE-shell (rank {SHELL}) after {self.timeout_s:g} s"
+                f"TE-shell (rank {self.shell}) after {self.timeout_s:g} s"
             )
         self.pause.idle()
         return True
@@ -153,7 +164,7 @@ class DieVirtualTime(AgreedClock):
             num_batches=num_batches,
             admitted=tuple(self.admitted),
         )
-        self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_VTIME_CLOCK))
+        self.pending.append(self.comm.isend(report, dest=self.shell, tag=TAG_VTIME_CLOCK))
         self.pending = [r for r in self.pending if not r.Test()]
         self.reported_seq, self.admitted = self.seq, []
 
@@ -169,6 +180,6 @@ class DieVirtualTime(AgreedClock):
 
     def drain(self) -> None:
         """Complete the reports sent (bounded)."""
-        me, event = f"die rank {self.rank}", f"clock reports to the TE-shell (rank {SHELL})"
+        me, event = f"die rank {self.rank}", f"clock reports to the TE-shell (rank {self.shell})"
         wait_all(self.pending, timeout_s=self.timeout_s, me=me, event=event)
         self.pending = []

@@ -16,14 +16,16 @@ from xds_mpi.workload.requests import Request
 @dataclass(frozen=True, kw_only=True)
 class Grant:
     """seq: the grant's number (1, 2, ...; a die starts at 0 with horizon 0, nothing granted);
-    requests: those decided for this die, in order; horizon_s: iterations starting before this
-    virtual time may run (inf: no request left to decide); warp_s: an idle die's clock jumps to
-    it (-inf: none)."""
+    requests: those decided for this die, in order (PD's decode dies: their PdTasks); horizon_s:
+    iterations starting before this virtual time may run (inf: no request left to decide);
+    warp_s: an idle die's clock jumps to it (-inf: none); times: PD's prefill leader: each
+    request's decision, its virtual arrival in the TE's pool (empty otherwise)."""
 
     seq: int
     requests: tuple[Request, ...]
     horizon_s: float
     warp_s: float
+    times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +33,8 @@ class ClockReport:
     """die_rank: the die; seq: the grant it answers; start_s: the virtual start of the die's next
     iteration (the dies' common start, xds_mpi/scheduling/admission.py); is_idle: no request of its
     own waiting or running, so it emits nothing until the next grant; num_batches: token batches
-    it sent so far (the TE-shell takes them all before deciding); admitted: (req_id, virtual
+    it sent so far (the TE-shell takes them all before deciding; PD: a prefill TE's messages to
+    the JE, a decode die's completions to the decode TE-shell); admitted: (req_id, virtual
     admission s) of the requests it admitted since its last report."""
 
     die_rank: int

@@ -5,7 +5,9 @@ JE -> prefill leader: TAG_REQUEST (a Request, into the shared pending pool; step
 prefill die -> JE: TAG_PD_PREFILLED (a PdTask: metadata and block addresses only; step 3), or
   TAG_TOKENS for a request its first token already ends.
 JE -> decode TE-shell -> decode die: TAG_PD_TASK (the PdTask; the TE-shell's balancer picks the
-  DP group; steps 4-5). Without a decode TE-shell rank the JE runs that balancer itself.
+  DP group; steps 4-5). Without a decode TE-shell rank the JE runs that balancer itself. On the
+  virtual clock the JE sends the decode TE-shell `Promised` batches instead, and the decode
+  TE-shell hands the tasks to the dies inside its grants (ranks/shell/pd_pacers.py).
 decode die -> decode TE-shell: TAG_PD_DONE (request ids finished: completions for balancing).
 decode die -> prefill die: TAG_PD_PULL (KvPull: the irecv is posted, send now; step 6).
 decode die -> JE: TAG_PD_TRANSFER (KvTransferDone: the transfer's numbers, for the TTFT split).
@@ -71,3 +73,12 @@ class PrefillReport:
     num_send_retries: int = 0
     num_faults: int = 0
     ems: dict = field(default_factory=dict)  # the EMS context cache's counts (ranks/ems/client.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Promised:
+    """Virtual clock, JE -> decode TE-shell (TAG_PD_TASK): prefilled tasks (Routed) and the
+    promise that no task whose prefill ends before `promise_s` (virtual s) is still to come."""
+
+    routed: tuple
+    promise_s: float

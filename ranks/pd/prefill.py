@@ -22,6 +22,7 @@ prompts over and sends their KV; the others free their copy of the blocks at onc
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -99,6 +100,13 @@ class PrefillDie:
         # §6.1: the JE (control plane) pings each TE's leader, which plays its TE-shell
         self.heartbeat = HeartbeatResponder(ctx.comm, SHELL) if self.is_leader else None
         self.loss = PrefillLoss(ctx.cfg, rank)  # an injected dead / stuck die (emulated)
+        self.vtime = None  # run.clock virtual: the TE's side of it (ranks/pd/prefill_vtime.py)
+        if plan.clock.is_virtual:
+            from ranks.pd.prefill_vtime import PrefillVirtualTime
+
+            self.vtime = PrefillVirtualTime(
+                ctx.comm, self.group, self.pricer.clock, is_leader=self.is_leader
+            )
 
     def _build(self, ctx: RankContext) -> None:
         # Lazy import, an idle prefill die (pd off) never builds: a start-up cost otherwise.
@@ -183,6 +191,11 @@ class PrefillDie:
         self.sender.tick(self.executor.num_iterations)
         self.sender.progress()  # step 8: completed sends free their blocks
         pending, active, outstanding, running = self._agree()
+        if self.vtime is not None and not self.vtime.may_run:  # parked, or idle
+            time.sleep(0.001)
+            return bool(running or outstanding or active or pending)
+        if self.vtime is not None:
+            self.vtime.begin()  # at the TE's common virtual start
         if pending:
             active += self._assign()
         if active:
@@ -192,7 +205,13 @@ class PrefillDie:
         return bool(running or outstanding or active or pending)
 
     def _take_messages(self) -> None:
-        if self.is_leader:
+        if self.vtime is not None:  # requests come inside the JE's grants, at virtual times
+            num = len(self.pool)
+            self.vtime.take_grants(self.pool, self.pooled_v)
+            for req in list(self.pool)[num:]:
+                if self.ems is not None:  # §4.3: the cost counts the hit (records only)
+                    self.cached[req.req_id] = self.ems.probe(req)
+        elif self.is_leader:
             while (msg := self.comm.improbe(source=SHELL, tag=TAG_REQUEST)) is not None:
                 req = msg.recv()
                 self.pool.append(req)
@@ -217,6 +236,9 @@ class PrefillDie:
                 0 if self.is_stopped else 1,
             ]
         )
+        if self.vtime is not None:  # and the TE's clocks, horizons, grants, pool arrivals
+            first = min((self.pooled_v[r.req_id] for r in self.pool), default=math.inf)
+            return tuple(int(v) for v in self.vtime.agree(mine, first))
         total = np.empty_like(mine)
         self.group.Allreduce(mine, total, op=MPI.SUM)
         return tuple(int(v) for v in total)
@@ -231,15 +253,19 @@ class PrefillDie:
         statuses = self.group.gather(self.scheduler.status(cfg.pd.long_prompt_tokens), root=0)
         batches = None
         if self.is_leader:
+            pool, later = list(self.pool), []
+            if self.vtime is not None:  # the requests that arrived by the iteration's start
+                pool = [r for r in self.pool if self.vtime.eligible(r.req_id, self.pooled_v)]
+                later = [r for r in self.pool if not self.vtime.eligible(r.req_id, self.pooled_v)]
             batches, left = assign(
-                list(self.pool),
+                pool,
                 statuses[:: self.tp],  # one prefill DP group: its TP leader's status
                 block_tokens=cfg.scheduler.kv_block_tokens,
                 long_prompt_tokens=cfg.pd.long_prompt_tokens,
                 step_tokens=cfg.xccl.max_tokens_per_die,
                 cached=self.cached,
             )
-            self.pool = deque(left)
+            self.pool = deque(left + later)
             for r in (r for b in batches for r in b):
                 self.cached.pop(r.req_id, None)
             num = sum(map(len, batches))
@@ -289,13 +315,21 @@ class PrefillDie:
                 self.scheduler.release(req)
             return
         if prefilled.is_finished:
+            on_clock = {}  # virtual clock: when it was sampled and admitted
+            if self.vtime is not None:
+                on_clock = {
+                    "vclock_s": self.pricer.clock.now_ns / 1e9,
+                    "admitted_s": self.started[req.req_id][1],
+                }
             batch = TokenBatch(
                 die_rank=self.rank,
                 iteration=self.executor.num_iterations,
                 wall_time=time.time(),
                 tokens=((req.req_id, prefilled.token, True),),
+                **on_clock,
             )
             self.sends.append(self.comm.isend(batch, dest=SHELL, tag=TAG_TOKENS))
+            self._sent_to_je()
             return
         task = self.sender.register(
             prefilled,
@@ -305,6 +339,12 @@ class PrefillDie:
             now=(time.time(), self.pricer.clock.now_ns / 1e9),
         )
         self.sends.append(self.comm.isend(task, dest=SHELL, tag=TAG_PD_PREFILLED))
+        self._sent_to_je()
+
+    def _sent_to_je(self) -> None:
+        """Virtual clock: the JE takes every message the TE sent before it decides."""
+        if self.vtime is not None:
+            self.vtime.num_sent += 1
 
     def close(self) -> None:
         """The report to the JE, then the collective frees."""
@@ -312,6 +352,8 @@ class PrefillDie:
         if self.heartbeat is not None:
             self.heartbeat.close(timeout_s=timeout_s)
         ems = self.ems.close() if self.ems is not None else {}
+        if self.vtime is not None:
+            self.vtime.drain(timeout_s)
         self.sends.append(self.sender.report(self.executor.num_iterations, ems=ems))
         # Tokens and prefilled tasks, then the report: the JE takes them all before its stop ends.
         wait_all(

@@ -44,11 +44,9 @@ from ranks.pd.messages import (
 from ranks.recovery.pd_receive_failover import ReceiveFailover
 from xccl.errors import XcclError
 from xccl.p2p import P2P, pair_state, resync_pair
-from xds_mpi.model.shapes import cost_shape
 from xds_mpi.pd.kv import kv_nbytes, unpack_kv
 from xds_mpi.pd.task import PdTask
-from xds_mpi.plan.kv_link import kv_link_model
-from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.plan.kv_link import KvTransferTimes
 from xds_mpi.scheduling.scheduler import Emitted, Sequence
 
 
@@ -75,18 +73,13 @@ class Incoming:
 class KvReceiver:
     def __init__(self, ctx: RankContext, mem, scheduler, executor) -> None:
         cfg = ctx.cfg
-        self.comm, self.rank, self.cfg = ctx.comm, ctx.comm.rank, cfg
+        self.comm, self.rank, self.cfg, self.log = ctx.comm, ctx.comm.rank, cfg, ctx.log
         self.scheduler, self.executor = scheduler, executor
         self.timeout_s = cfg.xccl.poll_timeout_s
         self.p2p = P2P(mem, ctx.plan.p2p, num_cores=cfg.xccl.num_cores, timeout_s=self.timeout_s)
         self.faults = install(self.p2p, cfg, self.rank, attempts_per_transfer=MAX_ATTEMPTS)
-        self.big = cost_shape()
         # Each prefill die's fabric to this die (xds_mpi/plan/kv_link.py): UB, RoCE or VPC.
-        self.links = {
-            p: kv_link_model(cfg, ctx.topo, p, self.rank)
-            for p in ctx.topo.ranks_with_role("prefill")
-        }
-        self.server_of = {i.rank: i.server for i in ctx.topo.ranks}
+        self.transfer_times = KvTransferTimes(cfg, ctx.topo, (self.rank,))
         self.decode_shell = ctx.plan.pd.decode_shell
         saturated = ChannelFaults(ctx.cfg, self.rank, "saturated")  # its injected rows
         self.failover = ReceiveFailover(ctx, self, saturated, clock=executor.pricer.clock)
@@ -95,6 +88,11 @@ class KvReceiver:
         self.first_tokens: list[Emitted] = []  # streamed with the next iteration's tokens
         self.done: list[Incoming] = []  # adopted, first token not yet streamed
         self.num_deferrals = 0  # steps a task waited for KV blocks or a batch slot
+        self.num_done_sent = 0  # completion messages to the decode TE-shell
+        # On the virtual clock a granted task's KV lands before the die's next iteration: the
+        # decode TE-shell granted it once that iteration starts at or after its arrival.
+        self.settles = ctx.plan.clock.is_virtual
+        self.warned_deferral = False
         # The die is built: the JE starts its clock once every die said so, so TTFT holds no
         # start-up (model build) time.
         self.sends: list[MPI.Request] = [self.comm.isend(None, dest=SHELL, tag=TAG_PD_READY)]
@@ -106,13 +104,36 @@ class KvReceiver:
     def step(self) -> None:
         """Take tasks, post what fits (the rest deferred), poll the completion queue."""
         while (msg := self.comm.improbe(source=self.decode_shell, tag=TAG_PD_TASK)) is not None:
-            self.deferred.append(Incoming(task=msg.recv(), received_at=time.time()))
+            self.take(msg.recv())
         self.failover.step(self.executor.num_iterations)  # dummies, re-routed requests
         self._take_aborts()
         self._post()
         self.failover.post_due()
         self._complete()
+        if self.settles:
+            self._settle()
         self.sends = [r for r in self.sends if not r.Test()]
+
+    def take(self, task: PdTask) -> None:
+        """A task for this die (from the decode TE-shell: routed, or granted on the virtual
+        clock)."""
+        self.deferred.append(Incoming(task=task, received_at=time.time()))
+
+    def _settle(self) -> None:
+        """Virtual clock: wait (bounded, each receive's deadline) until every posted receive
+        completed, so a granted request joins the next iteration whatever this machine's
+        speed. A task deferred here (no room) would join later than its grant: said once."""
+        while self.posted:
+            time.sleep(0.0002)
+            self._complete()
+        if self.deferred and not self.warned_deferral:
+            self.warned_deferral = True
+            self.log.warning(
+                "die rank %d: a granted KV transfer found no room (request %d): it joins "
+                "later than the virtual clock decided",
+                self.rank,
+                self.deferred[0].task.req.req_id,
+            )
 
     def _has_room(self, task: PdTask) -> bool:
         sched = self.scheduler
@@ -250,14 +271,7 @@ class KvReceiver:
         (UB, or RoCE/VPC across hardware types) for the prompt's latent cache at the cost shape
         (61 layers + MTP; BF16, the latent in INT8 with scheduler.kv_int8)."""
         task = incoming.task
-        same = self.server_of[task.prefill_rank] == self.server_of[self.rank]
-        big_bytes = projected_kv_bytes(
-            len(task.req.prompt), self.big, kv_int8=self.cfg.scheduler.kv_int8
-        )
-        link = self.links[task.prefill_rank]
-        transfer_v = (
-            link.transfer_ns(big_bytes, num_cores=self.cfg.xccl.num_cores, same_server=same) / 1e9
-        )
+        transfer_v = self.transfer_times.seconds(task.prefill_rank, self.rank, len(task.req.prompt))
         done = KvTransferDone(
             req_id=task.req.req_id,
             decode_rank=self.rank,
@@ -273,11 +287,14 @@ class KvReceiver:
         )
         self.sends.append(self.comm.isend(done, dest=SHELL, tag=TAG_PD_TRANSFER))
 
-    def completed(self, emitted: list[Emitted]) -> None:
-        """Tell the decode TE-shell (a rank of its own) which requests finished."""
-        finished = [e.req_id for e in emitted if e.is_finished]
+    def completed(self, emitted: list[Emitted], vclock_s: float) -> None:
+        """Tell the decode TE-shell (a rank of its own) which requests finished, and the
+        die's virtual clock then (the iteration's end: the virtual clock's balancer frees
+        their slots at it)."""
+        finished = [(e.req_id, vclock_s) for e in emitted if e.is_finished]
         if finished and self.decode_shell:
             self.sends.append(self.comm.isend(finished, dest=self.decode_shell, tag=TAG_PD_DONE))
+            self.num_done_sent += 1
 
     def take_first_tokens(self, first_step_v: float) -> list[Emitted]:
         """The first tokens to stream with this iteration's (which took first_step_v virtual

@@ -57,6 +57,11 @@ class KvSender:
         link = ChannelFaults(cfg, self.rank, "link")  # this die's injected link rows
         self.failover = SendFailover(ctx, link, clock=lambda: pricer.clock.now_ns / 1e9)
         self.held: dict[int, tuple[PdTask, object]] = {}  # req -> (task, MTP state)
+        # On the virtual clock a prompt's KV is packed when its task is handed over and its
+        # blocks freed then: when a decode die pulls it is decided in wall time, and the
+        # prefill scheduler's admissions must not depend on it (docs/virtual_time.md, PD).
+        self.packs_at_hand_over = ctx.plan.clock.is_virtual
+        self.packed: dict[int, np.ndarray] = {}  # req -> its packed KV (packs_at_hand_over)
         self.pulls: deque[KvPull] = deque()  # posted receives waiting for this die's turn
         self.outgoing: dict[int, Outgoing] = {}  # req -> its send in flight
         self.resyncing = -1  # the decode rank whose KvAbortAck this die waits for
@@ -89,8 +94,13 @@ class KvSender:
             prefill_end=now[0],
             queue_v=started[1] - assigned[1],
             prefill_v=now[1] - started[1],
+            start_v=started[1],
+            end_v=now[1],
         )
         self.held[req_id] = (task, mtp_state)
+        if self.packs_at_hand_over:  # the bytes kept, the blocks free for the next prompts
+            self.packed[req_id] = pack_kv(task, self.cache, mtp_state)
+            self.scheduler.release(seq.req)
         return task
 
     def take_pulls(self) -> None:
@@ -117,7 +127,9 @@ class KvSender:
             if self.failover.holds(pull):
                 continue  # the link drops it (ranks/recovery/pd_send_failover.py)
             task, mtp_state = self.held[pull.req_id]
-            data = pack_kv(task, self.cache, mtp_state)
+            data = self.packed.get(pull.req_id)
+            if data is None:
+                data = pack_kv(task, self.cache, mtp_state)
             event = kv_event_id(pull.req_id, pull.attempt)
             handle = self.p2p.isend(data, pull.decode_rank, event)
             self.outgoing[pull.req_id] = Outgoing(
@@ -143,7 +155,8 @@ class KvSender:
     def _sent(self, out: Outgoing) -> None:
         del self.outgoing[out.pull.req_id]
         del self.held[out.task.req.req_id]
-        self.scheduler.release(out.task.req)
+        if self.packed.pop(out.task.req.req_id, None) is None:
+            self.scheduler.release(out.task.req)
         self.num_sent += 1
         self.bytes_sent += out.data.nbytes
         self.send_wall_s += time.monotonic() - out.started

@@ -112,7 +112,9 @@ class MemoryCheck:
             ended += victims
             if victims and self.decode_shell:  # PD: its balancer hears them end
                 self.sends.append(
-                    self.comm.isend(list(victims), dest=self.decode_shell, tag=TAG_PD_DONE)
+                    self.comm.isend(
+                        [(r, -1.0) for r in victims], dest=self.decode_shell, tag=TAG_PD_DONE
+                    )
                 )
             loss = MemoryLoss(
                 row=row,

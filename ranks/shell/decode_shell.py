@@ -55,12 +55,18 @@ class DecodeShell:
         self.sends: list[MPI.Request] = []
         self.num_tasks = 0
         self.watch = DecodeWatch(self)  # §6.1 heartbeats over the decode dies (PD decode loss)
+        self.virtual = None  # run.clock virtual: the decode dies' pacer (ranks/shell/pd_pacers.py)
+        if ctx.plan.clock.is_virtual:
+            from ranks.shell.pd_pacers import DecodePacer
+
+            self.virtual = DecodePacer(self)
 
     def serve(self) -> None:
         """Route tasks and take completions until the JE says stop."""
         started, deadline = time.time(), time.monotonic() + self.ctx.cfg.run.timeout_s
         while (stop := self.comm.improbe(source=JE, tag=TAG_STOP)) is None:
-            if not self._route() + self._take_completions():
+            did = self.virtual.turn() if self.virtual else self._route() + self._take_completions()
+            if not did:
                 time.sleep(0.0005)
             self.watch.poll(started)
             if time.monotonic() > deadline:
@@ -70,6 +76,9 @@ class DecodeShell:
                 )
         stop.recv()
         self.watch.close()  # watched: the JE stopped us first; the dies have closed after it
+        if self.virtual is not None:  # the dies' reports for the last grant
+            self.virtual.finish(self.ctx.cfg.xccl.poll_timeout_s)
+            self.num_tasks = self.virtual.num_tasks
         self._take_completions()
         # The tasks routed to the decode dies, which took them all before the JE's stop came.
         wait_all(
@@ -97,7 +106,7 @@ class DecodeShell:
     def _take_completions(self) -> int:
         num = 0
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE)) is not None:
-            for req_id in msg.recv():
+            for req_id, _ in msg.recv():  # (req_id, the die's virtual clock then)
                 self.balancer.on_complete(req_id)
             num += 1
         return num

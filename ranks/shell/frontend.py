@@ -99,7 +99,7 @@ class Frontend:
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
         self.ems_reports: dict = {}  # colocated with ems.enabled: pool rank -> EmsPoolReport
         ctx.log.info("serving clock: %s (%s)", ctx.plan.clock.kind, ctx.plan.clock.why)
-        if ctx.plan.clock.is_virtual:
+        if ctx.plan.clock.is_virtual and not ctx.plan.pd:  # PD: the JE's (ranks/shell/je.py)
             from ranks.shell.virtual_time import VirtualPacer
 
             self.virtual = VirtualPacer(self)
@@ -256,6 +256,8 @@ class Frontend:
                 record = self.records[req_id]
                 if record.cancelled:
                     continue  # sampled before the die took the cancel
+                if batch.admitted_s >= 0:  # PD's prefill, virtual clock: its only token
+                    self.virtual.admitted.setdefault(req_id, batch.admitted_s)
                 record.add_token(token, batch.wall_time, batch.vclock_s)
                 self.touched.add(req_id)
                 if is_finished:
@@ -377,7 +379,9 @@ class Frontend:
             running=sum(self.balancer.num_pending.values()),
             queued=len(self.queue),
             elapsed_s=time.time() - self.started,
-            vtime_s=max(self.vclock_of.values(), default=0.0) if self.virtual is not None else -1.0,
+            vtime_s=max((self.vclock_of.get(g, 0.0) for g in self.groups), default=0.0)
+            if self.virtual is not None
+            else -1.0,
         )
 
     def lost_dies(self) -> tuple[int, ...]:

@@ -55,9 +55,15 @@ class JobExecutor(Frontend):
         )
         # serve: req_id -> why, for requests cancelled at prefill or with their KV on the way
         self.cancel_at_decode: dict[int, str] = {}
+        if ctx.plan.clock.is_virtual:  # the prefill TEs paced (ranks/shell/pd_pacers.py)
+            from ranks.shell.pd_pacers import PrefillPacer
+
+            self.virtual = PrefillPacer(self)
 
     def _dispatch_arrived(self) -> int:
         """Step 1 for arrived requests, step 4 for prefilled ones, and the transfers' numbers."""
+        if self.virtual is not None:  # at virtual arrivals, the prefill TEs paced
+            return self.virtual.turn() + self._take_transfers()
         now, num = time.time() - self.started, 0
         while self.queue and self.queue[0].arrival_s <= now:
             req = self.queue.popleft()
@@ -66,14 +72,17 @@ class JobExecutor(Frontend):
             leader = self.pd_plan.leaders[self.router.dispatch(req.req_id, len(req.prompt))]
             self.sends.append(self.comm.isend(req, dest=leader, tag=TAG_REQUEST))
             num += 1
-        num += self._take_prefilled() + self._take_transfers() + self._take_failover()
+        num += self.take_prefilled() + self._take_transfers() + self._take_failover()
         return num + self.watch.poll() + self.decode_loss.poll()
 
-    def _take_prefilled(self) -> int:
+    def take_prefilled(self) -> int:
         num = 0
         while (msg := self.comm.improbe(tag=TAG_PD_PREFILLED)) is not None:
             task = msg.recv()
-            self.router.prefilled(task.req.req_id)
+            if self.virtual is not None:  # it leaves its TE's load at its virtual end
+                self.virtual.prefilled(task)
+            else:
+                self.router.prefilled(task.req.req_id)
             if task.req.req_id not in self.pd_book.transfers:  # the TTFT split: the first one's
                 self.pd_book.tasks[task.req.req_id] = task
             self._route(task, is_reroute=False)
@@ -85,6 +94,8 @@ class JobExecutor(Frontend):
         hard, soft = self.failover.avoid(task.prefill_rank, task.req.req_id)
         to = self.pd_plan.decode_shell  # one decode TE: the JE's choice by load is it
         message = Routed(task=task, hard=hard, soft=soft, is_reroute=is_reroute)
+        if self.virtual is not None:  # with the next promise (ranks/shell/pd_pacers.py)
+            return self.virtual.route(message)
         if to == 0:  # no decode TE-shell rank: the JE balances the decode groups itself
             self.balancer.on_complete(task.req.req_id)  # a no-op unless routed before
             to = pick_decode(self.balancer, task.req, hard, soft)
@@ -135,6 +146,8 @@ class JobExecutor(Frontend):
     def take_tokens(self) -> int:
         """A request whose first token ended it at prefill leaves its TE's load here."""
         num = super().take_tokens()
+        if self.virtual is not None:  # the pacer applies it at its virtual time
+            return num
         for req_id in [r for r in self.router.in_flight() if self.records[r].tokens]:
             self.router.prefilled(req_id)
         return num

@@ -28,27 +28,97 @@ from xds_mpi.report import trace
 from xds_mpi.scheduling.admission import Completions, NextGrant, decide
 
 
-class VirtualPacer:
+class GrantRounds:
+    """The rounds of grants and clock reports between a shell rank and the actors it paces (the
+    TE-shell's dies; PD: the JE's prefill TEs, the decode TE-shell's dies,
+    ranks/shell/pd_pacers.py): the grant the actors hold, their reports for it, the bounded
+    waits. `who` names the shell in errors."""
+
+    def __init__(self, comm, actors, *, timeout_s: float, who: str) -> None:
+        self.comm, self._actors, self.timeout_s, self.who = comm, list(actors), timeout_s, who
+        self.seq = 0  # the grant the actors hold (0: none yet)
+        self.horizon_s = 0.0
+        # actor rank -> its report for grant `seq`. At the start every actor is idle at virtual
+        # 0 with nothing sent: known without a report, so the first grant goes out at once.
+        self.reports: dict[int, ClockReport] = {
+            g: ClockReport(die_rank=g, seq=0, start_s=0.0, is_idle=True, num_batches=0)
+            for g in self._actors
+        }
+        self.admitted: dict[int, float] = {}  # req_id -> virtual admission (the reports)
+        self.news_at, self.news = time.monotonic(), -1
+
+    @property
+    def actors(self) -> list[int]:
+        """The ranks that report (live ones: a failover drops some)."""
+        return self._actors
+
+    def missing(self) -> list[int]:
+        """The actors that have not reported for the current grant."""
+        return [g for g in self.actors if g not in self.reports]
+
+    def finish(self, timeout_s: float) -> None:
+        """At the end: every live actor's report for the last grant (the admissions it
+        carries), bounded."""
+        deadline = time.monotonic() + timeout_s
+        while missing := self.missing():
+            if not self._take_reports():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"{self.who}: no clock report from die rank(s) {missing} for grant "
+                        f"{self.seq} after {timeout_s:g} s (the end of the run)"
+                    )
+                time.sleep(0.0005)
+        self._take_reports()  # the first reports when no grant went out (all taken by now)
+
+    def _take_reports(self) -> int:
+        num = 0
+        while (
+            message := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_VTIME_CLOCK)
+        ) is not None:
+            report: ClockReport = message.recv()
+            self.admitted.update(report.admitted)
+            if report.seq == self.seq:
+                self.reports[report.die_rank] = report
+            num += 1
+        return num
+
+    def _new_round(self, horizon_s: float) -> int:
+        """The next grant's number; its reports start afresh."""
+        self.seq += 1
+        self.horizon_s = horizon_s
+        self.reports = {}
+        self.news_at = time.monotonic()
+        return self.seq
+
+    def _check_waiting(self, missing: list[int], news: int) -> None:
+        """Bounded: news (a report, a message the actors sent) restarts the wait."""
+        now = time.monotonic()
+        if news != self.news:
+            self.news, self.news_at = news, now
+        elif now - self.news_at > self.timeout_s:
+            raise WaitTimeout(
+                f"{self.who}: no clock report from die rank(s) {missing} for grant {self.seq} "
+                f"(horizon {self.horizon_s:.6f} s virtual) and no token from any die after "
+                f"{self.timeout_s:g} s"
+            )
+
+
+class VirtualPacer(GrantRounds):
     """On the TE-shell's Frontend (ranks/shell/frontend.py): its queue, balancer, records and
     DP groups; `turn` in place of the wall clock's dispatch."""
 
     def __init__(self, frontend) -> None:
         cfg = frontend.ctx.cfg
+        # A grant may wait out a failover (detection, fence, rebuild) besides the XCCL waits.
+        timeout_s = cfg.xccl.poll_timeout_s + release_bound_s(cfg.health)
+        super().__init__(frontend.comm, frontend.groups, timeout_s=timeout_s, who="TE-shell")
         self.frontend = frontend
-        self.seq = 0  # the grant the dies hold (0: none yet)
-        self.horizon_s = 0.0
-        # die rank -> its report for grant `seq`. At the start every die is idle at virtual 0
-        # with nothing sent: known without a report, so the first grant goes out at once.
-        self.reports: dict[int, ClockReport] = {
-            g: ClockReport(die_rank=g, seq=0, start_s=0.0, is_idle=True, num_batches=0)
-            for g in frontend.groups
-        }
         self.completions = Completions()  # finishes not yet applied to the balancer
         self.decided_s = 0.0  # the last decision's virtual time
-        self.admitted: dict[int, float] = {}  # req_id -> virtual admission (the dies' reports)
-        # A grant may wait out a failover (detection, fence, rebuild) besides the XCCL waits.
-        self.timeout_s = cfg.xccl.poll_timeout_s + release_bound_s(cfg.health)
-        self.news_at, self.news = time.monotonic(), -1
+
+    @property
+    def actors(self) -> list[int]:
+        return self.frontend.groups  # the live DP groups
 
     def turn(self) -> int:
         """Take the dies' clock reports; once every die reported, decide and grant. The work
@@ -57,9 +127,10 @@ class VirtualPacer:
         frontend = self.frontend
         if not frontend.queue:
             return num
-        missing = [g for g in frontend.groups if g not in self.reports]
+        missing = self.missing()
         if missing:
-            self._check_waiting(missing)
+            news = len(self.reports) + sum(self.frontend.batches_from.values())
+            self._check_waiting(missing, news)
             return num
         reports = [self.reports[g] for g in frontend.groups]
         timeout_s = frontend.ctx.cfg.xccl.poll_timeout_s
@@ -85,31 +156,6 @@ class VirtualPacer:
         the balancer's, so finished ones must not count among them)."""
         self.completions.apply_until(math.inf, self.frontend.balancer)
 
-    def finish(self, timeout_s: float) -> None:
-        """At the end: every live die's report for the last grant (the admissions it carries),
-        bounded."""
-        deadline = time.monotonic() + timeout_s
-        while missing := [g for g in self.frontend.groups if g not in self.reports]:
-            if not self._take_reports():
-                if time.monotonic() > deadline:
-                    raise WaitTimeout(
-                        f"TE-shell: no clock report from die rank(s) {missing} for grant "
-                        f"{self.seq} after {timeout_s:g} s (the end of the run)"
-                    )
-                time.sleep(0.0005)
-        self._take_reports()  # the first reports when no grant went out (all taken by now)
-
-    def _take_reports(self) -> int:
-        num = 0
-        comm = self.frontend.comm
-        while (message := comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_VTIME_CLOCK)) is not None:
-            report: ClockReport = message.recv()
-            self.admitted.update(report.admitted)
-            if report.seq == self.seq:
-                self.reports[report.die_rank] = report
-            num += 1
-        return num
-
     def _send(self, grant: NextGrant) -> None:
         frontend = self.frontend
         to: dict[int, list] = {g: [] for g in frontend.groups}
@@ -123,25 +169,9 @@ class VirtualPacer:
             with trace.span("request", req_id=req.req_id, die=decision.group):
                 trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
             self.decided_s = decision.vtime_s
-        self.seq += 1
-        self.horizon_s = grant.horizon_s
+        self._new_round(grant.horizon_s)
         for group, reqs in to.items():
             message = Grant(
                 seq=self.seq, requests=tuple(reqs), horizon_s=grant.horizon_s, warp_s=grant.warp_s
             )
             frontend.sends.append(frontend.comm.isend(message, dest=group, tag=TAG_VTIME_GRANT))
-        self.reports = {}
-        self.news_at = time.monotonic()
-
-    def _check_waiting(self, missing: list[int]) -> None:
-        """Bounded: news (a report, a token batch) restarts the wait."""
-        news = len(self.reports) + sum(self.frontend.batches_from.values())
-        now = time.monotonic()
-        if news != self.news:
-            self.news, self.news_at = news, now
-        elif now - self.news_at > self.timeout_s:
-            raise WaitTimeout(
-                f"TE-shell: no clock report from die rank(s) {missing} for grant {self.seq} "
-                f"(horizon {self.horizon_s:.6f} s virtual) and no token from any die after "
-                f"{self.timeout_s:g} s"
-            )

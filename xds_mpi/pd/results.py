@@ -29,6 +29,7 @@ class PdBook:
         first prefill step), prefill, KV wait (prefill done -> irecv posted: the JE's choice
         and any backpressure), KV transfer (posted -> received), first decode step."""
         task, done = self.tasks[record.req.req_id], self.transfers[record.req.req_id]
+        arrival_wall = record.wall_arrival or arrival_wall  # virtual clock: when it was decided
         return {
             "queue": task.prefill_start - arrival_wall,
             "prefill": task.prefill_end - task.prefill_start,

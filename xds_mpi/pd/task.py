@@ -32,6 +32,12 @@ class PdTask:
     prefill_end: float = 0.0
     queue_v: float = 0.0  # virtual seconds from entering the leader's pool to the first step
     prefill_v: float = 0.0  # virtual seconds of the iterations that prefilled it
+    start_v: float = 0.0  # the prefill die's virtual clock at its first prefill step's start
+    end_v: float = 0.0  # ... at the end of the step that sampled its first token
+
+    @property
+    def req_id(self) -> int:
+        return self.req.req_id
 
     @property
     def kv_len(self) -> int:

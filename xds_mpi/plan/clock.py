@@ -1,13 +1,14 @@
 """Which clock drives serving (`run.clock`, docs/virtual_time.md): the dies' 910C virtual clock,
 or this machine's wall clock.
 
-Virtual time is built for the colocated and afd deployments' `xds-mpi run` (issue 58): the
-TE-shell grants the dies a horizon and decides each arrival at its virtual time
-(ranks/shell/virtual_time.py, ranks/core/virtual_time.py; afd's attention and expert dies agree
-on the common start as the colocated dies do, ranks/afd/common.py). PD decode, afd's included,
-still takes its requests when they arrive on the wall clock (phase 2), and `xds-mpi serve` stays
-paced by the wall clock for good: its HTTP clients live in it. `auto` picks virtual where it is
-built; an explicit `virtual` anywhere else is refused, naming the key.
+Virtual time is built for the colocated and afd deployments' `xds-mpi run`: the TE-shell grants
+the dies a horizon and decides each arrival at its virtual time (ranks/shell/virtual_time.py,
+ranks/core/virtual_time.py; afd's attention and expert dies agree on the common start as the
+colocated dies do, ranks/afd/common.py); and for PD with colocated decode dies and a decode
+TE-shell, fault-free: the JE paces the prefill TEs, the decode TE-shell the decode dies
+(ranks/shell/pd_pacers.py). The rest still takes requests when they arrive on the wall clock,
+and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in it. `auto`
+picks virtual where it is built; an explicit `virtual` anywhere else is refused, naming the key.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def serving_clock(cfg: Config) -> ServingClock:
     missing = _why_wall(cfg)
     if wanted == "virtual" and missing:
         raise ConfigError(
-            f"run.clock(virtual) is not built for {missing} yet (issue 58, phase 2); set "
-            "run.clock=wall or auto"
+            f"run.clock(virtual) is not built for {missing} yet; set run.clock=wall or auto"
         )
     if wanted == "wall":
         return ServingClock(kind="wall", why="run.clock=wall")
@@ -56,5 +56,18 @@ def _why_wall(cfg: Config) -> str:
     if cfg.serve.enabled:
         return "xds-mpi serve (its HTTP clients live on the wall clock: serve.enabled)"
     if cfg.pd.enabled or cfg.deployment.num_prefill_dies:
-        return "prefill-decode disaggregation (pd.enabled)"
+        return _why_wall_pd(cfg)
+    return ""
+
+
+def _why_wall_pd(cfg: Config) -> str:
+    """What of a PD deployment virtual time does not cover yet ("" when it covers all): the JE
+    paces the prefill TEs and the decode TE-shell the decode dies (ranks/shell/pd_pacers.py)."""
+    if cfg.deployment.kind != "colocated":
+        return f"PD (pd.enabled) with deployment.kind({cfg.deployment.kind}) decode dies"
+    if cfg.deployment.num_host_ranks != 2:
+        return "PD without a decode TE-shell rank (deployment.num_host_ranks 1)"
+    faults = cfg.faults
+    if faults.table or faults.rate or faults.events:
+        return "PD with faults (faults.table, faults.rate, faults.events)"
     return ""

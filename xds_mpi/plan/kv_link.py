@@ -81,3 +81,28 @@ def check_kv_links(cfg: Config, topo: Topology, prefill, decode) -> None:
     for p in prefill[:1]:
         for d in decode[:1]:  # every pair of a deployment is one of these classes
             kv_link_model(cfg, topo, p, d, profiles)
+
+
+class KvTransferTimes:
+    """The virtual seconds a prompt's latent KV takes from a prefill die to a decode die: the
+    pair's link model (UB, or RoCE/VPC across hardware types) for the prompt's cache at the cost
+    shape (61 layers + MTP; BF16, the latent in INT8 with scheduler.kv_int8). The decode die
+    prices its transfers with it (ranks/pd/receive.py), and on the virtual clock the decode
+    TE-shell dates a request's KV arrival with it (ranks/shell/pd_pacers.py)."""
+
+    def __init__(self, cfg: Config, topo: Topology, decode_ranks) -> None:
+        # Lazy import: model shapes, PD only.
+        from xds_mpi.model.shapes import cost_shape
+
+        self.cfg, self.big = cfg, cost_shape()
+        self.server_of = {i.rank: i.server for i in topo.ranks}
+        prefill = topo.ranks_with_role("prefill")
+        self.links = {(p, d): kv_link_model(cfg, topo, p, d) for p in prefill for d in decode_ranks}
+
+    def seconds(self, prefill_rank: int, decode_rank: int, prompt_tokens: int) -> float:
+        from xds_mpi.plan.kv_memory import projected_kv_bytes
+
+        same = self.server_of[prefill_rank] == self.server_of[decode_rank]
+        nbytes = projected_kv_bytes(prompt_tokens, self.big, kv_int8=self.cfg.scheduler.kv_int8)
+        link = self.links[prefill_rank, decode_rank]
+        return link.transfer_ns(nbytes, num_cores=self.cfg.xccl.num_cores, same_server=same) / 1e9

@@ -80,22 +80,24 @@ def decide(
     now_s: float | None,
     after_s: float,
     idle_s: float = 0.0,
+    arrival_of=lambda req: req.arrival_s,
 ) -> NextGrant:
     """Decide the queued requests (popped from `queue`, in order) whose decision time is at or
     before `now_s`: every die has reported its iterations up to it. after_s: the previous
     decision's virtual time (decisions never go back). now_s None: every die is idle at
     virtual `idle_s` and every finish is known, so nothing happens before the queue's head is
     decided: time warps to it (or stays at idle_s when the head arrived while the last
-    iterations ran; it is still decided at its arrival, from the state then)."""
+    iterations ran; it is still decided at its arrival, from the state then). arrival_of: an
+    item's arrival (the decode TE-shell of PD queues tasks, arriving when their prefill ends)."""
     if now_s is None:
         if not queue:
             return NextGrant(decisions=(), horizon_s=INF, warp_s=-INF)
-        now_s = warp_s = max(queue[0].arrival_s, after_s, idle_s)
+        now_s = warp_s = max(arrival_of(queue[0]), after_s, idle_s)
     else:
         warp_s = -INF
     decisions: list[Decision] = []
     while queue:
-        t_s = max(queue[0].arrival_s, after_s)
+        t_s = max(arrival_of(queue[0]), after_s)
         if t_s > now_s:
             break
         completions.apply_until(t_s, balancer)
@@ -112,7 +114,7 @@ def decide(
         balancer.on_dispatch(group, req)
         decisions.append(Decision(req=req, group=group, vtime_s=t_s))
         after_s = t_s
-    horizon_s = max(queue[0].arrival_s, after_s) if queue else INF
+    horizon_s = max(arrival_of(queue[0]), after_s) if queue else INF
     return NextGrant(decisions=tuple(decisions), horizon_s=horizon_s, warp_s=warp_s)
 
 

@@ -70,8 +70,11 @@ def test_pd_default_equals_reference_and_splits_ttft(tmp_path):
 def test_backpressure_defers_receives_and_loses_nothing(tmp_path):
     # 1 prefill die -> 2 decode dies whose KV holds 2 requests each (2 blocks of 16 tokens per
     # request: 12 + 6), 10 requests at once: decode defers receives, prefill KV fills up too.
+    # On the wall clock: on the virtual one the decode TE-shell holds the tasks back instead
+    # (tests/e2e/pd/test_pd_virtual_time.py).
     result, run_file = serve(
         tmp_path,
+        "run.clock=wall",
         "deployment.num_prefill_dies=1",
         "deployment.dp_groups_per_domain=2",
         "scheduler.num_kv_blocks_per_die=4",

@@ -1,0 +1,315 @@
+"""PD on the virtual clock (run.clock virtual with pd.enabled, docs/virtual_time.md "PD").
+
+Two shells pace two kinds of actors with the grants and clock reports of
+ranks/shell/virtual_time.py:
+
+- The JE paces the prefill TEs (`PrefillPacer`; each TE's dies run in lockstep and its leader
+  reports, ranks/pd/prefill_vtime.py). It routes each arrival to a prefill TE at its virtual
+  arrival from the TEs' loads then (xds_mpi/pd/route.py; a request leaves its TE's load at the
+  virtual end of the prefill step that sampled its first token), up to the earliest start of a
+  busy TE: every task those TEs will still hand over ends after it.
+- The decode TE-shell paces the decode dies (`DecodePacer`, the colocated dies' side unchanged).
+  Its queue holds the prefilled tasks, each arriving at the end of its prefill; the JE forwards
+  them with a *promise*: no task ending before it is still to come (the earliest start of a busy
+  prefill TE, of a request just routed, or of the next arrival). The decode balancer (xDeepServe
+  §4.3, with the dies' batch and KV limits) picks a task's DP group at its arrival, from the
+  finishes up to then; its KV lands after the transfer over the pair's link
+  (xds_mpi/plan/kv_link.py `KvTransferTimes`), and the decode TE-shell grants it to its die only
+  once the dies have reached that time: it joins the first decode iteration starting at or after
+  it (the die pulls the bytes and waits for them before that iteration, ranks/pd/receive.py). A
+  request with no slot at its arrival waits at the decode TE-shell for the finish that frees
+  one (backpressure on the virtual clock). The decode dies run no iteration that starts past
+  the promise, the next undecided task or the next KV arrival.
+
+Nothing waits in a circle: the prefill side never waits for decode (its KV blocks are freed when
+the task is handed over, ranks/pd/send.py), and the decode side waits only for the prefill
+side's promise, which grows as the prefill TEs run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter, deque
+
+from mpi4py import MPI
+
+from ranks.core.control import WaitTimeout
+from ranks.core.messages import JE
+from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
+from ranks.pd.messages import TAG_PD_DONE, TAG_PD_TASK, Promised
+from ranks.shell.virtual_time import GrantRounds
+from xds_mpi.pd.route import pick_prefill_te
+from xds_mpi.plan.kv_link import KvTransferTimes
+from xds_mpi.scheduling.admission import Completions, decide
+from xds_mpi.scheduling.balancer import DecodeBalancer
+
+INF = math.inf
+
+
+class RouterBalancer:
+    """The JE's prefill router (xds_mpi/pd/route.py) as `decide` asks a balancer: pick, dispatch,
+    complete (a request's prefill done)."""
+
+    def __init__(self, router) -> None:
+        self.router = router
+
+    def pick(self, req) -> int:
+        r = self.router
+        return pick_prefill_te(len(req.prompt), r.loads, r.long_prompt_tokens, r.lost)
+
+    def on_dispatch(self, te: int, req) -> None:
+        self.router.dispatch(req.req_id, len(req.prompt))
+
+    def on_complete(self, req_id: int) -> None:
+        self.router.prefilled(req_id)
+
+
+class PrefillPacer(GrantRounds):
+    """On the JE (ranks/shell/je.py): its queue, router and records; `turn` in place of the wall
+    clock's dispatch."""
+
+    def __init__(self, je) -> None:
+        pd = je.pd_plan
+        super().__init__(je.comm, pd.leaders, timeout_s=je.ctx.cfg.xccl.poll_timeout_s, who="JE")
+        self.je, self.tes = je, pd.tes
+        self.router = RouterBalancer(je.router)
+        self.completions = Completions()  # prefills done, not yet applied to the router
+        self.decided_s = 0.0
+        self.prefilled_from: Counter[int] = Counter()  # prefill die -> tasks taken
+        self.promise_s = 0.0  # sent to the decode TE-shell
+        self.sent_promise_s = -INF
+        self.outgoing: list = []  # Routed tasks for the decode TE-shell, not yet sent
+
+    def turn(self) -> int:
+        """Take the TEs' reports and messages; once every TE reported, route and grant."""
+        je = self.je
+        num = self._take_reports() + je.take_prefilled()
+        missing = self.missing()
+        if missing:
+            self._check_waiting(missing, len(self.reports) + self._num_taken())
+            return num + self._forward()
+        reports = [self.reports[g] for g in self.actors]
+        self._take_counted(reports)
+        busy = [r.start_s for r in reports if not r.is_idle]
+        promise = min(busy, default=INF)
+        if je.queue:
+            grant = decide(
+                je.queue,
+                self.router,
+                self.completions,
+                now_s=min(busy) if busy else None,
+                after_s=self.decided_s,
+            )
+            self._send(grant)
+            firsts = [d.vtime_s for d in grant.decisions[:1]]
+            promise = min([promise, *firsts, grant.horizon_s])
+            num += 1
+        self.promise_s = max(self.promise_s, promise)
+        return num + self._forward()
+
+    def prefilled(self, task) -> None:
+        """A PD-transfer task taken: its request leaves its TE's load at the task's end, and
+        goes to the decode TE-shell with the next promise."""
+        self.completions.add(task.req.req_id, task.end_v)
+        self.admitted.setdefault(task.req.req_id, task.start_v)
+        self.prefilled_from[task.prefill_rank] += 1
+
+    def route(self, routed) -> None:
+        self.outgoing.append(routed)
+
+    def finished(self, req_id: int, vtime_s: float) -> None:
+        """A request's last token (a prefill's only one, or decode's last): done with prefill
+        by then (a no-op for one already prefilled)."""
+        self.completions.add(req_id, vtime_s)
+
+    def apply_finishes(self) -> None:
+        self.completions.apply_until(INF, self.router)
+
+    def _num_taken(self) -> int:
+        je = self.je
+        prefill = [r for te in self.tes for r in te]
+        return sum(self.prefilled_from.values()) + sum(je.batches_from[r] for r in prefill)
+
+    def _take_counted(self, reports) -> None:
+        """Every task and token batch the TEs sent before their reports (bounded)."""
+        je = self.je
+        deadline = time.monotonic() + self.timeout_s
+        expected = {self.tes.index(self._te(r.die_rank)): r.num_batches for r in reports}
+        while missing := {
+            te: n - self._taken_from(te) for te, n in expected.items() if self._taken_from(te) < n
+        }:
+            if not (je.take_prefilled() + je.take_tokens()):
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"JE: prefill TE(s) {sorted(missing)} reported messages not received "
+                        f"after {self.timeout_s:g} s (TE -> messages missing): {missing}"
+                    )
+                time.sleep(0.0002)
+
+    def _te(self, leader: int) -> tuple[int, ...]:
+        return next(te for te in self.tes if te[0] == leader)
+
+    def _taken_from(self, te: int) -> int:
+        ranks = self.tes[te]
+        return sum(self.prefilled_from[r] + self.je.batches_from[r] for r in ranks)
+
+    def _send(self, grant) -> None:
+        je = self.je
+        to: dict[int, list] = {te: [] for te in range(len(self.tes))}
+        for decision in grant.decisions:
+            req = decision.req
+            record = je.records[req.req_id]
+            record.dispatched_at = record.wall_arrival = time.time()
+            record.dispatched_vtime = decision.vtime_s
+            to[decision.group].append(decision)
+            self.decided_s = decision.vtime_s
+        seq = self._new_round(grant.horizon_s)
+        for te, ranks in enumerate(self.tes):
+            for rank in ranks:
+                mine = to[te] if rank == ranks[0] else []  # the leader's pool
+                message = Grant(
+                    seq=seq,
+                    requests=tuple(d.req for d in mine),
+                    horizon_s=grant.horizon_s,
+                    warp_s=-INF,  # an idle TE starts at its pool's first arrival itself
+                    times=tuple(d.vtime_s for d in mine),
+                )
+                je.sends.append(je.comm.isend(message, dest=rank, tag=TAG_VTIME_GRANT))
+
+    def _forward(self) -> int:
+        """The routed tasks and the promise to the decode TE-shell, in one message (so that
+        the promise never overtakes a task)."""
+        if not self.outgoing and self.promise_s == self.sent_promise_s:
+            return 0
+        je = self.je
+        message = Promised(routed=tuple(self.outgoing), promise_s=self.promise_s)
+        je.sends.append(je.comm.isend(message, dest=je.pd_plan.decode_shell, tag=TAG_PD_TASK))
+        self.outgoing, self.sent_promise_s = [], self.promise_s
+        return 1
+
+
+class TaskBalancer(DecodeBalancer):
+    """§4.3's decode balancer over PD-transfer tasks (their requests)."""
+
+    def pick(self, task) -> int | None:
+        return super().pick(task.req)
+
+    def on_dispatch(self, group: int, task) -> None:
+        super().on_dispatch(group, task.req)
+
+
+class DecodePacer(GrantRounds):
+    """On the decode TE-shell (ranks/shell/decode_shell.py): the tasks the JE promised, the decode
+    dies' grants."""
+
+    def __init__(self, shell) -> None:
+        ctx = shell.ctx
+        cfg, pd, sched = ctx.cfg, ctx.plan.pd, ctx.cfg.scheduler
+        super().__init__(
+            shell.comm, pd.decode, timeout_s=cfg.xccl.poll_timeout_s, who="decode TE-shell"
+        )
+        self.shell = shell
+        self.balancer = TaskBalancer(
+            pd.decode,
+            max_batch=sched.max_batch_per_die,
+            kv_capacity_tokens=sched.num_kv_blocks_per_die * sched.kv_block_tokens,
+            block_tokens=sched.kv_block_tokens,
+            mtp_depth=sched.mtp_depth,
+        )
+        self.transfer = KvTransferTimes(cfg, ctx.topo, pd.decode)
+        self.queue: list = []  # undecided tasks by (prefill end, req_id)
+        self.landing: list = []  # heap: (KV arrival s, req_id, group, task), not yet granted
+        self.completions = Completions()
+        self.done_from: Counter[int] = Counter()  # decode die -> completion messages taken
+        self.promise_s = 0.0
+        self.decided_s = 0.0
+        self.num_tasks = 0
+
+    def turn(self) -> int:
+        """Take tasks, completions and reports; once every die reported, decide what the
+        promise allows and grant."""
+        num = self._take_reports() + self._take_tasks() + self._take_done()
+        missing = self.missing()
+        if missing:
+            self._check_waiting(missing, len(self.reports) + sum(self.done_from.values()))
+            return num
+        reports = [self.reports[g] for g in self.actors]
+        self._take_counted(reports)
+        busy = [r.start_s for r in reports if not r.is_idle]
+        warp_s = -INF
+        if busy:
+            now_s = min(min(busy), self.promise_s)
+        else:
+            head = max(self.queue[0].end_v, self.decided_s) if self.queue else INF
+            nxt = min(head, self.landing[0][0] if self.landing else INF)
+            if nxt > self.promise_s or nxt == INF:
+                return num  # nothing before the promise: wait for the JE
+            now_s = warp_s = max(nxt, max(r.start_s for r in reports))
+        queue = deque(self.queue)
+        grant = decide(
+            queue,
+            self.balancer,
+            self.completions,
+            now_s=now_s,
+            after_s=self.decided_s,
+            arrival_of=lambda task: task.end_v,
+        )
+        self.queue = list(queue)
+        for d in grant.decisions:
+            task = d.req
+            moves_s = self.transfer.seconds(task.prefill_rank, d.group, len(task.req.prompt))
+            lands = d.vtime_s + moves_s
+            heapq.heappush(self.landing, (lands, task.req_id, d.group, task))
+            self.decided_s = d.vtime_s
+        to: dict[int, list] = {g: [] for g in self.actors}
+        while self.landing and self.landing[0][0] <= now_s:
+            _, _, group, task = heapq.heappop(self.landing)
+            to[group].append(task)
+        next_landing = self.landing[0][0] if self.landing else INF
+        horizon_s = min(grant.horizon_s, self.promise_s, next_landing)
+        if not grant.decisions and not any(to.values()) and horizon_s == self.horizon_s:
+            return num
+        seq = self._new_round(horizon_s)
+        for group, tasks in to.items():
+            message = Grant(seq=seq, requests=tuple(tasks), horizon_s=horizon_s, warp_s=warp_s)
+            self.shell.sends.append(self.comm.isend(message, dest=group, tag=TAG_VTIME_GRANT))
+        return num + 1
+
+    def _take_tasks(self) -> int:
+        num = 0
+        while (message := self.comm.improbe(source=JE, tag=TAG_PD_TASK)) is not None:
+            promised: Promised = message.recv()
+            for routed in promised.routed:
+                self.queue.append(routed.task)
+            self.queue.sort(key=lambda task: (task.end_v, task.req_id))
+            self.promise_s = max(self.promise_s, promised.promise_s)
+            self.num_tasks += len(promised.routed)
+            num += 1
+        return num
+
+    def _take_done(self) -> int:
+        num = 0
+        status, comm = MPI.Status(), self.comm
+        while (message := comm.improbe(MPI.ANY_SOURCE, TAG_PD_DONE, status)) is not None:
+            for req_id, vtime_s in message.recv():
+                self.completions.add(req_id, vtime_s)
+            self.done_from[status.Get_source()] += 1
+            num += 1
+        return num
+
+    def _take_counted(self, reports) -> None:
+        """Every completion the dies sent before their reports (bounded)."""
+        deadline = time.monotonic() + self.timeout_s
+        expected = {r.die_rank: r.num_batches for r in reports}
+        while missing := {
+            g: n - self.done_from[g] for g, n in expected.items() if self.done_from[g] < n
+        }:
+            if not self._take_done():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"decode TE-shell: completions reported by die rank(s) {sorted(missing)} "
+                        f"not received after {self.timeout_s:g} s: {missing}"
+                    )
+                time.sleep(0.0002)
