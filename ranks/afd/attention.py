@@ -60,7 +60,11 @@ class AttentionDie(AfdDieBase):
         self.inbox = Inbox(ctx.comm, self.scheduler)
         if ctx.plan.clock.is_virtual:
             self.vtime = DieVirtualTime(
-                ctx.comm, self.clock, self.scheduler, timeout_s=self.held_bound_s()
+                ctx.comm,
+                self.clock,
+                self.scheduler,
+                timeout_s=self.held_bound_s(),
+                **self.granted_by(ctx),
             )
         self.outbox = Outbox(
             ctx.comm,
@@ -83,7 +87,7 @@ class AttentionDie(AfdDieBase):
         self.before_agree()
         busy, all_stopped = self.agree(self.scheduler.num_active, not self.inbox.is_stopped)
         if vtime is not None:  # where this die stands, to the TE-shell; held until its grant?
-            vtime.after_agree(bool(busy), self.outbox.num_batches)
+            vtime.after_agree(bool(busy), self.news_sent())
         if not busy:  # agree backed off, or parked at the horizon
             return not all_stopped
         if vtime is not None:
@@ -100,6 +104,15 @@ class AttentionDie(AfdDieBase):
         self.executor.commit(finished | self.inbox.take_cancelled())
         self.emit(emitted, timing)  # the output shortcut
         return True
+
+    def granted_by(self, ctx: RankContext) -> dict:
+        """Who grants this die its requests on the virtual clock, and what they become here
+        (DieVirtualTime's defaults: the TE-shell, the scheduler's waiting queue)."""
+        return {}
+
+    def news_sent(self) -> int:
+        """Messages the granting shell takes before it decides: the token batches."""
+        return self.outbox.num_batches
 
     def before_agree(self) -> None:
         """Work between iterations before the dies agree (PD: KV transfers, ranks/pd/decode.py)."""

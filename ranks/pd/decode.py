@@ -34,12 +34,21 @@ class PdDecode:
 
     kv: KvReceiver
 
+    def granted_by(self, ctx: RankContext) -> dict:
+        """Virtual clock: the decode TE-shell grants this die its tasks, whose KV moves before
+        the next iteration (ranks/shell/pd_pacers.py)."""
+        return {"shell": ctx.plan.pd.decode_shell, "take": lambda task: self.kv.take(task)}
+
+    def news_sent(self) -> int:
+        """Virtual clock: the decode TE-shell balances on the completions this die sent it."""
+        return self.kv.num_done_sent
+
     def before_agree(self) -> None:
         self.kv.step()
 
     def emit(self, emitted, timing) -> None:
         self.outbox.stream(self.kv.take_first_tokens(timing.vtime_s) + emitted, timing)
-        self.kv.completed(emitted, self.executor.pricer.clock.now_ns / 1e9)
+        self.kv.completed(emitted, self.clock.now_ns / 1e9)
 
     def close(self) -> None:
         self.kv.drain()
@@ -59,15 +68,6 @@ class PdColocatedDie(PdDecode, ColocatedDie):
     def __init__(self, ctx: RankContext) -> None:
         super().__init__(ctx)
         self.kv = KvReceiver(ctx, self.mem, self.scheduler, self.executor)
-
-    def granted_by(self, ctx: RankContext) -> dict:
-        """Virtual clock: the decode TE-shell grants this die its tasks, whose KV moves before
-        the next iteration (ranks/shell/pd_pacers.py)."""
-        return {"shell": ctx.plan.pd.decode_shell, "take": lambda task: self.kv.take(task)}
-
-    def news_sent(self) -> int:
-        """Virtual clock: the decode TE-shell balances on the completions this die sent it."""
-        return self.kv.num_done_sent
 
     def before_agree(self) -> None:
         if self.memory is not None:  # §6.2 stage 3 (ranks/recovery/memory.py), before KV moves

@@ -4,7 +4,7 @@ or this machine's wall clock.
 Virtual time is built for the colocated and afd deployments' `xds-mpi run`: the TE-shell grants
 the dies a horizon and decides each arrival at its virtual time (ranks/shell/virtual_time.py,
 ranks/core/virtual_time.py; afd's attention and expert dies agree on the common start as the
-colocated dies do, ranks/afd/common.py); and for PD with colocated decode dies and a decode
+colocated dies do, ranks/afd/common.py); and for PD (colocated or afd decode dies) with a decode
 TE-shell, fault-free: the JE paces the prefill TEs, the decode TE-shell the decode dies
 (ranks/shell/pd_pacers.py). The rest still takes requests when they arrive on the wall clock,
 and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in it. `auto`
@@ -63,8 +63,6 @@ def _why_wall(cfg: Config) -> str:
 def _why_wall_pd(cfg: Config) -> str:
     """What of a PD deployment virtual time does not cover yet ("" when it covers all): the JE
     paces the prefill TEs and the decode TE-shell the decode dies (ranks/shell/pd_pacers.py)."""
-    if cfg.deployment.kind != "colocated":
-        return f"PD (pd.enabled) with deployment.kind({cfg.deployment.kind}) decode dies"
     if cfg.deployment.num_host_ranks != 2:
         return "PD without a decode TE-shell rank (deployment.num_host_ranks 1)"
     faults = cfg.faults

@@ -14,7 +14,7 @@ from test_serving import check_line
 from test_serving_afd import serve
 from test_virtual_time import _busy_processes, _virtual_columns
 
-from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.config.schema import load_config
 from xds_mpi.plan.clock import serving_clock
 
 
@@ -32,17 +32,14 @@ def _ok(result) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def test_virtual_is_afd_s_default_and_pd_afd_stays_on_wall():
+def test_virtual_is_afd_s_default_pd_afd_s_too():
     def clock(config, *sets):
         return serving_clock(load_config(f"configs/{config}.yaml", list(sets)))
 
     assert clock("afd").kind == "virtual" and clock("afd", "run.clock=virtual").is_virtual
     assert clock("afd", "run.clock=wall").kind == "wall"
     assert clock("afd", "serve.enabled=true").kind == "wall"  # xds-mpi serve: wall for good
-    pd_afd = clock("pd_afd")
-    assert pd_afd.kind == "wall" and "pd.enabled" in pd_afd.why
-    with pytest.raises(ConfigError, match=r"run\.clock\(virtual\).*pd\.enabled"):
-        clock("pd_afd", "run.clock=virtual")
+    assert clock("pd_afd").kind == "virtual"  # PD's decode TE-shell grants the attention dies
 
 
 def test_a_burst_queues_in_waves_each_started_at_the_dies_common_start(tmp_path):

@@ -113,10 +113,9 @@ def test_virtual_is_the_colocated_run_s_default_and_refused_where_not_built():
     serve_clock = clock("colocated", "serve.enabled=true")
     assert serve_clock.kind == "wall" and "xds-mpi serve" in serve_clock.why
     assert clock("pd").kind == "virtual"  # the JE and the decode TE-shell pace (pd_pacers.py)
-    assert clock("pd_afd").kind == "wall"  # afd: tests/e2e/afd/test_afd_virtual_time.py
+    assert clock("pd_afd").kind == "virtual"  # afd decode dies too
     assert clock("pd", "faults.rate=0.001").kind == "wall"
     for config, sets, named in (
-        ("pd_afd", [], "deployment.kind(afd) decode dies"),
         ("pd", ["faults.rate=0.001"], "PD with faults"),
         ("pd", ["deployment.num_host_ranks=1"], "without a decode TE-shell rank"),
         ("colocated", ["serve.enabled=true"], "serve.enabled"),
