@@ -260,6 +260,7 @@ class Frontend:
                 self.touched.add(req_id)
                 if is_finished:
                     record.finished_at = batch.wall_time
+                    record.compact()  # kept until the stop for --check and the run file
                     if self.virtual is not None:  # the balancer sees it at its virtual time
                         self.virtual.finished(req_id, batch.vclock_s)
                     else:
