@@ -28,6 +28,7 @@ from launch.job.memory_guard import (
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.job.shm_leftovers import ShmLeftovers
+from launch.serve.prelaunch import expert_loss_warning
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -37,9 +38,10 @@ from xds_mpi.report.trace import MAX_EVENTS_ENV
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # the TE-shell writes its pid there (the signal's target)
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # never on the mpiexec line: `ps` would show it
 STOP_WAIT_S = 60.0  # after the drain: the check against the reference and the run file
-# The trace events each rank keeps (the newest; about 340 bytes each, so ~17 MiB a rank): a
-# served run's trace buffer would otherwise grow with every iteration until the stop.
-TRACE_MAX_EVENTS = 50_000
+# The trace events each rank keeps, the newest: a die's are ~600 bytes each with their
+# arguments (docs/serve.md), so ~12 MiB a die; a served run's trace buffer would otherwise grow
+# with every iteration until the stop.
+TRACE_MAX_EVENTS = 20_000
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -60,6 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"({plan.topo.summary()}) until SIGINT/SIGTERM",
         flush=True,
     )
+    if warning := expert_loss_warning(plan):
+        print(f"xds-mpi: warning: {warning}", file=sys.stderr, flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model, cfg.run.output_dir)
     command = mpi_command(
@@ -191,8 +195,8 @@ def add_parser(sub, add_config_args) -> None:
         "--trace-max-events",
         type=_count,
         default=TRACE_MAX_EVENTS,
-        help="trace events each rank keeps, the newest (default %(default)d, about 17 MiB a "
-        "rank; 0: all, a buffer that grows with every iteration served); run.trace=false: none",
+        help="trace events each rank keeps, the newest (default %(default)d, about 12 MiB a "
+        "die; 0: all, a buffer that grows with every iteration served); run.trace=false: none",
     )
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (as for run)")
     p.add_argument(

@@ -239,6 +239,8 @@ class Frontend:
                 with trace.span("request", req_id=req.req_id, die=group):
                     trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
             self.sends.append(self.comm.isend(reqs, dest=group, tag=TAG_REQUEST))
+        if to:  # a send taken lets go of its pickled requests (kept till the stop: ~400 B each)
+            self.sends = [r for r in self.sends if not r.Test()]
         return num
 
     def take_tokens(self) -> int:
