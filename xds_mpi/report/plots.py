@@ -138,7 +138,8 @@ def recovery(run: RunData, path: Path) -> Path:
     """Every failure record of the run file (a row each: injected, then detected and fenced,
     with what recovery did), and the trace's transient faults (markers), rollbacks and
     recomputed attempts (bars), on the wall clock from serving's start."""
-    fig, ax = plt.subplots(figsize=(10, 2.6 + 0.45 * len(run.failures)))
+    failures = failure_rows(run)
+    fig, ax = plt.subplots(figsize=(10, 2.6 + 0.45 * len(failures) + 0.2 * len(failures)))
     rows = {"fault": 2, "rollback": 1, "recompute": 0}
     colors = {"fault": "tab:red", "rollback": "tab:orange", "recompute": "tab:purple"}
     for name, start, dur in run.recovery:
@@ -147,29 +148,36 @@ def recovery(run: RunData, path: Path) -> Path:
         else:
             ax.barh(rows[name], max(dur, 1e-3), left=start, color=colors[name], height=0.6)
     ends = [s + d for _, s, d in run.recovery]
-    for row, (label, text, injected, detected) in enumerate(failure_rows(run), start=3):
+    for row, (label, _, injected, detected) in enumerate(failures, start=3):
         rows[label] = row
         ax.plot([injected], [row], "x", color="k", ms=8)
         if detected >= 0:  # detection to fence: the detector fences as it names the die
             ax.plot([injected, detected], [row, row], color="tab:red", lw=2)
             ax.plot([detected], [row], "|", color="tab:red", ms=14, mew=2)
-        ax.annotate(text, (max(detected, injected), row), xytext=(6, 0),
-                    textcoords="offset points", va="center", fontsize=7)  # fmt: skip
+            ax.annotate(f"+{detected - injected:.2f} s", (detected, row), xytext=(6, 0),
+                        textcoords="offset points", va="center", fontsize=7)  # fmt: skip
         ends.append(max(detected, injected))
+    # what each failure cost, in words, under the axes (one line each)
+    notes = [f"{label}: {text}" for label, text, _, _ in failures]
+    if notes:
+        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom", wrap=True)
     if not run.recovery and not run.failures:
         ax.text(0.5, 0.5, "no failures, faults, rollbacks or recomputation", transform=ax.transAxes)
     ax.set_yticks(list(rows.values()), list(rows))
-    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [1.25 * e for e in ends]))
+    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [1.15 * e for e in ends]))
     ax.set_ylim(-0.6, max(rows.values()) + 0.6)
     ax.set_xlabel("wall s since serving started (this machine's clock)")
     count = sum(1 for name, _, _ in run.recovery if name == "fault")
     where = "" if run.has_trace else " (no trace: transient faults not shown)"
     ax.set_title(
-        f"{run.name}: {len(run.failures)} failures (x injected, | detected and fenced), "
-        f"{count} transient faults{where}",
+        f"{run.name}: {len(failures)} failure{'' if len(failures) == 1 else 's'} (x injected, "
+        f"| detected and fenced), {count} transient faults{where}",
         fontsize=9,
     )
-    return _save(fig, path)
+    fig.tight_layout(rect=(0, 0.04 + 0.06 * len(notes), 1, 1))  # room for the notes
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
 
 
 def failure_rows(run: RunData) -> list[tuple[str, str, float, float]]:
