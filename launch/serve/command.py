@@ -28,14 +28,20 @@ from launch.job.memory_guard import (
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_job
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.job.shm_leftovers import ShmLeftovers
+from launch.serve.prelaunch import expert_loss_warning
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
+from xds_mpi.report.trace import MAX_EVENTS_ENV
 
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # the TE-shell writes its pid there (the signal's target)
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # never on the mpiexec line: `ps` would show it
 STOP_WAIT_S = 60.0  # after the drain: the check against the reference and the run file
+# The trace events each rank keeps, the newest: a die's are ~600 bytes each with their
+# arguments (docs/serve.md), so ~12 MiB a die; a served run's trace buffer would otherwise grow
+# with every iteration until the stop.
+TRACE_MAX_EVENTS = 20_000
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -56,6 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"({plan.topo.summary()}) until SIGINT/SIGTERM",
         flush=True,
     )
+    if warning := expert_loss_warning(plan):
+        print(f"xds-mpi: warning: {warning}", file=sys.stderr, flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model, cfg.run.output_dir)
     command = mpi_command(
@@ -67,6 +75,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="xds-serve-") as tmp:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards
+        env[MAX_EVENTS_ENV] = str(args.trace_max_events)
         if args.api_key:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S
@@ -149,6 +158,12 @@ def _signal_te_shell(pid_file: Path) -> bool:
         return False
 
 
+def _count(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"a count of events (0: all), got {value!r}")
+    return int(value)
+
+
 def add_parser(sub, add_config_args) -> None:
     """`add_config_args`: launch/cli/main.py's CONFIG, --set and --np."""
     p = sub.add_parser(
@@ -175,6 +190,13 @@ def add_parser(sub, add_config_args) -> None:
         choices=("drain", "cancel"),
         default=None,
         help="finish (drain, the default) or cancel the requests open at shutdown",
+    )
+    p.add_argument(
+        "--trace-max-events",
+        type=_count,
+        default=TRACE_MAX_EVENTS,
+        help="trace events each rank keeps, the newest (default %(default)d, about 12 MiB a "
+        "die; 0: all, a buffer that grows with every iteration served); run.trace=false: none",
     )
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (as for run)")
     p.add_argument(

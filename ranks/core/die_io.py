@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from mpi4py import MPI
@@ -120,7 +121,11 @@ class Outbox:
         self.comm, self.rank, self.timeout_s = comm, rank, timeout_s
         self.clock = clock
         self.pending: list[MPI.Request] = []
-        self.timings: dict[str, list] = {k: [] for k in IterationTiming.__dataclass_fields__}
+        # One entry per iteration, until the stop (the run file's /dies): as arrays of 8-byte
+        # numbers, ~80 bytes an iteration, against ~240 as lists of Python floats.
+        self.timings: dict[str, array] = {
+            f.name: array("q" if f.type == "int" else "d") for f in fields(IterationTiming)
+        }
         self.num_iterations = 0
         self.num_batches = 0  # token batches sent (vertical scaling waits for all of them)
         self.vclock_s = 0.0  # the die's 910C virtual clock: its iterations' vtime_s summed

@@ -67,4 +67,18 @@ def gather_traces(
         event="trace",
         log=log,
     )
+    if log is not None:
+        for rank, message in sorted(received.items()):
+            _log_cap(log, rank, message.events)
     return {rank: message.events for rank, message in received.items()}
+
+
+def _log_cap(log: logging.Logger, rank: int, events: list) -> None:
+    """Say that a rank dropped its oldest events (xds_mpi/report/trace.py `Tracer.trim`)."""
+    note = events[0] if events else None
+    if isinstance(note, SpanRecord) and note.name == "trace cap":
+        log.info(
+            "trace: rank %d kept its newest %d events, dropped %d older ones "
+            "(max_events %d: xds-mpi serve --trace-max-events)",
+            rank, len(events) - 1, note.args["dropped"], note.args["max_events"],
+        )  # fmt: skip

@@ -259,7 +259,8 @@ class EndpointFeed:
         self.batches: list = []  # TokenBatches taken since the last turn (for /metrics)
         self.cfg = endpoint.cfg
         self.deadline = deadline  # time.monotonic(): run.timeout_s less a margin to shut down
-        self.num_published: dict[int, int] = {}  # req_id -> tokens published
+        # req_id -> tokens published, of the requests whose last delta has not gone out
+        self.num_published: dict[int, int] = {}
         self.drain_until: float | None = None
         self.is_open = True
         self.num_detections = 0  # failures counted on /metrics so far
@@ -314,16 +315,17 @@ class EndpointFeed:
     def publish(self) -> None:
         touched, self.frontend.touched = self.frontend.touched, set()
         deltas = [self._delta(req_id) for req_id in sorted(touched)]
-        self.endpoint.publish([d for d in deltas if d is not None])
+        self.endpoint.publish(deltas)
 
-    def _delta(self, req_id: int) -> Delta | None:
+    def _delta(self, req_id: int) -> Delta:
         record = self.frontend.records[req_id]
-        done = self.num_published.get(req_id, 0)
-        if done < 0:
-            return None  # its last delta went out already
+        # A finished request is touched no more (were it, the HTTP side has let go of its
+        # stream and drops the delta): nothing is kept for it.
+        done = self.num_published.pop(req_id, 0)
         tokens = tuple(record.tokens[done:])
         finish = finish_reason(record)
-        self.num_published[req_id] = -1 if finish else len(record.tokens)
+        if not finish:
+            self.num_published[req_id] = len(record.tokens)
         ttft, tpot = self.frontend.projected_times(req_id)
         return Delta(
             req_id=req_id,

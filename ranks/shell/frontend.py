@@ -239,6 +239,8 @@ class Frontend:
                 with trace.span("request", req_id=req.req_id, die=group):
                     trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
             self.sends.append(self.comm.isend(reqs, dest=group, tag=TAG_REQUEST))
+        if to:  # a send taken lets go of its pickled requests (kept till the stop: ~400 B each)
+            self.sends = [r for r in self.sends if not r.Test()]
         return num
 
     def take_tokens(self) -> int:
@@ -262,6 +264,7 @@ class Frontend:
                 self.touched.add(req_id)
                 if is_finished:
                     record.finished_at = batch.wall_time
+                    record.compact()  # kept until the stop for --check and the run file
                     if self.virtual is not None:  # the balancer sees it at its virtual time
                         self.virtual.finished(req_id, batch.vclock_s)
                     else:

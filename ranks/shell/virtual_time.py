@@ -163,7 +163,8 @@ class VirtualPacer(GrantRounds):
             req = decision.req
             record = frontend.records[req.req_id]
             record.die_rank, record.dispatched_at = decision.group, time.time()
-            record.wall_arrival = record.dispatched_at  # its arrival on the wall clock
+            # its arrival on the wall clock: the first decision (a failover decides it again)
+            record.wall_arrival = record.wall_arrival or record.dispatched_at
             record.dispatched_vtime = decision.vtime_s
             to[decision.group].append(req)
             with trace.span("request", req_id=req.req_id, die=decision.group):

@@ -1,6 +1,7 @@
-"""What `xds-mpi report` reads from one run: the run file (summary, per-die iterations, requests)
-and, when it sits beside it, the run's trace (per-iteration breakdown on the 910C clock, expert
-load per layer and expert, faults and recoveries on the wall clock)."""
+"""What `xds-mpi report` reads from one run: the run file (summary, per-die iterations, requests,
+the failure records of /failures) and, when it sits beside it, the run's trace (per-iteration
+breakdown on the 910C clock, expert load per layer and expert, faults and recoveries on the wall
+clock)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ RECOVERY_SPANS = ("fault", "rollback", "recompute")
 class RunData:
     """One run for the report. breakdown: part -> [iterations] projected ms, mean over the dies
     (from the trace; empty without one); expert_load: [moe layers, experts] rows received, with
-    load_layers the layer index of each row; recovery: (name, wall s since start, duration s)."""
+    load_layers the layer index of each row; recovery: (name, wall s since serving started,
+    duration s); failures: the run file's /failures records (xds_mpi/results/failures.py), one
+    dict of its fields each (times in wall seconds since serving started, virtual seconds on the
+    die's clock, -1 for never)."""
 
     name: str
     attrs: dict
@@ -47,6 +51,7 @@ class RunData:
     load_layers: tuple[int, ...] = ()
     recovery: list[tuple[str, float, float]] = field(default_factory=list)
     eplb_loads: dict[str, np.ndarray] = field(default_factory=dict)  # EPLB before/after below
+    failures: list[dict] = field(default_factory=list)
 
 
 def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
@@ -62,6 +67,27 @@ def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
     }
 
 
+def failures(f: h5py.File) -> list[dict]:
+    """The /failures group (one dataset per field, one entry per failure) as one dict per
+    failure; [] without one. Read by field name, not through xds_mpi/results/failures.py (a
+    layer above this one): a field added there shows up here as it is."""
+    if "failures" not in f:
+        return []
+    columns = {name: data[()] for name, data in f["failures"].items()}
+    count = len(next(iter(columns.values()), ()))
+    return [
+        {name: _plain_value(column[i]) for name, column in columns.items()} for i in range(count)
+    ]
+
+
+def _plain_value(value):
+    """One entry of a /failures column: bytes as str, numpy scalars as Python numbers, a
+    variable-length id list as a tuple."""
+    if isinstance(value, np.ndarray):
+        return tuple(int(v) for v in value)
+    return _plain(value)
+
+
 def load_run(path: str | Path) -> RunData:
     path = Path(path)
     with h5py.File(path, "r") as f:
@@ -75,6 +101,7 @@ def load_run(path: str | Path) -> RunData:
             },
             requests={name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")},
             eplb_loads=eplb_loads(f),
+            failures=failures(f),
         )
     traced = trace_path(path)
     if traced.exists():
@@ -85,13 +112,17 @@ def load_run(path: str | Path) -> RunData:
 def _from_trace(events: list[dict]) -> dict:
     """RunData's fields that come from the trace."""
     layers, load = expert_load(events)
+    # The trace counts from its first event, the failure records from the TE-shell's "serve"
+    # span (serving started): the recovery panel shows both from the latter.
+    start_us = min((e["ts"] for e in events if e["name"] == "serve" and e["pid"] == WALL_PID),
+                   default=0.0)  # fmt: skip
     return dict(
         has_trace=True,
         breakdown=breakdown(events),
         expert_load=load,
         load_layers=layers,
         recovery=[
-            (e["name"], e["ts"] / 1e6, e.get("dur", 0.0) / 1e6)
+            (e["name"], (e["ts"] - start_us) / 1e6, e.get("dur", 0.0) / 1e6)
             for e in events
             if e["pid"] == WALL_PID and e["name"] in RECOVERY_SPANS
         ],

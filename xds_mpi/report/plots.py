@@ -54,7 +54,7 @@ def die_times(run: RunData, path: Path) -> Path:
     for rank, die in sorted(run.dies.items()):
         wall.plot(die["total_s"] * 1e3, label=f"rank {rank}", lw=1)
         virtual.plot(die["vtime_s"] * 1e3, label=f"rank {rank}", lw=1)
-    wall.set(title="wall ms per iteration", xlabel="iteration", ylabel="ms")
+    wall.set(title="wall ms per iteration (this machine)", xlabel="iteration", ylabel="ms")
     virtual.set(title="projected 910C ms per iteration", xlabel="iteration", ylabel="ms")
     if run.dies:
         wall.legend(fontsize=7)
@@ -98,7 +98,8 @@ def eplb(run: RunData, path: Path) -> Path:
 
 
 def latencies(run: RunData, path: Path) -> Path:
-    """TTFT and TPOT histograms over the served requests."""
+    """TTFT and TPOT histograms over the served requests, on the wall clock (the run file's
+    /requests: tokens as the TE-shell took them); the projected 910C ones are in the summary."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     for ax, key, title in zip(axes, ("ttft_s", "tpot_s"), ("TTFT", "TPOT")):
         values = run.requests[key][np.isfinite(run.requests[key])] * 1e3
@@ -106,8 +107,14 @@ def latencies(run: RunData, path: Path) -> Path:
             ax.hist(values, bins=min(20, max(len(values), 1)), color="tab:blue")
         else:
             _empty(ax, f"no {title}")
-        ax.set(title=f"{title} distribution", xlabel="ms", ylabel="requests")
-    fig.suptitle(run.name, fontsize=9)
+        ax.set(title=f"{title} distribution, wall clock", xlabel="wall ms", ylabel="requests")
+    clock = run.summary.get("serving_clock", "")
+    drove = f"; serving driven by the {clock} clock" if clock else ""
+    fig.suptitle(
+        f"{run.name}: TTFT and TPOT on this machine's wall clock (as the TE-shell took the "
+        f"tokens; the projected 910C ones are in the summary){drove}",
+        fontsize=8,
+    )
     return _save(fig, path)
 
 
@@ -128,8 +135,11 @@ def mtp_acceptance(run: RunData, path: Path) -> Path:
 
 
 def recovery(run: RunData, path: Path) -> Path:
-    """Faults (markers), rollbacks and recomputed attempts (bars) on the wall clock."""
-    fig, ax = plt.subplots(figsize=(10, 2.6))
+    """Every failure record of the run file (a row each: injected, then detected and fenced,
+    with what recovery did), and the trace's transient faults (markers), rollbacks and
+    recomputed attempts (bars), on the wall clock from serving's start."""
+    failures = failure_rows(run)
+    fig, ax = plt.subplots(figsize=(10, 2.6 + 0.45 * len(failures) + 0.2 * len(failures)))
     rows = {"fault": 2, "rollback": 1, "recompute": 0}
     colors = {"fault": "tab:red", "rollback": "tab:orange", "recompute": "tab:purple"}
     for name, start, dur in run.recovery:
@@ -137,15 +147,63 @@ def recovery(run: RunData, path: Path) -> Path:
             ax.plot([start], [rows[name]], "v", color=colors[name], ms=8)
         else:
             ax.barh(rows[name], max(dur, 1e-3), left=start, color=colors[name], height=0.6)
-    if not run.recovery:
-        ax.text(0.5, 0.5, "no faults, rollbacks or recomputation", transform=ax.transAxes)
+    ends = [s + d for _, s, d in run.recovery]
+    for row, (label, _, injected, detected) in enumerate(failures, start=3):
+        rows[label] = row
+        ax.plot([injected], [row], "x", color="k", ms=8)
+        if detected >= 0:  # detection to fence: the detector fences as it names the die
+            ax.plot([injected, detected], [row, row], color="tab:red", lw=2)
+            ax.plot([detected], [row], "|", color="tab:red", ms=14, mew=2)
+            ax.annotate(f"+{detected - injected:.2f} s", (detected, row), xytext=(6, 0),
+                        textcoords="offset points", va="center", fontsize=7)  # fmt: skip
+        ends.append(max(detected, injected))
+    # what each failure cost, in words, under the axes (one line each)
+    notes = [f"{label}: {text}" for label, text, _, _ in failures]
+    if notes:
+        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom", wrap=True)
+    if not run.recovery and not run.failures:
+        ax.text(0.5, 0.5, "no failures, faults, rollbacks or recomputation", transform=ax.transAxes)
     ax.set_yticks(list(rows.values()), list(rows))
-    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [s + d for _, s, d in run.recovery]))
-    ax.set_xlabel("wall s since the run's first event")
+    ax.set_xlim(0, max([run.attrs.get("wall_time_s", 1.0)] + [1.15 * e for e in ends]))
+    ax.set_ylim(-0.6, max(rows.values()) + 0.6)
+    ax.set_xlabel("wall s since serving started (this machine's clock)")
     count = sum(1 for name, _, _ in run.recovery if name == "fault")
-    where = "" if run.has_trace else " (no trace)"
-    ax.set_title(f"{run.name}: faults and recoveries, {count} faults{where}")
-    return _save(fig, path)
+    where = "" if run.has_trace else " (no trace: transient faults not shown)"
+    ax.set_title(
+        f"{run.name}: {len(failures)} failure{'' if len(failures) == 1 else 's'} (x injected, "
+        f"| detected and fenced), {count} transient faults{where}",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.04 + 0.06 * len(notes), 1, 1))  # room for the notes
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def failure_rows(run: RunData) -> list[tuple[str, str, float, float]]:
+    """One row per failure record: (label, what happened, injected s, detected s (-1: never)),
+    wall seconds since serving started; the text gives the virtual times too."""
+    out = []
+    for f in run.failures:
+        label = f"{f['kind']} {f['role']} die {f['die']}"
+        injected, detected = f["injected_wall_s"], f["detected_wall_s"]
+        if detected >= 0:
+            found = (
+                f"detected {detected - injected:.2f} s later by {f['detected_by']} "
+                f"({f['verdict']}; virtual {f['injected_virtual_s']:.3f} -> "
+                f"{f['detected_virtual_s']:.3f} s)"
+            )
+        else:
+            found = "never detected"
+        affected = len(f.get("requests_affected", ()))
+        lost = len(f.get("requests_lost", ()))
+        text = (
+            f"iteration {f['injected_iteration']}: {found}; {f['recovery'] or 'no recovery'}; "
+            f"{affected} requests moved, {lost} lost; tokens/s {f['tokens_per_s_before']:.1f} "
+            f"-> {f['tokens_per_s_after']:.1f}"
+        )
+        out.append((label, text, injected, detected))
+    return out
 
 
 FIGURES = {

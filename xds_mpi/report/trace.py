@@ -12,10 +12,16 @@ is off (the default until `configure`):
 Events are buffered in memory as `SpanRecord`s and sent to the TE-shell once at the end
 (ranks/core/trace_io.py), which writes one Chrome trace-event file (xds_mpi/report/trace_writer.py).
 The names a span may take are `SPAN_NAMES`: one place, so the writer can check every span.
+
+A rank keeps at most `max_events` events (MAX_EVENTS_ENV; `xds-mpi serve --trace-max-events`,
+unbounded when unset): past it the oldest quarter goes, and the first event kept is a "trace cap"
+instant saying how many went. A served run's trace is then its newest events, whatever the
+number of requests served, instead of a buffer that grows with every iteration until the stop.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -46,9 +52,16 @@ SPAN_NAMES: dict[str, str] = {
     "fault": "an injected XCCL fault (instant)",
     "eplb": "EPLB reconfiguration on a die: phases 1-2 (prefetch + disable), each phase-3 load, "
     "phase 4 (enable, instant)",
+    "trace cap": "the rank's older events dropped to keep at most max_events (instant: "
+    "dropped, max_events)",
     "heartbeat": "a heartbeat (not emitted yet)",
     "kv transfer": "a KV cache transfer, prefill to decode (not emitted yet)",
 }
+
+
+# The most events a rank keeps (a positive integer; unset or 0: every event). `xds-mpi serve`
+# sets it for its ranks (launch/serve/command.py); the launcher hands its environment down.
+MAX_EVENTS_ENV = "XDS_TRACE_MAX_EVENTS"
 
 
 class Clock(Protocol):
@@ -92,11 +105,33 @@ def _span_record(
 
 
 class Tracer:
-    def __init__(self, clock: Clock | None = None) -> None:
+    """max_events: the most events kept (0: all); past it `trim` drops the oldest."""
+
+    def __init__(self, clock: Clock | None = None, max_events: int = 0) -> None:
         self.clock = clock
         self.events: list[SpanRecord | tuple] = []  # spans as tuples (`_record`)
         self.attempt_start = 0  # index of the first event of the attempt running now
         self._offset_us = time.time() * 1e6 - time.perf_counter() * 1e6
+        self.max_events = max_events
+        # the event count past which `trim` runs: never, without a cap (one comparison per span)
+        self.trim_above = max_events or float("inf")
+        self.num_dropped = 0  # events dropped by `trim` so far
+
+    def trim(self) -> None:
+        """Over max_events: drop the oldest events, down to three quarters of it (the list stays
+        the same object: the buffers' WaitLogs append to it), and put a "trace cap" instant
+        first, saying how many went."""
+        events = self.events
+        has_note = bool(events) and type(events[0]) is SpanRecord and events[0].name == "trace cap"
+        num = len(events) - has_note - self.max_events * 3 // 4
+        del events[: has_note + num]  # the previous note too: one note, at the front
+        self.num_dropped += num
+        self.attempt_start = max(1, self.attempt_start - has_note - num + 1)
+        first = _record(events[0]) if events else None
+        wall = first.wall_start_us if first is not None else self.now_us()
+        vtime = first.vstart_us if first is not None else self.vnow_us()
+        args = {"dropped": self.num_dropped, "max_events": self.max_events}
+        events.insert(0, _span_record("trace cap", "i", wall, wall, vtime, vtime, args, -1, False))
 
     def now_us(self) -> float:
         return time.perf_counter() * 1e6 + self._offset_us
@@ -116,6 +151,8 @@ class Tracer:
             (name, wall_s[0] * 1e6 + offset, wall_s[1] * 1e6 + offset,
              vtime_ns[0] / 1e3, vtime_ns[1] / 1e3, args)
         )  # fmt: skip
+        if len(self.events) > self.trim_above:
+            self.trim()
 
     def point(self, name: str, phase: str, args: dict, flow_id: int = -1) -> None:
         wall, vnow = self.now_us(), self.vnow_us()
@@ -131,6 +168,8 @@ class Tracer:
                 flow_id=flow_id,
             )
         )
+        if len(self.events) > self.trim_above:
+            self.trim()
 
     def mark_rolled_back(self) -> None:
         """The attempt running now failed: flag its events (their virtual times will repeat)."""
@@ -158,6 +197,8 @@ class _Span:
         tracer.events.append(
             (self.name, self.wall, tracer.now_us(), self.vstart, tracer.vnow_us(), self.args)
         )
+        if len(tracer.events) > tracer.trim_above:
+            tracer.trim()
 
 
 def _record(event: SpanRecord | tuple) -> SpanRecord:
@@ -171,10 +212,26 @@ def _record(event: SpanRecord | tuple) -> SpanRecord:
 _tracer: Tracer | None = None  # None: tracing off
 
 
-def configure(*, enabled: bool, clock: Clock | None = None) -> None:
-    """Turn tracing on (a fresh buffer) or off for this process; `clock`: the virtual clock."""
+def configure(*, enabled: bool, clock: Clock | None = None, max_events: int | None = None) -> None:
+    """Turn tracing on (a fresh buffer) or off for this process; `clock`: the virtual clock;
+    `max_events`: the most events kept (None: $XDS_TRACE_MAX_EVENTS, unset: all)."""
     global _tracer
-    _tracer = Tracer(clock) if enabled else None
+    if max_events is None:
+        max_events = max_events_from_env()
+    _tracer = Tracer(clock, max_events) if enabled else None
+
+
+def max_events_from_env() -> int:
+    """$XDS_TRACE_MAX_EVENTS as a count (0 when unset); a value that is no count is refused."""
+    value = os.environ.get(MAX_EVENTS_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"${MAX_EVENTS_ENV} must be a count of events (0: all), got {value!r}")
+    return int(value)
+
+
+def num_dropped() -> int:
+    """Events this rank dropped to stay under its cap (0 when off or uncapped)."""
+    return 0 if _tracer is None else _tracer.num_dropped
 
 
 def set_clock(clock: Clock) -> None:

@@ -7,7 +7,8 @@ chrome://tracing open. Two processes, one per clock, each with one track (thread
   ("rolled-back attempts"), since the re-run repeats their virtual times.
 
 Flows ("s"/"f", bound to the enclosing slice) draw arrows between ranks on the wall clock, and on
-the virtual clock when both ends have one.
+the virtual clock when both ends have one. A rank that kept only its newest events (a cap:
+xds_mpi/report/trace.py) is named in `otherData.trace_caps` with the number it dropped.
 """
 
 from __future__ import annotations
@@ -41,7 +42,18 @@ def chrome_trace(events: dict[int, list[SpanRecord]], track_names: dict[int, str
             if e.vstart_us is not None and (not is_flow or e.flow_id in virtual_flows):
                 tid = ROLLED_BACK_TID + rank if e.rolled_back else rank
                 out.append(_event(e, VIRTUAL_PID, tid, e.vstart_us, e.vend_us - e.vstart_us))
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"t0_unix_us": t0}}
+    other = {"t0_unix_us": t0, "trace_caps": trace_caps(events)}
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}
+
+
+def trace_caps(events: dict[int, list[SpanRecord]]) -> dict[str, dict]:
+    """rank -> {"dropped", "max_events"} of each rank that dropped its oldest events to stay
+    under its cap (the "trace cap" instant it keeps first: xds_mpi/report/trace.py)."""
+    return {
+        str(rank): evs[0].args
+        for rank, evs in sorted(events.items())
+        if evs and evs[0].name == "trace cap"
+    }
 
 
 def _virtual_flows(events: dict[int, list[SpanRecord]]) -> set[int]:
