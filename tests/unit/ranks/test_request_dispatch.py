@@ -16,6 +16,13 @@ from xds_mpi.scheduling.balancer import DecodeBalancer
 from xds_mpi.workload.requests import Request
 
 
+class _Pending:
+    """An isend no die has taken yet."""
+
+    def Test(self) -> bool:  # noqa: N802 (MPI's name)
+        return False
+
+
 class _Comm:
     """Records isend calls; the inbox side gives back what was sent."""
 
@@ -24,7 +31,7 @@ class _Comm:
 
     def isend(self, obj, *, dest: int, tag: int):
         self.sent.append((obj, dest, tag))
-        return None
+        return _Pending()
 
 
 def _frontend(requests: list[Request], groups: list[int]) -> Frontend:
