@@ -71,7 +71,8 @@ class ColocatedDie(DecodeDieLoop):
         self.ems = self._ems_client(ctx, state.cache)
         self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, lanes)
-        self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
+        is_virtual = ctx.plan.clock.is_virtual
+        self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer, is_virtual=is_virtual)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.vtime = self._virtual_time(ctx)  # run.clock virtual: None on the wall clock
         self.outbox = Outbox(
@@ -206,6 +207,9 @@ class ColocatedDie(DecodeDieLoop):
             if self.vtime.is_held(self.inbox.is_stopped):  # parked: out of the agreement
                 self.agreement_fence()  # a fence still releases it (decode_die.py)
                 return True
+        if self.eplb.is_waiting(self.inbox.is_stopped):  # virtual: EPLB's decision first
+            self.agreement_fence()
+            return True
         if self.ems is not None:
             self._pull_prefixes()
         self.before_agree()
