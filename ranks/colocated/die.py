@@ -133,6 +133,7 @@ class ColocatedDie(DecodeDieLoop):
             fixed = cfg.eplb.enabled  # EPLB balances the other redundant slots
             self.executor.expert_map = ring_expert_map(topo, model, moe_layers, fixed=fixed)
         self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
+        self.health_cfg = cfg.health  # a failover's price on the virtual clock
         self.is_scaled = self.is_lost = False
         self.health = None
         if is_watched(cfg, ctx.plan):
@@ -194,7 +195,17 @@ class ColocatedDie(DecodeDieLoop):
             expert_map = self.executor.expert_map
             left = scale_down.without_dies(expert_map.placement, self.topo, failover.lost)
             expert_map.install(left)
-        scale_down.send_ready(self.world, self.health.shell, self.outbox.num_batches)  # Step 4
+        fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
+        scale_down.send_ready(self.world, self.health.shell, self.outbox.num_batches, fault_s)
+
+    def _priced_failover(self) -> float:
+        """run.clock virtual: this die's clock moved past the failover's priced cost
+        (ranks/colocated/virtual_time.py failed_over); the clock before, seconds (-1: wall)."""
+        if self.vtime is None:
+            return -1.0
+        from xds_mpi.plan.failures.loss import FailoverCost
+
+        return self.vtime.failed_over(FailoverCost.of(self.health_cfg).total_s)
 
     def xccl_buffer(self):
         return self.executor.ep

@@ -49,13 +49,14 @@ class VirtualPacer:
         # A grant may wait out a failover (detection, fence, rebuild) besides the XCCL waits.
         self.timeout_s = cfg.xccl.poll_timeout_s + release_bound_s(cfg.health)
         self.news_at, self.news = time.monotonic(), -1
+        self.must_grant = False  # after a failover: a grant goes out even with nothing queued
 
     def turn(self) -> int:
         """Take the dies' clock reports; once every die reported, decide and grant. The work
         done (reports taken, grants sent)."""
         num = self._take_reports()
         frontend = self.frontend
-        if not frontend.queue:
+        if not frontend.queue and not self.must_grant:
             return num
         missing = [g for g in frontend.groups if g not in self.reports]
         if missing:
@@ -79,6 +80,15 @@ class VirtualPacer:
     def finished(self, req_id: int, vtime_s: float) -> None:
         """A request's last token, sampled at virtual `vtime_s` on its die."""
         self.completions.add(req_id, vtime_s)
+
+    def failed_over(self, resumed_s: float) -> None:
+        """A failover priced on the virtual clock (ranks/recovery/scale_down.py) ends at virtual
+        `resumed_s`, the survivors' next common start: no decision before it (the lost dies'
+        requests, readmitted, and every queued one are decided from then on), and the next
+        grant goes out once the survivors, parked there, have reported, even with nothing
+        queued (they wait for it)."""
+        self.decided_s = max(self.decided_s, resumed_s)
+        self.must_grant = True
 
     def apply_finishes(self) -> None:
         """Every known finish applied now (a failover: the lost dies' unfinished requests are
@@ -131,6 +141,7 @@ class VirtualPacer:
             )
             frontend.sends.append(frontend.comm.isend(message, dest=group, tag=TAG_VTIME_GRANT))
         self.reports = {}
+        self.must_grant = False
         self.news_at = time.monotonic()
 
     def _check_waiting(self, missing: list[int]) -> None:
