@@ -175,6 +175,11 @@ class ColocatedDie(DecodeDieLoop):
         )
 
     @property
+    def iteration_start_s(self) -> float:
+        """The running iteration's virtual start (a stuck row's at_s); -1 on the wall clock."""
+        return self.vtime.start_s if self.vtime is not None else -1.0
+
+    @property
     def busy_iterations(self) -> int:
         """Iterations run, the same count on every die (a fault row's `iteration` is one)."""
         return self.executor.num_iterations
@@ -238,6 +243,11 @@ class ColocatedDie(DecodeDieLoop):
         self.idle.busy()
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
+            if self.dead is not None and self.dead.at_start(
+                self.vtime.start_s, self.busy_iterations
+            ):
+                self.dead = None  # an at_s dead row: silent from this iteration on
+                return True
         if self.ems is None:  # (with EMS a request's prefix is looked up before the agreement)
             # Requests that reached this die during the agreement join this iteration, not the
             # next: at a burst of arrivals a die that polled just before its requests came

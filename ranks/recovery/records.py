@@ -59,19 +59,35 @@ def failure_records(
     rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     naming = {die: d for d in detections for die in d.verdicts}  # die -> its detection
     out = [
-        _record(row.kind, row.die, row.iteration, roles, began.get(row.die), requests, started)
+        _record(
+            kind=row.kind,
+            die=row.die,
+            roles=roles,
+            note=began.get(row.die),
+            requests=requests,
+            started=started,
+            iteration=-1 if row.iteration is None else row.iteration,
+        )  # -1: an at_s row
         for row in rows
     ]
     named = {row.die for row in rows}
     out += [
-        _record("none", die, -1, roles, None, requests, started)
+        _record(
+            kind="none",
+            die=die,
+            iteration=-1,
+            roles=roles,
+            note=None,
+            requests=requests,
+            started=started,
+        )
         for die in sorted(naming)
         if die not in named
     ]
     return [_judged(r, naming.get(r.die), began.get(r.die), started, requests) for r in out]
 
 
-def _record(kind, die, iteration, roles, note, requests, started) -> FailureRecord:
+def _record(*, kind, die, iteration, roles, note, requests, started) -> FailureRecord:
     if note is None:
         return FailureRecord(
             kind=kind,

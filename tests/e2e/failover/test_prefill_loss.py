@@ -28,7 +28,7 @@ SETS = (
 @pytest.mark.parametrize(
     "row",
     [
-        "{kind: dead, die: 6}",  # before its first prefill batch
+        "{kind: dead, die: 6, iteration: 0}",  # before its first prefill batch
         pytest.param(  # mid-run, after two batches
             "{kind: stuck, die: 7, iteration: 2}", marks=pytest.mark.failure_matrix
         ),
