@@ -42,7 +42,9 @@ def test_a_fault_free_run_has_no_verdict(tmp_path):
 
 def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
     # prefill die 4 -> decode die 2 drops everything from its first batch on, for good.
-    result, records = _failures(tmp_path, "faults.events=[{kind: link, die: 4, peer: 2, iteration: 0}]")
+    result, records = _failures(
+        tmp_path, "faults.events=[{kind: link, die: 4, peer: 2, iteration: 0}]"
+    )
     assert [(r.kind, r.verdict, r.detected_by) for r in records] == [
         ("link", "link", "link probe")
     ], explain(result)

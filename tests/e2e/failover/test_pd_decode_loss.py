@@ -133,7 +133,8 @@ def test_a_pd_decode_loss_with_another_fault_row_is_refused():
 
 def test_a_pd_afd_decode_side_loss_stays_refused():
     cfg = load_config(
-        REPO_ROOT / "configs" / "pd_afd.yaml", ["faults.events=[{kind: dead, die: 2, iteration: 0}]"]
+        REPO_ROOT / "configs" / "pd_afd.yaml",
+        ["faults.events=[{kind: dead, die: 2, iteration: 0}]"],
     )
     topo = Topology.from_config(cfg)
     assert topo.ranks[2].role == "attention"
