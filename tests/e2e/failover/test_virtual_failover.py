@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import REPO_ROOT
 from test_decode_failover import HEALTH, RING
 from test_recompute import serve
 from test_serving import check_line
@@ -26,6 +27,7 @@ WORKLOAD = [
     "workload.ignore_eos=true",
 ]
 SERVED = "check: 12 requests, 144 tokens, 0 mismatches"
+COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
 
 
 def _served(tmp_path, row: str, num_busy: int = 0):
@@ -45,7 +47,7 @@ def _served(tmp_path, row: str, num_busy: int = 0):
 
 
 def test_the_failover_s_price_is_detection_release_and_rebuild():
-    cfg = load_config("colocated", HEALTH)  # timeout_s 4, dp_interval_s 0.2: graces of 2 s
+    cfg = load_config(COLOCATED, HEALTH)  # timeout_s 4, dp_interval_s 0.2: graces of 2 s
     cost = FailoverCost.of(cfg.health)
     assert (cost.detection_s, cost.release_s, cost.rebuild_s) == (4.2, 4.0, REBUILD_S)
     assert cost.total_s == pytest.approx(8.7, abs=1e-12)
@@ -64,7 +66,7 @@ def test_a_dead_die_gives_the_same_virtual_results_beside_busy_processes(tmp_pat
     assert record.detected_virtual_s == record_loaded.detected_virtual_s
     # The failover's price: the lost die's requests and those that arrived meanwhile are
     # decided when it completes, the fault's virtual time plus detection, release and rebuild.
-    cost = FailoverCost.of(load_config("colocated", HEALTH).health)
+    cost = FailoverCost.of(load_config(COLOCATED, HEALTH).health)
     assert "failover on the virtual clock: fault at" in out
     assert record.verdict == "dead" and record.requests_affected
     decided, arrival = quiet["virtual/decided_s"], quiet["virtual/arrival_s"]
