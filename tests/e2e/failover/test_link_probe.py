@@ -70,10 +70,30 @@ def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
 @pytest.mark.parametrize(
     "row, health, decode_dies, reason",
     [
-        ({"kind": "saturated", "die": 2, "delay_s": 0.5}, {}, 4, r"delay_s\(0.5\) must lie"),
-        ({"kind": "saturated", "die": 2, "delay_s": 9.0}, {}, 4, "looks like a link fault"),
-        ({"kind": "link", "die": 6, "peer": 2}, {"enabled": False}, 4, "no probe would find"),
-        ({"kind": "link", "die": 3, "peer": 2}, {}, 1, "only decode die 2 leaves its KV no"),
+        (
+            {"kind": "saturated", "die": 2, "iteration": 0, "delay_s": 0.5},
+            {},
+            4,
+            r"delay_s\(0.5\) must lie",
+        ),
+        (
+            {"kind": "saturated", "die": 2, "iteration": 0, "delay_s": 9.0},
+            {},
+            4,
+            "looks like a link fault",
+        ),
+        (
+            {"kind": "link", "die": 6, "iteration": 0, "peer": 2},
+            {"enabled": False},
+            4,
+            "no probe would find",
+        ),
+        (
+            {"kind": "link", "die": 3, "iteration": 0, "peer": 2},
+            {},
+            1,
+            "only decode die 2 leaves its KV no",
+        ),
     ],
 )
 def test_channel_rows_the_prober_cannot_name_are_refused(row, health, decode_dies, reason):
