@@ -71,7 +71,8 @@ class ColocatedDie(DecodeDieLoop):
         self.ems = self._ems_client(ctx, state.cache)
         self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, lanes)
-        self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer)
+        is_virtual = ctx.plan.clock.is_virtual
+        self.eplb = make_eplb_die(cfg, ctx.comm, self.executor, self.pricer, is_virtual=is_virtual)
         self.inbox = Inbox(ctx.comm, self.scheduler)
         self.vtime = self._virtual_time(ctx)  # run.clock virtual: None on the wall clock
         self.outbox = Outbox(
@@ -144,6 +145,7 @@ class ColocatedDie(DecodeDieLoop):
             fixed = cfg.eplb.enabled  # EPLB balances the other redundant slots
             self.executor.expert_map = ring_expert_map(topo, model, moe_layers, fixed=fixed)
         self.topo, self.retired = topo, []  # retired: (comm, window) pairs of a failover
+        self.health_cfg = cfg.health  # a failover's price on the virtual clock
         self.is_scaled = self.is_lost = False
         self.health = None
         if is_watched(cfg, ctx.plan):
@@ -185,6 +187,11 @@ class ColocatedDie(DecodeDieLoop):
         )
 
     @property
+    def iteration_start_s(self) -> float:
+        """The running iteration's virtual start (a stuck row's at_s); -1 on the wall clock."""
+        return self.vtime.start_s if self.vtime is not None else -1.0
+
+    @property
     def busy_iterations(self) -> int:
         """Iterations run, the same count on every die (a fault row's `iteration` is one)."""
         return self.executor.num_iterations
@@ -205,7 +212,17 @@ class ColocatedDie(DecodeDieLoop):
             expert_map = self.executor.expert_map
             left = scale_down.without_dies(expert_map.placement, self.topo, failover.lost)
             expert_map.install(left)
-        scale_down.send_ready(self.world, self.health.shell, self.outbox.num_batches)  # Step 4
+        fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
+        scale_down.send_ready(self.world, self.health.shell, self.outbox.num_batches, fault_s)
+
+    def _priced_failover(self) -> float:
+        """run.clock virtual: this die's clock moved past the failover's priced cost
+        (ranks/colocated/virtual_time.py failed_over); the clock before, seconds (-1: wall)."""
+        if self.vtime is None:
+            return -1.0
+        from xds_mpi.plan.failures.loss import FailoverCost
+
+        return self.vtime.failed_over(FailoverCost.of(self.health_cfg).total_s)
 
     def xccl_buffer(self):
         return self.executor.ep
@@ -218,6 +235,9 @@ class ColocatedDie(DecodeDieLoop):
             if self.vtime.is_held(self.inbox.is_stopped):  # parked: out of the agreement
                 self.agreement_fence()  # a fence still releases it (decode_die.py)
                 return True
+        if self.eplb.is_waiting(self.inbox.is_stopped):  # virtual: EPLB's decision first
+            self.agreement_fence()
+            return True
         if self.ems is not None:
             self._pull_prefixes()
         self.before_agree()
@@ -235,6 +255,11 @@ class ColocatedDie(DecodeDieLoop):
         self.idle.busy()
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
+            if self.dead is not None and self.dead.at_start(
+                self.vtime.start_s, self.busy_iterations
+            ):
+                self.dead = None  # an at_s dead row: silent from this iteration on
+                return True
         if self.ems is None:  # (with EMS a request's prefix is looked up before the agreement)
             # Requests that reached this die during the agreement join this iteration, not the
             # next: at a burst of arrivals a die that polled just before its requests came

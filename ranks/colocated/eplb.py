@@ -14,6 +14,11 @@ the one-sided agreement of the dies (xccl/agreement.py):
           iterations keep decoding;
   phase 4 enable: once every die has loaded, the new placement is installed at the next boundary.
 Step 4 (rotation over replicas) happens inside dispatch (xccl/routing.py).
+On the virtual clock (run.clock virtual, docs/virtual_time.md) the TE-shell answers every count
+slice with its decision (a placement, or None: no change), and a die runs no iteration after
+sending a slice before it holds the decision for it (`is_waiting`): every die then takes a new
+placement into the agreement at the same iteration, the first after the slice that triggered it,
+whatever the wall time the TE-shell took, so the swap's iterations are the same in every run.
 Vertical scaling (ranks/recovery/scale_down.py): a survivor installs at once the placement the
 TE-shell
 made without the lost dies' slots (take_over), loading the weights its slots lack; a swap in
@@ -34,6 +39,7 @@ from ranks.core.messages import SHELL
 from ranks.core.tags import TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT
 from xds_mpi.eplb.placement import changed_slots, disable
 from xds_mpi.eplb.records import CountSlice, PlacementUpdate
+from xds_mpi.plan.failures.loss import release_bound_s
 from xds_mpi.report import trace
 
 MOE_OPS = ("gate", "dispatch", "experts", "combine")
@@ -72,9 +78,14 @@ class Swap:
 
 
 class EplbDie:
-    def __init__(self, cfg, comm: MPI.Comm, executor, pricer) -> None:
+    def __init__(self, cfg, comm: MPI.Comm, executor, pricer, *, is_virtual: bool = False) -> None:
         self.cfg, self.comm = cfg.eplb, comm
         self.me, self.timeout_s = comm.rank, cfg.xccl.poll_timeout_s
+        # Virtual clock: the TE-shell's decisions taken (one per count slice, in order), and how
+        # long a die waits for one: the TE-shell may be in a failover meanwhile.
+        self.is_virtual, self.num_decisions = is_virtual, 0
+        self.decision_timeout_s = self.timeout_s + release_bound_s(cfg.health)
+        self.waiting_since: float | None = None  # time.monotonic() while waiting for a decision
         self.executor, self.pricer = executor, pricer
         self.expert_map = executor.expert_map
         self.version, self.received = 0, None  # placement in use; newest PlacementUpdate
@@ -98,14 +109,41 @@ class EplbDie:
     def boundary_values(self) -> tuple[int, int]:
         """This die's part of the boundary agreement (ranks/colocated/die.py agree): the newest
         placement it has, and 1 once it has nothing left to load."""
-        while (message := self.comm.improbe(source=SHELL, tag=TAG_EPLB_PLACEMENT)) is not None:
-            update = message.recv()
-            if update.version > self.stale_upto:
-                self.received = update
+        self._take_placements()
         return (
             self.received.version if self.received else 0,
             0 if self.swap and self.swap.to_load else 1,
         )
+
+    def _take_placements(self) -> None:
+        """The TE-shell's placements that arrived (virtual clock: its decisions, None for no
+        change)."""
+        while (message := self.comm.improbe(source=SHELL, tag=TAG_EPLB_PLACEMENT)) is not None:
+            update = message.recv()
+            self.num_decisions += 1
+            if update is not None and update.version > self.stale_upto:
+                self.received = update
+
+    def is_waiting(self, is_stopped: bool) -> bool:
+        """Virtual clock: has this die sent a count slice whose decision it does not hold yet?
+        It then runs no iteration (nor the agreement) until the decision comes, so that every die
+        agrees on it at the same iteration. Bounded; a stop ends the wait (no iteration follows)."""
+        if not self.is_virtual or is_stopped:
+            return False
+        self._take_placements()
+        if self.num_decisions >= self.num_slices:
+            self.waiting_since = None
+            return False
+        now = time.monotonic()
+        if self.waiting_since is None:
+            self.waiting_since = now
+        elif now - self.waiting_since > self.decision_timeout_s:
+            raise WaitTimeout(
+                f"die rank {self.me}: no EPLB decision from the TE-shell (rank {SHELL}) for count "
+                f"slice {self.num_decisions} after {self.decision_timeout_s:g} s"
+            )
+        time.sleep(0.0005)
+        return True
 
     def at_boundary(self, agreed: tuple[int, int]) -> None:
         """With `agreed` the minimum of every die's boundary_values: the newest placement all

@@ -21,6 +21,9 @@ class NoEplb:
     def at_boundary(self, agreed: tuple[int, int]) -> None:
         pass
 
+    def is_waiting(self, is_stopped: bool) -> bool:
+        return False
+
     def after_iteration(self) -> None:
         pass
 
@@ -34,10 +37,13 @@ class NoEplb:
         raise AssertionError("no EPLB: a failover carries no EPLB placement")
 
 
-def make_eplb_die(cfg, comm: MPI.Comm, executor, pricer) -> EplbDie | NoEplb:
+def make_eplb_die(
+    cfg, comm: MPI.Comm, executor, pricer, *, is_virtual: bool = False
+) -> EplbDie | NoEplb:
+    """is_virtual: serving on the virtual clock (the TE-shell decides every count slice)."""
     if not cfg.eplb.enabled:
         return NoEplb()
     # Lazy import, with EPLB only: a start-up cost of every other colocated die (docs/scale.md).
     from ranks.colocated.eplb import EplbDie
 
-    return EplbDie(cfg, comm, executor, pricer)
+    return EplbDie(cfg, comm, executor, pricer, is_virtual=is_virtual)

@@ -168,6 +168,18 @@ class DieVirtualTime(AgreedClock):
         self.pending = [r for r in self.pending if not r.Test()]
         self.reported_seq, self.admitted = self.seq, []
 
+    def failed_over(self, cost_s: float) -> float:
+        """A failover (ranks/recovery/scale_down.py) rebuilt this die: its clock moves past the
+        failover's priced cost (xds_mpi/plan/failures/loss.py FailoverCost), and it parks there,
+        so that the TE-shell decides the lost dies' requests at the virtual time the failover
+        completed (the dies' next common start). Returns the clock before, seconds: where the
+        fault found the die (its last iteration boundary, or the start of the iteration the
+        fence interrupted, once restored)."""
+        before_s = self.clock.now_ns / 1e9
+        self.clock.advance(cost_s * 1e9)
+        self.horizon_s = min(self.horizon_s, self.clock.now_ns / 1e9)
+        return before_s
+
     def begin(self) -> None:
         """The iteration about to run starts at the dies' common virtual start."""
         super().begin()

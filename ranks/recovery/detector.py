@@ -151,9 +151,12 @@ class Detector:
                 self.timeout_s,
             )
 
-    def recovered(self, loss: Loss, recovery: str, affected: tuple[int, ...]) -> None:
+    def recovered(
+        self, loss: Loss, recovery: str, affected: tuple[int, ...], detected_virtual_s=-1.0
+    ) -> None:
         """The dies went on without `loss.lost` (ranks/recovery/scale_down.py): one detection
-        more."""
+        more. detected_virtual_s: run.clock virtual, the detection priced on the virtual clock
+        (-1: the wall clock's projection, records.py)."""
         for die in loss.lost:
             self.sender.forget(die)
         self.groups = tuple(g for g in self.groups if g not in loss.lost)
@@ -164,6 +167,7 @@ class Detector:
                 recovery=recovery,
                 affected=affected,
                 resumed_wall=time.time(),
+                detected_virtual_s=detected_virtual_s,
             )
         )
 

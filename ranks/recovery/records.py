@@ -10,7 +10,9 @@ nobody injected).
 
 Projected detection time: heartbeats are a wall-clock mechanism (intervals and timeout are the
 same seconds on the pod), so the detection lands at the die's virtual injection time plus the
-wall seconds from injection to detection.
+wall seconds from injection to detection; on the virtual clock (run.clock virtual) it is priced
+instead (ranks/recovery/scale_down.py, xds_mpi/plan/failures/loss.py FailoverCost): the fault's
+virtual time plus health.timeout_s and one health.dp_interval_s.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ class Detection:
     """What one fence concluded: wall_time (time.time()) of the fence; verdicts: the dies judged
     -> "dead" (still silent after the release and after) or "stuck" (answered again, later);
     recovery: what was done, in words; affected: the requests moved; resumed_wall: when the
-    dies served again (-1: the run stopped)."""
+    dies served again (-1: the run stopped); detected_virtual_s, on the virtual clock: the
+    detection priced there (xds_mpi/plan/failures/loss.py FailoverCost), -1 elsewhere."""
 
     wall_time: float
     verdicts: dict[int, str] = field(default_factory=dict)
     recovery: str = ""
     affected: tuple[int, ...] = ()
     resumed_wall: float = -1.0
+    detected_virtual_s: float = -1.0  # run.clock virtual: priced (scale_down.py), else -1
 
 
 def failure_records(
@@ -55,19 +59,35 @@ def failure_records(
     rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     naming = {die: d for d in detections for die in d.verdicts}  # die -> its detection
     out = [
-        _record(row.kind, row.die, row.iteration, roles, began.get(row.die), requests, started)
+        _record(
+            kind=row.kind,
+            die=row.die,
+            roles=roles,
+            note=began.get(row.die),
+            requests=requests,
+            started=started,
+            iteration=-1 if row.iteration is None else row.iteration,
+        )  # -1: an at_s row
         for row in rows
     ]
     named = {row.die for row in rows}
     out += [
-        _record("none", die, -1, roles, None, requests, started)
+        _record(
+            kind="none",
+            die=die,
+            iteration=-1,
+            roles=roles,
+            note=None,
+            requests=requests,
+            started=started,
+        )
         for die in sorted(naming)
         if die not in named
     ]
     return [_judged(r, naming.get(r.die), began.get(r.die), started, requests) for r in out]
 
 
-def _record(kind, die, iteration, roles, note, requests, started) -> FailureRecord:
+def _record(*, kind, die, iteration, roles, note, requests, started) -> FailureRecord:
     if note is None:
         return FailureRecord(
             kind=kind,
@@ -101,10 +121,13 @@ def _judged(record: FailureRecord, detection, note, started, requests) -> Failur
     if detection is None:
         return record
     resumed = detection.resumed_wall
+    detected_virtual_s = detection.detected_virtual_s
+    if detected_virtual_s < 0:  # the wall clock: projected from the wall seconds it took
+        detected_virtual_s = note.virtual_s + detection.wall_time - note.wall_time if note else -1.0
     return replace(
         record,
         detected_wall_s=detection.wall_time - started,
-        detected_virtual_s=note.virtual_s + detection.wall_time - note.wall_time if note else -1.0,
+        detected_virtual_s=detected_virtual_s,
         detected_by="heartbeat",
         verdict=detection.verdicts[record.die],
         recovery=detection.recovery,

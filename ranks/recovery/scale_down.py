@@ -45,6 +45,7 @@ from ranks.core.tags import TAG_FAILOVER, TAG_FAILOVER_READY
 from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.execution.slots import ExpertSlots
 from xds_mpi.plan.failures.checks import release_bound_s
+from xds_mpi.plan.failures.loss import FailoverCost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +60,13 @@ class Failover:
 
 @dataclass(frozen=True, kw_only=True)
 class Ready:
-    """A survivor -> the TE-shell, once rebuilt: num_batches, token batches it sent so far."""
+    """A survivor -> the TE-shell, once rebuilt: num_batches, token batches it sent so far;
+    fault_vclock_s, run.clock virtual: its virtual clock where the fault found it, before the
+    failover's priced cost moved it on (-1: the wall clock)."""
 
     die: int
     num_batches: int
+    fault_vclock_s: float = -1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,11 +90,38 @@ def scale_down(frontend, loss) -> None:
     comm, cfg = frontend.comm, frontend.ctx.cfg
     ready, timeout_s = rebuild(comm, cfg, frontend.detector, loss, failover=failover)  # Step 1
     frontend.take_batches({g: r.num_batches for g, r in ready.items()}, timeout_s)  # Step 2
+    priced = _priced(frontend, ready)  # run.clock virtual: (fault, detection, resumption) s
     orphans = frontend.drop_groups(loss.lost)  # Step 3
     frontend.readmit(resumed(frontend.records[r]) for r in sorted(orphans))
     recovery = _recovery(frontend, loss, before, len(orphans), len(ready))
     frontend.log.warning("failover: %s", recovery)
-    frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)))
+    detected_s = priced[1] if priced else -1.0
+    frontend.detector.recovered(loss, recovery, tuple(sorted(orphans)), detected_s)
+
+
+def _priced(frontend, ready: dict) -> tuple[float, float, float] | None:
+    """run.clock virtual: the failover on the virtual clock (docs/virtual_time.md). The fault
+    found the survivors at their latest clock (their common start had they gone on); each moved
+    its clock past the priced cost (xds_mpi/plan/failures/loss.py FailoverCost), so they resume
+    at that start plus the cost, and the TE-shell decides nothing before it: the lost dies'
+    requests, readmitted, are decided then (ranks/shell/virtual_time.py failed_over). (fault,
+    detection, resumption) virtual seconds; None on the wall clock."""
+    if frontend.virtual is None or not ready:
+        return None
+    cost = FailoverCost.of(frontend.ctx.cfg.health)
+    fault_s = max(r.fault_vclock_s for r in ready.values())
+    resumed_s = fault_s + cost.total_s
+    frontend.virtual.failed_over(resumed_s)
+    frontend.log.warning(
+        "failover on the virtual clock: fault at %.6f s; detection %g s, release %g s, rebuild "
+        "%g s (xds_mpi/plan/failures/loss.py); the survivors resume at %.6f s",
+        fault_s,
+        cost.detection_s,
+        cost.release_s,
+        cost.rebuild_s,
+        resumed_s,
+    )
+    return fault_s, fault_s + cost.detection_s, resumed_s
 
 
 def rebuild(
@@ -145,9 +176,10 @@ def survivors(dies: MPI.Comm, world: MPI.Comm, lost: tuple[int, ...]) -> MPI.Com
     return dies.Create_group(dies.group.Excl(lost_here))
 
 
-def send_ready(world: MPI.Comm, shell: int, num_batches: int) -> None:
-    """Step 4: the die rebuilt; it has sent `num_batches` token batches."""
-    world.send(Ready(die=world.rank, num_batches=num_batches), dest=shell, tag=TAG_FAILOVER_READY)
+def send_ready(world: MPI.Comm, shell: int, num_batches: int, fault_vclock_s: float = -1.0) -> None:
+    """Step 4: the die rebuilt; it has sent `num_batches` token batches (fault_vclock_s: Ready)."""
+    ready = Ready(die=world.rank, num_batches=num_batches, fault_vclock_s=fault_vclock_s)
+    world.send(ready, dest=shell, tag=TAG_FAILOVER_READY)
 
 
 def num_routed_dies_left(topo, lost: tuple[int, ...]) -> int:

@@ -11,6 +11,10 @@ Vertical scaling (ranks/recovery/scale_down.py, xDeepServe §6.2 stage 2 "EPLB r
 scale_down takes the lost dies out of the groups and the count slices, and makes the newest
 placement without their slots the next version, which the survivors install at once
 (ranks/colocated/eplb.py take_over); later rebalancing plans over the survivors' slots only.
+On the virtual clock (run.clock virtual, docs/virtual_time.md) every completed time slice is
+answered to every die with the decision (the new placement, or None for no change): the dies wait
+for it before their next iteration (ranks/colocated/eplb.py is_waiting), so the iteration a swap
+starts at is decided by the dies' iteration count, not by when the slices reached this rank.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class EplbShell:
         self.reconfigs: list[Reconfig] = []
         self.scalings: list[int] = []  # versions installed by vertical scaling
         self.sends: list[MPI.Request] = []
+        self.is_virtual = ctx.plan.clock.is_virtual  # answer every slice (ranks/colocated/eplb.py)
 
     def poll(self) -> int:
         """Take every count slice that arrived; complete slices, rebalance when due."""
@@ -75,23 +80,27 @@ class EplbShell:
         self.window.append(totals.counts)
         self.new_slices += 1
         is_idle = totals.version_end == self.version
+        update = None
         if self.new_slices >= self.cfg.slices and is_idle and not self.is_closing:
             self.new_slices = 0
-            self._rebalance()
+            update = self._rebalance()
+        if update is not None or (self.is_virtual and not self.is_closing):
+            # (at the end the dies' last, partial slices are answered by no one: they left)
+            self.sends += [
+                self.comm.isend(update, dest=g, tag=TAG_EPLB_PLACEMENT) for g in self.groups
+            ]
 
-    def _rebalance(self) -> None:
-        """Step 2 on the kept slices; a changed placement goes to every die."""
+    def _rebalance(self) -> PlacementUpdate | None:
+        """Step 2 on the kept slices; a changed placement, to go to every die (None: none)."""
         counts = np.stack(list(self.window), axis=1)  # [num_moe_layers, num_slices, num_experts]
         proposed = rebalance(
             self.cfg.policy, self.placement, counts, self.budget, dies_per_node=self.dies_per_node
         )
         new = keep_improvements(self.placement, proposed, counts)
-        if changed_slots(self.placement, new):
-            self._next(new, counts)
-            update = PlacementUpdate(version=self.version, placement=new)
-            self.sends += [
-                self.comm.isend(update, dest=g, tag=TAG_EPLB_PLACEMENT) for g in self.groups
-            ]
+        if not changed_slots(self.placement, new):
+            return None
+        self._next(new, counts)
+        return PlacementUpdate(version=self.version, placement=new)
 
     def scale_down(self, lost: tuple[int, ...]) -> tuple[Placement, int]:
         """Vertical scaling: the DP groups and count slices without the `lost` dies (world

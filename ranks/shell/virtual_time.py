@@ -115,6 +115,7 @@ class VirtualPacer(GrantRounds):
         self.frontend = frontend
         self.completions = Completions()  # finishes not yet applied to the balancer
         self.decided_s = 0.0  # the last decision's virtual time
+        self.must_grant = False  # after a failover: a grant goes out even with nothing queued
 
     @property
     def actors(self) -> list[int]:
@@ -125,7 +126,7 @@ class VirtualPacer(GrantRounds):
         done (reports taken, grants sent)."""
         num = self._take_reports()
         frontend = self.frontend
-        if not frontend.queue:
+        if not frontend.queue and not self.must_grant:
             return num
         missing = self.missing()
         if missing:
@@ -151,6 +152,15 @@ class VirtualPacer(GrantRounds):
         """A request's last token, sampled at virtual `vtime_s` on its die."""
         self.completions.add(req_id, vtime_s)
 
+    def failed_over(self, resumed_s: float) -> None:
+        """A failover priced on the virtual clock (ranks/recovery/scale_down.py) ends at virtual
+        `resumed_s`, the survivors' next common start: no decision before it (the lost dies'
+        requests, readmitted, and every queued one are decided from then on), and the next
+        grant goes out once the survivors, parked there, have reported, even with nothing
+        queued (they wait for it)."""
+        self.decided_s = max(self.decided_s, resumed_s)
+        self.must_grant = True
+
     def apply_finishes(self) -> None:
         """Every known finish applied now (a failover: the lost dies' unfinished requests are
         the balancer's, so finished ones must not count among them)."""
@@ -171,6 +181,7 @@ class VirtualPacer(GrantRounds):
                 trace.flow_start(req.req_id, "request")  # the arrow to the die that takes it
             self.decided_s = decision.vtime_s
         self._new_round(grant.horizon_s)
+        self.must_grant = False
         for group, reqs in to.items():
             message = Grant(
                 seq=self.seq, requests=tuple(reqs), horizon_s=grant.horizon_s, warp_s=grant.warp_s

@@ -19,6 +19,9 @@ from xds_mpi.config.loader import build_record, non_negative, positive, require
 # saturated: decode die `die` takes each KV transfer delay_s late. memory: KV blocks
 #   [first_block, first_block + num_blocks) of die `die`, or expert slot `slot`, become faulty.
 FAILURE_KINDS = ("stuck", "dead", "link", "saturated", "memory")
+# The kinds a row may time by `at_s` (virtual seconds) instead of `iteration`: a colocated die's
+# (ranks/faults/dead.py, ranks/faults/stuck.py), on the virtual clock.
+AT_S_KINDS = ("stuck", "dead")
 # The roles (xds_mpi/plan/topology.py Role) each kind can hit; `link` and `saturated` need PD.
 KIND_ROLES = {
     "stuck": ("prefill", "colocated", "attention", "expert"),
@@ -33,14 +36,17 @@ KIND_ROLES = {
 class FailureSpec:
     """One row of `faults.events`: `kind` hits die rank `die` at its iteration `iteration` (the
     run's n-th iteration with work, from 0, as in faults.table; a prefill die's n-th prefill
-    batch). duration_s: wall seconds a stuck / link / saturated fault lasts (0 = to the end of
-    the run). peer: link only, the decode die at the other end. delay_s: saturated only.
-    first_block, num_blocks: memory, a range of the die's KV blocks; slot: memory, one of the
-    die's expert slots (its index in the die's slot list) instead."""
+    batch), or, stuck and dead rows on the virtual clock (run.clock virtual), at virtual time
+    `at_s`: the first iteration whose virtual start is at or after it (docs/virtual_time.md);
+    a row gives one of the two. duration_s: wall seconds a stuck / link / saturated fault
+    lasts (0 = to the end of the run). peer: link only, the decode die at the other end.
+    delay_s: saturated only. first_block, num_blocks: memory, a range of the die's KV blocks;
+    slot: memory, one of the die's expert slots (its index in the die's slot list) instead."""
 
     kind: str
     die: int
-    iteration: int = 0
+    iteration: int | None = None
+    at_s: float | None = None
     duration_s: float = 0.0
     peer: int = -1
     delay_s: float = 0.0
@@ -128,13 +134,35 @@ def _failure_row(index: int, row) -> FailureSpec:
     non_negative(
         where,
         die=spec.die,
-        iteration=spec.iteration,
+        **({"iteration": spec.iteration} if spec.iteration is not None else {}),
+        **({"at_s": spec.at_s} if spec.at_s is not None else {}),
         duration_s=spec.duration_s,
         delay_s=spec.delay_s,
         num_blocks=spec.num_blocks,
     )
     _check_kind_fields(where, spec)
+    _check_when(where, spec)
     return spec
+
+
+def _check_when(where: str, spec: FailureSpec) -> None:
+    """A row says when by `iteration` or by `at_s`: one of the two."""
+    require(
+        spec.iteration is None or spec.at_s is None,
+        f"{where}: gives both iteration({spec.iteration}) and at_s({spec.at_s}); give one: "
+        "iteration (the n-th iteration with work, from 0) or at_s (virtual seconds, "
+        "run.clock virtual)",
+    )
+    require(
+        spec.iteration is not None or spec.at_s is not None,
+        f"{where}: needs iteration (the n-th iteration with work, from 0) or at_s (virtual "
+        "seconds, run.clock virtual)",
+    )
+    require(
+        spec.at_s is None or spec.kind in AT_S_KINDS,
+        f"{where}.at_s: a {spec.kind} row takes iteration, not at_s (at_s is built for "
+        f"{' and '.join(AT_S_KINDS)} rows)",
+    )
 
 
 def _check_kind_fields(where: str, spec: FailureSpec) -> None:

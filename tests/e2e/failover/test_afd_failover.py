@@ -203,7 +203,10 @@ def test_stuck_and_dead_rows_on_afd_dies_are_accepted():
     "events, sections, reason",
     [
         (
-            [{"kind": "dead", "die": 2, "iteration": 3}, {"kind": "stuck", "die": 5}],
+            [
+                {"kind": "dead", "die": 2, "iteration": 3},
+                {"kind": "stuck", "die": 5, "iteration": 0},
+            ],
             {},
             r"faults.events\[0, 1\]: 2 stuck/dead rows in one afd run; one is emulated",
         ),
@@ -213,12 +216,12 @@ def test_stuck_and_dead_rows_on_afd_dies_are_accepted():
             "attention die 2 is the only die of DP domain 1 .* losing a whole domain",
         ),
         (
-            [{"kind": "dead", "die": 2}],
+            [{"kind": "dead", "die": 2, "iteration": 0}],
             {"health": {"enabled": False}},
             "found by heartbeats, and health.enabled is false",
         ),
         (
-            [{"kind": "dead", "die": 6}],
+            [{"kind": "dead", "die": 6, "iteration": 0}],
             {"health": {"replicas": "ring"}},
             r"deployment.redundant_slots_per_die\(0\) must be >= 6",
         ),

@@ -141,9 +141,12 @@ def _afd(events, raw_name: str = "afd.yaml", **sections):
 
 
 def test_kv_rows_on_attention_dies_and_ring_slots_on_expert_dies_are_accepted():
-    _afd([{"kind": "memory", "die": 1, "first_block": 0, "num_blocks": 4}])
+    _afd([{"kind": "memory", "die": 1, "iteration": 0, "first_block": 0, "num_blocks": 4}])
     _afd(
-        [{"kind": "memory", "die": 6, "slot": 1}, {"kind": "memory", "die": 7, "slot": 5}],
+        [
+            {"kind": "memory", "die": 6, "iteration": 0, "slot": 1},
+            {"kind": "memory", "die": 7, "iteration": 0, "slot": 5},
+        ],
         **RING_SECTIONS,
     )
 
@@ -152,39 +155,53 @@ def test_kv_rows_on_attention_dies_and_ring_slots_on_expert_dies_are_accepted():
     "events, sections, reason",
     [
         (
-            [{"kind": "memory", "die": 6, "slot": 1}],
+            [{"kind": "memory", "die": 6, "iteration": 0, "slot": 1}],
             {},
             "slot 1 of die 6 holds the only copy of routed expert 7",
         ),
         (
             # expert 7: routed on rank 6 (slot 1), its ring copy on rank 5 (slot 7)
-            [{"kind": "memory", "die": 6, "slot": 1}, {"kind": "memory", "die": 5, "slot": 7}],
+            [
+                {"kind": "memory", "die": 6, "iteration": 0, "slot": 1},
+                {"kind": "memory", "die": 5, "iteration": 0, "slot": 7},
+            ],
             RING_SECTIONS,
             r"hold every replica of routed expert\(s\) \[7\]",
         ),
-        ([{"kind": "memory", "die": 5, "slot": 12}], RING_SECTIONS, "holds shared expert 0"),
+        (
+            [{"kind": "memory", "die": 5, "iteration": 0, "slot": 12}],
+            RING_SECTIONS,
+            "holds shared expert 0",
+        ),
         (
             # rank 6's sixth redundant slot: rank 7 has 5 routed experts to copy
-            [{"kind": "memory", "die": 6, "slot": 10}],
+            [{"kind": "memory", "die": 6, "iteration": 0, "slot": 10}],
             RING_SECTIONS,
             "slot 10 of die 6 is a redundant slot holding no expert",
         ),
         (
-            [{"kind": "memory", "die": 6, "first_block": 0, "num_blocks": 4}],
+            [{"kind": "memory", "die": 6, "iteration": 0, "first_block": 0, "num_blocks": 4}],
             {},
             "expert die and holds no KV blocks",
         ),
-        ([{"kind": "memory", "die": 2, "slot": 0}], {}, r"rank 2 \(attention\) has 0 expert slots"),
+        (
+            [{"kind": "memory", "die": 2, "iteration": 0, "slot": 0}],
+            {},
+            r"rank 2 \(attention\) has 0 expert slots",
+        ),
         (
             [
-                {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 4},
+                {"kind": "memory", "die": 2, "iteration": 0, "first_block": 0, "num_blocks": 4},
                 {"kind": "dead", "die": 3, "iteration": 5},
             ],
             {},
             "KV blocks of die 2\\) beside 1 stuck/dead row\\(s\\) in one afd run is not emulated",
         ),
         (
-            [{"kind": "memory", "die": 6, "slot": 1}, {"kind": "stuck", "die": 2, "iteration": 5}],
+            [
+                {"kind": "memory", "die": 6, "iteration": 0, "slot": 1},
+                {"kind": "stuck", "die": 2, "iteration": 5},
+            ],
             RING_SECTIONS,
             "slot 1 of die 6\\) beside 1 stuck/dead row\\(s\\) in one afd run is not emulated",
         ),
@@ -198,6 +215,6 @@ def test_afd_memory_rows_that_cannot_run_are_refused_naming_why(events, sections
 def test_a_kv_row_on_a_pd_attention_die_is_still_refused():
     raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
     attention = Topology.from_config(config_from_dict(raw)).ranks_with_role("attention")[0]
-    row = {"kind": "memory", "die": attention, "first_block": 0, "num_blocks": 4}
+    row = {"kind": "memory", "die": attention, "iteration": 0, "first_block": 0, "num_blocks": 4}
     with pytest.raises(ConfigError, match="memory fault on a attention die of a pd deployment"):
         _afd([row], "pd_afd.yaml")

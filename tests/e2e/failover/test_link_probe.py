@@ -42,7 +42,9 @@ def test_a_fault_free_run_has_no_verdict(tmp_path):
 
 def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
     # prefill die 4 -> decode die 2 drops everything from its first batch on, for good.
-    result, records = _failures(tmp_path, "faults.events=[{kind: link, die: 4, peer: 2}]")
+    result, records = _failures(
+        tmp_path, "faults.events=[{kind: link, die: 4, peer: 2, iteration: 0}]"
+    )
     assert [(r.kind, r.verdict, r.detected_by) for r in records] == [
         ("link", "link", "link probe")
     ], explain(result)
@@ -57,7 +59,7 @@ def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
 def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
     # decode die 3 takes each KV transfer 2.5 s late (the echo too) for 8 s; requests keep
     # arriving for 8 s, so there are transfers left to steer once it is found.
-    row = "faults.events=[{kind: saturated, die: 3, delay_s: 2.5, duration_s: 8}]"
+    row = "faults.events=[{kind: saturated, die: 3, iteration: 0, delay_s: 2.5, duration_s: 8}]"
     arrivals = ("workload.arrival=rate", "workload.rate_per_s=1.5")
     result, records = _failures(tmp_path, row, *arrivals)
     assert [(r.kind, r.verdict) for r in records] == [("saturated", "saturated")], explain(result)
@@ -68,10 +70,30 @@ def test_a_saturated_die_is_called_saturated_and_routed_around(tmp_path):
 @pytest.mark.parametrize(
     "row, health, decode_dies, reason",
     [
-        ({"kind": "saturated", "die": 2, "delay_s": 0.5}, {}, 4, r"delay_s\(0.5\) must lie"),
-        ({"kind": "saturated", "die": 2, "delay_s": 9.0}, {}, 4, "looks like a link fault"),
-        ({"kind": "link", "die": 6, "peer": 2}, {"enabled": False}, 4, "no probe would find"),
-        ({"kind": "link", "die": 3, "peer": 2}, {}, 1, "only decode die 2 leaves its KV no"),
+        (
+            {"kind": "saturated", "die": 2, "iteration": 0, "delay_s": 0.5},
+            {},
+            4,
+            r"delay_s\(0.5\) must lie",
+        ),
+        (
+            {"kind": "saturated", "die": 2, "iteration": 0, "delay_s": 9.0},
+            {},
+            4,
+            "looks like a link fault",
+        ),
+        (
+            {"kind": "link", "die": 6, "iteration": 0, "peer": 2},
+            {"enabled": False},
+            4,
+            "no probe would find",
+        ),
+        (
+            {"kind": "link", "die": 3, "iteration": 0, "peer": 2},
+            {},
+            1,
+            "only decode die 2 leaves its KV no",
+        ),
     ],
 )
 def test_channel_rows_the_prober_cannot_name_are_refused(row, health, decode_dies, reason):

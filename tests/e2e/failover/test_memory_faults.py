@@ -81,6 +81,8 @@ def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deploymen
     ],
 )
 def test_memory_faults_the_dies_cannot_survive_are_refused(row, reason):
-    cfg = config_from_dict({"faults": {"events": [{"kind": "memory", "die": 2, **row}]}})
+    cfg = config_from_dict(
+        {"faults": {"events": [{"kind": "memory", "die": 2, "iteration": 0, **row}]}}
+    )
     with pytest.raises(ConfigError, match=reason):
         check_failures(cfg, Topology.from_config(cfg))

@@ -93,18 +93,22 @@ def test_a_dead_or_stuck_for_good_pd_decode_die_is_accepted():
     "row, changes, reason",
     [
         (
-            {"kind": "stuck", "die": 3, "duration_s": 2.0},
+            {"kind": "stuck", "die": 3, "iteration": 0, "duration_s": 2.0},
             {},
             r"stuck for duration_s\(2.0\) is not emulated .* only stuck for good",
         ),
-        ({"kind": "dead", "die": 3}, {"health": {"replicas": "none"}}, "health.replicas=ring"),
         (
-            {"kind": "dead", "die": 3},
+            {"kind": "dead", "die": 3, "iteration": 0},
+            {"health": {"replicas": "none"}},
+            "health.replicas=ring",
+        ),
+        (
+            {"kind": "dead", "die": 3, "iteration": 0},
             {"deployment": {"num_host_ranks": 1}},
             r"num_host_ranks\(1\) gives the JE the decode balancing",
         ),
         (
-            {"kind": "dead", "die": 3},
+            {"kind": "dead", "die": 3, "iteration": 0},
             {"health": {"probe_timeout_s": 5}},
             r"probe_timeout_s\(5\) must exceed detection and release \(8.2 s",
         ),
@@ -121,8 +125,8 @@ def test_a_pd_decode_loss_with_another_fault_row_is_refused():
             **BASE,
             "faults": {
                 "events": [
-                    {"kind": "dead", "die": 3},
-                    {"kind": "saturated", "die": 4, "delay_s": 2.0},
+                    {"kind": "dead", "die": 3, "iteration": 0},
+                    {"kind": "saturated", "die": 4, "iteration": 0, "delay_s": 2.0},
                 ]
             },
         }
@@ -133,7 +137,8 @@ def test_a_pd_decode_loss_with_another_fault_row_is_refused():
 
 def test_a_pd_afd_decode_side_loss_stays_refused():
     cfg = load_config(
-        REPO_ROOT / "configs" / "pd_afd.yaml", ["faults.events=[{kind: dead, die: 2}]"]
+        REPO_ROOT / "configs" / "pd_afd.yaml",
+        ["faults.events=[{kind: dead, die: 2, iteration: 0}]"],
     )
     topo = Topology.from_config(cfg)
     assert topo.ranks[2].role == "attention"

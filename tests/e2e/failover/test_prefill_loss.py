@@ -28,7 +28,7 @@ SETS = (
 @pytest.mark.parametrize(
     "row",
     [
-        "{kind: dead, die: 6}",  # before its first prefill batch
+        "{kind: dead, die: 6, iteration: 0}",  # before its first prefill batch
         pytest.param(  # mid-run, after two batches
             "{kind: stuck, die: 7, iteration: 2}", marks=pytest.mark.failure_matrix
         ),
@@ -59,7 +59,7 @@ def test_prefill_losses_that_would_hang_or_lose_work_are_refused(sets, reason):
         {
             "pd": {"enabled": True, "num_prefill_tes": sets["num_prefill_tes"]},
             "deployment": deployment,
-            "faults": {"events": [{"kind": "dead", "die": 6}]},
+            "faults": {"events": [{"kind": "dead", "die": 6, "iteration": 0}]},
         }
     )
     with pytest.raises(ConfigError, match=reason):

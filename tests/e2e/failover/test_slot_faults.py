@@ -45,23 +45,37 @@ def _check(events, **sections):
 
 def test_a_slot_with_a_ring_replica_is_accepted():
     _check(
-        [{"kind": "memory", "die": 2, "slot": 1}, {"kind": "memory", "die": 3, "slot": 5}], **RING
+        [
+            {"kind": "memory", "die": 2, "iteration": 0, "slot": 1},
+            {"kind": "memory", "die": 3, "iteration": 0, "slot": 5},
+        ],
+        **RING,
     )
 
 
 @pytest.mark.parametrize(
     "events, sections, reason",
     [
-        ([{"kind": "memory", "die": 2, "slot": 1}], {}, "holds the only copy of routed expert 5"),
-        ([{"kind": "memory", "die": 2, "slot": 8}], RING, "holds shared expert 0"),
+        (
+            [{"kind": "memory", "die": 2, "iteration": 0, "slot": 1}],
+            {},
+            "holds the only copy of routed expert 5",
+        ),
+        ([{"kind": "memory", "die": 2, "iteration": 0, "slot": 8}], RING, "holds shared expert 0"),
         (
             # expert 5: routed on die rank 2 (slot 1), its ring copy on die rank 1 (slot 5)
-            [{"kind": "memory", "die": 2, "slot": 1}, {"kind": "memory", "die": 1, "slot": 5}],
+            [
+                {"kind": "memory", "die": 2, "iteration": 0, "slot": 1},
+                {"kind": "memory", "die": 1, "iteration": 0, "slot": 5},
+            ],
             RING,
             r"hold every replica of routed expert\(s\) \[5\]",
         ),
         (
-            [{"kind": "memory", "die": 2, "slot": 1}, {"kind": "dead", "die": 3}],
+            [
+                {"kind": "memory", "die": 2, "iteration": 0, "slot": 1},
+                {"kind": "dead", "die": 3, "iteration": 0},
+            ],
             RING,
             "not emulated with eplb.enabled",
         ),

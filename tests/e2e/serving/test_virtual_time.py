@@ -13,6 +13,7 @@ from collections import deque
 
 import numpy as np
 import pytest
+from test_recompute import serve as serve_config
 from test_serving import check_line, serve
 
 from xds_mpi.config.schema import ConfigError, load_config
@@ -242,3 +243,43 @@ def test_the_wall_clock_still_drives_serving_when_asked(tmp_path):
     assert "serving clock: wall (run.clock=wall)" in result.stdout + result.stderr
     assert run_file["summary"].attrs["serving_clock"] == "wall"
     assert "virtual" not in run_file
+
+
+def _eplb_columns(run_file) -> dict[str, np.ndarray]:
+    """The virtual columns and EPLB's per-slice record: the placement version each slice began
+    and ended with and its loading iterations say at which iterations the swaps ran."""
+    columns = _virtual_columns(run_file)
+    for name in ("version_start", "version_end", "num_loading", "num_iterations", "moe_s"):
+        columns[f"eplb/slice_{name}"] = run_file[f"eplb/slice_{name}"][()]
+    columns["eplb/reconfig_after_slice"] = run_file["eplb/reconfig_after_slice"][()]
+    return columns
+
+
+def test_eplb_swaps_at_the_same_iterations_beside_busy_processes(tmp_path):
+    # configs/eplb.yaml: 8 dies, a rebalance after every 2 slices of 8 iterations.
+    workload = [
+        "workload.num_requests=16",
+        "workload.arrival=rate",
+        "workload.rate_per_s=40",
+        "workload.output_len=48",
+        "workload.max_output_len=48",
+    ]
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        busy = _busy_processes(num_busy)
+        try:
+            result, run_file = serve_config(tmp_path / f"run{i}", "eplb", workload)
+        finally:
+            for process in busy:
+                process.kill()
+                process.wait()
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert check_line(result).endswith(" 0 mismatches")
+        assert run_file["summary"].attrs["serving_clock"] == "virtual"
+        runs.append(_eplb_columns(run_file))
+    quiet, loaded = runs
+    assert quiet.keys() == loaded.keys()
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    assert len(quiet["eplb/reconfig_after_slice"]) >= 2  # placements were swapped in
+    assert quiet["eplb/slice_num_loading"].sum() > 0

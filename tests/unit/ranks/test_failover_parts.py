@@ -67,3 +67,47 @@ def test_a_lost_request_resumes_with_its_tokens_as_prompt():
     )
     assert tokens_per_s({7: record}, 10.0, 12.0) == 1.0
     assert tokens_per_s({7: record}, 10.2, 12.2) == 0.5
+
+
+class _Health:
+    """What a dead row uses of the die's heartbeats (ranks/core/decode_die.py DieWatch)."""
+
+    def __init__(self) -> None:
+        self.is_silent, self.notes = False, []
+
+    def fall_silent(self) -> None:
+        self.is_silent = True
+
+    def tell(self, note) -> None:
+        self.notes.append(note)
+
+
+class _Clock:
+    now_ns = 0.0
+
+
+def _dead(row: dict):
+    from ranks.faults.dead import DeadDie
+
+    cfg = config_from_dict({"faults": {"events": [{"kind": "dead", "die": 2, **row}]}})
+    health, clock = _Health(), _Clock()
+    return DeadDie(cfg.faults.events[0], 2, health, clock), health, clock
+
+
+def test_an_at_s_dead_row_falls_silent_at_the_first_start_at_or_after_it():
+    dead, health, clock = _dead({"at_s": 0.3})
+    assert dead.after(50) is dead  # no iteration count strikes it
+    for start_s in (0.0, 0.1517, 0.2965, 0.29999999):
+        assert not dead.at_start(start_s, 3) and not health.is_silent
+    clock.now_ns = 0.4403e9  # the die's clock at the agreed start
+    assert dead.at_start(0.4403, 3) and health.is_silent
+    [note] = health.notes
+    assert (note.iteration, note.virtual_s) == (3, 0.4403)
+    dead, health, _ = _dead({"at_s": 0.3})
+    assert dead.at_start(0.3, 0)  # at it, not only after
+
+
+def test_an_iteration_dead_row_is_not_struck_by_a_virtual_start():
+    dead, health, _ = _dead({"iteration": 5})
+    assert not dead.at_start(1e9, 4) and dead.after(4) is dead and not health.is_silent
+    assert dead.after(5) is None and health.is_silent

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from xds_mpi.config.failures import KIND_ROLES, FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.plan.clock import serving_clock
 from xds_mpi.plan.failures.loss import RELEASE_GRACES, check_decode_loss, release_bound_s
 from xds_mpi.plan.failures.pd import check_decode_loss as check_pd_decode_loss
 from xds_mpi.plan.failures.slots import afd_memory_refusal, slot_refusal
@@ -54,6 +55,7 @@ EMULATED: set[tuple[str, str, str]] = {
 
 def check_failures(cfg: Config, topo: Topology) -> None:
     _check_on_timeout(cfg)
+    _check_at_s(cfg)
     for i, spec in enumerate(cfg.faults.events):
         _check_row(cfg, topo, f"faults.events[{i}]", spec)
     _check_overlaps(cfg.faults.events)
@@ -66,6 +68,20 @@ def check_failures(cfg: Config, topo: Topology) -> None:
             if cfg.pd.enabled:
                 check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
     check_decode_loss(cfg, topo)  # xds_mpi/plan/failures/loss.py
+
+
+def _check_at_s(cfg: Config) -> None:
+    """`at_s` is a virtual time: refused unless the virtual clock drives serving."""
+    timed = [i for i, e in enumerate(cfg.faults.events) if e.at_s is not None]
+    if not timed:
+        return
+    clock = serving_clock(cfg)
+    if not clock.is_virtual:
+        raise ConfigError(
+            f"faults.events[{timed[0]}].at_s: a fault at a virtual time needs the virtual "
+            f"clock, and serving runs on the wall clock here ({clock.why}); give iteration "
+            "instead"
+        )
 
 
 def _check_row(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:

@@ -5,6 +5,8 @@ why, so that no accepted config stops at run time for it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from xds_mpi.config.failures import FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.topology import Topology
@@ -18,6 +20,39 @@ def release_bound_s(health) -> float:
     """Seconds from a die's silence to the end of the TE-shell's release at most
     (ranks/recovery/detector.py): timeout_s + one ping interval + RELEASE_GRACES graces."""
     return health.timeout_s + health.dp_interval_s + RELEASE_GRACES * health.release_grace_s
+
+
+# Seconds the survivors take to rebuild after the release (ranks/recovery/scale_down.py: a
+# communicator without the lost dies, the XCCL windows on it, the expert placement without their
+# slots) on the pod. Neither xDeepServe nor this repo measures it; an assumption, stated in
+# docs/virtual_time.md. Replica weights a survivor loads (EPLB's take_over) are priced apart, as
+# weight pulls off the critical path.
+REBUILD_S = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailoverCost:
+    """A decode die's loss (stuck or dead row) priced on the virtual clock (run.clock virtual),
+    seconds from the survivors' last iteration boundary before it (docs/virtual_time.md):
+    detection, a die silent for health.timeout_s found by the next ping (one
+    health.dp_interval_s at worst); release, the fence and the detector's RELEASE_GRACES graces
+    watching for answers (ranks/recovery/detector.py); rebuild, REBUILD_S."""
+
+    detection_s: float
+    release_s: float
+    rebuild_s: float
+
+    @classmethod
+    def of(cls, health) -> FailoverCost:
+        return cls(
+            detection_s=health.timeout_s + health.dp_interval_s,
+            release_s=RELEASE_GRACES * health.release_grace_s,
+            rebuild_s=REBUILD_S,
+        )
+
+    @property
+    def total_s(self) -> float:
+        return self.detection_s + self.release_s + self.rebuild_s
 
 
 def check_decode_loss(cfg: Config, topo: Topology) -> None:

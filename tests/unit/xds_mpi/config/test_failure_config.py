@@ -20,24 +20,36 @@ def _check(events, **sections):
 @pytest.mark.parametrize(
     "events, reason",
     [
-        ([{"kind": "bogus", "die": 1}], "unknown kind 'bogus'"),
-        ([{"kind": "stuck", "die": 1, "delay_s": 1.0}], "takes no delay_s"),
-        ([{"kind": "link", "die": 1}], "needs peer"),
-        ([{"kind": "memory", "die": 1}], "either a KV block range"),
-        ([{"kind": "dead", "die": 9}], r"die\(9\) is not a die: dies are ranks 1..4"),
-        ([{"kind": "dead", "die": 0}], "is not a die"),
-        ([{"kind": "link", "die": 1, "peer": 2}], "rank 1 is a colocated die"),
-        ([{"kind": "saturated", "die": 1, "delay_s": 0.1}], "pd.enabled is false"),
+        ([{"kind": "bogus", "die": 1, "iteration": 0}], "unknown kind 'bogus'"),
+        ([{"kind": "stuck", "die": 1, "iteration": 0, "delay_s": 1.0}], "takes no delay_s"),
+        ([{"kind": "link", "die": 1, "iteration": 0}], "needs peer"),
+        ([{"kind": "memory", "die": 1, "iteration": 0}], "either a KV block range"),
         (
-            [{"kind": "memory", "die": 1, "first_block": 250, "num_blocks": 10}],
+            [{"kind": "dead", "die": 9, "iteration": 0}],
+            r"die\(9\) is not a die: dies are ranks 1..4",
+        ),
+        ([{"kind": "dead", "die": 0, "iteration": 0}], "is not a die"),
+        ([{"kind": "link", "die": 1, "iteration": 0, "peer": 2}], "rank 1 is a colocated die"),
+        ([{"kind": "saturated", "die": 1, "iteration": 0, "delay_s": 0.1}], "pd.enabled is false"),
+        (
+            [{"kind": "memory", "die": 1, "iteration": 0, "first_block": 250, "num_blocks": 10}],
             "past the die's scheduler.num_kv_blocks_per_die",
         ),
-        ([{"kind": "memory", "die": 1, "slot": 99}], r"rank 1 \(colocated\) has \d+ expert slots"),
-        ([{"kind": "dead", "die": 2}, {"kind": "stuck", "die": 2}], "overlap on die 2"),
+        (
+            [{"kind": "memory", "die": 1, "iteration": 0, "slot": 99}],
+            r"rank 1 \(colocated\) has \d+ expert slots",
+        ),
         (
             [
-                {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 8},
-                {"kind": "memory", "die": 2, "first_block": 7, "num_blocks": 2},
+                {"kind": "dead", "die": 2, "iteration": 0},
+                {"kind": "stuck", "die": 2, "iteration": 0},
+            ],
+            "overlap on die 2",
+        ),
+        (
+            [
+                {"kind": "memory", "die": 2, "iteration": 0, "first_block": 0, "num_blocks": 8},
+                {"kind": "memory", "die": 2, "iteration": 0, "first_block": 7, "num_blocks": 2},
             ],
             "overlap on die 2",
         ),
@@ -59,8 +71,8 @@ def test_disjoint_memory_ranges_on_one_die_are_accepted_when_emulated(monkeypatc
     monkeypatch.setattr("xds_mpi.plan.failures.checks.EMULATED", EMULATED | {row})
     _check(
         [
-            {"kind": "memory", "die": 2, "first_block": 0, "num_blocks": 8},
-            {"kind": "memory", "die": 2, "first_block": 8, "num_blocks": 2},
+            {"kind": "memory", "die": 2, "iteration": 0, "first_block": 0, "num_blocks": 8},
+            {"kind": "memory", "die": 2, "iteration": 0, "first_block": 8, "num_blocks": 2},
         ]
     )
 
@@ -108,7 +120,65 @@ def test_failure_records_round_trip_through_the_run_file(tmp_path):
 
 
 def test_stuck_and_dead_rows_on_colocated_dies_are_accepted():
-    _check([{"kind": "dead", "die": 2, "iteration": 3}, {"kind": "stuck", "die": 1}])
+    _check(
+        [{"kind": "dead", "die": 2, "iteration": 3}, {"kind": "stuck", "die": 1, "iteration": 0}]
+    )
+
+
+@pytest.mark.parametrize(
+    "row, sections, reason",
+    [
+        (
+            {"kind": "dead", "die": 2},
+            {},
+            r"faults.events\[0\]: needs iteration \(the n-th iteration with work, from 0\) or "
+            r"at_s \(virtual seconds, run.clock virtual\)",
+        ),
+        (
+            {"kind": "dead", "die": 2, "iteration": 3, "at_s": 0.5},
+            {},
+            r"faults.events\[0\]: gives both iteration\(3\) and at_s\(0.5\); give one",
+        ),
+        ({"kind": "stuck", "die": 2, "at_s": -1.0}, {}, r"faults.events\[0\].at_s must be >= 0"),
+        (
+            {"kind": "memory", "die": 2, "at_s": 0.5, "slot": 0},
+            {},
+            r"faults.events\[0\].at_s: a memory row takes iteration, not at_s",
+        ),
+        (
+            {"kind": "dead", "die": 2, "at_s": 0.5},
+            {"run": {"clock": "wall"}},
+            r"faults.events\[0\].at_s: a fault at a virtual time needs the virtual clock, and "
+            r"serving runs on the wall clock here \(run.clock=wall\); give iteration instead",
+        ),
+        (
+            {"kind": "dead", "die": 2, "at_s": 0.5},
+            {"serve": {"enabled": True}},
+            r"faults.events\[0\].at_s: .* on the wall clock here \(run.clock=auto: virtual "
+            r"time is not built for xds-mpi serve .*\); give iteration instead",
+        ),
+    ],
+)
+def test_a_row_gives_iteration_or_at_s_and_at_s_only_on_the_virtual_clock(row, sections, reason):
+    with pytest.raises(ConfigError, match=reason):
+        _check([row], **sections)
+
+
+@pytest.mark.parametrize("clock", ["auto", "virtual"])
+def test_at_s_rows_are_accepted_on_the_virtual_clock(clock):
+    cfg = config_from_dict(
+        {
+            "faults": {
+                "events": [
+                    {"kind": "dead", "die": 2, "at_s": 1.25},
+                    {"kind": "stuck", "die": 3, "at_s": 0.0, "duration_s": 1.5},
+                ]
+            },
+            "run": {"clock": clock},
+        }
+    )
+    check_failures(cfg, Topology.from_config(cfg))
+    assert [(e.iteration, e.at_s) for e in cfg.faults.events] == [(None, 1.25), (None, 0.0)]
 
 
 @pytest.mark.parametrize(
