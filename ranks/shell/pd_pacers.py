@@ -81,6 +81,13 @@ class PrefillPacer(GrantRounds):
         self.promise_s = 0.0  # sent to the decode TE-shell
         self.sent_promise_s = -INF
         self.outgoing: list = []  # Routed tasks for the decode TE-shell, not yet sent
+        # Tasks handed over whose KV has not moved yet, beyond which the JE routes no more (a
+        # bound on the packed KV the prefill dies hold, ranks/pd/send.py; wall time only): the
+        # decode dies' slots four times over, plus one step's prompts per prefill die, which
+        # may all end past the horizon.
+        cfg = je.ctx.cfg
+        num_slots = len(pd.decode) * cfg.scheduler.max_batch_per_die
+        self.max_ahead = 4 * num_slots + cfg.xccl.max_tokens_per_die * len(pd.prefill)
 
     def turn(self) -> int:
         """Take the TEs' reports and messages; once every TE reported, route and grant."""
@@ -94,6 +101,12 @@ class PrefillPacer(GrantRounds):
         self._take_counted(reports)
         busy = [r.start_s for r in reports if not r.is_idle]
         promise = min(busy, default=INF)
+        if je.queue and self._ahead() > self.max_ahead:
+            # The prefill side is far ahead of decode in wall time: no new grant until decode
+            # has pulled some of the KV the prefill dies hold. Virtual times do not change: the
+            # TEs stay parked at the horizon, and no task can end before it.
+            self.promise_s = max(self.promise_s, min(promise, self.horizon_s))
+            return num + self._forward()
         if je.queue:
             grant = decide(
                 je.queue,
@@ -108,6 +121,10 @@ class PrefillPacer(GrantRounds):
             num += 1
         self.promise_s = max(self.promise_s, promise)
         return num + self._forward()
+
+    def _ahead(self) -> int:
+        """Tasks handed over whose KV transfer the JE has not heard of."""
+        return sum(self.prefilled_from.values()) - len(self.je.pd_book.transfers)
 
     def prefilled(self, task) -> None:
         """A PD-transfer task taken: its request leaves its TE's load at the task's end, and
