@@ -166,12 +166,18 @@ def send_result(ctx, serving, status: str) -> None:
     from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
     from ranks.core.control import send_to_each
 
+    if serving is None:  # failed before serving ended: the exception aborts the job
+        return
     link = cluster_link()
-    result = TeResult(te=link.te, status=status)
-    if serving is not None:
-        result.records, result.die_timings = serving.records, serving.die_timings
-        result.admitted, result.summary = serving.admitted, serving.summary
-        result.started = serving.started
+    result = TeResult(
+        te=link.te,
+        status=status,
+        records=serving.records,
+        admitted=serving.admitted,
+        die_timings=serving.die_timings,
+        summary=serving.summary,
+        started=serving.started,
+    )
     send_to_each(
         link.comm,
         {JE_RANK: result},
