@@ -58,7 +58,7 @@ class TePacer(VirtualPacer):
             self._check_waiting(missing, news)
             return num
         reports = [self.reports[g] for g in frontend.groups]
-        frontend.take_batches({r.die_rank: r.num_batches for r in reports}, self.timeout_s)
+        self._take_batches({r.die_rank: r.num_batches for r in reports})
         busy = [r.start_s for r in reports if not r.is_idle]
         queue, warp_s = frontend.queue, -INF
         if busy:
@@ -84,6 +84,20 @@ class TePacer(VirtualPacer):
             return num + 1
         # The dies are parked at the promise: nothing finishes before their common start.
         return num + self._report(is_idle=False, start_s=min(busy))
+
+    def _take_batches(self, expected: dict[int, int]) -> None:
+        """Every token batch the dies counted in their reports (bounded: Frontend.take_batches
+        waits without a bound while a feed is attached, as the endpoint's must)."""
+        frontend, deadline = self.frontend, time.monotonic() + self.timeout_s
+        while any(frontend.batches_from[g] < n for g, n in expected.items()):
+            if not frontend.take_tokens():
+                if time.monotonic() > deadline:
+                    missing = {g: n - frontend.batches_from[g] for g, n in expected.items()}
+                    raise WaitTimeout(
+                        f"TE-shell of TE {self.link.te}: token batches reported by the dies not "
+                        f"received after {self.timeout_s:g} s (die rank -> batches): {missing}"
+                    )
+                time.sleep(0.0005)
 
     def _routed(self, req) -> float:
         return self.routed_at[req.req_id]
