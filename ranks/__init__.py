@@ -9,6 +9,8 @@ Every program starts with the startup handshake (all ranks agree on config and t
   the KV cache (ranks/pd/decode.py) instead of prefilling in chunks.
 - pool (ranks/ems/pool.py): an EMS pool rank (`ems.enabled`, PD only): no die, its window
   stands for CPU DRAM holding KV blocks the prefill dies pull (docs/ems.md).
+- je (ranks/cluster/je.py): a cluster's job executor (`cluster.num_tes` > 1, docs/cluster.md),
+  world rank 0: routes the requests to the TEs, whose ranks play the roles above.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ ROLE_PROGRAMS = {
     "expert": ("ranks.afd.expert:run", "ranks.afd.expert:run"),
     "prefill": ("ranks.pd.prefill:run", "ranks.pd.prefill:run"),
     "pool": ("ranks.ems.pool:run", "ranks.ems.pool:run"),
+    "je": ("ranks.cluster.je:run", "ranks.cluster.je:run"),
 }
 
 

@@ -102,6 +102,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(describe_pd(plan))
     if plan.ems is not None:
         print(describe_ems(plan.ems))
+    if plan.cluster is not None:  # every TE has the rank map below, at its own world ranks
+        print(plan.cluster.describe())
     if not args.brief:
         print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0
@@ -112,9 +114,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.set = [*args.set, "run.check=true"]
     path, plan = _load(args)
     cfg, topo = plan.cfg, plan.topo
+    world_size = plan.world_size  # a cluster: the JE and every TE (xds_mpi/plan/cluster.py)
+    if plan.cluster is not None and args.hosts:
+        print("xds-mpi: error: --hosts does not place a cluster's TEs yet", file=sys.stderr)
+        return 2
     command_for = partial(
         mpi_command,
-        topo.world_size,
+        world_size,
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
         placement=hosts.placement_flags(args.hosts, plan, args.mpiexec, dry_run=args.dry_run),
@@ -124,15 +130,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(command_for(rank_program(path, args.set)).shell_line())
         return 0
     if not args.hosts and args.memory_check:  # with --hosts the ranks' nodes are elsewhere
-        memory_guard.check_node(topo.world_size, sum(plan.window_bytes))
-    print(f"xds-mpi: launching {topo.world_size} ranks ({topo.summary()})")
+        num_tes = plan.cluster.num_tes if plan.cluster else 1
+        memory_guard.check_node(world_size, num_tes * sum(plan.window_bytes))
+    if plan.cluster is not None:
+        print(f"xds-mpi: {plan.cluster.describe().splitlines()[0]}; each TE:")
+    print(f"xds-mpi: launching {world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model, cfg.run.output_dir)
     resolved = resolve_for_ranks(path, args.set, cfg)  # the ranks read it without PyYAML
     command = command_for(rank_program(path, args.set, resolved))
     os.environ[PROGRESS_ENV] = progress_mode()  # the ranks' stdout is a pipe: tell them
-    startup = StartupWatch(topo.world_size)  # the ranks' imports: silent before the TE-shell
+    startup = StartupWatch(world_size)  # the ranks' imports: silent before the TE-shell
     os.environ.update(startup.env)
     memory = memory_guard.MemoryWatch(stops=args.memory_check)
 

@@ -3,8 +3,11 @@
 
 Every rank loads the config, builds the deployment plan for the communicator's size (the checks
 of `xds-mpi validate` but the checkpoint's and the workload's, which the launcher made), and runs
-the program ranks/ registers for its role. Run it under `python -m mpi4py` so that an exception
-on one rank aborts the whole job instead of leaving the others waiting.
+the program ranks/ registers for its role. In a cluster (`cluster.num_tes` > 1,
+xds_mpi/plan/cluster.py) world rank 0 is the JE and every TE runs on a communicator of its own,
+split from the world, as if it were the world (its ranks 0..S-1, TE-shell 0); the JE and the
+TE-shells share a second one, the link (ranks/cluster/link.py). Run it under `python -m mpi4py`
+so that an exception on one rank aborts the whole job instead of leaving the others waiting.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ use_cache()  # before the project's dataclasses are defined: their methods compi
 from launch.job.log import setup_logging
 from launch.job.startup import RANK_STATS_ENV, mark_loaded
 from ranks import RankContext, role_program
+from ranks.cluster.link import ClusterLink, set_link
 from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi.config.schema import load_config
@@ -105,20 +109,36 @@ def read_config(args: RankArgs):
     return load_config(args.config, args.overrides)
 
 
+def split_cluster(world: MPI.Comm, plan: DeploymentPlan) -> tuple[MPI.Comm, ClusterLink | None]:
+    """Collective over the world: this rank's communicator (its TE's, or the link for the JE)
+    and, for the JE and the TE-shells, the link (xds_mpi/plan/cluster.py)."""
+    te, local = plan.cluster.te_of(world.rank)
+    te_comm = world.Split(MPI.UNDEFINED if te < 0 else te, key=world.rank)
+    link = world.Split(0 if local == 0 else MPI.UNDEFINED, key=world.rank)
+    if link == MPI.COMM_NULL:
+        return te_comm, None
+    return (link if te < 0 else te_comm), ClusterLink(comm=link, te=te)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    comm = MPI.COMM_WORLD
-    mark_loaded(comm.rank)  # the launcher counts these during a long start-up
+    world = MPI.COMM_WORLD
+    mark_loaded(world.rank)  # the launcher counts these during a long start-up
     cfg = read_config(args)
-    plan = DeploymentPlan.build(cfg, comm.size, launcher_checks=False)  # made before launch
-    info = plan.topo.ranks[comm.rank]
-    log = setup_logging(comm.rank, info.role, cfg.run.log_level)
+    plan = DeploymentPlan.build(cfg, world.size, launcher_checks=False)  # made before launch
+    te, local = plan.cluster.te_of(world.rank) if plan.cluster else (-1, world.rank)
+    role = "je" if plan.cluster and te < 0 else plan.topo.ranks[local].role
+    log = setup_logging(world.rank, role if te < 0 else f"{role} te{te}", cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
     # The ranks finish importing at different times; MPICH's blocking collectives poll, so the
     # early ones would burn the cores the late ones still import on. They meet dozing first.
-    quiet_barrier(comm, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    node_leader = node.allreduce(comm.rank, op=MPI.MIN)
+    quiet_barrier(world, what="start-up", timeout_s=cfg.xccl.poll_timeout_s)
+    comm = world
+    if plan.cluster is not None:  # each TE on its own communicator; the JE on the link
+        comm, link = split_cluster(world, plan)
+        set_link(link)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    node_leader = node.allreduce(world.rank, op=MPI.MIN)
     set_node_leader(node_leader)  # every window this rank makes learns its peers' nodes from it
     set_wait_mode(cfg.xccl.wait, local_ranks=node.size)  # before pinning narrows the cores
     core = emulator_runtime.start(cfg.emulator, local_rank=node.rank, local_size=node.size)
@@ -128,10 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    program = role_program(info.role, is_pd=plan.pd is not None)
+    program = role_program(role, is_pd=plan.pd is not None)
     exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
     faulthandler.cancel_dump_traceback_later()
-    write_rank_stats(comm.rank, info.role, core)
+    write_rank_stats(world.rank, role, core)
     if exit_code:
         sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code
 

@@ -66,7 +66,8 @@ class Frontend:
         self.feed = None
         self.touched: set[int] = set()  # requests with news for the endpoint this turn
         self.vclock_of: dict[int, float] = {}  # die rank -> its virtual clock, last batch
-        for req in () if cfg.serve.enabled else load_workload(cfg):
+        fed = cfg.serve.enabled or ctx.plan.cluster is not None  # a cluster: the JE routes
+        for req in () if fed else load_workload(cfg):
             reason = rejection(req, cfg)
             self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
             if reason:
@@ -99,7 +100,13 @@ class Frontend:
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
         self.ems_reports: dict = {}  # colocated with ems.enabled: pool rank -> EmsPoolReport
         ctx.log.info("serving clock: %s (%s)", ctx.plan.clock.kind, ctx.plan.clock.why)
-        if ctx.plan.clock.is_virtual and not ctx.plan.pd:  # PD: the JE's (ranks/shell/je.py)
+        if ctx.plan.cluster is not None:  # requests from the cluster's JE (docs/cluster.md)
+            from ranks.cluster.link import cluster_link
+            from ranks.cluster.te_side import TePacer
+
+            self.virtual = TePacer(self, cluster_link())
+            self.feed = self.virtual.feed
+        elif ctx.plan.clock.is_virtual and not ctx.plan.pd:  # PD: the JE's (ranks/shell/je.py)
             from ranks.shell.virtual_time import VirtualPacer
 
             self.virtual = VirtualPacer(self)

@@ -66,23 +66,28 @@ def run(ctx: RankContext) -> int:
         status = f"failed: {exc}"
         raise
     finally:
-        write_run_file(
-            path,
-            cfg=ctx.cfg,
-            topo=ctx.topo,
-            status=status,
-            started_at=started_at,
-            wall_time_s=time.perf_counter() - started,
-            handshake_s=handshake_s,
-            extra=serving.write if serving else lost_writer,
-            hosts=[p.host for p in placements],
-            nodes=[p.node for p in placements],
-        )
-        if ctx.cfg.run.trace:
-            _write_trace(ctx, path, serving.traces if serving else {})
-        ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
-        if serving and ctx.cfg.run.check:
-            print(serving.check_line, flush=True)
+        if ctx.plan.cluster is not None:  # the JE writes the one run file (ranks/cluster/)
+            from ranks.cluster.te_side import send_result
+
+            send_result(ctx, serving, status)
+        else:
+            write_run_file(
+                path,
+                cfg=ctx.cfg,
+                topo=ctx.topo,
+                status=status,
+                started_at=started_at,
+                wall_time_s=time.perf_counter() - started,
+                handshake_s=handshake_s,
+                extra=serving.write if serving else lost_writer,
+                hosts=[p.host for p in placements],
+                nodes=[p.node for p in placements],
+            )
+            if ctx.cfg.run.trace:
+                _write_trace(ctx, path, serving.traces if serving else {})
+            ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
+            if serving and ctx.cfg.run.check:
+                print(serving.check_line, flush=True)
     return 1 if serving and serving.mismatches else 0
 
 
@@ -132,6 +137,7 @@ class Serving:
         self.records, self.started = frontend.records, frontend.started
         self.traces = frontend.traces
         self.expert_loads = frontend.expert_loads
+        self.admitted = frontend.virtual.admitted if frontend.virtual else {}
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
         self.summary.update(self.cross_node)
@@ -179,8 +185,8 @@ class Serving:
         self.failures = self.failures + memory
         self.mismatches: list[str] = []
         self.check_line = ""
-        self.is_checked = ctx.cfg.run.check
-        if ctx.cfg.run.check:
+        self.is_checked = ctx.cfg.run.check and ctx.plan.cluster is None  # a cluster: the JE's
+        if self.is_checked:
             with trace.span("check"):
                 self._check(ctx)
 

@@ -19,6 +19,7 @@ from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.model.checkpoint import check_checkpoint
 from xds_mpi.plan.clock import ServingClock, serving_clock
+from xds_mpi.plan.cluster import ClusterPlan, check_cluster, te_world_size
 from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
@@ -38,7 +39,9 @@ class DeploymentPlan:
     window_bytes: [world_size] bytes of each rank's window (host ranks: 0);
     pd: disaggregated prefill-decode (xds_mpi/plan/pd.py), None unless pd.enabled;
     ems: the EMS context cache's pool (xds_mpi/plan/ems.py), None unless ems.enabled;
-    clock: which clock drives serving (run.clock, xds_mpi/plan/clock.py)."""
+    clock: which clock drives serving (run.clock, xds_mpi/plan/clock.py);
+    cluster: cluster.num_tes > 1 (xds_mpi/plan/cluster.py): the JE and the TEs' world ranks,
+    every other field then one TE's (each TE runs on a communicator of its own), else None."""
 
     cfg: Config
     topo: Topology
@@ -50,6 +53,12 @@ class DeploymentPlan:
     pd: PdPlan | None = None
     ems: EmsPlan | None = None
     clock: ServingClock = ServingClock(kind="wall", why="run.clock=wall")
+    cluster: ClusterPlan | None = None
+
+    @property
+    def world_size(self) -> int:
+        """The job's ranks: one TE's, or a cluster's JE and every TE's."""
+        return self.topo.world_size if self.cluster is None else self.cluster.world_size
 
     @classmethod
     def build(
@@ -64,10 +73,17 @@ class DeploymentPlan:
         generating it cost numpy.random's import and a pass over the requests)."""
         if launcher_checks:
             check_checkpoint(cfg.model)
-        topo = Topology.from_config(cfg, world_size)  # world size, pod, expert placement
+        # a cluster: the plan of one TE (xds_mpi/plan/cluster.py)
+        topo = Topology.from_config(cfg, te_world_size(cfg, world_size))  # size, pod, placement
         check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
         check_serving(cfg, topo)
         clock = serving_clock(cfg)
+        cluster = None
+        if cfg.cluster.num_tes > 1:
+            check_cluster(cfg, is_virtual=clock.is_virtual)
+            cluster = ClusterPlan(
+                num_tes=cfg.cluster.num_tes, te_size=topo.world_size, policy=cfg.cluster.policy
+            )
         # The one source of the row dtype: a wire format (the model computes in its own dtype;
         # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
         row_dtype = np.dtype(cfg.xccl.row_dtype)
@@ -99,6 +115,7 @@ class DeploymentPlan:
             pd=pd,
             ems=ems,
             clock=clock,
+            cluster=cluster,
         )
 
 

@@ -1,0 +1,35 @@
+"""The JE <-> TE-shell messages of a cluster (docs/cluster.md), on their link communicator.
+
+JE -> every TE-shell, TAG_VTIME_GRANT: a `Grant` (ranks/core/vtime_messages.py) with the
+requests routed to that TE, each with its routing time (`times`), and the *promise* as its
+horizon: no request routed before it is still to come (inf: none is). TE-shell -> JE,
+TAG_CLUSTER_FINISHED: (req_id, virtual finish s) of the requests its dies finished since the
+last; then TAG_VTIME_CLOCK: a `ClockReport` once per grant, counting those messages. At the end
+TAG_CLUSTER_RESULT: the TE's `TeResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ranks.core.tags import TAG_VTIME_CLOCK, TAG_VTIME_GRANT  # noqa: F401
+
+# On the link communicator only (JE and TE-shells), apart from every TE's own tags.
+TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT = 291, 292
+
+
+@dataclass(kw_only=True)
+class TeResult:
+    """What a TE-shell hands the JE once its TE has served: te: its index; status: "completed"
+    or "failed: <why>"; records: req_id -> RequestRecord of the requests it served; admitted:
+    req_id -> virtual admission; die_timings: its die rank (inside the TE) -> per-iteration
+    timings; summary: its own summary (xds_mpi/results/results.py `summarize` and the
+    projection); started: its serving's wall start."""
+
+    te: int
+    status: str
+    records: dict = field(default_factory=dict)
+    admitted: dict = field(default_factory=dict)
+    die_timings: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+    started: float = 0.0

@@ -1,0 +1,202 @@
+"""The TE-shell's side of a cluster (docs/cluster.md): its requests come from the JE instead of
+the workload, each with its routing time and a *promise* (no request routed to it before the
+promise is still to come), in the JE's grants. `TePacer` is the TE-shell's VirtualPacer
+(ranks/shell/virtual_time.py) deciding among its own dies only up to min(its queue, the promise),
+as PD's decode TE-shell does (ranks/shell/pd_pacers.py `DecodePacer`); `JeFeed` keeps the
+TE-shell's serving loop open until the JE promised nothing more (promise inf).
+
+Once per JE grant the TE-shell reports, as a die reports to it: when its dies are parked at the
+promise (their common start, the earliest virtual time the TE may still finish a request) or
+when it holds no unfinished request (idle). Before the report it sends the JE the finishes its
+dies reported, with their virtual times, and the report counts those messages, so that the JE
+knows every finish before the TE's start when it routes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_VTIME_CLOCK, TAG_VTIME_GRANT
+from ranks.core.control import WaitTimeout
+from ranks.core.vtime_messages import ClockReport, Grant
+from ranks.shell.virtual_time import VirtualPacer
+from xds_mpi.plan.cluster import JE_RANK
+from xds_mpi.results.results import RequestRecord
+from xds_mpi.scheduling.admission import NextGrant, decide
+
+INF = math.inf
+
+
+class TePacer(VirtualPacer):
+    """On a cluster TE-shell's Frontend: the requests the JE routed here, the dies' grants up to
+    the JE's promise, the reports to the JE."""
+
+    def __init__(self, frontend, link) -> None:
+        super().__init__(frontend)
+        self.link = link  # ranks/cluster/link.py ClusterLink
+        self.promise_s = 0.0  # nothing may be decided before the JE's first grant
+        self.je_seq = 0  # the JE grant held
+        self.reported_seq = 0  # the JE grant last reported for
+        self.routed_at: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
+        self.outgoing: list[tuple[int, float]] = []  # finishes not yet sent to the JE
+        self.num_sent = 0  # finish messages sent to the JE
+        self.feed = JeFeed(self)
+
+    def finished(self, req_id: int, vtime_s: float) -> None:
+        super().finished(req_id, vtime_s)
+        self.outgoing.append((req_id, vtime_s))
+
+    def turn(self) -> int:
+        """Take the JE's grants and the dies' reports; once every die reported, decide up to
+        min(the dies' common start, the promise) and grant, or report to the JE."""
+        num = self._take_reports() + self._take_je()
+        frontend = self.frontend
+        missing = self.missing()
+        if missing:
+            news = len(self.reports) + sum(frontend.batches_from.values())
+            self._check_waiting(missing, news)
+            return num
+        reports = [self.reports[g] for g in frontend.groups]
+        self._take_batches({r.die_rank: r.num_batches for r in reports})
+        busy = [r.start_s for r in reports if not r.is_idle]
+        queue, warp_s = frontend.queue, -INF
+        if busy:
+            now_s = min(min(busy), self.promise_s)
+        elif not queue:
+            return num + self._report(is_idle=True, start_s=max(r.start_s for r in reports))
+        else:
+            head = max(self._routed(queue[0]), self.decided_s)
+            if head > self.promise_s:  # not before the promise: the JE's next grant first
+                return num + self._report(is_idle=False, start_s=head)
+            now_s = warp_s = max(head, max(r.start_s for r in reports))
+        grant = decide(
+            queue,
+            frontend.balancer,
+            self.completions,
+            now_s=now_s,
+            after_s=self.decided_s,
+            arrival_of=self._routed,
+        )
+        horizon_s = min(grant.horizon_s, self.promise_s)
+        if grant.decisions or horizon_s != self.horizon_s or warp_s != -INF:
+            self._send(NextGrant(decisions=grant.decisions, horizon_s=horizon_s, warp_s=warp_s))
+            return num + 1
+        # The dies are parked at the promise: nothing finishes before their common start.
+        return num + self._report(is_idle=False, start_s=min(busy))
+
+    def _take_batches(self, expected: dict[int, int]) -> None:
+        """Every token batch the dies counted in their reports (bounded: Frontend.take_batches
+        waits without a bound while a feed is attached, as the endpoint's must)."""
+        frontend, deadline = self.frontend, time.monotonic() + self.timeout_s
+        while any(frontend.batches_from[g] < n for g, n in expected.items()):
+            if not frontend.take_tokens():
+                if time.monotonic() > deadline:
+                    missing = {g: n - frontend.batches_from[g] for g, n in expected.items()}
+                    raise WaitTimeout(
+                        f"TE-shell of TE {self.link.te}: token batches reported by the dies not "
+                        f"received after {self.timeout_s:g} s (die rank -> batches): {missing}"
+                    )
+                time.sleep(0.0005)
+
+    def _routed(self, req) -> float:
+        return self.routed_at[req.req_id]
+
+    def _take_je(self) -> int:
+        """The JE's grants: its requests queued (records made), its promise."""
+        num, frontend = 0, self.frontend
+        while (message := self.link.comm.improbe(source=JE_RANK, tag=TAG_VTIME_GRANT)) is not None:
+            grant: Grant = message.recv()
+            for req, routed_s in zip(grant.requests, grant.times, strict=True):
+                frontend.records[req.req_id] = RequestRecord(req=req)
+                frontend.queue.append(req)
+                frontend.num_open += 1
+                self.routed_at[req.req_id] = routed_s
+            self.je_seq, self.promise_s = grant.seq, grant.horizon_s
+            num += 1
+        return num
+
+    def _report(self, *, is_idle: bool, start_s: float) -> int:
+        """Once per JE grant (none after the last, whose promise is inf): the finishes first,
+        then the report counting them."""
+        if self.reported_seq == self.je_seq or self.promise_s == INF:
+            return 0
+        comm, frontend = self.link.comm, self.frontend
+        if self.outgoing:
+            message = tuple(self.outgoing)
+            frontend.sends.append(comm.isend(message, dest=JE_RANK, tag=TAG_CLUSTER_FINISHED))
+            self.outgoing, self.num_sent = [], self.num_sent + 1
+        report = ClockReport(
+            die_rank=self.link.te + 1,
+            seq=self.je_seq,
+            start_s=start_s,
+            is_idle=is_idle,
+            num_batches=self.num_sent,
+        )
+        frontend.sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
+        self.reported_seq = self.je_seq
+        return 1
+
+
+class JeFeed:
+    """The TE-shell's serving loop stays open (Frontend.serve) until the JE promised no more
+    requests; bounded by run.timeout_s like the loop itself."""
+
+    def __init__(self, pacer: TePacer) -> None:
+        self.pacer = pacer
+        cfg = pacer.frontend.ctx.cfg
+        self.timeout_s = cfg.run.timeout_s
+        self.deadline = math.inf
+
+    @property
+    def is_open(self) -> bool:
+        return self.pacer.promise_s != INF
+
+    def ready(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def turn(self) -> int:
+        if time.monotonic() > self.deadline:
+            pacer = self.pacer
+            raise WaitTimeout(
+                f"TE-shell of TE {pacer.link.te}: serving not done after run.timeout_s"
+                f"({self.timeout_s:g}): {pacer.frontend.num_open} requests unfinished, promise "
+                f"{pacer.promise_s:.6f} s virtual (JE grant {pacer.je_seq})"
+            )
+        return 0
+
+    def took(self, batch) -> None:
+        pass
+
+    def failing_over(self, is_failing_over: bool) -> None:
+        pass
+
+
+def send_result(ctx, serving, status: str) -> None:
+    """A cluster TE-shell's end (in place of its own run file): its records, admissions, die
+    timings and summary to the JE, which checks and writes them with every other TE's."""
+    # Lazy import: the link is set on a cluster's TE-shells only (launch/job/rank.py).
+    from ranks.cluster.link import cluster_link
+    from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
+    from ranks.core.control import send_to_each
+
+    if serving is None:  # failed before serving ended: the exception aborts the job
+        return
+    link = cluster_link()
+    result = TeResult(
+        te=link.te,
+        status=status,
+        records=serving.records,
+        admitted=serving.admitted,
+        die_timings=serving.die_timings,
+        summary=serving.summary,
+        started=serving.started,
+    )
+    send_to_each(
+        link.comm,
+        {JE_RANK: result},
+        tag=TAG_CLUSTER_RESULT,
+        timeout_s=ctx.cfg.xccl.poll_timeout_s,
+        me=f"TE-shell of TE {link.te}",
+        event="TE result to the JE",
+    )

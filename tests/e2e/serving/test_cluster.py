@@ -1,0 +1,133 @@
+"""Many colocated TEs behind one job executor (docs/cluster.md): `xds-mpi run --check` with
+cluster.num_tes=2 (7 ranks: the JE and 2 x [TE-shell + 2 dies]) equals the single-process
+reference whichever TE served a request, both TEs serve, the virtual columns are the same beside
+busy processes, and least_load and round_robin route a long request then short ones as they
+must. Each run is bounded by the subprocess timeout and run.timeout_s."""
+
+from __future__ import annotations
+
+import subprocess
+
+import h5py
+import numpy as np
+from harness import REPO_ROOT
+from test_serving import XDS_MPI, check_line
+from test_virtual_time import _busy_processes, _jsonl, _sets, _virtual_columns
+
+CLUSTER = _sets(
+    "cluster.num_tes=2",
+    "deployment.dp_groups_per_domain=2",
+    "workload.ignore_eos=true",
+    "run.timeout_s=240",
+)
+
+
+def run_cluster(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, h5py.File | None]:
+    result = subprocess.run(
+        [
+            str(XDS_MPI),
+            "run",
+            "colocated",
+            "--check",
+            *_sets(f"run.output_dir={tmp_path}", "run.name=cluster"),
+            *CLUSTER,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    path = tmp_path / "cluster.h5"
+    return result, (h5py.File(path, "r") if path.exists() else None)
+
+
+def _ok(result: subprocess.CompletedProcess) -> str:
+    return result.stdout[-4000:] + result.stderr[-3000:]
+
+
+def test_validate_shows_the_je_and_the_ranks_of_each_te():
+    result = subprocess.run(
+        [str(XDS_MPI), "validate", "colocated", "--brief", *CLUSTER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, _ok(result)
+    assert "cluster: 2 TEs of 3 ranks behind one JE, policy round_robin, world size 7" in (
+        result.stdout
+    )
+    assert "  JE: world rank 0\n" in result.stdout
+    assert "  TE 0: world ranks 1..3 (TE-shell 1, dies 2..3" in result.stdout
+    assert "  TE 1: world ranks 4..6 (TE-shell 4, dies 5..6" in result.stdout
+
+
+def test_two_tes_check_against_the_reference_and_the_same_virtual_times_beside_busy_processes(
+    tmp_path,
+):
+    workload = _sets(
+        "cluster.policy=least_load",
+        "workload.num_requests=16",
+        "workload.arrival=rate",
+        "workload.rate_per_s=20",
+        "workload.length_dist=uniform",
+        "workload.max_prompt_len=32",
+        "workload.max_output_len=12",
+        "workload.output_len=4",
+    )
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        busy = _busy_processes(num_busy)
+        try:
+            result, run_file = run_cluster(tmp_path / f"run{i}", *workload)
+        finally:
+            for process in busy:
+                process.kill()
+                process.wait()
+        assert result.returncode == 0, _ok(result)
+        assert check_line(result).startswith("check: 16 requests, ")
+        assert check_line(result).endswith(" 0 mismatches")
+        assert run_file.attrs["world_size"] == 7 and run_file.attrs["status"] == "completed"
+        assert run_file["summary"].attrs["check_mismatches"] == 0
+        te = run_file["cluster/te"][()]
+        assert sorted(set(te)) == [0, 1]  # both TEs served
+        # each request's die is a die of its TE, by world rank
+        die = run_file["requests/die_rank"][()]
+        first = run_file["cluster/te_first_rank"][()]
+        assert all(first[t] < d < first[t] + 3 for t, d in zip(te, die, strict=True))
+        assert sorted(run_file["dies"]) == ["2", "3", "5", "6"]
+        columns = _virtual_columns(run_file)
+        columns["cluster/te"] = te
+        columns["cluster/routed_s"] = run_file["cluster/routed_s"][()]
+        runs.append(columns)
+    quiet, loaded = runs
+    assert quiet.keys() == loaded.keys()
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    # routed at the arrival: the JE never holds a request back
+    assert np.array_equal(quiet["cluster/routed_s"], quiet["virtual/arrival_s"])
+
+
+def test_least_load_and_round_robin_route_a_long_request_then_short_ones_as_they_must(tmp_path):
+    # One long request (90 tokens, ~3 virtual seconds) and four short ones (2 tokens, each done
+    # within the 0.4 s until the next): round_robin alternates whatever the load, least_load
+    # sends every short one to the TE without the long one.
+    lines = [{"prompt_ids": list(range(5, 17)), "max_tokens": 90, "arrival_s": 0.0}] + [
+        {"prompt_ids": list(range(20 + i, 32 + i)), "max_tokens": 2, "arrival_s": 0.4 * i}
+        for i in range(1, 5)
+    ]
+    expected = {"round_robin": [0, 1, 0, 1, 0], "least_load": [0, 1, 1, 1, 1]}
+    for policy, tes in expected.items():
+        result, run_file = run_cluster(
+            tmp_path / policy, *_jsonl(tmp_path, lines), *_sets(f"cluster.policy={policy}")
+        )
+        assert result.returncode == 0, _ok(result)
+        assert check_line(result) == "check: 5 requests, 98 tokens, 0 mismatches"
+        assert list(run_file["cluster/te"][()]) == tes, policy
+        finish, arrival = run_file["virtual/finish_s"][()], run_file["virtual/arrival_s"][()]
+        # the premise: the long request runs past every short arrival, each short one ends
+        # before the next arrives
+        assert finish[0] > arrival[-1]
+        assert all(finish[i] < arrival[i] + 0.4 for i in range(1, 5))
+        assert run_file["cluster"].attrs["policy"] == policy

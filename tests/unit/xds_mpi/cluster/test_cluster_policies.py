@@ -1,0 +1,136 @@
+"""The JE's routing policies (xds_mpi/cluster/policies/) on crafted TE states with known answers,
+the JE's loads driven through `decide` without MPI (a long request then short ones: round_robin
+and least_load must differ), and the cluster's plan (xds_mpi/plan/cluster.py)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from xds_mpi.cluster.loads import TeLoads
+from xds_mpi.cluster.policies import TeState, load_policy, policy_names
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.cluster import ClusterPlan, te_world_size
+from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.scheduling.admission import Completions, decide
+from xds_mpi.workload.requests import Request
+
+REQ = Request(req_id=0, prompt=(1, 2, 3), max_new_tokens=4)
+
+
+def _states(*loads: tuple[int, int, int]) -> list[TeState]:
+    """(unfinished requests, unfinished tokens, routed so far) per TE."""
+    return [
+        TeState(te=i, num_unfinished=n, unfinished_tokens=t, num_routed=r)
+        for i, (n, t, r) in enumerate(loads)
+    ]
+
+
+def test_the_registry_finds_every_policy_module_by_name():
+    assert policy_names() == ["least_load", "round_robin"]
+    with pytest.raises(ValueError, match="no routing policy 'prefix'; known: least_load"):
+        load_policy("prefix")
+
+
+def test_round_robin_cycles_whatever_the_load():
+    pick = load_policy("round_robin")
+    assert pick(REQ, _states((9, 900, 0), (0, 0, 0), (0, 0, 0)), 0.0) == 0
+    assert pick(REQ, _states((9, 900, 1), (0, 0, 0), (0, 0, 0)), 0.0) == 1
+    assert pick(REQ, _states((9, 900, 1), (0, 0, 1), (0, 0, 0)), 0.0) == 2
+    assert pick(REQ, _states((9, 900, 2), (0, 0, 2), (0, 0, 2)), 0.0) == 0  # 6 routed: 6 mod 3
+
+
+def test_least_load_picks_the_fewest_unfinished_requests_then_tokens_then_the_lowest_te():
+    pick = load_policy("least_load")
+    assert pick(REQ, _states((3, 10, 5), (1, 900, 9), (2, 0, 0)), 0.0) == 1  # fewest requests
+    assert pick(REQ, _states((2, 90, 5), (2, 40, 9), (3, 0, 0)), 0.0) == 1  # then fewest tokens
+    assert pick(REQ, _states((1, 40, 5), (1, 40, 0)), 0.0) == 0  # then the lowest index
+
+
+def _route(policy: str) -> list[int]:
+    """A long request at 0 (finishing at 3.0 s) then short ones every 0.6 s (each finishing
+    0.3 s after its arrival), routed to 2 TEs as the JE routes: each decision from the
+    finishes up to its virtual time, the TEs reporting only up to `now_s`."""
+    queue = deque(
+        [Request(req_id=0, prompt=(1,) * 12, max_new_tokens=60, arrival_s=0.0)]
+        + [
+            Request(req_id=i, prompt=(1,) * 12, max_new_tokens=2, arrival_s=0.6 * i)
+            for i in range(1, 5)
+        ]
+    )
+    finish = {0: 3.0} | {i: 0.6 * i + 0.3 for i in range(1, 5)}
+    loads, done, tes, after = TeLoads(2, load_policy(policy)), Completions(), [], 0.0
+    now = None  # every TE idle at the start
+    while queue:
+        grant = decide(queue, loads, done, now_s=now, after_s=after)
+        for d in grant.decisions:
+            tes.append(d.group)
+            done.add(d.req.req_id, finish[d.req.req_id])
+            after = d.vtime_s
+        now = grant.horizon_s  # the TEs reach the promise and report
+    return tes
+
+
+def test_a_long_request_then_short_ones_least_load_avoids_the_busy_te_round_robin_does_not():
+    assert _route("round_robin") == [0, 1, 0, 1, 0]
+    assert _route("least_load") == [0, 1, 1, 1, 1]
+
+
+def test_the_loads_are_the_state_at_the_decision_s_virtual_time():
+    loads = TeLoads(2, load_policy("least_load"))
+    queue = deque(
+        [
+            Request(req_id=i, prompt=(1,), max_new_tokens=1, arrival_s=a)
+            for i, a in enumerate((0.0, 0.0, 0.5))
+        ]
+    )
+    done = Completions()
+    decide(queue, loads, done, now_s=0.0, after_s=0.0)  # 0 -> TE 0, 1 -> TE 1
+    done.add(0, 0.7)  # known by now, but at 0.5 request 0 still ran on TE 0
+    done.add(1, 0.4)
+    grant = decide(queue, loads, done, now_s=1.0, after_s=0.0)
+    assert [(d.req.req_id, d.group, d.vtime_s) for d in grant.decisions] == [(2, 1, 0.5)]
+    assert [s.num_unfinished for s in loads.states()] == [1, 1]  # 0 finishes at 0.7, not yet
+
+
+def test_a_cluster_plan_is_one_te_s_plan_plus_the_je_and_every_te_s_world_ranks():
+    cfg = load_config(
+        "configs/colocated.yaml", ["cluster.num_tes=2", "deployment.dp_groups_per_domain=2"]
+    )
+    plan = DeploymentPlan.build(cfg, 7, launcher_checks=False)
+    assert plan.topo.world_size == 3 and plan.world_size == 7
+    assert plan.cluster == ClusterPlan(num_tes=2, te_size=3, policy="round_robin")
+    assert [plan.cluster.te_of(r) for r in range(7)] == [
+        (-1, 0),
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
+    assert "TE 1: world ranks 4..6 (TE-shell 4, dies 5..6" in plan.cluster.describe()
+    with pytest.raises(ConfigError, match=r"world size 8 is not 1 JE \+ cluster.num_tes\(2\)"):
+        te_world_size(cfg, 8)
+
+
+def test_one_te_is_today_s_plan():
+    cfg = load_config("configs/colocated.yaml")
+    plan = DeploymentPlan.build(cfg, None, launcher_checks=False)
+    assert plan.cluster is None and plan.world_size == plan.topo.world_size == 5
+
+
+@pytest.mark.parametrize(
+    "config, sets, refused",
+    [
+        ("colocated", ["run.clock=wall"], "run.clock=wall"),
+        ("afd", [], "deployment.kind afd"),
+        ("pd", [], "pd.enabled"),
+        ("colocated", ["cluster.policy=fastest"], r"cluster.policy\(fastest\) is no routing"),
+    ],
+)
+def test_what_phase_1_does_not_build_is_refused_naming_the_key(config, sets, refused):
+    cfg = load_config(f"configs/{config}.yaml", ["cluster.num_tes=2", *sets])
+    with pytest.raises(ConfigError, match=refused):
+        DeploymentPlan.build(cfg, None, launcher_checks=False)

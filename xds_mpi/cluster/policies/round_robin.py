@@ -1,0 +1,13 @@
+"""round_robin: the TEs in turn, whatever their load: the k-th request routed (from 0) goes to
+TE k mod N."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from xds_mpi.cluster.policies import TeState
+from xds_mpi.workload.requests import Request
+
+
+def pick(request: Request, te_states: Sequence[TeState], now_s: float) -> int:
+    return sum(s.num_routed for s in te_states) % len(te_states)
