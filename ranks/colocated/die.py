@@ -10,6 +10,8 @@ computed full blocks are put, sent without waiting (ranks/ems/client.py).
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from ranks.colocated.eplb_hooks import make_eplb_die
 from ranks.colocated.replicas import ring_expert_map
 from ranks.core.context import RankContext
@@ -185,6 +187,11 @@ class ColocatedDie(DecodeDieLoop):
         ep = self.executor.ep.rebuilt(self.dies)
         self.executor.use_buffer(ep)
         self.recompute.regroup(self.dies, [ep])  # the vote moves with the buffer
+        # A die whose iteration was done before the fence reached it has counted it, while the
+        # fence undid it on the others (across hosts the fence's word can overtake the last
+        # combine's records): every survivor takes the highest count, as the afd dies do
+        # (ranks/afd/common.py), so that all number the next iteration's events alike.
+        self.executor.restore(self.dies.allreduce(self.executor.num_iterations, op=MPI.MAX))
         self.is_scaled = True
         self.pricer.rescale(scale_down.num_routed_dies_left(self.topo, failover.lost))
         if failover.eplb_placement is not None:  # Step 3
