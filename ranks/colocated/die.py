@@ -105,16 +105,13 @@ class ColocatedDie(DecodeDieLoop):
         from ranks.ems.client import EmsClient
 
         self.scheduler.prefix_hits = {}
-        self.looked_up: set[int] = set()  # requests whose prefix was looked up
         return EmsClient(ctx, self.mem, cache)
 
     def _pull_prefixes(self) -> None:
         """EMS: each request that reached the die since the last call, its longest cached
-        prefix pulled (priced on this die's projected clock) and held for its admission."""
-        for req in self.scheduler.waiting:
-            if req.req_id not in self.looked_up:
-                self.looked_up.add(req.req_id)
-                self.ems.hold_prefix(req, self.scheduler, self.pricer)
+        prefix pulled (priced on this die's projected clock) and held for its admission; what
+        was held for a request no longer here (cancelled) dropped (ranks/ems/client.py)."""
+        self.ems.pull_arrivals(self.scheduler, self.pricer)
 
     def _put_prompts(self, sampled) -> None:
         """EMS: the prompts this iteration finished (their first token sampled): their computed
@@ -122,7 +119,6 @@ class ColocatedDie(DecodeDieLoop):
         for req_id in sampled:
             seq = self.scheduler.running[req_id]
             if seq.num_generated == 0:
-                self.looked_up.discard(req_id)
                 self.ems.put(seq.req, self.scheduler.table.slots(req_id))
 
     def _failure_side(self, ctx: RankContext, model) -> None:
