@@ -32,6 +32,7 @@ def afd_served(tmp_path, rows: list[str], *settings: str):
     return served(tmp_path, rows, *LEAN, *settings, config="afd")
 
 
+@pytest.mark.failure_cell("afd", "dead")
 def test_a_dead_attention_die_mid_run_is_dropped_and_its_requests_served_elsewhere(tmp_path):
     result, _, records = afd_served(tmp_path, ["{kind: dead, die: 2, iteration: 5}"])
     out = result.stdout + result.stderr
@@ -238,6 +239,7 @@ def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
         check_failures(cfg, Topology.from_config(cfg))
 
 
+@pytest.mark.failure_cell("afd", "stuck")
 def test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed(tmp_path):
     """faults.on_timeout recompute on afd dies: attention die 2 stalls 6 s (under
     health.timeout_s 12, so no heartbeat verdict); trampoline 6's forward and the other dies'
