@@ -302,8 +302,7 @@ def test_over_max_queued_gets_429(server):
                 wait_until(server, running=4, queued=waiting)  # all open on the TE-shell
                 over = await asyncio.gather(*(refused_or_served(client, i) for i in range(20)))
                 open_after = (metric(server, "vllm:num_requests_running"), queue_length(server))
-                assert open_after == (4, waiting), f"{open_after}: one ended while refusing"
-                return over
+                return over, open_after, waiting
             finally:
                 for stream in streams:  # gone mid-stream: each cancelled where it is
                     await stream.close()
@@ -314,9 +313,10 @@ def test_over_max_queued_gets_429(server):
         ) as client:
             return await asyncio.gather(*(refused_or_served(client, i) for i in range(8)))
 
-    refused = asyncio.run(over_the_limit())
+    refused, open_after, waiting = asyncio.run(over_the_limit())
     accepted(MAX_QUEUED)
     assert all(isinstance(r, openai.RateLimitError) for r in refused), refused
+    assert open_after == (4, waiting), f"{open_after}: one ended while the others were sent"
     assert all(r.status_code == 429 for r in refused)
     assert all("200 requests open >= serve.max_queued(200)" in r.body["message"] for r in refused)
     wait_until(server, running=0)  # the closed streams cancelled, their KV back
