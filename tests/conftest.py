@@ -31,9 +31,9 @@ def pytest_addoption(parser):
         default=False,
         help="also the failure runs marked failure_matrix: every {stuck, dead} x {early, "
         "mid-run} fault on a colocated die, early, stuck-for-good, transient and trampoline "
-        "losses on afd dies, the second kind of each lost prefill / decode die, a KV memory fault "
-        "in a PD run, expert slots masked on afd dies, a saturated die (the default suite runs one "
-        "case of each mechanism)",
+        "losses on afd dies, a PD decode die lost early or stuck for good, expert slots masked "
+        "on afd dies, a saturated die (the default suite runs one case of each fault kind and "
+        "deployment kind: the failure_cell marker, docs/testing.md)",
     )
     parser.addoption(
         "--long",
@@ -49,6 +49,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "long: a longer variant, runs with --long")
     config.addinivalue_line("markers", "failure_matrix: a failure case, runs with --failure-matrix")
+    config.addinivalue_line(
+        "markers",
+        "failure_cell(deployment, kind): the default suite's case of one cell of the lean "
+        "failure matrix (docs/testing.md); `-m failure_cell` runs the matrix alone",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

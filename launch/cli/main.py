@@ -29,10 +29,12 @@ from launch.serve import command as serve
 from launch.slurm import submit
 from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.execution import fault_rates
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.ems import describe_ems
 from xds_mpi.plan.fabric import format_bytes
+from xds_mpi.plan.failures.rates import judge
 from xds_mpi.plan.kv_memory import describe_kv
 from xds_mpi.plan.pd import describe_pd
 from xds_mpi.report.progress import PROGRESS_ENV, progress_mode
@@ -61,7 +63,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     """The config file's path and the deployment plan: every refusal happens here."""
     path = resolve_config(args.config)
-    return path, DeploymentPlan.build(load_config(path, args.set), args.np)
+    plan = DeploymentPlan.build(load_config(path, args.set), args.np)
+    warning = judge_fault_rate(plan)
+    if warning:
+        print(f"xds-mpi: warning: {warning}", file=sys.stderr, flush=True)
+    return path, plan
+
+
+def judge_fault_rate(plan: DeploymentPlan) -> str:
+    """faults.rate's risk in any unit (the plan judged a rate per call or iteration; a rate per
+    die-hour needs the projection): refused more likely than not to exhaust faults.max_retries,
+    else the warning's text ("" when none)."""
+    if plan.cfg.faults.rate == 0:
+        return ""
+    return judge(fault_rates.resolve(plan.cfg, plan.topo))
 
 
 def describe_memory_path(path: str) -> str:
@@ -104,6 +119,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(describe_ems(plan.ems))
     if plan.cluster is not None:  # every TE has the rank map below, at its own world ranks
         print(plan.cluster.describe())
+    if cfg.faults.rate > 0:
+        print(fault_rates.resolve(cfg, topo).describe())
     if not args.brief:
         print(rank_map(topo, {"window": [format_bytes(n) for n in windows]}))
     return 0

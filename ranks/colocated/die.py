@@ -10,6 +10,8 @@ computed full blocks are put, sent without waiting (ranks/ems/client.py).
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from ranks.colocated.eplb_hooks import make_eplb_die
 from ranks.colocated.replicas import ring_expert_map
 from ranks.core.context import RankContext
@@ -116,16 +118,13 @@ class ColocatedDie(DecodeDieLoop):
         from ranks.ems.client import EmsClient
 
         self.scheduler.prefix_hits = {}
-        self.looked_up: set[int] = set()  # requests whose prefix was looked up
         return EmsClient(ctx, self.mem, cache)
 
     def _pull_prefixes(self) -> None:
         """EMS: each request that reached the die since the last call, its longest cached
-        prefix pulled (priced on this die's projected clock) and held for its admission."""
-        for req in self.scheduler.waiting:
-            if req.req_id not in self.looked_up:
-                self.looked_up.add(req.req_id)
-                self.ems.hold_prefix(req, self.scheduler, self.pricer)
+        prefix pulled (priced on this die's projected clock) and held for its admission; what
+        was held for a request no longer here (cancelled) dropped (ranks/ems/client.py)."""
+        self.ems.pull_arrivals(self.scheduler, self.pricer)
 
     def _put_prompts(self, sampled) -> None:
         """EMS: the prompts this iteration finished (their first token sampled): their computed
@@ -133,7 +132,6 @@ class ColocatedDie(DecodeDieLoop):
         for req_id in sampled:
             seq = self.scheduler.running[req_id]
             if seq.num_generated == 0:
-                self.looked_up.discard(req_id)
                 self.ems.put(seq.req, self.scheduler.table.slots(req_id))
 
     def _failure_side(self, ctx: RankContext, model) -> None:
@@ -204,6 +202,11 @@ class ColocatedDie(DecodeDieLoop):
         ep = self.executor.ep.rebuilt(self.dies)
         self.executor.use_buffer(ep)
         self.recompute.regroup(self.dies, [ep])  # the vote moves with the buffer
+        # A die whose iteration was done before the fence reached it has counted it, while the
+        # fence undid it on the others (across hosts the fence's word can overtake the last
+        # combine's records): every survivor takes the highest count, as the afd dies do
+        # (ranks/afd/common.py), so that all number the next iteration's events alike.
+        self.executor.restore(self.dies.allreduce(self.executor.num_iterations, op=MPI.MAX))
         self.is_scaled = True
         self.pricer.rescale(scale_down.num_routed_dies_left(self.topo, failover.lost))
         if failover.eplb_placement is not None:  # Step 3

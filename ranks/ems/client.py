@@ -70,6 +70,7 @@ class EmsClient:
         self.keys: dict[int, list[int]] = {}  # req_id -> its prompt's full blocks' keys
         self.hit_blocks: dict[int, int] = {}  # req_id -> blocks pulled (until its put)
         self.hit_tokens: dict[int, int] = {}  # req_id -> prompt tokens pulled (the report)
+        self.looked_up: set[int] = set()  # requests looked up here until their put or cancel
         self.sends: list[tuple[int, str, MPI.Request]] = []  # (pool rank, event, request)
         self.stats = {
             "lookups": 0,
@@ -215,6 +216,27 @@ class EmsClient:
         for owner, owned in by_owner.items():
             self._send(EmsTouch(keys=tuple(owned)), owner, "touch")
 
+    def pull_arrivals(self, scheduler, pricer) -> None:
+        """A colocated die's lookups: each request waiting on `scheduler` not looked up yet, its
+        prefix held (`hold_prefix`). A request looked up that is neither waiting nor running any
+        more was cancelled (or left with a lost die) before its put: what was held for it (its
+        keys, its pulled blocks waiting for an admission) is dropped, or a server holds it for
+        as long as it serves."""
+        here = {req.req_id for req in scheduler.waiting} | scheduler.running.keys()
+        for req_id in self.looked_up - here:
+            self.forget(req_id, scheduler)
+        for req in scheduler.waiting:
+            if req.req_id not in self.looked_up:
+                self.looked_up.add(req.req_id)
+                self.hold_prefix(req, scheduler, pricer)
+
+    def forget(self, req_id: int, scheduler) -> None:
+        """Drop what this die holds for `req_id` (it will not be put)."""
+        self.looked_up.discard(req_id)
+        self.keys.pop(req_id, None)
+        self.hit_blocks.pop(req_id, None)
+        scheduler.prefix_hits.pop(req_id, None)
+
     def hold_prefix(self, req, scheduler, pricer) -> None:
         """`lookup`, the pull priced on the die's projected clock (`pricer`), and the hit held
         for `scheduler`'s admission (`DieScheduler.prefix_hits`): prefill and colocated dies."""
@@ -238,6 +260,7 @@ class EmsClient:
 
     def put(self, req, slots: list[int]) -> None:
         """A finished prompt's computed full blocks to their pool ranks (not waited for)."""
+        self.looked_up.discard(req.req_id)
         keys = self.keys.pop(req.req_id, None)
         if keys is None:
             keys = block_keys(req.prompt, self.ems.block_tokens, self.ems.namespace)

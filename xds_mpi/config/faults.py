@@ -13,6 +13,10 @@ from xccl.recovery.faults import OPS as FAULT_OPS  # the operations XCCL can fai
 from xds_mpi.config.failures import failure_rows
 from xds_mpi.config.loader import build_record, non_negative, require
 
+# What faults.rate counts: per XCCL call (the chance it fails), per die and iteration, or per die
+# and hour of the pod's virtual clock (expected faults).
+RATE_UNITS = ("call", "iteration", "die_hour")
+
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSpec:
@@ -34,8 +38,13 @@ class FaultsConfig:
     table: list of {die, op, layer, iteration, code?, times?} (die: the die's rank; op: one of
     FAULT_OPS; layer: a MoE layer's index, num_layers + k - 1 for MTP depth k; iteration: the
     run's n-th iteration with work, from 0, the same on every die). rate: seeded probabilistic
-    mode, the chance each operation call fails. An iteration may be re-executed max_retries times;
-    one more failure ends the run with an error naming die, operation and iteration.
+    mode, in `rate_unit`: "call" (default) the chance each operation call fails; "iteration" the
+    expected faults per die per iteration; "die_hour" the expected faults per die per hour of the
+    pod's (virtual) clock. The last two are converted to the per-call chance the injector draws
+    with from the deployment's calls per die per iteration and projected iteration time
+    (xds_mpi/plan/failures/rates.py, docs/failures.md "Fault rates"). An iteration may be
+    re-executed max_retries times; one more failure ends the run with an error naming die,
+    operation and iteration.
     on_timeout: what a dispatch/combine wait that reached xccl.poll_timeout_s does: "stop" ends
     the run, "recompute" fails the attempt like an injected error (the iteration is recomputed;
     a lost peer is left to the heartbeats, docs/design.md).
@@ -44,6 +53,7 @@ class FaultsConfig:
 
     table: list = field(default_factory=list)
     rate: float = 0.0
+    rate_unit: str = "call"  # "call" | "iteration" | "die_hour" (RATE_UNITS)
     ops: list = field(default_factory=lambda: list(FAULT_OPS))
     seed: int = 0
     max_retries: int = 3
@@ -51,7 +61,18 @@ class FaultsConfig:
     on_timeout: str = "stop"  # "recompute": a timed-out XCCL wait is recomputed (§6.2 stage 3)
 
     def __post_init__(self) -> None:
-        require(0.0 <= self.rate < 1.0, f"faults.rate must be in [0, 1), got {self.rate}")
+        require(
+            self.rate_unit in RATE_UNITS,
+            f"faults.rate_unit must be one of {', '.join(RATE_UNITS)}, got {self.rate_unit!r}",
+        )
+        if self.rate_unit == "die_hour":  # expected faults per die-hour: any rate >= 0
+            require(self.rate >= 0.0, f"faults.rate must be >= 0, got {self.rate}")
+        else:
+            require(
+                0.0 <= self.rate < 1.0,
+                f"faults.rate must be in [0, 1) with faults.rate_unit({self.rate_unit}), "
+                f"got {self.rate}",
+            )
         non_negative("faults", max_retries=self.max_retries)
         require(
             self.on_timeout in ("stop", "recompute"),

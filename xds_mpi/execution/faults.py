@@ -4,7 +4,9 @@ A FaultPlan answers, for one die, "does this call of this operation fail?" (pure
   table rows  fire on their die, op, layer and iteration, on attempts 0 .. times - 1 of that
               iteration (attempt 0 = its first execution), so times = 1 is a transient error
               that the re-execution clears and a large `times` a persistent one;
-  rate        every call of an operation in `ops` fails with probability `rate`, drawn from a
+  rate        every call of an operation in `ops` fails with the per-call chance faults.rate
+              comes to (xds_mpi/execution/fault_rates.py: a rate per iteration or die-hour is
+              converted with the deployment's calls per iteration), drawn from a
               generator seeded by (seed, die, op, iteration, layer, attempt, call): the same
               config replays the same faults, and a re-execution draws afresh.
 Table rows are explicit and ignore `ops`; `ops` filters the random mode only.
@@ -24,6 +26,7 @@ import numpy as np
 
 from xccl.errors import InjectedFault
 from xds_mpi.config.schema import FAULT_OPS, FaultsConfig
+from xds_mpi.execution.fault_rates import chance_per_call
 
 RANDOM_CODE = 1  # the error code of a fault drawn by the random mode
 
@@ -53,7 +56,8 @@ class FaultPlan:
     def __init__(self, cfg: FaultsConfig, die: int, events: EventMap) -> None:
         self.cfg, self.die, self.events = cfg, die, events
         self.rows = [row for row in cfg.table if row.die == die]
-        self.random_ops = frozenset(cfg.ops) if cfg.rate > 0 else frozenset()
+        self.chance = chance_per_call(cfg, die)  # each call's, in the random mode
+        self.random_ops = frozenset(cfg.ops) if self.chance > 0 else frozenset()
         self.fired: Counter[str] = Counter()  # op -> decisions that fired
         self.iteration = self.attempt = 0  # what runs now (`begin`)
         self.num_calls: Counter[tuple[str, int]] = Counter()  # (op, layer) -> calls so far
@@ -77,7 +81,7 @@ class FaultPlan:
                 return row.code
         if op in self.random_ops:
             seed = (self.cfg.seed, self.die, FAULT_OPS.index(op), iteration, layer, attempt, call)
-            if np.random.default_rng(seed).random() < self.cfg.rate:
+            if np.random.default_rng(seed).random() < self.chance:
                 self.fired[op] += 1
                 return RANDOM_CODE
         return None

@@ -335,9 +335,9 @@ class SharedWindows:
         return int(self.windows[owner][offset : offset + 8].view(np.uint64)[0])
 
 
-def pool_and_client(capacity: int = 8):
+def pool_and_client(capacity: int = 8, config: str = "pd"):
     cfg = load_config(
-        REPO_ROOT / "configs" / "pd.yaml",
+        REPO_ROOT / "configs" / f"{config}.yaml",
         ["ems.enabled=true", "ems.servers=2", f"ems.capacity_blocks={capacity}"],
     )
     plan = DeploymentPlan.build(cfg)
@@ -522,3 +522,54 @@ def test_a_prompt_looked_up_after_a_later_arrivals_put_pulls_what_the_what_if_ne
             pools[dest]._put(msg)
     hit = reader.lookup(a)  # A assigned after B's put landed
     assert hit is not None and hit.num_blocks == 3  # its 3 full blocks before the last token
+
+
+class WaitingQueue:
+    """What a colocated die's EMS side reads of its scheduler: the waiting queue, the running
+    requests, the held prefixes; `cancel` drops a waiting request as DieScheduler.cancel does."""
+
+    def __init__(self) -> None:
+        self.waiting, self.running, self.prefix_hits = [], {}, None
+
+    def cancel(self, req_id: int) -> None:
+        self.waiting = [req for req in self.waiting if req.req_id != req_id]
+
+
+def test_a_colocated_die_forgets_the_ems_lookups_of_cancelled_requests(monkeypatch):
+    """A served request cancelled while it waits (its client went away): the pulled prefix held
+    for its admission, its keys and its looked-up mark go at the die's next lookup round, so a
+    server holds nothing for the requests it dropped; one admitted and put is forgotten too."""
+    from ranks.colocated.die import ColocatedDie
+
+    pools, writer, _, shared = pool_and_client(config="colocated")
+    prompt = tuple(range(100, 150))  # 3 full blocks, put by another die
+    writer.put(Request(req_id=0, prompt=prompt, max_new_tokens=1), list(range(50)))
+    for dest, msg in writer.comm.sent:
+        if isinstance(msg, EmsPut):
+            pools[dest]._put(msg)
+    cfg = load_config(
+        REPO_ROOT / "configs" / "colocated.yaml",
+        ["ems.enabled=true", "ems.servers=2", "ems.capacity_blocks=8"],
+    )
+    plan = DeploymentPlan.build(cfg)
+    comm = FakeComm()
+    comm.rank = plan.ems.clients[0]
+    ctx = SimpleNamespace(plan=plan, cfg=cfg, comm=comm, log=logging.getLogger("test_ems"))
+    die = ColocatedDie.__new__(ColocatedDie)  # its EMS side only, no MPI job
+    die.scheduler, die.mem = WaitingQueue(), shared
+    die.pricer = SimpleNamespace(pool_pull=lambda seconds: None)
+    die.ems = die._ems_client(ctx, writer.cache)
+    cancelled, served = (Request(req_id=i, prompt=prompt, max_new_tokens=4) for i in (7, 8))
+    die.scheduler.waiting = [cancelled, served]
+    die._pull_prefixes()
+    assert set(die.scheduler.prefix_hits) == {7, 8}  # both hit the 3 blocks
+    die.scheduler.cancel(7)
+    die.scheduler.waiting = []  # request 8 admitted: its pulled blocks written
+    die.scheduler.running = {8: SimpleNamespace(req=served, num_generated=0)}
+    die.scheduler.prefix_hits.pop(8)
+    die.scheduler.table = SimpleNamespace(slots=lambda req_id: list(range(50)))
+    die._pull_prefixes()  # the next iteration's round
+    die._put_prompts({8: None})
+    held = (die.scheduler.prefix_hits, die.ems.keys, die.ems.hit_blocks)
+    assert held == ({}, {}, {}), held
+    assert not getattr(die.ems, "looked_up", set()) and not getattr(die, "looked_up", set())

@@ -29,6 +29,7 @@ RING = ["deployment.redundant_slots_per_die=6", "health.replicas=ring"]
 RING_SECTIONS = {"deployment": {"redundant_slots_per_die": 6}, "health": {"replicas": "ring"}}
 
 
+@pytest.mark.failure_cell("afd", "memory")
 def test_a_kv_memory_fault_on_an_attention_die_ends_its_request_and_nothing_else(tmp_path):
     # Attention die 2 serves request 1 alone; its 3 KV blocks lie in 0..7.
     row = "{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}"

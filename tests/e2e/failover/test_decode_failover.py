@@ -45,6 +45,7 @@ def assert_scaled(
     return record
 
 
+@pytest.mark.failure_cell("colocated", "dead")
 def test_a_dead_die_mid_run_is_scaled_away_and_its_requests_served_elsewhere(tmp_path):
     result, _, records = served(tmp_path, ["{kind: dead, die: 2, iteration: 5}"], *RING)
     record = assert_scaled(result, records, 2, "dead", "vertical scaling: 4 -> 3 decode dies")
@@ -66,6 +67,7 @@ def test_a_dead_die_holding_the_last_replica_stops_the_run_naming_die_and_expert
     assert stop + lost in out
 
 
+@pytest.mark.failure_cell("colocated", "stuck")
 def test_a_stuck_die_back_before_the_timeout_is_a_transient(tmp_path):
     rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
     result, _, records = served(tmp_path, rows)

@@ -40,6 +40,7 @@ def test_a_fault_free_run_has_no_verdict(tmp_path):
     assert records == []
 
 
+@pytest.mark.failure_cell("pd", "link")
 def test_a_link_fault_is_called_link_and_its_requests_rerouted(tmp_path):
     # prefill die 4 -> decode die 2 drops everything from its first batch on, for good.
     result, records = _failures(

@@ -44,7 +44,11 @@ def test_the_check_skips_victims_by_name_and_still_fails_on_the_rest():
 
 
 @pytest.mark.parametrize(
-    "deployment", ["colocated", pytest.param("pd", marks=pytest.mark.failure_matrix)]
+    "deployment",
+    [
+        pytest.param("colocated", marks=pytest.mark.failure_cell("colocated", "memory")),
+        pytest.param("pd", marks=pytest.mark.failure_cell("pd", "memory")),
+    ],
 )
 def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deployment):
     # colocated die 2 (a PD decode die in pd) loses KV blocks 0..7 at its 3rd iteration: the

@@ -52,6 +52,7 @@ def moved(record) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+@pytest.mark.failure_cell("pd", "dead")
 def test_a_dead_decode_die_mid_run_is_scaled_away_its_requests_prefilled_again(tmp_path):
     record, out = lost_die(tmp_path, "{kind: dead, die: 3, iteration: 3}")
     assert_detected(record, 3, "dead")

@@ -30,7 +30,7 @@ SETS = (
     [
         "{kind: dead, die: 6, iteration: 0}",  # before its first prefill batch
         pytest.param(  # mid-run, after two batches
-            "{kind: stuck, die: 7, iteration: 2}", marks=pytest.mark.failure_matrix
+            "{kind: stuck, die: 7, iteration: 2}", marks=pytest.mark.failure_cell("pd", "stuck")
         ),
     ],
 )

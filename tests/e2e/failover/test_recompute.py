@@ -55,6 +55,7 @@ def assert_recovered(result, run_file, num_requests: int, num_tokens: int, num_f
         assert die.attrs["rollbacks"] == num_faults
 
 
+@pytest.mark.failure_cell("colocated", "transient")
 def test_colocated_faults_at_first_middle_last_and_mtp_layers(tmp_path):
     # MoE layers 1..3, MTP depth 1 = layer 4; dies are ranks 1..4; every row its own iteration.
     rows = [
@@ -77,6 +78,7 @@ def test_colocated_faults_at_first_middle_last_and_mtp_layers(tmp_path):
     assert run_file["summary"].attrs["mtp_accepted"] > 0
 
 
+@pytest.mark.failure_cell("afd", "transient")
 def test_afd_faults_on_attention_trampoline_and_expert_dies(tmp_path):
     # configs/afd.yaml: attention dies 1-4 (domains 0, 1), expert dies 5-7 (5, 6 trampolines);
     # MoE layers 1..3, MTP depth 2 = layers 4, 5.
@@ -102,6 +104,42 @@ def test_afd_faults_on_attention_trampoline_and_expert_dies(tmp_path):
         ],
     )
     assert_recovered(result, run_file, 8, 96, len(rows))
+
+
+@pytest.mark.failure_cell("pd", "transient")
+def test_pd_kv_transfer_and_decode_faults_are_retried_and_recomputed(tmp_path):
+    """configs/pd.yaml: prefill die 6's second KV transfer fails twice at the sender (retried,
+    ranks/pd/faults.py) and decode die 4's dispatch at layer 1 of its third iteration
+    (recomputed on every decode die). (A receiver's row may name the transfer the sender's
+    failures already retried, which it then never sees: tests/e2e/pd/test_serving_pd.py.)"""
+    rows = (
+        "faults.table=[{die: 6, op: p2p_send, layer: 0, iteration: 1, times: 2}, "
+        "{die: 4, op: dispatch, layer: 1, iteration: 2}]"
+    )
+    workload = ["workload.num_requests=6", "workload.output_len=5", "workload.max_output_len=5"]
+    result, run_file = serve(tmp_path, "pd", [rows, *workload, "workload.ignore_eos=true"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == "check: 6 requests, 30 tokens, 0 mismatches"
+    summary = run_file["summary"].attrs
+    assert (summary["pd_send_faults"], summary["pd_recv_faults"]) == (2, 0)
+    assert (summary["faults_injected"], summary["rollbacks"]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "rate, unit",
+    [(0.01, "iteration"), (440.0, "die_hour")],  # 440 per die-hour: ~0.01 per iteration
+)
+def test_a_rate_in_users_units_is_converted_and_served_exactly(tmp_path, rate, unit):
+    """eplb at 1 % per call is refused (unit test: tests/unit/xds_mpi/plan/test_fault_rates.py);
+    at 1 % per die and iteration, or the die-hour rate that comes to it, the run's faults are
+    about what the rate says (8 dies x ~84 iterations x 0.01 = ~7) and every one recovered."""
+    sets = [f"faults.rate={rate}", f"faults.rate_unit={unit}"]
+    result, run_file = serve(tmp_path, "eplb", sets)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == "check: 32 requests, 3072 tokens, 0 mismatches"
+    summary = run_file["summary"].attrs
+    assert 2 <= summary["faults_injected"] <= 16  # Poisson(~7): outside for ~1 seed in 100
+    assert summary["rollbacks"] >= 1
 
 
 @pytest.mark.long  # the fault sites one by one run by default (the two tests above)

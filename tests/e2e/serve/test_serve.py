@@ -254,12 +254,21 @@ def test_200_concurrent_streams(server):
     assert len(ids) == MAX_QUEUED  # one request each
 
 
-def test_over_max_queued_gets_429(server):
-    """More requests at once than serve.max_queued: the rest get 429, the others their tokens.
-    Each asks for 16 tokens, so the first ones are still open while the last ones connect (with 4,
-    a quiet machine served them as fast as the client connected: no 429, the test failed)."""
+HOLD = "hold {} " + "." * 92  # 100 bytes: with 900 tokens, 63 KV blocks of a die's 64
 
-    async def one(client, i):
+
+def test_over_max_queued_gets_429(server):
+    """More requests than serve.max_queued: each one over the limit gets 429 naming it, the
+    open ones go on, and once they are gone requests are served their tokens again.
+
+    The MAX_QUEUED open ones cannot end while the others are sent, however fast this machine
+    connects clients (sent all at once, 16-token requests were served as fast as a quiet
+    machine connected them, no 429, and on a loaded one some of the last got through): one
+    stream per die (a 100-byte prompt, 900 tokens) holds 63 of its 64 KV blocks for 900
+    iterations, and the other streams, 16 tokens each (2 blocks), wait in the TE-shell's queue
+    until those are closed."""
+
+    async def refused_or_served(client, i):
         try:
             resp = await client.completions.create(
                 model=MODEL, prompt=f"q{i}", max_tokens=16, extra_body={"ignore_eos": True}
@@ -268,19 +277,68 @@ def test_over_max_queued_gets_429(server):
         except openai.RateLimitError as exc:
             return exc
 
-    async def all_of_them():
+    async def open_stream(client, prompt: str, max_tokens: int):
+        return await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+
+    async def over_the_limit():
         async with openai.AsyncOpenAI(
             base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300
         ) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(MAX_QUEUED + 20)))
+            streams = list(
+                await asyncio.gather(*(open_stream(client, HOLD.format(d), 900) for d in range(4)))
+            )
+            try:
+                wait_until(server, running=4)  # one holder per die: two do not fit one die
+                waiting = MAX_QUEUED - len(streams)
+                streams += await asyncio.gather(
+                    *(open_stream(client, f"wait {i}", 16) for i in range(waiting))
+                )
+                wait_until(server, running=4, queued=waiting)  # all open on the TE-shell
+                over = await asyncio.gather(*(refused_or_served(client, i) for i in range(20)))
+                open_after = (metric(server, "vllm:num_requests_running"), queue_length(server))
+                return over, open_after, waiting
+            finally:
+                for stream in streams:  # gone mid-stream: each cancelled where it is
+                    await stream.close()
 
-    results = asyncio.run(all_of_them())
-    served = [r for r in results if not isinstance(r, Exception)]
-    refused = [r for r in results if isinstance(r, Exception)]
+    async def under_the_limit():
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300
+        ) as client:
+            return await asyncio.gather(*(refused_or_served(client, i) for i in range(8)))
+
+    refused, open_after, waiting = asyncio.run(over_the_limit())
+    accepted(MAX_QUEUED)
+    assert all(isinstance(r, openai.RateLimitError) for r in refused), refused
+    assert open_after == (4, waiting), f"{open_after}: one ended while the others were sent"
+    assert all(r.status_code == 429 for r in refused)
+    assert all("200 requests open >= serve.max_queued(200)" in r.body["message"] for r in refused)
+    wait_until(server, running=0)  # the closed streams cancelled, their KV back
+    served = asyncio.run(under_the_limit())
     accepted(len(served))
-    assert refused and all(r.status_code == 429 for r in refused)
-    assert "serve.max_queued(200)" in refused[0].body["message"]
-    assert served and all(n == 16 for n in served)
+    assert served == [16] * 8, served
+
+
+def queue_length(server: Server) -> float:
+    return metric(server, "vllm:num_requests_waiting")
+
+
+def wait_until(server: Server, *, running: int, queued: int = 0, patience_s: float = 60) -> None:
+    """Until the TE-shell counts `running` requests on its dies and `queued` in its queue
+    (bounded)."""
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        now = (metric(server, "vllm:num_requests_running"), queue_length(server))
+        if now == (running, queued):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"(running, queued) {now} after {patience_s:g} s, not {running, queued}")
 
 
 def test_client_disconnect_cancels_on_the_die(server):

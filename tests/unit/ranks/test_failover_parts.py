@@ -1,10 +1,16 @@
-"""The parts of vertical scaling that need no MPI: ring replicas keep every expert when any one die
-goes, the balancer gives back a lost group's requests, a lost request resumes where it stopped."""
+"""The parts of vertical scaling that need no MPI job: ring replicas keep every expert when any one
+die goes, the balancer gives back a lost group's requests, a lost request resumes where it
+stopped, a colocated die's rebuild lines up the survivors' iteration counts."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+from mpi4py import MPI
+
+from ranks.colocated.die import ColocatedDie
+from ranks.recovery import scale_down
 from ranks.recovery.records import tokens_per_s
 from ranks.recovery.scale_down import resumed
 from xds_mpi.config.schema import config_from_dict
@@ -111,3 +117,52 @@ def test_an_iteration_dead_row_is_not_struck_by_a_virtual_start():
     dead, health, _ = _dead({"iteration": 5})
     assert not dead.at_start(1e9, 4) and dead.after(4) is dead and not health.is_silent
     assert dead.after(5) is None and health.is_silent
+
+
+class _Survivors:
+    """The survivors' communicator as one die sees it: an allreduce over the dies' counts."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+
+    def allreduce(self, value, op):
+        assert op is MPI.MAX and value in self.counts
+        return max(self.counts)
+
+
+class _Executor:
+    """What rebuild touches of the colocated executor; its iteration count moves only through
+    restore, as ColocatedExecutor's does."""
+
+    def __init__(self, num_iterations: int) -> None:
+        self.num_iterations = num_iterations
+        self.ep = SimpleNamespace(rebuilt=lambda dies: "rebuilt buffer", mem=None)
+        self.expert_map = SimpleNamespace(placement=None, install=lambda placement: None)
+
+    def use_buffer(self, ep) -> None:
+        self.ep = SimpleNamespace(buffer=ep)
+
+    def restore(self, checkpoint: int) -> None:
+        self.num_iterations = checkpoint
+
+
+@pytest.mark.parametrize("mine, others", [(6, [7, 7]), (7, [6, 7]), (7, [7, 7])])
+def test_colocated_survivors_rebuild_on_the_highest_iteration_count(monkeypatch, mine, others):
+    """Across hosts the fence's word can overtake the last combine's records: the fence undoes
+    iteration 6 on some survivors while others completed it (count 7). After the rebuild every
+    survivor numbers the next iteration's events from the same count (the afd dies' rule)."""
+    survivors = _Survivors([mine, *others])
+    monkeypatch.setattr(scale_down, "survivors", lambda dies, world, lost: survivors)
+    monkeypatch.setattr(scale_down, "num_routed_dies_left", lambda topo, lost: 3)
+    monkeypatch.setattr(scale_down, "without_dies", lambda placement, topo, lost: placement)
+    monkeypatch.setattr(scale_down, "send_ready", lambda world, shell, num_batches: None)
+    die = ColocatedDie.__new__(ColocatedDie)  # its parts, no MPI job
+    die.executor = _Executor(mine)
+    die.recompute = SimpleNamespace(restore_interrupted=lambda: None, regroup=lambda d, b: None)
+    die.retired, die.dies, die.world, die.topo = [], None, None, None
+    die.pricer = SimpleNamespace(rescale=lambda n: None)
+    die.health = SimpleNamespace(shell=0)
+    die.outbox = SimpleNamespace(num_batches=0)
+    die.rebuild(scale_down.Failover(lost=(4,)))
+    assert die.executor.num_iterations == max(mine, *others) == 7
+    assert die.dies is survivors and die.is_scaled

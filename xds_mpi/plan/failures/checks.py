@@ -12,6 +12,7 @@ from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.clock import serving_clock
 from xds_mpi.plan.failures.loss import RELEASE_GRACES, check_decode_loss, release_bound_s
 from xds_mpi.plan.failures.pd import check_decode_loss as check_pd_decode_loss
+from xds_mpi.plan.failures.rates import check_fault_rate
 from xds_mpi.plan.failures.slots import afd_memory_refusal, slot_refusal
 from xds_mpi.plan.topology import Topology
 
@@ -68,6 +69,7 @@ def check_failures(cfg: Config, topo: Topology) -> None:
             if cfg.pd.enabled:
                 check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
     check_decode_loss(cfg, topo)  # xds_mpi/plan/failures/loss.py
+    check_fault_rate(cfg, topo)  # faults.rate's risk (xds_mpi/plan/failures/rates.py)
 
 
 def _check_at_s(cfg: Config) -> None:
