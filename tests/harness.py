@@ -8,8 +8,10 @@ tests/mpi/conftest.py aborts the job as soon as one rank's test fails, after pri
 
 from __future__ import annotations
 
+import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from launch.job.mpiexec import JobResult, mpi_command, run_job
@@ -67,3 +69,16 @@ def body_args(paths: Sequence[str | Path], timeout_s: float, extra: Sequence[str
 def explain(result: JobResult) -> str:
     tail = result.output[-6000:]
     return f"exit code {result.returncode}, timed out: {result.timed_out}\n--- output ---\n{tail}"
+
+
+@contextmanager
+def busy_processes(num: int) -> Iterator[None]:
+    """`num` processes spinning on the CPU while the block runs (a machine under load), killed
+    after it."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()

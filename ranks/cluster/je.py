@@ -29,7 +29,7 @@ from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT, TeR
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
-from ranks.shell.virtual_time import GrantRounds
+from ranks.shell.virtual_time import Finishes, GrantRounds
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
 from xds_mpi.report.runfile import run_file_path, write_run_file
@@ -92,20 +92,20 @@ class TeRounds(GrantRounds):
         super().__init__(je.comm, shells, timeout_s=cfg.run.timeout_s, who="JE")
         self.je = je
         self.completions = Completions()  # finishes not yet applied to the loads
-        self.finished_from: Counter[int] = Counter()  # TE-shell -> finish messages taken
+        self.finishes = Finishes(je.comm, TAG_CLUSTER_FINISHED, self.completions, who="JE")
         self.decided_s = 0.0
 
     def turn(self) -> int:
-        num = self._take_reports() + self._take_finished()
+        num = self._take_reports() + self.finishes.take()
         je = self.je
         if not je.queue:
             return num  # the last grant promised inf: nothing more to route
         missing = self.missing()
         if missing:
-            self._check_waiting(missing, len(self.reports) + sum(self.finished_from.values()))
+            self._check_waiting(missing, len(self.reports) + self.finishes.taken.total())
             return num
         reports = [self.reports[s] for s in self.actors]
-        self._take_counted(reports)
+        self.finishes.take_counted({r.die_rank: r.num_batches for r in reports}, self.timeout_s)
         busy = [r.start_s for r in reports if not r.is_idle]
         grant = decide(
             je.queue,
@@ -129,32 +129,6 @@ class TeRounds(GrantRounds):
             )
             je.sends.append(self.comm.isend(message, dest=shell, tag=TAG_VTIME_GRANT))
         return num + 1
-
-    def _take_finished(self) -> int:
-        num, status = 0, MPI.Status()
-        while (
-            message := self.comm.improbe(MPI.ANY_SOURCE, TAG_CLUSTER_FINISHED, status)
-        ) is not None:
-            for req_id, vtime_s in message.recv():
-                self.completions.add(req_id, vtime_s)
-            self.finished_from[status.Get_source()] += 1
-            num += 1
-        return num
-
-    def _take_counted(self, reports) -> None:
-        """Every finish the TE-shells sent before their reports (bounded)."""
-        deadline = time.monotonic() + self.timeout_s
-        expected = {r.die_rank: r.num_batches for r in reports}
-        while missing := {
-            s: n - self.finished_from[s] for s, n in expected.items() if self.finished_from[s] < n
-        }:
-            if not self._take_finished():
-                if time.monotonic() > deadline:
-                    raise WaitTimeout(
-                        f"JE: finishes reported by TE-shell(s) (link ranks) {sorted(missing)} "
-                        f"not received after {self.timeout_s:g} s: {missing}"
-                    )
-                time.sleep(0.0002)
 
 
 class JobExecutor:

@@ -33,13 +33,11 @@ import math
 import time
 from collections import Counter, deque
 
-from mpi4py import MPI
-
 from ranks.core.control import WaitTimeout
 from ranks.core.messages import JE
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.pd.messages import TAG_PD_DONE, TAG_PD_TASK, Promised
-from ranks.shell.virtual_time import GrantRounds
+from ranks.shell.virtual_time import Finishes, GrantRounds
 from xds_mpi.pd.route import pick_prefill_te
 from xds_mpi.plan.kv_link import KvTransferTimes
 from xds_mpi.scheduling.admission import Completions, decide
@@ -239,7 +237,9 @@ class DecodePacer(GrantRounds):
         self.queue: list = []  # undecided tasks by (prefill end, req_id)
         self.landing: list = []  # heap: (KV arrival s, req_id, group, task), not yet granted
         self.completions = Completions()
-        self.done_from: Counter[int] = Counter()  # decode die -> completion messages taken
+        self.finishes = Finishes(  # the decode dies' completions
+            shell.comm, TAG_PD_DONE, self.completions, who="decode TE-shell"
+        )
         self.promise_s = 0.0
         self.decided_s = 0.0
         self.num_tasks = 0
@@ -247,13 +247,13 @@ class DecodePacer(GrantRounds):
     def turn(self) -> int:
         """Take tasks, completions and reports; once every die reported, decide what the
         promise allows and grant."""
-        num = self._take_reports() + self._take_tasks() + self._take_done()
+        num = self._take_reports() + self._take_tasks() + self.finishes.take()
         missing = self.missing()
         if missing:
-            self._check_waiting(missing, len(self.reports) + sum(self.done_from.values()))
+            self._check_waiting(missing, len(self.reports) + self.finishes.taken.total())
             return num
         reports = [self.reports[g] for g in self.actors]
-        self._take_counted(reports)
+        self.finishes.take_counted({r.die_rank: r.num_batches for r in reports}, self.timeout_s)
         busy = [r.start_s for r in reports if not r.is_idle]
         warp_s = -INF
         if busy:
@@ -305,28 +305,3 @@ class DecodePacer(GrantRounds):
             self.num_tasks += len(promised.routed)
             num += 1
         return num
-
-    def _take_done(self) -> int:
-        num = 0
-        status, comm = MPI.Status(), self.comm
-        while (message := comm.improbe(MPI.ANY_SOURCE, TAG_PD_DONE, status)) is not None:
-            for req_id, vtime_s in message.recv():
-                self.completions.add(req_id, vtime_s)
-            self.done_from[status.Get_source()] += 1
-            num += 1
-        return num
-
-    def _take_counted(self, reports) -> None:
-        """Every completion the dies sent before their reports (bounded)."""
-        deadline = time.monotonic() + self.timeout_s
-        expected = {r.die_rank: r.num_batches for r in reports}
-        while missing := {
-            g: n - self.done_from[g] for g, n in expected.items() if self.done_from[g] < n
-        }:
-            if not self._take_done():
-                if time.monotonic() > deadline:
-                    raise WaitTimeout(
-                        f"decode TE-shell: completions reported by die rank(s) {sorted(missing)} "
-                        f"not received after {self.timeout_s:g} s: {missing}"
-                    )
-                time.sleep(0.0002)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 
 from mpi4py import MPI
 
@@ -101,6 +102,37 @@ class GrantRounds:
                 f"(horizon {self.horizon_s:.6f} s virtual) and no token from any die after "
                 f"{self.timeout_s:g} s"
             )
+
+
+class Finishes:
+    """Finish messages, [(req_id, virtual s), ...] on `tag`, taken into `completions` and counted
+    per sender, so that a shell takes every one an actor reported sending before it decides
+    (PD's decode dies to the decode TE-shell, a cluster's TE-shells to the JE)."""
+
+    def __init__(self, comm, tag: int, completions: Completions, *, who: str) -> None:
+        self.comm, self.tag, self.completions, self.who = comm, tag, completions, who
+        self.taken: Counter[int] = Counter()  # sender rank -> messages taken
+
+    def take(self) -> int:
+        num, status = 0, MPI.Status()
+        while (message := self.comm.improbe(MPI.ANY_SOURCE, self.tag, status)) is not None:
+            for req_id, vtime_s in message.recv():
+                self.completions.add(req_id, vtime_s)
+            self.taken[status.Get_source()] += 1
+            num += 1
+        return num
+
+    def take_counted(self, expected: dict[int, int], timeout_s: float) -> None:
+        """Until `expected` (sender rank -> messages sent) are all taken (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while missing := {g: n - self.taken[g] for g, n in expected.items() if self.taken[g] < n}:
+            if not self.take():
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"{self.who}: finishes reported by rank(s) {sorted(missing)} not "
+                        f"received after {timeout_s:g} s (rank -> messages missing): {missing}"
+                    )
+                time.sleep(0.0002)
 
 
 class VirtualPacer(GrantRounds):

@@ -10,9 +10,10 @@ import json
 
 import numpy as np
 import pytest
+from harness import busy_processes
 from test_serving import check_line
 from test_serving_afd import serve
-from test_virtual_time import _busy_processes, _virtual_columns
+from test_virtual_time import _virtual_columns
 
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.clock import serving_clock
@@ -87,13 +88,8 @@ def test_the_same_afd_run_gives_the_same_virtual_times_beside_busy_processes(tmp
     )
     runs = []
     for i, num_busy in enumerate((0, 2)):
-        busy = _busy_processes(num_busy)
-        try:
+        with busy_processes(num_busy):
             result, run_file = serve(tmp_path / f"run{i}", *workload)
-        finally:
-            for process in busy:
-                process.kill()
-                process.wait()
         _ok(result)
         assert check_line(result).endswith(" 0 mismatches")
         runs.append(_virtual_columns(run_file))

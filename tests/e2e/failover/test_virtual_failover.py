@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import REPO_ROOT
+from harness import REPO_ROOT, busy_processes
 from test_decode_failover import HEALTH, RING
 from test_recompute import serve
 from test_serving import check_line
-from test_virtual_time import _busy_processes, _virtual_columns
+from test_virtual_time import _virtual_columns
 
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.failures.loss import REBUILD_S, FailoverCost
@@ -31,14 +31,9 @@ COLOCATED = REPO_ROOT / "configs" / "colocated.yaml"
 
 
 def _served(tmp_path, row: str, num_busy: int = 0):
-    busy = _busy_processes(num_busy)
-    try:
+    with busy_processes(num_busy):
         settings = [f"faults.events=[{row}]", *HEALTH, *RING, *WORKLOAD]
         result, run_file = serve(tmp_path, "colocated", settings, timeout=400)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
     assert check_line(result) == SERVED

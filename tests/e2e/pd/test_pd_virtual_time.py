@@ -9,9 +9,10 @@ import json
 
 import numpy as np
 import pytest
+from harness import busy_processes
 from test_serving import check_line
 from test_serving_pd import explain, serve
-from test_virtual_time import _busy_processes, _virtual_columns
+from test_virtual_time import _virtual_columns
 
 
 def _jsonl(tmp_path, lines: list[dict]) -> list[str]:
@@ -62,13 +63,8 @@ def test_decode_backpressure_on_the_virtual_clock_and_the_same_times_beside_busy
     )
     runs = []
     for i, num_busy in enumerate((0, 2)):
-        busy = _busy_processes(num_busy)
-        try:
+        with busy_processes(num_busy):
             result, run_file = serve(tmp_path / f"run{i}", *sets)
-        finally:
-            for process in busy:
-                process.kill()
-                process.wait()
         assert result.returncode == 0, explain(result)
         assert check_line(result) == "check: 10 requests, 60 tokens, 0 mismatches"
         assert run_file["summary"].attrs["pd_deferred_receives"] == 0

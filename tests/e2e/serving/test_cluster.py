@@ -10,9 +10,9 @@ import subprocess
 
 import h5py
 import numpy as np
-from harness import REPO_ROOT
+from harness import REPO_ROOT, busy_processes
 from test_serving import XDS_MPI, check_line
-from test_virtual_time import _busy_processes, _jsonl, _sets, _virtual_columns
+from test_virtual_time import _jsonl, _sets, _virtual_columns
 
 CLUSTER = _sets(
     "cluster.num_tes=2",
@@ -78,13 +78,8 @@ def test_two_tes_check_against_the_reference_and_the_same_virtual_times_beside_b
     )
     runs = []
     for i, num_busy in enumerate((0, 2)):
-        busy = _busy_processes(num_busy)
-        try:
+        with busy_processes(num_busy):
             result, run_file = run_cluster(tmp_path / f"run{i}", *workload)
-        finally:
-            for process in busy:
-                process.kill()
-                process.wait()
         assert result.returncode == 0, _ok(result)
         assert check_line(result).startswith("check: 16 requests, ")
         assert check_line(result).endswith(" 0 mismatches")

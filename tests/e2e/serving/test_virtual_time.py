@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from collections import deque
 
 import numpy as np
 import pytest
+from harness import busy_processes
 from test_recompute import serve as serve_config
 from test_serving import check_line, serve
 
@@ -184,10 +183,6 @@ def test_an_hour_of_idle_time_costs_no_wall_time(tmp_path):
     assert run_file["summary"].attrs["wall_s"] < 3.0  # serving's wall time, both requests
 
 
-def _busy_processes(num: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(num)]
-
-
 def _virtual_columns(run_file) -> dict[str, np.ndarray]:
     columns = {f"virtual/{k}": run_file[f"virtual/{k}"][()] for k in run_file["virtual"]}
     for die in run_file["dies"]:
@@ -210,13 +205,8 @@ def test_the_same_config_gives_the_same_virtual_times_beside_busy_processes(tmp_
     )
     runs = []
     for i, num_busy in enumerate((0, 2)):
-        busy = _busy_processes(num_busy)
-        try:
+        with busy_processes(num_busy):
             result, run_file = serve(tmp_path / f"run{i}", *workload)
-        finally:
-            for process in busy:
-                process.kill()
-                process.wait()
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert check_line(result).endswith(" 0 mismatches")
         runs.append(_virtual_columns(run_file))
@@ -266,13 +256,8 @@ def test_eplb_swaps_at_the_same_iterations_beside_busy_processes(tmp_path):
     ]
     runs = []
     for i, num_busy in enumerate((0, 2)):
-        busy = _busy_processes(num_busy)
-        try:
+        with busy_processes(num_busy):
             result, run_file = serve_config(tmp_path / f"run{i}", "eplb", workload)
-        finally:
-            for process in busy:
-                process.kill()
-                process.wait()
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert check_line(result).endswith(" 0 mismatches")
         assert run_file["summary"].attrs["serving_clock"] == "virtual"
