@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ranks.core.tags import TAG_VTIME_CLOCK, TAG_VTIME_GRANT  # noqa: F401
+from ranks.core.tags import (  # noqa: F401
+    TAG_CLUSTER_FINISHED,
+    TAG_CLUSTER_RESULT,
+    TAG_VTIME_CLOCK,
+    TAG_VTIME_GRANT,
+)
 
 # On the link communicator only (JE and TE-shells), apart from every TE's own tags.
-TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT = 291, 292
 
 
 @dataclass(kw_only=True)

@@ -53,6 +53,8 @@ TAG_AFD_LOAD = 242
 # Virtual-time serving (ranks/core/vtime_messages.py): TE-shell -> die, a grant (requests, the
 # horizon, the warp); die -> TE-shell, where its clock stands.
 TAG_VTIME_GRANT, TAG_VTIME_CLOCK = 281, 282
+# a cluster's TE-shell -> its JE (ranks/cluster/messages.py)
+TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT = 291, 292
 
 
 def all_tags() -> dict[str, int]:

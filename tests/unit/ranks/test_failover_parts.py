@@ -155,7 +155,7 @@ def test_colocated_survivors_rebuild_on_the_highest_iteration_count(monkeypatch,
     monkeypatch.setattr(scale_down, "survivors", lambda dies, world, lost: survivors)
     monkeypatch.setattr(scale_down, "num_routed_dies_left", lambda topo, lost: 3)
     monkeypatch.setattr(scale_down, "without_dies", lambda placement, topo, lost: placement)
-    monkeypatch.setattr(scale_down, "send_ready", lambda world, shell, num_batches: None)
+    monkeypatch.setattr(scale_down, "send_ready", lambda *args: None)
     die = ColocatedDie.__new__(ColocatedDie)  # its parts, no MPI job
     die.executor = _Executor(mine)
     die.recompute = SimpleNamespace(restore_interrupted=lambda: None, regroup=lambda d, b: None)
@@ -163,6 +163,7 @@ def test_colocated_survivors_rebuild_on_the_highest_iteration_count(monkeypatch,
     die.pricer = SimpleNamespace(rescale=lambda n: None)
     die.health = SimpleNamespace(shell=0)
     die.outbox = SimpleNamespace(num_batches=0)
+    die.vtime = None  # the wall clock: no failover to price
     die.rebuild(scale_down.Failover(lost=(4,)))
     assert die.executor.num_iterations == max(mine, *others) == 7
     assert die.dies is survivors and die.is_scaled
