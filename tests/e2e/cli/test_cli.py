@@ -297,8 +297,11 @@ def test_bench_ep_checks_itself_against_alltoallv_and_reports(tmp_path):
 
 
 def test_a_run_over_its_time_limit_is_reported_as_such():
-    # A run (rank start-up, serving, the check) takes longer than one second.
-    result = xds_mpi("run", "--set", "run.timeout_s=1")
+    # A run (rank start-up, serving 64 requests, the check) takes longer than one second: the
+    # main job alone served in 0.2 s on a quiet machine and was killed while it closed.
+    result = xds_mpi(
+        "run", "--check", "--set", "run.timeout_s=1", "--set", "workload.num_requests=64"
+    )
     assert result.returncode == 124, result.stdout[-2000:] + result.stderr[-2000:]
     assert "job exceeded run.timeout_s(1) and was killed" in result.stderr
 
