@@ -143,15 +143,14 @@ class PrefillPacer(GrantRounds):
         self.completions.apply_until(INF, self.router)
 
     def _num_taken(self) -> int:
-        je = self.je
-        prefill = [r for te in self.tes for r in te]
-        return sum(self.prefilled_from.values()) + sum(je.batches_from[r] for r in prefill)
+        return sum(self._taken_from(te) for te in range(len(self.tes)))
 
     def _take_counted(self, reports) -> None:
         """Every task and token batch the TEs sent before their reports (bounded)."""
         je = self.je
         deadline = time.monotonic() + self.timeout_s
-        expected = {self.tes.index(self._te(r.die_rank)): r.num_batches for r in reports}
+        te_of = {ranks[0]: te for te, ranks in enumerate(self.tes)}  # leader -> its TE
+        expected = {te_of[r.die_rank]: r.num_batches for r in reports}
         while missing := {
             te: n - self._taken_from(te) for te, n in expected.items() if self._taken_from(te) < n
         }:
@@ -162,9 +161,6 @@ class PrefillPacer(GrantRounds):
                         f"after {self.timeout_s:g} s (TE -> messages missing): {missing}"
                     )
                 time.sleep(0.0002)
-
-    def _te(self, leader: int) -> tuple[int, ...]:
-        return next(te for te in self.tes if te[0] == leader)
 
     def _taken_from(self, te: int) -> int:
         ranks = self.tes[te]
