@@ -146,7 +146,7 @@ class JobExecutor:
                 queue.append(req)
         self.queue = deque(sorted(queue, key=lambda r: (r.arrival_s, r.req_id)))
         self.num_routed = len(self.queue)
-        self.loads = TeLoads(cluster.num_tes, load_policy(cluster.policy))
+        self.loads = TeLoads(cluster.num_tes, load_policy(cluster.policy, cfg))
         self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
         self.sends: list[MPI.Request] = []
         self.rounds = TeRounds(self)

@@ -2,9 +2,11 @@
 
 A policy module defines `pick(request, te_states, now_s) -> te`: the TE (an index into
 `te_states`) that serves `request`, decided at virtual time `now_s` from each TE's state then
-(`TeState`). It must be pure: the same arguments give the same TE, so a run's routing depends
-only on the config and the seed. A user adds a policy by adding a module here; the JE
-(ranks/cluster/je.py) and the config (`cluster.policy`, the module's name) need no change.
+(`TeState`). A policy that needs the config (a map, a predictor) defines `make(cfg) -> pick`
+instead, called once when the JE starts. A pick must be pure: the same arguments give the same
+TE, so a run's routing depends only on the config and the seed. A user adds a policy by adding a
+module here; the JE (ranks/cluster/je.py) and the config (`cluster.policy`, the module's name)
+need no change.
 """
 
 from __future__ import annotations
@@ -13,20 +15,30 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from xds_mpi.workload.requests import Request
+
+if TYPE_CHECKING:
+    from xds_mpi.config.schema import Config
 
 
 @dataclass(frozen=True, kw_only=True)
 class TeState:
     """A TE as the JE sees it at a virtual time: te: its index; num_unfinished: requests routed
     to it that have not finished by then; unfinished_tokens: their prompt plus output budget
-    (len(prompt) + max_new_tokens), summed; num_routed: every request routed to it so far."""
+    (len(prompt) + max_new_tokens), summed; num_routed: every request routed to it so far;
+    kind: "colocated", "afd" or "pd" (a PD-disaggregated pair: its prefill and decode dies);
+    num_dies: its dies; prefix_tokens: the tokens of this request's prompt the JE's prompt tree
+    holds for this TE (its reusable KV cache as the JE knows it; 0 without one)."""
 
     te: int
     num_unfinished: int
     unfinished_tokens: int
     num_routed: int
+    kind: str = "colocated"
+    num_dies: int = 0
+    prefix_tokens: int = 0
 
 
 Policy = Callable[[Request, Sequence[TeState], float], int]
@@ -37,8 +49,15 @@ def policy_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
-def load_policy(name: str) -> Policy:
-    """The `pick` of policy `name`; ValueError naming the known ones when there is none."""
+def load_policy(name: str, cfg: Config | None = None) -> Policy:
+    """The `pick` of policy `name` (its `make(cfg)`'s for a policy that needs the config);
+    ValueError naming the known ones when there is none."""
     if name not in policy_names():
         raise ValueError(f"no routing policy {name!r}; known: {', '.join(policy_names())}")
-    return importlib.import_module(f"{__name__}.{name}").pick
+    module = importlib.import_module(f"{__name__}.{name}")
+    make = getattr(module, "make", None)
+    if make is None:
+        return module.pick
+    if cfg is None:
+        raise ValueError(f"routing policy {name!r} needs the config (it defines make)")
+    return make(cfg)
