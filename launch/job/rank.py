@@ -33,6 +33,7 @@ from xccl.gmem_paths import set_memory_path, set_node_leader
 from xccl.wake import MPI_TIME, quiet_barrier, set_wait_mode
 from xds_mpi.config.schema import load_config
 from xds_mpi.execution import emulator_runtime
+from xds_mpi.plan.cluster import plan_cluster
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.resolved import read_resolved
 from xds_mpi.report import trace
@@ -125,8 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     world = MPI.COMM_WORLD
     mark_loaded(world.rank)  # the launcher counts these during a long start-up
     cfg = read_config(args)
-    plan = DeploymentPlan.build(cfg, world.size, launcher_checks=False)  # made before launch
-    te, local = plan.cluster.te_of(world.rank) if plan.cluster else (-1, world.rank)
+    cluster = plan_cluster(cfg)  # None: one TE
+    te, local = cluster.te_of(world.rank) if cluster else (-1, world.rank)
+    # made before launch; a cluster's TE: its own config (its group's) and ranks 0..S-1
+    plan = DeploymentPlan.build(cfg, world.size, launcher_checks=False, te=te if cluster else None)
+    cfg = plan.cfg
     role = "je" if plan.cluster and te < 0 else plan.topo.ranks[local].role
     log = setup_logging(world.rank, role if te < 0 else f"{role} te{te}", cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it

@@ -47,11 +47,8 @@ def run(ctx: RankContext) -> int:
     path = run_file_path(ctx.cfg, started_at)
     cluster = ctx.plan.cluster
     ctx.log.info(
-        "JE up: %d TEs of %d ranks (%s each), policy %s",
-        cluster.num_tes,
-        cluster.te_size,
-        ctx.topo.summary(),
-        cluster.policy,
+        "JE up: %s",
+        cluster.describe().splitlines()[0],
     )
     status, je = "completed", None
     try:
@@ -264,7 +261,10 @@ class JobExecutor:
         group["te_first_rank"] = np.array(
             [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
         )
-        group.attrs.update(num_tes=cluster.num_tes, te_size=cluster.te_size, policy=cluster.policy)
+        group["te_size"] = np.array([t.size for t in cluster.tes], np.int64)
+        group["te_kind"] = np.array([t.kind for t in cluster.tes], dtype=h5py.string_dtype())
+        group["te_group"] = np.array([t.group for t in cluster.tes], dtype=h5py.string_dtype())
+        group.attrs.update(num_tes=cluster.num_tes, policy=cluster.policy)
         group["te_status"] = np.array(
             [self.results[te].status for te in sorted(self.results)], dtype=h5py.string_dtype()
         )

@@ -55,6 +55,9 @@ TAG_AFD_LOAD = 242
 TAG_VTIME_GRANT, TAG_VTIME_CLOCK = 281, 282
 # a cluster's TE-shell -> its JE (ranks/cluster/messages.py)
 TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT = 291, 292
+# a PD pair in a cluster: its decode TE-shell -> its JE, the decode side's state while it waits
+# at the promise (ranks/cluster/pd_side.py)
+TAG_PD_DECODE_STATE = 293
 
 
 def all_tags() -> dict[str, int]:

@@ -56,7 +56,11 @@ class DecodeShell:
         self.num_tasks = 0
         self.watch = DecodeWatch(self)  # §6.1 heartbeats over the decode dies (PD decode loss)
         self.virtual = None  # run.clock virtual: the decode dies' pacer (ranks/shell/pd_pacers.py)
-        if ctx.plan.clock.is_virtual:
+        if ctx.plan.cluster is not None:  # a PD pair in a cluster (ranks/cluster/pd_side.py)
+            from ranks.cluster.pd_side import PairDecodePacer
+
+            self.virtual = PairDecodePacer(self)
+        elif ctx.plan.clock.is_virtual:
             from ranks.shell.pd_pacers import DecodePacer
 
             self.virtual = DecodePacer(self)

@@ -55,7 +55,13 @@ class JobExecutor(Frontend):
         )
         # serve: req_id -> why, for requests cancelled at prefill or with their KV on the way
         self.cancel_at_decode: dict[int, str] = {}
-        if ctx.plan.clock.is_virtual:  # the prefill TEs paced (ranks/shell/pd_pacers.py)
+        if ctx.plan.cluster is not None:  # a PD pair in a cluster (ranks/cluster/pd_side.py)
+            from ranks.cluster.link import cluster_link
+            from ranks.cluster.pd_side import PairPacer
+
+            self.virtual = PairPacer(self, cluster_link())
+            self.feed = self.virtual.feed
+        elif ctx.plan.clock.is_virtual:  # the prefill TEs paced (ranks/shell/pd_pacers.py)
             from ranks.shell.pd_pacers import PrefillPacer
 
             self.virtual = PrefillPacer(self)

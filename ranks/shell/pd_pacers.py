@@ -258,7 +258,8 @@ class DecodePacer(GrantRounds):
             head = max(self.queue[0].end_v, self.decided_s) if self.queue else INF
             nxt = min(head, self.landing[0][0] if self.landing else INF)
             if nxt > self.promise_s or nxt == INF:
-                return num  # nothing before the promise: wait for the JE
+                # nothing before the promise: wait for the JE
+                return num + self.parked(floor_s=self.decided_s)
             now_s = warp_s = max(nxt, max(r.start_s for r in reports))
         queue = deque(self.queue)
         grant = decide(
@@ -283,12 +284,26 @@ class DecodePacer(GrantRounds):
         next_landing = self.landing[0][0] if self.landing else INF
         horizon_s = min(grant.horizon_s, self.promise_s, next_landing)
         if not grant.decisions and not any(to.values()) and horizon_s == self.horizon_s:
-            return num
+            return num + self.parked(floor_s=now_s, busy_s=min(busy, default=INF))
         seq = self._new_round(horizon_s)
         for group, tasks in to.items():
             message = Grant(seq=seq, requests=tuple(tasks), horizon_s=horizon_s, warp_s=warp_s)
             self.shell.sends.append(self.comm.isend(message, dest=group, tag=TAG_VTIME_GRANT))
         return num + 1
+
+    def parked(self, *, floor_s: float, busy_s: float = INF) -> int:
+        """The dies wait at the promise (or for the JE's next tasks): a PD pair in a cluster
+        tells its JE then (ranks/cluster/pd_side.py); alone, nothing to do."""
+        return 0
+
+    def bound_s(self, *, floor_s: float, busy_s: float) -> float:
+        """While parked: the earliest virtual time a decode die may still finish a request (inf:
+        none unfinished). A busy die's next iteration ends after its start; a task decided
+        lands first; an undecided one is decided at or after `floor_s` (the decisions' time:
+        no slot frees before the dies' common start) and after its prefill ends."""
+        waiting = [max(task.end_v, floor_s) for task in self.queue]
+        landing = self.landing[0][0] if self.landing else INF
+        return min([busy_s, landing, *waiting])
 
     def _take_tasks(self) -> int:
         num = 0

@@ -10,9 +10,24 @@ is `xds_mpi.plan.cluster`'s).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from xds_mpi.config.loader import positive, require
+from xds_mpi.config.loader import build_record, positive, require
+
+# Sections a TE group may not override: the JE's (the requests, the run) and the model every TE
+# serves (the reference checks every request against one model).
+JE_SECTIONS = ("model", "workload", "trace", "run", "serve", "cluster", "hardware", "emulator")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeGroup:
+    """count TEs alike: the rest of the config with these `section.key=value` overrides (a PD
+    pair: `pd.enabled=true`, its prefill and decode dies, two host ranks, ...); name: how the
+    group is named in logs and the run file ('' -> its kind)."""
+
+    count: int = 1
+    set: list = field(default_factory=list)
+    name: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +40,10 @@ class ClusterConfig:
     (xds_mpi/cluster/predict.py): "oracle" (the true length, right with probability
     predictor_accuracy, else a neighbouring 128-token bucket) or the file of a trained model.
     balance_tolerance: `combined` deems the TEs' loads balanced when the most loaded one's
-    unfinished tokens are within this share of the least loaded one's."""
+    unfinished tokens are within this share of the least loaded one's.
+    groups: TEs of different kinds and shapes, rows {count, set, name} (`TeGroup`); num_tes is
+    then their total count (1 or that total may be given). Empty: num_tes copies of the rest of
+    the config."""
 
     num_tes: int = 1
     policy: str = "round_robin"
@@ -33,8 +51,18 @@ class ClusterConfig:
     predictor: str = "oracle"
     predictor_accuracy: float = 1.0
     balance_tolerance: float = 0.25
+    groups: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        groups = [_group(i, row) for i, row in enumerate(self.groups)]
+        object.__setattr__(self, "groups", groups)
+        if groups:
+            total = sum(g.count for g in groups)
+            require(
+                self.num_tes in (1, total),
+                f"cluster.num_tes({self.num_tes}) is not the groups' total count ({total})",
+            )
+            object.__setattr__(self, "num_tes", total)
         positive("cluster", num_tes=self.num_tes)
         require(bool(self.policy), "cluster.policy must name a routing policy, got ''")
         require(
@@ -45,3 +73,21 @@ class ClusterConfig:
             self.balance_tolerance >= 0.0,
             f"cluster.balance_tolerance must be >= 0, got {self.balance_tolerance}",
         )
+
+
+def _group(index: int, row) -> TeGroup:
+    where = f"cluster.groups[{index}]"
+    group = row if isinstance(row, TeGroup) else build_record(TeGroup, row, where)
+    positive(where, count=group.count)
+    for text in group.set:
+        require(
+            isinstance(text, str) and "=" in text and "." in text.partition("=")[0],
+            f"{where}.set: {text!r} is not section.key=value",
+        )
+        section = text.partition(".")[0].strip()
+        require(
+            section not in JE_SECTIONS,
+            f"{where}.set: {text!r} sets {section}, which every TE shares (the JE's requests and "
+            f"run, the one model): set it outside the groups",
+        )
+    return group

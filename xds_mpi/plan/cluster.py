@@ -5,87 +5,150 @@ renumbered 0..S-1 (TE-shell 0) as if it were the world, so its windows, schedule
 agreement and failure handling are one TE's; the JE and the TE-shells share a second one (the
 link: JE 0, TE-shell of TE k at k + 1).
 
-Phase 1 builds colocated TEs on the virtual clock only; the rest is refused, naming the key.
+`cluster.groups` makes TEs of different kinds and shapes: each group's TEs have the rest of the
+config with the group's `--set` values. A PD pair is one TE whose TE-shell is the pair's own JE
+(ranks/cluster/pd_side.py). What a cluster does not support yet is refused, naming the key.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
-from xds_mpi.config.schema import Config, ConfigError
+from xds_mpi.config.cluster import TeGroup
+from xds_mpi.config.schema import Config, ConfigError, config_from_dict
 
 JE_RANK = 0  # the JE's world rank, and its rank on the link
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClusterPlan:
-    """num_tes TEs of te_size ranks each behind the JE; policy: cluster.policy."""
+class TeInfo:
+    """One TE of a cluster: te: its index; first_rank: its TE-shell's world rank; size: its
+    ranks; kind: "colocated", "afd" or "pd" (a PD pair: its JE is its TE-shell); num_dies;
+    group: the name of its group; overrides: its group's `--set` values on the config."""
 
-    num_tes: int
-    te_size: int
+    te: int
+    first_rank: int
+    size: int
+    kind: str
+    num_dies: int
+    group: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterPlan:
+    """The TEs behind the JE, one after another from world rank 1; policy: cluster.policy."""
+
+    tes: tuple[TeInfo, ...]
     policy: str
 
     @property
+    def num_tes(self) -> int:
+        return len(self.tes)
+
+    @property
     def world_size(self) -> int:
-        return 1 + self.num_tes * self.te_size
+        return 1 + sum(t.size for t in self.tes)
 
     def first_rank(self, te: int) -> int:
         """The world rank of TE `te`'s TE-shell (its rank 0)."""
-        return 1 + te * self.te_size
+        return self.tes[te].first_rank
 
     def te_of(self, world_rank: int) -> tuple[int, int]:
         """(TE, rank inside it) of a world rank; (-1, 0) for the JE."""
-        if world_rank == JE_RANK:
-            return -1, 0
-        return divmod(world_rank - 1, self.te_size)
+        for t in self.tes:
+            if t.first_rank <= world_rank < t.first_rank + t.size:
+                return t.te, world_rank - t.first_rank
+        return -1, 0
 
     def describe(self) -> str:
         """validate's lines: the JE and each TE's world ranks."""
+        kinds = Counter(f"{t.size}-rank {t.kind}" for t in self.tes)
         lines = [
-            f"cluster: {self.num_tes} TEs of {self.te_size} ranks behind one JE, "
-            f"policy {self.policy}, world size {self.world_size}",
+            f"cluster: {self.num_tes} TEs ({', '.join(f'{n} x {k}' for k, n in kinds.items())}) "
+            f"behind one JE, policy {self.policy}, world size {self.world_size}",
             f"  JE: world rank {JE_RANK}",
         ]
-        for te in range(self.num_tes):
-            first = self.first_rank(te)
-            last = first + self.te_size - 1
+        for t in self.tes:
+            first, last = t.first_rank, t.first_rank + t.size - 1
+            shell = "JE of the pair" if t.kind == "pd" else "TE-shell"
+            name = t.kind if t.group == t.kind else f"{t.group}: {t.kind}"
             lines.append(
-                f"  TE {te}: world ranks {first}..{last} (TE-shell {first}, dies "
-                f"{first + 1}..{last}; ranks 0..{self.te_size - 1} inside the TE)"
+                f"  TE {t.te} ({name}, {t.num_dies} dies): world ranks "
+                f"{first}..{last} ({shell} {first}; ranks 0..{t.size - 1} inside the TE)"
             )
         return "\n".join(lines)
 
 
-def te_world_size(cfg: Config, world_size: int | None) -> int | None:
-    """The size one TE's plan is built for, given the job's `world_size` (None: what the
-    config needs)."""
-    num = cfg.cluster.num_tes
-    if num == 1 or world_size is None:
-        return world_size
-    if world_size < 1 + num or (world_size - 1) % num:
-        raise ConfigError(
-            f"world size {world_size} is not 1 JE + cluster.num_tes({num}) x a TE's ranks"
-        )
-    return (world_size - 1) // num
+def te_config(cfg: Config, overrides: tuple[str, ...]) -> Config:
+    """The config of a TE whose group sets `overrides` on the rest of the config."""
+    if not overrides:
+        return cfg
+    return config_from_dict(cfg.to_dict(), list(overrides))
 
 
-def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
-    """What phase 1 of a cluster needs of the rest of the config: colocated TEs on the virtual
-    clock (the JE routes at virtual arrivals), nothing that acts on the wall clock."""
+def plan_cluster(cfg: Config) -> ClusterPlan | None:
+    """The cluster's TEs (None: cluster.num_tes 1, one TE); each TE's config checked for what a
+    cluster TE needs, naming its group."""
+    # Lazy imports: a cluster's plan only (the topology imports this module's caller).
+    from xds_mpi.plan.clock import serving_clock
+    from xds_mpi.plan.topology import Topology
+
+    section = cfg.cluster
+    if section.num_tes == 1:
+        return None
+    check_policy(cfg)
+    groups = section.groups or [TeGroup(count=section.num_tes)]
+    tes, first = [], 1
+    for index, group in enumerate(groups):
+        overrides = tuple(group.set)
+        where = f"cluster.groups[{index}]" if section.groups else "the config"
+        try:
+            te_cfg = te_config(cfg, overrides)
+            check_cluster(te_cfg, is_virtual=serving_clock(te_cfg).is_virtual)
+            topo = Topology.from_config(te_cfg, None)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        kind = "pd" if te_cfg.pd.enabled else te_cfg.deployment.kind
+        for _ in range(group.count):
+            tes.append(
+                TeInfo(
+                    te=len(tes),
+                    first_rank=first,
+                    size=topo.world_size,
+                    kind=kind,
+                    num_dies=topo.num_dies,
+                    group=group.name or kind,
+                    overrides=overrides,
+                )
+            )
+            first += topo.world_size
+    return ClusterPlan(tes=tuple(tes), policy=section.policy)
+
+
+def check_policy(cfg: Config) -> None:
     # Lazy import: the policies are looked up only for a cluster.
     from xds_mpi.cluster.policies import policy_names
 
-    num, dep = cfg.cluster.num_tes, cfg.deployment
     if cfg.cluster.policy not in policy_names():
         raise ConfigError(
             f"cluster.policy({cfg.cluster.policy}) is no routing policy; known: "
             f"{', '.join(policy_names())} (xds_mpi/cluster/policies/)"
         )
-    faults = cfg.faults
+
+
+def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
+    """What a TE of a cluster needs of its config: colocated or afd TEs, or PD pairs with a
+    decode TE-shell, on the virtual clock (the JE routes at virtual arrivals); nothing that acts
+    on the wall clock."""
+    num, dep = cfg.cluster.num_tes, cfg.deployment
+    faults, hosts = cfg.faults, 2 if cfg.pd.enabled else 1
     unsupported = {
-        "deployment.kind afd": dep.kind != "colocated",
-        "pd.enabled": cfg.pd.enabled or dep.num_prefill_dies > 0,
-        "deployment.num_host_ranks other than 1": dep.num_host_ranks != 1,
+        "deployment.num_prefill_dies without pd.enabled": not cfg.pd.enabled
+        and dep.num_prefill_dies > 0,
+        f"deployment.num_host_ranks other than {hosts} ({'a PD pair' if hosts == 2 else 'a TE'}"
+        f"{': its JE and its decode TE-shell' if hosts == 2 else ''})": dep.num_host_ranks != hosts,
         "ems.enabled": cfg.ems.enabled,
         "eplb.enabled": cfg.eplb.enabled,
         "faults.table, faults.rate, faults.events": bool(
@@ -98,5 +161,6 @@ def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
         if is_set:
             raise ConfigError(
                 f"cluster.num_tes({num}) > 1 does not support {what} yet: a cluster is built for "
-                "colocated TEs on the virtual clock (docs/cluster.md); set cluster.num_tes=1"
+                "colocated and afd TEs and PD pairs on the virtual clock (docs/cluster.md); set "
+                "cluster.num_tes=1"
             )

@@ -19,7 +19,7 @@ from xccl.moe_layout import AfdLayout, EpLayout
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.model.checkpoint import check_checkpoint
 from xds_mpi.plan.clock import ServingClock, serving_clock
-from xds_mpi.plan.cluster import ClusterPlan, check_cluster, te_world_size
+from xds_mpi.plan.cluster import ClusterPlan, plan_cluster, te_config
 from xds_mpi.plan.ems import EmsPlan, build_ems, check_ems, ems_window_bytes
 from xds_mpi.plan.eplb import check_eplb
 from xds_mpi.plan.fabric import afd_layout, ep_layout, p2p_layout, window_bytes
@@ -62,7 +62,12 @@ class DeploymentPlan:
 
     @classmethod
     def build(
-        cls, cfg: Config, world_size: int | None = None, *, launcher_checks: bool = True
+        cls,
+        cfg: Config,
+        world_size: int | None = None,
+        *,
+        launcher_checks: bool = True,
+        te: int | None = None,
     ) -> DeploymentPlan:
         """Derive the plan; world_size: the communicator's size (None: what the config needs).
         launcher_checks: open the checkpoint to check its tensors' shapes, and make or read the
@@ -70,35 +75,44 @@ class DeploymentPlan:
         launch: every rank would die loading the checkpoint, the job would serve nothing); the
         ranks do not (each would open the file and walk its tensors again, a die's own load
         checks the shapes it reads, and only the TE-shell reads the workload: every rank
-        generating it cost numpy.random's import and a pass over the requests)."""
+        generating it cost numpy.random's import and a pass over the requests).
+        te: in a cluster, the plan of TE `te` with its config (its group's overrides); None: the
+        JE's, with the config as given and TE 0's topology (validate's rank map)."""
         if launcher_checks:
             check_checkpoint(cfg.model)
-        # a cluster: the plan of one TE (xds_mpi/plan/cluster.py)
-        topo = Topology.from_config(cfg, te_world_size(cfg, world_size))  # size, pod, placement
-        check_ems(cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
-        check_serving(cfg, topo)
-        clock = serving_clock(cfg)
-        cluster = None
-        if cfg.cluster.num_tes > 1:
-            check_cluster(cfg, is_virtual=clock.is_virtual)
-            cluster = ClusterPlan(
-                num_tes=cfg.cluster.num_tes, te_size=topo.world_size, policy=cfg.cluster.policy
-            )
+        cluster = plan_cluster(cfg)  # None: one TE (xds_mpi/plan/cluster.py)
+        if cluster is not None:  # the plan of one TE, its ranks 0..S-1
+            if world_size is not None and world_size != cluster.world_size:
+                raise ConfigError(
+                    f"world size {world_size} is not the cluster's {cluster.world_size} "
+                    f"(1 JE + the TEs' ranks)"
+                )
+            info = cluster.tes[0 if te is None or te < 0 else te]
+            te_cfg = te_config(cfg, info.overrides)
+            world_size = info.size
+            if te is not None and te >= 0:
+                cfg = te_cfg
+        else:
+            te_cfg = cfg
+        topo = Topology.from_config(te_cfg, world_size)  # size, pod, placement
+        check_ems(te_cfg, topo)  # the EMS pool's refusals name pool ranks before the fault checks
+        check_serving(te_cfg, topo)
+        clock = serving_clock(te_cfg)
         # The one source of the row dtype: a wire format (the model computes in its own dtype;
         # the reference rounds rows at the same points, xds_mpi/model/moe.py Wire).
-        row_dtype = np.dtype(cfg.xccl.row_dtype)
+        row_dtype = np.dtype(te_cfg.xccl.row_dtype)
         try:
-            p2p = p2p_layout(cfg, topo)
-            ep = ep_layout(cfg, topo, p2p, row_dtype.itemsize)
-            afd = afd_layout(cfg, topo, p2p, row_dtype.itemsize)
-            pd = build_pd(cfg, topo, p2p, row_dtype.itemsize)
-            ems = build_ems(cfg, topo)
+            p2p = p2p_layout(te_cfg, topo)
+            ep = ep_layout(te_cfg, topo, p2p, row_dtype.itemsize)
+            afd = afd_layout(te_cfg, topo, p2p, row_dtype.itemsize)
+            pd = build_pd(te_cfg, topo, p2p, row_dtype.itemsize)
+            ems = build_ems(te_cfg, topo)
         except ConfigError:
             raise
         except ValueError as exc:  # a layout's own refusal, e.g. slot_bytes not a multiple of 8
             raise ConfigError(f"xccl: {exc}") from None
-        windows = window_bytes(cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
-        windows = pd_window_bytes(cfg, pd, windows)
+        windows = window_bytes(te_cfg, p2p, ep, afd)  # refused over xccl.max_window_bytes
+        windows = pd_window_bytes(te_cfg, pd, windows)
         if ems is not None and any(windows[r] for r in ems.pool):
             raise ConfigError(f"ems: pool ranks {list(ems.pool)} must hold no p2p ring")
         windows = ems_window_bytes(ems, windows)

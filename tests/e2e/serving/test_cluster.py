@@ -55,12 +55,13 @@ def test_validate_shows_the_je_and_the_ranks_of_each_te():
         cwd=REPO_ROOT,
     )
     assert result.returncode == 0, _ok(result)
-    assert "cluster: 2 TEs of 3 ranks behind one JE, policy round_robin, world size 7" in (
-        result.stdout
+    assert (
+        "cluster: 2 TEs (2 x 3-rank colocated) behind one JE, policy round_robin, world size 7"
+        in result.stdout
     )
     assert "  JE: world rank 0\n" in result.stdout
-    assert "  TE 0: world ranks 1..3 (TE-shell 1, dies 2..3" in result.stdout
-    assert "  TE 1: world ranks 4..6 (TE-shell 4, dies 5..6" in result.stdout
+    assert "  TE 0 (colocated, 2 dies): world ranks 1..3 (TE-shell 1;" in result.stdout
+    assert "  TE 1 (colocated, 2 dies): world ranks 4..6 (TE-shell 4;" in result.stdout
 
 
 def test_two_tes_check_against_the_reference_and_the_same_virtual_times_beside_busy_processes(
@@ -102,6 +103,55 @@ def test_two_tes_check_against_the_reference_and_the_same_virtual_times_beside_b
         assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
     # routed at the arrival: the JE never holds a request back
     assert np.array_equal(quiet["cluster/routed_s"], quiet["virtual/arrival_s"])
+
+
+def test_a_pd_pair_and_two_colocated_tes_check_and_keep_their_virtual_times_beside_busy_processes(
+    tmp_path,
+):
+    # configs/cluster.yaml: TEs 0 and 1 colocated (3 ranks each), TE 2 a PD pair (its JE, its
+    # decode TE-shell, 1 prefill die, 2 decode dies), 12 ranks.
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        with busy_processes(num_busy):
+            result = subprocess.run(
+                [
+                    str(XDS_MPI),
+                    "run",
+                    "cluster",
+                    "--check",
+                    *_sets(
+                        f"run.output_dir={tmp_path / str(i)}",
+                        "run.name=mixed",
+                        "run.timeout_s=240",
+                        "workload.num_requests=18",
+                        "workload.rate_per_s=12",
+                        "workload.ignore_eos=true",
+                    ),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=REPO_ROOT,
+            )
+        assert result.returncode == 0, _ok(result)
+        assert check_line(result).startswith("check: 18 requests, ")
+        assert check_line(result).endswith(" 0 mismatches")
+        run_file = h5py.File(tmp_path / str(i) / "mixed.h5", "r")
+        assert run_file.attrs["world_size"] == 12
+        assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["colocated"] * 2 + ["pd"]
+        te = run_file["cluster/te"][()]
+        assert sorted(set(te)) == [0, 1, 2]  # the pair serves too
+        # each request's (decode) die is a die of its TE, by world rank
+        die, first = run_file["requests/die_rank"][()], run_file["cluster/te_first_rank"][()]
+        size = run_file["cluster/te_size"][()]
+        assert all(first[t] < d < first[t] + size[t] for t, d in zip(te, die, strict=True))
+        columns = _virtual_columns(run_file)
+        columns["cluster/te"] = te
+        columns["cluster/routed_s"] = run_file["cluster/routed_s"][()]
+        runs.append(columns)
+    quiet, loaded = runs
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
 
 
 def test_least_load_and_round_robin_route_a_long_request_then_short_ones_as_they_must(tmp_path):

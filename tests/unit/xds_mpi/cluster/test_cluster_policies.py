@@ -11,7 +11,7 @@ import pytest
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import TeState, load_policy, policy_names
 from xds_mpi.config.schema import ConfigError, load_config
-from xds_mpi.plan.cluster import ClusterPlan, te_world_size
+from xds_mpi.plan.cluster import TeInfo
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.scheduling.admission import Completions, decide
 from xds_mpi.workload.requests import Request
@@ -100,7 +100,10 @@ def test_a_cluster_plan_is_one_te_s_plan_plus_the_je_and_every_te_s_world_ranks(
     )
     plan = DeploymentPlan.build(cfg, 7, launcher_checks=False)
     assert plan.topo.world_size == 3 and plan.world_size == 7
-    assert plan.cluster == ClusterPlan(num_tes=2, te_size=3, policy="round_robin")
+    assert plan.cluster.tes == tuple(
+        TeInfo(te=k, first_rank=1 + 3 * k, size=3, kind="colocated", num_dies=2, group="colocated")
+        for k in range(2)
+    )
     assert [plan.cluster.te_of(r) for r in range(7)] == [
         (-1, 0),
         (0, 0),
@@ -110,9 +113,43 @@ def test_a_cluster_plan_is_one_te_s_plan_plus_the_je_and_every_te_s_world_ranks(
         (1, 1),
         (1, 2),
     ]
-    assert "TE 1: world ranks 4..6 (TE-shell 4, dies 5..6" in plan.cluster.describe()
-    with pytest.raises(ConfigError, match=r"world size 8 is not 1 JE \+ cluster.num_tes\(2\)"):
-        te_world_size(cfg, 8)
+    assert "TE 1 (colocated, 2 dies): world ranks 4..6 (TE-shell 4;" in (plan.cluster.describe())
+    with pytest.raises(ConfigError, match=r"world size 8 is not the cluster's 7"):
+        DeploymentPlan.build(cfg, 8, launcher_checks=False)
+
+
+def test_groups_make_tes_of_different_kinds_each_with_its_own_config():
+    pd_pair = [
+        "pd.enabled=true",
+        "deployment.num_host_ranks=2",
+        "deployment.num_prefill_dies=1",
+        "deployment.dp_groups_per_domain=2",
+        "xccl.p2p_pairs=prefill_to_decode",
+    ]
+    groups = (
+        f"cluster.groups=[{{count: 2, set: [deployment.dp_groups_per_domain=2]}}, "
+        f"{{count: 1, name: pair, set: [{', '.join(pd_pair)}]}}]"
+    )
+    cfg = load_config("configs/colocated.yaml", [groups])
+    assert cfg.cluster.num_tes == 3
+    plan = DeploymentPlan.build(cfg, None, launcher_checks=False)
+    tes = plan.cluster.tes
+    assert [(t.kind, t.size, t.num_dies, t.first_rank, t.group) for t in tes] == [
+        ("colocated", 3, 2, 1, "colocated"),
+        ("colocated", 3, 2, 4, "colocated"),
+        ("pd", 5, 3, 7, "pair"),
+    ]
+    assert plan.world_size == 12 and plan.cluster.te_of(11) == (2, 4)
+    pair = DeploymentPlan.build(cfg, 12, launcher_checks=False, te=2)
+    assert pair.cfg.pd.enabled and pair.pd is not None and pair.topo.world_size == 5
+    assert plan.cfg is cfg and not plan.cfg.pd.enabled  # the JE's: the config as given
+    with pytest.raises(ConfigError, match=r"groups\[0\].set: 'model.hidden=64' sets model"):
+        load_config("configs/colocated.yaml", ["cluster.groups=[{set: [model.hidden=64]}]"])
+    one_host = load_config(
+        "configs/colocated.yaml", ["cluster.groups=[{count: 2, set: [pd.enabled=true]}]"]
+    )
+    with pytest.raises(ConfigError, match=r"cluster.groups\[0\]: .*num_host_ranks other than 2"):
+        DeploymentPlan.build(one_host, None, launcher_checks=False)
 
 
 def test_one_te_is_today_s_plan():
@@ -125,8 +162,7 @@ def test_one_te_is_today_s_plan():
     "config, sets, refused",
     [
         ("colocated", ["run.clock=wall"], "run.clock=wall"),
-        ("afd", [], "deployment.kind afd"),
-        ("pd", [], "pd.enabled"),
+        ("pd", ["deployment.num_host_ranks=1"], "num_host_ranks other than 2"),
         ("colocated", ["cluster.policy=fastest"], r"cluster.policy\(fastest\) is no routing"),
     ],
 )
