@@ -176,3 +176,31 @@ def test_least_load_and_round_robin_route_a_long_request_then_short_ones_as_they
         assert finish[0] > arrival[-1]
         assert all(finish[i] < arrival[i] + 0.4 for i in range(1, 5))
         assert run_file["cluster"].attrs["policy"] == policy
+
+
+def test_two_afd_tes_check_against_the_reference(tmp_path):
+    # configs/afd.yaml twice (each TE: its TE-shell, attention dies and expert dies), 17 ranks
+    result = subprocess.run(
+        [
+            str(XDS_MPI),
+            "run",
+            "afd",
+            "--check",
+            *_sets(
+                f"run.output_dir={tmp_path}",
+                "run.name=afd",
+                "run.timeout_s=240",
+                "cluster.num_tes=2",
+                "workload.num_requests=8",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, _ok(result)
+    assert check_line(result) == "check: 8 requests, 128 tokens, 0 mismatches"
+    run_file = h5py.File(tmp_path / "afd.h5", "r")
+    assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["afd", "afd"]
+    assert sorted(set(run_file["cluster/te"][()])) == [0, 1]
