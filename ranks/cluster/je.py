@@ -81,21 +81,48 @@ def run(ctx: RankContext) -> int:
 
 
 class TeRounds(GrantRounds):
-    """The JE's rounds with its TE-shells: route, grant, take their finishes and reports."""
+    """The JE's rounds with its TE-shells: route, grant, take their finishes and reports; a lost
+    TE (cluster.te_losses) found and its unfinished requests routed again."""
 
     def __init__(self, je: JobExecutor) -> None:
         cfg, cluster = je.ctx.cfg, je.ctx.plan.cluster
         shells = range(1, cluster.num_tes + 1)
         super().__init__(je.comm, shells, timeout_s=cfg.run.timeout_s, who="JE")
         self.je = je
+        self.live = list(shells)  # the TE-shells of the TEs not lost (found so)
         self.completions = Completions()  # finishes not yet applied to the loads
-        self.finishes = Finishes(je.comm, TAG_CLUSTER_FINISHED, self.completions, who="JE")
+        self.finishes = Finishes(
+            je.comm, TAG_CLUSTER_FINISHED, self.completions, who="JE", accept=self._accept
+        )
         self.decided_s = 0.0
+        # A TE lost at virtual t finishes nothing after t; the JE finds it a heartbeat timeout
+        # and one ping later (the TE-shells' own detection of a die, docs/failures.md).
+        self.losses = deque(cfg.cluster.te_losses)  # not found yet, by at_s
+        self.lost_at = {loss.te: loss.at_s for loss in cfg.cluster.te_losses}
+        self.detect_s = cfg.health.timeout_s + cfg.health.dp_interval_s
+        self.found_at: dict[int, float] = {}  # TE -> when the JE found it lost
+        self.finished: set[int] = set()  # req_id: finishes taken (a lost TE's before its loss)
+        self.again_at: dict[int, float] = {}  # req_id -> routed again from then (a lost TE's)
+
+    @property
+    def actors(self) -> list[int]:
+        return self.live
+
+    def arrival_of(self, req) -> float:
+        """When a request is routed: at its arrival, or, orphaned by a lost TE, once found."""
+        return self.again_at.get(req.req_id, req.arrival_s)
+
+    def _accept(self, shell: int, req_id: int, vtime_s: float) -> bool:
+        """A finish counts unless its TE was lost before it (the emulated TE runs on)."""
+        if vtime_s > self.lost_at.get(shell - 1, INF):
+            return False
+        self.finished.add(req_id)
+        return True
 
     def turn(self) -> int:
         num = self._take_reports() + self.finishes.take()
         je = self.je
-        if not je.queue:
+        if not je.queue and not self.losses:
             return num  # the last grant promised inf: nothing more to route
         missing = self.missing()
         if missing:
@@ -104,28 +131,74 @@ class TeRounds(GrantRounds):
         reports = [self.reports[s] for s in self.actors]
         self.finishes.take_counted({r.die_rank: r.num_batches for r in reports}, self.timeout_s)
         busy = [r.start_s for r in reports if not r.is_idle]
+        now_s = min(busy) if busy else None
+        if self.losses:  # found once every TE passed it and every earlier arrival is routed
+            found_s = self.losses[0].at_s + self.detect_s
+            head_s = self.arrival_of(je.queue[0]) if je.queue else INF
+            if (now_s is None or now_s >= found_s) and head_s >= found_s:
+                self._lose(self.losses.popleft().te, found_s)
+                busy = [self.reports[s].start_s for s in self.actors if not self.reports[s].is_idle]
+                now_s = min(busy) if busy else None
+                num += 1
+            elif now_s is not None:
+                now_s = min(now_s, found_s)
         grant = decide(
             je.queue,
             je.loads,
             self.completions,
-            now_s=min(busy) if busy else None,
+            now_s=now_s,
             after_s=self.decided_s,
+            arrival_of=self.arrival_of,
         )
+        # the promise: the next arrival, or a loss found before it (its orphans go elsewhere)
+        promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
         to: dict[int, list] = {s: [] for s in self.actors}
         for d in grant.decisions:
             to[d.group + 1].append(d)
             je.routed_s[d.req.req_id] = self.decided_s = d.vtime_s
-        seq = self._new_round(grant.horizon_s)
+        seq = self._new_round(promise_s)
         for shell, decisions in to.items():
             message = Grant(
                 seq=seq,
                 requests=tuple(d.req for d in decisions),
-                horizon_s=grant.horizon_s,  # the promise
+                horizon_s=promise_s,
                 warp_s=-INF,
                 times=tuple(d.vtime_s for d in decisions),
             )
             je.sends.append(self.comm.isend(message, dest=shell, tag=TAG_VTIME_GRANT))
         return num + 1
+
+    def _lose(self, te: int, found_s: float) -> None:
+        """TE `te` found lost at `found_s`: no candidate any more, its requests not finished
+        before its loss routed again from then (first in the queue: every later arrival comes
+        after), its TE-shell promised nothing more (it serves what it holds to the end, for
+        nothing: the emulated TE runs on; its finishes after the loss do not count)."""
+        je, shell = self.je, te + 1
+        je.loads.lost.add(te)
+        orphans = sorted(
+            (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
+            key=lambda req: (req.arrival_s, req.req_id),
+        )
+        orphans = [req for req in orphans if req.req_id not in self.finished]
+        for req in orphans:
+            je.loads.on_complete(req.req_id)  # off the lost TE's load
+            self.again_at[req.req_id] = found_s
+            je.orphaned[req.req_id] = te
+        je.queue.extendleft(reversed(orphans))
+        self.found_at[te] = found_s
+        self.live.remove(shell)
+        self.reports.pop(shell, None)
+        final = Grant(seq=self.seq, requests=(), horizon_s=INF, warp_s=-INF, times=())
+        je.sends.append(self.comm.isend(final, dest=shell, tag=TAG_VTIME_GRANT))
+        je.log.warning(
+            "JE: TE %d lost at %.3f s virtual, found at %.3f s: %d unfinished requests routed "
+            "again (%s)",
+            te,
+            self.lost_at[te],
+            found_s,
+            len(orphans),
+            [req.req_id for req in orphans],
+        )
 
 
 class JobExecutor:
@@ -145,6 +218,7 @@ class JobExecutor:
         self.num_routed = len(self.queue)
         self.loads = TeLoads(cluster.num_tes, load_policy(cluster.policy, cfg))
         self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
+        self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
         self.sends: list[MPI.Request] = []
         self.rounds = TeRounds(self)
         self.results: dict[int, TeResult] = {}
@@ -156,7 +230,7 @@ class JobExecutor:
         """Route every request; the TEs serve them."""
         self.started = time.time()
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
-        while self.queue:
+        while self.queue or self.rounds.losses:
             if not self.rounds.turn():
                 time.sleep(0.0005)
             if time.monotonic() > deadline:
@@ -172,7 +246,7 @@ class JobExecutor:
         left_s = cfg.run.timeout_s - (time.time() - self.started)
         results = recv_from_each(
             self.comm,
-            self.rounds.actors,
+            range(1, cluster.num_tes + 1),  # every TE-shell, a lost TE's too
             tag=TAG_CLUSTER_RESULT,
             timeout_s=max(left_s, cfg.xccl.poll_timeout_s),
             me="JE",
@@ -188,9 +262,13 @@ class JobExecutor:
             if result.status != "completed" and not self.te_failure:
                 self.te_failure = f"failed: TE {te}: {result.status}"
             for req_id, record in result.records.items():
+                if self.orphaned.get(req_id) == te:
+                    continue  # lost with its TE, served again elsewhere
                 record.die_rank = first + record.die_rank  # its world rank
                 self.records[req_id] = record
-            self.admitted.update(result.admitted)
+            self.admitted.update(
+                (r, t) for r, t in result.admitted.items() if self.orphaned.get(r) != te
+            )
             self.die_timings.update({first + r: t for r, t in result.die_timings.items()})
         # the wall summary from the first TE's serving start (the JE starts routing before the
         # TEs are up)
@@ -211,6 +289,7 @@ class JobExecutor:
         per_te = Counter(self.loads.te_of.values())
         for te in range(cluster.num_tes):
             self.summary[f"te{te}_requests"] = per_te[te]
+        self.summary["rerouted_requests"] = len(self.orphaned)
         self.log.info(format_summary(self.summary))
         self.log.info(
             "cluster: %s",
@@ -258,6 +337,17 @@ class JobExecutor:
         group["req_id"] = np.array(ids, np.int64)
         group["te"] = np.array([self.loads.te_of.get(r, -1) for r in ids], np.int64)
         group["routed_s"] = np.array([self.routed_s.get(r, np.nan) for r in ids])
+        # the TE a request was first routed to: a lost one's, for a request routed again
+        group["first_te"] = np.array(
+            [self.orphaned.get(r, self.loads.te_of.get(r, -1)) for r in ids], np.int64
+        )
+        rounds = self.rounds
+        group["te_lost_s"] = np.array(
+            [rounds.lost_at.get(te, np.nan) for te in range(cluster.num_tes)]
+        )
+        group["te_found_s"] = np.array(
+            [rounds.found_at.get(te, np.nan) for te in range(cluster.num_tes)]
+        )
         group["te_first_rank"] = np.array(
             [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
         )
@@ -266,5 +356,11 @@ class JobExecutor:
         group["te_group"] = np.array([t.group for t in cluster.tes], dtype=h5py.string_dtype())
         group.attrs.update(num_tes=cluster.num_tes, policy=cluster.policy)
         group["te_status"] = np.array(
-            [self.results[te].status for te in sorted(self.results)], dtype=h5py.string_dtype()
+            [self._status(te) for te in sorted(self.results)], dtype=h5py.string_dtype()
         )
+
+    def _status(self, te: int) -> str:
+        found_s = self.rounds.found_at.get(te)
+        if found_s is None:
+            return self.results[te].status
+        return f"lost at {self.rounds.lost_at[te]:g} s virtual, found at {found_s:g} s"

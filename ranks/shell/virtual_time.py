@@ -107,18 +107,22 @@ class GrantRounds:
 class Finishes:
     """Finish messages, [(req_id, virtual s), ...] on `tag`, taken into `completions` and counted
     per sender, so that a shell takes every one an actor reported sending before it decides
-    (PD's decode dies to the decode TE-shell, a cluster's TE-shells to the JE)."""
+    (PD's decode dies to the decode TE-shell, a cluster's TE-shells to the JE). `accept(sender,
+    req_id, virtual s)`, when given, drops the finishes it refuses (a lost TE's, after its loss)."""
 
-    def __init__(self, comm, tag: int, completions: Completions, *, who: str) -> None:
+    def __init__(self, comm, tag: int, completions: Completions, *, who: str, accept=None) -> None:
         self.comm, self.tag, self.completions, self.who = comm, tag, completions, who
+        self.accept = accept
         self.taken: Counter[int] = Counter()  # sender rank -> messages taken
 
     def take(self) -> int:
         num, status = 0, MPI.Status()
         while (message := self.comm.improbe(MPI.ANY_SOURCE, self.tag, status)) is not None:
+            sender = status.Get_source()
             for req_id, vtime_s in message.recv():
-                self.completions.add(req_id, vtime_s)
-            self.taken[status.Get_source()] += 1
+                if self.accept is None or self.accept(sender, req_id, vtime_s):
+                    self.completions.add(req_id, vtime_s)
+            self.taken[sender] += 1
             num += 1
         return num
 

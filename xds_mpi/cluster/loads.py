@@ -24,6 +24,7 @@ class TeLoads:
         self.num_routed = [0] * num_tes
         self.te_of: dict[int, int] = {}  # req_id -> its TE
         self.decided_s = 0.0  # the previous decision's virtual time
+        self.lost: set[int] = set()  # TEs lost: no candidates any more
 
     def states(self) -> list[TeState]:
         return [
@@ -37,9 +38,14 @@ class TeLoads:
         ]
 
     def pick(self, req: Request) -> int:
-        te = self.policy(req, self.states(), max(req.arrival_s, self.decided_s))
-        if not 0 <= te < len(self.unfinished):
-            raise ValueError(f"routing policy picked TE {te} of {len(self.unfinished)}")
+        """The policy's TE among the live ones (a lost TE is no candidate)."""
+        states = [state for state in self.states() if state.te not in self.lost]
+        te = self.policy(req, states, max(req.arrival_s, self.decided_s))
+        if te not in {state.te for state in states}:
+            raise ValueError(
+                f"routing policy picked TE {te}, not one of the live TEs "
+                f"{[state.te for state in states]}"
+            )
         return te
 
     def on_dispatch(self, te: int, req: Request) -> None:

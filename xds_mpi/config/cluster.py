@@ -43,7 +43,10 @@ class ClusterConfig:
     unfinished tokens are within this share of the least loaded one's.
     groups: TEs of different kinds and shapes, rows {count, set, name} (`TeGroup`); num_tes is
     then their total count (1 or that total may be given). Empty: num_tes copies of the rest of
-    the config."""
+    the config.
+    te_losses: rows {te, at_s} (`TeLoss`): TE `te` is lost whole at virtual time at_s (every die
+    of it at once, e.g. its server); the JE finds it health.timeout_s + health.dp_interval_s
+    later and routes its unfinished requests to the other TEs."""
 
     num_tes: int = 1
     policy: str = "round_robin"
@@ -52,6 +55,7 @@ class ClusterConfig:
     predictor_accuracy: float = 1.0
     balance_tolerance: float = 0.25
     groups: list = field(default_factory=list)
+    te_losses: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         groups = [_group(i, row) for i, row in enumerate(self.groups)]
@@ -64,6 +68,18 @@ class ClusterConfig:
             )
             object.__setattr__(self, "num_tes", total)
         positive("cluster", num_tes=self.num_tes)
+        losses = [_loss(i, row, self.num_tes) for i, row in enumerate(self.te_losses)]
+        object.__setattr__(self, "te_losses", sorted(losses, key=lambda loss: loss.at_s))
+        lost = {loss.te for loss in losses}
+        require(
+            len(lost) == len(losses),
+            "cluster.te_losses: a TE is lost twice (one row per TE)",
+        )
+        require(
+            not losses or len(lost) < self.num_tes,
+            f"cluster.te_losses: every TE of {self.num_tes} is lost: none is left to serve "
+            "their requests",
+        )
         require(bool(self.policy), "cluster.policy must name a routing policy, got ''")
         require(
             0.0 <= self.predictor_accuracy <= 1.0,
@@ -73,6 +89,25 @@ class ClusterConfig:
             self.balance_tolerance >= 0.0,
             f"cluster.balance_tolerance must be >= 0, got {self.balance_tolerance}",
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeLoss:
+    """TE `te` lost whole at virtual time `at_s` (docs/cluster.md "A lost TE")."""
+
+    te: int
+    at_s: float
+
+
+def _loss(index: int, row, num_tes: int) -> TeLoss:
+    where = f"cluster.te_losses[{index}]"
+    loss = row if isinstance(row, TeLoss) else build_record(TeLoss, row, where)
+    require(
+        0 <= loss.te < num_tes and loss.at_s >= 0,
+        f"{where}: te must be a TE (0..{num_tes - 1}) and at_s >= 0, got te={loss.te}, "
+        f"at_s={loss.at_s}",
+    )
+    return loss
 
 
 def _group(index: int, row) -> TeGroup:

@@ -204,3 +204,50 @@ def test_two_afd_tes_check_against_the_reference(tmp_path):
     run_file = h5py.File(tmp_path / "afd.h5", "r")
     assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["afd", "afd"]
     assert sorted(set(run_file["cluster/te"][()])) == [0, 1]
+
+
+def test_a_lost_te_s_unfinished_requests_are_routed_again_once_found_and_equal_the_reference(
+    tmp_path,
+):
+    # configs/cluster.yaml with colocated TE 0 lost whole at virtual 2.5 s; the JE finds it at
+    # 2.5 + health.timeout_s (1.5) + health.dp_interval_s (0.2) = 4.2 s.
+    result = subprocess.run(
+        [
+            str(XDS_MPI),
+            "run",
+            "cluster",
+            "--check",
+            *_sets(
+                f"run.output_dir={tmp_path}",
+                "run.name=lost",
+                "run.timeout_s=240",
+                "cluster.te_losses=[{te: 0, at_s: 2.5}]",
+                "health.timeout_s=1.5",
+                "workload.num_requests=18",
+                "workload.rate_per_s=12",
+                "workload.ignore_eos=true",
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, _ok(result)
+    assert check_line(result).startswith("check: 18 requests, ")
+    assert check_line(result).endswith(" 0 mismatches")
+    run_file = h5py.File(tmp_path / "lost.h5", "r")
+    cluster = run_file["cluster"]
+    te, first = cluster["te"][()], cluster["first_te"][()]
+    routed, finish = cluster["routed_s"][()], run_file["virtual/finish_s"][()]
+    again = first != te
+    assert again.sum() >= 1  # the premise: TE 0 held unfinished requests at 2.5 s
+    assert run_file["summary"].attrs["rerouted_requests"] == again.sum()
+    assert set(first[again]) == {0} and 0 not in set(te[again])
+    assert np.allclose(routed[again], 4.2)  # routed again when found, not before
+    assert (te == 0).sum() >= 1  # the premise: TE 0 finished some before its loss
+    assert all(finish[te == 0] <= 2.5)  # and nothing after
+    arrival = run_file["virtual/arrival_s"][()]
+    assert arrival[first == 0].max() < 4.2  # routed nothing once found
+    assert cluster["te_status"][0].decode() == "lost at 2.5 s virtual, found at 4.2 s"
+    assert np.isnan(cluster["te_lost_s"][1]) and cluster["te_found_s"][0] == 4.2

@@ -1,12 +1,12 @@
 """The JE's routing policies (docs/cluster.md): one module each in this package, found by name.
 
-A policy module defines `pick(request, te_states, now_s) -> te`: the TE (an index into
-`te_states`) that serves `request`, decided at virtual time `now_s` from each TE's state then
-(`TeState`). A policy that needs the config (a map, a predictor) defines `make(cfg) -> pick`
-instead, called once when the JE starts. A pick must be pure: the same arguments give the same
-TE, so a run's routing depends only on the config and the seed. A user adds a policy by adding a
-module here; the JE (ranks/cluster/je.py) and the config (`cluster.policy`, the module's name)
-need no change.
+A policy module defines `pick(request, te_states, now_s) -> te`: the TE (the `te` of one of
+`te_states`, the candidates: the live TEs) that serves `request`, decided at virtual time
+`now_s` from each TE's state then (`TeState`). A policy that needs the config (a map, a
+predictor) defines `make(cfg) -> pick` instead, called once when the JE starts. A pick must be
+pure: the same arguments give the same TE, so a run's routing depends only on the config and
+the seed. A user adds a policy by adding a module here; the JE (ranks/cluster/je.py) and the
+config (`cluster.policy`, the module's name) need no change.
 """
 
 from __future__ import annotations

@@ -170,3 +170,27 @@ def test_what_phase_1_does_not_build_is_refused_naming_the_key(config, sets, ref
     cfg = load_config(f"configs/{config}.yaml", ["cluster.num_tes=2", *sets])
     with pytest.raises(ConfigError, match=refused):
         DeploymentPlan.build(cfg, None, launcher_checks=False)
+
+
+def test_a_lost_te_is_no_candidate_and_the_losses_are_checked():
+    for policy in ("round_robin", "least_load"):
+        loads = TeLoads(3, load_policy(policy))
+        loads.lost.add(1)
+        picked = []
+        for i in range(4):
+            req = Request(req_id=i, prompt=(1, 2), max_new_tokens=4, arrival_s=0.1 * i)
+            te = loads.pick(req)
+            loads.on_dispatch(te, req)
+            picked.append(te)
+        assert 1 not in picked and set(picked) == {0, 2}, policy
+    cfg = load_config(
+        "configs/cluster.yaml", ["cluster.te_losses=[{te: 2, at_s: 1}, {te: 0, at_s: 0.5}]"]
+    )
+    assert [(loss.te, loss.at_s) for loss in cfg.cluster.te_losses] == [(0, 0.5), (2, 1.0)]
+    for rows, refused in [
+        ("[{te: 3, at_s: 1}]", r"te must be a TE \(0..2\)"),
+        ("[{te: 0, at_s: 1}, {te: 0, at_s: 2}]", "a TE is lost twice"),
+        ("[{te: 0, at_s: 1}, {te: 1, at_s: 1}, {te: 2, at_s: 1}]", "every TE of 3 is lost"),
+    ]:
+        with pytest.raises(ConfigError, match=refused):
+            load_config("configs/cluster.yaml", [f"cluster.te_losses={rows}"])
