@@ -106,7 +106,7 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
         where = f"cluster.groups[{index}]" if section.groups else "the config"
         try:
             te_cfg = te_config(cfg, overrides)
-            check_cluster(te_cfg, is_virtual=serving_clock(te_cfg).is_virtual)
+            check_cluster(te_cfg, clock=serving_clock(te_cfg))
             topo = Topology.from_config(te_cfg, None)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
@@ -138,12 +138,12 @@ def check_policy(cfg: Config) -> None:
         )
 
 
-def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
+def check_cluster(cfg: Config, *, clock) -> None:
     """What a TE of a cluster needs of its config: colocated or afd TEs, or PD pairs with a
     decode TE-shell, on the virtual clock (the JE routes at virtual arrivals); nothing that acts
     on the wall clock."""
     num, dep = cfg.cluster.num_tes, cfg.deployment
-    faults, hosts = cfg.faults, 2 if cfg.pd.enabled else 1
+    hosts = 2 if cfg.pd.enabled else 1
     unsupported = {
         "deployment.num_prefill_dies without pd.enabled": not cfg.pd.enabled
         and dep.num_prefill_dies > 0,
@@ -151,11 +151,8 @@ def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
         f"{': its JE and its decode TE-shell' if hosts == 2 else ''})": dep.num_host_ranks != hosts,
         "ems.enabled": cfg.ems.enabled,
         "eplb.enabled": cfg.eplb.enabled,
-        "faults.table, faults.rate, faults.events": bool(
-            faults.table or faults.rate or faults.events
-        ),
         "serve.enabled (xds-mpi serve)": cfg.serve.enabled,
-        "run.clock=wall": not is_virtual,
+        f"the wall clock (this TE's: {clock.why})": not clock.is_virtual,
     }
     for what, is_set in unsupported.items():
         if is_set:

@@ -87,6 +87,8 @@ class DeploymentPlan:
                     f"world size {world_size} is not the cluster's {cluster.world_size} "
                     f"(1 JE + the TEs' ranks)"
                 )
+            if te is None:  # the launcher's and validate's: every kind of TE checked whole
+                _check_tes(cfg, cluster)
             info = cluster.tes[0 if te is None or te < 0 else te]
             te_cfg = te_config(cfg, info.overrides)
             world_size = info.size
@@ -131,6 +133,20 @@ class DeploymentPlan:
             clock=clock,
             cluster=cluster,
         )
+
+
+def _check_tes(cfg: Config, cluster: ClusterPlan) -> None:
+    """Each group's first TE planned as its ranks will plan it (beyond TE 0's: the plan
+    returned), its refusals naming the TE and its group."""
+    seen = {cluster.tes[0].overrides}
+    for info in cluster.tes[1:]:
+        if info.overrides in seen:
+            continue
+        seen.add(info.overrides)
+        try:
+            DeploymentPlan.build(cfg, cluster.world_size, launcher_checks=False, te=info.te)
+        except ConfigError as exc:
+            raise ConfigError(f"cluster TE {info.te} (group {info.group}): {exc}") from None
 
 
 def check_serving(cfg: Config, topo: Topology) -> None:
