@@ -73,7 +73,7 @@ def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
     """What phase 1 of a cluster needs of the rest of the config: colocated TEs on the virtual
     clock (the JE routes at virtual arrivals), nothing that acts on the wall clock."""
     # Lazy import: the policies are looked up only for a cluster.
-    from xds_mpi.cluster.policies import policy_names
+    from xds_mpi.cluster.policies import check_policy, policy_names
 
     num, dep = cfg.cluster.num_tes, cfg.deployment
     if cfg.cluster.policy not in policy_names():
@@ -81,12 +81,12 @@ def check_cluster(cfg: Config, *, is_virtual: bool) -> None:
             f"cluster.policy({cfg.cluster.policy}) is no routing policy; known: "
             f"{', '.join(policy_names())} (xds_mpi/cluster/policies/)"
         )
+    check_policy(cfg)
     faults = cfg.faults
     unsupported = {
         "deployment.kind afd": dep.kind != "colocated",
         "pd.enabled": cfg.pd.enabled or dep.num_prefill_dies > 0,
         "deployment.num_host_ranks other than 1": dep.num_host_ranks != 1,
-        "ems.enabled": cfg.ems.enabled,
         "eplb.enabled": cfg.eplb.enabled,
         "faults.table, faults.rate, faults.events": bool(
             faults.table or faults.rate or faults.events
