@@ -32,6 +32,8 @@ from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.shell.virtual_time import Finishes, GrantRounds
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
+from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
+from xds_mpi.plan.cluster import te_config
 from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.scheduling.admission import Completions, decide
@@ -216,7 +218,20 @@ class JobExecutor:
                 queue.append(req)
         self.queue = deque(sorted(queue, key=lambda r: (r.arrival_s, r.req_id)))
         self.num_routed = len(self.queue)
-        self.loads = TeLoads(cluster.num_tes, load_policy(cluster.policy, cfg))
+        num_dies = [t.num_dies for t in cluster.tes]
+        self.loads = TeLoads(
+            cluster.num_tes,
+            load_policy(cluster.policy, cfg),
+            kinds=[t.kind for t in cluster.tes],
+            num_dies=num_dies,
+            tree=PromptTree(
+                cluster.num_tes,
+                block_tokens=cfg.scheduler.kv_block_tokens,
+                capacity_blocks=[  # each TE's as its own config gives it
+                    te_capacity_blocks(te_config(cfg, t.overrides), t.num_dies) for t in cluster.tes
+                ],
+            ),
+        )
         self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
         self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
         self.sends: list[MPI.Request] = []
@@ -317,15 +332,34 @@ class JobExecutor:
         )
 
     def write(self, f) -> None:
-        """/requests, /dies (world ranks), /summary, /virtual as a TE's run file has them, and
-        /cluster: each request's TE and routing time; the file's world_size is the job's."""
+        """/requests, /dies (world ranks), /summary, /virtual as a TE's run file has them (with
+        the TEs' EMS counts summed and the routing's regret), and /cluster: each request's TE
+        and routing time, and the decision log; the file's world_size is the job's."""
         import h5py
         import numpy as np
 
+        from xds_mpi.cluster.decisions import write_decisions
+        from xds_mpi.cluster.regret import (
+            format_regret,
+            regret_summary,
+            regrets,
+            served_requests,
+            write_regret,
+        )
+        from xds_mpi.cluster.te_counts import ems_over_tes
+        from xds_mpi.ems.results import format_ems
         from xds_mpi.results.results import write_serving
         from xds_mpi.results.virtual import write_virtual
 
         cluster = self.ctx.plan.cluster
+        ems = ems_over_tes({te: r.summary for te, r in self.results.items()})
+        if ems:
+            self.summary.update(ems)
+            self.log.info("over the TEs, %s", format_ems(ems))
+        served = served_requests(self.records, self.virtual_times, self.loads.te_of, self.routed_s)
+        regret = regrets(served, cluster.num_tes)
+        self.summary.update(regret_summary(regret))
+        self.log.info(format_regret({**self.summary, "policy": cluster.policy}))
         write_serving(f, self.records, self.started, self.summary, self.die_timings)
         f["summary"].attrs["check_mismatches"] = (
             len(self.mismatches) if self.ctx.cfg.run.check else -1
@@ -358,6 +392,8 @@ class JobExecutor:
         group["te_status"] = np.array(
             [self._status(te) for te in sorted(self.results)], dtype=h5py.string_dtype()
         )
+        write_decisions(group, self.loads.decisions)
+        write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])
 
     def _status(self, te: int) -> str:
         found_s = self.rounds.found_at.get(te)

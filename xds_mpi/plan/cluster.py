@@ -128,7 +128,10 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
 
 
 def check_policy(cfg: Config) -> None:
+    """cluster.policy names a policy module, and the config holds what it needs (its
+    `check(cfg)`)."""
     # Lazy import: the policies are looked up only for a cluster.
+    from xds_mpi.cluster.policies import check_policy as check_needs
     from xds_mpi.cluster.policies import policy_names
 
     if cfg.cluster.policy not in policy_names():
@@ -136,6 +139,7 @@ def check_policy(cfg: Config) -> None:
             f"cluster.policy({cfg.cluster.policy}) is no routing policy; known: "
             f"{', '.join(policy_names())} (xds_mpi/cluster/policies/)"
         )
+    check_needs(cfg)
 
 
 def check_cluster(cfg: Config, *, clock) -> None:
@@ -149,7 +153,6 @@ def check_cluster(cfg: Config, *, clock) -> None:
         and dep.num_prefill_dies > 0,
         f"deployment.num_host_ranks other than {hosts} ({'a PD pair' if hosts == 2 else 'a TE'}"
         f"{': its JE and its decode TE-shell' if hosts == 2 else ''})": dep.num_host_ranks != hosts,
-        "ems.enabled": cfg.ems.enabled,
         "eplb.enabled": cfg.eplb.enabled,
         "serve.enabled (xds-mpi serve)": cfg.serve.enabled,
         f"the wall clock (this TE's: {clock.why})": not clock.is_virtual,

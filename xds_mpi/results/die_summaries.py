@@ -107,7 +107,7 @@ def format_mtp(m: dict) -> str:
 
 
 def format_projection(p: dict) -> str:
-    if not p:
+    if "projected_iteration_ms" not in p:  # no die iterated (a TE given no request)
         return "projection: no iterations"
     ops = ", ".join(
         f"{k.removeprefix('projected_ms_')} {v:.2f}"

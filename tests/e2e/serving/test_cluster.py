@@ -251,3 +251,12 @@ def test_a_lost_te_s_unfinished_requests_are_routed_again_once_found_and_equal_t
     assert arrival[first == 0].max() < 4.2  # routed nothing once found
     assert cluster["te_status"][0].decode() == "lost at 2.5 s virtual, found at 4.2 s"
     assert np.isnan(cluster["te_lost_s"][1]) and cluster["te_found_s"][0] == 4.2
+
+
+def test_a_te_given_no_request_ends_cleanly(tmp_path):
+    # one request, two TEs: TE 1 never iterates (its projection has no iterations to show)
+    result, run_file = run_cluster(tmp_path, *_sets("workload.num_requests=1"))
+    assert result.returncode == 0, _ok(result)
+    assert check_line(result) == "check: 1 requests, 16 tokens, 0 mismatches"
+    assert list(run_file["cluster/te"][()]) == [0]
+    assert "projection: no iterations" in result.stdout + result.stderr

@@ -7,11 +7,17 @@ predictor) defines `make(cfg) -> pick` instead, called once when the JE starts. 
 pure: the same arguments give the same TE, so a run's routing depends only on the config and
 the seed. A user adds a policy by adding a module here; the JE (ranks/cluster/je.py) and the
 config (`cluster.policy`, the module's name) need no change.
+
+A policy that scores the TEs makes its pick a `ScoredPolicy`: the decision log
+(xds_mpi/cluster/decisions.py) then keeps each TE's score and how the policy got there (`Scored`).
+A module may define `check(cfg)`, raising ConfigError naming the key, which `xds-mpi validate`
+runs (xds_mpi/plan/cluster.py).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +50,40 @@ class TeState:
 Policy = Callable[[Request, Sequence[TeState], float], int]
 
 
+def load_key(state: TeState) -> tuple[int, int, int]:
+    """least_load's order (lowest first): unfinished requests, then unfinished tokens, then the
+    TE's index; the tie-break of every policy that falls back to the load."""
+    return state.num_unfinished, state.unfinished_tokens, state.te
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scored:
+    """A scored decision: te: the TE picked; scores: per candidate (in the order of the states
+    the policy was given) the policy's score, higher better, NaN for a TE it did not consider;
+    note: how it narrowed the TEs (a heatmap's value, a branch), for the decision log."""
+
+    te: int
+    scores: tuple[float, ...]
+    note: str = ""
+
+
+class ScoredPolicy:
+    """A Policy whose decision says why: called, it picks; `scored` gives the whole `Scored`."""
+
+    def __init__(self, scored: Callable[[Request, Sequence[TeState], float], Scored]) -> None:
+        self.scored = scored
+
+    def __call__(self, request: Request, te_states: Sequence[TeState], now_s: float) -> int:
+        return self.scored(request, te_states, now_s).te
+
+
+def explain(policy: Policy, request: Request, te_states: Sequence[TeState], now_s: float) -> Scored:
+    """`policy`'s decision with its scores (NaN for a policy that does not score)."""
+    if isinstance(policy, ScoredPolicy):
+        return policy.scored(request, te_states, now_s)
+    return Scored(te=policy(request, te_states, now_s), scores=(math.nan,) * len(te_states))
+
+
 def policy_names() -> list[str]:
     """Every policy module of this package, by name."""
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
@@ -61,3 +101,10 @@ def load_policy(name: str, cfg: Config | None = None) -> Policy:
     if cfg is None:
         raise ValueError(f"routing policy {name!r} needs the config (it defines make)")
     return make(cfg)
+
+
+def check_policy(cfg: Config) -> None:
+    """What `cluster.policy` needs of the config (its module's `check(cfg)`, if it has one)."""
+    check = getattr(importlib.import_module(f"{__name__}.{cfg.cluster.policy}"), "check", None)
+    if check is not None:
+        check(cfg)

@@ -28,9 +28,9 @@ def _states(*loads: tuple[int, int, int]) -> list[TeState]:
 
 
 def test_the_registry_finds_every_policy_module_by_name():
-    assert policy_names() == ["least_load", "round_robin"]
-    with pytest.raises(ValueError, match="no routing policy 'prefix'; known: least_load"):
-        load_policy("prefix")
+    assert {"least_load", "round_robin"} <= set(policy_names())
+    with pytest.raises(ValueError, match="no routing policy 'fastest'; known: combined"):
+        load_policy("fastest")
 
 
 def test_round_robin_cycles_whatever_the_load():
