@@ -30,6 +30,7 @@ from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.shell.virtual_time import Finishes, GrantRounds
+from xds_mpi.cluster.autoscaler import Autoscaler
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
 from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
@@ -219,6 +220,14 @@ class JobExecutor:
         self.queue = deque(sorted(queue, key=lambda r: (r.arrival_s, r.req_id)))
         self.num_routed = len(self.queue)
         num_dies = [t.num_dies for t in cluster.tes]
+        self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
+        self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
+        self.sends: list[MPI.Request] = []
+        self.rounds = TeRounds(self)
+        self.autoscaler = None
+        if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
+            standby = {t.te for t in cluster.tes if t.standby}
+            self.autoscaler = Autoscaler(cfg.autoscaler, num_dies, standby)
         self.loads = TeLoads(
             cluster.num_tes,
             load_policy(cluster.policy, cfg),
@@ -231,11 +240,9 @@ class JobExecutor:
                     te_capacity_blocks(te_config(cfg, t.overrides), t.num_dies) for t in cluster.tes
                 ],
             ),
+            autoscaler=self.autoscaler,
+            arrival_of=self.rounds.arrival_of,
         )
-        self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
-        self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
-        self.sends: list[MPI.Request] = []
-        self.rounds = TeRounds(self)
         self.results: dict[int, TeResult] = {}
         self.mismatches: list[str] = []
         self.check_line = ""
@@ -254,6 +261,15 @@ class JobExecutor:
                     f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})"
                 )
         self.log.info("JE: %d requests routed, waiting for the TEs", self.num_routed)
+        for event in self.autoscaler.events if self.autoscaler else ():
+            self.log.info(
+                "autoscaler: %s TE %d at %.3f s virtual (load %.2f unfinished requests per die)%s",
+                "scaled out to" if event.kind == "out" else "drained",
+                event.te,
+                event.decided_s,
+                event.load,
+                f", serving from {event.serves_s:.3f} s" if event.kind == "out" else "",
+            )
 
     def collect(self) -> None:
         """Every TE's records once it has served (bounded), merged into the JE's."""
@@ -305,6 +321,9 @@ class JobExecutor:
         for te in range(cluster.num_tes):
             self.summary[f"te{te}_requests"] = per_te[te]
         self.summary["rerouted_requests"] = len(self.orphaned)
+        if self.autoscaler is not None:
+            kinds = Counter(e.kind for e in self.autoscaler.events)
+            self.summary.update(scale_outs=kinds["out"], scale_ins=kinds["in"])
         self.log.info(format_summary(self.summary))
         self.log.info(
             "cluster: %s",
@@ -382,6 +401,15 @@ class JobExecutor:
         group["te_found_s"] = np.array(
             [rounds.found_at.get(te, np.nan) for te in range(cluster.num_tes)]
         )
+        if self.autoscaler is not None:  # the scale events, in decision order
+            events = self.autoscaler.events
+            scaling = group.create_group("scaling")
+            scaling["kind"] = np.array([e.kind for e in events], dtype=h5py.string_dtype())
+            scaling["te"] = np.array([e.te for e in events], np.int64)
+            scaling["decided_s"] = np.array([e.decided_s for e in events])
+            scaling["serves_s"] = np.array([e.serves_s for e in events])
+            scaling["load"] = np.array([e.load for e in events])
+        group["te_standby"] = np.array([t.standby for t in cluster.tes])
         group["te_first_rank"] = np.array(
             [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
         )

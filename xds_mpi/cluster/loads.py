@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from xds_mpi.cluster.autoscaler import Autoscaler
 from xds_mpi.cluster.decisions import RoutingDecision
 from xds_mpi.cluster.policies import Policy, TeState, explain
 from xds_mpi.cluster.prompt_tree import PromptTree
@@ -24,7 +25,9 @@ class TeLoads:
     """num_tes TEs, routed to by `policy`. A policy always picks a TE, so `decide` decides each
     request at max(its arrival, the previous decision): the virtual time the policy is given.
     kinds: each TE's kind ("colocated", "afd", "pd"; None: every one "colocated"); num_dies:
-    each TE's dies (None: 0, unknown); tree: the JE's prompt tree (None: prefix_tokens 0)."""
+    each TE's dies (None: 0, unknown); tree: the JE's prompt tree (None: prefix_tokens 0);
+    autoscaler: which TEs serve when (None: every one, always); arrival_of: when a request is
+    routed at the earliest (a lost TE's orphan: once the loss is found)."""
 
     def __init__(
         self,
@@ -34,8 +37,11 @@ class TeLoads:
         kinds: Sequence[str] | None = None,
         num_dies: Sequence[int] | None = None,
         tree: PromptTree | None = None,
+        autoscaler: Autoscaler | None = None,
+        arrival_of=lambda req: req.arrival_s,
     ) -> None:
         self.policy = policy
+        self.autoscaler, self.arrival_of = autoscaler, arrival_of
         self.kinds = tuple(kinds) if kinds is not None else ("colocated",) * num_tes
         self.num_dies = tuple(num_dies) if num_dies is not None else (0,) * num_tes
         if len(self.kinds) != num_tes or len(self.num_dies) != num_tes:
@@ -71,8 +77,12 @@ class TeLoads:
     def pick(self, req: Request) -> int:
         """The policy's TE among the live ones (a lost TE is no candidate), its decision
         logged once dispatched."""
-        now_s = max(req.arrival_s, self.decided_s)
-        states = [state for state in self.states(req) if state.te not in self.lost]
+        now_s = max(self.arrival_of(req), self.decided_s)
+        serving = range(len(self.unfinished))
+        if self.autoscaler is not None:  # it may scale out or in first, from the loads now
+            self.autoscaler.observe(now_s, [len(reqs) for reqs in self.unfinished])
+            serving = self.autoscaler.serving(now_s)
+        states = [s for s in self.states(req) if s.te not in self.lost and s.te in serving]
         scored = explain(self.policy, req, states, now_s)
         if scored.te not in {state.te for state in states}:
             raise ValueError(
@@ -88,7 +98,7 @@ class TeLoads:
         self.unfinished[te][req.req_id] = request_tokens(req)
         self.num_routed[te] += 1
         self.te_of[req.req_id] = te
-        self.decided_s = max(req.arrival_s, self.decided_s)
+        self.decided_s = max(self.arrival_of(req), self.decided_s)
         if self.tree is not None:
             self.tree.route(req, te)
         pending, self._pending = self._pending, None
@@ -96,4 +106,7 @@ class TeLoads:
             self.decisions.append(pending)
 
     def on_complete(self, req_id: int) -> None:
-        self.unfinished[self.te_of[req_id]].pop(req_id, None)
+        te = self.te_of[req_id]
+        self.unfinished[te].pop(req_id, None)
+        if self.autoscaler is not None and not self.unfinished[te]:
+            self.autoscaler.drained(te)  # a draining TE's last request: standby again

@@ -16,18 +16,30 @@ from xds_mpi.config.loader import build_record, positive, require
 
 # Sections a TE group may not override: the JE's (the requests, the run) and the model every TE
 # serves (the reference checks every request against one model).
-JE_SECTIONS = ("model", "workload", "trace", "run", "serve", "cluster", "hardware", "emulator")
+JE_SECTIONS = (
+    "model",
+    "workload",
+    "trace",
+    "run",
+    "serve",
+    "cluster",
+    "hardware",
+    "emulator",
+    "autoscaler",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class TeGroup:
     """count TEs alike: the rest of the config with these `section.key=value` overrides (a PD
     pair: `pd.enabled=true`, its prefill and decode dies, two host ranks, ...); name: how the
-    group is named in logs and the run file ('' -> its kind)."""
+    group is named in logs and the run file ('' -> its kind); standby: its TEs start as
+    pre-warmed standby TEs that serve only once the autoscaler scales out to them."""
 
     count: int = 1
     set: list = field(default_factory=list)
     name: str = ""
+    standby: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

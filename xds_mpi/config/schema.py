@@ -1,12 +1,12 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model`, `faults`, `health`, `eplb`, `pd`, `trace`, `ems`, `emulator`, `serve` and `cluster` are
-declared in `xds_mpi/config/*.py` modules); each section checks its own constraints, naming the
-numbers involved. Reading YAML, `--set` overrides, unknown keys and value types are
-`xds_mpi.config.loader`'s. What a config implies across sections (rank map, layouts, window
-sizes) and whether it can run is `xds_mpi.plan.deployment.DeploymentPlan`'s, never written back
-into the config.
+`model`, `faults`, `health`, `eplb`, `pd`, `trace`, `ems`, `emulator`, `serve`, `cluster` and
+`autoscaler` are declared in `xds_mpi/config/*.py` modules); each section checks its own
+constraints, naming the numbers involved. Reading YAML, `--set` overrides, unknown keys and
+value types are `xds_mpi.config.loader`'s. What a config implies across sections (rank map,
+layouts, window sizes) and whether it can run is `xds_mpi.plan.deployment.DeploymentPlan`'s,
+never written back into the config.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.cluster import ClusterConfig
 from xds_mpi.config.ems import EmsConfig
 from xds_mpi.config.emulator import EmulatorConfig
@@ -313,6 +314,7 @@ class Config:
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

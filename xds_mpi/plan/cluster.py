@@ -25,7 +25,8 @@ JE_RANK = 0  # the JE's world rank, and its rank on the link
 class TeInfo:
     """One TE of a cluster: te: its index; first_rank: its TE-shell's world rank; size: its
     ranks; kind: "colocated", "afd" or "pd" (a PD pair: its JE is its TE-shell); num_dies;
-    group: the name of its group; overrides: its group's `--set` values on the config."""
+    group: the name of its group; overrides: its group's `--set` values on the config; standby:
+    it starts in standby (serves once the autoscaler scales out to it)."""
 
     te: int
     first_rank: int
@@ -34,6 +35,7 @@ class TeInfo:
     num_dies: int
     group: str
     overrides: tuple[str, ...] = ()
+    standby: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +76,7 @@ class ClusterPlan:
             first, last = t.first_rank, t.first_rank + t.size - 1
             shell = "JE of the pair" if t.kind == "pd" else "TE-shell"
             name = t.kind if t.group == t.kind else f"{t.group}: {t.kind}"
+            name += ", standby" if t.standby else ""
             lines.append(
                 f"  TE {t.te} ({name}, {t.num_dies} dies): world ranks "
                 f"{first}..{last} ({shell} {first}; ranks 0..{t.size - 1} inside the TE)"
@@ -97,6 +100,10 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
 
     section = cfg.cluster
     if section.num_tes == 1:
+        if cfg.autoscaler.enabled:
+            raise ConfigError(
+                "autoscaler.enabled needs a cluster (cluster.groups with a standby group) to scale"
+            )
         return None
     check_policy(cfg)
     groups = section.groups or [TeGroup(count=section.num_tes)]
@@ -121,10 +128,35 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
                     num_dies=topo.num_dies,
                     group=group.name or kind,
                     overrides=overrides,
+                    standby=group.standby,
                 )
             )
             first += topo.world_size
+    check_scaling(cfg, tes)
     return ClusterPlan(tes=tuple(tes), policy=section.policy)
+
+
+def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
+    """Standby TEs and the autoscaler go together; a lost TE is not scaled around yet."""
+    standby = [t.te for t in tes if t.standby]
+    scaler = cfg.autoscaler
+    if standby and not scaler.enabled:
+        raise ConfigError(
+            f"cluster TEs {standby} are standby (cluster.groups standby true) but "
+            "autoscaler.enabled is false: they would never serve"
+        )
+    if scaler.enabled and not standby:
+        raise ConfigError(
+            "autoscaler.enabled needs standby TEs to scale out to: a cluster.groups row with "
+            "standby: true"
+        )
+    if scaler.enabled and len(standby) == len(tes):
+        raise ConfigError("every cluster TE is standby: none serves the first requests")
+    if scaler.enabled and cfg.cluster.te_losses:
+        raise ConfigError(
+            "autoscaler.enabled with cluster.te_losses is not built yet: the autoscaler does "
+            "not know the lost TEs; drop one of the two"
+        )
 
 
 def check_policy(cfg: Config) -> None:

@@ -10,6 +10,7 @@ import subprocess
 
 import h5py
 import numpy as np
+import pytest
 from harness import REPO_ROOT, busy_processes
 from test_serving import XDS_MPI, check_line
 from test_virtual_time import _jsonl, _sets, _virtual_columns
@@ -260,3 +261,63 @@ def test_a_te_given_no_request_ends_cleanly(tmp_path):
     assert check_line(result) == "check: 1 requests, 16 tokens, 0 mismatches"
     assert list(run_file["cluster/te"][()]) == [0]
     assert "projection: no iterations" in result.stdout + result.stderr
+
+
+def test_the_autoscaler_scales_out_on_a_burst_and_drains_after_it(tmp_path):
+    # 1 TE serving + 2 standby (2 dies each); 1 request/s for 3 s, 16/s for 3 s, then 1/s for
+    # 10 s: the burst's load scales out (each new TE serving 0.5 s after the decision), the
+    # quiet after it drains them again.
+    times = [float(t) for t in range(3)]
+    times += [3 + i / 16 for i in range(48)] + [6.0 + t for t in range(1, 11)]
+    lines = [
+        {"prompt_ids": list(range(3 + i % 7, 19 + i % 7)), "max_tokens": 12, "arrival_s": t}
+        for i, t in enumerate(times)
+    ]
+    groups = (
+        "cluster.groups=[{count: 1, set: [deployment.dp_groups_per_domain=2]}, "
+        "{count: 2, standby: true, set: [deployment.dp_groups_per_domain=2]}]"
+    )
+    result, run_file = run_cluster(
+        tmp_path,
+        *_jsonl(tmp_path, lines),
+        *_sets(
+            "cluster.num_tes=3",
+            groups,
+            "cluster.policy=least_load",
+            "autoscaler.enabled=true",
+            "autoscaler.scale_out_above=2",
+            "autoscaler.scale_in_below=0.5",
+            "autoscaler.window_s=0.5",
+            "autoscaler.cooldown_s=1",
+            "autoscaler.scale_out_s=0.5",
+        ),
+    )
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    scaling = run_file["cluster/scaling"]
+    kinds = [k.decode() for k in scaling["kind"][()]]
+    assert "out" in kinds and "in" in kinds, kinds  # the premise: both happened
+    te, routed = run_file["cluster/te"][()], run_file["cluster/routed_s"][()]
+    assert (te == 1).sum() >= 3  # the premise: a scaled-out TE served part of the burst
+    # a TE serves exactly from its scale-out + 0.5 s until it is drained, never otherwise
+    for k in (1, 2):
+        windows, start = [], None
+        for kind, t, decided, serves in zip(
+            kinds, scaling["te"][()], scaling["decided_s"][()], scaling["serves_s"][()], strict=True
+        ):
+            if t != k:
+                continue
+            if kind == "out":
+                assert serves == pytest.approx(decided + 0.5)
+                start = serves
+            else:
+                windows.append((start, decided))
+                start = None
+        if start is not None:
+            windows.append((start, np.inf))
+        for r in routed[te == k]:
+            assert any(a <= r < b for a, b in windows), (k, r, windows)
+    assert set(te[routed < 3.0]) == {0}  # before the burst only the first TE serves

@@ -1,0 +1,87 @@
+"""The JE's autoscaler (xds_mpi/cluster/autoscaler.py) on crafted loads with known answers: it
+scales out above the threshold (the new TE serving scale_out_s later), waits out the cooldown,
+stays within max_tes and min_tes, drains the least loaded TE below the threshold, and a drained
+TE is standby again once its last request finished; the plan's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from xds_mpi.cluster.autoscaler import Autoscaler
+from xds_mpi.config.autoscaler import AutoscalerConfig
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.deployment import DeploymentPlan
+
+INF = float("inf")
+
+
+def scaler(**kw) -> Autoscaler:
+    cfg = AutoscalerConfig(
+        enabled=True,
+        window_s=1.0,
+        scale_out_above=2.0,
+        scale_in_below=0.5,
+        cooldown_s=3.0,
+        scale_out_s=2.0,
+        **kw,
+    )
+    return Autoscaler(cfg, [2, 2, 2], standby={1, 2})
+
+
+def test_it_scales_out_above_the_threshold_and_the_new_te_serves_later():
+    s = scaler()
+    assert s.serving(0.0) == [0]
+    assert s.observe(0.5, [3, 0, 0]) is None  # 1.5 per die: below 2
+    event = s.observe(0.6, [6, 0, 0])  # window mean (1.5 + 3) / 2 = 2.25 > 2
+    assert (event.kind, event.te, event.decided_s, event.serves_s) == ("out", 1, 0.6, 2.6)
+    assert s.serving(2.5) == [0] and s.serving(2.6) == [0, 1]
+    assert s.observe(2.0, [9, 0, 0]) is None  # cooldown until 3.6
+    event = s.observe(3.6, [9, 0, 0])
+    assert (event.kind, event.te, event.serves_s) == ("out", 2, 5.6)
+    assert s.observe(7.0, [9, 9, 9]) is None  # no standby TE left
+
+
+def test_max_tes_caps_the_serving_tes_and_those_scaling_out_count():
+    s = scaler(max_tes=2)
+    assert s.observe(0.0, [9, 0, 0]).te == 1
+    assert s.observe(3.0, [9, 0, 0]) is None  # TE 1 is still coming: 1 + 1 = max_tes
+    assert s.observe(4.0, [9, 9, 0]) is None  # both serve: max_tes
+
+
+def test_it_drains_the_least_loaded_te_below_the_threshold_and_it_is_standby_again():
+    s = scaler()
+    s.observe(0.0, [9, 0, 0])  # TE 1 out, serving from 2.0
+    event = s.observe(10.0, [1, 0, 0])  # 0.25 per die over the serving TEs 0 and 1
+    assert (event.kind, event.te) == ("in", 1)  # the least loaded (ties: the higher index)
+    assert s.serving(10.0) == [0]
+    assert s.observe(20.0, [0, 0, 0]) is None  # min_tes 1: TE 0 stays
+    s.drained(1)
+    assert s.serves_from[1] == INF  # standby: the next scale-out may take it again
+    assert s.observe(30.0, [9, 0, 0]).te == 1
+
+
+def test_the_plan_refuses_standby_without_the_autoscaler_and_the_reverse():
+    groups = (
+        "cluster.groups=[{count: 1, set: [deployment.dp_groups_per_domain=2]}, "
+        "{count: 1, standby: true, set: [deployment.dp_groups_per_domain=2]}]"
+    )
+    for sets, refused in [
+        ([groups], "standby .* autoscaler.enabled is false"),
+        (["autoscaler.enabled=true"], "autoscaler.enabled needs a cluster"),
+        (
+            [groups, "autoscaler.enabled=true", "cluster.te_losses=[{te: 0, at_s: 1}]"],
+            "not built yet",
+        ),
+        (["autoscaler.enabled=true", "autoscaler.scale_in_below=5"], "must be below"),
+    ]:
+        with pytest.raises(ConfigError, match=refused):
+            DeploymentPlan.build(
+                load_config("configs/colocated.yaml", sets), None, launcher_checks=False
+            )
+    plan = DeploymentPlan.build(
+        load_config("configs/colocated.yaml", [groups, "autoscaler.enabled=true"]),
+        None,
+        launcher_checks=False,
+    )
+    assert [t.standby for t in plan.cluster.tes] == [False, True]
+    assert "TE 1 (colocated, standby, 2 dies)" in plan.cluster.describe()

@@ -1,0 +1,86 @@
+"""The JE's autoscaler (DeepServe §6: the cluster manager scales TEs on load; docs/cluster.md
+"Scaling"), on the virtual clock: at each routing decision it looks at the serving TEs' load then
+and may scale out (a standby TE starts serving `autoscaler.scale_out_s` later, the time its
+scaling steps take) or in (the least loaded serving TE is drained: no new request, and once its
+last one finished it is standby again). Pure: its events depend only on the decisions' virtual
+times and the loads then, so a run's scaling is the same on any machine.
+
+The metric ("load"): unfinished requests per die of the serving TEs, averaged over the decisions
+of the last `window_s`. A scale event waits `cooldown_s` after the previous one; the serving TEs
+(those scaling out counted) stay within [min_tes, max_tes].
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleEvent:
+    """kind "out" (te serves from serves_s on) or "in" (te drained from decided_s on; standby
+    again at its last finish, `standby_s`, filled in when it is known: inf until then)."""
+
+    kind: str
+    te: int
+    decided_s: float
+    serves_s: float
+    load: float
+
+
+class Autoscaler:
+    """TEs 0..N-1; `standby`: those that start in standby (not serving)."""
+
+    def __init__(self, cfg, num_dies: list[int], standby: set[int]) -> None:
+        self.cfg = cfg  # the autoscaler section
+        self.num_dies = num_dies
+        self.serves_from = {te: (INF if te in standby else 0.0) for te in range(len(num_dies))}
+        self.draining: set[int] = set()
+        self.events: list[ScaleEvent] = []
+        self.samples: deque[tuple[float, float]] = deque()  # (decision s, load then)
+        self.last_event_s = -INF
+        self.max_tes = cfg.max_tes or len(num_dies)
+
+    def serving(self, now_s: float) -> list[int]:
+        """The TEs a request may be routed to at `now_s`."""
+        return [te for te, t in self.serves_from.items() if t <= now_s and te not in self.draining]
+
+    def observe(self, now_s: float, unfinished: list[int]) -> ScaleEvent | None:
+        """At a routing decision at `now_s` with each TE's unfinished requests then: the scale
+        event it decides, if any."""
+        serving = self.serving(now_s)
+        dies = sum(self.num_dies[te] for te in serving) or 1
+        load = sum(unfinished[te] for te in serving) / dies
+        self.samples.append((now_s, load))
+        while self.samples[0][0] < now_s - self.cfg.window_s:
+            self.samples.popleft()
+        mean = sum(x for _, x in self.samples) / len(self.samples)
+        if now_s < self.last_event_s + self.cfg.cooldown_s:
+            return None
+        coming = [te for te, t in self.serves_from.items() if now_s < t < INF]
+        standby = sorted(te for te, t in self.serves_from.items() if t == INF)
+        event = None
+        if mean > self.cfg.scale_out_above and standby:
+            if len(serving) + len(coming) < self.max_tes:
+                te = standby[0]
+                self.serves_from[te] = now_s + self.cfg.scale_out_s
+                event = ScaleEvent(
+                    kind="out", te=te, decided_s=now_s, serves_s=self.serves_from[te], load=mean
+                )
+        elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
+            te = min(serving, key=lambda t: (unfinished[t], -t))
+            self.draining.add(te)
+            event = ScaleEvent(kind="in", te=te, decided_s=now_s, serves_s=INF, load=mean)
+        if event is not None:
+            self.events.append(event)
+            self.last_event_s = now_s
+            self.samples.clear()  # the next window starts with the new set of TEs
+        return event
+
+    def drained(self, te: int) -> None:
+        """A draining TE's last request finished: standby again."""
+        if te in self.draining:
+            self.draining.discard(te)
+            self.serves_from[te] = INF

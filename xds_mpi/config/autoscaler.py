@@ -1,0 +1,53 @@
+"""The `autoscaler` section: a cluster's TEs scaled out and in with the load, on the virtual
+clock (docs/cluster.md "Scaling"; xds_mpi/cluster/autoscaler.py).
+
+Part of the config schema (`xds_mpi.config.schema` re-exports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from xds_mpi.config.loader import non_negative, positive, require
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoscalerConfig:
+    """enabled: scale the cluster's TEs (needs TEs in standby: a `cluster.groups` row with
+    standby true). metric: "load", unfinished requests per die of the serving TEs, averaged
+    over the last window_s of routing decisions. scale_out_above / scale_in_below: the
+    thresholds on it. cooldown_s: virtual seconds after a scale event before the next.
+    min_tes / max_tes: serving TEs at least / at most (0: every TE). scale_out_s: virtual
+    seconds from the decision until the new TE serves (its five scaling steps; docs/scaling.md
+    prices them per TE-Load path)."""
+
+    enabled: bool = False
+    metric: Literal["load"] = "load"
+    window_s: float = 2.0
+    scale_out_above: float = 4.0
+    scale_in_below: float = 1.0
+    cooldown_s: float = 5.0
+    min_tes: int = 1
+    max_tes: int = 0
+    scale_out_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        s = "autoscaler"
+        positive(s, window_s=self.window_s, min_tes=self.min_tes)
+        non_negative(
+            s,
+            cooldown_s=self.cooldown_s,
+            max_tes=self.max_tes,
+            scale_out_s=self.scale_out_s,
+            scale_in_below=self.scale_in_below,
+        )
+        require(
+            self.scale_in_below < self.scale_out_above,
+            f"autoscaler.scale_in_below({self.scale_in_below}) must be below scale_out_above"
+            f"({self.scale_out_above}): else every decision would scale",
+        )
+        require(
+            not self.max_tes or self.max_tes >= self.min_tes,
+            f"autoscaler.max_tes({self.max_tes}) must be >= min_tes({self.min_tes}) (0: all)",
+        )
