@@ -141,7 +141,7 @@ def plot(heatmap: Heatmap, prompts: list[int], ratios: list[float], path: Path) 
 
     panels = [(f"{s:g} requests/s", rate) for s, rate in zip(heatmap.rps, heatmap.cells)]
     panels.append(("combined (sum over the rates)", heatmap.combined))
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.9), squeeze=False)
     for ax, (title, values) in zip(axes[0], panels):
         finite = [abs(v) for row in values for v in row if math.isfinite(v)]
         limit = max(finite, default=1.0) or 1.0
@@ -162,8 +162,8 @@ def plot(heatmap: Heatmap, prompts: list[int], ratios: list[float], path: Path) 
         ax.set_title(title, fontsize=10)
     axes[0][0].set_ylabel("prompt tokens")
     fig.suptitle("JCT(colocated) / JCT(PD) - 1, virtual 910C clock (> 0: PD faster)", fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
 
 
