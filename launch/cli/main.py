@@ -15,7 +15,7 @@ from functools import partial
 from launch.bench import afd_command as bench_afd
 from launch.bench import command as bench_cli
 from launch.bench import load as bench_load
-from launch.cluster import predict
+from launch.cluster import heatmap, predict
 from launch.job import hosts, memory_guard
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_job
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_parser(sub)
     run_page.add_parser(sub)
     predict.add_parser(sub)
+    heatmap.add_parser(sub)
     return parser
 
 

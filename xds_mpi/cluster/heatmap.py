@@ -4,8 +4,10 @@ identical requests on a colocated TE over their JCT on a disaggregated pair of t
 minus one (positive: the pair is faster). `combined` sums the cells over the rates: the map
 `pd_heatmap` reads. A JSON file: plain data a user can read and plot without the project.
 
-Lengths are at the scale the virtual clock prices (a request's `priced_prompt_len` and
-`priced_output_len`): a cell covers prompts in [prompt_edges[i], prompt_edges[i + 1]) and
+Lengths are the ones the dies' virtual clock prices: the served lengths (the study serves its
+trace at `trace.length_scale` 1, so they equal `priced_prompt_len` and `priced_output_len`; a
+scaled-down replay's `priced_*` are the trace's lengths, which that clock does not price, see
+docs/heatmap.md). A cell covers prompts in [prompt_edges[i], prompt_edges[i + 1]) and
 decode/prompt ratios in [ratio_edges[j], ratio_edges[j + 1]); a length outside the grid takes
 the nearest edge cell.
 """
