@@ -38,6 +38,7 @@ from xds_mpi.config.loader import (  # noqa: F401
 )
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.config.pd import PdConfig
+from xds_mpi.config.scaling import ScalingConfig
 from xds_mpi.config.serve import ServeConfig
 from xds_mpi.config.trace import TraceConfig
 
@@ -313,6 +314,7 @@ class Config:
     emulator: EmulatorConfig = field(default_factory=EmulatorConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
