@@ -28,6 +28,7 @@ from launch.serve import bench as bench_serve
 from launch.serve import bench_endpoint
 from launch.serve import command as serve
 from launch.slurm import submit
+from xds_mpi.cluster.policies import check_policy
 from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.execution import fault_rates
@@ -65,6 +66,8 @@ def _load(args: argparse.Namespace):
     """The config file's path and the deployment plan: every refusal happens here."""
     path = resolve_config(args.config)
     plan = DeploymentPlan.build(load_config(path, args.set), args.np)
+    if plan.cluster is not None:  # the routing policy and what it reads (a heatmap, ...)
+        check_policy(plan.cfg)
     warning = judge_fault_rate(plan)
     if warning:
         print(f"xds-mpi: warning: {warning}", file=sys.stderr, flush=True)

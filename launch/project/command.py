@@ -15,6 +15,8 @@ from launch.project.paper import (
     print_paper,
     print_primitive,
 )
+from launch.project.scaling import add_arguments as add_scaling_arguments
+from launch.project.scaling import print_scaling
 from launch.project.skew import add_arguments as add_skew_arguments
 from launch.project.skew import print_skew
 from launch.project.sweep import add_arguments as add_sweep_arguments
@@ -49,6 +51,7 @@ def add_parser(sub) -> None:
     add_paper_arguments(p)
     add_afd_arguments(p)
     add_sweep_arguments(p)
+    add_scaling_arguments(p)
     p.set_defaults(func=cmd_project)
 
 
@@ -66,6 +69,8 @@ def cmd_project(args: argparse.Namespace) -> int:
         return print_primitive(args)
     if args.context_cache:
         return print_context_cache(args)
+    if args.scaling:
+        return print_scaling(args)
     if args.batch < 1 or args.kv_len < 1 or args.mtp < 0 or not 0 <= args.accept <= 1:
         raise ConfigError(
             f"need --batch >= 1, --kv-len >= 1, --mtp >= 0, 0 <= --accept <= 1; "

@@ -1,10 +1,10 @@
 """Deployment configuration schema: keyword-only frozen dataclasses, one per section.
 
 A config file has the sections below (every key optional, defaults shown in the dataclasses;
-`model`, `faults`, `health`, `eplb`, `pd`, `trace`, `ems`, `emulator`, `serve`, `cluster` and
-`autoscaler` are declared in `xds_mpi/config/*.py` modules); each section checks its own
-constraints, naming the numbers involved. Reading YAML, `--set` overrides, unknown keys and
-value types are `xds_mpi.config.loader`'s. What a config implies across sections (rank map,
+`model`, `faults`, `health`, `eplb`, `pd`, `trace`, `ems`, `emulator`, `serve`, `cluster`,
+`autoscaler` and `scaling` are declared in `xds_mpi/config/*.py` modules); each section checks
+its own constraints, naming the numbers involved. Reading YAML, `--set` overrides, unknown keys
+and value types are `xds_mpi.config.loader`'s. What a config implies across sections (rank map,
 layouts, window sizes) and whether it can run is `xds_mpi.plan.deployment.DeploymentPlan`'s,
 never written back into the config.
 """
@@ -39,6 +39,7 @@ from xds_mpi.config.loader import (  # noqa: F401
 )
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.config.pd import PdConfig
+from xds_mpi.config.scaling import ScalingConfig
 from xds_mpi.config.serve import ServeConfig
 from xds_mpi.config.trace import TraceConfig
 
@@ -315,6 +316,7 @@ class Config:
     serve: ServeConfig = field(default_factory=ServeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

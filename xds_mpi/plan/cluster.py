@@ -105,7 +105,6 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
                 "autoscaler.enabled needs a cluster (cluster.groups with a standby group) to scale"
             )
         return None
-    check_policy(cfg)
     groups = section.groups or [TeGroup(count=section.num_tes)]
     tes, first = [], 1
     for index, group in enumerate(groups):
@@ -157,21 +156,6 @@ def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
             "autoscaler.enabled with cluster.te_losses is not built yet: the autoscaler does "
             "not know the lost TEs; drop one of the two"
         )
-
-
-def check_policy(cfg: Config) -> None:
-    """cluster.policy names a policy module, and the config holds what it needs (its
-    `check(cfg)`)."""
-    # Lazy import: the policies are looked up only for a cluster.
-    from xds_mpi.cluster.policies import check_policy as check_needs
-    from xds_mpi.cluster.policies import policy_names
-
-    if cfg.cluster.policy not in policy_names():
-        raise ConfigError(
-            f"cluster.policy({cfg.cluster.policy}) is no routing policy; known: "
-            f"{', '.join(policy_names())} (xds_mpi/cluster/policies/)"
-        )
-    check_needs(cfg)
 
 
 def check_cluster(cfg: Config, *, clock) -> None:

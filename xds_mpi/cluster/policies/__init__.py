@@ -104,7 +104,18 @@ def load_policy(name: str, cfg: Config | None = None) -> Policy:
 
 
 def check_policy(cfg: Config) -> None:
-    """What `cluster.policy` needs of the config (its module's `check(cfg)`, if it has one)."""
+    """`cluster.policy` names a policy module, and the config holds what it needs (its
+    module's `check(cfg)`, if it has one); ConfigError naming the key. The launcher calls it
+    for a cluster (launch/cli/main.py `_load`): the plan (xds_mpi/plan/) sits below the
+    policies, which read the config's files."""
+    # Lazy import: ConfigError's module is the config layer's.
+    from xds_mpi.config.loader import ConfigError
+
+    if cfg.cluster.policy not in policy_names():
+        raise ConfigError(
+            f"cluster.policy({cfg.cluster.policy}) is no routing policy; known: "
+            f"{', '.join(policy_names())} (xds_mpi/cluster/policies/)"
+        )
     check = getattr(importlib.import_module(f"{__name__}.{cfg.cluster.policy}"), "check", None)
     if check is not None:
         check(cfg)

@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 
 from xds_mpi.cluster.loads import TeLoads
-from xds_mpi.cluster.policies import TeState, load_policy, policy_names
+from xds_mpi.cluster.policies import TeState, check_policy, load_policy, policy_names
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.cluster import TeInfo
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -163,7 +163,6 @@ def test_one_te_is_today_s_plan():
     [
         ("colocated", ["run.clock=wall"], "run.clock=wall"),
         ("pd", ["deployment.num_host_ranks=1"], "num_host_ranks other than 2"),
-        ("colocated", ["cluster.policy=fastest"], r"cluster.policy\(fastest\) is no routing"),
     ],
 )
 def test_what_phase_1_does_not_build_is_refused_naming_the_key(config, sets, refused):
@@ -194,3 +193,9 @@ def test_a_lost_te_is_no_candidate_and_the_losses_are_checked():
     ]:
         with pytest.raises(ConfigError, match=refused):
             load_config("configs/cluster.yaml", [f"cluster.te_losses={rows}"])
+
+
+def test_an_unknown_policy_is_refused_at_validate_naming_the_known_ones():
+    cfg = load_config("configs/colocated.yaml", ["cluster.num_tes=2", "cluster.policy=fastest"])
+    with pytest.raises(ConfigError, match=r"cluster.policy\(fastest\) is no routing policy; known"):
+        check_policy(cfg)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from xds_mpi.cluster.heatmap import Heatmap, write_heatmap
-from xds_mpi.cluster.policies import TeState, explain, load_policy, policy_names
+from xds_mpi.cluster.policies import TeState, check_policy, explain, load_policy, policy_names
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.workload.requests import Request
@@ -126,7 +126,7 @@ def test_a_policy_needing_a_heatmap_is_refused_without_one_naming_the_key(tmp_pa
     ):
         load_policy(policy, cfg)
     with pytest.raises(ConfigError, match=r"set cluster.heatmap"):  # at validate
-        DeploymentPlan.build(cfg, None, launcher_checks=False)
+        check_policy(cfg)
     missing = f"cluster.heatmap={tmp_path / 'none.json'}"
     broken = load_config(
         "configs/colocated.yaml", ["cluster.num_tes=2", f"cluster.policy={policy}", missing]
@@ -134,7 +134,7 @@ def test_a_policy_needing_a_heatmap_is_refused_without_one_naming_the_key(tmp_pa
     with pytest.raises(
         ConfigError, match=r"cluster.heatmap\(.*none.json\): heatmap .* not a heatmap"
     ):
-        DeploymentPlan.build(broken, None, launcher_checks=False)
+        check_policy(broken)
 
 
 def test_combined_without_a_heatmap_validates():
