@@ -30,7 +30,7 @@ from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.shell.virtual_time import Finishes, GrantRounds
-from xds_mpi.cluster.autoscaler import Autoscaler
+from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_s
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
 from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
@@ -227,7 +227,9 @@ class JobExecutor:
         self.autoscaler = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
             standby = {t.te for t in cluster.tes if t.standby}
-            self.autoscaler = Autoscaler(cfg.autoscaler, num_dies, standby)
+            self.autoscaler = Autoscaler(
+                cfg.autoscaler, num_dies, standby, [scale_out_s(cfg, t) for t in cluster.tes]
+            )
         self.loads = TeLoads(
             cluster.num_tes,
             load_policy(cluster.policy, cfg),

@@ -1,9 +1,10 @@
 """The JE's autoscaler (DeepServe §6: the cluster manager scales TEs on load; docs/cluster.md
 "Scaling"), on the virtual clock: at each routing decision it looks at the serving TEs' load then
-and may scale out (a standby TE starts serving `autoscaler.scale_out_s` later, the time its
-scaling steps take) or in (the least loaded serving TE is drained: no new request, and once its
-last one finished it is standby again). Pure: its events depend only on the decisions' virtual
-times and the loads then, so a run's scaling is the same on any machine.
+and may scale out (a standby TE serves once its scale-out time has passed: its scaling steps,
+`autoscaler.scale_out_s` or priced per TE-Load path) or in (the least loaded serving TE is
+drained: no new request, and once its last one finished it is standby again). Pure: its events
+depend only on the decisions' virtual times and the loads then, so a run's scaling is the same
+on any machine.
 
 The metric ("load"): unfinished requests per die of the serving TEs, averaged over the decisions
 of the last `window_s`. A scale event waits `cooldown_s` after the previous one; the serving TEs
@@ -16,6 +17,20 @@ from collections import deque
 from dataclasses import dataclass
 
 INF = float("inf")
+
+
+def scale_out_s(cfg, te) -> float:
+    """Virtual seconds from scaling out to TE `te` (xds_mpi/plan/cluster.py TeInfo) until it
+    serves: `autoscaler.scale_out_s`, or its five scaling steps priced with its own config's
+    `scaling` section for a TE of `autoscaler.pod_dies` dies (docs/scaling.md)."""
+    if cfg.autoscaler.scale_out_s is not None:
+        return cfg.autoscaler.scale_out_s
+    # Lazy imports: an autoscaled cluster's only.
+    from xds_mpi.plan.cluster import te_config
+    from xds_mpi.scaling.steps import scale_out
+
+    te_cfg = te_config(cfg, te.overrides)
+    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=1).total_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +46,14 @@ class ScaleEvent:
 
 
 class Autoscaler:
-    """TEs 0..N-1; `standby`: those that start in standby (not serving)."""
+    """TEs 0..N-1; `standby`: those that start in standby (not serving); scale_out_s: per TE,
+    virtual seconds from a scale-out decision until it serves."""
 
-    def __init__(self, cfg, num_dies: list[int], standby: set[int]) -> None:
+    def __init__(
+        self, cfg, num_dies: list[int], standby: set[int], scale_out_s: list[float]
+    ) -> None:
         self.cfg = cfg  # the autoscaler section
+        self.scale_out_s = scale_out_s
         self.num_dies = num_dies
         self.serves_from = {te: (INF if te in standby else 0.0) for te in range(len(num_dies))}
         self.draining: set[int] = set()
@@ -65,7 +84,7 @@ class Autoscaler:
         if mean > self.cfg.scale_out_above and standby:
             if len(serving) + len(coming) < self.max_tes:
                 te = standby[0]
-                self.serves_from[te] = now_s + self.cfg.scale_out_s
+                self.serves_from[te] = now_s + self.scale_out_s[te]
                 event = ScaleEvent(
                     kind="out", te=te, decided_s=now_s, serves_s=self.serves_from[te], load=mean
                 )

@@ -19,8 +19,10 @@ class AutoscalerConfig:
     over the last window_s of routing decisions. scale_out_above / scale_in_below: the
     thresholds on it. cooldown_s: virtual seconds after a scale event before the next.
     min_tes / max_tes: serving TEs at least / at most (0: every TE). scale_out_s: virtual
-    seconds from the decision until the new TE serves (its five scaling steps; docs/scaling.md
-    prices them per TE-Load path)."""
+    seconds from the decision until the new TE serves; None: its five scaling steps priced by
+    the `scaling` section (path, pre-warming; xds_mpi/scaling/steps.py, docs/scaling.md) for a
+    TE of `pod_dies` dies at the DeepSeek-V3 shape: the pod-scale TE an emulated one stands for
+    (the model's weights do not fit fewer than 16 dies)."""
 
     enabled: bool = False
     metric: Literal["load"] = "load"
@@ -30,16 +32,17 @@ class AutoscalerConfig:
     cooldown_s: float = 5.0
     min_tes: int = 1
     max_tes: int = 0
-    scale_out_s: float = 5.0
+    scale_out_s: float | None = None
+    pod_dies: int = 32
 
     def __post_init__(self) -> None:
         s = "autoscaler"
-        positive(s, window_s=self.window_s, min_tes=self.min_tes)
+        positive(s, window_s=self.window_s, min_tes=self.min_tes, pod_dies=self.pod_dies)
         non_negative(
             s,
             cooldown_s=self.cooldown_s,
             max_tes=self.max_tes,
-            scale_out_s=self.scale_out_s,
+            scale_out_s=self.scale_out_s or 0.0,
             scale_in_below=self.scale_in_below,
         )
         require(

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from xds_mpi.cluster.autoscaler import Autoscaler
+from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_s
 from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.scaling.steps import scale_out
 
 INF = float("inf")
 
@@ -25,7 +26,7 @@ def scaler(**kw) -> Autoscaler:
         scale_out_s=2.0,
         **kw,
     )
-    return Autoscaler(cfg, [2, 2, 2], standby={1, 2})
+    return Autoscaler(cfg, [2, 2, 2], standby={1, 2}, scale_out_s=[2.0] * 3)
 
 
 def test_it_scales_out_above_the_threshold_and_the_new_te_serves_later():
@@ -85,3 +86,21 @@ def test_the_plan_refuses_standby_without_the_autoscaler_and_the_reverse():
     )
     assert [t.standby for t in plan.cluster.tes] == [False, True]
     assert "TE 1 (colocated, standby, 2 dies)" in plan.cluster.describe()
+
+
+def test_the_scale_out_time_is_the_config_s_or_the_priced_steps_of_the_te_s_own_path():
+    groups = (
+        "cluster.groups=[{count: 1, set: [deployment.dp_groups_per_domain=2]}, "
+        "{count: 1, standby: true, set: [deployment.dp_groups_per_domain=2, scaling.path=cold]}]"
+    )
+    cfg = load_config("configs/colocated.yaml", [groups, "autoscaler.enabled=true"])
+    te = DeploymentPlan.build(cfg, None, launcher_checks=False).cluster.tes[1]
+    cold = load_config("configs/colocated.yaml", ["scaling.path=cold"])
+    priced = scale_out(cold, num_dies=32, num_new_tes=1).total_s
+    assert scale_out_s(cfg, te) == priced > 100  # the group's own path: from storage
+    dram = scale_out(cfg, num_dies=32, num_new_tes=1).total_s
+    assert 1 < dram < 10 and dram != priced
+    fixed = load_config(
+        "configs/colocated.yaml", [groups, "autoscaler.enabled=true", "autoscaler.scale_out_s=1.5"]
+    )
+    assert scale_out_s(fixed, te) == 1.5
