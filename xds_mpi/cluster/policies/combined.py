@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from xds_mpi.cluster.policies import Scored, ScoredPolicy, TeState, load_key
-from xds_mpi.cluster.policies.pd_heatmap import TypeByHeatmap, read_map
+from xds_mpi.cluster.policies.pd_heatmap import TypeByHeatmap, output_scale, read_map
 from xds_mpi.cluster.policies.prefix import longest_prefix
 from xds_mpi.cluster.predict import predictor_from
 from xds_mpi.workload.requests import Request
@@ -41,7 +41,11 @@ def is_balanced(te_states: Sequence[TeState], tolerance: float) -> bool:
 
 
 def make(cfg: Config) -> ScoredPolicy:
-    by_type = TypeByHeatmap(read_map(cfg), predictor_from(cfg)) if cfg.cluster.heatmap else None
+    by_type = (
+        TypeByHeatmap(read_map(cfg), predictor_from(cfg), output_scale(cfg))
+        if cfg.cluster.heatmap
+        else None
+    )
     tolerance = cfg.cluster.balance_tolerance
 
     def scored(request: Request, te_states: Sequence[TeState], now_s: float) -> Scored:

@@ -41,15 +41,25 @@ def read_map(cfg: Config) -> Heatmap:
         raise ConfigError(f"cluster.heatmap({path}): {exc}") from exc
 
 
-class TypeByHeatmap:
-    """The TE type a request goes to by the map and the predicted decode length."""
+def output_scale(cfg: Config) -> float:
+    """Served output tokens per trace token (1 but for a trace replay, docs/trace.md)."""
+    if cfg.workload.source != "trace":
+        return 1.0
+    return cfg.trace.output_scale or cfg.trace.length_scale
 
-    def __init__(self, heatmap: Heatmap, predictor: Predictor) -> None:
-        self.heatmap, self.predictor = heatmap, predictor
+
+class TypeByHeatmap:
+    """The TE type a request goes to by the map and the predicted decode length. The map's
+    lengths are the served ones, which the virtual clock prices (docs/heatmap.md): a trace
+    replay's request is looked up at its served prompt and its predicted output (a trace-scale
+    bucket) times the replay's output scale."""
+
+    def __init__(self, heatmap: Heatmap, predictor: Predictor, scale: float = 1.0) -> None:
+        self.heatmap, self.predictor, self.scale = heatmap, predictor, scale
 
     def value(self, request: Request) -> float:
-        decode_len = bucket_tokens(self.predictor.bucket(request))
-        return self.heatmap.value(request.priced_prompt_len, decode_len)
+        decode_len = bucket_tokens(self.predictor.bucket(request)) * self.scale
+        return self.heatmap.value(len(request.prompt), decode_len)
 
     def narrow(
         self, request: Request, te_states: Sequence[TeState]
@@ -66,7 +76,7 @@ class TypeByHeatmap:
 
 
 def make(cfg: Config) -> ScoredPolicy:
-    by_type = TypeByHeatmap(read_map(cfg), predictor_from(cfg))
+    by_type = TypeByHeatmap(read_map(cfg), predictor_from(cfg), output_scale(cfg))
 
     def scored(request: Request, te_states: Sequence[TeState], now_s: float) -> Scored:
         candidates, prefer, note = by_type.narrow(request, te_states)

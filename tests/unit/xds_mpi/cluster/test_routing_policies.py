@@ -22,11 +22,8 @@ def _state(te: int, tokens: int, *, prefix: int = 0, kind: str = "colocated", n:
 
 
 def _req(prompt_len: int, output_len: int) -> Request:
-    """A trace request: priced at these lengths (the heatmap's scale), served tiny."""
-    return Request(
-        req_id=7, prompt=(1, 2), max_new_tokens=2, trace_prompt_len=prompt_len,
-        trace_output_len=output_len,
-    )  # fmt: skip
+    """A request served (and priced on the virtual clock) at these lengths: the heatmap's."""
+    return Request(req_id=7, prompt=(1,) * prompt_len, max_new_tokens=output_len)
 
 
 def _cfg(tmp_path, policy: str, *sets: str, heatmap: bool = True):
@@ -140,3 +137,22 @@ def test_a_policy_needing_a_heatmap_is_refused_without_one_naming_the_key(tmp_pa
 def test_combined_without_a_heatmap_validates():
     cfg = load_config("configs/colocated.yaml", ["cluster.num_tes=2", "cluster.policy=combined"])
     assert DeploymentPlan.build(cfg, None, launcher_checks=False).cluster.policy == "combined"
+
+
+def test_a_trace_replay_is_looked_up_at_its_served_lengths_which_the_clock_prices(tmp_path):
+    # served at a tenth of the trace: 600 of 6000 prompt tokens, 10 of 100 output tokens. At the
+    # trace's lengths the map would say PD (+0.6); at the served ones, which the virtual clock
+    # prices and the map was made at, not (-0.2).
+    cfg = _cfg(
+        tmp_path,
+        "pd_heatmap",
+        "workload.source=trace",
+        "trace.path=any.jsonl",
+        "trace.length_scale=0.1",
+    )
+    req = Request(
+        req_id=7, prompt=(1,) * 600, max_new_tokens=10, trace_prompt_len=6000, trace_output_len=100
+    )
+    tes = [_state(0, 10, kind="colocated"), _state(1, 900, kind="pd")]
+    scored = explain(load_policy("pd_heatmap", cfg), req, tes, 0.0)
+    assert scored.note == "heatmap -0.200 -> not pd" and scored.te == 0
