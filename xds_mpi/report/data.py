@@ -52,6 +52,7 @@ class RunData:
     recovery: list[tuple[str, float, float]] = field(default_factory=list)
     eplb_loads: dict[str, np.ndarray] = field(default_factory=dict)  # EPLB before/after below
     failures: list[dict] = field(default_factory=list)
+    cluster: dict = field(default_factory=dict)  # a cluster's routing (`cluster_data`)
 
 
 def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
@@ -65,6 +66,36 @@ def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
         for name, group in f["eplb"].items()
         if isinstance(group, h5py.Group)
     }
+
+
+def cluster_data(f: h5py.File) -> dict:
+    """A cluster's run file (docs/cluster.md): per request (by req_id) its TE, first TE, routing
+    time and virtual JCT; per TE its kind, group and loss time; the scale events; the decision
+    log's regret per routed request. {} for one TE's run."""
+    if "cluster" not in f or "virtual" not in f:
+        return {}
+    group, virtual = f["cluster"], f["virtual"]
+    jct = dict(zip(virtual["req_id"][()], virtual["finish_s"][()] - virtual["arrival_s"][()]))
+    ids = group["req_id"][()]
+    out = {
+        "policy": str(group.attrs["policy"]),
+        "te": group["te"][()],
+        "first_te": group["first_te"][()] if "first_te" in group else group["te"][()],
+        "routed_s": group["routed_s"][()],
+        "jct_s": np.array([jct.get(r, np.nan) for r in ids]),
+        "te_kind": [k.decode() for k in group["te_kind"][()]] if "te_kind" in group else [],
+        "te_group": [k.decode() for k in group["te_group"][()]] if "te_group" in group else [],
+        "te_lost_s": group["te_lost_s"][()] if "te_lost_s" in group else np.array([]),
+        "scaling": {k: v[()] for k, v in group["scaling"].items()} if "scaling" in group else {},
+        "regret_s": (
+            group["decisions"]["regret_s"][()]
+            if "decisions" in group and "regret_s" in group["decisions"]
+            else np.array([])
+        ),
+    }
+    if out["scaling"]:
+        out["scaling"]["kind"] = [k.decode() for k in out["scaling"]["kind"]]
+    return out
 
 
 def failures(f: h5py.File) -> list[dict]:
@@ -102,6 +133,7 @@ def load_run(path: str | Path) -> RunData:
             requests={name: f["requests"][name][()] for name in ("ttft_s", "tpot_s", "die_rank")},
             eplb_loads=eplb_loads(f),
             failures=failures(f),
+            cluster=cluster_data(f),
         )
     traced = trace_path(path)
     if traced.exists():

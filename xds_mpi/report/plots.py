@@ -206,6 +206,65 @@ def failure_rows(run: RunData) -> list[tuple[str, str, float, float]]:
     return out
 
 
+def cluster(run: RunData, path: Path) -> Path:
+    """A cluster's routing on the virtual clock: each request's TE at its routing time (a
+    request routed again after its TE was lost drawn from its first TE), the TEs' losses and
+    scale events; each TE's JCTs; the regret estimate per routed request (docs/routing.md)."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), gridspec_kw={"width_ratios": [3, 1.4, 1.4]})
+    c = run.cluster
+    if not c:
+        for ax in axes:
+            _empty(ax, "not a cluster run")
+        return _save(fig, path)
+    num_tes = len(c["te_kind"]) or int(np.max(c["te"], initial=0)) + 1
+    labels = [f"TE {k} ({c['te_kind'][k]})" if c["te_kind"] else f"TE {k}" for k in range(num_tes)]
+    ax = axes[0]
+    served = c["te"] >= 0
+    colors = np.where(c["first_te"] != c["te"], "tab:red", "tab:blue")[served]
+    ax.scatter(c["routed_s"][served], c["te"][served], s=10, c=colors)
+    again = served & (c["first_te"] != c["te"])
+    for t, a, b in zip(c["routed_s"][again], c["first_te"][again], c["te"][again], strict=True):
+        ax.annotate("", (t, b), (t, a), arrowprops={"arrowstyle": "->", "color": "tab:red"})
+    for k, lost_s in enumerate(c["te_lost_s"]):
+        if np.isfinite(lost_s):
+            ax.plot([lost_s], [k], "kx", ms=10)
+    scaling = c["scaling"]
+    for kind, te, decided, serves in zip(
+        scaling.get("kind", ()),
+        scaling.get("te", ()),
+        scaling.get("decided_s", ()),
+        scaling.get("serves_s", ()),
+        strict=True,
+    ):
+        if kind == "out":
+            ax.plot([decided, serves], [te, te], color="tab:green", lw=3, alpha=0.6)
+        else:
+            ax.plot([decided], [te], marker="v", color="tab:orange", ms=8)
+    ax.set_yticks(range(num_tes), labels)
+    ax.set(
+        xlabel="routing time (virtual s)",
+        title=f"routing by {c['policy']} (red: routed again; x: lost; green: scaling out; "
+        "v: drained)",
+    )
+    ax = axes[1]
+    jcts = [c["jct_s"][(c["te"] == k) & np.isfinite(c["jct_s"])] for k in range(num_tes)]
+    if any(len(j) for j in jcts):
+        ax.boxplot([j if len(j) else [np.nan] for j in jcts])
+        ax.set_xticks(range(1, num_tes + 1), [str(k) for k in range(num_tes)])
+    else:
+        _empty(ax, "no JCT")
+    ax.set(title="JCT per TE (virtual s)", xlabel="TE", ylabel="s")
+    ax = axes[2]
+    regret = c["regret_s"][np.isfinite(c["regret_s"])] * 1e3
+    if len(regret):
+        ax.hist(regret, bins=20, color="tab:purple")
+        ax.set(title=f"regret, estimated: mean {regret.mean():.0f} ms", xlabel="ms")
+    else:
+        _empty(ax, "no regret estimate")
+    fig.suptitle(f"{run.name}: a cluster of {num_tes} TEs behind one JE", fontsize=9)
+    return _save(fig, path)
+
+
 FIGURES = {
     "breakdown": breakdown,
     "die_times": die_times,
@@ -214,4 +273,5 @@ FIGURES = {
     "latency": latencies,
     "mtp": mtp_acceptance,
     "recovery": recovery,
+    "cluster": cluster,
 }

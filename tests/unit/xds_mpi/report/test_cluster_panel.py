@@ -1,0 +1,63 @@
+"""The report's cluster panel reads a cluster's run file (/cluster, /virtual): each request's TE,
+the TE it was first routed to (a lost TE's), the losses and scale events, each TE's JCTs and
+the regret estimate; a lone TE's run says it is none."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+
+from xds_mpi.report.data import cluster_data, load_run
+from xds_mpi.report.plots import cluster
+
+
+def _run_file(path, *, with_cluster: bool) -> None:
+    strings = h5py.string_dtype()
+    with h5py.File(path, "w") as f:
+        f.create_group("summary")
+        requests = f.create_group("requests")
+        for name in ("ttft_s", "tpot_s", "die_rank"):
+            requests[name] = np.zeros(4)
+        virtual = f.create_group("virtual")
+        virtual["req_id"] = np.arange(4)
+        virtual["arrival_s"] = np.array([0.0, 0.5, 1.0, 1.5])
+        virtual["finish_s"] = np.array([1.0, 2.5, 4.0, 2.0])
+        if not with_cluster:
+            return
+        c = f.create_group("cluster")
+        c.attrs["policy"] = "least_load"
+        c["req_id"] = np.arange(4)
+        c["te"] = np.array([0, 1, 0, 1])
+        c["first_te"] = np.array([0, 1, 2, 1])  # request 2 was on TE 2, lost
+        c["routed_s"] = np.array([0.0, 0.5, 3.2, 1.5])
+        c["te_kind"] = np.array(["colocated", "colocated", "pd"], dtype=strings)
+        c["te_group"] = np.array(["a", "a", "pair"], dtype=strings)
+        c["te_lost_s"] = np.array([np.nan, np.nan, 1.5])
+        scaling = c.create_group("scaling")
+        scaling["kind"] = np.array(["out", "in"], dtype=strings)
+        scaling["te"] = np.array([1, 1])
+        scaling["decided_s"] = np.array([0.2, 3.0])
+        scaling["serves_s"] = np.array([0.4, np.inf])
+        decisions = c.create_group("decisions")
+        decisions["regret_s"] = np.array([0.0, 0.2, np.nan, 0.1])
+
+
+def test_the_cluster_panel_reads_routing_losses_scaling_and_regret(tmp_path):
+    path = tmp_path / "cluster.h5"
+    _run_file(path, with_cluster=True)
+    with h5py.File(path, "r") as f:
+        data = cluster_data(f)
+    assert list(data["first_te"] != data["te"]) == [False, False, True, False]
+    assert np.allclose(data["jct_s"], [1.0, 2.0, 3.0, 0.5])
+    assert data["te_kind"] == ["colocated", "colocated", "pd"]
+    assert data["scaling"]["kind"] == ["out", "in"] and data["policy"] == "least_load"
+    png = cluster(load_run(path), tmp_path / "cluster.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_a_lone_te_s_run_has_no_cluster_panel_data(tmp_path):
+    path = tmp_path / "one.h5"
+    _run_file(path, with_cluster=False)
+    run = load_run(path)
+    assert run.cluster == {}
+    assert cluster(run, tmp_path / "one.png").exists()
