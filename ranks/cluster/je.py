@@ -30,7 +30,7 @@ from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.shell.virtual_time import Finishes, GrantRounds
-from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_s
+from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
 from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
@@ -228,7 +228,7 @@ class JobExecutor:
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
             standby = {t.te for t in cluster.tes if t.standby}
             self.autoscaler = Autoscaler(
-                cfg.autoscaler, num_dies, standby, [scale_out_s(cfg, t) for t in cluster.tes]
+                cfg.autoscaler, num_dies, standby, [scale_out_steps(cfg, t) for t in cluster.tes]
             )
         self.loads = TeLoads(
             cluster.num_tes,
@@ -411,6 +411,13 @@ class JobExecutor:
             scaling["decided_s"] = np.array([e.decided_s for e in events])
             scaling["serves_s"] = np.array([e.serves_s for e in events])
             scaling["load"] = np.array([e.load for e in events])
+            # each scale-out's steps (DeepServe's five, or one fixed), virtual s; 0 for a drain
+            names = [name for e in events for name, _ in e.steps]
+            names = list(dict.fromkeys(names))
+            scaling["step_s"] = np.array(
+                [[dict(e.steps).get(name, 0.0) for name in names] for e in events]
+            ).reshape(len(events), len(names))
+            scaling["step_name"] = np.array(names, dtype=h5py.string_dtype())
         group["te_standby"] = np.array([t.standby for t in cluster.tes])
         group["te_first_rank"] = np.array(
             [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64

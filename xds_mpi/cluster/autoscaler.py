@@ -19,18 +19,24 @@ from dataclasses import dataclass
 INF = float("inf")
 
 
-def scale_out_s(cfg, te) -> float:
-    """Virtual seconds from scaling out to TE `te` (xds_mpi/plan/cluster.py TeInfo) until it
-    serves: `autoscaler.scale_out_s`, or its five scaling steps priced with its own config's
-    `scaling` section for a TE of `autoscaler.pod_dies` dies (docs/scaling.md)."""
+def scale_out_steps(cfg, te) -> tuple[tuple[str, float], ...]:
+    """(name, virtual seconds) of each step from scaling out to TE `te` (xds_mpi/plan/cluster.py
+    TeInfo) until it serves: one step of `autoscaler.scale_out_s`, or DeepServe's five scaling
+    steps priced with the TE's own config's `scaling` section for a TE of
+    `autoscaler.pod_dies` dies (docs/scaling.md)."""
     if cfg.autoscaler.scale_out_s is not None:
-        return cfg.autoscaler.scale_out_s
+        return (("scale-out (autoscaler.scale_out_s)", cfg.autoscaler.scale_out_s),)
     # Lazy imports: an autoscaled cluster's only.
     from xds_mpi.plan.cluster import te_config
     from xds_mpi.scaling.steps import scale_out
 
     te_cfg = te_config(cfg, te.overrides)
-    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=1).total_s
+    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=1).steps
+
+
+def scale_out_s(cfg, te) -> float:
+    """The virtual seconds of `scale_out_steps`."""
+    return sum(seconds for _, seconds in scale_out_steps(cfg, te))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,17 +49,16 @@ class ScaleEvent:
     decided_s: float
     serves_s: float
     load: float
+    steps: tuple[tuple[str, float], ...] = ()  # a scale-out's steps, (name, virtual s)
 
 
 class Autoscaler:
-    """TEs 0..N-1; `standby`: those that start in standby (not serving); scale_out_s: per TE,
-    virtual seconds from a scale-out decision until it serves."""
+    """TEs 0..N-1; `standby`: those that start in standby (not serving); steps: per TE, the
+    steps (name, virtual s) from a scale-out decision until it serves."""
 
-    def __init__(
-        self, cfg, num_dies: list[int], standby: set[int], scale_out_s: list[float]
-    ) -> None:
+    def __init__(self, cfg, num_dies: list[int], standby: set[int], steps: list[tuple]) -> None:
         self.cfg = cfg  # the autoscaler section
-        self.scale_out_s = scale_out_s
+        self.steps = steps
         self.num_dies = num_dies
         self.serves_from = {te: (INF if te in standby else 0.0) for te in range(len(num_dies))}
         self.draining: set[int] = set()
@@ -84,9 +89,14 @@ class Autoscaler:
         if mean > self.cfg.scale_out_above and standby:
             if len(serving) + len(coming) < self.max_tes:
                 te = standby[0]
-                self.serves_from[te] = now_s + self.scale_out_s[te]
+                self.serves_from[te] = now_s + sum(s for _, s in self.steps[te])
                 event = ScaleEvent(
-                    kind="out", te=te, decided_s=now_s, serves_s=self.serves_from[te], load=mean
+                    kind="out",
+                    te=te,
+                    decided_s=now_s,
+                    serves_s=self.serves_from[te],
+                    load=mean,
+                    steps=tuple(self.steps[te]),
                 )
         elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
             te = min(serving, key=lambda t: (unfinished[t], -t))

@@ -95,6 +95,8 @@ def cluster_data(f: h5py.File) -> dict:
     }
     if out["scaling"]:
         out["scaling"]["kind"] = [k.decode() for k in out["scaling"]["kind"]]
+        names = out["scaling"].get("step_name", np.array([], dtype=object))
+        out["scaling"]["step_name"] = [n.decode() if isinstance(n, bytes) else n for n in names]
     return out
 
 

@@ -229,22 +229,30 @@ def cluster(run: RunData, path: Path) -> Path:
         if np.isfinite(lost_s):
             ax.plot([lost_s], [k], "kx", ms=10)
     scaling = c["scaling"]
-    for kind, te, decided, serves in zip(
-        scaling.get("kind", ()),
-        scaling.get("te", ()),
-        scaling.get("decided_s", ()),
-        scaling.get("serves_s", ()),
-        strict=True,
+    step_s = scaling.get("step_s", np.zeros((len(scaling.get("kind", ())), 0)))
+    shades = plt.get_cmap("Greens")(np.linspace(0.4, 0.9, max(step_s.shape[1], 1)))
+    for i, (kind, te, decided) in enumerate(
+        zip(
+            scaling.get("kind", ()),
+            scaling.get("te", ()),
+            scaling.get("decided_s", ()),
+            strict=True,
+        )
     ):
-        if kind == "out":
-            ax.plot([decided, serves], [te, te], color="tab:green", lw=3, alpha=0.6)
-        else:
+        if kind != "out":
             ax.plot([decided], [te], marker="v", color="tab:orange", ms=8)
+            continue
+        start = decided  # the scaling steps, one shade each, from the decision to serving
+        for k, seconds in enumerate(
+            step_s[i] if step_s.shape[1] else [scaling["serves_s"][i] - decided]
+        ):
+            ax.plot([start, start + seconds], [te, te], color=shades[k], lw=5, alpha=0.8)
+            start += seconds
     ax.set_yticks(range(num_tes), labels)
     ax.set(
         xlabel="routing time (virtual s)",
-        title=f"routing by {c['policy']} (red: routed again; x: lost; green: scaling out; "
-        "v: drained)",
+        title=f"routing by {c['policy']} (red: routed again; x: lost; green: the scaling steps, "
+        "decision to serving; v: drained)",
     )
     ax = axes[1]
     jcts = [c["jct_s"][(c["te"] == k) & np.isfinite(c["jct_s"])] for k in range(num_tes)]

@@ -300,6 +300,8 @@ def test_the_autoscaler_scales_out_on_a_burst_and_drains_after_it(tmp_path):
     scaling = run_file["cluster/scaling"]
     kinds = [k.decode() for k in scaling["kind"][()]]
     assert "out" in kinds and "in" in kinds, kinds  # the premise: both happened
+    outs = np.array(kinds) == "out"  # each scale-out's one step: autoscaler.scale_out_s
+    assert np.allclose(scaling["step_s"][()][outs].sum(axis=1), 0.5)
     te, routed = run_file["cluster/te"][()], run_file["cluster/routed_s"][()]
     assert (te == 1).sum() >= 3  # the premise: a scaled-out TE served part of the burst
     # a TE serves exactly from its scale-out + 0.5 s until it is drained, never otherwise

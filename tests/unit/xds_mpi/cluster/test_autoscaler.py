@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_s
+from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_s, scale_out_steps
 from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -26,7 +26,7 @@ def scaler(**kw) -> Autoscaler:
         scale_out_s=2.0,
         **kw,
     )
-    return Autoscaler(cfg, [2, 2, 2], standby={1, 2}, scale_out_s=[2.0] * 3)
+    return Autoscaler(cfg, [2, 2, 2], standby={1, 2}, steps=[(("load", 1.5), ("post", 0.5))] * 3)
 
 
 def test_it_scales_out_above_the_threshold_and_the_new_te_serves_later():
@@ -35,6 +35,7 @@ def test_it_scales_out_above_the_threshold_and_the_new_te_serves_later():
     assert s.observe(0.5, [3, 0, 0]) is None  # 1.5 per die: below 2
     event = s.observe(0.6, [6, 0, 0])  # window mean (1.5 + 3) / 2 = 2.25 > 2
     assert (event.kind, event.te, event.decided_s, event.serves_s) == ("out", 1, 0.6, 2.6)
+    assert event.steps == (("load", 1.5), ("post", 0.5))
     assert s.serving(2.5) == [0] and s.serving(2.6) == [0, 1]
     assert s.observe(2.0, [9, 0, 0]) is None  # cooldown until 3.6
     event = s.observe(3.6, [9, 0, 0])
@@ -98,6 +99,10 @@ def test_the_scale_out_time_is_the_config_s_or_the_priced_steps_of_the_te_s_own_
     cold = load_config("configs/colocated.yaml", ["scaling.path=cold"])
     priced = scale_out(cold, num_dies=32, num_new_tes=1).total_s
     assert scale_out_s(cfg, te) == priced > 100  # the group's own path: from storage
+    steps = scale_out_steps(cfg, te)
+    assert [name for name, _ in steps] == [
+        name for name, _ in scale_out(cold, num_dies=32, num_new_tes=1).steps
+    ] and len(steps) == 5
     dram = scale_out(cfg, num_dies=32, num_new_tes=1).total_s
     assert 1 < dram < 10 and dram != priced
     fixed = load_config(

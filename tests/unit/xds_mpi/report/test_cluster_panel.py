@@ -38,6 +38,8 @@ def _run_file(path, *, with_cluster: bool) -> None:
         scaling["te"] = np.array([1, 1])
         scaling["decided_s"] = np.array([0.2, 3.0])
         scaling["serves_s"] = np.array([0.4, np.inf])
+        scaling["step_s"] = np.array([[0.1, 0.1], [0.0, 0.0]])
+        scaling["step_name"] = np.array(["TE-Load", "Scaler-Post"], dtype=strings)
         decisions = c.create_group("decisions")
         decisions["regret_s"] = np.array([0.0, 0.2, np.nan, 0.1])
 
@@ -51,6 +53,7 @@ def test_the_cluster_panel_reads_routing_losses_scaling_and_regret(tmp_path):
     assert np.allclose(data["jct_s"], [1.0, 2.0, 3.0, 0.5])
     assert data["te_kind"] == ["colocated", "colocated", "pd"]
     assert data["scaling"]["kind"] == ["out", "in"] and data["policy"] == "least_load"
+    assert data["scaling"]["step_name"] == ["TE-Load", "Scaler-Post"]
     png = cluster(load_run(path), tmp_path / "cluster.png")
     assert png.stat().st_size > 10_000
 
