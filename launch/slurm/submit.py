@@ -78,7 +78,11 @@ def _add_deployment_options(p: argparse.ArgumentParser) -> None:
 def _add_slurm_options(p: argparse.ArgumentParser) -> None:
     """What Slurm is asked for: nodes, partition, time limit, an array for a sweep."""
     p.add_argument(
-        "--nodes", type=int, default=None, help="nodes to use (default: one per server of 16 dies)"
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes to use (default: one per server of 16 dies; a cluster: one per TE, whole "
+        "TEs per node)",
     )
     p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
     p.add_argument(
