@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import REPO_ROOT
+
+from launch.cli import main as cli
+from launch.job import memory_guard
+from xds_mpi.config.schema import ConfigError
 
 XDS_MPI = Path(sys.executable).parent / "xds-mpi"
 
@@ -102,3 +107,21 @@ def test_submit_takes_a_sweep_that_keeps_the_clusters_world(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --ntasks=12\n" in result.stdout
     assert "#SBATCH --array=0-1\n" in result.stdout
+
+
+def test_run_checks_this_node_for_every_tes_own_windows(monkeypatch, capsys):
+    """The memory check before launch weighs the 12 ranks with the JE's window (0), the two
+    colocated TEs' (2 x 282112 B each) and the PD pair's (2 x 413312 + 150912 B): 2105984 B,
+    where TE 0's windows times 3 TEs would be 1692672 B. Nothing is launched."""
+    weighed = []
+
+    def check_node(num_ranks: int, window_bytes: int) -> None:
+        weighed.append((num_ranks, window_bytes))
+        raise ConfigError("stop before launch")
+
+    monkeypatch.setattr(memory_guard, "check_node", check_node)
+    monkeypatch.setattr(cli, "run_job", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.chdir(REPO_ROOT)
+    assert cli.main(["run", "cluster"]) == 2
+    assert "stop before launch" in capsys.readouterr().err
+    assert weighed == [(12, 4 * 282112 + 2 * 413312 + 150912)]
