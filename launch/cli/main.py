@@ -28,6 +28,7 @@ from launch.serve import bench as bench_serve
 from launch.serve import bench_endpoint
 from launch.serve import command as serve
 from launch.slurm import submit
+from launch.slurm.world import world_of
 from xds_mpi.cluster.policies import check_policy
 from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
@@ -136,9 +137,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     path, plan = _load(args)
     cfg, topo = plan.cfg, plan.topo
     world_size = plan.world_size  # a cluster: the JE and every TE (xds_mpi/plan/cluster.py)
-    if plan.cluster is not None and args.hosts:
-        print("xds-mpi: error: --hosts does not place a cluster's TEs yet", file=sys.stderr)
-        return 2
     command_for = partial(
         mpi_command,
         world_size,
@@ -151,8 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(command_for(rank_program(path, args.set)).shell_line())
         return 0
     if not args.hosts and args.memory_check:  # with --hosts the ranks' nodes are elsewhere
-        num_tes = plan.cluster.num_tes if plan.cluster else 1
-        memory_guard.check_node(world_size, num_tes * sum(plan.window_bytes))
+        memory_guard.check_node(world_size, sum(world_of(plan).window_bytes))
     if plan.cluster is not None:
         print(f"xds-mpi: {plan.cluster.describe().splitlines()[0]}; each TE:")
     print(f"xds-mpi: launching {world_size} ranks ({topo.summary()})")

@@ -1,8 +1,9 @@
 """`xds-mpi run --hosts`: place the ranks on named hosts without a batch system.
 
-The ranks are laid out as a Slurm job lays them out (launch/slurm/jobscript.py `node_layout`: by
-default one host per server, host ranks on the first), written to a hostfile in the format of
-the detected MPI, and the matching flags are added to the mpiexec line. How the launcher reaches
+The ranks are laid out as a Slurm job lays them out (launch/slurm/world.py `world_layout`: one
+TE's by default one host per server, host ranks on the first; a cluster's whole TEs per host,
+the JE on the first), written to a hostfile in the format of the detected MPI, and the
+matching flags are added to the mpiexec line. How the launcher reaches
 the hosts is the MPI's business: ssh by default; MPICH's hydra takes another command in
 $HYDRA_LAUNCHER_EXEC (the two-host tests use one that enters a network namespace).
 """
@@ -13,10 +14,10 @@ import os
 from pathlib import Path
 
 from launch.job.mpiexec import MpiFlavor, find_mpiexec, mpi_flavor
-from launch.slurm.jobscript import node_layout
+from launch.slurm.jobscript import NodeLayout
+from launch.slurm.world import world_layout
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.plan.deployment import DeploymentPlan
-from xds_mpi.plan.topology import Topology
 
 
 def placement_flags(
@@ -27,7 +28,8 @@ def placement_flags(
     if not hosts:
         return ()
     flavor = mpi_flavor(mpiexec or find_mpiexec())
-    text = hostfile_text(plan.topo, parse_hosts(hosts), flavor)
+    names = parse_hosts(hosts)
+    text = hostfile_text(world_layout(plan, len(names)), names, flavor)
     path = (Path(plan.cfg.run.output_dir) / "hosts" / f"hosts-{os.getpid()}").resolve()
     if dry_run:
         print("".join(f"# {path}: {line}\n" for line in text.splitlines()), end="")
@@ -44,9 +46,9 @@ def parse_hosts(text: str) -> tuple[str, ...]:
     return hosts
 
 
-def hostfile_text(topo: Topology, hosts: tuple[str, ...], flavor: MpiFlavor) -> str:
-    """One line per host with the number of consecutive ranks it runs."""
-    layout = node_layout(topo, len(hosts))
+def hostfile_text(layout: NodeLayout, hosts: tuple[str, ...], flavor: MpiFlavor) -> str:
+    """One line per host with the number of consecutive ranks it runs (layout: one node per
+    host)."""
     if flavor == "openmpi":
         lines = [f"{h} slots={n}" for h, n in zip(hosts, layout.tasks_per_node, strict=True)]
     else:

@@ -41,6 +41,20 @@ class NodeLayout:
         return len(self.tasks_per_node)
 
 
+@dataclass(frozen=True, kw_only=True)
+class World:
+    """The ranks a job launches. world_size = num_host_ranks + num_dies (+ EMS pool ranks), where
+    a cluster's host ranks are its JE, each TE's TE-shell and each PD pair's JE and decode
+    TE-shell; summary: one line for the job script's header; window_bytes: [world_size] bytes
+    of each rank's window, in world-rank order (0 for the JE and the TE-shells)."""
+
+    world_size: int
+    num_host_ranks: int
+    num_dies: int
+    summary: str
+    window_bytes: tuple[int, ...]
+
+
 def node_layout(topo: Topology, num_nodes: int | None = None) -> NodeLayout:
     """By default one node per server (a server's dies together, host ranks on the first node);
     with `num_nodes` whole servers are spread over that many nodes, or, with more nodes than
@@ -140,7 +154,7 @@ class JobSpec:
 
     config_path: Path
     overrides: tuple[str, ...]
-    topo: Topology
+    world: World
     layout: NodeLayout
     job_name: str
     job_dir: Path
@@ -181,7 +195,7 @@ def render(spec: JobSpec, resolved: Sequence[Path] = ()) -> str:
     (xds_mpi/plan/resolved.py), named on its line with --resolved (none on a dry run)."""
     program = rank_program(spec.config_path, spec.overrides)
     command = mpi_command(
-        spec.topo.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec
+        spec.world.world_size, program, timeout_s=spec.timeout_s, mpiexec=spec.mpiexec
     )
     fields = {**_header_fields(spec), **_launch_fields(spec, command, program, resolved)}
     text = _Template(TEMPLATE.read_text()).safe_substitute(fields)
@@ -192,16 +206,16 @@ def render(spec: JobSpec, resolved: Sequence[Path] = ()) -> str:
 
 def _header_fields(spec: JobSpec) -> dict:
     """The script's comment header: config, deployment, node layout, run files, sweep."""
-    topo, layout = spec.topo, spec.layout
+    world, layout = spec.world, spec.layout
     names = [str(spec.run_file(i)) for i in range(len(spec.run_names))]
     return dict(
         script=spec.script_path,
         config=spec.config_path,
         overrides=" ".join(shlex.quote(o) for o in spec.overrides) or "(none)",
-        world_size=topo.world_size,
-        num_host_ranks=topo.num_host_ranks,
-        num_dies=topo.num_dies,
-        summary=topo.summary(),
+        world_size=world.world_size,
+        num_host_ranks=world.num_host_ranks,
+        num_dies=world.num_dies,
+        summary=world.summary,
         num_nodes=layout.num_nodes,
         tasks_per_node=" ".join(map(str, layout.tasks_per_node)),
         layout_why=layout.why,
@@ -240,12 +254,12 @@ def _launch_fields(
 
 
 def _sbatch_lines(spec: JobSpec) -> list[str]:
-    topo, layout = spec.topo, spec.layout
+    layout = spec.layout
     most = max(layout.tasks_per_node)
     lines = [
         f"#SBATCH --job-name={spec.job_name}",
         f"#SBATCH --nodes={layout.num_nodes}",
-        f"#SBATCH --ntasks={topo.world_size}",
+        f"#SBATCH --ntasks={spec.world.world_size}",
     ]
     if layout.num_nodes > 1:
         lines.append(f"#SBATCH --ntasks-per-node={most}")
@@ -322,7 +336,7 @@ def _launcher_parts(spec: JobSpec, prefix: tuple[str, ...]) -> tuple[list[str], 
     one_per_task = '    for ((k = 0; k < TASKS_PER_NODE[i]; k++)); do echo "${NODES[i]}"; done'
     if spec.launcher == "srun":
         # Slurm's pmi2 plugin wires up MPICH; `arbitrary` puts rank r on line r of the hostfile.
-        argv = ["srun", "--mpi=pmi2", "--distribution=arbitrary", "-n", str(spec.topo.world_size)]
+        argv = ["srun", "--mpi=pmi2", "--distribution=arbitrary", "-n", str(spec.world.world_size)]
         return argv, one_per_task, "", "export SLURM_HOSTFILE=$HOSTFILE"
     flavor = mpi_flavor(prefix[0])
     if flavor == "openmpi":

@@ -25,11 +25,11 @@ from launch.slurm.jobscript import (
     check_mem,
     check_time_limit,
     default_time_limit,
-    node_layout,
     parse_sweep,
     render,
     window_mib_per_node,
 )
+from launch.slurm.world import world_layout, world_of
 from xds_mpi.config.paths import DEFAULT_CONFIG, available_configs, resolve_config
 from xds_mpi.config.schema import Config, ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -78,7 +78,11 @@ def _add_deployment_options(p: argparse.ArgumentParser) -> None:
 def _add_slurm_options(p: argparse.ArgumentParser) -> None:
     """What Slurm is asked for: nodes, partition, time limit, an array for a sweep."""
     p.add_argument(
-        "--nodes", type=int, default=None, help="nodes to use (default: one per server of 16 dies)"
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes to use (default: one per server of 16 dies; a cluster: one per TE, whole "
+        "TEs per node)",
     )
     p.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
     p.add_argument(
@@ -148,7 +152,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     (spec.job_dir / "job_id").write_text(job_id + "\n")
     kind = f"array job of {len(spec.run_names)} elements" if spec.sweep else "job"
     print(
-        f"submitted {kind} {job_id}: {spec.topo.world_size} ranks on "
+        f"submitted {kind} {job_id}: {spec.world.world_size} ranks on "
         f"{spec.layout.num_nodes} node(s); script {spec.script_path}",
         flush=True,
     )
@@ -170,13 +174,13 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
     base = job_dir.name
     names = tuple(f"{base}-{i}" for i in range(len(plans))) if sweep else (base,)
     timeout_s = max(plan.cfg.run.timeout_s for plan in plans)
-    topo = plans[0].topo
-    layout = node_layout(topo, args.nodes)
-    windows = [window_mib_per_node(layout, plan.window_bytes) for plan in plans]
+    worlds = [world_of(plan) for plan in plans]  # a cluster: the JE and every TE
+    layout = world_layout(plans[0], args.nodes)
+    windows = [window_mib_per_node(layout, world.window_bytes) for world in worlds]
     return JobSpec(
         config_path=path,
         overrides=tuple(args.set),
-        topo=topo,
+        world=worlds[0],
         layout=layout,
         job_name=f"xds-{path.stem}",
         job_dir=job_dir,
@@ -198,13 +202,14 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
 def plan_elements(
     path: Path, cfg: Config, overrides: list[str], sweep: Sweep | None
 ) -> list[DeploymentPlan]:
-    """One plan per array element (one without a sweep), all of the same world size."""
+    """One plan per array element (one without a sweep), all of the same world size (a
+    cluster's: its JE and every TE)."""
     plans = (
         [plan_sweep_element(path, overrides, sweep, i) for i in range(len(sweep.values))]
         if sweep
         else [DeploymentPlan.build(cfg)]
     )
-    sizes = sorted({plan.topo.world_size for plan in plans})
+    sizes = sorted({plan.world_size for plan in plans})
     if len(sizes) > 1:
         raise ConfigError(
             f"--sweep {sweep.key}: elements need different world sizes {sizes}; an "

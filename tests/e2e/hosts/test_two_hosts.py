@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,46 @@ def test_a_served_run_checks_equal_with_dies_on_both_hosts(hosts, tmp_path, conf
     crossed = {k: int(v) for k, v in summary.items() if k.startswith("cross_node")}
     print(f"\n{config} across hosts: {crossed}")
     assert summary["cross_node_polls"] > 0 and summary["cross_node_rma_ops"] > 0, summary
+
+
+def test_a_cluster_runs_whole_tes_on_each_host(hosts, tmp_path):
+    """configs/cluster.yaml (the JE + TEs of 3, 3 and 5 ranks) with --hosts h0,h1: world ranks
+    0-6 (the JE, both colocated TEs) on host 0 and 7-11 (the PD pair) on host 1, seen in each
+    namespace's processes while the job runs; the JE's link crosses the hosts and every token
+    equals the reference. No TE spans the hosts, so no window is reached across them (the run
+    file, the JE's, has no rank table of hosts): where the ranks ran is the proof."""
+    sets = [a for o in [f"run.output_dir={tmp_path}", "run.name=cluster"] for a in ("--set", o)]
+    argv = [str(XDS_MPI), "run", "cluster", "--check", "--hosts", ",".join(hosts.names), *sets]
+    job = subprocess.Popen(
+        hosts.on(0, argv),
+        env={**os.environ, **hosts.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    seen: dict[int, set[int]] = {0: set(), 1: set()}  # host -> world ranks seen running there
+    while job.poll() is None:
+        for idx in (0, 1):
+            seen[idx] |= _ranks_in(hosts.namespaces[idx])
+        time.sleep(0.2)
+    text = job.stdout.read()
+    assert job.returncode == 0, text[-6000:]
+    assert re.search(r"check: 24 requests, \d+ tokens, 0 mismatches", text), text[-3000:]
+    assert seen == {0: set(range(7)), 1: set(range(7, 12))}, seen
+
+
+def _ranks_in(namespace: str) -> set[int]:
+    """The world ranks (MPICH's PMI_RANK) of the rank processes in a network namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    ranks = set()
+    for pid in pids.stdout.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        if b"launch.job.rank" not in cmdline:
+            continue
+        ranks |= {int(v[len(b"PMI_RANK=") :]) for v in environ if v.startswith(b"PMI_RANK=")}
+    return ranks
