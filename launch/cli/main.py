@@ -150,9 +150,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     if not args.hosts and args.memory_check:  # with --hosts the ranks' nodes are elsewhere
         memory_guard.check_node(world_size, sum(world_of(plan).window_bytes))
-    if plan.cluster is not None:
-        print(f"xds-mpi: {plan.cluster.describe().splitlines()[0]}; each TE:")
-    print(f"xds-mpi: launching {world_size} ranks ({topo.summary()})")
+    if plan.cluster is not None:  # the TEs' lines (validate prints each one's world ranks)
+        print(f"xds-mpi: {plan.cluster.describe().splitlines()[0]}")
+        print(f"xds-mpi: launching {world_size} ranks (TE 0: {topo.summary()})")
+    else:
+        print(f"xds-mpi: launching {world_size} ranks ({topo.summary()})")
     print(f"xds-mpi: {train.describe_weights(cfg.model)}", flush=True)
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model, cfg.run.output_dir)
