@@ -167,8 +167,8 @@ def check_standby(cfg: Config, tes: list[TeInfo], te: TeInfo) -> None:
     where = f"cluster TE {te.te} (group {te.group}, standby)"
     if te.kind != "colocated":
         raise ConfigError(
-            f"{where} is a {te.kind} TE: a standby TE's dies load their weights at scale-out, "
-            "built for colocated TEs only; make the group colocated, or not standby"
+            f"{where}: its kind is {te.kind}, but a standby TE's dies load their weights at "
+            "scale-out, built for colocated TEs only; make the group colocated, or not standby"
         )
     te_cfg = te_config(cfg, te.overrides)
     if te_cfg.health.replicas != "none":
