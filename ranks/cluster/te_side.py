@@ -46,7 +46,7 @@ class TePacer(VirtualPacer):
         self.outgoing: list[tuple[int, float]] = []  # finishes not yet sent to the JE
         self.num_sent = 0  # finish messages sent to the JE
         self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
-        self.feed = JeFeed(self)
+        self.feed = JeFeed(self, self.weights)
 
     def finished(self, req_id: int, vtime_s: float) -> None:
         super().finished(req_id, vtime_s)
@@ -153,10 +153,11 @@ class TePacer(VirtualPacer):
 
 class JeFeed:
     """The TE-shell's serving loop stays open (Frontend.serve) until the JE promised no more
-    requests; bounded by run.timeout_s like the loop itself."""
+    requests, and a standby TE's load at its scale-out (`weights`: a colocated TE-shell's) is
+    reported; bounded by run.timeout_s like the loop itself."""
 
-    def __init__(self, pacer: TePacer) -> None:
-        self.pacer = pacer
+    def __init__(self, pacer: TePacer, weights: TeWeightsLoad | None = None) -> None:
+        self.pacer, self.weights = pacer, weights
         cfg = pacer.frontend.ctx.cfg
         self.timeout_s = cfg.run.timeout_s
         self.deadline = math.inf
@@ -164,13 +165,14 @@ class JeFeed:
     @property
     def is_open(self) -> bool:
         """Until the JE's last grant, and the dies' load at a scale-out reported."""
-        return self.pacer.promise_s != INF or self.pacer.weights.is_pending
+        is_loading = self.weights is not None and self.weights.is_pending
+        return self.pacer.promise_s != INF or is_loading
 
     def ready(self) -> None:
         self.deadline = time.monotonic() + self.timeout_s
 
     def turn(self) -> int:
-        num = self.pacer.weights.turn()  # the dies' loads at a scale-out, to the JE
+        num = self.weights.turn() if self.weights is not None else 0  # the dies' loads, to the JE
         if time.monotonic() > self.deadline:
             pacer = self.pacer
             raise WaitTimeout(
