@@ -149,11 +149,20 @@ def main(argv: list[str] | None = None) -> None:
     node.Free()
     if core is not None:
         log.debug("pinned to core %d", core)
+    weights = None  # standby TEs: every die's weights in a window over the world
+    if plan.cluster is not None and any(t.standby for t in plan.cluster.tes):
+        # Lazy import: only then (the model's modules, on the JE and TE-shells too)
+        from ranks.core.weights_window import open_weights_window, set_weights_window
+
+        weights = open_weights_window(world, plan)
+        set_weights_window(weights)
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
     program = role_program(role, is_pd=plan.pd is not None)
     exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
+    if weights is not None:
+        weights.free()  # collective over the world, once every rank's program ended
     faulthandler.cancel_dump_traceback_later()
     write_rank_stats(world.rank, role, core)
     if exit_code:

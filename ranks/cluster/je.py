@@ -26,6 +26,7 @@ from datetime import datetime
 from mpi4py import MPI
 
 from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT, TeResult
+from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
@@ -153,6 +154,8 @@ class TeRounds(GrantRounds):
             after_s=self.decided_s,
             arrival_of=self.arrival_of,
         )
+        if je.weights is not None:  # a scale-out's load order, before the grant routing there
+            je.weights.send_orders(je.autoscaler.events, je.sends)
         # the promise: the next arrival, or a loss found before it (its orphans go elsewhere)
         promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
         to: dict[int, list] = {s: [] for s in self.actors}
@@ -224,12 +227,13 @@ class JobExecutor:
         self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
         self.sends: list[MPI.Request] = []
         self.rounds = TeRounds(self)
-        self.autoscaler = None
+        self.autoscaler = self.weights = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
             standby = {t.te for t in cluster.tes if t.standby}
             self.autoscaler = Autoscaler(
                 cfg.autoscaler, num_dies, standby, [scale_out_steps(cfg, t) for t in cluster.tes]
             )
+            self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = TeLoads(
             cluster.num_tes,
             load_policy(cluster.policy, cfg),
@@ -418,6 +422,10 @@ class JobExecutor:
                 [[dict(e.steps).get(name, 0.0) for name in names] for e in events]
             ).reshape(len(events), len(names))
             scaling["step_name"] = np.array(names, dtype=h5py.string_dtype())
+            self.weights.collect()  # each TE's weights really moved, wall time (not virtual)
+            for key, values in self.weights.columns(events).items():
+                is_text = key == "load_path"
+                scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
         group["te_standby"] = np.array([t.standby for t in cluster.tes])
         group["te_first_rank"] = np.array(
             [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64

@@ -17,8 +17,12 @@ from __future__ import annotations
 import math
 import time
 
+from mpi4py import MPI
+
 from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_VTIME_CLOCK, TAG_VTIME_GRANT
+from ranks.cluster.weights_load import TeWeightsLoad
 from ranks.core.control import WaitTimeout
+from ranks.core.tags import TAG_CLUSTER_LOAD
 from ranks.core.vtime_messages import ClockReport, Grant
 from ranks.shell.virtual_time import VirtualPacer
 from xds_mpi.plan.cluster import JE_RANK
@@ -41,7 +45,8 @@ class TePacer(VirtualPacer):
         self.routed_at: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
         self.outgoing: list[tuple[int, float]] = []  # finishes not yet sent to the JE
         self.num_sent = 0  # finish messages sent to the JE
-        self.feed = JeFeed(self)
+        self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
+        self.feed = JeFeed(self, self.weights)
 
     def finished(self, req_id: int, vtime_s: float) -> None:
         super().finished(req_id, vtime_s)
@@ -103,10 +108,18 @@ class TePacer(VirtualPacer):
         return self.routed_at[req.req_id]
 
     def _take_je(self) -> int:
-        """The JE's grants: its requests queued (records made), its promise."""
-        num, frontend = 0, self.frontend
-        while (message := self.link.comm.improbe(source=JE_RANK, tag=TAG_VTIME_GRANT)) is not None:
-            grant: Grant = message.recv()
+        """The JE's messages in the order it sent them: a load order (it scales out to this TE:
+        passed on to the dies) before the grant that may route requests here; the grants: their
+        requests queued (records made), their promise."""
+        num, frontend, comm, status = 0, self.frontend, self.link.comm, MPI.Status()
+        while comm.iprobe(source=JE_RANK, tag=MPI.ANY_TAG, status=status):
+            if status.tag == TAG_CLUSTER_LOAD:
+                self.weights.take_order(comm.recv(source=JE_RANK, tag=TAG_CLUSTER_LOAD))
+                num += 1
+                continue
+            if status.tag != TAG_VTIME_GRANT:
+                break
+            grant: Grant = comm.recv(source=JE_RANK, tag=TAG_VTIME_GRANT)
             for req, routed_s in zip(grant.requests, grant.times, strict=True):
                 frontend.records[req.req_id] = RequestRecord(req=req)
                 frontend.queue.append(req)
@@ -140,22 +153,26 @@ class TePacer(VirtualPacer):
 
 class JeFeed:
     """The TE-shell's serving loop stays open (Frontend.serve) until the JE promised no more
-    requests; bounded by run.timeout_s like the loop itself."""
+    requests, and a standby TE's load at its scale-out (`weights`: a colocated TE-shell's) is
+    reported; bounded by run.timeout_s like the loop itself."""
 
-    def __init__(self, pacer: TePacer) -> None:
-        self.pacer = pacer
+    def __init__(self, pacer: TePacer, weights: TeWeightsLoad | None = None) -> None:
+        self.pacer, self.weights = pacer, weights
         cfg = pacer.frontend.ctx.cfg
         self.timeout_s = cfg.run.timeout_s
         self.deadline = math.inf
 
     @property
     def is_open(self) -> bool:
-        return self.pacer.promise_s != INF
+        """Until the JE's last grant, and the dies' load at a scale-out reported."""
+        is_loading = self.weights is not None and self.weights.is_pending
+        return self.pacer.promise_s != INF or is_loading
 
     def ready(self) -> None:
         self.deadline = time.monotonic() + self.timeout_s
 
     def turn(self) -> int:
+        num = self.weights.turn() if self.weights is not None else 0  # the dies' loads, to the JE
         if time.monotonic() > self.deadline:
             pacer = self.pacer
             raise WaitTimeout(
@@ -163,7 +180,7 @@ class JeFeed:
                 f"({self.timeout_s:g}): {pacer.frontend.num_open} requests unfinished, promise "
                 f"{pacer.promise_s:.6f} s virtual (JE grant {pacer.je_seq})"
             )
-        return 0
+        return num
 
     def took(self, batch) -> None:
         pass

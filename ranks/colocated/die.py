@@ -14,11 +14,13 @@ from mpi4py import MPI
 
 from ranks.colocated.eplb_hooks import make_eplb_die
 from ranks.colocated.replicas import ring_expert_map
+from ranks.colocated.weights_pull import LoadingExecutor, standby_weights
 from ranks.core.context import RankContext
 from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_io import DieTotals, Inbox, Outbox, serve
 from ranks.core.die_parts import decode_state, decode_totals, make_pricer
 from ranks.core.handshake import handshake
+from ranks.core.weights_window import weights_window
 from ranks.faults.dead import dead_die
 from ranks.faults.stuck import stall
 from ranks.recovery import scale_down
@@ -48,7 +50,10 @@ class ColocatedDie(DecodeDieLoop):
         rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
-        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
+        # A standby TE's die: zeroed weights until its scale-out (ranks/colocated/weights_pull.py)
+        self.standby = standby_weights(ctx.comm, cfg, weights_window())
+        source = self.standby.source() if self.standby is not None else None
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir, source=source)
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
         self.clock = clock = VirtualClock()
@@ -69,7 +74,8 @@ class ColocatedDie(DecodeDieLoop):
         self.pricer = make_pricer(cfg, clock, slots)
         self.scheduler = state.scheduler
         self.executor = self._executor(ctx, model, lanes, state, slots)
-        self.executor.build_hosted_experts()
+        if self.standby is None:  # (a standby die's: once its weights arrived)
+            self.executor.build_hosted_experts()
         self.ems = self._ems_client(ctx, state.cache)
         self._failure_side(ctx, model)
         self.recompute = self._recomputer(ctx, lanes)
@@ -86,6 +92,7 @@ class ColocatedDie(DecodeDieLoop):
         self.memory = memory_check(ctx)  # §6.2 stage 3: None without a memory row for the die
         self.idle = IdleBackoff()  # between agreement rounds while no die has work
         self.eplb_agreed = (0, 1)  # EPLB's boundary as the dies last agreed it (agree)
+        self.loaded = None  # a standby die's load once done (its report to complete)
 
     def _virtual_time(self, ctx: RankContext):
         """Virtual-time serving's side of this die (ranks/colocated/virtual_time.py), or None."""
@@ -170,7 +177,8 @@ class ColocatedDie(DecodeDieLoop):
     def _executor(self, ctx: RankContext, model, lanes, state, slots):
         cfg, topo = ctx.cfg, ctx.topo
         is_dedicated = cfg.deployment.shared_experts == "dedicated"
-        return ColocatedExecutor(
+        executor = ColocatedExecutor if self.standby is None else LoadingExecutor
+        return executor(
             model,
             lanes[0],
             lanes=lanes if len(lanes) > 1 else (),
@@ -230,8 +238,18 @@ class ColocatedDie(DecodeDieLoop):
     def xccl_buffer(self):
         return self.executor.ep
 
+    def take_weights(self, *, wait: bool) -> None:
+        """A standby die: its weights pulled once its TE-shell passed on the scale-out (`wait`:
+        before its first busy iteration, the order must come), then it serves as any die."""
+        model = self.standby.take(wait=wait)
+        if model is not None:
+            self.executor.take_model(model)
+            self.loaded, self.standby = self.standby, None
+
     def iterate(self) -> bool:
         """One iteration, as Figure 10: policy (scheduler) and execution (executor) apart."""
+        if self.standby is not None:
+            self.take_weights(wait=False)  # the scale-out's weights, when they are ordered
         self.inbox.poll()  # requests / stop from the TE-shell
         if self.vtime is not None:
             self.vtime.take_grants()  # requests and the horizon (virtual time)
@@ -255,6 +273,8 @@ class ColocatedDie(DecodeDieLoop):
             return True
         if is_held:  # parked at the horizon until the TE-shell's next grant
             return True
+        if self.standby is not None:  # a standby die's first busy iteration: its weights first
+            self.take_weights(wait=True)
         self.idle.busy()
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
@@ -343,6 +363,8 @@ class ColocatedDie(DecodeDieLoop):
 
     def drain(self) -> None:
         self.outbox.drain()
+        if self.loaded is not None:
+            self.loaded.drain()
         if self.vtime is not None:
             self.vtime.drain()
 

@@ -15,6 +15,9 @@ TAG_CANCEL = 206
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
 TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
+# Weights at scale-out (ranks/core/weights_window.py): TE-shell -> standby die, where to pull
+# them from; die -> TE-shell, what it moved.
+TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED = 221, 222
 # Expert load balancing: count slices in, placements out (ranks/colocated/eplb.py,
 # ranks/shell/eplb.py; the records: xds_mpi/eplb/records.py).
 TAG_EPLB_COUNTS, TAG_EPLB_PLACEMENT = 231, 232
@@ -58,6 +61,9 @@ TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT = 291, 292
 # a PD pair in a cluster: its decode TE-shell -> its JE, the decode side's state while it waits
 # at the promise (ranks/cluster/pd_side.py)
 TAG_PD_DECODE_STATE = 293
+# Weights at scale-out (ranks/cluster/weights_load.py): JE -> a standby TE's TE-shell, the load
+# order; TE-shell -> JE, its dies' loads
+TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED = 294, 295
 
 
 def all_tags() -> dict[str, int]:

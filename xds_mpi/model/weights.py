@@ -28,7 +28,7 @@ from xds_mpi.model.checkpoint import (
     read_checkpoint_config,
     weights_path,
 )
-from xds_mpi.model.params import LazyParams
+from xds_mpi.model.params import LazyParams, WeightSource
 from xds_mpi.model.transformer import DeepSeekModel, param_shapes
 
 GATE_BIAS_STD = 0.02
@@ -148,6 +148,27 @@ class FileWeights:
         return self.file[name][()]
 
 
+def stored_weights(
+    cfg: ModelConfig, *, unpacked_under: str | Path | None = None
+) -> tuple[WeightSource, dict[str, tuple[int, ...]], ModelConfig]:
+    """What `build_model` reads: (the weights as stored: the launcher's unpacked copy under
+    `unpacked_under` when there is a current one, else the file or the seeded draw; every
+    tensor's shape; the model config, a checkpoint's own). cfg.weights "random": weights from
+    cfg.seed; otherwise a packaged checkpoint or a file, whose shape must be cfg's."""
+    if cfg.weights == "random":
+        source = RandomWeights(cfg, cfg.seed)
+        return source.drawn(unpacked_under) or source, source.shapes, cfg
+    path = weights_path(cfg.weights)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    source = unpacked.find_unpacked(unpacked_under, path) or FileWeights(path)
+    file_cfg = config_from_attrs(source.attrs, path)
+    check_same_shape(cfg, file_cfg)
+    shapes = checkpoint_shapes(file_cfg, quant_from_attrs(source.attrs), str(path))
+    check_names(file_cfg, source.names, str(path), shapes)
+    return source, shapes, file_cfg
+
+
 def load_model(
     path: str | Path,
     *,
@@ -171,16 +192,16 @@ def load_model(
 
 
 def build_model(
-    cfg: ModelConfig, *, dtype=np.float64, unpacked_under: str | Path | None = None
+    cfg: ModelConfig,
+    *,
+    dtype=np.float64,
+    unpacked_under: str | Path | None = None,
+    source: WeightSource | None = None,
 ) -> DeepSeekModel:
     """cfg.weights "random": weights from cfg.seed; otherwise a packaged checkpoint or a file.
     Either from the launcher's unpacked copy under `unpacked_under` when there is a current one
     (the dies pass their run.output_dir). Either way a tensor is made when first used, so a
-    die holds only what it touches."""
-    if cfg.weights != "random":
-        return load_model(
-            weights_path(cfg.weights), dtype=dtype, expected=cfg, unpacked_under=unpacked_under
-        )
-    source = RandomWeights(cfg, cfg.seed)
-    drawn = source.drawn(unpacked_under)
-    return DeepSeekModel(cfg, LazyParams(source.shapes, drawn or source, dtype), dtype=dtype)
+    die holds only what it touches. source: read the tensors from it instead (a standby die's
+    window, filled at scale-out: xds_mpi/model/packed.py), with the stored file's shapes."""
+    stored, shapes, model_cfg = stored_weights(cfg, unpacked_under=unpacked_under)
+    return DeepSeekModel(model_cfg, LazyParams(shapes, source or stored, dtype), dtype=dtype)

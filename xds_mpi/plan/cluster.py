@@ -156,6 +156,44 @@ def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
             "autoscaler.enabled with cluster.te_losses is not built yet: the autoscaler does "
             "not know the lost TEs; drop one of the two"
         )
+    for te in standby:
+        check_standby(cfg, tes, tes[te])
+
+
+def check_standby(cfg: Config, tes: list[TeInfo], te: TeInfo) -> None:
+    """A standby TE's dies load the weights at its scale-out (docs/scaling.md, "Weights at
+    scale-out"): built for colocated TEs whose dies compute with their slots' experts only, and
+    NPU-fork needs a TE serving from the start with the same shape to read from."""
+    where = f"cluster TE {te.te} (group {te.group}, standby)"
+    if te.kind != "colocated":
+        raise ConfigError(
+            f"{where}: its kind is {te.kind}, but a standby TE's dies load their weights at "
+            "scale-out, built for colocated TEs only; make the group colocated, or not standby"
+        )
+    te_cfg = te_config(cfg, te.overrides)
+    if te_cfg.health.replicas != "none":
+        raise ConfigError(
+            f"{where} sets health.replicas={te_cfg.health.replicas}: the ring's replicas are not "
+            "among the weights a standby die loads at scale-out; set health.replicas=none"
+        )
+    if te_cfg.scaling.path == "fork" and fork_source(cfg, tes, te.te) is None:
+        raise ConfigError(
+            f"{where} loads by scaling.path=fork, but no TE serving from the start has its shape "
+            "(its config but the scaling section) to fork from; add such a group, or set "
+            "scaling.path to dram, cold or ems"
+        )
+
+
+def fork_source(cfg: Config, tes, te: int) -> int | None:
+    """NPU-fork's source for TE `te`: the first TE serving from the start (not standby) whose
+    config is TE `te`'s but for the scaling section (the same dies, expert slots and tensors),
+    or None."""
+
+    def shape(info: TeInfo) -> dict:
+        return {k: v for k, v in te_config(cfg, info.overrides).to_dict().items() if k != "scaling"}
+
+    wanted = shape(tes[te])
+    return next((t.te for t in tes if not t.standby and shape(t) == wanted), None)
 
 
 def check_cluster(cfg: Config, *, clock) -> None:

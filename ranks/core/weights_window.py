@@ -1,0 +1,155 @@
+"""The weights window of a cluster with standby TEs (docs/scaling.md, "Weights at scale-out"):
+one RMA window over the world, made collectively by every rank at start-up after the split
+(launch/job/rank.py), in which
+
+- every colocated die exposes its weights (its tensors as stored, packed: xds_mpi/model/packed.py):
+  a serving TE's die filled from the file at start-up, the NPU-fork source of the same die of a
+  standby TE of its shape; a standby TE's die zeroed until its scale-out fills it;
+- the TE-shell of a standby TE whose TE-Load path is `dram` exposes the whole model, packed:
+  the server's page cache with the model preloaded (DRAM-hit);
+- every other rank (the JE, afd and PD ranks, EMS pool ranks) exposes 0 bytes.
+
+A standby die computes each of its tensors' checksums from the file at start-up, to check what
+arrives at scale-out. Nothing of this is made without a standby TE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from mpi4py import MPI
+
+from ranks.core.tags import TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED  # noqa: F401
+from xccl.gmem import DieMemory
+from xds_mpi.model.packed import PackedLayout, PackedWeights, checksum, die_tensor_names, pack_into
+from xds_mpi.model.weights import stored_weights
+from xds_mpi.plan.deployment import DeploymentPlan
+
+# TE-shell -> die, TAG_WEIGHTS_LOAD: a `LoadOrder`; die -> TE-shell, TAG_WEIGHTS_LOADED:
+# `DieLoaded`.
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOrder:
+    """Where a standby TE's dies take their weights at a scale-out (the JE's, passed on by the
+    TE-shell). path: "fork", "dram", "cold" or "ems" (the TE's scaling.path); source_ranks: fork:
+    the source TE's world ranks (its TE-shell first, so a die's source is source_ranks[its rank
+    in the TE]); host_rank: dram: the world rank whose window holds the packed model; event: the
+    scale event's index in the JE's log (named in errors)."""
+
+    path: str
+    event: int
+    source_te: int = -1
+    source_ranks: tuple[int, ...] = ()
+    host_rank: int = -1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DieLoaded:
+    """A die's load: die_rank (in its TE); wall_s: moving its tensors into its window;
+    check_s: their checksums and the model built over them; num_bytes, num_tensors moved;
+    path as ordered; peer: the world rank read from (-1: the file)."""
+
+    die_rank: int
+    event: int
+    path: str
+    wall_s: float
+    check_s: float
+    num_bytes: int
+    num_tensors: int
+    peer: int
+
+
+@dataclass(kw_only=True)
+class WeightsWindow:
+    """This rank's side of the weights window. mem: the window (DieMemory over the world, peers
+    by world rank); layout: what this rank exposes (None: 0 bytes); model_layout: the whole
+    model packed as a dram host exposes it (a standby die's and a host's: both compute it alike
+    from the stored dtypes and shapes); te, world_rank: this
+    rank's TE (-1: the JE) and world rank; is_standby: a standby TE's die, whose window is
+    filled at scale-out; sums: such a die's checksums from the file, name -> CRC-32."""
+
+    mem: DieMemory
+    layout: PackedLayout | None
+    model_layout: PackedLayout | None
+    te: int
+    world_rank: int
+    is_standby: bool = False
+    sums: dict[str, int] = field(default_factory=dict)
+
+    def weights(self, where: str) -> PackedWeights:
+        """This rank's exposed tensors as a model's weight source (reads copy them out)."""
+        return PackedWeights(self.mem.local, self.layout, where)
+
+    def free(self) -> None:
+        """Collective over the world; safe twice."""
+        self.mem.free()
+
+
+_window: WeightsWindow | None = None
+
+
+def set_weights_window(window: WeightsWindow | None) -> None:
+    global _window
+    _window = window
+
+
+def weights_window() -> WeightsWindow | None:
+    """This rank's side of the weights window; None without standby TEs."""
+    return _window
+
+
+def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
+    """Collective over `world`: every rank's side of the window, a serving die's filled from the
+    file, a dram host's with the packed model, a standby die's checksums taken from the file."""
+    cluster, cfg = plan.cluster, plan.cfg
+    te, local = cluster.te_of(world.rank)
+    stored, shapes, _ = stored_weights(cfg.model, unpacked_under=cfg.run.output_dir)
+    info = cluster.tes[te] if te >= 0 else None
+    is_die = (
+        info is not None and info.kind == "colocated" and plan.topo.ranks[local].role == "colocated"
+    )
+    is_standby = is_die and info.standby
+    is_host = info is not None and info.standby and local == 0 and cfg.scaling.path == "dram"
+    whole = model_layout(stored, shapes) if is_standby or is_host else None
+    names: list[str] = []
+    if is_die:
+        names = die_tensor_names(shapes, hosted_experts(plan, local))
+    elif is_host:  # the TE-shell of a dram TE: the page cache holding the model
+        names = list(shapes)
+    values = {name: stored.value(name) for name in names}
+    layout = whole if is_host else PackedLayout.of_arrays(values) if names else None
+    mem = DieMemory(world, layout.nbytes if layout else 0, wakes=False)
+    window = WeightsWindow(
+        mem=mem,
+        layout=layout,
+        model_layout=whole,
+        te=te,
+        world_rank=world.rank,
+        is_standby=is_standby,
+    )
+    if window.is_standby:  # zeroed until its scale-out; what must arrive, from the file
+        window.sums = {name: checksum(value) for name, value in values.items()}
+    elif layout is not None:
+        pack_into(mem.local, layout, values)
+        mem.sync()  # before any peer reads it (after the JE's first scale-out)
+    return window
+
+
+def hosted_experts(plan: DeploymentPlan, local: int) -> set[int]:
+    """The routed experts die `local` of its TE computes with: its routed slots' logical experts
+    in the topology's static placement (no EPLB, no ring replicas in a cluster with standby TEs,
+    xds_mpi/plan/cluster.py; xds_mpi/eplb/expert_map.py `ExpertMap.static`)."""
+    topo = plan.topo
+    slots = [s.phy_idx for s in topo.ranks[local].expert_slots if s.kind != "shared"]
+    return {topo.phy2log[s] for s in slots if topo.phy2log[s] >= 0}
+
+
+def model_layout(stored, shapes) -> PackedLayout:
+    """The whole model packed (a dram host's window), from the stored dtypes: the unpacked copy's
+    index when there is one (xds_mpi/model/unpacked.py), else each tensor read."""
+    index = getattr(stored, "tensors", None)  # UnpackedWeights: name -> [offset, dtype, shape]
+    if index is not None:
+        return PackedLayout.of((name, np.dtype(index[name][1]), index[name][2]) for name in shapes)
+    return PackedLayout.of_arrays({name: stored.value(name) for name in shapes})
