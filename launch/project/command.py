@@ -109,6 +109,13 @@ def cmd_project(args: argparse.Namespace) -> int:
     return 0
 
 
+def chip_word(profile: str) -> str:
+    """What a "chip" of tokens/s per chip is on `profile`: an H800 is one GPU ([001] Table 4
+    counts per GPU; the projection divides by the profile's die.dies_per_chip, 1), a 910C
+    package two dies."""
+    return "GPU" if profile.startswith("h800") else "chip"
+
+
 def _print_imbalance(imb) -> None:
     print(f"slowest die: expert load {imb.moe:.2f}x, KV {imb.kv:.3f}x the mean ({imb.source})")
 
@@ -122,7 +129,7 @@ def _print_projection(args: argparse.Namespace, cfg: Config, p: Projection) -> N
     )
     print(
         f"iteration {p.iteration_s * 1e3:.1f} ms, TPOT {p.tpot_s * 1e3:.1f} ms, "
-        f"{p.tokens_per_s_per_chip:.0f} tokens/s per chip"
+        f"{p.tokens_per_s_per_chip:.0f} tokens/s per {chip_word(cfg.hardware.profile)}"
     )
     rows = [
         [name, f"{s * 1e3:.2f}", f"{s / p.iteration_s:.0%}"] for name, s in p.breakdown_s.items()

@@ -77,7 +77,9 @@ def run_sweep(args: argparse.Namespace, cfg_path, m, model_inputs) -> int:
             f"{prim.get('combine wait', 0.0) * 1e6:.1f}",
         ])  # fmt: skip
     print(f"{args.config}: sweep {sweep.key} ({SWEEP_KEYS[sweep.key]})")
-    header = [sweep.key, "iteration ms", "TPOT ms", "tokens/s/chip", "dispatch wait us",
+    gpus = sweep.key == "profile" and any(str(v).startswith("h800") for v in sweep.values)
+    per_chip = "tokens/s/chip (h800: /GPU)" if gpus else "tokens/s/chip"
+    header = [sweep.key, "iteration ms", "TPOT ms", per_chip, "dispatch wait us",
               "combine wait us"]  # fmt: skip
     print(format_table(header, rows))
     _plot(sweep, points, args.sweep_plot)

@@ -321,10 +321,16 @@ VALIDATION = [
     *[
         Published(source="004 (000 Fig. 20)", scenario="000 colocated", metric=f"{op} max",
                   value=us, unit="us", experiment=E000_COLOCATED,
-                  lacks="one tail for both calls (waits.py, assumed: [000] §4.4 gives no "
-                  "distribution): the run's combine maximum is 2.4x its dispatch one, the expert "
-                  "dies' compute variance adding to combine's; the model's two are equal")
-        for op, us in FIG20_MAX_US.items()
+                  lacks=f"a spread of the {what} from layer to layer ([000] §7.1 names it as "
+                  f"{op}'s variance): every layer is priced at the expected {where}, the same "
+                  f"in each; {tail}")
+        for op, us, what, where, tail in (
+            ("dispatch", FIG20_MAX_US["dispatch"], "DP groups' MLA compute",
+             "slowest DP group", "the launch straggler (waits.py form 2, ascend910c_kernels) "
+             "reaches each pass's first dispatch only, over one iteration's 288 x 2 launches"),
+            ("combine", FIG20_MAX_US["combine"], "expert dies' MoE compute",
+             "hottest expert die", "no launch straggler reaches combine (waits.py form 2)"),
+        )
     ],
     # [000] §3.3: "A2E achieves a latency of 172 us, while E2A completes in 193 us".
     Published(source="000 §3.3", scenario="000 afd", metric="A2E", value=172.0, unit="us",

@@ -86,7 +86,11 @@ class Counts:
 
 MISS = 0.10  # a validation row further off than this names what it lacks and is made of
 
-SHARE_PARTS = {"share attention": ("attention",), "share dispatch+combine": ("dispatch", "combine")}
+# a pass's first dispatch holds its launch stragglers (waits.py, form 2)
+SHARE_PARTS = {
+    "share attention": ("attention",),
+    "share dispatch+combine": ("dispatch", "combine", "launch stragglers"),
+}
 ITERATION_METRICS = ("iteration", "forward", "tpot", "tokens/s/chip", "tokens/s/die")
 
 
@@ -216,7 +220,8 @@ def slowest_call_of(p, cfg, m, hw, kwargs: dict, kind: str) -> float:
     prim = p.primitives_s
     dies = Topology.from_config(cfg).num_dies
     calls = m.num_layers - m.num_dense_layers + kwargs["mtp_depth"]
-    wait = slowest_call_wait_s(hw.jitter_s, hw.tail, dies, calls)
+    passes = 1 + (kwargs["mtp_depth"] if m.num_mtp_modules else 0)
+    wait = slowest_call_wait_s(hw.jitter_s, hw.tail, dies, calls, passes=passes, kind=kind)
     return (prim[f"{kind} intrinsic"] + prim[f"{kind} imbalance"] + wait) * 1e6
 
 

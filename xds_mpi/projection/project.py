@@ -19,6 +19,7 @@ from xds_mpi.plan.topology import Topology
 from xds_mpi.projection.cost import CostModel, Hardware
 from xds_mpi.projection.imbalance import Imbalance
 from xds_mpi.projection.layers import LayerInputs, afd_layer, colocated_layer, counts
+from xds_mpi.projection.waits import launch_mean_wait_s, launch_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +87,15 @@ def project(
     )  # fmt: skip
     rows = batch * (1 + mtp_depth)
     main["head + sampling"] = cost.head(rows) + cost.sampling(rows)
-    spent = _merged(mtp, main)
     num_mtp = mtp_depth if m.num_mtp_modules else 0
+    num_moe = m.num_layers - m.num_dense_layers
+    # form 2's launch straggler (waits.py): each pass's first dispatch waits for the latest graph
+    launch = launch_s(hw.jitter_s, hw.tail, n["dies"]) if num_moe else 0.0
+    if launch:
+        main["launch stragglers"] = launch
+        if num_mtp:
+            mtp["MTP launch stragglers"] = launch * num_mtp
+    spent = _merged(mtp, main)
     if not execution.pipelined_graphs:  # each pass is its own graph (CloudMatrix-Infer §4.2.4)
         spent["graph launch"] = hw.graph_launch_s * (1 + num_mtp)
         if num_mtp:
@@ -100,6 +108,12 @@ def project(
     num_chips = n["dies"] / hw.dies_per_chip
     tokens = batch_per_die * n["attention"] * tokens_per_step
     _, primitives, parts = layer(LayerInputs(**inputs, rows_per_seq=1 + mtp_depth))
+    if launch:  # a call's mean wait: the first dispatch's extra spread over the iteration's calls
+        primitives["launch stragglers"] = launch
+        passes, calls = 1 + num_mtp, num_moe + num_mtp
+        extra = launch_mean_wait_s(hw.jitter_s, hw.tail, n["dies"]) * passes / calls
+        if "dispatch wait" in primitives:  # colocated; afd's A2E rows pay the body per call
+            primitives["dispatch wait"] = primitives["dispatch wait"] + extra
     if num_mtp:  # one module's pass, all it pays
         primitives["MTP pass"] = sum(mtp.values()) / num_mtp
         parts["MTP pass"] = {k: v / num_mtp for k, v in mtp.items()}

@@ -220,7 +220,8 @@ def test_the_wait_models_expected_maximum_is_the_sampled_one():
 @pytest.mark.parametrize("heavier", [dict(p=0.05), dict(alpha=1.2)])
 def test_a_heavier_tail_makes_a_larger_max_over_min(heavier):
     """The slowest call over the run against the waitless one (Figure 20's max / min), as the
-    table prices it (slowest_call_of): a more frequent or a heavier straggler tail raises it,
+    table prices it (slowest_call_of; dispatch: the profile's tail lands on a pass's first
+    dispatch, waits.py form 2): a more frequent or a heavier straggler tail raises it,
     and the [000] scenario pays the profile's tail while [001]'s pay the body alone; the default
     profile has no tail (its [000] scenario pays the body alone too)."""
     from xds_mpi.projection.paper_table import scenario_inputs, slowest_call_of
@@ -233,8 +234,8 @@ def test_a_heavier_tail_makes_a_larger_max_over_min(heavier):
 
     def max_over_min(tail_hw):
         p = project(cfg, m, tail_hw, **kwargs)
-        return slowest_call_of(p, cfg, m, tail_hw, kwargs, "combine") / (
-            p.primitives_s["combine intrinsic"] * 1e6
+        return slowest_call_of(p, cfg, m, tail_hw, kwargs, "dispatch") / (
+            p.primitives_s["dispatch intrinsic"] * 1e6
         )
 
     heavy = replace(hw, tail=stragglers(load_profile(KERNELS), **heavier))
