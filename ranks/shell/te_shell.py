@@ -233,6 +233,7 @@ class Serving:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
         there was any) and the 910C projection."""
         # Lazy import, after the handshake: rank 0's imports delay every rank (docs/scale.md).
+        from xds_mpi.config.hardware import load_profile
         from xds_mpi.model.shapes import cost_shape
         from xds_mpi.results.die_summaries import (
             format_mtp,
@@ -252,13 +253,13 @@ class Serving:
             ctx.log.info(format_recovery(recovery))
             self.summary.update(recovery)
         big = cost_shape()
-        self.summary.update(
-            projected_summary(
-                die_reports,
-                ctx.topo.num_dies / ctx.cfg.hardware.dies_per_chip,
-                big.num_layers - big.num_dense_layers,
-            )
-        )
+        # "per chip" is the profile's chip (an H800 is one die a chip), not the emulated pod's
+        # layout (cfg.hardware.dies_per_chip), as `xds-mpi project` counts it
+        profile = load_profile(ctx.cfg.hardware.profile)
+        dies_per_chip = profile["die"].get("dies_per_chip", 1)
+        num_moe_layers = big.num_layers - big.num_dense_layers
+        chips = ctx.topo.num_dies / dies_per_chip
+        self.summary.update(projected_summary(die_reports, chips, num_moe_layers))
         ctx.log.info(format_projection(self.summary))
 
     def _add_slo(self, ctx: RankContext) -> None:
