@@ -42,7 +42,8 @@ class RecoveryCounters:
     """Per die. rollbacks: failed attempts (the same on every die); recomputed_iterations:
     iterations that needed at least one re-execution; faults_injected: the run's faults
     (filled by `Recomputer.report`: the votes' faults, which a lost die's are among, and those
-    of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the failed attempts.
+    of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the
+    failed attempts.
     timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
     the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
     first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
