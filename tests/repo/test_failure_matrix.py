@@ -110,7 +110,7 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
     ),
     ("colocated", "ring", "dead + memory"): CellTested(
         "test_fault_combinations.py::test_a_kv_memory_fault_during_a_failover_ends_its_victims"
-        "_and_the_loss_its_nothing"
+        "_and_nothing_else"
     ),
     ("colocated", "ring", "dead + memory (slot)"): CellRefused(
         "colocated.yaml",

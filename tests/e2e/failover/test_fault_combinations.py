@@ -137,7 +137,7 @@ def test_a_table_row_the_loss_keeps_from_firing_is_refused_before_launch():
 
 # -- memory faults during a failover ----------------------------------------------------------
 @pytest.mark.failure_matrix
-def test_a_kv_memory_fault_during_a_failover_ends_its_victims_and_the_loss_its_nothing(tmp_path):
+def test_a_kv_memory_fault_during_a_failover_ends_its_victims_and_nothing_else(tmp_path):
     """Die 2 falls silent after iteration 4; die 3 reports KV blocks 0..7 faulty at iteration 5,
     the iteration its peers wait in for die 2 (the memory check runs before the dies agree). The
     victims end (named, not checked), die 2's requests are prefilled again, the rest equal the
