@@ -42,7 +42,9 @@ A decode die dies (colocated die, afd attention or expert die; `dead` or `stuck`
 A transient XCCL error or a timed-out wait (§6.2 stage 3, faults.table / faults.rate /
 faults.on_timeout recompute): every die votes once per attempt and all re-execute a failed
 iteration (the die's own loop calls `recompute.Recomputer.fail` / `vote` ->
-xccl/recovery/rollback.py `Recovery.failed` / `settle`).
+xccl/recovery/rollback.py `Recovery.failed` / `settle`). Beside a lost die the same goes on over
+the survivors (Step 5's `recompute.Recomputer.regroup`: the vote, and the executions of the
+iteration the fence cut, so that its faults do not fire again).
 
 A memory fault (§6.2 stage 3, `memory` rows): KV blocks masked and their requests ended
 (`memory.MemoryCheck.check` -> the request ids; the TE-shell's `Frontend.end_requests`),

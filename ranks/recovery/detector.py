@@ -248,13 +248,6 @@ class Detector:
         expert_loss = self._expert_loss(lost)
         if expert_loss:
             return expert_loss
-        cfg = self.ctx.cfg
-        if cfg.faults.is_enabled:  # refused before launch (xds_mpi/plan/failures/loss.py): a guard
-            return (
-                "every expert keeps a replica, but vertical scaling is not emulated with a "
-                "faults.table or faults.rate (transient faults are not carried over to the "
-                "survivors): the run stops"
-            )
         if all(d in lost for d in self.groups if self.roles[d] != "expert"):
             return "no decode die is left: the run stops"
         return ""

@@ -40,8 +40,10 @@ _UNKEPT = nullcontext()  # an iteration with nothing to keep and no trace span
 @dataclass
 class RecoveryCounters:
     """Per die. rollbacks: failed attempts (the same on every die); recomputed_iterations:
-    iterations that needed at least one re-execution; faults_injected: faults raised on this
-    die; wall_lost_s / vtime_lost_s: wall and virtual time of the failed attempts.
+    iterations that needed at least one re-execution; faults_injected: the run's faults
+    (filled by `Recomputer.report`: the votes' faults, which a lost die's are among, and those
+    of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the
+    failed attempts.
     timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
     the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
     first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
@@ -118,7 +120,10 @@ class IterationAttempts:
     """One iteration's attempts on one die: where the iteration started (the die's state, the
     virtual clock, the priced time), and the attempt running now. The with-block of the
     iteration (`Recomputer.checkpoint`): it begins attempt 0, and once the block ends without
-    an error the iteration is done (a later fence undoes nothing of it)."""
+    an error the iteration is done (a later fence undoes nothing of it).
+    first_execution: executions of the iteration before this block (a fence cut them short and
+    the dies rebuilt): the fault plan numbers this block's attempts after them, so that a row
+    firing on the iteration's first `times` executions does not fire again after a failover."""
 
     def __init__(
         self,
@@ -128,8 +133,10 @@ class IterationAttempts:
         pricer: Pricer,
         state: Sequence[Recoverable],
         is_tracing: bool = False,
+        first_execution: int = 0,
     ) -> None:
         self.iteration, self.plan, self.pricer = iteration, plan, pricer
+        self.first_execution = first_execution
         self.state, self.is_tracing = tuple(state), is_tracing
         self.checkpoints = tuple(part.checkpoint() for part in self.state)
         self.clock_start, self.priced_start = pricer.clock.snapshot(), pricer.snapshot()
@@ -155,7 +162,7 @@ class IterationAttempts:
         """Attempt `attempt` (0 = the first execution) of the iteration starts."""
         self.attempt, self.started_s = attempt, time.perf_counter()
         self.vstarted_ns = self.pricer.clock.now_ns
-        self.plan.begin(iteration=self.iteration, attempt=attempt)
+        self.plan.begin(iteration=self.iteration, attempt=self.first_execution + attempt)
         if self.is_tracing:
             trace.begin_attempt()
 
@@ -177,6 +184,11 @@ class IterationAttempts:
     def vtime_s(self) -> float:
         """Virtual seconds since the iteration started (the failed attempt's, before restore)."""
         return (self.pricer.clock.now_ns - self.clock_start) / 1e9
+
+    @property
+    def num_executions(self) -> int:
+        """Executions of the iteration so far, the running one included."""
+        return self.first_execution + self.attempt + 1
 
     def restore(self) -> None:
         """The die back to the iteration's start."""
@@ -224,11 +236,17 @@ class Recomputer:
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
+        self._log = log
         self.log = log if comm.rank == 0 else None  # one die tells the story
         self.is_tracing = trace.is_enabled()  # chosen once: no span call when off
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
+        # (iteration, its executions) a fence cut short, carried to its re-run (regroup)
+        self._interrupted = (-1, 0)
+        # Injected faults the failed votes reported: every die's (a lost die's too, up to its
+        # loss), and this die's own among them; the same count on every die of the vote.
+        self._faults_voted = self._own_faults_voted = 0
         self.plan = FaultPlan(cfg.faults, rank, events)
         # Transient errors or recomputed timeouts: every iteration is an attempt, and votes.
         self.is_voting = cfg.faults.is_enabled or cfg.faults.on_timeout == "recompute"
@@ -253,8 +271,14 @@ class Recomputer:
         that `fail` and `restore_interrupted` go back to it; nothing to keep without either."""
         if self.recovery is None:
             return trace.span("iteration", iteration=iteration) if self.is_tracing else _UNKEPT
+        cut_iteration, cut_executions = self._interrupted
         self._attempts = IterationAttempts(
-            iteration, plan=self.plan, pricer=self.pricer, state=state, is_tracing=self.is_tracing
+            iteration,
+            plan=self.plan,
+            pricer=self.pricer,
+            state=state,
+            is_tracing=self.is_tracing,
+            first_execution=cut_executions if iteration == cut_iteration else 0,
         )
         return self._attempts
 
@@ -269,12 +293,10 @@ class Recomputer:
         faults.max_retries re-executions RecomputationFailed names the last attempt's faults."""
         attempts = self._attempts
         attempts.ended()
-        try:
-            outcome = self.recovery.settle(fault, self.buffers)
-        finally:
-            self.counters.faults_injected = self.plan.num_fired
+        outcome = self.recovery.settle(fault, self.buffers)
         if not outcome.failed:
             return True
+        self._count_faults(outcome)
         self._rolled_back(outcome)
         if attempts.attempt >= self.faults.max_retries:
             raise RecomputationFailed(
@@ -295,8 +317,15 @@ class Recomputer:
             c.wall_lost_s += attempts.wall_s()
             c.vtime_lost_s += attempts.vtime_s()
             attempts.restore()
+            self._interrupted = (attempts.iteration, attempts.num_executions)
             self._attempts = None
             trace.mark_rolled_back()
+
+    def _count_faults(self, outcome: Outcome) -> None:
+        """A failed vote's injected faults (a timed-out wait is no injected fault)."""
+        injected = [f for f in outcome.faults if not f.is_timeout]
+        self._faults_voted += len(injected)
+        self._own_faults_voted += sum(1 for f in injected if f.die == self.rank)
 
     def _rolled_back(self, outcome: Outcome) -> None:
         """Every die's attempt failed: count it, tell it, restore the die."""
@@ -342,14 +371,22 @@ class Recomputer:
         never completes, and every fence that ends it finds the dies stuck in the next one.
         Collective over `comm`."""
         self.comm, self.buffers = comm, list(buffers)
+        self.log = self._log if comm.rank == 0 else None  # the story's teller may be lost
         if self.is_voting:
             self.recovery.regroup(comm)
+        # A fence may catch the dies one vote apart, and some may have completed the iteration it
+        # cut: the highest (iteration, executions) is carried to whichever die re-runs it.
+        self._interrupted = comm.allreduce(self._interrupted, op=MPI.MAX)
 
     def report(self) -> dict:
-        """The counters, with faults_injected summed over every die (collective over the dies:
-        expert dies inject faults too but report to nobody)."""
+        """The counters, with faults_injected the run's (collective over the dies: expert dies
+        inject faults too but report to nobody): the faults the votes reported, a lost die's
+        among them, and each die's faults that reached no vote (their attempt cut short by a
+        fence; a lost die's of that attempt are known to nobody)."""
         counters = dict(vars(self.counters))
-        counters["faults_injected"] = self.comm.allreduce(counters["faults_injected"])
+        unvoted = self.plan.num_fired - self._own_faults_voted
+        voted = self.comm.allreduce(self._faults_voted, op=MPI.MAX)
+        counters["faults_injected"] = voted + self.comm.allreduce(unvoted)
         return counters
 
     def free(self) -> None:

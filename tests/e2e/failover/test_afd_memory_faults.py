@@ -196,7 +196,7 @@ def test_kv_rows_on_attention_dies_and_ring_slots_on_expert_dies_are_accepted():
                 {"kind": "dead", "die": 3, "iteration": 5},
             ],
             {},
-            "KV blocks of die 2\\) beside 1 stuck/dead row\\(s\\) in one afd run is not emulated",
+            "KV blocks of die 2\\) beside 1 stuck/dead row\\(s\\) in one afd run is refused",
         ),
         (
             [
@@ -204,7 +204,7 @@ def test_kv_rows_on_attention_dies_and_ring_slots_on_expert_dies_are_accepted():
                 {"kind": "stuck", "die": 2, "iteration": 5},
             ],
             RING_SECTIONS,
-            "slot 1 of die 6\\) beside 1 stuck/dead row\\(s\\) in one afd run is not emulated",
+            "slot 1 of die 6\\) beside 1 stuck/dead row\\(s\\) in one afd run is refused",
         ),
     ],
 )

@@ -14,7 +14,6 @@ from xds_mpi.eplb.placement import Placement, from_topology, remove_die
 from xds_mpi.eplb.policy import rebalance
 from xds_mpi.eplb.ring import ring_placement
 from xds_mpi.plan.deployment import DeploymentPlan
-from xds_mpi.plan.failures.checks import check_failures
 from xds_mpi.plan.topology import Topology
 
 # The ring's 4 replicas per die stay put (every expert survives one lost die); EPLB fills the
@@ -80,19 +79,6 @@ def test_eplb_with_the_ring_needs_a_redundant_slot_beyond_it():
         config_from_dict({"deployment": {"redundant_slots_per_die": 5}, **sections})
     )
     assert plan.cfg.eplb.enabled
-
-
-def test_a_lost_die_with_transient_faults_is_refused_before_launch():
-    cfg = config_from_dict(
-        {
-            "faults": {
-                "events": [{"kind": "dead", "die": 2, "iteration": 3}],
-                "table": [{"die": 1, "op": "dispatch", "layer": 1, "iteration": 2}],
-            }
-        }
-    )
-    with pytest.raises(ConfigError, match=r"faults.events\[0\]: .* faults.table or faults.rate"):
-        check_failures(cfg, Topology.from_config(cfg))
 
 
 @pytest.mark.parametrize("policy", ["flowserve", "deepseek"])

@@ -77,7 +77,7 @@ def test_a_slot_with_a_ring_replica_is_accepted():
                 {"kind": "dead", "die": 3, "iteration": 0},
             ],
             RING,
-            "not emulated with eplb.enabled",
+            r"beside stuck/dead rows \(1\) or with eplb.enabled\(False\) is refused",
         ),
     ],
 )

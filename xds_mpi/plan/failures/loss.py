@@ -1,7 +1,8 @@
 """Losing a decode die (a stuck or dead row on a colocated, attention or expert die), checked before
 launch (xds_mpi/plan/failures/checks.py): what the TE-shell's vertical scaling
 (ranks/recovery/detector.py, ranks/recovery/scale_down.py) cannot go on with is refused here, naming
-why, so that no accepted config stops at run time for it."""
+why, so that no accepted config stops at run time for it. Transient XCCL faults (faults.table,
+faults.rate) beside the loss go on injecting and recomputing on the survivors' communicator."""
 
 from __future__ import annotations
 
@@ -61,17 +62,32 @@ def check_decode_loss(cfg: Config, topo: Topology) -> None:
         for i, e in enumerate(cfg.faults.events)
         if e.kind in ("stuck", "dead") and topo.ranks[e.die].role != "prefill"
     ]
-    if rows and cfg.faults.is_enabled:
-        raise ConfigError(
-            f"faults.events{rows}: a stuck or dead decode die together with faults.table or "
-            "faults.rate (transient XCCL errors) is not emulated: vertical scaling after the "
-            "loss does not carry the transient faults' injection and recomputation over to the "
-            "survivors' communicator (ranks/recovery/detector.py would stop the run); drop one "
-            "of the two"
-        )
+    # With faults.table / faults.rate beside the loss, the survivors' vote moves to their
+    # communicator (ranks/recovery/recompute.py Recomputer.regroup) and the fault plan goes on
+    # there; only a table row the loss keeps from firing is refused.
+    _check_rows_after_loss(cfg, rows)
     _check_mtp_loss(cfg, rows)
     if cfg.deployment.kind == "afd" and not cfg.pd.enabled:
         _check_afd_loss(topo, cfg.faults.events)
+
+
+def _check_rows_after_loss(cfg: Config, rows: list[int]) -> None:
+    """A faults.table row on a die that is lost before the row's iteration would never fire (a
+    dead row at iteration N: the die runs iterations 0..N-1; stuck for good: it blocks in
+    iteration N-1); refused rather than silently dropped from the run's fault count."""
+    events = cfg.faults.events
+    for i in rows:
+        e = events[i]
+        if e.at_s is not None or (e.kind == "stuck" and e.duration_s > 0):
+            continue  # a virtual time, or a die that may come back
+        for j, row in enumerate(cfg.faults.table):
+            if row.die == e.die and row.iteration >= e.iteration:
+                raise ConfigError(
+                    f"faults.table[{j}]: die {row.die} at iteration {row.iteration}, but "
+                    f"faults.events[{i}] ({e.kind}, iteration {e.iteration}) loses that die "
+                    f"first: it runs iterations 0..{e.iteration - 1} only, so the row would "
+                    f"never fire; give it an iteration below {e.iteration} or another die"
+                )
 
 
 def _check_mtp_loss(cfg: Config, rows: list[int]) -> None:

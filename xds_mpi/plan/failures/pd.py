@@ -43,11 +43,6 @@ def check_decode_loss(cfg: Config, topo: Topology, where: str, spec: FailureSpec
             f"{where}: a lost PD decode die with eplb.enabled is not emulated (vertical scaling "
             "with EPLB runs without PD only)"
         )
-    if cfg.faults.is_enabled:
-        raise ConfigError(
-            f"{where}: a lost PD decode die with a faults table or rate: vertical scaling is "
-            "not emulated with injected XCCL faults (their collectives span the lost die)"
-        )
     others = [i for i, e in enumerate(cfg.faults.events) if e.kind in OTHER_KINDS and e is not spec]
     if others:
         raise ConfigError(

@@ -23,9 +23,12 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
     others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     if cfg.eplb.enabled or others:
         return (
-            f"{where}: masking expert slot {spec.slot} of die {spec.die} is not emulated with "
-            f"eplb.enabled({cfg.eplb.enabled}) or stuck/dead rows ({len(others)}): both move "
-            "the placement the mask edits"
+            f"{where}: masking expert slot {spec.slot} of die {spec.die} beside stuck/dead rows "
+            f"({len(others)}) or with eplb.enabled({cfg.eplb.enabled}) is refused: both install "
+            "placements the mask does not edit; it would need the mask kept apart and applied "
+            "to each new placement (a failover's without the lost dies, each EPLB version), and "
+            "the failover's replica check (ranks/recovery/detector.py) to count masked slots "
+            "as gone"
         )
     if slot.kind == "redundant" and _ring_expert(cfg, topo, slot.phy_idx) < 0:
         return (
@@ -73,15 +76,25 @@ def afd_memory_refusal(cfg: Config, where: str, spec: FailureSpec) -> str:
     dead row (ranks/recovery/scale_down.py). A masked slot: the TE-shell's check that a lost expert
     die leaves every expert a replica uses the start's placement, blind to the mask. KV blocks:
     the memory loss and a failover both take requests off a die, and which the TE-shell hears
-    first is left to chance (a victim could be re-prefilled as an orphan); not emulated."""
+    first is left to chance (a victim could be re-prefilled as an orphan). The refusals say
+    what either would need."""
     others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     if not others:
         return ""
     if spec.slot >= 0:
-        what, why = f"slot {spec.slot}", "a failover's replica check does not see masked slots"
+        what = f"slot {spec.slot}"
+        why = (
+            "the TE-shell would need to check a lost expert die's replicas against the "
+            "placement without the masked slots (its check uses the start's placement)"
+        )
     else:
-        what, why = "KV blocks", "its victims and a failover's orphans are not kept apart"
+        what = "KV blocks"
+        why = (
+            "the TE-shell would need to end a memory fault's victims before it re-prefills the "
+            "lost die's requests (the two reach it in an order left to chance: a victim could "
+            "be re-prefilled as an orphan)"
+        )
     return (
         f"{where}: a memory fault ({what} of die {spec.die}) beside {len(others)} stuck/dead "
-        f"row(s) in one afd run is not emulated: {why}"
+        f"row(s) in one afd run is refused: {why}"
     )
