@@ -101,6 +101,8 @@ class Autoscaler:
         elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
             te = min(serving, key=lambda t: (unfinished[t], -t))
             self.draining.add(te)
+            if not unfinished[te]:  # nothing to finish first: standby at once
+                self.drained(te)
             event = ScaleEvent(kind="in", te=te, decided_s=now_s, serves_s=INF, load=mean)
         if event is not None:
             self.events.append(event)

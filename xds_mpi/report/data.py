@@ -76,6 +76,7 @@ def cluster_data(f: h5py.File) -> dict:
         return {}
     group, virtual = f["cluster"], f["virtual"]
     jct = dict(zip(virtual["req_id"][()], virtual["finish_s"][()] - virtual["arrival_s"][()]))
+    ttft = virtual["first_token_s"][()] - virtual["arrival_s"][()]
     ids = group["req_id"][()]
     out = {
         "policy": str(group.attrs["policy"]),
@@ -83,6 +84,9 @@ def cluster_data(f: h5py.File) -> dict:
         "first_te": group["first_te"][()] if "first_te" in group else group["te"][()],
         "routed_s": group["routed_s"][()],
         "jct_s": np.array([jct.get(r, np.nan) for r in ids]),
+        "arrival_s": virtual["arrival_s"][()],  # per request that produced a token
+        "ttft_s": ttft,
+        "te_standby": group["te_standby"][()] if "te_standby" in group else np.array([]),
         "te_kind": [k.decode() for k in group["te_kind"][()]] if "te_kind" in group else [],
         "te_group": [k.decode() for k in group["te_group"][()]] if "te_group" in group else [],
         "te_lost_s": group["te_lost_s"][()] if "te_lost_s" in group else np.array([]),

@@ -206,11 +206,36 @@ def failure_rows(run: RunData) -> list[tuple[str, str, float, float]]:
     return out
 
 
+def serving_over_time(c: dict, num_tes: int) -> tuple[list[float], list[int]]:
+    """The number of serving TEs over virtual time from the scale events: the non-standby TEs
+    from 0, +1 at a scale-out's serving time, -1 at a drain's decision."""
+    standby = c.get("te_standby", np.array([]))
+    start = int(num_tes - np.count_nonzero(standby)) if len(standby) else num_tes
+    changes = []
+    scaling = c["scaling"]
+    for kind, decided, serves in zip(
+        scaling["kind"], scaling["decided_s"], scaling["serves_s"], strict=True
+    ):
+        changes.append((serves, 1) if kind == "out" else (decided, -1))
+    times, counts, now = [0.0], [start], start
+    end = float(np.nanmax(c["arrival_s"], initial=0.0))
+    for t, step in sorted(changes):
+        if np.isfinite(t):
+            now += step
+            times.append(float(t))
+            counts.append(now)
+    times.append(max(end, times[-1]))
+    counts.append(now)
+    return times, counts
+
+
 def cluster(run: RunData, path: Path) -> Path:
     """A cluster's routing on the virtual clock: each request's TE at its routing time (a
     request routed again after its TE was lost drawn from its first TE), the TEs' losses and
     scale events; each TE's JCTs; the regret estimate per routed request (docs/routing.md)."""
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6), gridspec_kw={"width_ratios": [3, 1.4, 1.4]})
+    fig, axes = plt.subplots(
+        1, 4, figsize=(18, 3.6), gridspec_kw={"width_ratios": [3, 2.2, 1.4, 1.4]}
+    )
     c = run.cluster
     if not c:
         for ax in axes:
@@ -249,12 +274,21 @@ def cluster(run: RunData, path: Path) -> Path:
             ax.plot([start, start + seconds], [te, te], color=shades[k], lw=5, alpha=0.8)
             start += seconds
     ax.set_yticks(range(num_tes), labels)
-    ax.set(
-        xlabel="routing time (virtual s)",
-        title=f"routing by {c['policy']} (red: routed again; x: lost; green: the scaling steps, "
-        "decision to serving; v: drained)",
+    ax.set_xlabel("routing time (virtual s)")
+    ax.set_title(
+        f"routing by {c['policy']}: red routed again, x lost, green scaling steps, v drained",
+        fontsize=8,
     )
-    ax = axes[1]
+    ax = axes[1]  # the virtual TTFT over the arrivals; the serving TEs over time beside it
+    ax.scatter(c["arrival_s"], c["ttft_s"] * 1e3, s=6, color="tab:blue")
+    ax.set(title="TTFT over arrival (virtual)", xlabel="arrival (virtual s)", ylabel="TTFT ms")
+    if scaling.get("kind"):
+        times, counts = serving_over_time(c, num_tes)
+        twin = ax.twinx()
+        twin.step(times, counts, where="post", color="tab:green")
+        twin.set_ylabel("serving TEs", color="tab:green")
+        twin.set_ylim(0, num_tes + 0.5)
+    ax = axes[2]
     jcts = [c["jct_s"][(c["te"] == k) & np.isfinite(c["jct_s"])] for k in range(num_tes)]
     if any(len(j) for j in jcts):
         ax.boxplot([j if len(j) else [np.nan] for j in jcts])
@@ -262,7 +296,7 @@ def cluster(run: RunData, path: Path) -> Path:
     else:
         _empty(ax, "no JCT")
     ax.set(title="JCT per TE (virtual s)", xlabel="TE", ylabel="s")
-    ax = axes[2]
+    ax = axes[3]
     regret = c["regret_s"][np.isfinite(c["regret_s"])] * 1e3
     if len(regret):
         ax.hist(regret, bins=20, color="tab:purple")

@@ -62,6 +62,14 @@ def test_it_drains_the_least_loaded_te_below_the_threshold_and_it_is_standby_aga
     assert s.observe(30.0, [9, 0, 0]).te == 1
 
 
+def test_a_te_drained_with_nothing_unfinished_is_standby_at_once():
+    s = scaler()
+    s.observe(0.0, [9, 0, 0])  # TE 1 out, serving from 2.0
+    event = s.observe(10.0, [1, 0, 0])  # TE 1 drained with no request: no finish will come
+    assert (event.kind, event.te) == ("in", 1) and s.serves_from[1] == INF
+    assert s.observe(20.0, [9, 0, 0]).te == 1  # the next scale-out takes it again
+
+
 def test_the_plan_refuses_standby_without_the_autoscaler_and_the_reverse():
     groups = (
         "cluster.groups=[{count: 1, set: [deployment.dp_groups_per_domain=2]}, "

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 
 from xds_mpi.report.data import cluster_data, load_run
-from xds_mpi.report.plots import cluster
+from xds_mpi.report.plots import cluster, serving_over_time
 
 
 def _run_file(path, *, with_cluster: bool) -> None:
@@ -22,6 +22,7 @@ def _run_file(path, *, with_cluster: bool) -> None:
         virtual["req_id"] = np.arange(4)
         virtual["arrival_s"] = np.array([0.0, 0.5, 1.0, 1.5])
         virtual["finish_s"] = np.array([1.0, 2.5, 4.0, 2.0])
+        virtual["first_token_s"] = np.array([0.2, 0.6, 3.5, 1.6])
         if not with_cluster:
             return
         c = f.create_group("cluster")
@@ -51,11 +52,25 @@ def test_the_cluster_panel_reads_routing_losses_scaling_and_regret(tmp_path):
         data = cluster_data(f)
     assert list(data["first_te"] != data["te"]) == [False, False, True, False]
     assert np.allclose(data["jct_s"], [1.0, 2.0, 3.0, 0.5])
+    assert np.allclose(data["ttft_s"], [0.2, 0.1, 2.5, 0.1])
     assert data["te_kind"] == ["colocated", "colocated", "pd"]
     assert data["scaling"]["kind"] == ["out", "in"] and data["policy"] == "least_load"
     assert data["scaling"]["step_name"] == ["TE-Load", "Scaler-Post"]
     png = cluster(load_run(path), tmp_path / "cluster.png")
     assert png.stat().st_size > 10_000
+
+
+def test_the_serving_tes_over_time_follow_the_scale_events():
+    c = {
+        "te_standby": np.array([False, True, True]),
+        "arrival_s": np.array([0.0, 9.0]),
+        "scaling": {
+            "kind": ["out", "out", "in"],
+            "decided_s": np.array([1.0, 2.0, 5.0]),
+            "serves_s": np.array([1.5, np.inf, np.inf]),  # the second never served in the run
+        },
+    }
+    assert serving_over_time(c, 3) == ([0.0, 1.5, 5.0, 9.0], [1, 2, 1, 1])
 
 
 def test_a_lone_te_s_run_has_no_cluster_panel_data(tmp_path):
