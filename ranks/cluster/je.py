@@ -116,11 +116,14 @@ class TeRounds(GrantRounds):
         """When a request is routed: at its arrival, or, orphaned by a lost TE, once found."""
         return self.again_at.get(req.req_id, req.arrival_s)
 
-    def _accept(self, shell: int, req_id: int, vtime_s: float) -> bool:
-        """A finish counts unless its TE was lost before it (the emulated TE runs on)."""
+    def _accept(self, shell: int, req_id: int, vtime_s: float, first_s: float) -> bool:
+        """A finish counts unless its TE was lost before it (the emulated TE runs on); the
+        autoscaler learns its TTFT."""
         if vtime_s > self.lost_at.get(shell - 1, INF):
             return False
         self.finished.add(req_id)
+        if self.je.autoscaler is not None:
+            self.je.autoscaler.finished(vtime_s, first_s - self.je.records[req_id].req.arrival_s)
         return True
 
     def turn(self) -> int:
@@ -231,7 +234,11 @@ class JobExecutor:
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
             standby = {t.te for t in cluster.tes if t.standby}
             self.autoscaler = Autoscaler(
-                cfg.autoscaler, num_dies, standby, [scale_out_steps(cfg, t) for t in cluster.tes]
+                cfg.autoscaler,
+                num_dies,
+                standby,
+                [scale_out_steps(cfg, t) for t in cluster.tes],
+                slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
             )
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = TeLoads(

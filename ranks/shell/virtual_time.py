@@ -119,8 +119,8 @@ class Finishes:
         num, status = 0, MPI.Status()
         while (message := self.comm.improbe(MPI.ANY_SOURCE, self.tag, status)) is not None:
             sender = status.Get_source()
-            for req_id, vtime_s in message.recv():
-                if self.accept is None or self.accept(sender, req_id, vtime_s):
+            for req_id, vtime_s, *more in message.recv():  # a cluster's: the first token too
+                if self.accept is None or self.accept(sender, req_id, vtime_s, *more):
                     self.completions.add(req_id, vtime_s)
             self.taken[sender] += 1
             num += 1

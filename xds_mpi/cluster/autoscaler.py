@@ -6,13 +6,16 @@ drained: no new request, and once its last one finished it is standby again). Pu
 depend only on the decisions' virtual times and the loads then, so a run's scaling is the same
 on any machine.
 
-The metric ("load"): unfinished requests per die of the serving TEs, averaged over the decisions
-of the last `window_s`. A scale event waits `cooldown_s` after the previous one; the serving TEs
-(those scaling out counted) stay within [min_tes, max_tes].
+The metric, `autoscaler.metric`: "load", unfinished requests per die of the serving TEs, averaged
+over the decisions of the last `window_s`; or "slo", the share of the requests finished in the
+last `window_s` whose TTFT missed `run.slo_ttft_ms` (the TE-shells report each finish with its
+first token's virtual time; no finish in the window: no event). A scale event waits `cooldown_s`
+after the previous one; the serving TEs (those scaling out counted) stay within [min_tes, max_tes].
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ class ScaleEvent:
     te: int
     decided_s: float
     serves_s: float
-    load: float
+    load: float  # the metric's value then (autoscaler.metric: load per die, or the SLO misses)
     steps: tuple[tuple[str, float], ...] = ()  # a scale-out's steps, (name, virtual s)
 
 
@@ -56,9 +59,18 @@ class Autoscaler:
     """TEs 0..N-1; `standby`: those that start in standby (not serving); steps: per TE, the
     steps (name, virtual s) from a scale-out decision until it serves."""
 
-    def __init__(self, cfg, num_dies: list[int], standby: set[int], steps: list[tuple]) -> None:
+    def __init__(
+        self,
+        cfg,
+        num_dies: list[int],
+        standby: set[int],
+        steps: list[tuple],
+        slo_ttft_s: float = INF,
+    ) -> None:
         self.cfg = cfg  # the autoscaler section
         self.steps = steps
+        self.slo_ttft_s = slo_ttft_s
+        self.finishes: list[tuple[float, bool]] = []  # (finish s, TTFT missed), by finish
         self.num_dies = num_dies
         self.serves_from = {te: (INF if te in standby else 0.0) for te in range(len(num_dies))}
         self.draining: set[int] = set()
@@ -75,13 +87,8 @@ class Autoscaler:
         """At a routing decision at `now_s` with each TE's unfinished requests then: the scale
         event it decides, if any."""
         serving = self.serving(now_s)
-        dies = sum(self.num_dies[te] for te in serving) or 1
-        load = sum(unfinished[te] for te in serving) / dies
-        self.samples.append((now_s, load))
-        while self.samples[0][0] < now_s - self.cfg.window_s:
-            self.samples.popleft()
-        mean = sum(x for _, x in self.samples) / len(self.samples)
-        if now_s < self.last_event_s + self.cfg.cooldown_s:
+        mean = self._metric(now_s, unfinished, serving)
+        if mean is None or now_s < self.last_event_s + self.cfg.cooldown_s:
             return None
         coming = [te for te, t in self.serves_from.items() if now_s < t < INF]
         standby = sorted(te for te, t in self.serves_from.items() if t == INF)
@@ -109,6 +116,23 @@ class Autoscaler:
             self.last_event_s = now_s
             self.samples.clear()  # the next window starts with the new set of TEs
         return event
+
+    def finished(self, finish_s: float, ttft_s: float) -> None:
+        """A request's finish as a TE-shell reported it (before or after `observe` reaches its
+        time: only the finishes up to a decision's time count for it)."""
+        bisect.insort(self.finishes, (finish_s, ttft_s > self.slo_ttft_s))
+
+    def _metric(self, now_s: float, unfinished: list[int], serving: list[int]) -> float | None:
+        if self.cfg.metric == "slo":
+            lo = bisect.bisect_right(self.finishes, (now_s - self.cfg.window_s, True))
+            hi = bisect.bisect_right(self.finishes, (now_s, True))
+            window = self.finishes[lo:hi]
+            return sum(missed for _, missed in window) / len(window) if window else None
+        dies = sum(self.num_dies[te] for te in serving) or 1
+        self.samples.append((now_s, sum(unfinished[te] for te in serving) / dies))
+        while self.samples[0][0] < now_s - self.cfg.window_s:
+            self.samples.popleft()
+        return sum(x for _, x in self.samples) / len(self.samples)
 
     def drained(self, te: int) -> None:
         """A draining TE's last request finished: standby again."""

@@ -16,16 +16,17 @@ from xds_mpi.config.loader import non_negative, positive, require
 class AutoscalerConfig:
     """enabled: scale the cluster's TEs (needs TEs in standby: a `cluster.groups` row with
     standby true). metric: "load", unfinished requests per die of the serving TEs, averaged
-    over the last window_s of routing decisions. scale_out_above / scale_in_below: the
-    thresholds on it. cooldown_s: virtual seconds after a scale event before the next.
-    min_tes / max_tes: serving TEs at least / at most (0: every TE). scale_out_s: virtual
-    seconds from the decision until the new TE serves; None: its five scaling steps priced by
-    the `scaling` section (path, pre-warming; xds_mpi/scaling/steps.py, docs/scaling.md) for a
-    TE of `pod_dies` dies at the DeepSeek-V3 shape: the pod-scale TE an emulated one stands for
-    (the model's weights do not fit fewer than 16 dies)."""
+    over the last window_s of routing decisions; "slo", the share of the requests finished in
+    the last window_s whose TTFT missed run.slo_ttft_ms. scale_out_above / scale_in_below: the
+    thresholds on it (for "slo" shares, at most 1). cooldown_s: virtual seconds after a scale event
+    before the next. min_tes / max_tes: serving TEs at least / at most (0: every TE). scale_out_s:
+    virtual seconds from the decision until the new TE serves; None: its five scaling steps priced
+    by the `scaling` section (path, pre-warming; xds_mpi/scaling/steps.py, docs/scaling.md) for a TE
+    of `pod_dies` dies at the DeepSeek-V3 shape: the pod-scale TE an emulated one stands for (the
+    model's weights do not fit fewer than 16 dies)."""
 
     enabled: bool = False
-    metric: Literal["load"] = "load"
+    metric: Literal["load", "slo"] = "load"
     window_s: float = 2.0
     scale_out_above: float = 4.0
     scale_in_below: float = 1.0
@@ -49,6 +50,11 @@ class AutoscalerConfig:
             self.scale_in_below < self.scale_out_above,
             f"autoscaler.scale_in_below({self.scale_in_below}) must be below scale_out_above"
             f"({self.scale_out_above}): else every decision would scale",
+        )
+        require(
+            self.metric != "slo" or self.scale_out_above <= 1,
+            f"autoscaler.metric slo is a share of requests: scale_out_above"
+            f"({self.scale_out_above}) must be at most 1",
         )
         require(
             not self.max_tes or self.max_tes >= self.min_tes,

@@ -117,3 +117,30 @@ def test_the_scale_out_time_is_the_config_s_or_the_priced_steps_of_the_te_s_own_
         "configs/colocated.yaml", [groups, "autoscaler.enabled=true", "autoscaler.scale_out_s=1.5"]
     )
     assert scale_out_s(fixed, te) == 1.5
+
+
+def test_the_slo_metric_is_the_share_of_ttft_misses_finished_in_the_window():
+    cfg = AutoscalerConfig(
+        enabled=True,
+        metric="slo",
+        window_s=1.0,
+        scale_out_above=0.5,
+        scale_in_below=0.1,
+        cooldown_s=3.0,
+        scale_out_s=2.0,
+    )
+    s = Autoscaler(cfg, [2, 2], standby={1}, steps=[(("load", 2.0),)] * 2, slo_ttft_s=1.0)
+    assert s.observe(0.5, [9, 0]) is None  # no finish yet: no information, no event
+    s.finished(1.2, 2.0)  # TTFT 2 s: missed
+    s.finished(1.4, 0.3)
+    s.finished(5.0, 3.0)  # known early (a TE ahead), counts only from 5.0 on
+    event = s.observe(1.3, [9, 0])  # one finish by 1.3, missed: share 1.0 > 0.5
+    assert (event.kind, event.te, event.load) == ("out", 1, 1.0)
+    s2 = Autoscaler(cfg, [2, 2], standby={1}, steps=[(("load", 2.0),)] * 2, slo_ttft_s=1.0)
+    for finish_s, ttft_s in ((1.2, 2.0), (1.4, 0.3), (1.45, 0.2), (5.0, 3.0)):
+        s2.finished(finish_s, ttft_s)
+    assert s2.observe(1.5, [9, 0]) is None  # 1 of 3 missed: 0.33, between the thresholds
+    event = s2.observe(5.0, [9, 0])  # only the 5.0 finish in (4.0, 5.0]: 1 of 1
+    assert (event.kind, event.te, event.load) == ("out", 1, 1.0)
+    with pytest.raises(ConfigError, match="at most 1"):
+        AutoscalerConfig(enabled=True, metric="slo", scale_out_above=2.0, scale_in_below=0.1)
