@@ -1,5 +1,6 @@
 """`xds-mpi serve [CONFIG]`: launch the deployment with an OpenAI-compatible endpoint on the
-TE-shell (ranks/shell/endpoint.py) instead of the workload section's requests.
+TE-shell (ranks/shell/endpoint.py; a cluster's on its JE, ranks/cluster/served_je.py) instead
+of the workload section's requests.
 
 The job runs until SIGINT or SIGTERM to this launcher: the first one goes to the TE-shell alone,
 which stops taking requests, drains or cancels the open ones (serve.on_shutdown), stops every
@@ -29,6 +30,7 @@ from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, stop_j
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.job.shm_leftovers import ShmLeftovers
 from launch.serve.prelaunch import expert_loss_warning
+from launch.slurm.world import world_of
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -55,11 +57,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     plan = DeploymentPlan.build(load_config(path, sets), args.np)
     cfg = plan.cfg
     _check_address(cfg.serve.host, cfg.serve.port)
+    world = world_of(plan)  # a cluster: the JE and every TE, the endpoint on the JE
     if args.memory_check:
-        check_node(plan.topo.world_size, sum(plan.window_bytes))
+        check_node(world.world_size, sum(world.window_bytes))
+    if plan.cluster is not None:
+        print(f"xds-mpi: {plan.cluster.describe().splitlines()[0]}; the endpoint on the JE")
     print(
-        f"xds-mpi: serving {cfg.serve.model} on {plan.topo.world_size} ranks "
-        f"({plan.topo.summary()}) until SIGINT/SIGTERM",
+        f"xds-mpi: serving {cfg.serve.model} on {world.world_size} ranks "
+        f"({'TE 0: ' if plan.cluster else ''}{plan.topo.summary()}) until SIGINT/SIGTERM",
         flush=True,
     )
     if warning := expert_loss_warning(plan):
@@ -67,7 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     compile_rank_code()  # once here, not once per rank
     unpack_weights(cfg.model, cfg.run.output_dir)
     command = mpi_command(
-        plan.topo.world_size,
+        world.world_size,
         rank_program(path, sets, resolve_for_ranks(path, sets, cfg)),  # read without PyYAML
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,

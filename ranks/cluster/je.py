@@ -47,6 +47,11 @@ INF = math.inf
 
 def run(ctx: RankContext) -> int:
     """The JE's program; ctx.comm is the link (JE 0, TE-shell of TE k at k + 1)."""
+    if ctx.cfg.serve.enabled:  # xds-mpi serve: the endpoint's requests on the wall clock
+        # Lazy import, serve only: aiohttp and the API (docs/scale.md).
+        from ranks.cluster.served_je import run as run_served
+
+        return run_served(ctx)
     started_at, started = datetime.now(), time.perf_counter()
     path = run_file_path(ctx.cfg, started_at)
     cluster = ctx.plan.cluster
@@ -210,6 +215,44 @@ class TeRounds(GrantRounds):
         )
 
 
+def cluster_loads(cfg, cluster, autoscaler: Autoscaler | None, arrival_of) -> TeLoads:
+    """The JE's view of its TEs (xds_mpi/cluster/loads.py): cluster.policy, each TE's kind and
+    dies, the prompt tree with each TE's capacity as its own config gives it."""
+    return TeLoads(
+        cluster.num_tes,
+        load_policy(cluster.policy, cfg),
+        kinds=[t.kind for t in cluster.tes],
+        num_dies=[t.num_dies for t in cluster.tes],
+        tree=PromptTree(
+            cluster.num_tes,
+            block_tokens=cfg.scheduler.kv_block_tokens,
+            capacity_blocks=[
+                te_capacity_blocks(te_config(cfg, t.overrides), t.num_dies) for t in cluster.tes
+            ],
+        ),
+        autoscaler=autoscaler,
+        arrival_of=arrival_of,
+    )
+
+
+def write_te_columns(group, cluster, statuses: list[str]) -> None:
+    """The run file's per-TE columns of /cluster (docs/cluster.md "The run file"): each TE's
+    TE-shell world rank, size, kind, group, standby and status."""
+    import h5py
+    import numpy as np
+
+    text = h5py.string_dtype()
+    group["te_standby"] = np.array([t.standby for t in cluster.tes])
+    group["te_first_rank"] = np.array(
+        [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
+    )
+    group["te_size"] = np.array([t.size for t in cluster.tes], np.int64)
+    group["te_kind"] = np.array([t.kind for t in cluster.tes], dtype=text)
+    group["te_group"] = np.array([t.group for t in cluster.tes], dtype=text)
+    group.attrs.update(num_tes=cluster.num_tes, policy=cluster.policy)
+    group["te_status"] = np.array(statuses, dtype=text)
+
+
 class JobExecutor:
     def __init__(self, ctx: RankContext) -> None:
         cfg, cluster = ctx.cfg, ctx.plan.cluster
@@ -241,21 +284,7 @@ class JobExecutor:
                 slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
             )
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
-        self.loads = TeLoads(
-            cluster.num_tes,
-            load_policy(cluster.policy, cfg),
-            kinds=[t.kind for t in cluster.tes],
-            num_dies=num_dies,
-            tree=PromptTree(
-                cluster.num_tes,
-                block_tokens=cfg.scheduler.kv_block_tokens,
-                capacity_blocks=[  # each TE's as its own config gives it
-                    te_capacity_blocks(te_config(cfg, t.overrides), t.num_dies) for t in cluster.tes
-                ],
-            ),
-            autoscaler=self.autoscaler,
-            arrival_of=self.rounds.arrival_of,
-        )
+        self.loads = cluster_loads(cfg, cluster, self.autoscaler, self.rounds.arrival_of)
         self.results: dict[int, TeResult] = {}
         self.mismatches: list[str] = []
         self.check_line = ""
@@ -433,17 +462,7 @@ class JobExecutor:
             for key, values in self.weights.columns(events).items():
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
-        group["te_standby"] = np.array([t.standby for t in cluster.tes])
-        group["te_first_rank"] = np.array(
-            [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
-        )
-        group["te_size"] = np.array([t.size for t in cluster.tes], np.int64)
-        group["te_kind"] = np.array([t.kind for t in cluster.tes], dtype=h5py.string_dtype())
-        group["te_group"] = np.array([t.group for t in cluster.tes], dtype=h5py.string_dtype())
-        group.attrs.update(num_tes=cluster.num_tes, policy=cluster.policy)
-        group["te_status"] = np.array(
-            [self._status(te) for te in sorted(self.results)], dtype=h5py.string_dtype()
-        )
+        write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
         write_decisions(group, self.loads.decisions)
         write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])
 

@@ -64,6 +64,10 @@ TAG_PD_DECODE_STATE = 293
 # Weights at scale-out (ranks/cluster/weights_load.py): JE -> a standby TE's TE-shell, the load
 # order; TE-shell -> JE, its dies' loads
 TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED = 294, 295
+# `xds-mpi serve` on a cluster (ranks/cluster/serve_messages.py): JE -> TE-shell, the endpoint's
+# requests, cancels and the shutdown, in the order taken; TE-shell -> JE, its news (tokens,
+# readiness, failover, gauges)
+TAG_CLUSTER_SERVE, TAG_CLUSTER_NEWS = 296, 297
 
 
 def all_tags() -> dict[str, int]:

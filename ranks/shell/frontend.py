@@ -100,7 +100,12 @@ class Frontend:
         self.pd_book = None  # PD: the TTFT split and KV transfers (ranks/shell/je.py)
         self.ems_reports: dict = {}  # colocated with ems.enabled: pool rank -> EmsPoolReport
         ctx.log.info("serving clock: %s (%s)", ctx.plan.clock.kind, ctx.plan.clock.why)
-        if ctx.plan.cluster is not None and not ctx.plan.pd:  # requests from the cluster's JE
+        if ctx.plan.cluster is not None and cfg.serve.enabled:  # the JE's endpoint, wall clock
+            from ranks.cluster.link import cluster_link
+            from ranks.cluster.served_te import ServedTeFeed
+
+            self.feed = ServedTeFeed(self, cluster_link())
+        elif ctx.plan.cluster is not None and not ctx.plan.pd:  # requests from the cluster's JE
             from ranks.cluster.link import cluster_link
             from ranks.cluster.te_side import TePacer
 

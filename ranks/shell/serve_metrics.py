@@ -18,8 +18,8 @@ PROJECTED_BUCKETS += (0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class ServeMetrics:
-    """Every metric of one endpoint, in its own registry. Labels: model_name (vLLM's), and die
-    (a die's rank) on the per-die ones."""
+    """Every metric of one endpoint, in its own registry. Labels: model_name (vLLM's), die (a
+    die's rank) on the per-die ones, and te (a served cluster's TE: `add_te_series`)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -96,6 +96,31 @@ class ServeMetrics:
         )
         self.failures = Counter(
             "xds:failures_detected", "Dies found stuck or dead (heartbeats)", registry=r
+        )
+
+    def add_te_series(self) -> None:
+        """A served cluster (ranks/cluster/served_je.py): the same loads per TE, label `te`."""
+        r = self.registry
+        self.te_running = Gauge(
+            "xds:te_requests_running", "Requests on a die of the TE", ["te"], registry=r
+        )
+        self.te_waiting = Gauge(
+            "xds:te_requests_waiting", "Requests queued in the TE's TE-shell", ["te"], registry=r
+        )
+        self.te_kv_usage = Gauge(
+            "xds:te_kv_cache_usage_perc",
+            "KV cache reserved over the TE's DP groups' capacity (1 = full)",
+            ["te"],
+            registry=r,
+        )
+        self.te_finished = Counter(
+            "xds:te_requests_finished",
+            "Requests the TE served to their end (max_tokens or EOS)",
+            ["te"],
+            registry=r,
+        )
+        self.te_failing_over = Gauge(
+            "xds:te_failing_over", "1 while a die of the TE fails over", ["te"], registry=r
         )
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:

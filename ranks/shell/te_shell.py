@@ -200,7 +200,9 @@ class Serving:
         mem = DieMemory(ctx.comm, 0)  # the shell holds no die memory, but joins the window
         alone = ctx.comm.Split(0, ctx.comm.rank)
         frontend = (JobExecutor if ctx.plan.pd else Frontend)(ctx)
-        endpoint = open_endpoint(ctx, frontend, started) if ctx.cfg.serve.enabled else None
+        # a served cluster: the JE hosts the endpoint (ranks/cluster/served_te.py feeds this one)
+        is_endpoint = ctx.cfg.serve.enabled and ctx.plan.cluster is None
+        endpoint = open_endpoint(ctx, frontend, started) if is_endpoint else None
         await_ready(ctx.comm, ctx.log, started=started, timeout_s=ctx.cfg.run.timeout_s)
         try:  # GET /health is ok once the serving loop starts (Frontend.serve)
             frontend.serve()

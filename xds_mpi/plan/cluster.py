@@ -198,9 +198,10 @@ def fork_source(cfg: Config, tes, te: int) -> int | None:
 
 def check_cluster(cfg: Config, *, clock) -> None:
     """What a TE of a cluster needs of its config: colocated or afd TEs, or PD pairs with a
-    decode TE-shell, on the virtual clock (the JE routes at virtual arrivals); nothing that acts
-    on the wall clock."""
-    num, dep = cfg.cluster.num_tes, cfg.deployment
+    decode TE-shell, on the virtual clock (the JE routes at virtual arrivals); nothing else that
+    acts on the wall clock. `xds-mpi serve` (serve.enabled) routes on the wall clock instead,
+    its clients' (docs/serve.md "A cluster"), to colocated and afd TEs."""
+    num, dep, is_served = cfg.cluster.num_tes, cfg.deployment, cfg.serve.enabled
     hosts = 2 if cfg.pd.enabled else 1
     unsupported = {
         "deployment.num_prefill_dies without pd.enabled": not cfg.pd.enabled
@@ -208,8 +209,7 @@ def check_cluster(cfg: Config, *, clock) -> None:
         f"deployment.num_host_ranks other than {hosts} ({'a PD pair' if hosts == 2 else 'a TE'}"
         f"{': its JE and its decode TE-shell' if hosts == 2 else ''})": dep.num_host_ranks != hosts,
         "eplb.enabled": cfg.eplb.enabled,
-        "serve.enabled (xds-mpi serve)": cfg.serve.enabled,
-        f"the wall clock (this TE's: {clock.why})": not clock.is_virtual,
+        f"the wall clock (this TE's: {clock.why})": not clock.is_virtual and not is_served,
     }
     for what, is_set in unsupported.items():
         if is_set:
@@ -217,4 +217,17 @@ def check_cluster(cfg: Config, *, clock) -> None:
                 f"cluster.num_tes({num}) > 1 does not support {what} yet: a cluster is built for "
                 "colocated and afd TEs and PD pairs on the virtual clock (docs/cluster.md); set "
                 "cluster.num_tes=1"
+            )
+    served_unsupported = {
+        "a PD pair (pd.enabled: its JE paces its prefill TEs by the cluster's promise on the "
+        "virtual clock)": cfg.pd.enabled,
+        "cluster.te_losses (a TE lost at a virtual time)": bool(cfg.cluster.te_losses),
+        "autoscaler.enabled (it scales at the JE's virtual decisions)": cfg.autoscaler.enabled,
+    }
+    for what, is_set in served_unsupported.items():
+        if is_served and is_set:
+            raise ConfigError(
+                f"xds-mpi serve (serve.enabled) on a cluster (cluster.num_tes({num}) > 1) does "
+                f"not support {what} yet: it serves colocated and afd TEs on the wall clock "
+                "(docs/serve.md, A cluster); drop it, or serve one TE (cluster.num_tes=1)"
             )
