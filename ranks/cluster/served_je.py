@@ -283,6 +283,8 @@ class ServedCluster:
             if update.die_rank >= 0:
                 record.die_rank = first + update.die_rank
                 record.dispatched_vtime = update.dispatched_vtime
+            if update.finished_at and not update.ended and self.metrics is not None:
+                self.metrics.te_finished.labels(str(te)).inc()  # its TE served it to its end
             if record.finished_at or record.rejected:
                 continue  # cancelled here before: its client has gone
             for token, wall_s, vtime_s in zip(
@@ -295,8 +297,6 @@ class ServedCluster:
                 record.finished_at = update.finished_at or time.time()
                 self.loads.on_complete(update.req_id)
                 self.num_open -= 1
-                if not update.ended and self.metrics is not None:
-                    self.metrics.te_finished.labels(str(te)).inc()
 
     def _observe(self, die: int, batch) -> None:
         """A TE's token batch on the per-die histograms and the MTP counters."""
