@@ -179,6 +179,28 @@ def test_shutdown_checks_every_request_whichever_te_served_it(server):
         assert f["requests/num_tokens"][:].sum() == num_tokens
 
 
+def test_two_afd_tes_serve_and_check(tmp_path):
+    """Two afd TEs (17 ranks): requests routed to both, every token equal to the reference."""
+    server = Server(tmp_path, "afd", "--set", "cluster.num_tes=2", timeout_s=400)
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(
+                    lambda i: server.post(
+                        "/v1/completions",
+                        {"model": MODEL, "prompt": f"afd {i}", "max_tokens": 8, "ignore_eos": True},
+                    ),
+                    range(4),
+                )
+            )
+    finally:
+        output = server.stop()
+    assert [status for status, _ in answers] == [200] * 4, answers
+    assert server.check_line() == (4, 32, 0)
+    assert "cluster: TE 0 served 2 requests, TE 1 served 2 requests" in output
+
+
 FAULTY_TE = (
     "deployment.dp_groups_per_domain=2",
     "health.timeout_s=4",
