@@ -228,7 +228,9 @@ class ServedCluster:
             if not is_ready and time.monotonic() > ready_by:
                 waiting = sorted(set(range(self.cluster.num_tes)) - self.is_te_ready)
                 raise WaitTimeout(
-                    f"JE: TEs {waiting} not serving after run.timeout_s({self.cfg.run.timeout_s:g})"
+                    f"JE: no ready news from TEs {waiting} (TE-shells at world ranks "
+                    f"{[self.cluster.first_rank(te) for te in waiting]}) after run.timeout_s"
+                    f"({self.cfg.run.timeout_s:g})"
                 )
             if is_failing_over != bool(self.is_te_failing_over):
                 is_failing_over = bool(self.is_te_failing_over)
@@ -353,7 +355,10 @@ class ServedCluster:
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(set(range(cluster.num_tes)) - set(self.results))
-                raise WaitTimeout(f"JE: no result from TEs {missing} after {left_s:g} s")
+                raise WaitTimeout(
+                    f"JE: TE result not received from TEs {missing} (TE-shells at world ranks "
+                    f"{[cluster.first_rank(te) for te in missing]}) after {left_s:g} s"
+                )
             time.sleep(IDLE_LAST_S)
         wait_all(self.sends, timeout_s=cfg.xccl.poll_timeout_s, me="JE", event="commands")
         self.die_timings: dict[int, dict] = {}
