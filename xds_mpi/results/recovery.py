@@ -39,14 +39,15 @@ NAN = math.nan
 @dataclass(frozen=True, kw_only=True)
 class RequestTimes:
     """The window's requests on the virtual clock, req_id order, each array [num_requests]:
-    arrival_s, decided_s (the TE-shell picked its DP group), first_token_s, ttft_s, tpot_s
-    (nan: no token, or a single one for tpot_s); is_good: met both SLOs; status: "done",
+    arrival_s, decided_s (the TE-shell picked its DP group), first_token_s, finish_s, ttft_s,
+    tpot_s (nan: no token, or a single one for tpot_s); is_good: met both SLOs; status: "done",
     "lost", "rejected", "cancelled"."""
 
     req_id: np.ndarray  # int64
     arrival_s: np.ndarray  # float64
     decided_s: np.ndarray  # float64
     first_token_s: np.ndarray  # float64
+    finish_s: np.ndarray  # float64
     ttft_s: np.ndarray  # float64
     tpot_s: np.ndarray  # float64
     is_good: np.ndarray  # bool
@@ -155,19 +156,13 @@ def recovered_s(run: RecoveryRun, baseline: RecoveryRun, *, slack_s: float) -> f
     return float(ours.arrival_s[after[last + 1]]) - run.fault_s
 
 
-def goodput_over_time(run: RecoveryRun, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
-    """(bin starts [bins], the share of the requests arriving in each bin that met both SLOs
-    [bins], nan for an empty bin), bins of `bin_s` virtual seconds from 0."""
-    if run.requests is None or not len(run.requests.arrival_s):
-        return np.zeros(0), np.zeros(0)
-    arrival = run.requests.arrival_s
-    bins = np.floor(arrival / bin_s).astype(np.int64)  # [requests]
-    num_bins = int(bins.max()) + 1
-    total = np.bincount(bins, minlength=num_bins)
-    good = np.bincount(bins, weights=run.requests.is_good.astype(float), minlength=num_bins)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = np.where(total > 0, good / np.maximum(total, 1), NAN)
-    return np.arange(num_bins) * bin_s, share
+def goodput_over_time(run: RecoveryRun) -> tuple[np.ndarray, np.ndarray]:
+    """(virtual finish times [good], the requests that met both SLOs finished by each [good]):
+    the goodput served over virtual time, flat while nothing good finishes."""
+    if run.requests is None:
+        return np.zeros(0), np.zeros(0, np.int64)
+    finish = np.sort(run.requests.finish_s[run.requests.is_good])  # [good]
+    return finish, np.arange(1, len(finish) + 1)
 
 
 def _request_times(f: h5py.File, summary: dict) -> RequestTimes:
@@ -175,7 +170,7 @@ def _request_times(f: h5py.File, summary: dict) -> RequestTimes:
     req_id = f["requests/req_id"][()]
     status = f["requests/status"].asstr()[()]
     index = {int(r): i for i, r in enumerate(req_id)}
-    names = ("decided_s", "first_token_s", "ttft_s", "tpot_s")
+    names = ("decided_s", "first_token_s", "finish_s", "ttft_s", "tpot_s")
     columns = {name: np.full(len(req_id), NAN) for name in names}
     arrival = f["requests/arrival_s"][()].astype(float)
     virtual = f["virtual"]

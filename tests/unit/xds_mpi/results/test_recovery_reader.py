@@ -140,11 +140,10 @@ def test_recovered_is_the_arrival_after_the_last_late_request(tmp_path):
     assert math.isnan(recovered_s(read_recovery(tmp_path / "run3.h5"), base, slack_s=0.25))
 
 
-def test_goodput_over_time_is_the_good_share_of_each_arrival_bin(tmp_path):
+def test_goodput_over_time_counts_the_good_requests_finished_by_each_time(tmp_path):
     _write(tmp_path / "run.h5", REQUESTS, [FAULT, MEMORY])
-    starts, share = goodput_over_time(read_recovery(tmp_path / "run.h5"), 10.0)
-    assert list(starts) == [0.0, 10.0, 20.0]
-    assert share[0] == pytest.approx(1 / 6) and math.isnan(share[1]) and share[2] == 1.0
+    finish, count = goodput_over_time(read_recovery(tmp_path / "run.h5"))
+    assert list(finish) == [1.3, 20.2] and list(count) == [1, 2]  # requests 0 and 5
 
 
 def test_a_stopped_run_has_its_fault_and_no_requests(tmp_path):
