@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from launch.bench import recovery
 from launch.bench.results import add_row_options
 from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, run_job
 from xds_mpi.config.schema import ConfigError
@@ -13,6 +14,7 @@ from xds_mpi.config.schema import ConfigError
 def add_parsers(kinds) -> None:
     _add_bench_p2p(kinds)
     _add_bench_ep(kinds)
+    recovery.add_parser(kinds)
 
 
 def cmd_bench_p2p(args: argparse.Namespace) -> int:
