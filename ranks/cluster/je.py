@@ -52,23 +52,31 @@ def run(ctx: RankContext) -> int:
         from ranks.cluster.served_je import run as run_served
 
         return run_served(ctx)
-    started_at, started = datetime.now(), time.perf_counter()
-    path = run_file_path(ctx.cfg, started_at)
-    cluster = ctx.plan.cluster
-    ctx.log.info(
-        "JE up: %s",
-        cluster.describe().splitlines()[0],
-    )
-    status, je = "completed", None
-    try:
-        je = JobExecutor(ctx)
+
+    def serve(je: JobExecutor, started: float) -> None:
         je.serve()
         je.collect()
+
+    return run_job(ctx, JobExecutor, serve, what="JE up")
+
+
+def run_job(ctx: RankContext, make, serve, *, what: str) -> int:
+    """A JE's run around its job (a JobExecutor, or a served cluster): `make(ctx)` it,
+    `serve(job, started)` it until its TEs' results are in, check every request against the
+    reference, and write the one run file, whatever happened (exit code 1 on a mismatch or a
+    TE's failure)."""
+    started_at, started = datetime.now(), time.perf_counter()
+    path = run_file_path(ctx.cfg, started_at)
+    ctx.log.info("%s: %s", what, ctx.plan.cluster.describe().splitlines()[0])
+    status, job = "completed", None
+    try:
+        job = make(ctx)
+        serve(job, started)
         if ctx.cfg.run.check:
-            je.check()
-            if je.mismatches:
-                status = f"check failed: {len(je.mismatches)} mismatches"
-        status = je.te_failure or status
+            job.check()
+            if job.mismatches:
+                status = f"check failed: {len(job.mismatches)} mismatches"
+        status = job.te_failure or status
     except Exception as exc:
         status = f"failed: {exc}"
         raise
@@ -81,12 +89,12 @@ def run(ctx: RankContext) -> int:
             started_at=started_at,
             wall_time_s=time.perf_counter() - started,
             handshake_s=0.0,
-            extra=je.write if je is not None and je.results else None,
+            extra=job.write if job is not None and job.results else None,
         )
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
-        if je is not None and je.check_line:
-            print(je.check_line, flush=True)
-    return 1 if je is not None and (je.mismatches or je.te_failure) else 0
+        if job is not None and job.check_line:
+            print(job.check_line, flush=True)
+    return 1 if job is not None and (job.mismatches or job.te_failure) else 0
 
 
 class TeRounds(GrantRounds):

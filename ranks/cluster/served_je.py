@@ -23,12 +23,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from functools import partial
 
 from mpi4py import MPI
 
-from ranks.cluster.je import cluster_loads, write_te_columns
+from ranks.cluster.je import cluster_loads, run_job, write_te_columns
 from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
 from ranks.cluster.serve_messages import (
     TAG_CLUSTER_NEWS,
@@ -45,7 +44,6 @@ from ranks.shell.openai_api import make_app
 from ranks.shell.serve_metrics import ServeMetrics
 from xds_mpi.plan.cluster import te_config
 from xds_mpi.plan.topology import Topology
-from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.results.results import RequestRecord, check_against_reference
 from xds_mpi.workload.requests import rejection
 
@@ -55,12 +53,8 @@ IDLE_FIRST_S, IDLE_LAST_S = 0.0005, 0.002
 
 def run(ctx: RankContext) -> int:
     """The served JE's program; ctx.comm is the link (JE 0, TE-shell of TE k at k + 1)."""
-    started_at, started = datetime.now(), time.perf_counter()
-    path = run_file_path(ctx.cfg, started_at)
-    ctx.log.info("JE up, serving: %s", ctx.plan.cluster.describe().splitlines()[0])
-    status, cluster = "completed", None
-    try:
-        cluster = ServedCluster(ctx)
+
+    def serve(cluster: ServedCluster, started: float) -> None:
         endpoint, feed = open_endpoint(ctx, cluster, started)
         try:
             cluster.serve(feed)
@@ -68,29 +62,8 @@ def run(ctx: RankContext) -> int:
             endpoint.close()
         cluster.stop_tes()
         cluster.collect()
-        if ctx.cfg.run.check:
-            cluster.check()
-            if cluster.mismatches:
-                status = f"check failed: {len(cluster.mismatches)} mismatches"
-        status = cluster.te_failure or status
-    except Exception as exc:
-        status = f"failed: {exc}"
-        raise
-    finally:
-        write_run_file(
-            path,
-            cfg=ctx.cfg,
-            topo=ctx.topo,
-            status=status,
-            started_at=started_at,
-            wall_time_s=time.perf_counter() - started,
-            handshake_s=0.0,
-            extra=cluster.write if cluster is not None and cluster.results else None,
-        )
-        ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
-        if cluster is not None and cluster.check_line:
-            print(cluster.check_line, flush=True)
-    return 1 if cluster is not None and (cluster.mismatches or cluster.te_failure) else 0
+
+    return run_job(ctx, ServedCluster, serve, what="JE up, serving")
 
 
 def open_endpoint(ctx: RankContext, cluster: ServedCluster, started: float):
