@@ -29,12 +29,11 @@ import math
 from dataclasses import dataclass
 
 from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_VTIME_CLOCK, TAG_VTIME_GRANT
-from ranks.cluster.te_side import JeFeed
+from ranks.cluster.te_side import JeFeed, queue_routed
 from ranks.core.tags import TAG_PD_DECODE_STATE
 from ranks.core.vtime_messages import ClockReport, Grant
 from ranks.shell.pd_pacers import DecodePacer, PrefillPacer
 from xds_mpi.plan.cluster import JE_RANK
-from xds_mpi.results.results import RequestRecord
 from xds_mpi.scheduling.admission import Completions, NextGrant, decide
 
 INF = math.inf
@@ -174,11 +173,7 @@ class PairPacer(PrefillPacer):
         num, je = 0, self.je
         while (message := self.link.comm.improbe(source=JE_RANK, tag=TAG_VTIME_GRANT)) is not None:
             grant: Grant = message.recv()
-            for req, routed_s in zip(grant.requests, grant.times, strict=True):
-                je.records[req.req_id] = RequestRecord(req=req)
-                je.queue.append(req)
-                je.num_open += 1
-                self.routed_at[req.req_id] = routed_s
+            queue_routed(je, grant, self.routed_at)
             self.je_seq, self.je_promise_s = grant.seq, grant.horizon_s
             num += 1
         return num

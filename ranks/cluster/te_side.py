@@ -123,11 +123,7 @@ class TePacer(VirtualPacer):
             if status.tag != TAG_VTIME_GRANT:
                 break
             grant: Grant = comm.recv(source=JE_RANK, tag=TAG_VTIME_GRANT)
-            for req, routed_s in zip(grant.requests, grant.times, strict=True):
-                frontend.records[req.req_id] = RequestRecord(req=req)
-                frontend.queue.append(req)
-                frontend.num_open += 1
-                self.routed_at[req.req_id] = routed_s
+            queue_routed(frontend, grant, self.routed_at)
             self.je_seq, self.promise_s = grant.seq, grant.horizon_s
             num += 1
         return num
@@ -152,6 +148,16 @@ class TePacer(VirtualPacer):
         frontend.sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
         self.reported_seq = self.je_seq
         return 1
+
+
+def queue_routed(frontend, grant: Grant, routed_at: dict[int, float]) -> None:
+    """A JE grant's requests queued on `frontend` (a TE-shell's Frontend, or a PD pair's JE),
+    their records made, their routing times kept."""
+    for req, routed_s in zip(grant.requests, grant.times, strict=True):
+        frontend.records[req.req_id] = RequestRecord(req=req)
+        frontend.queue.append(req)
+        frontend.num_open += 1
+        routed_at[req.req_id] = routed_s
 
 
 class JeFeed:
