@@ -6,9 +6,10 @@ request (its TE, its times on the virtual clock) and `--check` over all of them.
 The conservative rule, as the JE of PD applies it to its prefill TEs (ranks/shell/pd_pacers.py):
 a TE's state at t is the requests routed to it not finished by t, so the JE routes only up to
 the earliest virtual time a busy TE may still finish one before: its dies' common start, which
-its TE-shell reports once per JE grant (ranks/cluster/te_side.py), after the finishes. An idle TE
-finishes nothing before it is given a request; when every TE is idle, the JE routes the next
-arrival at once (time warps to it). Each grant carries the requests routed to the TE with their
+its TE-shell reports once per JE grant (ranks/cluster/te_side.py), after the finishes (the
+rounds: ranks/cluster/te_rounds.py; what the served JE shares: ranks/cluster/je_parts.py). An
+idle TE finishes nothing before it is given a request; when every TE is idle, the JE routes the
+next arrival at once (time warps to it). Each grant carries the requests routed to the TE with their
 routing times, and the promise: the next arrival not yet routed (inf: none left), before which
 no request is still to come to it.
 
@@ -18,31 +19,27 @@ its own waits on its dies), errors naming the TE-shells and the grant.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter, deque
-from datetime import datetime
 
 from mpi4py import MPI
 
-from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_CLUSTER_RESULT, TeResult
+from ranks.cluster.je_parts import (
+    check_every_request,
+    cluster_loads,
+    count_per_te,
+    run_job,
+    write_te_columns,
+)
+from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
+from ranks.cluster.te_rounds import TeRounds
 from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
-from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
-from ranks.shell.virtual_time import Finishes, GrantRounds
 from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
-from xds_mpi.cluster.loads import TeLoads
-from xds_mpi.cluster.policies import load_policy
-from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
-from xds_mpi.plan.cluster import te_config
-from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.results.results import RequestRecord
-from xds_mpi.scheduling.admission import Completions, decide
 from xds_mpi.workload.requests import rejection
 from xds_mpi.workload.stream import load_workload
-
-INF = math.inf
 
 
 def run(ctx: RankContext) -> int:
@@ -58,207 +55,6 @@ def run(ctx: RankContext) -> int:
         je.collect()
 
     return run_job(ctx, JobExecutor, serve, what="JE up")
-
-
-def run_job(ctx: RankContext, make, serve, *, what: str) -> int:
-    """A JE's run around its job (a JobExecutor, or a served cluster): `make(ctx)` it,
-    `serve(job, started)` it until its TEs' results are in, check every request against the
-    reference, and write the one run file, whatever happened (exit code 1 on a mismatch or a
-    TE's failure)."""
-    started_at, started = datetime.now(), time.perf_counter()
-    path = run_file_path(ctx.cfg, started_at)
-    ctx.log.info("%s: %s", what, ctx.plan.cluster.describe().splitlines()[0])
-    status, job = "completed", None
-    try:
-        job = make(ctx)
-        serve(job, started)
-        if ctx.cfg.run.check:
-            job.check()
-            if job.mismatches:
-                status = f"check failed: {len(job.mismatches)} mismatches"
-        status = job.te_failure or status
-    except Exception as exc:
-        status = f"failed: {exc}"
-        raise
-    finally:
-        write_run_file(
-            path,
-            cfg=ctx.cfg,
-            topo=ctx.topo,
-            status=status,
-            started_at=started_at,
-            wall_time_s=time.perf_counter() - started,
-            handshake_s=0.0,
-            extra=job.write if job is not None and job.results else None,
-        )
-        ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
-        if job is not None and job.check_line:
-            print(job.check_line, flush=True)
-    return 1 if job is not None and (job.mismatches or job.te_failure) else 0
-
-
-class TeRounds(GrantRounds):
-    """The JE's rounds with its TE-shells: route, grant, take their finishes and reports; a lost
-    TE (cluster.te_losses) found and its unfinished requests routed again."""
-
-    def __init__(self, je: JobExecutor) -> None:
-        cfg, cluster = je.ctx.cfg, je.ctx.plan.cluster
-        shells = range(1, cluster.num_tes + 1)
-        super().__init__(je.comm, shells, timeout_s=cfg.run.timeout_s, who="JE")
-        self.je = je
-        self.live = list(shells)  # the TE-shells of the TEs not lost (found so)
-        self.completions = Completions()  # finishes not yet applied to the loads
-        self.finishes = Finishes(
-            je.comm, TAG_CLUSTER_FINISHED, self.completions, who="JE", accept=self._accept
-        )
-        self.decided_s = 0.0
-        # A TE lost at virtual t finishes nothing after t; the JE finds it a heartbeat timeout
-        # and one ping later (the TE-shells' own detection of a die, docs/failures.md).
-        self.losses = deque(cfg.cluster.te_losses)  # not found yet, by at_s
-        self.lost_at = {loss.te: loss.at_s for loss in cfg.cluster.te_losses}
-        self.detect_s = cfg.health.timeout_s + cfg.health.dp_interval_s
-        self.found_at: dict[int, float] = {}  # TE -> when the JE found it lost
-        self.finished: set[int] = set()  # req_id: finishes taken (a lost TE's before its loss)
-        self.again_at: dict[int, float] = {}  # req_id -> routed again from then (a lost TE's)
-
-    @property
-    def actors(self) -> list[int]:
-        return self.live
-
-    def arrival_of(self, req) -> float:
-        """When a request is routed: at its arrival, or, orphaned by a lost TE, once found."""
-        return self.again_at.get(req.req_id, req.arrival_s)
-
-    def _accept(self, shell: int, req_id: int, vtime_s: float, first_s: float) -> bool:
-        """A finish counts unless its TE was lost before it (the emulated TE runs on); the
-        autoscaler learns its TTFT."""
-        if vtime_s > self.lost_at.get(shell - 1, INF):
-            return False
-        self.finished.add(req_id)
-        if self.je.autoscaler is not None:
-            self.je.autoscaler.finished(vtime_s, first_s - self.je.records[req_id].req.arrival_s)
-        return True
-
-    def turn(self) -> int:
-        num = self._take_reports() + self.finishes.take()
-        je = self.je
-        if not je.queue and not self.losses:
-            return num  # the last grant promised inf: nothing more to route
-        missing = self.missing()
-        if missing:
-            self._check_waiting(missing, len(self.reports) + self.finishes.taken.total())
-            return num
-        reports = [self.reports[s] for s in self.actors]
-        self.finishes.take_counted({r.die_rank: r.num_batches for r in reports}, self.timeout_s)
-        busy = [r.start_s for r in reports if not r.is_idle]
-        now_s = min(busy) if busy else None
-        if self.losses:  # found once every TE passed it and every earlier arrival is routed
-            found_s = self.losses[0].at_s + self.detect_s
-            head_s = self.arrival_of(je.queue[0]) if je.queue else INF
-            if (now_s is None or now_s >= found_s) and head_s >= found_s:
-                self._lose(self.losses.popleft().te, found_s)
-                busy = [self.reports[s].start_s for s in self.actors if not self.reports[s].is_idle]
-                now_s = min(busy) if busy else None
-                num += 1
-            elif now_s is not None:
-                now_s = min(now_s, found_s)
-        grant = decide(
-            je.queue,
-            je.loads,
-            self.completions,
-            now_s=now_s,
-            after_s=self.decided_s,
-            arrival_of=self.arrival_of,
-        )
-        if je.weights is not None:  # a scale-out's load order, before the grant routing there
-            je.weights.send_orders(je.autoscaler.events, je.sends)
-        # the promise: the next arrival, or a loss found before it (its orphans go elsewhere)
-        promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
-        to: dict[int, list] = {s: [] for s in self.actors}
-        for d in grant.decisions:
-            to[d.group + 1].append(d)
-            je.routed_s[d.req.req_id] = self.decided_s = d.vtime_s
-        seq = self._new_round(promise_s)
-        for shell, decisions in to.items():
-            message = Grant(
-                seq=seq,
-                requests=tuple(d.req for d in decisions),
-                horizon_s=promise_s,
-                warp_s=-INF,
-                times=tuple(d.vtime_s for d in decisions),
-            )
-            je.sends.append(self.comm.isend(message, dest=shell, tag=TAG_VTIME_GRANT))
-        return num + 1
-
-    def _lose(self, te: int, found_s: float) -> None:
-        """TE `te` found lost at `found_s`: no candidate any more, its requests not finished
-        before its loss routed again from then (first in the queue: every later arrival comes
-        after), its TE-shell promised nothing more (it serves what it holds to the end, for
-        nothing: the emulated TE runs on; its finishes after the loss do not count)."""
-        je, shell = self.je, te + 1
-        je.loads.lost.add(te)
-        orphans = sorted(
-            (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
-            key=lambda req: (req.arrival_s, req.req_id),
-        )
-        orphans = [req for req in orphans if req.req_id not in self.finished]
-        for req in orphans:
-            je.loads.on_complete(req.req_id)  # off the lost TE's load
-            self.again_at[req.req_id] = found_s
-            je.orphaned[req.req_id] = te
-        je.queue.extendleft(reversed(orphans))
-        self.found_at[te] = found_s
-        self.live.remove(shell)
-        self.reports.pop(shell, None)
-        final = Grant(seq=self.seq, requests=(), horizon_s=INF, warp_s=-INF, times=())
-        je.sends.append(self.comm.isend(final, dest=shell, tag=TAG_VTIME_GRANT))
-        je.log.warning(
-            "JE: TE %d lost at %.3f s virtual, found at %.3f s: %d unfinished requests routed "
-            "again (%s)",
-            te,
-            self.lost_at[te],
-            found_s,
-            len(orphans),
-            [req.req_id for req in orphans],
-        )
-
-
-def cluster_loads(cfg, cluster, autoscaler: Autoscaler | None, arrival_of) -> TeLoads:
-    """The JE's view of its TEs (xds_mpi/cluster/loads.py): cluster.policy, each TE's kind and
-    dies, the prompt tree with each TE's capacity as its own config gives it."""
-    return TeLoads(
-        cluster.num_tes,
-        load_policy(cluster.policy, cfg),
-        kinds=[t.kind for t in cluster.tes],
-        num_dies=[t.num_dies for t in cluster.tes],
-        tree=PromptTree(
-            cluster.num_tes,
-            block_tokens=cfg.scheduler.kv_block_tokens,
-            capacity_blocks=[
-                te_capacity_blocks(te_config(cfg, t.overrides), t.num_dies) for t in cluster.tes
-            ],
-        ),
-        autoscaler=autoscaler,
-        arrival_of=arrival_of,
-    )
-
-
-def write_te_columns(group, cluster, statuses: list[str]) -> None:
-    """The run file's per-TE columns of /cluster (docs/cluster.md "The run file"): each TE's
-    TE-shell world rank, size, kind, group, standby and status."""
-    import h5py
-    import numpy as np
-
-    text = h5py.string_dtype()
-    group["te_standby"] = np.array([t.standby for t in cluster.tes])
-    group["te_first_rank"] = np.array(
-        [cluster.first_rank(te) for te in range(cluster.num_tes)], np.int64
-    )
-    group["te_size"] = np.array([t.size for t in cluster.tes], np.int64)
-    group["te_kind"] = np.array([t.kind for t in cluster.tes], dtype=text)
-    group["te_group"] = np.array([t.group for t in cluster.tes], dtype=text)
-    group.attrs.update(num_tes=cluster.num_tes, policy=cluster.policy)
-    group["te_status"] = np.array(statuses, dtype=text)
 
 
 class JobExecutor:
@@ -367,38 +163,19 @@ class JobExecutor:
         self.summary = summarize(self.records, self.started, self.ended)
         self.summary["serving_clock"] = self.ctx.plan.clock.kind
         self.summary.update(num_tes=cluster.num_tes, cluster_policy=cluster.policy)
-        per_te = Counter(self.loads.te_of.values())
-        for te in range(cluster.num_tes):
-            self.summary[f"te{te}_requests"] = per_te[te]
         self.summary["rerouted_requests"] = len(self.orphaned)
         if self.autoscaler is not None:
             kinds = Counter(e.kind for e in self.autoscaler.events)
             self.summary.update(scale_outs=kinds["out"], scale_ins=kinds["in"])
         self.log.info(format_summary(self.summary))
-        self.log.info(
-            "cluster: %s",
-            ", ".join(f"TE {te} served {per_te[te]} requests" for te in range(cluster.num_tes)),
-        )
+        count_per_te(self.summary, cluster, self.loads.te_of, self.log)
         self.virtual_times = virtual_times(self.records, self.admitted)
         self.summary.update(virtual_summary(cfg, self.virtual_times, self.summary["wall_s"]))
         self.log.info(format_virtual(self.summary, self.summary["wall_s"]))
 
     def check(self) -> None:
         """Every served request against the single-process reference, whichever TE served it."""
-        from xds_mpi.results.results import check_against_reference
-
-        self.log.info(
-            "check: running the single-process reference on %d requests", len(self.records)
-        )
-        num_requests, num_tokens, self.mismatches = check_against_reference(
-            self.ctx.cfg, self.records
-        )
-        for line in self.mismatches:
-            self.log.error("check: %s", line)
-        self.check_line = (
-            f"check: {num_requests} requests, {num_tokens} tokens, "
-            f"{len(self.mismatches)} mismatches"
-        )
+        self.mismatches, self.check_line = check_every_request(self.ctx.cfg, self.records, self.log)
 
     def write(self, f) -> None:
         """/requests, /dies (world ranks), /summary, /virtual as a TE's run file has them (with

@@ -21,13 +21,18 @@ loop by the endpoint's deadline (errors naming the TEs and what is missing).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 from mpi4py import MPI
 
-from ranks.cluster.je import cluster_loads, run_job, write_te_columns
+from ranks.cluster.je_parts import (
+    check_every_request,
+    cluster_loads,
+    count_per_te,
+    run_job,
+    write_te_columns,
+)
 from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
 from ranks.cluster.serve_messages import (
     TAG_CLUSTER_NEWS,
@@ -44,7 +49,7 @@ from ranks.shell.openai_api import make_app
 from ranks.shell.serve_metrics import ServeMetrics
 from xds_mpi.plan.cluster import te_config
 from xds_mpi.plan.topology import Topology
-from xds_mpi.results.results import RequestRecord, check_against_reference
+from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
 
 # The loop's pause while no work comes, as a TE-shell's (ranks/shell/frontend.py).
@@ -353,16 +358,10 @@ class ServedCluster:
         self.summary = summarize(self.records, self.started, self.ended)
         self.summary["serving_clock"] = self.ctx.plan.clock.kind
         self.summary.update(num_tes=cluster.num_tes, cluster_policy=cluster.policy)
-        per_te = Counter(self.loads.te_of.values())
-        for te in range(cluster.num_tes):
-            self.summary[f"te{te}_requests"] = per_te[te]
         for key in ("num_cancelled", "num_cancelled_on_dies", "cancelled_kv_blocks_freed"):
             self.summary[key] = sum(r.summary.get(key, 0) for r in self.results.values())
         self.log.info(format_summary(self.summary))
-        self.log.info(
-            "cluster: %s",
-            ", ".join(f"TE {te} served {per_te[te]} requests" for te in range(cluster.num_tes)),
-        )
+        count_per_te(self.summary, cluster, self.loads.te_of, self.log)
         self.log.info(
             "serve: %d requests ended early; the dies dropped %d of them and freed %d KV blocks",
             self.summary["num_cancelled"],
@@ -372,16 +371,7 @@ class ServedCluster:
 
     def check(self) -> None:
         """Every request against the single-process reference, whichever TE served it."""
-        self.log.info(
-            "check: running the single-process reference on %d requests", len(self.records)
-        )
-        num_requests, num_tokens, self.mismatches = check_against_reference(self.cfg, self.records)
-        for line in self.mismatches:
-            self.log.error("check: %s", line)
-        self.check_line = (
-            f"check: {num_requests} requests, {num_tokens} tokens, "
-            f"{len(self.mismatches)} mismatches"
-        )
+        self.mismatches, self.check_line = check_every_request(self.cfg, self.records, self.log)
         ended = sum(1 for r in self.records.values() if r.cancelled and not r.rejected)
         if ended:  # their tokens are the reference's first ones
             self.check_line += f"; {ended} of them ended early, compared as prefixes"
