@@ -55,6 +55,10 @@ def test_without_peers_the_requests_are_named_by_place(comm):
     with pytest.raises(WaitTimeout, match=r"TE-shell: stop: 1 of 1 not complete after 0.1 s "
                        r"\(request\(s\) \[0\] of 1\)"):  # fmt: skip
         wait_all([never], timeout_s=0.1, me="TE-shell", event="stop")
+    # taken while `never` still holds its buffer: a pending send whose request is gone reads
+    # freed memory, and the fixture's clean-up then unpickled garbage now and then
+    assert comm.recv(source=0, tag=TAG) == "never taken"
+    wait_all([never], timeout_s=5.0, me="TE-shell", event="stop")
 
 
 def test_peers_must_match_the_requests(comm):
