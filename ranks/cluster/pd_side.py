@@ -28,10 +28,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_VTIME_CLOCK, TAG_VTIME_GRANT
-from ranks.cluster.te_side import JeFeed, queue_routed
+from ranks.cluster.messages import TAG_VTIME_GRANT
+from ranks.cluster.te_side import JeFeed, JeReports, queue_routed
 from ranks.core.tags import TAG_PD_DECODE_STATE
-from ranks.core.vtime_messages import ClockReport, Grant
+from ranks.core.vtime_messages import Grant
 from ranks.shell.pd_pacers import DecodePacer, PrefillPacer
 from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.scheduling.admission import Completions, NextGrant, decide
@@ -105,11 +105,9 @@ class PairPacer(PrefillPacer):
         self.frontend = je
         self.je_promise_s = 0.0  # the cluster JE's promise: nothing routed here before it
         self.je_seq = 0
-        self.reported_seq = 0
         self.routed_at: dict[int, float] = {}  # req_id -> the cluster JE's routing (virtual s)
         self.done: dict[int, float] = {}  # req_id -> its finish (virtual s), every one known
-        self.finished_out: list[tuple[int, float]] = []  # finishes not yet sent to the JE
-        self.num_sent = 0
+        self.to_je = JeReports(link, je)  # the finishes and reports to the cluster's JE
         self.num_forwarded = 0  # tasks forwarded to the decode TE-shell
         self.decode = DecodeState(promise_s=-INF, num_tasks=0, bound_s=INF, finishes=())
         self.feed = PairFeed(self)
@@ -163,7 +161,7 @@ class PairPacer(PrefillPacer):
         if req_id not in self.done:
             self.done[req_id] = vtime_s
             first_s = self.je.records[req_id].token_vtimes[0]
-            self.finished_out.append((req_id, vtime_s, first_s))
+            self.to_je.finished((req_id, vtime_s, first_s))
 
     def _routed(self, req) -> float:
         return self.routed_at[req.req_id]
@@ -191,7 +189,7 @@ class PairPacer(PrefillPacer):
         """Once per cluster grant (none after the last, whose promise is inf), when the pair
         waits at the promise and knows every finish before its bound: the finishes first, then
         the report counting them."""
-        if self.reported_seq == self.je_seq or self.je_promise_s == INF:
+        if self.to_je.reported_seq == self.je_seq or self.je_promise_s == INF:
             return 0
         decode, cap = self.decode, self.je_promise_s
         if (
@@ -205,18 +203,4 @@ class PairPacer(PrefillPacer):
             return 0
         start_s = min([*busy, decode.bound_s])
         is_idle = len(self.done) == len(self.routed_at)
-        comm, je = self.link.comm, self.je
-        if self.finished_out:
-            message = tuple(self.finished_out)
-            je.sends.append(comm.isend(message, dest=JE_RANK, tag=TAG_CLUSTER_FINISHED))
-            self.finished_out, self.num_sent = [], self.num_sent + 1
-        report = ClockReport(
-            die_rank=self.link.te + 1,
-            seq=self.je_seq,
-            start_s=cap if is_idle else start_s,
-            is_idle=is_idle,
-            num_batches=self.num_sent,
-        )
-        je.sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
-        self.reported_seq = self.je_seq
-        return 1
+        return self.to_je.report(self.je_seq, start_s=cap if is_idle else start_s, is_idle=is_idle)

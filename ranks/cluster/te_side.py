@@ -41,10 +41,8 @@ class TePacer(VirtualPacer):
         self.link = link  # ranks/cluster/link.py ClusterLink
         self.promise_s = 0.0  # nothing may be decided before the JE's first grant
         self.je_seq = 0  # the JE grant held
-        self.reported_seq = 0  # the JE grant last reported for
         self.routed_at: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
-        self.outgoing: list[tuple[int, float]] = []  # finishes not yet sent to the JE
-        self.num_sent = 0  # finish messages sent to the JE
+        self.to_je = JeReports(link, frontend)  # the finishes and reports to the JE
         self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
         self.feed = JeFeed(self, self.weights)
 
@@ -53,7 +51,7 @@ class TePacer(VirtualPacer):
         autoscaler's SLO metric)."""
         super().finished(req_id, vtime_s)
         first_s = self.frontend.records[req_id].token_vtimes[0]
-        self.outgoing.append((req_id, vtime_s, first_s))
+        self.to_je.finished((req_id, vtime_s, first_s))
 
     def turn(self) -> int:
         """Take the JE's grants and the dies' reports; once every die reported, decide up to
@@ -129,24 +127,42 @@ class TePacer(VirtualPacer):
         return num
 
     def _report(self, *, is_idle: bool, start_s: float) -> int:
-        """Once per JE grant (none after the last, whose promise is inf): the finishes first,
-        then the report counting them."""
-        if self.reported_seq == self.je_seq or self.promise_s == INF:
+        """Once per JE grant (none after the last, whose promise is inf)."""
+        if self.to_je.reported_seq == self.je_seq or self.promise_s == INF:
             return 0
-        comm, frontend = self.link.comm, self.frontend
-        if self.outgoing:
-            message = tuple(self.outgoing)
-            frontend.sends.append(comm.isend(message, dest=JE_RANK, tag=TAG_CLUSTER_FINISHED))
-            self.outgoing, self.num_sent = [], self.num_sent + 1
+        return self.to_je.report(self.je_seq, start_s=start_s, is_idle=is_idle)
+
+
+class JeReports:
+    """A TE's side of its reports to the cluster's JE (a colocated TE-shell's, a PD pair's JE's):
+    its finishes, (req_id, virtual s, first token's virtual s), and once per JE grant the report
+    counting the finish messages sent before it, so that the JE takes them all first. `owner`
+    holds the pending sends (its `sends` list)."""
+
+    def __init__(self, link, owner) -> None:
+        self.link, self.owner = link, owner
+        self.rows: list[tuple[int, float, float]] = []  # finishes not yet sent
+        self.num_sent = 0  # finish messages sent
+        self.reported_seq = 0  # the JE grant last reported for
+
+    def finished(self, row: tuple[int, float, float]) -> None:
+        self.rows.append(row)
+
+    def report(self, seq: int, *, start_s: float, is_idle: bool) -> int:
+        """The finishes first, then the report for JE grant `seq`."""
+        comm, sends = self.link.comm, self.owner.sends
+        if self.rows:
+            sends.append(comm.isend(tuple(self.rows), dest=JE_RANK, tag=TAG_CLUSTER_FINISHED))
+            self.rows, self.num_sent = [], self.num_sent + 1
         report = ClockReport(
             die_rank=self.link.te + 1,
-            seq=self.je_seq,
+            seq=seq,
             start_s=start_s,
             is_idle=is_idle,
             num_batches=self.num_sent,
         )
-        frontend.sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
-        self.reported_seq = self.je_seq
+        sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
+        self.reported_seq = seq
         return 1
 
 
