@@ -118,7 +118,9 @@ def split_cluster(world: MPI.Comm, plan: DeploymentPlan) -> tuple[MPI.Comm, Clus
     link = world.Split(0 if local == 0 else MPI.UNDEFINED, key=world.rank)
     if link == MPI.COMM_NULL:
         return te_comm, None
-    return (link if te < 0 else te_comm), ClusterLink(comm=link, te=te)
+    return (link if te < 0 else te_comm), ClusterLink(
+        comm=link, te=te, num_jes=plan.cluster.num_jes
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,14 +30,15 @@ def world_of(plan: DeploymentPlan) -> World:
         )
     cluster = plan.cluster
     te_plans = [_te_plan(plan, te) for te in range(cluster.num_tes)]
-    windows = (0,) + tuple(n for te_plan in te_plans for n in te_plan.window_bytes)
+    te_windows = tuple(n for te_plan in te_plans for n in te_plan.window_bytes)
+    windows = (0,) * cluster.num_jes + te_windows
     assert len(windows) == cluster.world_size, (len(windows), cluster.world_size)
     return World(
         world_size=cluster.world_size,
-        num_host_ranks=1 + sum(p.topo.num_host_ranks for p in te_plans),
+        num_host_ranks=cluster.num_jes + sum(p.topo.num_host_ranks for p in te_plans),
         num_dies=sum(p.topo.num_dies for p in te_plans),
         summary=cluster.describe().splitlines()[0]
-        + " (host ranks: the JE, each TE-shell, each PD pair's JE and decode TE-shell)",
+        + " (host ranks: the JEs, each TE-shell, each PD pair's JE and decode TE-shell)",
         window_bytes=windows,
     )
 
@@ -71,12 +72,13 @@ def cluster_layout(cluster: ClusterPlan, num_nodes: int | None = None) -> NodeLa
             "nodes is not supported)"
         )
     sizes = [t.size for t in cluster.tes]  # [num_tes] ranks of each TE
-    sizes[0] += 1  # the JE, world rank 0, runs beside TE 0
+    sizes[0] += cluster.num_jes  # the JEs, world ranks 0..J-1, run beside TE 0
     counts = _split(sizes, num_nodes, _least_largest(sizes, num_nodes))  # [num_nodes] TEs each
     tasks, names, first = [], [], 0
     for count in counts:
         tasks.append(sum(sizes[first : first + count]))
-        names.append(("JE + " if first == 0 else "") + _te_range(first, first + count - 1))
+        jes = "JE + " if cluster.num_jes == 1 else f"{cluster.num_jes} JEs + "
+        names.append((jes if first == 0 else "") + _te_range(first, first + count - 1))
         first += count
     why = (
         f"{num_tes} TEs, whole TEs per node in world-rank order, the JE on the first: "

@@ -13,6 +13,12 @@ next arrival at once (time warps to it). Each grant carries the requests routed 
 routing times, and the promise: the next arrival not yet routed (inf: none left), before which
 no request is still to come to it.
 
+Several JEs (`cluster.num_jes`, world ranks 0..J-1): the frontend deals the requests to them in
+arrival order (JE j the j-th of every J); each routes its share by the policy from its own view
+(its own requests' loads and prompt tree: DeepServe's JEs schedule independently) under the same
+rule, a TE's promise being the lowest of theirs (ranks/cluster/te_side.py `JeGrants`). JE 0
+writes the run file: the TEs' results and the other JEs' shares (`JeShare`) come to it.
+
 Every wait is bounded: the TEs' reports and results within run.timeout_s (each TE-shell bounds
 its own waits on its dies), errors naming the TE-shells and the grant.
 """
@@ -31,19 +37,25 @@ from ranks.cluster.je_parts import (
     run_job,
     write_te_columns,
 )
-from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
+from ranks.cluster.messages import TAG_CLUSTER_RESULT, TAG_CLUSTER_SHARE, JeShare, TeResult
 from ranks.cluster.te_rounds import TeRounds
 from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
-from ranks.core.control import WaitTimeout, recv_from_each, wait_all
+from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
+from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
 from xds_mpi.workload.stream import load_workload
 
 
 def run(ctx: RankContext) -> int:
-    """The JE's program; ctx.comm is the link (JE 0, TE-shell of TE k at k + 1)."""
+    """The JE's program; ctx.comm is the link (JE j at j, TE-shell of TE k at num_jes + k)."""
+    if ctx.comm.rank != JE_RANK:  # another JE: its share routed, handed to JE 0
+        je = JobExecutor(ctx)
+        je.serve()
+        je.hand_over()
+        return 0
     if ctx.cfg.serve.enabled:  # xds-mpi serve: the endpoint's requests on the wall clock
         # Lazy import, serve only: aiohttp and the API (docs/scale.md).
         from ranks.cluster.served_je import run as run_served
@@ -52,6 +64,7 @@ def run(ctx: RankContext) -> int:
 
     def serve(je: JobExecutor, started: float) -> None:
         je.serve()
+        je.take_shares()
         je.collect()
 
     return run_job(ctx, JobExecutor, serve, what="JE up")
@@ -61,11 +74,20 @@ class JobExecutor:
     def __init__(self, ctx: RankContext) -> None:
         cfg, cluster = ctx.cfg, ctx.plan.cluster
         self.ctx, self.comm, self.log = ctx, ctx.comm, ctx.log
-        self.records: dict[int, RequestRecord] = {}
+        self.index = ctx.comm.rank  # this JE's (0: the one writing the run file)
+        self.name = "JE" if cluster.num_jes == 1 else f"JE {self.index}"
+        self.records: dict[int, RequestRecord] = {}  # JE 0: every request's; JE j: its share's
+        requests = load_workload(cfg)
+        self.dealt = deal(requests, cluster.num_jes)  # req_id -> its JE
         queue = []
-        for req in load_workload(cfg):
+        for req in requests:
+            je = self.dealt[req.req_id]
+            if je != self.index and self.index != JE_RANK:
+                continue
             reason = rejection(req, cfg)
             self.records[req.req_id] = RequestRecord(req=req, rejected=reason)
+            if je != self.index:
+                continue
             if reason:
                 self.log.warning("request %d rejected: %s", req.req_id, reason)
             else:
@@ -103,10 +125,10 @@ class JobExecutor:
                 time.sleep(0.0005)
             if time.monotonic() > deadline:
                 raise WaitTimeout(
-                    f"JE: {len(self.queue)} requests not routed after "
+                    f"{self.name}: {len(self.queue)} requests not routed after "
                     f"run.timeout_s({self.ctx.cfg.run.timeout_s:g})"
                 )
-        self.log.info("JE: %d requests routed, waiting for the TEs", self.num_routed)
+        self.log.info("%s: %d requests routed, waiting for the TEs", self.name, self.num_routed)
         for event in self.autoscaler.events if self.autoscaler else ():
             self.log.info(
                 "autoscaler: %s TE %d at %.3f s virtual (load %.2f unfinished requests per die)%s",
@@ -117,13 +139,54 @@ class JobExecutor:
                 f", serving from {event.serves_s:.3f} s" if event.kind == "out" else "",
             )
 
+    def hand_over(self) -> None:
+        """JE j > 0: what it routed, to JE 0 (bounded), once its grants are out."""
+        cfg = self.ctx.cfg
+        wait_all(self.sends, timeout_s=cfg.run.timeout_s, me=self.name, event="grants")
+        share = JeShare(
+            je=self.index,
+            routed_s=self.routed_s,
+            te_of=self.loads.te_of,
+            orphaned=self.orphaned,
+            decisions=self.loads.decisions,
+        )
+        send_to_each(
+            self.comm,
+            {JE_RANK: share},
+            tag=TAG_CLUSTER_SHARE,
+            timeout_s=cfg.run.timeout_s,
+            me=self.name,
+            event="its share to JE 0",
+        )
+
+    def take_shares(self) -> None:
+        """JE 0: the other JEs' shares (bounded), merged into its own view for the run file."""
+        cluster = self.ctx.plan.cluster
+        if cluster.num_jes == 1:
+            return
+        shares = recv_from_each(
+            self.comm,
+            range(1, cluster.num_jes),
+            tag=TAG_CLUSTER_SHARE,
+            timeout_s=self.ctx.cfg.run.timeout_s,
+            me=self.name,
+            event="another JE's share",
+        )
+        loads = self.loads
+        for share in shares.values():
+            self.routed_s.update(share.routed_s)
+            loads.te_of.update(share.te_of)
+            self.orphaned.update(share.orphaned)
+            loads.decisions.extend(share.decisions)
+        loads.decisions.sort(key=lambda d: (d.decided_s, d.req_id))
+
     def collect(self) -> None:
         """Every TE's records once it has served (bounded), merged into the JE's."""
         cfg, cluster = self.ctx.cfg, self.ctx.plan.cluster
         left_s = cfg.run.timeout_s - (time.time() - self.started)
         results = recv_from_each(
             self.comm,
-            range(1, cluster.num_tes + 1),  # every TE-shell, a lost TE's too
+            [cluster.shell(te) for te in range(cluster.num_tes)],  # a lost TE's too
             tag=TAG_CLUSTER_RESULT,
             timeout_s=max(left_s, cfg.xccl.poll_timeout_s),
             me="JE",
@@ -162,7 +225,9 @@ class JobExecutor:
         cfg, cluster = self.ctx.cfg, self.ctx.plan.cluster
         self.summary = summarize(self.records, self.started, self.ended)
         self.summary["serving_clock"] = self.ctx.plan.clock.kind
-        self.summary.update(num_tes=cluster.num_tes, cluster_policy=cluster.policy)
+        self.summary.update(
+            num_tes=cluster.num_tes, num_jes=cluster.num_jes, cluster_policy=cluster.policy
+        )
         self.summary["rerouted_requests"] = len(self.orphaned)
         if self.autoscaler is not None:
             kinds = Counter(e.kind for e in self.autoscaler.events)
@@ -216,6 +281,7 @@ class JobExecutor:
         ids = sorted(self.records)
         group["req_id"] = np.array(ids, np.int64)
         group["te"] = np.array([self.loads.te_of.get(r, -1) for r in ids], np.int64)
+        group["je"] = np.array([self.dealt[r] for r in ids], np.int64)  # the JE dealt it
         group["routed_s"] = np.array([self.routed_s.get(r, np.nan) for r in ids])
         # the TE a request was first routed to: a lost one's, for a request routed again
         group["first_te"] = np.array(
@@ -256,3 +322,10 @@ class JobExecutor:
         if found_s is None:
             return self.results[te].status
         return f"lost at {self.rounds.lost_at[te]:g} s virtual, found at {found_s:g} s"
+
+
+def deal(requests, num_jes: int) -> dict[int, int]:
+    """The frontend's deal: req_id -> its JE, in arrival order, JE j the j-th of every
+    `num_jes`."""
+    ordered = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
+    return {req.req_id: i % num_jes for i, req in enumerate(ordered)}

@@ -1,7 +1,7 @@
-"""The link of a cluster's TE-shell (docs/cluster.md): the communicator it shares with the JE
-(JE 0, the TE-shell of TE k at k + 1) and its TE's index. launch/job/rank.py sets it before the
-role program runs (a TE-shell's RankContext is its TE's, as if the TE were the world); None
-outside a cluster and on every other rank."""
+"""The link of a cluster's TE-shell (docs/cluster.md): the communicator it shares with the JEs
+(JE j at j, the TE-shell of TE k at J + k: `ClusterPlan.shell`) and its TE's index.
+launch/job/rank.py sets it before the role program runs (a TE-shell's RankContext is its TE's,
+as if the TE were the world); None outside a cluster and on every other rank."""
 
 from __future__ import annotations
 
@@ -12,8 +12,18 @@ from mpi4py import MPI
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterLink:
-    comm: MPI.Comm  # JE 0, the TE-shell of TE k at k + 1
-    te: int  # this TE's index (-1: the JE)
+    comm: MPI.Comm  # JE j at j, the TE-shell of TE k at num_jes + k
+    te: int  # this TE's index (-1: a JE)
+    num_jes: int = 1  # the JEs: link ranks 0..num_jes-1
+
+    @property
+    def jes(self) -> range:
+        return range(self.num_jes)
+
+    @property
+    def rank(self) -> int:
+        """This rank on the link: a JE's index, or num_jes + its TE."""
+        return self.comm.rank
 
 
 _link: ClusterLink | None = None

@@ -5,7 +5,9 @@ requests routed to that TE, each with its routing time (`times`), and the *promi
 horizon: no request routed before it is still to come (inf: none is). TE-shell -> JE,
 TAG_CLUSTER_FINISHED: (req_id, virtual finish s) of the requests its dies finished since the
 last; then TAG_VTIME_CLOCK: a `ClockReport` once per grant, counting those messages. At the end
-TAG_CLUSTER_RESULT: the TE's `TeResult`.
+TAG_CLUSTER_RESULT: the TE's `TeResult`, to JE 0. With several JEs (cluster.num_jes), each
+JE's grants and each TE-shell's reports and finishes go between every JE and every TE-shell, and
+JE j > 0 hands JE 0 its `JeShare` at the end (TAG_CLUSTER_SHARE).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from ranks.core.tags import (  # noqa: F401
     TAG_CLUSTER_FINISHED,
     TAG_CLUSTER_RESULT,
+    TAG_CLUSTER_SHARE,
     TAG_VTIME_CLOCK,
     TAG_VTIME_GRANT,
 )
@@ -37,3 +40,16 @@ class TeResult:
     die_timings: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     started: float = 0.0
+
+
+@dataclass(kw_only=True)
+class JeShare:
+    """What JE j > 0 hands JE 0 once it routed its share (JE 0 writes the one run file):
+    routed_s and te_of: req_id -> its routing (virtual s) and its TE; orphaned: req_id -> the lost
+    TE it was first routed to; decisions: its decision log (xds_mpi/cluster/decisions.py)."""
+
+    je: int
+    routed_s: dict = field(default_factory=dict)
+    te_of: dict = field(default_factory=dict)
+    orphaned: dict = field(default_factory=dict)
+    decisions: list = field(default_factory=list)

@@ -29,11 +29,9 @@ import math
 from dataclasses import dataclass
 
 from ranks.cluster.messages import TAG_VTIME_GRANT
-from ranks.cluster.te_side import JeFeed, JeReports, queue_routed
+from ranks.cluster.te_side import JeFeed, JeGrants, JeReports
 from ranks.core.tags import TAG_PD_DECODE_STATE
-from ranks.core.vtime_messages import Grant
 from ranks.shell.pd_pacers import DecodePacer, PrefillPacer
-from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.scheduling.admission import Completions, NextGrant, decide
 
 INF = math.inf
@@ -96,18 +94,16 @@ class PairFeed(JeFeed):
 
 
 class PairPacer(PrefillPacer):
-    """The JE of a PD pair in a cluster: the requests the cluster's JE routed here, the prefill
+    """The JE of a PD pair in a cluster: the requests the cluster's JEs routed here, the prefill
     TEs' grants and the decode TE-shell's promise capped by its promise, the reports to it."""
 
     def __init__(self, je, link) -> None:
         super().__init__(je)
         self.link = link  # ranks/cluster/link.py ClusterLink
         self.frontend = je
-        self.je_promise_s = 0.0  # the cluster JE's promise: nothing routed here before it
-        self.je_seq = 0
-        self.routed_at: dict[int, float] = {}  # req_id -> the cluster JE's routing (virtual s)
+        self.grants = JeGrants(link)  # the cluster JEs' grants held: the promise
         self.done: dict[int, float] = {}  # req_id -> its finish (virtual s), every one known
-        self.to_je = JeReports(link, je)  # the finishes and reports to the cluster's JE
+        self.to_je = JeReports(link, je, self.grants)  # the finishes and reports to the JEs
         self.num_forwarded = 0  # tasks forwarded to the decode TE-shell
         self.decode = DecodeState(promise_s=-INF, num_tasks=0, bound_s=INF, finishes=())
         self.feed = PairFeed(self)
@@ -163,17 +159,25 @@ class PairPacer(PrefillPacer):
             first_s = self.je.records[req_id].token_vtimes[0]
             self.to_je.finished((req_id, vtime_s, first_s))
 
+    @property
+    def je_promise_s(self) -> float:
+        """The cluster JEs' promise: nothing is routed here before it."""
+        return self.grants.promise_s
+
+    @property
+    def je_seq(self) -> int:
+        return self.grants.round
+
     def _routed(self, req) -> float:
-        return self.routed_at[req.req_id]
+        return self.grants.routed_at[req.req_id]
 
     def _take_je(self) -> int:
-        """The cluster JE's grants: its requests queued (records made), its promise."""
-        num, je = 0, self.je
-        while (message := self.link.comm.improbe(source=JE_RANK, tag=TAG_VTIME_GRANT)) is not None:
-            grant: Grant = message.recv()
-            queue_routed(je, grant, self.routed_at)
-            self.je_seq, self.je_promise_s = grant.seq, grant.horizon_s
-            num += 1
+        """The cluster JEs' grants: their requests queued (records made), their promise."""
+        num, comm = 0, self.link.comm
+        for source in self.link.jes:
+            while (message := comm.improbe(source=source, tag=TAG_VTIME_GRANT)) is not None:
+                self.grants.take(source, message.recv(), self.je)
+                num += 1
         return num
 
     def _take_decode(self) -> int:
@@ -189,7 +193,7 @@ class PairPacer(PrefillPacer):
         """Once per cluster grant (none after the last, whose promise is inf), when the pair
         waits at the promise and knows every finish before its bound: the finishes first, then
         the report counting them."""
-        if self.to_je.reported_seq == self.je_seq or self.je_promise_s == INF:
+        if self.to_je.reported == self.grants.round or self.je_promise_s == INF:
             return 0
         decode, cap = self.decode, self.je_promise_s
         if (
@@ -202,5 +206,5 @@ class PairPacer(PrefillPacer):
         ):
             return 0
         start_s = min([*busy, decode.bound_s])
-        is_idle = len(self.done) == len(self.routed_at)
-        return self.to_je.report(self.je_seq, start_s=cap if is_idle else start_s, is_idle=is_idle)
+        is_idle = len(self.done) == len(self.grants.routed_at)
+        return self.to_je.report(start_s=cap if is_idle else start_s, is_idle=is_idle)

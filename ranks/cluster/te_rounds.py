@@ -26,13 +26,14 @@ class TeRounds(GrantRounds):
 
     def __init__(self, je: JobExecutor) -> None:
         cfg, cluster = je.ctx.cfg, je.ctx.plan.cluster
-        shells = range(1, cluster.num_tes + 1)
-        super().__init__(je.comm, shells, timeout_s=cfg.run.timeout_s, who="JE")
+        shells = [cluster.shell(te) for te in range(cluster.num_tes)]
+        super().__init__(je.comm, shells, timeout_s=cfg.run.timeout_s, who=je.name)
+        self.shell, self.num_jes = cluster.shell, cluster.num_jes
         self.je = je
         self.live = list(shells)  # the TE-shells of the TEs not lost (found so)
         self.completions = Completions()  # finishes not yet applied to the loads
         self.finishes = Finishes(
-            je.comm, TAG_CLUSTER_FINISHED, self.completions, who="JE", accept=self._accept
+            je.comm, TAG_CLUSTER_FINISHED, self.completions, who=je.name, accept=self._accept
         )
         self.decided_s = 0.0
         # A TE lost at virtual t finishes nothing after t; the JE finds it a heartbeat timeout
@@ -55,7 +56,7 @@ class TeRounds(GrantRounds):
     def _accept(self, shell: int, req_id: int, vtime_s: float, first_s: float) -> bool:
         """A finish counts unless its TE was lost before it (the emulated TE runs on); the
         autoscaler learns its TTFT."""
-        if vtime_s > self.lost_at.get(shell - 1, INF):
+        if vtime_s > self.lost_at.get(shell - self.num_jes, INF):
             return False
         self.finished.add(req_id)
         if self.je.autoscaler is not None:
@@ -99,7 +100,7 @@ class TeRounds(GrantRounds):
         promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
         to: dict[int, list] = {s: [] for s in self.actors}
         for d in grant.decisions:
-            to[d.group + 1].append(d)
+            to[self.shell(d.group)].append(d)
             je.routed_s[d.req.req_id] = self.decided_s = d.vtime_s
         seq = self._new_round(promise_s)
         for shell, decisions in to.items():
@@ -118,7 +119,7 @@ class TeRounds(GrantRounds):
         before its loss routed again from then (first in the queue: every later arrival comes
         after), its TE-shell promised nothing more (it serves what it holds to the end, for
         nothing: the emulated TE runs on; its finishes after the loss do not count)."""
-        je, shell = self.je, te + 1
+        je, shell = self.je, self.shell(te)
         je.loads.lost.add(te)
         orphans = sorted(
             (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
@@ -136,8 +137,9 @@ class TeRounds(GrantRounds):
         final = Grant(seq=self.seq, requests=(), horizon_s=INF, warp_s=-INF, times=())
         je.sends.append(self.comm.isend(final, dest=shell, tag=TAG_VTIME_GRANT))
         je.log.warning(
-            "JE: TE %d lost at %.3f s virtual, found at %.3f s: %d unfinished requests routed "
+            "%s: TE %d lost at %.3f s virtual, found at %.3f s: %d unfinished requests routed "
             "again (%s)",
+            je.name,
             te,
             self.lost_at[te],
             found_s,

@@ -10,6 +10,10 @@ promise (their common start, the earliest virtual time the TE may still finish a
 when it holds no unfinished request (idle). Before the report it sends the JE the finishes its
 dies reported, with their virtual times, and the report counts those messages, so that the JE
 knows every finish before the TE's start when it routes.
+
+With several JEs (`cluster.num_jes`, `JeGrants`) the TE's promise is the lowest of theirs; it
+reports once per round, when every JE still routing has sent that round's grant, to each of
+them, and sends each JE the finishes of the requests that JE routed.
 """
 
 from __future__ import annotations
@@ -39,12 +43,19 @@ class TePacer(VirtualPacer):
     def __init__(self, frontend, link) -> None:
         super().__init__(frontend)
         self.link = link  # ranks/cluster/link.py ClusterLink
-        self.promise_s = 0.0  # nothing may be decided before the JE's first grant
-        self.je_seq = 0  # the JE grant held
-        self.routed_at: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
-        self.to_je = JeReports(link, frontend)  # the finishes and reports to the JE
+        self.grants = JeGrants(link)  # the JEs' grants held: the promise
+        self.to_je = JeReports(link, frontend, self.grants)  # the finishes and reports to the JE
         self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
         self.feed = JeFeed(self, self.weights)
+
+    @property
+    def promise_s(self) -> float:
+        """No request routed before it is still to come (0: before the JEs' first grants)."""
+        return self.grants.promise_s
+
+    @property
+    def je_seq(self) -> int:
+        return self.grants.round
 
     def finished(self, req_id: int, vtime_s: float) -> None:
         """A finish for the JE, with its first token's virtual time (its TTFT, for the
@@ -105,75 +116,121 @@ class TePacer(VirtualPacer):
                     )
                 time.sleep(0.0005)
 
-    def _routed(self, req) -> float:
-        return self.routed_at[req.req_id]
-
     def _take_je(self) -> int:
-        """The JE's messages in the order it sent them: a load order (it scales out to this TE:
-        passed on to the dies) before the grant that may route requests here; the grants: their
-        requests queued (records made), their promise."""
+        """The JEs' messages, each JE's in the order it sent them: a load order (it scales out
+        to this TE: passed on to the dies) before the grant that may route requests here; the
+        grants: their requests queued (records made), their promise."""
         num, frontend, comm, status = 0, self.frontend, self.link.comm, MPI.Status()
-        while comm.iprobe(source=JE_RANK, tag=MPI.ANY_TAG, status=status):
-            if status.tag == TAG_CLUSTER_LOAD:
-                self.weights.take_order(comm.recv(source=JE_RANK, tag=TAG_CLUSTER_LOAD))
+        for je in self.link.jes:
+            while comm.iprobe(source=je, tag=MPI.ANY_TAG, status=status):
+                if status.tag == TAG_CLUSTER_LOAD:
+                    self.weights.take_order(comm.recv(source=je, tag=TAG_CLUSTER_LOAD))
+                    num += 1
+                    continue
+                if status.tag != TAG_VTIME_GRANT:
+                    break
+                self.grants.take(je, comm.recv(source=je, tag=TAG_VTIME_GRANT), frontend)
                 num += 1
-                continue
-            if status.tag != TAG_VTIME_GRANT:
-                break
-            grant: Grant = comm.recv(source=JE_RANK, tag=TAG_VTIME_GRANT)
-            queue_routed(frontend, grant, self.routed_at)
-            self.je_seq, self.promise_s = grant.seq, grant.horizon_s
-            num += 1
         return num
 
     def _report(self, *, is_idle: bool, start_s: float) -> int:
-        """Once per JE grant (none after the last, whose promise is inf)."""
-        if self.to_je.reported_seq == self.je_seq or self.promise_s == INF:
-            return 0
-        return self.to_je.report(self.je_seq, start_s=start_s, is_idle=is_idle)
+        """Once per round of the JEs' grants (none after the last, whose promise is inf)."""
+        return self.to_je.report(start_s=start_s, is_idle=is_idle)
+
+    def _routed(self, req) -> float:
+        return self.grants.routed_at[req.req_id]
+
+
+class JeGrants:
+    """The grants a TE holds from the cluster's JEs (one, or `cluster.num_jes`): each JE's last
+    grant number and promise, the requests each routed here with their routing times. The TE's
+    promise is the lowest; its round is the grant every JE still routing (promise below inf)
+    has sent (they grant in step: a JE's next grant waits for every TE's report)."""
+
+    def __init__(self, link) -> None:
+        self.seq = dict.fromkeys(link.jes, 0)  # JE -> its grant held (0: none yet)
+        self.promises = dict.fromkeys(link.jes, 0.0)  # nothing before the first grants
+        self.routed_at: dict[int, float] = {}  # req_id -> its routing (virtual s)
+        self.owner: dict[int, int] = {}  # req_id -> the JE that routed it
+
+    @property
+    def promise_s(self) -> float:
+        return min(self.promises.values())
+
+    @property
+    def routing(self) -> list[int]:
+        """The JEs still routing: their promise is below inf."""
+        return [je for je, promise in self.promises.items() if promise != INF]
+
+    @property
+    def round(self) -> int:
+        """The grant every JE still routing holds (0: none, or none routing)."""
+        return min((self.seq[je] for je in self.routing), default=0)
+
+    def take(self, je: int, grant: Grant, frontend) -> None:
+        """JE `je`'s grant: its requests queued on `frontend` (records made), its promise."""
+        queue_routed(frontend, grant, self.routed_at)
+        self.owner.update((req.req_id, je) for req in grant.requests)
+        self.seq[je], self.promises[je] = grant.seq, grant.horizon_s
 
 
 class JeReports:
-    """A TE's side of its reports to the cluster's JE (a colocated TE-shell's, a PD pair's JE's):
-    its finishes, (req_id, virtual s, first token's virtual s), and once per JE grant the report
-    counting the finish messages sent before it, so that the JE takes them all first. `owner`
-    holds the pending sends (its `sends` list)."""
+    """A TE's side of its reports to the cluster's JEs (a colocated TE-shell's, a PD pair's
+    JE's): its finishes, (req_id, virtual s, first token's virtual s), each to the JE that routed
+    it, and once per round of the JEs' grants the report to each JE still routing, counting the
+    finish messages sent to it before, so that the JE takes them all first. `owner` holds the
+    pending sends (its `sends` list)."""
 
-    def __init__(self, link, owner) -> None:
-        self.link, self.owner = link, owner
-        self.rows: list[tuple[int, float, float]] = []  # finishes not yet sent
-        self.num_sent = 0  # finish messages sent
-        self.reported_seq = 0  # the JE grant last reported for
+    def __init__(self, link, owner, grants: JeGrants) -> None:
+        self.link, self.owner, self.grants = link, owner, grants
+        self.rows: dict[int, list] = {je: [] for je in link.jes}  # finishes not yet sent
+        self.num_sent = dict.fromkeys(link.jes, 0)  # finish messages sent to each JE
+        self.reported = 0  # the round last reported for
 
     def finished(self, row: tuple[int, float, float]) -> None:
-        self.rows.append(row)
+        self.rows[self.grants.owner[row[0]]].append(row)
 
-    def report(self, seq: int, *, start_s: float, is_idle: bool) -> int:
-        """The finishes first, then the report for JE grant `seq`."""
+    def report(self, *, start_s: float, is_idle: bool) -> int:
+        """For the current round (once; none once no JE routes): to each JE still routing its
+        finishes first, then the report for its grant."""
+        grants = self.grants
+        if not grants.routing or grants.round == self.reported:
+            return 0
         comm, sends = self.link.comm, self.owner.sends
-        if self.rows:
-            sends.append(comm.isend(tuple(self.rows), dest=JE_RANK, tag=TAG_CLUSTER_FINISHED))
-            self.rows, self.num_sent = [], self.num_sent + 1
-        report = ClockReport(
-            die_rank=self.link.te + 1,
-            seq=seq,
-            start_s=start_s,
-            is_idle=is_idle,
-            num_batches=self.num_sent,
-        )
-        sends.append(comm.isend(report, dest=JE_RANK, tag=TAG_VTIME_CLOCK))
-        self.reported_seq = seq
+        for je in grants.routing:
+            if self.rows[je]:
+                rows, self.rows[je] = tuple(self.rows[je]), []
+                sends.append(comm.isend(rows, dest=je, tag=TAG_CLUSTER_FINISHED))
+                self.num_sent[je] += 1
+            report = ClockReport(
+                die_rank=self.link.rank,
+                seq=grants.seq[je],
+                start_s=start_s,
+                is_idle=is_idle,
+                num_batches=self.num_sent[je],
+            )
+            sends.append(comm.isend(report, dest=je, tag=TAG_VTIME_CLOCK))
+        self.reported = grants.round
         return 1
 
 
 def queue_routed(frontend, grant: Grant, routed_at: dict[int, float]) -> None:
-    """A JE grant's requests queued on `frontend` (a TE-shell's Frontend, or a PD pair's JE),
-    their records made, their routing times kept."""
+    """A JE grant's requests queued on `frontend` (a TE-shell's Frontend, or a PD pair's JE) in
+    routing order (several JEs' grants interleave), their records made, their routing times
+    kept."""
+    queue = frontend.queue
+
+    def key(req) -> tuple[float, int]:
+        return routed_at[req.req_id], req.req_id
+
     for req, routed_s in zip(grant.requests, grant.times, strict=True):
         frontend.records[req.req_id] = RequestRecord(req=req)
-        frontend.queue.append(req)
         frontend.num_open += 1
         routed_at[req.req_id] = routed_s
+        at = len(queue)  # after every request routed before it: one JE's come in order
+        while at > 0 and queue[at - 1].req_id in routed_at and key(queue[at - 1]) > key(req):
+            at -= 1
+        queue.insert(at, req)
 
 
 class JeFeed:

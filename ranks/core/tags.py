@@ -68,6 +68,8 @@ TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED = 294, 295
 # requests, cancels and the shutdown, in the order taken; TE-shell -> JE, its news (tokens,
 # readiness, failover, gauges)
 TAG_CLUSTER_SERVE, TAG_CLUSTER_NEWS = 296, 297
+# cluster.num_jes > 1 (ranks/cluster/je.py): JE j -> JE 0 at the end, what it routed
+TAG_CLUSTER_SHARE = 298
 
 
 def all_tags() -> dict[str, int]:

@@ -58,9 +58,14 @@ class ClusterConfig:
     the config.
     te_losses: rows {te, at_s} (`TeLoss`): TE `te` is lost whole at virtual time at_s (every die
     of it at once, e.g. its server); the JE finds it health.timeout_s + health.dp_interval_s
-    later and routes its unfinished requests to the other TEs."""
+    later and routes its unfinished requests to the other TEs.
+    num_jes: how many JEs route the requests (DeepServe's JEs each run their scheduling
+    independently): the frontend deals the requests to them in arrival order, JE j the j-th of
+    every num_jes; each routes its share to any TE by `policy` from its own view (its own
+    requests' loads and prompt tree)."""
 
     num_tes: int = 1
+    num_jes: int = 1
     policy: str = "round_robin"
     heatmap: str = ""
     predictor: str = "oracle"
@@ -79,7 +84,7 @@ class ClusterConfig:
                 f"cluster.num_tes({self.num_tes}) is not the groups' total count ({total})",
             )
             object.__setattr__(self, "num_tes", total)
-        positive("cluster", num_tes=self.num_tes)
+        positive("cluster", num_tes=self.num_tes, num_jes=self.num_jes)
         losses = [_loss(i, row, self.num_tes) for i, row in enumerate(self.te_losses)]
         object.__setattr__(self, "te_losses", sorted(losses, key=lambda loss: loss.at_s))
         lost = {loss.te for loss in losses}

@@ -1,9 +1,10 @@
 """The topology of a cluster (`cluster.num_tes` > 1, docs/cluster.md): world rank 0 is the job
-executor (JE), then the TEs one after another, each [its TE-shell, its dies] exactly as the rest
+executor (JE; with `cluster.num_jes` J > 1 JEs, world ranks 0..J-1), then the TEs one after
+another, each [its TE-shell, its dies] exactly as the rest
 of the config describes one deployment. Each TE runs on a communicator of its own, its ranks
 renumbered 0..S-1 (TE-shell 0) as if it were the world, so its windows, scheduler, KV,
-agreement and failure handling are one TE's; the JE and the TE-shells share a second one (the
-link: JE 0, TE-shell of TE k at k + 1).
+agreement and failure handling are one TE's; the JEs and the TE-shells share a second one (the
+link: JE j at j, TE-shell of TE k at J + k).
 
 `cluster.groups` makes TEs of different kinds and shapes: each group's TEs have the rest of the
 config with the group's `--set` values. A PD pair is one TE whose TE-shell is the pair's own JE
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from xds_mpi.config.cluster import TeGroup
 from xds_mpi.config.schema import Config, ConfigError, config_from_dict
 
-JE_RANK = 0  # the JE's world rank, and its rank on the link
+JE_RANK = 0  # the (first) JE's world rank, and its rank on the link: it writes the run file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,10 +41,12 @@ class TeInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterPlan:
-    """The TEs behind the JE, one after another from world rank 1; policy: cluster.policy."""
+    """The TEs behind the JEs, one after another from world rank num_jes; policy:
+    cluster.policy; num_jes: the JEs, world ranks (and link ranks) 0..num_jes-1."""
 
     tes: tuple[TeInfo, ...]
     policy: str
+    num_jes: int = 1
 
     @property
     def num_tes(self) -> int:
@@ -51,14 +54,18 @@ class ClusterPlan:
 
     @property
     def world_size(self) -> int:
-        return 1 + sum(t.size for t in self.tes)
+        return self.num_jes + sum(t.size for t in self.tes)
+
+    def shell(self, te: int) -> int:
+        """TE `te`'s TE-shell's rank on the link (the JEs first)."""
+        return self.num_jes + te
 
     def first_rank(self, te: int) -> int:
         """The world rank of TE `te`'s TE-shell (its rank 0)."""
         return self.tes[te].first_rank
 
     def te_of(self, world_rank: int) -> tuple[int, int]:
-        """(TE, rank inside it) of a world rank; (-1, 0) for the JE."""
+        """(TE, rank inside it) of a world rank; (-1, 0) for a JE."""
         for t in self.tes:
             if t.first_rank <= world_rank < t.first_rank + t.size:
                 return t.te, world_rank - t.first_rank
@@ -69,8 +76,10 @@ class ClusterPlan:
         kinds = Counter(f"{t.size}-rank {t.kind}" for t in self.tes)
         lines = [
             f"cluster: {self.num_tes} TEs ({', '.join(f'{n} x {k}' for k, n in kinds.items())}) "
-            f"behind one JE, policy {self.policy}, world size {self.world_size}",
-            f"  JE: world rank {JE_RANK}",
+            f"behind {self._jes()}, policy {self.policy}, world size {self.world_size}",
+            f"  JE: world rank {JE_RANK}"
+            if self.num_jes == 1
+            else f"  JEs: world ranks 0..{self.num_jes - 1} (the requests dealt in arrival order)",
         ]
         for t in self.tes:
             first, last = t.first_rank, t.first_rank + t.size - 1
@@ -82,6 +91,9 @@ class ClusterPlan:
                 f"{first}..{last} ({shell} {first}; ranks 0..{t.size - 1} inside the TE)"
             )
         return "\n".join(lines)
+
+    def _jes(self) -> str:
+        return "one JE" if self.num_jes == 1 else f"{self.num_jes} JEs"
 
 
 def te_config(cfg: Config, overrides: tuple[str, ...]) -> Config:
@@ -99,6 +111,11 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
     from xds_mpi.plan.topology import Topology
 
     section = cfg.cluster
+    if section.num_tes == 1 and section.num_jes > 1:
+        raise ConfigError(
+            f"cluster.num_jes({section.num_jes}) > 1 needs a cluster of TEs (cluster.num_tes > 1 "
+            "or cluster.groups): one TE has no JE"
+        )
     if section.num_tes == 1:
         if cfg.autoscaler.enabled:
             raise ConfigError(
@@ -106,7 +123,7 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
             )
         return None
     groups = section.groups or [TeGroup(count=section.num_tes)]
-    tes, first = [], 1
+    tes, first = [], section.num_jes
     for index, group in enumerate(groups):
         overrides = tuple(group.set)
         where = f"cluster.groups[{index}]" if section.groups else "the config"
@@ -132,7 +149,7 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
             )
             first += topo.world_size
     check_scaling(cfg, tes)
-    return ClusterPlan(tes=tuple(tes), policy=section.policy)
+    return ClusterPlan(tes=tuple(tes), policy=section.policy, num_jes=section.num_jes)
 
 
 def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
@@ -151,6 +168,11 @@ def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
         )
     if scaler.enabled and len(standby) == len(tes):
         raise ConfigError("every cluster TE is standby: none serves the first requests")
+    if scaler.enabled and cfg.cluster.num_jes > 1:
+        raise ConfigError(
+            f"autoscaler.enabled with cluster.num_jes({cfg.cluster.num_jes}) > 1 is not built "
+            "yet: the autoscaler acts on one JE's view of the loads; set cluster.num_jes=1"
+        )
     if scaler.enabled and cfg.cluster.te_losses:
         raise ConfigError(
             "autoscaler.enabled with cluster.te_losses is not built yet: the autoscaler does "
@@ -223,6 +245,7 @@ def check_cluster(cfg: Config, *, clock) -> None:
         "virtual clock)": cfg.pd.enabled,
         "cluster.te_losses (a TE lost at a virtual time)": bool(cfg.cluster.te_losses),
         "autoscaler.enabled (it scales at the JE's virtual decisions)": cfg.autoscaler.enabled,
+        "cluster.num_jes > 1 (the endpoint runs on one JE)": cfg.cluster.num_jes > 1,
     }
     for what, is_set in served_unsupported.items():
         if is_served and is_set:
