@@ -16,7 +16,12 @@ The inputs (`band_inputs`):
   AMLA's 86.8 % on CM384, arXiv 2509.25224; [001] does not say which kernel its runs used);
 - [000] §4.7's share of the layers running attention in INT8 ("some": none to all);
 - [001]'s b24 and b8 runs on one stream or two (§5.4.1 evaluates the pipeline at 64-128 only);
-- the straggler tail's probability and shape ([000]'s scenarios, waits.py: assumptions).
+- the straggler tail's probability and shape ([000]'s scenarios, waits.py: assumptions);
+- the LM head's precision and sharding (point: BF16 weights on each die, xDeepServe §4.7 lists
+  the MLA, MoE and MLP modules only; the other end: INT8 and split over the chip's dies, the
+  logits' exchange unpriced, so an optimistic end);
+- the XCCL kernel start of [000]'s scenarios, set on Figure 20's EP288 calls: one fixed time per
+  call (the point) or a time per peer reached (A2E's first stage reaches one trampoline).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from xds_mpi.projection.waits import stragglers
 # the profile the bands are drawn for: the 910C with issue 61's mechanisms (opt-in; their inputs
 # are its `operators`, `stragglers` and efficiency.mla_compute_band)
 BANDED = "ascend910c_kernels"
+# the EP of Figure 20's calls, on which [000]'s XCCL starts are set (paper_table's
+# xccl_starts_from_minima): a start per peer is theirs over this many peers
+FIG20_EP = 288
 # a variant: (scenario, hardware) -> (scenario, hardware)
 Variant = Callable
 
@@ -106,6 +114,17 @@ def band_inputs(profile: str = BANDED) -> list[BandInput]:
         variants=tuple((lambda s, hw, x=x: (replace(s, int8_attention=x), hw))
                        for x in INT8_ATTENTION_BRACKET),
         applies=lambda s: s.int8_attention > 0,
+    ))  # fmt: skip
+    inputs.append(BandInput(
+        name="LM head precision and sharding",
+        variants=(lambda s, hw: (s, hw), lambda s, hw: (
+            s, replace(hw, head_int8=True, head_shards=hw.dies_per_chip))),
+    ))  # fmt: skip
+    inputs.append(BandInput(
+        name="[000] XCCL start fixed or per peer",
+        variants=(lambda s, hw: (s, hw),
+                  lambda s, hw: (s, replace(hw, start_per_peer_at=FIG20_EP))),
+        applies=lambda s: s.xccl_starts == "fig20 min",
     ))  # fmt: skip
     inputs.append(BandInput(
         name="[001] b24/b8 on one stream or two",
