@@ -21,7 +21,10 @@ The inputs (`band_inputs`):
   the MLA, MoE and MLP modules only; the other end: INT8 and split over the chip's dies, the
   logits' exchange unpriced, so an optimistic end);
 - the XCCL kernel start of [000]'s scenarios, set on Figure 20's EP288 calls: one fixed time per
-  call (the point) or a time per peer reached (A2E's first stage reaches one trampoline).
+  call (the point) or a time per peer reached (A2E's first stage reaches one trampoline);
+- the colocated two-stream die's core split, where the profile equalises the streams
+  (die.stream_split: equal, the point): the whole-core split, [001] §4.2.3's stated 16/8 at b96
+  and the best whole-core split elsewhere.
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.hardware import load_profile, stream_split
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.kernels import LARGE_M, gemm_rows, spread
 from xds_mpi.projection.paper_data import INT8_ATTENTION_BRACKET, SCENARIOS, VALIDATION
-from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_of
+from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_of, stated_split
 from xds_mpi.projection.project import project
 from xds_mpi.projection.waits import stragglers
 
@@ -126,6 +129,12 @@ def band_inputs(profile: str = BANDED) -> list[BandInput]:
                   lambda s, hw: (s, replace(hw, start_per_peer_at=FIG20_EP))),
         applies=lambda s: s.xccl_starts == "fig20 min",
     ))  # fmt: skip
+    if stream_split(p["die"]) == "equal":
+        inputs.append(BandInput(
+            name="two-stream split: equalised or whole cores",
+            variants=(lambda s, hw: (s, hw), lambda s, hw: (s, replace(hw, equal_streams=False))),
+            applies=lambda s: s.microbatches == 2,
+        ))  # fmt: skip
     inputs.append(BandInput(
         name="[001] b24/b8 on one stream or two",
         variants=(lambda s, hw: (s, hw), lambda s, hw: (replace(s, microbatches=2), hw)),
@@ -143,6 +152,7 @@ def row_value(pub, scenario, hw_map: Variant, profile: str = BANDED) -> float:
     # the point's hardware (with [000]'s XCCL starts where the scenario takes them), varied
     s, hw = hw_map(scenario, _inputs(scenario, profile)[2])
     cfg, m, _, kwargs = _inputs(s, profile)
+    kwargs["execution"] = replace(kwargs["execution"], stream0_aic=stated_split(s, hw))
     if pub.metric == "two-stream gain":
         one = replace(kwargs["execution"], microbatches=1, stream0_aic=None)
         two = project(cfg, m, hw, **kwargs).tokens_per_s_per_chip

@@ -33,6 +33,7 @@ from functools import cache
 
 import numpy as np
 
+from xds_mpi.config.hardware import stream_split
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
 from xds_mpi.projection.kernels import KernelCosts, operator_costs
@@ -79,6 +80,10 @@ class Hardware:
     start_per_peer_at: int = 0
     head_int8: bool = False  # the LM head's weights INT8 (point: BF16, xDeepServe §4.7)
     head_shards: int = 1  # dies the LM head's vocabulary is split over (point: 1, whole)
+    # the colocated two-stream die's core split where no split is given: False, the whole-core
+    # split with the shorter longer stream; True, the share that equalises the two streams
+    # (die.stream_split: equal; layers.py equalising_split)
+    equal_streams: bool = False
 
     @classmethod
     def from_profile(cls, p: dict) -> Hardware:
@@ -97,6 +102,7 @@ class Hardware:
             aiv_cores=die["aiv_cores"],
             aic_cores=die["aic_cores"],
             dies_per_chip=die.get("dies_per_chip", 1),
+            equal_streams=stream_split(die) == "equal",
             dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
             combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
             jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,
