@@ -15,7 +15,8 @@ Decoding Phase"). Per microbatch the compute is ATTN-0 (the projections before t
 attention), ATTN-1 (the core attention, the output projection and the gate), SHARED (the shared
 expert) and MLP (the routed experts); its dispatch and combine (DeepEP's low-latency kernels:
 pure RDMA, priced on one tier as the Table 7 fit is) run on no SMs, each under the other
-microbatch's block that does not wait for it, and the compute stream waits for a call to
+microbatch's block that does not wait for it (the figure's pairing as a public description of
+it reads it, flagged in docs/projection.md), and the compute stream waits for a call to
 finish before the work that needs it. Two microbatches alternate, so a layer takes
 
     2 x (max(SHARED + ATTN-0, dispatch) + MLP + max(ATTN-1, combine))
