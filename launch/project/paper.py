@@ -251,7 +251,7 @@ def print_h800_harness() -> None:
     """The H800 profile against DeepSeek's decode profile (xds_mpi/projection/h800_harness.py):
     kernel by kernel, the attention side and gate, the mean layer, end to end, Table 4."""
     # here: xds_mpi.projection, a measured start-up cost of every command
-    from xds_mpi.projection.h800_harness import h800_cost, harness_rows
+    from xds_mpi.projection.h800_harness import decode_layer, h800_cost, harness_rows
 
     rows = harness_rows()
     print(
@@ -274,6 +274,13 @@ def print_h800_harness() -> None:
     for r in rows:
         if r.derived_from:
             print(f"  Table 4's {r.what} {r.published:g} = {r.derived_from}")
+    q = {k: v * 1e6 for k, v in decode_layer(h800_cost()).items()}
+    print(
+        f"  MoE layer, DeepSeek's five-stage pipeline: 2 x (max(SHARED {q['SHARED']:.0f} + "
+        f"ATTN-0 {q['ATTN-0']:.0f}, dispatch {q['dispatch']:.0f}) + MLP {q['MLP']:.0f} + "
+        f"max(ATTN-1 {q['ATTN-1']:.0f}, combine {q['combine']:.0f})) = {q['moe layer']:.0f} us "
+        f"(free overlap max(2 C, C + M): {q['free overlap']:.0f} us)"
+    )
     ops = h800_cost().hw.ops
     print(
         f"  per-kernel fixed cost {ops.fixed_s * 1e6:.2f} us, GEMM bandwidth "

@@ -53,3 +53,16 @@ REQUIRED = {
         "dma_startup_us",
     ],
 }
+
+# die.stream_split: how the colocated two-stream die splits its cores where no split is given
+# (xds_mpi/projection/layers.py): "cores", whole cores (the default); "equal", the share of the
+# cube cores that equalises the two streams
+STREAM_SPLITS = ("cores", "equal")
+
+
+def stream_split(die: dict) -> str:
+    """A profile's die.stream_split, "cores" when absent."""
+    split = die.get("stream_split", "cores")
+    if split not in STREAM_SPLITS:
+        raise ConfigError(f"die.stream_split {split!r}: expected one of {STREAM_SPLITS}")
+    return split

@@ -16,7 +16,15 @@ The inputs (`band_inputs`):
   AMLA's 86.8 % on CM384, arXiv 2509.25224; [001] does not say which kernel its runs used);
 - [000] §4.7's share of the layers running attention in INT8 ("some": none to all);
 - [001]'s b24 and b8 runs on one stream or two (§5.4.1 evaluates the pipeline at 64-128 only);
-- the straggler tail's probability and shape ([000]'s scenarios, waits.py: assumptions).
+- the straggler tail's probability and shape ([000]'s scenarios, waits.py: assumptions);
+- the LM head's precision and sharding (point: BF16 weights on each die, xDeepServe §4.7 lists
+  the MLA, MoE and MLP modules only; the other end: INT8 and split over the chip's dies, the
+  logits' exchange unpriced, so an optimistic end);
+- the XCCL kernel start of [000]'s scenarios, set on Figure 20's EP288 calls: one fixed time per
+  call (the point) or a time per peer reached (A2E's first stage reaches one trampoline);
+- the colocated two-stream die's core split, where the profile equalises the streams
+  (die.stream_split: equal, the point): the whole-core split, [001] §4.2.3's stated 16/8 at b96
+  and the best whole-core split elsewhere.
 """
 
 from __future__ import annotations
@@ -25,17 +33,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.hardware import load_profile, stream_split
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.kernels import LARGE_M, gemm_rows, spread
 from xds_mpi.projection.paper_data import INT8_ATTENTION_BRACKET, SCENARIOS, VALIDATION
-from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_of
+from xds_mpi.projection.paper_table import _inputs, metric_value, slowest_call_of, stated_split
 from xds_mpi.projection.project import project
 from xds_mpi.projection.waits import stragglers
 
 # the profile the bands are drawn for: the 910C with issue 61's mechanisms (opt-in; their inputs
 # are its `operators`, `stragglers` and efficiency.mla_compute_band)
 BANDED = "ascend910c_kernels"
+# the EP of Figure 20's calls, on which [000]'s XCCL starts are set (paper_table's
+# xccl_starts_from_minima): a start per peer is theirs over this many peers
+FIG20_EP = 288
 # a variant: (scenario, hardware) -> (scenario, hardware)
 Variant = Callable
 
@@ -108,6 +119,23 @@ def band_inputs(profile: str = BANDED) -> list[BandInput]:
         applies=lambda s: s.int8_attention > 0,
     ))  # fmt: skip
     inputs.append(BandInput(
+        name="LM head precision and sharding",
+        variants=(lambda s, hw: (s, hw), lambda s, hw: (
+            s, replace(hw, head_int8=True, head_shards=hw.dies_per_chip))),
+    ))  # fmt: skip
+    inputs.append(BandInput(
+        name="[000] XCCL start fixed or per peer",
+        variants=(lambda s, hw: (s, hw),
+                  lambda s, hw: (s, replace(hw, start_per_peer_at=FIG20_EP))),
+        applies=lambda s: s.xccl_starts == "fig20 min",
+    ))  # fmt: skip
+    if stream_split(p["die"]) == "equal":
+        inputs.append(BandInput(
+            name="two-stream split: equalised or whole cores",
+            variants=(lambda s, hw: (s, hw), lambda s, hw: (s, replace(hw, equal_streams=False))),
+            applies=lambda s: s.microbatches == 2,
+        ))  # fmt: skip
+    inputs.append(BandInput(
         name="[001] b24/b8 on one stream or two",
         variants=(lambda s, hw: (s, hw), lambda s, hw: (replace(s, microbatches=2), hw)),
         applies=lambda s: s.published_batch in (8, 24),
@@ -124,6 +152,7 @@ def row_value(pub, scenario, hw_map: Variant, profile: str = BANDED) -> float:
     # the point's hardware (with [000]'s XCCL starts where the scenario takes them), varied
     s, hw = hw_map(scenario, _inputs(scenario, profile)[2])
     cfg, m, _, kwargs = _inputs(s, profile)
+    kwargs["execution"] = replace(kwargs["execution"], stream0_aic=stated_split(s, hw))
     if pub.metric == "two-stream gain":
         one = replace(kwargs["execution"], microbatches=1, stream0_aic=None)
         two = project(cfg, m, hw, **kwargs).tokens_per_s_per_chip

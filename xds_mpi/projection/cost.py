@@ -27,11 +27,13 @@ end-to-end number (docs/design.md, "Calibration and validation")"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
 
+from xds_mpi.config.hardware import stream_split
 from xds_mpi.config.schema import ModelConfig
 from xds_mpi.plan.kv_memory import token_layer_bytes
 from xds_mpi.projection.kernels import KernelCosts, operator_costs
@@ -72,6 +74,16 @@ class Hardware:
     ops: KernelCosts | None = None
     kernels: dict = field(default_factory=dict)  # operation -> kernels it launches
     tail: Tail | None = None  # the straggler tail a scenario pays (waits.py; None: the body only)
+    # Unpublished choices the bands bracket (bands.py); the defaults are the point values.
+    # start_per_peer_at: 0, an XCCL call's kernel start is one fixed time; N, the start was set
+    # on an N-peer call and scales with the peers a call reaches (A2E's stages reach few)
+    start_per_peer_at: int = 0
+    head_int8: bool = False  # the LM head's weights INT8 (point: BF16, xDeepServe §4.7)
+    head_shards: int = 1  # dies the LM head's vocabulary is split over (point: 1, whole)
+    # the colocated two-stream die's core split where no split is given: False, the whole-core
+    # split with the shorter longer stream; True, the share that equalises the two streams
+    # (die.stream_split: equal; layers.py equalising_split)
+    equal_streams: bool = False
 
     @classmethod
     def from_profile(cls, p: dict) -> Hardware:
@@ -90,6 +102,7 @@ class Hardware:
             aiv_cores=die["aiv_cores"],
             aic_cores=die["aic_cores"],
             dies_per_chip=die.get("dies_per_chip", 1),
+            equal_streams=stream_split(die) == "equal",
             dispatch_start_s=p["xccl"]["dispatch_start_us"] * 1e-6,
             combine_start_s=p["xccl"]["combine_start_us"] * 1e-6,
             jitter_s=p["xccl"]["die_jitter_us"] * 1e-6,
@@ -282,8 +295,9 @@ class CostModel:
         """The LM head (shared by the MTP modules): BF16 weights, as xDeepServe §4.7 lists the
         MLA, MoE and MLP modules and not the head (CloudMatrix-Infer §4.5 quantizes "large
         matrix multiplications in feed-forward networks (FFNs) and attention mechanisms")."""
-        v = self.m.vocab_size
-        return self.bf16_gemm(rows, self.m.hidden * v, n=v) + self.fixed("head")
+        v = math.ceil(self.m.vocab_size / self.hw.head_shards)
+        gemm = self.gemm if self.hw.head_int8 else self.bf16_gemm
+        return gemm(rows, self.m.hidden * v, n=v) + self.fixed("head")
 
     def sampling(self, rows: int) -> float:
         """Reading the logits once (argmax / top-p), memory-bound."""
@@ -327,14 +341,21 @@ class CostModel:
     ) -> float:
         """Flags to every peer, then pull `rows_in` rows from the peers."""
         nbytes = rows_in * self.row_bytes("dispatch", int8=int8)
-        link = self.link("dispatch", persistent=persistent)
+        link = self._start_for(self.link("dispatch", persistent=persistent), peers)
         return exchange_s(link, peers=peers, bytes_in=nbytes)
 
     def combine(self, rows_back: float, *, peers: int, persistent: bool = False) -> float:
         """Flags, then pull this die's rows' expert outputs back."""
         nbytes = rows_back * self.row_bytes("combine")
-        link = self.link("combine", persistent=persistent)
+        link = self._start_for(self.link("combine", persistent=persistent), peers)
         return exchange_s(link, peers=peers, bytes_in=nbytes)
+
+    def _start_for(self, link: LinkCosts, peers: int) -> LinkCosts:
+        """The link with its kernel start for a call reaching `peers` dies: fixed (the point), or,
+        with hw.start_per_peer_at N, the start set on an N-peer call times peers / N."""
+        if not self.hw.start_per_peer_at:
+            return link
+        return replace(link, start_s=link.start_s * peers / self.hw.start_per_peer_at)
 
     def start_wait(self, kind: str, *, peers: int) -> float:
         """The part of a dispatch-like or combine-like call spent waiting for the last of

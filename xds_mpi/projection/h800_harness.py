@@ -8,11 +8,22 @@ The trace file itself was out of reach here; its kernel times are taken from a p
 transcription (docs/projection.md, sources: flagged), per microbatch, and none sets a constant:
 the H800 profile is calibrated on DeepGEMM's and FlashMLA's READMEs and [001] Table 7 only.
 
-The schedule priced (`decode_layer`): per microbatch the compute C (attention side, gate,
-shared expert, routed experts) and the communication M (dispatch + combine, DeepEP's
-low-latency kernels: pure RDMA, priced on one tier as the Table 7 fit is); two microbatches
-alternate, so a layer takes max(2 C, C + M): the compute stream is busy with both, unless one
-microbatch's own chain is longer.
+The schedule priced (`decode_layer`) is DeepSeek's decoding pipeline (deepseek-ai/
+open-infra-index, Day 6 "inference system overview": "we subdivide the attention layer into two
+steps and use a 5-stage pipeline", its figure "Communication-Computation Overlapping during
+Decoding Phase"). Per microbatch the compute is ATTN-0 (the projections before the core
+attention), ATTN-1 (the core attention, the output projection and the gate), SHARED (the shared
+expert) and MLP (the routed experts); its dispatch and combine (DeepEP's low-latency kernels:
+pure RDMA, priced on one tier as the Table 7 fit is) run on no SMs, each under the other
+microbatch's block that does not wait for it (the figure's pairing as a public description of
+it reads it, flagged in docs/projection.md), and the compute stream waits for a call to
+finish before the work that needs it. Two microbatches alternate, so a layer takes
+
+    2 x (max(SHARED + ATTN-0, dispatch) + MLP + max(ATTN-1, combine))
+
+where the first and last blocks each end when both the compute and the call under it are done.
+The form before it, max(2 C, C + M) for a microbatch's compute C and communication M, lets any
+call hide under any compute; it is kept as `free overlap` for comparison.
 """
 
 from __future__ import annotations
@@ -104,22 +115,40 @@ def kernel_us(cost: CostModel) -> dict[str, float]:
 
 
 def decode_layer(cost: CostModel, rows_per_request: int = ROWS_PER_REQUEST) -> dict[str, float]:
-    """One microbatch's compute and communication and the layer they make (seconds)."""
+    """One microbatch's blocks and calls and the layer the five-stage pipeline makes of two
+    (module docstring; seconds)."""
     m, rows = cost.m, REQUESTS_PER_MB * rows_per_request
-    attention = cost.mla_prolog(rows) + cost.attention(
-        [(KV_LEN, rows_per_request)] * REQUESTS_PER_MB
+    per_head = m.qk_nope_dim * m.kv_lora_rank
+    # W_UV and o_proj follow the core attention: ATTN-1's, though mla_prolog prices them
+    o_part = (
+        cost.bf16_gemm(rows, per_head, n=m.v_head_dim, groups=m.num_heads)
+        + cost.gemm(rows, m.num_heads * m.v_head_dim * m.hidden, n=m.hidden)
+        + cost.fixed("o_proj")
     )
+    core = cost.attention([(KV_LEN, rows_per_request)] * REQUESTS_PER_MB)
+    attn0 = cost.mla_prolog(rows) - o_part
+    attn1 = core + o_part + cost.gate(rows)
+    shared = cost.experts([rows])
     # each GPU takes in rows x top-k from the EP peers (balanced), over its local experts
-    experts = cost.routed(rows * m.top_k, LOCAL_EXPERTS)
-    compute = attention + cost.gate(rows) + cost.experts([rows]) + experts
-    comm = cost.dispatch(rows * m.top_k, peers=EP) + cost.combine(rows * m.top_k, peers=EP)
-    dense = attention + cost.dense_ffn(rows)
+    mlp = cost.routed(rows * m.top_k, LOCAL_EXPERTS)
+    dispatch = cost.dispatch(rows * m.top_k, peers=EP)
+    combine = cost.combine(rows * m.top_k, peers=EP)
+    compute, comm = attn0 + attn1 + shared + mlp, dispatch + combine
+    stages = max(shared + attn0, dispatch) + mlp + max(attn1, combine)
+    dense = cost.mla_prolog(rows) + core + cost.dense_ffn(rows)
     return {
-        "attention side": attention,
+        "attention side": attn0 + attn1 - cost.gate(rows),
         "gate": cost.gate(rows),
+        "ATTN-0": attn0,
+        "ATTN-1": attn1,
+        "SHARED": shared,
+        "MLP": mlp,
+        "dispatch": dispatch,
+        "combine": combine,
         "compute": compute,
         "communication": comm,
-        "moe layer": max(2 * compute, compute + comm),
+        "moe layer": 2 * stages,
+        "free overlap": max(2 * compute, compute + comm),
         "dense layer": 2 * dense,
     }
 

@@ -36,7 +36,7 @@ class LayerInputs:
     rows_per_seq: int
     imbalance: Imbalance
     microbatches: int
-    stream0_aic: int | None = None  # two streams: stream 0's AIC (None: the balanced split)
+    stream0_aic: float | None = None  # two streams: stream 0's AIC (None: the balanced split)
 
 
 def counts(cfg: Config, topo, *, redundant_dies: int = 0) -> dict:
@@ -97,7 +97,12 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
         parts, stream0, stream1 = _streams(x, x.cost, x.cost)
         return _layer(parts, stream0 + stream1, {}, stream0, stream1)
     aic = x.cost.hw.aic_cores
-    splits = [x.stream0_aic] if x.stream0_aic else range(aic // 3, aic - aic // 6 + 1)
+    if x.stream0_aic:
+        splits = [x.stream0_aic]
+    elif x.cost.hw.equal_streams:
+        splits = [equalising_split(x)]
+    else:
+        splits = range(aic // 3, aic - aic // 6 + 1)
     priced = {a: _streams(x, *split_streams(x.cost, a)) for a in splits}
     best = min(priced, key=lambda a: max(priced[a][1:]))
     parts, stream0, stream1 = priced[best]
@@ -105,7 +110,20 @@ def colocated_layer(x: LayerInputs) -> tuple[dict, dict, dict]:
     return _layer(parts, 2 * max(stream0, stream1), streams, stream0, stream1, split=best)
 
 
-def split_streams(cost: CostModel, stream0_aic: int) -> tuple[CostModel, CostModel]:
+def equalising_split(x: LayerInputs, *, tolerance: float = 1e-3) -> float:
+    """Stream 0's AIC at which the two streams take the same time (hw.equal_streams): a share of
+    the cube cores, not a whole number of them, standing for §4.2.3's "adjusted adaptively"
+    (the whole-core split leaves the longer stream up to a core's worth over the other). Stream
+    0 shrinks and stream 1 grows as stream 0 takes cores, so bisection finds the crossing."""
+    lo, hi = 1.0, x.cost.hw.aic_cores - 1.0
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        _, stream0, stream1 = _streams(x, *split_streams(x.cost, mid))
+        lo, hi = (mid, hi) if stream0 > stream1 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def split_streams(cost: CostModel, stream0_aic: float) -> tuple[CostModel, CostModel]:
     """Stream 0 on `stream0_aic` AIC and twice as many AIV, stream 1 on the rest (§4.2.3's
     16/32 and 8/16 of 24/48 keep that ratio)."""
     aic, aiv = cost.hw.aic_cores, cost.hw.aiv_cores
@@ -160,7 +178,7 @@ def _streams(x: LayerInputs, s0: CostModel, s1: CostModel) -> tuple[dict, float,
 
 
 def _layer(parts: dict, layer: float, streams: dict, stream0: float, stream1: float, *,
-           split: int | None = None) -> tuple[dict, dict, dict]:  # fmt: skip
+           split: float | None = None) -> tuple[dict, dict, dict]:  # fmt: skip
     """(parts scaled to the layer's time, one call of each primitive, details)."""
     primitives = {**parts.pop("_primitives"), "layer": layer, **streams}
     scale = layer / sum(parts.values())

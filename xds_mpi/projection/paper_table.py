@@ -150,9 +150,17 @@ def _inputs(s, profile: str):
         batch_per_die=s.batch, kv_len=s.kv_len, mtp_depth=s.mtp_depth, accept_rate=s.accept,
         imbalance=imbalance, redundant_dies=s.redundant_dies, int8_attention=s.int8_attention,
         execution=Execution(microbatches=s.microbatches, pipelined_graphs=s.pipelined_graphs,
-                            stream0_aic=s.stream0_aic, scheduling_bubble=s.scheduling_bubble),
+                            stream0_aic=stated_split(s, hw),
+                            scheduling_bubble=s.scheduling_bubble),
     )  # fmt: skip
     return cfg, m, hw, kwargs
+
+
+def stated_split(s, hw) -> int | None:
+    """The stream split a scenario is priced at: the one its source states ([001] §4.2.3's 16/8
+    at b96), unless the profile equalises the streams (die.stream_split: equal), where the
+    stated split is a band's end (bands.py)."""
+    return None if hw.equal_streams else s.stream0_aic
 
 
 @cache
@@ -196,7 +204,7 @@ def gain_text(name: str, profile: str = "ascend910c") -> str:
     return (
         f"layer with one stream {one.primitives_s['layer'] * 1e6:.0f} us, with two "
         f"{q['layer'] * 1e6:.0f} us (stream 0 {q['stream 0'] * 1e6:.0f} us on "
-        f"{two.parts_s['stream 0 AIC']} AIC, stream 1 {q['stream 1'] * 1e6:.0f} us)"
+        f"{two.parts_s['stream 0 AIC']:.4g} AIC, stream 1 {q['stream 1'] * 1e6:.0f} us)"
     )
 
 
