@@ -36,7 +36,7 @@ from ranks.cluster.te_rounds import TeRounds
 from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, wait_all
-from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
+from xds_mpi.cluster.autoscaler import make_autoscaler
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
 from xds_mpi.workload.stream import load_workload
@@ -72,21 +72,13 @@ class JobExecutor:
                 queue.append(req)
         self.queue = deque(sorted(queue, key=lambda r: (r.arrival_s, r.req_id)))
         self.num_routed = len(self.queue)
-        num_dies = [t.num_dies for t in cluster.tes]
         self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
         self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
         self.sends: list[MPI.Request] = []
         self.rounds = TeRounds(self)
         self.autoscaler = self.weights = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
-            standby = {t.te for t in cluster.tes if t.standby}
-            self.autoscaler = Autoscaler(
-                cfg.autoscaler,
-                num_dies,
-                standby,
-                [scale_out_steps(cfg, t) for t in cluster.tes],
-                slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
-            )
+            self.autoscaler = make_autoscaler(cfg, cluster.tes)
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = cluster_loads(cfg, cluster, self.autoscaler, self.rounds.arrival_of)
         self.results: dict[int, TeResult] = {}
