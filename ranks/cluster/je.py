@@ -184,8 +184,10 @@ class JobExecutor:
             served_requests,
             write_regret,
         )
+        from xds_mpi.cluster.scale_trace import trace_of_run, write_cluster_trace
         from xds_mpi.cluster.te_counts import ems_over_tes
         from xds_mpi.ems.results import format_ems
+        from xds_mpi.report.trace_writer import trace_path
         from xds_mpi.results.results import write_serving
         from xds_mpi.results.virtual import write_virtual
 
@@ -239,6 +241,16 @@ class JobExecutor:
             for key, values in self.weights.columns(events).items():
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
+        if self.ctx.cfg.run.trace:  # the scale events and each TE's serving, virtual clock
+            trace = trace_of_run(
+                cluster,
+                self.autoscaler,
+                self.virtual_times,
+                self.loads.te_of,
+                self.routed_s,
+                rounds.lost_at,
+            )
+            write_cluster_trace(trace_path(f.filename), trace)
         write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
         write_decisions(group, self.loads.decisions)
         write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])

@@ -156,13 +156,12 @@ class PairPacer(PrefillPacer):
         self._done(req_id, vtime_s)
 
     def _done(self, req_id: int, vtime_s: float) -> None:
-        """A finish for the cluster's JE, with its first token's virtual time (the prefill
-        step's, whose token batch the prefill TEs' reports counted before the task moved on)
-        and its tokens."""
+        """A finish for the cluster's JE, with its first token's virtual time: the prefill
+        step's, whose token batch the prefill TEs' reports counted before the task moved on."""
         if req_id not in self.done:
             self.done[req_id] = vtime_s
-            record = self.je.records[req_id]
-            self.to_je.finished((req_id, vtime_s, record.token_vtimes[0], len(record.tokens)))
+            first_s = self.je.records[req_id].token_vtimes[0]
+            self.to_je.finished((req_id, vtime_s, first_s))
 
     def _routed(self, req) -> float:
         return self.routed_at[req.req_id]
