@@ -85,6 +85,7 @@ class JobExecutor:
         self.mismatches: list[str] = []
         self.check_line = ""
         self.te_failure = ""
+        self.trace: dict | None = None  # run.trace: the JE's trace (xds_mpi/cluster/scale_trace.py)
 
     def serve(self) -> None:
         """Route every request; the TEs serve them."""
@@ -184,10 +185,9 @@ class JobExecutor:
             served_requests,
             write_regret,
         )
-        from xds_mpi.cluster.scale_trace import trace_of_run, write_cluster_trace
+        from xds_mpi.cluster.scale_trace import trace_of_run
         from xds_mpi.cluster.te_counts import ems_over_tes
         from xds_mpi.ems.results import format_ems
-        from xds_mpi.report.trace_writer import trace_path
         from xds_mpi.results.results import write_serving
         from xds_mpi.results.virtual import write_virtual
 
@@ -242,7 +242,7 @@ class JobExecutor:
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
         if self.ctx.cfg.run.trace:  # the scale events and each TE's serving, virtual clock
-            trace = trace_of_run(
+            self.trace = trace_of_run(  # written beside the run file (je_parts.py run_job)
                 cluster,
                 self.autoscaler,
                 self.virtual_times,
@@ -250,7 +250,6 @@ class JobExecutor:
                 self.routed_s,
                 rounds.lost_at,
             )
-            write_cluster_trace(trace_path(f.filename), trace)
         write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
         write_decisions(group, self.loads.decisions)
         write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])
