@@ -42,7 +42,7 @@ from ranks.cluster.te_rounds import TeRounds
 from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
-from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
+from xds_mpi.cluster.autoscaler import make_autoscaler
 from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
@@ -94,27 +94,20 @@ class JobExecutor:
                 queue.append(req)
         self.queue = deque(sorted(queue, key=lambda r: (r.arrival_s, r.req_id)))
         self.num_routed = len(self.queue)
-        num_dies = [t.num_dies for t in cluster.tes]
         self.routed_s: dict[int, float] = {}  # req_id -> the JE's routing (virtual s)
         self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
         self.sends: list[MPI.Request] = []
         self.rounds = TeRounds(self)
         self.autoscaler = self.weights = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
-            standby = {t.te for t in cluster.tes if t.standby}
-            self.autoscaler = Autoscaler(
-                cfg.autoscaler,
-                num_dies,
-                standby,
-                [scale_out_steps(cfg, t) for t in cluster.tes],
-                slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
-            )
+            self.autoscaler = make_autoscaler(cfg, cluster.tes)
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = cluster_loads(cfg, cluster, self.autoscaler, self.rounds.arrival_of)
         self.results: dict[int, TeResult] = {}
         self.mismatches: list[str] = []
         self.check_line = ""
         self.te_failure = ""
+        self.trace: dict | None = None  # run.trace: the JE's trace (xds_mpi/cluster/scale_trace.py)
 
     def serve(self) -> None:
         """Route every request; the TEs serve them."""
@@ -257,6 +250,7 @@ class JobExecutor:
             served_requests,
             write_regret,
         )
+        from xds_mpi.cluster.scale_trace import trace_of_run
         from xds_mpi.cluster.te_counts import ems_over_tes
         from xds_mpi.ems.results import format_ems
         from xds_mpi.results.results import write_serving
@@ -313,6 +307,15 @@ class JobExecutor:
             for key, values in self.weights.columns(events).items():
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
+        if self.ctx.cfg.run.trace:  # the scale events and each TE's serving, virtual clock
+            self.trace = trace_of_run(  # written beside the run file (je_parts.py run_job)
+                cluster,
+                self.autoscaler,
+                self.virtual_times,
+                self.loads.te_of,
+                self.routed_s,
+                rounds.lost_at,
+            )
         write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
         write_decisions(group, self.loads.decisions)
         write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])

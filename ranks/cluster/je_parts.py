@@ -14,8 +14,10 @@ from xds_mpi.cluster.autoscaler import Autoscaler
 from xds_mpi.cluster.loads import TeLoads
 from xds_mpi.cluster.policies import load_policy
 from xds_mpi.cluster.prompt_tree import PromptTree, te_capacity_blocks
+from xds_mpi.cluster.scale_trace import write_cluster_trace
 from xds_mpi.plan.cluster import te_config
 from xds_mpi.report.runfile import run_file_path, write_run_file
+from xds_mpi.report.trace_writer import trace_path
 
 
 def run_job(ctx: RankContext, make, serve, *, what: str) -> int:
@@ -49,6 +51,8 @@ def run_job(ctx: RankContext, make, serve, *, what: str) -> int:
             handshake_s=0.0,
             extra=job.write if job is not None and job.results else None,
         )
+        if getattr(job, "trace", None) is not None:  # run.trace: beside the run file
+            write_cluster_trace(trace_path(path), job.trace)
         ctx.log.info("run %s; run file %s", status.split(":")[0], path.resolve())
         if job is not None and job.check_line:
             print(job.check_line, flush=True)

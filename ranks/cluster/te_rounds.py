@@ -53,14 +53,18 @@ class TeRounds(GrantRounds):
         """When a request is routed: at its arrival, or, orphaned by a lost TE, once found."""
         return self.again_at.get(req.req_id, req.arrival_s)
 
-    def _accept(self, shell: int, req_id: int, vtime_s: float, first_s: float) -> bool:
+    def _accept(
+        self, shell: int, req_id: int, vtime_s: float, first_s: float, num_tokens: int = 0
+    ) -> bool:
         """A finish counts unless its TE was lost before it (the emulated TE runs on); the
-        autoscaler learns its TTFT."""
+        autoscaler learns its TTFT and TPOT (nan: one token, or the tokens not reported)."""
         if vtime_s > self.lost_at.get(shell - self.num_jes, INF):
             return False
         self.finished.add(req_id)
         if self.je.autoscaler is not None:
-            self.je.autoscaler.finished(vtime_s, first_s - self.je.records[req_id].req.arrival_s)
+            tpot_s = (vtime_s - first_s) / (num_tokens - 1) if num_tokens > 1 else math.nan
+            ttft_s = first_s - self.je.records[req_id].req.arrival_s
+            self.je.autoscaler.finished(vtime_s, ttft_s, tpot_s)
         return True
 
     def turn(self) -> int:
@@ -121,6 +125,8 @@ class TeRounds(GrantRounds):
         nothing: the emulated TE runs on; its finishes after the loss do not count)."""
         je, shell = self.je, self.shell(te)
         je.loads.lost.add(te)
+        if je.autoscaler is not None:  # no source, no standby TE, no drain any more
+            je.autoscaler.lose(te)
         orphans = sorted(
             (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
             key=lambda req: (req.arrival_s, req.req_id),

@@ -58,11 +58,11 @@ class TePacer(VirtualPacer):
         return self.grants.round
 
     def finished(self, req_id: int, vtime_s: float) -> None:
-        """A finish for the JE, with its first token's virtual time (its TTFT, for the
-        autoscaler's SLO metric)."""
+        """A finish for the JE, with its first token's virtual time and its tokens (its TTFT
+        and TPOT, for the autoscaler's SLO metric)."""
         super().finished(req_id, vtime_s)
-        first_s = self.frontend.records[req_id].token_vtimes[0]
-        self.to_je.finished((req_id, vtime_s, first_s))
+        record = self.frontend.records[req_id]
+        self.to_je.finished((req_id, vtime_s, record.token_vtimes[0], len(record.tokens)))
 
     def turn(self) -> int:
         """Take the JE's grants and the dies' reports; once every die reported, decide up to

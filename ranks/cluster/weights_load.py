@@ -3,9 +3,11 @@ scale-out"; the dies' side: ranks/colocated/weights_pull.py).
 
 1. The JE (`ScaleOutLoads.send_orders`), at the routing decision that scales out to a standby TE
    for the first time: a `LoadOrder` to its TE-shell on the link (TAG_CLUSTER_LOAD), before the
-   grant that may route requests there, naming the TE's TE-Load path (its `scaling.path`) and
-   its source: fork, the world ranks of the first TE serving from the start with its shape;
-   dram, its own TE-shell's window (the packed model).
+   grant that may route requests there, naming the TE-Load path the autoscaler planned
+   (xds_mpi/cluster/scale_out.py: the TE's `scaling.path`, or a fork's fallback when its source
+   dies mid-fork) and its source: fork, the world ranks of the serving TE of its shape the
+   autoscaler chose (one scaled out earlier too: a chain); dram, its own TE-shell's window (the
+   packed model).
 2. The TE-shell (`TeWeightsLoad`) passes it on to each of its dies (TAG_WEIGHTS_LOAD) and keeps
    serving until every die reported (TAG_WEIGHTS_LOADED), bounded; then it sends the JE the
    TE's `TeLoaded` (TAG_CLUSTER_LOADED).
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from ranks.core.control import WaitTimeout, recv_from_each
 from ranks.core.tags import TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED
 from ranks.core.weights_window import TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED, DieLoaded, LoadOrder
-from xds_mpi.plan.cluster import JE_RANK, fork_source, te_config
+from xds_mpi.plan.cluster import JE_RANK
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +50,6 @@ class ScaleOutLoads:
     def __init__(self, cfg, cluster, comm, log) -> None:
         self.cluster, self.comm, self.log = cluster, comm, log
         self.timeout_s = cfg.xccl.poll_timeout_s
-        standby = [t.te for t in cluster.tes if t.standby]
-        self.paths = {te: te_config(cfg, cluster.tes[te].overrides).scaling.path for te in standby}
-        self.sources = {te: fork_source(cfg, cluster.tes, te) for te in standby}
         self.has_weights = {t.te for t in cluster.tes if not t.standby}
         self.num_seen = 0  # scale events looked at
         self.ordered: dict[int, int] = {}  # scale event index -> the TE ordered to load
@@ -63,22 +62,24 @@ class ScaleOutLoads:
             te = events[index].te
             if events[index].kind != "out" or te in self.has_weights:
                 continue
-            order = self._order(index, te)
+            order = self._order(index, events[index])
             sends.append(self.comm.isend(order, dest=te + 1, tag=TAG_CLUSTER_LOAD))
             self.ordered[index] = te
             self.has_weights.add(te)
         self.num_seen = len(events)
 
-    def _order(self, index: int, te: int) -> LoadOrder:
-        path, cluster = self.paths[te], self.cluster
+    def _order(self, index: int, event) -> LoadOrder:
+        """Scale event `index`'s order: its planned path, a fork's source TE's world ranks, a
+        dram host's rank. A fallback reads nothing from the source that died."""
+        path, source, cluster = event.path, event.source_te, self.cluster
+        given = dict(event=index, source_te=source, fallback_from=event.fallback_from)
         if path == "fork":
-            source = self.sources[te]  # the plan refuses a fork TE without one
             first = cluster.first_rank(source)
             ranks = tuple(range(first, first + cluster.tes[source].size))
-            return LoadOrder(path=path, event=index, source_te=source, source_ranks=ranks)
+            return LoadOrder(path=path, source_ranks=ranks, **given)
         if path == "dram":
-            return LoadOrder(path=path, event=index, host_rank=cluster.first_rank(te))
-        return LoadOrder(path=path, event=index)
+            return LoadOrder(path=path, host_rank=cluster.first_rank(event.te), **given)
+        return LoadOrder(path=path, **given)
 
     def collect(self) -> None:
         """Every ordered TE's load (bounded: each TE-shell sent it before its result)."""
@@ -105,7 +106,10 @@ class ScaleOutLoads:
 
     def columns(self, events) -> dict[str, list]:
         """Per scale event: load_wall_s, load_check_s, load_bytes, load_path, load_source_te (a
-        drain: nan, nan, 0, "", -1; a TE that kept its weights: 0, 0, 0, "kept", -1)."""
+        drain: nan, nan, 0, "", -1; a TE that kept its weights: 0, 0, 0, "kept", -1); from the
+        autoscaler's plan, load_fallback_from (b"fork" when the fork's source died mid-fork,
+        load_path then the fallback's, load_source_te the dead source; else b"") and
+        load_fallback_s (the virtual seconds the fallback added; 0 without)."""
         nan = float("nan")
         columns: dict[str, list] = {
             k: [] for k in ("load_wall_s", "load_check_s", "load_bytes", "load_path")
@@ -127,6 +131,9 @@ class ScaleOutLoads:
                 row = (nan, nan, 0, "", -1)
             for key, value in zip(columns, row, strict=True):
                 columns[key].append(value)
+        # bytes, not str: written as they are (h5py stores fixed-length bytes)
+        columns["load_fallback_from"] = [e.fallback_from.encode() for e in events]
+        columns["load_fallback_s"] = [e.fallback_s for e in events]
         return columns
 
 

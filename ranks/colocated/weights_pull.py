@@ -3,12 +3,16 @@ scale-out"). The die starts over a model of zeroed weights (its window,
 ranks/core/weights_window.py, is zeroed) and hosts no expert. When the JE scales out to its TE,
 the TE-shell passes on the JE's `LoadOrder`; the die then
 
-1. moves each of its tensors into its own window by the TE's TE-Load path: `fork`, one-sided
-   reads from the same die of a serving TE of its shape (the same tensors at the same offsets);
-   `dram`, from its TE-shell's window holding the packed model; `cold` / `ems`, from the file;
+1. moves each of its tensors into its own window by the path the order names: `fork`,
+   one-sided reads from the same die of a serving TE of its shape (the same tensors at the same
+   offsets; a source scaled out earlier is read once its `is_loaded` word says its own weights
+   arrived); `dram`, from its TE-shell's window holding the packed model; `cold` / `ems`, from
+   the file. A fork whose source died mid-fork comes as its fallback's order (dram or cold):
+   nothing is read from the dead source;
 2. checks every tensor against the checksum it took from the file at start-up;
 3. builds its model over its window and makes its hosted experts, as a serving die does at
-   start-up, and reports the wall time and bytes to its TE-shell.
+   start-up, marks its window loaded (a source for the next fork), and reports the wall time
+   and bytes to its TE-shell.
 
 It does so when the order reaches it, and at the latest before its first busy iteration (it
 waits for the order then, bounded). The virtual clock does not see any of it: the scale event's
@@ -73,6 +77,7 @@ class StandbyWeights:
         model = build_model(  # Step 3
             self.cfg.model, unpacked_under=self.cfg.run.output_dir, source=self.source()
         )
+        self.window.mark_loaded()
         layout = self.window.layout
         loaded = DieLoaded(
             die_rank=self.comm.rank,
@@ -108,6 +113,7 @@ class StandbyWeights:
         mem, layout = window.mem, window.layout
         if order.path == "fork":  # the same die of the source TE: the same layout
             peer, offset_of = order.source_ranks[self.comm.rank], (lambda t: t.offset)
+            self._wait_loaded(peer, order)
         elif order.path == "dram":  # the host's packed model
             peer, offset_of = order.host_rank, (lambda t: window.model_layout.find(t.name).offset)
         else:  # cold / ems: the file
@@ -121,6 +127,20 @@ class StandbyWeights:
         mem.flush(peer)  # every Get complete
         mem.sync()
         return peer
+
+    def _wait_loaded(self, peer: int, order: LoadOrder) -> None:
+        """Until the source die's `is_loaded` word is set (bounded): at once for a TE serving
+        from the start; a TE scaled out earlier (a chain) may still be pulling its own."""
+        mem, offset = self.window.mem, self.window.loaded_offset
+        deadline, doze = time.monotonic() + self.timeout_s, Doze()
+        while not mem.fetch_word(peer, offset):
+            if time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"{self.where}: fork source world rank {peer} (TE {order.source_te}) has not "
+                    f"loaded its own weights after {self.timeout_s:g} s (scale event {order.event})"
+                )
+            mem.serve_far_peers()
+            doze.pause()
 
     def check(self, order: LoadOrder, peer: int) -> None:
         """Every tensor's bytes against its checksum from the file."""

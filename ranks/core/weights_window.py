@@ -5,12 +5,17 @@ one RMA window over the world, made collectively by every rank at start-up after
 - every colocated die exposes its weights (its tensors as stored, packed: xds_mpi/model/packed.py):
   a serving TE's die filled from the file at start-up, the NPU-fork source of the same die of a
   standby TE of its shape; a standby TE's die zeroed until its scale-out fills it;
-- the TE-shell of a standby TE whose TE-Load path is `dram` exposes the whole model, packed:
-  the server's page cache with the model preloaded (DRAM-hit);
+- the TE-shell of a standby TE whose TE-Load path is `dram`, or `fork` with
+  `autoscaler.fork_fallback: dram` (the path it falls back to when its fork source dies
+  mid-fork), exposes the whole model, packed: the server's page cache with the model preloaded
+  (DRAM-hit);
 - every other rank (the JE, afd and PD ranks, EMS pool ranks) exposes 0 bytes.
 
 A standby die computes each of its tensors' checksums from the file at start-up, to check what
-arrives at scale-out. Nothing of this is made without a standby TE.
+arrives at scale-out. After its tensors, a die's window holds one word, `is_loaded` (1: the
+tensors are there): a serving die's from start-up, a standby die's once its scale-out's weights
+arrived and checked; a fork reads it before it reads a source that was standby itself (a chain).
+Nothing of this is made without a standby TE.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class LoadOrder:
     source_te: int = -1
     source_ranks: tuple[int, ...] = ()
     host_rank: int = -1
+    fallback_from: str = ""  # "fork": its source TE (source_te) died mid-fork; path: the fallback
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,17 @@ class WeightsWindow:
     is_standby: bool = False
     sums: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def loaded_offset(self) -> int:
+        """The `is_loaded` word's offset in a die's window (after its tensors: the same for
+        the dies of one shape)."""
+        return self.layout.nbytes
+
+    def mark_loaded(self) -> None:
+        """This die's tensors are in its window, for a fork that reads it."""
+        self.mem.store_word(self.world_rank, self.loaded_offset, 1)
+        self.mem.sync()
+
     def weights(self, where: str) -> PackedWeights:
         """This rank's exposed tensors as a model's weight source (reads copy them out)."""
         return PackedWeights(self.mem.local, self.layout, where)
@@ -86,6 +103,8 @@ class WeightsWindow:
         """Collective over the world; safe twice."""
         self.mem.free()
 
+
+LOADED_WORD_BYTES = 64  # the `is_loaded` word, padded to the tensors' alignment
 
 _window: WeightsWindow | None = None
 
@@ -111,7 +130,10 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
         info is not None and info.kind == "colocated" and plan.topo.ranks[local].role == "colocated"
     )
     is_standby = is_die and info.standby
-    is_host = info is not None and info.standby and local == 0 and cfg.scaling.path == "dram"
+    dram_copy = cfg.scaling.path == "dram" or (
+        cfg.scaling.path == "fork" and cfg.autoscaler.fork_fallback == "dram"
+    )
+    is_host = info is not None and info.standby and local == 0 and dram_copy
     whole = model_layout(stored, shapes) if is_standby or is_host else None
     names: list[str] = []
     if is_die:
@@ -120,7 +142,8 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
         names = list(shapes)
     values = {name: stored.value(name) for name in names}
     layout = whole if is_host else PackedLayout.of_arrays(values) if names else None
-    mem = DieMemory(world, layout.nbytes if layout else 0, wakes=False)
+    nbytes = layout.nbytes + (LOADED_WORD_BYTES if is_die else 0) if layout else 0
+    mem = DieMemory(world, nbytes, wakes=False)
     window = WeightsWindow(
         mem=mem,
         layout=layout,
@@ -134,6 +157,8 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     elif layout is not None:
         pack_into(mem.local, layout, values)
         mem.sync()  # before any peer reads it (after the JE's first scale-out)
+        if is_die:
+            window.mark_loaded()
     return window
 
 

@@ -8,16 +8,22 @@ on any machine.
 
 The metric, `autoscaler.metric`: "load", unfinished requests per die of the serving TEs, averaged
 over the decisions of the last `window_s`; or "slo", the share of the requests finished in the
-last `window_s` whose TTFT missed `run.slo_ttft_ms` (the TE-shells report each finish with its
-first token's virtual time; no finish in the window: no event). A scale event waits `cooldown_s`
-after the previous one; the serving TEs (those scaling out counted) stay within [min_tes, max_tes].
+last `window_s` whose TTFT missed `run.slo_ttft_ms` or whose TPOT missed `run.slo_tpot_ms` (the
+TE-shells report each finish with its first token's virtual time and its tokens; no finish in
+the window: no event). A scale event waits `cooldown_s` after the previous one; the serving TEs
+(those scaling out counted) stay within [min_tes, max_tes]. A TE found lost serves no more and is
+no standby TE. How a scale-out loads its TE (its path, a fork's source, a fallback when that
+source dies mid-fork) is its planner's (xds_mpi/cluster/scale_out.py).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from xds_mpi.cluster.scale_out import FixedSteps, PricedPaths, TeScaling
 
 INF = float("inf")
 
@@ -42,6 +48,54 @@ def scale_out_s(cfg, te) -> float:
     return sum(seconds for _, seconds in scale_out_steps(cfg, te))
 
 
+def priced_paths(cfg, tes) -> PricedPaths:
+    """The planner of a cluster's scale-outs (tes: xds_mpi/plan/cluster.py TeInfo): each TE's
+    path and steps, a fork TE's fallback (`autoscaler.fork_fallback`) and its TEs of the same
+    shape, the TEs lost by `cluster.te_losses`."""
+    # Lazy import: an autoscaled cluster's only.
+    from xds_mpi.plan.cluster import te_config
+
+    shapes = [_shape(te_config(cfg, t.overrides)) for t in tes]
+    fallback = cfg.autoscaler.fork_fallback
+    infos = []
+    for t in tes:
+        path = te_config(cfg, t.overrides).scaling.path
+        info = TeScaling(path=path, steps=scale_out_steps(cfg, t))
+        if path == "fork":
+            as_fallback = _with_path(t, fallback)
+            info = TeScaling(
+                path=path,
+                steps=info.steps,
+                fallback_path=fallback,
+                fallback_steps=scale_out_steps(cfg, as_fallback),
+                same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
+            )
+        infos.append(info)
+    return PricedPaths(infos, {loss.te: loss.at_s for loss in cfg.cluster.te_losses})
+
+
+def _shape(te_cfg) -> dict:
+    """A TE's shape: its config but the scaling section (the same dies, slots and tensors)."""
+    return {k: v for k, v in te_cfg.to_dict().items() if k != "scaling"}
+
+
+def _with_path(te, path: str):
+    """TE `te` (a TeInfo) as if its scaling.path were `path`."""
+    return replace(te, overrides=(*te.overrides, f"scaling.path={path}"))
+
+
+def make_autoscaler(cfg, tes) -> Autoscaler:
+    """The JE's autoscaler for a cluster's TEs (xds_mpi/plan/cluster.py TeInfo)."""
+    return Autoscaler(
+        cfg.autoscaler,
+        [t.num_dies for t in tes],
+        {t.te for t in tes if t.standby},
+        priced_paths(cfg, tes),
+        slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
+        slo_tpot_s=cfg.run.slo_tpot_ms / 1e3,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScaleEvent:
     """kind "out" (te serves from serves_s on) or "in" (te drained from decided_s on; standby
@@ -53,24 +107,32 @@ class ScaleEvent:
     serves_s: float
     load: float  # the metric's value then (autoscaler.metric: load per die, or the SLO misses)
     steps: tuple[tuple[str, float], ...] = ()  # a scale-out's steps, (name, virtual s)
+    path: str = ""  # a scale-out's TE-Load path that loaded the weights
+    source_te: int = -1  # fork: the TE read from; a fallback: the source that died mid-fork
+    fallback_from: str = ""  # "fork" when its source died mid-fork (path: the fallback)
+    fallback_s: float = 0.0  # the virtual seconds the fallback added to the fork as priced
 
 
 class Autoscaler:
-    """TEs 0..N-1; `standby`: those that start in standby (not serving); steps: per TE, the
-    steps (name, virtual s) from a scale-out decision until it serves."""
+    """TEs 0..N-1; `standby`: those that start in standby (not serving); planner: a scale-out's
+    plan (xds_mpi/cluster/scale_out.py: its steps, path and source), or per TE the fixed steps
+    (name, virtual s) from a scale-out decision until it serves."""
 
     def __init__(
         self,
         cfg,
         num_dies: list[int],
         standby: set[int],
-        steps: list[tuple],
+        planner,
+        *,
         slo_ttft_s: float = INF,
+        slo_tpot_s: float = INF,
     ) -> None:
         self.cfg = cfg  # the autoscaler section
-        self.steps = steps
-        self.slo_ttft_s = slo_ttft_s
-        self.finishes: list[tuple[float, bool]] = []  # (finish s, TTFT missed), by finish
+        self.planner = planner if hasattr(planner, "plan") else FixedSteps(planner)
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.finishes: list[tuple[float, bool]] = []  # (finish s, an SLO missed), by finish
+        self.lost: set[int] = set()
         self.num_dies = num_dies
         self.serves_from = {te: (INF if te in standby else 0.0) for te in range(len(num_dies))}
         self.draining: set[int] = set()
@@ -81,7 +143,11 @@ class Autoscaler:
 
     def serving(self, now_s: float) -> list[int]:
         """The TEs a request may be routed to at `now_s`."""
-        return [te for te, t in self.serves_from.items() if t <= now_s and te not in self.draining]
+        return [
+            te
+            for te, t in self.serves_from.items()
+            if t <= now_s and te not in self.draining and te not in self.lost
+        ]
 
     def observe(self, now_s: float, unfinished: list[int]) -> ScaleEvent | None:
         """At a routing decision at `now_s` with each TE's unfinished requests then: the scale
@@ -90,20 +156,26 @@ class Autoscaler:
         mean = self._metric(now_s, unfinished, serving)
         if mean is None or now_s < self.last_event_s + self.cfg.cooldown_s:
             return None
-        coming = [te for te, t in self.serves_from.items() if now_s < t < INF]
-        standby = sorted(te for te, t in self.serves_from.items() if t == INF)
+        alive = [(te, t) for te, t in self.serves_from.items() if te not in self.lost]
+        coming = [te for te, t in alive if now_s < t < INF]
+        standby = sorted(te for te, t in alive if t == INF)
         event = None
         if mean > self.cfg.scale_out_above and standby:
             if len(serving) + len(coming) < self.max_tes:
                 te = standby[0]
-                self.serves_from[te] = now_s + sum(s for _, s in self.steps[te])
+                plan = self.planner.plan(te, now_s, serving, unfinished)
+                self.serves_from[te] = now_s + plan.total_s
                 event = ScaleEvent(
                     kind="out",
                     te=te,
                     decided_s=now_s,
                     serves_s=self.serves_from[te],
                     load=mean,
-                    steps=tuple(self.steps[te]),
+                    steps=plan.steps,
+                    path=plan.path,
+                    source_te=plan.source_te,
+                    fallback_from=plan.fallback_from,
+                    fallback_s=plan.fallback_s,
                 )
         elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
             te = min(serving, key=lambda t: (unfinished[t], -t))
@@ -117,10 +189,12 @@ class Autoscaler:
             self.samples.clear()  # the next window starts with the new set of TEs
         return event
 
-    def finished(self, finish_s: float, ttft_s: float) -> None:
+    def finished(self, finish_s: float, ttft_s: float, tpot_s: float = math.nan) -> None:
         """A request's finish as a TE-shell reported it (before or after `observe` reaches its
-        time: only the finishes up to a decision's time count for it)."""
-        bisect.insort(self.finishes, (finish_s, ttft_s > self.slo_ttft_s))
+        time: only the finishes up to a decision's time count for it); tpot_s nan: one token,
+        no TPOT to miss."""
+        missed = ttft_s > self.slo_ttft_s or tpot_s > self.slo_tpot_s  # nan > x is False
+        bisect.insort(self.finishes, (finish_s, missed))
 
     def _metric(self, now_s: float, unfinished: list[int], serving: list[int]) -> float | None:
         if self.cfg.metric == "slo":
@@ -133,6 +207,11 @@ class Autoscaler:
         while self.samples[0][0] < now_s - self.cfg.window_s:
             self.samples.popleft()
         return sum(x for _, x in self.samples) / len(self.samples)
+
+    def lose(self, te: int) -> None:
+        """TE `te` found lost: it serves no more, drains no more, and is no standby TE."""
+        self.lost.add(te)
+        self.draining.discard(te)
 
     def drained(self, te: int) -> None:
         """A draining TE's last request finished: standby again."""

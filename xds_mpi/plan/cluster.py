@@ -153,7 +153,7 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
 
 
 def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
-    """Standby TEs and the autoscaler go together; a lost TE is not scaled around yet."""
+    """Standby TEs and the autoscaler go together, within the TEs there are."""
     standby = [t.te for t in tes if t.standby]
     scaler = cfg.autoscaler
     if standby and not scaler.enabled:
@@ -173,10 +173,13 @@ def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
             f"autoscaler.enabled with cluster.num_jes({cfg.cluster.num_jes}) > 1 is not built "
             "yet: the autoscaler acts on one JE's view of the loads; set cluster.num_jes=1"
         )
-    if scaler.enabled and cfg.cluster.te_losses:
+    if scaler.enabled and max(scaler.max_tes, scaler.min_tes) > len(tes):
+        serving = len(tes) - len(standby)
         raise ConfigError(
-            "autoscaler.enabled with cluster.te_losses is not built yet: the autoscaler does "
-            "not know the lost TEs; drop one of the two"
+            f"autoscaler.max_tes({scaler.max_tes}) / min_tes({scaler.min_tes}) asks more TEs "
+            f"than the cluster has: {len(tes)} ({serving} serving from the start + "
+            f"{len(standby)} standby); add standby TEs (a cluster.groups row with standby: "
+            f"true) or set max_tes at most {len(tes)} (0: all)"
         )
     for te in standby:
         check_standby(cfg, tes, tes[te])
