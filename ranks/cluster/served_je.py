@@ -10,6 +10,13 @@ Step 1: admit: the JE's policy (cluster.policy, xds_mpi/cluster/loads.py TeLoads
 Step 2: each TE-shell's news (its requests' new tokens, readiness, failover, gauges) is applied
   to the JE's records, so the endpoint streams every TE's tokens; a finish is the loads'
   completion. /health: 200 once every TE is ready, 503 while any fails over.
+A lost TE (cluster.te_losses, at_s in wall seconds since every TE serves): the JE takes none of
+  its news from at_s on (its clients see no more tokens from it), finds it lost
+  health.timeout_s + health.dp_interval_s later (as a TE-shell finds a silent die), routes no
+  request there any more and routes each of its open requests again to another TE, which serves
+  it from its prompt; the tokens the client already has are not streamed twice (each is
+  compared with the new TE's). The lost TE's ranks run on for nothing (told to drop those
+  requests) until the shutdown.
 Step 3: shutdown as a lone TE-shell's (drain or cancel), then every TE-shell is told to stop;
   each stops its dies and sends its records (`TeResult`), and the JE writes the one run file
   and checks every request against the reference, whichever TE served it.
@@ -138,6 +145,14 @@ class ServedCluster:
             groups = topo.ranks_with_role("colocated") + topo.ranks_with_role("attention")
             self.dp_group_of.update({t.first_rank + g: i for i, g in enumerate(groups)})
         self.metrics: ServeMetrics | None = None  # open_endpoint's
+        # lost TEs: wall s since every TE serves (`serving_at`); found detect_s later
+        self.lost_at = {loss.te: loss.at_s for loss in cfg.cluster.te_losses}
+        self.detect_s = cfg.health.timeout_s + cfg.health.dp_interval_s
+        self.found_at: dict[int, float] = {}  # TE -> found lost (wall s since serving_at)
+        self.serving_at = 0.0  # time.time() when every TE served (0: not yet)
+        self.orphaned: dict[int, int] = {}  # req_id -> the lost TE it was first routed to
+        self.streamed: dict[int, int] = {}  # req_id routed again -> tokens its client had then
+        self.rerouted_mismatches: list[str] = []
         self.results: dict[int, TeResult] = {}
         self.mismatches: list[str] = []
         self.check_line = self.te_failure = ""
@@ -201,8 +216,11 @@ class ServedCluster:
             did_work = self.turn() + feed.turn()
             if not is_ready and len(self.is_te_ready) == self.cluster.num_tes:
                 is_ready = True
+                self.serving_at = time.time()
                 feed.ready()
                 self.log.info("JE: every TE serves (%d)", self.cluster.num_tes)
+            if is_ready:
+                did_work += self._find_losses()
             if not is_ready and time.monotonic() > ready_by:
                 waiting = sorted(set(range(self.cluster.num_tes)) - self.is_te_ready)
                 raise WaitTimeout(
@@ -231,12 +249,56 @@ class ServedCluster:
             num += 1
         return num + self._flush()
 
+    def _is_lost(self, te: int) -> bool:
+        """TE `te` is lost by now (its news no longer counts)."""
+        at_s = self.lost_at.get(te)
+        return at_s is not None and self.serving_at and time.time() - self.serving_at >= at_s
+
+    def _find_losses(self) -> int:
+        """A lost TE found (health.timeout_s + dp_interval_s after its loss): no candidate any
+        more, its open requests routed again, told to drop them."""
+        num, now_s = 0, time.time() - self.serving_at
+        for te, at_s in sorted(self.lost_at.items()):
+            if te in self.found_at or now_s < at_s + self.detect_s:
+                continue
+            self.found_at[te] = now_s
+            self.loads.lost.add(te)
+            self.is_te_failing_over.discard(te)
+            orphans = [r for r in self.open_requests() if self.loads.te_of.get(r) == te]
+            for req_id in orphans:
+                record = self.records[req_id]
+                self.loads.on_complete(req_id)  # off the lost TE's load
+                self.orphaned[req_id] = te
+                self.streamed[req_id] = len(record.tokens)
+                new = self.loads.pick(record.req)
+                self.loads.on_dispatch(new, record.req)
+                box = self.outbox[new]
+                arrived_at = self.started + record.req.arrival_s
+                admit = Admit(req=record.req, arrived_at=arrived_at)
+                self.outbox[new] = replace(box, admits=(*box.admits, admit))
+            box = self.outbox[te]
+            cancels = tuple((r, "its TE was lost") for r in orphans)
+            self.outbox[te] = replace(box, cancels=(*box.cancels, *cancels))
+            if self.metrics is not None:
+                self.metrics.te_lost.labels(str(te)).set(1)
+            self.log.warning(
+                "JE: TE %d lost at %.3f s, found at %.3f s (wall, since every TE served): %d open "
+                "requests routed again (%s)",
+                te,
+                at_s,
+                now_s,
+                len(orphans),
+                orphans,
+            )
+            num += 1
+        return num
+
     def _flush(self) -> int:
         num = 0
         for te, commands in self.outbox.items():
             if commands == Commands():
                 continue
-            shell = te + 1  # on the link
+            shell = self.cluster.shell(te)  # on the link
             self.sends.append(self.comm.isend(commands, dest=shell, tag=TAG_CLUSTER_SERVE))
             self.outbox[te] = Commands()
             num += 1
@@ -246,6 +308,8 @@ class ServedCluster:
 
     def _apply(self, news: TeNews) -> None:
         te, first = news.te, self.cluster.first_rank(news.te)
+        if self._is_lost(te):
+            return  # nothing it sends counts from its loss on
         if news.is_ready:
             self.is_te_ready.add(te)
         if news.is_failing_over:
@@ -267,16 +331,33 @@ class ServedCluster:
                 self.metrics.te_finished.labels(str(te)).inc()  # its TE served it to its end
             if record.finished_at or record.rejected:
                 continue  # cancelled here before: its client has gone
+            if self.loads.te_of.get(update.req_id) != te:
+                continue  # routed again from this TE (lost before)
             for token, wall_s, vtime_s in zip(
                 update.tokens, update.token_times, update.token_vtimes, strict=True
             ):
-                record.add_token(token, wall_s, vtime_s)
+                self._add_token(record, token, wall_s, vtime_s)
             self.touched.add(update.req_id)
             if update.finished_at or update.ended:
                 record.cancelled = update.ended
                 record.finished_at = update.finished_at or time.time()
                 self.loads.on_complete(update.req_id)
                 self.num_open -= 1
+
+    def _add_token(self, record: RequestRecord, token: int, wall_s: float, vtime_s: float) -> None:
+        """A token for the client, but for a request routed again the ones its client had: each
+        compared with the new TE's (the served model is deterministic)."""
+        req_id, streamed = record.req.req_id, self.streamed.get(record.req.req_id, 0)
+        if streamed:
+            index = len(record.tokens) - streamed  # the new TE's token index
+            if record.tokens[index] != token:
+                self.rerouted_mismatches.append(
+                    f"request {req_id}: token {index} was {record.tokens[index]} on the lost TE, "
+                    f"{token} on TE {self.loads.te_of[req_id]}"
+                )
+            self.streamed[req_id] = streamed - 1
+            return
+        record.add_token(token, wall_s, vtime_s)
 
     def _observe(self, die: int, batch) -> None:
         """A TE's token batch on the per-die histograms and the MTP counters."""
@@ -345,8 +426,13 @@ class ServedCluster:
             if result.status != "completed" and not self.te_failure:
                 self.te_failure = f"failed: TE {te}: {result.status}"
             for req_id, record in result.records.items():
+                if self.orphaned.get(req_id) == te:
+                    continue  # lost with its TE, served again elsewhere
                 record.die_rank = first + record.die_rank if record.die_rank >= 0 else -1
-                record.req = self.records[req_id].req  # its arrival from the JE's start
+                seen = self.records[req_id]
+                record.req = seen.req  # its arrival from the JE's start
+                if req_id in self.orphaned and len(seen.tokens) == len(record.tokens):
+                    record.token_times = seen.token_times  # when its client had each token
                 self.records[req_id] = record
             self.die_timings.update({first + r: t for r, t in result.die_timings.items()})
         self._summarize()
@@ -358,6 +444,7 @@ class ServedCluster:
         self.summary = summarize(self.records, self.started, self.ended)
         self.summary["serving_clock"] = self.ctx.plan.clock.kind
         self.summary.update(num_tes=cluster.num_tes, cluster_policy=cluster.policy)
+        self.summary["rerouted_requests"] = len(self.orphaned)
         for key in ("num_cancelled", "num_cancelled_on_dies", "cancelled_kv_blocks_freed"):
             self.summary[key] = sum(r.summary.get(key, 0) for r in self.results.values())
         self.log.info(format_summary(self.summary))
@@ -372,6 +459,12 @@ class ServedCluster:
     def check(self) -> None:
         """Every request against the single-process reference, whichever TE served it."""
         self.mismatches, self.check_line = check_every_request(self.cfg, self.records, self.log)
+        for line in self.rerouted_mismatches:  # a token streamed twice that differed
+            self.log.error("check: %s", line)
+        if self.rerouted_mismatches:
+            self.mismatches += self.rerouted_mismatches
+            differed = len(self.rerouted_mismatches)
+            self.check_line += f"; {differed} tokens differed when routed again"
         ended = sum(1 for r in self.records.values() if r.cancelled and not r.rejected)
         if ended:  # their tokens are the reference's first ones
             self.check_line += f"; {ended} of them ended early, compared as prefixes"
@@ -393,5 +486,17 @@ class ServedCluster:
         group["req_id"] = np.array(ids, np.int64)
         group["te"] = np.array([self.loads.te_of.get(r, -1) for r in ids], np.int64)
         group["routed_s"] = np.array([self.routed_s.get(r, np.nan) for r in ids])
-        write_te_columns(group, cluster, [self.results[te].status for te in sorted(self.results)])
+        group["first_te"] = np.array(
+            [self.orphaned.get(r, self.loads.te_of.get(r, -1)) for r in ids], np.int64
+        )
+        num_tes = cluster.num_tes
+        group["te_lost_s"] = np.array([self.lost_at.get(te, np.nan) for te in range(num_tes)])
+        group["te_found_s"] = np.array([self.found_at.get(te, np.nan) for te in range(num_tes)])
+        write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
         write_decisions(group, self.loads.decisions)
+
+    def _status(self, te: int) -> str:
+        found_s = self.found_at.get(te)
+        if found_s is None:
+            return self.results[te].status
+        return f"lost at {self.lost_at[te]:g} s, found at {found_s:.3f} s (wall, since serving)"

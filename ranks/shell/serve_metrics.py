@@ -122,6 +122,9 @@ class ServeMetrics:
         self.te_failing_over = Gauge(
             "xds:te_failing_over", "1 while a die of the TE fails over", ["te"], registry=r
         )
+        self.te_lost = Gauge(
+            "xds:te_lost", "1 once the JE found the TE lost (cluster.te_losses)", ["te"], registry=r
+        )
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(

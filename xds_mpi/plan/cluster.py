@@ -246,7 +246,6 @@ def check_cluster(cfg: Config, *, clock) -> None:
     served_unsupported = {
         "a PD pair (pd.enabled: its JE paces its prefill TEs by the cluster's promise on the "
         "virtual clock)": cfg.pd.enabled,
-        "cluster.te_losses (a TE lost at a virtual time)": bool(cfg.cluster.te_losses),
         "autoscaler.enabled (it scales at the JE's virtual decisions)": cfg.autoscaler.enabled,
         "cluster.num_jes > 1 (the endpoint runs on one JE)": cfg.cluster.num_jes > 1,
     }

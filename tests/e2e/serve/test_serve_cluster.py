@@ -64,10 +64,10 @@ def te_of_die(die: int) -> int:
 
 
 def test_a_served_cluster_refuses_what_it_does_not_build():
-    """No MPI: PD pairs, TE losses and the autoscaler are refused with serve, naming them."""
+    """No MPI: PD pairs and several JEs are refused with serve, naming them."""
     for config, sets, refused in [
         ("cluster", [], "does not support a PD pair"),
-        ("colocated", ["cluster.num_tes=2", "cluster.te_losses=[{te: 1, at_s: 1}]"], "te_losses"),
+        ("colocated", ["cluster.num_tes=2", "cluster.num_jes=2"], "num_jes"),
     ]:
         cfg = load_config(f"configs/{config}.yaml", ["serve.enabled=true", *sets])
         with pytest.raises(ConfigError, match=refused):
@@ -252,3 +252,44 @@ def test_health_is_503_while_a_die_of_one_te_fails_over(tmp_path):
     assert (failing_over, detected) == (0.0, 1.0)
     assert "vertical scaling: 2 -> 1 decode dies" in output
     assert server.check_line() == (8, 8 * 24, 0)
+
+
+def test_a_lost_te_s_open_requests_are_served_again_by_the_other_and_no_token_twice(tmp_path):
+    """TE 0 lost whole 2 s after every TE serves (found 1.5 + 0.2 s later, health.timeout_s +
+    dp_interval_s)
+    while 6 long completions stream on both TEs: the JE takes none of TE 0's news from its loss
+    on, then routes its open requests to TE 1, which serves them from their prompts; every
+    client gets each of its tokens once, all equal to the reference; TE 0 serves nothing after."""
+    server = Server(
+        tmp_path,
+        *TWO_TES,
+        *("--set", "cluster.te_losses=[{te: 0, at_s: 2}]", "--set", "health.timeout_s=1.5"),
+        timeout_s=400,
+    )
+
+    def one(i):
+        body = {"model": MODEL, "prompt": f"lost {i}", "max_tokens": 160, "ignore_eos": True}
+        return server.post("/v1/completions", body)
+
+    try:
+        server.wait_ready()
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(one, range(6)))
+        lost = metric(server, "xds:te_lost", 'te="0"')
+    finally:
+        output = server.stop()
+    assert [status for status, _ in answers] == [200] * 6
+    assert all(body["usage"]["completion_tokens"] == 160 for _, body in answers)
+    assert lost == 1.0
+    assert server.check_line() == (6, 6 * 160, 0)
+    with h5py.File(server.run_file(), "r") as f:
+        cluster = f["cluster"]
+        te, first = cluster["te"][()], cluster["first_te"][()]
+        again = first != te
+        # the premise: TE 0 held open requests at its loss (160 tokens outlast 2 s)
+        assert again.sum() >= 1 and set(first[again]) == {0} and set(te[again]) == {1}
+        assert f["summary"].attrs["rerouted_requests"] == again.sum()
+        assert cluster["te_status"][0].decode().startswith("lost at 2 s, found at ")
+        found = cluster["te_found_s"][0]
+        assert 3.7 <= found < 3.7 + 5  # timeout_s + dp_interval_s after, within a few turns
+    assert "requests routed again" in output
