@@ -35,6 +35,7 @@ from ranks.cluster.je_parts import (
     cluster_loads,
     count_per_te,
     run_job,
+    write_own_files,
     write_te_columns,
 )
 from ranks.cluster.messages import TAG_CLUSTER_RESULT, TAG_CLUSTER_SHARE, JeShare, TeResult
@@ -317,6 +318,7 @@ class JobExecutor:
                 rounds.lost_at,
             )
         write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
+        write_own_files(group, self.results)
         write_decisions(group, self.loads.decisions)
         write_regret(group["decisions"], regret, [d.req_id for d in self.loads.decisions])
 

@@ -97,6 +97,27 @@ def write_te_columns(group, cluster, statuses: list[str]) -> None:
     group["te_status"] = np.array(statuses, dtype=text)
 
 
+MERGED = ("requests", "dies")  # a TE's own groups the JE's run file holds merged
+
+
+def write_own_files(group, results: dict) -> None:
+    """Each TE's own run file (`TeResult.own`) under /cluster/te<k>/ but for what the JE's run
+    file merges: a PD pair's /pd, a TE's /failures and /slo, its own /summary and /virtual."""
+    import io
+
+    import h5py
+
+    for te, result in sorted(results.items()):
+        if not result.own:
+            continue
+        target = group.create_group(f"te{te}")
+        with h5py.File(io.BytesIO(result.own), "r") as own:
+            target.attrs.update(own.attrs)
+            for name in own:
+                if name not in MERGED:
+                    own.copy(own[name], target, name=name)
+
+
 def check_every_request(cfg, records: dict, log) -> tuple[list[str], str]:
     """`--check`: every request against the single-process reference, whichever TE served it;
     (its mismatches, the check line)."""

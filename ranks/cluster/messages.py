@@ -31,7 +31,9 @@ class TeResult:
     or "failed: <why>"; records: req_id -> RequestRecord of the requests it served; admitted:
     req_id -> virtual admission; die_timings: its die rank (inside the TE) -> per-iteration
     timings; summary: its own summary (xds_mpi/results/results.py `summarize` and the
-    projection); started: its serving's wall start."""
+    projection); started: its serving's wall start; own: the TE's own run file (HDF5 bytes, as
+    it would write it alone: its /pd, /failures, /slo, its own /summary, ...), which the JE keeps
+    under /cluster/te<k>/ but for what it merges (/requests, /dies)."""
 
     te: int
     status: str
@@ -40,6 +42,7 @@ class TeResult:
     die_timings: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     started: float = 0.0
+    own: bytes = b""
 
 
 @dataclass(kw_only=True)

@@ -38,6 +38,7 @@ from ranks.cluster.je_parts import (
     cluster_loads,
     count_per_te,
     run_job,
+    write_own_files,
     write_te_columns,
 )
 from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
@@ -493,6 +494,7 @@ class ServedCluster:
         group["te_lost_s"] = np.array([self.lost_at.get(te, np.nan) for te in range(num_tes)])
         group["te_found_s"] = np.array([self.found_at.get(te, np.nan) for te in range(num_tes)])
         write_te_columns(group, cluster, [self._status(te) for te in sorted(self.results)])
+        write_own_files(group, self.results)
         write_decisions(group, self.loads.decisions)
 
     def _status(self, te: int) -> str:

@@ -290,6 +290,7 @@ def send_result(ctx, serving, status: str) -> None:
         die_timings=serving.die_timings,
         summary=serving.summary,
         started=serving.started,
+        own=own_run_file(serving),
     )
     send_to_each(
         link.comm,
@@ -299,3 +300,15 @@ def send_result(ctx, serving, status: str) -> None:
         me=f"TE-shell of TE {link.te}",
         event="TE result to the JE",
     )
+
+
+def own_run_file(serving) -> bytes:
+    """The TE's run file as it would write it alone, in memory (HDF5 bytes) for the JE."""
+    import io
+
+    import h5py
+
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        serving.write(f)
+    return buffer.getvalue()

@@ -142,6 +142,10 @@ def test_a_pd_pair_and_two_colocated_tes_check_and_keep_their_virtual_times_besi
         assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["colocated"] * 2 + ["pd"]
         te = run_file["cluster/te"][()]
         assert sorted(set(te)) == [0, 1, 2]  # the pair serves too
+        # the pair's own PD results (TTFT split, KV transfers) under /cluster/te2/pd
+        pd_ids = set(run_file["cluster/te2/pd/req_id"][()])
+        assert pd_ids == set(run_file["cluster/req_id"][()][te == 2])
+        assert "pd" not in run_file["cluster/te0"] and "slo" in run_file["cluster/te0"]
         # each request's (decode) die is a die of its TE, by world rank
         die, first = run_file["requests/die_rank"][()], run_file["cluster/te_first_rank"][()]
         size = run_file["cluster/te_size"][()]
