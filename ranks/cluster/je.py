@@ -114,7 +114,7 @@ class JobExecutor:
         """Route every request; the TEs serve them."""
         self.started = time.time()
         deadline = time.monotonic() + self.ctx.cfg.run.timeout_s
-        while self.queue or self.rounds.losses:
+        while self.queue or self.rounds.losses or self.rounds.is_watching:
             if not self.rounds.turn():
                 time.sleep(0.0005)
             if time.monotonic() > deadline:

@@ -18,6 +18,7 @@ from ranks.core.tags import (  # noqa: F401
     TAG_CLUSTER_FINISHED,
     TAG_CLUSTER_RESULT,
     TAG_CLUSTER_SHARE,
+    TAG_CLUSTER_TE_LOST,
     TAG_VTIME_CLOCK,
     TAG_VTIME_GRANT,
 )
@@ -43,6 +44,18 @@ class TeResult:
     summary: dict = field(default_factory=dict)
     started: float = 0.0
     own: bytes = b""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeLost:
+    """TE-shell -> each JE still routing (TAG_CLUSTER_TE_LOST): its dies cannot go on (a die lost
+    whose experts had no other replica); at_s: the loss's virtual time (the fault's); why: the
+    TE-shell's reason; num_batches: the finish messages sent to this JE before it, all to be
+    taken first."""
+
+    at_s: float
+    why: str
+    num_batches: int
 
 
 @dataclass(kw_only=True)

@@ -9,9 +9,13 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ranks.cluster.messages import TAG_CLUSTER_FINISHED
+from mpi4py import MPI
+
+from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_CLUSTER_TE_LOST, TeLost
 from ranks.core.vtime_messages import TAG_VTIME_GRANT, Grant
 from ranks.shell.virtual_time import Finishes, GrantRounds
+from xds_mpi.config.cluster import TeLoss
+from xds_mpi.plan.cluster import te_config
 from xds_mpi.scheduling.admission import Completions, decide
 
 if TYPE_CHECKING:
@@ -44,6 +48,16 @@ class TeRounds(GrantRounds):
         self.found_at: dict[int, float] = {}  # TE -> when the JE found it lost
         self.finished: set[int] = set()  # req_id: finishes taken (a lost TE's before its loss)
         self.again_at: dict[int, float] = {}  # req_id -> routed again from then (a lost TE's)
+        # A TE whose own die may be lost for good (a dead or stuck row in its config) tells the
+        # JE when it is (`TeLost`): the JE then promises no TE more than a detection past the
+        # earliest busy TE's start (its orphans are routed again no earlier), and keeps its
+        # rounds until every TE is idle.
+        self.may_lose = any(
+            row.kind in ("dead", "stuck")
+            for t in cluster.tes
+            for row in te_config(cfg, t.overrides).faults.events
+        )
+        self.is_watching = self.may_lose
 
     @property
     def actors(self) -> list[int]:
@@ -68,9 +82,9 @@ class TeRounds(GrantRounds):
         return True
 
     def turn(self) -> int:
-        num = self._take_reports() + self.finishes.take()
+        num = self._take_reports() + self.finishes.take() + self._take_te_losses()
         je = self.je
-        if not je.queue and not self.losses:
+        if not je.queue and not self.losses and not self.is_watching:
             return num  # the last grant promised inf: nothing more to route
         missing = self.missing()
         if missing:
@@ -102,6 +116,12 @@ class TeRounds(GrantRounds):
             je.weights.send_orders(je.autoscaler.events, je.sends)
         # the promise: the next arrival, or a loss found before it (its orphans go elsewhere)
         promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
+        if self.is_watching:  # a loss not known yet is found a detection after a busy start
+            starts = [*busy, *(d.vtime_s for d in grant.decisions)]
+            if starts:
+                promise_s = min(promise_s, min(starts) + self.detect_s)
+            elif not je.queue and not self.losses:
+                self.is_watching = False  # every TE idle, nothing to route: none to lose
         to: dict[int, list] = {s: [] for s in self.actors}
         for d in grant.decisions:
             to[self.shell(d.group)].append(d)
@@ -117,6 +137,31 @@ class TeRounds(GrantRounds):
             )
             je.sends.append(self.comm.isend(message, dest=shell, tag=TAG_VTIME_GRANT))
         return num + 1
+
+    def _take_te_losses(self) -> int:
+        """A TE-shell's word that its dies cannot go on (`TeLost`): its finishes before it
+        taken, then it is lost from its loss's virtual time as a `cluster.te_losses` row would
+        have it (found a heartbeat timeout later); it reports no more."""
+        num, status = 0, MPI.Status()
+        while message := self.comm.improbe(MPI.ANY_SOURCE, TAG_CLUSTER_TE_LOST, status):
+            shell = status.Get_source()
+            lost: TeLost = message.recv()
+            self.finishes.take_counted({shell: lost.num_batches}, self.timeout_s)
+            te = shell - self.num_jes
+            self.lost_at[te] = lost.at_s
+            self.losses.append(TeLoss(te=te, at_s=lost.at_s))
+            self.losses = deque(sorted(self.losses, key=lambda loss: loss.at_s))
+            self.live.remove(shell)
+            self.reports.pop(shell, None)
+            self.je.log.warning(
+                "%s: TE %d lost at %.3f s virtual (its TE-shell: %s)",
+                self.je.name,
+                te,
+                lost.at_s,
+                lost.why,
+            )
+            num += 1
+        return num
 
     def _lose(self, te: int, found_s: float) -> None:
         """TE `te` found lost at `found_s`: no candidate any more, its requests not finished
@@ -138,7 +183,8 @@ class TeRounds(GrantRounds):
             je.orphaned[req.req_id] = te
         je.queue.extendleft(reversed(orphans))
         self.found_at[te] = found_s
-        self.live.remove(shell)
+        if shell in self.live:  # not gone already (its TE-shell told the loss)
+            self.live.remove(shell)
         self.reports.pop(shell, None)
         final = Grant(seq=self.seq, requests=(), horizon_s=INF, warp_s=-INF, times=())
         je.sends.append(self.comm.isend(final, dest=shell, tag=TAG_VTIME_GRANT))

@@ -23,7 +23,13 @@ import time
 
 from mpi4py import MPI
 
-from ranks.cluster.messages import TAG_CLUSTER_FINISHED, TAG_VTIME_CLOCK, TAG_VTIME_GRANT
+from ranks.cluster.messages import (
+    TAG_CLUSTER_FINISHED,
+    TAG_CLUSTER_TE_LOST,
+    TAG_VTIME_CLOCK,
+    TAG_VTIME_GRANT,
+    TeLost,
+)
 from ranks.cluster.weights_load import TeWeightsLoad
 from ranks.core.control import WaitTimeout
 from ranks.core.tags import TAG_CLUSTER_LOAD
@@ -44,6 +50,7 @@ class TePacer(VirtualPacer):
         super().__init__(frontend)
         self.link = link  # ranks/cluster/link.py ClusterLink
         self.grants = JeGrants(link)  # the JEs' grants held: the promise
+        self.is_lost = False  # its dies could not go on: the JEs were told (`lost`)
         self.to_je = JeReports(link, frontend, self.grants)  # the finishes and reports to the JE
         self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
         self.feed = JeFeed(self, self.weights)
@@ -64,9 +71,17 @@ class TePacer(VirtualPacer):
         record = self.frontend.records[req_id]
         self.to_je.finished((req_id, vtime_s, record.token_vtimes[0], len(record.tokens)))
 
+    def lost(self, at_s: float, why: str) -> None:
+        """The TE's dies cannot go on (from virtual `at_s`): each JE still routing gets the
+        finishes not yet sent, then the loss; the TE serves nothing more."""
+        self.is_lost = True
+        self.to_je.lost(at_s, why)
+
     def turn(self) -> int:
         """Take the JE's grants and the dies' reports; once every die reported, decide up to
         min(the dies' common start, the promise) and grant, or report to the JE."""
+        if self.is_lost:
+            return 0
         num = self._take_reports() + self._take_je()
         frontend = self.frontend
         missing = self.missing()
@@ -190,6 +205,17 @@ class JeReports:
     def finished(self, row: tuple[int, float, float]) -> None:
         self.rows[self.grants.owner[row[0]]].append(row)
 
+    def lost(self, at_s: float, why: str) -> None:
+        """To each JE still routing: its finishes not yet sent, then the loss (`TeLost`)."""
+        comm, sends = self.link.comm, self.owner.sends
+        for je in self.grants.routing:
+            if self.rows[je]:
+                rows, self.rows[je] = tuple(self.rows[je]), []
+                sends.append(comm.isend(rows, dest=je, tag=TAG_CLUSTER_FINISHED))
+                self.num_sent[je] += 1
+            message = TeLost(at_s=at_s, why=why, num_batches=self.num_sent[je])
+            sends.append(comm.isend(message, dest=je, tag=TAG_CLUSTER_TE_LOST))
+
     def report(self, *, start_s: float, is_idle: bool) -> int:
         """For the current round (once; none once no JE routes): to each JE still routing its
         finishes first, then the report for its grant."""
@@ -248,7 +274,7 @@ class JeFeed:
     def is_open(self) -> bool:
         """Until the JE's last grant, and the dies' load at a scale-out reported."""
         is_loading = self.weights is not None and self.weights.is_pending
-        return self.pacer.promise_s != INF or is_loading
+        return (self.pacer.promise_s != INF or is_loading) and not self.pacer.is_lost
 
     def ready(self) -> None:
         self.deadline = time.monotonic() + self.timeout_s
@@ -300,6 +326,11 @@ def send_result(ctx, serving, status: str) -> None:
         me=f"TE-shell of TE {link.te}",
         event="TE result to the JE",
     )
+    # A lost TE's JEs may have granted before they knew (taken once JE 0 took the result: the
+    # JEs route no more by then)
+    for je in link.jes:
+        while (message := link.comm.improbe(source=je, tag=TAG_VTIME_GRANT)) is not None:
+            message.recv()
 
 
 def own_run_file(serving) -> bytes:

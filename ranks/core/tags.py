@@ -70,6 +70,8 @@ TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED = 294, 295
 TAG_CLUSTER_SERVE, TAG_CLUSTER_NEWS = 296, 297
 # cluster.num_jes > 1 (ranks/cluster/je.py): JE j -> JE 0 at the end, what it routed
 TAG_CLUSTER_SHARE = 298
+# a cluster's TE-shell -> its JEs: its dies cannot go on (ranks/cluster/te_side.py `TePacer.lost`)
+TAG_CLUSTER_TE_LOST = 299
 
 
 def all_tags() -> dict[str, int]:

@@ -22,7 +22,7 @@ from ranks.core.messages import (
 )
 from ranks.core.tags import TAG_EMS_REPORT
 from ranks.core.trace_io import gather_traces
-from ranks.recovery.detector import Detector, static_placement
+from ranks.recovery.detector import DecodeDieLost, Detector, static_placement
 from ranks.recovery.memory import MemoryLosses
 from ranks.recovery.scale_down import scale_down
 from ranks.recovery.watch import is_watched, watch_comm, watcher
@@ -54,6 +54,7 @@ WATCH_SHARE = 20
 
 class Frontend:
     virtual = None  # run.clock virtual: the VirtualPacer (ranks/shell/virtual_time.py)
+    lost_for_good: DecodeDieLost | None = None  # a cluster's TE whose dies could not go on
 
     def __init__(self, ctx: RankContext) -> None:
         cfg = ctx.cfg
@@ -163,16 +164,44 @@ class Frontend:
             return 0
         if self.feed is not None:
             self.feed.failing_over(True)
-        loss = self.detector.fence(silent, self.records, self.started)
+        try:
+            loss = self.detector.fence(silent, self.records, self.started)
+        except DecodeDieLost as exc:
+            if not getattr(self.virtual, "lost", None):  # not a cluster's TE: the run stops
+                raise
+            self._lose_te(exc)
+            return 1
         scale_down(self, loss)  # §6.2 stage 2: the dies go on without the lost ones
         if self.feed is not None:
             self.feed.failing_over(False)
         return 1
 
+    def _lose_te(self, exc: DecodeDieLost) -> None:
+        """A cluster's TE whose dies cannot go on (docs/cluster.md "A lost TE"): the last tokens
+        taken, the JEs told the loss's virtual time (the fault's) and the finishes before it,
+        every die stopped (each leaves as a lost die does, no collective); the serving loop
+        ends, and the TE's records go to the JE, which routes the unfinished requests again."""
+        while self.take_tokens():
+            pass
+        began = [n.virtual_s for n in self.detector.began.values() if n.virtual_s == n.virtual_s]
+        at_s = min(began) if began else self.virtual.decided_s
+        self.log.warning("TE lost at %.3f s virtual: %s", at_s, exc)
+        self.virtual.lost(at_s, str(exc))
+        self.lost_for_good = exc
+        dies = self.ctx.topo.die_ranks  # the dead one too: each leaves on its stop
+        self.sends += [self.comm.isend(None, dest=d, tag=TAG_STOP) for d in dies]
+        self.queue.clear()
+        self.num_open = 0
+
     def _finish(self) -> None:
         """Stop every die (the lost ones too, so that they leave), take the reports, traces and
         last tokens; `stop_phases` says how long each took."""
         timeout_s = self.ctx.cfg.xccl.poll_timeout_s
+        if self.lost_for_good is not None:  # every die told to leave (`_lose_te`): no report
+            self.stop_phases = Phases()
+            self.reports, self.traces, self.expert_loads = {}, {}, {}
+            wait_all(self.sends, timeout_s=timeout_s, me="TE-shell", event="stop of a lost TE")
+            return
         lost = self.lost_dies()  # told too, so that they leave (without a collective)
         self.ctx.log.info("serving done: stopping %d dies, taking their reports", len(self.groups))
         phases = self.stop_phases = Phases()

@@ -282,10 +282,11 @@ class Serving:
             self.summary.update(trace_summary(ctx.cfg, self.records))
             ctx.log.info(format_trace(self.summary))
         pd = ctx.plan.pd
+        num_dies = len(self.die_timings) or ctx.topo.num_dies  # a lost cluster TE reports none
         pricer = RequestPricer(
             ctx.cfg,
-            num_prefill_dies=len(pd.tes[0]) if pd else len(self.die_timings),
-            num_decode_dies=len(self.die_timings),
+            num_prefill_dies=len(pd.tes[0]) if pd else num_dies,
+            num_decode_dies=num_dies,
             batch_per_die=mean_decode_batch(self.die_timings),
             is_pd=pd is not None,
         )

@@ -327,3 +327,42 @@ def test_the_autoscaler_scales_out_on_a_burst_and_drains_after_it(tmp_path):
         for r in routed[te == k]:
             assert any(a <= r < b for a, b in windows), (k, r, windows)
     assert set(te[routed < 3.0]) == {0}  # before the burst only the first TE serves
+
+
+def test_a_te_whose_die_is_lost_for_good_is_a_lost_te_and_keeps_its_virtual_times(tmp_path):
+    # TE 0's die 2 dead at virtual 1.0 s; its experts have no other replica
+    # (health.on_expert_lost stop): its TE-shell tells the JE the loss (the first iteration at or
+    # after 1.0 s), stops its dies, and the JE routes its unfinished requests again once found,
+    # health.timeout_s + dp_interval_s later. Alone, such a TE ends the whole job.
+    faulty = _sets(
+        "cluster.groups=[{count: 1, set: ['faults.events=[{kind: dead, die: 2, at_s: 1.0}]']}, "
+        "{count: 1}]",
+        "health.timeout_s=1.5",
+        "workload.num_requests=24",
+        "workload.rate_per_s=12",
+        "workload.length_dist=uniform",
+        "workload.max_output_len=12",
+        "workload.output_len=2",
+    )
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        with busy_processes(num_busy):
+            result, run_file = run_cluster(tmp_path / f"run{i}", *faulty)
+        assert result.returncode == 0, _ok(result)
+        assert check_line(result).endswith(" 0 mismatches")
+        cluster = run_file["cluster"]
+        te, first = cluster["te"][()], cluster["first_te"][()]
+        lost_s, found_s = cluster["te_lost_s"][0], cluster["te_found_s"][0]
+        again = first != te
+        assert again.sum() >= 1 and set(te[again]) == {1}  # its orphans went to TE 1
+        assert (te == 0).sum() >= 1  # the premise: TE 0 finished some before its loss
+        assert all(run_file["virtual/finish_s"][()][te == 0] <= lost_s)
+        assert 1.0 <= lost_s < 1.5 and np.isclose(found_s, lost_s + 1.7)
+        assert np.allclose(cluster["routed_s"][()][again], found_s)
+        assert cluster["te_status"][0].decode().startswith("lost at ")
+        columns = _virtual_columns(run_file)
+        columns["cluster/te"], columns["cluster/routed_s"] = te, cluster["routed_s"][()]
+        runs.append(columns)
+    quiet, loaded = runs
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
