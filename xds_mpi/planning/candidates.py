@@ -14,9 +14,8 @@ from xds_mpi.planning.memory import ModelBytes, die_memory, experts_per_die
 
 KINDS = ("colocated", "pd", "afd")
 DECODE_EP = (16, 32, 64, 128, 256, 288)  # 288: the paper's 256 routed + 32 shared dies (§7.1)
-AFD_ATTENTION = (16, 32, 64, 128, 160)  # attention dies per DP domain (160: Figure 18)
-AFD_EXPERT = (32, 64, 128, 256, 288)
-PREFILL_TE_DIES = (16, 32)  # §7.2: a prefill TE spans two servers (32 dies)
+AFD_ATTENTION = (16, 32, 64, 160)  # attention dies per DP domain (160: Figure 18)
+AFD_EXPERT = (32, 64, 128, 288)
 PREFILL_TES = (1, 2, 4, 8)
 PREFILL_TP = (1, 4)  # §7.2: DP8 over 32 dies, TP4
 SHARED_DIES = 32  # §7.1 / Figure 18: 32 dies hold the shared expert beside 256 routed
@@ -24,15 +23,17 @@ SHARED_DIES = 32  # §7.1 / Figure 18: 32 dies hold the shared expert beside 256
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
-    """The axes beside the shapes: MTP depths, INT8 KV on/off, batch limits per DP group,
-    redundant slots per routed-expert die (tried at 256+ routed dies only, where §7.1 uses
-    them), AFD microbatches."""
+    """The axes beside the shapes: MTP depths, INT8 KV on/off, batch limits per DP group (of
+    which each shape keeps the largest that fits in memory), redundant slots per routed-expert
+    die (tried at 256+ routed dies only, where §7.1 uses them; with uniform expert loads they
+    only cost memory, so not tried by default), AFD microbatches, dies per prefill TE."""
 
     mtp_depths: tuple[int, ...] = (0, 1)
     kv_int8: tuple[bool, ...] = (False, True)
     max_batches: tuple[int, ...] = (16, 32, 64, 96)
-    redundant: tuple[int, ...] = (0, 1)
-    afd_microbatches: tuple[int, ...] = (2, 3)
+    redundant: tuple[int, ...] = (0,)
+    afd_microbatches: tuple[int, ...] = (2,)
+    prefill_te_dies: tuple[int, ...] = (32,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,7 +163,7 @@ class Enumerator:
                 if r == 0 or e >= 256
             ]
         prefill = [(0, 0, 1)] + [
-            (k, p, tp) for k, p, tp in product(PREFILL_TES, PREFILL_TE_DIES, PREFILL_TP)
+            (k, p, tp) for k, p, tp in product(PREFILL_TES, opts.prefill_te_dies, PREFILL_TP)
         ]
         for (decode_kind, sets, routed, dies, redundant), (k, p, tp) in product(decode, prefill):
             kind = "colocated" if decode_kind == "colocated" and not k else decode_kind
@@ -174,17 +175,27 @@ class Enumerator:
                 continue  # afd decodes behind PD's prefill TEs (configs/pd_afd.yaml)
             if kind == "pd" and "pd" not in kinds:
                 continue
-            for mtp, kv8, batch in product(opts.mtp_depths, opts.kv_int8, opts.max_batches):
-                self._consider(kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, batch)
+            for mtp, kv8 in product(opts.mtp_depths, opts.kv_int8):
+                self._largest(kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, opts=opts)
+
+    def _largest(self, *shape, opts: Options) -> None:
+        """The largest batch limit that fits; when none does, the smallest's reason."""
+        excluded = len(self.excluded)
+        for batch in sorted(opts.max_batches, reverse=True):
+            if self._consider(*shape, batch):
+                del self.excluded[excluded:]
+                return
+        del self.excluded[excluded:-1]
 
     def _colocated(self, ep: int, redundant: int):
         sets, routed, dies = _colocated_sets(ep, redundant)
         return sets, routed, dies, redundant
 
-    def _consider(self, kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, batch) -> None:
+    def _consider(self, kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, batch) -> bool:
+        """Keep the candidate (True) or record why not (False)."""
         label = _label(kind, sets, dies, k, p, tp, mtp, kv8, batch)
         if dies + k * p > self.num_dies:
-            return  # over budget: not a candidate at all, not worth a line
+            return True  # over budget: not a candidate at all, not worth a line
         full = [
             *sets,
             f"scheduler.mtp_depth={mtp}",
@@ -215,6 +226,7 @@ class Enumerator:
             self.excluded.append(Excluded(label=label, reason=reason))
         else:
             self.kept.append(cand)
+        return not reason
 
     def _why_not(self, c: Candidate, routed: int, redundant: int) -> str:
         """'' when c fits; else the first reason it does not."""

@@ -9,6 +9,7 @@ server (the same LinkModel the PD dies use)."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,12 +40,25 @@ class StepTable:
     """iteration_s[i, j]: one decode iteration at BATCH_GRID[i] requests per DP group and mean
     KV length KV_GRID[j]; tokens_per_step: 1 + MTP depth x acceptance."""
 
-    iteration_s: np.ndarray  # [len(BATCH_GRID), len(KV_GRID)] float64
+    iteration_s: tuple[tuple[float, ...], ...]  # [len(BATCH_GRID)][len(KV_GRID)] seconds
     tokens_per_step: float
 
     def __call__(self, batch: float, kv_len: float) -> float:
-        per_kv = [np.interp(batch, BATCH_GRID, col) for col in self.iteration_s.T]
-        return float(np.interp(kv_len, KV_GRID, per_kv))
+        """Bilinear between the grid's points, held at its edges (called once per event of
+        the replay: plain floats, no numpy call)."""
+        i, u = _cell(BATCH_GRID, batch)
+        j, v = _cell(KV_GRID, kv_len)
+        g = self.iteration_s
+        low = g[i][j] + (g[i + 1][j] - g[i][j]) * u
+        high = g[i][j + 1] + (g[i + 1][j + 1] - g[i][j + 1]) * u
+        return low + (high - low) * v
+
+
+def _cell(grid: tuple, x: float) -> tuple[int, float]:
+    """(i, fraction) with grid[i] <= x <= grid[i + 1], x clamped to the grid."""
+    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
+    frac = (x - grid[i]) / (grid[i + 1] - grid[i])
+    return i, min(max(frac, 0.0), 1.0)
 
 
 @lru_cache(maxsize=4096)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_BLOCK = 32
+NONE = np.zeros(0, np.int64)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,19 +78,23 @@ def serve(
     idx, kv, left, pre = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
     capacity, t = num_groups * max_batch, 0.0
     while order or len(idx):
-        while order and ready[order[-1]] <= t and len(idx) < capacity:
-            i = order.pop()
-            idx = np.append(idx, i)
-            kv = np.append(kv, prompt_len[i] if is_pd else 0)
-            left = np.append(left, output_len[i] if is_pd else output_len[i] - 1)
-            pre = np.append(pre, 0 if is_pd else prompt_len[i])
+        joining = []
+        while order and ready[order[-1]] <= t and len(idx) + len(joining) < capacity:
+            joining.append(order.pop())
+        if joining:
+            new = np.array(joining)
+            idx = np.concatenate([idx, new])
+            kv = np.concatenate([kv, prompt_len[new] if is_pd else np.zeros(len(new))])
+            left = np.concatenate([left, output_len[new] - (0 if is_pd else 1)])
+            pre = np.concatenate([pre, np.zeros(len(new)) if is_pd else prompt_len[new]])
         if not len(idx):
             t = max(t, ready[order[-1]])
             continue
         decoding = pre == 0
-        prefilling = np.flatnonzero(~decoding)[:num_groups]
-        batch = math.ceil(decoding.sum() / num_groups)
-        mean_kv = kv[decoding].mean() if batch else 1.0
+        prefilling = NONE if is_pd else np.flatnonzero(~decoding)[:num_groups]
+        num_decoding = int(decoding.sum())
+        batch = -(-num_decoding // num_groups)
+        mean_kv = float(kv[decoding].sum()) / num_decoding if batch else 1.0
         it = step(max(batch, 1), mean_kv)
         blocks = [MAX_BLOCK]
         if batch:

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.model.shapes import load_model_preset
@@ -48,6 +50,7 @@ class Planner:
         self.hw = load_profile(profile)
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
+        self._transfers: dict[bool, np.ndarray] = {}
 
     def enumerate(self, chips: float, kinds: tuple[str, ...], opts: Options) -> Enumerator:
         num_dies = int(chips * self.dies_per_chip)
@@ -93,6 +96,11 @@ class Planner:
 
         return why
 
+    def _transfer(self, kv_int8: bool):
+        if kv_int8 not in self._transfers:
+            self._transfers[kv_int8] = transfer_s(self.w.prompt_len, self.profile, kv_int8=kv_int8)
+        return self._transfers[kv_int8]
+
     def price(self, c: Candidate) -> tuple[Served, Outcome]:
         step = step_table(c.decode_sets(), self.profile, c.mtp_depth, self.accept)
         w = self.w
@@ -109,9 +117,11 @@ class Planner:
         if c.prefill_dies:
             pre = prefill_curve(c.prefill_te_dies, c.prefill_tp, self.profile, self.max_prompt)
             ends = prefill_schedule(
-                w.arrival_s, [pre(p) for p in w.prompt_len], c.prefill_dies // c.prefill_tp
+                w.arrival_s,
+                np.interp(w.prompt_len, pre.prompt_len, pre.pass_s),
+                c.prefill_dies // c.prefill_tp,
             )
-            ready = ends + transfer_s(w.prompt_len, self.profile, kv_int8=c.kv_int8)
+            ready = ends + self._transfer(c.kv_int8)
             served = serve(**common, prefill_ready_s=ready)
         else:
             pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)
