@@ -58,11 +58,20 @@ def add_parser(sub) -> None:
     p.add_argument("--batches", default="16,32,64,96", help="batch limits per DP group to try")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table (10)")
     p.add_argument("--out", default="plan_out", help="directory for plan.png and the configs")
-    p.add_argument("--verify", type=int, default=0, metavar="N",
-                   help="run the top N by emulation at a reduced width (0)")  # fmt: skip
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the top N by emulation at a reduced width (0)",
+    )
     p.add_argument("--verify-requests", type=int, default=8, help="requests per emulation (8)")
-    p.add_argument("--verify-length-scale", type=float, default=0.02,
-                   help="lengths served in the emulations x this (0.02)")  # fmt: skip
+    p.add_argument(
+        "--verify-length-scale",
+        type=float,
+        default=0.02,
+        help="lengths served in the emulations x this (0.02)",
+    )
     p.add_argument("--timeout", type=float, default=240, help="seconds per emulation (240)")
     p.set_defaults(func=cmd_plan)
 
@@ -78,18 +87,21 @@ def workload_of(args: argparse.Namespace) -> PlanWorkload:
     if bool(args.trace) == bool(args.synthetic):
         raise ConfigError("give one workload: --trace FILE or --synthetic PROMPT,OUTPUT")
     if args.trace:
-        return from_trace(args.trace, start_s=args.start, duration_s=args.duration,
-                          speedup=args.speedup)  # fmt: skip
+        return from_trace(
+            args.trace, start_s=args.start, duration_s=args.duration, speedup=args.speedup
+        )
     lengths = _ints(args.synthetic, "--synthetic")
     if len(lengths) != 2:
         raise ConfigError(f"--synthetic wants PROMPT,OUTPUT, got {args.synthetic!r}")
-    return synthetic(prompt_len=lengths[0], output_len=lengths[1], rate=args.rate,
-                     duration_s=args.duration)  # fmt: skip
+    return synthetic(
+        prompt_len=lengths[0], output_len=lengths[1], rate=args.rate, duration_s=args.duration
+    )
 
 
 def options_of(args: argparse.Namespace) -> Options:
-    return Options(mtp_depths=_ints(args.mtp, "--mtp"),
-                   max_batches=_ints(args.batches, "--batches"))  # fmt: skip
+    return Options(
+        mtp_depths=_ints(args.mtp, "--mtp"), max_batches=_ints(args.batches, "--batches")
+    )
 
 
 def check_result(result: SearchResult, slo: Slo) -> None:
@@ -119,16 +131,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     workload = workload_of(args)
     planner = Planner(workload, slo, profile=args.profile, accept=args.accept)
-    print(f"plan: {workload.source}: {workload.num_requests} requests, {workload.rate:.2f}/s, "
-          f"mean prompt {workload.prompt_len.mean():.0f}, output {workload.output_len.mean():.0f} "
-          f"tokens; {slo}; {args.chips:g} chips on {args.profile}", flush=True)  # fmt: skip
-    result = planner.search(args.chips, kinds, options_of(args),
-                            progress=lambda line: print(line, flush=True))  # fmt: skip
+    print(
+        f"plan: {workload.source}: {workload.num_requests} requests, {workload.rate:.2f}/s, "
+        f"mean prompt {workload.prompt_len.mean():.0f}, output {workload.output_len.mean():.0f} "
+        f"tokens; {slo}; {args.chips:g} chips on {args.profile}",
+        flush=True,
+    )
+    result = planner.search(
+        args.chips, kinds, options_of(args), progress=lambda line: print(line, flush=True)
+    )
     check_result(result, slo)
     print(f"\nranked by goodput per chip (top {args.top} of {len(result.ranked)}):")
     print(table(result.ranked[: args.top]))
-    print(f"\nPareto frontier, tokens/s per chip against TPOT p99 and TTFT p99 "
-          f"({len(result.frontier)} points):")  # fmt: skip
+    print(
+        f"\nPareto frontier, tokens/s per chip against TPOT p99 and TTFT p99 "
+        f"({len(result.frontier)} points):"
+    )
     print(table(result.frontier))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,8 +154,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_config(out / f"frontier_{n}.yaml", p, slo, workload.source)
     title = f"{workload.source}, {args.chips:g} chips, {slo}"
     plot(result.ranked, result.frontier, slo, out / "plan.png", title)
-    print(f"plan: wrote {out / 'plan.png'} and {len(result.frontier)} configs "
-          f"{out}/frontier_N.yaml; search {result.wall_s:.1f} s")  # fmt: skip
+    print(
+        f"plan: wrote {out / 'plan.png'} and {len(result.frontier)} configs "
+        f"{out}/frontier_N.yaml; search {result.wall_s:.1f} s"
+    )
     if args.verify:
         # here: the verification's launcher, only with --verify
         from launch.plan.verify import verify

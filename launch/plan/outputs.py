@@ -14,17 +14,34 @@ from xds_mpi.planning.costs import BASE_CONFIG
 from xds_mpi.planning.frontier import Slo
 from xds_mpi.planning.search import Priced
 
-HEADERS = ["#", "deployment", "chips", "goodput/s/chip", "met", "tokens/s/chip",
-           "TTFT p99 s", "TPOT p99 ms"]  # fmt: skip
+HEADERS = [
+    "#",
+    "deployment",
+    "chips",
+    "goodput/s/chip",
+    "met",
+    "tokens/s/chip",
+    "TTFT p99 s",
+    "TPOT p99 ms",
+]
 
 
 def table(rows: list[Priced], *, first: int = 1) -> str:
     out = []
     for n, p in enumerate(rows, start=first):
         o = p.outcome
-        out.append([str(n), p.candidate.label, f"{o.chips:g}", f"{o.goodput_per_chip:.4f}",
-                    f"{o.met_fraction:.0%}", f"{o.tokens_per_s_per_chip:.1f}",
-                    f"{o.ttft_p99_s:.2f}", f"{o.tpot_p99_s * 1e3:.1f}"])  # fmt: skip
+        out.append(
+            [
+                str(n),
+                p.candidate.label,
+                f"{o.chips:g}",
+                f"{o.goodput_per_chip:.4f}",
+                f"{o.met_fraction:.0%}",
+                f"{o.tokens_per_s_per_chip:.1f}",
+                f"{o.ttft_p99_s:.2f}",
+                f"{o.tpot_p99_s * 1e3:.1f}",
+            ]
+        )
     return format_table(HEADERS, out)
 
 
@@ -75,17 +92,27 @@ def plot(ranked: list[Priced], frontier: list[Priced], slo: Slo, path: Path, tit
 
     colours = {"colocated": "tab:blue", "pd": "tab:orange", "afd": "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, attr, limit, unit in ((axes[0], "tpot_p99_s", slo.tpot_s, 1e3),
-                                  (axes[1], "ttft_p99_s", slo.ttft_s, 1.0)):  # fmt: skip
-        ax.scatter([getattr(p.outcome, attr) * unit for p in ranked],
-                   [p.outcome.tokens_per_s_per_chip for p in ranked], s=8, c="0.75",
-                   label="priced")  # fmt: skip
+    for ax, attr, limit, unit in (
+        (axes[0], "tpot_p99_s", slo.tpot_s, 1e3),
+        (axes[1], "ttft_p99_s", slo.ttft_s, 1.0),
+    ):
+        ax.scatter(
+            [getattr(p.outcome, attr) * unit for p in ranked],
+            [p.outcome.tokens_per_s_per_chip for p in ranked],
+            s=8,
+            c="0.75",
+            label="priced",
+        )
         for kind, colour in colours.items():
             pts = [p for p in frontier if p.candidate.kind == kind]
             if pts:
-                ax.scatter([getattr(p.outcome, attr) * unit for p in pts],
-                           [p.outcome.tokens_per_s_per_chip for p in pts], s=30, c=colour,
-                           label=f"frontier: {kind}")  # fmt: skip
+                ax.scatter(
+                    [getattr(p.outcome, attr) * unit for p in pts],
+                    [p.outcome.tokens_per_s_per_chip for p in pts],
+                    s=30,
+                    c=colour,
+                    label=f"frontier: {kind}",
+                )
         ax.axvline(limit * unit, ls="--", c="k", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel("TPOT p99 (ms)" if unit == 1e3 else "TTFT p99 (s)")

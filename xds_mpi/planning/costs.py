@@ -31,8 +31,9 @@ BATCH_GRID = (1, 8, 32, 64, 96, 128)
 KV_GRID = (1024, 8192, 65536, 262144)
 
 
-def base_config(sets: tuple[str, ...], profile: str) -> Config:
-    return load_config(resolve_config(BASE_CONFIG), [*sets, f"hardware.profile={profile}"])
+def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) -> Config:
+    """`base` (a config of configs/) with `sets` on the hardware profile."""
+    return load_config(resolve_config(base), [*sets, f"hardware.profile={profile}"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +64,13 @@ def _cell(grid: tuple, x: float) -> tuple[int, float]:
 
 @lru_cache(maxsize=4096)
 def step_table(
-    decode_sets: tuple[str, ...], profile: str, mtp_depth: int, accept: float
+    decode_sets: tuple[str, ...],
+    profile: str,
+    mtp_depth: int,
+    accept: float,
+    base: str = BASE_CONFIG,
 ) -> StepTable:
-    cfg = base_config(decode_sets, profile)
+    cfg = base_config(decode_sets, profile, base)
     hw = Hardware.from_profile(load_profile(profile))
     m = load_model_preset(SHAPE)
     grid = np.array(

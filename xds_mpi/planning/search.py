@@ -12,7 +12,7 @@ from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.planning.candidates import DECODE_EP, Candidate, Enumerator, Excluded, Options
-from xds_mpi.planning.costs import SHAPE, prefill_curve, step_table, transfer_s
+from xds_mpi.planning.costs import BASE_CONFIG, SHAPE, prefill_curve, step_table, transfer_s
 from xds_mpi.planning.frontier import Outcome, Slo, outcome, pareto
 from xds_mpi.planning.queue import Served, prefill_schedule, serve
 from xds_mpi.planning.workload import PlanWorkload
@@ -44,9 +44,19 @@ class Planner:
     """One search's fixed inputs: the workload, SLO, hardware profile and MTP acceptance."""
 
     def __init__(
-        self, workload: PlanWorkload, slo: Slo, *, profile: str = "ascend910c", accept: float = 0.9
+        self,
+        workload: PlanWorkload,
+        slo: Slo,
+        *,
+        profile: str = "ascend910c",
+        accept: float = 0.9,
+        base: str = BASE_CONFIG,
+        chunk_tokens: int = COLOCATED_CHUNK_TOKENS,
     ) -> None:
+        """base: the config the candidates' keys go over (the pod's model; a verification's
+        reduced width the emulated one); chunk_tokens: a colocated die's prefill chunk."""
         self.w, self.slo, self.profile, self.accept = workload, slo, profile, accept
+        self.base, self.chunk_tokens = base, chunk_tokens
         self.hw = load_profile(profile)
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
@@ -102,7 +112,7 @@ class Planner:
         return self._transfers[kv_int8]
 
     def price(self, c: Candidate) -> tuple[Served, Outcome]:
-        step = step_table(c.decode_sets(), self.profile, c.mtp_depth, self.accept)
+        step = step_table(c.decode_sets(), self.profile, c.mtp_depth, self.accept, self.base)
         w = self.w
         groups = _decode_groups(c)
         common = dict(
@@ -125,7 +135,7 @@ class Planner:
             served = serve(**common, prefill_ready_s=ready)
         else:
             pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)
-            served = serve(**common, chunk_tokens=COLOCATED_CHUNK_TOKENS, chunk_cost=pre.chunk)
+            served = serve(**common, chunk_tokens=self.chunk_tokens, chunk_cost=pre.chunk)
         chips = c.chips(self.dies_per_chip)
         return served, outcome(
             served, output_len=w.output_len, duration_s=w.duration_s, chips=chips, slo=self.slo
