@@ -35,6 +35,12 @@ KV_BLOCK_TOKENS = 16
 
 def reduced(c: Candidate) -> tuple[Candidate, str, float]:
     """(the reduced candidate, the config it goes over, the width factor)."""
+    r, base, factor = _reduced(c)
+    pre = f" + {r.prefill_dies}P tp{r.prefill_tp}" if r.prefill_dies else ""
+    return replace(r, label=f"{r.decode_dies}D{pre} ({base}) x{factor:.3g}"), base, factor
+
+
+def _reduced(c: Candidate) -> tuple[Candidate, str, float]:
     common = [
         f"scheduler.mtp_depth={c.mtp_depth}",
         f"scheduler.kv_int8={str(c.kv_int8).lower()}",

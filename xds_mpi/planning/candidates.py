@@ -166,15 +166,9 @@ class Enumerator:
             (k, p, tp) for k, p, tp in product(PREFILL_TES, opts.prefill_te_dies, PREFILL_TP)
         ]
         for (decode_kind, sets, routed, dies, redundant), (k, p, tp) in product(decode, prefill):
-            kind = "colocated" if decode_kind == "colocated" and not k else decode_kind
-            if (
-                (kind not in kinds)
-                or (kind == "pd" and decode_kind != "colocated")
-                or (kind == "afd" and not k)
-            ):
+            kind = "pd" if decode_kind == "colocated" and k else decode_kind
+            if kind not in kinds or (kind == "afd" and not k):
                 continue  # afd decodes behind PD's prefill TEs (configs/pd_afd.yaml)
-            if kind == "pd" and "pd" not in kinds:
-                continue
             for mtp, kv8 in product(opts.mtp_depths, opts.kv_int8):
                 self._largest(kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, opts=opts)
 
