@@ -88,7 +88,10 @@ class Planner:
         """Seed 003's dead zone on this profile: expert dies -> why excluded ('' if not)."""
         hw = platform(self.profile)
         model = moe_shape(SHAPE)
-        points = curve(model, hw, Scenario(tpot_s=self.slo.tpot_s), 64)
+        try:
+            points = curve(model, hw, Scenario(tpot_s=self.slo.tpot_s), 64)
+        except ValueError:  # Eq. 1 leaves no budget at this TPOT: no AFD point is feasible
+            return None
         zone = set(dead_zone(points))
         if not zone:
             return None
