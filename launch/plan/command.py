@@ -57,6 +57,18 @@ def add_parser(sub) -> None:
     p.add_argument("--accept", type=float, default=0.9, help="MTP acceptance per draft (0.9)")
     p.add_argument("--batches", default="16,32,64,96", help="batch limits per DP group to try")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table (10)")
+    p.add_argument(
+        "--find",
+        default="",
+        metavar="TEXT",
+        help="also print the ranked rows whose label contains TEXT (e.g. EP288)",
+    )
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="requests arrive prefilled (the papers' decode figures); chips count "
+        "the decode dies only",
+    )
     p.add_argument("--out", default="plan_out", help="directory for plan.png and the configs")
     p.add_argument(
         "--verify",
@@ -130,7 +142,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     slo = Slo.parse(args.slo)
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     workload = workload_of(args)
-    planner = Planner(workload, slo, profile=args.profile, accept=args.accept)
+    planner = Planner(
+        workload, slo, profile=args.profile, accept=args.accept, decode_only=args.decode_only
+    )
     print(
         f"plan: {workload.source}: {workload.num_requests} requests, {workload.rate:.2f}/s, "
         f"mean prompt {workload.prompt_len.mean():.0f}, output {workload.output_len.mean():.0f} "
@@ -143,6 +157,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_result(result, slo)
     print(f"\nranked by goodput per chip (top {args.top} of {len(result.ranked)}):")
     print(table(result.ranked[: args.top]))
+    if args.find:
+        found = [(n, p) for n, p in enumerate(result.ranked, 1) if args.find in p.candidate.label]
+        print(f"\nranked rows with {args.find!r} ({len(found)}):")
+        print(table([p for _, p in found][:20], ranks=[n for n, _ in found][:20]))
     print(
         f"\nPareto frontier, tokens/s per chip against TPOT p99 and TTFT p99 "
         f"({len(result.frontier)} points):"

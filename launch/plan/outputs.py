@@ -26,9 +26,9 @@ HEADERS = [
 ]
 
 
-def table(rows: list[Priced], *, first: int = 1) -> str:
+def table(rows: list[Priced], *, ranks: list[int] | None = None) -> str:
     out = []
-    for n, p in enumerate(rows, start=first):
+    for n, p in zip(ranks or range(1, len(rows) + 1), rows):
         o = p.outcome
         out.append(
             [

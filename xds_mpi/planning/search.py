@@ -52,11 +52,16 @@ class Planner:
         accept: float = 0.9,
         base: str = BASE_CONFIG,
         chunk_tokens: int = COLOCATED_CHUNK_TOKENS,
+        decode_only: bool = False,
     ) -> None:
         """base: the config the candidates' keys go over (the pod's model; a verification's
-        reduced width the emulated one); chunk_tokens: a colocated die's prefill chunk."""
+        reduced width the emulated one); chunk_tokens: a colocated die's prefill chunk;
+        decode_only: the requests arrive prefilled (the papers' decode throughput)."""
         self.w, self.slo, self.profile, self.accept = workload, slo, profile, accept
         self.base, self.chunk_tokens = base, chunk_tokens
+        # the papers' decode figures: every request arrives prefilled, its KV in place; the
+        # prefill TEs are neither priced nor counted in the chips
+        self.decode_only = decode_only
         self.hw = load_profile(profile)
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
@@ -127,7 +132,11 @@ class Planner:
             step=step,
             tokens_per_step=step.tokens_per_step,
         )
-        if c.prefill_dies:
+        chips = c.chips(self.dies_per_chip)
+        if self.decode_only:
+            served = serve(**common, prefill_ready_s=w.arrival_s)
+            chips = c.decode_dies / self.dies_per_chip
+        elif c.prefill_dies:
             pre = prefill_curve(c.prefill_te_dies, c.prefill_tp, self.profile, self.max_prompt)
             ends = prefill_schedule(
                 w.arrival_s,
@@ -139,7 +148,6 @@ class Planner:
         else:
             pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)
             served = serve(**common, chunk_tokens=self.chunk_tokens, chunk_cost=pre.chunk)
-        chips = c.chips(self.dies_per_chip)
         return served, outcome(
             served, output_len=w.output_len, duration_s=w.duration_s, chips=chips, slo=self.slo
         )
