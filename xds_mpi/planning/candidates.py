@@ -133,11 +133,13 @@ class Enumerator:
         context_len: int,
         max_prompt: int,
         dead_zone=None,
+        count_prefill: bool = True,
     ) -> None:
         self.m, self.mb = m, ModelBytes.of(m)
         self.num_dies, self.hbm, self.weight_bytes = num_dies, hbm, weight_bytes
         self.context_len, self.max_prompt = context_len, max_prompt
         self.dead_zone = dead_zone  # expert dies -> reason (seed 003), or None
+        self.count_prefill = count_prefill  # False: the budget holds the decode dies only
         self.kept: list[Candidate] = []
         self.excluded: list[Excluded] = []
 
@@ -165,6 +167,8 @@ class Enumerator:
         prefill = [(0, 0, 1)] + [
             (k, p, tp) for k, p, tp in product(PREFILL_TES, opts.prefill_te_dies, PREFILL_TP)
         ]
+        if not self.count_prefill:  # decode only: one prefill shape stands for all
+            prefill = prefill[:2]
         for (decode_kind, sets, routed, dies, redundant), (k, p, tp) in product(decode, prefill):
             kind = "pd" if decode_kind == "colocated" and k else decode_kind
             if kind not in kinds or (kind == "afd" and not k):
@@ -188,7 +192,7 @@ class Enumerator:
     def _consider(self, kind, sets, routed, dies, redundant, k, p, tp, mtp, kv8, batch) -> bool:
         """Keep the candidate (True) or record why not (False)."""
         label = _label(kind, sets, dies, k, p, tp, mtp, kv8, batch)
-        if dies + k * p > self.num_dies:
+        if dies + (k * p if self.count_prefill else 0) > self.num_dies:
             return True  # over budget: not a candidate at all, not worth a line
         full = [
             *sets,

@@ -85,6 +85,7 @@ class Planner:
             context_len=self.w.mean_context(),
             max_prompt=self.max_prompt,
             dead_zone=self._dead_zone(),
+            count_prefill=not self.decode_only,
         )
         e.run(kinds, opts)
         return e
