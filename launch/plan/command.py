@@ -154,6 +154,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = planner.search(
         args.chips, kinds, options_of(args), progress=lambda line: print(line, flush=True)
     )
+    for why, n in Counter(e.reason.split(":")[0] for e in result.excluded).most_common(4):
+        print(f"plan: excluded {n} x {why}")
     check_result(result, slo)
     print(f"\nranked by goodput per chip (top {args.top} of {len(result.ranked)}):")
     print(table(result.ranked[: args.top]))

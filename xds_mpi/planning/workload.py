@@ -4,6 +4,7 @@ synthetic (fixed lengths, Poisson or evenly spaced arrivals)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +75,7 @@ def from_trace(
         prompt_len=np.array([max(1, x.input_len) for x in lines], dtype=np.int64),
         output_len=np.array([max(1, x.output_len) for x in lines], dtype=np.int64),
         duration_s=duration_s / speedup,
-        source=f"{path} [{start_s:g} s, +{duration_s:g} s] x{speedup:g}",
+        source=f"{Path(path).name} [{start_s:g} s, +{duration_s:g} s] x{speedup:g}",
     )
 
 
