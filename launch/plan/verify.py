@@ -119,6 +119,9 @@ def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str
     write_trace(trace, w)
     longest = int((w.prompt_len + w.output_len).max()) + 8
     blocks = math.ceil(r.max_batch * longest / KV_BLOCK_TOKENS) + 64
+    # a prefill die prefills a whole prompt in one pass, as the planner prices PD's prefill;
+    # a colocated die in CHUNK_TOKENS chunks, as it prices those
+    chunk = CHUNK_TOKENS if not r.prefill_dies else int(w.prompt_len.max())
     sets = [
         *r.sets,
         "workload.source=trace",
@@ -130,8 +133,8 @@ def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str
         "run.trace=false",
         "health.enabled=false",
         f"scheduler.num_kv_blocks_per_die={blocks}",
-        f"scheduler.prefill_chunk_tokens={CHUNK_TOKENS}",
-        f"xccl.max_tokens_per_die={max(CHUNK_TOKENS, r.max_batch * (1 + r.mtp_depth))}",
+        f"scheduler.prefill_chunk_tokens={chunk}",
+        f"xccl.max_tokens_per_die={max(chunk, r.max_batch * (1 + r.mtp_depth))}",
         f"model.max_seq_len={max(4096, longest)}",
         f"run.output_dir={out}",
         f"run.name={name}",
