@@ -12,7 +12,7 @@ from xds_mpi.config.paths import resolve_config
 from xds_mpi.planning.candidates import Candidate
 from xds_mpi.planning.costs import BASE_CONFIG
 from xds_mpi.planning.frontier import Slo
-from xds_mpi.planning.search import Priced
+from xds_mpi.planning.search import COLOCATED_CHUNK_TOKENS, Priced
 
 HEADERS = [
     "#",
@@ -65,6 +65,8 @@ def config_dict(c: Candidate) -> dict:
         out.setdefault(section, {})[name] = _value(value)
     if c.prefill_dies:
         out.setdefault("xccl", {})["p2p_pairs"] = "prefill_to_decode"
+    else:  # the chunk the planner priced a colocated die's prefill at
+        out["scheduler"]["prefill_chunk_tokens"] = COLOCATED_CHUNK_TOKENS
     return out
 
 
