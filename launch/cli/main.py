@@ -21,6 +21,7 @@ from launch.job.mpiexec import LAUNCH_GRACE_S, mpi_command, rank_program, run_jo
 from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weights
 from launch.job.startup import StartupWatch
 from launch.model import generate, quantize, train
+from launch.plan import command as plan
 from launch.project import command as project
 from launch.report import run_page
 from launch.report.tables import rank_map
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_page.add_parser(sub)
     predict.add_parser(sub)
     heatmap.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

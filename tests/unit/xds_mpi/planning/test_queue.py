@@ -1,0 +1,96 @@
+"""The queue model against hand-computed cases: evenly spaced arrivals, fixed iteration and
+prefill times, so every TTFT and TPOT is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xds_mpi.planning.queue import prefill_schedule, serve
+
+STEP_S = 0.1
+
+
+def fixed_step(batch: float, kv_len: float) -> float:
+    return STEP_S
+
+
+def test_prefill_fifo_over_one_lane_queues_the_second_prompt():
+    # two prompts at t = 0 on one lane of 0.5 s each: the second starts when the first ends
+    done = prefill_schedule(np.array([0.0, 0.0, 2.0]), np.array([0.5, 0.5, 0.5]), 1)
+    np.testing.assert_allclose(done, [0.5, 1.0, 2.5])
+    # two lanes: side by side
+    np.testing.assert_allclose(
+        prefill_schedule(np.array([0.0, 0.0]), np.array([0.5, 0.5]), 2), [0.5, 0.5]
+    )
+
+
+def test_pd_ttft_is_prefill_plus_one_decode_step_and_tpot_the_step():
+    arrival = np.array([0.0, 0.0])
+    ready = prefill_schedule(arrival, np.array([0.5, 0.5]), 1)  # 0.5, 1.0
+    served = serve(
+        arrival_s=arrival,
+        prompt_len=np.array([100, 100]),
+        output_len=np.array([3, 3]),
+        num_groups=1,
+        max_batch=4,
+        step=fixed_step,
+        tokens_per_step=1.0,
+        prefill_ready_s=ready,
+    )
+    # request 0: decode from 0.5, first token at 0.6, 3 tokens -> done at 0.8
+    # request 1: ready at 1.0 (request 0 is done by then), first token 1.1, done 1.3
+    np.testing.assert_allclose(served.ttft_s, [0.6, 1.1])
+    np.testing.assert_allclose(served.finish_s, [0.8, 1.3])
+    np.testing.assert_allclose(served.tpot_s, [STEP_S, STEP_S])
+
+
+def test_batch_limit_makes_the_second_request_wait_for_a_slot():
+    served = serve(
+        arrival_s=np.array([0.0, 0.0]),
+        prompt_len=np.array([10, 10]),
+        output_len=np.array([4, 4]),
+        num_groups=1,
+        max_batch=1,
+        step=fixed_step,
+        tokens_per_step=1.0,
+        prefill_ready_s=np.array([0.0, 0.0]),
+    )
+    # one slot: request 0 runs 0.0-0.4; request 1 joins at 0.4, first token 0.5, done 0.8
+    np.testing.assert_allclose(served.ttft_s, [0.1, 0.5])
+    np.testing.assert_allclose(served.finish_s, [0.4, 0.8])
+
+
+def test_colocated_chunks_pay_their_price_in_the_iteration():
+    # a 200-token prompt in chunks of 100 at 1 ms a token: each of the 2 prefill iterations
+    # costs the step + 0.1 s; the last chunk gives the first token; 2 more tokens at 0.1 s
+    served = serve(
+        arrival_s=np.array([0.0]),
+        prompt_len=np.array([200]),
+        output_len=np.array([3]),
+        num_groups=1,
+        max_batch=4,
+        step=fixed_step,
+        tokens_per_step=1.0,
+        chunk_tokens=100,
+        chunk_cost=lambda start, end: (end - start) * 1e-3,
+    )
+    assert served.ttft_s[0] == pytest.approx(0.4)
+    assert served.finish_s[0] == pytest.approx(0.6)
+    assert served.tpot_s[0] == pytest.approx(STEP_S)
+
+
+def test_mtp_tokens_per_step_shorten_tpot():
+    served = serve(
+        arrival_s=np.array([0.0]),
+        prompt_len=np.array([10]),
+        output_len=np.array([9]),
+        num_groups=1,
+        max_batch=1,
+        step=fixed_step,
+        tokens_per_step=2.0,
+        prefill_ready_s=np.array([0.0]),
+    )
+    # 9 tokens at 2 a step: 5 iterations, first token after the first -> (0.5 - 0.1) / 8
+    assert served.finish_s[0] == pytest.approx(0.5)
+    assert served.tpot_s[0] == pytest.approx(0.4 / 8)

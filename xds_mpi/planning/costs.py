@@ -1,0 +1,132 @@
+"""What one iteration and one prefill cost a candidate, as functions of batch and lengths.
+
+Decode: the projection's iteration (xds_mpi/projection/project.py `project`) on a grid of
+requests per DP group x KV length, interpolated (linear in both) in between. Prefill: one pass
+over a prompt on a prefill die, causal at 512-token grain, as the dies' Pricer prices it
+(xds_mpi/results/request_pricing.py `RequestPricer.pass_s`, at TP1/2/4), on a grid of prompt
+lengths; a colocated die's chunk [a, b) costs F(b) - F(a). PD's KV moves over UB to another
+server (the same LinkModel the PD dies use)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from xccl.vclock import LinkModel
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.paths import resolve_config
+from xds_mpi.config.schema import Config, load_config
+from xds_mpi.model.shapes import load_model_preset
+from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.projection.cost import Hardware
+from xds_mpi.projection.project import project
+from xds_mpi.results.request_pricing import RequestPricer, causal_chunks
+
+BASE_CONFIG = "ep288"  # the model section every pod-scale config of the repo carries
+SHAPE = "deepseek_v3"
+BATCH_GRID = (1, 8, 32, 64, 96, 128)
+KV_GRID = (1024, 8192, 65536, 262144)
+
+
+def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) -> Config:
+    """`base` (a config of configs/) with `sets` on the hardware profile."""
+    return load_config(resolve_config(base), [*sets, f"hardware.profile={profile}"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepTable:
+    """iteration_s[i, j]: one decode iteration at BATCH_GRID[i] requests per DP group and mean
+    KV length KV_GRID[j]; tokens_per_step: 1 + MTP depth x acceptance."""
+
+    iteration_s: tuple[tuple[float, ...], ...]  # [len(BATCH_GRID)][len(KV_GRID)] seconds
+    tokens_per_step: float
+
+    def __call__(self, batch: float, kv_len: float) -> float:
+        """Bilinear between the grid's points, held at its edges (called once per event of
+        the replay: plain floats, no numpy call)."""
+        i, u = _cell(BATCH_GRID, batch)
+        j, v = _cell(KV_GRID, kv_len)
+        g = self.iteration_s
+        low = g[i][j] + (g[i + 1][j] - g[i][j]) * u
+        high = g[i][j + 1] + (g[i + 1][j + 1] - g[i][j + 1]) * u
+        return low + (high - low) * v
+
+
+def _cell(grid: tuple, x: float) -> tuple[int, float]:
+    """(i, fraction) with grid[i] <= x <= grid[i + 1], x clamped to the grid."""
+    i = min(max(bisect.bisect_right(grid, x) - 1, 0), len(grid) - 2)
+    frac = (x - grid[i]) / (grid[i + 1] - grid[i])
+    return i, min(max(frac, 0.0), 1.0)
+
+
+@lru_cache(maxsize=4096)
+def step_table(
+    decode_sets: tuple[str, ...],
+    profile: str,
+    mtp_depth: int,
+    accept: float,
+    base: str = BASE_CONFIG,
+) -> StepTable:
+    cfg = base_config(decode_sets, profile, base)
+    hw = Hardware.from_profile(load_profile(profile))
+    m = load_model_preset(SHAPE)
+    grid = np.array(
+        [
+            [
+                project(
+                    cfg, m, hw, batch_per_die=b, kv_len=kv, mtp_depth=mtp_depth, accept_rate=accept
+                ).iteration_s
+                for kv in KV_GRID
+            ]
+            for b in BATCH_GRID
+        ]
+    )
+    return StepTable(iteration_s=grid, tokens_per_step=1 + mtp_depth * accept)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillCurve:
+    """pass_s[k]: a prompt of prompt_len[k] tokens in one pass (index 0: 0 tokens, 0 s)."""
+
+    prompt_len: np.ndarray
+    pass_s: np.ndarray
+
+    def __call__(self, tokens: float) -> float:
+        return float(np.interp(tokens, self.prompt_len, self.pass_s))
+
+    def chunk(self, start: float, end: float) -> float:
+        return self(end) - self(start)
+
+
+@lru_cache(maxsize=256)
+def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> PrefillCurve:
+    cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
+    pricer = RequestPricer(
+        cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
+    )
+    lens = [0, 512]
+    while lens[-1] < max_prompt:
+        lens.append(lens[-1] * 2)
+    secs = [0.0] + [pricer.pass_s(causal_chunks(n), num_dies, sampled=1, tp=tp) for n in lens[1:]]
+    return PrefillCurve(prompt_len=np.array(lens, float), pass_s=np.array(secs))
+
+
+@lru_cache(maxsize=8)
+def kv_transfer(profile: str) -> tuple[LinkModel, int]:
+    cfg = base_config((), profile)
+    return LinkModel.from_profile(load_profile(profile)), cfg.xccl.num_cores
+
+
+def transfer_s(prompt_len: np.ndarray, profile: str, *, kv_int8: bool) -> np.ndarray:
+    """A prompt's latent KV over UB to a decode die on another server, per request."""
+    link, cores = kv_transfer(profile)
+    m = load_model_preset(SHAPE)
+    return np.array(
+        [
+            link.transfer_ns(projected_kv_bytes(int(p), m, kv_int8=kv_int8), num_cores=cores) / 1e9
+            for p in prompt_len
+        ]
+    )

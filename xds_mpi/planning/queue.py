@@ -1,0 +1,131 @@
+"""A discrete-event replay of a workload's arrivals on a deployment's iteration cost
+(docs/planning.md, "The queue model").
+
+Decode is continuous batching over `num_groups` DP groups of at most `max_batch` requests each:
+every iteration runs on every die together (dispatch and combine are barriers), so it costs
+step(requests on the fullest group, mean KV length) and gives every decoding request
+`tokens_per_step` tokens. A request joins at the first iteration that starts at or after it is
+ready, when a slot is free (FIFO).
+
+- colocated: a request is ready at its arrival and prefills on the decode dies, `chunk_tokens`
+  of its prompt per iteration, at most one prompt per DP group at a time; an iteration with
+  prefill chunks also pays the costliest chunk. Its first token comes with its last chunk.
+- PD (`prefill_ready_s` given): the prefill queue is FIFO over the prefill DP groups
+  (`prefill_schedule`); a request is ready for decode when its KV has arrived, and its first
+  token is the end of its first decode iteration (as xds_mpi/results/request_pricing.py prices
+  TTFT: prefill + transfer + one decode step).
+
+Between events (a request ready, a prefill done, a request done) the iterations are alike, so
+they are taken as one block of k iterations (at most MAX_BLOCK, so the KV length's growth is
+priced as it goes)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_BLOCK = 32
+NONE = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Served:
+    """Per request ([n] float64, seconds on the virtual clock): first token and finish times,
+    TTFT and TPOT (NaN for a one-token output: no TPOT)."""
+
+    first_s: np.ndarray
+    finish_s: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+
+
+def prefill_schedule(arrival_s: np.ndarray, prefill_s: np.ndarray, num_lanes: int) -> np.ndarray:
+    """FIFO over num_lanes prefill DP groups, one prompt each at a time: each request's prefill
+    end. arrival_s ascending; prefill_s [n] seconds of each prompt's pass."""
+    lanes = [0.0] * num_lanes
+    done = np.empty(len(arrival_s))
+    for i, (a, p) in enumerate(zip(arrival_s, prefill_s)):
+        start = max(a, heapq.heappop(lanes))
+        done[i] = start + p
+        heapq.heappush(lanes, done[i])
+    return done
+
+
+def serve(
+    *,
+    arrival_s,
+    prompt_len,
+    output_len,
+    num_groups: int,
+    max_batch: int,
+    step,
+    tokens_per_step: float,
+    chunk_tokens: int = 0,
+    chunk_cost=None,
+    prefill_ready_s=None,
+) -> Served:
+    """The replay; step(batch per group, mean KV) and chunk_cost(start, end) are seconds;
+    prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies)."""
+    n = len(arrival_s)
+    is_pd = prefill_ready_s is not None
+    ready = np.asarray(prefill_ready_s if is_pd else arrival_s, float)
+    order = list(np.argsort(ready, kind="stable"))[::-1]  # pop() takes the earliest
+    first, finish = np.full(n, np.nan), np.full(n, np.nan)
+    # the active requests: index, KV length, tokens still to emit, prompt tokens still to prefill
+    idx, kv, left, pre = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
+    capacity, t = num_groups * max_batch, 0.0
+    while order or len(idx):
+        joining = []
+        while order and ready[order[-1]] <= t and len(idx) + len(joining) < capacity:
+            joining.append(order.pop())
+        if joining:
+            new = np.array(joining)
+            idx = np.concatenate([idx, new])
+            kv = np.concatenate([kv, prompt_len[new] if is_pd else np.zeros(len(new))])
+            left = np.concatenate([left, output_len[new] - (0 if is_pd else 1)])
+            pre = np.concatenate([pre, np.zeros(len(new)) if is_pd else prompt_len[new]])
+        if not len(idx):
+            t = max(t, ready[order[-1]])
+            continue
+        decoding = pre == 0
+        prefilling = NONE if is_pd else np.flatnonzero(~decoding)[:num_groups]
+        num_decoding = int(decoding.sum())
+        batch = -(-num_decoding // num_groups)
+        mean_kv = float(kv[decoding].sum()) / num_decoding if batch else 1.0
+        it = step(max(batch, 1), mean_kv)
+        blocks = [MAX_BLOCK]
+        if batch:
+            blocks.append(math.ceil(left[decoding].min() / tokens_per_step - 1e-9))
+        if len(prefilling):
+            blocks.append(math.ceil(pre[prefilling].min() / chunk_tokens))
+        if order and len(idx) < capacity:
+            blocks.append(math.ceil((ready[order[-1]] - t) / it))
+        k = max(1, min(blocks))
+        if len(prefilling):
+            done = prompt_len[idx[prefilling]] - pre[prefilling]
+            it += max(
+                chunk_cost(d, d + min(k * chunk_tokens, p)) / k
+                for d, p in zip(done, pre[prefilling])
+            )
+        if is_pd:  # a request's first decode iteration gives its first token
+            new = decoding & np.isnan(first[idx])
+            first[idx[new]] = t + it
+        t += k * it
+        left[decoding] -= k * tokens_per_step
+        kv[decoding] += k * tokens_per_step
+        if len(prefilling):
+            pre[prefilling] = np.maximum(0.0, pre[prefilling] - k * chunk_tokens)
+            now = prefilling[pre[prefilling] == 0]
+            first[idx[now]] = t  # the last chunk samples the first token
+            kv[now] = prompt_len[idx[now]]
+        gone = (pre == 0) & (left <= 1e-9)
+        finish[idx[gone]] = t
+        idx, kv, left, pre = idx[~gone], kv[~gone], left[~gone], pre[~gone]
+    ttft = first - np.asarray(arrival_s)
+    outputs = np.asarray(output_len)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(outputs > 1, (finish - first) / (outputs - 1), np.nan)
+    return Served(first_s=first, finish_s=finish, ttft_s=ttft, tpot_s=tpot)
