@@ -6,8 +6,12 @@ operation
 raises an injected fault tells every die (the abort word every wait checks), every die votes once
 per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
 start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP drafts,
-event ids; its virtual clock and priced time) and runs it again. Nothing of a failed attempt
-reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
+event ids; its priced time) and runs it again. The virtual clock does not go back: the failed
+attempt's time up to its detection (the latest die's: an injected error's point, a timed-out
+wait's `xccl.poll_timeout_s`, a stalled die's return) and the rollback's price
+(xds_mpi/plan/failures/rollback_cost.py) stay on every die's clock, as on the pod, and the re-run
+starts there. Nothing of a failed attempt reaches the TE-shell: dies commit and stream only
+after a vote that passed. With no faults
 configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
 What a die counts (RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed
 attempt's faults in words: injected XCCL errors and waits that timed out on a slow peer.
@@ -32,6 +36,7 @@ from xds_mpi.config.schema import Config
 from xds_mpi.execution.faults import EventMap, FaultPlan
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.plan.failures.checks import release_bound_s
+from xds_mpi.plan.failures.rollback_cost import RollbackCost
 from xds_mpi.report import trace
 
 _UNKEPT = nullcontext()  # an iteration with nothing to keep and no trace span
@@ -43,7 +48,8 @@ class RecoveryCounters:
     iterations that needed at least one re-execution; faults_injected: the run's faults
     (filled by `Recomputer.report`: the votes' faults, which a lost die's are among, and those
     of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the
-    failed attempts.
+    failed attempts (virtual: up to the latest die's detection, plus the rollbacks' price; the
+    same on every die).
     timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
     the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
     first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
@@ -190,9 +196,11 @@ class IterationAttempts:
         """Executions of the iteration so far, the running one included."""
         return self.first_execution + self.attempt + 1
 
-    def restore(self) -> None:
-        """The die back to the iteration's start."""
-        self.pricer.clock.restore(self.clock_start)
+    def restore(self, *, resume_ns: float | None = None) -> None:
+        """The die back to the iteration's start; its virtual clock at `resume_ns` (a failed
+        vote: the failed attempt's end and the rollback's price, which the pod pays too) or, when
+        None (a fence: the failover is priced from the iteration's start), at the start."""
+        self.pricer.clock.restore(self.clock_start if resume_ns is None else resume_ns)
         self.pricer.restore(self.priced_start)
         for part, checkpoint in zip(self.state, self.checkpoints):
             part.restore(checkpoint)
@@ -236,6 +244,12 @@ class Recomputer:
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
+        hw = pricer.cost.hw
+        self.rollback_ns = 1e9 * (
+            RollbackCost.of(
+                write_latency_s=hw.write_latency_s, read_latency_s=hw.read_latency_s
+            ).total_s
+        )
         self._log = log
         self.log = log if comm.rank == 0 else None  # one die tells the story
         self.is_tracing = trace.is_enabled()  # chosen once: no span call when off
@@ -338,8 +352,9 @@ class Recomputer:
         if self._last_recomputed != attempts.iteration:
             c.recomputed_iterations += 1
             self._last_recomputed = attempts.iteration
+        resume_ns = self._detected_ns(timed_out_at) + self.rollback_ns
         c.wall_lost_s += attempts.wall_s()
-        c.vtime_lost_s += attempts.vtime_s()
+        c.vtime_lost_s += (resume_ns - attempts.vstarted_ns) / 1e9
         if self.log is not None and attempts.attempt < self.faults.max_retries:
             self.log.info(
                 "iteration %d rolled back (%s); recomputing, attempt %d of %d",
@@ -352,17 +367,29 @@ class Recomputer:
             if f.die == self.rank:
                 trace.instant("fault", op=f.op, event=f.event_id, code=f.code)
         started_s, failed_ns = time.perf_counter(), self.pricer.clock.now_ns
-        attempts.restore()
-        # The restore takes no virtual time; on the virtual clock it belongs to the failed
-        # attempt, whose spans are flagged (the re-run repeats their virtual times).
+        attempts.restore(resume_ns=resume_ns)
+        # On the virtual clock the rollback spans this die's failure to the re-run's start (the
+        # latest die's detection and the rollback's price); the failed attempt's spans are
+        # flagged.
         trace.record(
             "rollback",
             (started_s, time.perf_counter()),
-            (failed_ns, failed_ns),
+            (failed_ns, resume_ns),
             iteration=attempts.iteration,
             attempt=attempts.attempt,
         )
         trace.mark_rolled_back()
+
+    def _detected_ns(self, timed_out_at: float) -> float:
+        """The failed attempt's end on the virtual clock, the same on every die (collective
+        over the vote's dies, after a failed vote): the latest die's detection. A die that
+        raised or was interrupted stands at its clock; a die whose own wait timed out waited
+        xccl.poll_timeout_s past its clock; a stalled die's clock holds its stall
+        (ranks/faults/stuck.py). The pod's vote completes once the latest of them votes."""
+        mine = self.pricer.clock.now_ns
+        if timed_out_at >= 0:
+            mine += self.recovery.timeout_s * 1e9
+        return self.comm.allreduce(mine, op=MPI.MAX)
 
     def regroup(self, comm: MPI.Comm, buffers: Sequence[RecoverableBuffer]) -> None:
         """Vertical scaling (ranks/recovery/scale_down.py): the survivors' `comm` and their

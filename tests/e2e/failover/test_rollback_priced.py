@@ -1,0 +1,59 @@
+"""A rolled-back attempt costs virtual time (token recomputation on the virtual clock,
+ranks/recovery/recompute.py): the failed attempt up to its detection and the rollback's price
+stay on every die's clock, so the requests served after the fault finish later than in the same
+run without it. Before, the rollback restored the dies' clocks and a recomputed attempt was free:
+a 1.5 s stall recomputed on an XCCL timeout left every finish time where the fault-free run had
+it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_recompute import serve
+from test_serving import check_line
+
+# 8 requests at t=0 of 16 tokens each (configs/colocated.yaml), whatever EOS says: the batches
+# do not depend on when the iterations run, so a fault only shifts the finish times.
+FIXED = ["workload.ignore_eos=true"]
+SERVED = "check: 8 requests, 128 tokens, 0 mismatches"
+
+
+def _finishes(tmp_path, name: str, settings: list[str]) -> tuple[np.ndarray, float]:
+    """(each request's virtual finish, the summary's virtual time lost to rollbacks)."""
+    result, run_file = serve(tmp_path / name, "colocated", [*FIXED, *settings])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert check_line(result) == SERVED
+    summary = run_file["summary"].attrs
+    assert summary["serving_clock"] == "virtual"
+    return run_file["virtual/finish_s"][:], float(summary["vtime_lost_s"])
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory) -> np.ndarray:
+    finishes, lost_s = _finishes(tmp_path_factory.mktemp("clean"), "clean", [])
+    assert lost_s == 0.0
+    return finishes
+
+
+def test_an_injected_fault_moves_every_later_finish_by_the_attempt_s_cost(tmp_path, fault_free):
+    table = "faults.table=[{die: 2, op: combine, layer: 2, iteration: 4}]"
+    finishes, lost_s = _finishes(tmp_path, "fault", [table])
+    # The failed attempt ran up to die 2's second MoE layer: tens of virtual ms on this config.
+    assert lost_s > 0.01
+    # Every request is still decoding at iteration 4: each finishes exactly that much later.
+    np.testing.assert_allclose(finishes - fault_free, lost_s, rtol=0, atol=1e-9)
+
+
+def test_a_stall_recomputed_on_a_timeout_costs_the_stall(tmp_path, fault_free):
+    """The bench-recovery scenario (faults.on_timeout recompute), small: die 3 stuck 1.5 s in
+    iteration 4's dispatch; its peers time out after 0.5 s and vote, the vote completes when die
+    3 is back, and the iteration is recomputed. The pod's dies waited out the stall."""
+    settings = [
+        "faults.on_timeout=recompute",
+        "xccl.poll_timeout_s=0.5",
+        "health.timeout_s=4",
+        "faults.events=[{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}]",
+    ]
+    finishes, lost_s = _finishes(tmp_path, "stuck", settings)
+    assert 1.5 <= lost_s < 1.6  # the stall and the attempt's start before it
+    np.testing.assert_allclose(finishes - fault_free, lost_s, rtol=0, atol=1e-9)
