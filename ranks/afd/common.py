@@ -171,7 +171,20 @@ class AfdDieBase(DecodeDieLoop):
         self.skip_iterations(agreed - self.iteration)
         self.iteration = agreed
         self.is_scaled = True
-        scale_down.send_ready(self.world, SHELL, self.num_batches_sent())  # Step 4
+        fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
+        scale_down.send_ready(self.world, SHELL, self.num_batches_sent(), fault_s)  # Step 4
+
+    def _priced_failover(self) -> float:
+        """run.clock virtual: this die's clock moved past the failover's priced cost, as a
+        colocated die's (ranks/core/virtual_time.py AgreedClock.failed_over: an attention die
+        parks there, an expert die meets it in the next agreement); the clock before, seconds
+        (-1: the wall clock)."""
+        if self.vtime is None:
+            return -1.0
+        # Lazy import, on the virtual clock only (as ranks/colocated/die.py's).
+        from xds_mpi.plan.failures.loss import FailoverCost
+
+        return self.vtime.failed_over(FailoverCost.of(self.cfg.health).total_s)
 
     def skip_iterations(self, num: int) -> None:
         """`num` iteration numbers this die takes no part in (a failover's, `rebuild`)."""
