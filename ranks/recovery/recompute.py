@@ -20,6 +20,7 @@ attempt's faults in words: injected XCCL errors and waits that timed out on a sl
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 
 from mpi4py import MPI
 
-from xccl.errors import XcclError
+from xccl.errors import PeerTimeout, XcclError
 from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery.rollback import Outcome, Recovery
 from xccl.recovery.vote import Fault, FaultReport
@@ -256,6 +257,9 @@ class Recomputer:
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
+        # This die's detection point in the running attempt, virtual ns (-inf: none): its own
+        # fault, a timed-out wait, or the end of its stall (`_detected_ns`).
+        self._detection_ns = -math.inf
         # (iteration, its executions) a fence cut short, carried to its re-run (regroup)
         self._interrupted = (-1, 0)
         # Injected faults the failed votes reported: every die's (a lost die's too, up to its
@@ -270,6 +274,7 @@ class Recomputer:
             self.recovery = _recovery(cfg, comm, window_comm)
             # The fault plan's check only where a row or the random mode can hit this die.
             check = self.plan.check if self.plan.rows or self.plan.random_ops else None
+            stall = None if stall is None else self._marking_stall(stall)
             hook = stall if check is None else check if stall is None else _chain(stall, check)
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
             for b in self.buffers:
@@ -285,6 +290,7 @@ class Recomputer:
         that `fail` and `restore_interrupted` go back to it; nothing to keep without either."""
         if self.recovery is None:
             return trace.span("iteration", iteration=iteration) if self.is_tracing else _UNKEPT
+        self._detection_ns = -math.inf  # a stall its peers waited out in the last one
         cut_iteration, cut_executions = self._interrupted
         self._attempts = IterationAttempts(
             iteration,
@@ -299,7 +305,11 @@ class Recomputer:
     def fail(self, exc: XcclError) -> None:
         """The attempt raised one of `failures`: every die told (the abort word), the vote, the
         die restored to the iteration's start and the next attempt begun."""
-        self.vote(self.recovery.failed(exc, self.buffers))
+        fault = self.recovery.failed(exc, self.buffers)
+        if fault is not None:  # this die's own: an injected error here, or its wait timed out
+            waited_ns = self.recovery.timeout_s * 1e9 if isinstance(fault, PeerTimeout) else 0.0
+            self._mark_detection(self.pricer.clock.now_ns + waited_ns)
+        self.vote(fault)
 
     def vote(self, fault: Fault | None = None) -> bool:
         """Every die, once per attempt (faults configured): did every die complete it? After a
@@ -352,7 +362,7 @@ class Recomputer:
         if self._last_recomputed != attempts.iteration:
             c.recomputed_iterations += 1
             self._last_recomputed = attempts.iteration
-        resume_ns = self._detected_ns(timed_out_at) + self.rollback_ns
+        resume_ns = max(self._detected_ns(), attempts.vstarted_ns) + self.rollback_ns
         c.wall_lost_s += attempts.wall_s()
         c.vtime_lost_s += (resume_ns - attempts.vstarted_ns) / 1e9
         if self.log is not None and attempts.attempt < self.faults.max_retries:
@@ -380,16 +390,31 @@ class Recomputer:
         )
         trace.mark_rolled_back()
 
-    def _detected_ns(self, timed_out_at: float) -> float:
+    def _detected_ns(self) -> float:
         """The failed attempt's end on the virtual clock, the same on every die (collective
-        over the vote's dies, after a failed vote): the latest die's detection. A die that
-        raised or was interrupted stands at its clock; a die whose own wait timed out waited
-        xccl.poll_timeout_s past its clock; a stalled die's clock holds its stall
-        (ranks/faults/stuck.py). The pod's vote completes once the latest of them votes."""
-        mine = self.pricer.clock.now_ns
-        if timed_out_at >= 0:
-            mine += self.recovery.timeout_s * 1e9
+        over the vote's dies, after a failed vote): the latest detection point of any die. A
+        die whose operation raised an injected error stands at its clock then; a die whose wait
+        timed out, xccl.poll_timeout_s past its clock; a die that stalled (ranks/faults/stuck.py,
+        priced on its clock) at the stall's end: the vote waits for it. A die the abort word
+        interrupted brings nothing: where its wait was cut depends on this machine's speed
+        (how many peers' records had landed), not on the pod. -inf when no die has a point."""
+        mine, self._detection_ns = self._detection_ns, -math.inf
         return self.comm.allreduce(mine, op=MPI.MAX)
+
+    def _mark_detection(self, at_ns: float) -> None:
+        self._detection_ns = max(self._detection_ns, at_ns)
+
+    def _marking_stall(self, stall: FaultHook) -> FaultHook:
+        """`stall`, marking where a stall priced on the virtual clock left the die (the clock
+        moved while it stalled): the failed attempt it belongs to ends no earlier."""
+
+        def hook(op: str, event_id: int) -> None:
+            before_ns = self.pricer.clock.now_ns
+            stall(op, event_id)
+            if self.pricer.clock.now_ns > before_ns:
+                self._mark_detection(self.pricer.clock.now_ns)
+
+        return hook
 
     def regroup(self, comm: MPI.Comm, buffers: Sequence[RecoverableBuffer]) -> None:
         """Vertical scaling (ranks/recovery/scale_down.py): the survivors' `comm` and their
