@@ -97,11 +97,20 @@ def _pd_served(tmp_path, config: str, faults: list[str], num_busy: int = 0):
     return run_file
 
 
-@pytest.mark.parametrize("config", list(PD_CASES))
-def test_pd_decode_faults_run_on_the_virtual_clock_and_cost_their_attempts(tmp_path, config):
-    """Transient faults on PD's decode dies (colocated or afd) run on the virtual clock (before:
-    PD with any fault ran on the wall clock, xds_mpi/plan/clock.py): the same virtual results
-    beside busy processes, and the requests decoding at a fault finish later by its cost."""
+def test_pd_decode_faults_run_on_the_virtual_clock_and_cost_their_attempts(tmp_path):
+    """Transient faults on PD's decode dies run on the virtual clock (before: PD with any fault
+    ran on the wall clock, xds_mpi/plan/clock.py): the same virtual results beside busy
+    processes, and the requests decoding at a fault finish later by its cost."""
+    _served_on_the_virtual_clock(tmp_path, "pd")
+
+
+@pytest.mark.failure_matrix
+def test_pd_afd_decode_faults_run_on_the_virtual_clock_and_cost_their_attempts(tmp_path):
+    """The same with afd decode dies (attention and expert dies' A2E and E2A)."""
+    _served_on_the_virtual_clock(tmp_path, "pd_afd")
+
+
+def _served_on_the_virtual_clock(tmp_path, config: str) -> None:
     faults = PD_CASES[config][1]
     clean = _pd_served(tmp_path / "clean", config, [])
     quiet = _pd_served(tmp_path / "quiet", config, faults)
