@@ -2,19 +2,18 @@
 re-executed, counters out.
 
 Each iteration runs as an attempt of xccl/recovery/rollback.py's protocol: a die whose XCCL
-operation
-raises an injected fault tells every die (the abort word every wait checks), every die votes once
-per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
-start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP drafts,
-event ids; its priced time) and runs it again. The virtual clock does not go back: the failed
-attempt's time up to its detection (the latest die's: an injected error's point, a timed-out
-wait's `xccl.poll_timeout_s`, a stalled die's return) and the rollback's price
-(xds_mpi/plan/failures/rollback_cost.py) stay on every die's clock, as on the pod, and the re-run
-starts there. Nothing of a failed attempt reaches the TE-shell: dies commit and stream only
-after a vote that passed. With no faults
-configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
-What a die counts (RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed
-attempt's faults in words: injected XCCL errors and waits that timed out on a slow peer.
+operation raises an injected fault tells every die (the abort word every wait checks), every die
+votes once per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its
+state to the start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP
+drafts, event ids; its priced time) and runs it again. The virtual clock does not go back: the
+failed attempt's time up to its detection (the latest point of a die that faulted: an injected
+error's, a timed-out wait's plus `xccl.poll_timeout_s`, a stalled die's return) and the
+rollback's price (xds_mpi/plan/failures/rollback_cost.py) stay on every die's clock, as on the
+pod, and the re-run starts there. Nothing of a failed attempt reaches the TE-shell: dies commit
+and stream only after a vote that passed. With no faults configured nothing of this runs (no
+interrupt in the waits, no vote): an iteration is one attempt. What a die counts
+(RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed attempt's
+faults in words: injected XCCL errors and waits that timed out on a slow peer.
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ class RecoveryCounters:
     iterations that needed at least one re-execution; faults_injected: the run's faults
     (filled by `Recomputer.report`: the votes' faults, which a lost die's are among, and those
     of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the
-    failed attempts (virtual: up to the latest die's detection, plus the rollbacks' price; the
-    same on every die).
+    failed attempts (virtual: up to the detection, `Recomputer._detected_ns`, plus the
+    rollbacks' price; the same on every die).
     timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
     the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
     first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
@@ -376,15 +375,14 @@ class Recomputer:
         for f in outcome.faults:
             if f.die == self.rank:
                 trace.instant("fault", op=f.op, event=f.event_id, code=f.code)
-        started_s, failed_ns = time.perf_counter(), self.pricer.clock.now_ns
+        started_s = time.perf_counter()
         attempts.restore(resume_ns=resume_ns)
-        # On the virtual clock the rollback spans this die's failure to the re-run's start (the
-        # latest die's detection and the rollback's price); the failed attempt's spans are
-        # flagged.
+        # On the virtual clock the rollback is its price after the detection, the re-run starts
+        # at its end; the failed attempt's spans are flagged.
         trace.record(
             "rollback",
             (started_s, time.perf_counter()),
-            (failed_ns, resume_ns),
+            (resume_ns - self.rollback_ns, resume_ns),
             iteration=attempts.iteration,
             attempt=attempts.attempt,
         )
