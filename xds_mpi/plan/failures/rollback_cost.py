@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, kw_only=True)
 class RollbackCost:
-    """Seconds a failed vote adds after the latest die's detection.
+    """Seconds a failed vote adds after the failed attempt's detection.
     notify_s: the abort word written into every die's window, flushed (the writes go out at
     once: one write latency); vote_s: every die's row written to every die and read back (one
     write and one read latency)."""
