@@ -152,6 +152,21 @@ class AfdDieBase(DecodeDieLoop):
         """Busy iterations completed, the same count on every die (idle domains included)."""
         return self.iteration
 
+    @property
+    def iteration_start_s(self) -> float:
+        """The running iteration's virtual start (a stuck row's at_s, and its stall priced on
+        the clock: ranks/faults/stuck.py); -1 on the wall clock."""
+        return self.vtime.start_s if self.vtime is not None else -1.0
+
+    def falls_silent(self) -> bool:
+        """At the iteration's virtual start (after `vtime.begin`): an at_s dead row of this die
+        (ranks/faults/dead.py) at or before it silences the die instead of running it (True),
+        as a colocated die's; its peers wait for it in the iteration's first A2E or E2A."""
+        if self.dead is None or not self.dead.at_start(self.vtime.start_s, self.iteration):
+            return False
+        self.dead = None
+        return True
+
     def rebuild(self, failover: scale_down.Failover) -> None:
         """Go on without `failover.lost` (ranks/recovery/scale_down.py, die steps 1-4)."""
         self.recompute.restore_interrupted()  # Step 1

@@ -92,9 +92,20 @@ def test_a_dead_die_gives_the_same_virtual_results_beside_busy_processes(tmp_pat
     assert quiet["virtual/finish_s"].min() > resumed_s  # the survivors waited it out too
 
 
-def test_an_at_s_dead_row_falls_silent_at_the_first_iteration_starting_at_or_after_it(tmp_path):
+@pytest.mark.parametrize(
+    "config",
+    [
+        "colocated",
+        # afd: before, its dies never checked an at_s row ("never injected: the run ended
+        # before it", though the run served past it)
+        "afd",
+    ],
+)
+def test_an_at_s_dead_row_falls_silent_at_the_first_iteration_starting_at_or_after_it(
+    tmp_path, config
+):
     at_s = 0.3
-    _, run_file = _served(tmp_path, f"{{kind: dead, die: 2, at_s: {at_s}}}")
+    _, run_file = _served(tmp_path, f"{{kind: dead, die: 2, at_s: {at_s}}}", config=config)
     [record] = read_failures(run_file)
     assert record.verdict == "dead"
     # The iteration it did not run started at injected_virtual_s (the dies' common start), at
