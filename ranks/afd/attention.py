@@ -92,6 +92,8 @@ class AttentionDie(AfdDieBase):
             return not all_stopped
         if vtime is not None:
             vtime.begin()  # at the dies' common virtual start
+            if self.falls_silent():  # an at_s dead row: silent from this iteration on
+                return True
         result = self.run_iteration(busy, state=(self.scheduler, self.executor))
         if result is None:  # the other domains took their turn
             self.outbox.stream([], IDLE)  # one row per iteration

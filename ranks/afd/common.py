@@ -152,6 +152,21 @@ class AfdDieBase(DecodeDieLoop):
         """Busy iterations completed, the same count on every die (idle domains included)."""
         return self.iteration
 
+    @property
+    def iteration_start_s(self) -> float:
+        """The running iteration's virtual start (a stuck row's at_s, and its stall priced on
+        the clock: ranks/faults/stuck.py); -1 on the wall clock."""
+        return self.vtime.start_s if self.vtime is not None else -1.0
+
+    def falls_silent(self) -> bool:
+        """At the iteration's virtual start (after `vtime.begin`): an at_s dead row of this die
+        (ranks/faults/dead.py) at or before it silences the die instead of running it (True),
+        as a colocated die's; its peers wait for it in the iteration's first A2E or E2A."""
+        if self.dead is None or not self.dead.at_start(self.vtime.start_s, self.iteration):
+            return False
+        self.dead = None
+        return True
+
     def rebuild(self, failover: scale_down.Failover) -> None:
         """Go on without `failover.lost` (ranks/recovery/scale_down.py, die steps 1-4)."""
         self.recompute.restore_interrupted()  # Step 1
@@ -171,7 +186,20 @@ class AfdDieBase(DecodeDieLoop):
         self.skip_iterations(agreed - self.iteration)
         self.iteration = agreed
         self.is_scaled = True
-        scale_down.send_ready(self.world, SHELL, self.num_batches_sent())  # Step 4
+        fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
+        scale_down.send_ready(self.world, SHELL, self.num_batches_sent(), fault_s)  # Step 4
+
+    def _priced_failover(self) -> float:
+        """run.clock virtual: this die's clock moved past the failover's priced cost, as a
+        colocated die's (ranks/core/virtual_time.py AgreedClock.failed_over: an attention die
+        parks there, an expert die meets it in the next agreement); the clock before, seconds
+        (-1: the wall clock)."""
+        if self.vtime is None:
+            return -1.0
+        # Lazy import, on the virtual clock only (as ranks/colocated/die.py's).
+        from xds_mpi.plan.failures.loss import FailoverCost
+
+        return self.vtime.failed_over(FailoverCost.of(self.cfg.health).total_s)
 
     def skip_iterations(self, num: int) -> None:
         """`num` iteration numbers this die takes no part in (a failover's, `rebuild`)."""

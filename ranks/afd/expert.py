@@ -79,6 +79,8 @@ class ExpertDie(AfdDieBase):
             return not all_stopped
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
+            if self.falls_silent():  # an at_s dead row: silent from this iteration on
+                return True
         stats = self.run_iteration(busy)
         self.num_iterations += 1
         self.num_rows += stats.num_rows

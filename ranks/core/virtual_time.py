@@ -74,6 +74,16 @@ class AgreedClock:
         """The iteration about to run starts at the dies' common virtual start."""
         self.clock.arrive(self.start_ns)
 
+    def failed_over(self, cost_s: float) -> float:
+        """A failover (ranks/recovery/scale_down.py) rebuilt this die: its clock moves past the
+        failover's priced cost (xds_mpi/plan/failures/loss.py FailoverCost), so that the dies'
+        next common start is the fault plus the cost. Returns the clock before, seconds: where
+        the fault found the die (its last iteration boundary, or the start of the iteration the
+        fence interrupted, once restored)."""
+        before_s = self.clock.now_ns / 1e9
+        self.clock.advance(cost_s * 1e9)
+        return before_s
+
 
 class DieVirtualTime(AgreedClock):
     """A die that takes requests, in grants from the TE-shell (ranks/shell/virtual_time.py)."""
@@ -169,14 +179,10 @@ class DieVirtualTime(AgreedClock):
         self.reported_seq, self.admitted = self.seq, []
 
     def failed_over(self, cost_s: float) -> float:
-        """A failover (ranks/recovery/scale_down.py) rebuilt this die: its clock moves past the
-        failover's priced cost (xds_mpi/plan/failures/loss.py FailoverCost), and it parks there,
-        so that the TE-shell decides the lost dies' requests at the virtual time the failover
-        completed (the dies' next common start). Returns the clock before, seconds: where the
-        fault found the die (its last iteration boundary, or the start of the iteration the
-        fence interrupted, once restored)."""
-        before_s = self.clock.now_ns / 1e9
-        self.clock.advance(cost_s * 1e9)
+        """`AgreedClock.failed_over`, and the die parks at the clock it moved to, so that the
+        TE-shell decides the lost dies' requests at the virtual time the failover completed
+        (the dies' next common start)."""
+        before_s = super().failed_over(cost_s)
         self.horizon_s = min(self.horizon_s, self.clock.now_ns / 1e9)
         return before_s
 

@@ -2,20 +2,24 @@
 re-executed, counters out.
 
 Each iteration runs as an attempt of xccl/recovery/rollback.py's protocol: a die whose XCCL
-operation
-raises an injected fault tells every die (the abort word every wait checks), every die votes once
-per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its state to the
-start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP drafts,
-event ids; its virtual clock and priced time) and runs it again. Nothing of a failed attempt
-reaches the TE-shell: dies commit and stream only after a vote that passed. With no faults
-configured nothing of this runs (no interrupt in the waits, no vote): an iteration is one attempt.
-What a die counts (RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed
-attempt's faults in words: injected XCCL errors and waits that timed out on a slow peer.
+operation raises an injected fault tells every die (the abort word every wait checks), every die
+votes once per attempt, and on a failed vote every die resyncs its XCCL buffers, restores its
+state to the start of the iteration (the die's `Recoverable` state: scheduler, KV lengths, MTP
+drafts, event ids; its priced time) and runs it again. The virtual clock does not go back: the
+failed attempt's time up to its detection (the latest point of a die that faulted: an injected
+error's, a timed-out wait's plus `xccl.poll_timeout_s`, a stalled die's return) and the
+rollback's price (xds_mpi/plan/failures/rollback_cost.py) stay on every die's clock, as on the
+pod, and the re-run starts there. Nothing of a failed attempt reaches the TE-shell: dies commit
+and stream only after a vote that passed. With no faults configured nothing of this runs (no
+interrupt in the waits, no vote): an iteration is one attempt. What a die counts
+(RecoveryCounters) goes to the TE-shell in its report; `describe` names a failed attempt's
+faults in words: injected XCCL errors and waits that timed out on a slow peer.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -24,7 +28,7 @@ from typing import Any, Protocol
 
 from mpi4py import MPI
 
-from xccl.errors import XcclError
+from xccl.errors import PeerTimeout, XcclError
 from xccl.recovery.faults import FaultHook, RecoverableBuffer, RecoveryHooks
 from xccl.recovery.rollback import Outcome, Recovery
 from xccl.recovery.vote import Fault, FaultReport
@@ -32,6 +36,7 @@ from xds_mpi.config.schema import Config
 from xds_mpi.execution.faults import EventMap, FaultPlan
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.plan.failures.checks import release_bound_s
+from xds_mpi.plan.failures.rollback_cost import RollbackCost
 from xds_mpi.report import trace
 
 _UNKEPT = nullcontext()  # an iteration with nothing to keep and no trace span
@@ -43,7 +48,8 @@ class RecoveryCounters:
     iterations that needed at least one re-execution; faults_injected: the run's faults
     (filled by `Recomputer.report`: the votes' faults, which a lost die's are among, and those
     of attempts a fence cut short); wall_lost_s / vtime_lost_s: wall and virtual time of the
-    failed attempts.
+    failed attempts (virtual: up to the detection, `Recomputer._detected_ns`, plus the
+    rollbacks' price; the same on every die).
     timeouts: failed attempts in which some die's wait timed out (faults.on_timeout recompute;
     the same on every die); timeout_die / timeout_peer / timeout_iteration / timeout_wall: the
     first such timeout's waiting die, the die its wait leads to (Outcome.blamed: the die it
@@ -190,9 +196,11 @@ class IterationAttempts:
         """Executions of the iteration so far, the running one included."""
         return self.first_execution + self.attempt + 1
 
-    def restore(self) -> None:
-        """The die back to the iteration's start."""
-        self.pricer.clock.restore(self.clock_start)
+    def restore(self, *, resume_ns: float | None = None) -> None:
+        """The die back to the iteration's start; its virtual clock at `resume_ns` (a failed
+        vote: the failed attempt's end and the rollback's price, which the pod pays too) or, when
+        None (a fence: the failover is priced from the iteration's start), at the start."""
+        self.pricer.clock.restore(self.clock_start if resume_ns is None else resume_ns)
         self.pricer.restore(self.priced_start)
         for part, checkpoint in zip(self.state, self.checkpoints):
             part.restore(checkpoint)
@@ -236,12 +244,21 @@ class Recomputer:
         self.faults = cfg.faults
         self.buffers, self.rank, self.comm, self.pricer = list(buffers), rank, comm, pricer
         self.counters = RecoveryCounters()
+        hw = pricer.cost.hw
+        self.rollback_ns = 1e9 * (
+            RollbackCost.of(
+                write_latency_s=hw.write_latency_s, read_latency_s=hw.read_latency_s
+            ).total_s
+        )
         self._log = log
         self.log = log if comm.rank == 0 else None  # one die tells the story
         self.is_tracing = trace.is_enabled()  # chosen once: no span call when off
         self._last_recomputed = -1
         self._outcome: Outcome | None = None
         self._attempts: IterationAttempts | None = None  # the iteration running now
+        # This die's detection point in the running attempt, virtual ns (-inf: none): its own
+        # fault, a timed-out wait, or the end of its stall (`_detected_ns`).
+        self._detection_ns = -math.inf
         # (iteration, its executions) a fence cut short, carried to its re-run (regroup)
         self._interrupted = (-1, 0)
         # Injected faults the failed votes reported: every die's (a lost die's too, up to its
@@ -256,6 +273,7 @@ class Recomputer:
             self.recovery = _recovery(cfg, comm, window_comm)
             # The fault plan's check only where a row or the random mode can hit this die.
             check = self.plan.check if self.plan.rows or self.plan.random_ops else None
+            stall = None if stall is None else self._marking_stall(stall)
             hook = stall if check is None else check if stall is None else _chain(stall, check)
             hooks = RecoveryHooks(interrupt=self.recovery.interrupt, fault_hook=hook)
             for b in self.buffers:
@@ -271,6 +289,7 @@ class Recomputer:
         that `fail` and `restore_interrupted` go back to it; nothing to keep without either."""
         if self.recovery is None:
             return trace.span("iteration", iteration=iteration) if self.is_tracing else _UNKEPT
+        self._detection_ns = -math.inf  # a stall its peers waited out in the last one
         cut_iteration, cut_executions = self._interrupted
         self._attempts = IterationAttempts(
             iteration,
@@ -285,7 +304,11 @@ class Recomputer:
     def fail(self, exc: XcclError) -> None:
         """The attempt raised one of `failures`: every die told (the abort word), the vote, the
         die restored to the iteration's start and the next attempt begun."""
-        self.vote(self.recovery.failed(exc, self.buffers))
+        fault = self.recovery.failed(exc, self.buffers)
+        if fault is not None:  # this die's own: an injected error here, or its wait timed out
+            waited_ns = self.recovery.timeout_s * 1e9 if isinstance(fault, PeerTimeout) else 0.0
+            self._mark_detection(self.pricer.clock.now_ns + waited_ns)
+        self.vote(fault)
 
     def vote(self, fault: Fault | None = None) -> bool:
         """Every die, once per attempt (faults configured): did every die complete it? After a
@@ -338,8 +361,9 @@ class Recomputer:
         if self._last_recomputed != attempts.iteration:
             c.recomputed_iterations += 1
             self._last_recomputed = attempts.iteration
+        resume_ns = max(self._detected_ns(), attempts.vstarted_ns) + self.rollback_ns
         c.wall_lost_s += attempts.wall_s()
-        c.vtime_lost_s += attempts.vtime_s()
+        c.vtime_lost_s += (resume_ns - attempts.vstarted_ns) / 1e9
         if self.log is not None and attempts.attempt < self.faults.max_retries:
             self.log.info(
                 "iteration %d rolled back (%s); recomputing, attempt %d of %d",
@@ -351,18 +375,44 @@ class Recomputer:
         for f in outcome.faults:
             if f.die == self.rank:
                 trace.instant("fault", op=f.op, event=f.event_id, code=f.code)
-        started_s, failed_ns = time.perf_counter(), self.pricer.clock.now_ns
-        attempts.restore()
-        # The restore takes no virtual time; on the virtual clock it belongs to the failed
-        # attempt, whose spans are flagged (the re-run repeats their virtual times).
+        started_s = time.perf_counter()
+        attempts.restore(resume_ns=resume_ns)
+        # On the virtual clock the rollback is its price after the detection, the re-run starts
+        # at its end; the failed attempt's spans are flagged.
         trace.record(
             "rollback",
             (started_s, time.perf_counter()),
-            (failed_ns, failed_ns),
+            (resume_ns - self.rollback_ns, resume_ns),
             iteration=attempts.iteration,
             attempt=attempts.attempt,
         )
         trace.mark_rolled_back()
+
+    def _detected_ns(self) -> float:
+        """The failed attempt's end on the virtual clock, the same on every die (collective
+        over the vote's dies, after a failed vote): the latest detection point of any die. A
+        die whose operation raised an injected error stands at its clock then; a die whose wait
+        timed out, xccl.poll_timeout_s past its clock; a die that stalled (ranks/faults/stuck.py,
+        priced on its clock) at the stall's end: the vote waits for it. A die the abort word
+        interrupted brings nothing: where its wait was cut depends on this machine's speed
+        (how many peers' records had landed), not on the pod. -inf when no die has a point."""
+        mine, self._detection_ns = self._detection_ns, -math.inf
+        return self.comm.allreduce(mine, op=MPI.MAX)
+
+    def _mark_detection(self, at_ns: float) -> None:
+        self._detection_ns = max(self._detection_ns, at_ns)
+
+    def _marking_stall(self, stall: FaultHook) -> FaultHook:
+        """`stall`, marking where a stall priced on the virtual clock left the die (the clock
+        moved while it stalled): the failed attempt it belongs to ends no earlier."""
+
+        def hook(op: str, event_id: int) -> None:
+            before_ns = self.pricer.clock.now_ns
+            stall(op, event_id)
+            if self.pricer.clock.now_ns > before_ns:
+                self._mark_detection(self.pricer.clock.now_ns)
+
+        return hook
 
     def regroup(self, comm: MPI.Comm, buffers: Sequence[RecoverableBuffer]) -> None:
         """Vertical scaling (ranks/recovery/scale_down.py): the survivors' `comm` and their

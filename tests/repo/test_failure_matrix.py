@@ -173,6 +173,10 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
     ("PD", "-", "transient"): CellTested(
         "test_recompute.py::test_pd_kv_transfer_and_decode_faults_are_retried_and_recomputed"
     ),
+    ("PD", "-", "transient (decode dies), virtual clock"): CellTested(
+        "test_rollback_priced.py::test_pd_decode_faults_run_on_the_virtual_clock_and_cost_their"
+        "_attempts"
+    ),
     ("PD", "-", "rate"): NOT_TRIED,
     ("PD", "prefill die", "stuck, lost"): CellTested(
         "test_prefill_loss.py::test_a_lost_prefill_die_loses_no_request"
@@ -214,7 +218,10 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "with other fault rows",
     ),
     # -- PD with an afd decode side -------------------------------------------------------------
-    ("PD+afd", "-", "transient"): NOT_TRIED,
+    ("PD+afd", "-", "transient"): CellTested(
+        "test_rollback_priced.py::test_pd_afd_decode_faults_run_on_the_virtual_clock_and_cost"
+        "_their_attempts"
+    ),
     ("PD+afd", "attention die", "dead"): CellRefused(
         "pd_afd.yaml",
         (*HEALTH, "faults.events=[{kind: dead, die: 2, iteration: 3}]"),

@@ -5,8 +5,10 @@ Virtual time is built for the colocated and afd deployments' `xds-mpi run`: the 
 the dies a horizon and decides each arrival at its virtual time (ranks/shell/virtual_time.py,
 ranks/core/virtual_time.py; afd's attention and expert dies agree on the common start as the
 colocated dies do, ranks/afd/common.py); and for PD (colocated or afd decode dies) with a decode
-TE-shell, fault-free: the JE paces the prefill TEs, the decode TE-shell the decode dies
-(ranks/shell/pd_pacers.py). The rest still takes requests when they arrive on the wall clock,
+TE-shell: the JE paces the prefill TEs, the decode TE-shell the decode dies
+(ranks/shell/pd_pacers.py), fault-free or with transient XCCL faults on the decode dies (their
+rollbacks are priced on the dies' clocks, ranks/recovery/recompute.py); PD's other faults act on
+the wall clock. The rest still takes requests when they arrive on the wall clock,
 and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in it. `auto`
 picks virtual where it is built; an explicit `virtual` anywhere else is refused, naming the key.
 """
@@ -16,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xds_mpi.config.schema import Config, ConfigError
+
+# The KV transfers' operations (a PD run's p2p sends and receives, retried by their senders).
+KV_OPS = ("p2p_send", "p2p_recv")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +71,16 @@ def _why_wall_pd(cfg: Config) -> str:
     if cfg.deployment.num_host_ranks != 2:
         return "PD without a decode TE-shell rank (deployment.num_host_ranks 1)"
     faults = cfg.faults
-    if faults.table or faults.rate or faults.events:
-        return "PD with faults (faults.table, faults.rate, faults.events)"
+    if faults.events:
+        return (
+            "PD with faults.events (decode and prefill losses, link and saturated KV paths: "
+            "detected, re-routed and prefilled again on the wall clock)"
+        )
+    if any(row.op in KV_OPS for row in faults.table) or (
+        faults.rate and set(faults.ops) & set(KV_OPS)
+    ):
+        return (
+            "PD with faults on the KV transfers (a faults.table row, or faults.rate with "
+            "faults.ops, on p2p_send or p2p_recv: their senders retry on the wall clock)"
+        )
     return ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import yaml
 from harness import REPO_ROOT
@@ -77,13 +78,18 @@ def test_an_expert_die_dead_early_without_a_replica_stops_naming_die_and_experts
 @pytest.mark.failure_matrix
 def test_a_stuck_attention_die_back_before_the_timeout_is_a_transient(tmp_path):
     rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
-    result, _, records = afd_served(tmp_path, rows)
+    result, run_file, records = afd_served(tmp_path, rows)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert check_line(result) == SERVED
     [record] = records
     assert (record.kind, record.die, record.verdict) == ("stuck", 3, "transient")
     assert record.detection_s == -1 and record.injected_iteration >= 4
     assert "silent for more than" not in result.stdout + result.stderr
+    # The stall is priced on the virtual clock (before, an afd die's cost nothing there): the
+    # iteration it struck lasts 1.5 s more on every attention die (its peers follow its records).
+    assert run_file["summary"].attrs["serving_clock"] == "virtual"
+    for die in run_file["dies"].values():
+        assert float(np.max(die["vtime_s"][()])) > 1.5
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """What token recomputation puts back, without MPI: the virtual clock and the pricer round-trip
 through snapshot / restore, the executor's checkpoint drops a failed attempt's MTP state and
 event ids, and one iteration's attempts restore every part of the die and tell the fault plan
-which attempt runs. And the executors' one timing construct, the Meter."""
+which attempt runs; after a failed vote the clock stays at the failed attempt's end plus the
+rollback's price. And the executors' one timing construct, the Meter."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from xds_mpi.execution.faults import FaultPlan, LayerEvents
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.model.weights import build_model
+from xds_mpi.plan.failures.rollback_cost import RollbackCost
 from xds_mpi.projection.cost import CostModel, Hardware
 from xds_mpi.scheduling.scheduler import Entry
 
@@ -166,3 +168,25 @@ def test_the_meter_sums_wall_time_by_kind_and_keeps_the_total_and_virtual_time(m
     assert meter.seconds["experts"] == 0.0  # a kind never entered
     assert meter.total_s() == 7.0
     assert meter.vtime_s() == 2.0
+
+
+def test_a_failed_vote_keeps_the_failed_attempt_s_time_on_the_clock():
+    p, parts = pricer(), (Part(1),)
+    plan = FaultPlan(FaultsConfig(rate=0.5), 0, LayerEvents(events_per_iteration=4))
+    before = p.snapshot()
+    attempts = IterationAttempts(2, plan=plan, pricer=p, state=parts)
+    attempts.begin(0)
+    price_some_work(p)
+    parts[0].value += 10
+    failed_ns = p.clock.now_ns
+    attempts.restore(resume_ns=failed_ns + 7.0)  # the latest die's detection, and the price
+    assert parts[0].value == 1 and p.snapshot() == before  # the state and the priced work back
+    assert p.clock.now_ns == failed_ns + 7.0  # the time itself stays spent
+
+
+def test_the_rollback_s_price_is_the_abort_word_and_the_vote():
+    hw = Hardware.from_profile(load_profile("ascend910c"))
+    cost = RollbackCost.of(write_latency_s=hw.write_latency_s, read_latency_s=hw.read_latency_s)
+    assert cost.notify_s == hw.write_latency_s
+    assert cost.total_s == pytest.approx(2 * hw.write_latency_s + hw.read_latency_s)
+    assert 0 < cost.total_s < 1e-4  # microseconds: the attempt, not the rollback, is the cost

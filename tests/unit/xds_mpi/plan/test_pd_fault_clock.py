@@ -1,0 +1,49 @@
+"""Which clock a PD run with faults serves on (xds_mpi/plan/clock.py): transient XCCL faults on
+the decode dies only run on the virtual clock (their rollbacks are priced there); KV-transfer
+faults and faults.events rows keep the wall clock, and `run.clock=virtual` is refused for them
+naming why."""
+
+from __future__ import annotations
+
+import pytest
+
+from xds_mpi.config.schema import ConfigError, load_config
+from xds_mpi.plan.clock import serving_clock
+
+DECODE_ROW = "faults.table=[{die: 4, op: dispatch, layer: 1, iteration: 2}]"
+KV_ROW = "faults.table=[{die: 6, op: p2p_send, layer: 0, iteration: 1}]"
+DEAD = "faults.events=[{kind: dead, die: 2, iteration: 1}]"
+
+
+def _clock(config: str, *sets: str):
+    return serving_clock(load_config(f"configs/{config}.yaml", list(sets)))
+
+
+@pytest.mark.parametrize(
+    "config, sets",
+    [
+        ("pd", [DECODE_ROW]),
+        ("pd", ["faults.rate=0.01", "faults.rate_unit=iteration", "faults.ops=[dispatch]"]),
+        ("pd_afd", ["faults.rate=0.01", "faults.rate_unit=iteration", "faults.ops=[a2e, e2a]"]),
+    ],
+)
+def test_transient_decode_faults_serve_on_the_virtual_clock(config, sets):
+    assert _clock(config, *sets).kind == "virtual"
+    assert _clock(config, "run.clock=virtual", *sets).kind == "virtual"
+
+
+@pytest.mark.parametrize(
+    "sets, named",
+    [
+        ([KV_ROW], "faults on the KV transfers"),
+        ([DECODE_ROW, KV_ROW], "faults on the KV transfers"),
+        (["faults.rate=0.001"], "faults on the KV transfers"),  # faults.ops: every operation
+        ([DEAD], "PD with faults.events"),
+    ],
+)
+def test_kv_transfer_faults_and_events_keep_the_wall_clock(sets, named):
+    clock = _clock("pd", *sets)
+    assert clock.kind == "wall" and named in clock.why
+    with pytest.raises(ConfigError, match=r"run\.clock\(virtual\)") as refused:
+        _clock("pd", "run.clock=virtual", *sets)
+    assert named in str(refused.value)
