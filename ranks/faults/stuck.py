@@ -2,7 +2,7 @@
 (colocated) or A2E (afd) of iteration `iteration`, its data staged and its record not published,
 so that every peer waits for it, for `duration_s` wall seconds (0: for good). The process is
 alive and answers nothing meanwhile (it is not in its event loop).
-On the virtual clock (run.clock virtual, colocated) a row may give `at_s` instead: the first
+On the virtual clock (run.clock virtual, colocated or afd) a row may give `at_s` instead: the first
 iteration whose virtual start (the dies' common start) is at or after it; and a stall that ends
 costs its die `duration_s` virtual seconds too (the peers' clocks follow it through the
 dispatch), as it would on the pod. A stall the fence ends is undone with its iteration and the
