@@ -99,6 +99,7 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     from ranks.shell.endpoint import Endpoint, EndpointFeed
     from ranks.shell.openai_api import make_app
     from ranks.shell.serve_metrics import ServeMetrics
+    from ranks.shell.serve_records import RecordCap, max_records
 
     metrics = ServeMetrics(ctx.cfg.serve.model)
     dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
@@ -115,7 +116,9 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     endpoint.start()
     timeout_s = ctx.cfg.run.timeout_s
     left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
-    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=time.monotonic() + left))
+    cap = RecordCap(ctx.cfg, max_records(), ctx.log)
+    deadline = time.monotonic() + left
+    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=deadline, cap=cap))
     return endpoint
 
 
@@ -140,6 +143,10 @@ class Serving:
         self.admitted = frontend.virtual.admitted if frontend.virtual else {}
         self.failures = frontend.failure_records()  # §6: one per stuck/dead row
         self.summary = summarize(self.records, frontend.started, time.time())
+        cap = getattr(frontend.feed, "cap", None)  # serve: the records let go, their check
+        self.checked_apart = cap.finish() if cap is not None else None
+        if cap is not None and cap.max_records:
+            self._add_dropped(cap)
         self.summary.update(self.cross_node)
         self.summary["serving_clock"] = ctx.plan.clock.kind
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
@@ -230,6 +237,15 @@ class Serving:
                 total.remote_bytes,
             )
         return frontend
+
+    def _add_dropped(self, cap) -> None:
+        """serve: the totals count the records let go too; the percentiles the kept ones."""
+        s = self.summary
+        s["num_records_dropped"] = cap.num_dropped
+        s["num_requests"] += cap.num_dropped
+        s["num_served"] += cap.num_dropped
+        s["num_tokens"] += cap.num_dropped_tokens
+        s["tokens_per_s"] = s["num_tokens"] / s["wall_s"] if s["wall_s"] > 0 else 0.0
 
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
@@ -372,6 +388,10 @@ class Serving:
         )
         checked = time.perf_counter()
         num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg, self.records)
+        if self.checked_apart is not None:  # serve: the records let go, checked as they went
+            num_requests += self.checked_apart.num_requests
+            num_tokens += self.checked_apart.num_tokens
+            self.mismatches = self.checked_apart.mismatches + self.mismatches
         ctx.log.info("check: reference done in %.1f s", time.perf_counter() - checked)
         for line in self.mismatches:
             ctx.log.error("check: %s", line)

@@ -1,0 +1,49 @@
+"""The served run's checker process: `--check` on the records the TE-shell let go of.
+
+A served run past `serve_records.MAX_RECORDS_ENV` finished records hands the oldest ones to this
+process (`python -m ranks.shell.serve_checker`, no MPI) instead of keeping them until the stop.
+Protocol, pickles on its stdin and stdout:
+
+1. in: the run's Config;
+2. in: lists of finished RequestRecords, each checked against the single-process reference at
+   once (`check_against_reference`) and then dropped;
+3. in: None (no more); out: one CheckTotals over every list.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True)
+class CheckTotals:
+    """num_requests, num_tokens: compared with the reference; mismatches: one line each."""
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+    def add(self, num_requests: int, num_tokens: int, mismatches: list[str]) -> None:
+        self.num_requests += num_requests
+        self.num_tokens += num_tokens
+        self.mismatches += mismatches
+
+
+def main() -> int:
+    # Imported here: the TE-shell imports this module for CheckTotals, not the reference.
+    from xds_mpi.results.results import check_against_reference
+
+    inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
+    cfg = pickle.load(inbox)
+    totals = CheckTotals()
+    while (records := pickle.load(inbox)) is not None:
+        totals.add(*check_against_reference(cfg, {r.req.req_id: r for r in records}))
+    pickle.dump(totals, outbox)
+    outbox.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
