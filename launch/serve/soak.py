@@ -28,8 +28,7 @@ from pathlib import Path
 
 from launch.bench.results import report
 from launch.serve.bench_endpoint import free_port, wait_ready
-from launch.serve.soak_clients import MARKER_ENV, Outcomes, drive, job_processes, job_ranks
-from launch.serve.soak_clients import rss_mib
+from launch.serve.soak_clients import MARKER_ENV, Outcomes, drive, job_processes, job_ranks, rss_mib
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.workload.stream import synthetic_requests

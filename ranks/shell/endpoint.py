@@ -255,9 +255,7 @@ class EndpointFeed:
     `records`, `num_open`, `touched`. The feed is open (the run goes on) until shutdown has
     drained or cancelled every request."""
 
-    def __init__(
-        self, endpoint: Endpoint, frontend, metrics, *, deadline: float, cap=None
-    ) -> None:
+    def __init__(self, endpoint: Endpoint, frontend, metrics, *, deadline: float, cap=None) -> None:
         self.endpoint, self.frontend, self.metrics = endpoint, frontend, metrics
         # finished records let go past a cap (ranks/shell/serve_records.py); None: keep all
         self.cap = cap if cap is not None else RecordCap(None, 0, None)
