@@ -3,7 +3,8 @@ a schedule of faults strikes its dies; what the clients saw, what the run file s
 injected and recovered, each rank's RSS after warm-up and at the end, the check, and the
 processes left behind (docs/serve.md, "A soak under faults").
 
-The schedule (`fault_schedule`) places its rows at fractions of the run, in iterations at the
+The schedule (`fault_schedule`) places its rows at fractions of the run after warm-up, in
+iterations at the
 expected `--iterations-per-s`: two dies lost (one dead, one stuck for good; ring replicas keep
 every expert), stuck dies that come back before detection (flaps), and transient XCCL faults at
 `--fault-rate` per die per iteration throughout. A row whose iteration the run never reaches
@@ -35,6 +36,7 @@ from xds_mpi.workload.stream import synthetic_requests
 
 CHECK = re.compile(r"check: (\d+) requests, (\d+) tokens, (\d+) mismatches")
 RUN_FILE = re.compile(r"run file (\S+\.h5)")
+DROPPED = re.compile(r"records: let (\d+) finished requests")
 # Failover settings the schedule needs: heartbeats that find a silent die in seconds, and ring
 # replicas so that two non-neighbouring dies lost keep a replica of every expert.
 FAILOVER_SETS = [
@@ -71,6 +73,7 @@ class SoakResult:
     rollbacks: int
     checked: int
     mismatches: int
+    records_dropped: int
     rss_start: dict
     rss_end: dict
     left: list
@@ -78,11 +81,12 @@ class SoakResult:
     log: str
 
 
-def fault_schedule(duration_s: float, iterations_per_s: float) -> str:
-    """The `faults.events` list: each SCHEDULE row at its fraction of `duration_s`."""
+def fault_schedule(warmup_s: float, duration_s: float, iterations_per_s: float) -> str:
+    """The `faults.events` list: each SCHEDULE row at its fraction of the `duration_s` that
+    follows `warmup_s` (iterations count from serving's start)."""
     rows = []
     for fraction, row in SCHEDULE:
-        iteration = max(1, round(fraction * duration_s * iterations_per_s))
+        iteration = max(1, round((warmup_s + fraction * duration_s) * iterations_per_s))
         rows.append(row.replace("{", f"{{iteration: {iteration}, ", 1))
     return "[" + ", ".join(rows) + "]"
 
@@ -95,7 +99,7 @@ def serve_sets(args, duration_s: float) -> list[str]:
     ]
     if args.faults:
         sets += FAILOVER_SETS + [
-            f"faults.events={fault_schedule(duration_s, args.iterations_per_s)}",
+            f"faults.events={fault_schedule(args.warmup_s, duration_s, args.iterations_per_s)}",
             f"faults.rate={args.fault_rate}",
             "faults.rate_unit=iteration",
             "faults.max_retries=8",
@@ -138,6 +142,7 @@ def soak(args) -> SoakResult:
     port, marker = free_port(), uuid.uuid4().hex
     command = [sys.executable, "-m", "launch.cli", "serve", str(args.config), "--check"]
     command += ["--port", str(port), "--max-records", str(args.max_records)]
+    command += ["--trace-max-events", str(args.trace_max_events)]
     for text in serve_sets(args, duration_s):
         command += ["--set", text]
     log = Path(args.dir, "serve.log")
@@ -191,6 +196,7 @@ def _result(args, outcomes: Outcomes, watch: RssWatch, log: Path, left: list[int
         rollbacks=int(summary.get("rollbacks", 0)),
         checked=int(checked.group(1)) if checked else -1,
         mismatches=int(checked.group(3)) if checked else -1,
+        records_dropped=int(dropped.group(1)) if (dropped := DROPPED.search(output)) else 0,
         rss_start=watch.at(args.warmup_s),
         rss_end=watch.samples[-1][1] if watch.samples else {},
         left=left,
@@ -225,7 +231,10 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     print(f"faults: {result.faults_injected} transient injected, {result.rollbacks} rollbacks")
     for line in result.failures:
         print(f"  {line}")
-    print(f"check: {result.checked} requests, {result.mismatches} mismatches")
+    print(
+        f"check: {result.checked} requests, {result.mismatches} mismatches; "
+        f"{result.records_dropped} records checked and let go while serving"
+    )
     print(f"processes left after: {len(result.left)} {result.left}")
     title = f"xds-mpi bench soak: {args.minutes:g} min, {args.streams} streams ({args.dir})"
     legend = "RSS per rank (MiB) after --warmup-s and at the end; rank 0 is the TE-shell."
@@ -251,9 +260,9 @@ def add_parser(kinds) -> None:
     p.add_argument(
         "--iterations-per-s",
         type=float,
-        default=8.0,
-        help="expected iterations per second, to place the schedule's rows (default 8: the "
-        "2-core workstation at 16 streams)",
+        default=20.0,
+        help="expected iterations per second, to place the schedule's rows (default 20: the "
+        "2-core workstation at 16 streams, 20-27 on 4 dies)",
     )
     p.add_argument(
         "--fault-rate", type=float, default=0.01, help="transient faults per die per iteration"
@@ -264,6 +273,12 @@ def add_parser(kinds) -> None:
         default=1000,
         help="xds-mpi serve --max-records: finished records the TE-shell keeps (default "
         "%(default)d: a soak lets records go and checks them as they go)",
+    )
+    p.add_argument(
+        "--trace-max-events",
+        type=int,
+        default=20_000,
+        help="xds-mpi serve --trace-max-events (default %(default)d)",
     )
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
     p.add_argument("--dir", default="", help="the run's folder (log, run file, soak.json)")

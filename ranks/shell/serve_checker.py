@@ -7,7 +7,8 @@ Protocol, pickles on its stdin and stdout:
 1. in: the run's Config;
 2. in: lists of finished RequestRecords, each checked against the single-process reference at
    once (`check_against_reference`) and then dropped;
-3. in: None (no more); out: one CheckTotals over every list.
+3. in: None (no more); out: the totals over every list, (requests, tokens, mismatch lines): a
+   tuple, since this module runs as __main__ here and as itself in the TE-shell.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def main() -> int:
     totals = CheckTotals()
     while (records := pickle.load(inbox)) is not None:
         totals.add(*check_against_reference(cfg, {r.req.req_id: r for r in records}))
-    pickle.dump(totals, outbox)
+    pickle.dump((totals.num_requests, totals.num_tokens, totals.mismatches), outbox)
     outbox.flush()
     return 0
 

@@ -109,9 +109,9 @@ class _Checker:
     def close(self) -> CheckTotals:
         self.queue.put(None)
         self.thread.join()
-        totals = pickle.load(self.proc.stdout)
+        num_requests, num_tokens, mismatches = pickle.load(self.proc.stdout)
         self.proc.wait()
-        return totals
+        return CheckTotals(num_requests=num_requests, num_tokens=num_tokens, mismatches=mismatches)
 
     def _feed(self) -> None:
         while True:

@@ -24,7 +24,7 @@ from xccl.gmem import DieMemory, Traffic
 from xds_mpi.report import trace
 from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.report.trace_writer import trace_path, write_trace
-from xds_mpi.results.failures import write_failures
+from xds_mpi.results.failures import with_resumed, write_failures
 from xds_mpi.results.results import (
     check_against_reference,
     format_summary,
@@ -122,6 +122,20 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     return endpoint
 
 
+def _resumed(frontend) -> dict[int, float]:
+    """Die rank -> when the dies served again after the fence that judged it (wall seconds
+    since serving started), for the report's failover timeline."""
+    detector = getattr(frontend, "detector", None)
+    if detector is None:
+        return {}
+    return {
+        die: detection.resumed_wall - frontend.started
+        for detection in detector.detections
+        if detection.resumed_wall > 0
+        for die in detection.verdicts
+    }
+
+
 def _write_trace(ctx: RankContext, path, traces: dict) -> None:
     """The shell's own events and the ranks' gathered `traces` (as kept) beside the run file."""
     traces = {ctx.comm.rank: trace.take_events()} | {
@@ -141,7 +155,7 @@ class Serving:
         self.traces = frontend.traces
         self.expert_loads = frontend.expert_loads
         self.admitted = frontend.virtual.admitted if frontend.virtual else {}
-        self.failures = frontend.failure_records()  # §6: one per stuck/dead row
+        self.failures = with_resumed(frontend.failure_records(), _resumed(frontend))  # §6
         self.summary = summarize(self.records, frontend.started, time.time())
         cap = getattr(frontend.feed, "cap", None)  # serve: the records let go, their check
         self.checked_apart = cap.finish() if cap is not None else None
