@@ -61,6 +61,7 @@ class SoakResult:
     """requests: replies the clients got, by kind (soak_clients.Outcomes); errors: those a
     client cannot retry; faults: the run file's failure records (kind, die, verdict, recovery)
     and the summary's transient counts; rss_*: MiB per rank after warm-up and at the end;
+    samples: [(seconds since serving was ready, {rank: MiB})], every --sample-s;
     left: processes of the job alive after the launcher ended."""
 
     minutes: float
@@ -76,6 +77,7 @@ class SoakResult:
     records_dropped: int
     rss_start: dict
     rss_end: dict
+    samples: list
     left: list
     run_file: str
     log: str
@@ -199,6 +201,7 @@ def _result(args, outcomes: Outcomes, watch: RssWatch, log: Path, left: list[int
         records_dropped=int(dropped.group(1)) if (dropped := DROPPED.search(output)) else 0,
         rss_start=watch.at(args.warmup_s),
         rss_end=watch.samples[-1][1] if watch.samples else {},
+        samples=[(round(t, 1), rss) for t, rss in watch.samples],
         left=left,
         run_file=found.group(1) if found else "",
         log=str(log),

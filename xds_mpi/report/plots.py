@@ -161,8 +161,8 @@ def recovery(run: RunData, path: Path) -> Path:
             ax.plot([resumed], [row], ">", color="tab:green", ms=7)
         if detected >= 0:
             note = _failover_note(injected, detected, resumed)
-            ax.annotate(note, (max(detected, resumed), row), xytext=(6, 0),
-                        textcoords="offset points", va="center", fontsize=7)  # fmt: skip
+            ax.annotate(note, (injected, row), xytext=(0, 7), textcoords="offset points",
+                        va="bottom", fontsize=7)  # fmt: skip
         ends.append(max(detected, injected, resumed))
     # what each failure cost, in words, under the axes (one line each)
     notes = [f"{label}: {text}" for label, text, _, _ in failures]
@@ -178,7 +178,7 @@ def recovery(run: RunData, path: Path) -> Path:
     where = "" if run.has_trace else " (no trace: transient faults not shown)"
     counted = int(run.summary.get("faults_injected", 0))
     if run.has_trace and counted > count:  # a served run keeps its newest trace events
-        where = f" shown of {counted} injected (the trace kept its newest events)"
+        where = f" shown, {counted} injected (trace capped)"
     ax.set_title(
         f"{run.name}: {len(failures)} failure{'' if len(failures) == 1 else 's'} (x injected, "
         f"| detected and fenced), {count} transient faults{where}",
