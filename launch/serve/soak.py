@@ -4,10 +4,11 @@ injected and recovered, each rank's RSS after warm-up and at the end, the check,
 processes left behind (docs/serve.md, "A soak under faults").
 
 The schedule (`fault_schedule`) places its rows at fractions of the run after warm-up, in
-iterations at the expected `--iterations-per-s`: two dies lost (one dead, one stuck for good; ring replicas keep
-every expert), stuck dies that come back before detection (flaps), and transient XCCL faults at
-`--fault-rate` per die per iteration throughout. A row whose iteration the run never reaches
-does not fire; the report counts the failures the run file recorded, not the rows.
+iterations at the expected `--iterations-per-s`: two dies lost (one dead, one stuck for good;
+ring replicas keep every expert), stuck dies that come back before detection (flaps), and
+transient XCCL faults at `--fault-rate` per die per iteration throughout. A row whose iteration
+the run never reaches does not fire; the report counts the failures the run file recorded, not
+the rows.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ lets the oldest quarter go, so that its memory stays flat whatever the number of
 (`xds-mpi serve --max-records`, docs/serve.md "Memory over a long run").
 
 What goes and what stays:
-- A record let go is counted (requests, tokens) so that the summary's totals still cover every
-  request; the run file's /requests, the TTFT / TPOT percentiles, the SLOs and a failure's
-  tokens/s windows cover the records kept (the newest), and /summary says how many went
-  (`num_records_dropped`).
+- A record let go is counted (requests, tokens, and its tokens' wall times in TokenClock's
+  0.1 s buckets) so that the summary's totals and a failure's tokens/s windows still cover
+  every request; the run file's /requests, the TTFT / TPOT percentiles and the SLOs cover the
+  records kept (the newest), and /summary says how many went (`num_records_dropped`).
 - With `--check` each record let go is first handed to a checker process
   (ranks/shell/serve_checker.py) that compares it with the reference at once, so the check at
   shutdown still covers every request (and no longer runs the reference on all of them then).
@@ -21,8 +21,12 @@ import pickle
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from queue import Queue
 
+import numpy as np
+
+from ranks.recovery.records import RATE_WINDOW_S
 from ranks.shell.serve_checker import CheckTotals
 
 MAX_RECORDS_ENV = "XDS_SERVE_MAX_RECORDS"  # `xds-mpi serve --max-records`; 0: keep every one
@@ -46,6 +50,7 @@ class RecordCap:
         self.cfg, self.max_records, self.log = cfg, max_records, log
         self.num_dropped = self.num_dropped_tokens = 0
         self.finished: list[int] = []  # req_ids in the order they finished, kept ones only
+        self.tokens_gone = TokenClock()  # when the tokens of the records let go arrived
         self._checker: _Checker | None = None
 
     def note_finished(self, req_id: int) -> None:
@@ -64,6 +69,8 @@ class RecordCap:
             del records[record.req.req_id]
         self.num_dropped += len(chunk)
         self.num_dropped_tokens += sum(len(r.tokens) for r in chunk)
+        for record in chunk:
+            self.tokens_gone.add(record.token_times)
         if self.cfg.run.check and chunk:
             if self._checker is None:
                 self._checker = _Checker(self.cfg)
@@ -80,6 +87,62 @@ class RecordCap:
                 "; each checked by the checker process as it went" if self._checker else "",
             )
         return self._checker.close() if self._checker is not None else None
+
+    def with_rates(self, failures: list, started: float) -> list:
+        """`failures` (FailureRecords, times since `started`) with the tokens of the records let
+        go added to their tokens/s windows, as ranks/recovery/records.py draws them: the
+        RATE_WINDOW_S before the fault (from serving's start at the earliest) and after it, or
+        after the dies resumed."""
+        out = []
+        for f in failures:
+            if f.injected_wall_s < 0 or not self.num_dropped:
+                out.append(f)
+                continue
+            at = started + f.injected_wall_s
+            after = started + f.resumed_wall_s if f.resumed_wall_s > 0 else at
+            before_s = at - max(at - RATE_WINDOW_S, started)
+            out.append(
+                replace(
+                    f,
+                    tokens_per_s_before=f.tokens_per_s_before
+                    + (self.tokens_gone.count(at - before_s, at) / before_s if before_s else 0.0),
+                    tokens_per_s_after=f.tokens_per_s_after
+                    + self.tokens_gone.count(after, after + RATE_WINDOW_S) / RATE_WINDOW_S,
+                )
+            )
+        return out
+
+
+class TokenClock:
+    """How many tokens arrived in each BUCKET_S of wall time (time.time()): 4 bytes a bucket,
+    ~140 KiB an hour, whatever the number of requests."""
+
+    BUCKET_S = 0.1
+
+    def __init__(self) -> None:
+        self.t0 = 0.0  # the wall time of bucket 0, set by the first token
+        self.counts = np.zeros(0, np.int32)
+
+    def add(self, times) -> None:
+        if not len(times):
+            return
+        times = np.asarray(times, float)
+        if not self.t0:
+            self.t0 = float(times.min())
+        idx = np.maximum(((times - self.t0) / self.BUCKET_S).astype(np.int64), 0)
+        if idx.max() >= len(self.counts):
+            grown = np.zeros(max(int(idx.max()) + 1, 2 * len(self.counts)), np.int32)
+            grown[: len(self.counts)] = self.counts
+            self.counts = grown
+        np.add.at(self.counts, idx, 1)
+
+    def count(self, t0: float, t1: float) -> int:
+        """Tokens in the buckets that start in [t0, t1) (to BUCKET_S)."""
+        if not self.t0 or t1 <= t0:
+            return 0
+        lo = max(0, round((t0 - self.t0) / self.BUCKET_S))
+        hi = max(0, round((t1 - self.t0) / self.BUCKET_S))
+        return int(self.counts[lo:hi].sum())
 
 
 def _can_go(record) -> bool:

@@ -161,6 +161,7 @@ class Serving:
         self.checked_apart = cap.finish() if cap is not None else None
         if cap is not None and cap.max_records:
             self._add_dropped(cap)
+            self.failures = cap.with_rates(self.failures, frontend.started)
         self.summary.update(self.cross_node)
         self.summary["serving_clock"] = ctx.plan.clock.kind
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}

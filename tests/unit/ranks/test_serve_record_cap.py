@@ -15,6 +15,7 @@ from xds_mpi.config.schema import load_config
 from xds_mpi.model.moe import Wire
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.weights import build_model
+from xds_mpi.results.failures import FailureRecord
 from xds_mpi.results.results import RequestRecord, check_against_reference
 from xds_mpi.workload.requests import Request
 
@@ -102,3 +103,30 @@ def test_the_setting_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(MAX_RECORDS_ENV, "lots")
     with pytest.raises(ValueError, match="must be a count of records"):
         max_records()
+
+
+def test_a_failures_tokens_per_s_counts_the_records_let_go(cfg):
+    """A fault at 10 s and the dies serving again at 14 s: the 3 s windows either side count
+    the tokens of records let go (31 before, 12 after, 0.1 s buckets) on top of the kept's."""
+    cap = RecordCap(cfg, 4, logging.getLogger("test"))
+    started = 1000.0
+    cap.num_dropped = 2
+    cap.tokens_gone.add([started + 7.0 + 0.1 * i for i in range(30)])  # 7.0 .. 9.9 s
+    cap.tokens_gone.add([started + 9.95, started + 20.0])  # before the fault / in no window
+    cap.tokens_gone.add([started + 14.0 + 0.25 * i for i in range(12)])  # 14.0 .. 16.75 s
+    assert cap.tokens_gone.count(started + 7.0, started + 10.0) == 31
+    record = FailureRecord(
+        kind="dead",
+        die=1,
+        role="colocated",
+        injected_iteration=5,
+        injected_wall_s=10.0,
+        injected_virtual_s=1.0,
+        detected_wall_s=12.0,
+        resumed_wall_s=14.0,
+        tokens_per_s_before=2.0,
+        tokens_per_s_after=1.0,
+    )
+    (out,) = cap.with_rates([record], started)
+    assert out.tokens_per_s_before == pytest.approx(2.0 + 31 / 3)
+    assert out.tokens_per_s_after == pytest.approx(1.0 + 12 / 3)
