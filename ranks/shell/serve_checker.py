@@ -34,13 +34,16 @@ class CheckTotals:
 
 def main() -> int:
     # Imported here: the TE-shell imports this module for CheckTotals, not the reference.
+    from xds_mpi.model.weights import build_model
     from xds_mpi.results.results import check_against_reference
 
     inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
     cfg = pickle.load(inbox)
+    model = build_model(cfg.model)  # once: built for every list, its RSS grew list by list
     totals = CheckTotals()
     while (records := pickle.load(inbox)) is not None:
-        totals.add(*check_against_reference(cfg, {r.req.req_id: r for r in records}))
+        by_id = {r.req.req_id: r for r in records}
+        totals.add(*check_against_reference(cfg, by_id, model))
     pickle.dump((totals.num_requests, totals.num_tokens, totals.mismatches), outbox)
     outbox.flush()
     return 0
