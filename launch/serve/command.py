@@ -80,6 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rank_program(path, sets, resolve_for_ranks(path, sets, cfg)),  # read without PyYAML
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
+        can_fail_over=any(e.kind in ("stuck", "dead") for e in cfg.faults.events),
     )
     with tempfile.TemporaryDirectory(prefix="xds-serve-") as tmp:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
