@@ -29,7 +29,7 @@ class Outcomes:
     """What the clients saw. `kinds`: "ok", "http_<status>" (a refusal; retried when the status
     is in RETRYABLE), "connection", "incomplete" (no [DONE]), "short" (fewer tokens than asked),
     "abort" (finish_reason abort: a request a memory fault took). `tokens`: tokens received in
-    whole replies."""
+    the "ok" replies."""
 
     kinds: Counter = field(default_factory=Counter)
     tokens: int = 0
@@ -102,7 +102,7 @@ async def one(session, url: str, prompt: list[int], max_tokens: int) -> tuple[st
     if reason == "abort":
         return "abort", 0
     tokens = usage["completion_tokens"]
-    return ("ok" if tokens == max_tokens else "short"), tokens
+    return ("ok", tokens) if tokens == max_tokens else ("short", 0)
 
 
 def job_ranks(marker: str) -> dict[int, int]:
