@@ -31,12 +31,12 @@ from launch.job.prepare import compile_rank_code, resolve_for_ranks, unpack_weig
 from launch.job.shm_leftovers import ShmLeftovers
 from launch.serve.prelaunch import expert_loss_warning
 from launch.slurm.world import world_of
-from ranks.shell.serve_records import MAX_RECORDS_ENV
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
 from xds_mpi.report.trace import MAX_EVENTS_ENV
+from xds_mpi.results.record_cap import MAX_RECORDS_ENV
 
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # the TE-shell writes its pid there (the signal's target)
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # never on the mpiexec line: `ps` would show it
@@ -86,7 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards
         env[MAX_EVENTS_ENV] = str(args.trace_max_events)
-        env[MAX_RECORDS_ENV] = str(args.max_records)
+        # a caller's Namespace built before --max-records existed gets the default
+        env[MAX_RECORDS_ENV] = str(getattr(args, "max_records", MAX_RECORDS))
         if args.api_key:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S

@@ -8,7 +8,7 @@ What goes and what stays:
   every request; the run file's /requests, the TTFT / TPOT percentiles and the SLOs cover the
   records kept (the newest), and /summary says how many went (`num_records_dropped`).
 - With `--check` each record let go is first handed to a checker process
-  (ranks/shell/serve_checker.py) that compares it with the reference at once, so the check at
+  (xds_mpi/results/checker.py) that compares it with the reference at once, so the check at
   shutdown still covers every request (and no longer runs the reference on all of them then).
 - Records of requests that were cancelled or lost stay: a token batch of a cancelled request
   may still be on its way, and a memory fault's record names its requests.
@@ -24,21 +24,12 @@ import threading
 from dataclasses import replace
 from queue import Queue
 
-import numpy as np
-
 from ranks.recovery.records import RATE_WINDOW_S
-from ranks.shell.serve_checker import CheckTotals
+from xds_mpi.results.checker import CheckTotals
+from xds_mpi.results.record_cap import TokenClock
 
-MAX_RECORDS_ENV = "XDS_SERVE_MAX_RECORDS"  # `xds-mpi serve --max-records`; 0: keep every one
 # Variables that would make the checker look like an MPI rank (to MPI and to a soak's watch).
 _RANK_ENV_PREFIXES = ("PMI_", "OMPI_", "PMIX_", "HYDRA_", "MPI_LOCALRANKID")
-
-
-def max_records() -> int:
-    value = os.environ.get(MAX_RECORDS_ENV, "0")
-    if not value.isdigit():
-        raise ValueError(f"${MAX_RECORDS_ENV} must be a count of records (0: all), got {value!r}")
-    return int(value)
 
 
 class RecordCap:
@@ -113,38 +104,6 @@ class RecordCap:
         return out
 
 
-class TokenClock:
-    """How many tokens arrived in each BUCKET_S of wall time (time.time()): 4 bytes a bucket,
-    ~140 KiB an hour, whatever the number of requests."""
-
-    BUCKET_S = 0.1
-
-    def __init__(self) -> None:
-        self.t0 = 0.0  # the wall time of bucket 0, set by the first token
-        self.counts = np.zeros(0, np.int32)
-
-    def add(self, times) -> None:
-        if not len(times):
-            return
-        times = np.asarray(times, float)
-        if not self.t0:
-            self.t0 = float(times.min())
-        idx = np.maximum(((times - self.t0) / self.BUCKET_S).astype(np.int64), 0)
-        if idx.max() >= len(self.counts):
-            grown = np.zeros(max(int(idx.max()) + 1, 2 * len(self.counts)), np.int32)
-            grown[: len(self.counts)] = self.counts
-            self.counts = grown
-        np.add.at(self.counts, idx, 1)
-
-    def count(self, t0: float, t1: float) -> int:
-        """Tokens in the buckets that start in [t0, t1) (to BUCKET_S)."""
-        if not self.t0 or t1 <= t0:
-            return 0
-        lo = max(0, round((t0 - self.t0) / self.BUCKET_S))
-        hi = max(0, round((t1 - self.t0) / self.BUCKET_S))
-        return int(self.counts[lo:hi].sum())
-
-
 def _can_go(record) -> bool:
     return bool(record.finished_at) and not record.cancelled and not record.lost
 
@@ -156,7 +115,7 @@ class _Checker:
     def __init__(self, cfg) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(_RANK_ENV_PREFIXES)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ranks.shell.serve_checker"],
+            [sys.executable, "-m", "xds_mpi.results.checker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

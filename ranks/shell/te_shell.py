@@ -99,7 +99,8 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     from ranks.shell.endpoint import Endpoint, EndpointFeed
     from ranks.shell.openai_api import make_app
     from ranks.shell.serve_metrics import ServeMetrics
-    from ranks.shell.serve_records import RecordCap, max_records
+    from ranks.shell.serve_records import RecordCap
+    from xds_mpi.results.record_cap import max_records
 
     metrics = ServeMetrics(ctx.cfg.serve.model)
     dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}

@@ -9,13 +9,14 @@ import logging
 
 import pytest
 
-from ranks.shell.serve_records import MAX_RECORDS_ENV, RecordCap, max_records
+from ranks.shell.serve_records import RecordCap
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import load_config
 from xds_mpi.model.moe import Wire
 from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
 from xds_mpi.model.weights import build_model
 from xds_mpi.results.failures import FailureRecord
+from xds_mpi.results.record_cap import MAX_RECORDS_ENV, max_records
 from xds_mpi.results.results import RequestRecord, check_against_reference
 from xds_mpi.workload.requests import Request
 

@@ -1,7 +1,9 @@
 """The served run's checker process: `--check` on the records the TE-shell let go of.
 
-A served run past `serve_records.MAX_RECORDS_ENV` finished records hands the oldest ones to this
-process (`python -m ranks.shell.serve_checker`, no MPI) instead of keeping them until the stop.
+A served run past `record_cap.MAX_RECORDS_ENV` finished records hands the oldest ones to this
+process (`python -m xds_mpi.results.checker`; here, not under ranks/, so that it never imports
+a rank's code, which starts MPI) instead of keeping them until the stop
+(ranks/shell/serve_records.py).
 Protocol, pickles on its stdin and stdout:
 
 1. in: the run's Config;
