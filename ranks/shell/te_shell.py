@@ -117,7 +117,8 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     endpoint.start()
     timeout_s = ctx.cfg.run.timeout_s
     left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
-    cap = RecordCap(ctx.cfg, max_records(), ctx.log)
+    # PD: no cap, the JE's PD book (xds_mpi/pd/results.py) reads every request's record at the end
+    cap = RecordCap(ctx.cfg, 0 if ctx.plan.pd else max_records(), ctx.log)
     deadline = time.monotonic() + left
     frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=deadline, cap=cap))
     return endpoint
