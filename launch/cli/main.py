@@ -26,7 +26,7 @@ from launch.project import command as project
 from launch.report import run_page
 from launch.report.tables import rank_map
 from launch.serve import bench as bench_serve
-from launch.serve import bench_endpoint
+from launch.serve import bench_endpoint, soak
 from launch.serve import command as serve
 from launch.slurm import submit
 from launch.slurm.world import world_of
@@ -271,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_parser(kinds)
     bench_load.add_parser(kinds)
     bench_endpoint.add_parser(kinds)
+    soak.add_parser(kinds)
     submit.add_parser(sub)
     generate.add_parser(sub)
     project.add_parser(sub)

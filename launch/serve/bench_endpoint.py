@@ -73,7 +73,7 @@ def through_endpoint(args, tmp: str, port: int) -> tuple[int, float, int]:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            asyncio.run(_wait_ready(url, args.timeout, proc))
+            asyncio.run(wait_ready(url, args.timeout, proc))
             return asyncio.run(drive(url, prompts, args.output_len, args.streams))
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -84,7 +84,8 @@ def through_endpoint(args, tmp: str, port: int) -> tuple[int, float, int]:
                 proc.wait()
 
 
-async def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+async def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    """Until `url`'s /health answers 200; SystemExit past `timeout_s` or if `proc` ends."""
     import aiohttp  # here: a measured start-up cost of every command
 
     deadline = time.monotonic() + timeout_s
@@ -97,7 +98,7 @@ async def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen) -> Non
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.5)
-    raise SystemExit(f"bench endpoint: {url} not ready in {timeout_s:g} s")
+    raise SystemExit(f"xds-mpi serve at {url}: not ready in {timeout_s:g} s (or it ended)")
 
 
 async def drive(url: str, prompts, max_tokens: int, streams: int) -> tuple[int, float, int]:
@@ -144,7 +145,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     for _ in range(args.repeat):  # alternate, so both see the same load
         with tempfile.TemporaryDirectory(prefix="xds-bench-endpoint-") as tmp:
             yaml.append(from_yaml(args, tmp))
-            endpoint.append(through_endpoint(args, tmp, _free_port()))
+            endpoint.append(through_endpoint(args, tmp, free_port()))
         print(f"  served {args.requests} requests both ways", flush=True)
     yaml_tps = float(np.median([r[1] for r in yaml]))
     endpoint_tps = float(np.median([r[1] for r in endpoint]))
@@ -169,7 +170,7 @@ def cmd_bench_endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -36,6 +36,7 @@ from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
 from xds_mpi.report.trace import MAX_EVENTS_ENV
+from xds_mpi.results.record_cap import MAX_RECORDS_ENV
 
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # the TE-shell writes its pid there (the signal's target)
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # never on the mpiexec line: `ps` would show it
@@ -44,6 +45,9 @@ STOP_WAIT_S = 60.0  # after the drain: the check against the reference and the r
 # arguments (docs/serve.md), so ~12 MiB a die; a served run's trace buffer would otherwise grow
 # with every iteration until the stop.
 TRACE_MAX_EVENTS = 20_000
+# Finished request records the TE-shell keeps, the newest: ~1.7 KB each with a 30-token prompt
+# and 24 tokens (docs/serve.md), so ~17 MiB; past it the oldest quarter is checked and let go.
+MAX_RECORDS = 10_000
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -76,11 +80,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rank_program(path, sets, resolve_for_ranks(path, sets, cfg)),  # read without PyYAML
         timeout_s=cfg.run.timeout_s,
         mpiexec=args.mpiexec,
+        can_fail_over=any(e.kind in ("stuck", "dead") for e in cfg.faults.events),
     )
     with tempfile.TemporaryDirectory(prefix="xds-serve-") as tmp:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards
         env[MAX_EVENTS_ENV] = str(args.trace_max_events)
+        # a caller's Namespace built before --max-records existed gets the default
+        env[MAX_RECORDS_ENV] = str(getattr(args, "max_records", MAX_RECORDS))
         if args.api_key:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S
@@ -165,7 +172,7 @@ def _signal_te_shell(pid_file: Path) -> bool:
 
 def _count(value: str) -> int:
     if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"a count of events (0: all), got {value!r}")
+        raise argparse.ArgumentTypeError(f"a count (0: all), got {value!r}")
     return int(value)
 
 
@@ -202,6 +209,14 @@ def add_parser(sub, add_config_args) -> None:
         default=TRACE_MAX_EVENTS,
         help="trace events each rank keeps, the newest (default %(default)d, about 12 MiB a "
         "die; 0: all, a buffer that grows with every iteration served); run.trace=false: none",
+    )
+    p.add_argument(
+        "--max-records",
+        type=_count,
+        default=MAX_RECORDS,
+        help="finished requests whose records the TE-shell keeps, the newest (default "
+        "%(default)d, about 17 MiB; past it the oldest quarter goes, checked first with --check; "
+        "the run file's /requests holds the kept ones); 0: all",
     )
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (as for run)")
     p.add_argument(

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from ranks.shell.serve_records import RecordCap
 from xds_mpi.config.serve import ServeConfig
 from xds_mpi.workload.requests import Request
 
@@ -254,8 +255,10 @@ class EndpointFeed:
     `records`, `num_open`, `touched`. The feed is open (the run goes on) until shutdown has
     drained or cancelled every request."""
 
-    def __init__(self, endpoint: Endpoint, frontend, metrics, *, deadline: float) -> None:
+    def __init__(self, endpoint: Endpoint, frontend, metrics, *, deadline: float, cap=None) -> None:
         self.endpoint, self.frontend, self.metrics = endpoint, frontend, metrics
+        # finished records let go past a cap (ranks/shell/serve_records.py); None: keep all
+        self.cap = cap if cap is not None else RecordCap(None, 0, None)
         self.batches: list = []  # TokenBatches taken since the last turn (for /metrics)
         self.cfg = endpoint.cfg
         self.deadline = deadline  # time.monotonic(): run.timeout_s less a margin to shut down
@@ -276,6 +279,7 @@ class EndpointFeed:
         self._shutdown_step()
         self.publish()
         self._measure()
+        self.cap.trim(self.frontend.records)
         return len(commands)
 
     def _measure(self) -> None:
@@ -326,6 +330,8 @@ class EndpointFeed:
         finish = finish_reason(record)
         if not finish:
             self.num_published[req_id] = len(record.tokens)
+        else:
+            self.cap.note_finished(req_id)
         ttft, tpot = self.frontend.projected_times(req_id)
         return Delta(
             req_id=req_id,

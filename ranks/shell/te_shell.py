@@ -24,7 +24,7 @@ from xccl.gmem import DieMemory, Traffic
 from xds_mpi.report import trace
 from xds_mpi.report.runfile import run_file_path, write_run_file
 from xds_mpi.report.trace_writer import trace_path, write_trace
-from xds_mpi.results.failures import write_failures
+from xds_mpi.results.failures import with_resumed, write_failures
 from xds_mpi.results.results import (
     check_against_reference,
     format_summary,
@@ -99,6 +99,8 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     from ranks.shell.endpoint import Endpoint, EndpointFeed
     from ranks.shell.openai_api import make_app
     from ranks.shell.serve_metrics import ServeMetrics
+    from ranks.shell.serve_records import RecordCap
+    from xds_mpi.results.record_cap import max_records
 
     metrics = ServeMetrics(ctx.cfg.serve.model)
     dp_group_of = {rank: i for i, rank in enumerate(frontend.groups)}
@@ -115,8 +117,25 @@ def open_endpoint(ctx: RankContext, frontend: Frontend, started: float):
     endpoint.start()
     timeout_s = ctx.cfg.run.timeout_s
     left = timeout_s - (time.perf_counter() - started) - min(60.0, 0.25 * timeout_s)
-    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=time.monotonic() + left))
+    # PD: no cap, the JE's PD book (xds_mpi/pd/results.py) reads every request's record at the end
+    cap = RecordCap(ctx.cfg, 0 if ctx.plan.pd else max_records(), ctx.log)
+    deadline = time.monotonic() + left
+    frontend.attach(EndpointFeed(endpoint, frontend, metrics, deadline=deadline, cap=cap))
     return endpoint
+
+
+def _resumed(frontend) -> dict[int, float]:
+    """Die rank -> when the dies served again after the fence that judged it (wall seconds
+    since serving started), for the report's failover timeline."""
+    detector = getattr(frontend, "detector", None)
+    if detector is None:
+        return {}
+    return {
+        die: detection.resumed_wall - frontend.started
+        for detection in detector.detections
+        if detection.resumed_wall > 0
+        for die in detection.verdicts
+    }
 
 
 def _write_trace(ctx: RankContext, path, traces: dict) -> None:
@@ -138,8 +157,13 @@ class Serving:
         self.traces = frontend.traces
         self.expert_loads = frontend.expert_loads
         self.admitted = frontend.virtual.admitted if frontend.virtual else {}
-        self.failures = frontend.failure_records()  # §6: one per stuck/dead row
+        self.failures = with_resumed(frontend.failure_records(), _resumed(frontend))  # §6
         self.summary = summarize(self.records, frontend.started, time.time())
+        cap = getattr(frontend.feed, "cap", None)  # serve: the records let go, their check
+        self.checked_apart = cap.finish() if cap is not None else None
+        if cap is not None and cap.max_records:
+            self._add_dropped(cap)
+            self.failures = cap.with_rates(self.failures, frontend.started)
         self.summary.update(self.cross_node)
         self.summary["serving_clock"] = ctx.plan.clock.kind
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
@@ -230,6 +254,15 @@ class Serving:
                 total.remote_bytes,
             )
         return frontend
+
+    def _add_dropped(self, cap) -> None:
+        """serve: the totals count the records let go too; the percentiles the kept ones."""
+        s = self.summary
+        s["num_records_dropped"] = cap.num_dropped
+        s["num_requests"] += cap.num_dropped
+        s["num_served"] += cap.num_dropped
+        s["num_tokens"] += cap.num_dropped_tokens
+        s["tokens_per_s"] = s["num_tokens"] / s["wall_s"] if s["wall_s"] > 0 else 0.0
 
     def _add_die_summaries(self, ctx: RankContext, die_reports: dict) -> None:
         """Log and add to the summary what the dies reported: MTP acceptance and recovery (when
@@ -373,6 +406,10 @@ class Serving:
         )
         checked = time.perf_counter()
         num_requests, num_tokens, self.mismatches = check_against_reference(ctx.cfg, self.records)
+        if self.checked_apart is not None:  # serve: the records let go, checked as they went
+            num_requests += self.checked_apart.num_requests
+            num_tokens += self.checked_apart.num_tokens
+            self.mismatches = self.checked_apart.mismatches + self.mismatches
         ctx.log.info("check: reference done in %.1f s", time.perf_counter() - checked)
         for line in self.mismatches:
             ctx.log.error("check: %s", line)

@@ -135,8 +135,9 @@ def mtp_acceptance(run: RunData, path: Path) -> Path:
 
 
 def recovery(run: RunData, path: Path) -> Path:
-    """Every failure record of the run file (a row each: injected, then detected and fenced,
-    with what recovery did), and the trace's transient faults (markers), rollbacks and
+    """Every failure record of the run file (a row each: injected, then detected and fenced, then
+    (green) the verdict and the survivors' rebuild until they serve again, with what recovery
+    did), and the trace's transient faults (markers), rollbacks and
     recomputed attempts (bars), on the wall clock from serving's start."""
     failures = failure_rows(run)
     fig, ax = plt.subplots(figsize=(10, 2.6 + 0.45 * len(failures) + 0.2 * len(failures)))
@@ -150,13 +151,19 @@ def recovery(run: RunData, path: Path) -> Path:
     ends = [s + d for _, s, d in run.recovery]
     for row, (label, _, injected, detected) in enumerate(failures, start=3):
         rows[label] = row
+        resumed = run.failures[row - 3].get("resumed_wall_s", -1.0)
         ax.plot([injected], [row], "x", color="k", ms=8)
         if detected >= 0:  # detection to fence: the detector fences as it names the die
             ax.plot([injected, detected], [row, row], color="tab:red", lw=2)
             ax.plot([detected], [row], "|", color="tab:red", ms=14, mew=2)
-            ax.annotate(f"+{detected - injected:.2f} s", (detected, row), xytext=(6, 0),
-                        textcoords="offset points", va="center", fontsize=7)  # fmt: skip
-        ends.append(max(detected, injected))
+        if detected >= 0 and resumed > detected:  # fence to serving again: verdict, rebuild
+            ax.plot([detected, resumed], [row, row], color="tab:green", lw=4, alpha=0.7)
+            ax.plot([resumed], [row], ">", color="tab:green", ms=7)
+        if detected >= 0:
+            note = _failover_note(injected, detected, resumed)
+            ax.annotate(note, (injected, row), xytext=(0, 7), textcoords="offset points",
+                        va="bottom", fontsize=7)  # fmt: skip
+        ends.append(max(detected, injected, resumed))
     # what each failure cost, in words, under the axes (one line each)
     notes = [f"{label}: {text}" for label, text, _, _ in failures]
     if notes:
@@ -169,6 +176,9 @@ def recovery(run: RunData, path: Path) -> Path:
     ax.set_xlabel("wall s since serving started (this machine's clock)")
     count = sum(1 for name, _, _ in run.recovery if name == "fault")
     where = "" if run.has_trace else " (no trace: transient faults not shown)"
+    counted = int(run.summary.get("faults_injected", 0))
+    if run.has_trace and counted > count:  # a served run keeps its newest trace events
+        where = f" shown, {counted} injected (trace capped)"
     ax.set_title(
         f"{run.name}: {len(failures)} failure{'' if len(failures) == 1 else 's'} (x injected, "
         f"| detected and fenced), {count} transient faults{where}",
@@ -178,6 +188,14 @@ def recovery(run: RunData, path: Path) -> Path:
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+def _failover_note(injected: float, detected: float, resumed: float) -> str:
+    """The failover's stages in seconds: to detection and fence, then to serving again."""
+    note = f"+{detected - injected:.2f} s detected, fenced"
+    if resumed > detected:
+        note += f"; +{resumed - detected:.2f} s verdict, rebuild, serving again"
+    return note
 
 
 def failure_rows(run: RunData) -> list[tuple[str, str, float, float]]:

@@ -7,7 +7,7 @@ detectors report; `write_failures` / `read_failures` are the run file's side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,7 +25,9 @@ class FailureRecord:
     verdict: what the detector concluded (e.g. "dead", "stuck", "link", "saturated").
     recovery: what was done, in words (e.g. "vertical scaling: 8 -> 7 decode dies").
     requests_affected: ids moved or re-run; requests_lost: ids that ended with a reason (memory
-    faults only). tokens_per_s_before / _after: served tokens/s over the windows either side."""
+    faults only). tokens_per_s_before / _after: served tokens/s over the windows either side.
+    resumed_wall_s: when the dies served again after the fence and rebuild (wall seconds since
+    serving started; -1: no rebuild, or a run file written before it was kept)."""
 
     kind: str
     die: int
@@ -42,6 +44,7 @@ class FailureRecord:
     requests_lost: tuple[int, ...] = ()
     tokens_per_s_before: float = 0.0
     tokens_per_s_after: float = 0.0
+    resumed_wall_s: float = -1.0
 
     @property
     def detection_s(self) -> float:
@@ -64,6 +67,18 @@ class FailureRecord:
             f"{len(self.requests_affected)} requests affected{lost}; tokens/s "
             f"{self.tokens_per_s_before:.1f} -> {self.tokens_per_s_after:.1f}"
         )
+
+
+def with_resumed(records: list[FailureRecord], resumed: dict[int, float]) -> list[FailureRecord]:
+    """`records` with `resumed_wall_s` of each die the detector judged (`resumed`: die rank ->
+    wall seconds since serving started when the dies served again; a record of another die, or
+    one never detected, unchanged)."""
+    return [
+        replace(r, resumed_wall_s=resumed[r.die])
+        if r.die in resumed and r.detected_wall_s >= 0
+        else r
+        for r in records
+    ]
 
 
 _LISTS = ("requests_affected", "requests_lost")
@@ -95,6 +110,8 @@ def read_failures(f: h5py.File) -> list[FailureRecord]:
     group = f["failures"]
     columns = {}
     for field in fields(FailureRecord):
+        if field.name not in group:  # an older run file: the field's default
+            continue
         raw = group[field.name][()]
         if field.name in _LISTS:
             columns[field.name] = [tuple(int(x) for x in v) for v in raw]

@@ -111,17 +111,19 @@ def format_summary(s: dict) -> str:
 
 
 def check_against_reference(
-    cfg: Config, records: dict[int, RequestRecord]
+    cfg: Config, records: dict[int, RequestRecord], model=None
 ) -> tuple[int, int, list[str]]:
     """Re-run the single-process reference, with the run's MTP depth and XCCL's wire format,
     on the served requests (grouped by max_new_tokens) and compare tokens and, with MTP, every
-    decode step's drafts and accepted count. Returns (requests, tokens, mismatch descriptions)."""
+    decode step's drafts and accepted count. Returns (requests, tokens, mismatch descriptions).
+    `model`: the reference model built once by a caller that checks again and again (a
+    served run's checker process), else built here."""
     # start-up: the reference model only in a --check run's host (docs/design.md, Layers)
     from xds_mpi.model.moe import Wire
     from xds_mpi.model.reference import GenerateOptions, ReferenceGenerator
     from xds_mpi.model.weights import build_model
 
-    model = build_model(cfg.model)
+    model = build_model(cfg.model) if model is None else model
     by_length: dict[tuple[int, bool], list[RequestRecord]] = defaultdict(list)
     for record in records.values():
         if not record.rejected and not record.lost:  # the lost are counted apart, by name
