@@ -36,7 +36,7 @@ from xds_mpi.config.schema import ConfigError, load_config
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.report.progress import PROGRESS_ENV
 from xds_mpi.report.trace import MAX_EVENTS_ENV
-from xds_mpi.results.record_cap import MAX_RECORDS_ENV
+from xds_mpi.results.record_cap import MAX_ITERATIONS_ENV, MAX_RECORDS_ENV
 
 PID_FILE_ENV = "XDS_SERVE_PID_FILE"  # the TE-shell writes its pid there (the signal's target)
 API_KEY_ENV = "XDS_SERVE_API_KEY"  # never on the mpiexec line: `ps` would show it
@@ -48,6 +48,7 @@ TRACE_MAX_EVENTS = 20_000
 # Finished request records the TE-shell keeps, the newest: ~1.7 KB each with a 30-token prompt
 # and 24 tokens (docs/serve.md), so ~17 MiB; past it the oldest quarter is checked and let go.
 MAX_RECORDS = 10_000
+MAX_ITERATIONS = 100_000  # ~80 bytes each: ~8 MiB a die
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -86,8 +87,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         env = {**os.environ, **command.env, PID_FILE_ENV: str(Path(tmp, "te_shell.pid"))}
         env[PROGRESS_ENV] = "off"  # a served job has no end to show progress towards
         env[MAX_EVENTS_ENV] = str(args.trace_max_events)
-        # a caller's Namespace built before --max-records existed gets the default
-        env[MAX_RECORDS_ENV] = str(getattr(args, "max_records", MAX_RECORDS))
+        env[MAX_RECORDS_ENV] = str(args.max_records)
+        env[MAX_ITERATIONS_ENV] = str(args.max_iterations)
         if args.api_key:
             env[API_KEY_ENV] = args.api_key
         stop_after_s = cfg.serve.drain_timeout_s + STOP_WAIT_S
@@ -217,6 +218,14 @@ def add_parser(sub, add_config_args) -> None:
         help="finished requests whose records the TE-shell keeps, the newest (default "
         "%(default)d, about 17 MiB; past it the oldest quarter goes, checked first with --check; "
         "the run file's /requests holds the kept ones); 0: all",
+    )
+    p.add_argument(
+        "--max-iterations",
+        type=_count,
+        default=MAX_ITERATIONS,
+        help="per-iteration timings each die keeps, the newest (default %(default)d, about 8 MiB "
+        "a die; past it the oldest half goes; the run file's /dies and the per-iteration "
+        "summaries cover the kept ones); 0: all",
     )
     p.add_argument("--mpiexec", default=None, help="mpiexec to use (as for run)")
     p.add_argument(

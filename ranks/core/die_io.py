@@ -24,6 +24,7 @@ from ranks.core.ready import report_ready
 from ranks.core.trace_io import send_trace
 from xds_mpi.execution.pricing import IterationTiming
 from xds_mpi.report import trace
+from xds_mpi.results.record_cap import max_iterations
 from xds_mpi.scheduling.scheduler import DieScheduler, Emitted
 
 
@@ -126,6 +127,10 @@ class Outbox:
         self.timings: dict[str, array] = {
             f.name: array("q" if f.type == "int" else "d") for f in fields(IterationTiming)
         }
+        # `xds-mpi serve --max-iterations` (0: all): past it the oldest half goes, so that a
+        # served die's memory stays bounded however long it serves
+        self.max_timings = max_iterations()
+        self.num_timings_dropped = 0
         self.num_iterations = 0
         self.num_batches = 0  # token batches sent (vertical scaling waits for all of them)
         self.vclock_s = 0.0  # the die's 910C virtual clock: its iterations' vtime_s summed
@@ -139,6 +144,11 @@ class Outbox:
             self.vclock_s = self.clock.now_ns / 1e9
         for name in self.timings:
             self.timings[name].append(getattr(timing, name))
+        if self.max_timings and len(self.timings["vtime_s"]) > self.max_timings:
+            drop = len(self.timings["vtime_s"]) - self.max_timings // 2
+            for values in self.timings.values():
+                del values[:drop]
+            self.num_timings_dropped += drop
         if emitted:
             batch = TokenBatch(
                 die_rank=self.rank,
@@ -170,6 +180,7 @@ class Outbox:
             recovery=recovery or {},
             cancelled=cancelled or {},
             ems=ems or {},
+            num_timings_dropped=self.num_timings_dropped,
         )
         self.pending.append(self.comm.isend(report, dest=SHELL, tag=TAG_REPORT))
 

@@ -59,3 +59,4 @@ class DieReport:
     )  # token recomputation (ranks/recovery/recompute.py)
     cancelled: dict = field(default_factory=dict)  # serve: requests dropped, KV blocks freed
     ems: dict = field(default_factory=dict)  # the EMS client's counts (ranks/ems/client.py)
+    num_timings_dropped: int = 0  # the oldest iterations' timings let go (`serve --max-iterations`)

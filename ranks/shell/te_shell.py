@@ -167,6 +167,9 @@ class Serving:
         self.summary.update(self.cross_node)
         self.summary["serving_clock"] = ctx.plan.clock.kind
         self.die_timings = {rank: report.timings for rank, report in frontend.reports.items()}
+        dropped = sum(report.num_timings_dropped for report in frontend.reports.values())
+        if dropped:  # xds-mpi serve --max-iterations
+            self.summary["die_iterations_dropped"] = dropped
         self.die_recovery = {rank: report.recovery for rank, report in frontend.reports.items()}
         ctx.log.info(format_summary(self.summary))
         self._add_die_summaries(ctx, frontend.reports)

@@ -9,12 +9,21 @@ import os
 import numpy as np
 
 MAX_RECORDS_ENV = "XDS_SERVE_MAX_RECORDS"  # `xds-mpi serve --max-records`; 0: keep every one
+# `xds-mpi serve --max-iterations`: each die's per-iteration timings kept (the newest); 0: all
+MAX_ITERATIONS_ENV = "XDS_SERVE_MAX_ITERATIONS"
 
 
 def max_records() -> int:
     value = os.environ.get(MAX_RECORDS_ENV, "0")
     if not value.isdigit():
         raise ValueError(f"${MAX_RECORDS_ENV} must be a count of records (0: all), got {value!r}")
+    return int(value)
+
+
+def max_iterations() -> int:
+    value = os.environ.get(MAX_ITERATIONS_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"${MAX_ITERATIONS_ENV} must be a count (0: all), got {value!r}")
     return int(value)
 
 

@@ -59,9 +59,11 @@ def test_serve_prints_it_before_launch(monkeypatch, capsys):
     args = argparse.Namespace(
         config="colocated", set=[], np=None, host=None, port=0, model=None, max_queued=None,
         on_shutdown=None, check=False, memory_check=False, mpiexec=None, api_key=None,
-        trace_max_events=1234,
+        trace_max_events=1234, max_records=567, max_iterations=89,
     )  # fmt: skip
     assert command.cmd_serve(args) == 0
     err = capsys.readouterr().err
     assert err.startswith("xds-mpi: warning: heartbeats watch the dies (health.enabled)")
     assert launched[0]["XDS_TRACE_MAX_EVENTS"] == "1234"  # the ranks' trace cap
+    assert launched[0]["XDS_SERVE_MAX_RECORDS"] == "567"  # the TE-shell's record cap
+    assert launched[0]["XDS_SERVE_MAX_ITERATIONS"] == "89"  # each die's timings cap
