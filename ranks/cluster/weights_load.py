@@ -8,7 +8,8 @@ scale-out"; the dies' side: ranks/colocated/weights_pull.py).
    dies mid-fork) and its source: fork, the world ranks of the serving TE of its shape the
    autoscaler chose (one scaled out earlier too: a chain); dram, its own TE-shell's window (the
    packed model).
-2. The TE-shell (`TeWeightsLoad`) passes it on to each of its dies (TAG_WEIGHTS_LOAD) and keeps
+2. The TE-shell (`TeWeightsLoad`; a PD pair's: its JE, to its prefill and decode dies) passes it
+   on to each of its dies (TAG_WEIGHTS_LOAD) and keeps
    serving until every die reported (TAG_WEIGHTS_LOADED), bounded; then it sends the JE the
    TE's `TeLoaded` (TAG_CLUSTER_LOADED).
 3. The JE takes them at the end and writes them beside the scale events (`/cluster/scaling`
@@ -142,7 +143,9 @@ class TeWeightsLoad:
 
     def __init__(self, frontend, link) -> None:
         self.comm, self.link, self.sends = frontend.comm, link, frontend.sends
-        self.dies = [info.rank for info in frontend.ctx.topo.ranks if info.role == "colocated"]
+        # A colocated TE's dies; a PD pair's prefill and decode dies (its JE is the TE-shell)
+        roles = ("colocated", "prefill")
+        self.dies = [info.rank for info in frontend.ctx.topo.ranks if info.role in roles]
         self.timeout_s = frontend.ctx.cfg.xccl.poll_timeout_s
         self.order: LoadOrder | None = None
         self.loaded: dict[int, DieLoaded] = {}

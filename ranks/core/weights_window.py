@@ -2,14 +2,16 @@
 one RMA window over the world, made collectively by every rank at start-up after the split
 (launch/job/rank.py), in which
 
-- every colocated die exposes its weights (its tensors as stored, packed: xds_mpi/model/packed.py):
+- every colocated die, and a PD pair's prefill and decode dies, exposes its weights (its
+  tensors as stored, packed: xds_mpi/model/packed.py):
   a serving TE's die filled from the file at start-up, the NPU-fork source of the same die of a
   standby TE of its shape; a standby TE's die zeroed until its scale-out fills it;
 - the TE-shell of a standby TE whose TE-Load path is `dram`, or `fork` with
   `autoscaler.fork_fallback: dram` (the path it falls back to when its fork source dies
   mid-fork), exposes the whole model, packed: the server's page cache with the model preloaded
   (DRAM-hit);
-- every other rank (the JE, afd and PD ranks, EMS pool ranks) exposes 0 bytes.
+- every other rank (the JE, afd ranks, a PD pair's decode TE-shell and its JE but as a dram
+  host, EMS pool ranks) exposes 0 bytes.
 
 A standby die computes each of its tensors' checksums from the file at start-up, to check what
 arrives at scale-out. After its tensors, a die's window holds one word, `is_loaded` (1: the
@@ -126,9 +128,7 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     te, local = cluster.te_of(world.rank)
     stored, shapes, _ = stored_weights(cfg.model, unpacked_under=cfg.run.output_dir)
     info = cluster.tes[te] if te >= 0 else None
-    is_die = (
-        info is not None and info.kind == "colocated" and plan.topo.ranks[local].role == "colocated"
-    )
+    is_die = info is not None and info.kind in ("colocated", "pd") and is_loading_role(plan, local)
     is_standby = is_die and info.standby
     dram_copy = cfg.scaling.path == "dram" or (
         cfg.scaling.path == "fork" and cfg.autoscaler.fork_fallback == "dram"
@@ -162,10 +162,21 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     return window
 
 
+def is_loading_role(plan: DeploymentPlan, local: int) -> bool:
+    """Rank `local` of a colocated TE or PD pair holds weights a standby TE loads: a colocated
+    die (a pair's decode dies are), or a PD pair's prefill die."""
+    role = plan.topo.ranks[local].role
+    return role == "colocated" or (role == "prefill" and plan.pd is not None)
+
+
 def hosted_experts(plan: DeploymentPlan, local: int) -> set[int]:
     """The routed experts die `local` of its TE computes with: its routed slots' logical experts
     in the topology's static placement (no EPLB, no ring replicas in a cluster with standby TEs,
-    xds_mpi/plan/cluster.py; xds_mpi/eplb/expert_map.py `ExpertMap.static`)."""
+    xds_mpi/plan/cluster.py; xds_mpi/eplb/expert_map.py `ExpertMap.static`); a PD prefill die's:
+    the experts its prefill TE's split gives it (xds_mpi/plan/pd.py `slot_owners`, phy = log)."""
+    if plan.topo.ranks[local].role == "prefill":
+        owners = plan.pd.slot_owners[plan.pd.te_of(local)]
+        return {expert for expert, owner in enumerate(owners) if owner == local}
     topo = plan.topo
     slots = [s.phy_idx for s in topo.ranks[local].expert_slots if s.kind != "shared"]
     return {topo.phy2log[s] for s in slots if topo.phy2log[s] >= 0}
