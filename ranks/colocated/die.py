@@ -53,6 +53,8 @@ class ColocatedDie(DecodeDieLoop):
         # A standby TE's die: zeroed weights until its scale-out (ranks/colocated/weights_pull.py)
         self.standby = standby_weights(ctx.comm, cfg, weights_window())
         source = self.standby.source() if self.standby is not None else None
+        window = weights_window()  # a die's fork table: its slowdown as a fork's source
+        self.fork_table = window if window is not None and window.layout is not None else None
         model = build_model(cfg.model, unpacked_under=cfg.run.output_dir, source=source)
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
@@ -278,6 +280,8 @@ class ColocatedDie(DecodeDieLoop):
         self.idle.busy()
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
+            if self.fork_table is not None:  # read by a fork now: its share of the UB link
+                self.pricer.link_factor = self.fork_table.link_factor_at(self.vtime.start_s)
             if self.dead is not None and self.dead.at_start(
                 self.vtime.start_s, self.busy_iterations
             ):

@@ -101,12 +101,12 @@ class PricedPaths:
         if not alive:  # every source of its shape lost by now: the fallback at once
             return self._fall_back(info, -1, now_s, now_s)
         shape = info.same_shape | {te}
-        group = self.forks.open_for(shape, alive, _load_window(info.steps, now_s)[0])
+        group = self.forks.open_for(shape, alive, load_window(info.steps, now_s)[0])
         if group is None:
             source, steps = min(alive, key=lambda t: (unfinished[t], -t)), info.steps
         else:  # a fork of its shape still loading: its source feeds this TE too
             source, steps = group.source_te, info.steps_for(group.num_receivers + 1)
-        if self.lost_at.get(source, INF) < _load_window(steps, now_s)[1]:
+        if self.lost_at.get(source, INF) < load_window(steps, now_s)[1]:
             return self._fall_back(info, source, now_s, self.lost_at[source])
         return ScaleOutPlan(
             steps=steps,
@@ -125,12 +125,12 @@ class PricedPaths:
             te,
             source_te=plan.source_te,
             shape=self.tes[te].same_shape | {te},
-            load_end_s=_load_window(plan.steps, now_s)[1],
+            load_end_s=load_window(plan.steps, now_s)[1],
             group=group,
         )
 
     def _fall_back(self, info: TeScaling, source: int, now_s: float, lost_s: float):
-        load_start, load_end = _load_window(info.steps, now_s)
+        load_start, load_end = load_window(info.steps, now_s)
         forked_s = max(0.0, lost_s - load_start)  # the fork's time until its source died
         if len(info.steps) == 1:  # a fixed scale_out_s: the one step again from the loss
             steps = ((info.steps[0][0], forked_s + info.steps[0][1]),)
@@ -152,7 +152,7 @@ class PricedPaths:
 INF = float("inf")
 
 
-def _load_window(steps: tuple[tuple[str, float], ...], now_s: float) -> tuple[float, float]:
+def load_window(steps: tuple[tuple[str, float], ...], now_s: float) -> tuple[float, float]:
     """[start, end) of TE-Load for steps from `now_s` (a fixed step: the whole of it)."""
     start = now_s
     for name, seconds in steps:
