@@ -50,10 +50,11 @@ class ColocatedDie(DecodeDieLoop):
         rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
+        window = weights_window()  # with standby TEs: every die's weights, its fork table
         # A standby TE's die: zeroed weights until its scale-out (ranks/colocated/weights_pull.py)
-        self.standby = standby_weights(ctx.comm, cfg, weights_window())
+        self.standby = standby_weights(ctx.comm, cfg, window)
         source = self.standby.source() if self.standby is not None else None
-        window = weights_window()  # a die's fork table: its slowdown as a fork's source
+        # read by a fork: its iterations during it slowed (xds_mpi/scaling/contention.py)
         self.fork_table = window if window is not None and window.layout is not None else None
         model = build_model(cfg.model, unpacked_under=cfg.run.output_dir, source=source)
         state = decode_state(cfg, model)
