@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from ranks.cluster.messages import TAG_VTIME_GRANT
 from ranks.cluster.te_side import JeFeed, JeGrants, JeReports
-from ranks.core.tags import TAG_PD_DECODE_STATE
+from ranks.cluster.weights_load import TeWeightsLoad
+from ranks.core.tags import TAG_CLUSTER_LOAD, TAG_PD_DECODE_STATE
 from ranks.shell.pd_pacers import DecodePacer, PrefillPacer
 from xds_mpi.scheduling.admission import Completions, NextGrant, decide
 
@@ -86,11 +87,13 @@ class PairDecodePacer(DecodePacer):
 
 
 class PairFeed(JeFeed):
-    """The pair's JE serves until the cluster's JE promised no more requests."""
+    """The pair's JE serves until the cluster's JE promised no more requests, and a standby
+    pair's load at its scale-out is reported."""
 
     @property
     def is_open(self) -> bool:
-        return self.pacer.je_promise_s != INF
+        is_loading = self.weights is not None and self.weights.is_pending
+        return self.pacer.je_promise_s != INF or is_loading
 
 
 class PairPacer(PrefillPacer):
@@ -106,7 +109,8 @@ class PairPacer(PrefillPacer):
         self.to_je = JeReports(link, je, self.grants)  # the finishes and reports to the JEs
         self.num_forwarded = 0  # tasks forwarded to the decode TE-shell
         self.decode = DecodeState(promise_s=-INF, num_tasks=0, bound_s=INF, finishes=())
-        self.feed = PairFeed(self)
+        self.weights = TeWeightsLoad(je, link)  # a standby pair's load at its scale-out
+        self.feed = PairFeed(self, self.weights)
 
     def turn(self) -> int:
         je = self.je
@@ -172,9 +176,14 @@ class PairPacer(PrefillPacer):
         return self.grants.routed_at[req.req_id]
 
     def _take_je(self) -> int:
-        """The cluster JEs' grants: their requests queued (records made), their promise."""
+        """The cluster JEs' grants: their requests queued (records made), their promise; a load
+        order first (it scales out to this pair: passed on to the dies), sent before the grant
+        that may route requests here."""
         num, comm = 0, self.link.comm
         for source in self.link.jes:
+            while (order := comm.improbe(source=source, tag=TAG_CLUSTER_LOAD)) is not None:
+                self.weights.take_order(order.recv())
+                num += 1
             while (message := comm.improbe(source=source, tag=TAG_VTIME_GRANT)) is not None:
                 self.grants.take(source, message.recv(), self.je)
                 num += 1

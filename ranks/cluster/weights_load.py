@@ -8,11 +8,14 @@ scale-out"; the dies' side: ranks/colocated/weights_pull.py).
    dies mid-fork) and its source: fork, the world ranks of the serving TE of its shape the
    autoscaler chose (one scaled out earlier too: a chain); dram, its own TE-shell's window (the
    packed model).
-2. The TE-shell (`TeWeightsLoad`) passes it on to each of its dies (TAG_WEIGHTS_LOAD) and keeps
+2. The TE-shell (`TeWeightsLoad`; a PD pair's: its JE, to its prefill and decode dies) passes it
+   on to each of its dies (TAG_WEIGHTS_LOAD) and keeps
    serving until every die reported (TAG_WEIGHTS_LOADED), bounded; then it sends the JE the
    TE's `TeLoaded` (TAG_CLUSTER_LOADED).
 3. The JE takes them at the end and writes them beside the scale events (`/cluster/scaling`
-   `load_wall_s`, `load_check_s`, `load_bytes`, `load_path`, `load_source_te`).
+   `load_wall_s`, `load_check_s`, `load_bytes`, `load_path`, `load_source_te`; a fork group's
+   `load_fork_group`, `load_fork_receivers` and `load_fork_wall_s`, the wall time from its
+   first die's read until its last's: the concurrent reads of one source).
 
 A TE drained and scaled out again keeps its weights (its dies still hold them): no second order,
 `load_path` "kept". The virtual clock prices the scale-out as before (its `serves_s`).
@@ -25,7 +28,14 @@ from dataclasses import dataclass
 
 from ranks.core.control import WaitTimeout, recv_from_each
 from ranks.core.tags import TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED
-from ranks.core.weights_window import TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED, DieLoaded, LoadOrder
+from ranks.core.weights_window import (
+    TAG_WEIGHTS_LOAD,
+    TAG_WEIGHTS_LOADED,
+    DieLoaded,
+    LoadOrder,
+    weights_window,
+)
+from xds_mpi.cluster.scale_out import load_window
 from xds_mpi.plan.cluster import JE_RANK
 
 
@@ -43,6 +53,11 @@ class TeLoaded:
     num_bytes: int
     dies: tuple[DieLoaded, ...]
 
+    @property
+    def read_span(self) -> tuple[float, float]:
+        """(first read's start, last read's end), time.time() of this host."""
+        return min(d.read_start for d in self.dies), max(d.read_end for d in self.dies)
+
 
 class ScaleOutLoads:
     """The JE's side: orders out at scale-outs, the TEs' loads in at the end."""
@@ -54,6 +69,8 @@ class ScaleOutLoads:
         self.num_seen = 0  # scale events looked at
         self.ordered: dict[int, int] = {}  # scale event index -> the TE ordered to load
         self.loaded: dict[int, TeLoaded] = {}  # scale event index -> its TE's load
+        self.window = weights_window()  # the source dies' fork tables
+        self.num_forks: dict[int, int] = {}  # source die's world rank -> forks noted there
 
     def send_orders(self, events, sends: list) -> None:
         """A load order for each scale-out decided since the last call to a TE without weights
@@ -63,6 +80,8 @@ class ScaleOutLoads:
             if events[index].kind != "out" or te in self.has_weights:
                 continue
             order = self._order(index, events[index])
+            if order.path == "fork":
+                self._note_fork(events[index], order)
             sends.append(self.comm.isend(order, dest=te + 1, tag=TAG_CLUSTER_LOAD))
             self.ordered[index] = te
             self.has_weights.add(te)
@@ -80,6 +99,17 @@ class ScaleOutLoads:
         if path == "dram":
             return LoadOrder(path=path, host_rank=cluster.first_rank(event.te), **given)
         return LoadOrder(path=path, **given)
+
+    def _note_fork(self, event, order: LoadOrder) -> None:
+        """The fork's TE-Load window into each source die's fork table, complete there before
+        the grant that lets the source start past the decision (its slowdown, charged by the
+        die: docs/scaling.md)."""
+        start_s, end_s = load_window(event.steps, event.decided_s)
+        for rank in order.source_ranks:
+            if self.window.is_die_of[rank]:
+                slot = self.num_forks.get(rank, 0)
+                self.window.note_fork(rank, slot, start_s, end_s)
+                self.num_forks[rank] = slot + 1
 
     def collect(self) -> None:
         """Every ordered TE's load (bounded: each TE-shell sent it before its result)."""
@@ -134,7 +164,39 @@ class ScaleOutLoads:
         # bytes, not str: written as they are (h5py stores fixed-length bytes)
         columns["load_fallback_from"] = [e.fallback_from.encode() for e in events]
         columns["load_fallback_s"] = [e.fallback_s for e in events]
+        columns["load_fork_group"] = [e.fork_group for e in events]
+        columns["load_fork_receivers"] = [e.fork_receivers for e in events]
+        walls = self.fork_walls(events)
+        columns["load_fork_wall_s"] = [walls.get(e.fork_group, nan) for e in events]
+        self.log_fork_groups(events, walls)  # once, with the columns at the end
         return columns
+
+    def fork_walls(self, events) -> dict[int, float]:
+        """Each fork group's wall time (this machine's) from its first die's read until its
+        last's, over its members' loads: the concurrent reads of one source."""
+        spans: dict[int, list[tuple[float, float]]] = {}
+        for index, event in enumerate(events):
+            loaded = self.loaded.get(index)
+            if loaded is not None and event.fork_group >= 0 and loaded.path == "fork":
+                spans.setdefault(event.fork_group, []).append(loaded.read_span)
+        return {
+            group: max(end for _, end in s) - min(start for start, _ in s)
+            for group, s in spans.items()
+        }
+
+    def log_fork_groups(self, events, walls: dict[int, float]) -> None:
+        """A line per fork group of more than one TE: its TEs, source, reads' wall time."""
+        for group, wall_s in walls.items():
+            members = [e.te for e in events if e.kind == "out" and e.fork_group == group]
+            if len(members) > 1:
+                self.log.info(
+                    "fork group of TE %d: TEs %s read TE %d's dies at once: %.4f s wall from "
+                    "the first read to the last (this machine)",
+                    group,
+                    members,
+                    next(e.source_te for e in events if e.fork_group == group),
+                    wall_s,
+                )
 
 
 class TeWeightsLoad:
@@ -142,7 +204,9 @@ class TeWeightsLoad:
 
     def __init__(self, frontend, link) -> None:
         self.comm, self.link, self.sends = frontend.comm, link, frontend.sends
-        self.dies = [info.rank for info in frontend.ctx.topo.ranks if info.role == "colocated"]
+        # A colocated TE's dies; a PD pair's prefill and decode dies (its JE is the TE-shell)
+        roles = ("colocated", "prefill")
+        self.dies = [info.rank for info in frontend.ctx.topo.ranks if info.role in roles]
         self.timeout_s = frontend.ctx.cfg.xccl.poll_timeout_s
         self.order: LoadOrder | None = None
         self.loaded: dict[int, DieLoaded] = {}

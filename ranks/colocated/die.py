@@ -50,9 +50,12 @@ class ColocatedDie(DecodeDieLoop):
         rows = plan.ep.row_regions(rank) if rank in plan.ep.members else ()
         self.mem = DieMemory(ctx.comm, plan.window_bytes[rank], unzeroed=rows)
         self.dies = ctx.comm.Split(1, ctx.comm.rank)  # the dies only (the shell: color 0)
+        window = weights_window()  # with standby TEs: every die's weights, its fork table
         # A standby TE's die: zeroed weights until its scale-out (ranks/colocated/weights_pull.py)
-        self.standby = standby_weights(ctx.comm, cfg, weights_window())
+        self.standby = standby_weights(ctx.comm, cfg, window)
         source = self.standby.source() if self.standby is not None else None
+        # read by a fork: its iterations during it slowed (xds_mpi/scaling/contention.py)
+        self.fork_table = window if window is not None and window.layout is not None else None
         model = build_model(cfg.model, unpacked_under=cfg.run.output_dir, source=source)
         state = decode_state(cfg, model)
         slots = ExpertSlots.from_topology(topo)
@@ -278,6 +281,8 @@ class ColocatedDie(DecodeDieLoop):
         self.idle.busy()
         if self.vtime is not None:
             self.vtime.begin()  # at the dies' common virtual start
+            if self.fork_table is not None:  # read by a fork now: its share of the UB link
+                self.pricer.link_factor = self.fork_table.link_factor_at(self.vtime.start_s)
             if self.dead is not None and self.dead.at_start(
                 self.vtime.start_s, self.busy_iterations
             ):

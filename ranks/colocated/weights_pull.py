@@ -70,9 +70,9 @@ class StandbyWeights:
         order = self._order(wait)
         if order is None:
             return None
-        started = time.perf_counter()
+        started, read_start = time.perf_counter(), time.time()
         peer = self.pull(order)  # Step 1
-        moved = time.perf_counter()
+        moved, read_end = time.perf_counter(), time.time()
         self.check(order, peer)  # Step 2
         model = build_model(  # Step 3
             self.cfg.model, unpacked_under=self.cfg.run.output_dir, source=self.source()
@@ -88,6 +88,8 @@ class StandbyWeights:
             num_bytes=layout.tensor_bytes,
             num_tensors=len(layout.tensors),
             peer=peer,
+            read_start=read_start,
+            read_end=read_end,
         )
         self.sends.append(self.comm.isend(loaded, dest=SHELL, tag=TAG_WEIGHTS_LOADED))
         return model

@@ -2,19 +2,26 @@
 one RMA window over the world, made collectively by every rank at start-up after the split
 (launch/job/rank.py), in which
 
-- every colocated die exposes its weights (its tensors as stored, packed: xds_mpi/model/packed.py):
+- every colocated die, and a PD pair's prefill and decode dies, exposes its weights (its
+  tensors as stored, packed: xds_mpi/model/packed.py):
   a serving TE's die filled from the file at start-up, the NPU-fork source of the same die of a
   standby TE of its shape; a standby TE's die zeroed until its scale-out fills it;
 - the TE-shell of a standby TE whose TE-Load path is `dram`, or `fork` with
   `autoscaler.fork_fallback: dram` (the path it falls back to when its fork source dies
   mid-fork), exposes the whole model, packed: the server's page cache with the model preloaded
   (DRAM-hit);
-- every other rank (the JE, afd and PD ranks, EMS pool ranks) exposes 0 bytes.
+- every other rank (the JE, afd ranks, a PD pair's decode TE-shell and its JE but as a dram
+  host, EMS pool ranks) exposes 0 bytes.
 
 A standby die computes each of its tensors' checksums from the file at start-up, to check what
 arrives at scale-out. After its tensors, a die's window holds one word, `is_loaded` (1: the
 tensors are there): a serving die's from start-up, a standby die's once its scale-out's weights
 arrived and checked; a fork reads it before it reads a source that was standby itself (a chain).
+Last in a die's window, its fork table: one (start, end) slot of virtual seconds per fork that
+reads it, which the JE puts there (and flushes) at the fork's decision, before the grant that
+lets the die start past it: the die charges its iterations that start inside one the fork's
+share of its UB link (xds_mpi/scaling/contention.py). Each rank's window size and whether it is
+a die are all-gathered at start-up, so the JE finds a die's table.
 Nothing of this is made without a standby TE.
 """
 
@@ -30,6 +37,7 @@ from xccl.gmem import DieMemory
 from xds_mpi.model.packed import PackedLayout, PackedWeights, checksum, die_tensor_names, pack_into
 from xds_mpi.model.weights import stored_weights
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.scaling.contention import factor_at
 
 # TE-shell -> die, TAG_WEIGHTS_LOAD: a `LoadOrder`; die -> TE-shell, TAG_WEIGHTS_LOADED:
 # `DieLoaded`.
@@ -55,7 +63,9 @@ class LoadOrder:
 class DieLoaded:
     """A die's load: die_rank (in its TE); wall_s: moving its tensors into its window;
     check_s: their checksums and the model built over them; num_bytes, num_tensors moved;
-    path as ordered; peer: the world rank read from (-1: the file)."""
+    path as ordered; peer: the world rank read from (-1: the file); read_start, read_end: the
+    move's wall-clock instants (time.time(), comparable across this host's processes: a fork
+    group's concurrent reads)."""
 
     die_rank: int
     event: int
@@ -65,6 +75,8 @@ class DieLoaded:
     num_bytes: int
     num_tensors: int
     peer: int
+    read_start: float = 0.0
+    read_end: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -74,7 +86,9 @@ class WeightsWindow:
     model packed as a dram host exposes it (a standby die's and a host's: both compute it alike
     from the stored dtypes and shapes); te, world_rank: this
     rank's TE (-1: the JE) and world rank; is_standby: a standby TE's die, whose window is
-    filled at scale-out; sums: such a die's checksums from the file, name -> CRC-32."""
+    filled at scale-out; sums: such a die's checksums from the file, name -> CRC-32;
+    sizes, is_die_of: every world rank's window bytes and whether it is a die (its fork table
+    the last `fork_table_bytes`); fork_link_share: this die's TE's scaling.fork_link_share."""
 
     mem: DieMemory
     layout: PackedLayout | None
@@ -83,6 +97,41 @@ class WeightsWindow:
     world_rank: int
     is_standby: bool = False
     sums: dict[str, int] = field(default_factory=dict)
+    sizes: tuple[int, ...] = ()
+    is_die_of: tuple[bool, ...] = ()
+    num_fork_slots: int = 0
+    fork_link_share: float = 0.5
+
+    @property
+    def fork_table_bytes(self) -> int:
+        return _padded(self.num_fork_slots * FORK_SLOT.itemsize * 2)
+
+    def fork_table_offset(self, world_rank: int) -> int:
+        """Die `world_rank`'s fork table in its window."""
+        return self.sizes[world_rank] - self.fork_table_bytes
+
+    def note_fork(self, world_rank: int, slot: int, start_s: float, end_s: float) -> None:
+        """The JE: a fork reads die `world_rank` during [start_s, end_s) virtual (slot: its
+        count of forks so far), complete there before this returns."""
+        if not self.is_die_of[world_rank] or slot >= self.num_fork_slots:
+            raise ValueError(
+                f"fork table of world rank {world_rank}: slot {slot} of {self.num_fork_slots} "
+                f"(a die: {self.is_die_of[world_rank]})"
+            )
+        offset = self.fork_table_offset(world_rank) + slot * 2 * FORK_SLOT.itemsize
+        self.mem.put(world_rank, offset, np.array([start_s, end_s], FORK_SLOT))
+        self.mem.flush(world_rank)
+
+    def fork_windows(self) -> np.ndarray:
+        """[num_fork_slots, 2] float64: this die's forks' TE-Load windows ((0, 0): unused)."""
+        self.mem.sync()
+        start = self.fork_table_offset(self.world_rank)
+        table = self.mem.local[start : start + self.num_fork_slots * 2 * FORK_SLOT.itemsize]
+        return table.view(FORK_SLOT).reshape(self.num_fork_slots, 2).copy()
+
+    def link_factor_at(self, start_s: float) -> float:
+        """The dispatch/combine factor of this die's iteration starting at `start_s`."""
+        return factor_at(self.fork_windows(), start_s, self.fork_link_share)
 
     @property
     def loaded_offset(self) -> int:
@@ -105,6 +154,12 @@ class WeightsWindow:
 
 
 LOADED_WORD_BYTES = 64  # the `is_loaded` word, padded to the tensors' alignment
+FORK_SLOT = np.dtype(np.float64)  # a fork table's (start, end), virtual seconds
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // LOADED_WORD_BYTES) * LOADED_WORD_BYTES
+
 
 _window: WeightsWindow | None = None
 
@@ -126,9 +181,7 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     te, local = cluster.te_of(world.rank)
     stored, shapes, _ = stored_weights(cfg.model, unpacked_under=cfg.run.output_dir)
     info = cluster.tes[te] if te >= 0 else None
-    is_die = (
-        info is not None and info.kind == "colocated" and plan.topo.ranks[local].role == "colocated"
-    )
+    is_die = info is not None and info.kind in ("colocated", "pd") and is_loading_role(plan, local)
     is_standby = is_die and info.standby
     dram_copy = cfg.scaling.path == "dram" or (
         cfg.scaling.path == "fork" and cfg.autoscaler.fork_fallback == "dram"
@@ -142,8 +195,11 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
         names = list(shapes)
     values = {name: stored.value(name) for name in names}
     layout = whole if is_host else PackedLayout.of_arrays(values) if names else None
-    nbytes = layout.nbytes + (LOADED_WORD_BYTES if is_die else 0) if layout else 0
+    num_slots = cluster.num_tes  # a fork per standby TE at most: a TE scaled out again keeps
+    table = _padded(num_slots * 2 * FORK_SLOT.itemsize)
+    nbytes = layout.nbytes + (LOADED_WORD_BYTES + table if is_die else 0) if layout else 0
     mem = DieMemory(world, nbytes, wakes=False)
+    every = world.allgather((nbytes, is_die))  # the JE's map of the dies' fork tables
     window = WeightsWindow(
         mem=mem,
         layout=layout,
@@ -151,6 +207,10 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
         te=te,
         world_rank=world.rank,
         is_standby=is_standby,
+        sizes=tuple(n for n, _ in every),
+        is_die_of=tuple(d for _, d in every),
+        num_fork_slots=num_slots,
+        fork_link_share=cfg.scaling.fork_link_share,
     )
     if window.is_standby:  # zeroed until its scale-out; what must arrive, from the file
         window.sums = {name: checksum(value) for name, value in values.items()}
@@ -162,10 +222,21 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     return window
 
 
+def is_loading_role(plan: DeploymentPlan, local: int) -> bool:
+    """Rank `local` of a colocated TE or PD pair holds weights a standby TE loads: a colocated
+    die (a pair's decode dies are), or a PD pair's prefill die."""
+    role = plan.topo.ranks[local].role
+    return role == "colocated" or (role == "prefill" and plan.pd is not None)
+
+
 def hosted_experts(plan: DeploymentPlan, local: int) -> set[int]:
     """The routed experts die `local` of its TE computes with: its routed slots' logical experts
     in the topology's static placement (no EPLB, no ring replicas in a cluster with standby TEs,
-    xds_mpi/plan/cluster.py; xds_mpi/eplb/expert_map.py `ExpertMap.static`)."""
+    xds_mpi/plan/cluster.py; xds_mpi/eplb/expert_map.py `ExpertMap.static`); a PD prefill die's:
+    the experts its prefill TE's split gives it (xds_mpi/plan/pd.py `slot_owners`, phy = log)."""
+    if plan.topo.ranks[local].role == "prefill":
+        owners = plan.pd.slot_owners[plan.pd.te_of(local)]
+        return {expert for expert, owner in enumerate(owners) if owner == local}
     topo = plan.topo
     slots = [s.phy_idx for s in topo.ranks[local].expert_slots if s.kind != "shared"]
     return {topo.phy2log[s] for s in slots if topo.phy2log[s] >= 0}

@@ -110,7 +110,9 @@ class PrefillDie:
 
     def _build(self, ctx: RankContext) -> None:
         # Lazy import, an idle prefill die (pd off) never builds: a start-up cost otherwise.
+        from ranks.colocated.weights_pull import LoadingExecutor, standby_weights
         from ranks.core.die_parts import decode_state, make_pricer
+        from ranks.core.weights_window import weights_window
         from xccl.ep.buffer import EpBuffer
         from xccl.vclock import VirtualClock
         from xds_mpi.execution.executor import ColocatedExecutor
@@ -119,7 +121,11 @@ class PrefillDie:
         from xds_mpi.pd.prefill import PrefillScheduler
 
         cfg, pd = ctx.cfg, ctx.plan.pd
-        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir)
+        # A standby pair's die: zeroed weights until its scale-out (ranks/colocated/weights_pull.py)
+        self.standby = standby_weights(ctx.comm, cfg, weights_window())
+        self.loaded = None  # its load once done (the report to complete)
+        source = self.standby.source() if self.standby is not None else None
+        model = build_model(cfg.model, unpacked_under=cfg.run.output_dir, source=source)
         state = decode_state(cfg, model, PrefillScheduler)
         slot_owner = pd.slot_owners[self.te]
         num_experts = len(slot_owner)
@@ -140,7 +146,7 @@ class PrefillDie:
         )
         self.pricer = make_pricer(cfg, clock, slots, profile=cfg.pd.prefill_profile)
         self.scheduler, self.cache, self.hidden = state.scheduler, state.cache, cfg.model.hidden
-        executor, tp = ColocatedExecutor, {}
+        executor, tp = ColocatedExecutor if self.standby is None else LoadingExecutor, {}
         if pd.tp > 1:
             executor, tp = self._tp_parts(ctx, clock)
         self.executor = executor(
@@ -187,6 +193,8 @@ class PrefillDie:
             return False
         if self.heartbeat is not None:
             self.heartbeat.answer()  # from the event loop only: a stuck loop answers nothing
+        if self.standby is not None:
+            self.take_weights(wait=False)  # the scale-out's weights, when they are ordered
         self._take_messages()
         self.sender.tick(self.executor.num_iterations)
         self.sender.progress()  # step 8: completed sends free their blocks
@@ -199,10 +207,20 @@ class PrefillDie:
         if pending:
             active += self._assign()
         if active:
+            if self.standby is not None:  # a standby pair's first prefill: its weights first
+                self.take_weights(wait=True)
             self._iteration()
         elif not pending:
             time.sleep(0.001)
         return bool(running or outstanding or active or pending)
+
+    def take_weights(self, *, wait: bool) -> None:
+        """A standby pair's die: its weights pulled once the pair's JE passed on the scale-out
+        (`wait`: before its first prefill, the order must come), then it serves as any die."""
+        model = self.standby.take(wait=wait)
+        if model is not None:
+            self.executor.take_model(model)
+            self.loaded, self.standby = self.standby, None
 
     def _take_messages(self) -> None:
         if self.vtime is not None:  # requests come inside the JE's grants, at virtual times
@@ -359,6 +377,8 @@ class PrefillDie:
         wait_all(
             self.sends, timeout_s=timeout_s, me=f"die rank {self.rank}", event="messages to the JE"
         )
+        if self.loaded is not None:
+            self.loaded.drain()
         if not self.sender.failover.num_decode_failovers:  # collective: not after a failover
             self.mem.free()
         self.group.Free()

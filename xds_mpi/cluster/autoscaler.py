@@ -28,11 +28,11 @@ from xds_mpi.cluster.scale_out import FixedSteps, PricedPaths, TeScaling
 INF = float("inf")
 
 
-def scale_out_steps(cfg, te) -> tuple[tuple[str, float], ...]:
+def scale_out_steps(cfg, te, num_new_tes: int = 1) -> tuple[tuple[str, float], ...]:
     """(name, virtual seconds) of each step from scaling out to TE `te` (xds_mpi/plan/cluster.py
     TeInfo) until it serves: one step of `autoscaler.scale_out_s`, or DeepServe's five scaling
     steps priced with the TE's own config's `scaling` section for a TE of
-    `autoscaler.pod_dies` dies (docs/scaling.md)."""
+    `autoscaler.pod_dies` dies (docs/scaling.md), `num_new_tes` loading at once."""
     if cfg.autoscaler.scale_out_s is not None:
         return (("scale-out (autoscaler.scale_out_s)", cfg.autoscaler.scale_out_s),)
     # Lazy imports: an autoscaled cluster's only.
@@ -40,7 +40,7 @@ def scale_out_steps(cfg, te) -> tuple[tuple[str, float], ...]:
     from xds_mpi.scaling.steps import scale_out
 
     te_cfg = te_config(cfg, te.overrides)
-    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=1).steps
+    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=num_new_tes).steps
 
 
 def scale_out_s(cfg, te) -> float:
@@ -69,6 +69,8 @@ def priced_paths(cfg, tes) -> PricedPaths:
                 fallback_path=fallback,
                 fallback_steps=scale_out_steps(cfg, as_fallback),
                 same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
+                # the k-th TE one source feeds at once (xds_mpi/cluster/fork_fanout.py)
+                fanout_steps=tuple(scale_out_steps(cfg, t, k) for k in range(1, len(tes))),
             )
         infos.append(info)
     return PricedPaths(infos, {loss.te: loss.at_s for loss in cfg.cluster.te_losses})
@@ -111,6 +113,8 @@ class ScaleEvent:
     source_te: int = -1  # fork: the TE read from; a fallback: the source that died mid-fork
     fallback_from: str = ""  # "fork" when its source died mid-fork (path: the fallback)
     fallback_s: float = 0.0  # the virtual seconds the fallback added to the fork as priced
+    fork_group: int = -1  # a fork's group: its first TE (TEs sharing one source; -1: no fork)
+    fork_receivers: int = 0  # the group's new TEs with this one (its TE-Load priced for them)
 
 
 class Autoscaler:
@@ -164,6 +168,7 @@ class Autoscaler:
             if len(serving) + len(coming) < self.max_tes:
                 te = standby[0]
                 plan = self.planner.plan(te, now_s, serving, unfinished)
+                self.planner.taken(te, now_s, plan)  # a fork joins its fork group
                 self.serves_from[te] = now_s + plan.total_s
                 event = ScaleEvent(
                     kind="out",
@@ -176,6 +181,8 @@ class Autoscaler:
                     source_te=plan.source_te,
                     fallback_from=plan.fallback_from,
                     fallback_s=plan.fallback_s,
+                    fork_group=plan.fork_group,
+                    fork_receivers=plan.fork_receivers,
                 )
         elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
             te = min(serving, key=lambda t: (unfinished[t], -t))

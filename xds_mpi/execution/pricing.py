@@ -44,6 +44,8 @@ class Pricer:
         self._priced: dict[tuple, float] = {}  # `_priced_once`'s, until `rescale`
         self.rescale(num_routed_dies)
         self.spent: dict[str, float] = defaultdict(float)  # operation -> virtual seconds
+        # dispatch/combine slowed while an NPU-fork reads this die (xds_mpi/scaling/contention.py)
+        self.link_factor = 1.0
         self._prefix = ""
 
     def rescale(self, num_routed_dies: int) -> None:
@@ -125,7 +127,7 @@ class Pricer:
             peers=self.num_peers,
             int8=self.use_int8,
         )
-        self._add("dispatch", self.moe_scale * seconds)
+        self._add("dispatch", self.moe_scale * seconds * self.link_factor)
 
     def experts(self, rows_in: int, rows: int) -> None:
         routed = self._priced_once(
@@ -140,7 +142,7 @@ class Pricer:
         seconds = self._priced_once(
             ("combine", rows), self.cost.combine, rows * self.cost.m.top_k, peers=self.num_peers
         )
-        self._add("combine", self.moe_scale * seconds)
+        self._add("combine", self.moe_scale * seconds * self.link_factor)
 
     def mtp_projection(self, rows: int) -> None:
         """An MTP module's eh_proj over its block's rows (as xds_mpi/projection/project.py

@@ -187,19 +187,30 @@ def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:
 
 def check_standby(cfg: Config, tes: list[TeInfo], te: TeInfo) -> None:
     """A standby TE's dies load the weights at its scale-out (docs/scaling.md, "Weights at
-    scale-out"): built for colocated TEs whose dies compute with their slots' experts only, and
-    NPU-fork needs a TE serving from the start with the same shape to read from."""
+    scale-out"): built for colocated TEs and PD pairs whose dies compute with their slots'
+    experts only (a pair's prefill dies without TP, its decode dies colocated), and NPU-fork
+    needs a TE serving from the start with the same shape to read from."""
     where = f"cluster TE {te.te} (group {te.group}, standby)"
-    if te.kind != "colocated":
+    if te.kind not in ("colocated", "pd"):
         raise ConfigError(
             f"{where}: its kind is {te.kind}, but a standby TE's dies load their weights at "
-            "scale-out, built for colocated TEs only; make the group colocated, or not standby"
+            "scale-out, built for colocated TEs and PD pairs only; make the group colocated or "
+            "a PD pair, or not standby"
         )
     te_cfg = te_config(cfg, te.overrides)
     if te_cfg.health.replicas != "none":
         raise ConfigError(
             f"{where} sets health.replicas={te_cfg.health.replicas}: the ring's replicas are not "
             "among the weights a standby die loads at scale-out; set health.replicas=none"
+        )
+    if te.kind == "pd" and (
+        te_cfg.deployment.prefill_tp > 1 or te_cfg.deployment.kind != "colocated"
+    ):
+        raise ConfigError(
+            f"{where}: a standby PD pair loads the weights of prefill dies without TP and of "
+            f"colocated decode dies, but it has deployment.prefill_tp="
+            f"{te_cfg.deployment.prefill_tp} and deployment.kind={te_cfg.deployment.kind}; set "
+            "deployment.prefill_tp=1 and deployment.kind=colocated, or not standby"
         )
     if te_cfg.scaling.path == "fork" and fork_source(cfg, tes, te.te) is None:
         raise ConfigError(

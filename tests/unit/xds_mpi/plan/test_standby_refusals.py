@@ -1,5 +1,6 @@
 """A standby TE's dies load their weights at scale-out (docs/scaling.md, "Weights at
-scale-out"): the plan refuses what is not built (a standby afd or PD TE, ring replicas, NPU-fork
+scale-out"): the plan refuses what is not built (a standby afd TE, a standby PD pair with
+prefill TP, ring replicas, NPU-fork
 without a TE of the same shape serving from the start), naming the TE and the key, and NPU-fork's
 source is the first such TE."""
 
@@ -26,10 +27,11 @@ def _plan(config: str, groups: str, *sets: str):
         (
             "configs/cluster.yaml",
             SERVING + ", {count: 1, standby: true, set: [pd.enabled=true, "
-            "deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
+            "deployment.num_host_ranks=2, deployment.num_prefill_dies=2, "
+            "deployment.prefill_tp=2, "
             "deployment.dp_groups_per_domain=2, xccl.p2p_pairs=prefill_to_decode, "
             "xccl.ring_slots=8, xccl.slot_bytes=16384]}",
-            "its kind is pd",
+            "deployment.prefill_tp=2",
         ),
         (
             "configs/colocated.yaml",
@@ -44,7 +46,7 @@ def _plan(config: str, groups: str, *sets: str):
             "no TE serving from the start has its shape",
         ),
     ],
-    ids=["afd", "pd", "ring", "fork-without-source"],
+    ids=["afd", "pd-prefill-tp", "ring", "fork-without-source"],
 )
 def test_the_plan_refuses_a_standby_te_whose_weights_it_cannot_load(config, groups, refused):
     with pytest.raises(ConfigError, match=f"cluster TE 1 .*standby.*{refused}"):
