@@ -3,7 +3,8 @@
 
 Decode is continuous batching over `num_groups` DP groups of at most `max_batch` requests each:
 every iteration runs on every die together (dispatch and combine are barriers), so it costs
-step(requests on the fullest group, mean KV length) and gives every decoding request
+step(requests on the fullest group, mean KV length, mean requests per group: the routed rows
+every die receives) and gives every decoding request
 `tokens_per_step` tokens. A request joins at the first iteration that starts at or after it is
 ready, when a slot is free (FIFO).
 
@@ -13,7 +14,9 @@ ready, when a slot is free (FIFO).
 - PD (`prefill_ready_s` given): the prefill queue is FIFO over the prefill DP groups
   (`prefill_schedule`); a request is ready for decode when its KV has arrived, and its first
   token is the end of its first decode iteration (as xds_mpi/results/request_pricing.py prices
-  TTFT: prefill + transfer + one decode step).
+  TTFT: prefill + transfer + one decode step). The prefill samples that first token; it streams
+  with the first decode iteration's own, so decode owes the other output - 1, as the emulated
+  PD dies do (docs/virtual_time.md, PD).
 
 Between events (a request ready, a prefill done, a request done) the iterations are alike, so
 they are taken as one block of k iterations (at most MAX_BLOCK, so the KV length's growth is
@@ -67,7 +70,8 @@ def serve(
     chunk_cost=None,
     prefill_ready_s=None,
 ) -> Served:
-    """The replay; step(batch per group, mean KV) and chunk_cost(start, end) are seconds;
+    """The replay; step(fullest group's batch, mean KV, mean batch per group) and
+    chunk_cost(start, end) are seconds;
     prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies)."""
     n = len(arrival_s)
     is_pd = prefill_ready_s is not None
@@ -85,7 +89,8 @@ def serve(
             new = np.array(joining)
             idx = np.concatenate([idx, new])
             kv = np.concatenate([kv, prompt_len[new] if is_pd else np.zeros(len(new))])
-            left = np.concatenate([left, output_len[new] - (0 if is_pd else 1)])
+            # the first token is the prefill's (PD: it streams with the first decode step's)
+            left = np.concatenate([left, output_len[new] - 1])
             pre = np.concatenate([pre, np.zeros(len(new)) if is_pd else prompt_len[new]])
         if not len(idx):
             t = max(t, ready[order[-1]])
@@ -95,7 +100,7 @@ def serve(
         num_decoding = int(decoding.sum())
         batch = -(-num_decoding // num_groups)
         mean_kv = float(kv[decoding].sum()) / num_decoding if batch else 1.0
-        it = step(max(batch, 1), mean_kv)
+        it = step(max(batch, 1), mean_kv, num_decoding / num_groups)
         blocks = [MAX_BLOCK]
         if batch:
             blocks.append(math.ceil(left[decoding].min() / tokens_per_step - 1e-9))
