@@ -121,6 +121,7 @@ class Emulated:
 
     served: Served
     accept: float | None  # None: no MTP
+    tokens_per_step: np.ndarray | None  # [n] each request's 1 + depth x its own acceptance
 
 
 def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str) -> Emulated:
@@ -163,7 +164,15 @@ def read_served(path: Path, w: PlanWorkload) -> Emulated:
 
     with h5py.File(path, "r") as f:
         summary = f["summary"].attrs
-        accept = float(summary["mtp_acceptance"]) if summary.get("mtp_depth", 0) else None
+        depth = int(summary.get("mtp_depth", 0))
+        accept = float(summary["mtp_acceptance"]) if depth else None
+        tps = np.full(w.num_requests, 1.0 + depth * (accept or 0.0))
+        r = f["requests"]
+        for req, drafts, accepted in zip(
+            r["req_id"][:], r["step_num_drafts"][:], r["step_num_accepted"][:]
+        ):
+            if depth and np.sum(drafts):
+                tps[req] = 1.0 + depth * float(np.sum(accepted)) / float(np.sum(drafts))
         v = f["virtual"]
         ids = v["req_id"][:]
         first, finish = np.full(w.num_requests, np.nan), np.full(w.num_requests, np.nan)
@@ -174,7 +183,7 @@ def read_served(path: Path, w: PlanWorkload) -> Emulated:
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(outputs > 1, (finish - first) / (outputs - 1), np.nan)
     served = Served(first_s=first, finish_s=finish, ttft_s=first - arrival, tpot_s=tpot)
-    return Emulated(served=served, accept=accept)
+    return Emulated(served=served, accept=accept, tokens_per_step=tps if depth else None)
 
 
 def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: Path) -> None:
@@ -194,9 +203,10 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
             planned = _small(planner, w, base, planner.accept).price(r)[1]
             rows.append(_row(n, p, r, planned, None, planner))
             continue
-        # like with like: the tiny model's dies accept fewer drafts than the pod's --accept
+        # like with like: the tiny model's dies accept fewer drafts than the pod's --accept,
+        # and each request its own share (its tokens decide how many steps it takes)
         accept = planner.accept if run.accept is None else run.accept
-        planned = _small(planner, w, base, accept).price(r)[1]
+        planned = _small(planner, w, base, accept).price(r, run.tokens_per_step)[1]
         chips = r.chips(planner.dies_per_chip)
         emulated = outcome(
             run.served,

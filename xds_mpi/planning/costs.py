@@ -134,7 +134,9 @@ def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> Pref
     pricer = RequestPricer(
         cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
     )
-    lens = [0, 512]
+    # short prompts on their own points: a pass's fixed costs (graph launch, bubble, the
+    # exchanges' latency) make F far from linear below 512 tokens, where a reduced run's are
+    lens = [0, 1, 16, 64, 256, 512]
     while lens[-1] < max_prompt:
         lens.append(lens[-1] * 2)
     secs = [0.0] + [pricer.pass_s(causal_chunks(n), num_dies, sampled=1, tp=tp) for n in lens[1:]]

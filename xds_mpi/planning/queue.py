@@ -65,21 +65,24 @@ def serve(
     num_groups: int,
     max_batch: int,
     step,
-    tokens_per_step: float,
+    tokens_per_step,
     chunk_tokens: int = 0,
     chunk_cost=None,
     prefill_ready_s=None,
 ) -> Served:
     """The replay; step(fullest group's batch, mean KV, mean batch per group) and
     chunk_cost(start, end) are seconds;
-    prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies)."""
+    prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies);
+    tokens_per_step: one for all, or [n] each request's own (a run's measured acceptance)."""
     n = len(arrival_s)
+    per_request = np.broadcast_to(np.asarray(tokens_per_step, float), (n,))
     is_pd = prefill_ready_s is not None
     ready = np.asarray(prefill_ready_s if is_pd else arrival_s, float)
     order = list(np.argsort(ready, kind="stable"))[::-1]  # pop() takes the earliest
     first, finish = np.full(n, np.nan), np.full(n, np.nan)
     # the active requests: index, KV length, tokens still to emit, prompt tokens still to prefill
     idx, kv, left, pre = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
+    tps = np.zeros(0)  # the active requests' tokens per step
     capacity, t = num_groups * max_batch, 0.0
     while order or len(idx):
         joining = []
@@ -92,6 +95,7 @@ def serve(
             # the first token is the prefill's (PD: it streams with the first decode step's)
             left = np.concatenate([left, output_len[new] - 1])
             pre = np.concatenate([pre, np.zeros(len(new)) if is_pd else prompt_len[new]])
+            tps = np.concatenate([tps, per_request[new]])
         if not len(idx):
             t = max(t, ready[order[-1]])
             continue
@@ -103,7 +107,7 @@ def serve(
         it = step(max(batch, 1), mean_kv, num_decoding / num_groups)
         blocks = [MAX_BLOCK]
         if batch:
-            blocks.append(math.ceil(left[decoding].min() / tokens_per_step - 1e-9))
+            blocks.append(math.ceil((left[decoding] / tps[decoding]).min() - 1e-9))
         if len(prefilling):
             blocks.append(math.ceil(pre[prefilling].min() / chunk_tokens))
         if order and len(idx) < capacity:
@@ -119,8 +123,8 @@ def serve(
             new = decoding & np.isnan(first[idx])
             first[idx[new]] = t + it
         t += k * it
-        left[decoding] -= k * tokens_per_step
-        kv[decoding] += k * tokens_per_step
+        left[decoding] -= k * tps[decoding]
+        kv[decoding] += k * tps[decoding]
         if len(prefilling):
             pre[prefilling] = np.maximum(0.0, pre[prefilling] - k * chunk_tokens)
             now = prefilling[pre[prefilling] == 0]
@@ -128,7 +132,7 @@ def serve(
             kv[now] = prompt_len[idx[now]]
         gone = (pre == 0) & (left <= 1e-9)
         finish[idx[gone]] = t
-        idx, kv, left, pre = idx[~gone], kv[~gone], left[~gone], pre[~gone]
+        idx, kv, left, pre, tps = idx[~gone], kv[~gone], left[~gone], pre[~gone], tps[~gone]
     ttft = first - np.asarray(arrival_s)
     outputs = np.asarray(output_len)
     with np.errstate(invalid="ignore", divide="ignore"):
