@@ -15,7 +15,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +114,17 @@ def write_trace(path: Path, w: PlanWorkload) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str) -> Served:
+@dataclass(frozen=True, kw_only=True)
+class Emulated:
+    """One emulation's requests on the virtual clock and the MTP acceptance its dies saw (the
+    tiny model's drafts: the planner re-prices the reduced deployment at it)."""
+
+    served: Served
+    accept: float | None  # None: no MTP
+    tokens_per_step: np.ndarray | None  # [n] each request's 1 + depth x its own acceptance
+
+
+def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str) -> Emulated:
     trace = out / f"{name}.jsonl"
     write_trace(trace, w)
     longest = int((w.prompt_len + w.output_len).max()) + 8
@@ -149,10 +159,20 @@ def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str
     return read_served(path, w)
 
 
-def read_served(path: Path, w: PlanWorkload) -> Served:
+def read_served(path: Path, w: PlanWorkload) -> Emulated:
     import h5py  # here: a measured start-up cost of every command (launch/cli imports this)
 
     with h5py.File(path, "r") as f:
+        summary = f["summary"].attrs
+        depth = int(summary.get("mtp_depth", 0))
+        accept = float(summary["mtp_acceptance"]) if depth else None
+        tps = np.full(w.num_requests, 1.0 + depth * (accept or 0.0))
+        r = f["requests"]
+        for req, drafts, accepted in zip(
+            r["req_id"][:], r["step_num_drafts"][:], r["step_num_accepted"][:]
+        ):
+            if depth and np.sum(drafts):
+                tps[req] = 1.0 + depth * float(np.sum(accepted)) / float(np.sum(drafts))
         v = f["virtual"]
         ids = v["req_id"][:]
         first, finish = np.full(w.num_requests, np.nan), np.full(w.num_requests, np.nan)
@@ -162,7 +182,8 @@ def read_served(path: Path, w: PlanWorkload) -> Served:
     outputs = w.output_len
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(outputs > 1, (finish - first) / (outputs - 1), np.nan)
-    return Served(first_s=first, finish_s=finish, ttft_s=first - arrival, tpot_s=tpot)
+    served = Served(first_s=first, finish_s=finish, ttft_s=first - arrival, tpot_s=tpot)
+    return Emulated(served=served, accept=accept, tokens_per_step=tps if depth else None)
 
 
 def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: Path) -> None:
@@ -170,29 +191,29 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
     for n, p in enumerate(top, start=1):
         r, base, factor = reduced(p.candidate)
         w = reduced_workload(planner.w, args.verify_requests, factor, args.verify_length_scale)
-        small = Planner(
-            w,
-            planner.slo,
-            profile=planner.profile,
-            accept=planner.accept,
-            base=base,
-            chunk_tokens=CHUNK_TOKENS,
-        )
-        planned = small.price(r)[1]
         print(
             f"plan: verify {n}/{len(top)}: {p.candidate.label} reduced to {r.num_dies} dies "
             f"({base}), {w.num_requests} requests at {w.rate:.2f}/s",
             flush=True,
         )
         try:
-            served = emulate(args, r, base, w, out, f"verify_{n}")
+            run = emulate(args, r, base, w, out, f"verify_{n}")
         except (RuntimeError, OSError, KeyError) as exc:
             print(f"plan: verify {n}: emulation failed: {exc}")
+            planned = _small(planner, w, base, planner.accept).price(r)[1]
             rows.append(_row(n, p, r, planned, None, planner))
             continue
+        # like with like: the tiny model's dies accept fewer drafts than the pod's --accept,
+        # and each request its own share (its tokens decide how many steps it takes)
+        accept = planner.accept if run.accept is None else run.accept
+        planned = _small(planner, w, base, accept).price(r, run.tokens_per_step)[1]
         chips = r.chips(planner.dies_per_chip)
         emulated = outcome(
-            served, output_len=w.output_len, duration_s=w.duration_s, chips=chips, slo=planner.slo
+            run.served,
+            output_len=w.output_len,
+            duration_s=w.duration_s,
+            chips=chips,
+            slo=planner.slo,
         )
         rows.append(_row(n, p, r, planned, emulated, planner))
     print("\nplanned vs emulated at the reduced width (virtual clock):")
@@ -210,6 +231,14 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
             ],
             rows,
         )
+    )
+
+
+def _small(planner: Planner, w: PlanWorkload, base: str, accept: float) -> Planner:
+    """The planner for the reduced deployment: the same SLO and profile, the reduced workload
+    and base config, the reduced runs' prefill chunk."""
+    return Planner(
+        w, planner.slo, profile=planner.profile, accept=accept, base=base, chunk_tokens=CHUNK_TOKENS
     )
 
 

@@ -1,7 +1,10 @@
 """What one iteration and one prefill cost a candidate, as functions of batch and lengths.
 
-Decode: the projection's iteration (xds_mpi/projection/project.py `project`) on a grid of
-requests per DP group x KV length, interpolated (linear in both) in between. Prefill: one pass
+Decode, colocated and PD: the dies' own pricing (xds_mpi/planning/die_step.py `DieStep`: the
+fullest DP group's rows on a grid of requests x KV length, the routed rows a die receives on a
+grid of the mean requests per DP group), interpolated (linear) in between. afd: the
+projection's iteration (xds_mpi/projection/project.py `project`) at the fullest DP group's
+batch. Prefill: one pass
 over a prompt on a prefill die, causal at 512-token grain, as the dies' Pricer prices it
 (xds_mpi/results/request_pricing.py `RequestPricer.pass_s`, at TP1/2/4), on a grid of prompt
 lengths; a colocated die's chunk [a, b) costs F(b) - F(a). PD's KV moves over UB to another
@@ -21,14 +24,16 @@ from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import Config, load_config
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.planning.die_step import DieStep
 from xds_mpi.projection.cost import Hardware
 from xds_mpi.projection.project import project
 from xds_mpi.results.request_pricing import RequestPricer, causal_chunks
 
 BASE_CONFIG = "ep288"  # the model section every pod-scale config of the repo carries
 SHAPE = "deepseek_v3"
-BATCH_GRID = (1, 8, 32, 64, 96, 128)
+BATCH_GRID = (1, 2, 8, 32, 64, 96, 128)
 KV_GRID = (1024, 8192, 65536, 262144)
+MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 32.0, 64.0, 96.0, 128.0)
 
 
 def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) -> Config:
@@ -38,21 +43,29 @@ def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) ->
 
 @dataclass(frozen=True, kw_only=True)
 class StepTable:
-    """iteration_s[i, j]: one decode iteration at BATCH_GRID[i] requests per DP group and mean
-    KV length KV_GRID[j]; tokens_per_step: 1 + MTP depth x acceptance."""
+    """One decode iteration = iteration_s at (the fullest DP group's requests, their mean KV
+    length) + received_s at the mean requests per DP group; tokens_per_step: 1 + MTP depth x
+    acceptance.
+
+    iteration_s[i][j]: BATCH_GRID[i] requests on the fullest DP group, mean KV KV_GRID[j] (its
+    own rows and the fixed costs; afd: the whole iteration); received_s[k]: a die's routed rows
+    at MEAN_GRID[k] requests per DP group (afd: 0, the projection holds them)."""
 
     iteration_s: tuple[tuple[float, ...], ...]  # [len(BATCH_GRID)][len(KV_GRID)] seconds
+    received_s: tuple[float, ...]  # [len(MEAN_GRID)] seconds
     tokens_per_step: float
 
-    def __call__(self, batch: float, kv_len: float) -> float:
-        """Bilinear between the grid's points, held at its edges (called once per event of
-        the replay: plain floats, no numpy call)."""
+    def __call__(self, batch: float, kv_len: float, mean: float | None = None) -> float:
+        """Linear between the grid's points, held at its edges (called once per event of the
+        replay: plain floats, no numpy call); mean: requests per DP group (None: batch)."""
         i, u = _cell(BATCH_GRID, batch)
         j, v = _cell(KV_GRID, kv_len)
         g = self.iteration_s
         low = g[i][j] + (g[i + 1][j] - g[i][j]) * u
         high = g[i][j + 1] + (g[i + 1][j + 1] - g[i][j + 1]) * u
-        return low + (high - low) * v
+        k, w = _cell(MEAN_GRID, batch if mean is None else mean)
+        r = self.received_s
+        return low + (high - low) * v + r[k] + (r[k + 1] - r[k]) * w
 
 
 def _cell(grid: tuple, x: float) -> tuple[int, float]:
@@ -70,7 +83,17 @@ def step_table(
     accept: float,
     base: str = BASE_CONFIG,
 ) -> StepTable:
+    """The candidate's decode iteration (decode_sets over `base`) at MTP `mtp_depth`, each
+    draft accepted at `accept`."""
     cfg = base_config(decode_sets, profile, base)
+    tokens_per_step = 1 + mtp_depth * accept
+    if cfg.deployment.kind != "afd":
+        die = DieStep(cfg=cfg, mtp_depth=mtp_depth, accepted=mtp_depth * accept)
+        return StepTable(
+            iteration_s=tuple(tuple(die.own_s(b, kv) for kv in KV_GRID) for b in BATCH_GRID),
+            received_s=tuple(die.received_s(mean) for mean in MEAN_GRID),
+            tokens_per_step=tokens_per_step,
+        )
     hw = Hardware.from_profile(load_profile(profile))
     m = load_model_preset(SHAPE)
     grid = np.array(
@@ -84,7 +107,11 @@ def step_table(
             for b in BATCH_GRID
         ]
     )
-    return StepTable(iteration_s=grid, tokens_per_step=1 + mtp_depth * accept)
+    return StepTable(
+        iteration_s=tuple(map(tuple, grid.tolist())),
+        received_s=(0.0,) * len(MEAN_GRID),
+        tokens_per_step=tokens_per_step,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +134,9 @@ def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> Pref
     pricer = RequestPricer(
         cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
     )
-    lens = [0, 512]
+    # short prompts on their own points: a pass's fixed costs (graph launch, bubble, the
+    # exchanges' latency) make F far from linear below 512 tokens, where a reduced run's are
+    lens = [0, 1, 16, 64, 256, 512]
     while lens[-1] < max_prompt:
         lens.append(lens[-1] * 2)
     secs = [0.0] + [pricer.pass_s(causal_chunks(n), num_dies, sampled=1, tp=tp) for n in lens[1:]]

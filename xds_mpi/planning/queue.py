@@ -3,7 +3,8 @@
 
 Decode is continuous batching over `num_groups` DP groups of at most `max_batch` requests each:
 every iteration runs on every die together (dispatch and combine are barriers), so it costs
-step(requests on the fullest group, mean KV length) and gives every decoding request
+step(requests on the fullest group, mean KV length, mean requests per group: the routed rows
+every die receives) and gives every decoding request
 `tokens_per_step` tokens. A request joins at the first iteration that starts at or after it is
 ready, when a slot is free (FIFO).
 
@@ -13,7 +14,9 @@ ready, when a slot is free (FIFO).
 - PD (`prefill_ready_s` given): the prefill queue is FIFO over the prefill DP groups
   (`prefill_schedule`); a request is ready for decode when its KV has arrived, and its first
   token is the end of its first decode iteration (as xds_mpi/results/request_pricing.py prices
-  TTFT: prefill + transfer + one decode step).
+  TTFT: prefill + transfer + one decode step). The prefill samples that first token; it streams
+  with the first decode iteration's own, so decode owes the other output - 1, as the emulated
+  PD dies do (docs/virtual_time.md, PD).
 
 Between events (a request ready, a prefill done, a request done) the iterations are alike, so
 they are taken as one block of k iterations (at most MAX_BLOCK, so the KV length's growth is
@@ -62,20 +65,24 @@ def serve(
     num_groups: int,
     max_batch: int,
     step,
-    tokens_per_step: float,
+    tokens_per_step,
     chunk_tokens: int = 0,
     chunk_cost=None,
     prefill_ready_s=None,
 ) -> Served:
-    """The replay; step(batch per group, mean KV) and chunk_cost(start, end) are seconds;
-    prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies)."""
+    """The replay; step(fullest group's batch, mean KV, mean batch per group) and
+    chunk_cost(start, end) are seconds;
+    prefill_ready_s: PD's decode-ready times (None: colocated prefill on the decode dies);
+    tokens_per_step: one for all, or [n] each request's own (a run's measured acceptance)."""
     n = len(arrival_s)
+    per_request = np.broadcast_to(np.asarray(tokens_per_step, float), (n,))
     is_pd = prefill_ready_s is not None
     ready = np.asarray(prefill_ready_s if is_pd else arrival_s, float)
     order = list(np.argsort(ready, kind="stable"))[::-1]  # pop() takes the earliest
     first, finish = np.full(n, np.nan), np.full(n, np.nan)
     # the active requests: index, KV length, tokens still to emit, prompt tokens still to prefill
     idx, kv, left, pre = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0), np.zeros(0))
+    tps = np.zeros(0)  # the active requests' tokens per step
     capacity, t = num_groups * max_batch, 0.0
     while order or len(idx):
         joining = []
@@ -85,8 +92,10 @@ def serve(
             new = np.array(joining)
             idx = np.concatenate([idx, new])
             kv = np.concatenate([kv, prompt_len[new] if is_pd else np.zeros(len(new))])
-            left = np.concatenate([left, output_len[new] - (0 if is_pd else 1)])
+            # the first token is the prefill's (PD: it streams with the first decode step's)
+            left = np.concatenate([left, output_len[new] - 1])
             pre = np.concatenate([pre, np.zeros(len(new)) if is_pd else prompt_len[new]])
+            tps = np.concatenate([tps, per_request[new]])
         if not len(idx):
             t = max(t, ready[order[-1]])
             continue
@@ -95,10 +104,10 @@ def serve(
         num_decoding = int(decoding.sum())
         batch = -(-num_decoding // num_groups)
         mean_kv = float(kv[decoding].sum()) / num_decoding if batch else 1.0
-        it = step(max(batch, 1), mean_kv)
+        it = step(max(batch, 1), mean_kv, num_decoding / num_groups)
         blocks = [MAX_BLOCK]
         if batch:
-            blocks.append(math.ceil(left[decoding].min() / tokens_per_step - 1e-9))
+            blocks.append(math.ceil((left[decoding] / tps[decoding]).min() - 1e-9))
         if len(prefilling):
             blocks.append(math.ceil(pre[prefilling].min() / chunk_tokens))
         if order and len(idx) < capacity:
@@ -114,8 +123,8 @@ def serve(
             new = decoding & np.isnan(first[idx])
             first[idx[new]] = t + it
         t += k * it
-        left[decoding] -= k * tokens_per_step
-        kv[decoding] += k * tokens_per_step
+        left[decoding] -= k * tps[decoding]
+        kv[decoding] += k * tps[decoding]
         if len(prefilling):
             pre[prefilling] = np.maximum(0.0, pre[prefilling] - k * chunk_tokens)
             now = prefilling[pre[prefilling] == 0]
@@ -123,7 +132,7 @@ def serve(
             kv[now] = prompt_len[idx[now]]
         gone = (pre == 0) & (left <= 1e-9)
         finish[idx[gone]] = t
-        idx, kv, left, pre = idx[~gone], kv[~gone], left[~gone], pre[~gone]
+        idx, kv, left, pre, tps = idx[~gone], kv[~gone], left[~gone], pre[~gone], tps[~gone]
     ttft = first - np.asarray(arrival_s)
     outputs = np.asarray(output_len)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -120,7 +120,9 @@ class Planner:
             self._transfers[kv_int8] = transfer_s(self.w.prompt_len, self.profile, kv_int8=kv_int8)
         return self._transfers[kv_int8]
 
-    def price(self, c: Candidate) -> tuple[Served, Outcome]:
+    def price(self, c: Candidate, tokens_per_step=None) -> tuple[Served, Outcome]:
+        """tokens_per_step: [n] each request's own (a verification's measured acceptance);
+        None: 1 + MTP depth x the planner's acceptance for all."""
         step = step_table(c.decode_sets(), self.profile, c.mtp_depth, self.accept, self.base)
         w = self.w
         groups = _decode_groups(c)
@@ -131,7 +133,7 @@ class Planner:
             num_groups=groups,
             max_batch=c.max_batch,
             step=step,
-            tokens_per_step=step.tokens_per_step,
+            tokens_per_step=step.tokens_per_step if tokens_per_step is None else tokens_per_step,
         )
         chips = c.chips(self.dies_per_chip)
         if self.decode_only:

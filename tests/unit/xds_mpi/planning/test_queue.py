@@ -11,7 +11,7 @@ from xds_mpi.planning.queue import prefill_schedule, serve
 STEP_S = 0.1
 
 
-def fixed_step(batch: float, kv_len: float) -> float:
+def fixed_step(batch: float, kv_len: float, mean: float) -> float:
     return STEP_S
 
 
@@ -38,11 +38,11 @@ def test_pd_ttft_is_prefill_plus_one_decode_step_and_tpot_the_step():
         tokens_per_step=1.0,
         prefill_ready_s=ready,
     )
-    # request 0: decode from 0.5, first token at 0.6, 3 tokens -> done at 0.8
-    # request 1: ready at 1.0 (request 0 is done by then), first token 1.1, done 1.3
+    # request 0: decode from 0.5; the prefill's token streams with the first step's at 0.6,
+    # the third token at 0.7; request 1: ready at 1.0, first tokens 1.1, done 1.2
     np.testing.assert_allclose(served.ttft_s, [0.6, 1.1])
-    np.testing.assert_allclose(served.finish_s, [0.8, 1.3])
-    np.testing.assert_allclose(served.tpot_s, [STEP_S, STEP_S])
+    np.testing.assert_allclose(served.finish_s, [0.7, 1.2])
+    np.testing.assert_allclose(served.tpot_s, [STEP_S / 2, STEP_S / 2])
 
 
 def test_batch_limit_makes_the_second_request_wait_for_a_slot():
@@ -56,9 +56,10 @@ def test_batch_limit_makes_the_second_request_wait_for_a_slot():
         tokens_per_step=1.0,
         prefill_ready_s=np.array([0.0, 0.0]),
     )
-    # one slot: request 0 runs 0.0-0.4; request 1 joins at 0.4, first token 0.5, done 0.8
-    np.testing.assert_allclose(served.ttft_s, [0.1, 0.5])
-    np.testing.assert_allclose(served.finish_s, [0.4, 0.8])
+    # one slot: request 0 runs 0.0-0.3 (the prefill's token and 3 steps); request 1 joins at
+    # 0.3, first tokens 0.4, done 0.6
+    np.testing.assert_allclose(served.ttft_s, [0.1, 0.4])
+    np.testing.assert_allclose(served.finish_s, [0.3, 0.6])
 
 
 def test_colocated_chunks_pay_their_price_in_the_iteration():
@@ -91,6 +92,7 @@ def test_mtp_tokens_per_step_shorten_tpot():
         tokens_per_step=2.0,
         prefill_ready_s=np.array([0.0]),
     )
-    # 9 tokens at 2 a step: 5 iterations, first token after the first -> (0.5 - 0.1) / 8
-    assert served.finish_s[0] == pytest.approx(0.5)
-    assert served.tpot_s[0] == pytest.approx(0.4 / 8)
+    # the prefill's token, then 8 at 2 a step: 4 iterations, the first tokens after the first
+    # -> (0.4 - 0.1) / 8
+    assert served.finish_s[0] == pytest.approx(0.4)
+    assert served.tpot_s[0] == pytest.approx(0.3 / 8)
