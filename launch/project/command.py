@@ -159,3 +159,24 @@ def _print_against_000(p: Projection, profile: str) -> None:
         f"({pub.derived_from}); this projection {mine:.1f} ms ({mine / pub.value - 1:+.0%}); "
         f"the paper's scenario as --paper prices it {paper:.1f} ms ({paper / pub.value - 1:+.0%})"
     )
+    _print_ep288_gap(profile)
+
+
+def _print_ep288_gap(profile: str) -> None:
+    """The gap to [000] §7.1 term by term (xds_mpi/projection/ep288_gap.py): each priced
+    mechanism added in turn with its band, then the published terms beside each rung's."""
+    # here: xds_mpi.projection, a measured start-up cost of every command
+    from xds_mpi.projection import ep288_gap as gap
+
+    steps = gap.ladder(profile)
+    published = gap.published_terms()
+    print(f"the gap, mechanism by mechanism (TPOT ms; published {gap.published_tpot_ms():.1f}):")
+    for s in steps:
+        lo, hi = s.band_ms
+        print(f"  + {s.added}: {s.tpot_ms:.1f} (its input's ends {lo:.1f}-{hi:.1f})")
+    header = ["term (ms per iteration)", "published"] + [f"rung {i}" for i in range(len(steps))]
+    mine = [gap.projected_terms(s.projection) for s in steps]
+    rows = [[k, f"{v:.1f}"] + [f"{t[k]:.1f}" for t in mine] for k, v in published.items()]
+    rows.append(["iteration + gap", f"{sum(published.values()):.1f}"]
+                + [f"{sum(t.values()):.1f}" for t in mine])  # fmt: skip
+    print(format_table(header, rows))

@@ -74,9 +74,15 @@ def test_the_pipeline_is_never_shorter_than_the_free_overlap(link_scale):
 
 
 def test_the_layer_row_is_the_pipelines():
+    """The layer row is the pipeline's, with the kernels measured at their shape in their
+    blocks (the fit alone with at_shape=False)."""
     cost = h.h800_cost()
     m = cost.m
-    layer = h.decode_layer(cost)
+    fit_layer = h.decode_layer(cost)
+    fit_mean = (58 * fit_layer["moe layer"] + 3 * fit_layer["dense layer"]) / 61
+    fit_rows = {r.what: r for r in h.harness_rows(at_shape=False)}
+    assert fit_rows["61 layers / 61"].projected == pytest.approx(fit_mean * 1e6)
+    layer = h.decode_layer(cost, measured=h.at_shape_deltas(cost))
     moe = m.num_layers - m.num_dense_layers
     mean = (moe * layer["moe layer"] + m.num_dense_layers * layer["dense layer"]) / m.num_layers
     rows = {r.what: r for r in h.harness_rows()}
