@@ -23,7 +23,9 @@ import numpy as np
 from launch.report.tables import format_table
 from launch.serve.bench import run_launcher
 from xds_mpi.planning.candidates import Candidate
+from xds_mpi.planning.costs import base_config
 from xds_mpi.planning.frontier import Outcome, outcome
+from xds_mpi.planning.prefill_batches import PrefillRule
 from xds_mpi.planning.queue import Served
 from xds_mpi.planning.search import Planner, Priced
 from xds_mpi.planning.workload import PlanWorkload
@@ -124,14 +126,37 @@ class Emulated:
     tokens_per_step: np.ndarray | None  # [n] each request's 1 + depth x its own acceptance
 
 
+def pass_tokens(r: Candidate, w: PlanWorkload) -> tuple[int, int]:
+    """(scheduler.prefill_chunk_tokens, xccl.max_tokens_per_die) of a reduced run: a prefill die
+    may prefill the longest prompt in one pass; a colocated die in CHUNK_TOKENS chunks, as the
+    planner prices those."""
+    chunk = CHUNK_TOKENS if not r.prefill_dies else int(w.prompt_len.max())
+    return chunk, max(chunk, r.max_batch * (1 + r.mtp_depth))
+
+
+def emulated_prefill_rule(w: PlanWorkload, base: str, profile: str):
+    """A reduced candidate's prefill batching as its emulation is configured (`emulate`)."""
+
+    def rule(r: Candidate) -> PrefillRule:
+        chunk, max_tokens = pass_tokens(r, w)
+        cfg = base_config(r.sets, profile, base)
+        return PrefillRule(
+            step_tokens=max_tokens,
+            chunk_tokens=chunk,
+            long_prompt_tokens=cfg.pd.long_prompt_tokens,
+            max_batch=r.max_batch,
+            mtp_depth=r.mtp_depth,
+        )
+
+    return rule
+
+
 def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str) -> Emulated:
     trace = out / f"{name}.jsonl"
     write_trace(trace, w)
     longest = int((w.prompt_len + w.output_len).max()) + 8
     blocks = math.ceil(r.max_batch * longest / KV_BLOCK_TOKENS) + 64
-    # a prefill die prefills a whole prompt in one pass, as the planner prices PD's prefill;
-    # a colocated die in CHUNK_TOKENS chunks, as it prices those
-    chunk = CHUNK_TOKENS if not r.prefill_dies else int(w.prompt_len.max())
+    chunk, max_tokens = pass_tokens(r, w)
     sets = [
         *r.sets,
         "workload.source=trace",
@@ -144,7 +169,7 @@ def emulate(args, r: Candidate, base: str, w: PlanWorkload, out: Path, name: str
         "health.enabled=false",
         f"scheduler.num_kv_blocks_per_die={blocks}",
         f"scheduler.prefill_chunk_tokens={chunk}",
-        f"xccl.max_tokens_per_die={max(chunk, r.max_batch * (1 + r.mtp_depth))}",
+        f"xccl.max_tokens_per_die={max_tokens}",
         f"model.max_seq_len={max(4096, longest)}",
         f"run.output_dir={out}",
         f"run.name={name}",
@@ -236,9 +261,15 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
 
 def _small(planner: Planner, w: PlanWorkload, base: str, accept: float) -> Planner:
     """The planner for the reduced deployment: the same SLO and profile, the reduced workload
-    and base config, the reduced runs' prefill chunk."""
+    and base config, the reduced runs' prefill chunk and batching."""
     return Planner(
-        w, planner.slo, profile=planner.profile, accept=accept, base=base, chunk_tokens=CHUNK_TOKENS
+        w,
+        planner.slo,
+        profile=planner.profile,
+        accept=accept,
+        base=base,
+        chunk_tokens=CHUNK_TOKENS,
+        prefill_rule=emulated_prefill_rule(w, base, planner.profile),
     )
 
 

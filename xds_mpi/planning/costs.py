@@ -143,6 +143,36 @@ def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> Pref
     return PrefillCurve(prompt_len=np.array(lens, float), pass_s=np.array(secs))
 
 
+class PrefillPass:
+    """One prefill DP group's pass over pieces of several prompts, as the dies' Pricer prices it
+    (`RequestPricer.pass_s` over each piece's causal chunks in one pass): the batch's rows share
+    the pass's fixed costs and its MoE, each prompt's attention stays its own."""
+
+    def __init__(self, num_dies: int, tp: int, profile: str) -> None:
+        cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
+        self.pricer = RequestPricer(
+            cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
+        )
+        self.num_dies, self.tp = num_dies, tp
+        self._cache: dict[tuple, float] = {}
+
+    def __call__(self, pieces: tuple[tuple[int, int], ...], num_sampled: int) -> float:
+        """pieces: (first, end) tokens of each prompt computed in the pass; num_sampled: the
+        prompts whose last token is in it."""
+        key = (pieces, num_sampled)
+        if key not in self._cache:
+            seqs = [c for start, end in pieces for c in causal_chunks(end, start)]
+            self._cache[key] = self.pricer.pass_s(
+                seqs, self.num_dies, sampled=num_sampled, tp=self.tp
+            )
+        return self._cache[key]
+
+
+@lru_cache(maxsize=64)
+def prefill_pass(num_dies: int, tp: int, profile: str) -> PrefillPass:
+    return PrefillPass(num_dies, tp, profile)
+
+
 @lru_cache(maxsize=8)
 def kv_transfer(profile: str) -> tuple[LinkModel, int]:
     cfg = base_config((), profile)

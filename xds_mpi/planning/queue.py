@@ -11,12 +11,12 @@ ready, when a slot is free (FIFO).
 - colocated: a request is ready at its arrival and prefills on the decode dies, `chunk_tokens`
   of its prompt per iteration, at most one prompt per DP group at a time; an iteration with
   prefill chunks also pays the costliest chunk. Its first token comes with its last chunk.
-- PD (`prefill_ready_s` given): the prefill queue is FIFO over the prefill DP groups
-  (`prefill_schedule`); a request is ready for decode when its KV has arrived, and its first
-  token is the end of its first decode iteration (as xds_mpi/results/request_pricing.py prices
-  TTFT: prefill + transfer + one decode step). The prefill samples that first token; it streams
-  with the first decode iteration's own, so decode owes the other output - 1, as the emulated
-  PD dies do (docs/virtual_time.md, PD).
+- PD (`prefill_ready_s` given): the prefill dies' batches are replayed apart
+  (xds_mpi/planning/prefill_batches.py); a request is ready for decode when its KV has
+  arrived, and its first token is the end of its first decode iteration (as
+  xds_mpi/results/request_pricing.py prices TTFT: prefill + transfer + one decode step). The
+  prefill samples that first token; it streams with the first decode iteration's own, so
+  decode owes the other output - 1, as the emulated PD dies do (docs/virtual_time.md, PD).
 
 Between events (a request ready, a prefill done, a request done) the iterations are alike, so
 they are taken as one block of k iterations (at most MAX_BLOCK, so the KV length's growth is
@@ -24,7 +24,6 @@ priced as it goes)."""
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -43,18 +42,6 @@ class Served:
     finish_s: np.ndarray
     ttft_s: np.ndarray
     tpot_s: np.ndarray
-
-
-def prefill_schedule(arrival_s: np.ndarray, prefill_s: np.ndarray, num_lanes: int) -> np.ndarray:
-    """FIFO over num_lanes prefill DP groups, one prompt each at a time: each request's prefill
-    end. arrival_s ascending; prefill_s [n] seconds of each prompt's pass."""
-    lanes = [0.0] * num_lanes
-    done = np.empty(len(arrival_s))
-    for i, (a, p) in enumerate(zip(arrival_s, prefill_s)):
-        start = max(a, heapq.heappop(lanes))
-        done[i] = start + p
-        heapq.heappush(lanes, done[i])
-    return done
 
 
 def serve(

@@ -12,14 +12,35 @@ from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import ConfigError
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.planning.candidates import DECODE_EP, Candidate, Enumerator, Excluded, Options
-from xds_mpi.planning.costs import BASE_CONFIG, SHAPE, prefill_curve, step_table, transfer_s
+from xds_mpi.planning.costs import (
+    BASE_CONFIG,
+    SHAPE,
+    prefill_curve,
+    prefill_pass,
+    step_table,
+    transfer_s,
+)
 from xds_mpi.planning.frontier import Outcome, Slo, outcome, pareto
-from xds_mpi.planning.queue import Served, prefill_schedule, serve
+from xds_mpi.planning.prefill_batches import PrefillRule, prefill_batches
+from xds_mpi.planning.queue import Served, serve
 from xds_mpi.planning.workload import PlanWorkload
 from xds_mpi.projection.afd_analysis.budget import Scenario, curve, dead_zone
 from xds_mpi.projection.afd_analysis.inputs import moe_shape, platform
 
 COLOCATED_CHUNK_TOKENS = 4096  # scheduler.prefill_chunk_tokens written for colocated candidates
+# A pod-scale prefill DP group's pass: its token budget and chunk (an assumption: the candidates'
+# configs keep the tiny runs' xccl.max_tokens_per_die), one length class (docs/planning.md)
+POD_PREFILL_STEP_TOKENS = 16384
+
+
+def pod_prefill_rule(c: Candidate) -> PrefillRule:
+    return PrefillRule(
+        step_tokens=POD_PREFILL_STEP_TOKENS,
+        chunk_tokens=POD_PREFILL_STEP_TOKENS,
+        long_prompt_tokens=0,
+        max_batch=c.max_batch,
+        mtp_depth=c.mtp_depth,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,10 +74,12 @@ class Planner:
         base: str = BASE_CONFIG,
         chunk_tokens: int = COLOCATED_CHUNK_TOKENS,
         decode_only: bool = False,
+        prefill_rule: Callable[[Candidate], PrefillRule] = pod_prefill_rule,
     ) -> None:
         """base: the config the candidates' keys go over (the pod's model; a verification's
         reduced width the emulated one); chunk_tokens: a colocated die's prefill chunk;
-        decode_only: the requests arrive prefilled (the papers' decode throughput)."""
+        decode_only: the requests arrive prefilled (the papers' decode throughput);
+        prefill_rule: a PD candidate's prefill batching (a verification's: the emulated one's)."""
         self.w, self.slo, self.profile, self.accept = workload, slo, profile, accept
         self.base, self.chunk_tokens = base, chunk_tokens
         # the papers' decode figures: every request arrives prefilled, its KV in place; the
@@ -65,7 +88,9 @@ class Planner:
         self.hw = load_profile(profile)
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
+        self.prefill_rule = prefill_rule
         self._transfers: dict[bool, np.ndarray] = {}
+        self._prefills: dict[tuple, np.ndarray] = {}
 
     def enumerate(self, chips: float, kinds: tuple[str, ...], opts: Options) -> Enumerator:
         num_dies = int(chips * self.dies_per_chip)
@@ -120,6 +145,22 @@ class Planner:
             self._transfers[kv_int8] = transfer_s(self.w.prompt_len, self.profile, kv_int8=kv_int8)
         return self._transfers[kv_int8]
 
+    def _prefill_ends(self, c: Candidate) -> np.ndarray:
+        """Each request's prefill end on c's prefill TEs; decode does not change it, so one
+        replay serves every candidate with the same prefill TEs and rule."""
+        rule = self.prefill_rule(c)
+        key = (c.num_prefill_tes, c.prefill_te_dies, c.prefill_tp, rule)
+        if key not in self._prefills:
+            self._prefills[key] = prefill_batches(
+                self.w.arrival_s,
+                self.w.prompt_len,
+                num_tes=c.num_prefill_tes,
+                groups_per_te=c.prefill_te_dies // c.prefill_tp,
+                rule=rule,
+                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile),
+            )
+        return self._prefills[key]
+
     def price(self, c: Candidate, tokens_per_step=None) -> tuple[Served, Outcome]:
         """tokens_per_step: [n] each request's own (a verification's measured acceptance);
         None: 1 + MTP depth x the planner's acceptance for all."""
@@ -140,13 +181,7 @@ class Planner:
             served = serve(**common, prefill_ready_s=w.arrival_s)
             chips = c.decode_dies / self.dies_per_chip
         elif c.prefill_dies:
-            pre = prefill_curve(c.prefill_te_dies, c.prefill_tp, self.profile, self.max_prompt)
-            ends = prefill_schedule(
-                w.arrival_s,
-                np.interp(w.prompt_len, pre.prompt_len, pre.pass_s),
-                c.prefill_dies // c.prefill_tp,
-            )
-            ready = ends + self._transfer(c.kv_int8)
+            ready = self._prefill_ends(c) + self._transfer(c.kv_int8)
             served = serve(**common, prefill_ready_s=ready)
         else:
             pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)

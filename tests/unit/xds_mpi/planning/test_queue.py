@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xds_mpi.planning.queue import prefill_schedule, serve
+from xds_mpi.planning.queue import serve
 
 STEP_S = 0.1
 
@@ -15,19 +15,9 @@ def fixed_step(batch: float, kv_len: float, mean: float) -> float:
     return STEP_S
 
 
-def test_prefill_fifo_over_one_lane_queues_the_second_prompt():
-    # two prompts at t = 0 on one lane of 0.5 s each: the second starts when the first ends
-    done = prefill_schedule(np.array([0.0, 0.0, 2.0]), np.array([0.5, 0.5, 0.5]), 1)
-    np.testing.assert_allclose(done, [0.5, 1.0, 2.5])
-    # two lanes: side by side
-    np.testing.assert_allclose(
-        prefill_schedule(np.array([0.0, 0.0]), np.array([0.5, 0.5]), 2), [0.5, 0.5]
-    )
-
-
 def test_pd_ttft_is_prefill_plus_one_decode_step_and_tpot_the_step():
     arrival = np.array([0.0, 0.0])
-    ready = prefill_schedule(arrival, np.array([0.5, 0.5]), 1)  # 0.5, 1.0
+    ready = np.array([0.5, 1.0])  # one prefill lane, 0.5 s a prompt
     served = serve(
         arrival_s=arrival,
         prompt_len=np.array([100, 100]),
