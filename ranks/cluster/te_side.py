@@ -207,14 +207,10 @@ class JeReports:
 
     def lost(self, at_s: float, why: str) -> None:
         """To each JE still routing: its finishes not yet sent, then the loss (`TeLost`)."""
-        comm, sends = self.link.comm, self.owner.sends
         for je in self.grants.routing:
-            if self.rows[je]:
-                rows, self.rows[je] = tuple(self.rows[je]), []
-                sends.append(comm.isend(rows, dest=je, tag=TAG_CLUSTER_FINISHED))
-                self.num_sent[je] += 1
+            self._send_rows(je)
             message = TeLost(at_s=at_s, why=why, num_batches=self.num_sent[je])
-            sends.append(comm.isend(message, dest=je, tag=TAG_CLUSTER_TE_LOST))
+            self.owner.sends.append(self.link.comm.isend(message, dest=je, tag=TAG_CLUSTER_TE_LOST))
 
     def report(self, *, start_s: float, is_idle: bool) -> int:
         """For the current round (once; none once no JE routes): to each JE still routing its
@@ -222,12 +218,8 @@ class JeReports:
         grants = self.grants
         if not grants.routing or grants.round == self.reported:
             return 0
-        comm, sends = self.link.comm, self.owner.sends
         for je in grants.routing:
-            if self.rows[je]:
-                rows, self.rows[je] = tuple(self.rows[je]), []
-                sends.append(comm.isend(rows, dest=je, tag=TAG_CLUSTER_FINISHED))
-                self.num_sent[je] += 1
+            self._send_rows(je)
             report = ClockReport(
                 die_rank=self.link.rank,
                 seq=grants.seq[je],
@@ -235,9 +227,16 @@ class JeReports:
                 is_idle=is_idle,
                 num_batches=self.num_sent[je],
             )
-            sends.append(comm.isend(report, dest=je, tag=TAG_VTIME_CLOCK))
+            self.owner.sends.append(self.link.comm.isend(report, dest=je, tag=TAG_VTIME_CLOCK))
         self.reported = grants.round
         return 1
+
+    def _send_rows(self, je: int) -> None:
+        """JE `je`'s finishes not yet sent, in one message (counted)."""
+        if self.rows[je]:
+            rows, self.rows[je] = tuple(self.rows[je]), []
+            self.owner.sends.append(self.link.comm.isend(rows, dest=je, tag=TAG_CLUSTER_FINISHED))
+            self.num_sent[je] += 1
 
 
 def queue_routed(frontend, grant: Grant, routed_at: dict[int, float]) -> None:

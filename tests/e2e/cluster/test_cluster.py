@@ -47,6 +47,48 @@ def _ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout[-4000:] + result.stderr[-3000:]
 
 
+def run_mixed(out, *sets: str, name: str = "mixed"):
+    """configs/cluster.yaml (TEs 0 and 1 colocated, TE 2 a PD pair) serving 18 requests at 12/s
+    with `sets` on top: (the finished process, its run file or None)."""
+    result = subprocess.run(
+        [
+            str(XDS_MPI),
+            "run",
+            "cluster",
+            "--check",
+            *_sets(
+                f"run.output_dir={out}",
+                f"run.name={name}",
+                "run.timeout_s=240",
+                "workload.num_requests=18",
+                "workload.rate_per_s=12",
+                "workload.ignore_eos=true",
+                *sets,
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    path = out / f"{name}.h5"
+    return result, (h5py.File(path, "r") if path.exists() else None)
+
+
+def cluster_columns(run_file) -> dict:
+    """The run file's virtual columns and each request's TE and routing time."""
+    columns = _virtual_columns(run_file)
+    columns["cluster/te"] = run_file["cluster/te"][()]
+    columns["cluster/routed_s"] = run_file["cluster/routed_s"][()]
+    return columns
+
+
+def assert_same_columns(quiet: dict, loaded: dict) -> None:
+    assert quiet.keys() == loaded.keys()
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+
+
 def test_validate_shows_the_je_and_the_ranks_of_each_te():
     result = subprocess.run(
         [str(XDS_MPI), "validate", "colocated", "--brief", *CLUSTER],
@@ -94,14 +136,9 @@ def test_two_tes_check_against_the_reference_and_the_same_virtual_times_beside_b
         first = run_file["cluster/te_first_rank"][()]
         assert all(first[t] < d < first[t] + 3 for t, d in zip(te, die, strict=True))
         assert sorted(run_file["dies"]) == ["2", "3", "5", "6"]
-        columns = _virtual_columns(run_file)
-        columns["cluster/te"] = te
-        columns["cluster/routed_s"] = run_file["cluster/routed_s"][()]
-        runs.append(columns)
+        runs.append(cluster_columns(run_file))
     quiet, loaded = runs
-    assert quiet.keys() == loaded.keys()
-    for name in quiet:
-        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    assert_same_columns(quiet, loaded)
     # routed at the arrival: the JE never holds a request back
     assert np.array_equal(quiet["cluster/routed_s"], quiet["virtual/arrival_s"])
 
@@ -114,30 +151,10 @@ def test_a_pd_pair_and_two_colocated_tes_check_and_keep_their_virtual_times_besi
     runs = []
     for i, num_busy in enumerate((0, 2)):
         with busy_processes(num_busy):
-            result = subprocess.run(
-                [
-                    str(XDS_MPI),
-                    "run",
-                    "cluster",
-                    "--check",
-                    *_sets(
-                        f"run.output_dir={tmp_path / str(i)}",
-                        "run.name=mixed",
-                        "run.timeout_s=240",
-                        "workload.num_requests=18",
-                        "workload.rate_per_s=12",
-                        "workload.ignore_eos=true",
-                    ),
-                ],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=REPO_ROOT,
-            )
+            result, run_file = run_mixed(tmp_path / str(i))
         assert result.returncode == 0, _ok(result)
         assert check_line(result).startswith("check: 18 requests, ")
         assert check_line(result).endswith(" 0 mismatches")
-        run_file = h5py.File(tmp_path / str(i) / "mixed.h5", "r")
         assert run_file.attrs["world_size"] == 12
         assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["colocated"] * 2 + ["pd"]
         te = run_file["cluster/te"][()]
@@ -150,13 +167,8 @@ def test_a_pd_pair_and_two_colocated_tes_check_and_keep_their_virtual_times_besi
         die, first = run_file["requests/die_rank"][()], run_file["cluster/te_first_rank"][()]
         size = run_file["cluster/te_size"][()]
         assert all(first[t] < d < first[t] + size[t] for t, d in zip(te, die, strict=True))
-        columns = _virtual_columns(run_file)
-        columns["cluster/te"] = te
-        columns["cluster/routed_s"] = run_file["cluster/routed_s"][()]
-        runs.append(columns)
-    quiet, loaded = runs
-    for name in quiet:
-        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+        runs.append(cluster_columns(run_file))
+    assert_same_columns(*runs)
 
 
 def test_least_load_and_round_robin_route_a_long_request_then_short_ones_as_they_must(tmp_path):
@@ -216,32 +228,12 @@ def test_a_lost_te_s_unfinished_requests_are_routed_again_once_found_and_equal_t
 ):
     # configs/cluster.yaml with colocated TE 0 lost whole at virtual 2.5 s; the JE finds it at
     # 2.5 + health.timeout_s (1.5) + health.dp_interval_s (0.2) = 4.2 s.
-    result = subprocess.run(
-        [
-            str(XDS_MPI),
-            "run",
-            "cluster",
-            "--check",
-            *_sets(
-                f"run.output_dir={tmp_path}",
-                "run.name=lost",
-                "run.timeout_s=240",
-                "cluster.te_losses=[{te: 0, at_s: 2.5}]",
-                "health.timeout_s=1.5",
-                "workload.num_requests=18",
-                "workload.rate_per_s=12",
-                "workload.ignore_eos=true",
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
+    result, run_file = run_mixed(
+        tmp_path, "cluster.te_losses=[{te: 0, at_s: 2.5}]", "health.timeout_s=1.5", name="lost"
     )
     assert result.returncode == 0, _ok(result)
     assert check_line(result).startswith("check: 18 requests, ")
     assert check_line(result).endswith(" 0 mismatches")
-    run_file = h5py.File(tmp_path / "lost.h5", "r")
     cluster = run_file["cluster"]
     te, first = cluster["te"][()], cluster["first_te"][()]
     routed, finish = cluster["routed_s"][()], run_file["virtual/finish_s"][()]
@@ -360,9 +352,5 @@ def test_a_te_whose_die_is_lost_for_good_is_a_lost_te_and_keeps_its_virtual_time
         assert 1.0 <= lost_s < 1.5 and np.isclose(found_s, lost_s + 1.7)
         assert np.allclose(cluster["routed_s"][()][again], found_s)
         assert cluster["te_status"][0].decode().startswith("lost at ")
-        columns = _virtual_columns(run_file)
-        columns["cluster/te"], columns["cluster/routed_s"] = te, cluster["routed_s"][()]
-        runs.append(columns)
-    quiet, loaded = runs
-    for name in quiet:
-        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+        runs.append(cluster_columns(run_file))
+    assert_same_columns(*runs)

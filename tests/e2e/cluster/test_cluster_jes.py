@@ -9,39 +9,11 @@ from __future__ import annotations
 
 import subprocess
 
-import h5py
 import numpy as np
 from harness import REPO_ROOT, busy_processes
-from test_cluster import _ok
+from test_cluster import _ok, assert_same_columns, cluster_columns, run_mixed
 from test_serving import XDS_MPI, check_line
-from test_virtual_time import _sets, _virtual_columns
-
-
-def run_mixed(out, *sets: str) -> tuple[subprocess.CompletedProcess, h5py.File | None]:
-    """configs/cluster.yaml (two colocated TEs, one PD pair) with `sets`, its run file."""
-    result = subprocess.run(
-        [
-            str(XDS_MPI),
-            "run",
-            "cluster",
-            "--check",
-            *_sets(
-                f"run.output_dir={out}",
-                "run.name=jes",
-                "run.timeout_s=240",
-                "workload.num_requests=18",
-                "workload.rate_per_s=12",
-                "workload.ignore_eos=true",
-                *sets,
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
-    )
-    path = out / "jes.h5"
-    return result, (h5py.File(path, "r") if path.exists() else None)
+from test_virtual_time import _sets
 
 
 def test_validate_shows_the_jes_first_and_the_tes_after_them():
@@ -63,7 +35,7 @@ def test_two_jes_deal_in_arrival_order_route_in_turn_each_and_keep_their_virtual
     for i, num_busy in enumerate((0, 2)):
         with busy_processes(num_busy):
             result, run_file = run_mixed(
-                tmp_path / str(i), "cluster.num_jes=2", "cluster.policy=round_robin"
+                tmp_path / str(i), "cluster.num_jes=2", "cluster.policy=round_robin", name="jes"
             )
         assert result.returncode == 0, _ok(result)
         assert check_line(result).startswith("check: 18 requests, ")
@@ -83,13 +55,9 @@ def test_two_jes_deal_in_arrival_order_route_in_turn_each_and_keep_their_virtual
         size, te_all = cluster["te_size"][()], cluster["te"][()]
         assert all(first[t] < d < first[t] + size[t] for t, d in zip(te_all, die, strict=True))
         assert len(cluster["decisions/req_id"]) == 18  # both JEs' decision logs
-        columns = _virtual_columns(run_file)
-        columns["cluster/te"] = te_all
-        columns["cluster/routed_s"] = cluster["routed_s"][()]
-        runs.append(columns)
+        runs.append(cluster_columns(run_file))
     quiet, loaded = runs
-    for name in quiet:
-        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    assert_same_columns(quiet, loaded)
     # every request routed at its arrival: no JE held one back for the other
     assert np.array_equal(quiet["cluster/routed_s"], quiet["virtual/arrival_s"])
 
@@ -101,6 +69,7 @@ def test_three_jes_route_a_lost_te_s_requests_again_and_equal_the_reference(tmp_
         "cluster.num_jes=3",
         "cluster.te_losses=[{te: 0, at_s: 2.5}]",
         "health.timeout_s=1.5",
+        name="jes",
     )
     assert result.returncode == 0, _ok(result)
     assert check_line(result).endswith(" 0 mismatches")
