@@ -9,6 +9,8 @@ JE -> decode TE-shell -> decode die: TAG_PD_TASK (the PdTask; the TE-shell's bal
   virtual clock the JE sends the decode TE-shell `Promised` batches instead, and the decode
   TE-shell hands the tasks to the dies inside its grants (ranks/shell/pd_pacers.py).
 decode die -> decode TE-shell: TAG_PD_DONE (request ids finished: completions for balancing).
+decode TE-shell -> JE: TAG_PD_LOSS_BOUND (LossBound, virtual clock with a decode die that may be
+  lost: how early a decode loss could still send the JE a request to prefill again).
 decode die -> prefill die: TAG_PD_PULL (KvPull: the irecv is posted, send now; step 6).
 decode die -> JE: TAG_PD_TRANSFER (KvTransferDone: the transfer's numbers, for the TTFT split).
 prefill and decode die -> JE: TAG_PD_READY (None: built, the JE's clock may start).
@@ -82,3 +84,19 @@ class Promised:
 
     routed: tuple
     promise_s: float
+    num_losses: int = 0  # decode losses the JE has handled (their moved tasks are in, or before)
+
+
+# Virtual clock: the decode side's bound to the JE (ranks/core/tags.py keeps the other PD tags;
+# this one is free there: 211-218 are taken).
+TAG_PD_LOSS_BOUND = 219
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossBound:
+    """Virtual clock, decode TE-shell -> JE: no decode loss can send the JE a request to prefill
+    again that arrives before `bound_s` (virtual s: the earliest a decode die may still be lost,
+    plus the failover's price); valid once the JE has handled `num_losses` decode losses."""
+
+    bound_s: float
+    num_losses: int

@@ -12,6 +12,10 @@ a loss:
      the survivors' batch counts, so that the JE has their tokens before it moves them
      (ranks/recovery/je_decode_loss.py: re-routed when their prefill die still holds the KV, else
      prefilled again with the tokens emitted so far).
+On the virtual clock (run.clock virtual) the decode TE-shell's pacer does step 2 (it holds the
+balancer there, ranks/shell/pd_pacers.py DecodePacer.lose) and prices the failover as the
+colocated TE-shell does: the survivors resume at the fault plus FailoverCost, the time the JE
+moves the requests at (DecodeLoss.resumed_s).
 At the JE's stop the decode TE-shell hands the JE its detections and the dies' notes
 (DecodeBook): the JE holds the request records the failure records need.
 """
@@ -26,6 +30,7 @@ from ranks.core.tags import TAG_PD_DECODE_BOOK, TAG_PD_DECODE_LOST
 from ranks.recovery.detector import Detector, Loss, static_placement
 from ranks.recovery.scale_down import rebuild
 from ranks.recovery.watch import is_watched, watch_comm
+from xds_mpi.plan.failures.loss import FailoverCost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +44,7 @@ class DecodeLoss:
     before: int
     after: int
     detected_at: float
+    resumed_s: float = -1.0  # virtual clock: the survivors' resumption (-1: the wall clock)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,31 +84,52 @@ class DecodeWatch:
 
     def _scale_down(self, loss: Loss) -> None:
         shell, cfg = self.shell, self.shell.ctx.cfg
-        before = len(shell.balancer.groups)
+        pacer = shell.virtual
+        balancer = shell.balancer if pacer is None else pacer.balancer
+        before = len(balancer.groups)
         ready, _ = rebuild(self.comm, cfg, self.detector, loss, me="decode TE-shell")  # Step 1
         orphans: list[int] = []  # Step 2
-        for die in loss.lost:
-            orphans += shell.balancer.remove_group(die)
-        after = len(shell.balancer.groups)
+        priced = None  # virtual clock: (fault, resumption) s
+        if pacer is not None:
+            orphans, fault_s, resumed_s = pacer.lose(loss.lost, ready)
+            priced = (fault_s, resumed_s)
+            self._log_priced(fault_s, resumed_s)
+        else:
+            for die in loss.lost:
+                orphans += balancer.remove_group(die)
         message = DecodeLoss(
             lost=loss.lost,
             batches={g: r.num_batches for g, r in ready.items()},
             orphans=tuple(sorted(orphans)),
             before=before,
-            after=after,
+            after=len(balancer.groups),
             detected_at=loss.detected_at,
+            resumed_s=priced[1] if priced else -1.0,
         )
         self.sends.append(self.comm.isend(message, dest=JE, tag=TAG_PD_DECODE_LOST))
         recovery = (
-            f"vertical scaling: {before} -> {after} decode dies; {len(orphans)} requests moved "
-            "by the JE"
+            f"vertical scaling: {before} -> {message.after} decode dies; {len(orphans)} "
+            "requests moved by the JE"
         )
         if not loss.lost:  # a stuck die back within the grace (refused before launch in PD)
             recovery = (
                 f"buffers rebuilt on all {len(ready)} dies; the interrupted iteration recomputed"
             )
         shell.ctx.log.warning("decode failover: %s", recovery)
-        self.detector.recovered(loss, recovery, message.orphans)
+        detected_s = priced[0] + FailoverCost.of(cfg.health).detection_s if priced else -1.0
+        self.detector.recovered(loss, recovery, message.orphans, detected_s)
+
+    def _log_priced(self, fault_s: float, resumed_s: float) -> None:
+        cost = FailoverCost.of(self.shell.ctx.cfg.health)
+        self.shell.ctx.log.warning(
+            "decode failover on the virtual clock: fault at %.6f s; detection %g s, release %g "
+            "s, rebuild %g s (xds_mpi/plan/failures/loss.py); the survivors resume at %.6f s",
+            fault_s,
+            cost.detection_s,
+            cost.release_s,
+            cost.rebuild_s,
+            resumed_s,
+        )
 
     def close(self) -> None:
         """At the JE's stop (the dies' responders closed): the book to the JE, the pings done."""

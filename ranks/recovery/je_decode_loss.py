@@ -95,7 +95,12 @@ class DecodeLossWatch:
                 je.route_again(je.pd_book.tasks[req_id])
             else:
                 moved.prefilled.append(req_id)
-                je.watch.prefill(resumed(record))
+                if je.virtual is None:
+                    je.watch.prefill(resumed(record))
+                else:  # arriving at the JE when the decode failover ends
+                    je.virtual.prefill_again(resumed(record), loss.resumed_s)
+        if je.virtual is not None:  # the re-routed tasks go with the news (pd_pacers.py)
+            je.virtual.handled_loss()
         moved.handled_at = time.time()
         self.moved.append(moved)
         je.log.warning("decode failover (dies %s lost): %s", list(loss.lost), moved.recovery())

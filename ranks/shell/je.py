@@ -69,7 +69,7 @@ class JobExecutor(Frontend):
     def _dispatch_arrived(self) -> int:
         """Step 1 for arrived requests, step 4 for prefilled ones, and the transfers' numbers."""
         if self.virtual is not None:  # at virtual arrivals, the prefill TEs paced
-            return self.virtual.turn() + self._take_transfers()
+            return self.virtual.turn() + self._take_transfers() + self.decode_loss.poll()
         now, num = time.time() - self.started, 0
         while self.queue and self.queue[0].arrival_s <= now:
             req = self.queue.popleft()
