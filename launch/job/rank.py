@@ -15,6 +15,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +124,22 @@ def split_cluster(world: MPI.Comm, plan: DeploymentPlan) -> tuple[MPI.Comm, Clus
     )
 
 
+def unreceived(comm: MPI.Comm) -> list[str]:
+    """The messages sent to this rank on `comm` that it never received, taken now (MPI_Finalize
+    fails on one, and hydra then kills the job with SIGKILL, saying nothing of why): "from rank
+    R, tag T (its type)"."""
+    found, status = [], MPI.Status()
+    while comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+        data = bytearray(status.Get_count(MPI.BYTE))
+        comm.Recv(data, source=status.source, tag=status.tag)
+        try:
+            kind = type(pickle.loads(data)).__name__
+        except Exception:  # a raw buffer (Send), not a pickled object
+            kind = f"{len(data)} bytes"
+        found.append(f"from rank {status.source}, tag {status.tag} ({kind})")
+    return found
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world = MPI.COMM_WORLD
@@ -167,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         weights.free()  # collective over the world, once every rank's program ended
     faulthandler.cancel_dump_traceback_later()
     write_rank_stats(world.rank, role, core)
+    if left := unreceived(world):
+        log.error(
+            "message(s) sent to this rank and never received (a protocol's end misses a "
+            "receive; MPI_Finalize would fail on them): %s",
+            "; ".join(left),
+        )
+        exit_code = exit_code or 1
     if exit_code:
         sys.exit(exit_code)  # after every collective: mpi4py turns it into the job's exit code
 
