@@ -63,8 +63,9 @@ class DieWatch(Protocol):
     def idle(self) -> None:
         """A turn of a die that is out of the iterations."""
 
-    def close(self) -> None:
-        """Before the dies' last collective with the watcher."""
+    def close(self, *, last: bool = True) -> None:
+        """Before the dies' last collective with the watcher; `last`: with the last answer the
+        watcher waits for (a lost die leaving sends none)."""
 
 
 class DieRecompute(Protocol):
@@ -152,7 +153,7 @@ class DecodeDieLoop:
         """A lost die at the job's end: its own sends completed, what the TE-shell sent it
         meanwhile (requests, pings) taken, no collective."""
         self.drain()
-        self.health.close()
+        self.health.close(last=False)
         while (message := self.world.improbe(source=SHELL, tag=MPI.ANY_TAG)) is not None:
             message.recv()
 

@@ -182,12 +182,13 @@ class Detector:
         return with_timeouts(records, recovery or {}, self.roles, started)
 
     def close(self) -> None:
-        """After the dies' responders closed: free the window with them (not after a failover:
-        it spans the lost dies), complete the pings."""
+        """As the dies close: free the window with them (not after a failover: it spans the
+        lost dies), take every live die's answers up to its last, complete the pings."""
         self._take_notes()
         if not self.detections:
             self.fence_mem.free()
-        self.sender.close(timeout_s=self.ctx.cfg.xccl.poll_timeout_s)
+        self.sender.close(timeout_s=self.ctx.cfg.xccl.poll_timeout_s, last_from=self.groups)
+        self._take_notes()  # sent before their last answers
 
     def _take_notes(self) -> None:
         while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_FAILURE_BEGAN)) is not None:

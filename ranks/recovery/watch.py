@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ranks.core.control import wait_all
+from ranks.core.control import WaitTimeout, wait_all
 from ranks.core.messages import SHELL, FaultBegan
 from ranks.core.tags import (
     TAG_FAILOVER,
@@ -51,6 +51,12 @@ class Ping:
 class Pong:
     seq: int
     status: object = None
+
+
+# A responder's last answer (`HeartbeatResponder.close(last=True)`): nothing follows it, and it
+# comes after every answer before it (one sender, one tag), so a sender that takes it from each
+# target leaves none of their answers unreceived, with or without a collective after it.
+LAST_SEQ = -1
 
 
 # A target is silent once it has not answered for PACE_FACTOR x the longest gap seen between two
@@ -162,15 +168,30 @@ class HeartbeatSender:
         if self.counted_from is None or began >= self.counted_from:
             self.pace_s = max(self.pace_s, now - began)
 
-    def close(self, *, timeout_s: float) -> None:
-        """After the responders stopped answering (the caller's last collective): take the
-        answers still queued and complete the pings within `timeout_s`, so nothing is left
+    def close(self, *, timeout_s: float, last_from: Sequence[int] = ()) -> None:
+        """After the responders stopped answering (the caller's last collective), or with
+        `last_from`, until each of those targets' last answer came (they close after the caller,
+        with no collective between: a PD decode TE-shell's dies, a failover's survivors): take
+        the answers still queued and complete the pings within `timeout_s`, so nothing is left
         pending at finalize."""
-        # One probe for any answer, as in `tick` (lost targets' answers too).
-        while (msg := self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_HEARTBEAT_ACK)) is not None:
-            msg.recv()
-        targets, pings = list(self.in_flight), list(self.in_flight.values())
         me = f"rank {self.comm.rank}"
+        deadline = time.monotonic() + timeout_s
+        waiting, status = set(last_from), MPI.Status()
+        while True:  # one probe for any answer, as in `tick` (lost targets' answers too)
+            msg = self.comm.improbe(source=MPI.ANY_SOURCE, tag=TAG_HEARTBEAT_ACK, status=status)
+            if msg is not None:
+                if msg.recv().seq == LAST_SEQ:
+                    waiting.discard(status.Get_source())
+            elif not waiting:
+                break
+            elif time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"{me}: no last heartbeat answer from die rank(s) {sorted(waiting)} after "
+                    f"{timeout_s:g} s (the end of the run)"
+                )
+            else:
+                time.sleep(0.0005)
+        targets, pings = list(self.in_flight), list(self.in_flight.values())
         wait_all(pings, timeout_s=timeout_s, me=me, event="heartbeat pings", peers=targets)
         self.in_flight = {}
 
@@ -199,12 +220,16 @@ class HeartbeatResponder:
             self.unanswered = None
             self.answered += 1
 
-    def close(self, *, timeout_s: float) -> None:
+    def close(self, *, timeout_s: float, last: bool = False) -> None:
         """Take the pings still queued unanswered and complete the answers sent within
         `timeout_s` (call before the owner's last collective, so the sender's `close` after it
-        finds every answer)."""
+        finds every answer); `last`: end with the last answer (LAST_SEQ), which the sender's
+        `close(last_from=...)` waits for."""
         while (msg := self.comm.improbe(source=self.source, tag=TAG_HEARTBEAT)) is not None:
             msg.recv()
+        if last:
+            pong = Pong(seq=LAST_SEQ)
+            self.pending.append(self.comm.isend(pong, dest=self.source, tag=TAG_HEARTBEAT_ACK))
         wait_all(
             self.pending,
             timeout_s=timeout_s,
@@ -303,10 +328,12 @@ class DieHealth:
         self.pending = [r for r in self.pending if not r.Test()]
         time.sleep(0.002)
 
-    def close(self) -> None:
-        """Before the dies' last collective with the TE-shell."""
+    def close(self, *, last: bool = True) -> None:
+        """Before the dies' last collective with the TE-shell: the fault notes, then the
+        answers, the last one too (`last`; a lost die leaving sends none: the watcher forgot
+        it)."""
         timeout_s = self.close_timeout_s
-        self.responder.close(timeout_s=timeout_s)
         event = f"fault notes to rank {self.shell}"
         wait_all(self.pending, timeout_s=timeout_s, me=f"die rank {self.rank}", event=event)
         self.pending = []
+        self.responder.close(timeout_s=timeout_s, last=last)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 from mpi4py import MPI
 
+from ranks.core.control import WaitTimeout
 from ranks.core.tags import TAG_HEARTBEAT, TAG_HEARTBEAT_ACK
-from ranks.recovery.watch import HeartbeatResponder, HeartbeatSender
+from ranks.recovery.watch import LAST_SEQ, HeartbeatResponder, HeartbeatSender, Pong
 
 
 @pytest.fixture
@@ -63,6 +64,19 @@ def test_a_responder_answers_the_newest_ping_once_a_turn(comm):
     assert answers_queued(comm) == [] and responder.answered == 2
     responder.close(timeout_s=5)
     assert MPI.Request.Testall(pings)  # every ping was taken
+
+
+def test_a_sender_closing_waits_for_each_target_s_last_answer_and_takes_all_before_it(comm):
+    # A PD decode TE-shell closes before its dies do, with no collective after: an answer
+    # a die sent after the shell's close was left unreceived, and MPI_Finalize failed on it.
+    sender = HeartbeatSender(comm, [0], interval_s=1.0, timeout_s=10)
+    sender.tick(0.0)
+    assert pings_queued(comm) == [1]  # the target took it
+    with pytest.raises(WaitTimeout, match=r"no last heartbeat answer from die rank\(s\) \[0\]"):
+        sender.close(timeout_s=0.2, last_from=[0])
+    answers = [comm.isend(Pong(seq=seq), dest=0, tag=TAG_HEARTBEAT_ACK) for seq in (1, LAST_SEQ)]
+    sender.close(timeout_s=5, last_from=[0])
+    assert MPI.Request.Testall(answers) and answers_queued(comm) == []
 
 
 def test_silent_names_the_targets_unheard_for_longer_than_the_patience(comm):
