@@ -15,6 +15,9 @@ TAG_CANCEL = 206
 TAG_PD_PREFILLED, TAG_PD_TASK, TAG_PD_PULL, TAG_PD_TRANSFER = 211, 212, 213, 214
 TAG_PD_ABORT, TAG_PD_ABORT_ACK = 215, 216
 TAG_PD_READY, TAG_PD_DONE = 217, 218
+# Virtual clock, a decode die that may be lost: the decode TE-shell's bound to the JE
+# (ranks/shell/pd_pacers.py).
+TAG_PD_LOSS_BOUND = 219
 # Weights at scale-out (ranks/core/weights_window.py): TE-shell -> standby die, where to pull
 # them from; die -> TE-shell, what it moved.
 TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED = 221, 222

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ranks.core.tags import (  # noqa: F401
     TAG_PD_DONE,
+    TAG_PD_LOSS_BOUND,
     TAG_PD_PREFILLED,
     TAG_PD_PULL,
     TAG_PD_READY,
@@ -85,11 +86,6 @@ class Promised:
     routed: tuple
     promise_s: float
     num_losses: int = 0  # decode losses the JE has handled (their moved tasks are in, or before)
-
-
-# Virtual clock: the decode side's bound to the JE (ranks/core/tags.py keeps the other PD tags;
-# this one is free there: 211-218 are taken).
-TAG_PD_LOSS_BOUND = 219
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -226,6 +226,8 @@ class JobExecutor(Frontend):
             event="stop",
         )
         self.decode_loss.take_book()
+        if self.virtual is not None:  # the decode side's last bounds came before its book
+            self.virtual.take_last_bounds()
         self.pd_book.reports = recv_from_each(
             self.comm, prefill, tag=TAG_REPORT, timeout_s=timeout_s, me="JE", event="prefill report"
         )

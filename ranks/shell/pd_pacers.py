@@ -173,6 +173,11 @@ class PrefillPacer(GrantRounds):
         self.je.queue.clear()
         self.je.queue.extend(queue)
 
+    def take_last_bounds(self) -> None:
+        """After the decode TE-shell's book, which it sends after its last bound: every bound
+        taken, so that none is left unmatched (MPI_Finalize fails on one)."""
+        self._take_bounds()
+
     def handled_loss(self) -> None:
         """A decode loss's requests moved (re-routed tasks in `outgoing`, the rest queued): the
         decode TE-shell learns it with them, and the bounds that follow the loss count."""
@@ -383,6 +388,18 @@ class DecodePacer(GrantRounds):
         waiting = [max(task.end_v, floor_s) for task in self.queue]
         landing = self.landing[0][0] if self.landing else INF
         return min([busy_s, landing, *waiting])
+
+    def finish(self, timeout_s: float) -> None:
+        """At the end: the dies' last reports, and the JE's last promise, sent before its stop
+        (left unmatched, it would fail MPI_Finalize); a task in it would be a request lost."""
+        super().finish(timeout_s)
+        num_tasks = self.num_tasks
+        self._take_tasks()
+        if self.num_tasks != num_tasks:
+            raise RuntimeError(
+                f"decode TE-shell: {self.num_tasks - num_tasks} task(s) routed by the JE after "
+                "its stop"
+            )
 
     def _take_tasks(self) -> int:
         num = 0

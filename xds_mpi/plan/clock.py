@@ -6,8 +6,9 @@ the dies a horizon and decides each arrival at its virtual time (ranks/shell/vir
 ranks/core/virtual_time.py; afd's attention and expert dies agree on the common start as the
 colocated dies do, ranks/afd/common.py); and for PD (colocated or afd decode dies) with a decode
 TE-shell: the JE paces the prefill TEs, the decode TE-shell the decode dies
-(ranks/shell/pd_pacers.py), fault-free or with transient XCCL faults on the decode dies (their
-rollbacks are priced on the dies' clocks, ranks/recovery/recompute.py); PD's other faults act on
+(ranks/shell/pd_pacers.py), fault-free, with transient XCCL faults on the decode dies (their
+rollbacks are priced on the dies' clocks, ranks/recovery/recompute.py) or with colocated decode
+dies lost for good (their failover priced as the colocated TE-shell's); PD's other faults act on
 the wall clock. The rest still takes requests when they arrive on the wall clock,
 and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in it. `auto`
 picks virtual where it is built; an explicit `virtual` anywhere else is refused, naming the key.
@@ -71,10 +72,11 @@ def _why_wall_pd(cfg: Config) -> str:
     if cfg.deployment.num_host_ranks != 2:
         return "PD without a decode TE-shell rank (deployment.num_host_ranks 1)"
     faults = cfg.faults
-    if faults.events:
+    if faults.events and not _decode_loss_for_good(cfg):
         return (
-            "PD with faults.events (decode and prefill losses, link and saturated KV paths: "
-            "detected, re-routed and prefilled again on the wall clock)"
+            "PD with faults.events other than colocated decode dies lost for good (prefill "
+            "losses, a stuck decode die that may come back, link and saturated KV paths, a "
+            "cluster's PD pair: detected, re-routed and prefilled again on the wall clock)"
         )
     if any(row.op in KV_OPS for row in faults.table) or (
         faults.rate and set(faults.ops) & set(KV_OPS)
@@ -84,3 +86,22 @@ def _why_wall_pd(cfg: Config) -> str:
             "faults.ops, on p2p_send or p2p_recv: their senders retry on the wall clock)"
         )
     return ""
+
+
+def _decode_loss_for_good(cfg: Config) -> bool:
+    """Every faults.events row loses a colocated decode die for good (dead, or stuck with
+    duration_s 0), outside a cluster: the decode TE-shell's pacer drops and prices it, and
+    bounds what the JE promises meanwhile (ranks/shell/pd_pacers.py)."""
+    # Lazy import: the topology's module imports the plan package this module belongs to.
+    from xds_mpi.plan.topology import Topology
+
+    if cfg.cluster.num_tes > 1:
+        return False
+    ranks = Topology.from_config(cfg).ranks
+    return all(
+        row.kind in ("dead", "stuck")
+        and row.duration_s == 0
+        and 0 <= row.die < len(ranks)
+        and ranks[row.die].role == "colocated"
+        for row in cfg.faults.events
+    )

@@ -153,10 +153,12 @@ def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_n
 ):
     # Stuck inside its dispatch: never answers again, so the verdict is "dead"; the survivors
     # waiting for it echo the prefill dies' dummies late until released, which the JE puts
-    # down to the loss ([record] in lost_die: no false saturated / link verdict).
-    record, out = lost_die(tmp_path, "{kind: stuck, die: 4, iteration: 2}")
+    # down to the loss ([record] in lost_die: no false saturated / link verdict). On the
+    # virtual clock (a decode die lost for good) at 0.3 s: die 3 holds a request then (die 4 at
+    # its iteration 2, as on the wall clock before, held none).
+    record, out = lost_die(tmp_path, "{kind: stuck, die: 3, at_s: 0.3}")
     assert record.kind == "stuck"
-    assert_detected(record, 4, "dead")
+    assert_detected(record, 3, "dead")
     assert sum(moved(record)) == len(record.requests_affected) >= 1, out[-3000:]
 
 

@@ -1,18 +1,25 @@
 """PD on the virtual clock (docs/virtual_time.md "PD"): a lone request's virtual TTFT is exactly
 its priced parts (prefill, KV transfer over the pair's link, first decode step), an hour's gap
 is warped over, the decode TE-shell holds tasks back while the decode dies' KV is full (no die
-defers a receive), and the virtual columns are the same beside busy processes."""
+defers a receive), the virtual columns are the same beside busy processes, and a decode die lost
+for good is failed over on the virtual clock: its request prefilled again at the fault plus the
+failover's price, the same beside busy processes."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
-from harness import busy_processes
+from harness import REPO_ROOT, busy_processes
 from test_serving import check_line
 from test_serving_pd import explain, serve
 from test_virtual_time import _virtual_columns
+
+from xds_mpi.config.schema import load_config
+from xds_mpi.plan.failures.loss import FailoverCost
+from xds_mpi.results.failures import read_failures
 
 
 def _jsonl(tmp_path, lines: list[dict]) -> list[str]:
@@ -89,3 +96,52 @@ def test_decode_backpressure_on_the_virtual_clock_and_the_same_times_beside_busy
     assert quiet.keys() == loaded.keys()
     for name in quiet:
         assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+
+
+@pytest.mark.failure_matrix
+def test_a_decode_die_lost_for_good_fails_over_on_the_virtual_clock_the_same_beside_busy_processes(
+    tmp_path,
+):
+    # configs/pd.yaml (2 prefill dies -> 4 colocated decode dies, ring replicas), decode die 3
+    # dead at 0.3 s virtual: its request is prefilled again, arriving when the failover ends.
+    # Before, such a run stayed on the wall clock; built first, 2 of 3 runs then ended with a
+    # rank killed: the decode TE-shell left the JE's last promise unreceived, and MPI_Finalize
+    # failed on it (DecodePacer.finish now takes it).
+    health = (
+        "health.replicas=ring",
+        "deployment.redundant_slots_per_die=4",
+        "health.timeout_s=4",
+        "health.probe_timeout_s=10",
+    )
+    sets = (
+        "faults.events=[{kind: dead, die: 3, at_s: 0.3}]",
+        *health,
+        "workload.num_requests=6",
+        "workload.output_len=10",
+        "workload.max_output_len=10",
+    )
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        with busy_processes(num_busy):
+            result, run_file = serve(tmp_path / f"run{i}", *sets)
+        assert result.returncode == 0, explain(result)
+        assert check_line(result) == "check: 6 requests, 60 tokens, 0 mismatches"
+        assert run_file["summary"].attrs["serving_clock"] == "virtual"
+        out = result.stdout + result.stderr
+        runs.append((_virtual_columns(run_file), read_failures(run_file), out))
+    (quiet, [record], out), (loaded, [record_loaded], _) = runs
+    assert quiet.keys() == loaded.keys()
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    assert record.detected_virtual_s == record_loaded.detected_virtual_s
+    assert (record.die, record.verdict) == (3, "dead") and record.requests_affected
+    cost = FailoverCost.of(load_config(REPO_ROOT / "configs" / "pd.yaml", list(health)).health)
+    [logged] = re.findall(r"decode failover on the virtual clock: fault at (\S+) s", out)
+    fault_s = float(logged)
+    assert 0.3 <= fault_s == pytest.approx(record.injected_virtual_s, abs=1e-5)
+    assert record.detected_virtual_s == pytest.approx(fault_s + cost.detection_s, abs=1e-5)
+    resumed_s = fault_s + cost.total_s
+    decided = quiet["virtual/decided_s"]
+    for req_id in record.requests_affected:  # prefilled again, arriving at the resumption
+        assert decided[req_id] == pytest.approx(resumed_s, abs=1e-5), req_id
+    assert quiet["virtual/finish_s"].min() > resumed_s  # the survivors waited it out too
