@@ -149,10 +149,11 @@ class Planner:
         return self._transfers[kv_int8]
 
     def _prefill_ends(self, c: Candidate) -> np.ndarray:
-        """Each request's prefill end on c's prefill TEs; decode does not change it, so one
-        replay serves every candidate with the same prefill TEs and rule."""
+        """Each request's prefill end on c's prefill TEs (with c's MTP modules); decode does not
+        change it, so one replay serves every candidate with the same prefill TEs, MTP depth and
+        rule."""
         rule = self.prefill_rule(c)
-        key = (c.num_prefill_tes, c.prefill_te_dies, c.prefill_tp, rule)
+        key = (c.num_prefill_tes, c.prefill_te_dies, c.prefill_tp, c.mtp_depth, rule)
         if key not in self._prefills:
             self._prefills[key] = prefill_batches(
                 self.w.arrival_s,
@@ -160,7 +161,7 @@ class Planner:
                 num_tes=c.num_prefill_tes,
                 groups_per_te=c.prefill_te_dies // c.prefill_tp,
                 rule=rule,
-                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile),
+                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile, c.mtp_depth),
             )
         return self._prefills[key]
 
