@@ -8,6 +8,7 @@ PERCENTILE_GOAL and at most FLIP_GOAL of the requests flip."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +29,10 @@ class Quantile:
 
     @property
     def error(self) -> float:
-        """planned / emulated - 1."""
+        """planned / emulated - 1 (a TPOT of 0, every token in one MTP step: 0 if both are,
+        inf if only the emulated one is)."""
+        if self.emulated == 0:
+            return 0.0 if self.planned == 0 else math.inf
         return self.planned / self.emulated - 1.0
 
 

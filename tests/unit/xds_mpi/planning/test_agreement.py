@@ -45,3 +45,11 @@ def test_the_same_samples_agree_and_an_empty_tpot_is_nan():
     assert a.ttft_p50.error == 0.0 and a.num_flips == 0
     assert math.isnan(a.tpot_p99.error)
     assert a.is_met
+
+
+def test_a_zero_emulated_tpot_is_no_division():
+    # two-token outputs with MTP: both tokens in one step, TPOT 0
+    run = served([0.2, 0.4], [0.0, 0.0])
+    assert agreement(run, run, SLO).tpot_p50.error == 0.0
+    a = agreement(served([0.2, 0.4], [0.01, 0.01]), run, SLO)
+    assert a.tpot_p50.error == math.inf and not a.is_met
