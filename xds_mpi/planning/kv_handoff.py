@@ -70,13 +70,7 @@ class KvHandoff:
             )
             for i in order
         )
-        self.balancer = DecodeBalancer(
-            range(num_groups),
-            max_batch=max_batch,
-            kv_capacity_tokens=UNBOUNDED,
-            block_tokens=balance.block_tokens,
-            mtp_depth=balance.mtp_depth,
-        )
+        self.balancer = HeapBalancer(range(num_groups), max_batch=max_batch, balance=balance)
         self.transfer_s = transfer_s
         self.completions = Completions()
         self.landing: list[tuple[float, int, int]] = []  # heap: (KV lands s, req_id, group)
@@ -117,6 +111,47 @@ class KvHandoff:
         if not self.queue or self.is_blocked:
             return lands
         return min(lands, max(self.queue[0].arrival_s, self.decided_s))
+
+
+class HeapBalancer(DecodeBalancer):
+    """`DecodeBalancer`'s picks (the open group with the least KV reserved, then the fewest
+    requests, then the lowest index), found in a heap instead of a scan of every group: a pod's
+    afd decode has 480 groups and a burst 46,080 requests. A group's key is pushed whenever it
+    changes; entries whose key is no longer the group's are skipped, and so is a full group
+    until a finish pushes it again. KV capacity is unbounded (the replay checks no KV memory),
+    so only the batch limit closes a group."""
+
+    def __init__(self, groups, *, max_batch: int, balance: Balance) -> None:
+        super().__init__(
+            groups,
+            max_batch=max_batch,
+            kv_capacity_tokens=UNBOUNDED,
+            block_tokens=balance.block_tokens,
+            mtp_depth=balance.mtp_depth,
+        )
+        self._keys = [(0, 0, g) for g in self.groups]  # heap: (reserved, pending, group)
+        heapq.heapify(self._keys)
+
+    def pick(self, req: Request) -> int | None:
+        while self._keys:
+            reserved, pending, group = self._keys[0]
+            is_current = (reserved, pending) == (self.reserved[group], self.num_pending[group])
+            if is_current and pending < self.max_batch:
+                return group
+            heapq.heappop(self._keys)
+        return None
+
+    def on_dispatch(self, group: int, req: Request) -> None:
+        super().on_dispatch(group, req)
+        self._push(group)
+
+    def on_complete(self, req_id: int) -> int:
+        group = super().on_complete(req_id)
+        self._push(group)
+        return group
+
+    def _push(self, group: int) -> None:
+        heapq.heappush(self._keys, (self.reserved[group], self.num_pending[group], group))
 
 
 @dataclass(frozen=True, kw_only=True)

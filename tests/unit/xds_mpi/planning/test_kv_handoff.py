@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xds_mpi.planning.kv_handoff import Balance, KvHandoff, batch_of
+from xds_mpi.planning.kv_handoff import UNBOUNDED, Balance, HeapBalancer, KvHandoff, batch_of
 from xds_mpi.planning.queue import serve
+from xds_mpi.scheduling.balancer import DecodeBalancer
+from xds_mpi.workload.requests import Request
 
 STEP_S = 0.1
 
@@ -104,3 +106,31 @@ def test_batch_of_takes_the_fullest_group_and_its_kv():
     b = batch_of(np.array([0, 1, 1, 2, 2]), np.array([900.0, 100, 300, 50, 50]), 4)
     # groups 1 and 2 hold two each; group 1's mean KV (200) is the longer
     assert (b.fullest, b.kv_len, b.mean) == (2, pytest.approx(200.0), pytest.approx(1.25))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_heap_balancer_picks_as_the_emulator_s_balancer(seed):
+    # the same random dispatches and finishes on both: every pick the same, full pods included
+    rng = np.random.default_rng(seed)
+    balance = Balance(block_tokens=16, mtp_depth=1)
+    fast = HeapBalancer(range(7), max_batch=3, balance=balance)
+    reference = DecodeBalancer(
+        range(7), max_batch=3, kv_capacity_tokens=UNBOUNDED, block_tokens=16, mtp_depth=1
+    )
+    held: list[int] = []
+    for req_id in range(400):
+        if held and rng.random() < 0.45:
+            done = held.pop(int(rng.integers(len(held))))
+            assert fast.on_complete(done) == reference.on_complete(done)
+            continue
+        req = Request(
+            req_id=req_id,
+            prompt=range(int(rng.integers(1, 200))),
+            max_new_tokens=int(rng.integers(1, 50)),
+        )
+        group = reference.pick(req)
+        assert fast.pick(req) == group, req_id
+        if group is not None:
+            fast.on_dispatch(group, req)
+            reference.on_dispatch(group, req)
+            held.append(req_id)
