@@ -7,7 +7,9 @@ dies and the prefill TEs' dies scaled by the same factor (at least one TP group)
 attention die per DP domain, as many expert dies, and one prefill die (configs/pd_afd.yaml).
 The window's first requests arrive at the rate x the factor (decode DP groups reduced / full),
 their lengths x --verify-length-scale (the tiny model serves them at those lengths, which the
-dies' clocks price)."""
+dies' clocks price). Each row: goodput planned and emulated (goal: within GOODPUT_GOAL), and
+the latency distributions' agreement (xds_mpi/planning/agreement.py: TTFT and TPOT p50 and p99,
+the requests whose SLO verdict flips)."""
 
 from __future__ import annotations
 
