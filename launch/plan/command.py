@@ -77,7 +77,12 @@ def add_parser(sub) -> None:
         metavar="N",
         help="run the top N by emulation at a reduced width (0)",
     )
-    p.add_argument("--verify-requests", type=int, default=8, help="requests per emulation (8)")
+    p.add_argument(
+        "--verify-requests",
+        type=int,
+        default=100,
+        help="requests per emulation (100: goodput on a few moves in steps of one request)",
+    )
     p.add_argument(
         "--verify-length-scale",
         type=float,

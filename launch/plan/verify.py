@@ -7,7 +7,9 @@ dies and the prefill TEs' dies scaled by the same factor (at least one TP group)
 attention die per DP domain, as many expert dies, and one prefill die (configs/pd_afd.yaml).
 The window's first requests arrive at the rate x the factor (decode DP groups reduced / full),
 their lengths x --verify-length-scale (the tiny model serves them at those lengths, which the
-dies' clocks price)."""
+dies' clocks price). Each row: goodput planned and emulated (goal: within GOODPUT_GOAL), and
+the latency distributions' agreement (xds_mpi/planning/agreement.py: TTFT and TPOT p50 and p99,
+the requests whose SLO verdict flips)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from launch.report.tables import format_table
 from launch.serve.bench import run_launcher
+from xds_mpi.planning.agreement import FLIP_GOAL, PERCENTILE_GOAL, Quantile, agreement
 from xds_mpi.planning.candidates import Candidate
 from xds_mpi.planning.costs import base_config
 from xds_mpi.planning.frontier import Outcome, outcome
@@ -33,6 +36,7 @@ from xds_mpi.planning.workload import PlanWorkload
 DECODE_DIES = 2
 CHUNK_TOKENS = 256  # the reduced runs' prefill chunk, planned and emulated alike
 KV_BLOCK_TOKENS = 16
+GOODPUT_GOAL = 0.10  # issue 63: planned goodput within 10 % of the emulated
 
 
 def reduced(c: Candidate) -> tuple[Candidate, str, float]:
@@ -226,12 +230,12 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
         except (RuntimeError, OSError, KeyError) as exc:
             print(f"plan: verify {n}: emulation failed: {exc}")
             planned = _small(planner, w, base, planner.accept).price(r)[1]
-            rows.append(_row(n, p, r, planned, None, planner))
+            rows.append(_row(n, p, r, planned, None, None))
             continue
         # like with like: the tiny model's dies accept fewer drafts than the pod's --accept,
         # and each request its own share (its tokens decide how many steps it takes)
         accept = planner.accept if run.accept is None else run.accept
-        planned = _small(planner, w, base, accept).price(r, run.tokens_per_step)[1]
+        planned_served, planned = _small(planner, w, base, accept).price(r, run.tokens_per_step)
         chips = r.chips(planner.dies_per_chip)
         emulated = outcome(
             run.served,
@@ -240,22 +244,14 @@ def verify(args: argparse.Namespace, planner: Planner, top: list[Priced], out: P
             chips=chips,
             slo=planner.slo,
         )
-        rows.append(_row(n, p, r, planned, emulated, planner))
+        a = agreement(planned_served, run.served, planner.slo)
+        rows.append(_row(n, p, r, planned, emulated, a))
     print("\nplanned vs emulated at the reduced width (virtual clock):")
+    print(format_table(HEADER, rows))
     print(
-        format_table(
-            [
-                "#",
-                "candidate",
-                "reduced",
-                "goodput planned",
-                "emulated",
-                "error",
-                "TTFT p99 planned / emulated s",
-                "TPOT p99 planned / emulated ms",
-            ],
-            rows,
-        )
+        f"goodput: MISS beyond {GOODPUT_GOAL:.0%}; distributions (TTFT, TPOT p50 and p99: "
+        f"planned / emulated - 1; verdict flips: requests met in one and missed in the other): "
+        f"MISS beyond {PERCENTILE_GOAL:.0%} or {FLIP_GOAL:.0%} flipped"
     )
 
 
@@ -273,31 +269,42 @@ def _small(planner: Planner, w: PlanWorkload, base: str, accept: float) -> Plann
     )
 
 
-def _row(n, p: Priced, r: Candidate, planned: Outcome, emulated: Outcome | None, planner):
+HEADER = [
+    "#",
+    "candidate",
+    "reduced",
+    "goodput planned / emulated",
+    "error",
+    "TTFT p50 | p99 s planned / emulated (error)",
+    "TPOT p50 | p99 ms planned / emulated (error)",
+    "verdict flips",
+    "distributions",
+]
+
+
+def _row(n, p: Priced, r: Candidate, planned: Outcome, emulated: Outcome | None, a):
     if emulated is None:
-        return [
-            str(n),
-            p.candidate.label,
-            r.label,
-            f"{planned.goodput_per_chip:.4f}",
-            "failed",
-            "",
-            f"{planned.ttft_p99_s:.3f} / -",
-            f"{planned.tpot_p99_s * 1e3:.1f} / -",
-        ]
+        failed = [f"{planned.goodput_per_chip:.4f} / failed"] + [""] * (len(HEADER) - 4)
+        return [str(n), p.candidate.label, r.label, *failed]
     err = (
         planned.goodput_per_chip / emulated.goodput_per_chip - 1
         if emulated.goodput_per_chip
         else float("nan")
     )
-    miss = "" if abs(err) <= 0.10 else " MISS"
+    miss = "" if abs(err) <= GOODPUT_GOAL else " MISS"
     return [
         str(n),
         p.candidate.label,
         r.label,
-        f"{planned.goodput_per_chip:.4f}",
-        f"{emulated.goodput_per_chip:.4f}",
+        f"{planned.goodput_per_chip:.4f} / {emulated.goodput_per_chip:.4f}",
         f"{err:+.0%}{miss}",
-        f"{planned.ttft_p99_s:.3f} / {emulated.ttft_p99_s:.3f}",
-        f"{planned.tpot_p99_s * 1e3:.1f} / {emulated.tpot_p99_s * 1e3:.1f}",
+        f"{_pair(a.ttft_p50, '.3f', 1)} | {_pair(a.ttft_p99, '.3f', 1)}",
+        f"{_pair(a.tpot_p50, '.1f', 1e3)} | {_pair(a.tpot_p99, '.1f', 1e3)}",
+        f"{a.num_flips}/{a.num_requests} ({a.flip_share:.0%})",
+        "agree" if a.is_met else "MISS",
     ]
+
+
+def _pair(q: Quantile, fmt: str, unit: float) -> str:
+    """'planned / emulated (error)' in seconds x unit."""
+    return f"{q.planned * unit:{fmt}} / {q.emulated * unit:{fmt}} ({q.error:+.0%})"

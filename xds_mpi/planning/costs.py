@@ -18,10 +18,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from xccl.vclock import LinkModel
+from xccl.vclock import LinkModel, VirtualClock
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import Config, load_config
+from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.plan.kv_memory import projected_kv_bytes
 from xds_mpi.planning.die_step import DieStep
@@ -146,14 +147,17 @@ def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> Pref
 class PrefillPass:
     """One prefill DP group's pass over pieces of several prompts, as the dies' Pricer prices it
     (`RequestPricer.pass_s` over each piece's causal chunks in one pass): the batch's rows share
-    the pass's fixed costs and its MoE, each prompt's attention stays its own."""
+    the pass's fixed costs and its MoE, each prompt's attention stays its own. With MTP the
+    prefill dies also run each MTP module over the pass's rows (xds_mpi/execution/executor.py
+    `_draft`), which `pass_s` leaves out: `mtp_s` adds it."""
 
-    def __init__(self, num_dies: int, tp: int, profile: str) -> None:
+    def __init__(self, num_dies: int, tp: int, profile: str, mtp_depth: int = 0) -> None:
         cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
         self.pricer = RequestPricer(
             cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
         )
-        self.num_dies, self.tp = num_dies, tp
+        self.num_dies, self.tp, self.mtp_depth = num_dies, tp, mtp_depth
+        self.use_int8 = cfg.xccl.use_int8
         self._cache: dict[tuple, float] = {}
 
     def __call__(self, pieces: tuple[tuple[int, int], ...], num_sampled: int) -> float:
@@ -162,15 +166,46 @@ class PrefillPass:
         key = (pieces, num_sampled)
         if key not in self._cache:
             seqs = [c for start, end in pieces for c in causal_chunks(end, start)]
-            self._cache[key] = self.pricer.pass_s(
-                seqs, self.num_dies, sampled=num_sampled, tp=self.tp
-            )
+            main = self.pricer.pass_s(seqs, self.num_dies, sampled=num_sampled, tp=self.tp)
+            self._cache[key] = main + self.mtp_depth * self.mtp_s(seqs, num_sampled)
         return self._cache[key]
+
+    def mtp_s(self, seqs: list[tuple[int, int]], num_sampled: int) -> float:
+        """One MTP module over the pass's rows, priced as `RequestPricer.pass_s` prices a MoE
+        layer (`Pricer.mtp_layer`: one layer of the cost shape), then its head over the prompts
+        that draft (those sampled)."""
+        rp, clock = self.pricer, VirtualClock()
+        args = dict(num_routed_dies=self.num_dies, use_int8=self.use_int8)
+        if self.tp > 1:
+            # start-up: a TP group's pricer only where prefill TP runs (as RequestPricer.pass_s)
+            from xds_mpi.execution.prefill_tp import TpPricer
+
+            link = LinkModel.from_profile(rp.profile)
+            pricer = TpPricer(rp.cost, rp.tiny, clock, tp=self.tp, link=link, same_server=True,
+                              **args)  # fmt: skip
+        else:
+            pricer = Pricer(rp.cost, rp.tiny, clock, **args)
+        share = -(-sum(n for _, n in seqs) // self.tp)
+        with pricer.mtp_layer():
+            pricer.mtp_projection(share)
+            if self.tp > 1:
+                pricer.mla_layer(seqs, share, is_moe=True)
+            else:
+                pricer.attention_rows(seqs, is_moe=True)
+            rows_in = share * rp.tiny.top_k
+            pricer.gate(share)
+            pricer.dispatch(rows_in)
+            pricer.experts(rows_in, share)
+            pricer.combine(share)
+            if self.tp > 1:
+                pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
+            pricer.mtp_head(num_sampled)
+        return clock.now_ns / 1e9
 
 
 @lru_cache(maxsize=64)
-def prefill_pass(num_dies: int, tp: int, profile: str) -> PrefillPass:
-    return PrefillPass(num_dies, tp, profile)
+def prefill_pass(num_dies: int, tp: int, profile: str, mtp_depth: int = 0) -> PrefillPass:
+    return PrefillPass(num_dies, tp, profile, mtp_depth)
 
 
 @lru_cache(maxsize=8)

@@ -55,11 +55,17 @@ class Outcome:
         return max(self.ttft_p99_s / slo.ttft_s, self.tpot_p99_s / slo.tpot_s) - 1.0
 
 
+def meets(served: Served, slo: Slo) -> np.ndarray:
+    """[n] bool: each request within both limits (a one-token output has no TPOT and meets it;
+    a request never served, TTFT NaN, does not)."""
+    tpot_ok = np.isnan(served.tpot_s) | (served.tpot_s <= slo.tpot_s)
+    return (served.ttft_s <= slo.ttft_s) & tpot_ok
+
+
 def outcome(
     served: Served, *, output_len: np.ndarray, duration_s: float, chips: float, slo: Slo
 ) -> Outcome:
-    tpot_ok = np.isnan(served.tpot_s) | (served.tpot_s <= slo.tpot_s)
-    met = (served.ttft_s <= slo.ttft_s) & tpot_ok
+    met = meets(served, slo)
     span = max(duration_s, float(np.nanmax(served.finish_s)))
     tpots = served.tpot_s[~np.isnan(served.tpot_s)]
     return Outcome(

@@ -15,12 +15,14 @@ from xds_mpi.planning.candidates import DECODE_EP, Candidate, Enumerator, Exclud
 from xds_mpi.planning.costs import (
     BASE_CONFIG,
     SHAPE,
+    base_config,
     prefill_curve,
     prefill_pass,
     step_table,
     transfer_s,
 )
 from xds_mpi.planning.frontier import Outcome, Slo, outcome, pareto
+from xds_mpi.planning.kv_handoff import Balance
 from xds_mpi.planning.prefill_batches import PrefillRule, prefill_batches
 from xds_mpi.planning.queue import Served, serve
 from xds_mpi.planning.workload import PlanWorkload
@@ -89,6 +91,7 @@ class Planner:
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
         self.prefill_rule = prefill_rule
+        self.block_tokens = base_config((), profile, base).scheduler.kv_block_tokens
         self._transfers: dict[bool, np.ndarray] = {}
         self._prefills: dict[tuple, np.ndarray] = {}
 
@@ -146,10 +149,11 @@ class Planner:
         return self._transfers[kv_int8]
 
     def _prefill_ends(self, c: Candidate) -> np.ndarray:
-        """Each request's prefill end on c's prefill TEs; decode does not change it, so one
-        replay serves every candidate with the same prefill TEs and rule."""
+        """Each request's prefill end on c's prefill TEs (with c's MTP modules); decode does not
+        change it, so one replay serves every candidate with the same prefill TEs, MTP depth and
+        rule."""
         rule = self.prefill_rule(c)
-        key = (c.num_prefill_tes, c.prefill_te_dies, c.prefill_tp, rule)
+        key = (c.num_prefill_tes, c.prefill_te_dies, c.prefill_tp, c.mtp_depth, rule)
         if key not in self._prefills:
             self._prefills[key] = prefill_batches(
                 self.w.arrival_s,
@@ -157,7 +161,7 @@ class Planner:
                 num_tes=c.num_prefill_tes,
                 groups_per_te=c.prefill_te_dies // c.prefill_tp,
                 rule=rule,
-                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile),
+                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile, c.mtp_depth),
             )
         return self._prefills[key]
 
@@ -175,14 +179,15 @@ class Planner:
             max_batch=c.max_batch,
             step=step,
             tokens_per_step=step.tokens_per_step if tokens_per_step is None else tokens_per_step,
+            balance=Balance(block_tokens=self.block_tokens, mtp_depth=c.mtp_depth),
         )
         chips = c.chips(self.dies_per_chip)
         if self.decode_only:
-            served = serve(**common, prefill_ready_s=w.arrival_s)
+            served = serve(**common, prefill_end_s=w.arrival_s)
             chips = c.decode_dies / self.dies_per_chip
         elif c.prefill_dies:
-            ready = self._prefill_ends(c) + self._transfer(c.kv_int8)
-            served = serve(**common, prefill_ready_s=ready)
+            moves = self._transfer(c.kv_int8)
+            served = serve(**common, prefill_end_s=self._prefill_ends(c), transfer_s=moves)
         else:
             pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)
             served = serve(**common, chunk_tokens=self.chunk_tokens, chunk_cost=pre.chunk)

@@ -73,3 +73,6 @@ def test_plan_writes_the_frontier_and_verifies_the_top_candidate(tmp_path):
     assert "failed" not in row
     numbers = re.findall(r"\d+\.\d{4}", row)
     assert len(numbers) >= 2, row
+    # beside goodput, the distributions: 4 quantiles with their errors, the verdict flips of 4
+    assert len(re.findall(r"\([+-]\d+%\)", row)) == 4, row
+    assert re.search(r" [0-4]/4 \(\d+%\) ", row) and ("agree" in row or "MISS" in row), row

@@ -26,7 +26,7 @@ def test_pd_ttft_is_prefill_plus_one_decode_step_and_tpot_the_step():
         max_batch=4,
         step=fixed_step,
         tokens_per_step=1.0,
-        prefill_ready_s=ready,
+        prefill_end_s=ready,
     )
     # request 0: decode from 0.5; the prefill's token streams with the first step's at 0.6,
     # the third token at 0.7; request 1: ready at 1.0, first tokens 1.1, done 1.2
@@ -44,7 +44,7 @@ def test_batch_limit_makes_the_second_request_wait_for_a_slot():
         max_batch=1,
         step=fixed_step,
         tokens_per_step=1.0,
-        prefill_ready_s=np.array([0.0, 0.0]),
+        prefill_end_s=np.array([0.0, 0.0]),
     )
     # one slot: request 0 runs 0.0-0.3 (the prefill's token and 3 steps); request 1 joins at
     # 0.3, first tokens 0.4, done 0.6
@@ -80,7 +80,7 @@ def test_mtp_tokens_per_step_shorten_tpot():
         max_batch=1,
         step=fixed_step,
         tokens_per_step=2.0,
-        prefill_ready_s=np.array([0.0]),
+        prefill_end_s=np.array([0.0]),
     )
     # the prefill's token, then 8 at 2 a step: 4 iterations, the first tokens after the first
     # -> (0.4 - 0.1) / 8
