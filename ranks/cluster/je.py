@@ -101,7 +101,7 @@ class JobExecutor:
         self.rounds = TeRounds(self)
         self.autoscaler = self.weights = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
-            self.autoscaler = make_autoscaler(cfg, cluster.tes)
+            self.autoscaler = make_autoscaler(cfg, cluster.tes, cluster.pool_ranks)
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = cluster_loads(cfg, cluster, self.autoscaler, self.rounds.arrival_of)
         self.results: dict[int, TeResult] = {}
