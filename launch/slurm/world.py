@@ -30,13 +30,17 @@ def world_of(plan: DeploymentPlan) -> World:
         )
     cluster = plan.cluster
     te_plans = [_te_plan(plan, te) for te in range(cluster.num_tes)]
-    te_windows = tuple(n for te_plan in te_plans for n in te_plan.window_bytes)
-    windows = (0,) * cluster.num_jes + te_windows
+    launched = [(t, p) for t, p in zip(cluster.tes, te_plans, strict=True)]
+    # a pool TE launches its TE-shell only; a pool rank may become the largest of its dies
+    te_windows = tuple(n for t, p in launched for n in p.window_bytes[: t.num_launched])
+    pool_die = max((max(p.window_bytes[1:]) for t, p in launched if t.is_pool), default=0)
+    windows = (0,) * cluster.num_jes + te_windows + (pool_die,) * len(cluster.pool_ranks)
     assert len(windows) == cluster.world_size, (len(windows), cluster.world_size)
     return World(
         world_size=cluster.world_size,
         num_host_ranks=cluster.num_jes + sum(p.topo.num_host_ranks for p in te_plans),
-        num_dies=sum(p.topo.num_dies for p in te_plans),
+        num_dies=sum(p.topo.num_dies for t, p in launched if not t.is_pool)
+        + len(cluster.pool_ranks),
         summary=cluster.describe().splitlines()[0]
         + " (host ranks: the JEs, each TE-shell, each PD pair's JE and decode TE-shell)",
         window_bytes=windows,
