@@ -49,7 +49,20 @@ def scale_out_steps(cfg, te, num_new_tes: int = 1) -> tuple[tuple[str, float], .
     from xds_mpi.scaling.steps import scale_out
 
     te_cfg = te_config(cfg, te.overrides)
-    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=num_new_tes).steps
+    steps = scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=num_new_tes).steps
+    if te.is_pool and te_cfg.scaling.prewarmed_tes:
+        return pool_te_steps(steps, te_cfg.scaling.comm_init_s)
+    return steps
+
+
+def pool_te_steps(steps, comm_init_s: float) -> tuple[tuple[str, float], ...]:
+    """A pool TE's steps (docs/cluster.md "A pool of ranks"): its TE-shell and its pool ranks
+    are pre-warmed (runtime imported, NPU set up), but its communication domain is formed at
+    the scale-out, so TE-Pre-Load is `scaling.comm_init_s` (an assumption, as for any TE)
+    instead of a pre-warmed TE's 0."""
+    return tuple(
+        (name, comm_init_s if name == "TE-Pre-Load" else seconds) for name, seconds in steps
+    )
 
 
 def scale_out_s(cfg, te) -> float:

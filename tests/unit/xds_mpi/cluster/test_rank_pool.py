@@ -2,15 +2,18 @@
 known answers: two pool TEs of different shapes (2 and 4 dies) share 4 pool ranks, so only one
 serves at a time; the autoscaler passes over the 4-die TE while 2 ranks are held (a skip) or puts
 the scale-out off when none fits (a wait); a drained pool TE's ranks are free from the first
-decision after its last finish and serve the other shape next."""
+decision after its last finish and serve the other shape next; a pool TE's TE-Pre-Load is its
+communication domain formed."""
 
 from __future__ import annotations
 
 import pytest
 
-from xds_mpi.cluster.autoscaler import Autoscaler
+from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
 from xds_mpi.cluster.pool import INF, PoolTurn, RankPool
 from xds_mpi.config.autoscaler import AutoscalerConfig
+from xds_mpi.config.schema import load_config
+from xds_mpi.plan.deployment import DeploymentPlan
 
 POOL = (10, 11, 12, 13)  # world ranks after the TEs
 
@@ -77,3 +80,25 @@ def test_a_pool_te_that_does_not_fit_is_passed_over_for_the_next_standby_te():
     out = s.observe(2.0, [9, 9, 0, 0])
     assert (out.te, out.pool_ranks) == (3, ())
     assert (s.pool.num_skips, s.pool.num_waits) == (1, 0)
+
+
+def test_a_pool_te_s_te_pre_load_is_its_communication_domain_formed():
+    """Priced (no fixed scale_out_s): a pre-warmed TE's TE-Pre-Load is 0, a pool TE's the
+    assumed scaling.comm_init_s (its communicator and windows are made at the scale-out);
+    every other step the same."""
+    cfg = load_config(
+        "configs/colocated.yaml",
+        [
+            "cluster.groups=[{count: 1}, {count: 1, standby: true}, "
+            "{count: 1, standby: true, pool: true}]",
+            "cluster.pool=4",
+            "autoscaler.enabled=true",
+            "scaling.comm_init_s=4.5",
+        ],
+    )
+    tes = DeploymentPlan.build(cfg, None, launcher_checks=False).cluster.tes
+    standby, pooled = dict(scale_out_steps(cfg, tes[1])), dict(scale_out_steps(cfg, tes[2]))
+    assert (standby["TE-Pre-Load"], pooled["TE-Pre-Load"]) == (0.0, 4.5)
+    assert {k: v for k, v in pooled.items() if k != "TE-Pre-Load"} == {
+        k: v for k, v in standby.items() if k != "TE-Pre-Load"
+    }
