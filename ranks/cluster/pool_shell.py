@@ -116,8 +116,14 @@ class PoolShell:
         ctx = self.ctx
         wait_all(self.sends, timeout_s=ctx.cfg.xccl.poll_timeout_s, me=self.me, event="reports")
         self.sends, self.is_released, self.members = [], False, activation.members
+        started = time.perf_counter()
         comm = form_te_comm(MPI.COMM_WORLD, activation, ctx.cfg.xccl.poll_timeout_s)
-        ctx.log.info("%s: formed with pool ranks %s", self.me, activation.members[1:])
+        ctx.log.info(
+            "%s: formed with pool ranks %s in %.4f s wall",
+            self.me,
+            activation.members[1:],
+            time.perf_counter() - started,
+        )
         link = self.link
         set_link(replace(link, pool=self))  # TePacer takes the rounds on (te_side.py)
         try:

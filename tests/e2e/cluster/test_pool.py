@@ -28,7 +28,6 @@ POOL_TES = (
     "set: [deployment.dp_groups_per_domain=2]}]"
 )
 SETS = (
-    "cluster.pool=2",
     "cluster.policy=least_load",
     "deployment.dp_groups_per_domain=1",
     "health.enabled=false",
@@ -54,10 +53,15 @@ def _bursts(tmp_path) -> tuple[list[dict], list[str]]:
     return lines, _jsonl(tmp_path, lines)
 
 
-def _run(tmp_path, path: str):
+def _run(tmp_path, path: str, *more: str, pool: int = 2, name: str = "pool"):
     lines, workload = _bursts(tmp_path)
     sets = _sets(
-        f"run.output_dir={tmp_path}", "run.name=pool", POOL_TES.replace("PATH", path), *SETS
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        POOL_TES.replace("PATH", path),
+        *SETS,
+        f"cluster.pool={pool}",
+        *more,
     )
     result = subprocess.run(
         [str(XDS_MPI), "run", "colocated", "--check", *workload, *sets],
@@ -66,7 +70,7 @@ def _run(tmp_path, path: str):
         timeout=300,
         cwd=REPO_ROOT,
     )
-    run_file = tmp_path / "pool.h5"
+    run_file = tmp_path / f"{name}.h5"
     return lines, result, (h5py.File(run_file, "r") if run_file.exists() else None)
 
 
@@ -107,11 +111,33 @@ def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other
     assert run_file.attrs["world_size"] == 7
 
 
+def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
+    """With 3 pool ranks (the pool TEs' 1 + 2 dies) no scale-out waits for ranks, so the run is
+    the one with the same TEs standby and launched whole (8 ranks either way): the virtual
+    columns, each request's TE and routing time, bit-identical."""
+    _, pooled, pooled_file = _run(tmp_path, "dram", pool=3, name="pool3")
+    fixed_groups = POOL_TES.replace("PATH", "dram").replace(" pool: true,", "")
+    _, fixed, fixed_file = _run(tmp_path, "dram", fixed_groups, pool=0, name="fixed")
+    assert pooled.returncode == 0 and fixed.returncode == 0, _ok(pooled) + _ok(fixed)
+    assert check_line(pooled) == check_line(fixed) == "check: 72 requests, 864 tokens, 0 mismatches"
+    assert pooled_file.attrs["world_size"] == fixed_file.attrs["world_size"] == 8
+    assert pooled_file["summary"].attrs["pool_waits"] == 0
+    for key in ("te", "routed_s"):
+        assert np.array_equal(pooled_file[f"cluster/{key}"][()], fixed_file[f"cluster/{key}"][()])
+    for key in pooled_file["virtual"]:
+        assert np.array_equal(
+            pooled_file[f"virtual/{key}"][()], fixed_file[f"virtual/{key}"][()], equal_nan=True
+        ), key
+    assert list(pooled_file["cluster/pool/te"][()]) == [1, 2, 2, 2, 2]  # TE 2 formed twice
+
+
 def test_the_pool_saves_ranks_against_fixed_standby_tes():
     """The same TEs standby and launched whole: 1 + 2 + 3 ranks and the JE, against 1 + 1 + 1
     TE-shells' and dies' ranks, 2 pool ranks and the JE."""
     sets = [POOL_TES.replace("PATH", "dram"), *SETS]
-    pooled = DeploymentPlan.build(load_config("configs/colocated.yaml", sets), None)
-    fixed_sets = [s.replace(" pool: true,", "") for s in sets if s != "cluster.pool=2"]
+    pooled = DeploymentPlan.build(
+        load_config("configs/colocated.yaml", [*sets, "cluster.pool=2"]), None
+    )
+    fixed_sets = [s.replace(" pool: true,", "") for s in sets]
     fixed = DeploymentPlan.build(load_config("configs/colocated.yaml", fixed_sets), None)
     assert (pooled.cluster.world_size, fixed.cluster.world_size) == (7, 8)
