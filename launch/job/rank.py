@@ -192,9 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    program = role_program(role, is_pd=plan.pd is not None) if role not in POOL_PROGRAMS else None
-    if program is None:  # its TEs' configs are made from the config before any group's values
+    if role in POOL_PROGRAMS:  # a pool rank builds its TEs' plans from the config as read
         program = partial(POOL_PROGRAMS[role], base=base_cfg)
+    else:
+        program = role_program(role, is_pd=plan.pd is not None)
     exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
     if weights is not None:
         weights.free()  # collective over the world, once every rank's program ended

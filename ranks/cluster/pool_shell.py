@@ -127,7 +127,8 @@ class PoolShell:
         link = self.link
         set_link(replace(link, pool=self))  # TePacer takes the rounds on (te_side.py)
         try:
-            te_shell.run(RankContext(plan=ctx.plan, comm=comm, log=ctx.log, node_leader=0))
+            te_ctx = RankContext(plan=ctx.plan, comm=comm, log=ctx.log, node_leader=ctx.node_leader)
+            te_shell.run(te_ctx)
         finally:
             set_link(link)
         self.to_je.send_through(self)
@@ -146,7 +147,7 @@ class PoolShell:
     def send_result(self) -> None:
         """Every activation's records to JE 0, dies named by world rank (the JE adds the
         TE-shell's world rank to a record's die rank)."""
-        first = self.link_first()
+        first = MPI.COMM_WORLD.rank  # this TE-shell's world rank
         result = TeResult(te=self.link.te, status="completed")
         for serving, status, members in self.served:
             if status != "completed":
@@ -171,10 +172,6 @@ class PoolShell:
             me=self.me,
             event="TE result to the JE",
         )
-
-    def link_first(self) -> int:
-        """This TE-shell's world rank."""
-        return MPI.COMM_WORLD.rank
 
 
 def _add_timings(into: dict, rank: int, timings: dict) -> None:

@@ -69,8 +69,17 @@ def test_a_pool_te_launches_its_te_shell_only_and_the_pool_follows_the_tes():
             ("cluster.pool=2",),
             r"cluster.groups\[1\]: pool: true needs standby: true",
         ),
+        (
+            f"{SERVING}, {{count: 1, standby: true, pool: true, name: pair, set: [pd.enabled=true, "
+            "deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
+            "deployment.dp_groups_per_domain=2, xccl.p2p_pairs=prefill_to_decode, "
+            "xccl.ring_slots=8, xccl.slot_bytes=16384]}",
+            ("cluster.pool=4",),
+            r"cluster TE 1 \(group pair, pool\): its kind is pd, but a pool TE is built for "
+            "colocated TEs only",
+        ),
     ],
-    ids=["pool-below-largest", "no-pool", "pool-without-group", "pool-not-standby"],
+    ids=["pool-below-largest", "no-pool", "pool-without-group", "pool-not-standby", "pd"],
 )
 def test_the_plan_refuses_a_pool_that_cannot_serve_its_tes(groups, sets, refused):
     with pytest.raises(ConfigError, match=refused):
