@@ -55,7 +55,7 @@ def _pool_host(ctx: RankContext, base) -> int:
 
 
 # The pool's programs (docs/cluster.md "A pool of ranks"), beside the role registry's
-POOL_PROGRAMS = {"pool rank": _pool_rank, "pool host": _pool_host}
+POOL_PROGRAMS = {"pool rank": _pool_rank, "pool host": _pool_host, "pool pd host": _pool_rank}
 
 USAGE = (
     "usage: python -m mpi4py -m launch.job.rank CONFIG [--set SECTION.KEY=VALUE ...]"
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     role = "je" if plan.cluster and te < 0 else plan.topo.ranks[local].role
     if plan.cluster is not None and plan.cluster.is_pool_rank(world.rank):
         role = "pool rank"
-    elif plan.cluster is not None and te >= 0 and local == 0 and plan.cluster.tes[te].is_pool:
-        role = "pool host"
+    elif plan.cluster is not None and te >= 0 and plan.cluster.tes[te].is_pool:
+        role = "pool host" if local == 0 else "pool pd host"  # a pair's decode TE-shell: 1
     log = setup_logging(world.rank, role if te < 0 else f"{role} te{te}", cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
     # The ranks finish importing at different times; MPICH's blocking collectives poll, so the

@@ -316,7 +316,7 @@ class JobExecutor:
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
         if self.autoscaler is not None and self.autoscaler.pool is not None:
-            write_pool(group, self.autoscaler.pool)
+            write_pool(group, self.autoscaler.pool, cluster)
         if self.ctx.cfg.run.trace:  # the scale events and each TE's serving, virtual clock
             self.trace = trace_of_run(  # written beside the run file (je_parts.py run_job)
                 cluster,
@@ -345,17 +345,18 @@ def deal(requests, num_jes: int) -> dict[int, int]:
     return {req.req_id: i % num_jes for i, req in enumerate(ordered)}
 
 
-def write_pool(group, pool) -> None:
+def write_pool(group, pool, cluster) -> None:
     """/cluster/pool: one row per pool rank and turn, in the order taken: `rank` (world rank)
-    served as die `die` of TE `te` from `taken_s` (the scale-out's decision) until `given_back_s`
-    (the decision after its drain's last finish; inf: the run's end), virtual seconds; attributes
-    the pool's size and the scale-outs that passed over or waited for a pool TE."""
+    served as rank `die` inside TE `te` (after its host ranks) from `taken_s` (the scale-out's
+    decision) until `given_back_s` (the decision after its drain's last finish; inf: the run's
+    end), virtual seconds; attributes the pool's size and the scale-outs that passed over or
+    waited for a pool TE."""
     import numpy as np
 
     rows = [
         (t.te, rank, die, t.taken_s, t.given_back_s)
         for t in pool.turns
-        for die, rank in enumerate(t.ranks, start=1)
+        for die, rank in enumerate(t.ranks, start=cluster.tes[t.te].num_launched)
     ]
     table = group.create_group("pool")
     for index, key in enumerate(("te", "rank", "die", "taken_s", "given_back_s")):

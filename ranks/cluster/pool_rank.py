@@ -26,22 +26,23 @@ from ranks.cluster.messages import TAG_POOL_GROUP, TAG_POOL_RANK, PoolActivation
 from ranks.cluster.pool_window import activate, deactivate
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, send_to_each
-from ranks.core.weights_window import set_weights_window, weights_window
+from ranks.core.weights_window import is_loading_role, set_weights_window, weights_window
 from xccl.wake import Doze
 from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.plan.deployment import DeploymentPlan
 
 
 def run(ctx: RankContext, base) -> int:
-    """ctx.comm: the world (a pool rank is in no TE's communicator until activated); base: the
-    config before any group's values, from which each TE's plan is built."""
-    world, cfg, window = ctx.comm, ctx.cfg, weights_window()
+    """A pool rank's loop, or a pool PD pair's decode TE-shell's (its rank 1, launched: it
+    waits for its pair's activations alike, and holds no weights); base: the config before any
+    group's values, from which each TE's plan is built."""
+    world, cfg, window = MPI.COMM_WORLD, ctx.cfg, weights_window()
     me = f"pool rank {world.rank}"
     num_served = 0
     while not isinstance(message := _next(world, cfg.run.timeout_s, me), PoolStop):
         local = message.members.index(world.rank)
         ctx.log.info(
-            "%s: die %d of TE %d (scale event %d), with world ranks %s",
+            "%s: rank %d inside TE %d (scale event %d), with world ranks %s",
             me,
             local,
             message.te,
@@ -50,11 +51,14 @@ def run(ctx: RankContext, base) -> int:
         )
         comm = form_te_comm(world, message, cfg.xccl.poll_timeout_s)  # Step 2
         plan = DeploymentPlan.build(base, world.size, launcher_checks=False, te=message.te)
-        set_weights_window(activate(window, plan, message.te, local))  # Step 3
-        program = role_program(plan.topo.ranks[local].role, is_pd=False)
+        is_die = is_loading_role(plan, local)  # not a pair's decode TE-shell
+        if is_die:
+            set_weights_window(activate(window, plan, message.te, local))  # Step 3
+        program = role_program(plan.topo.ranks[local].role, is_pd=plan.pd is not None)
         program(RankContext(plan=plan, comm=comm, log=ctx.log, node_leader=ctx.node_leader))
-        window = deactivate(weights_window())  # Step 4 done: its windows freed
-        set_weights_window(window)
+        if is_die:  # Step 4 done: its windows freed
+            window = deactivate(weights_window())
+            set_weights_window(window)
         comm.Free()
         num_served += 1
         ctx.log.info("%s: back in the pool after TE %d", me, message.te)

@@ -46,7 +46,7 @@ def open_pool_window(world: MPI.Comm, plan: DeploymentPlan, base) -> WeightsWind
     largest = 0
     for t in (t for t in cluster.tes if t.is_pool):
         te_plan = DeploymentPlan.build(base, world_size, launcher_checks=False, te=t.te)
-        for local in range(1, t.size):  # its dies: ranks 1.. inside the TE
+        for local in range(t.num_launched, t.size):  # its dies, after its host ranks
             largest = max(largest, die_layout(te_plan.cfg, te_plan, local)[0].nbytes)
     nbytes = largest + LOADED_WORD_BYTES + _table_bytes(cluster.num_tes)
     mem = DieMemory(world, nbytes, wakes=False)

@@ -111,11 +111,12 @@ class ScaleOutLoads:
 
     def _activate(self, index: int, event, sends: list) -> None:
         """Pool TE `event.te`'s activation to its TE-shell and to each pool rank it took."""
-        shell = self.cluster.first_rank(event.te)
-        activation = PoolActivation(te=event.te, event=index, members=(shell, *event.pool_ranks))
+        info = self.cluster.tes[event.te]
+        hosts = tuple(range(info.first_rank, info.first_rank + info.num_launched))
+        activation = PoolActivation(te=event.te, event=index, members=(*hosts, *event.pool_ranks))
         sends.append(self.comm.isend(activation, dest=event.te + 1, tag=TAG_CLUSTER_POOL))
         world = MPI.COMM_WORLD
-        for rank in event.pool_ranks:
+        for rank in activation.members[1:]:  # a PD pair's decode TE-shell too
             sends.append(world.isend(activation, dest=rank, tag=TAG_POOL_RANK))
         self.log.info(
             "pool: TE %d formed of pool ranks %s (scale event %d)",
@@ -126,7 +127,7 @@ class ScaleOutLoads:
 
     def stop_pool(self) -> None:
         """Every pool rank out of its loop (bounded): the TEs have all sent their results."""
-        ranks = self.cluster.pool_ranks
+        ranks = (*self.cluster.pool_ranks, *self.cluster.pool_hosts)
         send_to_each(
             MPI.COMM_WORLD,
             dict.fromkeys(ranks, PoolStop()),

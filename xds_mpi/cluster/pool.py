@@ -16,9 +16,9 @@ INF = float("inf")
 
 @dataclass(frozen=True, kw_only=True)
 class PoolTurn:
-    """Pool ranks `ranks` (world ranks, the TE's dies 1..n in order) served TE `te` from the
-    scale-out decided at `taken_s` until its drain's last finish `given_back_s` (inf: to the
-    run's end), virtual seconds."""
+    """Pool ranks `ranks` (world ranks, the TE's dies in order, after its host ranks) served TE
+    `te` from the scale-out decided at `taken_s` until the decision after its drain's last
+    finish, `given_back_s` (inf: to the run's end), virtual seconds."""
 
     te: int
     ranks: tuple[int, ...]

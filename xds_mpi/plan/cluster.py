@@ -44,8 +44,9 @@ class TeInfo:
 
     @property
     def num_launched(self) -> int:
-        """Its ranks launched as its own: a pool TE's TE-shell only."""
-        return 1 if self.is_pool else self.size
+        """Its ranks launched as its own: a pool TE's host ranks only (its TE-shell; a PD
+        pair's JE and decode TE-shell)."""
+        return self.size - self.num_dies if self.is_pool else self.size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,17 @@ class ClusterPlan:
 
     def is_pool_rank(self, world_rank: int) -> bool:
         return world_rank in self.pool_ranks
+
+    @property
+    def pool_hosts(self) -> tuple[int, ...]:
+        """The world ranks of the pool TEs' host ranks off the link (a PD pair's decode
+        TE-shell), which wait for their TE's activation as pool ranks do."""
+        return tuple(
+            rank
+            for t in self.tes
+            if t.is_pool
+            for rank in range(t.first_rank + 1, t.first_rank + t.num_launched)
+        )
 
     def shell(self, te: int) -> int:
         """TE `te`'s TE-shell's rank on the link (the JEs first)."""
@@ -103,7 +115,12 @@ class ClusterPlan:
             name += ", pool" if t.is_pool else ""
             ranks = f"world ranks {first}..{last} ({shell} {first}"
             if t.is_pool:
-                ranks = f"world rank {first} ({shell}; its dies from the pool at scale-out"
+                hosts = (
+                    f"rank {first}"
+                    if t.num_launched == 1
+                    else (f"ranks {first}..{first + t.num_launched - 1}")
+                )
+                ranks = f"world {hosts} ({shell} {first}; its dies from the pool at scale-out"
             lines.append(
                 f"  TE {t.te} ({name}, {t.num_dies} dies): {ranks}; ranks 0..{t.size - 1} "
                 "inside the TE)"
@@ -206,11 +223,10 @@ def check_pool(cfg: Config, tes: list[TeInfo]) -> None:
         )
     for t in pool_tes:
         where = f"cluster TE {t.te} (group {t.group}, pool)"
-        if t.kind != "colocated":
+        if t.kind not in ("colocated", "pd"):
             raise ConfigError(
-                f"{where}: its kind is {t.kind}, but a pool TE is built for colocated TEs only "
-                "(a PD pair's prefill and decode TEs are not formed from the pool yet); make "
-                "the group colocated, or not pool"
+                f"{where}: its kind is {t.kind}, but a pool TE is built for colocated TEs and "
+                "PD pairs only; make the group colocated or a PD pair, or not pool"
             )
 
 

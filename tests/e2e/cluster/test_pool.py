@@ -141,3 +141,41 @@ def test_the_pool_saves_ranks_against_fixed_standby_tes():
     fixed_sets = [s.replace(" pool: true,", "") for s in sets]
     fixed = DeploymentPlan.build(load_config("configs/colocated.yaml", fixed_sets), None)
     assert (pooled.cluster.world_size, fixed.cluster.world_size) == (7, 8)
+
+
+PAIR = (
+    "pd.enabled=true, deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
+    "deployment.dp_groups_per_domain=1, xccl.p2p_pairs=prefill_to_decode, "
+    "xccl.ring_slots=8, xccl.slot_bytes=16384"
+)
+
+
+def test_a_pool_pd_pair_s_ranks_then_serve_a_colocated_te(tmp_path):
+    """A serving PD pair, a pool PD pair (its JE and decode TE-shell launched; its prefill and
+    decode die from the pool) and a 2-die pool colocated TE share 2 pool ranks (10 ranks): the
+    first burst forms the pair on ranks 8 and 9, its drain gives them back, the second burst
+    forms the colocated TE on them."""
+    groups = (
+        f"cluster.groups=[{{count: 1, name: pair, set: [{PAIR}]}}, "
+        f"{{count: 1, standby: true, pool: true, name: pool-pair, set: [{PAIR}]}}, "
+        "{count: 1, standby: true, pool: true, name: pool-colocated, "
+        "set: [deployment.dp_groups_per_domain=2]}]"
+    )
+    lines, result, run_file = _run(tmp_path, "dram", groups)
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    assert run_file.attrs["world_size"] == 10
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
+    # the pair's dies (ranks 2 and 3 inside it, after its JE and decode TE-shell); the TE's 1, 2
+    assert rows == [(1, 8, 2), (1, 9, 3), (2, 8, 1), (2, 9, 2)]
+    assert pool["given_back_s"][1] <= pool["taken_s"][2]
+    te, die_rank = run_file["cluster/te"][()], run_file["requests/die_rank"][()]
+    # a pair's request ends on the same rank inside it, the serving pair's (world ranks 1..4)
+    assert set(die_rank[te == 0]) == {1 + 2}
+    assert (te == 1).sum() > 0 and set(die_rank[te == 1]) == {8}
+    assert (te == 2).sum() > 0 and set(die_rank[te == 2]) == {8, 9}
+    assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["pd", "pd", "colocated"]

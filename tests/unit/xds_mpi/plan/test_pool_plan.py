@@ -69,17 +69,8 @@ def test_a_pool_te_launches_its_te_shell_only_and_the_pool_follows_the_tes():
             ("cluster.pool=2",),
             r"cluster.groups\[1\]: pool: true needs standby: true",
         ),
-        (
-            f"{SERVING}, {{count: 1, standby: true, pool: true, name: pair, set: [pd.enabled=true, "
-            "deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
-            "deployment.dp_groups_per_domain=2, xccl.p2p_pairs=prefill_to_decode, "
-            "xccl.ring_slots=8, xccl.slot_bytes=16384]}",
-            ("cluster.pool=4",),
-            r"cluster TE 1 \(group pair, pool\): its kind is pd, but a pool TE is built for "
-            "colocated TEs only",
-        ),
     ],
-    ids=["pool-below-largest", "no-pool", "pool-without-group", "pool-not-standby", "pd"],
+    ids=["pool-below-largest", "no-pool", "pool-without-group", "pool-not-standby"],
 )
 def test_the_plan_refuses_a_pool_that_cannot_serve_its_tes(groups, sets, refused):
     with pytest.raises(ConfigError, match=refused):
@@ -89,3 +80,20 @@ def test_the_plan_refuses_a_pool_that_cannot_serve_its_tes(groups, sets, refused
 def test_pool_tes_may_share_a_pool_below_their_total_dies():
     cluster = _plan(f"{SERVING}, {POOL2}, {POOL4}", "cluster.pool=4")  # 2 + 4 > 4: they take turns
     assert sum(t.num_dies for t in cluster.tes if t.is_pool) == 6
+
+
+def test_a_pool_pd_pair_launches_its_je_and_decode_te_shell():
+    """A PD pair from the pool: its two host ranks launched (its JE on the link, its decode
+    TE-shell waiting for activations as a pool rank does), its prefill and decode dies pooled."""
+    pair = (
+        "pd.enabled=true, deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
+        "deployment.dp_groups_per_domain=1, xccl.p2p_pairs=prefill_to_decode, "
+        "xccl.ring_slots=8, xccl.slot_bytes=16384"
+    )
+    cluster = _plan(
+        f"{SERVING}, {{count: 1, standby: true, pool: true, set: [{pair}]}}", "cluster.pool=2"
+    )
+    te = cluster.tes[1]
+    assert (te.kind, te.first_rank, te.size, te.num_dies, te.num_launched) == ("pd", 4, 4, 2, 2)
+    assert cluster.pool_ranks == (6, 7) and cluster.pool_hosts == (5,)
+    assert [cluster.te_of(r) for r in (4, 5, 6)] == [(1, 0), (1, 1), (-1, 0)]
