@@ -68,15 +68,22 @@ def cluster_layout(cluster: ClusterPlan, num_nodes: int | None = None) -> NodeLa
     by default one node per TE. More nodes than TEs are refused: a TE would span nodes."""
     num_tes = cluster.num_tes
     if num_nodes is None:
-        num_nodes = num_tes
+        num_nodes = 1 if cluster.pool_ranks else num_tes
+    if cluster.pool_ranks and num_nodes > 1:
+        raise ConfigError(
+            f"{num_nodes} nodes (--nodes or --hosts) with cluster.pool({len(cluster.pool_ranks)}):"
+            " a pool rank joins the TE of any pool TE-shell, so a cluster with a pool runs on one "
+            "node; run it on one, or set cluster.pool=0"
+        )
     if not 1 <= num_nodes <= num_tes:
         raise ConfigError(
             f"{num_nodes} nodes (--nodes or --hosts) for a cluster of {num_tes} TEs: a cluster "
             f"is placed as whole TEs per node, so it takes 1 to {num_tes} nodes (a TE spanning "
             "nodes is not supported)"
         )
-    sizes = [t.size for t in cluster.tes]  # [num_tes] ranks of each TE
+    sizes = [t.num_launched for t in cluster.tes]  # [num_tes] ranks of each TE
     sizes[0] += cluster.num_jes  # the JEs, world ranks 0..J-1, run beside TE 0
+    sizes[-1] += len(cluster.pool_ranks)  # after every TE (one node: refused otherwise)
     counts = _split(sizes, num_nodes, _least_largest(sizes, num_nodes))  # [num_nodes] TEs each
     tasks, names, first = [], [], 0
     for count in counts:
