@@ -37,7 +37,8 @@ def run(ctx: RankContext, base) -> int:
     waits for its pair's activations alike, and holds no weights); base: the config before any
     group's values, from which each TE's plan is built."""
     world, cfg, window = MPI.COMM_WORLD, ctx.cfg, weights_window()
-    me = f"pool rank {world.rank}"
+    is_pool_rank = ctx.plan.cluster.is_pool_rank(world.rank)
+    me = f"pool rank {world.rank}" if is_pool_rank else f"pool PD pair's host rank {world.rank}"
     num_served = 0
     while not isinstance(message := _next(world, cfg.run.timeout_s, me), PoolStop):
         local = message.members.index(world.rank)
