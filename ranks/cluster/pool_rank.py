@@ -4,15 +4,16 @@ no TE at launch. It waits for the JE; at a pool TE's scale-out it
 1. takes the JE's `PoolActivation` (its TE, its rank inside the TE, the TE's world ranks),
 2. forms the TE's communicator with the TE-shell and the TE's other dies
    (`form_te_comm`: `Comm.Create_group`, collective over the members only),
-3. builds its TE's plan exactly as a launched die of that TE does (its group's config) and lays
-   out its die's tensors in its weights window (ranks/cluster/pool_window.py),
+3. builds its TE's plan exactly as a launched die of that TE does (its group's config) and
+   allocates its die's weights memory (ranks/cluster/pool_window.py),
 4. runs the die's program on that communicator: its XCCL windows allocated, its weights loaded
    by the TE's path (the TE-shell passes the JE's load order on, CRC-checked), serving;
 
 and when its TE is drained the TE-shell stops the dies as at a run's end: the program frees its
-windows and returns, the rank frees the communicator and waits again, to be a die of any pool
-TE's shape next. At the job's end the JE's `PoolStop` ends the loop. Every wait is bounded
-(run.timeout_s for the JE, xccl.poll_timeout_s for the TE's members), naming the rank and event.
+windows and returns, the rank frees its weights memory and the communicator and waits again, to
+be a die of any pool TE's shape next. At the job's end the JE's `PoolStop` ends the loop. Every
+wait is bounded (run.timeout_s for the JE, xccl.poll_timeout_s for the TE's members), naming the
+rank and event.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def run(ctx: RankContext, base) -> int:
     waits for its pair's activations alike, and holds no weights); base: the config before any
     group's values, from which each TE's plan is built."""
     world, cfg, window = MPI.COMM_WORLD, ctx.cfg, weights_window()
+    world_mem, world_bytes = window.mem, window.sizes[world.rank]  # the world's window: 0 bytes
     is_pool_rank = ctx.plan.cluster.is_pool_rank(world.rank)
     me = f"pool rank {world.rank}" if is_pool_rank else f"pool PD pair's host rank {world.rank}"
     num_served = 0
@@ -57,8 +59,8 @@ def run(ctx: RankContext, base) -> int:
             set_weights_window(activate(window, plan, message.te, local))  # Step 3
         program = role_program(plan.topo.ranks[local].role, is_pd=plan.pd is not None)
         program(RankContext(plan=plan, comm=comm, log=ctx.log, node_leader=ctx.node_leader))
-        if is_die:  # Step 4 done: its windows freed
-            window = deactivate(weights_window())
+        if is_die:  # Step 4 done: its windows freed, then its weights memory
+            window = deactivate(weights_window(), world_mem, world_bytes)
             set_weights_window(window)
         comm.Free()
         num_served += 1
