@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 from ranks.core.tags import (  # noqa: F401
     TAG_CLUSTER_FINISHED,
+    TAG_CLUSTER_POOL,
     TAG_CLUSTER_RESULT,
     TAG_CLUSTER_SHARE,
     TAG_CLUSTER_TE_LOST,
+    TAG_POOL_GROUP,
+    TAG_POOL_RANK,
     TAG_VTIME_CLOCK,
     TAG_VTIME_GRANT,
 )
@@ -74,8 +77,8 @@ class JeShare:
 # The pool of ranks (docs/cluster.md "A pool of ranks"): JE -> a pool TE's TE-shell on the link,
 # and JE -> a pool rank on the world, a `PoolActivation` at a scale-out (before the load order),
 # a `PoolRelease` once a drained pool TE's ranks are given back; JE -> every pool rank at the
-# end, a `PoolStop`. A pool TE's communicator is made with TAG_POOL_GROUP (Comm.Create_group).
-TAG_CLUSTER_POOL, TAG_POOL_RANK, TAG_POOL_GROUP = 311, 312, 313
+# end, a `PoolStop` (TAG_CLUSTER_POOL, TAG_POOL_RANK). A pool TE's communicator is made with
+# TAG_POOL_GROUP (Comm.Create_group).
 
 
 @dataclass(frozen=True, kw_only=True)
