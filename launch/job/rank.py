@@ -6,7 +6,9 @@ of `xds-mpi validate` but the checkpoint's and the workload's, which the launche
 the program ranks/ registers for its role. In a cluster (`cluster.num_tes` > 1,
 xds_mpi/plan/cluster.py) world rank 0 is the JE and every TE runs on a communicator of its own,
 split from the world, as if it were the world (its ranks 0..S-1, TE-shell 0); the JE and the
-TE-shells share a second one, the link (ranks/cluster/link.py). Run it under `python -m mpi4py`
+TE-shells share a second one, the link (ranks/cluster/link.py). With `cluster.pool` the pool
+ranks join no TE at launch (ranks/cluster/pool_rank.py), and a pool TE's TE-shell waits for its
+dies (ranks/cluster/pool_shell.py). Run it under `python -m mpi4py`
 so that an exception on one rank aborts the whole job instead of leaving the others waiting.
 """
 
@@ -18,6 +20,7 @@ import os
 import pickle
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from mpi4py import MPI
@@ -38,6 +41,22 @@ from xds_mpi.plan.cluster import plan_cluster
 from xds_mpi.plan.deployment import DeploymentPlan
 from xds_mpi.plan.resolved import read_resolved
 from xds_mpi.report import trace
+
+
+def _pool_rank(ctx: RankContext, base) -> int:
+    from ranks.cluster.pool_rank import run  # a pool rank's only
+
+    return run(ctx, base)
+
+
+def _pool_host(ctx: RankContext, base) -> int:
+    from ranks.cluster.pool_shell import run  # a pool TE's TE-shell's only
+
+    return run(ctx)  # its plan is its TE's already
+
+
+# The pool's programs (docs/cluster.md "A pool of ranks"), beside the role registry's
+POOL_PROGRAMS = {"pool rank": _pool_rank, "pool host": _pool_host, "pool pd host": _pool_rank}
 
 USAGE = (
     "usage: python -m mpi4py -m launch.job.rank CONFIG [--set SECTION.KEY=VALUE ...]"
@@ -115,8 +134,11 @@ def split_cluster(world: MPI.Comm, plan: DeploymentPlan) -> tuple[MPI.Comm, Clus
     """Collective over the world: this rank's communicator (its TE's, or the link for the JE)
     and, for the JE and the TE-shells, the link (xds_mpi/plan/cluster.py)."""
     te, local = plan.cluster.te_of(world.rank)
+    is_pool_rank = plan.cluster.is_pool_rank(world.rank)  # in no TE, not on the link
     te_comm = world.Split(MPI.UNDEFINED if te < 0 else te, key=world.rank)
-    link = world.Split(0 if local == 0 else MPI.UNDEFINED, key=world.rank)
+    link = world.Split(0 if local == 0 and not is_pool_rank else MPI.UNDEFINED, key=world.rank)
+    if is_pool_rank:
+        return world, None
     if link == MPI.COMM_NULL:
         return te_comm, None
     return (link if te < 0 else te_comm), ClusterLink(
@@ -144,13 +166,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     world = MPI.COMM_WORLD
     mark_loaded(world.rank)  # the launcher counts these during a long start-up
-    cfg = read_config(args)
+    cfg = base_cfg = read_config(args)
     cluster = plan_cluster(cfg)  # None: one TE
     te, local = cluster.te_of(world.rank) if cluster else (-1, world.rank)
     # made before launch; a cluster's TE: its own config (its group's) and ranks 0..S-1
     plan = DeploymentPlan.build(cfg, world.size, launcher_checks=False, te=te if cluster else None)
     cfg = plan.cfg
     role = "je" if plan.cluster and te < 0 else plan.topo.ranks[local].role
+    if plan.cluster is not None and plan.cluster.is_pool_rank(world.rank):
+        role = "pool rank"
+    elif plan.cluster is not None and te >= 0 and plan.cluster.tes[te].is_pool:
+        role = "pool host" if local == 0 else "pool pd host"  # a pair's decode TE-shell: 1
     log = setup_logging(world.rank, role if te < 0 else f"{role} te{te}", cfg.run.log_level)
     set_memory_path(cfg.xccl.memory_path)  # every window this rank makes uses it
     # The ranks finish importing at different times; MPICH's blocking collectives poll, so the
@@ -173,12 +199,15 @@ def main(argv: list[str] | None = None) -> None:
         # Lazy import: only then (the model's modules, on the JE and TE-shells too)
         from ranks.core.weights_window import open_weights_window, set_weights_window
 
-        weights = open_weights_window(world, plan)
+        weights = open_weights_window(world, plan)  # a pool rank's: 0 bytes (in no TE yet)
         set_weights_window(weights)
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.
     faulthandler.dump_traceback_later(max(1.0, cfg.run.timeout_s - 5), exit=False, file=sys.stderr)
-    program = role_program(role, is_pd=plan.pd is not None)
+    if role in POOL_PROGRAMS:  # a pool rank builds its TEs' plans from the config as read
+        program = partial(POOL_PROGRAMS[role], base=base_cfg)
+    else:
+        program = role_program(role, is_pd=plan.pd is not None)
     exit_code = program(RankContext(plan=plan, comm=comm, log=log, node_leader=node_leader))
     if weights is not None:
         weights.free()  # collective over the world, once every rank's program ended

@@ -30,13 +30,17 @@ def world_of(plan: DeploymentPlan) -> World:
         )
     cluster = plan.cluster
     te_plans = [_te_plan(plan, te) for te in range(cluster.num_tes)]
-    te_windows = tuple(n for te_plan in te_plans for n in te_plan.window_bytes)
-    windows = (0,) * cluster.num_jes + te_windows
+    launched = [(t, p) for t, p in zip(cluster.tes, te_plans, strict=True)]
+    # a pool TE launches its TE-shell only; a pool rank may become the largest of its dies
+    te_windows = tuple(n for t, p in launched for n in p.window_bytes[: t.num_launched])
+    pool_die = max((max(p.window_bytes[1:]) for t, p in launched if t.is_pool), default=0)
+    windows = (0,) * cluster.num_jes + te_windows + (pool_die,) * len(cluster.pool_ranks)
     assert len(windows) == cluster.world_size, (len(windows), cluster.world_size)
     return World(
         world_size=cluster.world_size,
         num_host_ranks=cluster.num_jes + sum(p.topo.num_host_ranks for p in te_plans),
-        num_dies=sum(p.topo.num_dies for p in te_plans),
+        num_dies=sum(p.topo.num_dies for t, p in launched if not t.is_pool)
+        + len(cluster.pool_ranks),
         summary=cluster.describe().splitlines()[0]
         + " (host ranks: the JEs, each TE-shell, each PD pair's JE and decode TE-shell)",
         window_bytes=windows,
@@ -64,15 +68,22 @@ def cluster_layout(cluster: ClusterPlan, num_nodes: int | None = None) -> NodeLa
     by default one node per TE. More nodes than TEs are refused: a TE would span nodes."""
     num_tes = cluster.num_tes
     if num_nodes is None:
-        num_nodes = num_tes
+        num_nodes = 1 if cluster.pool_ranks else num_tes
+    if cluster.pool_ranks and num_nodes > 1:
+        raise ConfigError(
+            f"{num_nodes} nodes (--nodes or --hosts) with cluster.pool({len(cluster.pool_ranks)}):"
+            " a pool rank joins the TE of any pool TE-shell, so a cluster with a pool runs on one "
+            "node; run it on one, or set cluster.pool=0"
+        )
     if not 1 <= num_nodes <= num_tes:
         raise ConfigError(
             f"{num_nodes} nodes (--nodes or --hosts) for a cluster of {num_tes} TEs: a cluster "
             f"is placed as whole TEs per node, so it takes 1 to {num_tes} nodes (a TE spanning "
             "nodes is not supported)"
         )
-    sizes = [t.size for t in cluster.tes]  # [num_tes] ranks of each TE
+    sizes = [t.num_launched for t in cluster.tes]  # [num_tes] ranks of each TE
     sizes[0] += cluster.num_jes  # the JEs, world ranks 0..J-1, run beside TE 0
+    sizes[-1] += len(cluster.pool_ranks)  # after every TE (one node: refused otherwise)
     counts = _split(sizes, num_nodes, _least_largest(sizes, num_nodes))  # [num_nodes] TEs each
     tasks, names, first = [], [], 0
     for count in counts:

@@ -67,6 +67,8 @@ def run(ctx: RankContext) -> int:
         je.serve()
         je.take_shares()
         je.collect()
+        if je.weights is not None and ctx.plan.cluster.pool_ranks:
+            je.weights.stop_pool()  # every TE has ended: the pool ranks wait in their loop
 
     return run_job(ctx, JobExecutor, serve, what="JE up")
 
@@ -101,7 +103,7 @@ class JobExecutor:
         self.rounds = TeRounds(self)
         self.autoscaler = self.weights = None
         if cfg.autoscaler.enabled:  # xds_mpi/cluster/autoscaler.py
-            self.autoscaler = make_autoscaler(cfg, cluster.tes)
+            self.autoscaler = make_autoscaler(cfg, cluster.tes, cluster.pool_ranks)
             self.weights = ScaleOutLoads(cfg, cluster, self.comm, self.log)  # moved for real
         self.loads = cluster_loads(cfg, cluster, self.autoscaler, self.rounds.arrival_of)
         self.results: dict[int, TeResult] = {}
@@ -226,6 +228,11 @@ class JobExecutor:
         if self.autoscaler is not None:
             kinds = Counter(e.kind for e in self.autoscaler.events)
             self.summary.update(scale_outs=kinds["out"], scale_ins=kinds["in"])
+            pool = self.autoscaler.pool
+            if pool is not None:  # docs/cluster.md "A pool of ranks"
+                self.summary.update(
+                    pool_size=len(pool.ranks), pool_skips=pool.num_skips, pool_waits=pool.num_waits
+                )
         self.log.info(format_summary(self.summary))
         count_per_te(self.summary, cluster, self.loads.te_of, self.log)
         self.virtual_times = virtual_times(self.records, self.admitted)
@@ -308,6 +315,8 @@ class JobExecutor:
             for key, values in self.weights.columns(events).items():
                 is_text = key == "load_path"
                 scaling[key] = np.array(values, dtype=h5py.string_dtype() if is_text else None)
+        if self.autoscaler is not None and self.autoscaler.pool is not None:
+            write_pool(group, self.autoscaler.pool, cluster)
         if self.ctx.cfg.run.trace:  # the scale events and each TE's serving, virtual clock
             self.trace = trace_of_run(  # written beside the run file (je_parts.py run_job)
                 cluster,
@@ -334,3 +343,23 @@ def deal(requests, num_jes: int) -> dict[int, int]:
     `num_jes`."""
     ordered = sorted(requests, key=lambda r: (r.arrival_s, r.req_id))
     return {req.req_id: i % num_jes for i, req in enumerate(ordered)}
+
+
+def write_pool(group, pool, cluster) -> None:
+    """/cluster/pool: one row per pool rank and turn, in the order taken: `rank` (world rank)
+    served as rank `die` inside TE `te` (after its host ranks) from `taken_s` (the scale-out's
+    decision) until `given_back_s` (the decision after its drain's last finish; inf: the run's
+    end), virtual seconds; attributes the pool's size and the scale-outs that passed over or
+    waited for a pool TE."""
+    import numpy as np
+
+    rows = [
+        (t.te, rank, die, t.taken_s, t.given_back_s)
+        for t in pool.turns
+        for die, rank in enumerate(t.ranks, start=cluster.tes[t.te].num_launched)
+    ]
+    table = group.create_group("pool")
+    for index, key in enumerate(("te", "rank", "die", "taken_s", "given_back_s")):
+        dtype = np.float64 if key.endswith("_s") else np.int64
+        table[key] = np.array([row[index] for row in rows], dtype)
+    table.attrs.update(size=len(pool.ranks), skips=pool.num_skips, waits=pool.num_waits)

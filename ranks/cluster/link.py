@@ -15,6 +15,9 @@ class ClusterLink:
     comm: MPI.Comm  # JE j at j, the TE-shell of TE k at num_jes + k
     te: int  # this TE's index (-1: a JE)
     num_jes: int = 1  # the JEs: link ranks 0..num_jes-1
+    # a pool TE's TE-shell while its TE is formed (ranks/cluster/pool_shell.py PoolShell): the
+    # JE-side state its TePacer takes on and hands back at the drain
+    pool: object = None
 
     @property
     def jes(self) -> range:

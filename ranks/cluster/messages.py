@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 from ranks.core.tags import (  # noqa: F401
     TAG_CLUSTER_FINISHED,
+    TAG_CLUSTER_POOL,
     TAG_CLUSTER_RESULT,
     TAG_CLUSTER_SHARE,
     TAG_CLUSTER_TE_LOST,
+    TAG_POOL_GROUP,
+    TAG_POOL_RANK,
     TAG_VTIME_CLOCK,
     TAG_VTIME_GRANT,
 )
@@ -69,3 +72,34 @@ class JeShare:
     te_of: dict = field(default_factory=dict)
     orphaned: dict = field(default_factory=dict)
     decisions: list = field(default_factory=list)
+
+
+# The pool of ranks (docs/cluster.md "A pool of ranks"): JE -> a pool TE's TE-shell on the link,
+# and JE -> a pool rank on the world, a `PoolActivation` at a scale-out (before the load order),
+# a `PoolRelease` once a drained pool TE's ranks are given back; JE -> every pool rank at the
+# end, a `PoolStop` (TAG_CLUSTER_POOL, TAG_POOL_RANK). A pool TE's communicator is made with
+# TAG_POOL_GROUP (Comm.Create_group).
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolActivation:
+    """Pool TE `te` is formed for scale event `event`: members: its world ranks, its TE-shell
+    first and then its dies, die i (rank i inside the TE) on members[i]."""
+
+    te: int
+    event: int
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolRelease:
+    """Pool TE `te` was drained (its last request finished by `at_s`, virtual): its dies free
+    their windows and communicator and go back to the pool."""
+
+    te: int
+    at_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolStop:
+    """The job's end: a pool rank leaves its loop."""

@@ -28,7 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ranks.cluster.messages import TAG_VTIME_GRANT
+from mpi4py import MPI
+
+from ranks.cluster.messages import TAG_CLUSTER_POOL, TAG_VTIME_GRANT
 from ranks.cluster.te_side import JeFeed, JeGrants, JeReports
 from ranks.cluster.weights_load import TeWeightsLoad
 from ranks.core.tags import TAG_CLUSTER_LOAD, TAG_PD_DECODE_STATE
@@ -93,7 +95,9 @@ class PairFeed(JeFeed):
     @property
     def is_open(self) -> bool:
         is_loading = self.weights is not None and self.weights.is_pending
-        return self.pacer.je_promise_s != INF or is_loading
+        pool = self.pacer.pool  # a pool pair: until the JE's release after its drain
+        is_routing = self.pacer.je_promise_s != INF and not (pool is not None and pool.is_released)
+        return is_routing or is_loading
 
 
 class PairPacer(PrefillPacer):
@@ -104,9 +108,14 @@ class PairPacer(PrefillPacer):
         super().__init__(je)
         self.link = link  # ranks/cluster/link.py ClusterLink
         self.frontend = je
-        self.grants = JeGrants(link)  # the cluster JEs' grants held: the promise
+        # a pool pair's: the rounds so far, held by its JE between activations
+        self.pool = link.pool  # ranks/cluster/pool_shell.py PoolShell, or None
+        self.grants = self.pool.grants if self.pool else JeGrants(link)  # the promise
         self.done: dict[int, float] = {}  # req_id -> its finish (virtual s), every one known
-        self.to_je = JeReports(link, je, self.grants)  # the finishes and reports to the JEs
+        if self.pool:
+            self.to_je = self.pool.to_je.send_through(je)
+        else:
+            self.to_je = JeReports(link, je, self.grants)  # the finishes and reports to the JEs
         self.num_forwarded = 0  # tasks forwarded to the decode TE-shell
         self.decode = DecodeState(promise_s=-INF, num_tasks=0, bound_s=INF, finishes=())
         self.weights = TeWeightsLoad(je, link)  # a standby pair's load at its scale-out
@@ -179,13 +188,19 @@ class PairPacer(PrefillPacer):
         """The cluster JEs' grants: their requests queued (records made), their promise; a load
         order first (it scales out to this pair: passed on to the dies), sent before the grant
         that may route requests here."""
-        num, comm = 0, self.link.comm
-        for source in self.link.jes:
-            while (order := comm.improbe(source=source, tag=TAG_CLUSTER_LOAD)) is not None:
-                self.weights.take_order(order.recv())
-                num += 1
-            while (message := comm.improbe(source=source, tag=TAG_VTIME_GRANT)) is not None:
-                self.grants.take(source, message.recv(), self.je)
+        num, comm, status = 0, self.link.comm, MPI.Status()
+        for source in self.link.jes:  # in the order sent
+            while comm.iprobe(source=source, tag=MPI.ANY_TAG, status=status):
+                if self.pool is not None and self.pool.is_released:
+                    return num  # what follows the drain is the pool JE's loop's
+                if status.tag == TAG_CLUSTER_POOL:  # a pool pair drained: its dies go back
+                    self.pool.release(comm.recv(source=source, tag=TAG_CLUSTER_POOL))
+                elif status.tag == TAG_CLUSTER_LOAD:
+                    self.weights.take_order(comm.recv(source=source, tag=TAG_CLUSTER_LOAD))
+                elif status.tag == TAG_VTIME_GRANT:
+                    self.grants.take(source, comm.recv(source=source, tag=TAG_VTIME_GRANT), self.je)
+                else:
+                    break
                 num += 1
         return num
 

@@ -113,7 +113,7 @@ class TeRounds(GrantRounds):
             arrival_of=self.arrival_of,
         )
         if je.weights is not None:  # a scale-out's load order, before the grant routing there
-            je.weights.send_orders(je.autoscaler.events, je.sends)
+            je.weights.send_orders(je.autoscaler.events, je.sends, je.autoscaler.pool)
         # the promise: the next arrival, or a loss found before it (its orphans go elsewhere)
         promise_s = min([grant.horizon_s, *(loss.at_s + self.detect_s for loss in self.losses)])
         if self.is_watching:  # a loss not known yet is found a detection after a busy start

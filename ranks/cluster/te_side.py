@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ranks.cluster.messages import (
     TAG_CLUSTER_FINISHED,
+    TAG_CLUSTER_POOL,
     TAG_CLUSTER_TE_LOST,
     TAG_VTIME_CLOCK,
     TAG_VTIME_GRANT,
@@ -49,9 +50,14 @@ class TePacer(VirtualPacer):
     def __init__(self, frontend, link) -> None:
         super().__init__(frontend)
         self.link = link  # ranks/cluster/link.py ClusterLink
-        self.grants = JeGrants(link)  # the JEs' grants held: the promise
+        # a pool TE's: the rounds so far, held by its TE-shell between activations
+        self.pool = link.pool  # ranks/cluster/pool_shell.py PoolShell, or None
+        self.grants = self.pool.grants if self.pool else JeGrants(link)  # the promise
         self.is_lost = False  # its dies could not go on: the JEs were told (`lost`)
-        self.to_je = JeReports(link, frontend, self.grants)  # the finishes and reports to the JE
+        if self.pool:
+            self.to_je = self.pool.to_je.send_through(frontend)
+        else:
+            self.to_je = JeReports(link, frontend, self.grants)  # the finishes and reports
         self.weights = TeWeightsLoad(frontend, link)  # a standby TE's load at its scale-out
         self.feed = JeFeed(self, self.weights)
 
@@ -138,6 +144,12 @@ class TePacer(VirtualPacer):
         num, frontend, comm, status = 0, self.frontend, self.link.comm, MPI.Status()
         for je in self.link.jes:
             while comm.iprobe(source=je, tag=MPI.ANY_TAG, status=status):
+                if self.pool is not None and self.pool.is_released:
+                    return num  # what follows the drain is the pool TE-shell's (its next turn)
+                if status.tag == TAG_CLUSTER_POOL:  # a pool TE drained: its dies go back
+                    self.pool.release(comm.recv(source=je, tag=TAG_CLUSTER_POOL))
+                    num += 1
+                    continue
                 if status.tag == TAG_CLUSTER_LOAD:
                     self.weights.take_order(comm.recv(source=je, tag=TAG_CLUSTER_LOAD))
                     num += 1
@@ -184,7 +196,8 @@ class JeGrants:
 
     def take(self, je: int, grant: Grant, frontend) -> None:
         """JE `je`'s grant: its requests queued on `frontend` (records made), its promise."""
-        queue_routed(frontend, grant, self.routed_at)
+        if grant.requests:  # (a pool TE-shell between activations has no frontend)
+            queue_routed(frontend, grant, self.routed_at)
         self.owner.update((req.req_id, je) for req in grant.requests)
         self.seq[je], self.promises[je] = grant.seq, grant.horizon_s
 
@@ -201,6 +214,12 @@ class JeReports:
         self.rows: dict[int, list] = {je: [] for je in link.jes}  # finishes not yet sent
         self.num_sent = dict.fromkeys(link.jes, 0)  # finish messages sent to each JE
         self.reported = 0  # the round last reported for
+
+    def send_through(self, owner) -> JeReports:
+        """The pending sends go to `owner.sends` from now on (a pool TE's: its TePacer's frontend
+        while its TE is formed, its TE-shell's between)."""
+        self.owner = owner
+        return self
 
     def finished(self, row: tuple[int, float, float]) -> None:
         self.rows[self.grants.owner[row[0]]].append(row)
@@ -273,7 +292,9 @@ class JeFeed:
     def is_open(self) -> bool:
         """Until the JE's last grant, and the dies' load at a scale-out reported."""
         is_loading = self.weights is not None and self.weights.is_pending
-        return (self.pacer.promise_s != INF or is_loading) and not self.pacer.is_lost
+        pool = self.pacer.pool
+        is_routing = self.pacer.promise_s != INF and not (pool is not None and pool.is_released)
+        return (is_routing or is_loading) and not self.pacer.is_lost
 
     def ready(self) -> None:
         self.deadline = time.monotonic() + self.timeout_s
@@ -304,9 +325,12 @@ def send_result(ctx, serving, status: str) -> None:
     from ranks.cluster.messages import TAG_CLUSTER_RESULT, TeResult
     from ranks.core.control import send_to_each
 
+    link = cluster_link()
+    if link.pool is not None:  # a pool TE's activation: its TE-shell sends one result at the end
+        link.pool.keep(serving, status)
+        return
     if serving is None:  # failed before serving ended: the exception aborts the job
         return
-    link = cluster_link()
     result = TeResult(
         te=link.te,
         status=status,

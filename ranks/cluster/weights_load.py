@@ -19,6 +19,11 @@ scale-out"; the dies' side: ranks/colocated/weights_pull.py).
 
 A TE drained and scaled out again keeps its weights (its dies still hold them): no second order,
 `load_path` "kept". The virtual clock prices the scale-out as before (its `serves_s`).
+
+A pool TE (docs/cluster.md "A pool of ranks") has new dies at every scale-out: before its order,
+the JE sends its TE-shell (on the link) and each pool rank it took (on the world) the
+`PoolActivation`; at its drain's end the TE-shell the `PoolRelease`; at the job's end every pool
+rank the `PoolStop` (`stop_pool`). Each of its scale-outs has an order and a load.
 """
 
 from __future__ import annotations
@@ -26,7 +31,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ranks.core.control import WaitTimeout, recv_from_each
+from mpi4py import MPI
+
+from ranks.cluster.messages import (
+    TAG_CLUSTER_POOL,
+    TAG_POOL_RANK,
+    PoolActivation,
+    PoolRelease,
+    PoolStop,
+)
+from ranks.core.control import WaitTimeout, recv_from_each, send_to_each
 from ranks.core.tags import TAG_CLUSTER_LOAD, TAG_CLUSTER_LOADED
 from ranks.core.weights_window import (
     TAG_WEIGHTS_LOAD,
@@ -72,13 +86,21 @@ class ScaleOutLoads:
         self.window = weights_window()  # the source dies' fork tables
         self.num_forks: dict[int, int] = {}  # source die's world rank -> forks noted there
 
-    def send_orders(self, events, sends: list) -> None:
+    def send_orders(self, events, sends: list, pool=None) -> None:
         """A load order for each scale-out decided since the last call to a TE without weights
-        (`events`: the autoscaler's, in decision order); the sends go to `sends`."""
+        (`events`: the autoscaler's, in decision order), a pool TE's activation before it, and
+        first the release of each pool TE whose drain ended (`pool`: the autoscaler's RankPool);
+        the sends go to `sends`."""
+        for turn in pool.take_released() if pool is not None else ():
+            release = PoolRelease(te=turn.te, at_s=turn.given_back_s)
+            sends.append(self.comm.isend(release, dest=turn.te + 1, tag=TAG_CLUSTER_POOL))
+            self.has_weights.discard(turn.te)  # its dies went back to the pool
         for index in range(self.num_seen, len(events)):
             te = events[index].te
             if events[index].kind != "out" or te in self.has_weights:
                 continue
+            if events[index].pool_ranks:
+                self._activate(index, events[index], sends)
             order = self._order(index, events[index])
             if order.path == "fork":
                 self._note_fork(events[index], order)
@@ -86,6 +108,34 @@ class ScaleOutLoads:
             self.ordered[index] = te
             self.has_weights.add(te)
         self.num_seen = len(events)
+
+    def _activate(self, index: int, event, sends: list) -> None:
+        """Pool TE `event.te`'s activation to its TE-shell and to each pool rank it took."""
+        info = self.cluster.tes[event.te]
+        hosts = tuple(range(info.first_rank, info.first_rank + info.num_launched))
+        activation = PoolActivation(te=event.te, event=index, members=(*hosts, *event.pool_ranks))
+        sends.append(self.comm.isend(activation, dest=event.te + 1, tag=TAG_CLUSTER_POOL))
+        world = MPI.COMM_WORLD
+        for rank in activation.members[1:]:  # a PD pair's decode TE-shell too
+            sends.append(world.isend(activation, dest=rank, tag=TAG_POOL_RANK))
+        self.log.info(
+            "pool: TE %d formed of pool ranks %s (scale event %d)",
+            event.te,
+            event.pool_ranks,
+            index,
+        )
+
+    def stop_pool(self) -> None:
+        """Every pool rank out of its loop (bounded): the TEs have all sent their results."""
+        ranks = (*self.cluster.pool_ranks, *self.cluster.pool_hosts)
+        send_to_each(
+            MPI.COMM_WORLD,
+            dict.fromkeys(ranks, PoolStop()),
+            tag=TAG_POOL_RANK,
+            timeout_s=self.timeout_s,
+            me="JE",
+            event="stop to the pool ranks",
+        )
 
     def _order(self, index: int, event) -> LoadOrder:
         """Scale event `index`'s order: its planned path, a fork's source TE's world ranks, a
@@ -113,15 +163,19 @@ class ScaleOutLoads:
 
     def collect(self) -> None:
         """Every ordered TE's load (bounded: each TE-shell sent it before its result)."""
-        got = recv_from_each(
-            self.comm,
-            sorted(te + 1 for te in self.ordered.values()),  # one order per TE at most
-            tag=TAG_CLUSTER_LOADED,
-            timeout_s=self.timeout_s,
-            me="JE",
-            event="weights loaded at scale-out",
-        )
-        self.loaded = {loaded.event: loaded for loaded in got.values()}
+        left = list(self.ordered.values())  # a pool TE: one order per scale-out
+        while left:
+            got = recv_from_each(
+                self.comm,
+                sorted({te + 1 for te in left}),
+                tag=TAG_CLUSTER_LOADED,
+                timeout_s=self.timeout_s,
+                me="JE",
+                event="weights loaded at scale-out",
+            )
+            self.loaded.update((loaded.event, loaded) for loaded in got.values())
+            for shell in got:
+                left.remove(shell - 1)
         for loaded in self.loaded.values():
             self.log.info(
                 "TE %d: weights by %s%s: %d bytes to %d dies in %.4f s (checks and model %.4f s)",

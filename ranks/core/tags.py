@@ -75,6 +75,10 @@ TAG_CLUSTER_SERVE, TAG_CLUSTER_NEWS = 296, 297
 TAG_CLUSTER_SHARE = 298
 # a cluster's TE-shell -> its JEs: its dies cannot go on (ranks/cluster/te_side.py `TePacer.lost`)
 TAG_CLUSTER_TE_LOST = 299
+# The pool of ranks (ranks/cluster/pool_rank.py, pool_shell.py): JE -> a pool TE's TE-shell on
+# the link, its activation and release; JE -> a pool rank on the world, its activation and the
+# stop; the members of a forming TE, their meeting and Comm.Create_group
+TAG_CLUSTER_POOL, TAG_POOL_RANK, TAG_POOL_GROUP = 311, 312, 313
 
 
 def all_tags() -> dict[str, int]:

@@ -14,6 +14,14 @@ the window: no event). A scale event waits `cooldown_s` after the previous one; 
 (those scaling out counted) stay within [min_tes, max_tes]. A TE found lost serves no more and is
 no standby TE. How a scale-out loads its TE (its path, a fork's source, a fallback when that
 source dies mid-fork) is its planner's (xds_mpi/cluster/scale_out.py).
+
+A pool TE (`cluster.groups` row with `pool: true`) takes its dies from the pool of ranks
+(xds_mpi/cluster/pool.py) at its scale-out and gives them back at its drain: the autoscaler scales
+out to the first standby TE whose dies fit the free pool ranks, passing over a pool TE that does
+not fit (counted, `RankPool.num_skips`); when none fits, it scales out at a later decision
+(counted, `RankPool.num_waits`). A drained pool TE's ranks are free from the first decision after
+its last finish, and the TE goes behind the standby TEs that have not served since (so the
+pool's ranks rotate between the pool TEs' shapes instead of returning to the lowest-numbered).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 
+from xds_mpi.cluster.pool import RankPool
 from xds_mpi.cluster.scale_out import FixedSteps, PricedPaths, TeScaling
 
 INF = float("inf")
@@ -40,7 +49,20 @@ def scale_out_steps(cfg, te, num_new_tes: int = 1) -> tuple[tuple[str, float], .
     from xds_mpi.scaling.steps import scale_out
 
     te_cfg = te_config(cfg, te.overrides)
-    return scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=num_new_tes).steps
+    steps = scale_out(te_cfg, num_dies=cfg.autoscaler.pod_dies, num_new_tes=num_new_tes).steps
+    if te.is_pool and te_cfg.scaling.prewarmed_tes:
+        return pool_te_steps(steps, te_cfg.scaling.comm_init_s)
+    return steps
+
+
+def pool_te_steps(steps, comm_init_s: float) -> tuple[tuple[str, float], ...]:
+    """A pool TE's steps (docs/cluster.md "A pool of ranks"): its TE-shell and its pool ranks
+    are pre-warmed (runtime imported, NPU set up), but its communication domain is formed at
+    the scale-out, so TE-Pre-Load is `scaling.comm_init_s` (an assumption, as for any TE)
+    instead of a pre-warmed TE's 0."""
+    return tuple(
+        (name, comm_init_s if name == "TE-Pre-Load" else seconds) for name, seconds in steps
+    )
 
 
 def scale_out_s(cfg, te) -> float:
@@ -68,7 +90,11 @@ def priced_paths(cfg, tes) -> PricedPaths:
                 steps=info.steps,
                 fallback_path=fallback,
                 fallback_steps=scale_out_steps(cfg, as_fallback),
-                same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
+                # a pool TE is no source: its dies' world ranks change with each scale-out
+                same_shape=frozenset(
+                    u.te for u in tes if shapes[u.te] == shapes[t.te] and not u.is_pool
+                )
+                - {t.te},
                 # the k-th TE one source feeds at once (xds_mpi/cluster/fork_fanout.py)
                 fanout_steps=tuple(scale_out_steps(cfg, t, k) for k in range(1, len(tes))),
             )
@@ -86,8 +112,10 @@ def _with_path(te, path: str):
     return replace(te, overrides=(*te.overrides, f"scaling.path={path}"))
 
 
-def make_autoscaler(cfg, tes) -> Autoscaler:
-    """The JE's autoscaler for a cluster's TEs (xds_mpi/plan/cluster.py TeInfo)."""
+def make_autoscaler(cfg, tes, pool_ranks: tuple[int, ...] = ()) -> Autoscaler:
+    """The JE's autoscaler for a cluster's TEs (xds_mpi/plan/cluster.py TeInfo) and its pool's
+    world ranks (ClusterPlan.pool_ranks)."""
+    pool_tes = {t.te: t.num_dies for t in tes if t.is_pool}
     return Autoscaler(
         cfg.autoscaler,
         [t.num_dies for t in tes],
@@ -95,6 +123,7 @@ def make_autoscaler(cfg, tes) -> Autoscaler:
         priced_paths(cfg, tes),
         slo_ttft_s=cfg.run.slo_ttft_ms / 1e3,
         slo_tpot_s=cfg.run.slo_tpot_ms / 1e3,
+        pool=RankPool(pool_ranks, pool_tes) if pool_tes else None,
     )
 
 
@@ -115,12 +144,14 @@ class ScaleEvent:
     fallback_s: float = 0.0  # the virtual seconds the fallback added to the fork as priced
     fork_group: int = -1  # a fork's group: its first TE (TEs sharing one source; -1: no fork)
     fork_receivers: int = 0  # the group's new TEs with this one (its TE-Load priced for them)
+    pool_ranks: tuple[int, ...] = ()  # a pool TE's scale-out: the pool's world ranks it took
 
 
 class Autoscaler:
     """TEs 0..N-1; `standby`: those that start in standby (not serving); planner: a scale-out's
     plan (xds_mpi/cluster/scale_out.py: its steps, path and source), or per TE the fixed steps
-    (name, virtual s) from a scale-out decision until it serves."""
+    (name, virtual s) from a scale-out decision until it serves; pool: the pool of ranks the
+    pool TEs' dies come from (None: no pool TE)."""
 
     def __init__(
         self,
@@ -131,8 +162,12 @@ class Autoscaler:
         *,
         slo_ttft_s: float = INF,
         slo_tpot_s: float = INF,
+        pool: RankPool | None = None,
     ) -> None:
         self.cfg = cfg  # the autoscaler section
+        self.pool = pool
+        self.giving_back: list[int] = []  # pool TEs drained since the last decision
+        self.drained_at: dict[int, float] = {}  # pool TE -> the decision that took its ranks back
         self.planner = planner if hasattr(planner, "plan") else FixedSteps(planner)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.finishes: list[tuple[float, bool]] = []  # (finish s, an SLO missed), by finish
@@ -156,17 +191,22 @@ class Autoscaler:
     def observe(self, now_s: float, unfinished: list[int]) -> ScaleEvent | None:
         """At a routing decision at `now_s` with each TE's unfinished requests then: the scale
         event it decides, if any."""
+        self._give_back(now_s)
         serving = self.serving(now_s)
         mean = self._metric(now_s, unfinished, serving)
         if mean is None or now_s < self.last_event_s + self.cfg.cooldown_s:
             return None
         alive = [(te, t) for te, t in self.serves_from.items() if te not in self.lost]
         coming = [te for te, t in alive if now_s < t < INF]
-        standby = sorted(te for te, t in alive if t == INF)
+        # lowest-numbered first; a drained pool TE behind those that have not served since
+        standby = sorted(
+            (te for te, t in alive if t == INF), key=lambda te: (self.drained_at.get(te, -INF), te)
+        )
         event = None
         if mean > self.cfg.scale_out_above and standby:
-            if len(serving) + len(coming) < self.max_tes:
-                te = standby[0]
+            te = self._fitting(standby) if len(serving) + len(coming) < self.max_tes else None
+            if te is not None:
+                ranks = self.pool.take(te, now_s) if self.pool and self.pool.is_pool_te(te) else ()
                 plan = self.planner.plan(te, now_s, serving, unfinished)
                 self.planner.taken(te, now_s, plan)  # a fork joins its fork group
                 self.serves_from[te] = now_s + plan.total_s
@@ -183,18 +223,39 @@ class Autoscaler:
                     fallback_s=plan.fallback_s,
                     fork_group=plan.fork_group,
                     fork_receivers=plan.fork_receivers,
+                    pool_ranks=ranks,
                 )
         elif mean < self.cfg.scale_in_below and len(serving) > self.cfg.min_tes and not coming:
             te = min(serving, key=lambda t: (unfinished[t], -t))
             self.draining.add(te)
             if not unfinished[te]:  # nothing to finish first: standby at once
                 self.drained(te)
+                self._give_back(now_s)
             event = ScaleEvent(kind="in", te=te, decided_s=now_s, serves_s=INF, load=mean)
         if event is not None:
             self.events.append(event)
             self.last_event_s = now_s
             self.samples.clear()  # the next window starts with the new set of TEs
         return event
+
+    def _fitting(self, standby: list[int]) -> int | None:
+        """The first standby TE whose dies the pool can give (any TE not of the pool); a pool
+        TE passed over, or none fitting, counted."""
+        if self.pool is None:
+            return standby[0]
+        te = next((te for te in standby if self.pool.can_take(te)), None)
+        if te is None:
+            self.pool.num_waits += 1
+        elif te != standby[0]:
+            self.pool.num_skips += 1
+        return te
+
+    def _give_back(self, now_s: float) -> None:
+        """The pool ranks of the pool TEs drained since the last decision, free from now_s."""
+        for te in self.giving_back:
+            self.pool.give_back(te, now_s)
+            self.drained_at[te] = now_s
+        self.giving_back = []
 
     def finished(self, finish_s: float, ttft_s: float, tpot_s: float = math.nan) -> None:
         """A request's finish as a TE-shell reported it (before or after `observe` reaches its
@@ -225,3 +286,5 @@ class Autoscaler:
         if te in self.draining:
             self.draining.discard(te)
             self.serves_from[te] = INF
+            if self.pool is not None and self.pool.is_pool_te(te):
+                self.giving_back.append(te)

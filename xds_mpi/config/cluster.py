@@ -34,12 +34,15 @@ class TeGroup:
     """count TEs alike: the rest of the config with these `section.key=value` overrides (a PD
     pair: `pd.enabled=true`, its prefill and decode dies, two host ranks, ...); name: how the
     group is named in logs and the run file ('' -> its kind); standby: its TEs start as
-    pre-warmed standby TEs that serve only once the autoscaler scales out to them."""
+    pre-warmed standby TEs that serve only once the autoscaler scales out to them; pool (a
+    standby group only): its TEs' TE-shells are launched (pre-warmed pods) but their dies are
+    taken from `cluster.pool` at each scale-out and given back at the drain."""
 
     count: int = 1
     set: list = field(default_factory=list)
     name: str = ""
     standby: bool = False
+    pool: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,7 +65,10 @@ class ClusterConfig:
     num_jes: how many JEs route the requests (DeepServe's JEs each run their scheduling
     independently): the frontend deals the requests to them in arrival order, JE j the j-th of
     every num_jes; each routes its share to any TE by `policy` from its own view (its own
-    requests' loads and prompt tree)."""
+    requests' loads and prompt tree).
+    pool: world ranks after the TEs that belong to no TE at launch: the dies of the `pool`
+    groups' TEs, taken at a scale-out and given back at the drain (docs/cluster.md "A pool of
+    ranks")."""
 
     num_tes: int = 1
     num_jes: int = 1
@@ -73,6 +79,7 @@ class ClusterConfig:
     balance_tolerance: float = 0.25
     groups: list = field(default_factory=list)
     te_losses: list = field(default_factory=list)
+    pool: int = 0
 
     def __post_init__(self) -> None:
         groups = [_group(i, row) for i, row in enumerate(self.groups)]
@@ -85,6 +92,7 @@ class ClusterConfig:
             )
             object.__setattr__(self, "num_tes", total)
         positive("cluster", num_tes=self.num_tes, num_jes=self.num_jes)
+        require(self.pool >= 0, f"cluster.pool must be >= 0, got {self.pool}")
         losses = [_loss(i, row, self.num_tes) for i, row in enumerate(self.te_losses)]
         object.__setattr__(self, "te_losses", sorted(losses, key=lambda loss: loss.at_s))
         lost = {loss.te for loss in losses}
@@ -131,6 +139,11 @@ def _group(index: int, row) -> TeGroup:
     where = f"cluster.groups[{index}]"
     group = row if isinstance(row, TeGroup) else build_record(TeGroup, row, where)
     positive(where, count=group.count)
+    require(
+        group.standby or not group.pool,
+        f"{where}: pool: true needs standby: true (a pool TE's dies come from cluster.pool at "
+        "its scale-out; a TE serving from the start has its own)",
+    )
     for text in group.set:
         require(
             isinstance(text, str) and "=" in text and "." in text.partition("=")[0],

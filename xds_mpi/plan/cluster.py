@@ -7,7 +7,9 @@ agreement and failure handling are one TE's; the JEs and the TE-shells share a s
 link: JE j at j, TE-shell of TE k at J + k).
 
 `cluster.groups` makes TEs of different kinds and shapes: each group's TEs have the rest of the
-config with the group's `--set` values. A PD pair is one TE whose TE-shell is the pair's own JE
+config with the group's `--set` values. A `pool` group's TEs launch their TE-shell only; their
+dies are taken from `cluster.pool`, world ranks after every TE, at each scale-out (docs/cluster.md
+"A pool of ranks"). A PD pair is one TE whose TE-shell is the pair's own JE
 (ranks/cluster/pd_side.py). What a cluster does not support yet is refused, naming the key.
 """
 
@@ -27,7 +29,8 @@ class TeInfo:
     """One TE of a cluster: te: its index; first_rank: its TE-shell's world rank; size: its
     ranks; kind: "colocated", "afd" or "pd" (a PD pair: its JE is its TE-shell); num_dies;
     group: the name of its group; overrides: its group's `--set` values on the config; standby:
-    it starts in standby (serves once the autoscaler scales out to it)."""
+    it starts in standby (serves once the autoscaler scales out to it); is_pool: only its
+    TE-shell is launched at first_rank, its dies are pool ranks taken at each scale-out."""
 
     te: int
     first_rank: int
@@ -37,16 +40,25 @@ class TeInfo:
     group: str
     overrides: tuple[str, ...] = ()
     standby: bool = False
+    is_pool: bool = False
+
+    @property
+    def num_launched(self) -> int:
+        """Its ranks launched as its own: a pool TE's host ranks only (its TE-shell; a PD
+        pair's JE and decode TE-shell)."""
+        return self.size - self.num_dies if self.is_pool else self.size
 
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterPlan:
     """The TEs behind the JEs, one after another from world rank num_jes; policy:
-    cluster.policy; num_jes: the JEs, world ranks (and link ranks) 0..num_jes-1."""
+    cluster.policy; num_jes: the JEs, world ranks (and link ranks) 0..num_jes-1; pool_ranks:
+    the world ranks after the TEs that the pool TEs' dies are taken from (cluster.pool)."""
 
     tes: tuple[TeInfo, ...]
     policy: str
     num_jes: int = 1
+    pool_ranks: tuple[int, ...] = ()
 
     @property
     def num_tes(self) -> int:
@@ -54,7 +66,21 @@ class ClusterPlan:
 
     @property
     def world_size(self) -> int:
-        return self.num_jes + sum(t.size for t in self.tes)
+        return self.num_jes + sum(t.num_launched for t in self.tes) + len(self.pool_ranks)
+
+    def is_pool_rank(self, world_rank: int) -> bool:
+        return world_rank in self.pool_ranks
+
+    @property
+    def pool_hosts(self) -> tuple[int, ...]:
+        """The world ranks of the pool TEs' host ranks off the link (a PD pair's decode
+        TE-shell), which wait for their TE's activation as pool ranks do."""
+        return tuple(
+            rank
+            for t in self.tes
+            if t.is_pool
+            for rank in range(t.first_rank + 1, t.first_rank + t.num_launched)
+        )
 
     def shell(self, te: int) -> int:
         """TE `te`'s TE-shell's rank on the link (the JEs first)."""
@@ -67,7 +93,7 @@ class ClusterPlan:
     def te_of(self, world_rank: int) -> tuple[int, int]:
         """(TE, rank inside it) of a world rank; (-1, 0) for a JE."""
         for t in self.tes:
-            if t.first_rank <= world_rank < t.first_rank + t.size:
+            if t.first_rank <= world_rank < t.first_rank + t.num_launched:
                 return t.te, world_rank - t.first_rank
         return -1, 0
 
@@ -86,9 +112,23 @@ class ClusterPlan:
             shell = "JE of the pair" if t.kind == "pd" else "TE-shell"
             name = t.kind if t.group == t.kind else f"{t.group}: {t.kind}"
             name += ", standby" if t.standby else ""
+            name += ", pool" if t.is_pool else ""
+            ranks = f"world ranks {first}..{last} ({shell} {first}"
+            if t.is_pool:
+                hosts = (
+                    f"rank {first}"
+                    if t.num_launched == 1
+                    else (f"ranks {first}..{first + t.num_launched - 1}")
+                )
+                ranks = f"world {hosts} ({shell} {first}; its dies from the pool at scale-out"
             lines.append(
-                f"  TE {t.te} ({name}, {t.num_dies} dies): world ranks "
-                f"{first}..{last} ({shell} {first}; ranks 0..{t.size - 1} inside the TE)"
+                f"  TE {t.te} ({name}, {t.num_dies} dies): {ranks}; ranks 0..{t.size - 1} "
+                "inside the TE)"
+            )
+        if self.pool_ranks:
+            lines.append(
+                f"  pool: world ranks {self.pool_ranks[0]}..{self.pool_ranks[-1]} "
+                f"({len(self.pool_ranks)} ranks, no TE at launch)"
             )
         return "\n".join(lines)
 
@@ -145,11 +185,49 @@ def plan_cluster(cfg: Config) -> ClusterPlan | None:
                     group=group.name or kind,
                     overrides=overrides,
                     standby=group.standby,
+                    is_pool=group.pool,
                 )
             )
-            first += topo.world_size
+            first += tes[-1].num_launched
     check_scaling(cfg, tes)
-    return ClusterPlan(tes=tuple(tes), policy=section.policy, num_jes=section.num_jes)
+    check_pool(cfg, tes)
+    pool_ranks = tuple(range(first, first + section.pool))
+    return ClusterPlan(
+        tes=tuple(tes), policy=section.policy, num_jes=section.num_jes, pool_ranks=pool_ranks
+    )
+
+
+def check_pool(cfg: Config, tes: list[TeInfo]) -> None:
+    """A pool TE needs a pool that holds its dies (docs/cluster.md "A pool of ranks"); pool TEs
+    of different shapes may share a pool smaller than their total (they take turns). What a
+    pool TE's dies do not support yet is refused, naming its group."""
+    pool, pool_tes = cfg.cluster.pool, [t for t in tes if t.is_pool]
+    if pool_tes and pool == 0:
+        names = sorted({t.group for t in pool_tes})
+        raise ConfigError(
+            f"cluster.groups {names} say pool: true but cluster.pool is 0: their dies come from "
+            "the pool; set cluster.pool to at least "
+            f"{max(t.num_dies for t in pool_tes)} (the largest pool TE's dies)"
+        )
+    if pool and not pool_tes:
+        raise ConfigError(
+            f"cluster.pool({pool}) ranks but no cluster.groups row says pool: true: they would "
+            "serve no TE; set cluster.pool=0 or add a pool group"
+        )
+    largest = max(pool_tes, key=lambda t: t.num_dies, default=None)
+    if largest is not None and pool < largest.num_dies:
+        raise ConfigError(
+            f"cluster.pool({pool}) is smaller than the {largest.num_dies} dies of cluster TE "
+            f"{largest.te} (group {largest.group}, pool): it could never scale out; set "
+            f"cluster.pool >= {largest.num_dies}"
+        )
+    for t in pool_tes:
+        where = f"cluster TE {t.te} (group {t.group}, pool)"
+        if t.kind not in ("colocated", "pd"):
+            raise ConfigError(
+                f"{where}: its kind is {t.kind}, but a pool TE is built for colocated TEs and "
+                "PD pairs only; make the group colocated or a PD pair, or not pool"
+            )
 
 
 def check_scaling(cfg: Config, tes: list[TeInfo]) -> None:

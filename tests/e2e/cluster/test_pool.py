@@ -1,0 +1,181 @@
+"""A pool of ranks (docs/cluster.md "A pool of ranks"): a serving colocated TE of 1 die and two
+pool TEs of different shapes (1 die, 2 dies) sharing `cluster.pool` 2 ranks, 7 ranks in all. Two
+bursts: the first scales out to the 1-die pool TE (its die on pool rank 5) while the 2-die one
+waits for ranks; after the burst the 1-die TE is drained and its rank goes back to the pool; the
+second burst scales out to the 2-die TE on pool ranks 5 and 6, so rank 5 serves a TE of another
+shape. `--check` 0 mismatches on every request, those the pool TEs served with the weights they
+loaded included. Bounded by the subprocess timeout and run.timeout_s."""
+
+from __future__ import annotations
+
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+from harness import REPO_ROOT
+from test_cluster import _ok
+from test_serving import XDS_MPI, check_line
+from test_virtual_time import _jsonl, _sets
+
+from xds_mpi.config.schema import load_config
+from xds_mpi.plan.deployment import DeploymentPlan
+
+POOL_TES = (
+    "cluster.groups=[{count: 1}, "
+    "{count: 1, standby: true, pool: true, name: one-die, set: [scaling.path=PATH]}, "
+    "{count: 1, standby: true, pool: true, name: two-dies, "
+    "set: [deployment.dp_groups_per_domain=2]}]"
+)
+SETS = (
+    "cluster.policy=least_load",
+    "deployment.dp_groups_per_domain=1",
+    "health.enabled=false",
+    "workload.ignore_eos=true",
+    "autoscaler.enabled=true",
+    "autoscaler.scale_out_above=2",
+    "autoscaler.scale_in_below=0.5",
+    "autoscaler.window_s=0.5",
+    "autoscaler.cooldown_s=1",
+    "autoscaler.scale_out_s=0.5",
+    "run.timeout_s=120",
+)
+
+
+def _bursts(tmp_path) -> tuple[list[dict], list[str]]:
+    """1 request/s, 32 at 16/s from 3 s, 1/s, 32 at 16/s from 12 s, 1/s."""
+    times = [0.0, 1.0, 2.0] + [3 + i / 16 for i in range(32)] + [6.0, 7.0, 8.0]
+    times += [12 + i / 16 for i in range(32)] + [16.0, 17.0]
+    lines = [
+        {"prompt_ids": list(range(3 + i % 7, 19 + i % 7)), "max_tokens": 12, "arrival_s": t}
+        for i, t in enumerate(times)
+    ]
+    return lines, _jsonl(tmp_path, lines)
+
+
+def _run(tmp_path, path: str, *more: str, pool: int = 2, name: str = "pool"):
+    lines, workload = _bursts(tmp_path)
+    sets = _sets(
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        POOL_TES.replace("PATH", path),
+        *SETS,
+        f"cluster.pool={pool}",
+        *more,
+    )
+    result = subprocess.run(
+        [str(XDS_MPI), "run", "colocated", "--check", *workload, *sets],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    run_file = tmp_path / f"{name}.h5"
+    return lines, result, (h5py.File(run_file, "r") if run_file.exists() else None)
+
+
+def _column(group, key) -> list:
+    return [v.decode() if isinstance(v, bytes) else v for v in group[key][()]]
+
+
+@pytest.mark.parametrize("path", ["dram", "fork"])
+def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other(tmp_path, path):
+    lines, result, run_file = _run(tmp_path, path)
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    scaling = run_file["cluster/scaling"]
+    events = list(zip(_column(scaling, "kind"), _column(scaling, "te"), strict=True))
+    assert events == [("out", 1), ("in", 1), ("out", 2)], events
+    # each pool TE loaded its weights on its scale-out: TE 1 by the path, TE 2 from DRAM
+    assert _column(scaling, "load_path") == [path, "", "dram"]
+    assert list(scaling["load_bytes"][()][[0, 2]]) == [8152192, 10012928]
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
+    assert rows == [(1, 5, 1), (2, 5, 1), (2, 6, 2)]  # rank 5: TE 1's die, then TE 2's
+    given_back = pool["given_back_s"][()]
+    drained_s = scaling["decided_s"][1]
+    assert given_back[0] == drained_s and np.isinf(given_back[1:]).all()
+    assert pool.attrs["waits"] > 0  # TE 2 waited for ranks during the first burst
+    # the requests each pool TE served ran on its pool ranks, and only while it served
+    te, routed = run_file["cluster/te"][()], run_file["cluster/routed_s"][()]
+    die_rank = run_file["requests/die_rank"][()]
+    serves = scaling["serves_s"][()]
+    on_1, on_2 = te == 1, te == 2
+    assert on_1.sum() > 0 and on_2.sum() > 0
+    assert set(die_rank[on_1]) == {5} and set(die_rank[on_2]) == {5, 6}
+    assert routed[on_1].min() >= serves[0] and routed[on_1].max() <= drained_s
+    assert routed[on_2].min() >= serves[2]
+    assert run_file.attrs["world_size"] == 7
+
+
+def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
+    """With 3 pool ranks (the pool TEs' 1 + 2 dies) no scale-out waits for ranks, so the run is
+    the one with the same TEs standby and launched whole (8 ranks either way): the virtual
+    columns, each request's TE and routing time, bit-identical."""
+    _, pooled, pooled_file = _run(tmp_path, "dram", pool=3, name="pool3")
+    fixed_groups = POOL_TES.replace("PATH", "dram").replace(" pool: true,", "")
+    _, fixed, fixed_file = _run(tmp_path, "dram", fixed_groups, pool=0, name="fixed")
+    assert pooled.returncode == 0 and fixed.returncode == 0, _ok(pooled) + _ok(fixed)
+    assert check_line(pooled) == check_line(fixed) == "check: 72 requests, 864 tokens, 0 mismatches"
+    assert pooled_file.attrs["world_size"] == fixed_file.attrs["world_size"] == 8
+    assert pooled_file["summary"].attrs["pool_waits"] == 0
+    for key in ("te", "routed_s"):
+        assert np.array_equal(pooled_file[f"cluster/{key}"][()], fixed_file[f"cluster/{key}"][()])
+    for key in pooled_file["virtual"]:
+        assert np.array_equal(
+            pooled_file[f"virtual/{key}"][()], fixed_file[f"virtual/{key}"][()], equal_nan=True
+        ), key
+    assert list(pooled_file["cluster/pool/te"][()]) == [1, 2, 2, 2, 2]  # TE 2 formed twice
+
+
+def test_the_pool_saves_ranks_against_fixed_standby_tes():
+    """The same TEs standby and launched whole: 1 + 2 + 3 ranks and the JE, against 1 + 1 + 1
+    TE-shells' and dies' ranks, 2 pool ranks and the JE."""
+    sets = [POOL_TES.replace("PATH", "dram"), *SETS]
+    pooled = DeploymentPlan.build(
+        load_config("configs/colocated.yaml", [*sets, "cluster.pool=2"]), None
+    )
+    fixed_sets = [s.replace(" pool: true,", "") for s in sets]
+    fixed = DeploymentPlan.build(load_config("configs/colocated.yaml", fixed_sets), None)
+    assert (pooled.cluster.world_size, fixed.cluster.world_size) == (7, 8)
+
+
+PAIR = (
+    "pd.enabled=true, deployment.num_host_ranks=2, deployment.num_prefill_dies=1, "
+    "deployment.dp_groups_per_domain=1, xccl.p2p_pairs=prefill_to_decode, "
+    "xccl.ring_slots=8, xccl.slot_bytes=16384"
+)
+
+
+def test_a_pool_pd_pair_s_ranks_then_serve_a_colocated_te(tmp_path):
+    """A serving PD pair, a pool PD pair (its JE and decode TE-shell launched; its prefill and
+    decode die from the pool) and a 2-die pool colocated TE share 2 pool ranks (10 ranks): the
+    first burst forms the pair on ranks 8 and 9, its drain gives them back, the second burst
+    forms the colocated TE on them."""
+    groups = (
+        f"cluster.groups=[{{count: 1, name: pair, set: [{PAIR}]}}, "
+        f"{{count: 1, standby: true, pool: true, name: pool-pair, set: [{PAIR}]}}, "
+        "{count: 1, standby: true, pool: true, name: pool-colocated, "
+        "set: [deployment.dp_groups_per_domain=2]}]"
+    )
+    lines, result, run_file = _run(tmp_path, "dram", groups)
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    assert run_file.attrs["world_size"] == 10
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
+    # the pair's dies (ranks 2 and 3 inside it, after its JE and decode TE-shell); the TE's 1, 2
+    assert rows == [(1, 8, 2), (1, 9, 3), (2, 8, 1), (2, 9, 2)]
+    assert pool["given_back_s"][1] <= pool["taken_s"][2]
+    te, die_rank = run_file["cluster/te"][()], run_file["requests/die_rank"][()]
+    # a pair's request ends on the same rank inside it, the serving pair's (world ranks 1..4)
+    assert set(die_rank[te == 0]) == {1 + 2}
+    assert (te == 1).sum() > 0 and set(die_rank[te == 1]) == {8}
+    assert (te == 2).sum() > 0 and set(die_rank[te == 2]) == {8, 9}
+    assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["pd", "pd", "colocated"]

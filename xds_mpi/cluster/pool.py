@@ -1,0 +1,76 @@
+"""The pool of ranks (`cluster.pool`, docs/cluster.md "A pool of ranks"): world ranks that belong
+to no TE at launch, from which the JE's autoscaler forms a pool TE's dies at its scale-out and to
+which they return at its drain, so that pool TEs of different shapes share fewer ranks than
+their total. Pure bookkeeping on the virtual clock: which ranks are free, which TE holds which,
+and from when until when (`PoolTurn` rows, the run file's `/cluster/pool`).
+
+The ranks are handed out lowest first, so the same decisions give the same ranks on any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolTurn:
+    """Pool ranks `ranks` (world ranks, the TE's dies in order, after its host ranks) served TE
+    `te` from the scale-out decided at `taken_s` until the decision after its drain's last
+    finish, `given_back_s` (inf: to the run's end), virtual seconds."""
+
+    te: int
+    ranks: tuple[int, ...]
+    taken_s: float
+    given_back_s: float = INF
+
+
+class RankPool:
+    """ranks: the pool's world ranks; num_dies: pool TE -> its dies (what it takes)."""
+
+    def __init__(self, ranks: tuple[int, ...], num_dies: dict[int, int]) -> None:
+        self.ranks, self.num_dies = tuple(ranks), dict(num_dies)
+        self.free = sorted(ranks)
+        self.turns: list[PoolTurn] = []  # every turn, in the order taken
+        self.held: dict[int, int] = {}  # TE -> its current turn's index in `turns`
+        self.released: list[PoolTurn] = []  # turns ended, not yet told to their TE-shell
+        self.num_skips = 0  # scale-outs that took another standby TE: too few ranks free
+        self.num_waits = 0  # scale-outs put off: no standby TE fitted the free ranks
+
+    def is_pool_te(self, te: int) -> bool:
+        return te in self.num_dies
+
+    def can_take(self, te: int) -> bool:
+        """A TE not of the pool always can; a pool TE when its dies' ranks are free."""
+        return te not in self.num_dies or len(self.free) >= self.num_dies[te]
+
+    def take(self, te: int, at_s: float) -> tuple[int, ...]:
+        """The lowest free ranks for pool TE `te`'s dies, held from `at_s`."""
+        need = self.num_dies[te]
+        if te in self.held or len(self.free) < need:
+            raise ValueError(
+                f"pool: TE {te} takes {need} ranks at {at_s:g} s but {len(self.free)} are free "
+                f"(held already: {te in self.held})"
+            )
+        ranks, self.free = tuple(self.free[:need]), self.free[need:]
+        self.held[te] = len(self.turns)
+        self.turns.append(PoolTurn(te=te, ranks=ranks, taken_s=at_s))
+        return ranks
+
+    def give_back(self, te: int, at_s: float) -> None:
+        """Pool TE `te` drained at `at_s`: its ranks free again (nothing for another TE)."""
+        if te not in self.held:
+            return
+        index = self.held.pop(te)
+        turn = self.turns[index]
+        self.turns[index] = ended = PoolTurn(
+            te=te, ranks=turn.ranks, taken_s=turn.taken_s, given_back_s=at_s
+        )
+        self.free = sorted(self.free + list(turn.ranks))
+        self.released.append(ended)
+
+    def take_released(self) -> list[PoolTurn]:
+        """The turns ended since the last call (the JE tells each TE-shell to let go)."""
+        released, self.released = self.released, []
+        return released
