@@ -71,3 +71,19 @@ def test_a_block_evicted_mid_lookup_on_a_colocated_die_falls_back(tmp_path):
     assert s["ems_evicts_injected"] >= 1
     assert s["ems_fallbacks"] == s["ems_evicts_injected"] and s["ems_lost_fallbacks"] == 0
     assert s["ems_blocks_hit"] < 10  # the fault-free run's
+
+
+def test_transient_faults_beside_the_pool_leave_its_hits_and_puts_as_without_faults(tmp_path):
+    """Transient XCCL faults on the colocated dies that use the pool (0.3 per die and
+    iteration: most iterations roll back once or more): whatever a rolled-back iteration held,
+    the pool's counts are the fault-free run's (test_crafted_trace_hits_exactly_on_colocated_
+    dies: nothing pulled again, nothing put twice), and every token equals the reference
+    (serve_crafted checks the line)."""
+    rate = ["faults.rate=0.3", "faults.rate_unit=iteration", "faults.max_retries=10"]
+    s = serve_crafted(tmp_path, "transient", "ems.servers=2", *rate, config="colocated")
+    assert s["faults_injected"] >= 3 and s["recomputed_iterations"] >= 3
+    want = expected(capacity=1000)
+    assert (s["ems_lookups"], s["ems_requests_hit"], s["ems_blocks_hit"]) == (6, 4, 10)
+    assert s["ems_blocks_put"] == want["blocks_put"]
+    assert (s["ems_blocks_stored"], s["ems_puts_already_held"]) == (8, want["held"])
+    assert (s["ems_fallbacks"], s["ems_blocks_held"]) == (0, 8)
