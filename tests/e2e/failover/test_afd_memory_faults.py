@@ -32,8 +32,22 @@ RING_SECTIONS = {"deployment": {"redundant_slots_per_die": 6}, "health": {"repli
 @pytest.mark.failure_cell("afd", "memory")
 def test_a_kv_memory_fault_on_an_attention_die_ends_its_request_and_nothing_else(tmp_path):
     # Attention die 2 serves request 1 alone; its 3 KV blocks lie in 0..7.
+    assert_request_1_ends(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"], ["scheduler.mtp_depth=1"]],
+    ids=["recompute", "mtp"],
+)
+def test_a_kv_memory_fault_with_recompute_or_mtp_ends_its_request_only(tmp_path, settings):
+    """Beside timeouts recomputed, and with MTP drafts (their KV in the same blocks)."""
+    assert_request_1_ends(tmp_path, *settings)
+
+
+def assert_request_1_ends(tmp_path, *settings: str) -> None:
     row = "{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}"
-    result, run_file, records = served(tmp_path, [row], *LEAN, config="afd")
+    result, run_file, records = served(tmp_path, [row], *LEAN, *settings, config="afd")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     [record] = records
     assert (record.kind, record.die, record.role) == ("memory", 2, "attention")

@@ -53,10 +53,41 @@ def test_the_check_skips_victims_by_name_and_still_fails_on_the_rest():
 def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deployment):
     # colocated die 2 (a PD decode die in pd) loses KV blocks 0..7 at its 3rd iteration: the
     # requests holding them end (in PD, a receive in flight just takes other blocks).
+    assert_victims_end(tmp_path, deployment)
+
+
+# EPLB (8 dies, MTP depth 1) shortened to 8 requests of 24 tokens.
+EPLB_SHORT = ["workload.num_requests=8", "workload.output_len=24", "workload.max_output_len=24"]
+
+
+@pytest.mark.parametrize(
+    "config, settings",
+    [
+        ("colocated", ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]),
+        ("colocated", ["scheduler.mtp_depth=1"]),
+        ("eplb", EPLB_SHORT),
+    ],
+    ids=["recompute", "mtp", "eplb"],
+)
+def test_a_kv_memory_fault_with_recompute_mtp_or_eplb_ends_its_victims_only(
+    tmp_path, config, settings
+):
+    """The same fault beside timeouts recomputed, MTP drafts (whose KV lies in the same
+    blocks) and EPLB's swaps: victims end, every other request equals the reference."""
+    assert_victims_end(tmp_path, config, *settings)
+
+
+def assert_victims_end(tmp_path, config: str, *settings: str) -> None:
+    row = "faults.events=[{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}]"
+    sets = [f"run.output_dir={tmp_path}", "run.name=mem", "workload.ignore_eos=true", row]
     result = subprocess.run(
-        [str(XDS_MPI), "run", deployment, "--check", "--set", f"run.output_dir={tmp_path}"]
-        + ["--set", "run.name=mem", "--set", "workload.ignore_eos=true", "--set"]
-        + ["faults.events=[{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}]"],
+        [
+            str(XDS_MPI),
+            "run",
+            config,
+            "--check",
+            *[a for s in [*sets, *settings] for a in ("--set", s)],
+        ],
         capture_output=True,
         text=True,
         timeout=600,
