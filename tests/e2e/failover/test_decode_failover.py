@@ -79,6 +79,19 @@ def test_a_stuck_die_back_before_the_timeout_is_a_transient(tmp_path):
     assert "silent for more than" not in result.stdout + result.stderr
 
 
+@pytest.mark.failure_matrix
+def test_a_stuck_die_back_before_the_timeout_with_mtp_is_a_transient(tmp_path):
+    """With MTP drafts (depth 1): the stall loses no die, so nothing is prefilled again and
+    the drafts and their acceptance equal the reference's step by step."""
+    rows = ["{kind: stuck, die: 3, iteration: 4, duration_s: 1.5}"]
+    result, run_file, records = served(tmp_path, rows, "scheduler.mtp_depth=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert (record.kind, record.die, record.verdict) == ("stuck", 3, "transient")
+    assert run_file["summary"].attrs["mtp_accepted"] > 0
+
+
 # Stuck for timeout + 1.5 graces (7 s): silent through detection and the first grace (lost),
 # back during the second (verdict stuck). Stuck for 5 s: back within the first grace, nobody
 # lost: the buffers are rebuilt on every die and the interrupted iteration recomputed.

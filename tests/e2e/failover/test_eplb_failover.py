@@ -31,6 +31,26 @@ EPLB = [
 ]
 
 
+@pytest.mark.failure_matrix  # the colocated stop runs by default (test_decode_failover.py)
+def test_a_dead_die_with_eplb_and_no_replica_left_stops_the_run_naming_die_and_experts(
+    tmp_path,
+):
+    """EPLB without ring replicas (health.on_expert_lost stop): die rank 2 dies at iteration 3,
+    before EPLB's first rebalance (its first slice ends at iteration 8) could have copied one
+    of its experts into a redundant slot, so removing it leaves experts 4-7 without a replica
+    in every MoE layer and the run stops, naming die and experts."""
+    eplb = ["deployment.redundant_slots_per_die=1", "eplb.enabled=true", "eplb.interval=8"]
+    result, run_file, records = served(tmp_path, ["{kind: dead, die: 2, iteration: 3}"], *eplb)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert run_file.attrs["status"].startswith("failed: die rank 2 (dead) silent")
+    [record] = records
+    assert (record.die, record.verdict, record.detected_by) == (2, "dead", "heartbeat")
+    lost = "; ".join(f"layer {layer}: experts [4, 5, 6, 7]" for layer in range(3))
+    stop = "health.on_expert_lost=stop: die rank 2: removing die 1 leaves no replica of: "
+    assert stop + lost in out
+
+
 def _slot_die(redundant: int = 5) -> tuple[int, ...]:
     cfg = config_from_dict({"deployment": {"redundant_slots_per_die": redundant}})
     return from_topology(Topology.from_config(cfg), 1).slot_die

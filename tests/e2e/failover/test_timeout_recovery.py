@@ -46,12 +46,20 @@ def test_a_wait_timed_out_on_a_slow_peer_is_recomputed_and_recorded(tmp_path):
     [
         ("{kind: stuck, die: 2, iteration: 5, duration_s: 0}", 2, "dead"),  # stuck for good
         ("{kind: dead, die: 2, iteration: 5}", 2, "dead"),
+        # Back late: silent through detection and the first grace (lost), back in the second.
+        pytest.param(
+            "{kind: stuck, die: 2, iteration: 6, duration_s: 7}",
+            2,
+            "stuck",
+            marks=pytest.mark.failure_matrix,
+        ),
     ],
 )
 def test_a_lost_peer_is_left_to_the_heartbeats(tmp_path, row, die, verdict):
     """The peers' waits time out within 1 s, but the lost die never votes: the vote outlasts
     detection and release, the fence ends it, and vertical scaling runs as without timeouts
-    (afd: tests/e2e/failover/test_afd_failover.py)."""
+    (afd: tests/e2e/failover/test_afd_failover.py). A die back after the fence is not taken
+    back: it was scaled away."""
     result, run_file, records = served(tmp_path, [row], *RECOMPUTE, *RING)
     assert_scaled(result, records, die, verdict, "vertical scaling: 4 -> 3")
     assert run_file["summary"].attrs["xccl_timeouts"] == 0  # no recomputation: the fence won
