@@ -171,6 +171,77 @@ def test_a_lost_attention_die_with_timeouts_recomputed_is_scaled_away(tmp_path, 
     assert record.recovery.startswith("vertical scaling: 4 -> 3 attention"), record.describe()
 
 
+# Stuck 7 s: silent through detection and the first grace (lost: verdict stuck), back in the
+# second; the die is scaled away all the same. Expert die 7 keeps a ring replica of each of its
+# experts. With RECOMPUTE the peers' waits give up after 1 s and vote; the fence ends the vote.
+LATE_2 = "{kind: stuck, die: 2, iteration: 5, duration_s: 7}"
+LATE_7 = "{kind: stuck, die: 7, iteration: 5, duration_s: 7}"
+LOST_OR_BACK_LATE = [
+    (LATE_2, 2, "stuck", []),
+    (LATE_2, 2, "stuck", RECOMPUTE),
+    (LATE_7, 7, "stuck", RING),
+    (LATE_7, 7, "stuck", RING + RECOMPUTE),
+    ("{kind: dead, die: 7, iteration: 5}", 7, "dead", RING + RECOMPUTE),
+    ("{kind: stuck, die: 7, iteration: 5}", 7, "dead", RING + RECOMPUTE),  # for good
+]
+
+
+@pytest.mark.failure_matrix
+@pytest.mark.parametrize(
+    "row, die, verdict, settings",
+    LOST_OR_BACK_LATE,
+    ids=[
+        "attention-late-stop",
+        "attention-late-recompute",
+        "expert-late-stop",
+        "expert-late-recompute",
+        "expert-dead-recompute",
+        "expert-stuck-recompute",
+    ],
+)
+def test_a_die_back_late_or_lost_with_or_without_recompute_is_scaled_away(
+    tmp_path, row, die, verdict, settings
+):
+    result, _, records = afd_served(tmp_path, [row], *settings)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records
+    assert_detected(record, die, verdict)
+    scaled = "4 -> 3 attention dies" if die == 2 else "3 -> 2 expert dies"
+    assert record.recovery.startswith(f"vertical scaling: {scaled}"), record.describe()
+
+
+# Expert die 7 (no trampoline) stalls: 1.5 s under health.timeout_s 4, its peers waiting in
+# their A2E/E2A; or 6 s under 12 with waits that give up after 3 s (the margins of
+# test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed) and recompute.
+EXPERT_STALLS = [
+    ("{kind: stuck, die: 7, iteration: 5, duration_s: 1.5}", [], "heartbeat"),
+    (
+        "{kind: stuck, die: 7, iteration: 5, duration_s: 6}",
+        ["faults.on_timeout=recompute", "xccl.poll_timeout_s=3", "health.timeout_s=12"],
+        "xccl timeout",
+    ),
+]
+
+
+@pytest.mark.failure_matrix
+@pytest.mark.parametrize("row, settings, found_by", EXPERT_STALLS, ids=["stop", "recompute"])
+def test_an_expert_die_back_before_the_timeout_is_a_transient(tmp_path, row, settings, found_by):
+    result, run_file, records = afd_served(tmp_path, [row], *settings)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED
+    [record] = records  # nobody declared lost
+    assert (record.kind, record.die, record.verdict) == ("stuck", 7, "transient")
+    assert "silent for more than" not in out
+    timeouts = run_file["summary"].attrs["xccl_timeouts"]
+    if found_by == "xccl timeout":
+        assert record.detected_by == "xccl timeout" and timeouts >= 1, record.describe()
+        assert record.recovery.startswith("token recomputation"), record.describe()
+    else:
+        assert record.detection_s == -1 and timeouts == 0, record.describe()
+
+
 def _matrix_only(request) -> None:
     if not request.config.getoption("--failure-matrix"):
         pytest.skip("the longer afd failure cases run with --failure-matrix")
