@@ -92,9 +92,18 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         (*RING, "scheduler.mtp_depth=1", DEAD2),
         "their MTP drafts restart from that prefill",
     ),
+    ("colocated", "MTP", "stuck, back before timeout_s"): CellTested(
+        "test_decode_failover.py::test_a_stuck_die_back_before_the_timeout_with_mtp_is_a_transient"
+    ),
+    ("colocated", "ring, on_timeout recompute", "stuck, back late"): CellTested(
+        "test_timeout_recovery.py::test_a_lost_peer_is_left_to_the_heartbeats"
+    ),
     ("colocated", "-", "link"): CellRefused("colocated.yaml", (LINK,), LINK_DIES),
     ("colocated", "-", "memory"): CellTested(
         "test_memory_faults.py::test_a_kv_memory_fault_ends_its_victims_and_nothing_else"
+    ),
+    ("colocated", "on_timeout recompute, or MTP", "memory"): CellTested(
+        "test_memory_faults.py::test_a_kv_memory_fault_with_recompute_or_mtp_ends_its_victims_only"
     ),
     ("colocated", "ring", "memory (slot)"): CellTested(
         "test_slot_faults.py::test_a_routed_and_a_redundant_slot_are_masked_and_the_tokens_equal"
@@ -121,7 +130,9 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
     ("afd", "-", "transient"): CellTested(
         "test_recompute.py::test_afd_faults_on_attention_trampoline_and_expert_dies"
     ),
-    ("afd", "-", "rate"): NOT_TRIED,
+    ("afd", "-", "rate"): CellTested(
+        "test_recompute.py::test_afd_and_pd_serve_a_fault_rate_in_users_units_exactly"
+    ),
     ("afd", "attention die", "stuck, back before timeout_s"): CellTested(
         "test_afd_failover.py::test_an_a2e_wait_timed_out_on_a_slow_attention_die_is_recomputed"
     ),
@@ -140,10 +151,25 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "test_afd_failover.py::test_an_expert_die_dead_early_without_a_replica_stops_naming_die"
         "_and_experts"
     ),
+    ("afd", "attention or expert die, stop or recompute", "stuck, back late"): CellTested(
+        "test_afd_failover.py::test_a_die_back_late_or_lost_with_or_without_recompute_is_scaled"
+        "_away"
+    ),
+    ("afd", "expert die, ring, on_timeout recompute", "dead or stuck, lost"): CellTested(
+        "test_afd_failover.py::test_a_die_back_late_or_lost_with_or_without_recompute_is_scaled"
+        "_away"
+    ),
+    ("afd", "expert die, stop or recompute", "stuck, back before timeout_s"): CellTested(
+        "test_afd_failover.py::test_an_expert_die_back_before_the_timeout_is_a_transient"
+    ),
     ("afd", "-", "link"): CellRefused("afd.yaml", (LINK,), LINK_DIES),
     ("afd", "-", "memory"): CellTested(
         "test_afd_memory_faults.py::test_a_kv_memory_fault_on_an_attention_die_ends_its_request"
         "_and_nothing_else"
+    ),
+    ("afd", "on_timeout recompute, or MTP", "memory"): CellTested(
+        "test_afd_memory_faults.py::test_a_kv_memory_fault_with_recompute_or_mtp_ends_its_request"
+        "_only"
     ),
     ("afd", "-", "pool"): CellRefused(
         "afd.yaml", EMS, "ems.enabled needs pd.enabled or deployment.kind colocated"
@@ -177,7 +203,9 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "test_rollback_priced.py::test_pd_decode_faults_run_on_the_virtual_clock_and_cost_their"
         "_attempts"
     ),
-    ("PD", "-", "rate"): NOT_TRIED,
+    ("PD", "-", "rate"): CellTested(
+        "test_recompute.py::test_afd_and_pd_serve_a_fault_rate_in_users_units_exactly"
+    ),
     ("PD", "prefill die", "stuck, lost"): CellTested(
         "test_prefill_loss.py::test_a_lost_prefill_die_loses_no_request"
     ),
@@ -236,10 +264,16 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
     ("EMS (PD)", "-", "pool"): CellTested(
         "test_ems.py::test_a_dead_pool_rank_falls_back_to_recompute"
     ),
+    ("EMS (PD)", "-", "pool rank stuck"): CellRefused(
+        "pd.yaml", (*EMS, "faults.events=[{kind: stuck, die: 8, iteration: 2}]"), EMS_ROWS
+    ),
     ("EMS (colocated)", "-", "pool"): CellTested(
         "test_ems_colocated.py::test_a_block_evicted_mid_lookup_on_a_colocated_die_falls_back"
     ),
-    ("EMS (colocated)", "-", "transient"): NOT_TRIED,
+    ("EMS (colocated)", "-", "transient"): CellTested(
+        "test_ems_colocated.py::test_transient_faults_beside_the_pool_leave_its_hits_and_puts_as"
+        "_without_faults"
+    ),
     ("EMS (colocated)", "ring", "dead"): CellRefused(
         "colocated.yaml", (*EMS, *RING, DEAD2), EMS_ROWS
     ),
@@ -262,12 +296,17 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "test_eplb_failover.py::test_a_dead_die_with_eplb_is_scaled_away_and_eplb_rebalances_the"
         "_survivors"
     ),
-    ("EPLB", "none, on_expert_lost stop", "dead"): NOT_TRIED,
+    ("EPLB", "none, on_expert_lost stop", "dead"): CellTested(
+        "test_eplb_failover.py::test_a_dead_die_with_eplb_and_no_replica_left_stops_the_run_naming"
+        "_die_and_experts"
+    ),
     ("EPLB", "ring", "dead + transient, a swap in flight"): CellTested(
         "test_fault_combinations.py::test_an_eplb_swap_in_flight_when_a_die_is_lost_is_dropped_and"
         "_transient_faults_recomputed"
     ),
-    ("EPLB", "-", "memory"): NOT_TRIED,
+    ("EPLB", "-", "memory"): CellTested(
+        "test_memory_faults.py::test_a_kv_memory_fault_with_eplb_ends_its_victims_only"
+    ),
     ("EPLB", "ring", "memory (slot)"): CellRefused(
         "colocated.yaml",
         (*EPLB, f"faults.events=[{MEM_SLOT}]"),

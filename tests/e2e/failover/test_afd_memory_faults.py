@@ -35,6 +35,7 @@ def test_a_kv_memory_fault_on_an_attention_die_ends_its_request_and_nothing_else
     assert_request_1_ends(tmp_path)
 
 
+@pytest.mark.failure_matrix  # the fault alone runs by default (the lean matrix's case above)
 @pytest.mark.parametrize(
     "settings",
     [["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"], ["scheduler.mtp_depth=1"]],

@@ -60,21 +60,21 @@ def test_a_kv_memory_fault_ends_its_victims_and_nothing_else(tmp_path, deploymen
 EPLB_SHORT = ["workload.num_requests=8", "workload.output_len=24", "workload.max_output_len=24"]
 
 
+def test_a_kv_memory_fault_with_eplb_ends_its_victims_only(tmp_path):
+    """Beside EPLB's swaps (and its MTP drafts, depth 1): victims end, every other request
+    equals the reference."""
+    assert_victims_end(tmp_path, "eplb", *EPLB_SHORT)
+
+
+@pytest.mark.failure_matrix  # the fault alone runs by default (the lean matrix's case above)
 @pytest.mark.parametrize(
-    "config, settings",
-    [
-        ("colocated", ["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"]),
-        ("colocated", ["scheduler.mtp_depth=1"]),
-        ("eplb", EPLB_SHORT),
-    ],
-    ids=["recompute", "mtp", "eplb"],
+    "settings",
+    [["faults.on_timeout=recompute", "xccl.poll_timeout_s=1"], ["scheduler.mtp_depth=1"]],
+    ids=["recompute", "mtp"],
 )
-def test_a_kv_memory_fault_with_recompute_mtp_or_eplb_ends_its_victims_only(
-    tmp_path, config, settings
-):
-    """The same fault beside timeouts recomputed, MTP drafts (whose KV lies in the same
-    blocks) and EPLB's swaps: victims end, every other request equals the reference."""
-    assert_victims_end(tmp_path, config, *settings)
+def test_a_kv_memory_fault_with_recompute_or_mtp_ends_its_victims_only(tmp_path, settings):
+    """Beside timeouts recomputed, and with MTP drafts (whose KV lies in the same blocks)."""
+    assert_victims_end(tmp_path, "colocated", *settings)
 
 
 def assert_victims_end(tmp_path, config: str, *settings: str) -> None:
