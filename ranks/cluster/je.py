@@ -44,6 +44,7 @@ from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.cluster.autoscaler import make_autoscaler
+from xds_mpi.cluster.pool import pool_rows
 from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
@@ -353,13 +354,9 @@ def write_pool(group, pool, cluster) -> None:
     waited for a pool TE."""
     import numpy as np
 
-    rows = [
-        (t.te, rank, die, t.taken_s, t.given_back_s)
-        for t in pool.turns
-        for die, rank in enumerate(t.ranks, start=cluster.tes[t.te].num_launched)
-    ]
+    rows = pool_rows(pool.turns, {t.te: t.num_launched for t in cluster.tes if t.is_pool})
     table = group.create_group("pool")
-    for index, key in enumerate(("te", "rank", "die", "taken_s", "given_back_s")):
+    for key in ("te", "rank", "die", "taken_s", "given_back_s"):
         dtype = np.float64 if key.endswith("_s") else np.int64
-        table[key] = np.array([row[index] for row in rows], dtype)
+        table[key] = np.array([getattr(row, key) for row in rows], dtype)
     table.attrs.update(size=len(pool.ranks), skips=pool.num_skips, waits=pool.num_waits)

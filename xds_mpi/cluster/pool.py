@@ -26,6 +26,29 @@ class PoolTurn:
     given_back_s: float = INF
 
 
+@dataclass(frozen=True, kw_only=True)
+class PoolRow:
+    """One pool rank's one turn (a row of the run file's `/cluster/pool`, a span of the trace's
+    pool track): world rank `rank` served as rank `die` inside TE `te` (after its host ranks)
+    from `taken_s` until `given_back_s` (inf: the run's end), virtual seconds."""
+
+    te: int
+    rank: int
+    die: int
+    taken_s: float
+    given_back_s: float
+
+
+def pool_rows(turns: list[PoolTurn], first_die: dict[int, int]) -> list[PoolRow]:
+    """Each turn's ranks as rows, in the order taken; first_die: pool TE -> the rank inside it
+    of its first pool die (its launched host ranks come before)."""
+    return [
+        PoolRow(te=t.te, rank=rank, die=die, taken_s=t.taken_s, given_back_s=t.given_back_s)
+        for t in turns
+        for die, rank in enumerate(t.ranks, start=first_die[t.te])
+    ]
+
+
 class RankPool:
     """ranks: the pool's world ranks; num_dies: pool TE -> its dies (what it takes)."""
 

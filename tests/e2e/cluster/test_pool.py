@@ -8,6 +8,7 @@ loaded included. Bounded by the subprocess timeout and run.timeout_s."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import h5py
@@ -18,8 +19,10 @@ from test_cluster import _ok
 from test_serving import XDS_MPI, check_line
 from test_virtual_time import _jsonl, _sets
 
+from launch.report.run_page import write_report
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.report.trace_writer import trace_path
 
 POOL_TES = (
     "cluster.groups=[{count: 1}, "
@@ -80,7 +83,7 @@ def _column(group, key) -> list:
 
 @pytest.mark.parametrize("path", ["dram", "fork"])
 def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other(tmp_path, path):
-    lines, result, run_file = _run(tmp_path, path)
+    lines, result, run_file = _run(tmp_path, path, "run.trace=true")
     assert result.returncode == 0, _ok(result)
     assert (
         check_line(result)
@@ -109,6 +112,27 @@ def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other
     assert routed[on_1].min() >= serves[0] and routed[on_1].max() <= drained_s
     assert routed[on_2].min() >= serves[2]
     assert run_file.attrs["world_size"] == 7
+    # the JE's trace: a track per pool rank, a span per turn as the rows say (microseconds)
+    trace = json.loads(trace_path(tmp_path / "pool.h5").read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
+    turns = [
+        (e["tid"], e["name"], e["ts"], e["args"]["die"])
+        for e in trace
+        if e["ph"] == "X" and e["tid"] in (tracks["pool rank 5"], tracks["pool rank 6"])
+    ]
+    assert turns == [
+        (tracks[f"pool rank {rank}"], f"TE {te}", round(taken * 1e6, 3), die)
+        for te, rank, die, taken in zip(
+            *(_column(pool, k) for k in ("te", "rank", "die", "taken_s")), strict=True
+        )
+    ]
+    assert turns[0][2] + next(e["dur"] for e in trace if e["name"] == "TE 1") == round(
+        given_back[0] * 1e6, 3
+    )
+    # the report draws the pool's figure from the run file
+    run_file.close()
+    index = write_report([tmp_path / "pool.h5"], tmp_path / "report")
+    assert "<h2>pool</h2>" in index.read_text()
 
 
 def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
