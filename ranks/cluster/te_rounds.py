@@ -84,6 +84,8 @@ class TeRounds(GrantRounds):
     def turn(self) -> int:
         num = self._take_reports() + self.finishes.take() + self._take_te_losses()
         je = self.je
+        if je.weights is not None:  # a pool fork source's release, once its readers loaded
+            num += je.weights.poll_loads(je.sends)
         if not je.queue and not self.losses and not self.is_watching:
             return num  # the last grant promised inf: nothing more to route
         missing = self.missing()

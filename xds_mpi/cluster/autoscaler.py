@@ -90,16 +90,26 @@ def priced_paths(cfg, tes) -> PricedPaths:
                 steps=info.steps,
                 fallback_path=fallback,
                 fallback_steps=scale_out_steps(cfg, as_fallback),
-                # a pool TE is no source: its dies' world ranks change with each scale-out
-                same_shape=frozenset(
-                    u.te for u in tes if shapes[u.te] == shapes[t.te] and not u.is_pool
-                )
-                - {t.te},
+                # a pool TE too: the JE names its current turn's ranks (ranks/cluster/
+                # weights_load.py), its dies expose their weights in their world slot
+                same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
                 # the k-th TE one source feeds at once (xds_mpi/cluster/fork_fanout.py)
                 fanout_steps=tuple(scale_out_steps(cfg, t, k) for k in range(1, len(tes))),
             )
         infos.append(info)
     return PricedPaths(infos, {loss.te: loss.at_s for loss in cfg.cluster.te_losses})
+
+
+def fork_source_pool_tes(cfg, tes) -> set[int]:
+    """The pool TEs (tes: xds_mpi/plan/cluster.py TeInfo) that a TE scaled out by NPU-fork may
+    read: those of a fork TE's shape. Their dies' world slots are reserved at launch
+    (ranks/core/weights_window.py); none without one."""
+    # Lazy import: an autoscaled cluster's only.
+    from xds_mpi.plan.cluster import te_config
+
+    configs = {t.te: te_config(cfg, t.overrides) for t in tes}
+    fork_shapes = [_shape(c) for c in configs.values() if c.scaling.path == "fork"]
+    return {t.te for t in tes if t.is_pool and _shape(configs[t.te]) in fork_shapes}
 
 
 def _shape(te_cfg) -> dict:

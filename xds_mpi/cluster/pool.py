@@ -93,7 +93,52 @@ class RankPool:
         self.free = sorted(self.free + list(turn.ranks))
         self.released.append(ended)
 
+    def ranks_of(self, te: int) -> tuple[int, ...]:
+        """The world ranks pool TE `te` holds now, its dies in order."""
+        if te not in self.held:
+            raise ValueError(f"pool: TE {te} holds no ranks (held: {sorted(self.held)})")
+        return self.turns[self.held[te]].ranks
+
     def take_released(self) -> list[PoolTurn]:
         """The turns ended since the last call (the JE tells each TE-shell to let go)."""
         released, self.released = self.released, []
         return released
+
+
+class ReleaseGate:
+    """When the JE may tell a drained pool TE's TE-shell to let its dies go: a pool TE read by
+    NPU-forks (its dies' weights in their world slots, zeroed at the release) only once every
+    fork that read it during its turn has its weights (each fork's scale event's load reported).
+    Pure bookkeeping, by scale event index."""
+
+    def __init__(self) -> None:
+        self.readers: dict[int, set[int]] = {}  # pool source TE -> its forks' scale events
+        self.loaded: set[int] = set()  # scale events whose loads were reported
+        self.held: list[PoolTurn] = []  # ended turns not released yet, in the order ended
+
+    def read_by(self, source_te: int, event: int) -> None:
+        """The fork of scale event `event` reads pool TE `source_te`'s dies."""
+        self.readers.setdefault(source_te, set()).add(event)
+
+    def load_reported(self, event: int) -> None:
+        self.loaded.add(event)
+
+    def hold(self, turns: list[PoolTurn]) -> None:
+        """Turns ended (RankPool.take_released), to release once `due`."""
+        self.held += turns
+
+    def is_held(self, te: int) -> bool:
+        return any(turn.te == te for turn in self.held)
+
+    def waiting_for(self, te: int) -> list[int]:
+        """The scale events whose loads pool TE `te`'s release still waits for."""
+        return sorted(self.readers.get(te, set()) - self.loaded)
+
+    def due(self) -> list[PoolTurn]:
+        """The held turns whose readers all loaded, taken out (with their readers: the TE's
+        next turn starts with none)."""
+        due = [turn for turn in self.held if not self.waiting_for(turn.te)]
+        for turn in due:
+            self.held.remove(turn)
+            self.readers.pop(turn.te, None)
+        return due

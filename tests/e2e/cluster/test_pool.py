@@ -203,3 +203,42 @@ def test_a_pool_pd_pair_s_ranks_then_serve_a_colocated_te(tmp_path):
     assert (te == 1).sum() > 0 and set(die_rank[te == 1]) == {8}
     assert (te == 2).sum() > 0 and set(die_rank[te == 2]) == {8, 9}
     assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["pd", "pd", "colocated"]
+
+
+def test_a_pool_te_is_an_npu_fork_source_and_released_once_its_readers_loaded(tmp_path):
+    """A serving TE of 1 die and three 1-die pool TEs on 3 pool ranks: TE 1 loads from DRAM,
+    TEs 2 and 3 by NPU-fork. TE 2 forks from pool TE 1 (the least loaded, newest TE of its
+    shape), TE 3 from pool TE 2 twice (a chain through pool dies' world slots); TE 2's drain
+    releases its rank once both of TE 3's loads are in. Every request served checks."""
+    groups = (
+        "cluster.groups=[{count: 1}, "
+        "{count: 1, standby: true, pool: true, name: dram, set: [scaling.path=dram]}, "
+        "{count: 2, standby: true, pool: true, name: fork, set: [scaling.path=fork]}]"
+    )
+    lines, result, run_file = _run(tmp_path, "dram", groups, pool=3, name="source")
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    scaling = run_file["cluster/scaling"]
+    events = list(
+        zip(*(_column(scaling, k) for k in ("kind", "te", "load_path", "load_source_te")))
+    )
+    assert events == [
+        ("out", 1, "dram", -1),
+        ("out", 2, "fork", 1),
+        ("out", 3, "fork", 2),
+        ("in", 3, "", -1),
+        ("out", 3, "fork", 2),
+        ("in", 3, "", -1),
+        ("in", 2, "", -1),
+    ], events
+    assert list(scaling["load_bytes"][()][[0, 1, 2, 4]]) == [8152192] * 4
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
+    assert rows == [(1, 6, 1), (2, 7, 1), (3, 8, 1), (3, 8, 1)]
+    assert pool["given_back_s"][1] == scaling["decided_s"][6]  # TE 2 drained idle: at once
+    te, die_rank = run_file["cluster/te"][()], run_file["requests/die_rank"][()]
+    for k, rank in ((1, 6), (2, 7), (3, 8)):
+        assert (te == k).sum() > 0 and set(die_rank[te == k]) == {rank}

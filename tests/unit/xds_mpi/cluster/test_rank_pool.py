@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
-from xds_mpi.cluster.pool import INF, PoolTurn, RankPool
+from xds_mpi.cluster.pool import INF, PoolTurn, RankPool, ReleaseGate
 from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -102,3 +102,23 @@ def test_a_pool_te_s_te_pre_load_is_its_communication_domain_formed():
     assert {k: v for k, v in pooled.items() if k != "TE-Pre-Load"} == {
         k: v for k, v in standby.items() if k != "TE-Pre-Load"
     }
+
+
+def test_a_pool_fork_source_is_released_once_every_fork_that_read_it_loaded():
+    """TE 1 (pool) was read by the forks of scale events 2 and 4; TE 3 by none. Both drained:
+    TE 3 is due at once, TE 1 once events 2 and 4 reported their loads; its next turn starts
+    with no readers."""
+    gate = ReleaseGate()
+    gate.read_by(1, 2)
+    gate.read_by(1, 4)
+    one = PoolTurn(te=1, ranks=(10,), taken_s=1.0, given_back_s=9.0)
+    three = PoolTurn(te=3, ranks=(11,), taken_s=2.0, given_back_s=9.0)
+    gate.hold([one, three])
+    assert gate.due() == [three]
+    assert gate.is_held(1) and gate.waiting_for(1) == [2, 4]
+    gate.load_reported(2)
+    assert gate.due() == [] and gate.waiting_for(1) == [4]
+    gate.load_reported(4)
+    assert gate.due() == [one] and not gate.is_held(1)
+    gate.hold([PoolTurn(te=1, ranks=(10,), taken_s=12.0, given_back_s=15.0)])
+    assert gate.waiting_for(1) == [] and len(gate.due()) == 1
