@@ -173,7 +173,7 @@ class TeRounds(GrantRounds):
         je, shell = self.je, self.shell(te)
         je.loads.lost.add(te)
         if je.autoscaler is not None:  # no source, no standby TE, no drain any more
-            je.autoscaler.lose(te)
+            je.autoscaler.lose(te, self.lost_at[te])
         orphans = sorted(
             (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
             key=lambda req: (req.arrival_s, req.req_id),

@@ -286,10 +286,13 @@ class Autoscaler:
             self.samples.popleft()
         return sum(x for _, x in self.samples) / len(self.samples)
 
-    def lose(self, te: int) -> None:
-        """TE `te` found lost: it serves no more, drains no more, and is no standby TE."""
+    def lose(self, te: int, lost_s: float = math.nan) -> None:
+        """TE `te` (lost at `lost_s`) found lost: it serves no more, drains no more, and is no
+        standby TE; a pool TE's ranks leave the pool with it (xds_mpi/cluster/pool.py)."""
         self.lost.add(te)
         self.draining.discard(te)
+        if self.pool is not None and self.pool.is_pool_te(te):  # its drain gives back none
+            self.pool.lose(te, lost_s)
 
     def drained(self, te: int) -> None:
         """A draining TE's last request finished: standby again."""

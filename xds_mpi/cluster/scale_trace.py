@@ -10,7 +10,8 @@ and chrome://tracing open it):
   name the TE, the TE-Load path and its source, and a fork's fallback;
 - with a pool of ranks (docs/cluster.md "A pool of ranks"), one track per pool rank, "pool rank
   r": a span "TE k" per turn, from the scale-out that took the rank until the decision that gave
-  it back (the run's last finish if it was not), its args the TE and the rank's place inside it.
+  it back (the run's last finish if it was not; its TE's loss, an instant, if lost), its args
+  the TE and the rank's place inside it.
 
 Microseconds since the virtual 0; the TEs' own traces are not written in a cluster.
 """
@@ -65,6 +66,9 @@ def cluster_trace(
     for row in pool:
         args = {"te": row.te, "die": row.die}
         stop_s = min(row.given_back_s, max(end_s, row.taken_s))
+        if not math.isnan(row.lost_s):  # out of the pool for good
+            stop_s = row.lost_s
+            out.append(_instant(f"TE {row.te} lost", pool_tid[row.rank], row.lost_s))
         out.append(_span(f"TE {row.te}", pool_tid[row.rank], row.taken_s, stop_s, args))
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"clock": "virtual"}}
 

@@ -1,7 +1,8 @@
 """The report's pool figure (docs/cluster.md "A pool of ranks"): a row per pool rank on the
 virtual clock, a bar per turn in its TE's colour, from the scale-out that took the rank until the
 decision that gave it back: light while its TE scales out (the decision until it serves), solid
-while it serves, hatched while it drains; each scale event's decision a dotted line across."""
+while it serves, hatched while it drains, an x at its TE's loss (the rank then out of the pool
+for good); each scale event's decision a dotted line across."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ DPI = 80
 class PoolSpan:
     """Pool rank `rank`'s turn as rank `die` of TE `te`, virtual seconds: taken at the scale-out
     decided at `taken_s`, serving from `serves_s`, drained from `drained_s` (its end when not
-    drained), back in the pool at `end_s` (the run's last finish when never given back)."""
+    drained), back in the pool at `end_s` (the run's last finish when never given back; its
+    TE's loss when `is_lost`)."""
 
     rank: int
     te: int
@@ -32,6 +34,7 @@ class PoolSpan:
     serves_s: float
     drained_s: float
     end_s: float
+    is_lost: bool = False
 
 
 def pool_spans(c: dict) -> list[PoolSpan]:
@@ -47,10 +50,14 @@ def pool_spans(c: dict) -> list[PoolSpan]:
         )
     )
     out = []
-    for te, rank, die, taken_s, given_back_s in zip(
-        *(pool.get(k, ()) for k in ("te", "rank", "die", "taken_s", "given_back_s")), strict=True
+    lost = pool.get("lost_s", np.full(len(pool.get("te", ())), np.nan))  # older files: none
+    for te, rank, die, taken_s, given_back_s, lost_s in zip(
+        *(pool.get(k, ()) for k in ("te", "rank", "die", "taken_s", "given_back_s")),
+        lost,
+        strict=True,
     ):
         end_s = given_back_s if np.isfinite(given_back_s) else max(c["end_s"], taken_s)
+        end_s = lost_s if np.isfinite(lost_s) else end_s
         serves_s = next(
             (s for k, t, d, s in events if k == "out" and t == te and d == taken_s), taken_s
         )
@@ -66,6 +73,7 @@ def pool_spans(c: dict) -> list[PoolSpan]:
                 serves_s=float(min(serves_s, end_s)),
                 drained_s=float(drained_s),
                 end_s=float(end_s),
+                is_lost=bool(np.isfinite(lost_s)),
             )
         )
     return out
@@ -90,6 +98,8 @@ def pool(run: RunData, path: Path) -> Path:
         ax.barh(y, s.drained_s - s.serves_s, left=s.serves_s, color=color)
         ax.barh(y, s.end_s - s.drained_s, left=s.drained_s, color=color, alpha=0.6, hatch="//")
         ax.text(s.serves_s, y, f" TE {s.te} die {s.die}", va="center", fontsize=7)
+        if s.is_lost:
+            ax.plot([s.end_s], [y], "kx", ms=10)
     scaling = c["scaling"]
     for kind, te, decided_s in zip(scaling["kind"], scaling["te"], scaling["decided_s"]):
         ax.axvline(decided_s, color="tab:green" if kind == "out" else "tab:orange", ls=":")
@@ -99,8 +109,8 @@ def pool(run: RunData, path: Path) -> Path:
     ax.set_xlim(0, max(c["end_s"], max(s.end_s for s in spans)))
     ax.set_xlabel("virtual s")
     ax.set_title(
-        f"{run.name}: the pool's ranks (light: scaling out, solid: serving, hatched: draining; "
-        "dotted: scale events, green out, orange in)",
+        f"{run.name}: the pool's ranks (light: scaling out, solid: serving, hatched: draining, "
+        "x: lost; dotted: scale events, green out, orange in)",
         fontsize=8,
         pad=14,
     )

@@ -242,3 +242,31 @@ def test_a_pool_te_is_an_npu_fork_source_and_released_once_its_readers_loaded(tm
     te, die_rank = run_file["cluster/te"][()], run_file["requests/die_rank"][()]
     for k, rank in ((1, 6), (2, 7), (3, 8)):
         assert (te == k).sum() > 0 and set(die_rank[te == k]) == {rank}
+
+
+def test_a_lost_pool_te_s_ranks_leave_the_pool(tmp_path):
+    """TE 1 (its die on pool rank 5) lost at 6.0 s virtual (`cluster.te_losses`: its server):
+    rank 5 stands for its dead die, so it never goes back to the pool; the 2-die TE 2 then
+    never fits the one rank left and waits through both bursts; TE 0 serves every request again
+    (the lost TE's routed again once found), `--check` 0 mismatches. The run ends cleanly: the
+    lost TE's processes run on until the job's end, as any lost TE's do."""
+    lines, result, run_file = _run(
+        tmp_path, "dram", "cluster.te_losses=[{te: 1, at_s: 6.0}]", "run.trace=true"
+    )
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    assert _column(run_file["cluster/scaling"], "te") == [1]  # no scale-out of TE 2
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "given_back_s", "lost_s"))))
+    assert rows == [(1, 5, np.inf, 6.0)]
+    assert (pool.attrs["lost"], run_file["summary"].attrs["pool_lost"]) == (1, 1)
+    assert pool.attrs["waits"] > 0
+    assert set(run_file["cluster/te"][()]) == {0}
+    trace = json.loads(trace_path(tmp_path / "pool.h5").read_text())["traceEvents"]
+    track = next(e["tid"] for e in trace if e.get("args", {}).get("name") == "pool rank 5")
+    on_rank = [(e["ph"], e["name"], e["ts"]) for e in trace if e.get("tid") == track and "ts" in e]
+    assert ("i", "TE 1 lost", 6e6) in on_rank
+    assert ("X", "TE 1", 3.3125e6) in on_rank
