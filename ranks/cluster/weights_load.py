@@ -90,6 +90,8 @@ class ScaleOutLoads:
         self.loaded: dict[int, TeLoaded] = {}  # scale event index -> its TE's load
         self.window = weights_window()  # the source dies' fork tables
         self.num_forks: dict[int, int] = {}  # source die's world rank -> forks noted there
+        # scale event index -> its fork's TE-Load window and (source die, slot) where noted
+        self.noted: dict[int, tuple[tuple[float, float], list[tuple[int, int]]]] = {}
         self.gate = ReleaseGate()  # a pool fork source's release after its readers' loads
 
     def send_orders(self, events, sends: list, pool=None) -> None:
@@ -109,13 +111,14 @@ class ScaleOutLoads:
                 self._activate(index, events[index], sends)
             order = self._order(index, events[index], pool)
             if order.path == "fork":
-                self._note_fork(events[index], order)
+                self._note_fork(index, events[index], order)
                 if pool is not None and pool.is_pool_te(order.source_te):
                     self.gate.read_by(order.source_te, index)
             sends.append(self.comm.isend(order, dest=te + 1, tag=TAG_CLUSTER_LOAD))
             self.ordered[index] = te
             self.has_weights.add(te)
         self.num_seen = len(events)
+        self._renote(events)
 
     def poll_loads(self, sends: list) -> int:
         """The loads reported so far (without waiting) while a release waits for them; the
@@ -169,6 +172,11 @@ class ScaleOutLoads:
         activation = PoolActivation(te=event.te, event=index, members=(*hosts, *event.pool_ranks))
         for rank in event.pool_ranks:  # their fork tables were zeroed at their last release
             self.num_forks.pop(rank, None)
+        self.noted = {  # forks noted there in an earlier turn: nothing to note again
+            i: (window, where)
+            for i, (window, where) in self.noted.items()
+            if not any(rank in event.pool_ranks for rank, _ in where)
+        }
         sends.append(self.comm.isend(activation, dest=event.te + 1, tag=TAG_CLUSTER_POOL))
         world = MPI.COMM_WORLD
         for rank in activation.members[1:]:  # a PD pair's decode TE-shell too
@@ -210,16 +218,31 @@ class ScaleOutLoads:
             return LoadOrder(path=path, host_rank=cluster.first_rank(event.te), **given)
         return LoadOrder(path=path, **given)
 
-    def _note_fork(self, event, order: LoadOrder) -> None:
+    def _note_fork(self, index: int, event, order: LoadOrder) -> None:
         """The fork's TE-Load window into each source die's fork table, complete there before
         the grant that lets the source start past the decision (its slowdown, charged by the
         die: docs/scaling.md)."""
         start_s, end_s = load_window(event.steps, event.decided_s)
+        where = []
         for rank in order.source_ranks:
             if self.window.is_die_of[rank]:
                 slot = self.num_forks.get(rank, 0)
                 self.window.note_fork(rank, slot, start_s, end_s)
                 self.num_forks[rank] = slot + 1
+                where.append((rank, slot))
+        self.noted[index] = ((start_s, end_s), where)
+
+    def _renote(self, events) -> None:
+        """A fork priced again at a later join (xds_mpi/cluster/fork_fanout.py): its new TE-Load
+        window over the old in the same slots, before this decision's grant (the source has
+        started no iteration past the decision, so none was charged by the old window's end)."""
+        for index, (window, where) in self.noted.items():
+            event = events[index]
+            new = load_window(event.steps, event.decided_s)
+            if new != window:
+                for rank, slot in where:
+                    self.window.note_fork(rank, slot, *new)
+                self.noted[index] = (new, where)
 
     def collect(self) -> None:
         """Every ordered TE's load (bounded: each TE-shell sent it before its result)."""

@@ -95,6 +95,7 @@ def priced_paths(cfg, tes) -> PricedPaths:
                 same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
                 # the k-th TE one source feeds at once (xds_mpi/cluster/fork_fanout.py)
                 fanout_steps=tuple(scale_out_steps(cfg, t, k) for k in range(1, len(tes))),
+                fanout=te_config(cfg, t.overrides).scaling.fork_fanout,
             )
         infos.append(info)
     return PricedPaths(infos, {loss.te: loss.at_s for loss in cfg.cluster.te_losses})
@@ -218,7 +219,8 @@ class Autoscaler:
             if te is not None:
                 ranks = self.pool.take(te, now_s) if self.pool and self.pool.is_pool_te(te) else ()
                 plan = self.planner.plan(te, now_s, serving, unfinished)
-                self.planner.taken(te, now_s, plan)  # a fork joins its fork group
+                # a fork joins its fork group; the members it slows priced again
+                self._reprice(self.planner.taken(te, now_s, plan))
                 self.serves_from[te] = now_s + plan.total_s
                 event = ScaleEvent(
                     kind="out",
@@ -247,6 +249,16 @@ class Autoscaler:
             self.last_event_s = now_s
             self.samples.clear()  # the next window starts with the new set of TEs
         return event
+
+    def _reprice(self, repriced) -> None:
+        """Earlier fork group members still in TE-Load, priced again at a join (none has served:
+        their serves_s is after this decision): their scale-out events' steps and serves_s."""
+        for r in repriced:
+            index = max(i for i, e in enumerate(self.events) if e.kind == "out" and e.te == r.te)
+            event = self.events[index]
+            serves_s = event.decided_s + sum(seconds for _, seconds in r.steps)
+            self.events[index] = replace(event, steps=r.steps, serves_s=serves_s)
+            self.serves_from[r.te] = serves_s
 
     def _fitting(self, standby: list[int]) -> int | None:
         """The first standby TE whose dies the pool can give (any TE not of the pool); a pool
