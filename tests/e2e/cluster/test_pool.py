@@ -153,6 +153,24 @@ def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
             pooled_file[f"virtual/{key}"][()], fixed_file[f"virtual/{key}"][()], equal_nan=True
         ), key
     assert list(pooled_file["cluster/pool/te"][()]) == [1, 2, 2, 2, 2]  # TE 2 formed twice
+    # TE 2's own file: each turn's under turn<i>/ (its scale event, its world ranks), the last
+    # at the root; together the turns' requests are those TE 2 served
+    own = pooled_file["cluster/te2"]
+    turns = [own[f"turn{i}"] for i in range(2)]
+    assert sorted(k for k in own if k.startswith("turn")) == ["turn0", "turn1"]
+    scaling = pooled_file["cluster/scaling"]
+    outs = [
+        i
+        for i, (k, t) in enumerate(zip(scaling["kind"][()], scaling["te"][()]))
+        if k == b"out" and t == 2
+    ]
+    assert [t.attrs["scale_event"] for t in turns] == outs
+    assert [list(t.attrs["world_ranks"]) for t in turns] == [[4, 6, 7]] * 2
+    served = [set(t["virtual/req_id"][()]) for t in turns]
+    te = pooled_file["cluster/te"][()]
+    assert served[0].isdisjoint(served[1]) and served[0] and served[1]
+    assert served[0] | served[1] == set(pooled_file["cluster/req_id"][()][te == 2])
+    assert set(own["virtual/req_id"][()]) == served[1]
 
 
 def test_the_pool_saves_ranks_against_fixed_standby_tes():
