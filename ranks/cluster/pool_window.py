@@ -6,8 +6,8 @@ standby die's, to be filled by the TE's load, which reads its sources through th
 window. Where it lives:
 
 - in the rank's own slot of the world's window, reserved at start-up for the pool TEs an
-  NPU-fork may read (those of a fork TE's shape): its tensors from the slot's start, its fork
-  table at the slot's end, where the JE notes a fork that reads it. A later fork reads it as it
+  NPU-fork may read (those of another fork TE's shape): its tensors from the slot's start, its
+  fork table at the slot's end, where the JE notes a fork that reads it. A later fork reads it as it
   reads any die (no collective: the window is the world's, made once). At the drain the slot is
   zeroed for the rank's next turn; the JE gives the ranks back only once every fork that read
   them has its weights (ranks/cluster/weights_load.py), so no read sees it zeroed;

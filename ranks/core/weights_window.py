@@ -11,9 +11,10 @@ one RMA window over the world, made collectively by every rank at start-up after
   mid-fork), exposes the whole model, packed: the server's page cache with the model preloaded
   (DRAM-hit);
 - a pool rank (docs/cluster.md "A pool of ranks") reserves a slot as large as the largest die
-  of the pool TEs an NPU-fork may read (those of a fork TE's shape), zeroed: at each activation
-  such a TE's die lays its weights out there (ranks/cluster/pool_window.py), so a later fork
-  reads it through this window like any die's; 0 bytes when no pool TE can be a fork source;
+  of the pool TEs an NPU-fork may read (those of another fork TE's shape), zeroed: at each
+  activation such a TE's die lays its weights out there (ranks/cluster/pool_window.py), so a
+  later fork reads it through this window like any die's; 0 bytes when no pool TE can be a
+  fork source;
 - every other rank (the JE, afd ranks, a PD pair's decode TE-shell and its JE but as a dram
   host, EMS pool ranks) exposes 0 bytes.
 

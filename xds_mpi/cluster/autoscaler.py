@@ -103,14 +103,18 @@ def priced_paths(cfg, tes) -> PricedPaths:
 
 def fork_source_pool_tes(cfg, tes) -> set[int]:
     """The pool TEs (tes: xds_mpi/plan/cluster.py TeInfo) that a TE scaled out by NPU-fork may
-    read: those of a fork TE's shape. Their dies' world slots are reserved at launch
+    read: those of another fork TE's shape. Their dies' world slots are reserved at launch
     (ranks/core/weights_window.py); none without one."""
     # Lazy import: an autoscaled cluster's only.
     from xds_mpi.plan.cluster import te_config
 
     configs = {t.te: te_config(cfg, t.overrides) for t in tes}
-    fork_shapes = [_shape(c) for c in configs.values() if c.scaling.path == "fork"]
-    return {t.te for t in tes if t.is_pool and _shape(configs[t.te]) in fork_shapes}
+    forks = [(te, _shape(c)) for te, c in configs.items() if c.scaling.path == "fork"]
+    return {
+        t.te
+        for t in tes
+        if t.is_pool and any(u != t.te and s == _shape(configs[t.te]) for u, s in forks)
+    }
 
 
 def _shape(te_cfg) -> dict:

@@ -113,8 +113,9 @@ def test_the_priced_planner_prices_a_fork_te_s_fallback_by_its_own_scaling_secti
 
 
 def test_a_pool_te_of_a_fork_te_s_shape_is_a_fork_source():
-    """TE 1 (pool, dram) has the fork TE 2's shape: a source, its slot reserved; TE 3 (pool,
-    2 dies) has no fork TE's shape: no source."""
+    """TE 1 (pool, dram) has the fork TE 2's shape: a source, its slot reserved; TE 2 is read
+    by no other fork TE, TE 3 (pool, 2 dies) has no fork TE's shape: neither is reserved (each
+    is still in the planner's sources of a fork TE of its shape, none here)."""
     groups = (
         "cluster.groups=[{count: 1}, "
         "{count: 1, standby: true, pool: true, set: [scaling.path=dram]}, "
@@ -125,4 +126,4 @@ def test_a_pool_te_of_a_fork_te_s_shape_is_a_fork_source():
     cfg = load_config("configs/colocated.yaml", [*sets, "cluster.pool=2"])
     tes = DeploymentPlan.build(cfg, None, launcher_checks=False).cluster.tes
     assert priced_paths(cfg, tes).tes[2].same_shape == {0, 1}
-    assert fork_source_pool_tes(cfg, tes) == {1, 2}  # TE 2 too: a fork TE of its own shape
+    assert fork_source_pool_tes(cfg, tes) == {1}  # not TE 2: no other fork TE reads it
