@@ -44,6 +44,7 @@ from ranks.cluster.weights_load import ScaleOutLoads
 from ranks.core.context import RankContext
 from ranks.core.control import WaitTimeout, recv_from_each, send_to_each, wait_all
 from xds_mpi.cluster.autoscaler import make_autoscaler
+from xds_mpi.cluster.pool import pool_rows
 from xds_mpi.plan.cluster import JE_RANK
 from xds_mpi.results.results import RequestRecord
 from xds_mpi.workload.requests import rejection
@@ -231,7 +232,10 @@ class JobExecutor:
             pool = self.autoscaler.pool
             if pool is not None:  # docs/cluster.md "A pool of ranks"
                 self.summary.update(
-                    pool_size=len(pool.ranks), pool_skips=pool.num_skips, pool_waits=pool.num_waits
+                    pool_size=len(pool.ranks),
+                    pool_skips=pool.num_skips,
+                    pool_waits=pool.num_waits,
+                    pool_lost=len(pool.lost),
                 )
         self.log.info(format_summary(self.summary))
         count_per_te(self.summary, cluster, self.loads.te_of, self.log)
@@ -349,17 +353,16 @@ def write_pool(group, pool, cluster) -> None:
     """/cluster/pool: one row per pool rank and turn, in the order taken: `rank` (world rank)
     served as rank `die` inside TE `te` (after its host ranks) from `taken_s` (the scale-out's
     decision) until `given_back_s` (the decision after its drain's last finish; inf: the run's
-    end), virtual seconds; attributes the pool's size and the scale-outs that passed over or
-    waited for a pool TE."""
+    end, or lost), `lost_s` (its TE's loss, which took the rank out of the pool; nan: none),
+    virtual seconds; attributes the pool's size, the scale-outs that passed over or waited for
+    a pool TE, and the ranks lost."""
     import numpy as np
 
-    rows = [
-        (t.te, rank, die, t.taken_s, t.given_back_s)
-        for t in pool.turns
-        for die, rank in enumerate(t.ranks, start=cluster.tes[t.te].num_launched)
-    ]
+    rows = pool_rows(pool.turns, {t.te: t.num_launched for t in cluster.tes if t.is_pool})
     table = group.create_group("pool")
-    for index, key in enumerate(("te", "rank", "die", "taken_s", "given_back_s")):
+    for key in ("te", "rank", "die", "taken_s", "given_back_s", "lost_s"):
         dtype = np.float64 if key.endswith("_s") else np.int64
-        table[key] = np.array([row[index] for row in rows], dtype)
-    table.attrs.update(size=len(pool.ranks), skips=pool.num_skips, waits=pool.num_waits)
+        table[key] = np.array([getattr(row, key) for row in rows], dtype)
+    table.attrs.update(
+        size=len(pool.ranks), skips=pool.num_skips, waits=pool.num_waits, lost=len(pool.lost)
+    )

@@ -38,7 +38,8 @@ def run(ctx: RankContext, base) -> int:
     waits for its pair's activations alike, and holds no weights); base: the config before any
     group's values, from which each TE's plan is built."""
     world, cfg, window = MPI.COMM_WORLD, ctx.cfg, weights_window()
-    world_mem, world_bytes = window.mem, window.sizes[world.rank]  # the world's window: 0 bytes
+    # the world's window: 0 bytes, or a slot for a pool TE forks read (ranks/cluster/pool_window.py)
+    world_mem, world_bytes = window.mem, window.sizes[world.rank]
     is_pool_rank = ctx.plan.cluster.is_pool_rank(world.rank)
     me = f"pool rank {world.rank}" if is_pool_rank else f"pool PD pair's host rank {world.rank}"
     num_served = 0

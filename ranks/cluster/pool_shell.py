@@ -13,7 +13,9 @@ round, as a standby TE's TE-shell does. Then, for each activation:
    run's end (its dies stop, the windows are freed), its records kept, the communicator freed.
 
 At the job's end (the JE's last promise) it sends the JE one `TeResult` for all its activations:
-each record's die named by the world rank that served it, each die's timings by world rank.
+each record's die named by the world rank that served it, each die's timings by world rank, and
+its own run file: the last activation's, with every activation's under `turn<i>/` (`own_turns`),
+so `/cluster/te<k>/` keeps each turn's summary, virtual times and failures.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import replace
 
 from mpi4py import MPI
 
+from ranks.cluster.je_parts import MERGED
 from ranks.cluster.link import cluster_link, set_link
 from ranks.cluster.messages import (
     TAG_CLUSTER_POOL,
@@ -62,8 +65,8 @@ class PoolShell:
         self.sends: list[MPI.Request] = []
         self.to_je = JeReports(self.link, self, self.grants)
         self.is_released = False  # the JE's PoolRelease taken by the serving TePacer
-        self.members: tuple[int, ...] = ()  # the current activation's world ranks
-        self.served: list[tuple[object, str, tuple[int, ...]]] = []  # (serving, status, members)
+        self.activation: PoolActivation | None = None  # the current one
+        self.served: list[tuple[object, str, PoolActivation]] = []  # (serving, status, its own)
         self.timeout_s = ctx.cfg.run.timeout_s
         self.me = f"TE-shell of pool TE {self.link.te}"
 
@@ -115,7 +118,7 @@ class PoolShell:
         """Steps 2-4: the TE formed, served until released (or the run's end), taken apart."""
         ctx = self.ctx
         wait_all(self.sends, timeout_s=ctx.cfg.xccl.poll_timeout_s, me=self.me, event="reports")
-        self.sends, self.is_released, self.members = [], False, activation.members
+        self.sends, self.is_released, self.activation = [], False, activation
         started = time.perf_counter()
         comm = form_te_comm(MPI.COMM_WORLD, activation, ctx.cfg.xccl.poll_timeout_s)
         ctx.log.info(
@@ -142,14 +145,15 @@ class PoolShell:
     def keep(self, serving, status: str) -> None:
         """An activation's end (te_side.py send_result): its records, for the one result."""
         if serving is not None:
-            self.served.append((serving, status, self.members))
+            self.served.append((serving, status, self.activation))
 
     def send_result(self) -> None:
         """Every activation's records to JE 0, dies named by world rank (the JE adds the
         TE-shell's world rank to a record's die rank)."""
         first = MPI.COMM_WORLD.rank  # this TE-shell's world rank
         result = TeResult(te=self.link.te, status="completed")
-        for serving, status, members in self.served:
+        for serving, status, activation in self.served:
+            members = activation.members
             if status != "completed":
                 result.status = status
             for req_id, record in serving.records.items():
@@ -160,7 +164,7 @@ class PoolShell:
                 _add_timings(result.die_timings, members[local] - first, timings)
             result.summary = serving.summary
             result.started = min(result.started or serving.started, serving.started)
-            result.own = own_run_file(serving)  # the last activation's own file
+        result.own = own_turns([(own_run_file(serving), a) for serving, _, a in self.served])
         wait_all(
             self.sends, timeout_s=self.ctx.cfg.xccl.poll_timeout_s, me=self.me, event="reports"
         )
@@ -172,6 +176,34 @@ class PoolShell:
             me=self.me,
             event="TE result to the JE",
         )
+
+
+def own_turns(owns: list[tuple[bytes, PoolActivation]]) -> bytes:
+    """The pool TE's own run file for the JE (HDF5 bytes): the last activation's, and each
+    activation's i-th under `turn<i>/` (but what the JE's run file merges), its attributes
+    `scale_event` and `world_ranks` (the TE-shell's, then its dies')."""
+    # Lazy imports: at the job's end only, as own_run_file's.
+    import io
+
+    import h5py
+
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as out:
+        for index, (own, activation) in enumerate(owns):
+            with h5py.File(io.BytesIO(own), "r") as f:
+                turn = out.create_group(f"turn{index}")
+                turn.attrs.update(f.attrs)
+                turn.attrs.update(
+                    scale_event=activation.event, world_ranks=list(activation.members)
+                )
+                for name in f:
+                    if name not in MERGED:
+                        f.copy(f[name], turn, name=name)
+                if index == len(owns) - 1:  # the last at the root, as a TE launched whole's
+                    out.attrs.update(f.attrs)
+                    for name in f:
+                        f.copy(f[name], out, name=name)
+    return buffer.getvalue() if owns else b""
 
 
 def _add_timings(into: dict, rank: int, timings: dict) -> None:

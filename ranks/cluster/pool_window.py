@@ -1,10 +1,18 @@
 """A pool die's weights (docs/cluster.md "A pool of ranks"; ranks/core/weights_window.py): the
-world's weights window is made once at start-up, where a pool rank exposes 0 bytes (it is in no
-TE then, and no one reads a pool TE's dies: it is no NPU-fork source). At each activation the
-rank allocates its die's weights memory (its tensors, its `is_loaded` word, its fork table, as
-a die's window lays them out), zeroed, with their checksums from the file: a standby die's, to
-be filled by the TE's load, which reads its sources through the world's window. At the drain
-the memory is freed.
+world's weights window is made once at start-up, where a pool rank is in no TE. At each
+activation the rank lays its die's weights memory out (its tensors, its `is_loaded` word, its
+fork table, as a die's window lays them out), zeroed, with their checksums from the file: a
+standby die's, to be filled by the TE's load, which reads its sources through the world's
+window. Where it lives:
+
+- in the rank's own slot of the world's window, reserved at start-up for the pool TEs an
+  NPU-fork may read (those of another fork TE's shape): its tensors from the slot's start, its
+  fork table at the slot's end, where the JE notes a fork that reads it. A later fork reads it as it
+  reads any die (no collective: the window is the world's, made once). At the drain the slot is
+  zeroed for the rank's next turn; the JE gives the ranks back only once every fork that read
+  them has its weights (ranks/cluster/weights_load.py), so no read sees it zeroed;
+- else (no fork may read this TE, and its die does not fit the slot) in memory of its own,
+  allocated here and freed at the drain.
 """
 
 from __future__ import annotations
@@ -63,14 +71,26 @@ class PoolDieMemory:
 
 def activate(window: WeightsWindow, plan: DeploymentPlan, te: int, local: int) -> WeightsWindow:
     """This rank's weights as die `local` of pool TE `te` (plan: its TE's) sees them: memory
-    for its tensors, its `is_loaded` word and its fork table, zeroed; their checksums; standby
-    until the TE's load fills it."""
+    for its tensors, its `is_loaded` word and its fork table, zeroed (its world slot when it
+    holds them: see the module's docstring); their checksums; standby until the TE's load
+    fills it."""
     cfg = plan.cfg
     stored, shapes, _ = stored_weights(cfg.model, unpacked_under=cfg.run.output_dir)
     names = die_tensor_names(shapes, hosted_experts(plan, local))
     values = {name: stored.value(name) for name in names}
     layout = PackedLayout.of_arrays(values)
     nbytes = layout.nbytes + LOADED_WORD_BYTES + window.fork_table_bytes
+    sums = {name: checksum(value) for name, value in values.items()}
+    if nbytes <= window.sizes[window.world_rank]:  # its slot, reserved for the TEs forks read
+        return replace(
+            window,
+            layout=layout,
+            model_layout=model_layout(stored, shapes),
+            te=te,
+            is_standby=True,
+            sums=sums,
+            fork_link_share=cfg.scaling.fork_link_share,
+        )
     sizes = list(window.sizes)
     sizes[window.world_rank] = nbytes  # where this die finds its own fork table
     return replace(
@@ -80,16 +100,21 @@ def activate(window: WeightsWindow, plan: DeploymentPlan, te: int, local: int) -
         model_layout=model_layout(stored, shapes),
         te=te,
         is_standby=True,
-        sums={name: checksum(value) for name, value in values.items()},
+        sums=sums,
         sizes=tuple(sizes),
         fork_link_share=cfg.scaling.fork_link_share,
     )
 
 
 def deactivate(window: WeightsWindow, world: DieMemory, size: int) -> WeightsWindow:
-    """After the drain: the die's weights memory freed; the rank's side of the world's window
-    (`world`, `size` bytes: 0) as at start-up."""
-    window.mem.free()
+    """After the drain: the die's weights memory freed, or its world slot zeroed (its tensors,
+    `is_loaded` word and fork table: no fork reads it any more); the rank's side of the world's
+    window (`world`, `size` bytes) as at start-up."""
+    if window.mem is world:
+        world.local[:] = 0
+        world.sync()
+    else:
+        window.mem.free()
     sizes = list(window.sizes)
     sizes[window.world_rank] = size
     return replace(

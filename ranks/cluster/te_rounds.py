@@ -84,6 +84,8 @@ class TeRounds(GrantRounds):
     def turn(self) -> int:
         num = self._take_reports() + self.finishes.take() + self._take_te_losses()
         je = self.je
+        if je.weights is not None:  # a pool fork source's release, once its readers loaded
+            num += je.weights.poll_loads(je.sends)
         if not je.queue and not self.losses and not self.is_watching:
             return num  # the last grant promised inf: nothing more to route
         missing = self.missing()
@@ -171,7 +173,7 @@ class TeRounds(GrantRounds):
         je, shell = self.je, self.shell(te)
         je.loads.lost.add(te)
         if je.autoscaler is not None:  # no source, no standby TE, no drain any more
-            je.autoscaler.lose(te)
+            je.autoscaler.lose(te, self.lost_at[te])
         orphans = sorted(
             (je.records[r].req for r, t in je.loads.te_of.items() if t == te),
             key=lambda req: (req.arrival_s, req.req_id),

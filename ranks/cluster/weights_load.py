@@ -23,7 +23,10 @@ A TE drained and scaled out again keeps its weights (its dies still hold them): 
 A pool TE (docs/cluster.md "A pool of ranks") has new dies at every scale-out: before its order,
 the JE sends its TE-shell (on the link) and each pool rank it took (on the world) the
 `PoolActivation`; at its drain's end the TE-shell the `PoolRelease`; at the job's end every pool
-rank the `PoolStop` (`stop_pool`). Each of its scale-outs has an order and a load.
+rank the `PoolStop` (`stop_pool`). Each of its scale-outs has an order and a load. A pool TE may
+be a fork's source (its dies' weights in their world slots, ranks/cluster/pool_window.py): the
+order names its current ranks, and its release waits until every TE that forked from it has
+reported its load (`poll_loads`, each JE round), since its dies zero their slots when released.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from ranks.core.weights_window import (
     LoadOrder,
     weights_window,
 )
+from xccl.wake import Doze
+from xds_mpi.cluster.pool import ReleaseGate
 from xds_mpi.cluster.scale_out import load_window
 from xds_mpi.plan.cluster import JE_RANK
 
@@ -85,35 +90,93 @@ class ScaleOutLoads:
         self.loaded: dict[int, TeLoaded] = {}  # scale event index -> its TE's load
         self.window = weights_window()  # the source dies' fork tables
         self.num_forks: dict[int, int] = {}  # source die's world rank -> forks noted there
+        # scale event index -> its fork's TE-Load window and (source die, slot) where noted
+        self.noted: dict[int, tuple[tuple[float, float], list[tuple[int, int]]]] = {}
+        self.gate = ReleaseGate()  # a pool fork source's release after its readers' loads
 
     def send_orders(self, events, sends: list, pool=None) -> None:
         """A load order for each scale-out decided since the last call to a TE without weights
         (`events`: the autoscaler's, in decision order), a pool TE's activation before it, and
         first the release of each pool TE whose drain ended (`pool`: the autoscaler's RankPool);
         the sends go to `sends`."""
-        for turn in pool.take_released() if pool is not None else ():
-            release = PoolRelease(te=turn.te, at_s=turn.given_back_s)
-            sends.append(self.comm.isend(release, dest=turn.te + 1, tag=TAG_CLUSTER_POOL))
-            self.has_weights.discard(turn.te)  # its dies went back to the pool
+        self.gate.hold(pool.take_released() if pool is not None else [])
+        self._release(sends)
         for index in range(self.num_seen, len(events)):
             te = events[index].te
+            if events[index].pool_ranks and self.gate.is_held(te):
+                self._await_readers(te, sends)  # its last turn's release first (rare)
             if events[index].kind != "out" or te in self.has_weights:
                 continue
             if events[index].pool_ranks:
                 self._activate(index, events[index], sends)
-            order = self._order(index, events[index])
+            order = self._order(index, events[index], pool)
             if order.path == "fork":
-                self._note_fork(events[index], order)
+                self._note_fork(index, events[index], order)
+                if pool is not None and pool.is_pool_te(order.source_te):
+                    self.gate.read_by(order.source_te, index)
             sends.append(self.comm.isend(order, dest=te + 1, tag=TAG_CLUSTER_LOAD))
             self.ordered[index] = te
             self.has_weights.add(te)
         self.num_seen = len(events)
+        self._renote(events)
+
+    def poll_loads(self, sends: list) -> int:
+        """The loads reported so far (without waiting) while a release waits for them; the
+        releases they allow sent. The count of loads taken."""
+        if not self.gate.held:
+            return 0
+        num = 0
+        for index, te in self.ordered.items():
+            if index not in self.loaded:
+                message = self.comm.improbe(source=te + 1, tag=TAG_CLUSTER_LOADED)
+                if message is not None:
+                    loaded = message.recv()
+                    self.loaded[loaded.event] = loaded
+                    self.gate.load_reported(loaded.event)
+                    num += 1
+        self._release(sends)
+        return num
+
+    def _release(self, sends: list) -> None:
+        """A `PoolRelease` to each ended pool turn's TE-shell whose fork readers all loaded."""
+        read = {turn.te: sorted(self.gate.readers.get(turn.te, ())) for turn in self.gate.held}
+        for turn in self.gate.due():
+            if read[turn.te]:
+                self.log.info(
+                    "pool: TE %d released after the loads of the forks that read it (scale "
+                    "events %s)",
+                    turn.te,
+                    read[turn.te],
+                )
+            release = PoolRelease(te=turn.te, at_s=turn.given_back_s)
+            sends.append(self.comm.isend(release, dest=turn.te + 1, tag=TAG_CLUSTER_POOL))
+            self.has_weights.discard(turn.te)  # its dies went back to the pool
+
+    def _await_readers(self, te: int, sends: list) -> None:
+        """Pool TE `te` scaled out again while its last turn's release waits for its readers:
+        their loads (bounded), then the release, before the new activation."""
+        deadline, doze = time.monotonic() + self.timeout_s, Doze()
+        while self.gate.is_held(te):
+            if not self.poll_loads(sends):
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"JE: the forks of scale events {self.gate.waiting_for(te)} from pool "
+                        f"TE {te} have not reported their loads after {self.timeout_s:g} s"
+                    )
+                doze.pause()
 
     def _activate(self, index: int, event, sends: list) -> None:
         """Pool TE `event.te`'s activation to its TE-shell and to each pool rank it took."""
         info = self.cluster.tes[event.te]
         hosts = tuple(range(info.first_rank, info.first_rank + info.num_launched))
         activation = PoolActivation(te=event.te, event=index, members=(*hosts, *event.pool_ranks))
+        for rank in event.pool_ranks:  # their fork tables were zeroed at their last release
+            self.num_forks.pop(rank, None)
+        self.noted = {  # forks noted there in an earlier turn: nothing to note again
+            i: (window, where)
+            for i, (window, where) in self.noted.items()
+            if not any(rank in event.pool_ranks for rank, _ in where)
+        }
         sends.append(self.comm.isend(activation, dest=event.te + 1, tag=TAG_CLUSTER_POOL))
         world = MPI.COMM_WORLD
         for rank in activation.members[1:]:  # a PD pair's decode TE-shell too
@@ -137,33 +200,54 @@ class ScaleOutLoads:
             event="stop to the pool ranks",
         )
 
-    def _order(self, index: int, event) -> LoadOrder:
-        """Scale event `index`'s order: its planned path, a fork's source TE's world ranks, a
-        dram host's rank. A fallback reads nothing from the source that died."""
+    def _order(self, index: int, event, pool) -> LoadOrder:
+        """Scale event `index`'s order: its planned path, a fork's source TE's world ranks (a
+        pool TE's: its host ranks, then the pool ranks it holds now), a dram host's rank. A
+        fallback reads nothing from the source that died."""
         path, source, cluster = event.path, event.source_te, self.cluster
         given = dict(event=index, source_te=source, fallback_from=event.fallback_from)
         if path == "fork":
-            first = cluster.first_rank(source)
-            ranks = tuple(range(first, first + cluster.tes[source].size))
+            first, info = cluster.first_rank(source), cluster.tes[source]
+            if info.is_pool:
+                hosts = tuple(range(first, first + info.num_launched))
+                ranks = (*hosts, *pool.ranks_of(source))
+            else:
+                ranks = tuple(range(first, first + info.size))
             return LoadOrder(path=path, source_ranks=ranks, **given)
         if path == "dram":
             return LoadOrder(path=path, host_rank=cluster.first_rank(event.te), **given)
         return LoadOrder(path=path, **given)
 
-    def _note_fork(self, event, order: LoadOrder) -> None:
+    def _note_fork(self, index: int, event, order: LoadOrder) -> None:
         """The fork's TE-Load window into each source die's fork table, complete there before
         the grant that lets the source start past the decision (its slowdown, charged by the
         die: docs/scaling.md)."""
         start_s, end_s = load_window(event.steps, event.decided_s)
+        where = []
         for rank in order.source_ranks:
             if self.window.is_die_of[rank]:
                 slot = self.num_forks.get(rank, 0)
                 self.window.note_fork(rank, slot, start_s, end_s)
                 self.num_forks[rank] = slot + 1
+                where.append((rank, slot))
+        self.noted[index] = ((start_s, end_s), where)
+
+    def _renote(self, events) -> None:
+        """A fork priced again at a later join (xds_mpi/cluster/fork_fanout.py): its new TE-Load
+        window over the old in the same slots, before this decision's grant (the source has
+        started no iteration past the decision, so none was charged by the old window's end)."""
+        for index, (window, where) in self.noted.items():
+            event = events[index]
+            new = load_window(event.steps, event.decided_s)
+            if new != window:
+                for rank, slot in where:
+                    self.window.note_fork(rank, slot, *new)
+                self.noted[index] = (new, where)
 
     def collect(self) -> None:
         """Every ordered TE's load (bounded: each TE-shell sent it before its result)."""
-        left = list(self.ordered.values())  # a pool TE: one order per scale-out
+        # a pool TE: one order per scale-out; those a release waited for are in already
+        left = [te for index, te in self.ordered.items() if index not in self.loaded]
         while left:
             got = recv_from_each(
                 self.comm,

@@ -10,6 +10,11 @@ one RMA window over the world, made collectively by every rank at start-up after
   `autoscaler.fork_fallback: dram` (the path it falls back to when its fork source dies
   mid-fork), exposes the whole model, packed: the server's page cache with the model preloaded
   (DRAM-hit);
+- a pool rank (docs/cluster.md "A pool of ranks") reserves a slot as large as the largest die
+  of the pool TEs an NPU-fork may read (those of another fork TE's shape), zeroed: at each
+  activation such a TE's die lays its weights out there (ranks/cluster/pool_window.py), so a
+  later fork reads it through this window like any die's; 0 bytes when no pool TE can be a
+  fork source;
 - every other rank (the JE, afd ranks, a PD pair's decode TE-shell and its JE but as a dram
   host, EMS pool ranks) exposes 0 bytes.
 
@@ -34,6 +39,7 @@ from mpi4py import MPI
 
 from ranks.core.tags import TAG_WEIGHTS_LOAD, TAG_WEIGHTS_LOADED  # noqa: F401
 from xccl.gmem import DieMemory
+from xds_mpi.cluster.autoscaler import fork_source_pool_tes
 from xds_mpi.model.packed import PackedLayout, PackedWeights, checksum, die_tensor_names, pack_into
 from xds_mpi.model.weights import stored_weights
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -198,6 +204,9 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
     num_slots = cluster.num_tes  # a fork per standby TE at most: a TE scaled out again keeps
     table = _padded(num_slots * 2 * FORK_SLOT.itemsize)
     nbytes = layout.nbytes + (LOADED_WORD_BYTES + table if is_die else 0) if layout else 0
+    if cluster.is_pool_rank(world.rank):  # its slot for a pool TE's die that forks may read
+        nbytes = pool_slot_bytes(plan, world.size, LOADED_WORD_BYTES + table)
+        is_die = nbytes > 0
     mem = DieMemory(world, nbytes, wakes=False)
     every = world.allgather((nbytes, is_die))  # the JE's map of the dies' fork tables
     window = WeightsWindow(
@@ -220,6 +229,23 @@ def open_weights_window(world: MPI.Comm, plan: DeploymentPlan) -> WeightsWindow:
         if is_die:
             window.mark_loaded()
     return window
+
+
+def pool_slot_bytes(plan: DeploymentPlan, world_size: int, more: int) -> int:
+    """A pool rank's slot: the largest die's tensors of the pool TEs a fork may read, plus
+    `more` (its `is_loaded` word and fork table); 0 without such a TE. plan: the pool rank's
+    (the config before any group's values)."""
+    stored, shapes, _ = stored_weights(plan.cfg.model, unpacked_under=plan.cfg.run.output_dir)
+    largest = 0
+    for te in sorted(fork_source_pool_tes(plan.cfg, plan.cluster.tes)):
+        te_plan = DeploymentPlan.build(plan.cfg, world_size, launcher_checks=False, te=te)
+        info = plan.cluster.tes[te]
+        for local in range(info.num_launched, info.size):
+            if is_loading_role(te_plan, local):
+                names = die_tensor_names(shapes, hosted_experts(te_plan, local))
+                values = {name: stored.value(name) for name in names}
+                largest = max(largest, PackedLayout.of_arrays(values).nbytes)
+    return largest + more if largest else 0
 
 
 def is_loading_role(plan: DeploymentPlan, local: int) -> bool:

@@ -90,16 +90,31 @@ def priced_paths(cfg, tes) -> PricedPaths:
                 steps=info.steps,
                 fallback_path=fallback,
                 fallback_steps=scale_out_steps(cfg, as_fallback),
-                # a pool TE is no source: its dies' world ranks change with each scale-out
-                same_shape=frozenset(
-                    u.te for u in tes if shapes[u.te] == shapes[t.te] and not u.is_pool
-                )
-                - {t.te},
+                # a pool TE too: the JE names its current turn's ranks (ranks/cluster/
+                # weights_load.py), its dies expose their weights in their world slot
+                same_shape=frozenset(u.te for u in tes if shapes[u.te] == shapes[t.te]) - {t.te},
                 # the k-th TE one source feeds at once (xds_mpi/cluster/fork_fanout.py)
                 fanout_steps=tuple(scale_out_steps(cfg, t, k) for k in range(1, len(tes))),
+                fanout=te_config(cfg, t.overrides).scaling.fork_fanout,
             )
         infos.append(info)
     return PricedPaths(infos, {loss.te: loss.at_s for loss in cfg.cluster.te_losses})
+
+
+def fork_source_pool_tes(cfg, tes) -> set[int]:
+    """The pool TEs (tes: xds_mpi/plan/cluster.py TeInfo) that a TE scaled out by NPU-fork may
+    read: those of another fork TE's shape. Their dies' world slots are reserved at launch
+    (ranks/core/weights_window.py); none without one."""
+    # Lazy import: an autoscaled cluster's only.
+    from xds_mpi.plan.cluster import te_config
+
+    configs = {t.te: te_config(cfg, t.overrides) for t in tes}
+    forks = [(te, _shape(c)) for te, c in configs.items() if c.scaling.path == "fork"]
+    return {
+        t.te
+        for t in tes
+        if t.is_pool and any(u != t.te and s == _shape(configs[t.te]) for u, s in forks)
+    }
 
 
 def _shape(te_cfg) -> dict:
@@ -208,7 +223,8 @@ class Autoscaler:
             if te is not None:
                 ranks = self.pool.take(te, now_s) if self.pool and self.pool.is_pool_te(te) else ()
                 plan = self.planner.plan(te, now_s, serving, unfinished)
-                self.planner.taken(te, now_s, plan)  # a fork joins its fork group
+                # a fork joins its fork group; the members it slows priced again
+                self._reprice(self.planner.taken(te, now_s, plan))
                 self.serves_from[te] = now_s + plan.total_s
                 event = ScaleEvent(
                     kind="out",
@@ -237,6 +253,16 @@ class Autoscaler:
             self.last_event_s = now_s
             self.samples.clear()  # the next window starts with the new set of TEs
         return event
+
+    def _reprice(self, repriced) -> None:
+        """Earlier fork group members still in TE-Load, priced again at a join (none has served:
+        their serves_s is after this decision): their scale-out events' steps and serves_s."""
+        for r in repriced:
+            index = max(i for i, e in enumerate(self.events) if e.kind == "out" and e.te == r.te)
+            event = self.events[index]
+            serves_s = event.decided_s + sum(seconds for _, seconds in r.steps)
+            self.events[index] = replace(event, steps=r.steps, serves_s=serves_s)
+            self.serves_from[r.te] = serves_s
 
     def _fitting(self, standby: list[int]) -> int | None:
         """The first standby TE whose dies the pool can give (any TE not of the pool); a pool
@@ -276,10 +302,13 @@ class Autoscaler:
             self.samples.popleft()
         return sum(x for _, x in self.samples) / len(self.samples)
 
-    def lose(self, te: int) -> None:
-        """TE `te` found lost: it serves no more, drains no more, and is no standby TE."""
+    def lose(self, te: int, lost_s: float = math.nan) -> None:
+        """TE `te` (lost at `lost_s`) found lost: it serves no more, drains no more, and is no
+        standby TE; a pool TE's ranks leave the pool with it (xds_mpi/cluster/pool.py)."""
         self.lost.add(te)
         self.draining.discard(te)
+        if self.pool is not None and self.pool.is_pool_te(te):  # its drain gives back none
+            self.pool.lose(te, lost_s)
 
     def drained(self, te: int) -> None:
         """A draining TE's last request finished: standby again."""

@@ -14,7 +14,8 @@ that dies mid-fork costs.
   starts it over at the loss.
 - A fork decided while an earlier fork of its shape is still in TE-Load shares that fork's
   source, a fork group (xds_mpi/cluster/fork_fanout.py), its TE-Load priced for the group's
-  receivers so far.
+  receivers so far; the members still in TE-Load priced again for the group's new size
+  (`Repriced`: with `scaling.fork_fanout` > 1 they slow; with the chain none changes).
 
 Pure: the same decisions, losses and loads give the same plans on any machine.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xds_mpi.cluster.fork_fanout import ForkGroups
+from xds_mpi.cluster.fork_fanout import ForkGroups, receiver_position
 
 TE_LOAD = "TE-Load"
 
@@ -50,6 +51,15 @@ class ScaleOutPlan:
         return sum(seconds for _, seconds in self.steps)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Repriced:
+    """An earlier fork group member TE `te`, still in TE-Load at a join, priced again: its
+    steps from its decision now `steps` (its serves_s moves with them)."""
+
+    te: int
+    steps: tuple[tuple[str, float], ...]
+
+
 class FixedSteps:
     """The same steps for every scale-out of a TE (no path, no source): te -> steps."""
 
@@ -59,8 +69,8 @@ class FixedSteps:
     def plan(self, te: int, now_s: float, serving: list[int], unfinished: list[int]):
         return ScaleOutPlan(steps=tuple(self.steps[te]))
 
-    def taken(self, te: int, now_s: float, plan: ScaleOutPlan) -> None:
-        pass
+    def taken(self, te: int, now_s: float, plan: ScaleOutPlan) -> list[Repriced]:
+        return []
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +86,7 @@ class TeScaling:
     fallback_steps: tuple[tuple[str, float], ...] = ()
     same_shape: frozenset[int] = frozenset()
     fanout_steps: tuple[tuple[tuple[str, float], ...], ...] = ()
+    fanout: int = 1  # its scaling.fork_fanout: the receivers a source feeds at once
 
     def steps_for(self, num_receivers: int) -> tuple[tuple[str, float], ...]:
         """The steps of the `num_receivers`-th new TE a fork source feeds at once."""
@@ -116,18 +127,30 @@ class PricedPaths:
             fork_receivers=1 if group is None else group.num_receivers + 1,
         )
 
-    def taken(self, te: int, now_s: float, plan: ScaleOutPlan) -> None:
-        """TE `te`'s scale-out decided at `now_s` by `plan`: a fork joins its group."""
+    def taken(self, te: int, now_s: float, plan: ScaleOutPlan) -> list[Repriced]:
+        """TE `te`'s scale-out decided at `now_s` by `plan`: a fork joins its group; the
+        earlier members still in TE-Load whose price the join changes, priced again."""
         if plan.fork_group < 0:
-            return
+            return []
         group = next((g for g in self.forks.groups if g.first_te == plan.fork_group), None)
-        self.forks.add(
+        group = self.forks.add(
             te,
             source_te=plan.source_te,
             shape=self.tes[te].same_shape | {te},
+            decided_s=now_s,
             load_end_s=load_window(plan.steps, now_s)[1],
             group=group,
         )
+        repriced = []
+        for position, member in group.still_loading(now_s):
+            info = self.tes[member.te]
+            as_k = receiver_position(position, group.num_receivers, info.fanout)
+            steps = info.steps_for(as_k)
+            load_end_s = load_window(steps, member.decided_s)[1]
+            if member.te != te and load_end_s != member.load_end_s:
+                group.repriced(member.te, load_end_s)
+                repriced.append(Repriced(te=member.te, steps=steps))
+        return repriced
 
     def _fall_back(self, info: TeScaling, source: int, now_s: float, lost_s: float):
         load_start, load_end = load_window(info.steps, now_s)

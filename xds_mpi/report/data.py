@@ -70,8 +70,9 @@ def eplb_loads(f: h5py.File) -> dict[str, np.ndarray]:
 
 def cluster_data(f: h5py.File) -> dict:
     """A cluster's run file (docs/cluster.md): per request (by req_id) its TE, first TE, routing
-    time and virtual JCT; per TE its kind, group and loss time; the scale events; the decision
-    log's regret per routed request. {} for one TE's run."""
+    time and virtual JCT; per TE its kind, group and loss time; the scale events; the pool's
+    turns; the run's last finish; the decision log's regret per routed request. {} for one
+    TE's run."""
     if "cluster" not in f or "virtual" not in f:
         return {}
     group, virtual = f["cluster"], f["virtual"]
@@ -91,6 +92,10 @@ def cluster_data(f: h5py.File) -> dict:
         "te_group": [k.decode() for k in group["te_group"][()]] if "te_group" in group else [],
         "te_lost_s": group["te_lost_s"][()] if "te_lost_s" in group else np.array([]),
         "scaling": {k: v[()] for k, v in group["scaling"].items()} if "scaling" in group else {},
+        # the pool of ranks' turns (docs/cluster.md "A pool of ranks"): te, rank, die, taken_s,
+        # given_back_s per row; {} without a pool
+        "pool": {k: v[()] for k, v in group["pool"].items()} if "pool" in group else {},
+        "end_s": float(np.nanmax(virtual["finish_s"][()], initial=0.0)),  # the last finish
         "regret_s": (
             group["decisions"]["regret_s"][()]
             if "decisions" in group and "regret_s" in group["decisions"]

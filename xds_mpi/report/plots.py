@@ -12,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from xds_mpi.report.data import RunData  # noqa: E402
+from xds_mpi.report.pool_plot import pool  # noqa: E402
 
 DPI = 80
 
@@ -334,4 +335,5 @@ FIGURES = {
     "mtp": mtp_acceptance,
     "recovery": recovery,
     "cluster": cluster,
+    "pool": pool,
 }

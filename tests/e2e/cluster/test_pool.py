@@ -8,6 +8,7 @@ loaded included. Bounded by the subprocess timeout and run.timeout_s."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import h5py
@@ -18,8 +19,10 @@ from test_cluster import _ok
 from test_serving import XDS_MPI, check_line
 from test_virtual_time import _jsonl, _sets
 
+from launch.report.run_page import write_report
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
+from xds_mpi.report.trace_writer import trace_path
 
 POOL_TES = (
     "cluster.groups=[{count: 1}, "
@@ -80,7 +83,7 @@ def _column(group, key) -> list:
 
 @pytest.mark.parametrize("path", ["dram", "fork"])
 def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other(tmp_path, path):
-    lines, result, run_file = _run(tmp_path, path)
+    lines, result, run_file = _run(tmp_path, path, "run.trace=true")
     assert result.returncode == 0, _ok(result)
     assert (
         check_line(result)
@@ -109,6 +112,27 @@ def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other
     assert routed[on_1].min() >= serves[0] and routed[on_1].max() <= drained_s
     assert routed[on_2].min() >= serves[2]
     assert run_file.attrs["world_size"] == 7
+    # the JE's trace: a track per pool rank, a span per turn as the rows say (microseconds)
+    trace = json.loads(trace_path(tmp_path / "pool.h5").read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
+    turns = [
+        (e["tid"], e["name"], e["ts"], e["args"]["die"])
+        for e in trace
+        if e["ph"] == "X" and e["tid"] in (tracks["pool rank 5"], tracks["pool rank 6"])
+    ]
+    assert turns == [
+        (tracks[f"pool rank {rank}"], f"TE {te}", round(taken * 1e6, 3), die)
+        for te, rank, die, taken in zip(
+            *(_column(pool, k) for k in ("te", "rank", "die", "taken_s")), strict=True
+        )
+    ]
+    assert turns[0][2] + next(e["dur"] for e in trace if e["name"] == "TE 1") == round(
+        given_back[0] * 1e6, 3
+    )
+    # the report draws the pool's figure from the run file
+    run_file.close()
+    index = write_report([tmp_path / "pool.h5"], tmp_path / "report")
+    assert "<h2>pool</h2>" in index.read_text()
 
 
 def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
@@ -129,6 +153,24 @@ def test_a_pool_as_large_as_its_tes_dies_serves_as_fixed_standby_tes(tmp_path):
             pooled_file[f"virtual/{key}"][()], fixed_file[f"virtual/{key}"][()], equal_nan=True
         ), key
     assert list(pooled_file["cluster/pool/te"][()]) == [1, 2, 2, 2, 2]  # TE 2 formed twice
+    # TE 2's own file: each turn's under turn<i>/ (its scale event, its world ranks), the last
+    # at the root; together the turns' requests are those TE 2 served
+    own = pooled_file["cluster/te2"]
+    turns = [own[f"turn{i}"] for i in range(2)]
+    assert sorted(k for k in own if k.startswith("turn")) == ["turn0", "turn1"]
+    scaling = pooled_file["cluster/scaling"]
+    outs = [
+        i
+        for i, (k, t) in enumerate(zip(scaling["kind"][()], scaling["te"][()]))
+        if k == b"out" and t == 2
+    ]
+    assert [t.attrs["scale_event"] for t in turns] == outs
+    assert [list(t.attrs["world_ranks"]) for t in turns] == [[4, 6, 7]] * 2
+    served = [set(t["virtual/req_id"][()]) for t in turns]
+    te = pooled_file["cluster/te"][()]
+    assert served[0].isdisjoint(served[1]) and served[0] and served[1]
+    assert served[0] | served[1] == set(pooled_file["cluster/req_id"][()][te == 2])
+    assert set(own["virtual/req_id"][()]) == served[1]
 
 
 def test_the_pool_saves_ranks_against_fixed_standby_tes():
@@ -179,3 +221,70 @@ def test_a_pool_pd_pair_s_ranks_then_serve_a_colocated_te(tmp_path):
     assert (te == 1).sum() > 0 and set(die_rank[te == 1]) == {8}
     assert (te == 2).sum() > 0 and set(die_rank[te == 2]) == {8, 9}
     assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["pd", "pd", "colocated"]
+
+
+def test_a_pool_te_is_an_npu_fork_source_and_released_once_its_readers_loaded(tmp_path):
+    """A serving TE of 1 die and three 1-die pool TEs on 3 pool ranks: TE 1 loads from DRAM,
+    TEs 2 and 3 by NPU-fork. TE 2 forks from pool TE 1 (the least loaded, newest TE of its
+    shape), TE 3 from pool TE 2 twice (a chain through pool dies' world slots); TE 2's drain
+    releases its rank once both of TE 3's loads are in. Every request served checks."""
+    groups = (
+        "cluster.groups=[{count: 1}, "
+        "{count: 1, standby: true, pool: true, name: dram, set: [scaling.path=dram]}, "
+        "{count: 2, standby: true, pool: true, name: fork, set: [scaling.path=fork]}]"
+    )
+    lines, result, run_file = _run(tmp_path, "dram", groups, pool=3, name="source")
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    scaling = run_file["cluster/scaling"]
+    events = list(
+        zip(*(_column(scaling, k) for k in ("kind", "te", "load_path", "load_source_te")))
+    )
+    assert events == [
+        ("out", 1, "dram", -1),
+        ("out", 2, "fork", 1),
+        ("out", 3, "fork", 2),
+        ("in", 3, "", -1),
+        ("out", 3, "fork", 2),
+        ("in", 3, "", -1),
+        ("in", 2, "", -1),
+    ], events
+    assert list(scaling["load_bytes"][()][[0, 1, 2, 4]]) == [8152192] * 4
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
+    assert rows == [(1, 6, 1), (2, 7, 1), (3, 8, 1), (3, 8, 1)]
+    assert pool["given_back_s"][1] == scaling["decided_s"][6]  # TE 2 drained idle: at once
+    te, die_rank = run_file["cluster/te"][()], run_file["requests/die_rank"][()]
+    for k, rank in ((1, 6), (2, 7), (3, 8)):
+        assert (te == k).sum() > 0 and set(die_rank[te == k]) == {rank}
+
+
+def test_a_lost_pool_te_s_ranks_leave_the_pool(tmp_path):
+    """TE 1 (its die on pool rank 5) lost at 6.0 s virtual (`cluster.te_losses`: its server):
+    rank 5 stands for its dead die, so it never goes back to the pool; the 2-die TE 2 then
+    never fits the one rank left and waits through both bursts; TE 0 serves every request again
+    (the lost TE's routed again once found), `--check` 0 mismatches. The run ends cleanly: the
+    lost TE's processes run on until the job's end, as any lost TE's do."""
+    lines, result, run_file = _run(
+        tmp_path, "dram", "cluster.te_losses=[{te: 1, at_s: 6.0}]", "run.trace=true"
+    )
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    assert _column(run_file["cluster/scaling"], "te") == [1]  # no scale-out of TE 2
+    pool = run_file["cluster/pool"]
+    rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "given_back_s", "lost_s"))))
+    assert rows == [(1, 5, np.inf, 6.0)]
+    assert (pool.attrs["lost"], run_file["summary"].attrs["pool_lost"]) == (1, 1)
+    assert pool.attrs["waits"] > 0
+    assert set(run_file["cluster/te"][()]) == {0}
+    trace = json.loads(trace_path(tmp_path / "pool.h5").read_text())["traceEvents"]
+    track = next(e["tid"] for e in trace if e.get("args", {}).get("name") == "pool rank 5")
+    on_rank = [(e["ph"], e["name"], e["ts"]) for e in trace if e.get("tid") == track and "ts" in e]
+    assert ("i", "TE 1 lost", 6e6) in on_rank
+    assert ("X", "TE 1", 3.3125e6) in on_rank

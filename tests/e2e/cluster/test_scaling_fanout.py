@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import h5py
 import numpy as np
+import pytest
 from test_cluster import _ok, run_cluster
 from test_cluster_fork import _burst
 from test_serving import check_line
 from test_virtual_time import _sets
+
+from xds_mpi.config.schema import load_config
+from xds_mpi.scaling.steps import scale_out
 
 GROUPS = (
     "cluster.groups=[{count: 1, set: [deployment.dp_groups_per_domain=2]}, "
@@ -69,3 +73,39 @@ def test_three_forks_share_one_source_whose_dies_are_slowed_while_read(tmp_path)
             assert np.all(ours[longer] / theirs[longer] < 1.5)  # only dispatch and combine
         else:
             assert len(longer) == 0, (rank, longer)
+
+
+def test_with_a_fan_out_each_join_reprices_the_forks_still_loading(tmp_path):
+    """scaling.fork_fanout=3: TE 0 feeds the three new TEs at once, its link split three ways,
+    so the second and third joins price the earlier members again: all three serve the 3rd
+    receiver's steps after their own decisions (the chain: 1st, 2nd, 3rd), and every token
+    still equals the reference's."""
+    lines, workload = _burst(tmp_path)
+    result, _ = run_cluster(
+        tmp_path,
+        *workload,
+        *_sets(
+            "cluster.num_tes=4",
+            GROUPS,
+            "cluster.policy=least_load",
+            "autoscaler.enabled=true",
+            "autoscaler.scale_out_above=2",
+            "autoscaler.scale_in_below=0.5",
+            "autoscaler.window_s=0.5",
+            "autoscaler.cooldown_s=0",
+            "scaling.fork_fanout=3",
+            "run.name=fanout3",
+        ),
+    )
+    assert result.returncode == 0, _ok(result)
+    assert (
+        check_line(result)
+        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    )
+    scaling = h5py.File(tmp_path / "fanout3.h5", "r")["cluster/scaling"]
+    outs = np.array([k.decode() == "out" for k in scaling["kind"][()]])
+    assert list(scaling["load_fork_receivers"][outs]) == [1, 2, 3]
+    fork_cfg = load_config("configs/colocated.yaml", ["scaling.path=fork", "scaling.fork_fanout=3"])
+    third = scale_out(fork_cfg, num_dies=32, num_new_tes=3)
+    serves = scaling["serves_s"][outs] - scaling["decided_s"][outs]
+    assert serves == pytest.approx([sum(s for _, s in third.steps)] * 3)

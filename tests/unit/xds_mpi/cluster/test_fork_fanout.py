@@ -21,8 +21,9 @@ def steps(k: int) -> tuple[tuple[str, float], ...]:
     return (("Scaler-Pre", 0.0), ("TE-Load", 0.5 + 0.01 * (k - 1)), ("Scaler-Post", 0.1))
 
 
-def planner(num_tes: int = 5) -> PricedPaths:
-    """TE 0 serving (dram), TEs 1.. standby forking, all of one shape."""
+def planner(num_tes: int = 5, fanout: int = 1) -> PricedPaths:
+    """TE 0 serving (dram), TEs 1.. standby forking, all of one shape; a source feeds `fanout`
+    at once."""
     every = frozenset(range(num_tes))
     fork = [
         TeScaling(
@@ -32,6 +33,7 @@ def planner(num_tes: int = 5) -> PricedPaths:
             fallback_steps=steps(1),
             same_shape=every - {te},
             fanout_steps=tuple(steps(k) for k in range(1, num_tes)),
+            fanout=fanout,
         )
         for te in range(1, num_tes)
     ]
@@ -59,7 +61,43 @@ def test_forks_inside_one_te_load_share_the_source_and_are_priced_as_its_receive
     late = decide(p, 4, 10.8, [0, 1, 2, 3])
     assert (late.fork_group, late.fork_receivers, late.steps) == (4, 1, steps(1))
     assert late.source_te == 3  # least loaded, ties: the newest (the chain)
-    assert [g.members for g in p.forks.groups] == [[1, 2, 3], [4]]
+    assert [[m.te for m in g.members] for g in p.forks.groups] == [[1, 2, 3], [4]]
+
+
+def test_with_a_fan_out_a_join_slows_the_members_still_loading():
+    """fork_fanout 4: the source feeds the group's first 4 at once, so each join prices the
+    members still in TE-Load as the group's k-th receiver; one whose TE-Load ended keeps it."""
+    p = planner(fanout=4)
+    decide(p, 1, 10.0, [0])  # TE-Load [10.0, 10.5)
+    assert [r.te for r in p.taken(2, 10.2, p.plan(2, 10.2, [0], [0] * 5))] == [1]
+    third = p.plan(3, 10.2, [0], [0] * 5)
+    repriced = p.taken(3, 10.2, third)
+    assert [(r.te, r.steps) for r in repriced] == [(1, steps(3)), (2, steps(3))]
+    ends = [m.load_end_s for m in p.forks.groups[0].members]
+    assert ends == pytest.approx([10.52, 10.72, 10.72])
+    # TE 1's TE-Load ended (10.52) before this join at 10.6: it keeps its times
+    assert [r.te for r in p.taken(4, 10.6, p.plan(4, 10.6, [0], [0] * 5))] == [2, 3]
+    ends = [m.load_end_s for m in p.forks.groups[0].members]
+    assert ends == pytest.approx([10.52, 10.73, 10.73, 11.13])
+
+
+def test_with_the_chain_a_join_slows_none_before_it():
+    p = planner(fanout=1)
+    decide(p, 1, 10.0, [0])
+    assert p.taken(2, 10.2, p.plan(2, 10.2, [0], [0] * 5)) == []
+
+
+def test_the_autoscaler_moves_a_repriced_member_s_serving_time():
+    cfg = AutoscalerConfig(
+        enabled=True, window_s=0.1, scale_out_above=1, scale_in_below=0.5, cooldown_s=0
+    )
+    scaler = Autoscaler(cfg, [2] * 4, {1, 2, 3}, planner(4, fanout=4))
+    for now_s in (1.0, 1.1, 1.2):
+        scaler.observe(now_s, [10, 0, 0, 0])
+    # each priced as the 3rd receiver from its decision (the chain: 1.6, 1.71, 1.82)
+    assert [e.serves_s for e in scaler.events] == pytest.approx([1.62, 1.72, 1.82])
+    assert [dict(e.steps)["TE-Load"] for e in scaler.events] == pytest.approx([0.52] * 3)
+    assert scaler.serving(1.61) == [0] and scaler.serving(1.62) == [0, 1]
 
 
 def test_a_group_whose_source_is_no_candidate_takes_no_joiner():

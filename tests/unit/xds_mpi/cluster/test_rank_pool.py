@@ -7,10 +7,12 @@ communication domain formed."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from xds_mpi.cluster.autoscaler import Autoscaler, scale_out_steps
-from xds_mpi.cluster.pool import INF, PoolTurn, RankPool
+from xds_mpi.cluster.pool import INF, PoolTurn, RankPool, ReleaseGate, pool_rows
 from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.schema import load_config
 from xds_mpi.plan.deployment import DeploymentPlan
@@ -73,6 +75,37 @@ def test_two_shapes_share_the_pool_and_a_drained_te_s_ranks_serve_the_other_shap
     assert (out.kind, out.te, out.pool_ranks) == ("out", 2, POOL)
 
 
+def test_a_lost_pool_te_s_ranks_leave_the_pool_for_good():
+    """TE 1 (2 dies) lost at 3.0 s, found at 4.5 s: its ranks 10 and 11 stand for its dead
+    dies, so they are never given back; TE 2 (4 dies) can then never scale out (a wait at each
+    decision), TE 3 (2 dies) takes the 2 left."""
+    s = scaler({1: 2, 2: 4, 3: 2}, standby={1, 2, 3})
+    assert s.observe(0.0, [9, 0, 0, 0]).pool_ranks == (10, 11)
+    s.drained(1)  # not draining: nothing
+    s.lose(1, 3.0)
+    assert s.pool.turns == [PoolTurn(te=1, ranks=(10, 11), taken_s=0.0, lost_s=3.0)]
+    assert (s.pool.lost, s.pool.free) == ([10, 11], [12, 13])
+    out = s.observe(4.5, [9, 9, 0, 0])  # TE 2 does not fit the 2 left: TE 3 (a skip)
+    assert (out.te, out.pool_ranks, s.pool.num_skips) == (3, (12, 13), 1)
+    assert s.observe(6.0, [9, 9, 0, 9]) is None and s.pool.num_waits == 1
+    rows = pool_rows(s.pool.turns, {1: 1, 3: 1})
+    assert [(r.rank, r.lost_s) for r in rows][:2] == [(10, 3.0), (11, 3.0)]
+    assert all(math.isnan(r.lost_s) for r in rows[2:])
+
+
+def test_a_pool_te_lost_while_its_drain_gives_its_ranks_back_keeps_them_out():
+    """TE 1's drain finished (its ranks due back at the next decision), then it is found lost:
+    its ranks leave the pool, not back into it."""
+    s = scaler({1: 2, 2: 2}, standby={1, 2})
+    s.observe(0.0, [9, 0, 0])
+    assert s.observe(2.0, [2, 1, 0]).te == 1  # drained with 1 request left
+    s.drained(1)
+    s.lose(1, 2.5)
+    s.observe(4.0, [9, 0, 0])
+    assert s.pool.lost == [10, 11] and s.pool.turns[0].lost_s == 2.5
+    assert s.pool.turns[1] == PoolTurn(te=2, ranks=(12, 13), taken_s=4.0)
+
+
 def test_a_pool_te_that_does_not_fit_is_passed_over_for_the_next_standby_te():
     # TE 1 (4 dies) holds the whole pool; TE 2 (2 dies) cannot fit; TE 3 is launched whole
     s = scaler({1: 4, 2: 2}, standby={1, 2, 3})
@@ -102,3 +135,23 @@ def test_a_pool_te_s_te_pre_load_is_its_communication_domain_formed():
     assert {k: v for k, v in pooled.items() if k != "TE-Pre-Load"} == {
         k: v for k, v in standby.items() if k != "TE-Pre-Load"
     }
+
+
+def test_a_pool_fork_source_is_released_once_every_fork_that_read_it_loaded():
+    """TE 1 (pool) was read by the forks of scale events 2 and 4; TE 3 by none. Both drained:
+    TE 3 is due at once, TE 1 once events 2 and 4 reported their loads; its next turn starts
+    with no readers."""
+    gate = ReleaseGate()
+    gate.read_by(1, 2)
+    gate.read_by(1, 4)
+    one = PoolTurn(te=1, ranks=(10,), taken_s=1.0, given_back_s=9.0)
+    three = PoolTurn(te=3, ranks=(11,), taken_s=2.0, given_back_s=9.0)
+    gate.hold([one, three])
+    assert gate.due() == [three]
+    assert gate.is_held(1) and gate.waiting_for(1) == [2, 4]
+    gate.load_reported(2)
+    assert gate.due() == [] and gate.waiting_for(1) == [4]
+    gate.load_reported(4)
+    assert gate.due() == [one] and not gate.is_held(1)
+    gate.hold([PoolTurn(te=1, ranks=(10,), taken_s=12.0, given_back_s=15.0)])
+    assert gate.waiting_for(1) == [] and len(gate.due()) == 1

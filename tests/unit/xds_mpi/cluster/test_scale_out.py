@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from xds_mpi.cluster.autoscaler import Autoscaler, priced_paths
+from xds_mpi.cluster.autoscaler import Autoscaler, fork_source_pool_tes, priced_paths
 from xds_mpi.cluster.scale_out import PricedPaths, TeScaling
 from xds_mpi.config.autoscaler import AutoscalerConfig
 from xds_mpi.config.schema import load_config
@@ -110,3 +110,20 @@ def test_the_priced_planner_prices_a_fork_te_s_fallback_by_its_own_scaling_secti
     cold = load_config("configs/colocated.yaml", ["scaling.path=cold"])
     assert fork.fallback_steps == scale_out(cold, num_dies=32, num_new_tes=1).steps
     assert p.tes[0].path == "dram"
+
+
+def test_a_pool_te_of_a_fork_te_s_shape_is_a_fork_source():
+    """TE 1 (pool, dram) has the fork TE 2's shape: a source, its slot reserved; TE 2 is read
+    by no other fork TE, TE 3 (pool, 2 dies) has no fork TE's shape: neither is reserved (each
+    is still in the planner's sources of a fork TE of its shape, none here)."""
+    groups = (
+        "cluster.groups=[{count: 1}, "
+        "{count: 1, standby: true, pool: true, set: [scaling.path=dram]}, "
+        "{count: 1, standby: true, pool: true, set: [scaling.path=fork]}, "
+        "{count: 1, standby: true, pool: true, set: [deployment.dp_groups_per_domain=2]}]"
+    )
+    sets = [groups, "deployment.dp_groups_per_domain=1", "autoscaler.enabled=true"]
+    cfg = load_config("configs/colocated.yaml", [*sets, "cluster.pool=2"])
+    tes = DeploymentPlan.build(cfg, None, launcher_checks=False).cluster.tes
+    assert priced_paths(cfg, tes).tes[2].same_shape == {0, 1}
+    assert fork_source_pool_tes(cfg, tes) == {1}  # not TE 2: no other fork TE reads it
