@@ -45,6 +45,7 @@ class DecodeLoss:
     after: int
     detected_at: float
     resumed_s: float = -1.0  # virtual clock: the survivors' resumption (-1: the wall clock)
+    dies: str = "decode"  # what the DP groups are: "decode" (colocated) or "attention" (afd)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +106,11 @@ class DecodeWatch:
             after=len(balancer.groups),
             detected_at=loss.detected_at,
             resumed_s=priced[1] if priced else -1.0,
+            dies="attention" if cfg.deployment.kind == "afd" else "decode",
         )
         self.sends.append(self.comm.isend(message, dest=JE, tag=TAG_PD_DECODE_LOST))
         recovery = (
-            f"vertical scaling: {before} -> {message.after} decode dies; {len(orphans)} "
+            f"vertical scaling: {before} -> {message.after} {message.dies} dies; {len(orphans)} "
             "requests moved by the JE"
         )
         if not loss.lost:  # a stuck die back within the grace (refused before launch in PD)

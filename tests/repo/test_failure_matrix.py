@@ -222,10 +222,9 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "test_rollback_priced.py::test_pd_afd_decode_faults_run_on_the_virtual_clock_and_cost"
         "_their_attempts"
     ),
-    ("PD+afd", "attention die", "dead"): CellRefused(
-        "pd_afd.yaml",
-        (*HEALTH, "faults.events=[{kind: dead, die: 2, iteration: 3}]"),
-        "a dead " + PD_AFD,
+    ("PD+afd", "attention die", "dead"): CellTested(
+        "test_pd_decode_loss.py::test_a_dead_attention_die_of_a_pd_afd_decode_side_is_dropped_its"
+        "_requests_prefilled_again"
     ),
     ("PD+afd", "-", "memory"): CellRefused(
         "pd_afd.yaml",

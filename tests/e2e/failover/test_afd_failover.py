@@ -239,12 +239,13 @@ def test_afd_rows_that_cannot_run_are_refused_with_a_reason(events, sections, re
         _afd(events, **sections)
 
 
-def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
+def test_a_pd_afd_attention_die_alone_in_its_domain_is_refused_as_without_pd():
     raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
     attention = Topology.from_config(config_from_dict(raw)).ranks_with_role("attention")[0]
     raw["faults"] = {"events": [{"kind": "dead", "die": attention, "iteration": 1}]}
+    raw["health"] = {"timeout_s": 4, "probe_timeout_s": 12}
     cfg = config_from_dict(raw)
-    with pytest.raises(ConfigError, match="dead fault on a attention die of a pd deployment"):
+    with pytest.raises(ConfigError, match="only die of DP domain 0 .* losing a whole domain"):
         check_failures(cfg, Topology.from_config(cfg))
 
 

@@ -136,15 +136,60 @@ def test_a_pd_decode_loss_with_another_fault_row_is_refused():
         check_failures(cfg, Topology.from_config(cfg))
 
 
-def test_a_pd_afd_decode_side_loss_stays_refused():
-    cfg = load_config(
-        REPO_ROOT / "configs" / "pd_afd.yaml",
-        ["faults.events=[{kind: dead, die: 2, iteration: 0}]"],
-    )
-    topo = Topology.from_config(cfg)
-    assert topo.ranks[2].role == "attention"
-    with pytest.raises(ConfigError, match="attention die of a pd deployment is not emulated"):
-        check_failures(cfg, topo)
+# configs/pd_afd.yaml with one DP domain of two attention dies, so that the domain keeps one:
+# JE 0, decode TE-shell 1, attention dies 2-3, expert dies 4-5, prefill die 6.
+PD_AFD = [
+    "deployment.num_dp_domains=1",
+    "deployment.dp_groups_per_domain=2",
+    "run.trace=false",
+    *PD,
+]
+
+
+def lost_attention_die(tmp_path, row: str, *settings: str):
+    """A PD run's afd decode side losing attention die `row` names: served in full, one record."""
+    result, run_file, records = served(tmp_path, [row], *PD_AFD, *settings, config="pd_afd")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED, out[-3000:]
+    [record] = records  # no false verdict on the other attention die or the expert dies
+    assert record.role == "attention", record.describe()
+    assert record.recovery.startswith("vertical scaling: 2 -> 1 attention dies"), record.describe()
+    assert sum(moved(record)) == len(record.requests_affected) >= 1, out[-3000:]
+    assert (run_file["requests"]["num_tokens"][()] > 0).all()
+    return record, out
+
+
+@pytest.mark.failure_matrix
+def test_a_dead_attention_die_of_a_pd_afd_decode_side_is_dropped_its_requests_prefilled_again(
+    tmp_path,
+):
+    """The decode TE-shell watches the attention and expert dies, fences the A2E/E2A waits, the
+    survivors rebuild A2E/E2A without die 2 and the JE moves its requests."""
+    record, _ = lost_attention_die(tmp_path, "{kind: dead, die: 2, iteration: 3}")
+    assert record.injected_iteration == 3 and record.kind == "dead"
+    assert_detected(record, 2, "dead")
+
+
+@pytest.mark.failure_matrix
+def test_an_attention_die_of_a_pd_afd_decode_side_stuck_for_good_is_lost(tmp_path):
+    record, _ = lost_attention_die(tmp_path, "{kind: stuck, die: 3, iteration: 3}")
+    assert record.kind == "stuck"
+    assert_detected(record, 3, "dead")  # never answers again
+
+
+def test_a_pd_afd_attention_die_loss_is_accepted_an_expert_die_loss_refused():
+    sets = ["deployment.num_dp_domains=1", "deployment.dp_groups_per_domain=2"]
+    sets += ["health.timeout_s=4", "health.probe_timeout_s=12"]
+
+    def checked(row: str) -> None:
+        cfg = load_config(REPO_ROOT / "configs" / "pd_afd.yaml", [*sets, f"faults.events=[{row}]"])
+        check_failures(cfg, Topology.from_config(cfg))
+
+    checked("{kind: dead, die: 2, iteration: 0}")
+    checked("{kind: stuck, die: 3, iteration: 2}")
+    with pytest.raises(ConfigError, match="losing expert die 4 of a PD run's afd decode side"):
+        checked("{kind: dead, die: 4, iteration: 0}")
 
 
 @pytest.mark.failure_matrix
