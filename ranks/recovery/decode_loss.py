@@ -3,8 +3,10 @@ separate failover": the decode side recovers on its own, prefill goes on).
 
 The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/detector.py) over its
 decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
-decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts. On
-a loss:
+decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts.
+An afd decode side's dies are watched as the afd TE-shell watches them without PD: the attention
+dies (its DP groups) and the expert dies, whose A2E/E2A waits the fence releases too; a lost
+attention die's DP domain goes on with the attention dies it has left. On a loss:
   1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py, via
      ranks/recovery/scale_down.py rebuild) and say how many token batches they sent;
   2. the lost die leaves the decode balancer: no task goes there any more; the requests routed
