@@ -39,6 +39,9 @@ EMULATED: set[tuple[str, str, str]] = {
         "colocated",
     ),  # KV blocks (ranks/recovery/memory.py), slots (slot_mask)
     ("memory", "colocated", "pd"),
+    ("memory", "attention", "pd"),  # KV blocks, as without PD; the JE ends the victims
+    # Slots: refused with the reason (slot_refusal: no ring replica on a PD run's expert dies)
+    ("memory", "expert", "pd"),
     ("memory", "attention", "afd"),  # KV blocks, ranks/recovery/memory.py (afd_memory_refusal)
     ("memory", "expert", "afd"),  # slots with a ring replica
     (
