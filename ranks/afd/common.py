@@ -189,8 +189,8 @@ class AfdDieBase(DecodeDieLoop):
         self.iteration = agreed
         self.is_scaled = True
         fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
-        ready = (self.world, self.health.shell, self.num_batches_sent(), fault_s)
-        scale_down.send_ready(*ready)  # Step 4
+        shell = self.health.shell  # the watcher: the TE-shell, in PD the decode TE-shell
+        scale_down.send_ready(self.world, shell, self.num_batches_sent(), fault_s)  # Step 4
 
     def _priced_failover(self) -> float:
         """run.clock virtual: this die's clock moved past the failover's priced cost, as a

@@ -211,20 +211,6 @@ def test_an_attention_die_of_a_pd_afd_decode_side_stuck_for_good_is_lost(tmp_pat
     assert_detected(record, 3, "dead")  # never answers again
 
 
-def test_a_pd_afd_attention_die_loss_is_accepted_an_expert_die_loss_refused():
-    sets = ["deployment.num_dp_domains=1", "deployment.dp_groups_per_domain=2"]
-    sets += ["health.timeout_s=4", "health.probe_timeout_s=12"]
-
-    def checked(row: str) -> None:
-        cfg = load_config(REPO_ROOT / "configs" / "pd_afd.yaml", [*sets, f"faults.events=[{row}]"])
-        check_failures(cfg, Topology.from_config(cfg))
-
-    checked("{kind: dead, die: 2, iteration: 0}")
-    checked("{kind: stuck, die: 3, iteration: 2}")
-    with pytest.raises(ConfigError, match="losing expert die 4 of a PD run's afd decode side"):
-        checked("{kind: dead, die: 4, iteration: 0}")
-
-
 @pytest.mark.failure_matrix
 def test_a_decode_die_stuck_for_good_is_lost_and_the_survivors_late_echoes_are_no_verdict(
     tmp_path,

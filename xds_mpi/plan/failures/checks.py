@@ -212,9 +212,10 @@ def _check_pd_afd_loss(cfg: Config, topo: Topology, where: str, spec: FailureSpe
     if spec.kind == "stuck" and spec.duration_s:
         raise ConfigError(
             f"{where}: an attention die of a PD run stuck for duration_s({spec.duration_s}) is "
-            "not built: a die that comes back would need the decode TE-shell to rebuild every "
-            "die's A2E/E2A buffer and the JE to keep its requests; only stuck for good "
-            "(duration_s 0)"
+            "not built, as for a colocated PD decode die: a die that comes back (a transient, "
+            "or after the fence: a failover that loses no die) is not handled by the decode "
+            "TE-shell's failover nor priced by its pacer on the virtual clock; only stuck for "
+            "good (duration_s 0)"
         )
     others = [i for i, e in enumerate(cfg.faults.events) if e.kind in OTHER_KINDS and e is not spec]
     if others:
