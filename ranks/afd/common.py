@@ -19,13 +19,12 @@ from mpi4py import MPI
 from ranks.core.context import RankContext
 from ranks.core.decode_die import DecodeDieLoop
 from ranks.core.die_parts import make_pricer
-from ranks.core.messages import SHELL
 from ranks.faults.dead import dead_die
 from ranks.faults.stuck import stall
 from ranks.recovery import scale_down
 from ranks.recovery.memory import afd_memory_check
 from ranks.recovery.recompute import Recomputer, Recoverable
-from ranks.recovery.watch import DieHealth, is_watched
+from ranks.recovery.watch import DieHealth, is_watched, watch_comm, watcher
 from xccl.agreement import IdleBackoff
 from xccl.gmem import DieMemory
 from xccl.vclock import VirtualClock
@@ -67,10 +66,13 @@ class AfdDieBase(DecodeDieLoop):
             cfg, self.clock, self.slots, rank=ctx.comm.rank, afd_topo=ctx.topo
         )
         # §6.1: heartbeats answered from the loop (ranks/core/decode_die.py); the abort words
-        # then span the TE-shell too, which fences the waits through them.
+        # then span the watcher too (the TE-shell, in PD the decode TE-shell), which fences the
+        # waits through them.
         self.iteration = 0  # busy iterations completed, the same on every die
         self.idle = IdleBackoff()  # between agreement rounds while no domain has work
-        self.health = DieHealth(cfg, ctx.comm) if is_watched(cfg, ctx.plan) else None
+        self.health = None
+        if is_watched(cfg, ctx.plan):
+            self.health = DieHealth(cfg, ctx.comm, shell=watcher(ctx.plan))
         # Fault injection (ranks/faults/), only on a die a dead row names: None elsewhere
         self.dead = dead_die(cfg, ctx.comm.rank, self.health, self.clock)
         self.recompute = Recomputer(
@@ -81,7 +83,7 @@ class AfdDieBase(DecodeDieLoop):
             self.pricer,
             events=self.plan,
             log=ctx.log,
-            window_comm=ctx.comm if self.health else None,
+            window_comm=watch_comm(ctx) if self.health else None,
             stall=stall(cfg, ctx.comm, self, self.health),  # None but on a stuck row's die
         )
         self.is_scaled = self.is_lost = False  # rebuilt without lost dies; lost itself
@@ -187,7 +189,8 @@ class AfdDieBase(DecodeDieLoop):
         self.iteration = agreed
         self.is_scaled = True
         fault_s = self._priced_failover()  # virtual clock: past the failover (-1 on the wall)
-        scale_down.send_ready(self.world, SHELL, self.num_batches_sent(), fault_s)  # Step 4
+        shell = self.health.shell  # the watcher: the TE-shell, in PD the decode TE-shell
+        scale_down.send_ready(self.world, shell, self.num_batches_sent(), fault_s)  # Step 4
 
     def _priced_failover(self) -> float:
         """run.clock virtual: this die's clock moved past the failover's priced cost, as a

@@ -3,8 +3,10 @@ separate failover": the decode side recovers on its own, prefill goes on).
 
 The decode TE-shell (host rank 1) runs the TE-shell's detector (ranks/recovery/detector.py) over its
 decode dies: heartbeats answered from the dies' event loops, the fence through a window over the
-decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts. On
-a loss:
+decode TE-shell and the decode dies only (ranks/recovery/watch.py watch_comm), the same verdicts.
+An afd decode side's dies are watched as the afd TE-shell watches them without PD: the attention
+dies (its DP groups) and the expert dies, whose A2E/E2A waits the fence releases too; a lost
+attention die's DP domain goes on with the attention dies it has left. On a loss:
   1. the survivors rebuild without the lost die (vertical scaling, ranks/recovery/scale_down.py, via
      ranks/recovery/scale_down.py rebuild) and say how many token batches they sent;
   2. the lost die leaves the decode balancer: no task goes there any more; the requests routed
@@ -45,6 +47,7 @@ class DecodeLoss:
     after: int
     detected_at: float
     resumed_s: float = -1.0  # virtual clock: the survivors' resumption (-1: the wall clock)
+    dies: str = "decode"  # what the DP groups are: "decode" (colocated) or "attention" (afd)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +108,11 @@ class DecodeWatch:
             after=len(balancer.groups),
             detected_at=loss.detected_at,
             resumed_s=priced[1] if priced else -1.0,
+            dies="attention" if cfg.deployment.kind == "afd" else "decode",
         )
         self.sends.append(self.comm.isend(message, dest=JE, tag=TAG_PD_DECODE_LOST))
         recovery = (
-            f"vertical scaling: {before} -> {message.after} decode dies; {len(orphans)} "
+            f"vertical scaling: {before} -> {message.after} {message.dies} dies; {len(orphans)} "
             "requests moved by the JE"
         )
         if not loss.lost:  # a stuck die back within the grace (refused before launch in PD)

@@ -51,7 +51,7 @@ class Moved:
 
     def recovery(self) -> str:
         return (
-            f"vertical scaling: {self.loss.before} -> {self.loss.after} decode dies; "
+            f"vertical scaling: {self.loss.before} -> {self.loss.after} {self.loss.dies} dies; "
             f"{len(self.prefilled)} requests prefilled again through the JE, "
             f"{len(self.rerouted)} PD tasks re-routed to other decode dies"
         )

@@ -241,18 +241,18 @@ class HeartbeatResponder:
 
 def is_watched(cfg: Config, plan) -> bool:
     """Does a TE-shell watch the decode dies with heartbeats and fence them? Colocated and afd
-    deployments without PD; in PD the decode TE-shell (host rank 1) watches colocated decode dies
-    when a stuck/dead row names one (ranks/recovery/decode_loss.py; xds_mpi/plan/failures/checks.py
-    refuses the rest)."""
+    deployments without PD; in PD the decode TE-shell (host rank 1) watches the decode dies
+    (colocated, or afd attention and expert dies) when a stuck/dead row names one
+    (ranks/recovery/decode_loss.py; xds_mpi/plan/failures/checks.py refuses the rest)."""
     kind = cfg.deployment.kind
     if plan.pd is not None:
-        return cfg.health.enabled and kind == "colocated" and has_decode_loss(cfg, plan)
+        return cfg.health.enabled and kind in ("colocated", "afd") and has_decode_loss(cfg, plan)
     return cfg.health.enabled and kind in ("colocated", "afd")
 
 
 def has_decode_loss(cfg: Config, plan) -> bool:
     """PD: does a stuck/dead row name a decode die (with a decode TE-shell to watch it)?"""
-    decode = set(plan.pd.decode)
+    decode = set(watched_dies(plan))
     rows = [e for e in cfg.faults.events if e.kind in ("stuck", "dead") and e.die in decode]
     return bool(rows) and plan.pd.decode_shell != 0
 
@@ -263,6 +263,12 @@ def watcher(plan) -> int:
     return plan.pd.decode_shell if plan.pd is not None else SHELL
 
 
+def watched_dies(plan) -> tuple[int, ...]:
+    """PD: the decode dies the decode TE-shell watches: the DP masters (colocated or attention
+    dies) and an afd decode side's expert dies."""
+    return (*plan.pd.decode, *plan.topo.ranks_with_role("expert"))
+
+
 def watch_comm(ctx) -> MPI.Comm:
     """The communicator the fence window spans: the world, or in PD the decode TE-shell and the
     decode dies only (Create_group: collective over them alone, the JE and prefill dies never
@@ -270,7 +276,7 @@ def watch_comm(ctx) -> MPI.Comm:
     Called once by the watcher and every decode die, in the same order."""
     plan = ctx.plan
     if plan.pd is not None:
-        members = [plan.pd.decode_shell, *plan.pd.decode]
+        members = [plan.pd.decode_shell, *watched_dies(plan)]
     elif plan.ems is not None:
         members = [SHELL, *plan.ems.clients]
     else:

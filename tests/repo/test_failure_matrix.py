@@ -56,7 +56,6 @@ TABLE = "faults.table=[{die: 1, op: dispatch, layer: 1, iteration: 2}]"
 STREAMS = "(the two-stream decode) does not support {} yet"
 LINK_DIES = "a link fault hits a prefill die"  # the prefill side of a KV transfer: PD only
 EMS_ROWS = "faults.events row(s): a lost die or pool rank ends the pool's run"
-PD_AFD = "fault on a attention die of a pd deployment is not emulated"
 
 # (deployment, recovery setting, fault kind) -> status. Recovery "-": the setting does not
 # matter to the kind. Kinds joined by "+" are faults in one run.
@@ -250,15 +249,13 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
         "test_rollback_priced.py::test_pd_afd_decode_faults_run_on_the_virtual_clock_and_cost"
         "_their_attempts"
     ),
-    ("PD+afd", "attention die", "dead"): CellRefused(
-        "pd_afd.yaml",
-        (*HEALTH, "faults.events=[{kind: dead, die: 2, iteration: 3}]"),
-        "a dead " + PD_AFD,
+    ("PD+afd", "attention die", "dead"): CellTested(
+        "test_pd_decode_loss.py::test_a_dead_attention_die_of_a_pd_afd_decode_side_is_dropped_its"
+        "_requests_prefilled_again"
     ),
-    ("PD+afd", "-", "memory"): CellRefused(
-        "pd_afd.yaml",
-        ("faults.events=[{kind: memory, die: 2, iteration: 1, first_block: 0, num_blocks: 4}]",),
-        "a memory " + PD_AFD,
+    ("PD+afd", "-", "memory"): CellTested(
+        "test_afd_failover.py::test_a_kv_memory_fault_on_a_pd_afd_attention_die_ends_its_victims"
+        "_and_nothing_else"
     ),
     # -- with EMS (the pool of cached prefixes) -------------------------------------------------
     ("EMS (PD)", "-", "pool"): CellTested(

@@ -89,9 +89,10 @@ def _why_wall_pd(cfg: Config) -> str:
 
 
 def _decode_loss_for_good(cfg: Config) -> bool:
-    """Every faults.events row loses a colocated decode die for good (dead, or stuck with
-    duration_s 0), outside a cluster: the decode TE-shell's pacer drops and prices it, and
-    bounds what the JE promises meanwhile (ranks/shell/pd_pacers.py)."""
+    """Every faults.events row loses a decode DP group's die for good (dead, or stuck with
+    duration_s 0: a colocated decode die, or an afd decode side's attention die), outside a
+    cluster: the decode TE-shell's pacer drops and prices it, and bounds what the JE promises
+    meanwhile (ranks/shell/pd_pacers.py)."""
     # Lazy import: the topology's module imports the plan package this module belongs to.
     from xds_mpi.plan.topology import Topology
 
@@ -102,6 +103,6 @@ def _decode_loss_for_good(cfg: Config) -> bool:
         row.kind in ("dead", "stuck")
         and row.duration_s == 0
         and 0 <= row.die < len(ranks)
-        and ranks[row.die].role == "colocated"
+        and ranks[row.die].role in ("colocated", "attention")
         for row in cfg.faults.events
     )

@@ -310,12 +310,54 @@ def test_afd_rows_that_cannot_run_are_refused_with_a_reason(events, sections, re
         _afd(events, **sections)
 
 
-def test_stuck_and_dead_rows_on_a_pd_decode_side_are_still_refused():
+def test_a_pd_afd_attention_die_alone_in_its_domain_is_refused_as_without_pd():
     raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
     attention = Topology.from_config(config_from_dict(raw)).ranks_with_role("attention")[0]
     raw["faults"] = {"events": [{"kind": "dead", "die": attention, "iteration": 1}]}
+    raw["health"] = {"timeout_s": 4, "probe_timeout_s": 12}
     cfg = config_from_dict(raw)
-    with pytest.raises(ConfigError, match="dead fault on a attention die of a pd deployment"):
+    with pytest.raises(ConfigError, match="only die of DP domain 0 .* losing a whole domain"):
+        check_failures(cfg, Topology.from_config(cfg))
+
+
+@pytest.mark.failure_matrix
+def test_a_kv_memory_fault_on_a_pd_afd_attention_die_ends_its_victims_and_nothing_else(tmp_path):
+    """configs/pd_afd.yaml (JE 0, decode TE-shell 1, attention dies 2-3, expert dies 4-5,
+    prefill die 6): attention die 2 loses KV blocks 0..7 at its 3rd iteration; the requests
+    holding them end with the reason (the decode TE-shell's balancer hears them end), the rest
+    are served equal to the reference."""
+    row = "{kind: memory, die: 2, iteration: 3, first_block: 0, num_blocks: 8}"
+    sets = ["workload.num_requests=6", "workload.ignore_eos=true", "run.trace=false"]
+    result, run_file, records = served(tmp_path, [row], *sets, config="pd_afd")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [record] = records  # nothing else: no heartbeat or link verdict
+    assert (record.kind, record.die, record.role) == ("memory", 2, "attention")
+    assert (record.injected_iteration, record.detected_by) == (3, "memory check")
+    victims = list(record.requests_lost)
+    assert victims and record.verdict == "faulty KV blocks 0..7"
+    requests = run_file["requests"]
+    status = [s.decode() for s in requests["status"][()]]
+    reasons = [s.decode() for s in requests["reason"][()]]
+    assert [i for i, s in enumerate(status) if s == "lost"] == victims
+    assert {reasons[i] for i in victims} == {"kv memory fault on die 2 blocks 0..7"}
+    checked = 6 - len(victims)
+    assert check_line(result) == (
+        f"check: {checked} requests, {8 * checked} tokens, 0 mismatches; {len(victims)} lost, "
+        f"not checked: {victims}"
+    )
+
+
+@pytest.mark.parametrize(
+    "row, words",
+    [
+        ("{kind: memory, die: 4, iteration: 1, slot: 0}", "holds the only copy of routed expert"),
+        ("{kind: memory, die: 4, iteration: 1, first_block: 0, num_blocks: 4}", "no KV blocks"),
+    ],
+)
+def test_memory_faults_on_a_pd_afd_expert_die_are_refused_with_the_reason(row, words):
+    raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
+    cfg = config_from_dict({**raw, "faults": {"events": [yaml.safe_load(row)]}})
+    with pytest.raises(ConfigError, match=words):
         check_failures(cfg, Topology.from_config(cfg))
 
 

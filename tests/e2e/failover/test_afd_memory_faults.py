@@ -228,9 +228,13 @@ def test_afd_memory_rows_that_cannot_run_are_refused_naming_why(events, sections
         _afd(events, **sections)
 
 
-def test_a_kv_row_on_a_pd_attention_die_is_still_refused():
+def test_a_kv_row_on_a_pd_attention_die_is_accepted_alone_and_refused_beside_a_loss():
     raw = yaml.safe_load((REPO_ROOT / "configs" / "pd_afd.yaml").read_text())
     attention = Topology.from_config(config_from_dict(raw)).ranks_with_role("attention")[0]
     row = {"kind": "memory", "die": attention, "iteration": 0, "first_block": 0, "num_blocks": 4}
-    with pytest.raises(ConfigError, match="memory fault on a attention die of a pd deployment"):
-        _afd([row], "pd_afd.yaml")
+    _afd([row], "pd_afd.yaml")  # tests/e2e/failover/test_afd_failover.py serves it
+    lost = {"kind": "dead", "die": attention + 1, "iteration": 2}
+    one_domain = {"num_dp_domains": 1, "dp_groups_per_domain": 2}
+    health = {"timeout_s": 4, "probe_timeout_s": 12}
+    with pytest.raises(ConfigError, match="beside 1 stuck/dead row"):
+        _afd([row, lost], "pd_afd.yaml", deployment=one_domain, health=health)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
-from harness import REPO_ROOT
-from test_decode_failover import CEILING_S, EARLY, RING, assert_detected, served
+from harness import REPO_ROOT, busy_processes
+from test_decode_failover import CEILING_S, EARLY, HEALTH, RING, assert_detected, served
 from test_serving import check_line
+from test_virtual_time import _virtual_columns
 
 from xds_mpi.config.schema import ConfigError, config_from_dict, load_config
 from xds_mpi.plan.failures.checks import check_failures
+from xds_mpi.plan.failures.loss import FailoverCost
 from xds_mpi.plan.topology import Topology
 
 # Probes past detection and release (the survivors echo none until released); a small workload.
@@ -136,15 +139,76 @@ def test_a_pd_decode_loss_with_another_fault_row_is_refused():
         check_failures(cfg, Topology.from_config(cfg))
 
 
-def test_a_pd_afd_decode_side_loss_stays_refused():
-    cfg = load_config(
-        REPO_ROOT / "configs" / "pd_afd.yaml",
-        ["faults.events=[{kind: dead, die: 2, iteration: 0}]"],
-    )
-    topo = Topology.from_config(cfg)
-    assert topo.ranks[2].role == "attention"
-    with pytest.raises(ConfigError, match="attention die of a pd deployment is not emulated"):
-        check_failures(cfg, topo)
+# configs/pd_afd.yaml with one DP domain of two attention dies, so that the domain keeps one:
+# JE 0, decode TE-shell 1, attention dies 2-3, expert dies 4-5, prefill die 6.
+PD_AFD = [
+    "deployment.num_dp_domains=1",
+    "deployment.dp_groups_per_domain=2",
+    "run.trace=false",
+    *PD,
+]
+
+
+def lost_attention_die(tmp_path, row: str, *settings: str):
+    """A PD run's afd decode side losing attention die `row` names: served in full, one record."""
+    result, run_file, records = served(tmp_path, [row], *PD_AFD, *settings, config="pd_afd")
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    assert check_line(result) == SERVED, out[-3000:]
+    [record] = records  # no false verdict on the other attention die or the expert dies
+    assert record.role == "attention", record.describe()
+    assert record.recovery.startswith("vertical scaling: 2 -> 1 attention dies"), record.describe()
+    assert sum(moved(record)) == len(record.requests_affected) >= 1, out[-3000:]
+    assert (run_file["requests"]["num_tokens"][()] > 0).all()
+    return record, out, run_file
+
+
+@pytest.mark.failure_matrix
+def test_a_dead_attention_die_of_a_pd_afd_decode_side_is_dropped_its_requests_prefilled_again(
+    tmp_path,
+):
+    """The decode TE-shell watches the attention and expert dies, fences the A2E/E2A waits, the
+    survivors rebuild A2E/E2A without die 2 and the JE moves its requests; on the virtual clock
+    (`run.clock` auto), priced as a colocated decode die's loss (the survivors resume at the
+    fault plus FailoverCost, the requests prefilled again arrive then), the same beside two busy
+    processes."""
+    runs = []
+    for i, num_busy in enumerate((0, 2)):
+        with busy_processes(num_busy):
+            row = "{kind: dead, die: 2, at_s: 0.5}"
+            record, out, run_file = lost_attention_die(tmp_path / f"run{i}", row)
+        assert run_file["summary"].attrs["serving_clock"] == "virtual"
+        runs.append((_virtual_columns(run_file), record, out))
+    (quiet, record, out), (loaded, record_loaded, _) = runs
+    assert quiet.keys() == loaded.keys()
+    for name in quiet:
+        assert np.array_equal(quiet[name], loaded[name], equal_nan=True), name
+    assert record.detected_virtual_s == record_loaded.detected_virtual_s
+    assert_detected(record, 2, "dead")
+    cost = FailoverCost.of(load_config(REPO_ROOT / "configs" / "pd_afd.yaml", HEALTH).health)
+    [logged] = re.findall(r"decode failover on the virtual clock: fault at (\S+) s", out)
+    fault_s = float(logged)
+    assert 0.5 <= fault_s == pytest.approx(record.injected_virtual_s, abs=1e-5)
+    assert record.detected_virtual_s == pytest.approx(fault_s + cost.detection_s, abs=1e-5)
+    resumed_s = fault_s + cost.total_s
+    decided = quiet["virtual/decided_s"]
+    prefilled, _ = moved(record)
+    assert prefilled >= 1, out[-3000:]
+    again = [r for r in record.requests_affected if decided[r] > fault_s]
+    assert len(again) == prefilled  # the others were re-routed, decided before the fault
+    for req_id in again:  # prefilled again, arriving at the resumption
+        assert decided[req_id] == pytest.approx(resumed_s, abs=1e-5), req_id
+    finish = quiet["virtual/finish_s"]
+    assert all(finish[r] > resumed_s for r in record.requests_affected)
+
+
+@pytest.mark.failure_matrix
+def test_an_attention_die_of_a_pd_afd_decode_side_stuck_for_good_is_lost(tmp_path):
+    """On the wall clock (the path `xds-mpi serve` would take)."""
+    row = "{kind: stuck, die: 3, iteration: 3}"
+    record, _, _ = lost_attention_die(tmp_path, row, "run.clock=wall")
+    assert record.kind == "stuck" and record.injected_iteration == 3
+    assert_detected(record, 3, "dead")  # never answers again
 
 
 @pytest.mark.failure_matrix

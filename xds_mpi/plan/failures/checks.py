@@ -10,7 +10,13 @@ from __future__ import annotations
 from xds_mpi.config.failures import KIND_ROLES, FailureSpec
 from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.clock import serving_clock
-from xds_mpi.plan.failures.loss import RELEASE_GRACES, check_decode_loss, release_bound_s
+from xds_mpi.plan.failures.loss import (
+    RELEASE_GRACES,
+    _check_afd_loss,
+    check_decode_loss,
+    release_bound_s,
+)
+from xds_mpi.plan.failures.pd import OTHER_KINDS
 from xds_mpi.plan.failures.pd import check_decode_loss as check_pd_decode_loss
 from xds_mpi.plan.failures.rates import check_fault_rate
 from xds_mpi.plan.failures.slots import afd_memory_refusal, slot_refusal
@@ -33,6 +39,9 @@ EMULATED: set[tuple[str, str, str]] = {
         "colocated",
     ),  # KV blocks (ranks/recovery/memory.py), slots (slot_mask)
     ("memory", "colocated", "pd"),
+    ("memory", "attention", "pd"),  # KV blocks, as without PD; the JE ends the victims
+    # Slots: refused with the reason (slot_refusal: no ring replica on a PD run's expert dies)
+    ("memory", "expert", "pd"),
     ("memory", "attention", "afd"),  # KV blocks, ranks/recovery/memory.py (afd_memory_refusal)
     ("memory", "expert", "afd"),  # slots with a ring replica
     (
@@ -43,6 +52,10 @@ EMULATED: set[tuple[str, str, str]] = {
     ("dead", "colocated", "colocated"),
     ("stuck", "colocated", "pd"),  # for good only, ring replicas (pd.py)
     ("dead", "colocated", "pd"),  # the decode TE-shell's detector, ranks/recovery/decode_loss.py
+    ("stuck", "attention", "pd"),  # for good only (_check_pd_afd_loss)
+    ("dead", "attention", "pd"),  # the decode TE-shell's detector over the afd decode side
+    ("stuck", "expert", "pd"),  # refused with the reason (_check_pd_afd_loss)
+    ("dead", "expert", "pd"),
     (
         "stuck",
         "attention",
@@ -66,7 +79,9 @@ def check_failures(cfg: Config, topo: Topology) -> None:
         _check_emulated(cfg, topo, f"faults.events[{i}]", spec)
         if spec.kind in ("stuck", "dead") and topo.ranks[spec.die].role != "prefill":
             _check_detectable(cfg, f"faults.events[{i}]", spec)  # a decode die's heartbeats
-            if cfg.pd.enabled:
+            if cfg.pd.enabled and cfg.deployment.kind == "afd":
+                _check_pd_afd_loss(cfg, topo, f"faults.events[{i}]", spec)
+            elif cfg.pd.enabled:
                 check_pd_decode_loss(cfg, topo, f"faults.events[{i}]", spec)
     check_decode_loss(cfg, topo)  # xds_mpi/plan/failures/loss.py
     check_fault_rate(cfg, topo)  # faults.rate's risk (xds_mpi/plan/failures/rates.py)
@@ -172,6 +187,52 @@ def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
             f"{where}: losing prefill die {spec.die} needs another prefill TE (pd.num_prefill_"
             f"tes {tes}) and health.enabled({cfg.health.enabled}) to find it"
         )
+
+
+def _check_pd_afd_loss(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
+    """A die of a PD run's afd decode side lost (ranks/recovery/decode_loss.py): the decode
+    TE-shell watches the attention and expert dies as the afd TE-shell does without PD, the
+    attention die's DP domain goes on with the attention dies it has left, and the JE has its
+    requests prefilled again or re-routed (ranks/recovery/je_decode_loss.py)."""
+    info = topo.ranks[spec.die]
+    if info.role == "expert":
+        raise ConfigError(
+            f"{where}: losing expert die {spec.die} of a PD run's afd decode side is not built: "
+            "its experts live on it alone, and it would need health.replicas=ring placed on a "
+            "PD run's afd expert dies (xds_mpi/eplb/ring.py fills them without PD only) or a PD "
+            "run that stops naming the experts (health.on_expert_lost=stop, which the JE's stop "
+            "path does not take); lose an attention die instead"
+        )
+    if cfg.deployment.num_host_ranks != 2:
+        raise ConfigError(
+            f"{where}: a lost attention die of a PD run is found by the decode TE-shell (host "
+            f"rank 1); deployment.num_host_ranks({cfg.deployment.num_host_ranks}) gives the JE "
+            "the decode balancing and nobody watches the decode dies"
+        )
+    if spec.kind == "stuck" and spec.duration_s:
+        raise ConfigError(
+            f"{where}: an attention die of a PD run stuck for duration_s({spec.duration_s}) is "
+            "not built, as for a colocated PD decode die: a die that comes back (a transient, "
+            "or after the fence: a failover that loses no die) is not handled by the decode "
+            "TE-shell's failover nor priced by its pacer on the virtual clock; only stuck for "
+            "good (duration_s 0)"
+        )
+    others = [i for i, e in enumerate(cfg.faults.events) if e.kind in OTHER_KINDS and e is not spec]
+    if others:
+        raise ConfigError(
+            f"{where}: a lost attention die of a PD run with other fault rows "
+            f"(faults.events{others}): one stuck/dead decode row per run, as with colocated "
+            "decode dies (xds_mpi/plan/failures/pd.py)"
+        )
+    bound = release_bound_s(cfg.health)
+    if cfg.health.probe_timeout_s <= bound:
+        raise ConfigError(
+            f"{where}: health.probe_timeout_s({cfg.health.probe_timeout_s:g}) must exceed "
+            f"detection and release ({bound:g} s): until the fence releases them the surviving "
+            "attention dies wait for the lost one and echo no link probe, and the prefill dies "
+            "would call their pairs down (false link verdicts)"
+        )
+    _check_afd_loss(topo, cfg.faults.events)  # its DP domain keeps another attention die
 
 
 def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:

@@ -1,7 +1,8 @@
 """Which clock a PD run with faults serves on (xds_mpi/plan/clock.py): transient XCCL faults on
-the decode dies only, and colocated decode dies lost for good, run on the virtual clock (their
-rollbacks and failovers are priced there); KV-transfer faults and the other faults.events rows
-keep the wall clock, and `run.clock=virtual` is refused for them naming why."""
+the decode dies only, and colocated decode dies or afd attention dies lost for good, run on the
+virtual clock (their rollbacks and failovers are priced there); KV-transfer faults and the
+other faults.events rows keep the wall clock, and `run.clock=virtual` is refused for them
+naming why."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ DEAD = "faults.events=[{kind: dead, die: 2, iteration: 1}]"  # configs/pd.yaml: 
 STUCK_FOR_GOOD = "faults.events=[{kind: stuck, die: 3, at_s: 0.5}]"
 PREFILL_DEAD = "faults.events=[{kind: dead, die: 6, iteration: 1}]"
 STUCK_A_WHILE = "faults.events=[{kind: stuck, die: 3, iteration: 1, duration_s: 2}]"
+# configs/pd_afd.yaml in one DP domain of attention dies 2 and 3, expert dies 4 and 5, so that
+# a lost attention die leaves its domain another.
+ONE_DOMAIN = [
+    "deployment.num_dp_domains=1",
+    "deployment.dp_groups_per_domain=2",
+    "health.timeout_s=4",
+    "health.probe_timeout_s=12",
+]
 BOTH = "faults.events=[{kind: dead, die: 2, iteration: 1}, {kind: dead, die: 6, iteration: 1}]"
 
 
@@ -32,6 +41,8 @@ def _clock(config: str, *sets: str):
         ("pd", [DEAD]),
         ("pd", [STUCK_FOR_GOOD]),
         ("pd", [DEAD, DECODE_ROW]),
+        ("pd_afd", [*ONE_DOMAIN, DEAD]),  # die 2: an attention die
+        ("pd_afd", [*ONE_DOMAIN, "faults.events=[{kind: stuck, die: 3, at_s: 0.5}]"]),
     ],
 )
 def test_transient_decode_faults_and_decode_dies_lost_serve_on_the_virtual_clock(config, sets):
