@@ -31,8 +31,9 @@ def pytest_addoption(parser):
         default=False,
         help="also the failure runs marked failure_matrix: every {stuck, dead} x {early, "
         "mid-run} fault on a colocated die, early, stuck-for-good, transient and trampoline "
-        "losses on afd dies, a PD decode die lost early or stuck for good, expert slots masked "
-        "on afd dies, a saturated die (the default suite runs one case of each fault kind and "
+        "losses on afd dies, a PD decode die (or pd_afd attention die) lost early or stuck for "
+        "good, memory faults with recompute or MTP, expert slots masked on afd dies, a "
+        "saturated die (the default suite runs one case of each fault kind and "
         "deployment kind: the failure_cell marker, docs/testing.md)",
     )
     parser.addoption(

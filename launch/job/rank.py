@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         # Lazy import: only then (the model's modules, on the JE and TE-shells too)
         from ranks.core.weights_window import open_weights_window, set_weights_window
 
-        weights = open_weights_window(world, plan)  # a pool rank's: 0 bytes (in no TE yet)
+        weights = open_weights_window(world, plan)  # a pool rank's: 0 bytes or a fork slot
         set_weights_window(weights)
     trace.configure(enabled=cfg.run.trace)  # buffered; sent to the TE-shell at the end
     # Print every rank's stack shortly before MPIEXEC_TIMEOUT would kill the job silently.

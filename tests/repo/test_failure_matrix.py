@@ -55,7 +55,7 @@ EMS = ("ems.enabled=true",)
 TABLE = "faults.table=[{die: 1, op: dispatch, layer: 1, iteration: 2}]"
 STREAMS = "(the two-stream decode) does not support {} yet"
 LINK_DIES = "a link fault hits a prefill die"  # the prefill side of a KV transfer: PD only
-EMS_ROWS = "faults.events row(s): a lost die or pool rank ends the pool's run"
+EMS_ROWS = "faults.events row(s): a pool rank waits for every die's end of run"
 
 # (deployment, recovery setting, fault kind) -> status. Recovery "-": the setting does not
 # matter to the kind. Kinds joined by "+" are faults in one run.

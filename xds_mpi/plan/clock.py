@@ -8,10 +8,11 @@ colocated dies do, ranks/afd/common.py); and for PD (colocated or afd decode die
 TE-shell: the JE paces the prefill TEs, the decode TE-shell the decode dies
 (ranks/shell/pd_pacers.py), fault-free, with transient XCCL faults on the decode dies (their
 rollbacks are priced on the dies' clocks, ranks/recovery/recompute.py) or with colocated decode
-dies lost for good (their failover priced as the colocated TE-shell's); PD's other faults act on
-the wall clock. The rest still takes requests when they arrive on the wall clock,
-and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in it. `auto`
-picks virtual where it is built; an explicit `virtual` anywhere else is refused, naming the key.
+dies or afd attention dies lost for good (their failover priced as the colocated TE-shell's);
+PD's other faults act on the wall clock. The rest still takes requests when they arrive on the
+wall clock, and `xds-mpi serve` stays paced by the wall clock for good: its HTTP clients live in
+it. `auto` picks virtual where it is built; an explicit `virtual` anywhere else is refused, naming
+the key.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def _why_wall_pd(cfg: Config) -> str:
     faults = cfg.faults
     if faults.events and not _decode_loss_for_good(cfg):
         return (
-            "PD with faults.events other than colocated decode dies lost for good (prefill "
-            "losses, a stuck decode die that may come back, link and saturated KV paths, a "
-            "cluster's PD pair: detected, re-routed and prefilled again on the wall clock)"
+            "PD with faults.events other than colocated decode dies or afd attention dies lost "
+            "for good (prefill losses, a stuck decode die that may come back, link and "
+            "saturated KV paths, a cluster's PD pair: detected, re-routed and prefilled again "
+            "on the wall clock)"
         )
     if any(row.op in KV_OPS for row in faults.table) or (
         faults.rate and set(faults.ops) & set(KV_OPS)

@@ -128,8 +128,10 @@ def check_ems(cfg: Config, topo: Topology) -> None:
         )
     if cfg.faults.events:
         raise ConfigError(
-            f"ems.enabled with {len(cfg.faults.events)} faults.events row(s): a lost die or pool "
-            "rank ends the pool's run before its report, which this version does not emulate"
+            f"ems.enabled with {len(cfg.faults.events)} faults.events row(s): a pool rank waits "
+            "for every die's end of run, which a lost die never sends (a failover would have to "
+            "tell the pool ranks), and nothing watches a pool rank's own liveness (ems.faults "
+            "evicts blocks instead)"
         )
     pool = set(topo.ranks_with_role("pool"))
     for i, spec in enumerate(cfg.faults.table):
