@@ -34,7 +34,7 @@ BASE_CONFIG = "ep288"  # the model section every pod-scale config of the repo ca
 SHAPE = "deepseek_v3"
 BATCH_GRID = (1, 2, 8, 32, 64, 96, 128)
 KV_GRID = (1024, 8192, 65536, 262144)
-MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 32.0, 64.0, 96.0, 128.0)
+MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0)
 
 
 def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) -> Config:

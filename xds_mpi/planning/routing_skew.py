@@ -1,0 +1,99 @@
+"""How the tiny model's gate splits a batch's routed rows between two dies, measured from its
+checkpoint, beside the uniform assumption the pod-scale pricing keeps.
+
+Two assumptions, one per model:
+- the cost shape at pod scale (DeepSeek-V3, its gate balanced by the auxiliary-loss-free bias):
+  each routed row goes to a die at random, the hottest die's rows are the uniform
+  multinomial's expected maximum (`die_step.hottest_rows`);
+- the tiny trained checkpoint (`model.weights: tiny`, which every reduced verification serves):
+  its gate is far from uniform (one expert takes ~40 % of a layer's rows), and with its 16
+  experts over 2 dies (the reduced runs' EP width) the hottest die's rows follow the measured
+  `TwoDieSplit` per MoE layer: the share of tokens sending 0, 1 or 2 of their top-2 rows to the
+  first die (experts 0-7, as `ExpertSlots` places them). For n tokens the first die receives
+  S ~ the n-fold sum, the other 2n - S, and the hottest die max(S, 2n - S): exact, no sampling.
+
+How the table was made (`measure_splits`, rerun by the unit test): NUM_REQUESTS prompts of
+random tokens (the trace's served prompts are random tokens too) of 20-299 tokens, seed SEED,
+decoded greedily by the reference generator for OUTPUT_LEN tokens past EOS (the verification
+runs ignore EOS); then each prompt + output in one causal pass, the gate's top-2 at every MoE
+layer and at the MTP module's block (the draft pass's rows) counted over the generated
+positions (the decode rows). Prefill rows (the prompts') are counted alike in PREFILL_SPLITS."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from xds_mpi.config.model import ModelConfig
+
+SEED = 0
+NUM_REQUESTS = 32
+OUTPUT_LEN = 48
+MEASURED_WEIGHTS = "tiny"
+MEASURED_SHAPE = (16, 2)  # (num_routed_experts, top_k) the table holds for
+EXACT_TOKENS = 1024  # beyond, the normal approximation of S
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwoDieSplit:
+    """One MoE layer's tokens by how many of their top-2 rows go to the first of two dies:
+    share[j] = P(j rows), j = 0, 1, 2 (sums to 1)."""
+
+    share: tuple[float, float, float]
+
+    def hottest_rows(self, num_tokens: float) -> float:
+        """E[max(S, 2n - S)]: the rows the hottest of the two dies receives from n tokens
+        (fractional n interpolated)."""
+        if num_tokens <= 0:
+            return 0.0
+        low = math.floor(num_tokens)
+        frac = num_tokens - low
+        return (1 - frac) * _hottest(self.share, low) + frac * _hottest(self.share, low + 1)
+
+
+@lru_cache(maxsize=8192)
+def _hottest(share: tuple[float, float, float], n: int) -> float:
+    if n == 0:
+        return 0.0
+    if n > EXACT_TOKENS:  # S normal: E|S - n| = sd x sqrt(2 / pi), E[max] = n + that
+        mean = share[1] + 2 * share[2]
+        var = share[1] + 4 * share[2] - mean * mean
+        drift = n * abs(mean - 1)
+        return n + max(drift, math.sqrt(n * var * 2 / math.pi))
+    pmf, base = np.array([1.0]), np.array(share)
+    times = n
+    while times:  # n-fold convolution by squaring: S's distribution over 0..2n
+        if times & 1:
+            pmf = np.convolve(pmf, base)
+        times >>= 1
+        if times:
+            base = np.convolve(base, base)
+    s = np.arange(2 * n + 1)
+    return float(np.dot(pmf, np.maximum(s, 2 * n - s)))
+
+
+# `measure_splits()` at SEED: main MoE layers 1-3, then the MTP module's block.
+DECODE_SPLITS = (
+    TwoDieSplit(share=(0.0462, 0.3522, 0.6016)),
+    TwoDieSplit(share=(0.0026, 0.6628, 0.3346)),
+    TwoDieSplit(share=(0.0111, 0.8574, 0.1315)),
+    TwoDieSplit(share=(0.071, 0.6868, 0.2422)),
+)
+PREFILL_SPLITS = (
+    TwoDieSplit(share=(0.1785, 0.5607, 0.2608)),
+    TwoDieSplit(share=(0.0406, 0.6029, 0.3565)),
+    TwoDieSplit(share=(0.054, 0.8587, 0.0873)),
+    TwoDieSplit(share=(0.3549, 0.562, 0.0831)),
+)
+
+
+def measured_splits(model: ModelConfig, num_dies: int, *, is_prefill: bool = False):
+    """The measured splits (main MoE layers, then the MTP block) for a model and EP width, or
+    None where the uniform assumption applies (another checkpoint or shape, or not 2 dies)."""
+    shape = (model.num_routed_experts, model.top_k)
+    if model.weights != MEASURED_WEIGHTS or shape != MEASURED_SHAPE or num_dies != 2:
+        return None
+    return PREFILL_SPLITS if is_prefill else DECODE_SPLITS
