@@ -2,9 +2,9 @@
 
 Decode, colocated and PD: the dies' own pricing (xds_mpi/planning/die_step.py `DieStep`: the
 fullest DP group's rows on a grid of requests x KV length, the routed rows a die receives on a
-grid of the mean requests per DP group), interpolated (linear) in between. afd: the
-projection's iteration (xds_mpi/projection/project.py `project`) at the fullest DP group's
-batch. Prefill: one pass
+grid of the mean requests per DP group), interpolated (linear) in between. afd: the afd dies'
+own pricing on their two clocks (xds_mpi/planning/afd_step.py `AfdStep`) at the fullest
+attention die's batch, on the same grid. Prefill: one pass
 over a prompt on a prefill die, causal at 512-token grain, as the dies' Pricer prices it
 (xds_mpi/results/request_pricing.py `RequestPricer.pass_s`, at TP1/2/4), on a grid of prompt
 lengths; a colocated die's chunk [a, b) costs F(b) - F(a). PD's KV moves over UB to another
@@ -25,14 +25,13 @@ from xds_mpi.config.schema import Config, load_config
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.planning.afd_step import AfdStep
 from xds_mpi.planning.die_step import DieStep
-from xds_mpi.projection.cost import Hardware
-from xds_mpi.projection.project import project
 from xds_mpi.results.request_pricing import RequestPricer, causal_chunks
 
 BASE_CONFIG = "ep288"  # the model section every pod-scale config of the repo carries
 SHAPE = "deepseek_v3"
-BATCH_GRID = (1, 2, 8, 32, 64, 96, 128)
+BATCH_GRID = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 KV_GRID = (1024, 8192, 65536, 262144)
 MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0)
 
@@ -50,7 +49,7 @@ class StepTable:
 
     iteration_s[i][j]: BATCH_GRID[i] requests on the fullest DP group, mean KV KV_GRID[j] (its
     own rows and the fixed costs; afd: the whole iteration); received_s[k]: a die's routed rows
-    at MEAN_GRID[k] requests per DP group (afd: 0, the projection holds them)."""
+    at MEAN_GRID[k] requests per DP group (afd: 0, `AfdStep` holds them)."""
 
     iteration_s: tuple[tuple[float, ...], ...]  # [len(BATCH_GRID)][len(KV_GRID)] seconds
     received_s: tuple[float, ...]  # [len(MEAN_GRID)] seconds
@@ -95,21 +94,9 @@ def step_table(
             received_s=tuple(die.received_s(mean) for mean in MEAN_GRID),
             tokens_per_step=tokens_per_step,
         )
-    hw = Hardware.from_profile(load_profile(profile))
-    m = load_model_preset(SHAPE)
-    grid = np.array(
-        [
-            [
-                project(
-                    cfg, m, hw, batch_per_die=b, kv_len=kv, mtp_depth=mtp_depth, accept_rate=accept
-                ).iteration_s
-                for kv in KV_GRID
-            ]
-            for b in BATCH_GRID
-        ]
-    )
+    afd = AfdStep(cfg=cfg, mtp_depth=mtp_depth, accepted=mtp_depth * accept)
     return StepTable(
-        iteration_s=tuple(map(tuple, grid.tolist())),
+        iteration_s=tuple(tuple(afd.iteration_s(b, kv) for kv in KV_GRID) for b in BATCH_GRID),
         received_s=(0.0,) * len(MEAN_GRID),
         tokens_per_step=tokens_per_step,
     )

@@ -5,6 +5,8 @@ over decoded and prompt rows, counted per MoE layer (how: routing_skew's docstri
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from xds_mpi.config.model import ModelConfig
@@ -26,10 +28,20 @@ MIN_PROMPT, MAX_PROMPT = 20, 300
 BLOCK_TOKENS = 16
 
 
-def measure_splits(
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """Per main MoE layer, then the MTP module's block: the decode rows' and the prompt rows'
+    split over two dies, and the decode rows' share of each expert."""
+
+    decode: tuple[TwoDieSplit, ...]
+    prefill: tuple[TwoDieSplit, ...]
+    expert_shares: tuple[tuple[float, ...], ...]
+
+
+def measure(
     num_requests: int = NUM_REQUESTS, output_len: int = OUTPUT_LEN, seed: int = SEED
-) -> tuple[tuple[TwoDieSplit, ...], tuple[TwoDieSplit, ...]]:
-    """(decode splits, prefill splits): per main MoE layer, then the MTP module's block."""
+) -> Measured:
+    """The tiny checkpoint's routing over generated and prompt rows (routing_skew's docstring)."""
     model = load_model(weights_path(MEASURED_WEIGHTS))
     vocab = model.cfg.vocab_size
     rng = np.random.default_rng(seed)
@@ -48,7 +60,11 @@ def measure_splits(
         decode.append(
             [t[len(prompt) if i < len(topk) - 1 else mtp_cut :] for i, t in enumerate(topk)]
         )
-    return _splits(decode, model.cfg), _splits(prefill, model.cfg)
+    return Measured(
+        decode=_splits(decode, model.cfg),
+        prefill=_splits(prefill, model.cfg),
+        expert_shares=_expert_shares(decode, model.cfg),
+    )
 
 
 def routed_experts(model: DeepSeekModel, tokens: list[int]) -> list[np.ndarray]:
@@ -100,9 +116,24 @@ def _splits(per_request: list[list[np.ndarray]], cfg: ModelConfig) -> tuple[TwoD
     return tuple(splits)
 
 
+def _expert_shares(per_request: list[list[np.ndarray]], cfg: ModelConfig) -> tuple:
+    """Per layer: [experts] the share of tokens sending a row to each expert (sums to top_k)."""
+    shares = []
+    for layer in zip(*per_request):
+        topk = np.concatenate(layer)  # [tokens, top_k]
+        counts = np.bincount(topk.ravel(), minlength=cfg.num_routed_experts) / len(topk)
+        shares.append(tuple(round(float(c), 4) for c in counts))
+    return tuple(shares)
+
+
 if __name__ == "__main__":
-    for name, splits in zip(("DECODE_SPLITS", "PREFILL_SPLITS"), measure_splits()):
+    m = measure()
+    for name, splits in (("DECODE_SPLITS", m.decode), ("PREFILL_SPLITS", m.prefill)):
         print(f"{name} = (")
         for s in splits:
             print(f"    TwoDieSplit(share={s.share}),")
         print(")")
+    print("EXPERT_SHARES = (")
+    for shares in m.expert_shares:
+        print(f"    {shares},")
+    print(")")

@@ -12,12 +12,14 @@ Two assumptions, one per model:
   first die (experts 0-7, as `ExpertSlots` places them). For n tokens the first die receives
   S ~ the n-fold sum, the other 2n - S, and the hottest die max(S, 2n - S): exact, no sampling.
 
-How the table was made (`measure_splits`, rerun by the unit test): NUM_REQUESTS prompts of
-random tokens (the trace's served prompts are random tokens too) of 20-299 tokens, seed SEED,
-decoded greedily by the reference generator for OUTPUT_LEN tokens past EOS (the verification
-runs ignore EOS); then each prompt + output in one causal pass, the gate's top-2 at every MoE
-layer and at the MTP module's block (the draft pass's rows) counted over the generated
-positions (the decode rows). Prefill rows (the prompts') are counted alike in PREFILL_SPLITS."""
+How the tables were made (xds_mpi/planning/routing_measure.py, rerun by the unit test):
+NUM_REQUESTS prompts of random tokens (the trace's served prompts are random tokens too) of
+20-299 tokens, seed SEED, decoded greedily by the reference generator for OUTPUT_LEN tokens past
+EOS (the verification runs ignore EOS); then each prompt + output in one causal pass, the gate's
+top-2 at every MoE layer and at the MTP module's block (the draft pass's rows) counted over the
+generated positions (the decode rows). Prefill rows (the prompts') are counted alike in
+PREFILL_SPLITS. EXPERT_SHARES (the decode rows' share of each expert) prices a disaggregated
+expert die, which pays per expert slot a row reaches (xds_mpi/planning/afd_step.py)."""
 
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def _hottest(share: tuple[float, float, float], n: int) -> float:
     return float(np.dot(pmf, np.maximum(s, 2 * n - s)))
 
 
-# `measure_splits()` at SEED: main MoE layers 1-3, then the MTP module's block.
+# `routing_measure.measure()` at SEED: main MoE layers 1-3, then the MTP module's block.
 DECODE_SPLITS = (
     TwoDieSplit(share=(0.0462, 0.3522, 0.6016)),
     TwoDieSplit(share=(0.0026, 0.6628, 0.3346)),
@@ -88,6 +90,19 @@ PREFILL_SPLITS = (
     TwoDieSplit(share=(0.054, 0.8587, 0.0873)),
     TwoDieSplit(share=(0.3549, 0.562, 0.0831)),
 )
+# the decode rows' share of each expert (P(a token sends a row to it); sums to top_k = 2)
+# fmt: off
+EXPERT_SHARES = (
+    (0.0208, 0.3184, 0.0143, 0.3216, 0.707, 0.0026, 0.0026, 0.168,
+     0.0169, 0.0124, 0.1543, 0.0866, 0.0033, 0.097, 0.0273, 0.0469),
+    (0.0475, 0.0488, 0.1725, 0.1139, 0.8822, 0.0508, 0.0124, 0.0039,
+     0.0163, 0.0195, 0.0365, 0.2507, 0.0007, 0.0052, 0.3392, 0.0),
+    (0.0365, 0.002, 0.0697, 0.0072, 0.9759, 0.0215, 0.0007, 0.0072,
+     0.0007, 0.0495, 0.0007, 0.0625, 0.0039, 0.0039, 0.0697, 0.6888),
+    (0.4342, 0.0195, 0.0241, 0.4375, 0.0, 0.0703, 0.0482, 0.1374,
+     0.0078, 0.0111, 0.0729, 0.0026, 0.002, 0.6536, 0.0384, 0.0404),
+)
+# fmt: on
 
 
 def measured_splits(model: ModelConfig, num_dies: int, *, is_prefill: bool = False):
@@ -97,3 +112,35 @@ def measured_splits(model: ModelConfig, num_dies: int, *, is_prefill: bool = Fal
     if model.weights != MEASURED_WEIGHTS or shape != MEASURED_SHAPE or num_dies != 2:
         return None
     return PREFILL_SPLITS if is_prefill else DECODE_SPLITS
+
+
+def measured_expert_shares(model: ModelConfig) -> tuple[tuple[float, ...], ...] | None:
+    """EXPERT_SHARES for the tiny checkpoint, None where the uniform assumption applies."""
+    shape = (model.num_routed_experts, model.top_k)
+    if model.weights != MEASURED_WEIGHTS or shape != MEASURED_SHAPE:
+        return None
+    return EXPERT_SHARES
+
+
+def expected_over_experts(shares, num_tokens: int, cost_of_rows) -> float:
+    """E[sum over the experts of cost_of_rows(their rows)] when num_tokens tokens are routed:
+    an expert's rows are Binomial(num_tokens, its share), whatever the others get; an expert
+    no row reaches costs nothing (cost_of_rows(0) is not called)."""
+    if num_tokens <= 0:
+        return 0.0
+    rows = np.arange(1, num_tokens + 1)
+    costs = np.array([cost_of_rows(int(r)) for r in rows])
+    log_choose = np.array(
+        [math.lgamma(num_tokens + 1) - math.lgamma(r + 1) - math.lgamma(num_tokens - r + 1)
+         for r in rows]
+    )  # fmt: skip
+    total = 0.0
+    for p in shares:
+        if p <= 0:
+            continue
+        if p >= 1:
+            total += costs[-1]
+            continue
+        pmf = np.exp(log_choose + rows * math.log(p) + (num_tokens - rows) * math.log1p(-p))
+        total += float(np.dot(pmf, costs))
+    return total

@@ -1,5 +1,6 @@
-"""The tiny checkpoint's measured routing split against a direct count from the checkpoint, and
-the hottest die's expected rows against every outcome enumerated."""
+"""The tiny checkpoint's measured routing (its split over two dies, each expert's share) against
+a direct count from the checkpoint; the hottest die's expected rows and an expert die's
+expected slot costs against every outcome enumerated."""
 
 from __future__ import annotations
 
@@ -11,20 +12,24 @@ import pytest
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.model.checkpoint import weights_path
 from xds_mpi.model.weights import load_model
-from xds_mpi.planning.routing_measure import measure_splits, routed_experts
+from xds_mpi.planning.routing_measure import measure, routed_experts
 from xds_mpi.planning.routing_skew import (
     DECODE_SPLITS,
     EXACT_TOKENS,
+    EXPERT_SHARES,
     PREFILL_SPLITS,
     TwoDieSplit,
+    expected_over_experts,
     measured_splits,
 )
 
 
 def test_table_is_the_count_from_the_checkpoint():
-    decode, prefill = measure_splits()
-    assert decode == DECODE_SPLITS
-    assert prefill == PREFILL_SPLITS
+    m = measure()
+    assert m.decode == DECODE_SPLITS
+    assert m.prefill == PREFILL_SPLITS
+    assert m.expert_shares == EXPERT_SHARES
+    assert [sum(s) for s in EXPERT_SHARES] == pytest.approx([2.0] * 4, abs=1e-3)
 
 
 def test_routed_experts_are_the_models_own_routing():
@@ -71,3 +76,18 @@ def test_the_table_applies_to_the_tiny_checkpoint_on_two_dies_only():
     assert measured_splits(tiny, 2, is_prefill=True) == PREFILL_SPLITS
     assert measured_splits(tiny, 4) is None
     assert measured_splits(ModelConfig(weights="random"), 2) is None
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+def test_expected_over_experts_enumerated(num_tokens):
+    # each token's top-2: experts (0, 1) or (0, 2), as likely; shares (1, 0.5, 0.5). Every
+    # outcome enumerated, a slot's cost a fixed part and one per row (as a slot's kernel)
+    def cost_of_rows(rows: int) -> float:
+        return 3.0 + rows
+
+    expected = 0.0
+    for outcome in itertools.product((1, 2), repeat=num_tokens):
+        rows = [num_tokens, outcome.count(1), outcome.count(2)]
+        expected += sum(cost_of_rows(r) for r in rows if r) / 2**num_tokens
+    got = expected_over_experts((1.0, 0.5, 0.5, 0.0), num_tokens, cost_of_rows)
+    assert got == pytest.approx(expected, rel=1e-12)

@@ -1,0 +1,185 @@
+"""A disaggregated MoE-attention decode iteration priced the way its dies price it on the virtual
+clock: the afd dies' `AfdPricer` (xds_mpi/afd/pricing.py) for each piece, put on the two dies'
+clocks as they move (xds_mpi/afd/attention_executor.py, ranks/afd/expert.py).
+
+The attention die, layer by layer, microbatch by microbatch (Figure 19): wait for the
+microbatch's previous MoE (its E2A stamp from the expert dies, then E2A's hops), attention,
+gate, and the A2E in flight: its rows land at the expert dies A2E later, the attention die goes
+on with the next microbatch. The expert dies take the calls in order (MoE layer, DP domain,
+microbatch: xds_mpi/afd/plan.py), each when its rows have landed and the previous call is done,
+and run each expert slot a row reaches (`AfdPricer.expert_slot`: a fixed cost per slot, so how
+many distinct experts a call reaches matters) and the shared expert; E2A is stamped at the end.
+Then the head, and with MTP each MTP module's block as one more MoE layer.
+
+Which rows an expert die receives: the tiny checkpoint's measured share of each expert
+(routing_skew.py `EXPERT_SHARES`, an expert's rows Binomial over the call's tokens) where it
+applies; otherwise (the cost shape at pod scale) the hottest expert die's rows of the uniform
+multinomial (die_step.py `hottest_rows`), spread evenly over its slots. Every domain's
+attention die is priced at the fullest batch and runs the same timeline; the fullest die's
+domain takes its turn last."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from xccl.vclock import VirtualClock
+from xds_mpi.afd.plan import split_counts
+from xds_mpi.afd.pricing import AfdPricer
+from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.schema import Config
+from xds_mpi.execution.slots import ExpertSlots
+from xds_mpi.model.shapes import cost_shape
+from xds_mpi.plan.topology import Topology
+from xds_mpi.planning.die_step import hottest_rows
+from xds_mpi.planning.routing_skew import expected_over_experts, measured_expert_shares
+from xds_mpi.projection.cost import CostModel, Hardware
+from xds_mpi.projection.layers import AfdHops, counts
+
+
+@dataclass(frozen=True, kw_only=True)
+class AfdStep:
+    """One decode iteration of an afd deployment: `iteration_s(batch, kv_len)` with `batch`
+    requests on the fullest attention die at mean KV length kv_len; accepted: MTP drafts
+    accepted per request per step (the rows the MTP blocks run over)."""
+
+    cfg: Config
+    mtp_depth: int
+    accepted: float
+
+    @cached_property
+    def _layout(self) -> tuple[Topology, ExpertSlots, dict]:
+        topo = Topology.from_config(self.cfg)
+        return topo, ExpertSlots.from_topology(topo), counts(self.cfg, topo)
+
+    def _pricer(self) -> AfdPricer:
+        """A fresh expert-hosting die's pricer (its slots' share of the cost shape's experts);
+        the attention die prices its pieces with the same cost model and hops."""
+        topo, slots, n = self._layout
+        hottest = max(slots.routed_dies, key=lambda r: slots.slot_owner.count(r))
+        here = slots.slot_owner[: slots.num_routed_slots].count(hottest)
+        hw = Hardware.from_profile(load_profile(self.cfg.hardware.profile))
+        cost = CostModel(cost_shape(), hw, kv_int8=self.cfg.scheduler.kv_int8)
+        return AfdPricer(
+            cost,
+            self.cfg.model,
+            VirtualClock(),
+            hops=AfdHops.of(self.cfg, n),
+            num_routed_slots_here=here,
+            num_routed_dies=len(slots.routed_dies),
+            use_int8=self.cfg.xccl.use_int8,
+        )
+
+    def iteration_s(self, batch: int, kv_len: float) -> float:
+        if batch <= 0:
+            return 0.0
+        dep, tiny = self.cfg.deployment, self.cfg.model
+        pricer = self._pricer()
+        timeline = _Timeline(pricer, self, num_domains=dep.num_dp_domains)
+        rows_per_seq = 1 + self.mtp_depth  # the last token and the drafts to verify
+        seqs = split_counts([rows_per_seq] * batch, dep.num_microbatches)  # requests per mb
+        for layer_idx in range(tiny.num_layers):
+            is_moe = layer_idx >= tiny.num_dense_layers
+            moe_idx = layer_idx - tiny.num_dense_layers
+            timeline.layer(seqs, rows_per_seq, kv_len, is_moe=is_moe, moe_idx=moe_idx)
+        timeline.finish_moe()
+        timeline.spend(pricer.finish, batch * rows_per_seq)
+        mtp_rows_per_seq = 1 + self.accepted
+        for _ in range(self.mtp_depth):  # `Executor._draft`: one pass per depth
+            with pricer.mtp_layer():
+                timeline.spend(pricer.mtp_projection, batch * mtp_rows_per_seq)
+                timeline.layer(seqs, mtp_rows_per_seq, kv_len, is_moe=True, moe_idx=-1)
+                timeline.finish_moe()
+                timeline.spend(pricer.mtp_head, batch)
+        return timeline.attention_s
+
+
+class _Timeline:
+    """The fullest attention die's clock and the hottest expert die's, one iteration."""
+
+    def __init__(self, pricer: AfdPricer, step: AfdStep, *, num_domains: int) -> None:
+        self.pricer, self.step, self.num_domains = pricer, step, num_domains
+        self.attention_s = self.expert_s = 0.0
+        self.pending: dict[int, tuple[float, float]] = {}  # mb -> (E2A stamp, its rows)
+        self.shares = measured_expert_shares(step.cfg.model)
+
+    def spend(self, piece, *args, **kwargs) -> float:
+        """piece(*args, **kwargs), a method of the pricer, on the attention die's clock; returns
+        its seconds."""
+        before = self.pricer.clock.now_ns
+        piece(*args, **kwargs)
+        seconds = (self.pricer.clock.now_ns - before) / 1e9
+        self.attention_s += seconds
+        return seconds
+
+    def layer(self, seqs, rows_per_seq: float, kv_len: float, *, is_moe: bool, moe_idx: int):
+        p, calls = self.pricer, []  # calls: (landed at the expert dies, expert work, rows)
+        for mb, num_seqs in enumerate(seqs):
+            rows = num_seqs * rows_per_seq
+            self._wait_moe(mb)
+            attended = [(kv_len + rows_per_seq, rows_per_seq)] * num_seqs
+            self.spend(p.attention_rows, attended, is_moe=is_moe)
+            if not is_moe:
+                self.spend(p.dense_ffn, round(rows))
+                continue
+            self.spend(p.gate, rows)
+            landed = self.attention_s + p.moe_scale * p.hops.a2e(p.cost, rows, int8=p.use_int8)
+            calls.append((landed, self._expert_call_s(rows, moe_idx), rows))
+        # the expert dies' turns: domain by domain, each its microbatches; the fullest last
+        for domain in range(self.num_domains):
+            for mb, (landed, work, rows) in enumerate(calls):
+                self.expert_s = max(self.expert_s, landed) + work
+                if domain == self.num_domains - 1:
+                    self.pending[mb] = (self.expert_s, rows)
+
+    def finish_moe(self) -> None:
+        for mb in sorted(self.pending):
+            self._wait_moe(mb)
+
+    def _wait_moe(self, mb: int) -> None:
+        if mb in self.pending:
+            stamp, rows = self.pending.pop(mb)
+            self.attention_s = max(self.attention_s, stamp)
+            self.spend(self.pricer.e2a, rows)
+
+    def _expert_call_s(self, mb_rows: float, moe_idx: int) -> float:
+        """The hottest expert die's routed slots and its shared expert over one domain's call."""
+        cfg, p = self.step.cfg, self.pricer
+        _, slots, n = self.step._layout
+        tokens = mb_rows * cfg.deployment.dp_groups_per_domain  # the domain's microbatch
+        per_die = len(slots.routed_dies)
+
+        def slot_s(rows: float) -> float:
+            before = p.clock.now_ns
+            p.expert_slot(rows, is_shared=False)
+            return (p.clock.now_ns - before) / 1e9
+
+        if self.shares is not None:
+            shares = self.shares[moe_idx]
+            num_here = len(shares) // per_die
+            routed = max(
+                _interpolated(shares[d * num_here : (d + 1) * num_here], tokens, slot_s)
+                for d in range(per_die)
+            )
+        else:
+            here = slots.slot_owner[: slots.num_routed_slots].count(next(iter(slots.routed_dies)))
+            rows = hottest_rows(tokens * cfg.model.top_k, per_die)
+            touched = here * (1 - (1 - 1 / here) ** rows) if here > 1 else 1.0
+            routed = touched * slot_s(rows / touched) if rows > 0 else 0.0
+        before = p.clock.now_ns
+        shared_dies = n["shared_dies"] or n["expert_dies"]
+        p.expert_slot(tokens / shared_dies, is_shared=True)
+        shared = (p.clock.now_ns - before) / 1e9
+        if n["shared_dies"]:  # dedicated shared-expert dies run beside the routed ones
+            return max(routed, shared)
+        return routed + shared
+
+
+def _interpolated(shares, tokens: float, slot_s) -> float:
+    """expected_over_experts at a fractional token count, linear between the integers."""
+    low = int(tokens)
+    frac = tokens - low
+    at_low = expected_over_experts(shares, low, slot_s)
+    if frac == 0:
+        return at_low
+    return (1 - frac) * at_low + frac * expected_over_experts(shares, low + 1, slot_s)
