@@ -15,8 +15,8 @@ Which rows an expert die receives: the tiny checkpoint's measured share of each 
 (routing_skew.py `EXPERT_SHARES`, an expert's rows Binomial over the call's tokens) where it
 applies; otherwise (the cost shape at pod scale) the hottest expert die's rows of the uniform
 multinomial (die_step.py `hottest_rows`), spread evenly over its slots. Every domain's
-attention die is priced at the fullest batch and runs the same timeline; the fullest die's
-domain takes its turn last."""
+attention die is priced at the fullest batch, each on its own clock (the expert dies serve the
+domains in turn), and the iteration ends with the last."""
 
 from __future__ import annotations
 
@@ -95,52 +95,67 @@ class AfdStep:
 
 
 class _Timeline:
-    """The fullest attention die's clock and the hottest expert die's, one iteration."""
+    """Each DP domain's attention die (all at the fullest batch) and the hottest expert die, on
+    their own clocks, one iteration; `attention_s`: the last domain's end."""
 
     def __init__(self, pricer: AfdPricer, step: AfdStep, *, num_domains: int) -> None:
-        self.pricer, self.step, self.num_domains = pricer, step, num_domains
-        self.attention_s = self.expert_s = 0.0
-        self.pending: dict[int, tuple[float, float]] = {}  # mb -> (E2A stamp, its rows)
+        self.pricer, self.step = pricer, step
+        self.domain_s = [0.0] * num_domains  # each domain's attention die's clock
+        self.expert_s = 0.0
+        # per domain: microbatch -> (its E2A stamp at the expert dies, its rows)
+        self.pending: list[dict[int, tuple[float, float]]] = [{} for _ in range(num_domains)]
         self.shares = measured_expert_shares(step.cfg.model)
 
-    def spend(self, piece, *args, **kwargs) -> float:
-        """piece(*args, **kwargs), a method of the pricer, on the attention die's clock; returns
-        its seconds."""
+    @property
+    def attention_s(self) -> float:
+        return max(self.domain_s)
+
+    def seconds(self, piece, *args, **kwargs) -> float:
+        """piece(*args, **kwargs), a method of the pricer: its seconds."""
         before = self.pricer.clock.now_ns
         piece(*args, **kwargs)
-        seconds = (self.pricer.clock.now_ns - before) / 1e9
-        self.attention_s += seconds
-        return seconds
+        return (self.pricer.clock.now_ns - before) / 1e9
+
+    def spend(self, piece, *args, **kwargs) -> None:
+        """A piece every attention die runs on its own clock."""
+        seconds = self.seconds(piece, *args, **kwargs)
+        self.domain_s = [t + seconds for t in self.domain_s]
 
     def layer(self, seqs, rows_per_seq: float, kv_len: float, *, is_moe: bool, moe_idx: int):
-        p, calls = self.pricer, []  # calls: (landed at the expert dies, expert work, rows)
+        p = self.pricer
+        calls = [[] for _ in self.domain_s]  # per domain: (landed at the experts, work, rows)
         for mb, num_seqs in enumerate(seqs):
             rows = num_seqs * rows_per_seq
-            self._wait_moe(mb)
             attended = [(kv_len + rows_per_seq, rows_per_seq)] * num_seqs
-            self.spend(p.attention_rows, attended, is_moe=is_moe)
-            if not is_moe:
-                self.spend(p.dense_ffn, round(rows))
-                continue
-            self.spend(p.gate, rows)
-            landed = self.attention_s + p.moe_scale * p.hops.a2e(p.cost, rows, int8=p.use_int8)
-            calls.append((landed, self._expert_call_s(rows, moe_idx), rows))
-        # the expert dies' turns: domain by domain, each its microbatches; the fullest last
-        for domain in range(self.num_domains):
-            for mb, (landed, work, rows) in enumerate(calls):
+            own = self.seconds(p.attention_rows, attended, is_moe=is_moe)
+            if is_moe:
+                own += self.seconds(p.gate, rows)
+                a2e = p.moe_scale * p.hops.a2e(p.cost, rows, int8=p.use_int8)
+                work = self._expert_call_s(rows, moe_idx)
+            else:
+                own += self.seconds(p.dense_ffn, round(rows))
+            for domain, domain_calls in enumerate(calls):
+                self._wait_moe(domain, mb)
+                self.domain_s[domain] += own
+                if is_moe:
+                    domain_calls.append((self.domain_s[domain] + a2e, work, rows))
+        # the expert dies' turns: domain by domain, each its microbatches (xds_mpi/afd/plan.py)
+        for domain, domain_calls in enumerate(calls):
+            for mb, (landed, work, rows) in enumerate(domain_calls):
                 self.expert_s = max(self.expert_s, landed) + work
-                if domain == self.num_domains - 1:
-                    self.pending[mb] = (self.expert_s, rows)
+                self.pending[domain][mb] = (self.expert_s, rows)
 
     def finish_moe(self) -> None:
-        for mb in sorted(self.pending):
-            self._wait_moe(mb)
+        for domain, pending in enumerate(self.pending):
+            for mb in sorted(pending):
+                self._wait_moe(domain, mb)
 
-    def _wait_moe(self, mb: int) -> None:
-        if mb in self.pending:
-            stamp, rows = self.pending.pop(mb)
-            self.attention_s = max(self.attention_s, stamp)
-            self.spend(self.pricer.e2a, rows)
+    def _wait_moe(self, domain: int, mb: int) -> None:
+        """The microbatch's previous MoE: its E2A stamp, then E2A's hops to this die."""
+        if mb in self.pending[domain]:
+            stamp, rows = self.pending[domain].pop(mb)
+            waited = max(self.domain_s[domain], stamp)
+            self.domain_s[domain] = waited + self.seconds(self.pricer.e2a, rows)
 
     def _expert_call_s(self, mb_rows: float, moe_idx: int) -> float:
         """The hottest expert die's routed slots and its shared expert over one domain's call."""
