@@ -31,11 +31,12 @@ BLOCK_TOKENS = 16
 @dataclass(frozen=True, kw_only=True)
 class Measured:
     """Per main MoE layer, then the MTP module's block: the decode rows' and the prompt rows'
-    split over two dies, and the decode rows' share of each expert."""
+    split over two dies, and their share of each expert."""
 
     decode: tuple[TwoDieSplit, ...]
     prefill: tuple[TwoDieSplit, ...]
     expert_shares: tuple[tuple[float, ...], ...]
+    prefill_expert_shares: tuple[tuple[float, ...], ...]
 
 
 def measure(
@@ -64,6 +65,7 @@ def measure(
         decode=_splits(decode, model.cfg),
         prefill=_splits(prefill, model.cfg),
         expert_shares=_expert_shares(decode, model.cfg),
+        prefill_expert_shares=_expert_shares(prefill, model.cfg),
     )
 
 
@@ -133,7 +135,11 @@ if __name__ == "__main__":
         for s in splits:
             print(f"    TwoDieSplit(share={s.share}),")
         print(")")
-    print("EXPERT_SHARES = (")
-    for shares in m.expert_shares:
-        print(f"    {shares},")
-    print(")")
+    for name, table in (
+        ("EXPERT_SHARES", m.expert_shares),
+        ("PREFILL_EXPERT_SHARES", m.prefill_expert_shares),
+    ):
+        print(f"{name} = (")
+        for shares in table:
+            print(f"    {shares},")
+        print(")")

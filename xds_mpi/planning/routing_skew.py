@@ -19,7 +19,9 @@ EOS (the verification runs ignore EOS); then each prompt + output in one causal 
 top-2 at every MoE layer and at the MTP module's block (the draft pass's rows) counted over the
 generated positions (the decode rows). Prefill rows (the prompts') are counted alike in
 PREFILL_SPLITS. EXPERT_SHARES (the decode rows' share of each expert) prices a disaggregated
-expert die, which pays per expert slot a row reaches (xds_mpi/planning/afd_step.py)."""
+expert die, which pays per expert slot a row reaches (xds_mpi/planning/afd_step.py);
+PREFILL_EXPERT_SHARES (the prompt rows') the hottest die of a prefill EP group (`prefill_skew`,
+xds_mpi/planning/prefill_cost.py)."""
 
 from __future__ import annotations
 
@@ -103,6 +105,19 @@ EXPERT_SHARES = (
      0.0078, 0.0111, 0.0729, 0.0026, 0.002, 0.6536, 0.0384, 0.0404),
 )
 # fmt: on
+# the prompt rows' share of each expert
+# fmt: off
+PREFILL_EXPERT_SHARES = (
+    (0.0387, 0.0523, 0.0686, 0.2212, 0.396, 0.0466, 0.0458, 0.2131,
+     0.0492, 0.0998, 0.1658, 0.1395, 0.0869, 0.2105, 0.069, 0.097),
+    (0.1232, 0.0335, 0.1325, 0.1292, 0.7452, 0.1092, 0.0138, 0.0294,
+     0.0337, 0.0327, 0.0948, 0.1408, 0.0208, 0.0045, 0.3496, 0.0073),
+    (0.0107, 0.0107, 0.0495, 0.0101, 0.894, 0.0249, 0.0135, 0.02,
+     0.0258, 0.1152, 0.0052, 0.1898, 0.005, 0.0052, 0.1105, 0.51),
+    (0.359, 0.0438, 0.0213, 0.0927, 0.0011, 0.0606, 0.0088, 0.1409,
+     0.0653, 0.0542, 0.381, 0.0081, 0.0045, 0.6978, 0.0463, 0.0147),
+)
+# fmt: on
 
 
 def measured_splits(model: ModelConfig, num_dies: int, *, is_prefill: bool = False):
@@ -114,12 +129,32 @@ def measured_splits(model: ModelConfig, num_dies: int, *, is_prefill: bool = Fal
     return PREFILL_SPLITS if is_prefill else DECODE_SPLITS
 
 
-def measured_expert_shares(model: ModelConfig) -> tuple[tuple[float, ...], ...] | None:
-    """EXPERT_SHARES for the tiny checkpoint, None where the uniform assumption applies."""
+def measured_expert_shares(
+    model: ModelConfig, *, is_prefill: bool = False
+) -> tuple[tuple[float, ...], ...] | None:
+    """EXPERT_SHARES (PREFILL_EXPERT_SHARES) for the tiny checkpoint, None where the uniform
+    assumption applies."""
     shape = (model.num_routed_experts, model.top_k)
     if model.weights != MEASURED_WEIGHTS or shape != MEASURED_SHAPE:
         return None
-    return EXPERT_SHARES
+    return PREFILL_EXPERT_SHARES if is_prefill else EXPERT_SHARES
+
+
+def prefill_skew(model: ModelConfig, num_dies: int) -> tuple[float, ...] | None:
+    """Per main MoE layer, then the MTP block: the rows the hottest of num_dies dies receives
+    from a prefill pass over the rows an even spread gives it (its experts in order,
+    num_routed_experts / num_dies each, as `ExpertSlots` places them). A pass holds hundreds
+    of rows, so the mean share stands for the hottest die's (no fluctuation). None where the
+    uniform assumption applies, or the experts do not divide evenly."""
+    shares = measured_expert_shares(model, is_prefill=True)
+    if shares is None or num_dies <= 1 or model.num_routed_experts % num_dies:
+        return None
+    per_die = model.num_routed_experts // num_dies
+    even = model.top_k / num_dies
+    return tuple(
+        max(sum(layer[d * per_die : (d + 1) * per_die]) for d in range(num_dies)) / even
+        for layer in shares
+    )
 
 
 def expected_over_experts(shares, num_tokens: int, cost_of_rows) -> float:

@@ -17,10 +17,12 @@ from xds_mpi.planning.routing_skew import (
     DECODE_SPLITS,
     EXACT_TOKENS,
     EXPERT_SHARES,
+    PREFILL_EXPERT_SHARES,
     PREFILL_SPLITS,
     TwoDieSplit,
     expected_over_experts,
     measured_splits,
+    prefill_skew,
 )
 
 
@@ -29,6 +31,7 @@ def test_table_is_the_count_from_the_checkpoint():
     assert m.decode == DECODE_SPLITS
     assert m.prefill == PREFILL_SPLITS
     assert m.expert_shares == EXPERT_SHARES
+    assert m.prefill_expert_shares == PREFILL_EXPERT_SHARES
     assert [sum(s) for s in EXPERT_SHARES] == pytest.approx([2.0] * 4, abs=1e-3)
 
 
@@ -91,3 +94,14 @@ def test_expected_over_experts_enumerated(num_tokens):
         expected += sum(cost_of_rows(r) for r in rows if r) / 2**num_tokens
     got = expected_over_experts((1.0, 0.5, 0.5, 0.0), num_tokens, cost_of_rows)
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_prefill_skew_at_two_dies_agrees_with_the_two_die_split():
+    # two tables counted apart: the experts' shares summed per die, and the tokens' split
+    # between the dies; the first die's mean rows per token are the same either way
+    skew = prefill_skew(ModelConfig(weights="tiny"), 2)
+    for factor, split in zip(skew, PREFILL_SPLITS):
+        first = split.share[1] + 2 * split.share[2]
+        assert factor == pytest.approx(max(first, 2 - first), abs=2e-3)
+    assert prefill_skew(ModelConfig(weights="random"), 8) is None
+    assert prefill_skew(ModelConfig(weights="tiny"), 3) is None  # 16 experts do not divide
