@@ -38,6 +38,18 @@ from xds_mpi.projection.layers import AfdHops, counts
 
 
 @dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """What an afd deployment's dies need to price an iteration, read once from its config."""
+
+    cost: CostModel
+    hops: AfdHops
+    num_routed_dies: int
+    slots_here: int  # routed slots on the expert die hosting the most
+    num_expert_dies: int
+    num_shared_dies: int  # dedicated shared-expert dies (0: a shared expert on every die)
+
+
+@dataclass(frozen=True, kw_only=True)
 class AfdStep:
     """One decode iteration of an afd deployment: `iteration_s(batch, kv_len)` with `batch`
     requests on the fullest attention die at mean KV length kv_len; accepted: MTP drafts
@@ -48,25 +60,33 @@ class AfdStep:
     accepted: float
 
     @cached_property
-    def _layout(self) -> tuple[Topology, ExpertSlots, dict]:
+    def _layout(self) -> _Layout:
         topo = Topology.from_config(self.cfg)
-        return topo, ExpertSlots.from_topology(topo), counts(self.cfg, topo)
+        slots = ExpertSlots.from_topology(topo)
+        n = counts(self.cfg, topo)
+        routed_owners = slots.slot_owner[: slots.num_routed_slots]
+        hw = Hardware.from_profile(load_profile(self.cfg.hardware.profile))
+        return _Layout(
+            cost=CostModel(cost_shape(), hw, kv_int8=self.cfg.scheduler.kv_int8),
+            hops=AfdHops.of(self.cfg, n),
+            num_routed_dies=len(slots.routed_dies),
+            slots_here=max(routed_owners.count(r) for r in slots.routed_dies),
+            num_expert_dies=n["expert_dies"],
+            num_shared_dies=n["shared_dies"],
+        )
 
     def _pricer(self) -> AfdPricer:
-        """A fresh expert-hosting die's pricer (its slots' share of the cost shape's experts);
-        the attention die prices its pieces with the same cost model and hops."""
-        topo, slots, n = self._layout
-        hottest = max(slots.routed_dies, key=lambda r: slots.slot_owner.count(r))
-        here = slots.slot_owner[: slots.num_routed_slots].count(hottest)
-        hw = Hardware.from_profile(load_profile(self.cfg.hardware.profile))
-        cost = CostModel(cost_shape(), hw, kv_int8=self.cfg.scheduler.kv_int8)
+        """A fresh pricer of the expert die hosting the most routed slots (its slots' share of
+        the cost shape's experts); the attention die prices its pieces with the same cost model
+        and hops."""
+        layout = self._layout
         return AfdPricer(
-            cost,
+            layout.cost,
             self.cfg.model,
             VirtualClock(),
-            hops=AfdHops.of(self.cfg, n),
-            num_routed_slots_here=here,
-            num_routed_dies=len(slots.routed_dies),
+            hops=layout.hops,
+            num_routed_slots_here=layout.slots_here,
+            num_routed_dies=layout.num_routed_dies,
             use_int8=self.cfg.xccl.use_int8,
         )
 
@@ -159,10 +179,9 @@ class _Timeline:
 
     def _expert_call_s(self, mb_rows: float, moe_idx: int) -> float:
         """The hottest expert die's routed slots and its shared expert over one domain's call."""
-        cfg, p = self.step.cfg, self.pricer
-        _, slots, n = self.step._layout
+        cfg, p, layout = self.step.cfg, self.pricer, self.step._layout
         tokens = mb_rows * cfg.deployment.dp_groups_per_domain  # the domain's microbatch
-        per_die = len(slots.routed_dies)
+        per_die = layout.num_routed_dies
 
         def slot_s(rows: float) -> float:
             before = p.clock.now_ns
@@ -177,15 +196,14 @@ class _Timeline:
                 for d in range(per_die)
             )
         else:
-            here = slots.slot_owner[: slots.num_routed_slots].count(next(iter(slots.routed_dies)))
+            here = layout.slots_here
             rows = hottest_rows(tokens * cfg.model.top_k, per_die)
             touched = here * (1 - (1 - 1 / here) ** rows) if here > 1 else 1.0
             routed = touched * slot_s(rows / touched) if rows > 0 else 0.0
         before = p.clock.now_ns
-        shared_dies = n["shared_dies"] or n["expert_dies"]
-        p.expert_slot(tokens / shared_dies, is_shared=True)
+        p.expert_slot(tokens / (layout.num_shared_dies or layout.num_expert_dies), is_shared=True)
         shared = (p.clock.now_ns - before) / 1e9
-        if n["shared_dies"]:  # dedicated shared-expert dies run beside the routed ones
+        if layout.num_shared_dies:  # dedicated shared-expert dies run beside the routed ones
             return max(routed, shared)
         return routed + shared
 
