@@ -24,7 +24,7 @@ workload: --trace FILE with --start/--duration/--speedup (a Mooncake JSONL windo
 what is searched: colocated EP sizes; PD prefill TEs (32 dies each, TP1 or TP4) against a
   colocated decode TE; afd attention:expert dies and DP domains behind PD prefill TEs; MTP depth;
   INT8 KV; each at the largest batch per DP group that fits in memory (weights + KV + reserve).
-priced: the projection's decode iteration (batch x KV length) and prefill pass, with the
+priced: the dies' own decode iteration (batch x KV length) and prefill pass, with the
   window's arrivals replayed (continuous batching; PD: prefill queue, KV transfer, decode).
 ranked: goodput per chip (requests meeting the SLO per second per chip); the Pareto frontier of
   tokens/s per chip against TPOT p99 and TTFT p99 is printed, plotted (OUT/plan.png) and

@@ -1,14 +1,12 @@
-"""What one iteration and one prefill cost a candidate, as functions of batch and lengths.
+"""What one decode iteration costs a candidate, as a function of batch and KV length, and
+what a prompt's KV costs to move.
 
-Decode, colocated and PD: the dies' own pricing (xds_mpi/planning/die_step.py `DieStep`: the
-fullest DP group's rows on a grid of requests x KV length, the routed rows a die receives on a
-grid of the mean requests per DP group), interpolated (linear) in between. afd: the
-projection's iteration (xds_mpi/projection/project.py `project`) at the fullest DP group's
-batch. Prefill: one pass
-over a prompt on a prefill die, causal at 512-token grain, as the dies' Pricer prices it
-(xds_mpi/results/request_pricing.py `RequestPricer.pass_s`, at TP1/2/4), on a grid of prompt
-lengths; a colocated die's chunk [a, b) costs F(b) - F(a). PD's KV moves over UB to another
-server (the same LinkModel the PD dies use)."""
+Colocated and PD: the dies' own pricing (xds_mpi/planning/die_step.py `DieStep`: the fullest DP
+group's rows on a grid of requests x KV length, the routed rows a die receives on a grid of the
+mean requests per DP group), interpolated (linear) in between. afd: the afd dies' own pricing on
+their two clocks (xds_mpi/planning/afd_step.py `AfdStep`) at the fullest attention die's batch,
+on the same grid. A prefill pass: xds_mpi/planning/prefill_cost.py. PD's KV moves over UB to
+another server (the same LinkModel the PD dies use)."""
 
 from __future__ import annotations
 
@@ -18,23 +16,20 @@ from functools import lru_cache
 
 import numpy as np
 
-from xccl.vclock import LinkModel, VirtualClock
+from xccl.vclock import LinkModel
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.paths import resolve_config
 from xds_mpi.config.schema import Config, load_config
-from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import load_model_preset
 from xds_mpi.plan.kv_memory import projected_kv_bytes
+from xds_mpi.planning.afd_step import AfdStep
 from xds_mpi.planning.die_step import DieStep
-from xds_mpi.projection.cost import Hardware
-from xds_mpi.projection.project import project
-from xds_mpi.results.request_pricing import RequestPricer, causal_chunks
 
 BASE_CONFIG = "ep288"  # the model section every pod-scale config of the repo carries
 SHAPE = "deepseek_v3"
-BATCH_GRID = (1, 2, 8, 32, 64, 96, 128)
+BATCH_GRID = (1, 2, 4, 8, 16, 32, 64, 96, 128)
 KV_GRID = (1024, 8192, 65536, 262144)
-MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 32.0, 64.0, 96.0, 128.0)
+MEAN_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0, 96.0, 128.0)
 
 
 def base_config(sets: tuple[str, ...], profile: str, base: str = BASE_CONFIG) -> Config:
@@ -50,7 +45,7 @@ class StepTable:
 
     iteration_s[i][j]: BATCH_GRID[i] requests on the fullest DP group, mean KV KV_GRID[j] (its
     own rows and the fixed costs; afd: the whole iteration); received_s[k]: a die's routed rows
-    at MEAN_GRID[k] requests per DP group (afd: 0, the projection holds them)."""
+    at MEAN_GRID[k] requests per DP group (afd: 0, `AfdStep` holds them)."""
 
     iteration_s: tuple[tuple[float, ...], ...]  # [len(BATCH_GRID)][len(KV_GRID)] seconds
     received_s: tuple[float, ...]  # [len(MEAN_GRID)] seconds
@@ -95,117 +90,12 @@ def step_table(
             received_s=tuple(die.received_s(mean) for mean in MEAN_GRID),
             tokens_per_step=tokens_per_step,
         )
-    hw = Hardware.from_profile(load_profile(profile))
-    m = load_model_preset(SHAPE)
-    grid = np.array(
-        [
-            [
-                project(
-                    cfg, m, hw, batch_per_die=b, kv_len=kv, mtp_depth=mtp_depth, accept_rate=accept
-                ).iteration_s
-                for kv in KV_GRID
-            ]
-            for b in BATCH_GRID
-        ]
-    )
+    afd = AfdStep(cfg=cfg, mtp_depth=mtp_depth, accepted=mtp_depth * accept)
     return StepTable(
-        iteration_s=tuple(map(tuple, grid.tolist())),
+        iteration_s=tuple(tuple(afd.iteration_s(b, kv) for kv in KV_GRID) for b in BATCH_GRID),
         received_s=(0.0,) * len(MEAN_GRID),
         tokens_per_step=tokens_per_step,
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrefillCurve:
-    """pass_s[k]: a prompt of prompt_len[k] tokens in one pass (index 0: 0 tokens, 0 s)."""
-
-    prompt_len: np.ndarray
-    pass_s: np.ndarray
-
-    def __call__(self, tokens: float) -> float:
-        return float(np.interp(tokens, self.prompt_len, self.pass_s))
-
-    def chunk(self, start: float, end: float) -> float:
-        return self(end) - self(start)
-
-
-@lru_cache(maxsize=256)
-def prefill_curve(num_dies: int, tp: int, profile: str, max_prompt: int) -> PrefillCurve:
-    cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
-    pricer = RequestPricer(
-        cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
-    )
-    # short prompts on their own points: a pass's fixed costs (graph launch, bubble, the
-    # exchanges' latency) make F far from linear below 512 tokens, where a reduced run's are
-    lens = [0, 1, 16, 64, 256, 512]
-    while lens[-1] < max_prompt:
-        lens.append(lens[-1] * 2)
-    secs = [0.0] + [pricer.pass_s(causal_chunks(n), num_dies, sampled=1, tp=tp) for n in lens[1:]]
-    return PrefillCurve(prompt_len=np.array(lens, float), pass_s=np.array(secs))
-
-
-class PrefillPass:
-    """One prefill DP group's pass over pieces of several prompts, as the dies' Pricer prices it
-    (`RequestPricer.pass_s` over each piece's causal chunks in one pass): the batch's rows share
-    the pass's fixed costs and its MoE, each prompt's attention stays its own. With MTP the
-    prefill dies also run each MTP module over the pass's rows (xds_mpi/execution/executor.py
-    `_draft`), which `pass_s` leaves out: `mtp_s` adds it."""
-
-    def __init__(self, num_dies: int, tp: int, profile: str, mtp_depth: int = 0) -> None:
-        cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
-        self.pricer = RequestPricer(
-            cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
-        )
-        self.num_dies, self.tp, self.mtp_depth = num_dies, tp, mtp_depth
-        self.use_int8 = cfg.xccl.use_int8
-        self._cache: dict[tuple, float] = {}
-
-    def __call__(self, pieces: tuple[tuple[int, int], ...], num_sampled: int) -> float:
-        """pieces: (first, end) tokens of each prompt computed in the pass; num_sampled: the
-        prompts whose last token is in it."""
-        key = (pieces, num_sampled)
-        if key not in self._cache:
-            seqs = [c for start, end in pieces for c in causal_chunks(end, start)]
-            main = self.pricer.pass_s(seqs, self.num_dies, sampled=num_sampled, tp=self.tp)
-            self._cache[key] = main + self.mtp_depth * self.mtp_s(seqs, num_sampled)
-        return self._cache[key]
-
-    def mtp_s(self, seqs: list[tuple[int, int]], num_sampled: int) -> float:
-        """One MTP module over the pass's rows, priced as `RequestPricer.pass_s` prices a MoE
-        layer (`Pricer.mtp_layer`: one layer of the cost shape), then its head over the prompts
-        that draft (those sampled)."""
-        rp, clock = self.pricer, VirtualClock()
-        args = dict(num_routed_dies=self.num_dies, use_int8=self.use_int8)
-        if self.tp > 1:
-            # start-up: a TP group's pricer only where prefill TP runs (as RequestPricer.pass_s)
-            from xds_mpi.execution.prefill_tp import TpPricer
-
-            link = LinkModel.from_profile(rp.profile)
-            pricer = TpPricer(rp.cost, rp.tiny, clock, tp=self.tp, link=link, same_server=True,
-                              **args)  # fmt: skip
-        else:
-            pricer = Pricer(rp.cost, rp.tiny, clock, **args)
-        share = -(-sum(n for _, n in seqs) // self.tp)
-        with pricer.mtp_layer():
-            pricer.mtp_projection(share)
-            if self.tp > 1:
-                pricer.mla_layer(seqs, share, is_moe=True)
-            else:
-                pricer.attention_rows(seqs, is_moe=True)
-            rows_in = share * rp.tiny.top_k
-            pricer.gate(share)
-            pricer.dispatch(rows_in)
-            pricer.experts(rows_in, share)
-            pricer.combine(share)
-            if self.tp > 1:
-                pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
-            pricer.mtp_head(num_sampled)
-        return clock.now_ns / 1e9
-
-
-@lru_cache(maxsize=64)
-def prefill_pass(num_dies: int, tp: int, profile: str, mtp_depth: int = 0) -> PrefillPass:
-    return PrefillPass(num_dies, tp, profile, mtp_depth)
 
 
 @lru_cache(maxsize=8)

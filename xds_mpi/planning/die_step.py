@@ -22,10 +22,12 @@ import numpy as np
 
 from xccl.vclock import VirtualClock
 from xds_mpi.config.hardware import load_profile
+from xds_mpi.config.model import ModelConfig
 from xds_mpi.config.schema import Config
 from xds_mpi.execution.pricing import Pricer
 from xds_mpi.model.shapes import cost_shape
 from xds_mpi.plan.topology import Topology
+from xds_mpi.planning.routing_skew import measured_splits
 from xds_mpi.projection.cost import CostModel, Hardware, expected_max_z
 
 EXACT_ROWS = 512  # beyond, the normal approximation (and its cost stays flat)
@@ -86,24 +88,38 @@ class DieStep:
 
     def received_s(self, mean: float) -> float:
         """The hottest die's dispatch and routed experts over the rows every die sends it: mean
-        requests per DP group x their rows x top-k, spread at random over the routed dies (the
-        tiny model's rows, as a die receives them; the Pricer scales them to the cost shape).
-        The hottest die, since combine waits for it."""
+        requests per DP group x their rows (the tiny model's, as a die receives them; the Pricer
+        scales them to the cost shape), layer by layer. The hottest die, since combine waits
+        for it: the tiny checkpoint's measured split where it applies (routing_skew.py), else
+        top-k rows a token spread at random over the routed dies (the uniform multinomial)."""
         if mean <= 0:
             return 0.0
         pricer, tiny = self._pricer(), self.cfg.model
         groups, dies = num_dp_groups(self.cfg), routed_dies(self.cfg)
-        main_in = hottest_rows(mean * (1 + self.mtp_depth) * tiny.top_k * groups, dies)
-        mtp_in = hottest_rows(mean * (1 + self.accepted) * tiny.top_k * groups, dies)
+        main_tokens = mean * (1 + self.mtp_depth) * groups
+        mtp_tokens = mean * (1 + self.accepted) * groups
         num_moe = tiny.num_layers - tiny.num_dense_layers
-        for _ in range(num_moe):
-            pricer.dispatch(main_in)
-            pricer.experts(main_in, 0)
+        main_in, mtp_in = received_rows(tiny, dies, num_moe, main_tokens, mtp_tokens)
+        for rows_in in main_in:
+            pricer.dispatch(rows_in)
+            pricer.experts(rows_in, 0)
         for _ in range(self.mtp_depth):
             with pricer.mtp_layer():
                 pricer.dispatch(mtp_in)
                 pricer.experts(mtp_in, 0)
         return pricer.clock.now_ns / 1e9
+
+
+def received_rows(
+    tiny: ModelConfig, num_dies: int, num_moe: int, main_tokens: float, mtp_tokens: float
+) -> tuple[list[float], float]:
+    """(the hottest die's rows at each main MoE layer, at the MTP block) when main_tokens and
+    mtp_tokens rows (before top-k) are routed over num_dies dies."""
+    splits = measured_splits(tiny, num_dies)
+    if splits is None or len(splits) != num_moe + 1:
+        main = hottest_rows(main_tokens * tiny.top_k, num_dies)
+        return [main] * num_moe, hottest_rows(mtp_tokens * tiny.top_k, num_dies)
+    return [s.hottest_rows(main_tokens) for s in splits[:-1]], splits[-1].hottest_rows(mtp_tokens)
 
 
 def hottest_rows(num_rows: float, num_dies: int) -> float:

@@ -16,15 +16,15 @@ from xds_mpi.planning.costs import (
     BASE_CONFIG,
     SHAPE,
     base_config,
-    prefill_curve,
-    prefill_pass,
     step_table,
     transfer_s,
 )
 from xds_mpi.planning.frontier import Outcome, Slo, outcome, pareto
 from xds_mpi.planning.kv_handoff import Balance
 from xds_mpi.planning.prefill_batches import PrefillRule, prefill_batches
+from xds_mpi.planning.prefill_cost import prefill_curve, prefill_pass
 from xds_mpi.planning.queue import Served, serve
+from xds_mpi.planning.routing_skew import prefill_skew
 from xds_mpi.planning.workload import PlanWorkload
 from xds_mpi.projection.afd_analysis.budget import Scenario, curve, dead_zone
 from xds_mpi.projection.afd_analysis.inputs import moe_shape, platform
@@ -91,7 +91,9 @@ class Planner:
         self.dies_per_chip = int(self.hw["die"].get("dies_per_chip", 1))
         self.max_prompt = int(workload.prompt_len.max())
         self.prefill_rule = prefill_rule
-        self.block_tokens = base_config((), profile, base).scheduler.kv_block_tokens
+        base_cfg = base_config((), profile, base)
+        self.block_tokens = base_cfg.scheduler.kv_block_tokens
+        self.model = base_cfg.model  # whose gate spreads a prefill pass's rows (routing_skew)
         self._transfers: dict[bool, np.ndarray] = {}
         self._prefills: dict[tuple, np.ndarray] = {}
 
@@ -161,7 +163,13 @@ class Planner:
                 num_tes=c.num_prefill_tes,
                 groups_per_te=c.prefill_te_dies // c.prefill_tp,
                 rule=rule,
-                pass_cost=prefill_pass(c.prefill_te_dies, c.prefill_tp, self.profile, c.mtp_depth),
+                pass_cost=prefill_pass(
+                    c.prefill_te_dies,
+                    c.prefill_tp,
+                    self.profile,
+                    c.mtp_depth,
+                    prefill_skew(self.model, c.prefill_te_dies),
+                ),
             )
         return self._prefills[key]
 
@@ -189,7 +197,8 @@ class Planner:
             moves = self._transfer(c.kv_int8)
             served = serve(**common, prefill_end_s=self._prefill_ends(c), transfer_s=moves)
         else:
-            pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt)
+            skew = prefill_skew(self.model, c.decode_dies)
+            pre = prefill_curve(c.decode_dies, 1, self.profile, self.max_prompt, skew)
             served = serve(**common, chunk_tokens=self.chunk_tokens, chunk_cost=pre.chunk)
         return served, outcome(
             served, output_len=w.output_len, duration_s=w.duration_s, chips=chips, slo=self.slo

@@ -1,13 +1,18 @@
 """The prefill dies' batching replayed (xds_mpi/planning/prefill_batches.py) on crafted arrivals
-with a pass that costs 0.1 s + 1 ms a token, so every prefill end is computed by hand."""
+with a pass that costs 0.1 s + 1 ms a token, so every prefill end is computed by hand; the pass
+as the dies' pricer prices it (xds_mpi/planning/prefill_cost.py), at an even spread and with
+the tiny checkpoint's hottest prefill die, against an emulated pass."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from xds_mpi.planning.costs import prefill_curve, prefill_pass
+from xds_mpi.config.model import ModelConfig
 from xds_mpi.planning.prefill_batches import PrefillRule, prefill_batches
+from xds_mpi.planning.prefill_cost import prefill_curve, prefill_pass, skewed_pass_s
+from xds_mpi.planning.routing_skew import prefill_skew
+from xds_mpi.results.request_pricing import causal_chunks
 
 
 def linear_pass(pieces, num_sampled):
@@ -74,3 +79,24 @@ def test_one_prompt_in_one_pass_is_priced_as_the_prefill_curve(tp):
     assert one(((0, 2048),), 1) == pytest.approx(curve(2048))
     both = one(((0, 2048), (0, 1024)), 2)
     assert one(((0, 2048),), 1) < both < one(((0, 2048),), 1) + one(((0, 1024),), 1)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_a_pass_at_an_even_spread_is_the_request_pricers_own(tp):
+    # skewed_pass_s repeats RequestPricer.pass_s's operations: at skew 1 it is pass_s itself
+    pass_ = prefill_pass(8, tp, "ascend910c")
+    seqs = causal_chunks(1500) + causal_chunks(300)
+    even = skewed_pass_s(pass_.pricer, seqs, 8, sampled=2, tp=tp, skew=(1.0,) * 4)
+    assert even == pytest.approx(pass_.pricer.pass_s(seqs, 8, sampled=2, tp=tp), rel=1e-12)
+
+
+def test_a_long_prompt_on_eight_prefill_dies_costs_what_the_emulated_pass_took():
+    # the 96-chip verification's TTFT p99 request (docs/planning.md): a 2,429-token prompt on
+    # 8 prefill dies at TP4 (2D + 8P TP4 on configs/pd.yaml), its pass 0.445-0.458 s on the
+    # emulated prefill dies' clocks; at an even spread the planner priced 0.356 s
+    skew = prefill_skew(ModelConfig(weights="tiny"), 8)
+    assert skew is not None and max(skew) > 3  # one die hosts the expert ~40 % of rows take
+    even = prefill_pass(8, 4, "ascend910c")(((0, 2429),), 1)
+    skewed = prefill_pass(8, 4, "ascend910c", 0, skew)(((0, 2429),), 1)
+    assert even == pytest.approx(0.356, abs=0.001)
+    assert skewed == pytest.approx(0.450, rel=0.03)
