@@ -5,10 +5,10 @@ several prompts (`PrefillPass`).
 The pass is `RequestPricer.pass_s` (xds_mpi/results/request_pricing.py: causal at 512-token
 grain, TP1/2/4), which spreads the routed rows evenly: a die of the EP group receives its own
 rows x top-k. With the tiny checkpoint the hottest die receives more (its gate sends ~40 % of
-a layer's rows to one expert), and the dispatch and routed experts wait for it: `skewed_pass_s`
-prices the pass with the hottest die's rows, `skew[i]` x the even spread at MoE layer i
-(xds_mpi/planning/routing_skew.py `prefill_skew`); skew None (the cost shape at pod scale, its
-gate balanced) is `pass_s` itself."""
+a layer's rows to one expert), and the dispatch and routed experts wait for it: `pass_s`
+with `skew` prices the pass with the hottest die's rows, `skew[i]` x the even spread at MoE
+layer i (xds_mpi/planning/routing_skew.py `prefill_skew`); skew None (the cost shape at pod
+scale, its gate balanced) spreads them evenly."""
 
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from xccl.vclock import LinkModel, VirtualClock
-from xds_mpi.execution.pricing import Pricer
 from xds_mpi.planning.costs import base_config
 from xds_mpi.results.request_pricing import RequestPricer, causal_chunks
 
@@ -50,14 +48,14 @@ def prefill_curve(
     while lens[-1] < max_prompt:
         lens.append(lens[-1] * 2)
     secs = [0.0] + [
-        skewed_pass_s(rp, causal_chunks(n), num_dies, sampled=1, tp=tp, skew=skew) for n in lens[1:]
+        rp.pass_s(causal_chunks(n), num_dies, sampled=1, tp=tp, skew=skew) for n in lens[1:]
     ]
     return PrefillCurve(prompt_len=np.array(lens, float), pass_s=np.array(secs))
 
 
 class PrefillPass:
     """One prefill DP group's pass over pieces of several prompts, as the dies' Pricer prices it
-    (`skewed_pass_s` over each piece's causal chunks in one pass): the batch's rows share the
+    (`pass_s` with the skew over each piece's causal chunks in one pass): the batch's rows share the
     pass's fixed costs and its MoE, each prompt's attention stays its own. With MTP the prefill
     dies also run each MTP module over the pass's rows (xds_mpi/execution/executor.py
     `_draft`), which `pass_s` leaves out: `mtp_s` adds it."""
@@ -75,8 +73,8 @@ class PrefillPass:
         key = (pieces, num_sampled)
         if key not in self._cache:
             seqs = [c for start, end in pieces for c in causal_chunks(end, start)]
-            main = skewed_pass_s(
-                self.pricer, seqs, self.num_dies, sampled=num_sampled, tp=self.tp, skew=self.skew
+            main = self.pricer.pass_s(
+                seqs, self.num_dies, sampled=num_sampled, tp=self.tp, skew=self.skew
             )
             self._cache[key] = main + self.mtp_depth * self.mtp_s(seqs, num_sampled)
         return self._cache[key]
@@ -86,7 +84,7 @@ class PrefillPass:
         layer (`Pricer.mtp_layer`: one layer of the cost shape), then its head over the prompts
         that draft (those sampled)."""
         rp, tp = self.pricer, self.tp
-        pricer = _die_pricer(rp, self.num_dies, tp)
+        pricer = rp.die_pricer(self.num_dies, tp)
         share = -(-sum(n for _, n in seqs) // tp)
         with pricer.mtp_layer():
             pricer.mtp_projection(share)
@@ -112,51 +110,8 @@ def prefill_pass(
     return PrefillPass(num_dies, tp, profile, mtp_depth, skew)
 
 
-def skewed_pass_s(
-    rp: RequestPricer, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int, tp: int,
-    skew: Skew,
-) -> float:  # fmt: skip
-    """`RequestPricer.pass_s` (the same operations in the same order) with the hottest die's
-    routed rows: its own rows x top-k x skew[i] at MoE layer i."""
-    if skew is None:
-        return rp.pass_s(seqs, num_dies, sampled=sampled, tp=tp)
-    pricer, tiny = _die_pricer(rp, num_dies, tp), rp.tiny
-    share = -(-sum(n for _, n in seqs) // tp)  # the largest share of the rows (all at TP1)
-    for layer_idx in range(tiny.num_layers):
-        is_moe = layer_idx >= tiny.num_dense_layers
-        if tp > 1:
-            pricer.mla_layer(seqs, share, is_moe=is_moe)
-        else:
-            pricer.attention_rows(seqs, is_moe=is_moe)
-        if not is_moe:
-            pricer.dense_ffn(share)
-            continue
-        rows_in = share * tiny.top_k * skew[layer_idx - tiny.num_dense_layers]
-        pricer.gate(share)
-        pricer.dispatch(rows_in)
-        pricer.experts(rows_in, share)
-        pricer.combine(share)
-    if tp > 1:  # the last layer's rows, once
-        pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
-    pricer.finish(sampled)
-    return pricer.clock.now_ns / 1e9
-
-
 def _request_pricer(num_dies: int, tp: int, profile: str) -> RequestPricer:
     cfg = base_config((f"deployment.prefill_tp={tp}",), profile)
     return RequestPricer(
         cfg, num_prefill_dies=num_dies, num_decode_dies=num_dies, batch_per_die=1, is_pd=tp > 1
     )
-
-
-def _die_pricer(rp: RequestPricer, num_dies: int, tp: int) -> Pricer:
-    """A prefill die's pricer on a fresh clock, as `RequestPricer.pass_s` builds it."""
-    clock = VirtualClock()
-    args = dict(num_routed_dies=num_dies, use_int8=rp.cfg.xccl.use_int8)
-    if tp > 1:
-        # start-up: a TP group's pricer only where prefill TP runs (as RequestPricer.pass_s)
-        from xds_mpi.execution.prefill_tp import TpPricer
-
-        link = LinkModel.from_profile(rp.profile)
-        return TpPricer(rp.cost, rp.tiny, clock, tp=tp, link=link, same_server=True, **args)
-    return Pricer(rp.cost, rp.tiny, clock, **args)

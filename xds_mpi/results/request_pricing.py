@@ -19,6 +19,7 @@ priced here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,13 +125,9 @@ class RequestPricer:
             transfer = self.link.transfer_ns(nbytes, num_cores=self.cfg.xccl.num_cores) / 1e9
         return PricedRequest(prefill_s=prefill, transfer_s=transfer, step_s=step, pull_s=pull)
 
-    def pass_s(
-        self, seqs: list[tuple[int, int]], num_dies: int, *, sampled: int, tp: int = 1
-    ) -> float:
-        """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)
-        on a die of an EP group of `num_dies`, layer by layer as the executor prices it. tp: the
-        dies of a prefill TP group (xds_mpi/execution/prefill_tp.py): MLA by stages over its share
-        of the rows and its heads, the MoE over its share, and the exchanges."""
+    def die_pricer(self, num_dies: int, tp: int = 1) -> Pricer:
+        """A die's pricer on a fresh clock, in an EP group of `num_dies` (tp > 1: a prefill TP
+        group's, xds_mpi/execution/prefill_tp.py)."""
         clock = VirtualClock()
         args = dict(num_routed_dies=num_dies, use_int8=self.cfg.xccl.use_int8)
         if tp > 1:
@@ -138,10 +135,26 @@ class RequestPricer:
             from xds_mpi.execution.prefill_tp import TpPricer
 
             link = LinkModel.from_profile(self.profile)
-            pricer = TpPricer(self.cost, self.tiny, clock, tp=tp, link=link, same_server=True,
-                              **args)  # fmt: skip
-        else:
-            pricer = Pricer(self.cost, self.tiny, clock, **args)
+            return TpPricer(self.cost, self.tiny, clock, tp=tp, link=link, same_server=True,
+                            **args)  # fmt: skip
+        return Pricer(self.cost, self.tiny, clock, **args)
+
+    def pass_s(
+        self,
+        seqs: list[tuple[int, int]],
+        num_dies: int,
+        *,
+        sampled: int,
+        tp: int = 1,
+        skew: Sequence[float] | None = None,
+    ) -> float:
+        """Virtual seconds of one forward pass over `seqs` ((KV length, new rows) per sequence)
+        on a die of an EP group of `num_dies`, layer by layer as the executor prices it. tp: the
+        dies of a prefill TP group (xds_mpi/execution/prefill_tp.py): MLA by stages over its share
+        of the rows and its heads, the MoE over its share, and the exchanges. skew: the routed
+        rows the die receives at MoE layer i, x its own rows x top-k (None: 1, the rows spread
+        evenly; the planner's hottest die, xds_mpi/planning/prefill_cost.py)."""
+        pricer = self.die_pricer(num_dies, tp)
         share = -(-sum(n for _, n in seqs) // tp)  # the largest share of the rows (all at TP1)
         for layer_idx in range(self.tiny.num_layers):
             is_moe = layer_idx >= self.tiny.num_dense_layers
@@ -152,7 +165,8 @@ class RequestPricer:
             if not is_moe:
                 pricer.dense_ffn(share)
                 continue
-            rows_in = share * self.tiny.top_k  # every die of the group as busy as this one
+            spread = skew[layer_idx - self.tiny.num_dense_layers] if skew else 1.0
+            rows_in = share * self.tiny.top_k * spread  # even: every die as busy as this one
             pricer.gate(share)
             pricer.dispatch(rows_in)
             pricer.experts(rows_in, share)
@@ -160,7 +174,7 @@ class RequestPricer:
         if tp > 1:  # the last layer's rows, once
             pricer.exchanged(pricer.rows_values(share), 0.0, is_moe=None)
         pricer.finish(sampled)
-        return clock.now_ns / 1e9
+        return pricer.clock.now_ns / 1e9
 
 
 def causal_chunks(num_tokens: int, num_cached: int = 0) -> list[tuple[int, int]]:

@@ -47,6 +47,25 @@ def _ok(result: subprocess.CompletedProcess) -> str:
     return result.stdout[-4000:] + result.stderr[-3000:]
 
 
+# The burst tests' autoscaler: out above 2 requests waiting per serving TE, in below 0.5, over
+# windows of 0.5 s, decisions 1 s apart, a scale-out's one fixed step 0.5 s.
+AUTOSCALE = (
+    "autoscaler.enabled=true",
+    "autoscaler.scale_out_above=2",
+    "autoscaler.scale_in_below=0.5",
+    "autoscaler.window_s=0.5",
+    "autoscaler.cooldown_s=1",
+    "autoscaler.scale_out_s=0.5",
+)
+
+
+def assert_all_checked(result: subprocess.CompletedProcess, lines: list) -> None:
+    """A burst of 12-token requests (`lines`) all served, every token the reference's."""
+    assert result.returncode == 0, _ok(result)
+    expected = f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
+    assert check_line(result) == expected
+
+
 def run_mixed(out, *sets: str, name: str = "mixed"):
     """configs/cluster.yaml (TEs 0 and 1 colocated, TE 2 a PD pair) serving 18 requests at 12/s
     with `sets` on top: (the finished process, its run file or None)."""
@@ -280,19 +299,10 @@ def test_the_autoscaler_scales_out_on_a_burst_and_drains_after_it(tmp_path):
             "cluster.num_tes=3",
             groups,
             "cluster.policy=least_load",
-            "autoscaler.enabled=true",
-            "autoscaler.scale_out_above=2",
-            "autoscaler.scale_in_below=0.5",
-            "autoscaler.window_s=0.5",
-            "autoscaler.cooldown_s=1",
-            "autoscaler.scale_out_s=0.5",
+            *AUTOSCALE,
         ),
     )
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     scaling = run_file["cluster/scaling"]
     kinds = [k.decode() for k in scaling["kind"][()]]
     assert "out" in kinds and "in" in kinds, kinds  # the premise: both happened

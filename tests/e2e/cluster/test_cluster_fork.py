@@ -14,8 +14,7 @@ import re
 
 import numpy as np
 import pytest
-from test_cluster import _ok, run_cluster
-from test_serving import check_line
+from test_cluster import AUTOSCALE, assert_all_checked, run_cluster
 from test_virtual_time import _jsonl, _sets
 
 ROUTED = re.compile(r"(^|\.)experts\.\d+\.")  # a routed expert's tensor (not shared_experts)
@@ -63,20 +62,11 @@ def test_a_scaled_out_te_serves_with_the_weights_it_pulled(tmp_path, path, extra
         *_sets(
             groups,
             "cluster.policy=least_load",
-            "autoscaler.enabled=true",
-            "autoscaler.scale_out_above=2",
-            "autoscaler.scale_in_below=0.5",
-            "autoscaler.window_s=0.5",
-            "autoscaler.cooldown_s=1",
-            "autoscaler.scale_out_s=0.5",
+            *AUTOSCALE,
             *extra,
         ),
     )
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     te = run_file["cluster/te"][()]
     assert (te == 1).sum() >= 3  # the premise: the scaled-out TE served part of the burst
     scaling = run_file["cluster/scaling"]

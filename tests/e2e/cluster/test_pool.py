@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 from harness import REPO_ROOT
-from test_cluster import _ok
+from test_cluster import AUTOSCALE, _ok, assert_all_checked
 from test_serving import XDS_MPI, check_line
 from test_virtual_time import _jsonl, _sets
 
@@ -35,12 +35,7 @@ SETS = (
     "deployment.dp_groups_per_domain=1",
     "health.enabled=false",
     "workload.ignore_eos=true",
-    "autoscaler.enabled=true",
-    "autoscaler.scale_out_above=2",
-    "autoscaler.scale_in_below=0.5",
-    "autoscaler.window_s=0.5",
-    "autoscaler.cooldown_s=1",
-    "autoscaler.scale_out_s=0.5",
+    *AUTOSCALE,
     "run.timeout_s=120",
 )
 
@@ -84,11 +79,7 @@ def _column(group, key) -> list:
 @pytest.mark.parametrize("path", ["dram", "fork"])
 def test_two_pool_shapes_share_one_pool_and_a_drained_te_s_rank_serves_the_other(tmp_path, path):
     lines, result, run_file = _run(tmp_path, path, "run.trace=true")
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     scaling = run_file["cluster/scaling"]
     events = list(zip(_column(scaling, "kind"), _column(scaling, "te"), strict=True))
     assert events == [("out", 1), ("in", 1), ("out", 2)], events
@@ -204,11 +195,7 @@ def test_a_pool_pd_pair_s_ranks_then_serve_a_colocated_te(tmp_path):
         "set: [deployment.dp_groups_per_domain=2]}]"
     )
     lines, result, run_file = _run(tmp_path, "dram", groups)
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     assert run_file.attrs["world_size"] == 10
     pool = run_file["cluster/pool"]
     rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "die")), strict=True))
@@ -234,11 +221,7 @@ def test_a_pool_te_is_an_npu_fork_source_and_released_once_its_readers_loaded(tm
         "{count: 2, standby: true, pool: true, name: fork, set: [scaling.path=fork]}]"
     )
     lines, result, run_file = _run(tmp_path, "dram", groups, pool=3, name="source")
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     scaling = run_file["cluster/scaling"]
     events = list(
         zip(*(_column(scaling, k) for k in ("kind", "te", "load_path", "load_source_te")))
@@ -271,11 +254,7 @@ def test_a_lost_pool_te_s_ranks_leave_the_pool(tmp_path):
     lines, result, run_file = _run(
         tmp_path, "dram", "cluster.te_losses=[{te: 1, at_s: 6.0}]", "run.trace=true"
     )
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     assert _column(run_file["cluster/scaling"], "te") == [1]  # no scale-out of TE 2
     pool = run_file["cluster/pool"]
     rows = list(zip(*(_column(pool, k) for k in ("te", "rank", "given_back_s", "lost_s"))))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import h5py
 import numpy as np
 import pytest
-from test_cluster import _ok, run_cluster
+from test_cluster import _ok, assert_all_checked, run_cluster
 from test_cluster_fork import _burst
 from test_serving import check_line
 from test_virtual_time import _sets
@@ -97,11 +97,7 @@ def test_with_a_fan_out_each_join_reprices_the_forks_still_loading(tmp_path):
             "run.name=fanout3",
         ),
     )
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     scaling = h5py.File(tmp_path / "fanout3.h5", "r")["cluster/scaling"]
     outs = np.array([k.decode() == "out" for k in scaling["kind"][()]])
     assert list(scaling["load_fork_receivers"][outs]) == [1, 2, 3]

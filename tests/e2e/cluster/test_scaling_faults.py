@@ -14,19 +14,13 @@ import re
 
 import numpy as np
 import pytest
-from test_cluster import _ok, run_cluster
-from test_serving import check_line
+from test_cluster import AUTOSCALE, assert_all_checked, run_cluster
 from test_virtual_time import _jsonl, _sets
 
 SCALER = (
     "cluster.policy=least_load",
     "deployment.dp_groups_per_domain=1",
-    "autoscaler.enabled=true",
-    "autoscaler.scale_out_above=2",
-    "autoscaler.scale_in_below=0.5",
-    "autoscaler.window_s=0.5",
-    "autoscaler.cooldown_s=1",
-    "autoscaler.scale_out_s=0.5",
+    *AUTOSCALE,
 )
 
 
@@ -59,11 +53,7 @@ def _scaling(run_file) -> list[dict]:
 
 
 def _all_checked(result, lines) -> None:
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
 
 
 @pytest.mark.parametrize("fallback", ["dram", "cold"])

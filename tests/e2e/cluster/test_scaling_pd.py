@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cluster import _ok, run_cluster
+from test_cluster import AUTOSCALE, assert_all_checked, run_cluster
 from test_cluster_fork import _burst, _weights_bytes
-from test_serving import check_line
 from test_virtual_time import _sets
 
 PAIR = (
@@ -40,19 +39,10 @@ def test_a_standby_pd_pair_serves_with_the_weights_it_pulled(tmp_path, path, dec
         *_sets(
             groups,
             "cluster.policy=least_load",
-            "autoscaler.enabled=true",
-            "autoscaler.scale_out_above=2",
-            "autoscaler.scale_in_below=0.5",
-            "autoscaler.window_s=0.5",
-            "autoscaler.cooldown_s=1",
-            "autoscaler.scale_out_s=0.5",
+            *AUTOSCALE,
         ),
     )
-    assert result.returncode == 0, _ok(result)
-    assert (
-        check_line(result)
-        == f"check: {len(lines)} requests, {12 * len(lines)} tokens, 0 mismatches"
-    )
+    assert_all_checked(result, lines)
     assert [k.decode() for k in run_file["cluster/te_kind"][()]] == ["pd", "pd"]
     scaling = run_file["cluster/scaling"]
     outs = [k.decode() == "out" for k in scaling["kind"][()]]

@@ -10,7 +10,7 @@ import pytest
 
 from xds_mpi.config.model import ModelConfig
 from xds_mpi.planning.prefill_batches import PrefillRule, prefill_batches
-from xds_mpi.planning.prefill_cost import prefill_curve, prefill_pass, skewed_pass_s
+from xds_mpi.planning.prefill_cost import prefill_curve, prefill_pass
 from xds_mpi.planning.routing_skew import prefill_skew
 from xds_mpi.results.request_pricing import causal_chunks
 
@@ -83,10 +83,10 @@ def test_one_prompt_in_one_pass_is_priced_as_the_prefill_curve(tp):
 
 @pytest.mark.parametrize("tp", [1, 4])
 def test_a_pass_at_an_even_spread_is_the_request_pricers_own(tp):
-    # skewed_pass_s repeats RequestPricer.pass_s's operations: at skew 1 it is pass_s itself
+    # a skew of 1 at every MoE layer is the even spread
     pass_ = prefill_pass(8, tp, "ascend910c")
     seqs = causal_chunks(1500) + causal_chunks(300)
-    even = skewed_pass_s(pass_.pricer, seqs, 8, sampled=2, tp=tp, skew=(1.0,) * 4)
+    even = pass_.pricer.pass_s(seqs, 8, sampled=2, tp=tp, skew=(1.0,) * 4)
     assert even == pytest.approx(pass_.pricer.pass_s(seqs, 8, sampled=2, tp=tp), rel=1e-12)
 
 
