@@ -222,7 +222,7 @@ CELLS: dict[tuple[str, str, str], CellTested | CellRefused | None] = {
     ("PD", "decode die, none", "dead"): CellRefused(
         "pd.yaml",
         (*HEALTH, "health.probe_timeout_s=12", DEAD2),
-        "stopping the run on an expert's last replica is not emulated in PD",
+        "a PD run's stop on an expert's last replica would need the JE",
     ),
     ("PD", "-", "link"): CellTested(
         "test_link_probe.py::test_a_link_fault_is_called_link_and_its_requests_rerouted"

@@ -111,7 +111,7 @@ def test_a_dead_or_stuck_for_good_pd_decode_die_is_accepted():
         (
             {"kind": "stuck", "die": 3, "iteration": 0, "duration_s": 2.0},
             {},
-            r"stuck for duration_s\(2.0\) is not emulated .* only stuck for good",
+            r"stuck for duration_s\(2.0\) comes back, .* only stuck for good",
         ),
         (
             {"kind": "dead", "die": 3, "iteration": 0},

@@ -136,9 +136,28 @@ def _check_emulated(cfg: Config, topo: Topology, where: str, spec: FailureSpec) 
     deployment = "pd" if cfg.pd.enabled else cfg.deployment.kind
     if (spec.kind, role, deployment) not in EMULATED:
         raise ConfigError(
-            f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment is not "
-            "emulated (docs/failures.md lists what is)"
+            f"{where}: a {spec.kind} fault on a {role} die of a {deployment} deployment: "
+            f"{_why_not_built(spec.kind, role, deployment)} (docs/failures.md lists the "
+            "recoveries built)"
         )
+
+
+def _why_not_built(kind: str, role: str, deployment: str) -> str:
+    """What a (kind, role, deployment) outside EMULATED would need."""
+    if kind in ("link", "saturated") and deployment != "pd":
+        return "it strikes a KV transfer's path, and only PD moves KV between dies"
+    if kind in ("link", "saturated"):
+        return (
+            "a KV path's fault names its prefill die (the sender; `peer`: the decode die), which "
+            "the link prober tells apart"
+        )
+    if kind == "memory" and role == "prefill":
+        return (
+            "a prefill die hands its KV to decode within its pass; ending a memory fault's "
+            "victims there would need the prefill die's block table to drop them, which is not "
+            "built"
+        )
+    return "no recovery for it is built"
 
 
 def _check_channel(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> None:
@@ -173,7 +192,8 @@ def _check_prefill_loss(cfg: Config, where: str, spec: FailureSpec) -> None:
     dies, tes = cfg.deployment.num_prefill_dies, cfg.pd.num_prefill_tes
     if spec.kind == "stuck" and spec.duration_s:
         raise ConfigError(
-            f"{where}: a prefill die stuck for duration_s({spec.duration_s}) is not emulated; "
+            f"{where}: a prefill die stuck for duration_s({spec.duration_s}) comes back, and the "
+            "JE's prefill-TE loss has no path for a TE that returns (it is taken out for good); "
             "only stuck for good (duration_s 0)"
         )
     if dies != tes:
@@ -246,7 +266,8 @@ def _check_detectable(cfg: Config, where: str, spec: FailureSpec) -> None:
     if health.on_expert_lost == "restart":
         raise ConfigError(
             f"{where}: health.on_expert_lost=restart (stage 1: rebuild the decode side on the "
-            "remaining dies) is not emulated; use stop"
+            "remaining dies) would relaunch the decode processes into a new layout, which a "
+            "fixed MPI world cannot do; use stop"
         )
     grace, needed = health.release_grace_s, release_bound_s(health)
     # faults.on_timeout=recompute: a timed-out wait is recomputed, and the vote after it waits

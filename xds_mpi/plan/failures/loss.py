@@ -104,8 +104,8 @@ def _check_mtp_loss(cfg: Config, rows: list[int]) -> None:
     if depth and losing:
         raise ConfigError(
             f"faults.events{losing}: a decode die that may be lost (dead, or stuck for good or "
-            f"for >= health.timeout_s({timeout_s:g}) s) with scheduler.mtp_depth({depth}) is not "
-            "emulated: its requests are prefilled again elsewhere and their MTP drafts restart "
+            f"for >= health.timeout_s({timeout_s:g}) s) with scheduler.mtp_depth({depth}) is "
+            "refused: its requests are prefilled again elsewhere and their MTP drafts restart "
             "from that prefill, so they no longer match the reference's step by step; set "
             "scheduler.mtp_depth 0 or a shorter stuck row"
         )
@@ -119,7 +119,8 @@ def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
     if len(rows) > 1:
         raise ConfigError(
             f"faults.events{rows}: {len(rows)} stuck/dead rows in one afd run; one is emulated "
-            "(after it the dies run on a rebuilt layout that a second loss is not emulated on)"
+            "(after it the dies run on a rebuilt layout, and the rebuild starts only from the "
+            "launch's)"
         )
     for i in rows:
         info = topo.ranks[events[i].die]
@@ -128,5 +129,6 @@ def _check_afd_loss(topo: Topology, events: list[FailureSpec]) -> None:
             raise ConfigError(
                 f"faults.events[{i}]: attention die {info.rank} is the only die of DP domain "
                 f"{info.dp_domain} (deployment.dp_groups_per_domain 1); losing a whole domain "
-                "is not emulated"
+                "would need its requests moved to other domains and the A2E/E2A layout rebuilt "
+                "without it, which afd's failover does not do"
             )

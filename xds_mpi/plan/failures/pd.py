@@ -9,7 +9,7 @@ from xds_mpi.config.schema import Config, ConfigError
 from xds_mpi.plan.failures.loss import release_bound_s
 from xds_mpi.plan.topology import Topology
 
-# Rows that share a PD run with a lost decode die: none (their recoveries are not emulated
+# Rows that share a PD run with a lost decode die: none (their recoveries are not built to run
 # together: a link or saturation verdict, a prefill TE lost, or a memory fault meanwhile).
 OTHER_KINDS = ("link", "saturated", "memory", "stuck", "dead")
 
@@ -28,26 +28,30 @@ def check_decode_loss(cfg: Config, topo: Topology, where: str, spec: FailureSpec
         )
     if spec.kind == "stuck" and spec.duration_s:
         raise ConfigError(
-            f"{where}: a PD decode die stuck for duration_s({spec.duration_s}) is not emulated "
-            "(a die that comes back, as a transient or after the fence, is not); only stuck for "
-            "good (duration_s 0)"
+            f"{where}: a PD decode die stuck for duration_s({spec.duration_s}) comes back, and "
+            "the decode TE-shell's failover has no path for a die that returns (as a transient "
+            "or after the fence: the colocated TE-shell's readmission, without PD); only stuck "
+            "for good (duration_s 0)"
         )
     if cfg.health.replicas != "ring":
         raise ConfigError(
             f"{where}: a lost PD decode die is emulated with health.replicas=ring (every expert "
-            "keeps a replica, the survivors scale vertically); stopping the run on an expert's "
-            "last replica is not emulated in PD"
+            "keeps a replica, the survivors scale vertically); without one the run must stop, "
+            "and a PD run's stop on an expert's last replica would need the JE to end the "
+            "prefill side on the decode side's word, which is built without PD only"
         )
     if cfg.eplb.enabled:
         raise ConfigError(
-            f"{where}: a lost PD decode die with eplb.enabled is not emulated (vertical scaling "
-            "with EPLB runs without PD only)"
+            f"{where}: a lost PD decode die with eplb.enabled: the decode TE-shell's vertical "
+            "scaling does not install EPLB's placement without the lost slots (the colocated "
+            "TE-shell's does, without PD)"
         )
     others = [i for i, e in enumerate(cfg.faults.events) if e.kind in OTHER_KINDS and e is not spec]
     if others:
         raise ConfigError(
             f"{where}: a lost PD decode die with other fault rows (faults.events{others}) in one "
-            "run is not emulated; one stuck/dead decode row per run"
+            "run: the decode TE-shell's failover and the other recoveries would have to agree on "
+            "the requests each one moves, which they do not; one stuck/dead decode row per run"
         )
     health = cfg.health
     bound = release_bound_s(health)

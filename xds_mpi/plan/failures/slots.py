@@ -18,7 +18,8 @@ def slot_refusal(cfg: Config, topo: Topology, where: str, spec: FailureSpec) -> 
     slot = topo.ranks[spec.die].expert_slots[spec.slot]
     if slot.kind == "shared":
         return f"{where}: slot {spec.slot} of die {spec.die} holds shared expert " + (
-            f"{slot.expert_idx}: masking a shared expert slot is not emulated"
+            f"{slot.expert_idx}: a shared expert has no replica, so masking its slot would "
+            "change every token"
         )
     others = [e for e in cfg.faults.events if e.kind in ("stuck", "dead")]
     if cfg.eplb.enabled or others:

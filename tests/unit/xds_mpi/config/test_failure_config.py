@@ -62,7 +62,7 @@ def test_bad_rows_are_refused_with_a_reason(events, reason):
 
 def test_a_row_no_die_emulates_is_refused(monkeypatch):
     monkeypatch.setattr("xds_mpi.plan.failures.checks.EMULATED", set())
-    with pytest.raises(ConfigError, match="is not emulated"):
+    with pytest.raises(ConfigError, match="no recovery for it is built"):
         _check([{"kind": "dead", "die": 2, "iteration": 3}])
 
 
@@ -187,7 +187,7 @@ def test_at_s_rows_are_accepted_on_the_virtual_clock(clock):
         ({"health": {"enabled": False}}, "found by heartbeats, and health.enabled is false"),
         (
             {"health": {"on_expert_lost": "restart"}},
-            "on_expert_lost=restart .* is not emulated; use stop",
+            "on_expert_lost=restart .* a fixed MPI world cannot do; use stop",
         ),
         (
             {"xccl": {"poll_timeout_s": 20}, "health": {"timeout_s": 10}},
@@ -210,7 +210,7 @@ def test_undetectable_stuck_or_dead_rows_are_refused(sections, reason):
     ],
 )
 def test_a_decode_die_that_may_be_lost_with_mtp_is_refused(row):
-    with pytest.raises(ConfigError, match=r"scheduler.mtp_depth\(1\) is not emulated"):
+    with pytest.raises(ConfigError, match=r"scheduler.mtp_depth\(1\) is refused"):
         _check([row], scheduler={"mtp_depth": 1})
     _check([{**row, "kind": "stuck", "duration_s": 1.5}], scheduler={"mtp_depth": 1})
 
