@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from xccl.vclock import VirtualClock
-from xds_mpi.afd.plan import split_counts
 from xds_mpi.afd.pricing import AfdPricer
 from xds_mpi.config.hardware import load_profile
 from xds_mpi.config.schema import Config
@@ -97,6 +96,10 @@ class AfdStep:
         pricer = self._pricer()
         timeline = _Timeline(pricer, self, num_domains=dep.num_dp_domains)
         rows_per_seq = 1 + self.mtp_depth  # the last token and the drafts to verify
+        # start-up: xds_mpi/afd/plan.py imports xccl's AFD buffers and so mpi4py.MPI, which
+        # would make the launcher (its parser imports the planner) an MPI singleton
+        from xds_mpi.afd.plan import split_counts
+
         seqs = split_counts([rows_per_seq] * batch, dep.num_microbatches)  # requests per mb
         for layer_idx in range(tiny.num_layers):
             is_moe = layer_idx >= tiny.num_dense_layers
